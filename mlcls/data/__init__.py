@@ -1,0 +1,31 @@
+"""Datasets. Each config in ``configs/dataset/`` names its class with ``_target_``.
+
+The keys of a dataset config that are not arguments of the dataset class are read here:
+``name`` (short name), ``image_size`` (network input side), ``transform`` (kind, see
+:mod:`mlcls.data.transforms`), ``train_split`` and ``val_split`` (values passed as ``split``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from mlcls.data.base import DatasetLayoutError, MultiLabelDataset, Sample
+from mlcls.data.transforms import build_transform
+
+# Keys of a dataset config consumed by the framework rather than passed to the dataset class.
+FRAMEWORK_KEYS = ("name", "image_size", "transform", "train_split", "val_split")
+
+__all__ = ["DatasetLayoutError", "MultiLabelDataset", "Sample", "build_dataset"]
+
+
+def build_dataset(cfg: DictConfig | dict[str, Any], train: bool) -> MultiLabelDataset:
+    """Instantiate the training (``train=True``) or validation split of the dataset config ``cfg``."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if not isinstance(cfg, dict) else cfg
+    cfg = OmegaConf.create(cfg)
+    split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
+    transform = build_transform(cfg.get("transform", "paper"), int(cfg.image_size), train)
+    kwargs = {k: v for k, v in cfg.items() if k not in FRAMEWORK_KEYS}
+    return instantiate(kwargs, split=split, transform=transform, _convert_="all")

@@ -1,0 +1,107 @@
+"""Embedded multi-label dataset, generated procedurally: no files, no download.
+
+Each image shows 1-4 coloured shapes on a noisy background; a class is a (colour, shape) pair, so a
+model must learn both. The structure is that of real multi-label data:
+
+* 12 classes (4 shapes x 3 colours) with unequal frequencies (weights proportional to ``1 / (c + 1)^0.7``);
+* 1-4 labels per image (probabilities 0.35 / 0.30 / 0.20 / 0.15, about 2.1 on average);
+* co-occurrence: with probability 0.6 a multi-label image also holds the partner class ``(c + 5) mod 12``
+  of its first class.
+
+Everything is a deterministic function of ``seed``, the split and the index: labels are drawn once in
+``__init__`` (so ``labels`` needs no image), pixels on demand in ``load_image``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from mlcls.data.base import MultiLabelDataset, Sample
+
+SHAPES = ("circle", "square", "triangle", "cross")
+COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230)}
+LABEL_COUNT_PROBS = (0.35, 0.30, 0.20, 0.15)
+PARTNER_PROB = 0.6
+_SPLIT_IDS = {"train": 0, "val": 1}
+
+
+class SyntheticMultiLabel(MultiLabelDataset):
+    """Procedural shapes dataset.
+
+    Args:
+        split: ``"train"`` or ``"val"``.
+        transform: applied to the PIL image.
+        train_size, val_size: number of images in each split.
+        image_size: side of the generated square images, in pixels.
+        seed: the dataset's seed; the same seed gives the same images and labels.
+    """
+
+    def __init__(
+        self,
+        split: str = "train",
+        transform: Callable | None = None,
+        train_size: int = 2000,
+        val_size: int = 500,
+        image_size: int = 64,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(transform)
+        if split not in _SPLIT_IDS:
+            raise ValueError(f"unknown split {split!r} for the synthetic dataset; expected 'train' or 'val'")
+        self.split = split
+        self.image_size = int(image_size)
+        self.seed = int(seed)
+        self.classes = [f"{colour}_{shape}" for shape in SHAPES for colour in COLOURS]
+        size = train_size if split == "train" else val_size
+        self.labels = torch.from_numpy(self._draw_labels(size))
+        self.samples = [Sample(path=f"synthetic://{split}/{i}") for i in range(size)]
+
+    def _draw_labels(self, size: int) -> np.ndarray:
+        num_classes = len(self.classes)
+        rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split]])
+        weights = 1.0 / np.arange(1, num_classes + 1) ** 0.7
+        labels = np.zeros((size, num_classes), dtype=np.float32)
+        for row in labels:
+            count = rng.choice(len(LABEL_COUNT_PROBS), p=LABEL_COUNT_PROBS) + 1
+            first = rng.choice(num_classes, p=weights / weights.sum())
+            row[first] = 1
+            if count > 1 and rng.random() < PARTNER_PROB:
+                row[(first + 5) % num_classes] = 1
+            while row.sum() < count:
+                free = weights * (row == 0)
+                row[rng.choice(num_classes, p=free / free.sum())] = 1
+        return labels
+
+    def load_image(self, index: int) -> Image.Image:
+        rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split], 1, index])
+        size = self.image_size
+        background = rng.integers(60, 140)
+        pixels = background + rng.normal(0, 18, (size, size, 3))
+        img = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+        draw = ImageDraw.Draw(img)
+        colours = list(COLOURS.values())
+        for cls in rng.permutation(np.flatnonzero(self.labels[index].numpy())):
+            shape, colour = SHAPES[cls // len(COLOURS)], colours[cls % len(COLOURS)]
+            colour = tuple(int(np.clip(c + rng.integers(-25, 26), 0, 255)) for c in colour)
+            side = rng.uniform(0.24, 0.38) * size
+            x0, y0 = rng.uniform(0, size - side, 2)
+            _draw_shape(draw, shape, x0, y0, side, colour)
+        return img
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, x0: float, y0: float, side: float, colour) -> None:
+    x1, y1 = x0 + side, y0 + side
+    if shape == "circle":
+        draw.ellipse((x0, y0, x1, y1), fill=colour)
+    elif shape == "square":
+        draw.rectangle((x0, y0, x1, y1), fill=colour)
+    elif shape == "triangle":
+        draw.polygon(((x0 + side / 2, y0), (x1, y1), (x0, y1)), fill=colour)
+    else:  # cross
+        bar = side / 3
+        draw.rectangle((x0 + bar, y0, x1 - bar, y1), fill=colour)
+        draw.rectangle((x0, y0 + bar, x1, y1 - bar), fill=colour)
