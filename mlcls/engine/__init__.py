@@ -1,0 +1,1 @@
+"""Training engine: devices and processes, the training loop, checkpoints and logging."""

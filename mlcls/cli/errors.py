@@ -1,0 +1,25 @@
+"""Turn user mistakes into one line on stderr and exit code 2, instead of a stack trace."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+from omegaconf.errors import OmegaConfBaseException
+
+from mlcls.data.base import DatasetLayoutError
+from mlcls.engine.checkpoint import CheckpointError
+from mlcls.engine.trainer import ConfigError
+
+USER_ERRORS = (DatasetLayoutError, CheckpointError, ConfigError, OmegaConfBaseException)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Exit with status 2 and ``mlcls: error: <message>`` for the errors a user can fix."""
+    try:
+        yield
+    except USER_ERRORS as exc:
+        print(f"mlcls: error: {exc}", file=sys.stderr)
+        sys.exit(2)

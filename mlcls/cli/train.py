@@ -1,0 +1,43 @@
+"""``mlcls-train``: compose the config, train, return the figures.
+
+    mlcls-train                                   # embedded synthetic dataset, small model, CPU-friendly
+    mlcls-train dataset=coco dataset.root=/data/coco loss=twoway loss.tp=4
+    torchrun --nproc_per_node=4 -m mlcls.train dataset=coco dataset.root=/data/coco
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from mlcls import config_dir
+from mlcls.cli.errors import user_errors
+from mlcls.engine import distributed as dist_utils
+from mlcls.engine.trainer import Trainer
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train the run described by ``cfg``; return the results written to results.json."""
+    try:
+        return Trainer(cfg).fit()
+    finally:
+        dist_utils.cleanup()
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    with user_errors():
+        results = run(cfg)
+    # Returned for Hydra sweepers (e.g. Optuna) that optimise a value.
+    return results.get("metrics", {}).get("mAP_class")
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

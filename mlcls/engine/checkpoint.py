@@ -1,0 +1,59 @@
+"""Atomic checkpoint and result files.
+
+Every file is written to a temporary file in the same directory, flushed to disk and renamed over the
+target, so a crash mid-write leaves the previous complete file in place, never a truncated one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file cannot be read."""
+
+
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
+    """``torch.save(state)`` to ``path`` atomically."""
+    _atomic_write(Path(path), lambda f: torch.save(state, f))
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint`; a clear :class:`CheckpointError` if unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:  # truncated zip, wrong file type, pickling error
+        raise CheckpointError(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{path} is not an mlcls checkpoint (no 'model' entry)")
+    return state
+
+
+def write_json(data: Any, path: str | Path) -> None:
+    """Write ``data`` as indented JSON to ``path`` atomically."""
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    _atomic_write(Path(path), lambda f: f.write(text.encode()))

@@ -1,0 +1,58 @@
+"""Evaluation: scores of every validation sample, gathered once across processes, then the metrics."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from mlcls.metrics.gather import gather_shards
+
+
+def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
+    """Autocast for ``amp`` in {bf16, fp16} on CUDA; a no-op otherwise (CPU runs in float32)."""
+    if device.type != "cuda" or amp == "none":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device_type="cuda", dtype=dtype)
+
+
+@torch.no_grad()
+def predict(
+    model: nn.Module,
+    loader: DataLoader,
+    device: torch.device,
+    amp: str = "none",
+    channels_last: bool = False,
+    max_batches: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and targets of this process's shard, float32 on the CPU, in shard order."""
+    model.eval()
+    scores, targets = [], []
+    for step, (images, target) in enumerate(loader):
+        if max_batches is not None and step >= max_batches:
+            break
+        images = images.to(device, non_blocking=True)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with autocast_context(device, amp):
+            logits = model(images)
+        scores.append(logits.float().cpu())
+        targets.append(target.float())
+    if not scores:
+        return torch.empty(0), torch.empty(0)
+    return torch.cat(scores), torch.cat(targets)
+
+
+def predict_dataset(
+    model: nn.Module, loader: DataLoader, device: torch.device, amp: str = "none", channels_last: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and targets of the whole dataset behind ``loader`` (sharded by a ShardSampler), in dataset order.
+
+    Every process gets the full tensors; each sample appears exactly once whatever the world size.
+    """
+    scores, targets = predict(model, loader, device, amp, channels_last)
+    total = len(loader.dataset)
+    return gather_shards(scores, total), gather_shards(targets, total)

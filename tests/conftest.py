@@ -1,0 +1,57 @@
+"""Shared helpers: compose the real configs with overrides, and the overrides of a tiny CPU run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from mlcls import config_dir
+
+# A run of a few seconds on the CPU: small synthetic images, the smallest ResNet, two epochs.
+TINY = [
+    "dataset=synthetic",
+    "dataset.train_size=192",
+    "dataset.val_size=75",
+    "dataset.image_size=32",
+    "model.name=resnet10t",
+    "model.pretrained=false",
+    "trainer.epochs=2",
+    "trainer.batch_size=32",
+    "trainer.workers=0",
+    "trainer.log_every=1000",
+    "optim.lr_head=0.005",
+    "optim.lr_backbone=0.005",
+]
+
+
+def compose_config(overrides: list[str], config_name: str = "train") -> DictConfig:
+    """The config ``mlcls-train <overrides>`` would run, composed in-process."""
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def cli(*args: str) -> list[str]:
+    """Command line of an installed console script, falling back to ``python -m``."""
+    name, rest = args[0], list(args[1:])
+    exe = shutil.which(name, path=str(Path(sys.executable).parent))
+    if exe:
+        return [exe, *rest]
+    module = {"mlcls-train": "mlcls.train", "mlcls-eval": "mlcls.eval"}[name]
+    return [sys.executable, "-m", module, *rest]
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 300, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
+
+
+@pytest.fixture
+def tiny() -> list[str]:
+    return list(TINY)

@@ -1,0 +1,120 @@
+"""End-to-end training on the embedded dataset: outputs, resume, torchrun, and user errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import cli, compose_config, run_cli
+from sklearn.metrics import average_precision_score
+
+from mlcls.cli.train import run
+from mlcls.engine.trainer import Trainer
+
+
+def chance_map_class(labels: np.ndarray, draws: int = 20, seed: int = 0) -> float:
+    """Expected mAP@class (percent) of random scores on ``labels``, estimated with scikit-learn."""
+    rng = np.random.default_rng(seed)
+    values = [
+        np.mean([average_precision_score(labels[:, c], rng.random(len(labels))) for c in range(labels.shape[1])])
+        for _ in range(draws)
+    ]
+    return 100.0 * float(np.mean(values))
+
+
+def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
+    cfg = compose_config([*tiny, f"trainer.output_dir={tmp_path}"])
+    results = run(cfg)
+
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["epochs_completed"] == 2
+    assert set(on_disk["metrics"]) >= {"mAP_class", "mAP_sample"}
+    assert set(on_disk["best"]) == {"epoch", "mAP_class", "mAP_sample"}
+    assert on_disk["dataset"] == {"name": "synthetic", "num_classes": 12, "train_size": 192, "val_size": 75}
+    assert len(on_disk["per_class_ap"]) == 12 and "red_circle" in on_disk["per_class_ap"]
+    assert on_disk["metrics"]["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"])
+    for name in ("config.yaml", "checkpoints/last.pt", "checkpoints/best.pt"):
+        assert (tmp_path / name).is_file(), name
+    assert any((tmp_path / "tb").iterdir())
+
+    from mlcls.data.synthetic import SyntheticMultiLabel
+
+    val_labels = SyntheticMultiLabel("val", val_size=75, image_size=32).labels.numpy()
+    chance = chance_map_class(val_labels)
+    assert on_disk["metrics"]["mAP_class"] > chance + 10, (on_disk["metrics"], chance)
+
+
+class _StopAfterFirstEpoch(Trainer):
+    """A trainer that dies right after writing the checkpoint of epoch 1, as a killed job would."""
+
+    def save(self, epoch: int, is_best: bool) -> None:
+        super().save(epoch, is_best)
+        if epoch == 1:
+            raise KeyboardInterrupt
+
+
+def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny):
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    straight = run(compose_config([*tiny, f"trainer.output_dir={straight_dir}"]))
+
+    interrupted_cfg = compose_config([*tiny, f"trainer.output_dir={resumed_dir}"])
+    with pytest.raises(KeyboardInterrupt):
+        _StopAfterFirstEpoch(interrupted_cfg).fit()
+    assert (resumed_dir / "checkpoints" / "last.pt").is_file()
+    resumed = run(compose_config([*tiny, f"trainer.output_dir={resumed_dir}", "trainer.resume=auto"]))
+
+    a = torch.load(straight_dir / "checkpoints" / "last.pt", weights_only=False)["model"]
+    b = torch.load(resumed_dir / "checkpoints" / "last.pt", weights_only=False)["model"]
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["metrics"]["mAP_class"] == straight["metrics"]["mAP_class"]
+    assert resumed["metrics"]["mAP_sample"] == straight["metrics"]["mAP_sample"]
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in straight["history"]]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun, "torchrun must be installed next to the interpreter"
+    run_dir = tmp_path / "ddp"
+    overrides = [o for o in tiny if not o.startswith("trainer.epochs")] + ["trainer.epochs=1"]
+    proc = run_cli(
+        [torchrun, "--standalone", "--nproc_per_node=2", "-m", "mlcls.train", *overrides,
+         f"trainer.output_dir={run_dir}", "trainer.device=cpu"],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / "outputs").exists()  # no stray per-process directories
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["world_size"] == 2 and results["epochs_completed"] == 1
+
+    proc = run_cli(cli("mlcls-eval", f"checkpoint={run_dir / 'checkpoints' / 'last.pt'}", "workers=0",
+                       "batch_size=16"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert single["num_samples"] == 75
+    assert single["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"], abs=1e-6)
+    assert single["mAP_sample"] == pytest.approx(results["metrics"]["mAP_sample"], abs=1e-6)
+
+
+def test_unknown_option_lists_valid_ones(tmp_path):
+    proc = run_cli(cli("mlcls-train", "loss=nope"), cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "Could not find 'loss/nope'" in proc.stderr
+    assert "Available options in 'loss'" in proc.stderr and "bce" in proc.stderr
+
+
+def test_missing_dataset_root_is_one_line(tmp_path):
+    missing = tmp_path / "no-such-coco"
+    proc = run_cli(cli("mlcls-train", "dataset=coco", f"dataset.root={missing}"), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert str(missing) in lines[0] and "expected layout" in lines[0]
+    assert "Traceback" not in proc.stderr
