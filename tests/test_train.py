@@ -34,7 +34,7 @@ def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["epochs_completed"] == 2
     assert set(on_disk["metrics"]) >= {"mAP_class", "mAP_sample"}
-    assert set(on_disk["best"]) == {"epoch", "mAP_class", "mAP_sample"}
+    assert set(on_disk["best"]) >= {"epoch", "mAP_class", "mAP_sample"} and on_disk["best"]["weights"] == "raw"
     assert on_disk["dataset"] == {"name": "synthetic", "num_classes": 12, "train_size": 192, "val_size": 75}
     assert len(on_disk["per_class_ap"]) == 12 and "red_circle" in on_disk["per_class_ap"]
     assert on_disk["metrics"]["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"])
@@ -52,9 +52,9 @@ def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
 class _StopAfterFirstEpoch(Trainer):
     """A trainer that dies right after writing the checkpoint of epoch 1, as a killed job would."""
 
-    def save(self, epoch: int, is_best: bool) -> None:
-        super().save(epoch, is_best)
-        if epoch == 1:
+    def save(self, epoch: int, step: int, is_best: bool) -> None:
+        super().save(epoch, step, is_best)
+        if epoch == 1 and step == 0:
             raise KeyboardInterrupt
 
 

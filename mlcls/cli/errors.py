@@ -8,11 +8,12 @@ from collections.abc import Iterator
 
 from omegaconf.errors import OmegaConfBaseException
 
-from mlcls.data.base import DatasetLayoutError
+from mlcls.data.base import DatasetError
 from mlcls.engine.checkpoint import CheckpointError
-from mlcls.engine.trainer import ConfigError
+from mlcls.engine.validate import ConfigError
+from mlcls.inference.errors import InferenceError
 
-USER_ERRORS = (DatasetLayoutError, CheckpointError, ConfigError, OmegaConfBaseException)
+USER_ERRORS = (DatasetError, CheckpointError, ConfigError, InferenceError, OmegaConfBaseException)
 
 
 @contextlib.contextmanager

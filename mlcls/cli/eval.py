@@ -1,7 +1,7 @@
 """``mlcls-eval``: the figures of a checkpoint on its validation set (or another split/root).
 
-    mlcls-eval checkpoint=outputs/2026-01-01/12-00-00/checkpoints/best.pt
-    torchrun --nproc_per_node=4 -m mlcls.eval checkpoint=... dataset.root=/data/coco
+mlcls-eval checkpoint=outputs/2026-01-01/12-00-00/checkpoints/best.pt
+torchrun --nproc_per_node=4 -m mlcls.eval checkpoint=... dataset.root=/data/coco
 """
 
 from __future__ import annotations
@@ -33,11 +33,17 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
     overrides = {k: v for k, v in OmegaConf.to_container(cfg.dataset).items() if v is not None}
     dataset_cfg = OmegaConf.merge(run_cfg.dataset, overrides)
     dataset = build_dataset(dataset_cfg, train=False)
-    model = instantiate(run_cfg.model, num_classes=len(state["classes"]), pretrained=False, checkpoint_path=None)
+    model = instantiate(
+        run_cfg.model, num_classes=len(state["classes"]), pretrained=False, checkpoint_path=None
+    )
     model.load_state_dict(state["model"])
     model.to(info.device)
-    loader = eval_loader(dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device.type == "cuda")
-    scores, labels = predict_dataset(model, loader, info.device, cfg.amp if info.device.type == "cuda" else "none")
+    loader = eval_loader(
+        dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device.type == "cuda"
+    )
+    scores, labels = predict_dataset(
+        model, loader, info.device, cfg.amp if info.device.type == "cuda" else "none"
+    )
     figures = compute_figures(scores, labels, list(state["classes"]))
     figures["checkpoint"] = str(cfg.checkpoint)
     figures["num_samples"] = len(dataset)

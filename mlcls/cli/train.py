@@ -1,8 +1,8 @@
 """``mlcls-train``: compose the config, train, return the figures.
 
-    mlcls-train                                   # embedded synthetic dataset, small model, CPU-friendly
-    mlcls-train dataset=coco dataset.root=/data/coco loss=twoway loss.tp=4
-    torchrun --nproc_per_node=4 -m mlcls.train dataset=coco dataset.root=/data/coco
+mlcls-train                                   # embedded synthetic dataset, small model, CPU-friendly
+mlcls-train dataset=coco dataset.root=/data/coco loss=twoway loss.tp=4
+torchrun --nproc_per_node=4 -m mlcls.train dataset=coco dataset.root=/data/coco
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from mlcls import config_dir
 from mlcls.cli.errors import user_errors
 from mlcls.engine import distributed as dist_utils
-from mlcls.engine.trainer import Trainer
+from mlcls.engine.trainer import EXIT_PREEMPTED, NonFiniteError, Preempted, Trainer
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -27,10 +27,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         dist_utils.cleanup()
 
 
+def _run_cli(cfg: DictConfig) -> dict[str, Any]:
+    try:
+        return run(cfg)
+    except Preempted as exc:
+        print(f"mlcls: preempted: {exc}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
+    except NonFiniteError as exc:
+        print(f"mlcls: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
     with user_errors():
-        results = run(cfg)
+        results = _run_cli(cfg)
     # Returned for Hydra sweepers (e.g. Optuna) that optimise a value.
     return results.get("metrics", {}).get("mAP_class")
 

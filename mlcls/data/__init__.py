@@ -9,16 +9,34 @@ from __future__ import annotations
 
 from typing import Any
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from mlcls.data.base import DatasetLayoutError, MultiLabelDataset, Sample
+from mlcls.data.base import (
+    BadImageError,
+    DatasetConfigError,
+    DatasetError,
+    DatasetFormatError,
+    DatasetLayoutError,
+    MultiLabelDataset,
+    Sample,
+)
 from mlcls.data.transforms import build_transform
 
 # Keys of a dataset config consumed by the framework rather than passed to the dataset class.
 FRAMEWORK_KEYS = ("name", "image_size", "transform", "train_split", "val_split")
 
-__all__ = ["DatasetLayoutError", "MultiLabelDataset", "Sample", "build_dataset"]
+__all__ = [
+    "BadImageError",
+    "DatasetConfigError",
+    "DatasetError",
+    "DatasetFormatError",
+    "DatasetLayoutError",
+    "MultiLabelDataset",
+    "Sample",
+    "build_dataset",
+]
 
 
 def build_dataset(cfg: DictConfig | dict[str, Any], train: bool) -> MultiLabelDataset:
@@ -28,4 +46,10 @@ def build_dataset(cfg: DictConfig | dict[str, Any], train: bool) -> MultiLabelDa
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
     transform = build_transform(cfg.get("transform", "paper"), int(cfg.image_size), train)
     kwargs = {k: v for k, v in cfg.items() if k not in FRAMEWORK_KEYS}
-    return instantiate(kwargs, split=split, transform=transform, _convert_="all")
+    try:
+        return instantiate(kwargs, split=split, transform=transform, _convert_="all")
+    except InstantiationException as exc:
+        # Hydra wraps whatever the constructor raises; a dataset error is the user's one-line message.
+        if isinstance(exc.__cause__, DatasetError):
+            raise exc.__cause__ from None
+        raise

@@ -57,3 +57,37 @@ def write_json(data: Any, path: str | Path) -> None:
     """Write ``data`` as indented JSON to ``path`` atomically."""
     text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     _atomic_write(Path(path), lambda f: f.write(text.encode()))
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Make ``dst`` the same file as ``src`` atomically (a hard link where possible, else a copy)."""
+    tmp = dst.with_name(f".{dst.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def save_training_checkpoint(state: dict[str, Any], directory: str | Path, iteration: int, keep: int) -> Path:
+    """Write ``iter_<iteration>.pt`` atomically, point ``last.pt`` at it, keep the newest ``keep`` numbered files.
+
+    Returns the path written. ``best.pt`` and unrelated files are never touched.
+    """
+    directory = Path(directory)
+    path = directory / f"iter_{iteration:09d}.pt"
+    save_checkpoint(state, path)
+    _link_or_copy(path, directory / "last.pt")
+    for old in sorted(directory.glob("iter_*.pt"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def resume_candidates(directory: str | Path) -> list[Path]:
+    """Checkpoints to try for ``resume=auto``, newest first: ``last.pt``, then the numbered ones."""
+    directory = Path(directory)
+    candidates = [directory / "last.pt"] if (directory / "last.pt").is_file() else []
+    return candidates + sorted(directory.glob("iter_*.pt"), reverse=True)

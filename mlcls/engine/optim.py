@@ -32,12 +32,17 @@ def build_optimizer(cfg: Mapping[str, Any], model: nn.Module) -> torch.optim.Opt
         )
     if name == "adamw":
         return torch.optim.AdamW(
-            groups, lr=cfg["lr_head"], betas=tuple(cfg.get("betas", (0.9, 0.999))), weight_decay=cfg["weight_decay"]
+            groups,
+            lr=cfg["lr_head"],
+            betas=tuple(cfg.get("betas", (0.9, 0.999))),
+            weight_decay=cfg["weight_decay"],
         )
     raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
 
 
-def cosine_factor(iteration: int, total_iters: int, warmup_iters: int = 0, min_lr_ratio: float = 0.0) -> float:
+def cosine_factor(
+    iteration: int, total_iters: int, warmup_iters: int = 0, min_lr_ratio: float = 0.0
+) -> float:
     """Learning-rate multiplier at ``iteration``: linear warm-up from 0, then cosine from 1 to ``min_lr_ratio``."""
     if iteration < warmup_iters:
         return (iteration + 1) / warmup_iters
@@ -52,4 +57,6 @@ def build_scheduler(
     if cfg["name"] != "cosine":
         raise ValueError(f"unknown schedule {cfg['name']!r}; expected cosine")
     warmup, floor = int(cfg.get("warmup_iters", 0)), float(cfg.get("min_lr_ratio", 0.0))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: cosine_factor(it, total_iters, warmup, floor))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda it: cosine_factor(it, total_iters, warmup, floor)
+    )

@@ -1,13 +1,18 @@
 """The training loop: one class that reads top to bottom.
 
-``Trainer(cfg).fit()`` builds everything from the resolved config, trains with DDP when launched by
-torchrun, evaluates on every ``trainer.eval_every`` epochs and writes the run directory:
+``Trainer(cfg).fit()`` validates the config, builds everything from it, trains with DDP when launched by
+torchrun, evaluates every ``trainer.eval_every`` epochs and writes the run directory:
 
-    <run_dir>/config.yaml            resolved config
-    <run_dir>/results.json           last and best figures, per-class AP, dataset facts, history
-    <run_dir>/checkpoints/last.pt    full training state (resume)
-    <run_dir>/checkpoints/best.pt    the weights of the best mAP@class evaluation
-    <run_dir>/tb/                    TensorBoard scalars
+    <run_dir>/config.yaml                resolved config
+    <run_dir>/results.json               last and best figures, per-class AP, dataset facts, counts, history
+    <run_dir>/checkpoints/last.pt        newest full training state (what resume=auto loads first)
+    <run_dir>/checkpoints/iter_*.pt      the newest trainer.keep_checkpoints full states (fallbacks)
+    <run_dir>/checkpoints/best.pt        the weights of the best mAP@class evaluation
+    <run_dir>/tb/                        TensorBoard scalars
+
+SIGTERM or SIGUSR1 (what SLURM sends before preemption) finishes the current step, writes a checkpoint with
+all ranks in step and exits with :data:`EXIT_PREEMPTED` (75, EX_TEMPFAIL: "try again"); relaunching the same
+command with ``trainer.resume=auto`` continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import signal
 import sys
 import time
 from datetime import datetime
@@ -27,24 +33,40 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import Subset
 from tqdm import tqdm
 
 from mlcls.data import build_dataset
-from mlcls.data.loader import eval_loader, set_loader_epoch, train_loader
+from mlcls.data.loader import eval_loader, train_loader
 from mlcls.engine import distributed as dist_utils
-from mlcls.engine.checkpoint import load_checkpoint, save_checkpoint, write_json
+from mlcls.engine.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    resume_candidates,
+    save_checkpoint,
+    save_training_checkpoint,
+    write_json,
+)
 from mlcls.engine.evaluate import autocast_context, predict_dataset
 from mlcls.engine.optim import build_optimizer, build_scheduler
-from mlcls.metrics import map_class, map_sample
+from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.metrics import average_precision, map_class, map_sample
 
 log = logging.getLogger("mlcls")
 
-AMP_MODES = ("none", "bf16", "fp16")
+EXIT_PREEMPTED = 75
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+__all__ = ["EXIT_PREEMPTED", "ConfigError", "NonFiniteError", "Preempted", "Trainer", "compute_figures"]
 
 
-class ConfigError(ValueError):
-    """The resolved configuration is invalid; the message says which key and what is expected."""
+class Preempted(Exception):
+    """Training stopped on a preemption signal after writing a checkpoint; relaunch to resume."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
 
 
 def seed_everything(seed: int) -> None:
@@ -69,9 +91,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def compute_figures(scores: torch.Tensor, labels: torch.Tensor, class_names: list[str]) -> dict[str, Any]:
-    """mAP@class, mAP@sample (percent) and the per-class AP table."""
-    from mlcls.metrics import average_precision
-
+    """mAP@class, mAP@sample (percent, eqs. 23-24) and the per-class AP table."""
     mac, classes_counted = map_class(scores, labels)
     mas, samples_counted = map_sample(scores, labels)
     per_class = average_precision(scores, labels, dim=0)
@@ -90,22 +110,14 @@ class Trainer:
     """Builds the run from ``cfg`` (the composed ``configs/train.yaml``) and trains it with :meth:`fit`."""
 
     def __init__(self, cfg: DictConfig) -> None:
+        validate_config(cfg)
         self.cfg = cfg
         tcfg = cfg.trainer
-        if tcfg.amp not in AMP_MODES:
-            raise ConfigError(f"trainer.amp={tcfg.amp!r}; expected one of {', '.join(AMP_MODES)}")
         self.dist = dist_utils.init_distributed(tcfg.device)
         self.device = self.dist.device
-        if self.device.type != "cuda" and tcfg.amp == "fp16":
-            raise ConfigError("trainer.amp=fp16 needs CUDA; on the CPU use trainer.amp=none (or bf16, run in fp32)")
         self.cuda = self.device.type == "cuda"
         self.amp = tcfg.amp if self.cuda else "none"
         self.channels_last = bool(tcfg.channels_last) and self.cuda
-        if tcfg.batch_size % self.dist.world_size:
-            raise ConfigError(
-                f"trainer.batch_size={tcfg.batch_size} does not divide evenly over {self.dist.world_size} "
-                "processes; use a multiple of the world size"
-            )
         self.local_batch = tcfg.batch_size // self.dist.world_size
         if not self.dist.is_main:
             log.setLevel(logging.WARNING)
@@ -143,23 +155,34 @@ class Trainer:
         self.model: nn.Module = instantiate(cfg.model, num_classes=len(self.classes)).to(self.device)
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
+        self.ema = (
+            AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(tcfg.ema_decay), use_buffers=True)
+            if tcfg.ema_decay
+            else None
+        )
         self.criterion = instantiate(cfg.loss)
         if hasattr(self.criterion, "setup"):
             self.criterion.setup(self.train_set.labels)
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scheduler = build_scheduler(cfg.sched, self.optimizer, tcfg.epochs * self.iters_per_epoch)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp == "fp16")
-        self.start_epoch = 0
+
+        # progress, restored by resume
+        self.start_epoch, self.start_step = 0, 0
+        self.epoch_partial: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Any] | None = None
         self.last_figures: dict[str, Any] | None = None
+        self.counts: dict[str, Any] = {"skipped_steps": 0, "skipped_images": []}
+        self.wall_time_s = 0.0
         if not self._maybe_resume():
-            seed_everything(tcfg.seed + self.dist.rank)  # per-rank augmentation; the model is already built
+            seed_everything(tcfg.seed + self.dist.rank)
         self.ddp_model = (
             DistributedDataParallel(self.model, device_ids=[self.device.index] if self.cuda else None)
             if self.dist.distributed
             else self.model
         )
+        self._signal_received = False
         self.writer = None
         if self.dist.is_main:
             from torch.utils.tensorboard import SummaryWriter
@@ -188,26 +211,57 @@ class Trainer:
         return run_dir
 
     def _maybe_resume(self) -> bool:
-        """Load ``trainer.resume`` (a path, or ``auto``: this run's ``last.pt``); True if a state was loaded."""
+        """Load ``trainer.resume`` (a path, or ``auto``: the newest readable checkpoint of this run).
+
+        With ``auto`` an unreadable checkpoint (e.g. truncated by a crash) is reported and the previous one
+        tried. Returns True if a state was loaded.
+        """
         resume = self.cfg.trainer.resume
         if not resume:
             return False
-        path = self.run_dir / "checkpoints" / "last.pt" if resume == "auto" else Path(resume)
-        if resume == "auto" and not path.is_file():
-            log.info("trainer.resume=auto: no checkpoint in %s, starting from scratch", path.parent)
-            return False
-        state = load_checkpoint(path, map_location="cpu")
+        if resume != "auto":
+            return self._load_state(load_checkpoint(resume), Path(resume))
+        for path in resume_candidates(self.run_dir / "checkpoints"):
+            try:
+                state = load_checkpoint(path)
+            except CheckpointError as exc:
+                log.warning("%s; trying the previous checkpoint", exc)
+                continue
+            return self._load_state(state, path)
+        log.info("trainer.resume=auto: no readable checkpoint in %s, starting from scratch", self.run_dir)
+        return False
+
+    def _load_state(self, state: dict[str, Any], path: Path) -> bool:
+        if "optimizer" not in state:
+            raise CheckpointError(f"{path} holds weights only (best.pt?); resume needs last.pt or iter_*.pt")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.start_epoch = state["epoch"]
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.start_epoch, self.start_step = state["epoch"], state.get("step", 0)
+        self.epoch_partial = state.get("epoch_partial", {})
         self.history = state.get("history", [])
         self.best = state.get("best")
         self.last_figures = state.get("last_figures")
+        self.counts = state.get("counts", self.counts)
+        self.wall_time_s = state.get("wall_time_s", 0.0)
         set_rng_state(state["rng"][min(self.dist.rank, len(state["rng"]) - 1)])
-        log.info("resumed from %s at epoch %d", path, self.start_epoch)
+        log.info("resumed from %s at epoch %d, step %d", path, self.start_epoch, self.start_step)
         return True
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        log.warning("received %s: stopping after this step", signal.Signals(signum).name)
+        self._signal_received = True
+
+    def _stop_requested(self) -> bool:
+        """True on every rank as soon as any rank received a preemption signal."""
+        if not self.dist.distributed:
+            return self._signal_received
+        flag = torch.tensor([float(self._signal_received)], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
 
     # ------------------------------------------------------------------ training
     def fit(self) -> dict[str, Any]:
@@ -224,98 +278,182 @@ class Trainer:
             tcfg.batch_size,
             self.local_batch,
         )
-        results: dict[str, Any] = {}
-        for epoch in range(self.start_epoch, tcfg.epochs):
-            train_stats = self.train_one_epoch(epoch)
-            record: dict[str, Any] = {"epoch": epoch + 1, **train_stats}
-            last_epoch = epoch + 1 == tcfg.epochs
-            if (epoch + 1) % tcfg.eval_every == 0 or last_epoch:
-                figures = self.evaluate()
-                record.update({k: figures[k] for k in ("mAP_class", "mAP_sample")})
-                is_best = self.best is None or figures["mAP_class"] > self.best["mAP_class"]
-                if is_best:
-                    self.best = {"epoch": epoch + 1, "mAP_class": figures["mAP_class"], "mAP_sample": figures["mAP_sample"]}
-                self._log_scalars("val", figures, epoch + 1)
-                log.info(
-                    "epoch %d/%d  mAP@class %.2f  mAP@sample %.2f  (best mAP@class %.2f at epoch %d)",
-                    epoch + 1,
-                    tcfg.epochs,
-                    figures["mAP_class"],
-                    figures["mAP_sample"],
-                    self.best["mAP_class"],
-                    self.best["epoch"],
-                )
-                self.last_figures = figures
-            else:
+        previous = {s: signal.signal(s, self._on_signal) for s in PREEMPTION_SIGNALS}
+        try:
+            for epoch in range(self.start_epoch, tcfg.epochs):
+                record: dict[str, Any] = {"epoch": epoch + 1, **self.train_one_epoch(epoch)}
                 is_best = False
-            self.history.append(record)
-            self.save(epoch + 1, is_best)
-            if self.last_figures is not None:
-                results = self.write_results(epoch + 1)
-        if self.writer is not None:
-            self.writer.close()
+                if (epoch + 1) % tcfg.eval_every == 0 or epoch + 1 == tcfg.epochs:
+                    is_best = self.evaluate_and_select(epoch + 1)
+                    record.update({k: self.last_figures[k] for k in ("mAP_class", "mAP_sample")})
+                self.history.append(record)
+                self.save(epoch + 1, 0, is_best)
+                if self.last_figures is not None:
+                    self.write_results(epoch + 1)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            if self.writer is not None:
+                self.writer.close()
         dist_utils.barrier()
-        return results
+        return self.results(tcfg.epochs)
 
     def train_one_epoch(self, epoch: int) -> dict[str, float]:
         tcfg = self.cfg.trainer
         self.ddp_model.train()
-        set_loader_epoch(self.train_loader, epoch, tcfg.seed)
+        sampler = self.train_loader.sampler
+        sampler.set_epoch(epoch)
+        first_step = 0
+        if epoch == self.start_epoch and self.start_step:
+            first_step = self.start_step
+            sampler.set_start(first_step * self.local_batch)
+        partial = self.epoch_partial if first_step else {}
+        loss_sum = torch.tensor(partial.get("loss_sum", 0.0), device=self.device)
+        seen, elapsed = int(partial.get("seen", 0)), partial.get("time_s", 0.0)
         show_bar = self.dist.is_main and sys.stdout.isatty()
-        bar = tqdm(total=self.iters_per_epoch, desc=f"epoch {epoch + 1}/{tcfg.epochs}", disable=not show_bar)
-        loss_sum, seen, start = torch.zeros((), device=self.device), 0, time.perf_counter()
-        for step, (images, targets) in enumerate(self.train_loader):
+        bar = tqdm(
+            total=self.iters_per_epoch, initial=first_step, desc=f"epoch {epoch + 1}/{tcfg.epochs}", disable=not show_bar
+        )
+        start, nonfinite_run = time.perf_counter(), 0
+        for step, (images, targets) in enumerate(self.train_loader, start=first_step):
             if step >= self.iters_per_epoch:
                 break
-            images = images.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            if self.channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
-            with autocast_context(self.device, self.amp):
-                logits = self.ddp_model(images)
-            loss = self.criterion(logits.float(), targets)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.scale(loss).backward()
-            if tcfg.grad_clip:
-                self.scaler.unscale_(self.optimizer)
-                nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.grad_clip)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.scheduler.step()
-            loss_sum += loss.detach()
+            loss, finite = self.train_step(images, targets)
+            if finite:
+                nonfinite_run = 0
+                loss_sum += loss
+            else:
+                nonfinite_run += 1
+                self.counts["skipped_steps"] += 1
+                log.warning("epoch %d step %d: non-finite loss or gradient, step skipped", epoch + 1, step + 1)
+                if nonfinite_run >= tcfg.max_nonfinite:
+                    raise NonFiniteError(
+                        f"{nonfinite_run} consecutive steps with a non-finite loss or gradient at epoch "
+                        f"{epoch + 1}: lower the learning rate (optim.lr_head/lr_backbone), try trainer.amp=bf16 "
+                        "or none instead of fp16, set trainer.grad_clip, and check the labels (values 1/0/-1)"
+                    )
             seen += images.shape[0]
             iteration = epoch * self.iters_per_epoch + step + 1
             if show_bar:
                 bar.update()
                 bar.set_postfix(loss=f"{loss.item():.4f}")
-            elif self.dist.is_main and (iteration % tcfg.log_every == 0):
+            elif self.dist.is_main and iteration % tcfg.log_every == 0:
                 log.info("epoch %d iter %d/%d loss %.4f", epoch + 1, step + 1, self.iters_per_epoch, loss.item())
             if self.writer is not None and iteration % 10 == 0:
                 self.writer.add_scalar("train/loss", loss.item(), iteration)
                 self.writer.add_scalar("train/lr_head", self.optimizer.param_groups[0]["lr"], iteration)
                 self.writer.add_scalar("train/lr_backbone", self.optimizer.param_groups[1]["lr"], iteration)
+            if self._stop_requested():
+                self.epoch_partial = {
+                    "loss_sum": loss_sum.item(),
+                    "seen": seen,
+                    "time_s": elapsed + time.perf_counter() - start,
+                }
+                self.save(epoch, step + 1, is_best=False)
+                raise Preempted(
+                    f"stopped by a signal at epoch {epoch + 1}, step {step + 1}; checkpoint in "
+                    f"{self.run_dir / 'checkpoints'}; relaunch with trainer.resume=auto to continue"
+                )
         bar.close()
-        elapsed = time.perf_counter() - start
-        mean_loss = (dist_utils.all_reduce_sum(loss_sum) / (self.iters_per_epoch * self.dist.world_size)).item()
-        images_per_s = seen * self.dist.world_size / elapsed
+        elapsed += time.perf_counter() - start
+        self.wall_time_s += time.perf_counter() - start
+        self._collect_bad_images()
+        steps_done = self.iters_per_epoch * self.dist.world_size
+        mean_loss = (dist_utils.all_reduce_sum(loss_sum) / steps_done).item()
+        images_per_s = seen * self.dist.world_size / max(elapsed, 1e-9)
         if self.writer is not None:
             self.writer.add_scalar("train/epoch_loss", mean_loss, epoch + 1)
             self.writer.add_scalar("train/images_per_s", images_per_s, epoch + 1)
         log.info("epoch %d/%d  loss %.4f  %.1f images/s", epoch + 1, tcfg.epochs, mean_loss, images_per_s)
         return {"loss": mean_loss, "images_per_s": images_per_s, "time_s": elapsed}
 
-    def evaluate(self) -> dict[str, Any]:
-        """Figures on the whole validation set; every process returns the same.
+    def train_step(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """One optimisation step; returns the detached loss and whether the step was applied.
+
+        A non-finite gradient norm (identical on every rank after DDP's all-reduce, so all ranks agree)
+        skips the update. With fp16 the GradScaler owns that decision, as overflow is routine there.
+        """
+        images = images.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with autocast_context(self.device, self.amp):
+            logits = self.ddp_model(images)
+        loss = self.criterion(logits.float(), targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.trainer.grad_clip or math.inf
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        finite = self.amp == "fp16" or bool(torch.isfinite(grad_norm))
+        if finite:
+            self.scaler.step(self.optimizer)
+            if self.ema is not None:
+                self.ema.update_parameters(self.model)
+        self.scaler.update()
+        self.scheduler.step()
+        return loss.detach(), finite
+
+    def _collect_bad_images(self) -> None:
+        """Files the dataset skipped this epoch (``dataset.on_bad_image=skip``), from every rank."""
+        if not hasattr(self.train_set, "pop_bad_images"):
+            return
+        mine = list(self.train_set.pop_bad_images())
+        parts = [mine]
+        if self.dist.distributed:
+            parts = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(parts, mine)
+        new = sorted({p for part in parts for p in part} - set(self.counts["skipped_images"]))
+        if new:
+            log.warning("skipped %d unreadable images this epoch, e.g. %s", len(new), new[0])
+            self.counts["skipped_images"].extend(new)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, model: nn.Module | None = None) -> dict[str, Any]:
+        """Figures of ``model`` (default: the raw weights) on the whole validation set, equal on every rank.
 
         Under DDP each process's BatchNorm running statistics drift from rank 0's during the epoch (DDP
         broadcasts them only at the next forward), so rank 0's buffers, the ones checkpointed, are
         broadcast first: every shard is scored by exactly the saved model.
         """
+        model = self.model if model is None else model
         if self.dist.distributed:
-            for buffer in self.model.buffers():
+            for buffer in model.buffers():
                 torch.distributed.broadcast(buffer, src=0)
-        scores, labels = predict_dataset(self.model, self.val_loader, self.device, self.amp, self.channels_last)
+        scores, labels = predict_dataset(model, self.val_loader, self.device, self.amp, self.channels_last)
         return compute_figures(scores, labels, self.classes)
+
+    def evaluate_and_select(self, epoch: int) -> bool:
+        """Evaluate the raw (and EMA) weights, log them, update ``best``; True if this epoch is the new best."""
+        figures = self.evaluate()
+        candidates = {"raw": figures}
+        if self.ema is not None:
+            candidates["ema"] = figures["ema"] = self.evaluate(self.ema.module)
+        weights, chosen = max(candidates.items(), key=lambda kv: kv[1]["mAP_class"])
+        is_best = self.best is None or chosen["mAP_class"] > self.best["mAP_class"]
+        if is_best:
+            self.best = {
+                "epoch": epoch,
+                "mAP_class": chosen["mAP_class"],
+                "mAP_sample": chosen["mAP_sample"],
+                "weights": weights,
+            }
+        self.last_figures = figures
+        for name, figs in candidates.items():
+            self._log_scalars("val" if name == "raw" else "val_ema", figs, epoch)
+        ema_note = f"  EMA mAP@class {candidates['ema']['mAP_class']:.2f}" if "ema" in candidates else ""
+        log.info(
+            "epoch %d/%d  mAP@class %.2f  mAP@sample %.2f%s  (best mAP@class %.2f at epoch %d, %s weights)",
+            epoch,
+            self.cfg.trainer.epochs,
+            figures["mAP_class"],
+            figures["mAP_sample"],
+            ema_note,
+            self.best["mAP_class"],
+            self.best["epoch"],
+            self.best["weights"],
+        )
+        return is_best
 
     # ------------------------------------------------------------------ outputs
     def _log_scalars(self, prefix: str, figures: dict[str, Any], step: int) -> None:
@@ -325,8 +463,11 @@ class Trainer:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(f"{prefix}/{key}", value, step)
 
-    def save(self, epoch: int, is_best: bool) -> None:
-        """Write ``last.pt`` (and ``best.pt``) on rank 0; RNG states of every rank are collected first."""
+    def save(self, epoch: int, step: int, is_best: bool) -> None:
+        """Checkpoint after ``step`` steps of epoch ``epoch`` (step 0: the epoch is complete), on rank 0.
+
+        RNG states of every rank are gathered first, so each rank resumes its own random streams.
+        """
         rng_states = [rng_state()]
         if self.dist.distributed:
             rng_states = [None] * self.dist.world_size
@@ -334,29 +475,41 @@ class Trainer:
         if self.dist.is_main:
             state = {
                 "model": self.model.state_dict(),
+                "ema": None if self.ema is None else self.ema.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "epoch": epoch,
+                "step": step,
+                "epoch_partial": self.epoch_partial if step else {},
                 "history": self.history,
                 "best": self.best,
                 "last_figures": self.last_figures,
+                "counts": self.counts,
+                "wall_time_s": self.wall_time_s,
                 "rng": rng_states,
                 "classes": self.classes,
                 "config": OmegaConf.to_container(self.cfg, resolve=True),
             }
-            save_checkpoint(state, self.run_dir / "checkpoints" / "last.pt")
+            iteration = epoch * self.iters_per_epoch + step
+            save_training_checkpoint(state, self.run_dir / "checkpoints", iteration, self.cfg.trainer.keep_checkpoints)
             if is_best:
-                weights = {k: state[k] for k in ("model", "epoch", "classes", "config", "best")}
+                source = self.model if self.best["weights"] == "raw" else self.ema.module
+                weights = {
+                    "model": source.state_dict(),
+                    "weights": self.best["weights"],
+                    **{k: state[k] for k in ("epoch", "classes", "config", "best")},
+                }
                 save_checkpoint(weights, self.run_dir / "checkpoints" / "best.pt")
         dist_utils.barrier()
 
-    def write_results(self, epochs_completed: int) -> dict[str, Any]:
-        figures = self.last_figures
-        results = {
+    def results(self, epochs_completed: int) -> dict[str, Any]:
+        figures = self.last_figures or {}
+        train_labels = self.train_set.labels
+        return {
             "metrics": {k: v for k, v in figures.items() if k != "per_class_ap"},
             "best": self.best,
-            "per_class_ap": figures["per_class_ap"],
+            "per_class_ap": figures.get("per_class_ap", {}),
             "dataset": {
                 "name": self.cfg.dataset.name,
                 "num_classes": len(self.classes),
@@ -364,9 +517,16 @@ class Trainer:
                 "val_size": len(self.val_set),
             },
             "epochs_completed": epochs_completed,
+            "counts": {
+                "skipped_steps": self.counts["skipped_steps"],
+                "skipped_images": len(self.counts["skipped_images"]),
+                "skipped_image_files": self.counts["skipped_images"][:100],
+                "ignored_train_labels": int((train_labels < 0).sum()),
+            },
             "history": self.history,
             "world_size": self.dist.world_size,
         }
+
+    def write_results(self, epochs_completed: int) -> None:
         if self.dist.is_main:
-            write_json(results, self.run_dir / "results.json")
-        return results
+            write_json(self.results(epochs_completed), self.run_dir / "results.json")

@@ -1,5 +1,93 @@
-"""Evaluation metrics: pure functions of score and label tensors."""
+"""Evaluation metrics: pure functions of score and label tensors.
 
-from mlcls.metrics.ap import average_precision, map_class, map_sample
+:func:`compute_metrics` is the single entry point of evaluation: every figure of ``results.json`` from
+the gathered logits and labels of the whole evaluation set (see :func:`gather_shards`). Definitions,
+edge cases and reductions are in :mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1` and docs/metrics.md.
+"""
 
-__all__ = ["average_precision", "map_class", "map_sample"]
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from mlcls.metrics.ap import (
+    _average_precision,
+    _voc11_average_precision,
+    average_precision,
+    check_scores_labels,
+    map_class,
+    map_sample,
+    mean_counted,
+    voc11_average_precision,
+)
+from mlcls.metrics.f1 import (
+    _precision_recall_f1,
+    precision_recall_f1,
+    threshold_predictions,
+    top_k_predictions,
+)
+from mlcls.metrics.gather import gather_shards
+
+__all__ = [
+    "average_precision",
+    "compute_metrics",
+    "gather_shards",
+    "map_class",
+    "map_sample",
+    "precision_recall_f1",
+    "threshold_predictions",
+    "top_k_predictions",
+    "voc11_average_precision",
+]
+
+
+def compute_metrics(
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    class_names: Sequence[str],
+    threshold: float = 0.5,
+    top_k: int = 3,
+    voc11: bool = False,
+) -> dict:
+    """Every evaluation figure, in percent, as a JSON-ready dict.
+
+    Args:
+        scores: (N, C) logits of the whole evaluation set, each sample once.
+        labels: (N, C) with 1 = positive, 0 = negative, -1 = unknown (ignored by every figure).
+        class_names: the C class names, in column order, distinct.
+        threshold: probability threshold on ``sigmoid(scores)`` for CP ... OF1.
+        top_k: number of top-scoring classes predicted per sample for ``CP_top{k}`` ... ``OF1_top{k}``.
+        voc11: also report ``mAP_class_voc11``, the VOC2007 11-point interpolated mAP@class.
+
+    Returns:
+        ``mAP_class``, ``mAP_sample`` (eqs. 23-24, means over the classes / samples with a positive),
+        ``classes_counted``, ``samples_counted`` (ints), ``CP``, ``CR``, ``CF1``, ``OP``, ``OR``, ``OF1``
+        at the threshold, the same six with suffix ``_top{k}``, optionally ``mAP_class_voc11``: floats
+        (NaN when undefined, e.g. no positive at all). ``per_class_ap`` maps each class name to its AP in
+        percent, ``None`` for a class without positive.
+    """
+    labels = check_scores_labels(scores, labels)
+    if len(class_names) != scores.shape[1]:
+        raise ValueError(f"{len(class_names)} class names for {scores.shape[1]} score columns")
+    if len(set(class_names)) != len(class_names):
+        raise ValueError("class names must be distinct")
+    class_ap = _average_precision(scores, labels, dim=0)
+    map_class_percent, classes_counted = mean_counted(class_ap)
+    map_sample_percent, samples_counted = mean_counted(_average_precision(scores, labels, dim=1))
+    metrics: dict = {
+        "mAP_class": map_class_percent,
+        "mAP_sample": map_sample_percent,
+        "classes_counted": classes_counted,
+        "samples_counted": samples_counted,
+    }
+    metrics.update(_precision_recall_f1(threshold_predictions(scores, threshold), labels))
+    at_top_k = _precision_recall_f1(top_k_predictions(scores, top_k), labels)
+    metrics.update({f"{name}_top{top_k}": value for name, value in at_top_k.items()})
+    if voc11:
+        metrics["mAP_class_voc11"] = mean_counted(_voc11_average_precision(scores, labels, dim=0))[0]
+    metrics["per_class_ap"] = {
+        name: None if math.isnan(ap) else 100 * ap for name, ap in zip(class_names, class_ap.tolist(), strict=True)
+    }
+    return metrics

@@ -1,43 +1,197 @@
-"""Average precision, mAP@class (eq. 23) and mAP@sample (eq. 24).
+"""Average precision, mAP@class (paper eq. 23) and mAP@sample (eq. 24), vectorised in torch.
 
-Non-interpolated AP with tied scores grouped as in ``sklearn.metrics.average_precision_score``;
-entries labelled -1 are excluded; a column (row) without positives has AP = NaN and is left out of
-the mean, as in the paper.
+Every function takes ``scores`` (N, C) -- logits or probabilities, any real dtype, CPU or CUDA; AP only
+depends on the order of the scores -- and ``labels`` (N, C) with 1 = positive, 0 = negative,
+-1 = unknown. A *ranked list* is one column (``dim=0``: the N samples of a class) or one row (``dim=1``:
+the C classes of a sample).
+
+Definition (non-interpolated AP, as ``sklearn.metrics.average_precision_score``)::
+
+    AP = sum_g (R_g - R_{g-1}) * P_g = (1 / |pos|) * sum_{i in pos} TP(s_i) / K(s_i)
+
+where ``g`` runs over the groups of equal scores in decreasing order, ``P_g`` and ``R_g`` are the
+precision and recall once groups 1..g are retrieved, ``TP(s)`` is the number of positives and ``K(s)``
+the number of known items (label 0 or 1) scoring ``>= s``. Edge cases:
+
+* ties -- a group of tied scores is one threshold: its items are retrieved together and each of its
+  positives gets the precision at the end of the group (scikit-learn's grouping: exactly equal values,
+  no tolerance). The result does not depend on the order of tied items.
+* -1 labels -- excluded from the ranked list: neither retrieved positives nor negatives.
+* no positive -- AP is NaN and the list is left out of the mean (scikit-learn would return 0 with a
+  warning); :func:`map_class` / :func:`map_sample` report how many lists were counted.
+
+Only comparisons of scores are used, so they are kept in their own precision (float16/bfloat16 upcast
+exactly to float32, integers to float64); counts are exact integers and the precisions and their mean
+are float64.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from sklearn.metrics import average_precision_score
+
+
+def check_scores(scores: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``scores`` is a real 2-D tensor (N, C) without NaN."""
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be a 2-D tensor (N, C), got shape {tuple(scores.shape)}")
+    if scores.is_complex() or scores.dtype == torch.bool:
+        raise ValueError(f"scores must be real numbers, got dtype {scores.dtype}")
+    if scores.is_floating_point() and scores.numel() and torch.aminmax(scores).min.isnan():
+        raise ValueError("scores contain NaN")
+
+
+def check_labels(labels: torch.Tensor, shape: torch.Size, against: str = "scores") -> torch.Tensor:
+    """``labels`` as int8 after checking its shape (that of ``against``) and its values (1, 0 or -1).
+
+    Raises:
+        ValueError: on a shape mismatch or a label outside {1, 0, -1} (named in the message).
+    """
+    if labels.shape != shape:
+        raise ValueError(f"labels {tuple(labels.shape)} and {against} {tuple(shape)} must have one shape (N, C)")
+    as_int8 = labels.to(torch.int8)
+    if labels.numel():
+        lowest, highest = torch.aminmax(as_int8)
+        # the conversion wraps or truncates anything but an integer of [-128, 127]: compare back
+        if lowest < -1 or highest > 1 or (labels.dtype != torch.int8 and (as_int8 != labels).any()):
+            invalid = (labels != 1) & (labels != 0) & (labels != -1)
+            raise ValueError(f"labels must be 1, 0 or -1; found {labels[invalid][0].item()}")
+    return as_int8
+
+
+def check_scores_labels(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """:func:`check_scores` and :func:`check_labels`, the validation of every metric; returns int8 labels."""
+    check_scores(scores)
+    return check_labels(labels, scores.shape)
+
+
+def _sort_rows(values: torch.Tensor) -> torch.Tensor:
+    """Each row sorted ascending (values only).
+
+    On CPU this is NumPy's sort: torch's CPU sort always computes indices as well and is several times
+    slower than NumPy's SIMD value sort. The values are identical either way.
+    """
+    if values.device.type == "cpu":
+        return torch.from_numpy(np.sort(values.numpy(), axis=1))
+    return torch.sort(values, dim=1).values
+
+
+def _positive_counts(
+    scores: torch.Tensor, labels: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``TP`` and ``K`` at every positive of every ranked list, with the number of positives per list.
+
+    ``labels`` are validated int8. Returns ``(tp, known_ge, n_positive)``: int64 tensors (R, P) and (R,),
+    R = number of lists, P = largest number of positives in a list. Row r holds the positives of list r
+    in increasing score order, then padding (``tp = 0``, ``known_ge = 1``). ``tp`` counts the positives
+    and ``known_ge`` the known items scoring at least as high as the positive: the counts at the end of
+    its tie group.
+    """
+    if dim not in (0, 1, -1, -2):
+        raise ValueError(f"dim must be 0 (per column) or 1 (per row), got {dim}")
+    scores = scores.detach()
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        scores = scores.float()  # exact; NumPy has no bfloat16
+    elif not scores.is_floating_point():
+        scores = scores.double()
+    labels = labels.to(scores.device)
+    if dim in (0, -2):
+        scores, labels = scores.T, labels.T
+    scores, labels = scores.contiguous(), labels.contiguous()
+    n_lists, length = scores.shape
+    positive, known = labels == 1, labels >= 0
+    n_positive = positive.view(torch.uint8).sum(1, dtype=torch.int64)
+    n_unknown = length - known.view(torch.uint8).sum(1, dtype=torch.int64)
+    most_positives = int(n_positive.max()) if n_lists else 0
+
+    # unknown items sort first as -inf; they are taken out again for a positive scoring -inf
+    known_sorted = _sort_rows(torch.where(known, scores, -torch.inf))
+    positive_sorted = _sort_rows(torch.where(positive, scores, torch.inf))[:, :most_positives].contiguous()
+    known_ge = length - torch.searchsorted(known_sorted, positive_sorted)
+    known_ge -= torch.where(positive_sorted == -torch.inf, n_unknown[:, None], 0)
+
+    # positives scoring >= a positive: all from the first of its ties on, in the sorted row
+    position = torch.arange(most_positives, device=scores.device).expand_as(positive_sorted)
+    starts_ties = torch.ones_like(positive_sorted, dtype=torch.bool)
+    starts_ties[:, 1:] = positive_sorted[:, 1:] != positive_sorted[:, :-1]
+    tp = n_positive[:, None] - torch.where(starts_ties, position, 0).cummax(1).values
+
+    is_real = position < n_positive[:, None]
+    return torch.where(is_real, tp, 0), torch.where(is_real, known_ge, 1), n_positive
 
 
 def average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """AP of every column (``dim=0``) or row (``dim=1``); float64 tensor, NaN where there is no positive."""
-    s = scores.double().cpu().numpy()
-    y = labels.cpu().numpy()
-    if dim == 1:
-        s, y = s.T, y.T
-    out = np.full(s.shape[1], np.nan)
-    for j in range(s.shape[1]):
-        known = y[:, j] >= 0
-        if (y[known, j] == 1).any():
-            out[j] = average_precision_score(y[known, j] == 1, s[known, j])
-    return torch.from_numpy(out)
+    """Non-interpolated AP of every column (``dim=0``) or row (``dim=1``), ties grouped as in scikit-learn.
+
+    Args:
+        scores: (N, C) real scores; only their order matters.
+        labels: (N, C) with 1 = positive, 0 = negative, -1 = excluded.
+        dim: 0 for the AP of each class over samples (C values), 1 for each sample over classes (N values).
+
+    Returns:
+        float64 tensor on ``scores.device`` of the APs as fractions in [0, 1], NaN where the list has
+        no positive. See the module docstring for the definition and edge cases.
+    """
+    return _average_precision(scores, check_scores_labels(scores, labels), dim)
 
 
-def _mean_counted(ap: torch.Tensor) -> tuple[float, int]:
+def _average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
+    tp, known_ge, n_positive = _positive_counts(scores, labels, dim)
+    precision = tp.double() / known_ge.double()
+    return precision.sum(1) / n_positive  # 0 / 0 = NaN without positive
+
+
+def voc11_average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """VOC2007-style 11-point interpolated AP of every column (``dim=0``) or row (``dim=1``).
+
+    ``AP_11 = (1/11) * sum_{t in {0, 0.1, ..., 1}} max{P_g : R_g >= t}`` (0 when no point reaches ``t``),
+    for comparison with older papers; it is not the paper's metric. The points ``(R_g, P_g)`` are those of
+    :func:`average_precision` (tie groups, -1 labels excluded -- -1 plays the role of VOC's "difficult"),
+    so unlike the VOC devkit the result does not depend on the order of tied scores. ``R_g >= t`` is
+    tested exactly as ``10 * TP >= k * |pos|`` for ``t = k / 10``, avoiding the float rounding of
+    ``0.1 * k``. NaN where the list has no positive. Returns float64 fractions.
+    """
+    return _voc11_average_precision(scores, check_scores_labels(scores, labels), dim)
+
+
+def _voc11_average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
+    tp, known_ge, n_positive = _positive_counts(scores, labels, dim)
+    if tp.shape[1] == 0:
+        return torch.full(n_positive.shape, torch.nan, dtype=torch.float64, device=tp.device)
+    # positives in increasing score order: recall decreases along a row, so the points reaching a
+    # recall level form a prefix and the best precision among them is a running maximum
+    best_so_far = (tp.double() / known_ge.double()).cummax(1).values
+    levels = torch.arange(11, device=tp.device) * n_positive[:, None]
+    reaching = torch.searchsorted((-10 * tp).contiguous(), (-levels).contiguous(), right=True)
+    interpolated = best_so_far.gather(1, (reaching - 1).clamp_min(0))
+    interpolated = torch.where(reaching > 0, interpolated, 0.0).mean(1)
+    return torch.where(n_positive > 0, interpolated, torch.nan)
+
+
+def mean_counted(ap: torch.Tensor) -> tuple[float, int]:
+    """Mean in percent of the non-NaN entries of ``ap`` and their number; ``(nan, 0)`` when all are NaN."""
     counted = ~torch.isnan(ap)
-    if not counted.any():
+    count = int(counted.sum())
+    if count == 0:
         return float("nan"), 0
-    return 100.0 * ap[counted].mean().item(), int(counted.sum())
+    return 100.0 * ap[counted].mean().item(), count
 
 
 def map_class(scores: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-    """Eq. 23 in percent, and the number of classes counted (those with a positive)."""
-    return _mean_counted(average_precision(scores, labels, dim=0))
+    """mAP@class (eq. 23) in percent, and the number of classes counted.
+
+    The mean of :func:`average_precision` over the classes (columns) that have at least one positive.
+    With every class counted and no -1 label it equals
+    ``100 * sklearn.metrics.average_precision_score(labels, scores, average="macro")``.
+    """
+    return mean_counted(_average_precision(scores, check_scores_labels(scores, labels), dim=0))
 
 
 def map_sample(scores: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-    """Eq. 24 in percent, and the number of samples counted (those with a positive)."""
-    return _mean_counted(average_precision(scores, labels, dim=1))
+    """mAP@sample (eq. 24) in percent, and the number of samples counted.
+
+    The mean of :func:`average_precision` over the samples (rows) that have at least one positive. Without
+    -1 labels it equals ``100 * average_precision_score(labels[kept], scores[kept], average="samples")``
+    where ``kept`` are the rows with a positive.
+    """
+    return mean_counted(_average_precision(scores, check_scores_labels(scores, labels), dim=1))

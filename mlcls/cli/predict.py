@@ -1,0 +1,86 @@
+"""``mlcls-predict``: labels and scores of new images from a checkpoint, as a table and as JSON lines.
+
+mlcls-predict checkpoint=outputs/run/checkpoints/best.pt images=photos/
+mlcls-predict checkpoint=best.pt images='photos/**/*.jpg' top_k=3 out=predictions.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from mlcls import config_dir
+from mlcls.cli.errors import user_errors
+from mlcls.engine.checkpoint import _atomic_write
+from mlcls.inference.errors import InferenceError
+from mlcls.inference.predictor import (
+    Prediction,
+    find_images,
+    format_table,
+    load_inference_model,
+    predict_images,
+)
+from mlcls.inference.thresholds import describe_rule
+
+
+def check_rule(threshold: Any, top_k: Any) -> None:
+    """Raise :class:`InferenceError` unless ``threshold`` is a probability and ``top_k`` a positive int."""
+    if threshold is not None and (
+        isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1
+    ):
+        raise InferenceError(f"threshold={threshold!r}; expected a probability in [0, 1]")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise InferenceError(f"top_k={top_k!r}; expected a positive integer")
+
+
+def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]:
+    """Predict ``cfg.images`` with ``cfg.checkpoint``: the predictions, the unreadable files, the rule."""
+    check_rule(cfg.threshold, cfg.top_k)
+    sources = OmegaConf.to_container(cfg.images) if OmegaConf.is_list(cfg.images) else str(cfg.images)
+    paths = find_images(sources)
+    if not paths:
+        raise InferenceError(f"no image matched images={sources}; give a file, a folder or a quoted glob")
+    inference = load_inference_model(cfg.checkpoint, cfg.device)
+    predictions, unreadable = predict_images(
+        inference, paths, cfg.batch_size, cfg.workers, threshold=cfg.threshold, top_k=cfg.top_k
+    )
+    if not predictions:
+        raise InferenceError(f"none of the {len(paths)} matched files is a readable image, e.g. {paths[0]}")
+    return predictions, unreadable, describe_rule(inference.thresholds, cfg.threshold, cfg.top_k)
+
+
+def write_json_lines(predictions: list[Prediction], path: str | Path) -> None:
+    """One JSON object per line (:meth:`Prediction.to_json`), written atomically."""
+    text = "".join(json.dumps(p.to_json()) + "\n" for p in predictions)
+    _atomic_write(Path(path), lambda f: f.write(text.encode()))
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="predict")
+def _hydra_main(cfg: DictConfig) -> None:
+    with user_errors():
+        predictions, unreadable, rule = run(cfg)
+    for path, reason in unreadable:
+        print(f"mlcls: warning: skipped unreadable image {path} ({reason})", file=sys.stderr)
+    if cfg.out:
+        write_json_lines(predictions, cfg.out)
+    if not cfg.quiet:
+        print(format_table(predictions))
+    summary = f"mlcls: {len(predictions)} images labelled by {rule}"
+    if unreadable:
+        summary += f"; {len(unreadable)} unreadable skipped"
+    if cfg.out:
+        summary += f"; JSON lines in {cfg.out}"
+    print(summary, file=sys.stderr)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

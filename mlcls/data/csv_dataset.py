@@ -1,0 +1,245 @@
+"""The user's own images and labels, listed in a CSV or TSV file.
+
+Two label formats:
+
+* a labels column holding class names separated by ``label_delimiter`` (default a space)::
+
+      image,labels
+      img/0001.jpg,cat dog
+      img/0002.jpg,dog
+
+  listed names -> 1, every other class -> 0; an empty cell is an image with no positive class;
+* one column per class (``labels_column: null``), values ``1`` (positive), ``0`` (negative), ``-1`` or an
+  empty cell (unknown)::
+
+      image,cat,dog,bird
+      img/0001.jpg,1,1,0
+      img/0002.jpg,0,1,
+
+Classes: ``classes`` given (that order; any other name is an error), or inferred: the sorted names found in
+the training and validation files (labels column), or the class columns in header order (one-hot).
+
+Image paths are relative to ``root / image_dir`` (or absolute). Validation data: ``val_file``, or else a
+random ``val_fraction`` of the training file, drawn with ``seed`` (the same seed gives the same split).
+The file delimiter follows the extension (``.tsv``/``.tab`` -> tab, else comma) unless ``delimiter`` is set.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mlcls.data.base import (
+    DatasetConfigError,
+    DatasetFormatError,
+    DatasetLayoutError,
+    MultiLabelDataset,
+    Sample,
+    check_choice,
+    require_files,
+    resolve_path,
+)
+
+SPLITS = ("train", "val")
+
+
+def read_table(path: Path, delimiter: str | None) -> tuple[list[str], list[list[str]]]:
+    """Header and rows (blank lines skipped) of a delimited text file."""
+    if delimiter is None:
+        delimiter = "\t" if path.suffix.lower() in (".tsv", ".tab") else ","
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            rows = [row for row in csv.reader(f, delimiter=delimiter) if any(cell.strip() for cell in row)]
+    except FileNotFoundError as exc:
+        raise DatasetLayoutError(f"missing {path}") from exc
+    except (csv.Error, UnicodeDecodeError) as exc:
+        raise DatasetFormatError(f"cannot parse {path}: {exc}") from exc
+    if not rows:
+        raise DatasetFormatError(f"{path} is empty; expected a header line and one line per image")
+    header = [cell.strip() for cell in rows[0]]
+    for line, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise DatasetFormatError(
+                f"{path}, line {line}: {len(row)} fields but the header has {len(header)} "
+                f"(delimiter {delimiter!r})"
+            )
+    return header, [[cell.strip() for cell in row] for row in rows[1:]]
+
+
+def _column(header: list[str], name: str, path: Path) -> int:
+    if name not in header:
+        raise DatasetFormatError(f"{path}: no column {name!r} (columns: {', '.join(header)})")
+    return header.index(name)
+
+
+class CSVDataset(MultiLabelDataset):
+    """Images and labels listed in a CSV/TSV file (see the module docstring for the formats).
+
+    Args:
+        split: ``"train"`` or ``"val"``.
+        transform: applied to the PIL image.
+        root: folder the files and images are relative to.
+        train_file: the training list (relative to ``root`` or absolute).
+        val_file: the validation list; ``None`` to hold out ``val_fraction`` of ``train_file``.
+        val_fraction: share of ``train_file`` held out for validation when there is no ``val_file``.
+        seed: seed of that random hold-out.
+        image_column: column holding the image paths.
+        labels_column: column of delimited class names; ``None`` for one column per class.
+        label_delimiter: separator of the names in ``labels_column``.
+        classes: class names in their order; ``None`` to infer them.
+        image_dir: folder the image paths are relative to, itself relative to ``root``.
+        delimiter: the file's field delimiter; ``None`` to choose from the extension.
+        on_bad_image: ``"error"`` or ``"skip"``.
+    """
+
+    def __init__(
+        self,
+        split: str = "train",
+        transform: Callable | None = None,
+        root: str = ".",
+        train_file: str = "train.csv",
+        val_file: str | None = None,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+        image_column: str = "image",
+        labels_column: str | None = "labels",
+        label_delimiter: str = " ",
+        classes: Sequence[str] | None = None,
+        image_dir: str = "",
+        delimiter: str | None = None,
+        on_bad_image: str = "error",
+    ) -> None:
+        super().__init__(transform, on_bad_image)
+        self.split = check_choice("csv split", split, SPLITS)
+        layout = (
+            f"{root}/{train_file} with columns {image_column!r} and labels, images under {root}/{image_dir}"
+        )
+        require_files(root, [train_file] + ([val_file] if val_file else []), layout)
+        if not val_file and not 0.0 <= val_fraction < 1.0:
+            raise DatasetConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
+
+        paths = {"train": resolve_path(root, train_file)}
+        if val_file:
+            paths["val"] = resolve_path(root, val_file)
+        tables = {key: read_table(path, delimiter) for key, path in paths.items()}
+
+        if classes is not None:
+            self.classes = list(classes)
+        elif labels_column is None:
+            self.classes = [name for name in tables["train"][0] if name != image_column]
+        else:
+            self.classes = _infer_names(tables, paths, labels_column, label_delimiter)
+        if not self.classes:
+            raise DatasetFormatError(f"{paths['train']}: no classes found")
+
+        source = "val" if split == "val" and val_file else "train"
+        header, rows = tables[source]
+        if labels_column is None:
+            labels = _one_hot_labels(header, rows, self.classes, paths[source])
+        else:
+            labels = _named_labels(header, rows, labels_column, label_delimiter, self.classes, paths[source])
+        column = _column(header, image_column, paths[source])
+        image_root = str(resolve_path(root, image_dir))
+        images = [os.path.join(image_root, row[column]) for row in rows]  # an absolute path stays as it is
+
+        if not val_file:
+            chosen = self._holdout(len(rows), val_fraction, seed, split)
+            labels, images = labels[chosen], [images[i] for i in chosen]
+        if not images:
+            raise DatasetFormatError(f"{paths[source]}: the {split} split is empty")
+        if not Path(images[0]).exists():
+            raise DatasetLayoutError(
+                f"missing {images[0]} (first image of {paths[source]}); expected: {layout}"
+            )
+        self.labels = torch.from_numpy(labels)
+        self.samples = [Sample(path) for path in images]
+
+    @staticmethod
+    def _holdout(count: int, val_fraction: float, seed: int, split: str) -> np.ndarray:
+        """Sorted row indices of ``split`` when ``round(val_fraction * count)`` random rows are held out."""
+        val_count = int(round(val_fraction * count))
+        if split == "val" and val_count == 0:
+            raise DatasetConfigError(
+                "the csv dataset has no validation data: set dataset.val_file or dataset.val_fraction > 0"
+            )
+        order = np.random.default_rng(seed).permutation(count)
+        return np.sort(order[:val_count] if split == "val" else order[val_count:])
+
+
+def _split_names(cell: str, label_delimiter: str) -> list[str]:
+    return [name.strip() for name in cell.split(label_delimiter) if name.strip()]
+
+
+def _infer_names(
+    tables: dict[str, tuple[list[str], list[list[str]]]],
+    paths: dict[str, Path],
+    labels_column: str,
+    label_delimiter: str,
+) -> list[str]:
+    """Sorted class names found in the labels column of every file."""
+    names: set[str] = set()
+    for key, (header, rows) in tables.items():
+        column = _column(header, labels_column, paths[key])
+        for row in rows:
+            names.update(_split_names(row[column], label_delimiter))
+    return sorted(names)
+
+
+def _named_labels(
+    header: list[str],
+    rows: list[list[str]],
+    labels_column: str,
+    label_delimiter: str,
+    classes: list[str],
+    path: Path,
+) -> np.ndarray:
+    """(rows, C) float32: 1 for the names listed in ``labels_column``, 0 elsewhere."""
+    column = _column(header, labels_column, path)
+    class_index = {name: i for i, name in enumerate(classes)}
+    row_ids: list[int] = []
+    col_ids: list[int] = []
+    for i, row in enumerate(rows):
+        for name in _split_names(row[column], label_delimiter):
+            if name not in class_index:
+                raise DatasetFormatError(
+                    f"{path}, line {i + 2}: label {name!r} is not one of the given classes"
+                )
+            row_ids.append(i)
+            col_ids.append(class_index[name])
+    labels = np.zeros((len(rows), len(classes)), dtype=np.float32)
+    labels[np.array(row_ids, int), np.array(col_ids, int)] = 1.0
+    return labels
+
+
+def _one_hot_labels(header: list[str], rows: list[list[str]], classes: list[str], path: Path) -> np.ndarray:
+    """(rows, C) float32 from one column per class: 1 / 0 / -1, an empty cell meaning -1."""
+    columns = [_column(header, name, path) for name in classes]
+    cells = np.array([[row[c] for c in columns] for row in rows], dtype=object).reshape(
+        len(rows), len(classes)
+    )
+    cells[cells == ""] = "-1"
+    try:
+        labels = cells.astype(np.float32)
+        valid = np.isin(labels, (1.0, 0.0, -1.0)).all()
+    except ValueError:
+        valid = False
+    if not valid:
+        for (line, col), cell in np.ndenumerate(cells):
+            if cell not in ("1", "0", "-1") and not _is_label_number(cell):
+                raise DatasetFormatError(
+                    f"{path}, line {line + 2}: column {classes[col]!r} holds {cell!r}; "
+                    "expected 1, 0, -1 or nothing"
+                )
+    return labels
+
+
+def _is_label_number(cell: str) -> bool:
+    try:
+        return float(cell) in (1.0, 0.0, -1.0)
+    except ValueError:
+        return False

@@ -1,0 +1,117 @@
+"""VISPR (Visual Privacy) attributes: 68 privacy attributes per image, ``a0_safe`` included.
+
+Layout (as the VISPR release unpacks)::
+
+    root/attributes.tsv                         idx, attribute_id, group, description (tab-separated)
+    root/{train2017,val2017,test2017}.txt       one annotation path per line, relative to root
+    root/annotations/<split>2017/<id>.json      {"id": ..., "image_path": "images/<split>2017/<id>.jpg",
+                                                 "labels": ["a0_safe", ...]}
+    root/images/<split>2017/<id>.jpg
+
+* classes: the ``attribute_id`` column, class index = the ``idx`` column;
+* labels: 1 for the attributes listed in ``labels``, 0 for the others (no unknown labels);
+* splits: ``train`` = train2017 + val2017 (14,167 images), ``test`` = test2017 (8,000); each list alone is
+  also a split (``train2017``, ``val2017``, ``test2017``).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mlcls.data.base import (
+    DatasetFormatError,
+    MultiLabelDataset,
+    Sample,
+    check_choice,
+    load_json,
+    require_files,
+)
+
+SPLIT_LISTS = {
+    "train": ("train2017", "val2017"),
+    "test": ("test2017",),
+    "train2017": ("train2017",),
+    "val2017": ("val2017",),
+    "test2017": ("test2017",),
+}
+
+
+def read_attributes(path: Path) -> list[str]:
+    """Attribute ids of a VISPR ``attributes.tsv``, ordered by its ``idx`` column (which must be 0..C-1)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    if not rows or not {"idx", "attribute_id"} <= rows[0].keys():
+        raise DatasetFormatError(f"{path}: expected tab-separated columns 'idx' and 'attribute_id'")
+    try:
+        by_index = {int(row["idx"]): row["attribute_id"].strip() for row in rows}
+    except (TypeError, ValueError) as exc:
+        raise DatasetFormatError(f"{path}: the 'idx' column must hold integers ({exc})") from exc
+    if sorted(by_index) != list(range(len(rows))):
+        raise DatasetFormatError(f"{path}: 'idx' must number the {len(rows)} attributes 0..{len(rows) - 1}")
+    return [by_index[i] for i in range(len(rows))]
+
+
+class VISPR(MultiLabelDataset):
+    """VISPR privacy attributes.
+
+    Args:
+        split: ``train`` (train2017 + val2017), ``test`` (test2017), or one list name.
+        transform: applied to the PIL image.
+        root: folder holding ``attributes.tsv``, the split lists, ``annotations/`` and ``images/``.
+        on_bad_image: ``"error"`` or ``"skip"``.
+    """
+
+    def __init__(
+        self,
+        split: str = "train",
+        transform: Callable | None = None,
+        root: str = "data/vispr",
+        on_bad_image: str = "error",
+    ) -> None:
+        super().__init__(transform, on_bad_image)
+        self.split = check_choice("VISPR split", split, tuple(SPLIT_LISTS))
+        lists = [f"{name}.txt" for name in SPLIT_LISTS[split]]
+        layout = (
+            f"{root}/attributes.tsv, {root}/{{train2017,val2017,test2017}}.txt listing "
+            "annotations/<split>2017/<id>.json, images in images/<split>2017/"
+        )
+        require_files(root, ["attributes.tsv", *lists], layout)
+        root_path = Path(root)
+
+        self.classes = read_attributes(root_path / "attributes.tsv")
+        class_index = {name: i for i, name in enumerate(self.classes)}
+        annotation_paths = [
+            line.strip() for name in lists for line in (root_path / name).read_text().splitlines()
+        ]
+        annotation_paths = [p for p in annotation_paths if p]
+        if annotation_paths:
+            require_files(root, annotation_paths[:1], layout)
+
+        rows: list[int] = []
+        cols: list[int] = []
+        samples = []
+        for row, rel in enumerate(annotation_paths):
+            annotation = load_json(root_path / rel)
+            try:
+                image_path, names = annotation["image_path"], annotation["labels"]
+            except (KeyError, TypeError) as exc:
+                raise DatasetFormatError(
+                    f"{root_path / rel}: expected keys 'image_path' and 'labels'"
+                ) from exc
+            for name in names:
+                if name not in class_index:
+                    raise DatasetFormatError(f"{root_path / rel}: label {name!r} is not in attributes.tsv")
+                rows.append(row)
+                cols.append(class_index[name])
+            samples.append(Sample(os.path.join(root, image_path)))
+
+        labels = np.zeros((len(samples), len(self.classes)), dtype=np.float32)
+        labels[np.array(rows, int), np.array(cols, int)] = 1.0
+        self.labels = torch.from_numpy(labels)
+        self.samples = samples

@@ -1,0 +1,122 @@
+"""PASCAL VOC 2007 / 2012 classification: an image is labelled with the classes of its objects.
+
+Layout (as ``VOCtrainval_*.tar`` / ``VOCtest_06-Nov-2007.tar`` unpack)::
+
+    root/VOCdevkit/VOC{year}/Annotations/<id>.xml
+    root/VOCdevkit/VOC{year}/JPEGImages/<id>.jpg
+    root/VOCdevkit/VOC{year}/ImageSets/Main/<split>.txt
+
+* classes: the 20 VOC classes in alphabetical order (:data:`VOC_CLASSES`);
+* labels come from each ``<object>``'s own ``<name>``; the ``<part><name>`` elements nested in VOC2012
+  person objects (head, hand, foot) are not labels;
+* difficult objects (``<difficult>1</difficult>``), for a class present in an image only through difficult
+  objects: ``difficult="ignore"`` -> -1 (unknown, the official classification protocol), ``"positive"`` -> 1,
+  ``"negative"`` -> 0. A class with at least one non-difficult object is always 1.
+
+Splits: VOC2007 ``trainval`` (5,011) / ``test`` (4,952); VOC2012 ``train`` (5,717) / ``val`` (5,823).
+"""
+
+from __future__ import annotations
+
+import os
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mlcls.data.base import (
+    DatasetFormatError,
+    DatasetLayoutError,
+    MultiLabelDataset,
+    Sample,
+    check_choice,
+    require_files,
+)
+
+VOC_CLASSES = (
+    "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "diningtable",
+    "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor",
+)  # fmt: skip
+SPLITS = {2007: ("train", "val", "trainval", "test"), 2012: ("train", "val", "trainval")}
+DIFFICULT_MODES = {"ignore": -1.0, "positive": 1.0, "negative": 0.0}
+
+
+class VOC(MultiLabelDataset):
+    """PASCAL VOC classification labels parsed from the detection XML files.
+
+    Args:
+        split: an ``ImageSets/Main`` list: ``trainval``/``test`` (2007), ``train``/``val`` (2012), ...
+        transform: applied to the PIL image.
+        root: folder holding ``VOCdevkit/``.
+        year: 2007 or 2012.
+        difficult: ``"ignore"``, ``"positive"`` or ``"negative"`` (see the module docstring).
+        on_bad_image: ``"error"`` or ``"skip"``.
+    """
+
+    def __init__(
+        self,
+        split: str = "trainval",
+        transform: Callable | None = None,
+        root: str = "data/voc",
+        year: int = 2007,
+        difficult: str = "ignore",
+        on_bad_image: str = "error",
+    ) -> None:
+        super().__init__(transform, on_bad_image)
+        year = int(check_choice("VOC year", str(year), tuple(map(str, SPLITS))))
+        self.split = check_choice(f"VOC{year} split", split, SPLITS[year])
+        difficult_value = DIFFICULT_MODES[check_choice("difficult mode", difficult, tuple(DIFFICULT_MODES))]
+        base = f"VOCdevkit/VOC{year}"
+        layout = f"{root}/{base}/{{Annotations/<id>.xml, JPEGImages/<id>.jpg, ImageSets/Main/{split}.txt}}"
+        require_files(
+            root, [f"{base}/ImageSets/Main/{split}.txt", f"{base}/Annotations", f"{base}/JPEGImages"], layout
+        )
+        voc_dir = Path(root) / base
+
+        image_ids = (voc_dir / "ImageSets/Main" / f"{split}.txt").read_text().split()
+        class_index = {name: i for i, name in enumerate(VOC_CLASSES)}
+        rows: list[int] = []
+        cols: list[int] = []
+        is_difficult: list[bool] = []
+        for row, image_id in enumerate(image_ids):
+            for name, difficult_flag in _objects(voc_dir / "Annotations" / f"{image_id}.xml", layout):
+                if name not in class_index:
+                    raise DatasetFormatError(
+                        f"{voc_dir / 'Annotations' / image_id}.xml: unknown class {name!r}"
+                    )
+                rows.append(row)
+                cols.append(class_index[name])
+                is_difficult.append(difficult_flag)
+
+        rows_a, cols_a, difficult_a = np.array(rows, int), np.array(cols, int), np.array(is_difficult, bool)
+        shape = (len(image_ids), len(VOC_CLASSES))
+        has_easy = np.zeros(shape, dtype=bool)
+        has_difficult = np.zeros(shape, dtype=bool)
+        has_easy[rows_a[~difficult_a], cols_a[~difficult_a]] = True
+        has_difficult[rows_a[difficult_a], cols_a[difficult_a]] = True
+        labels = np.where(has_easy, 1.0, np.where(has_difficult, difficult_value, 0.0)).astype(np.float32)
+
+        self.year = year
+        self.classes = list(VOC_CLASSES)
+        self.labels = torch.from_numpy(labels)
+        image_dir = str(voc_dir / "JPEGImages")
+        self.samples = [Sample(os.path.join(image_dir, f"{i}.jpg")) for i in image_ids]
+
+
+def _objects(xml_path: Path, layout: str) -> list[tuple[str, bool]]:
+    """``(class name, difficult)`` of every top-level ``<object>`` of a VOC annotation file."""
+    try:
+        tree = ET.parse(xml_path)
+    except FileNotFoundError as exc:
+        raise DatasetLayoutError(f"missing {xml_path}; expected layout: {layout}") from exc
+    except ET.ParseError as exc:
+        raise DatasetFormatError(f"cannot parse {xml_path}: {exc}") from exc
+    objects = []
+    for obj in tree.getroot().findall("object"):
+        name = obj.findtext("name")  # direct child only: <part><name> is not reached
+        if name is None:
+            raise DatasetFormatError(f"{xml_path}: an <object> has no <name>")
+        objects.append((name.strip(), (obj.findtext("difficult") or "0").strip() == "1"))
+    return objects

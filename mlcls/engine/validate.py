@@ -1,0 +1,88 @@
+"""Checks of the resolved config, run before any data is read or any process group is joined."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+AMP_MODES = ("none", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """The resolved configuration is invalid; the message says which key and what is expected."""
+
+
+def _positive(value, key: str, integer: bool = False) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) if integer else isinstance(value, (int, float))
+    if not ok or value <= 0:
+        kind = "a positive integer" if integer else "a positive number"
+        raise ConfigError(f"{key}={value!r}; expected {kind}")
+
+
+def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` with a one-line message for the first invalid setting.
+
+    ``world_size`` defaults to the ``WORLD_SIZE`` torchrun sets (1 without torchrun).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    t = cfg.trainer
+    for key in ("epochs", "batch_size", "eval_every", "log_every", "keep_checkpoints", "max_nonfinite"):
+        _positive(t[key], f"trainer.{key}", integer=True)
+    if not isinstance(t.workers, int) or t.workers < 0:
+        raise ConfigError(f"trainer.workers={t.workers!r}; expected an integer >= 0")
+    for key in ("limit_train_batches", "limit_val_batches"):
+        if t[key] is not None:
+            _positive(t[key], f"trainer.{key}", integer=True)
+    if t.amp not in AMP_MODES:
+        raise ConfigError(f"trainer.amp={t.amp!r}; expected one of {', '.join(AMP_MODES)}")
+    if t.device not in DEVICES:
+        raise ConfigError(f"trainer.device={t.device!r}; expected one of {', '.join(DEVICES)}")
+    on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+    if t.amp == "fp16" and not on_cuda:
+        raise ConfigError("trainer.amp=fp16 needs CUDA; on the CPU use trainer.amp=none")
+    if t.ema_decay is not None and not 0.0 < t.ema_decay < 1.0:
+        raise ConfigError(f"trainer.ema_decay={t.ema_decay!r}; expected a number in (0, 1), or null for no EMA")
+    if t.grad_clip is not None:
+        _positive(t.grad_clip, "trainer.grad_clip")
+    if t.resume not in (None, "auto") and not Path(t.resume).is_file():
+        raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint file (or use trainer.resume=auto)")
+    if t.resume == "auto" and not t.output_dir:
+        raise ConfigError("trainer.resume=auto needs trainer.output_dir=<run dir> to know which run to resume")
+
+    if t.batch_size % world_size:
+        raise ConfigError(
+            f"trainer.batch_size={t.batch_size} does not divide over {world_size} processes; "
+            "use a multiple of the world size"
+        )
+    local_batch = t.batch_size // world_size
+    bucket = cfg.loss.get("bucket_size")
+    if bucket is not None:
+        _positive(bucket, "loss.bucket_size", integer=True)
+        if local_batch % bucket:
+            raise ConfigError(
+                f"loss.bucket_size={bucket} does not divide the per-process batch {local_batch} "
+                f"(trainer.batch_size={t.batch_size} over {world_size} processes)"
+            )
+    if cfg.loss.get("gather") and world_size == 1:
+        raise ConfigError("loss.gather=true needs several processes (torchrun); without DDP it changes nothing")
+
+    _positive(cfg.dataset.image_size, "dataset.image_size", integer=True)
+    for key in ("lr_head", "lr_backbone"):
+        if not isinstance(cfg.optim[key], (int, float)) or cfg.optim[key] < 0:
+            raise ConfigError(f"optim.{key}={cfg.optim[key]!r}; expected a number >= 0")
+    if cfg.optim.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={cfg.optim.weight_decay!r}; expected a number >= 0")
+
+    # The loss checks its own arguments (tp > 0, known ways, ...): building it costs nothing.
+    try:
+        instantiate(cfg.loss)
+    except Exception as exc:
+        cause = exc.__cause__ or exc
+        raise ConfigError(f"loss={cfg.loss.get('name')}: {cause}") from None

@@ -1,0 +1,179 @@
+"""Export a checkpoint's network to TorchScript or ONNX, with its class names and preprocessing inside.
+
+Both formats take ``images``, a float32 (B, 3, H, W) batch already preprocessed as the metadata's
+``preprocess`` spec says (resize, crop, scale to [0, 1], normalise; see :mod:`mlcls.inference.preprocess`),
+any batch size B, and return ``logits`` (B, C). The metadata (:func:`export_metadata`) travels in the file:
+
+* TorchScript: the extra file ``mlcls.json`` (``torch.jit.load(path, _extra_files={"mlcls.json": ""})``);
+* ONNX: ``metadata_props``, one entry per top-level key, each value JSON-encoded (onnxruntime:
+  ``session.get_modelmeta().custom_metadata_map``).
+
+:func:`read_metadata` reads either back. Thresholds are logits and may be ``-Infinity`` (a class that is
+always predicted), which Python's ``json`` reads; ``null`` when the checkpoint has none.
+
+The TorchScript module is traced (``torch.jit.trace``; timm networks have no data-dependent control
+flow). ONNX uses the TorchScript-based exporter of ``torch.onnx`` (``dynamo=False``), which needs only the
+``onnx`` package (``pip install mlcls[export]``), with a dynamic batch axis.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mlcls import __version__
+from mlcls.engine.checkpoint import _atomic_write
+from mlcls.inference.errors import InferenceError
+from mlcls.inference.predictor import InferenceModel, load_inference_model
+from mlcls.inference.preprocess import input_size
+
+log = logging.getLogger("mlcls")
+
+EXPORT_FORMATS = ("torchscript", "onnx")
+SUFFIXES = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
+TORCHSCRIPT_METADATA = "mlcls.json"
+INPUT_NAME, OUTPUT_NAME = "images", "logits"
+
+
+def export_metadata(inference: InferenceModel) -> dict[str, Any]:
+    """Everything a deployment needs besides the weights: classes, preprocessing, thresholds, I/O layout."""
+    height, width = input_size(inference.preprocess)
+    thresholds = None if inference.thresholds is None else inference.thresholds.tolist()
+    return {
+        "mlcls_version": __version__,
+        "classes": inference.classes,
+        "preprocess": inference.preprocess,
+        "thresholds": thresholds,
+        "input": {
+            "name": INPUT_NAME,
+            "shape": ["batch", 3, height, width],
+            "dtype": "float32",
+            "description": "RGB images after the preprocess steps, NCHW",
+        },
+        "output": {
+            "name": OUTPUT_NAME,
+            "shape": ["batch", len(inference.classes)],
+            "dtype": "float32",
+            "description": "per-class logits; probability = sigmoid(logit); class c is predicted when "
+            "logit >= thresholds[c] (probability >= 0.5 when thresholds is null)",
+        },
+        "model": (inference.config.get("model") or {}).get("name"),
+        "checkpoint": str(inference.checkpoint),
+    }
+
+
+def example_input(inference: InferenceModel, batch_size: int = 2, seed: int = 0) -> torch.Tensor:
+    """A random float32 (batch_size, 3, H, W) input of the model's size, reproducible from ``seed``."""
+    height, width = input_size(inference.preprocess)
+    return torch.randn(batch_size, 3, height, width, generator=torch.Generator().manual_seed(seed))
+
+
+def export_torchscript(model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, Any]) -> None:
+    """Trace ``model`` (eval mode) on ``example``; save it atomically with ``metadata`` as an extra file."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)  # "torch.jit is deprecated"
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        traced = torch.jit.trace(model.eval(), example)
+        extra = {TORCHSCRIPT_METADATA: json.dumps(metadata)}
+        _atomic_write(path, lambda f: torch.jit.save(traced, f, _extra_files=extra))
+
+
+def export_onnx(
+    model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, Any], opset: int = 17
+) -> None:
+    """Export ``model`` (eval mode) to ONNX with a dynamic batch axis and ``metadata`` in metadata_props."""
+    try:
+        import onnx
+    except ImportError as exc:
+        raise InferenceError("ONNX export needs the onnx package: pip install mlcls[export]") from exc
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)  # the TorchScript-based exporter
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        torch.onnx.export(
+            model.eval(),
+            (example,),
+            buffer,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+            opset_version=opset,
+            dynamo=False,
+        )
+    proto = onnx.load_from_string(buffer.getvalue())
+    for key, value in metadata.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, json.dumps(value)
+    data = proto.SerializeToString()
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata stored by :func:`export_torchscript` or :func:`export_onnx` in ``path``."""
+    path = Path(path)
+    if path.suffix == ".onnx":
+        import onnx
+
+        proto = onnx.load(str(path), load_external_data=False)
+        return {entry.key: json.loads(entry.value) for entry in proto.metadata_props}
+    extra = {TORCHSCRIPT_METADATA: ""}
+    torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+    return json.loads(extra[TORCHSCRIPT_METADATA])
+
+
+def run_exported(path: str | Path, images: torch.Tensor) -> torch.Tensor | None:
+    """Logits of the exported model at ``path`` on ``images``; None for ONNX without onnxruntime."""
+    path = Path(path)
+    if path.suffix == ".onnx":
+        try:
+            import onnxruntime
+        except ImportError:
+            return None
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: images.numpy()})[0])
+    with torch.no_grad():
+        return torch.jit.load(str(path), map_location="cpu")(images)
+
+
+def default_output_path(checkpoint: str | Path, fmt: str) -> Path:
+    """``<checkpoint dir>/<checkpoint stem>.onnx`` or ``.torchscript.pt``."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.with_name(checkpoint.stem + SUFFIXES[fmt])
+
+
+def export_checkpoint(
+    checkpoint: str | Path, fmt: str, out: str | Path | None = None, opset: int = 17, verify: bool = True
+) -> tuple[Path, float | None]:
+    """Export ``checkpoint`` to ``fmt`` (one of :data:`EXPORT_FORMATS`) at ``out`` (default beside it).
+
+    With ``verify`` the exported file is run on a random batch of 3 (a batch size other than the traced
+    one) and compared with the PyTorch model. Returns the path written and the largest absolute logit
+    difference (None when not verified, or ONNX without onnxruntime).
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise InferenceError(f"format={fmt!r}; expected one of {', '.join(EXPORT_FORMATS)}")
+    inference = load_inference_model(checkpoint, device="cpu")
+    path = Path(out) if out else default_output_path(checkpoint, fmt)
+    metadata = export_metadata(inference)
+    example = example_input(inference)
+    if fmt == "torchscript":
+        export_torchscript(inference.model, example, path, metadata)
+    else:
+        export_onnx(inference.model, example, path, metadata, opset)
+    if not verify:
+        return path, None
+    images = example_input(inference, batch_size=3, seed=1)
+    exported = run_exported(path, images)
+    if exported is None:
+        log.info("onnxruntime is not installed: %s not verified (pip install mlcls[export])", path)
+        return path, None
+    with torch.no_grad():
+        expected = inference.model(images)
+    return path, (exported - expected).abs().max().item()

@@ -1,0 +1,229 @@
+"""Labels for new images: load a checkpoint once, then score files, folders or globs in batches.
+
+The checkpoint (``last.pt`` or ``best.pt``) carries everything needed -- weights, class names, model config,
+preprocessing (:mod:`mlcls.inference.preprocess`) and, when the trainer calibrated them, per-class
+thresholds (:mod:`mlcls.inference.thresholds`) -- so no dataset config is read.
+
+Images are decoded as RGB exactly as the datasets decode them (no EXIF rotation, like training). An
+unreadable file (missing, corrupt, not an image) is reported in the ``unreadable`` list and skipped.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from PIL import Image
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from mlcls.data.base import BAD_IMAGE_ERRORS
+from mlcls.engine.checkpoint import load_checkpoint
+from mlcls.engine.distributed import resolve_device
+from mlcls.inference.errors import InferenceError
+from mlcls.inference.preprocess import build_eval_transform, spec_from_checkpoint
+from mlcls.inference.thresholds import select_labels
+
+# Files a directory search picks up (case-insensitive); a file or glob given explicitly is always tried.
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
+)
+
+
+def find_images(sources: str | Path | Sequence[str | Path]) -> list[Path]:
+    """The image files named by ``sources``, each once, in the order given.
+
+    Each source is a file (taken as is), a directory (searched recursively for :data:`IMAGE_EXTENSIONS`,
+    sorted) or a glob pattern (``**`` matches nested folders; the matching files, sorted). A source that
+    matches nothing contributes nothing; the caller decides whether an empty result is an error.
+    """
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    found: dict[Path, None] = {}
+    for source in sources:
+        path = Path(source).expanduser()
+        if path.is_file():
+            found[path] = None
+        elif path.is_dir():
+            for file in sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS):
+                if file.is_file():
+                    found[file] = None
+        else:
+            for match in sorted(glob.glob(str(path), recursive=True)):
+                if Path(match).is_file():
+                    found[Path(match)] = None
+    return list(found)
+
+
+@dataclass
+class InferenceModel:
+    """A trained model ready to score images, with what it needs to interpret them.
+
+    ``thresholds`` is the (C,) float64 tensor of calibrated per-class logit thresholds, or None when the
+    checkpoint has none.
+    """
+
+    model: nn.Module
+    classes: list[str]
+    preprocess: dict[str, Any]
+    thresholds: torch.Tensor | None
+    config: dict[str, Any]
+    checkpoint: Path
+    device: torch.device
+
+
+def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
+    """The network of a run's resolved ``config`` with ``num_classes`` outputs, randomly initialised.
+
+    Nothing is downloaded: the checkpoint's weights are loaded afterwards.
+    """
+    if not isinstance(config.get("model"), dict):
+        raise InferenceError("the checkpoint's config has no model section; is it an mlcls checkpoint?")
+    try:
+        return instantiate(
+            OmegaConf.create(config["model"]), num_classes=num_classes, pretrained=False, checkpoint_path=None
+        )
+    except InstantiationException as exc:
+        raise InferenceError(f"cannot build the checkpoint's model: {exc.__cause__ or exc}") from exc
+
+
+def load_inference_model(path: str | Path, device: str | torch.device = "auto") -> InferenceModel:
+    """Load ``path`` (``last.pt`` or ``best.pt``) in eval mode on ``device`` (auto: CUDA when available)."""
+    state = load_checkpoint(path, map_location="cpu")
+    classes = state.get("classes")
+    if not classes:
+        raise InferenceError(f"{path} has no class names ('classes'); is it an mlcls checkpoint?")
+    config = state.get("config") or {}
+    model = build_model(config, len(classes))
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        first_line = str(exc).splitlines()[0]
+        raise InferenceError(f"{path}: weights do not fit the config's model ({first_line})") from exc
+    thresholds = state.get("thresholds")
+    if thresholds is not None:
+        thresholds = torch.as_tensor(thresholds, dtype=torch.float64).flatten()
+        if thresholds.numel() != len(classes):
+            raise InferenceError(f"{path} holds {thresholds.numel()} thresholds for {len(classes)} classes")
+    if not isinstance(device, torch.device):
+        try:
+            device = resolve_device(device)
+        except (ValueError, RuntimeError) as exc:
+            raise InferenceError(str(exc).replace("trainer.device", "device")) from exc
+    return InferenceModel(
+        model=model.eval().to(device),
+        classes=list(classes),
+        preprocess=spec_from_checkpoint(state),
+        thresholds=thresholds,
+        config=config,
+        checkpoint=Path(path),
+        device=device,
+    )
+
+
+class ImageFiles(Dataset):
+    """``(index, tensor, None)`` for a readable image, ``(index, None, reason)`` for an unreadable one."""
+
+    def __init__(self, paths: Sequence[Path], transform: Any) -> None:
+        self.paths = list(paths)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor | None, str | None]:
+        try:
+            with Image.open(self.paths[index]) as img:
+                image = img.convert("RGB")
+        except BAD_IMAGE_ERRORS as exc:
+            return index, None, f"{type(exc).__name__}: {exc}"
+        return index, self.transform(image), None
+
+
+def _collate(
+    batch: list[tuple[int, torch.Tensor | None, str | None]],
+) -> tuple[torch.Tensor | None, list[int], list[tuple[int, str]]]:
+    readable = [(index, image) for index, image, _ in batch if image is not None]
+    images = torch.stack([image for _, image in readable]) if readable else None
+    return images, [index for index, _ in readable], [(i, why) for i, image, why in batch if image is None]
+
+
+@torch.no_grad()
+def predict_logits(
+    inference: InferenceModel, paths: Sequence[Path], batch_size: int = 32, workers: int = 0
+) -> tuple[torch.Tensor, list[Path], list[tuple[Path, str]]]:
+    """Logits (M, C) float32 on the CPU of the M readable images among ``paths``, those paths in order,
+    and the unreadable ``(path, reason)`` pairs."""
+    if batch_size < 1:
+        raise InferenceError(f"batch_size must be at least 1, got {batch_size}")
+    loader = DataLoader(
+        ImageFiles(paths, build_eval_transform(inference.preprocess)),
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=_collate,
+        pin_memory=inference.device.type == "cuda",
+    )
+    logits, kept, unreadable = [], [], []
+    for images, indices, failures in loader:
+        unreadable += [(paths[i], reason) for i, reason in failures]
+        if images is None:
+            continue
+        logits.append(inference.model(images.to(inference.device, non_blocking=True)).float().cpu())
+        kept += [paths[i] for i in indices]
+    if not logits:
+        return torch.empty(0, len(inference.classes)), kept, unreadable
+    return torch.cat(logits), kept, unreadable
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The labels of one image: ``(class name, probability)`` pairs by decreasing probability."""
+
+    image: str
+    labels: list[tuple[str, float]]
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"image": path, "labels": [{"label": name, "score": probability}, ...]}``."""
+        return {"image": self.image, "labels": [{"label": n, "score": round(s, 6)} for n, s in self.labels]}
+
+
+def predict_images(
+    inference: InferenceModel,
+    paths: Sequence[Path],
+    batch_size: int = 32,
+    workers: int = 0,
+    threshold: float | None = None,
+    top_k: int | None = None,
+) -> tuple[list[Prediction], list[tuple[Path, str]]]:
+    """The :class:`Prediction` of every readable image of ``paths``, and the unreadable ``(path, reason)``.
+
+    Labels are chosen by :func:`mlcls.inference.thresholds.select_labels` (``top_k`` / ``threshold`` if
+    given, else the checkpoint's calibrated thresholds, else probability 0.5); scores are
+    ``sigmoid(logit)``.
+    """
+    logits, kept, unreadable = predict_logits(inference, paths, batch_size, workers)
+    chosen = select_labels(logits, inference.thresholds, threshold, top_k)
+    probabilities = torch.sigmoid(logits.double())
+    predictions = []
+    for path, row, probs in zip(kept, chosen, probabilities, strict=True):
+        columns = sorted(torch.nonzero(row).flatten().tolist(), key=lambda c: -probs[c].item())
+        labels = [(inference.classes[c], probs[c].item()) for c in columns]
+        predictions.append(Prediction(str(path), labels))
+    return predictions, unreadable
+
+
+def format_table(predictions: Sequence[Prediction], max_path_width: int = 60) -> str:
+    """A plain-text table: one row per image, its labels with probabilities (``-`` when none)."""
+    width = min(max([len("image"), *(len(p.image) for p in predictions)]), max_path_width)
+    rows = [f"{'image':<{width}}  labels (probability)"]
+    for prediction in predictions:
+        labels = "  ".join(f"{name} {score:.3f}" for name, score in prediction.labels) or "-"
+        rows.append(f"{prediction.image:<{width}}  {labels}")
+    return "\n".join(rows)

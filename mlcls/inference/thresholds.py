@@ -1,0 +1,120 @@
+"""Decision rules that turn logits into labels: per-class calibrated thresholds, a global threshold, top-k.
+
+Per-class thresholds are *logit* thresholds ``t_c``: class ``c`` is predicted for a sample when
+``logit_c >= t_c`` (compared in float64). :func:`calibrate_thresholds` chooses each ``t_c`` to maximise the
+class's F1 on validation scores::
+
+    F1_c(t) = 2 TP_c(t) / (2 TP_c(t) + FP_c(t) + FN_c(t)) = 2 TP_c(t) / (TP_c(t) + FP_c(t) + P_c)
+
+where ``P_c`` is the number of positives of class ``c`` and samples labelled -1 are ignored (neither
+positives nor negatives). The maximisation is exact: every *cut point* -- between two consecutive
+distinct scores of the sorted column, or after the lowest one -- is evaluated at once (one sort and
+cumulative sums per column, all classes together). Rules:
+
+* ties -- samples with equal scores are always on the same side of a threshold (a cut never splits them);
+* several cut points reaching the maximal F1 -- the *highest* threshold is taken (fewest predictions);
+* the returned threshold lies halfway between the scores either side of the chosen cut, so a score near
+  the boundary on new data is decided by the nearer validation score; if the best cut keeps every sample
+  of the column, the threshold is ``-inf`` (the class is always predicted);
+* a class without any positive (F1 undefined) gets ``no_positive`` (default 0.0, i.e. the uncalibrated
+  sigmoid-probability 0.5 rule), and a log line names it.
+
+:func:`select_labels` applies the precedence used by ``mlcls-predict``: a global probability
+``threshold`` or ``top_k`` if given, else the calibrated per-class thresholds, else probability 0.5.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mlcls.metrics import threshold_predictions, top_k_predictions
+from mlcls.metrics.ap import check_scores_labels
+
+log = logging.getLogger("mlcls")
+
+
+def calibrate_thresholds(
+    scores: torch.Tensor, labels: torch.Tensor, no_positive: float = 0.0
+) -> torch.Tensor:
+    """Per-class logit thresholds maximising each class's F1 on ``scores`` (see the module docstring).
+
+    Args:
+        scores: (N, C) logits of the validation set (any real dtype, CPU or CUDA).
+        labels: (N, C) with 1 = positive, 0 = negative, -1 = ignored.
+        no_positive: the threshold of a class without any positive label.
+
+    Returns:
+        float64 tensor (C,) on ``scores.device``; entries may be ``-inf`` (class always predicted).
+    """
+    check_scores_labels(scores, labels)
+    if scores.shape[0] == 0:
+        raise ValueError("cannot calibrate thresholds on zero samples")
+    scores = scores.detach().to(torch.float64).T  # (C, N): one column per row
+    labels = labels.to(scores.device).T
+    minus_inf = torch.tensor(-torch.inf, dtype=torch.float64, device=scores.device)
+    # Ignored samples go to the end of the sorted list, where they change no count before any real cut.
+    scores = torch.where(labels >= 0, scores, minus_inf)
+    sorted_scores, order = torch.sort(scores, dim=1, descending=True)
+    sorted_labels = labels.gather(1, order)
+    true_pos = (sorted_labels == 1).cumsum(1).to(torch.float64)
+    false_pos = (sorted_labels == 0).cumsum(1).to(torch.float64)
+    positives = true_pos[:, -1:]
+    next_scores = torch.cat([sorted_scores[:, 1:], minus_inf.expand(len(scores), 1)], dim=1)
+    is_cut = sorted_scores != next_scores
+    is_cut[:, -1] = True
+    f1 = 2 * true_pos / (true_pos + false_pos + positives).clamp_min(1)
+    best = torch.where(is_cut, f1, -1.0).argmax(1, keepdim=True)  # argmax returns the first maximum
+    above, below = sorted_scores.gather(1, best), next_scores.gather(1, best)
+    threshold = above / 2 + below / 2
+    # float64 rounding of the midpoint of two adjacent float64 scores: keep the cut on the right side
+    threshold = torch.where((threshold <= below) & (below > -torch.inf), above, threshold).squeeze(1)
+    has_positive = positives.squeeze(1) > 0
+    if not has_positive.all():
+        missing = torch.nonzero(~has_positive).flatten().tolist()
+        log.info(
+            "thresholds: %d classes without a positive validation label keep %s: %s",
+            len(missing),
+            no_positive,
+            missing[:20],
+        )
+    return torch.where(has_positive, threshold, float(no_positive))
+
+
+def select_labels(
+    scores: torch.Tensor,
+    thresholds: torch.Tensor | None = None,
+    threshold: float | None = None,
+    top_k: int | None = None,
+) -> torch.Tensor:
+    """The predicted labels (bool (N, C)) of logits ``scores`` (N, C) under the first applicable rule:
+
+    1. ``top_k`` given: the ``top_k`` highest-scoring classes of each sample (ties: lower class index
+       first), restricted to those with ``sigmoid(score) >= threshold`` when ``threshold`` is also given;
+    2. ``threshold`` given: ``sigmoid(score) >= threshold``, one probability for every class;
+    3. ``thresholds`` (C,) given: ``score >= thresholds[c]``, the per-class logit thresholds of
+       :func:`calibrate_thresholds`;
+    4. otherwise ``sigmoid(score) >= 0.5``.
+    """
+    if top_k is not None:
+        chosen = top_k_predictions(scores, top_k)
+        return chosen & threshold_predictions(scores, threshold) if threshold is not None else chosen
+    if threshold is not None:
+        return threshold_predictions(scores, threshold)
+    if thresholds is not None:
+        if thresholds.shape != scores.shape[1:]:
+            raise ValueError(f"{tuple(thresholds.shape)} thresholds for {scores.shape[1]} score columns")
+        return scores.detach().to(torch.float64) >= thresholds.to(scores.device, torch.float64)
+    return threshold_predictions(scores, 0.5)
+
+
+def describe_rule(thresholds: torch.Tensor | None, threshold: float | None, top_k: int | None) -> str:
+    """One line naming the rule :func:`select_labels` applies for these arguments."""
+    if top_k is not None:
+        return f"top {top_k}" + (f" with probability >= {threshold}" if threshold is not None else "")
+    if threshold is not None:
+        return f"probability >= {threshold} for every class"
+    if thresholds is not None:
+        return "per-class thresholds calibrated on the validation set (max F1)"
+    return "probability >= 0.5 (the checkpoint has no calibrated thresholds)"

@@ -1,0 +1,188 @@
+"""Pieces shared by the losses: input checks, masked log-sum-exp, buckets, the DDP gather.
+
+Conventions used throughout :mod:`mlcls.losses`:
+
+* ``logits`` (B, C) of any float dtype are computed on in float32 (float64 stays float64), with autocast
+  disabled inside the loss;
+* ``targets`` (B, C) hold 1 = positive, 0 = negative, -1 = unknown. An unknown entry is *excluded*: it
+  is in neither the positive nor the negative set, so it enters no sum, no log-sum-exp and no count;
+* a set that is empty contributes ``log-sum-exp = -inf`` (``sum_{empty} exp = 0``), never a finite
+  stand-in such as adding -100 to a logit, which leaks once logit gaps exceed 100.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+WAYS = ("both", "sample", "class")
+# Inside a bucket tensor (K, M, C): a sample's logits lie along dim 2, a class's logits along dim 1.
+WAY_DIMS: dict[str, tuple[int, ...]] = {"sample": (2,), "class": (1,), "both": (2, 1)}
+
+LineDims = int | tuple[int, ...]
+
+
+def check_positive(**values: float) -> None:
+    """Raise ``ValueError`` unless every keyword value is > 0 (temperatures, eps, ...)."""
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def check_ways(ways: str) -> tuple[int, ...]:
+    """Return the bucket dims of ``ways`` ("both" | "sample" | "class"), or raise ``ValueError``."""
+    if ways not in WAY_DIMS:
+        raise ValueError(f"ways must be one of {', '.join(map(repr, WAYS))}; got {ways!r}")
+    return WAY_DIMS[ways]
+
+
+def prepare(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Check ``logits``/``targets`` (B, C) and return ``(logits, targets)`` in the compute dtype.
+
+    The compute dtype is float32, or float64 for float64 logits. Raises ``ValueError`` on a shape
+    mismatch, a non-2-D input, or a label outside {1, 0, -1} (soft labels are not supported).
+    """
+    if logits.ndim != 2 or logits.shape != targets.shape:
+        raise ValueError(
+            f"logits and targets must both be (B, C); got {tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    targets = targets.to(dtype)
+    if not ((targets == 1) | (targets == 0) | (targets == -1)).all():
+        raise ValueError("targets must hold only 1 (positive), 0 (negative) and -1 (unknown)")
+    return logits.to(dtype), targets
+
+
+def shifted_exp(masked: Tensor, dim: LineDims) -> tuple[Tensor, Tensor, Tensor]:
+    """``exp(masked - shift)``, its sum along ``dim`` and ``shift``, for a stable masked log-sum-exp.
+
+    ``masked`` holds -inf outside the set being summed. ``shift`` is the line maximum (0 on a line with
+    no entry in the set), so every exponent is <= 0 and the sum is >= 1 on a non-empty line, 0 on an
+    empty one. ``shift`` carries no gradient: the log-sum-exp does not depend on it.
+    """
+    shift = masked.detach().amax(dim, keepdim=True)
+    shift = torch.where(shift == float("-inf"), 0.0, shift)
+    exp = (masked - shift).exp()
+    return exp, exp.sum(dim, keepdim=True), shift
+
+
+def log_total(total: Tensor, shift: Tensor) -> Tensor:
+    """``log(total) + shift`` with -inf where ``total == 0``, and a zero (not NaN) gradient there."""
+    tiny = torch.finfo(total.dtype).tiny
+    return torch.where(total > 0, total.clamp_min(tiny).log() + shift, float("-inf"))
+
+
+def masked_logsumexp(values: Tensor, mask: Tensor, dim: LineDims) -> Tensor:
+    """``log sum_{mask} exp(values)`` along ``dim`` (kept as size 1); -inf on a line with no entry in mask.
+
+    Entries outside ``mask`` are truly excluded: their value never reaches the result and their gradient
+    is exactly 0, whatever their magnitude.
+    """
+    _, total, shift = shifted_exp(values.masked_fill(~mask, float("-inf")), dim)
+    return log_total(total, shift)
+
+
+def line_weights(valid: Tensor, dtype: torch.dtype) -> Tensor:
+    """Weights that turn a sum over lines into "mean over valid lines per bucket, then mean over buckets".
+
+    ``valid`` is (K, M, 1) for sample lines, (K, 1, C) for class lines or (K, 1, 1) for whole buckets;
+    the result has its shape and ``dtype``: ``valid / (number of valid lines of the bucket * K)``, so a
+    bucket without a valid line contributes 0 and still counts among the K buckets.
+    """
+    buckets = valid.shape[0]
+    count = valid.flatten(1).sum(1).clamp(min=1).view(-1, 1, 1)
+    return valid.to(dtype) / (count * buckets)
+
+
+def split_buckets(tensor: Tensor, bucket_size: int | None) -> Tensor:
+    """View (B, C) as (K, M, C): K consecutive buckets of M = ``bucket_size`` rows (None: one bucket)."""
+    rows, classes = tensor.shape
+    size = rows if bucket_size is None else bucket_size
+    if rows % size != 0:
+        raise ValueError(f"bucket_size={size} must divide the batch size {rows}")
+    return tensor.view(rows // size, size, classes)
+
+
+def gather_batch(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Concatenate every rank's rows, in rank order; gradients flow back to each rank's ``logits``.
+
+    Uses the autograd-aware ``torch.distributed.nn.functional.all_gather``, whose backward *sums* the
+    gradients that all ranks send to a rank's slice. Every rank computes the same loss on the same
+    global batch, so that sum is ``world_size`` times the gradient of the global loss, and DDP's
+    averaging over ranks divides it back: the parameter gradient equals that of one process training
+    on the concatenated batch. Every rank must hold the same number of rows.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("gather=True needs torch.distributed initialised (run under torchrun)")
+    world = dist.get_world_size()
+    if world == 1:
+        return logits, targets
+    from torch.distributed.nn.functional import all_gather
+
+    sizes = [torch.zeros(1, dtype=torch.long, device=logits.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([logits.shape[0]], device=logits.device))
+    if len({int(size) for size in sizes}) > 1:
+        raise ValueError(
+            f"gather=True needs the same batch size on every rank; got {[int(s) for s in sizes]}"
+        )
+    target_parts = [torch.empty_like(targets) for _ in range(world)]
+    dist.all_gather(target_parts, targets.contiguous())
+    return torch.cat(all_gather(logits.contiguous())), torch.cat(target_parts)
+
+
+class MultiLabelLoss(nn.Module):
+    """Base of every loss here: ``forward`` checks the inputs, casts them to the compute dtype and calls
+    :meth:`compute` with autocast disabled."""
+
+    def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """logits (B, C), targets (B, C) in {1, 0, -1} -> scalar."""
+        with torch.autocast(device_type=logits.device.type, enabled=False):
+            return self.compute(*prepare(logits, targets))
+
+    def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """logits (B, C) float32/float64, targets (B, C) of the same dtype -> scalar."""
+        raise NotImplementedError
+
+
+class BucketedLoss(MultiLabelLoss):
+    """Base of the losses computed per bucket of rows (Sec. 2.4, footnote 1 of the paper).
+
+    :meth:`compute` gathers the global batch when ``gather`` is set, splits the rows into K consecutive
+    buckets of ``bucket_size`` and calls :meth:`bucket_loss`, which returns the mean over buckets.
+
+    Args:
+        bucket_size: rows per bucket, M; must divide the batch size (of the gathered batch when
+            ``gather``). ``None``: one bucket of the whole (local, or gathered) batch.
+        gather: under DDP, compute the loss on the global batch of all ranks (see :func:`gather_batch`).
+    """
+
+    def __init__(self, bucket_size: int | None = None, gather: bool = False) -> None:
+        super().__init__()
+        if bucket_size is not None and bucket_size < 1:
+            raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size}")
+        self.bucket_size = bucket_size
+        self.gather = gather
+
+    def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
+        if self.gather:
+            logits, targets = gather_batch(logits, targets)
+        targets = split_buckets(targets, self.bucket_size)
+        return self.bucket_loss(split_buckets(logits, self.bucket_size), targets == 1, targets == 0)
+
+    def bucket_loss(self, logits: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
+        """logits, positive, negative (K, M, C) -> scalar mean over the K buckets."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"bucket_size={self.bucket_size}, gather={self.gather}"
+
+
+def reduce_lines(per_line: Tensor, valid: Tensor) -> Tensor:
+    """Mean of ``per_line`` over valid lines per bucket, then over buckets (see :func:`line_weights`).
+
+    Invalid lines are dropped with ``where`` (their value may be -inf or NaN), not multiplied by 0.
+    """
+    return (torch.where(valid, per_line, 0.0) * line_weights(valid, per_line.dtype)).sum()

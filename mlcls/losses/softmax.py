@@ -1,0 +1,110 @@
+"""Softmax cross-entropy with normalised multi-label targets (paper eq. 18) and its spherical-family variants.
+
+All three losses are eq. 18 with a different normalised score ``f_c = g(x_c) / sum_{c'} g(x_{c'})``::
+
+    l(line) = -sum_c y~_c log f_c = log sum_{c known} g(x_c) - (1 / |P|) sum_{p in P} log g(x_p)
+
+with ``y~_c = y_c / |P|`` the label normalised to sum 1 over the line's positives P, and the sum in the
+denominator over the line's known entries (positives and negatives; unknown entries are excluded from
+both). The scores ``g``:
+
+* softmax: ``g(x) = exp(x)`` (eq. 18);
+* Taylor softmax: ``g(x) = 1 + x + x^2 / 2``, the second-order Taylor expansion of exp, always >= 1/2;
+* spherical softmax: ``g(x) = x^2 + eps``.
+
+The log of the denominator is computed as a masked log-sum-exp of ``log g``, which is stable for all three.
+Like the two-way loss, the lines are the rows of a bucket (``ways="sample"``, the usual softmax loss of
+Table 7), its columns (``"class"``) or both (Table 3b); a line without a positive is left out of the mean.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mlcls.losses import register_loss
+from mlcls.losses.common import BucketedLoss, check_positive, check_ways, masked_logsumexp, reduce_lines
+
+
+class _NormalisedCrossEntropy(BucketedLoss):
+    """Eq. 18 with the score ``g`` given by :meth:`log_score`, along the ways of ``ways``.
+
+    Reduction: for each way, mean over the lines (rows or columns of a bucket) holding at least one
+    positive, then mean over buckets; ``ways="both"`` sums the two ways.
+    """
+
+    def __init__(self, ways: str = "sample", bucket_size: int | None = None, gather: bool = False) -> None:
+        super().__init__(bucket_size=bucket_size, gather=gather)
+        self.line_dims = check_ways(ways)
+        self.ways = ways
+
+    def log_score(self, logits: Tensor) -> Tensor:
+        """``log g(x)`` elementwise."""
+        raise NotImplementedError
+
+    def bucket_loss(self, logits: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
+        scores = self.log_score(logits)
+        known = positive | negative
+        loss = logits.new_zeros(())
+        for dims in self.line_dims:
+            num_pos = positive.sum(dims, keepdim=True)
+            pos_mean = torch.where(positive, scores, 0.0).sum(dims, keepdim=True) / num_pos.clamp(min=1)
+            loss = loss + reduce_lines(masked_logsumexp(scores, known, dims) - pos_mean, num_pos > 0)
+        return loss
+
+    def extra_repr(self) -> str:
+        return f"ways={self.ways!r}, " + super().extra_repr()
+
+
+@register_loss("softmax")
+class SoftmaxLoss(_NormalisedCrossEntropy):
+    """Softmax cross-entropy with labels normalised to sum 1, eq. 18: ``g(x) = exp(x)``.
+
+    ``l(line) = logsumexp_{known}(x) - mean_{p in P} x_p``. Invariant to a constant logit shift.
+
+    Reduction: mean over the lines holding a positive, per bucket, then over buckets; with the default
+    ``ways="sample"`` and one bucket, the mean over the samples with at least one positive. ``"both"``
+    adds the class-wise term. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    """
+
+    def log_score(self, logits: Tensor) -> Tensor:
+        return logits
+
+
+@register_loss("taylor_softmax")
+class TaylorSoftmaxLoss(_NormalisedCrossEntropy):
+    """Eq. 18 with the Taylor softmax of de Brebisson & Vincent: ``g(x) = 1 + x + x^2 / 2``.
+
+    ``l(line) = log sum_{known} g(x_c) - mean_{p in P} log g(x_p)``; ``g >= 1/2`` so the log is always
+    finite. Not shift-invariant.
+
+    Reduction: as :class:`SoftmaxLoss`. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
+    """
+
+    def log_score(self, logits: Tensor) -> Tensor:
+        return torch.log(1.0 + logits + 0.5 * logits.square())
+
+
+@register_loss("spherical_softmax")
+class SphericalSoftmaxLoss(_NormalisedCrossEntropy):
+    """Eq. 18 with the spherical softmax of de Brebisson & Vincent: ``g(x) = x^2 + eps``.
+
+    ``l(line) = log sum_{known} (x_c^2 + eps) - mean_{p in P} log(x_p^2 + eps)``. ``eps`` keeps the log
+    finite at x = 0 and bounds the gradient of ``log g`` by ``1 / sqrt(eps)``. Even in x and invariant to
+    scaling x when eps = 0; not shift-invariant.
+
+    Reduction: as :class:`SoftmaxLoss`. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
+    """
+
+    def __init__(
+        self, eps: float = 0.01, ways: str = "sample", bucket_size: int | None = None, gather: bool = False
+    ) -> None:
+        super().__init__(ways=ways, bucket_size=bucket_size, gather=gather)
+        check_positive(eps=eps)
+        self.eps = float(eps)
+
+    def log_score(self, logits: Tensor) -> Tensor:
+        return torch.log(logits.square() + self.eps)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}, " + super().extra_repr()

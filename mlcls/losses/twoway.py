@@ -1,0 +1,177 @@
+"""The two-way multi-label loss (paper eqs. 14-17) and its joint-way variant (eq. 22).
+
+Both apply the multi-label loss function of eq. 14 to lines of a bucket's logit matrix X (M, C):
+
+    l(line) = softplus( T_N log sum_{n in N} exp(x_n / T_N) + T_P log sum_{p in P} exp(-x_p / T_P) + eps )
+
+where P and N are the line's positive and negative entries (unknown entries are in neither) and eps is
+the logit bias of Table 2 (``margin``). The lines are the rows (sample-wise, eq. 15), the columns
+(class-wise, eq. 16) or the whole matrix (joint, eq. 22).
+
+Empty sets: a line without a positive is not a line of the loss (it is left out of the mean); a line
+with positives but no negatives has ``sum_{n in N} = 0``, so ``l = softplus(-inf) = 0``: it contributes
+exactly 0 and still counts in the mean. A bucket without any positive contributes 0 and still counts
+among the buckets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from mlcls.losses import register_loss
+from mlcls.losses.common import (
+    BucketedLoss,
+    LineDims,
+    check_positive,
+    check_ways,
+    line_weights,
+    log_total,
+    shifted_exp,
+)
+
+
+class _MultiLabelSoftplus(torch.autograd.Function):
+    """Sum over ``line_dims`` of the mean of eq. 14 over valid lines and buckets, gradient in the same pass.
+
+    The gradient of eq. 14 has a closed form: with ``z`` the softplus argument,
+    ``dl/dx_n = sigmoid(z) * softmax_{N}(x / T_N)_n`` and ``dl/dx_p = -sigmoid(z) * softmax_{P}(-x / T_P)_p``.
+    The forward pass already holds both softmaxes (as shifted exponentials and their sums), so it
+    assembles the input gradient there and the backward pass is one multiplication; autograd through
+    ``torch.logsumexp`` would recompute every exponential in the backward pass.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        logits: Tensor,
+        positive: Tensor,
+        negative: Tensor,
+        line_dims: tuple[LineDims, ...],
+        tp: float,
+        tn: float,
+        margin: float,
+        with_grad: bool,
+    ) -> Tensor:
+        neg_logits = torch.where(negative, logits / tn, float("-inf"))  # x_n / T_N on N, -inf elsewhere
+        pos_logits = torch.where(positive, logits / -tp, float("-inf"))  # -x_p / T_P on P, -inf elsewhere
+        tiny = torch.finfo(logits.dtype).tiny
+        loss = logits.new_zeros(())
+        grad = torch.zeros_like(logits) if with_grad else None
+        for dims in line_dims:
+            exp_n, total_n, shift_n = shifted_exp(neg_logits, dims)
+            exp_p, total_p, shift_p = shifted_exp(pos_logits, dims)
+            z = tn * log_total(total_n, shift_n) + tp * log_total(total_p, shift_p) + margin
+            weight = line_weights(positive.any(dims, keepdim=True), logits.dtype)
+            loss += (F.softplus(z) * weight).sum()
+            if grad is not None:
+                dz = torch.sigmoid(z) * weight  # 0 on invalid lines and on lines without negatives
+                grad.addcmul_(exp_n, dz / total_n.clamp_min(tiny))
+                grad.addcmul_(exp_p, dz / total_p.clamp_min(tiny), value=-1.0)
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        (grad,) = ctx.saved_tensors
+        return (grad_output * grad, None, None, None, None, None, None, None)
+
+
+class _MultiLabelLoss(BucketedLoss):
+    """Eq. 14 summed over the line directions ``line_dims`` of each bucket (shared by twoway and joint)."""
+
+    line_dims: tuple[LineDims, ...]
+
+    def __init__(self, tp: float, tn: float, margin: float, bucket_size: int | None, gather: bool) -> None:
+        super().__init__(bucket_size=bucket_size, gather=gather)
+        check_positive(tp=tp, tn=tn)
+        self.tp, self.tn, self.margin = float(tp), float(tn), float(margin)
+
+    def bucket_loss(self, logits: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
+        with_grad = torch.is_grad_enabled() and logits.requires_grad
+        return _MultiLabelSoftplus.apply(
+            logits, positive, negative, self.line_dims, self.tp, self.tn, self.margin, with_grad
+        )
+
+    def extra_repr(self) -> str:
+        return f"tp={self.tp}, tn={self.tn}, margin={self.margin}, " + super().extra_repr()
+
+
+@register_loss("twoway")
+class TwoWayLoss(_MultiLabelLoss):
+    """Two-way multi-label loss, eq. 17: sample-wise eq. 15 plus class-wise eq. 16, per bucket.
+
+    For a bucket X (M, C) with labels Y::
+
+        loss = mean_{i : P_i not empty} l(row i) + mean_{c : P^c not empty} l(column c)
+
+    with ``l`` the eq. 14 function of the module docstring (``T_P = tp``, ``T_N = tn``, eps = ``margin``).
+    ``ways="sample"`` keeps the first term (eq. 15), ``"class"`` the second (eq. 16), ``"both"`` their
+    sum (eq. 17).
+
+    Reduction: per bucket, mean of eq. 15 over the samples with at least one positive plus mean of
+    eq. 16 over the classes with at least one positive in the bucket (an empty mean is 0); then mean
+    over the K = B / M buckets.
+
+    The loss is invariant to adding a constant to every logit (Sec. 3.1), and for one-hot rows its
+    sample-wise term is the softmax cross-entropy (eq. 1).
+
+    Args:
+        tp: positive temperature T_P (paper: 4).
+        tn: negative temperature T_N (paper: 1).
+        ways: "both" | "sample" | "class".
+        bucket_size: rows per bucket M. The paper uses M = 128 = the per-GPU batch of 4 GPUs x 128;
+            ``None`` takes the whole local batch, so under DDP each GPU is a bucket as in the paper, and
+            one process with batch 512 and ``bucket_size=128`` reproduces the paper's four buckets.
+        margin: logit bias eps added inside the softplus (Table 2).
+        gather: under DDP, compute the loss on the global batch (Table 5's M = 512 on 4 GPUs); see
+            :func:`mlcls.losses.common.gather_batch` for the gradient relation with DDP.
+
+    Shapes: logits (B, C) any float dtype, targets (B, C) in {1, 0, -1}; returns a float32 scalar.
+    """
+
+    def __init__(
+        self,
+        tp: float = 4.0,
+        tn: float = 1.0,
+        ways: str = "both",
+        bucket_size: int | None = None,
+        margin: float = 0.0,
+        gather: bool = False,
+    ) -> None:
+        super().__init__(tp=tp, tn=tn, margin=margin, bucket_size=bucket_size, gather=gather)
+        self.line_dims = check_ways(ways)
+        self.ways = ways
+
+    def extra_repr(self) -> str:
+        return f"ways={self.ways!r}, " + super().extra_repr()
+
+
+@register_loss("joint")
+class JointLoss(_MultiLabelLoss):
+    """Joint-way loss, eq. 22: eq. 14 over all entries of a bucket at once.
+
+    For a bucket X (M, C)::
+
+        loss = softplus( T_N log sum_{(i,n): y_in = 0} exp(x_in / T_N)
+                         + T_P log sum_{(j,p): y_jp = 1} exp(-x_jp / T_P) + eps )
+
+    Reduction: mean over buckets of the bucket's single value, which is 0 for a bucket without a
+    positive or without a negative. Arguments as in :class:`TwoWayLoss` (without ``ways``). Invariant
+    to a constant logit shift. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    """
+
+    line_dims = ((1, 2),)
+
+    def __init__(
+        self,
+        tp: float = 4.0,
+        tn: float = 1.0,
+        bucket_size: int | None = None,
+        margin: float = 0.0,
+        gather: bool = False,
+    ) -> None:
+        super().__init__(tp=tp, tn=tn, margin=margin, bucket_size=bucket_size, gather=gather)

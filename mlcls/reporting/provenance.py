@@ -1,0 +1,139 @@
+"""Where a result comes from: code version, resolved config, software, hardware, data sizes and speed.
+
+:func:`collect_provenance` returns the ``"provenance"`` block of ``results.json``; ``mlcls-tables`` reads
+the resolved config from it to place a run in the paper's tables.
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import mlcls
+
+GIT_TIMEOUT_S = 10
+
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    """stdout of ``git <args>`` run in ``cwd``, or None when git is missing or the command fails."""
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=GIT_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def git_state(package_dir: Path | None = None) -> dict[str, Any]:
+    """``{"commit": sha, "dirty": bool}`` of the git checkout holding the mlcls sources.
+
+    ``dirty`` is True when ``git status --porcelain`` lists anything (modified, staged or untracked files that
+    .gitignore does not exclude), i.e. when the commit alone does not reproduce the code. Both are None when
+    the package does not run from a git checkout, e.g. installed from a wheel: a git repository that merely
+    encloses site-packages is not the package's.
+    """
+    package_dir = Path(package_dir or Path(mlcls.__file__).resolve().parent)
+    unknown: dict[str, Any] = {"commit": None, "dirty": None}
+    top = _git(["rev-parse", "--show-toplevel"], package_dir)
+    if top is None:
+        return unknown
+    inside = Path(top.strip()) / package_dir.name / "__init__.py"
+    if not inside.is_file() or inside.resolve() != (package_dir / "__init__.py").resolve():
+        return unknown
+    commit = _git(["rev-parse", "HEAD"], package_dir)
+    status = _git(["status", "--porcelain"], package_dir)
+    if commit is None:  # a repository without any commit yet
+        return unknown
+    return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except (ImportError, AttributeError):
+        return None
+
+
+def software_versions() -> dict[str, str | None]:
+    """Versions of Python, mlcls, the libraries that change numbers (torch, timm, ...) and CUDA/cuDNN."""
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "python": platform.python_version(),
+        "mlcls": mlcls.__version__,
+        "torch": torch.__version__,
+        "torchvision": _version("torchvision"),
+        "timm": _version("timm"),
+        "hydra": _version("hydra"),
+        "numpy": _version("numpy"),
+        "cuda": torch.version.cuda,
+        "cudnn": None if cudnn is None else str(cudnn),
+    }
+
+
+def effective_bucket_size(loss: Mapping[str, Any], batch_size: int, world_size: int) -> int | None:
+    """Rows M of the logit matrix a bucketed loss sees, or None for a loss without buckets.
+
+    ``loss.bucket_size`` when set; otherwise the whole batch the loss is given: the per-process batch
+    ``batch_size / world_size``, or the global batch under ``loss.gather``. The paper's M = 128 is 4 GPUs x 128
+    with ``bucket_size`` null, or one process with batch 512 and ``bucket_size=128``.
+    """
+    if "bucket_size" not in loss:
+        return None
+    if loss["bucket_size"] is not None:
+        return int(loss["bucket_size"])
+    return int(batch_size) if loss.get("gather") else int(batch_size) // int(world_size)
+
+
+def collect_provenance(
+    cfg: DictConfig,
+    world_size: int,
+    device: torch.device,
+    train_size: int,
+    val_size: int,
+    wall_time_s: float,
+    images_per_s: float,
+) -> dict[str, Any]:
+    """The provenance block of ``results.json``.
+
+    Args:
+        cfg: the composed run config; stored resolved under ``"config"``.
+        world_size: number of processes (GPUs) the run trained on.
+        device: this process's device; its GPU name is recorded (None on the CPU).
+        train_size, val_size: number of training and evaluation samples actually used.
+        wall_time_s: training time so far, in seconds.
+        images_per_s: training throughput over all processes.
+
+    Returns a JSON-serialisable dict: ``git`` (commit, dirty), ``config``, ``world_size``, ``bucket_size``
+    (the configured ``loss.bucket_size``) and ``effective_bucket_size`` (M, see
+    :func:`effective_bucket_size`), ``versions``, ``device`` (type, GPU name), ``dataset`` sizes,
+    ``wall_time_s``, ``images_per_s``, ``host``, ``command`` and ``written_at`` (UTC, ISO 8601).
+    """
+    config = OmegaConf.to_container(cfg, resolve=True)
+    loss = config.get("loss") or {}
+    batch_size = int(config["trainer"]["batch_size"])
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "git": git_state(),
+        "config": config,
+        "world_size": int(world_size),
+        "bucket_size": loss.get("bucket_size"),
+        "effective_bucket_size": effective_bucket_size(loss, batch_size, world_size),
+        "versions": software_versions(),
+        "device": {"type": device.type, "gpu_name": gpu_name},
+        "dataset": {"train_size": int(train_size), "val_size": int(val_size)},
+        "wall_time_s": float(wall_time_s),
+        "images_per_s": float(images_per_s),
+        "host": socket.gethostname(),
+        "command": list(sys.argv),
+        "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }

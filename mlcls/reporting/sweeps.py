@@ -1,0 +1,257 @@
+"""The Hydra multirun sweeps that reproduce each paper table, their smoke versions and their cost.
+
+A table is reproduced by one Hydra multirun per dataset (Table 7 has six, the ablations one, on MS-COCO),
+each over the paper presets of ``configs/experiment/`` (``+experiment=paper_<loss>``) and the table's grid.
+The smoke version is the same sweep on the embedded synthetic dataset with a tiny model, a couple of
+iterations and two cells of the grid; its batch is 1/32 of the paper's, so bucket sizes shrink by 32 too.
+
+``mlcls-reproduce`` (:mod:`mlcls.cli.reproduce`) runs these; :mod:`mlcls.reporting.tables` reads the results.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from mlcls import config_dir
+from mlcls.reporting.tables import (
+    DATASET_LABELS,
+    HARD_MIN_TP,
+    PAPER_WEIGHTS,
+    TABLE_NAMES,
+    ReportError,
+    load_paper,
+)
+
+# The smoke run: embedded dataset, tiny model, one epoch of two iterations on the CPU. Batch 16 = 512 / 32.
+SMOKE_SCALE = 32
+SMOKE_OVERRIDES = (
+    "dataset=synthetic",
+    "dataset.train_size=64",
+    "dataset.val_size=32",
+    "dataset.image_size=32",
+    "model.name=resnet10t",
+    "model.pretrained=false",
+    "trainer.epochs=1",
+    "trainer.batch_size=16",
+    "trainer.limit_train_batches=2",
+    "trainer.workers=0",
+    "trainer.device=cpu",
+    "trainer.amp=none",
+    "trainer.log_every=1000",
+)
+# How a smoke table is read: the synthetic dataset and resnet10t stand in for MS-COCO and ResNet-50.
+SMOKE_STAND_INS = {"synthetic": "coco", "resnet10t": "resnet50"}
+
+# Cost model of docs/reproduce.md: training images/s of ResNet-50 at 224 px with AMP on one GPU (data loading
+# keeping up), evaluation images 3x faster than training ones, and the other backbones' training cost
+# relative to ResNet-50 (timm's published throughputs, rounded).
+TRAIN_IMAGES_PER_S = {"v100": 1200.0, "a100": 2600.0}
+EVAL_SPEEDUP = 3.0
+BACKBONE_COST = {"resnet50": 1.0, "resnext50_32x4d": 1.5, "densenet169": 1.7, "regnety_320": 7.0}
+
+
+@dataclass(frozen=True)
+class TableGrid:
+    """What a table sweeps: the paper presets, the other swept keys, the datasets; full and smoke."""
+
+    experiments: tuple[str, ...]
+    grid: Mapping[str, Sequence[object]]
+    smoke_experiments: tuple[str, ...]
+    smoke_grid: Mapping[str, Sequence[object]]
+    datasets: tuple[str, ...] = ("coco",)
+    gather_under_ddp: bool = False  # M larger than the per-GPU batch needs the global batch (Table 5)
+    description: str = ""
+
+
+def _grids() -> dict[str, TableGrid]:
+    paper = load_paper()
+    t1, t2, t5 = paper["table1_temperature"], paper["table2_logit_bias"], paper["table5_bucket_size"]
+    bucket = paper["protocol"]["bucket_size"]
+    batch = paper["protocol"]["batch_size"]
+    return {
+        "table1": TableGrid(
+            experiments=("paper_twoway",),
+            grid={"loss.tp": [HARD_MIN_TP if tp == 0 else tp for tp in t1["tp"]], "loss.tn": t1["tn"]},
+            smoke_experiments=("paper_twoway",),
+            smoke_grid={"loss.tp": [1, 4], "loss.tn": [1]},
+            description="two-way loss, T_P x T_N",
+        ),
+        "table2": TableGrid(
+            experiments=("paper_twoway",),
+            grid={"loss.tp": [1], "loss.tn": [1], "loss.margin": t2["eps"]},
+            smoke_experiments=("paper_twoway",),
+            smoke_grid={"loss.tp": [1], "loss.tn": [1], "loss.margin": [4, 8]},
+            description="two-way loss at T_P = T_N = 1, logit bias ε",
+        ),
+        "table3": TableGrid(
+            experiments=("paper_twoway", "paper_softmax"),
+            grid={"loss.ways": ["both", "class", "sample"]},
+            smoke_experiments=("paper_twoway", "paper_softmax"),
+            smoke_grid={"loss.ways": ["class"]},
+            description="two-way and softmax losses, sample/class/both ways",
+        ),
+        "table4": TableGrid(
+            experiments=("paper_multisim", "paper_joint"),
+            grid={"loss.tp": [1, 2, 4]},
+            smoke_experiments=("paper_multisim", "paper_joint"),
+            smoke_grid={"loss.tp": [4]},
+            description="multi-similarity (eq. 20) and joint-way (eq. 22) losses over T_P",
+        ),
+        "table5": TableGrid(
+            experiments=("paper_twoway",),
+            grid={"protocol.bucket_size": t5["M"]},
+            smoke_experiments=("paper_twoway",),
+            smoke_grid={"protocol.bucket_size": [bucket // SMOKE_SCALE, batch // SMOKE_SCALE]},
+            gather_under_ddp=True,
+            description=f"two-way loss, bucket size M at batch {batch}",
+        ),
+        "table7": TableGrid(
+            experiments=tuple(f"paper_{loss}" for loss in ("softmax", "bce", "focal", "asl", "twoway")),
+            grid={"model.name": list(PAPER_WEIGHTS.values())},
+            smoke_experiments=("paper_twoway", "paper_bce"),
+            smoke_grid={},
+            datasets=tuple(DATASET_LABELS),
+            description="softmax, BCE, focal, ASL and two-way losses x 4 backbones x 6 datasets",
+        ),
+    }
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One Hydra multirun: ``mlcls-train -m <overrides>``; ``dataset`` is None in smoke mode."""
+
+    table: str
+    name: str
+    overrides: tuple[str, ...]
+    dataset: str | None
+
+    def runs(self) -> list[dict[str, str]]:
+        """The jobs of this sweep, each as {key: value} (Hydra's basic sweeper: the product of a,b,c lists)."""
+        return expand(self.overrides)
+
+
+def _value(value: object) -> str:
+    """A value as Hydra's override grammar reads it back: true/false, 0.5 (not 0.50), text as is."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _grid_overrides(experiments: Sequence[str], grid: Mapping[str, Sequence[object]]) -> list[str]:
+    """Hydra overrides of a grid. A key the presets add (loss.*, protocol.*) is not in the config Hydra
+    composes before it expands a sweep over ``+experiment``, so a single value is forced in with ``++``."""
+    overrides = [f"+experiment={','.join(experiments)}"]
+    for key, values in grid.items():
+        forced = len(values) == 1 and key.split(".")[0] in ("loss", "protocol")
+        overrides.append(f"{'++' if forced else ''}{key}={','.join(map(_value, values))}")
+    return overrides
+
+
+def dataset_root(name: str, data_root: Path) -> Path:
+    """Where dataset ``name`` lives under ``data_root``: its config's default ``root`` with ``data/`` replaced."""
+    default = Path(OmegaConf.load(config_dir() / "dataset" / f"{name}.yaml")["root"])
+    parts = default.parts[1:] if default.parts and default.parts[0] == "data" else (default.name,)
+    return Path(data_root, *parts)
+
+
+def table_sweeps(
+    table: str,
+    smoke: bool = False,
+    nproc_per_node: int = 1,
+    roots: Mapping[str, str] | None = None,
+    data_root: Path | None = None,
+) -> list[Sweep]:
+    """The sweeps of ``table`` (``table1`` ... ``table7``).
+
+    Args:
+        smoke: the reduced grid on the embedded dataset (seconds on a CPU) instead of the paper's.
+        nproc_per_node: processes per run (torchrun); > 1 turns on ``loss.gather`` where M exceeds the
+            per-process batch (Table 5).
+        roots: dataset name -> ``dataset.root``; ``data_root``: the folder holding all datasets in their
+            default layout (``<data_root>/coco``, ``<data_root>/voc``, ...). Neither: the configs' defaults.
+    """
+    grids = _grids()
+    if table not in grids:
+        raise ReportError(f"unknown table {table!r}; expected one of {', '.join(TABLE_NAMES)}")
+    spec = grids[table]
+    extra = ["loss.gather=true"] if spec.gather_under_ddp and nproc_per_node > 1 else []
+    if smoke:
+        overrides = [*SMOKE_OVERRIDES, *_grid_overrides(spec.smoke_experiments, spec.smoke_grid)]
+        if "protocol.bucket_size" not in spec.smoke_grid:
+            overrides.append(f"++protocol.bucket_size={load_paper()['protocol']['bucket_size'] // SMOKE_SCALE}")
+        return [Sweep(table, "smoke", (*overrides, *extra), None)]
+    sweeps = []
+    for dataset in spec.datasets:
+        overrides = [f"dataset={dataset}", *_grid_overrides(spec.experiments, spec.grid), *extra]
+        if roots and dataset in roots:
+            overrides.append(f"dataset.root={roots[dataset]}")
+        elif data_root is not None:
+            overrides.append(f"dataset.root={dataset_root(dataset, data_root)}")
+        sweeps.append(Sweep(table, dataset, tuple(overrides), dataset))
+    return sweeps
+
+
+def describe(table: str) -> str:
+    """One line on what ``table``'s sweep varies."""
+    return _grids()[table].description
+
+
+def _split_sweep(value: str) -> list[str]:
+    """``a,b,c`` -> [a, b, c], commas inside brackets or quotes excepted."""
+    parts, depth, quote, current = [], 0, "", ""
+    for char in value:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[({":
+            depth += 1
+        elif char in "])}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        current += char
+    return [*parts, current]
+
+
+def expand(overrides: Sequence[str]) -> list[dict[str, str]]:
+    """The jobs of ``mlcls-train -m <overrides>``: every combination of the comma-separated values.
+
+    Keys keep their ``+``/``++`` prefix stripped; a key given twice keeps its last value, as in Hydra.
+    """
+    keyed: dict[str, list[str]] = {}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        keyed[key.lstrip("+~")] = _split_sweep(value)
+    keys = list(keyed)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(keyed[k] for k in keys))]
+
+
+def run_gpu_hours(dataset: str, architecture: str, gpu: str = "v100", epochs: int | None = None) -> float:
+    """Estimated GPU-hours of one run of the paper's protocol (evaluation every epoch) on one ``gpu``.
+
+    ``epochs x (train + test / EVAL_SPEEDUP) x BACKBONE_COST / TRAIN_IMAGES_PER_S``, with the dataset sizes
+    of Table 6. Multi-GPU runs take about the same GPU-hours, spread over the GPUs.
+    """
+    paper = load_paper()
+    sizes = paper["table6_datasets"][dataset]
+    epochs = paper["protocol"]["epochs"] if epochs is None else epochs
+    images = epochs * (sizes["train"] + sizes["test"] / EVAL_SPEEDUP)
+    return images * BACKBONE_COST[architecture] / TRAIN_IMAGES_PER_S[gpu] / 3600.0
+
+
+def sweep_gpu_hours(sweeps: Sequence[Sweep], gpu: str = "v100") -> float:
+    """Sum of :func:`run_gpu_hours` over every job of ``sweeps`` (ResNet-50 unless ``model.name`` says)."""
+    total = 0.0
+    for sweep in sweeps:
+        for job in sweep.runs():
+            architecture = job.get("model.name", PAPER_WEIGHTS["resnet50"]).split(".")[0]
+            total += run_gpu_hours(job["dataset"], architecture, gpu)
+    return total

@@ -1,0 +1,86 @@
+"""The base class: crop clamping, on_bad_image (error / skip, with DataLoader workers), build errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from data_fixtures import corrupt, truncate, write_csv
+from torch.utils.data import DataLoader
+
+from mlcls.data import build_dataset
+from mlcls.data.base import BadImageError, DatasetConfigError, DatasetLayoutError, crop_box
+from mlcls.data.csv_dataset import CSVDataset
+from mlcls.data.transforms import build_transform
+
+
+def one_hot_dataset(root: Path, count: int, on_bad_image: str) -> CSVDataset:
+    """``count`` images; row i is positive for class i only."""
+    header = "image," + ",".join(f"c{i}" for i in range(count))
+    lines = [f"{i}.jpg," + ",".join("1" if j == i else "0" for j in range(count)) for i in range(count)]
+    write_csv(root, "\n".join([header, *lines]) + "\n", images=[f"{i}.jpg" for i in range(count)])
+    return CSVDataset(
+        "train",
+        transform=build_transform("light", 8, train=False),
+        root=str(root),
+        labels_column=None,
+        val_fraction=0.0,
+        on_bad_image=on_bad_image,
+    )
+
+
+def test_crop_box_clamps_and_falls_back_to_the_whole_image() -> None:
+    assert crop_box((22, 5, 30, 40), 40, 30) == (22, 5, 40, 30)
+    assert crop_box((-4.5, -3, 14, 13), 40, 30) == (0, 0, 10, 10)
+    assert crop_box((50, 5, 10, 10), 40, 30) == (0, 0, 40, 30)
+
+
+def test_error_mode_names_the_file(tmp_path: Path) -> None:
+    dataset = one_hot_dataset(tmp_path, 3, "error")
+    corrupt(tmp_path / "1.jpg")
+    truncate(tmp_path / "2.jpg")
+    assert dataset[0][1].tolist() == [1, 0, 0]
+    with pytest.raises(BadImageError, match=f"cannot read image {re.escape(str(tmp_path / '1.jpg'))}"):
+        dataset[1]
+    with pytest.raises(
+        BadImageError, match=f"(?i)cannot read image {re.escape(str(tmp_path / '2.jpg'))}.*truncated"
+    ):
+        dataset[2]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_skip_mode_replaces_and_counts_across_worker_processes(tmp_path: Path, persistent: bool) -> None:
+    dataset = one_hot_dataset(tmp_path, 6, "skip")
+    corrupt(tmp_path / "1.jpg")
+    truncate(tmp_path / "2.jpg")
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, shuffle=False, persistent_workers=persistent)
+    for _ in range(2):  # two epochs: the record is per epoch
+        targets = torch.cat([target for _, target in loader])
+        # samples 1 and 2 are replaced by the next readable one, sample 3
+        assert targets.argmax(dim=1).tolist() == [0, 3, 3, 3, 4, 5]
+        assert dataset.pop_bad_images() == [str(tmp_path / "1.jpg"), str(tmp_path / "2.jpg")]
+        assert dataset.pop_bad_images() == []
+
+
+def test_skip_mode_wraps_around_and_gives_up_on_a_wrong_folder(tmp_path: Path) -> None:
+    dataset = one_hot_dataset(tmp_path, 3, "skip")
+    corrupt(tmp_path / "2.jpg")
+    assert dataset[2][1].tolist() == [1, 0, 0]
+    for i in range(3):
+        corrupt(tmp_path / f"{i}.jpg")
+    with pytest.raises(BadImageError, match="3 consecutive unreadable images"):
+        dataset[0]
+
+
+def test_on_bad_image_value_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(DatasetConfigError, match="unknown on_bad_image 'ignore'"):
+        one_hot_dataset(tmp_path, 2, "ignore")
+
+
+def test_build_dataset_raises_the_dataset_error_itself(tmp_path: Path) -> None:
+    cfg = {"_target_": "mlcls.data.voc.VOC", "name": "voc2007", "root": str(tmp_path), "image_size": 32,
+           "transform": "paper", "train_split": "trainval", "val_split": "test", "year": 2007}  # fmt: skip
+    with pytest.raises(DatasetLayoutError, match=r"^missing .*trainval\.txt; expected layout"):
+        build_dataset(cfg, train=True)

@@ -1,0 +1,112 @@
+"""The user's CSV/TSV: labels column or one-hot columns, given or inferred classes, validation data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from data_fixtures import write_csv
+
+from mlcls.data.base import DatasetConfigError, DatasetFormatError, DatasetLayoutError
+from mlcls.data.csv_dataset import CSVDataset
+
+NAMES_CSV = "image,labels\nimg/a.jpg,cat dog\nimg/b.jpg,dog\n\nimg/c.jpg,\nimg/d.jpg,bird  cat\n"
+IMAGES = ["img/a.jpg", "img/b.jpg", "img/c.jpg", "img/d.jpg"]
+
+
+def test_labels_column_with_inferred_sorted_classes(tmp_path: Path) -> None:
+    root = write_csv(tmp_path, NAMES_CSV, images=IMAGES)
+    dataset = CSVDataset("train", root=str(root), val_fraction=0.0)
+    assert dataset.classes == ["bird", "cat", "dog"]
+    assert dataset.labels.tolist() == [[0, 1, 1], [0, 0, 1], [0, 0, 0], [1, 1, 0]]
+    assert [s.path for s in dataset.samples] == [str(root / i) for i in IMAGES]
+    with pytest.raises(DatasetConfigError, match="no validation data"):
+        CSVDataset("val", root=str(root), val_fraction=0.0)
+
+
+def test_given_classes_keep_their_order_and_reject_other_names(tmp_path: Path) -> None:
+    text = "path;tags\na.jpg;cat|dog\nb.jpg;dog\n"
+    root = write_csv(tmp_path, text, images=["pics/a.jpg", "pics/b.jpg"])
+    options = dict(
+        image_column="path", labels_column="tags", label_delimiter="|", delimiter=";", image_dir="pics"
+    )
+    dataset = CSVDataset("train", root=str(root), val_fraction=0.0, classes=["dog", "cat", "bird"], **options)
+    assert dataset.classes == ["dog", "cat", "bird"]
+    assert dataset.labels.tolist() == [[1, 1, 0], [1, 0, 0]]
+    assert dataset.samples[0].path == str(root / "pics/a.jpg")
+    with pytest.raises(
+        DatasetFormatError, match=r"train\.csv, line 2: label 'cat' is not one of the given classes"
+    ):
+        CSVDataset("train", root=str(root), val_fraction=0.0, classes=["dog"], **options)
+
+
+def test_one_hot_tsv_with_unknowns(tmp_path: Path) -> None:
+    text = "image\tzebra\tant\tmoose\nx.jpg\t1\t\t0\ny.jpg\t-1\t1\t1\n"
+    root = write_csv(tmp_path, text, name="labels.tsv", images=["x.jpg", "y.jpg"])
+    dataset = CSVDataset(
+        "train", root=str(root), train_file="labels.tsv", labels_column=None, val_fraction=0.0
+    )
+    assert dataset.classes == ["zebra", "ant", "moose"]  # header order
+    assert dataset.labels.tolist() == [[1, -1, 0], [-1, 1, 1]]
+    subset = CSVDataset(
+        "train",
+        root=str(root),
+        train_file="labels.tsv",
+        labels_column=None,
+        val_fraction=0.0,
+        classes=["moose", "zebra"],
+    )
+    assert subset.labels.tolist() == [[0, 1], [1, -1]]
+
+
+def test_one_hot_rejects_other_values(tmp_path: Path) -> None:
+    root = write_csv(tmp_path, "image,a,b\nx.jpg,1,0\ny.jpg,0,yes\n", images=["x.jpg", "y.jpg"])
+    with pytest.raises(DatasetFormatError, match=r"line 3: column 'b' holds 'yes'"):
+        CSVDataset("train", root=str(root), labels_column=None, val_fraction=0.0)
+    root = write_csv(tmp_path / "two", "image,a,b\nx.jpg,1,0\ny.jpg,0,2\n", images=["x.jpg", "y.jpg"])
+    with pytest.raises(DatasetFormatError, match=r"line 3: column 'b' holds '2'"):
+        CSVDataset("train", root=str(root), labels_column=None, val_fraction=0.0)
+
+
+def test_val_file_and_classes_from_both_files(tmp_path: Path) -> None:
+    root = write_csv(tmp_path, NAMES_CSV, images=IMAGES)
+    write_csv(root, "image,labels\nimg/e.jpg,emu cat\n", name="val.csv", images=["img/e.jpg"])
+    train = CSVDataset("train", root=str(root), val_file="val.csv")
+    val = CSVDataset("val", root=str(root), val_file="val.csv")
+    assert train.classes == val.classes == ["bird", "cat", "dog", "emu"]
+    assert len(train) == 4  # val_fraction is ignored when a val_file is given
+    assert val.labels.tolist() == [[0, 1, 0, 1]]
+
+
+def test_val_fraction_is_a_seeded_disjoint_holdout(tmp_path: Path) -> None:
+    images = [f"{i:02d}.jpg" for i in range(20)]
+    text = "image,labels\n" + "".join(f"{name},c{i % 3}\n" for i, name in enumerate(images))
+    root = str(write_csv(tmp_path, text, images=images))
+
+    def split(name: str, seed: int) -> list[str]:
+        return [Path(s.path).name for s in CSVDataset(name, root=root, val_fraction=0.25, seed=seed).samples]
+
+    train, val = split("train", 0), split("val", 0)
+    assert len(val) == 5 and len(train) == 15
+    assert sorted(train + val) == images
+    assert split("val", 0) == val
+    assert split("val", 1) != val
+
+
+def test_csv_errors(tmp_path: Path) -> None:
+    with pytest.raises(DatasetLayoutError, match=r"missing .*train\.csv; expected layout"):
+        CSVDataset("train", root=str(tmp_path))
+    root = write_csv(tmp_path / "a", "file,labels\nx.jpg,cat\n", images=["x.jpg"])
+    with pytest.raises(DatasetFormatError, match=r"no column 'image' \(columns: file, labels\)"):
+        CSVDataset("train", root=str(root), val_fraction=0.0)
+    root = write_csv(tmp_path / "b", "image,labels\nx.jpg,cat,extra\n", images=["x.jpg"])
+    with pytest.raises(DatasetFormatError, match="line 2: 3 fields but the header has 2"):
+        CSVDataset("train", root=str(root), val_fraction=0.0)
+    root = write_csv(tmp_path / "c", "image,labels\nmissing.jpg,cat\n")
+    with pytest.raises(DatasetLayoutError, match=r"missing .*missing\.jpg \(first image of"):
+        CSVDataset("train", root=str(root), val_fraction=0.0)
+    root = write_csv(tmp_path / "d", "")
+    with pytest.raises(DatasetFormatError, match="is empty"):
+        CSVDataset("train", root=str(root))
+    with pytest.raises(DatasetConfigError, match=r"val_fraction must be in \[0, 1\)"):
+        CSVDataset("train", root=str(tmp_path / "a"), val_fraction=1.5)

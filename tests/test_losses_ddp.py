@@ -1,0 +1,122 @@
+"""Losses under DDP, in two gloo processes on the CPU.
+
+What is checked, on every rank:
+
+* ``gather=True``: the loss value equals the single-process loss on the concatenated batch, and the
+  gradient w.r.t. the rank's own logits is ``world_size`` times the single-process gradient of those
+  rows. The factor comes from the autograd-aware ``all_gather``: its backward *sums* over ranks the
+  gradients every rank's (identical) loss sends to this rank's rows. DDP averages parameter gradients
+  over ranks, i.e. divides by ``world_size``, which restores the single-process gradient exactly; the
+  second check asserts that end to end on the parameters of a DDP-wrapped model.
+* ``gather=False`` with ``bucket_size=None`` is the paper's setting (one bucket per GPU): after DDP's
+  averaging the parameter gradients equal those of one process with ``bucket_size`` = per-rank batch.
+* ranks with different batch sizes get a clear error rather than a hang.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mlcls.losses import TwoWayLoss, build_loss
+
+WORLD = 2
+ROWS = 6  # per rank
+CLASSES = 5
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # torch.testing.assert_close would import DTensor (and torch._dynamo) in an initialised process group:
+    # seconds per rank for a comparison that torch.allclose does as well here.
+    assert torch.allclose(actual, expected, rtol=1e-12, atol=1e-12), f"{actual} != {expected}"
+
+
+def _global_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same float64 batch of WORLD * ROWS rows on every rank, with unknown labels."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(WORLD * ROWS, CLASSES, generator=generator, dtype=torch.float64)
+    u = torch.rand(WORLD * ROWS, CLASSES, generator=generator, dtype=torch.float64)
+    targets = torch.where(u < 0.3, 1.0, torch.where(u < 0.45, -1.0, 0.0))
+    return logits, targets
+
+
+def _check_gathered_loss(rank: int) -> None:
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    logits, targets = _global_batch(seed=0)
+    configs = [
+        ("twoway", {}),
+        ("twoway", {"ways": "class", "bucket_size": 4, "margin": 0.5}),  # buckets of 4 rows straddle ranks
+        ("softmax", {"ways": "both"}),
+    ]
+    for name, kwargs in configs:
+        local = logits[rows].clone().requires_grad_(True)
+        value = build_loss(name, gather=True, **kwargs)(local, targets[rows])
+        value.backward()
+        full = logits.clone().requires_grad_(True)
+        expected = build_loss(name, **kwargs)(full, targets)
+        expected.backward()
+        assert_close(value, expected)
+        assert_close(local.grad, WORLD * full.grad[rows])
+
+
+def _check_ddp_parameter_grads(rank: int) -> None:
+    """Parameter gradients of DDP(model) with a loss == one process with a reference loss on all rows."""
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(WORLD * ROWS, 4, generator=generator, dtype=torch.float64)
+    _, targets = _global_batch(seed=2)
+    torch.manual_seed(0)  # the same initial model on every rank
+    model = nn.Linear(4, CLASSES).double()
+    single = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    cases = [
+        (TwoWayLoss(gather=True), TwoWayLoss()),  # the global batch as one bucket (Table 5's M = 512)
+        (TwoWayLoss(), TwoWayLoss(bucket_size=ROWS)),  # the paper's setting: one bucket per rank
+    ]
+    for loss, reference_loss in cases:
+        model.zero_grad()
+        single.zero_grad()
+        loss(ddp(inputs[rows]), targets[rows]).backward()
+        reference_loss(single(inputs), targets).backward()
+        for param, expected in zip(model.parameters(), single.parameters(), strict=True):
+            assert_close(param.grad, expected.grad)
+
+
+def _check_unequal_batches(rank: int) -> None:
+    logits, targets = _global_batch(seed=3)
+    rows = 4 if rank == 0 else ROWS
+    with pytest.raises(ValueError, match="same batch size on every rank"):
+        TwoWayLoss(gather=True)(logits[:rows], targets[:rows])
+
+
+def _worker(rank: int, init_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        _check_gathered_loss(rank)
+        _check_ddp_parameter_grads(rank)
+        _check_unequal_batches(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_in_two_gloo_processes(tmp_path):
+    # forkserver: the ranks fork from one server that imported torch and torch._dynamo (which DDP
+    # imports, seconds of CPU) once, instead of two spawned interpreters importing them side by side.
+    mp.set_forkserver_preload(["torch._dynamo", __name__])
+    context = mp.start_processes(
+        _worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=5):  # raises if a rank failed, with its traceback
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("DDP loss test did not finish within 120 s")

@@ -1,0 +1,138 @@
+"""Reliability: mid-epoch preemption and exact resume, checkpoint fallback, non-finite guard, validation."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from conftest import cli, compose_config, run_cli
+
+from mlcls.cli.train import run
+from mlcls.engine.checkpoint import CheckpointError, load_checkpoint
+from mlcls.engine.trainer import NonFiniteError, Preempted, Trainer
+from mlcls.engine.validate import ConfigError, validate_config
+
+# 96 training images in batches of 32: 3 steps per epoch, 2 epochs; 2 DataLoader workers.
+SMALL = ["dataset.train_size=96", "dataset.val_size=40", "trainer.workers=2"]
+
+
+def _weights(run_dir) -> dict[str, torch.Tensor]:
+    return load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+class _SignalAtStep(Trainer):
+    """Sends itself SIGTERM during global step ``signal_step`` (1-based), as a scheduler would."""
+
+    signal_step = 4
+
+    def train_step(self, images, targets):
+        self._steps_taken = getattr(self, "_steps_taken", 0) + 1
+        if self._steps_taken == self.signal_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().train_step(images, targets)
+
+
+def test_sigterm_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny):
+    straight = run(compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'a'}"]))
+
+    cfg = compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'b'}"])
+    with pytest.raises(Preempted, match="resume=auto"):
+        _SignalAtStep(cfg).fit()
+    state = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
+    assert (state["epoch"], state["step"]) == (1, 1)  # stopped after step 4 = epoch 2, step 1
+    resumed = run(compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'b'}", "trainer.resume=auto"]))
+
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["metrics"]["mAP_class"] == straight["metrics"]["mAP_class"]
+    assert [h["loss"] for h in resumed["history"]] == pytest.approx([h["loss"] for h in straight["history"]])
+
+
+def test_truncated_last_checkpoint_falls_back_to_previous(tmp_path, tiny):
+    run_dir = tmp_path / "run"
+    run(compose_config([*tiny, *SMALL, f"trainer.output_dir={run_dir}"]))
+    ckpts = run_dir / "checkpoints"
+    numbered = sorted(ckpts.glob("iter_*.pt"))
+    assert [p.name for p in numbered] == ["iter_000000003.pt", "iter_000000006.pt"]  # keep_checkpoints=2
+    last = ckpts / "last.pt"
+    data = last.read_bytes()
+    last.unlink()  # last.pt is a hard link of the newest numbered file: truncate both as a crash would
+    numbered[-1].write_bytes(data[: len(data) // 3])
+    last.write_bytes(data[: len(data) // 3])
+    with pytest.raises(CheckpointError, match="last.pt"):
+        load_checkpoint(last)
+
+    trainer = Trainer(compose_config([*tiny, *SMALL, f"trainer.output_dir={run_dir}", "trainer.resume=auto"]))
+    assert (trainer.start_epoch, trainer.start_step) == (1, 0)  # epoch 1's checkpoint, the previous one
+
+
+def test_non_finite_steps_are_skipped_then_abort(tmp_path, tiny):
+    class _NaNLoss(torch.nn.Module):
+        def __init__(self, bad_calls):
+            super().__init__()
+            self.calls, self.bad_calls = 0, bad_calls
+
+        def forward(self, logits, targets):
+            self.calls += 1
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets.clamp(min=0))
+            return loss * float("nan") if self.calls in self.bad_calls else loss
+
+    trainer = Trainer(compose_config([*tiny, *SMALL, "trainer.epochs=1", f"trainer.output_dir={tmp_path / 'a'}"]))
+    trainer.criterion = _NaNLoss(bad_calls={2})
+    before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    trainer.train_step(*next(iter(_plain_batches(trainer))))
+    after_good = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    _, finite = trainer.train_step(*next(iter(_plain_batches(trainer))))
+    assert not finite  # the update of the NaN step is skipped: parameters unchanged
+    assert all(torch.equal(after_good[k], v) for k, v in trainer.model.named_parameters())
+    assert any(not torch.equal(before[k], after_good[k]) for k in before)
+
+    trainer = Trainer(
+        compose_config(
+            [*tiny, *SMALL, "trainer.max_nonfinite=2", f"trainer.output_dir={tmp_path / 'b'}", "trainer.epochs=1"]
+        )
+    )
+    trainer.criterion = _NaNLoss(bad_calls=set(range(1, 100)))
+    with pytest.raises(NonFiniteError, match="learning rate"):
+        trainer.fit()
+
+
+def _plain_batches(trainer: Trainer):
+    images = torch.randn(4, 3, 32, 32)
+    targets = (torch.rand(4, 12) > 0.7).float()
+    yield images, targets
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "message"),
+    [
+        (["trainer.amp=fp16", "trainer.device=cpu"], 1, "trainer.amp=fp16 needs CUDA"),
+        (["trainer.batch_size=32"], 3, "does not divide over 3 processes"),
+        (["trainer.epochs=0"], 1, "trainer.epochs=0; expected a positive integer"),
+        (["dataset.image_size=-8"], 1, "dataset.image_size=-8"),
+        (["trainer.resume=auto"], 1, "needs trainer.output_dir"),
+        (["trainer.ema_decay=1.5"], 1, "trainer.ema_decay=1.5"),
+        (["optim.lr_head=-1"], 1, "optim.lr_head=-1"),
+    ],
+)
+def test_config_validation_messages(tiny, overrides, world_size, message):
+    cfg = compose_config([*tiny, *overrides])
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        validate_config(cfg, world_size=world_size)
+
+
+def test_unknown_key_and_bad_value_fail_before_any_data_is_read(tmp_path):
+    # The dataset root does not exist: a config error must be reported first, as one line.
+    proc = run_cli(
+        cli("mlcls-train", "dataset=coco", f"dataset.root={tmp_path / 'nowhere'}", "trainer.amp=fp16",
+            "trainer.device=cpu"),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["mlcls: error: trainer.amp=fp16 needs CUDA; on the CPU use trainer.amp=none"]
+
+    proc = run_cli(cli("mlcls-train", "trainer.epochz=3"), cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0 and "epochz" in proc.stderr
