@@ -136,3 +136,43 @@ def test_unknown_key_and_bad_value_fail_before_any_data_is_read(tmp_path):
 
     proc = run_cli(cli("mlcls-train", "trainer.epochz=3"), cwd=tmp_path, timeout=120)
     assert proc.returncode != 0 and "epochz" in proc.stderr
+
+
+def test_usr1_checkpoints_then_hands_over_to_previous_handler(tmp_path, tiny):
+    """Under submitit a handler is already installed for USR1; it must run after the checkpoint exists."""
+    calls = []
+
+    def submitit_like(signum, frame):
+        calls.append((signum, (tmp_path / "run" / "checkpoints" / "last.pt").is_file()))
+
+    class _Usr1(_SignalAtStep):
+        signal_step = 2
+
+        def train_step(self, images, targets):
+            self._steps_taken = getattr(self, "_steps_taken", 0) + 1
+            if self._steps_taken == self.signal_step:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return Trainer.train_step(self, images, targets)
+
+    previous = signal.signal(signal.SIGUSR1, submitit_like)
+    try:
+        with pytest.raises(Preempted):
+            _Usr1(compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'run'}"])).fit()
+        assert calls == [(signal.SIGUSR1, True)]
+        assert signal.getsignal(signal.SIGUSR1) is submitit_like  # restored
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_slurm_launcher_config_composes(tiny):
+    from hydra import compose, initialize_config_dir
+
+    from mlcls import config_dir
+
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
+    assert launcher.max_num_timeout > 0 and launcher.signal_delay_s > 0

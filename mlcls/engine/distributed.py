@@ -42,9 +42,15 @@ def resolve_device(preference: str) -> torch.device:
 def init_distributed(device_preference: str = "auto") -> DistInfo:
     """Join the process group torchrun describes (``WORLD_SIZE`` > 1): NCCL on CUDA, gloo on CPU.
 
-    Without torchrun this is a single process on rank 0.
+    Under SLURM through Hydra's submitit launcher the variables come from submitit. Without either this is
+    a single process on rank 0.
     """
     device = resolve_device(device_preference)
+    if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        # Launched by Hydra's submitit launcher (one process per task): derive torchrun's variables.
+        import submitit
+
+        submitit.helpers.TorchDistributedEnvironment().export()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -182,7 +182,7 @@ class Trainer:
             if self.dist.distributed
             else self.model
         )
-        self._signal_received = False
+        self._signal_received, self._signum = False, None
         self.writer = None
         if self.dist.is_main:
             from torch.utils.tensorboard import SummaryWriter
@@ -253,7 +253,7 @@ class Trainer:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         log.warning("received %s: stopping after this step", signal.Signals(signum).name)
-        self._signal_received = True
+        self._signal_received, self._signum = True, signum
 
     def _stop_requested(self) -> bool:
         """True on every rank as soon as any rank received a preemption signal."""
@@ -290,6 +290,13 @@ class Trainer:
                 self.save(epoch + 1, 0, is_best)
                 if self.last_figures is not None:
                     self.write_results(epoch + 1)
+        except Preempted:
+            # A handler installed before ours (submitit's on SLURM) gets the signal too, once the checkpoint
+            # exists: it requeues the job. Without one, the CLI exits with EXIT_PREEMPTED.
+            handler = previous.get(self._signum)
+            if callable(handler):
+                handler(self._signum, None)
+            raise
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)

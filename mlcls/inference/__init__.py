@@ -1,11 +1,11 @@
 """Using a trained model: preprocessing spec, calibrated thresholds, prediction on image files, export.
 
-    checkpoint ──► load_inference_model ──► predict_images (files · folders · globs) ──► labels + scores
-        │                 ▲                        ▲
-        │      preprocess spec (resize, crop,      select_labels: top_k · global threshold ·
-        │      mean/std) from the checkpoint       calibrated per-class thresholds · 0.5
-        ▼
-    export_checkpoint ──► TorchScript / ONNX with classes, preprocessing and thresholds as metadata
+checkpoint ──► load_inference_model ──► predict_images (files · folders · globs) ──► labels + scores
+    │                 ▲                        ▲
+    │      preprocess spec (resize, crop,      select_labels: top_k · global threshold ·
+    │      mean/std) from the checkpoint       calibrated per-class thresholds · 0.5
+    ▼
+export_checkpoint ──► TorchScript / ONNX with classes, preprocessing and thresholds as metadata
 """
 
 from mlcls.inference.errors import InferenceError

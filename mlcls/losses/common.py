@@ -2,8 +2,8 @@
 
 Conventions used throughout :mod:`mlcls.losses`:
 
-* ``logits`` (B, C) of any float dtype are computed on in float32 (float64 stays float64), with autocast
-  disabled inside the loss;
+* ``logits`` (B, C) of any float dtype are cast to float32 for the computation (float64 stays float64),
+  with autocast disabled inside the loss;
 * ``targets`` (B, C) hold 1 = positive, 0 = negative, -1 = unknown. An unknown entry is *excluded*: it
   is in neither the positive nor the negative set, so it enters no sum, no log-sum-exp and no count;
 * a set that is empty contributes ``log-sum-exp = -inf`` (``sum_{empty} exp = 0``), never a finite
@@ -41,7 +41,8 @@ def prepare(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Check ``logits``/``targets`` (B, C) and return ``(logits, targets)`` in the compute dtype.
 
     The compute dtype is float32, or float64 for float64 logits. Raises ``ValueError`` on a shape
-    mismatch, a non-2-D input, or a label outside {1, 0, -1} (soft labels are not supported).
+    mismatch, a non-2-D input, or a label outside {1, 0, -1} (soft labels are not supported); that
+    check reads one boolean back from the device per call.
     """
     if logits.ndim != 2 or logits.shape != targets.shape:
         raise ValueError(

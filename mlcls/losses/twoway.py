@@ -40,7 +40,8 @@ class _MultiLabelSoftplus(torch.autograd.Function):
     ``dl/dx_n = sigmoid(z) * softmax_{N}(x / T_N)_n`` and ``dl/dx_p = -sigmoid(z) * softmax_{P}(-x / T_P)_p``.
     The forward pass already holds both softmaxes (as shifted exponentials and their sums), so it
     assembles the input gradient there and the backward pass is one multiplication; autograd through
-    ``torch.logsumexp`` would recompute every exponential in the backward pass.
+    ``torch.logsumexp`` would recompute every exponential in the backward pass. First-order only
+    (``once_differentiable``): no double backward.
     """
 
     @staticmethod

@@ -10,7 +10,6 @@ import platform
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import mlcls
+from mlcls.reporting.tables import effective_bucket_size
 
 GIT_TIMEOUT_S = 10
 
@@ -78,20 +78,6 @@ def software_versions() -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "cudnn": None if cudnn is None else str(cudnn),
     }
-
-
-def effective_bucket_size(loss: Mapping[str, Any], batch_size: int, world_size: int) -> int | None:
-    """Rows M of the logit matrix a bucketed loss sees, or None for a loss without buckets.
-
-    ``loss.bucket_size`` when set; otherwise the whole batch the loss is given: the per-process batch
-    ``batch_size / world_size``, or the global batch under ``loss.gather``. The paper's M = 128 is 4 GPUs x 128
-    with ``bucket_size`` null, or one process with batch 512 and ``bucket_size=128``.
-    """
-    if "bucket_size" not in loss:
-        return None
-    if loss["bucket_size"] is not None:
-        return int(loss["bucket_size"])
-    return int(batch_size) if loss.get("gather") else int(batch_size) // int(world_size)
 
 
 def collect_provenance(

@@ -131,7 +131,7 @@ class Sweep:
     dataset: str | None
 
     def runs(self) -> list[dict[str, str]]:
-        """The jobs of this sweep, each as {key: value} (Hydra's basic sweeper: the product of a,b,c lists)."""
+        """The jobs of this sweep as {key: value}: the product of the a,b,c lists (basic sweeper)."""
         return expand(self.overrides)
 
 
@@ -143,17 +143,20 @@ def _value(value: object) -> str:
 
 
 def _grid_overrides(experiments: Sequence[str], grid: Mapping[str, Sequence[object]]) -> list[str]:
-    """Hydra overrides of a grid. A key the presets add (loss.*, protocol.*) is not in the config Hydra
-    composes before it expands a sweep over ``+experiment``, so a single value is forced in with ``++``."""
+    """Hydra overrides of a grid.
+
+    Before it expands a sweep, Hydra composes the config without the swept overrides; when the presets
+    are swept that config lacks their keys (loss.*, protocol.*), so a single value is forced in with ``++``.
+    """
     overrides = [f"+experiment={','.join(experiments)}"]
     for key, values in grid.items():
-        forced = len(values) == 1 and key.split(".")[0] in ("loss", "protocol")
+        forced = len(experiments) > 1 and len(values) == 1 and key.split(".")[0] in ("loss", "protocol")
         overrides.append(f"{'++' if forced else ''}{key}={','.join(map(_value, values))}")
     return overrides
 
 
 def dataset_root(name: str, data_root: Path) -> Path:
-    """Where dataset ``name`` lives under ``data_root``: its config's default ``root`` with ``data/`` replaced."""
+    """Where dataset ``name`` lives under ``data_root``: its config's default ``root``, ``data/`` replaced."""
     default = Path(OmegaConf.load(config_dir() / "dataset" / f"{name}.yaml")["root"])
     parts = default.parts[1:] if default.parts and default.parts[0] == "data" else (default.name,)
     return Path(data_root, *parts)
@@ -183,7 +186,8 @@ def table_sweeps(
     if smoke:
         overrides = [*SMOKE_OVERRIDES, *_grid_overrides(spec.smoke_experiments, spec.smoke_grid)]
         if "protocol.bucket_size" not in spec.smoke_grid:
-            overrides.append(f"++protocol.bucket_size={load_paper()['protocol']['bucket_size'] // SMOKE_SCALE}")
+            bucket = load_paper()["protocol"]["bucket_size"] // SMOKE_SCALE
+            overrides.append(f"++protocol.bucket_size={bucket}")
         return [Sweep(table, "smoke", (*overrides, *extra), None)]
     sweeps = []
     for dataset in spec.datasets:
@@ -231,7 +235,7 @@ def expand(overrides: Sequence[str]) -> list[dict[str, str]]:
         key, _, value = override.partition("=")
         keyed[key.lstrip("+~")] = _split_sweep(value)
     keys = list(keyed)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(keyed[k] for k in keys))]
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(keyed[k] for k in keys))]
 
 
 def run_gpu_hours(dataset: str, architecture: str, gpu: str = "v100", epochs: int | None = None) -> float:

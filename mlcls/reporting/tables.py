@@ -35,8 +35,6 @@ from typing import Any
 
 import yaml
 
-from mlcls.reporting.provenance import effective_bucket_size
-
 METRICS = {"mAP_class": "mAP@class", "mAP_sample": "mAP@sample"}
 # T_P -> 0 (Table 1's top row, the hard minimum) is run at this temperature: the loss needs T_P > 0.
 HARD_MIN_TP = 0.01
@@ -78,6 +76,20 @@ def load_paper() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- runs
+def effective_bucket_size(loss: Mapping[str, Any], batch_size: int, world_size: int) -> int | None:
+    """Rows M of the logit matrix a bucketed loss sees, or None for a loss without buckets.
+
+    ``loss.bucket_size`` when set; otherwise the whole batch the loss is given: the per-process batch
+    ``batch_size / world_size``, or the global batch under ``loss.gather``. The paper's M = 128 is 4 GPUs x
+    128 with ``bucket_size`` null, or one process with batch 512 and ``bucket_size=128``.
+    """
+    if "bucket_size" not in loss:
+        return None
+    if loss["bucket_size"] is not None:
+        return int(loss["bucket_size"])
+    return int(batch_size) if loss.get("gather") else int(batch_size) // int(world_size)
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """One finished (or partly finished) run: where it is, what it was, what it scored."""
@@ -131,6 +143,13 @@ def _same(ours: Any, wanted: Any) -> bool:
     return ours == wanted
 
 
+def _plain(value: Any) -> str:
+    """A config value as written in a YAML file: null, true/false, numbers and text as they are."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def protocol_checks() -> dict[str, Any]:
     """Config keys and the values the paper's protocol (Sec. 4.1) gives them."""
     protocol = load_paper()["protocol"]
@@ -172,7 +191,7 @@ def protocol_deviations(
     for key, wanted in protocol_checks().items():
         ours = _get(config, key)
         if not _same(ours, wanted):
-            deviations.append(f"{key}={ours} (paper {wanted})")
+            deviations.append(f"{key}={_plain(ours)} (paper {_plain(wanted)})")
     if _get(config, "trainer.amp") == "none":
         deviations.append("no mixed precision (paper AMP)")
     completed, epochs = results.get("epochs_completed"), _get(config, "trainer.epochs")
@@ -193,7 +212,8 @@ def protocol_deviations(
     if sizes is not None:
         for ours_key, paper_key in (("train_size", "train"), ("val_size", "test")):
             if ours_key in ours_sizes and ours_sizes[ours_key] != sizes[paper_key]:
-                deviations.append(f"{paper_key} split {ours_sizes[ours_key]} samples (paper {sizes[paper_key]})")
+                ours_count, paper_count = ours_sizes[ours_key], sizes[paper_key]
+                deviations.append(f"{paper_key} split {ours_count} samples (paper {paper_count})")
     return deviations
 
 
@@ -327,9 +347,10 @@ def _table1() -> TableSpec:
     )
     columns = _metric_columns([(f"T_N={tn:g}", {"loss.tn": float(tn)}) for tn in data["tn"]])
     paper = {}
-    for row, tp in zip(rows, data["tp"]):
+    for row, tp in zip(rows, data["tp"], strict=True):
         for metric in METRICS:
-            for column, value in zip([c for c in columns if c.metric == metric], data["tp"][tp][metric]):
+            block = [c for c in columns if c.metric == metric]
+            for column, value in zip(block, data["tp"][tp][metric], strict=True):
                 paper[(row.label, column.label)] = _number(value)
     return TableSpec(
         name="table1",
@@ -337,7 +358,9 @@ def _table1() -> TableSpec:
         row_header=("T_P",),
         rows=rows,
         columns=columns,
-        fixed=_ablation_fixed({k: v for k, v in twoway_defaults().items() if k not in ("loss.tp", "loss.tn")}),
+        fixed=_ablation_fixed(
+            {k: v for k, v in twoway_defaults().items() if k not in ("loss.tp", "loss.tn")}
+        ),
         paper=paper,
         note=f"T_P → 0 (the hard minimum) is run as T_P = {HARD_MIN_TP}.",
     )
@@ -348,7 +371,7 @@ def _table2() -> TableSpec:
     columns = tuple(Axis(f"ε={eps:g}", {"loss.margin": float(eps)}) for eps in data["eps"])
     rows = _metric_rows()
     paper = {}
-    for eps, column in zip(data["eps"], columns):
+    for eps, column in zip(data["eps"], columns, strict=True):
         values = data["values"].get(eps)
         for index, row in enumerate(rows):
             paper[(row.label, column.label)] = None if values is None else _number(values[index])
@@ -551,13 +574,20 @@ def fill_table(spec: TableSpec, runs: Sequence[RunRecord]) -> FilledTable:
 
 def unplaced_runs(runs: Sequence[RunRecord], specs: Iterable[TableSpec]) -> list[RunRecord]:
     """The runs that fill no cell of any of ``specs``."""
-    placed = {
-        id(run) for spec in specs for cell in fill_table(spec, runs).cells for run in cell.runs
-    }
+    placed = {id(run) for spec in specs for cell in fill_table(spec, runs).cells for run in cell.runs}
     return [run for run in runs if id(run) not in placed]
 
 
 # ---------------------------------------------------------------------------------------------- rendering
+def write_table(table: FilledTable, out_dir: Path) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<table>.md`` and ``<table>.csv``; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    markdown, table_csv = out_dir / f"{table.spec.name}.md", out_dir / f"{table.spec.name}.csv"
+    markdown.write_text(render_markdown(table))
+    table_csv.write_text(render_csv(table))
+    return markdown, table_csv
+
+
 def _fmt(value: float | None, missing: str) -> str:
     return missing if value is None else f"{value:.2f}"
 
@@ -581,8 +611,8 @@ def render_markdown(table: FilledTable) -> str:
     lines = [
         f"### {spec.caption}",
         "",
-        "Each cell: ours / paper (ours − paper), mAP in %; ours = last evaluation, mean of n runs when n > 1; "
-        "missing = no run; n/a = no paper number.",
+        "Each cell: ours / paper (ours − paper), mAP in %; ours = last evaluation, mean of the n runs when "
+        "n > 1; missing = no run; n/a = no paper number.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",

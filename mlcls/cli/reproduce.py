@@ -1,0 +1,190 @@
+"""``mlcls-reproduce``: one command per paper table: run its Hydra sweeps, then render it beside the paper.
+
+mlcls-reproduce table1 --data-root /data                 # 20 runs on one GPU, then table1.md / table1.csv
+mlcls-reproduce table7 --data-root /data --dry-run       # print the 6 sweeps and the GPU-hour estimate
+mlcls-reproduce table5 --launcher torchrun --nproc-per-node 4 --data-root /data
+mlcls-reproduce table7 --data-root /data hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1
+mlcls-reproduce all --smoke                               # every table's smoke sweep, on the CPU
+
+Arguments after the table name that are not options are Hydra overrides appended to every sweep.
+Sweeps are written to ``<sweep-dir>/<table>/<dataset or smoke>/<job>``; the rendered table to
+``<sweep-dir>/<table>.md`` and ``.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from mlcls.reporting.sweeps import (
+    SMOKE_STAND_INS,
+    TRAIN_IMAGES_PER_S,
+    Sweep,
+    describe,
+    sweep_gpu_hours,
+    table_sweeps,
+)
+from mlcls.reporting.tables import (
+    TABLE_NAMES,
+    ReportError,
+    collect_runs,
+    fill_table,
+    table_spec,
+    write_table,
+)
+
+
+class SweepFailed(RuntimeError):
+    """A sweep's process (or an in-process Hydra multirun) ended with an error."""
+
+
+def sweep_command(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[str]:
+    """The command line that runs ``sweep``: ``mlcls-train -m ...`` or its torchrun form."""
+    if launcher == "torchrun":
+        return ["torchrun", f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train", "-m", *sweep.overrides]
+    return ["mlcls-train", "-m", *sweep.overrides]
+
+
+def run_in_process(overrides: Sequence[str]) -> None:
+    """Run ``mlcls-train -m <overrides>`` in this process (what the local launcher would do in a child).
+
+    Hydra reads its command line from ``sys.argv``; it is restored afterwards. Hydra reports a failed job
+    itself and exits; that exit becomes :class:`SweepFailed`.
+    """
+    from mlcls.cli import train
+
+    saved = sys.argv
+    sys.argv = ["mlcls-train", "-m", *overrides]
+    try:
+        train.main()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise SweepFailed(
+                f"the sweep stopped with exit status {exc.code}; the failing job's error is above"
+            ) from None
+    finally:
+        sys.argv = saved
+
+
+def run_sweep(sweep: Sweep, launcher: str, nproc_per_node: int) -> None:
+    """Run one sweep to completion: in this process (local) or under torchrun (a child process)."""
+    if launcher == "local":
+        run_in_process(sweep.overrides)
+        return
+    done = subprocess.run(sweep_command(sweep, launcher, nproc_per_node), check=False)
+    if done.returncode != 0:
+        raise SweepFailed(f"torchrun ended with exit status {done.returncode}")
+
+
+def parse_roots(pairs: Sequence[str]) -> dict[str, str]:
+    """``["coco=/data/coco"]`` -> ``{"coco": "/data/coco"}``."""
+    roots = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise ReportError(f"--root {pair!r}; expected DATASET=PATH, e.g. coco=/data/coco")
+        roots[name] = path
+    return roots
+
+
+def plan(
+    tables: Sequence[str],
+    sweep_dir: Path,
+    smoke: bool,
+    launcher: str,
+    nproc_per_node: int,
+    roots: dict[str, str],
+    data_root: Path | None,
+    overrides: Sequence[str],
+) -> list[Sweep]:
+    """Every sweep to run, with the user's overrides and its own ``hydra.sweep.dir`` appended."""
+    sweeps = []
+    for table in tables:
+        nproc = nproc_per_node if launcher == "torchrun" else 1
+        for sweep in table_sweeps(table, smoke, nproc, roots, data_root):
+            where = f"hydra.sweep.dir={sweep_dir / table / sweep.name}"
+            sweeps.append(dataclasses.replace(sweep, overrides=(*sweep.overrides, *overrides, where)))
+    return sweeps
+
+
+def render(tables: Sequence[str], sweep_dir: Path, smoke: bool) -> str:
+    """Fill each table from its own sweeps under ``sweep_dir``, write ``<table>.md/.csv``, return Markdown."""
+    texts = []
+    for table in tables:
+        runs = collect_runs([sweep_dir / table], SMOKE_STAND_INS if smoke else None)
+        filled = fill_table(table_spec(table), runs)
+        markdown, _ = write_table(filled, sweep_dir)
+        texts.append(markdown.read_text())
+    return "\n".join(texts)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlcls-reproduce",
+        description="Run the Hydra sweeps of a paper table and render it beside the paper's numbers.",
+        epilog="Other arguments are Hydra overrides appended to every sweep (e.g. hydra/launcher=...).",
+    )
+    p.add_argument("table", help=f"the paper table to reproduce: {', '.join(TABLE_NAMES)} or all")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU version: embedded data, 2 cells per table")
+    p.add_argument("--dry-run", action="store_true", help="print the sweeps and their cost, run nothing")
+    p.add_argument(
+        "--launcher", choices=("local", "torchrun"), default="local", help="how each run is started"
+    )
+    p.add_argument("--nproc-per-node", type=int, default=4, help="GPUs per run under torchrun (default 4)")
+    p.add_argument("--sweep-dir", type=Path, help="default multirun/reproduce/<date>_<time>[_smoke]")
+    p.add_argument("--data-root", type=Path, help="folder holding the datasets (coco/, voc/, vispr/, ...)")
+    p.add_argument("--root", action="append", default=[], metavar="DATASET=PATH", help="one dataset's root")
+    p.add_argument("--gpu", choices=sorted(TRAIN_IMAGES_PER_S), default="v100", help="GPU of the estimate")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, overrides = parser().parse_known_args(argv)
+    unknown = [o for o in overrides if o.startswith("-")]
+    if unknown:
+        parser().error(f"unrecognized arguments: {' '.join(unknown)}")
+    stamp = f"{datetime.now():%Y-%m-%d_%H-%M-%S}{'_smoke' if args.smoke else ''}"
+    sweep_dir = (args.sweep_dir or Path("multirun/reproduce") / stamp).absolute()
+    try:
+        if args.table not in (*TABLE_NAMES, "all"):
+            names = ", ".join(TABLE_NAMES)
+            raise ReportError(f"unknown table {args.table!r}; expected one of {names} or all")
+        tables = list(TABLE_NAMES) if args.table == "all" else [args.table]
+        roots = parse_roots(args.root)
+        sweeps = plan(
+            tables,
+            sweep_dir,
+            args.smoke,
+            args.launcher,
+            args.nproc_per_node,
+            roots,
+            args.data_root,
+            overrides,
+        )
+        for table in tables:
+            own = [s for s in sweeps if s.table == table]
+            runs = sum(len(s.runs()) for s in own)
+            cost = "" if args.smoke else f", about {sweep_gpu_hours(own, args.gpu):.0f} {args.gpu} GPU-hours"
+            print(f"# {table}: {describe(table)}; {len(own)} sweep(s), {runs} runs{cost}")
+            for sweep in own:
+                print(shlex.join(sweep_command(sweep, args.launcher, args.nproc_per_node)))
+        if args.dry_run:
+            return 0
+        for sweep in sweeps:
+            run_sweep(sweep, args.launcher, args.nproc_per_node)
+        print(render(tables, sweep_dir, args.smoke), end="")
+        print(f"# tables written to {sweep_dir}/<table>.md and .csv")
+    except (ReportError, SweepFailed) as exc:
+        print(f"mlcls-reproduce: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ReportError) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Figures of a finished run, for people who would rather look than read ``results.json``.
+
+:func:`write_plots` writes three PNG files into ``<run_dir>/plots/`` and, given a TensorBoard
+``SummaryWriter``, the same images under ``plots/<name>``:
+
+* ``per_class_ap.png`` -- AP of every class (percent, as ``results.json``), best on top, with the
+  mAP@class line; classes without a positive validation label are left out (their AP is undefined). With
+  more than :data:`MAX_BARS` classes only the best and worst ``MAX_BARS / 2`` are drawn.
+* ``pr_curves.png`` -- precision-recall curves of the :data:`PR_CLASSES` best and worst classes by AP.
+* ``training_curves.png`` -- mean training loss per epoch, and mAP@class / mAP@sample of the evaluated
+  epochs.
+
+matplotlib is an optional dependency (``pip install mlcls[plots]``); without it nothing is drawn and one
+log line says so. The figures are drawn with matplotlib's object API on the Agg canvas (no ``pyplot``
+state, no display needed), and every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.metrics import precision_recall_curve
+
+from mlcls.engine.checkpoint import _atomic_write
+from mlcls.metrics import average_precision
+
+log = logging.getLogger("mlcls")
+
+MAX_BARS = 60
+PR_CLASSES = 5
+DPI = 110
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def per_class_ap_figure(ap: torch.Tensor, positives: torch.Tensor, class_names: Sequence[str]) -> Any:
+    """Horizontal bars of the per-class AP (fractions ``ap`` (C,), NaN = no positive), best class on top."""
+    import matplotlib
+
+    counted = [c for c in range(len(class_names)) if not math.isnan(ap[c].item())]
+    order = sorted(counted, key=lambda c: -ap[c].item())
+    title = f"Average precision per class (mAP@class {100 * ap[counted].mean().item():.1f})"
+    hidden = max(0, len(order) - MAX_BARS)
+    if hidden:
+        half = MAX_BARS // 2
+        title += f"\nthe {half} best and the {half} worst of {len(order)} classes"
+        order = order[:half] + order[-half:]
+    missing = len(class_names) - len(counted)
+    figure = _figure(8.0, 1.4 + 0.26 * len(order))
+    axes = figure.add_subplot()
+    values = [100 * ap[c].item() for c in order]
+    names = [f"{class_names[c]} (n={int(positives[c])})" for c in order]
+    rows = np.arange(len(order))
+    colours = matplotlib.colormaps["RdYlGn"](np.asarray(values) / 100 * 0.8 + 0.1)
+    axes.barh(rows, values, color=colours, edgecolor="none")
+    for row, value in zip(rows, values, strict=True):
+        axes.text(value + 0.8, row, f"{value:.1f}", va="center", fontsize=8)
+    axes.axvline(100 * ap[counted].mean().item(), color="0.3", linestyle="--", linewidth=1, label="mAP@class")
+    axes.set_yticks(rows, names, fontsize=9)
+    axes.invert_yaxis()
+    axes.set_xlim(0, 112)
+    if hidden:
+        axes.axhline(half - 0.5, color="0.2", linewidth=1.2)
+        axes.text(
+            56,
+            half - 0.5,
+            f"{hidden} classes in between not shown",
+            ha="center",
+            va="center",
+            fontsize=8,
+            backgroundcolor="white",
+        )
+    axes.set_ylim(len(order) - 0.5, -0.5)
+    axes.set_xlabel("AP (%)  --  n = positives in the validation set")
+    axes.set_title(title, fontsize=11)
+    axes.legend(loc="lower right", fontsize=8)
+    axes.grid(axis="x", alpha=0.3)
+    if missing:
+        note = f"{missing} class{'es' if missing > 1 else ''} without a positive label not shown"
+        figure.text(0.01, 0.002, note, fontsize=8)
+    return figure
+
+
+def pr_curves_figure(
+    scores: torch.Tensor, labels: torch.Tensor, ap: torch.Tensor, class_names: Sequence[str]
+) -> Any:
+    """Precision-recall curves of the :data:`PR_CLASSES` best and worst classes (by ``ap``), side by side.
+
+    Samples labelled -1 are left out of a class's curve, as they are of its AP.
+    """
+    counted = [c for c in range(len(class_names)) if not math.isnan(ap[c].item())]
+    counted.sort(key=lambda c: -ap[c].item())
+    k = max(1, min(PR_CLASSES, len(counted) // 2))
+    panels = [("best", counted[:k])] + ([("worst", counted[-k:][::-1])] if len(counted) > 1 else [])
+    figure = _figure(5.2 * len(panels), 4.6)
+    for index, (which, classes) in enumerate(panels):
+        axes = figure.add_subplot(1, len(panels), index + 1)
+        for c in classes:
+            known = labels[:, c] >= 0
+            precision, recall, _ = precision_recall_curve(
+                (labels[known, c] == 1).numpy(), scores[known, c].double().numpy()
+            )
+            label = f"{class_names[c]}  AP {100 * ap[c].item():.1f}"
+            axes.plot(recall, precision, drawstyle="steps-post", linewidth=1.6, label=label)
+        axes.set_xlim(0, 1.01)
+        axes.set_ylim(0, 1.03)
+        axes.set_xlabel("recall")
+        axes.set_ylabel("precision")
+        axes.set_title(f"{which.capitalize()} {len(classes)} classes by AP", fontsize=11)
+        axes.grid(alpha=0.3)
+        axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
+    figure.suptitle("Precision-recall curves on the validation set", fontsize=12)
+    return figure
+
+
+def training_curves_figure(history: Sequence[dict[str, Any]]) -> Any:
+    """Mean training loss per epoch (left) and mAP@class / mAP@sample of the evaluated epochs (right)."""
+    from matplotlib.ticker import MaxNLocator
+
+    figure = _figure(10.0, 4.0)
+    loss_axes, map_axes = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    trained = [h for h in history if h.get("loss") is not None]
+    loss_axes.plot([h["epoch"] for h in trained], [h["loss"] for h in trained], marker="o", color="tab:red")
+    loss_axes.set_title("Training loss", fontsize=11)
+    loss_axes.set_ylabel("mean loss of the epoch")
+    for key, label in (("mAP_class", "mAP@class"), ("mAP_sample", "mAP@sample")):
+        evaluated = [h for h in history if h.get(key) is not None]
+        map_axes.plot([h["epoch"] for h in evaluated], [h[key] for h in evaluated], marker="o", label=label)
+    map_axes.set_title("Validation mAP", fontsize=11)
+    map_axes.set_ylabel("mAP (%)")
+    map_axes.legend(loc="best", fontsize=9)
+    for axes in (loss_axes, map_axes):
+        axes.set_xlabel("epoch")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.grid(alpha=0.3)
+    return figure
+
+
+def _save(figure: Any, path: Path) -> np.ndarray:
+    """Write ``figure`` as PNG to ``path`` atomically; return its RGB pixels (H, W, 3) uint8."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    data = buffer.getvalue()
+    _atomic_write(path, lambda f: f.write(data))
+    figure.canvas.draw()
+    return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
+
+
+def write_plots(
+    run_dir: str | Path,
+    history: Sequence[dict[str, Any]],
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    class_names: Sequence[str],
+    writer: Any = None,
+) -> list[Path]:
+    """Draw the run's figures into ``<run_dir>/plots/`` (and ``writer``); return the files written.
+
+    Args:
+        run_dir: the run directory.
+        history: one dict per epoch, ``{"epoch", "loss", "mAP_class", "mAP_sample", ...}`` (mAP keys only
+            on evaluated epochs), as in ``results.json``.
+        scores: (N, C) validation logits; labels: (N, C) in {1, 0, -1}; class_names: the C names.
+        writer: a ``torch.utils.tensorboard.SummaryWriter``, or None; images are logged at the last epoch.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log.info("plots skipped: matplotlib is not installed (pip install mlcls[plots])")
+        return []
+    scores, labels = scores.detach().float().cpu(), labels.detach().cpu()
+    if len(class_names) != scores.shape[1]:
+        raise ValueError(f"{len(class_names)} class names for {scores.shape[1]} score columns")
+    ap = average_precision(scores, labels, dim=0)
+    figures: dict[str, Any] = {}
+    if not torch.isnan(ap).all():
+        figures["per_class_ap"] = per_class_ap_figure(ap, (labels == 1).sum(0), class_names)
+        figures["pr_curves"] = pr_curves_figure(scores, labels, ap, class_names)
+    else:
+        log.info("plots: no class has a positive validation label; per-class figures skipped")
+    if history:
+        figures["training_curves"] = training_curves_figure(history)
+    step = int(history[-1]["epoch"]) if history else 0
+    written = []
+    for name, figure in figures.items():
+        path = Path(run_dir) / "plots" / f"{name}.png"
+        pixels = _save(figure, path)
+        written.append(path)
+        if writer is not None:
+            writer.add_image(f"plots/{name}", pixels, step, dataformats="HWC")
+    log.info("plots written to %s", Path(run_dir) / "plots")
+    return written
