@@ -9,11 +9,10 @@ FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/mlcls
 COPY pyproject.toml README.md ./
-COPY configs ./configs
 COPY mlcls ./mlcls
 COPY scripts ./scripts
-# Editable install: the configs stay in /opt/mlcls/configs, where mlcls.config_dir() finds them.
-RUN pip install -e . && mlcls-train --help > /dev/null
+# The Hydra configs ship inside the package (mlcls/configs).
+RUN pip install ".[slurm]" && mlcls-train --help > /dev/null
 
 WORKDIR /workspace
 CMD ["mlcls-train"]

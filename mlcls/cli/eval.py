@@ -22,7 +22,7 @@ from mlcls.data.loader import eval_loader
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import load_checkpoint, write_json
 from mlcls.engine.evaluate import predict_dataset
-from mlcls.engine.trainer import compute_figures
+from mlcls.metrics import compute_metrics
 
 
 def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
     scores, labels = predict_dataset(
         model, loader, info.device, cfg.amp if info.device.type == "cuda" else "none"
     )
-    figures = compute_figures(scores, labels, list(state["classes"]))
+    figures = compute_metrics(scores, labels, list(state["classes"]))
     figures["checkpoint"] = str(cfg.checkpoint)
     figures["num_samples"] = len(dataset)
     return figures

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -44,11 +45,30 @@ class SweepFailed(RuntimeError):
     """A sweep's process (or an in-process Hydra multirun) ended with an error."""
 
 
-def sweep_command(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[str]:
-    """The command line that runs ``sweep``: ``mlcls-train -m ...`` or its torchrun form."""
+def torchrun_command() -> list[str]:
+    """``torchrun`` beside the interpreter, else on PATH, else ``python -m torch.distributed.run``."""
+    for path in (str(Path(sys.executable).parent), None):
+        found = shutil.which("torchrun", path=path)
+        if found:
+            return [found]
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def sweep_commands(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[list[str]]:
+    """The command lines that run ``sweep``.
+
+    local: one Hydra multirun, ``mlcls-train -m <overrides> hydra.sweep.dir=<dir>``. torchrun: one process
+    group per job, ``torchrun --nproc_per_node=N -m mlcls.train <job overrides> trainer.output_dir=<dir>/<n>``,
+    since the processes of one torchrun cannot start a second process group for a second job.
+    """
     if launcher == "torchrun":
-        return ["torchrun", f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train", "-m", *sweep.overrides]
-    return ["mlcls-train", "-m", *sweep.overrides]
+        torchrun = [*torchrun_command(), f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train"]
+        return [
+            [*torchrun, *job, f"trainer.output_dir={sweep.directory / str(number)}"]
+            for number, job in enumerate(sweep.runs())
+        ]
+    where = [f"hydra.sweep.dir={sweep.directory}"] if sweep.directory else []
+    return [["mlcls-train", "-m", *sweep.overrides, *where]]
 
 
 def run_in_process(overrides: Sequence[str]) -> None:
@@ -73,13 +93,14 @@ def run_in_process(overrides: Sequence[str]) -> None:
 
 
 def run_sweep(sweep: Sweep, launcher: str, nproc_per_node: int) -> None:
-    """Run one sweep to completion: in this process (local) or under torchrun (a child process)."""
-    if launcher == "local":
-        run_in_process(sweep.overrides)
-        return
-    done = subprocess.run(sweep_command(sweep, launcher, nproc_per_node), check=False)
-    if done.returncode != 0:
-        raise SweepFailed(f"torchrun ended with exit status {done.returncode}")
+    """Run one sweep to completion: in this process (local) or one torchrun child process per job."""
+    for command in sweep_commands(sweep, launcher, nproc_per_node):
+        if launcher == "local":
+            run_in_process(command[2:])
+            continue
+        done = subprocess.run(command, check=False)
+        if done.returncode != 0:
+            raise SweepFailed(f"torchrun ended with exit status {done.returncode}: {shlex.join(command)}")
 
 
 def parse_roots(pairs: Sequence[str]) -> dict[str, str]:
@@ -103,13 +124,15 @@ def plan(
     data_root: Path | None,
     overrides: Sequence[str],
 ) -> list[Sweep]:
-    """Every sweep to run, with the user's overrides and its own ``hydra.sweep.dir`` appended."""
+    """Every sweep to run, with the user's overrides appended, in ``<sweep_dir>/<table>/<sweep name>``."""
     sweeps = []
     for table in tables:
         nproc = nproc_per_node if launcher == "torchrun" else 1
         for sweep in table_sweeps(table, smoke, nproc, roots, data_root):
-            where = f"hydra.sweep.dir={sweep_dir / table / sweep.name}"
-            sweeps.append(dataclasses.replace(sweep, overrides=(*sweep.overrides, *overrides, where)))
+            directory = sweep_dir / table / sweep.name
+            sweeps.append(
+                dataclasses.replace(sweep, overrides=(*sweep.overrides, *overrides), directory=directory)
+            )
     return sweeps
 
 
@@ -173,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cost = "" if args.smoke else f", about {sweep_gpu_hours(own, args.gpu):.0f} {args.gpu} GPU-hours"
             print(f"# {table}: {describe(table)}; {len(own)} sweep(s), {runs} runs{cost}")
             for sweep in own:
-                print(shlex.join(sweep_command(sweep, args.launcher, args.nproc_per_node)))
+                for command in sweep_commands(sweep, args.launcher, args.nproc_per_node):
+                    print(shlex.join(command))
         if args.dry_run:
             return 0
         for sweep in sweeps:

@@ -41,8 +41,6 @@ def parse_stand_ins(pairs: Sequence[str]) -> dict[str, str]:
 
 def build_tables(runs: Sequence[RunRecord], names: Sequence[str] | None) -> list[FilledTable]:
     """The requested tables (default: every table with at least one filled cell)."""
-    for name in names or ():
-        table_spec(name)  # one-line error for an unknown name before any work
     tables = [fill_table(table_spec(name), runs) for name in (names or TABLE_NAMES)]
     if names:
         return tables
@@ -63,6 +61,8 @@ def report(
     as_csv: bool = False,
 ) -> str:
     """Read the runs under ``paths``, fill the tables, write them to ``out_dir`` if given; return the text."""
+    for name in names or ():
+        table_spec(name)  # an unknown name fails before any run is read
     runs = collect_runs(paths, stand_ins)
     tables = build_tables(runs, names)
     if out_dir is not None:

@@ -7,6 +7,7 @@ target, so a crash mid-write leaves the previous complete file in place, never a
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -53,9 +54,19 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return state
 
 
+def _finite_or_none(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite_or_none(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite_or_none(v) for v in data]
+    return data
+
+
 def write_json(data: Any, path: str | Path) -> None:
-    """Write ``data`` as indented JSON to ``path`` atomically."""
-    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    """Write ``data`` as indented JSON to ``path`` atomically; NaN and infinities become ``null``."""
+    text = json.dumps(_finite_or_none(data), indent=2, allow_nan=False) + "\n"
     _atomic_write(Path(path), lambda f: f.write(text.encode()))
 
 

@@ -51,14 +51,14 @@ from mlcls.engine.checkpoint import (
 from mlcls.engine.evaluate import autocast_context, predict_dataset
 from mlcls.engine.optim import build_optimizer, build_scheduler
 from mlcls.engine.validate import ConfigError, validate_config
-from mlcls.metrics import average_precision, map_class, map_sample
+from mlcls.metrics import compute_metrics
 
 log = logging.getLogger("mlcls")
 
 EXIT_PREEMPTED = 75
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-__all__ = ["EXIT_PREEMPTED", "ConfigError", "NonFiniteError", "Preempted", "Trainer", "compute_figures"]
+__all__ = ["EXIT_PREEMPTED", "ConfigError", "NonFiniteError", "Preempted", "Trainer"]
 
 
 class Preempted(Exception):
@@ -88,22 +88,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def compute_figures(scores: torch.Tensor, labels: torch.Tensor, class_names: list[str]) -> dict[str, Any]:
-    """mAP@class, mAP@sample (percent, eqs. 23-24) and the per-class AP table."""
-    mac, classes_counted = map_class(scores, labels)
-    mas, samples_counted = map_sample(scores, labels)
-    per_class = average_precision(scores, labels, dim=0)
-    return {
-        "mAP_class": mac,
-        "mAP_sample": mas,
-        "classes_counted": classes_counted,
-        "samples_counted": samples_counted,
-        "per_class_ap": {
-            name: (None if math.isnan(ap) else 100.0 * ap) for name, ap in zip(class_names, per_class.tolist())
-        },
-    }
 
 
 class Trainer:
@@ -428,7 +412,7 @@ class Trainer:
             for buffer in model.buffers():
                 torch.distributed.broadcast(buffer, src=0)
         scores, labels = predict_dataset(model, self.val_loader, self.device, self.amp, self.channels_last)
-        return compute_figures(scores, labels, self.classes)
+        return compute_metrics(scores, labels, self.classes)
 
     def evaluate_and_select(self, epoch: int) -> bool:
         """Evaluate the raw (and EMA) weights, log them, update ``best``; True if this epoch is the new best."""

@@ -88,6 +88,7 @@ def compute_metrics(
     if voc11:
         metrics["mAP_class_voc11"] = mean_counted(_voc11_average_precision(scores, labels, dim=0))[0]
     metrics["per_class_ap"] = {
-        name: None if math.isnan(ap) else 100 * ap for name, ap in zip(class_names, class_ap.tolist(), strict=True)
+        name: None if math.isnan(ap) else 100 * ap
+        for name, ap in zip(class_names, class_ap.tolist(), strict=True)
     }
     return metrics

@@ -48,7 +48,9 @@ def check_labels(labels: torch.Tensor, shape: torch.Size, against: str = "scores
         ValueError: on a shape mismatch or a label outside {1, 0, -1} (named in the message).
     """
     if labels.shape != shape:
-        raise ValueError(f"labels {tuple(labels.shape)} and {against} {tuple(shape)} must have one shape (N, C)")
+        raise ValueError(
+            f"labels {tuple(labels.shape)} and {against} {tuple(shape)} must have one shape (N, C)"
+        )
     as_int8 = labels.to(torch.int8)
     if labels.numel():
         lowest, highest = torch.aminmax(as_int8)

@@ -101,5 +101,7 @@ def precision_recall_f1(predicted: torch.Tensor, labels: torch.Tensor) -> dict[s
     See the module docstring for the definitions and edge cases.
     """
     if predicted.dtype != torch.bool or predicted.dim() != 2:
-        raise ValueError(f"predicted must be a 2-D bool tensor, got {predicted.dtype} {tuple(predicted.shape)}")
+        raise ValueError(
+            f"predicted must be a 2-D bool tensor, got {predicted.dtype} {tuple(predicted.shape)}"
+        )
     return _precision_recall_f1(predicted, check_labels(labels, predicted.shape, against="predicted"))

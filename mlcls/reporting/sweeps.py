@@ -123,15 +123,19 @@ def _grids() -> dict[str, TableGrid]:
 
 @dataclass(frozen=True)
 class Sweep:
-    """One Hydra multirun: ``mlcls-train -m <overrides>``; ``dataset`` is None in smoke mode."""
+    """One Hydra multirun, ``mlcls-train -m <overrides>``, writing its jobs to ``directory/<job number>``.
+
+    ``dataset`` is None in smoke mode; ``directory`` None leaves Hydra's default sweep directory.
+    """
 
     table: str
     name: str
     overrides: tuple[str, ...]
     dataset: str | None
+    directory: Path | None = None
 
-    def runs(self) -> list[dict[str, str]]:
-        """The jobs of this sweep as {key: value}: the product of the a,b,c lists (basic sweeper)."""
+    def runs(self) -> list[list[str]]:
+        """The overrides of each job of this sweep (:func:`expand`)."""
         return expand(self.overrides)
 
 
@@ -225,17 +229,23 @@ def _split_sweep(value: str) -> list[str]:
     return [*parts, current]
 
 
-def expand(overrides: Sequence[str]) -> list[dict[str, str]]:
-    """The jobs of ``mlcls-train -m <overrides>``: every combination of the comma-separated values.
-
-    Keys keep their ``+``/``++`` prefix stripped; a key given twice keeps its last value, as in Hydra.
+def expand(overrides: Sequence[str]) -> list[list[str]]:
+    """The jobs of ``mlcls-train -m <overrides>``: each job's overrides, one value per key, for every
+    combination of the comma-separated values (Hydra's basic sweeper). A key given twice keeps its last
+    spelling and values, so an override appended by the user replaces the table's.
     """
-    keyed: dict[str, list[str]] = {}
+    keyed: dict[str, tuple[str, list[str]]] = {}  # key without +/++/~ -> (key as written, values)
     for override in overrides:
         key, _, value = override.partition("=")
-        keyed[key.lstrip("+~")] = _split_sweep(value)
-    keys = list(keyed)
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(keyed[k] for k in keys))]
+        keyed[key.lstrip("+~")] = (key, _split_sweep(value))
+    written = [key for key, _ in keyed.values()]
+    combos = itertools.product(*(values for _, values in keyed.values()))
+    return [[f"{key}={value}" for key, value in zip(written, combo, strict=True)] for combo in combos]
+
+
+def job_values(job: Sequence[str]) -> dict[str, str]:
+    """``["+experiment=paper_bce", "loss.tp=4"]`` -> ``{"experiment": "paper_bce", "loss.tp": "4"}``."""
+    return {key.lstrip("+~"): value for key, _, value in (override.partition("=") for override in job)}
 
 
 def run_gpu_hours(dataset: str, architecture: str, gpu: str = "v100", epochs: int | None = None) -> float:
@@ -255,7 +265,7 @@ def sweep_gpu_hours(sweeps: Sequence[Sweep], gpu: str = "v100") -> float:
     """Sum of :func:`run_gpu_hours` over every job of ``sweeps`` (ResNet-50 unless ``model.name`` says)."""
     total = 0.0
     for sweep in sweeps:
-        for job in sweep.runs():
+        for job in map(job_values, sweep.runs()):
             architecture = job.get("model.name", PAPER_WEIGHTS["resnet50"]).split(".")[0]
             total += run_gpu_hours(job["dataset"], architecture, gpu)
     return total

@@ -1,0 +1,123 @@
+"""Per-class threshold calibration against a brute-force scikit-learn search, and the decision rules."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import f1_score
+
+from mlcls.inference.thresholds import calibrate_thresholds, select_labels
+
+
+def brute_force_best_cut(scores: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
+    """Max F1 of one class over every rule ``score >= s`` (s a distinct known score, or +inf: nothing),
+    and the predicted set of the highest such ``s`` reaching it; float64, scikit-learn's f1_score."""
+    known = labels >= 0
+    s, y = scores[known].astype(np.float64), labels[known] == 1
+    best_f1, best_set = -1.0, None
+    for cut in [np.inf, *sorted(set(s.tolist()), reverse=True)]:
+        predicted = s >= cut
+        f1 = f1_score(y, predicted, zero_division=0.0)
+        if f1 > best_f1 + 1e-12:
+            best_f1, best_set = f1, predicted
+    return best_f1, best_set
+
+
+def random_problem(seed: int, n: int = 60, c: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits rounded to 0.25 (many ties), labels with positives, negatives and about 15% of -1."""
+    g = torch.Generator().manual_seed(seed)
+    labels = (torch.rand(n, c, generator=g) < torch.linspace(0.05, 0.6, c)).float()
+    scores = torch.randn(n, c, generator=g) + 1.2 * labels
+    scores = (scores * 4).round() / 4
+    labels[torch.rand(n, c, generator=g) < 0.15] = -1
+    labels[0, :] = 1  # every class has a positive
+    return scores, labels
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_thresholds_reach_the_brute_force_maximum_f1(seed):
+    scores, labels = random_problem(seed)
+    thresholds = calibrate_thresholds(scores, labels)
+    assert thresholds.dtype == torch.float64 and thresholds.shape == (scores.shape[1],)
+    for c in range(scores.shape[1]):
+        known = labels[:, c] >= 0
+        s, y = scores[known, c].double().numpy(), labels[known, c].numpy()
+        best_f1, best_set = brute_force_best_cut(scores[:, c].numpy(), labels[:, c].numpy())
+        predicted = s >= thresholds[c].item()
+        assert f1_score(y == 1, predicted) == pytest.approx(best_f1, abs=1e-12), c
+        np.testing.assert_array_equal(predicted, best_set, err_msg=f"class {c}: not the highest best cut")
+        # halfway between the lowest kept score and the highest dropped one
+        kept, dropped = s[predicted], s[~predicted]
+        if len(dropped):
+            assert thresholds[c].item() == pytest.approx((kept.min() + dropped.max()) / 2)
+        else:
+            assert thresholds[c].item() == -math.inf
+
+
+def test_ignored_labels_do_not_move_thresholds():
+    scores, labels = random_problem(7)
+    moved = scores.clone()
+    moved[labels == -1] = torch.randn(int((labels == -1).sum())) * 10
+    torch.testing.assert_close(calibrate_thresholds(moved, labels), calibrate_thresholds(scores, labels))
+
+
+def test_edge_cases_ties_no_positive_and_always_predicted():
+    scores = torch.tensor(
+        [
+            [2.0, 1.0, 0.3, 5.0],
+            [1.0, 1.0, 0.2, 4.0],
+            [1.0, 0.5, -0.1, 3.0],
+            [0.0, -1.0, 0.0, 2.0],
+        ]
+    )
+    labels = torch.tensor(
+        [
+            [1.0, 0.0, 1.0, -1.0],
+            [1.0, 1.0, 1.0, -1.0],
+            [0.0, 0.0, 1.0, 0.0],
+            [0.0, 0.0, -1.0, 0.0],
+        ]
+    )
+    thresholds = calibrate_thresholds(scores, labels)
+    # column 0: the tie at 1.0 holds a positive and a negative; keeping it gives F1 0.8, dropping it 2/3
+    assert thresholds[0].item() == 0.5
+    # column 1: the only positive is tied with a negative at 1.0: F1 = 2/3 at the cut 0.75
+    assert thresholds[1].item() == 0.75
+    # column 2: every known sample is positive: the class is always predicted
+    assert thresholds[2].item() == -math.inf
+    # column 3: no positive: the uncalibrated default (logit 0), or the one asked for
+    assert thresholds[3].item() == 0.0
+    assert calibrate_thresholds(scores, labels, no_positive=math.inf)[3].item() == math.inf
+
+
+def test_bad_inputs_are_rejected():
+    with pytest.raises(ValueError, match="shape"):
+        calibrate_thresholds(torch.zeros(3, 2), torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="1, 0 or -1"):
+        calibrate_thresholds(torch.zeros(2, 2), torch.full((2, 2), 2.0))
+    with pytest.raises(ValueError, match="zero samples"):
+        calibrate_thresholds(torch.zeros(0, 2), torch.zeros(0, 2))
+
+
+def test_select_labels_precedence_matches_a_hand_computed_reference():
+    logits = torch.tensor([[2.0, -0.5, 0.3, -3.0], [-1.0, 0.8, 0.8, 1.5]])
+    probabilities = 1 / (1 + np.exp(-logits.double().numpy()))
+    per_class = torch.tensor([1.0, -1.0, 0.5, 1.5], dtype=torch.float64)
+
+    default = select_labels(logits)
+    np.testing.assert_array_equal(default.numpy(), probabilities >= 0.5)
+    calibrated = select_labels(logits, per_class)
+    np.testing.assert_array_equal(calibrated.numpy(), [[True, True, False, False], [False, True, True, True]])
+    # a global threshold and top_k override the per-class thresholds
+    globally = select_labels(logits, per_class, threshold=0.7).numpy()
+    np.testing.assert_array_equal(globally, probabilities >= 0.7)
+    # row 2 ties at the second place (0.8, 0.8): the lower class index is taken
+    top2 = select_labels(logits, per_class, top_k=2).numpy()
+    np.testing.assert_array_equal(top2, [[True, False, True, False], [False, True, False, True]])
+    both = select_labels(logits, per_class, threshold=0.6, top_k=2).numpy()
+    np.testing.assert_array_equal(both, [[True, False, False, False], [False, True, False, True]])
+    with pytest.raises(ValueError, match="thresholds"):
+        select_labels(logits, per_class[:3])

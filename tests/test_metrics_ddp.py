@@ -1,0 +1,67 @@
+"""Distributed evaluation: 2 gloo processes on an odd-size dataset give exactly the single-process figures."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mlcls.metrics import compute_metrics, gather_shards
+
+WORLD = 2
+SIZE = 1001  # odd: shards of 501 and 500 rows
+CLASS_NAMES = [f"class{c}" for c in range(12)]
+
+
+def make_dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    """bfloat16 logits (as under AMP) with many ties, labels with -1, an empty class and empty samples."""
+    generator = torch.Generator().manual_seed(0)
+    labels = (torch.rand(SIZE, len(CLASS_NAMES), generator=generator) < 0.2).float()
+    labels[:, 0] = 0
+    labels[:5] = 0
+    logits = (torch.randn(SIZE, len(CLASS_NAMES), generator=generator) + 2 * labels).round(decimals=1)
+    labels[torch.rand(SIZE, len(CLASS_NAMES), generator=generator) < 0.05] = -1
+    return logits.to(torch.bfloat16), labels
+
+
+def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        logits, labels = make_dataset()
+        scores = gather_shards(logits[rank::WORLD], SIZE)  # the rows ShardSampler gives this rank
+        targets = gather_shards(labels[rank::WORLD], SIZE)
+        metrics = compute_metrics(scores, targets, CLASS_NAMES, voc11=True)
+        one_row = gather_shards(logits[:1][rank::WORLD], 1)  # rank 1 holds no row
+        padded = list(range(SIZE)) + [0]  # DistributedSampler pads to a multiple of the world size
+        try:
+            gather_shards(logits[padded[rank::WORLD]], SIZE)
+            refused = ""
+        except ValueError as error:
+            refused = str(error)
+        result = {"scores": scores, "targets": targets, "metrics": metrics, "one_row": one_row}
+        torch.save({**result, "refused": refused}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_give_the_single_process_figures(tmp_path: Path) -> None:
+    mp.spawn(_evaluate_on_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
+    logits, labels = make_dataset()
+    expected = compute_metrics(logits.float(), labels, CLASS_NAMES, voc11=True)
+    assert expected["classes_counted"] == len(CLASS_NAMES) - 1
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["scores"].dtype == torch.float32
+        assert torch.equal(result["scores"], logits.float())  # each sample once, in dataset order
+        assert torch.equal(result["targets"], labels)
+        assert json.dumps(result["metrics"], sort_keys=True) == json.dumps(expected, sort_keys=True)
+        assert torch.equal(result["one_row"], logits[:1].float())
+        assert "shard lengths [501, 501]" in result["refused"]
