@@ -37,7 +37,7 @@ def random_problem(seed: int, n: int = 60, c: int = 9) -> tuple[torch.Tensor, to
     return scores, labels
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(4))
 def test_thresholds_reach_the_brute_force_maximum_f1(seed):
     scores, labels = random_problem(seed)
     thresholds = calibrate_thresholds(scores, labels)

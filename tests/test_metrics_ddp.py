@@ -39,7 +39,8 @@ def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
         scores = gather_shards(logits[rank::WORLD], SIZE)  # the rows ShardSampler gives this rank
         targets = gather_shards(labels[rank::WORLD], SIZE)
         metrics = compute_metrics(scores, targets, CLASS_NAMES, voc11=True)
-        one_row = gather_shards(logits[:1][rank::WORLD], 1)  # rank 1 holds no row
+        # a set smaller than the world: rank 1 has no row, and predict() returns torch.empty(0) for it
+        one_row = gather_shards(logits[:1] if rank == 0 else torch.empty(0), 1)
         padded = list(range(SIZE)) + [0]  # DistributedSampler pads to a multiple of the world size
         try:
             gather_shards(logits[padded[rank::WORLD]], SIZE)

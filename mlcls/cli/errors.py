@@ -22,5 +22,8 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except USER_ERRORS as exc:
-        print(f"mlcls: error: {exc}", file=sys.stderr)
+        # An error raised in a DataLoader worker comes back with the worker's traceback in its message;
+        # its last line is the error itself.
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        print(f"mlcls: error: {lines[-1]}", file=sys.stderr)
         sys.exit(2)

@@ -57,9 +57,9 @@ def torchrun_command() -> list[str]:
 def sweep_commands(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[list[str]]:
     """The command lines that run ``sweep``.
 
-    local: one Hydra multirun, ``mlcls-train -m <overrides> hydra.sweep.dir=<dir>``. torchrun: one process
-    group per job, ``torchrun --nproc_per_node=N -m mlcls.train <job overrides> trainer.output_dir=<dir>/<n>``,
-    since the processes of one torchrun cannot start a second process group for a second job.
+    local: one Hydra multirun, ``mlcls-train -m <overrides> hydra.sweep.dir=<dir>``. torchrun: one
+    ``torchrun --nproc_per_node=N -m mlcls.train <job overrides> trainer.output_dir=<dir>/<n>`` per job, since
+    the processes of one torchrun cannot start a second process group for a second job.
     """
     if launcher == "torchrun":
         torchrun = [*torchrun_command(), f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train"]

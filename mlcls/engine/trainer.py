@@ -270,6 +270,7 @@ class Trainer:
                 if (epoch + 1) % tcfg.eval_every == 0 or epoch + 1 == tcfg.epochs:
                     is_best = self.evaluate_and_select(epoch + 1)
                     record.update({k: self.last_figures[k] for k in ("mAP_class", "mAP_sample")})
+                self._collect_bad_images()
                 self.history.append(record)
                 self.save(epoch + 1, 0, is_best)
                 if self.last_figures is not None:
@@ -348,7 +349,6 @@ class Trainer:
         bar.close()
         elapsed += time.perf_counter() - start
         self.wall_time_s += time.perf_counter() - start
-        self._collect_bad_images()
         steps_done = self.iters_per_epoch * self.dist.world_size
         mean_loss = (dist_utils.all_reduce_sum(loss_sum) / steps_done).item()
         images_per_s = seen * self.dist.world_size / max(elapsed, 1e-9)
@@ -386,17 +386,18 @@ class Trainer:
         return loss.detach(), finite
 
     def _collect_bad_images(self) -> None:
-        """Files the dataset skipped this epoch (``dataset.on_bad_image=skip``), from every rank."""
-        if not hasattr(self.train_set, "pop_bad_images"):
-            return
-        mine = list(self.train_set.pop_bad_images())
+        """Files the datasets skipped since the last call (``dataset.on_bad_image=skip``), from every rank."""
+        mine: list[str] = []
+        for dataset in (self.train_set, getattr(self.val_set, "dataset", self.val_set)):
+            if hasattr(dataset, "pop_bad_images"):
+                mine.extend(dataset.pop_bad_images())
         parts = [mine]
         if self.dist.distributed:
             parts = [None] * self.dist.world_size
             torch.distributed.all_gather_object(parts, mine)
         new = sorted({p for part in parts for p in part} - set(self.counts["skipped_images"]))
         if new:
-            log.warning("skipped %d unreadable images this epoch, e.g. %s", len(new), new[0])
+            log.warning("skipped %d unreadable images, e.g. %s", len(new), new[0])
             self.counts["skipped_images"].extend(new)
 
     # ------------------------------------------------------------------ evaluation

@@ -18,10 +18,12 @@ flow). ONNX uses the TorchScript-based exporter of ``torch.onnx`` (``dynamo=Fals
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,15 @@ EXPORT_FORMATS = ("torchscript", "onnx")
 SUFFIXES = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
 TORCHSCRIPT_METADATA = "mlcls.json"
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
+
+
+@contextlib.contextmanager
+def _quiet_deprecation() -> Iterator[None]:
+    """Silence torch's deprecation notices of ``torch.jit`` and of the TorchScript-based ONNX exporter."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        yield
 
 
 def export_metadata(inference: InferenceModel) -> dict[str, Any]:
@@ -77,9 +88,7 @@ def example_input(inference: InferenceModel, batch_size: int = 2, seed: int = 0)
 
 def export_torchscript(model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, Any]) -> None:
     """Trace ``model`` (eval mode) on ``example``; save it atomically with ``metadata`` as an extra file."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)  # "torch.jit is deprecated"
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
+    with _quiet_deprecation():
         traced = torch.jit.trace(model.eval(), example)
         extra = {TORCHSCRIPT_METADATA: json.dumps(metadata)}
         _atomic_write(path, lambda f: torch.jit.save(traced, f, _extra_files=extra))
@@ -94,9 +103,7 @@ def export_onnx(
     except ImportError as exc:
         raise InferenceError("ONNX export needs the onnx package: pip install mlcls[export]") from exc
     buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=DeprecationWarning)  # the TorchScript-based exporter
-        warnings.filterwarnings("ignore", category=FutureWarning)
+    with _quiet_deprecation():
         torch.onnx.export(
             model.eval(),
             (example,),
@@ -124,7 +131,8 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         proto = onnx.load(str(path), load_external_data=False)
         return {entry.key: json.loads(entry.value) for entry in proto.metadata_props}
     extra = {TORCHSCRIPT_METADATA: ""}
-    torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+    with _quiet_deprecation():
+        torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
     return json.loads(extra[TORCHSCRIPT_METADATA])
 
 
@@ -138,7 +146,7 @@ def run_exported(path: str | Path, images: torch.Tensor) -> torch.Tensor | None:
             return None
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         return torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: images.numpy()})[0])
-    with torch.no_grad():
+    with torch.no_grad(), _quiet_deprecation():
         return torch.jit.load(str(path), map_location="cpu")(images)
 
 

@@ -1,0 +1,259 @@
+"""The fast training pipeline: the paper's augmentation with reduced-scale decoding and colour on the device.
+
+The same operations, in the same order and with the same parameter ranges, as ``build_transform("paper",
+size, train=True)`` of :mod:`mlcls.data.transforms` (RandomResizedCrop -> flip -> ColorJitter(0.4, 0.4,
+0.4) -> tensor -> PCA lighting 0.1 -> ImageNet normalisation), split in two stages:
+
+* **CPU stage**, :class:`FastTrainTransform`, in the DataLoader worker: decode, crop-and-resize, flip; the
+  image stays uint8 (H, W, 3). When the random crop is at least 2, 4 or 8 times the output size in both
+  directions, the JPEG is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling, PIL's ``draft``), so
+  that no pixel the resize needs is lost. The sample's colour parameters (ColorJitter's random order and
+  three factors, the lighting noise alpha) are drawn here too and travel with the image as a (9,) tensor.
+* **device stage**, :class:`DeviceStage`, on the whole batch after its copy to the training device:
+  uint8 -> [0, 1] float, each sample's ColorJitter in its own order, lighting, normalisation
+  (:func:`colour_lighting_normalise`). On CUDA the colour work leaves the CPU; the copy is 4x smaller.
+
+Seeding: every random number is drawn from torch's global RNG inside the dataset's ``__getitem__`` (which
+:class:`mlcls.data.loader.SeededSamples` seeds per sample), through the same torchvision calls and in the
+same order as the plain pipeline: under one seed both pipelines pick the same crop, flip, jitter order and
+factors and lighting noise. The device stage draws nothing; it applies the parameters carried with the
+batch, so the augmentation of a sample is a function of its seed alone (exact resume, any worker count).
+
+A dataset hands the transform either a decoded PIL image (any dataset) or, through the optional
+``decode(path, box)`` hook of :meth:`FastTrainTransform.decode`, a :class:`PlannedCrop` (reduced-scale
+decoding needs the crop before the pixels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor
+from torchvision import transforms as T
+
+from mlcls.data.base import crop_box
+from mlcls.data.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_PCA_EIGVAL,
+    IMAGENET_PCA_EIGVEC,
+    IMAGENET_STD,
+    build_transform,
+)
+
+BACKENDS = ("torchvision", "fast", "dali")
+# JPEG DCT scaling factors PIL's draft mode offers (libjpeg scale 1/8, 1/4, 1/2), largest first.
+DRAFT_REDUCTIONS = (8, 4, 2)
+# ColorJitter operation codes, as in torchvision's ColorJitter.get_params permutation (3 = hue, unused).
+BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
+# Luma weights of torchvision's rgb_to_grayscale (ITU-R 601-2).
+GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
+# Layout of the per-sample colour parameters: 3 operation codes in order, 3 factors, 3 lighting alphas.
+PARAMS_ORDER, PARAMS_FACTORS, PARAMS_ALPHA = slice(0, 3), slice(3, 6), slice(6, 9)
+NUM_PARAMS = 9
+
+
+class AugmentedImage(NamedTuple):
+    """Output of the CPU stage; the DataLoader's default collate stacks each field.
+
+    ``pixels``: uint8 (H, W, 3), or (B, H, W, 3) for a batch, cropped, resized and flipped.
+    ``params``: float32 (9,) or (B, 9): ColorJitter operation codes in application order (0 brightness,
+    1 contrast, 2 saturation), the brightness, contrast and saturation factors, the 3 PCA lighting alphas.
+    """
+
+    pixels: Tensor
+    params: Tensor
+
+
+@dataclass(frozen=True)
+class PlannedCrop:
+    """A decoded image (possibly at 1/2, 1/4 or 1/8 scale) and the random crop chosen for it.
+
+    ``region`` is ``(left, top, right, bottom)`` in ``image``'s pixels (floats when the image was decoded
+    at reduced scale).
+    """
+
+    image: Image.Image
+    region: tuple[float, float, float, float]
+
+
+def draft_reduction(crop_width: int, crop_height: int, size: int) -> int:
+    """The largest JPEG DCT reduction (8, 4, 2, or 1 for none) that keeps the crop at least ``size`` pixels
+    in both directions, so that resizing it to ``size`` x ``size`` never enlarges what decoding shrank."""
+    for reduction in DRAFT_REDUCTIONS:
+        if min(crop_width, crop_height) >= reduction * size:
+            return reduction
+    return 1
+
+
+def load_reduced(img: Image.Image, reduction: int) -> tuple[Image.Image, float, float]:
+    """Decode the just-opened ``img`` as RGB at 1/``reduction`` scale where its format allows it (JPEG),
+    else at full size.
+
+    Returns ``(image, scale_x, scale_y)``: full-size pixel coordinates divided by these are ``image``'s.
+    """
+    width, height = img.size
+    if reduction > 1:
+        img.draft("RGB", (width // reduction, height // reduction))
+    img.load()
+    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    if rgb.size == (width, height):
+        return rgb, 1.0, 1.0
+    if rgb.size == (math.ceil(width / reduction), math.ceil(height / reduction)):
+        # libjpeg maps each reduction x reduction block of the source to one pixel (the last, partial block
+        # rounds the size up): the coordinate map is exactly x / reduction.
+        return rgb, float(reduction), float(reduction)
+    return rgb, width / rgb.width, height / rgb.height
+
+
+class FastTrainTransform:
+    """CPU stage of the fast pipeline (see the module docstring); output :class:`AugmentedImage`.
+
+    Args:
+        size: output side (the paper's 224).
+        scale, ratio: RandomResizedCrop's area fraction and aspect-ratio ranges (torchvision's defaults).
+        jitter: ColorJitter's brightness = contrast = saturation strength (the paper's 0.4).
+        lighting_std: standard deviation of the PCA lighting alphas (the paper's 0.1).
+        draft: decode JPEGs at reduced scale when the crop allows it (in :meth:`decode`).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        scale: Sequence[float] = (0.08, 1.0),
+        ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0),
+        jitter: float = 0.4,
+        lighting_std: float = 0.1,
+        draft: bool = True,
+    ) -> None:
+        self.size = size
+        self.scale, self.ratio = list(scale), list(ratio)
+        self.jitter = T.ColorJitter(jitter, jitter, jitter)
+        self.lighting_std = lighting_std
+        self.draft = draft
+
+    def crop_params(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """``(top, left, height, width)`` of a RandomResizedCrop of a ``width`` x ``height`` image.
+
+        torchvision's own sampler; it reads only the shape of the (never allocated) tensor it is given.
+        """
+        shape_only = torch.empty(1, 1, 1).expand(3, height, width)
+        return T.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
+
+    def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> PlannedCrop:
+        """Read the image size, choose the random crop (inside ``box``, clamped as the dataset clamps it),
+        then decode at the largest reduction the crop allows."""
+        with Image.open(path) as img:
+            width, height = img.size
+            whole = (0, 0, width, height)
+            left, top, right, bottom = whole if box is None else crop_box(box, width, height)
+            i, j, h, w = self.crop_params(right - left, bottom - top)
+            reduction = draft_reduction(w, h, self.size) if self.draft else 1
+            image, scale_x, scale_y = load_reduced(img, reduction)
+        x0, y0 = left + j, top + i
+        return PlannedCrop(image, (x0 / scale_x, y0 / scale_y, (x0 + w) / scale_x, (y0 + h) / scale_y))
+
+    def colour_params(self) -> Tensor:
+        """ColorJitter's random order and factors, then the lighting alphas: float32 (9,)."""
+        jitter = self.jitter
+        order, *factors = jitter.get_params(jitter.brightness, jitter.contrast, jitter.saturation, jitter.hue)
+        codes = [code for code in order.tolist() if code != HUE]
+        factor_values = [1.0 if f is None else f for f in factors[:3]]
+        alpha = torch.randn(3) * self.lighting_std if self.lighting_std else torch.zeros(3)
+        return torch.tensor([*codes, *factor_values, *alpha.tolist()], dtype=torch.float32)
+
+    def __call__(self, image: Image.Image | PlannedCrop) -> AugmentedImage:
+        if isinstance(image, PlannedCrop):
+            image, region = image.image, image.region
+        else:
+            image = image if image.mode == "RGB" else image.convert("RGB")
+            i, j, h, w = self.crop_params(image.width, image.height)
+            region = (j, i, j + w, i + h)
+        out = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box=region)
+        if torch.rand(1) < 0.5:  # RandomHorizontalFlip's draw
+            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        params = self.colour_params()
+        return AugmentedImage(torch.from_numpy(np.array(out)), params)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
+            f"jitter={self.jitter.brightness}, lighting_std={self.lighting_std}, draft={self.draft})"
+        )
+
+
+def colour_lighting_normalise(
+    pixels: Tensor,
+    params: Tensor,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+) -> Tensor:
+    """Device stage on a batch: ColorJitter with per-sample order and factors, PCA lighting, normalisation.
+
+    Args:
+        pixels: uint8 (B, H, W, 3).
+        params: float (B, 9), as in :class:`AugmentedImage`.
+
+    Returns float32 (B, 3, H, W) in channels_last memory layout. Each jitter step is torchvision's float
+    blend ``clamp(f * x + (1 - f) * g, 0, 1)`` with g = 0 (brightness), the mean grey level of the image
+    (contrast) or its grey image (saturation); then ``x + eigvec @ (alpha * eigval)`` (no clamp, as
+    :class:`mlcls.data.transforms.Lighting`) and ``(x - mean) / std``.
+    """
+    device = pixels.device
+    x = pixels.permute(0, 3, 1, 2).float().div_(255.0)
+    order = params[:, PARAMS_ORDER].long()
+    factors = params[:, PARAMS_FACTORS].float()
+    gray_weight = torch.tensor(GRAY_WEIGHTS, device=device).view(1, 3, 1, 1)
+    for position in range(order.shape[1]):
+        code = order[:, position : position + 1]
+        factor = factors.gather(1, code).view(-1, 1, 1, 1)
+        code = code.view(-1, 1, 1, 1)
+        gray = F.conv2d(x, gray_weight)
+        mean_gray = gray.mean(dim=(2, 3), keepdim=True)
+        target = torch.where(code == SATURATION, gray, torch.where(code == CONTRAST, mean_gray, 0.0))
+        x = torch.lerp(target, x, factor).clamp_(0.0, 1.0)
+    alpha = params[:, PARAMS_ALPHA].float()
+    rgb = (alpha * IMAGENET_PCA_EIGVAL.to(device)) @ IMAGENET_PCA_EIGVEC.to(device).T
+    mean_t = torch.tensor(mean, device=device)
+    inv_std = 1.0 / torch.tensor(std, device=device)
+    bias = ((rgb - mean_t) * inv_std).view(-1, 3, 1, 1)
+    return torch.addcmul(bias, x, inv_std.view(1, 3, 1, 1))
+
+
+class DeviceStage:
+    """Moves a training batch to ``device`` and finishes it there: what ``Trainer.train_step`` calls first.
+
+    A float tensor (the plain pipeline, the ``light`` transform) is only copied; an
+    :class:`AugmentedImage` batch goes through :func:`colour_lighting_normalise`. The result is in
+    channels_last layout when ``channels_last`` is set, contiguous otherwise.
+    """
+
+    def __init__(self, device: torch.device | str, channels_last: bool = False) -> None:
+        self.device = torch.device(device)
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __call__(self, images: Tensor | AugmentedImage) -> Tensor:
+        if isinstance(images, AugmentedImage):
+            pixels = images.pixels.to(self.device, non_blocking=True)
+            params = images.params.to(self.device, non_blocking=True)
+            images = colour_lighting_normalise(pixels, params)
+        else:
+            images = images.to(self.device, non_blocking=True)
+        return images.contiguous(memory_format=self.memory_format)
+
+
+def build_backend_transform(backend: str, kind: str, image_size: int, train: bool) -> Callable:
+    """The dataset transform of ``data.backend``: the fast CPU stage for the paper's training augmentation
+    with ``fast`` (and ``dali``, whose own loader replaces it for training JPEGs); the plain torchvision
+    transform of :func:`mlcls.data.transforms.build_transform` otherwise (evaluation, ``light``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown data.backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend != "torchvision" and kind == "paper" and train:
+        return FastTrainTransform(image_size)
+    return build_transform(kind, image_size, train)

@@ -1,0 +1,161 @@
+"""mlcls-predict: image discovery, labels against an independent timm + torchvision reference, the CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import cli, run_cli
+from test_inference_support import reference_logits, trained_run, write_images
+
+from mlcls.cli import predict as predict_cli
+from mlcls.inference.predictor import find_images, load_inference_model, predict_images
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    return trained_run(tmp_path_factory.mktemp("inference"))
+
+
+@pytest.fixture
+def images(tmp_path) -> tuple[Path, list[Path], Path]:
+    """A folder of 7 readable images (some nested) and one corrupt file; (folder, readable, corrupt)."""
+    folder = tmp_path / "photos"
+    readable = write_images(folder)
+    corrupt = folder / "corrupt.jpg"
+    corrupt.write_bytes(b"\xff\xd8 this is not a JPEG")
+    return folder, readable, corrupt
+
+
+def expected_labels(logits: torch.Tensor, chosen: np.ndarray, classes: list[str]) -> list[list[str]]:
+    """Names of the chosen classes of each row, by decreasing logit."""
+    return [
+        [classes[c] for c in np.argsort(-row.numpy(), kind="stable") if keep[c]]
+        for row, keep in zip(logits, chosen, strict=True)
+    ]
+
+
+def test_find_images_files_folders_globs(tmp_path):
+    for name in ("a.jpg", "B.JPG", "sub/c.png", "sub/deep/d.webp", "notes.txt", "sub/e.jpeg"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    folder = [tmp_path / n for n in ("B.JPG", "a.jpg", "sub/c.png", "sub/deep/d.webp", "sub/e.jpeg")]
+    assert find_images(tmp_path) == folder
+    assert find_images(str(tmp_path / "sub" / "*.*")) == [tmp_path / "sub/c.png", tmp_path / "sub/e.jpeg"]
+    assert find_images(str(tmp_path / "**" / "*.jp*g")) == [tmp_path / "a.jpg", tmp_path / "sub/e.jpeg"]
+    # an explicit file is taken whatever its extension; duplicates are dropped, order kept
+    assert find_images([tmp_path / "notes.txt", tmp_path / "sub", tmp_path / "sub/c.png"]) == [
+        tmp_path / "notes.txt",
+        tmp_path / "sub/c.png",
+        tmp_path / "sub/deep/d.webp",
+        tmp_path / "sub/e.jpeg",
+    ]
+    assert find_images(str(tmp_path / "nothing*.png")) == []
+
+
+def test_calibrated_checkpoint_uses_its_thresholds_and_preprocessing(run_dir, images):
+    folder, readable, corrupt = images
+    inference = load_inference_model(run_dir / "calibrated.pt", device="cpu")
+    predictions, unreadable = predict_images(inference, find_images(folder), batch_size=3)
+
+    assert [path for path, _ in unreadable] == [corrupt]
+    assert [p.image for p in predictions] == [str(p) for p in readable]
+    # calibrated.pt stores the paper transform while its dataset config says light: predict must use paper
+    logits = reference_logits(run_dir / "calibrated.pt", readable, "paper")
+    assert not torch.allclose(
+        logits, reference_logits(run_dir / "calibrated.pt", readable, "light"), atol=1e-3
+    )
+    thresholds = np.linspace(-1.5, 0.5, 12)
+    chosen = logits.double().numpy() >= thresholds
+    assert chosen.any() and not chosen.all()
+    assert [[name for name, _ in p.labels] for p in predictions] == expected_labels(
+        logits, chosen, inference.classes
+    )
+    probabilities = torch.sigmoid(logits.double())
+    for prediction, row in zip(predictions, probabilities, strict=True):
+        for name, score in prediction.labels:
+            assert score == pytest.approx(row[inference.classes.index(name)].item(), abs=1e-5)
+
+
+def test_old_checkpoint_falls_back_to_dataset_transform_half_probability_global_threshold_top_k(
+    run_dir, images
+):
+    folder, readable, _ = images
+    inference = load_inference_model(run_dir / "plain.pt", device="cpu")
+    assert inference.thresholds is None
+    logits = reference_logits(run_dir / "plain.pt", readable, "light")
+    probabilities = torch.sigmoid(logits.double()).numpy()
+
+    default, _ = predict_images(inference, readable, batch_size=4)
+    assert [[n for n, _ in p.labels] for p in default] == expected_labels(
+        logits, probabilities >= 0.5, inference.classes
+    )
+    low, _ = predict_images(inference, readable, threshold=0.3)
+    assert [[n for n, _ in p.labels] for p in low] == expected_labels(
+        logits, probabilities >= 0.3, inference.classes
+    )
+    top, _ = predict_images(inference, readable, top_k=2)
+    best_two = np.zeros_like(probabilities, dtype=bool)
+    np.put_along_axis(best_two, np.argsort(-probabilities, axis=1, kind="stable")[:, :2], True, axis=1)
+    assert [[n for n, _ in p.labels] for p in top] == expected_labels(logits, best_two, inference.classes)
+
+
+def test_cli_writes_table_and_json_lines_and_skips_unreadable(run_dir, images, tmp_path):
+    folder, readable, corrupt = images
+    out = tmp_path / "predictions.jsonl"
+    proc = run_cli(
+        cli(
+            "mlcls-predict",
+            f"checkpoint={run_dir / 'calibrated.pt'}",
+            f"images={folder}",
+            f"out={out}",
+            "workers=0",
+        ),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"skipped unreadable image {corrupt}" in proc.stderr
+    assert "7 images labelled by per-class thresholds" in proc.stderr
+    table = proc.stdout.strip().splitlines()
+    assert table[0].split() == ["image", "labels", "(probability)"] and len(table) == 1 + len(readable)
+
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["image"] for r in records] == [str(p) for p in readable]
+    logits = reference_logits(run_dir / "calibrated.pt", readable, "paper")
+    classes = torch.load(run_dir / "calibrated.pt", weights_only=False)["classes"]
+    expected = expected_labels(logits, logits.double().numpy() >= np.linspace(-1.5, 0.5, 12), classes)
+    assert [[label["label"] for label in r["labels"]] for r in records] == expected
+    for record, line in zip(records, table[1:], strict=True):
+        assert line.startswith(record["image"])
+        for label in record["labels"]:
+            assert f"{label['label']} {label['score']:.3f}" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["images=NOWHERE/*.png"],
+            "mlcls: error: no image matched images=NOWHERE/*.png; give a file, a folder or a quoted glob",
+        ),
+        (["threshold=1.5"], "mlcls: error: threshold=1.5; expected a probability in [0, 1]"),
+        (["top_k=0"], "mlcls: error: top_k=0; expected a positive integer"),
+        (["checkpoint=missing.pt"], "mlcls: error: checkpoint missing.pt does not exist"),
+    ],
+)
+def test_cli_user_errors_are_one_line_with_status_2(
+    run_dir, images, tmp_path, monkeypatch, capsys, args, message
+):
+    folder, _, _ = images
+    defaults = {"checkpoint": str(run_dir / "plain.pt"), "images": str(folder)}
+    defaults.update(arg.split("=", 1) for arg in args)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["mlcls-predict", *(f"{k}={v}" for k, v in defaults.items())])
+    with pytest.raises(SystemExit) as exit_info:
+        predict_cli.main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [message]

@@ -1,0 +1,65 @@
+"""The preprocess spec rebuilds exactly the dataset's evaluation transform, without a dataset config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from mlcls.data.transforms import build_transform
+from mlcls.inference import InferenceError, build_eval_transform, preprocess_spec, spec_from_checkpoint
+from mlcls.inference.preprocess import input_size
+
+
+def photo(width: int, height: int) -> Image.Image:
+    """A non-square RGB image with structure in both directions (resize and crop both matter)."""
+    g = torch.Generator().manual_seed(width * 1000 + height)
+    pixels = (torch.rand(height, width, 3, generator=g) * 255).to(torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
+@pytest.mark.parametrize(("kind", "size"), [("paper", 224), ("paper", 32), ("light", 64), ("light", 37)])
+def test_spec_transform_equals_the_dataset_eval_transform(kind, size):
+    spec = preprocess_spec({"transform": kind, "image_size": size, "name": "x", "root": "/data"})
+    assert json.loads(json.dumps(spec)) == spec  # JSON-ready: stored in checkpoints and export metadata
+    rebuilt, reference = build_eval_transform(spec), build_transform(kind, size, train=False)
+    for image in (photo(300, 200), photo(50, 90)):
+        out = rebuilt(image)
+        assert out.shape == (3, size, size) and input_size(spec) == (size, size)
+        assert torch.equal(out, reference(image))
+
+
+def test_spec_values_are_the_documented_ones():
+    assert preprocess_spec({"transform": "paper", "image_size": 224}) == {
+        "transform": "paper",
+        "image_size": 224,
+        "resize": 256,
+        "crop": 224,
+        "interpolation": "bilinear",
+        "mean": [0.485, 0.456, 0.406],
+        "std": [0.229, 0.224, 0.225],
+    }
+    light = preprocess_spec({"transform": "light", "image_size": 64})
+    assert (light["resize"], light["crop"]) == ([64, 64], None)
+    # build_dataset's default transform is "paper"
+    assert preprocess_spec({"image_size": 96})["transform"] == "paper"
+
+
+def test_checkpoint_spec_wins_over_its_dataset_config_and_is_derived_for_old_checkpoints():
+    stored = preprocess_spec({"transform": "paper", "image_size": 48})
+    config = {"dataset": {"transform": "light", "image_size": 32}}
+    assert spec_from_checkpoint({"preprocess": stored, "config": config}) == stored
+    assert spec_from_checkpoint({"config": config}) == preprocess_spec(config["dataset"])
+
+
+def test_bad_specs_are_one_line_errors():
+    with pytest.raises(InferenceError, match="unknown transform 'fancy'"):
+        preprocess_spec({"transform": "fancy", "image_size": 32})
+    with pytest.raises(InferenceError, match="image_size"):
+        preprocess_spec({"transform": "light"})
+    with pytest.raises(InferenceError, match="neither a preprocess spec nor a dataset config"):
+        spec_from_checkpoint({"model": {}})
+    with pytest.raises(InferenceError, match="lacks crop"):
+        build_eval_transform({k: v for k, v in preprocess_spec({"image_size": 32}).items() if k != "crop"})
