@@ -13,9 +13,11 @@ import pytest
 import yaml
 
 from mlcls.cli import reproduce
+from mlcls.reporting.sweeps import experiment_key
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = ("mAP_class", "mAP_sample")
+EXP = experiment_key()
 
 # The cells each smoke sweep fills: (row, column of the mAP@class block) -> (config key, value) of the run
 # expected there, and the paper's [mAP@class, mAP@sample] typed from the paper (None: not legible).
@@ -133,15 +135,19 @@ def test_dry_run_torchrun_starts_one_process_group_per_run(tmp_path, capsys):
     commands = capsys.readouterr().out.splitlines()[1:]
     assert len(commands) == 5
     for number, (command, eps) in enumerate(zip(commands, ("0.5", "1", "2", "4", "8"), strict=True)):
-        assert "--nproc_per_node=4 -m mlcls.train dataset=coco +experiment=paper_twoway" in command
+        assert f"--nproc_per_node=4 -m mlcls.train dataset=coco {EXP}=paper_twoway" in command
         assert f"loss.margin={eps} " in command and "trainer.seed=3" in command
-        assert command.endswith(f"trainer.output_dir={tmp_path / 'table2' / 'coco' / str(number)}")
+        assert command.endswith(
+            f"trainer.output_dir={tmp_path / 'table2' / 'coco' / str(number)} trainer.resume=auto"
+        )
 
 
 def test_failed_sweep_is_reported(tmp_path, capsys):
     assert reproduce.main(["table2", "--smoke", "--sweep-dir", str(tmp_path), "trainer.epochs=0"]) == 1
-    err = capsys.readouterr().err
-    assert "trainer.epochs=0" in err and err.splitlines()[-1].startswith("mlcls-reproduce: error: the sweep")
+    err = capsys.readouterr().err.splitlines()
+    assert any("trainer.epochs=0" in line for line in err)
+    assert err[-2].startswith("mlcls-reproduce: error: the sweep stopped with exit status")
+    assert err[-1] == f"mlcls-reproduce: the same command with --sweep-dir {tmp_path} resumes"
 
 
 def test_unknown_table_is_one_line(capsys):
@@ -164,7 +170,16 @@ def test_table_script_runs_the_command(tmp_path):
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    sweep = tmp_path / "table4" / "coco"
     assert done.stdout.splitlines()[1] == (
-        f"mlcls-train -m dataset=coco +experiment=paper_multisim,paper_joint loss.tp=1,2,4 "
-        f"hydra.sweep.dir={tmp_path / 'table4' / 'coco'}"
+        f"mlcls-train -m dataset=coco {EXP}=paper_multisim,paper_joint loss.tp=1,2,4 "
+        f"'trainer.output_dir={sweep}/${{hydra:job.num}}' trainer.resume=auto hydra.sweep.dir={sweep}"
     )
+
+
+def test_same_command_resumes_and_skips_finished_runs(smoke):
+    runs = sorted((smoke / "table2" / "smoke").glob("*/checkpoints/last.pt"))
+    before = [(p.stat().st_mtime_ns, (p.parents[1] / "results.json").read_text()) for p in runs]
+    assert reproduce.main(["table2", "--smoke", "--sweep-dir", str(smoke)]) == 0
+    after = [(p.stat().st_mtime_ns, (p.parents[1] / "results.json").read_text()) for p in runs]
+    assert len(runs) == 2 and after == before  # nothing retrained, nothing rewritten

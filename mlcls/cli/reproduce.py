@@ -8,7 +8,8 @@ mlcls-reproduce all --smoke                               # every table's smoke 
 
 Arguments after the table name that are not options are Hydra overrides appended to every sweep.
 Sweeps are written to ``<sweep-dir>/<table>/<dataset or smoke>/<job>``; the rendered table to
-``<sweep-dir>/<table>.md`` and ``.csv``.
+``<sweep-dir>/<table>.md`` and ``.csv``. Every run resumes from its checkpoint: the same command with the same
+``--sweep-dir`` finishes an interrupted reproduction and skips the finished runs.
 """
 
 from __future__ import annotations
@@ -55,19 +56,25 @@ def torchrun_command() -> list[str]:
 
 
 def sweep_commands(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[list[str]]:
-    """The command lines that run ``sweep``.
+    """The command lines that run ``sweep`` (whose ``directory`` is set).
 
-    local: one Hydra multirun, ``mlcls-train -m <overrides> hydra.sweep.dir=<dir>``. torchrun: one
-    ``torchrun --nproc_per_node=N -m mlcls.train <job overrides> trainer.output_dir=<dir>/<n>`` per job, since
-    the processes of one torchrun cannot start a second process group for a second job.
+    local: one Hydra multirun, ``mlcls-train -m <overrides>`` with job n in ``<dir>/<n>``. torchrun: one
+    ``torchrun --nproc_per_node=N -m mlcls.train <job overrides>`` per job, since the processes of one
+    torchrun cannot start a second process group for a second job. Every job resumes from its own checkpoint
+    (``trainer.resume=auto``), so the same command with the same ``--sweep-dir`` finishes an interrupted
+    sweep and skips the finished runs.
     """
     if launcher == "torchrun":
         torchrun = [*torchrun_command(), f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train"]
         return [
-            [*torchrun, *job, f"trainer.output_dir={sweep.directory / str(number)}"]
+            [*torchrun, *job, f"trainer.output_dir={sweep.directory / str(number)}", "trainer.resume=auto"]
             for number, job in enumerate(sweep.runs())
         ]
-    where = [f"hydra.sweep.dir={sweep.directory}"] if sweep.directory else []
+    where = [
+        f"trainer.output_dir={sweep.directory}/${{hydra:job.num}}",
+        "trainer.resume=auto",
+        f"hydra.sweep.dir={sweep.directory}",
+    ]
     return [["mlcls-train", "-m", *sweep.overrides, *where]]
 
 
@@ -118,7 +125,6 @@ def plan(
     tables: Sequence[str],
     sweep_dir: Path,
     smoke: bool,
-    launcher: str,
     nproc_per_node: int,
     roots: dict[str, str],
     data_root: Path | None,
@@ -127,8 +133,7 @@ def plan(
     """Every sweep to run, with the user's overrides appended, in ``<sweep_dir>/<table>/<sweep name>``."""
     sweeps = []
     for table in tables:
-        nproc = nproc_per_node if launcher == "torchrun" else 1
-        for sweep in table_sweeps(table, smoke, nproc, roots, data_root):
+        for sweep in table_sweeps(table, smoke, nproc_per_node, roots, data_root):
             directory = sweep_dir / table / sweep.name
             sweeps.append(
                 dataclasses.replace(sweep, overrides=(*sweep.overrides, *overrides), directory=directory)
@@ -159,7 +164,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--launcher", choices=("local", "torchrun"), default="local", help="how each run is started"
     )
-    p.add_argument("--nproc-per-node", type=int, default=4, help="GPUs per run under torchrun (default 4)")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="GPUs per run: under torchrun (default 4), or what a cluster launcher gives a job (default 1)",
+    )
     p.add_argument("--sweep-dir", type=Path, help="default multirun/reproduce/<date>_<time>[_smoke]")
     p.add_argument("--data-root", type=Path, help="folder holding the datasets (coco/, voc/, vispr/, ...)")
     p.add_argument("--root", action="append", default=[], metavar="DATASET=PATH", help="one dataset's root")
@@ -169,6 +178,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parser().parse_known_args(argv)
+    if args.nproc_per_node is None:
+        args.nproc_per_node = 4 if args.launcher == "torchrun" else 1
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
         parser().error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -184,7 +195,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             tables,
             sweep_dir,
             args.smoke,
-            args.launcher,
             args.nproc_per_node,
             roots,
             args.data_root,
@@ -204,9 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_sweep(sweep, args.launcher, args.nproc_per_node)
         print(render(tables, sweep_dir, args.smoke), end="")
         print(f"# tables written to {sweep_dir}/<table>.md and .csv")
-    except (ReportError, SweepFailed) as exc:
+    except SweepFailed as exc:
         print(f"mlcls-reproduce: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ReportError) else 1
+        print(f"mlcls-reproduce: the same command with --sweep-dir {sweep_dir} resumes", file=sys.stderr)
+        return 1
+    except ReportError as exc:
+        print(f"mlcls-reproduce: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

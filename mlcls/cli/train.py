@@ -15,16 +15,15 @@ from omegaconf import DictConfig
 
 from mlcls import config_dir
 from mlcls.cli.errors import user_errors
-from mlcls.engine import distributed as dist_utils
 from mlcls.engine.trainer import EXIT_PREEMPTED, NonFiniteError, Preempted, Trainer
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train the run described by ``cfg``; return the results written to results.json."""
-    try:
-        return Trainer(cfg).fit()
-    finally:
-        dist_utils.cleanup()
+    """Train the run described by ``cfg``; return the results written to results.json.
+
+    The process group (under torchrun) stays up for the next run of a sweep and is closed at exit.
+    """
+    return Trainer(cfg).fit()
 
 
 def _run_cli(cfg: DictConfig) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,8 @@ def init_distributed(device_preference: str = "auto") -> DistInfo:
             device = torch.device("cuda", local_rank)
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+            # One group per process, reused by every run of a sweep, closed when the process exits.
+            atexit.register(cleanup)
     elif device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)

@@ -52,6 +52,7 @@ from mlcls.engine.evaluate import autocast_context, predict_dataset
 from mlcls.engine.optim import build_optimizer, build_scheduler
 from mlcls.engine.validate import ConfigError, validate_config
 from mlcls.metrics import compute_metrics
+from mlcls.reporting.provenance import collect_provenance
 
 log = logging.getLogger("mlcls")
 
@@ -517,6 +518,15 @@ class Trainer:
             },
             "history": self.history,
             "world_size": self.dist.world_size,
+            "provenance": collect_provenance(
+                self.cfg,
+                self.dist.world_size,
+                self.device,
+                len(self.train_set),
+                len(self.val_set),
+                self.wall_time_s,
+                self.history[-1]["images_per_s"] if self.history else float("nan"),
+            ),
         }
 
     def write_results(self, epochs_completed: int) -> None:

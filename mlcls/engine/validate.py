@@ -61,13 +61,16 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             f"trainer.batch_size={t.batch_size} does not divide over {world_size} processes; "
             "use a multiple of the world size"
         )
-    local_batch = t.batch_size // world_size
+    # Buckets split the per-process batch, or the global batch when the loss gathers it from all processes.
+    gathered = bool(cfg.loss.get("gather"))
+    split_batch = t.batch_size if gathered else t.batch_size // world_size
     bucket = cfg.loss.get("bucket_size")
     if bucket is not None:
         _positive(bucket, "loss.bucket_size", integer=True)
-        if local_batch % bucket:
+        if split_batch % bucket:
+            what = "global batch" if gathered else "per-process batch"
             raise ConfigError(
-                f"loss.bucket_size={bucket} does not divide the per-process batch {local_batch} "
+                f"loss.bucket_size={bucket} does not divide the {what} {split_batch} "
                 f"(trainer.batch_size={t.batch_size} over {world_size} processes)"
             )
     if cfg.loss.get("gather") and world_size == 1:

@@ -146,13 +146,24 @@ def _value(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def experiment_key() -> str:
+    """How an override selects a preset: ``experiment`` once ``configs/train.yaml`` lists the group
+    (``- experiment: null``), else ``+experiment`` (which adds the group)."""
+    defaults = OmegaConf.load(config_dir() / "train.yaml").get("defaults", [])
+    listed = any(
+        isinstance(entry, Mapping) and any(str(key).split()[-1] == "experiment" for key in entry)
+        for entry in defaults
+    )
+    return "experiment" if listed else "+experiment"
+
+
 def _grid_overrides(experiments: Sequence[str], grid: Mapping[str, Sequence[object]]) -> list[str]:
     """Hydra overrides of a grid.
 
     Before it expands a sweep, Hydra composes the config without the swept overrides; when the presets
     are swept that config lacks their keys (loss.*, protocol.*), so a single value is forced in with ``++``.
     """
-    overrides = [f"+experiment={','.join(experiments)}"]
+    overrides = [f"{experiment_key()}={','.join(experiments)}"]
     for key, values in grid.items():
         forced = len(experiments) > 1 and len(values) == 1 and key.split(".")[0] in ("loss", "protocol")
         overrides.append(f"{'++' if forced else ''}{key}={','.join(map(_value, values))}")

@@ -1,0 +1,307 @@
+"""Benchmark: decode + training augmentation, images/s, of the input pipelines side by side in one run.
+
+Pipelines, each over the same JPEG files, interleaved within every repeat (same machine state):
+
+* ``torchvision``: the straightforward reference, PIL decode at full size -> RandomResizedCrop -> flip ->
+  ColorJitter(0.4, 0.4, 0.4) -> ToTensor -> Normalize;
+* ``plain``: mlcls's ``data.backend=torchvision`` (the reference plus PCA lighting, through the dataset);
+* ``fast_cpu_stage``: mlcls's ``data.backend=fast`` CPU stage, the whole per-image CPU work when training
+  on CUDA (colour, lighting and normalisation then run batched on the GPU);
+* ``fast``: the CPU stage plus the device stage run on the CPU in batches (training on the CPU), or on
+  CUDA when available.
+
+``python -m mlcls.bench.pipeline_bench --images DIR [--n N] [--workers W] [--size 224]``; without
+``--images`` it generates 640x480 JPEGs in a temporary directory (:func:`make_jpegs`). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFilter
+from torch.utils.data import DataLoader, default_collate
+from torchvision import transforms as T
+
+from mlcls.data.base import MultiLabelDataset, Sample
+from mlcls.data.fast import AugmentedImage, DeviceStage, build_backend_transform
+from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast")
+JPEG_EXTENSIONS = (".jpg", ".jpeg", ".JPG", ".JPEG")
+
+
+def make_jpegs(
+    directory: str | Path, count: int, size: tuple[int, int] = (640, 480), seed: int = 0
+) -> list[Path]:
+    """Write ``count`` JPEGs (quality 90) of natural-looking content, COCO's typical 640x480 by default.
+
+    Each image: smooth colour gradients (a random plane wave per channel), 25 random ellipses and
+    rectangles, a slight blur (object edges), low-frequency texture (noise upsampled 4x) and sensor-like
+    pixel noise (sigma 6). At 640x480 the files weigh ~120 kB, close to COCO's average, so the entropy
+    decoding cost is realistic.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    width, height = size
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    paths = []
+    for k in range(count):
+        planes = []
+        for _ in range(3):
+            a, b, phase = rng.uniform(-1, 1, 3)
+            planes.append(128 + 60 * np.sin(a * x / 80 + b * y / 60 + 6 * phase) + rng.uniform(-40, 40))
+        image = Image.fromarray(np.clip(np.stack(planes, -1), 0, 255).astype(np.uint8))
+        draw = ImageDraw.Draw(image)
+        for _ in range(25):
+            cx, cy, r = rng.uniform(0, width), rng.uniform(0, height), rng.uniform(10, 120)
+            colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+            if rng.random() < 0.5:
+                draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
+            else:
+                draw.rectangle([cx - r, cy - r / 2, cx + r, cy + r / 2], fill=colour)
+        pixels = np.asarray(image.filter(ImageFilter.GaussianBlur(1.0))).astype(np.float32)
+        coarse = (
+            rng.normal(128, 30, (max(1, height // 4), max(1, width // 4), 3)).clip(0, 255).astype(np.uint8)
+        )
+        texture = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC))
+        pixels += texture.astype(np.float32) - 128 + rng.normal(0, 6, pixels.shape)
+        path = directory / f"image_{k:04d}.jpg"
+        Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(path, quality=90)
+        paths.append(path)
+    return paths
+
+
+class JpegFolder(MultiLabelDataset):
+    """The image files of a folder as a one-class dataset, so that images go through mlcls's own loading."""
+
+    def __init__(self, paths: Iterable[str | Path], transform: Callable | None = None) -> None:
+        super().__init__(transform)
+        self.classes = ["image"]
+        self.samples = [Sample(str(p)) for p in paths]
+        self.labels = torch.ones(len(self.samples), 1)
+
+
+class _OpenAndTransform(torch.utils.data.Dataset):
+    """The reference pipeline's dataset: ``Image.open(path).convert("RGB")`` then ``transform``."""
+
+    def __init__(self, paths: list[Path], transform: Callable) -> None:
+        self.paths, self.transform = paths, transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        with Image.open(self.paths[index]) as img:
+            return self.transform(img.convert("RGB")), 0
+
+
+def torchvision_reference(size: int) -> Callable:
+    """The straightforward torchvision training transform the issue compares against (no lighting)."""
+    return T.Compose(
+        [
+            T.RandomResizedCrop(size),
+            T.RandomHorizontalFlip(),
+            T.ColorJitter(0.4, 0.4, 0.4),
+            T.ToTensor(),
+            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+
+
+def _datasets(paths: list[Path], size: int) -> dict[str, torch.utils.data.Dataset]:
+    fast = JpegFolder(paths, build_backend_transform("fast", "paper", size, train=True))
+    return {
+        "torchvision": _OpenAndTransform(paths, torchvision_reference(size)),
+        "plain": JpegFolder(paths, build_backend_transform("torchvision", "paper", size, train=True)),
+        "fast_cpu_stage": fast,
+        "fast": fast,
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_pipeline(
+    loader: Iterable, finish: Callable[[Any], Any] | None, device: torch.device, count: int
+) -> float:
+    """Seconds to pull ``count`` images from ``loader`` (batches), applying ``finish`` to each batch."""
+    start, seen = time.perf_counter(), 0
+    for batch in loader:
+        images = batch[0]
+        if finish is not None:
+            finish(images)
+        seen += len(images.pixels if isinstance(images, AugmentedImage) else images)
+        if seen >= count:
+            break
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _in_process_batches(dataset: torch.utils.data.Dataset, count: int, batch_size: int) -> Iterable:
+    """Batches of ``count`` samples read in this process (cycling over the dataset), like ``workers=0``."""
+    for first in range(0, count, batch_size):
+        items = [dataset[i % len(dataset)] for i in range(first, min(count, first + batch_size))]
+        yield default_collate(items)
+
+
+def run(
+    images: str | Path | None = None,
+    n: int = 256,
+    workers: int = 0,
+    size: int = 224,
+    batch_size: int = 32,
+    repeats: int = 3,
+    seed: int = 0,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """Images/s of every pipeline of :data:`PIPELINES` (median of ``repeats``), and ratios to the reference.
+
+    ``workers=0`` measures one process (the issue's target); ``workers > 0`` reads through DataLoaders with
+    that many persistent, prefetching workers per pipeline. Without ``images`` 64 JPEGs are generated.
+    Torch runs ``threads`` intra-op threads (default 1: every pipeline on one core, like PIL); the
+    previous setting is restored afterwards.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        if images is None:
+            paths = make_jpegs(tmp, 64, seed=seed)
+        else:
+            paths = sorted(p for p in Path(images).iterdir() if p.suffix in JPEG_EXTENSIONS)
+        if not paths:
+            raise FileNotFoundError(f"no JPEG files (*.jpg, *.jpeg) in {images}")
+        previous_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return _measure(paths, n, workers, size, batch_size, repeats, seed)
+        finally:
+            torch.set_num_threads(previous_threads)
+
+
+def _measure(
+    paths: list[Path], n: int, workers: int, size: int, batch_size: int, repeats: int, seed: int
+) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    stage = DeviceStage(device)
+    datasets = _datasets(paths, size)
+    finishers: dict[str, Callable | None] = {name: None for name in PIPELINES}
+    finishers["fast"] = stage
+    torch.manual_seed(seed)
+    prefetch = 2
+    loaders: dict[str, Callable[[], Iterable]] = {}
+    for name, dataset in datasets.items():
+        if workers == 0:
+            loaders[name] = lambda dataset=dataset: _in_process_batches(dataset, n, batch_size)
+            continue
+        endless = iter(
+            DataLoader(
+                dataset,
+                batch_size=batch_size,
+                sampler=torch.utils.data.RandomSampler(dataset, replacement=True, num_samples=2**62),
+                num_workers=workers,
+                persistent_workers=True,
+                prefetch_factor=prefetch,
+                pin_memory=device.type == "cuda",
+            )
+        )
+
+        def drained(endless: Iterable = endless) -> Iterable:
+            # Take the batches the workers prepared while other pipelines were timed (untimed), so that
+            # the timing starts with every worker busy and the queue empty: steady-state throughput.
+            for _ in range(prefetch * workers):
+                next(endless)
+            return endless
+
+        loaders[name] = drained
+    seconds: dict[str, list[float]] = {name: [] for name in PIPELINES}
+    for repeat in range(repeats):
+        order = PIPELINES if repeat % 2 == 0 else PIPELINES[::-1]
+        for name in order:
+            batches = loaders[name]()
+            seconds[name].append(_time_pipeline(batches, finishers[name], device, n))
+    rates = {name: n / statistics.median(values) for name, values in seconds.items()}
+    colour = _device_stage_rate(batch_size, size, device, repeats)
+    return {
+        "images_per_s": rates["fast"],
+        **{f"{name}_images_per_s": rate for name, rate in rates.items()},
+        "device_stage_images_per_s": colour,
+        "ratio_fast_cpu_stage_vs_torchvision": rates["fast_cpu_stage"] / rates["torchvision"],
+        "ratio_fast_vs_torchvision": rates["fast"] / rates["torchvision"],
+        "ratio_plain_vs_torchvision": rates["plain"] / rates["torchvision"],
+        "n": n,
+        "files": len(paths),
+        "workers": workers,
+        "size": size,
+        "batch_size": batch_size,
+        "repeats": repeats,
+        "device_stage_on": device.type,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+    }
+
+
+def _device_stage_rate(batch_size: int, size: int, device: torch.device, repeats: int) -> float:
+    """Images/s of the device stage alone on uint8 batches already on ``device``."""
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (batch_size, size, size, 3), dtype=torch.uint8, generator=generator)
+    params = torch.cat(
+        [
+            torch.stack([torch.randperm(3, generator=generator) for _ in range(batch_size)]).float(),
+            0.6 + 0.8 * torch.rand(batch_size, 3, generator=generator),
+            0.1 * torch.randn(batch_size, 3, generator=generator),
+        ],
+        dim=1,
+    )
+    batch = AugmentedImage(pixels.to(device), params.to(device))
+    stage = DeviceStage(device)
+    stage(batch)
+    times = []
+    for _ in range(max(3, repeats)):
+        _sync(device)
+        start = time.perf_counter()
+        stage(batch)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return batch_size / statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    result = run_from_args(parser.parse_args(argv))
+    print(json.dumps(result))
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line options of this benchmark (shared with ``mlcls-bench pipeline``)."""
+    parser.add_argument("--images", help="folder of JPEGs (default: 64 generated 640x480 JPEGs)")
+    parser.add_argument("--n", type=int, default=256, help="images per pipeline per repeat")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers (0: in this process)")
+    parser.add_argument("--size", type=int, default=224, help="output side")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in this process")
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return run(
+        args.images, args.n, args.workers, args.size, args.batch_size, args.repeats, threads=args.threads
+    )
+
+
+if __name__ == "__main__":
+    main()

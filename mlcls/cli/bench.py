@@ -1,0 +1,98 @@
+"""``mlcls-bench``: throughput benchmarks, one JSON line each on stdout (plus a table on a terminal).
+
+mlcls-bench pipeline --images DIR [--n N] [--workers W] [--size 224]   decode + augmentation, images/s
+mlcls-bench step model.name=resnet50 dataset.image_size=224 trainer.batch_size=32 [trainer.amp=bf16]
+                                                                        train step vs a bare loop, images/s
+mlcls-bench loss [--device cpu] [--repeats 100]                        two-way loss forward + backward
+mlcls-bench metrics [--n 40137] [--c 80]                               mAP@class + mAP@sample vs sklearn
+
+Rates are under keys ending in ``_per_s``; for the loss and metric timings (milliseconds or seconds per
+call) the matching ``_per_s`` rate (calls per second) is added next to each time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mlcls.bench import pipeline_bench, step_bench
+from mlcls.cli.errors import user_errors
+
+
+def add_rates(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with ``<name>_per_s = 1 / <name>_s`` (or ``1000 / <name>_ms``) after each timing key."""
+    out: dict[str, Any] = {}
+    for key, value in result.items():
+        out[key] = value
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or key.endswith("_per_s"):
+            continue
+        for suffix, per_second in (("_ms", 1000.0), ("_s", 1.0)):
+            if key.endswith(suffix) and value > 0:
+                out[f"{key[: -len(suffix)]}_per_s"] = per_second / value
+                break
+    return out
+
+
+def _loss(args: argparse.Namespace) -> dict[str, Any]:
+    from mlcls.bench import loss_bench
+
+    return add_rates(loss_bench.run(device=args.device, repeats=args.repeats))
+
+
+def _metrics(args: argparse.Namespace) -> dict[str, Any]:
+    from mlcls.bench import metrics_bench
+
+    return add_rates(metrics_bench.run(n=args.n, c=args.c, seed=args.seed))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlcls-bench", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    pipeline = commands.add_parser("pipeline", help="decode + training augmentation images/s")
+    pipeline_bench.add_arguments(pipeline)
+    pipeline.set_defaults(run=pipeline_bench.run_from_args)
+    step = commands.add_parser("step", help="Trainer.train_step vs a bare PyTorch loop, images/s")
+    step_bench.add_arguments(step)
+    step.set_defaults(run=step_bench.run_from_args)
+    loss = commands.add_parser("loss", help="two-way loss vs masked logsumexp, forward + backward")
+    loss.add_argument("--device", default="cpu")
+    loss.add_argument("--repeats", type=int, default=100)
+    loss.set_defaults(run=_loss)
+    metrics = commands.add_parser("metrics", help="mAP@class + mAP@sample vs scikit-learn")
+    metrics.add_argument("--n", type=int, default=40137, help="samples (rows)")
+    metrics.add_argument("--c", type=int, default=80, help="classes (columns)")
+    metrics.add_argument("--seed", type=int, default=0)
+    metrics.set_defaults(run=_metrics)
+    return parser
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """Two aligned columns, key and value, floats with 4 significant digits."""
+    width = max(map(len, result), default=0)
+    rows = [
+        f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}"
+        for key, value in result.items()
+    ]
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the subcommand of ``argv``; print its result as one JSON line (and a table on a terminal)."""
+    args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], dict[str, Any]] = args.run
+    with user_errors():
+        try:
+            result = run(args)
+        except FileNotFoundError as exc:  # --images without JPEGs
+            print(f"mlcls: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+    print(json.dumps(result), flush=True)
+    if sys.stdout.isatty():
+        print(format_table(result))
+
+
+if __name__ == "__main__":
+    main()
