@@ -8,11 +8,8 @@ __version__ = "0.1.0"
 
 
 def config_dir() -> Path:
-    """Directory of the Hydra configs: ``configs/`` of the source tree, or the copy inside an installed wheel."""
-    for candidate in (
-        Path(__file__).resolve().parent / "configs",
-        Path(__file__).resolve().parents[1] / "configs",
-    ):
-        if (candidate / "train.yaml").is_file():
-            return candidate
-    raise FileNotFoundError("mlcls configs not found: expected configs/train.yaml next to the mlcls package")
+    """Directory of the Hydra configs, ``mlcls/configs`` (the top-level ``configs/`` links to it)."""
+    path = Path(__file__).resolve().parent / "configs"
+    if not (path / "train.yaml").is_file():
+        raise FileNotFoundError(f"mlcls configs not found: expected {path / 'train.yaml'}")
+    return path

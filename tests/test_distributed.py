@@ -43,18 +43,31 @@ def test_two_nodes_match_one_process(tmp_path):
     bin_dir = Path(sys.executable).parent
     torchrun = shutil.which("torchrun", path=str(bin_dir))
     assert torchrun
-    proc = run_cli([sys.executable, "-m", "mlcls.train", *ARGS, f"trainer.output_dir={tmp_path / 'one'}"], tmp_path)
+    proc = run_cli(
+        [sys.executable, "-m", "mlcls.train", *ARGS, f"trainer.output_dir={tmp_path / 'one'}"], tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
     port = _free_port()
     node = [
-        torchrun, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=mlcls-test", "-m", "mlcls.train",
-        *ARGS, f"trainer.output_dir={tmp_path / 'two'}",
+        torchrun,
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=mlcls-test",
+        "-m",
+        "mlcls.train",
+        *ARGS,
+        f"trainer.output_dir={tmp_path / 'two'}",
     ]
     env = {"OMP_NUM_THREADS": "1", "PATH": str(bin_dir) + ":/usr/bin:/bin"}
-    nodes = [subprocess.Popen(node, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
+    nodes = [
+        subprocess.Popen(
+            node, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=300)[0] for p in nodes]
     assert all(p.returncode == 0 for p in nodes), outputs[0][-2000:] + outputs[1][-2000:]
 

@@ -42,7 +42,9 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny):
         _SignalAtStep(cfg).fit()
     state = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
     assert (state["epoch"], state["step"]) == (1, 1)  # stopped after step 4 = epoch 2, step 1
-    resumed = run(compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'b'}", "trainer.resume=auto"]))
+    resumed = run(
+        compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'b'}", "trainer.resume=auto"])
+    )
 
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -79,7 +81,9 @@ def test_non_finite_steps_are_skipped_then_abort(tmp_path, tiny):
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets.clamp(min=0))
             return loss * float("nan") if self.calls in self.bad_calls else loss
 
-    trainer = Trainer(compose_config([*tiny, *SMALL, "trainer.epochs=1", f"trainer.output_dir={tmp_path / 'a'}"]))
+    trainer = Trainer(
+        compose_config([*tiny, *SMALL, "trainer.epochs=1", f"trainer.output_dir={tmp_path / 'a'}"])
+    )
     trainer.criterion = _NaNLoss(bad_calls={2})
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     trainer.train_step(*next(iter(_plain_batches(trainer))))
@@ -91,7 +95,13 @@ def test_non_finite_steps_are_skipped_then_abort(tmp_path, tiny):
 
     trainer = Trainer(
         compose_config(
-            [*tiny, *SMALL, "trainer.max_nonfinite=2", f"trainer.output_dir={tmp_path / 'b'}", "trainer.epochs=1"]
+            [
+                *tiny,
+                *SMALL,
+                "trainer.max_nonfinite=2",
+                f"trainer.output_dir={tmp_path / 'b'}",
+                "trainer.epochs=1",
+            ]
         )
     )
     trainer.criterion = _NaNLoss(bad_calls=set(range(1, 100)))
@@ -126,13 +136,20 @@ def test_config_validation_messages(tiny, overrides, world_size, message):
 def test_unknown_key_and_bad_value_fail_before_any_data_is_read(tmp_path):
     # The dataset root does not exist: a config error must be reported first, as one line.
     proc = run_cli(
-        cli("mlcls-train", "dataset=coco", f"dataset.root={tmp_path / 'nowhere'}", "trainer.amp=fp16",
-            "trainer.device=cpu"),
+        cli(
+            "mlcls-train",
+            "dataset=coco",
+            f"dataset.root={tmp_path / 'nowhere'}",
+            "trainer.amp=fp16",
+            "trainer.device=cpu",
+        ),
         cwd=tmp_path,
         timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["mlcls: error: trainer.amp=fp16 needs CUDA; on the CPU use trainer.amp=none"]
+    assert proc.stderr.strip().splitlines() == [
+        "mlcls: error: trainer.amp=fp16 needs CUDA; on the CPU use trainer.amp=none"
+    ]
 
     proc = run_cli(cli("mlcls-train", "trainer.epochz=3"), cwd=tmp_path, timeout=120)
     assert proc.returncode != 0 and "epochz" in proc.stderr
@@ -171,7 +188,9 @@ def test_slurm_launcher_config_composes(tiny):
 
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2"], return_hydra_config=True)
+        cfg = compose(
+            "train", overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2"], return_hydra_config=True
+        )
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)

@@ -21,7 +21,9 @@ def chance_map_class(labels: np.ndarray, draws: int = 20, seed: int = 0) -> floa
     """Expected mAP@class (percent) of random scores on ``labels``, estimated with scikit-learn."""
     rng = np.random.default_rng(seed)
     values = [
-        np.mean([average_precision_score(labels[:, c], rng.random(len(labels))) for c in range(labels.shape[1])])
+        np.mean(
+            [average_precision_score(labels[:, c], rng.random(len(labels))) for c in range(labels.shape[1])]
+        )
         for _ in range(draws)
     ]
     return 100.0 * float(np.mean(values))
@@ -34,7 +36,9 @@ def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["epochs_completed"] == 2
     assert set(on_disk["metrics"]) >= {"mAP_class", "mAP_sample"}
-    assert set(on_disk["best"]) >= {"epoch", "mAP_class", "mAP_sample"} and on_disk["best"]["weights"] == "raw"
+    assert (
+        set(on_disk["best"]) >= {"epoch", "mAP_class", "mAP_sample"} and on_disk["best"]["weights"] == "raw"
+    )
     assert on_disk["dataset"] == {"name": "synthetic", "num_classes": 12, "train_size": 192, "val_size": 75}
     assert len(on_disk["per_class_ap"]) == 12 and "red_circle" in on_disk["per_class_ap"]
     assert on_disk["metrics"]["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"])
@@ -85,8 +89,16 @@ def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny)
     run_dir = tmp_path / "ddp"
     overrides = [o for o in tiny if not o.startswith("trainer.epochs")] + ["trainer.epochs=1"]
     proc = run_cli(
-        [torchrun, "--standalone", "--nproc_per_node=2", "-m", "mlcls.train", *overrides,
-         f"trainer.output_dir={run_dir}", "trainer.device=cpu"],
+        [
+            torchrun,
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "mlcls.train",
+            *overrides,
+            f"trainer.output_dir={run_dir}",
+            "trainer.device=cpu",
+        ],
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -94,8 +106,10 @@ def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny)
     results = json.loads((run_dir / "results.json").read_text())
     assert results["world_size"] == 2 and results["epochs_completed"] == 1
 
-    proc = run_cli(cli("mlcls-eval", f"checkpoint={run_dir / 'checkpoints' / 'last.pt'}", "workers=0",
-                       "batch_size=16"), cwd=tmp_path)
+    proc = run_cli(
+        cli("mlcls-eval", f"checkpoint={run_dir / 'checkpoints' / 'last.pt'}", "workers=0", "batch_size=16"),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = json.loads(proc.stdout.strip().splitlines()[-1])
     assert single["num_samples"] == 75

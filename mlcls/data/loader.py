@@ -53,7 +53,7 @@ class ResumableSampler(DistributedSampler):
 
 
 class SeededSamples(Dataset):
-    """Wraps a dataset so that ``ds[(index, seed)]`` runs ``ds.dataset[index]`` under torch/numpy/random seeded
+    """Wraps a dataset so that ``ds[(index, seed)]`` runs ``ds.dataset[index]`` with torch/numpy/random seeded
     by ``seed``; the caller's random state is restored afterwards (it also runs in the main process)."""
 
     def __init__(self, dataset: Dataset) -> None:

@@ -41,7 +41,7 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint`; a clear :class:`CheckpointError` if unreadable."""
+    """Load a checkpoint written by :func:`save_checkpoint`; raise :class:`CheckpointError` if unreadable."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -84,7 +84,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def save_training_checkpoint(state: dict[str, Any], directory: str | Path, iteration: int, keep: int) -> Path:
-    """Write ``iter_<iteration>.pt`` atomically, point ``last.pt`` at it, keep the newest ``keep`` numbered files.
+    """Write ``iter_<iteration>.pt`` atomically, point ``last.pt`` at it, keep the newest ``keep`` of them.
 
     Returns the path written. ``best.pt`` and unrelated files are never touched.
     """

@@ -49,7 +49,7 @@ def predict(
 def predict_dataset(
     model: nn.Module, loader: DataLoader, device: torch.device, amp: str = "none", channels_last: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and targets of the whole dataset behind ``loader`` (sharded by a ShardSampler), in dataset order.
+    """Logits and targets of the whole dataset behind ``loader`` (ShardSampler shards), in dataset order.
 
     Every process gets the full tensors; each sample appears exactly once whatever the world size.
     """

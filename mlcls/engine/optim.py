@@ -43,7 +43,7 @@ def build_optimizer(cfg: Mapping[str, Any], model: nn.Module) -> torch.optim.Opt
 def cosine_factor(
     iteration: int, total_iters: int, warmup_iters: int = 0, min_lr_ratio: float = 0.0
 ) -> float:
-    """Learning-rate multiplier at ``iteration``: linear warm-up from 0, then cosine from 1 to ``min_lr_ratio``."""
+    """Learning-rate multiplier: linear warm-up from 0, then cosine from 1 down to ``min_lr_ratio``."""
     if iteration < warmup_iters:
         return (iteration + 1) / warmup_iters
     progress = (iteration - warmup_iters) / max(1, total_iters - warmup_iters)

@@ -122,7 +122,13 @@ class Trainer:
             keep = min(len(self.val_set), tcfg.limit_val_batches * self.local_batch * self.dist.world_size)
             self.val_set = Subset(self.val_set, range(keep))
         self.train_loader = train_loader(
-            self.train_set, self.local_batch, tcfg.workers, self.dist.rank, self.dist.world_size, tcfg.seed, self.cuda
+            self.train_set,
+            self.local_batch,
+            tcfg.workers,
+            self.dist.rank,
+            self.dist.world_size,
+            tcfg.seed,
+            self.cuda,
         )
         self.val_loader = eval_loader(
             self.val_set, self.local_batch, tcfg.workers, self.dist.rank, self.dist.world_size, self.cuda
@@ -305,7 +311,10 @@ class Trainer:
         seen, elapsed = int(partial.get("seen", 0)), partial.get("time_s", 0.0)
         show_bar = self.dist.is_main and sys.stdout.isatty()
         bar = tqdm(
-            total=self.iters_per_epoch, initial=first_step, desc=f"epoch {epoch + 1}/{tcfg.epochs}", disable=not show_bar
+            total=self.iters_per_epoch,
+            initial=first_step,
+            desc=f"epoch {epoch + 1}/{tcfg.epochs}",
+            disable=not show_bar,
         )
         start, nonfinite_run = time.perf_counter(), 0
         for step, (images, targets) in enumerate(self.train_loader, start=first_step):
@@ -318,12 +327,15 @@ class Trainer:
             else:
                 nonfinite_run += 1
                 self.counts["skipped_steps"] += 1
-                log.warning("epoch %d step %d: non-finite loss or gradient, step skipped", epoch + 1, step + 1)
+                log.warning(
+                    "epoch %d step %d: non-finite loss or gradient, step skipped", epoch + 1, step + 1
+                )
                 if nonfinite_run >= tcfg.max_nonfinite:
                     raise NonFiniteError(
                         f"{nonfinite_run} consecutive steps with a non-finite loss or gradient at epoch "
-                        f"{epoch + 1}: lower the learning rate (optim.lr_head/lr_backbone), try trainer.amp=bf16 "
-                        "or none instead of fp16, set trainer.grad_clip, and check the labels (values 1/0/-1)"
+                        f"{epoch + 1}: lower the learning rate (optim.lr_head/lr_backbone), try "
+                        "trainer.amp=bf16 or none instead of fp16, set trainer.grad_clip, and check the "
+                        "labels (values 1/0/-1)"
                     )
             seen += images.shape[0]
             iteration = epoch * self.iters_per_epoch + step + 1
@@ -331,7 +343,9 @@ class Trainer:
                 bar.update()
                 bar.set_postfix(loss=f"{loss.item():.4f}")
             elif self.dist.is_main and iteration % tcfg.log_every == 0:
-                log.info("epoch %d iter %d/%d loss %.4f", epoch + 1, step + 1, self.iters_per_epoch, loss.item())
+                log.info(
+                    "epoch %d iter %d/%d loss %.4f", epoch + 1, step + 1, self.iters_per_epoch, loss.item()
+                )
             if self.writer is not None and iteration % 10 == 0:
                 self.writer.add_scalar("train/loss", loss.item(), iteration)
                 self.writer.add_scalar("train/lr_head", self.optimizer.param_groups[0]["lr"], iteration)
@@ -417,7 +431,7 @@ class Trainer:
         return compute_metrics(scores, labels, self.classes)
 
     def evaluate_and_select(self, epoch: int) -> bool:
-        """Evaluate the raw (and EMA) weights, log them, update ``best``; True if this epoch is the new best."""
+        """Evaluate the raw (and EMA) weights, log them, update ``best``; True for a new best epoch."""
         figures = self.evaluate()
         candidates = {"raw": figures}
         if self.ema is not None:
@@ -485,7 +499,9 @@ class Trainer:
                 "config": OmegaConf.to_container(self.cfg, resolve=True),
             }
             iteration = epoch * self.iters_per_epoch + step
-            save_training_checkpoint(state, self.run_dir / "checkpoints", iteration, self.cfg.trainer.keep_checkpoints)
+            save_training_checkpoint(
+                state, self.run_dir / "checkpoints", iteration, self.cfg.trainer.keep_checkpoints
+            )
             if is_best:
                 source = self.model if self.best["weights"] == "raw" else self.ema.module
                 weights = {

@@ -18,7 +18,9 @@ class ConfigError(ValueError):
 
 
 def _positive(value, key: str, integer: bool = False) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) if integer else isinstance(value, (int, float))
+    ok = (
+        isinstance(value, int) and not isinstance(value, bool) if integer else isinstance(value, (int, float))
+    )
     if not ok or value <= 0:
         kind = "a positive integer" if integer else "a positive number"
         raise ConfigError(f"{key}={value!r}; expected {kind}")
@@ -48,13 +50,17 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     if t.amp == "fp16" and not on_cuda:
         raise ConfigError("trainer.amp=fp16 needs CUDA; on the CPU use trainer.amp=none")
     if t.ema_decay is not None and not 0.0 < t.ema_decay < 1.0:
-        raise ConfigError(f"trainer.ema_decay={t.ema_decay!r}; expected a number in (0, 1), or null for no EMA")
+        raise ConfigError(
+            f"trainer.ema_decay={t.ema_decay!r}; expected a number in (0, 1), or null for no EMA"
+        )
     if t.grad_clip is not None:
         _positive(t.grad_clip, "trainer.grad_clip")
     if t.resume not in (None, "auto") and not Path(t.resume).is_file():
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint file (or use trainer.resume=auto)")
     if t.resume == "auto" and not t.output_dir:
-        raise ConfigError("trainer.resume=auto needs trainer.output_dir=<run dir> to know which run to resume")
+        raise ConfigError(
+            "trainer.resume=auto needs trainer.output_dir=<run dir> to know which run to resume"
+        )
 
     if t.batch_size % world_size:
         raise ConfigError(
@@ -74,7 +80,9 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
                 f"(trainer.batch_size={t.batch_size} over {world_size} processes)"
             )
     if cfg.loss.get("gather") and world_size == 1:
-        raise ConfigError("loss.gather=true needs several processes (torchrun); without DDP it changes nothing")
+        raise ConfigError(
+            "loss.gather=true needs several processes (torchrun); without DDP it changes nothing"
+        )
 
     _positive(cfg.dataset.image_size, "dataset.image_size", integer=True)
     for key in ("lr_head", "lr_backbone"):
