@@ -67,6 +67,7 @@ def test_onnx_matches_eager_model_and_carries_metadata(run_dir, tmp_path):
     assert read_metadata(path) == {key: json.loads(value) for key, value in properties.items()}
 
 
+@pytest.mark.slow
 def test_cli_exports_beside_the_checkpoint(run_dir, tmp_path):
     checkpoint = tmp_path / "plain.pt"
     checkpoint.write_bytes((run_dir / "plain.pt").read_bytes())

@@ -106,6 +106,19 @@ def test_average_precision_with_unknown_labels_and_empty_classes(ties: str | Non
     assert np.isnan(expected[:3]).all()
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_average_precision_with_very_unequal_numbers_of_positives(dim: int) -> None:
+    # class 0 is positive in 90% of the samples, the others in 3%: long and short lists of positives
+    # (the binary searches then run in several blocks per long list)
+    generator = torch.Generator().manual_seed(6)
+    rates = torch.tensor([0.9] + [0.03] * 9)
+    labels = (torch.rand(400, 10, generator=generator) < rates).long()
+    scores = (torch.randn(400, 10, generator=generator, dtype=torch.float64) + labels).round(decimals=1)
+    labels[torch.rand(400, 10, generator=generator) < 0.05] = -1
+    expected = sklearn_ap_per_list(scores, labels, dim)
+    np.testing.assert_allclose(average_precision(scores, labels, dim=dim).numpy(), expected, atol=TOLERANCE)
+
+
 @pytest.mark.parametrize("ties", [None, "one_decimal"])
 def test_map_means_skip_lists_without_positive(ties: str | None) -> None:
     scores, labels = make_case(3, 100, 16, ties=ties, unknown=0.1, empty=4)

@@ -45,12 +45,21 @@ def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
     for name in ("config.yaml", "checkpoints/last.pt", "checkpoints/best.pt"):
         assert (tmp_path / name).is_file(), name
     assert any((tmp_path / "tb").iterdir())
+    for png in ("per_class_ap.png", "pr_curves.png", "training_curves.png"):
+        assert (tmp_path / "plots" / png).stat().st_size > 1000, png
+    best = torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=False)
+    assert best["thresholds"].shape == (12,) and best["preprocess"]["image_size"] == 32
+    assert best["classes"] == on_disk_classes(on_disk)
 
     from mlcls.data.synthetic import SyntheticMultiLabel
 
     val_labels = SyntheticMultiLabel("val", val_size=75, image_size=32).labels.numpy()
     chance = chance_map_class(val_labels)
     assert on_disk["metrics"]["mAP_class"] > chance + 10, (on_disk["metrics"], chance)
+
+
+def on_disk_classes(results: dict) -> list[str]:
+    return list(results["per_class_ap"])
 
 
 class _StopAfterFirstEpoch(Trainer):

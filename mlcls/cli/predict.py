@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
 from mlcls.cli.errors import user_errors
-from mlcls.engine.checkpoint import _atomic_write
+from mlcls.engine.checkpoint import atomic_write
 from mlcls.inference.errors import InferenceError
 from mlcls.inference.predictor import (
     Prediction,
@@ -57,7 +57,7 @@ def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]
 def write_json_lines(predictions: list[Prediction], path: str | Path) -> None:
     """One JSON object per line (:meth:`Prediction.to_json`), written atomically."""
     text = "".join(json.dumps(p.to_json()) + "\n" for p in predictions)
-    _atomic_write(Path(path), lambda f: f.write(text.encode()))
+    atomic_write(Path(path), lambda f: f.write(text.encode()))
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="predict")

@@ -21,7 +21,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint file cannot be read."""
 
 
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename it over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -29,6 +30,7 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are for the whole group to read
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -37,7 +39,7 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
     """``torch.save(state)`` to ``path`` atomically."""
-    _atomic_write(Path(path), lambda f: torch.save(state, f))
+    atomic_write(Path(path), lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -67,7 +69,7 @@ def _finite_or_none(data: Any) -> Any:
 def write_json(data: Any, path: str | Path) -> None:
     """Write ``data`` as indented JSON to ``path`` atomically; NaN and infinities become ``null``."""
     text = json.dumps(_finite_or_none(data), indent=2, allow_nan=False) + "\n"
-    _atomic_write(Path(path), lambda f: f.write(text.encode()))
+    atomic_write(Path(path), lambda f: f.write(text.encode()))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -51,7 +51,9 @@ from mlcls.engine.checkpoint import (
 from mlcls.engine.evaluate import autocast_context, predict_dataset
 from mlcls.engine.optim import build_optimizer, build_scheduler
 from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.inference import calibrate_thresholds, preprocess_spec
 from mlcls.metrics import compute_metrics
+from mlcls.reporting.plots import write_plots
 from mlcls.reporting.provenance import collect_provenance
 
 log = logging.getLogger("mlcls")
@@ -118,6 +120,7 @@ class Trainer:
         self.train_set = build_dataset(cfg.dataset, train=True)
         self.val_set = build_dataset(cfg.dataset, train=False)
         self.classes = list(self.train_set.classes)
+        self.preprocess = preprocess_spec(cfg.dataset)  # in checkpoints: predict needs no dataset
         if tcfg.limit_val_batches:
             keep = min(len(self.val_set), tcfg.limit_val_batches * self.local_batch * self.dist.world_size)
             self.val_set = Subset(self.val_set, range(keep))
@@ -164,6 +167,11 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Any] | None = None
         self.last_figures: dict[str, Any] | None = None
+        # validation logits/labels of the last evaluation, and per-class thresholds calibrated on them
+        self.val_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scored: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.thresholds: torch.Tensor | None = None
+        self.best_thresholds: torch.Tensor | None = None
         self.counts: dict[str, Any] = {"skipped_steps": 0, "skipped_images": []}
         self.wall_time_s = 0.0
         if not self._maybe_resume():
@@ -236,6 +244,7 @@ class Trainer:
         self.history = state.get("history", [])
         self.best = state.get("best")
         self.last_figures = state.get("last_figures")
+        self.thresholds = state.get("thresholds")
         self.counts = state.get("counts", self.counts)
         self.wall_time_s = state.get("wall_time_s", 0.0)
         set_rng_state(state["rng"][min(self.dist.rank, len(state["rng"]) - 1)])
@@ -282,6 +291,8 @@ class Trainer:
                 self.save(epoch + 1, 0, is_best)
                 if self.last_figures is not None:
                     self.write_results(epoch + 1)
+            if self.dist.is_main and self.val_outputs is not None:
+                write_plots(self.run_dir, self.history, *self.val_outputs, self.classes, writer=self.writer)
         except Preempted:
             # A handler installed before ours (submitit's on SLURM) gets the signal too, once the checkpoint
             # exists: it requeues the job. Without one, the CLI exits with EXIT_PREEMPTED.
@@ -419,6 +430,8 @@ class Trainer:
     def evaluate(self, model: nn.Module | None = None) -> dict[str, Any]:
         """Figures of ``model`` (default: the raw weights) on the whole validation set, equal on every rank.
 
+        The logits and labels behind them are kept in ``self.scored`` (thresholds, plots).
+
         Under DDP each process's BatchNorm running statistics drift from rank 0's during the epoch (DDP
         broadcasts them only at the next forward), so rank 0's buffers, the ones checkpointed, are
         broadcast first: every shard is scored by exactly the saved model.
@@ -428,17 +441,22 @@ class Trainer:
             for buffer in model.buffers():
                 torch.distributed.broadcast(buffer, src=0)
         scores, labels = predict_dataset(model, self.val_loader, self.device, self.amp, self.channels_last)
+        self.scored = (scores, labels)
         return compute_metrics(scores, labels, self.classes)
 
     def evaluate_and_select(self, epoch: int) -> bool:
         """Evaluate the raw (and EMA) weights, log them, update ``best``; True for a new best epoch."""
         figures = self.evaluate()
-        candidates = {"raw": figures}
+        candidates, outputs = {"raw": figures}, {"raw": self.scored}
         if self.ema is not None:
             candidates["ema"] = figures["ema"] = self.evaluate(self.ema.module)
+            outputs["ema"] = self.scored
         weights, chosen = max(candidates.items(), key=lambda kv: kv[1]["mAP_class"])
         is_best = self.best is None or chosen["mAP_class"] > self.best["mAP_class"]
+        self.val_outputs = outputs["raw"]
+        self.thresholds = calibrate_thresholds(*outputs["raw"])  # for last.pt's raw weights
         if is_best:
+            self.best_thresholds = calibrate_thresholds(*outputs[weights])
             self.best = {
                 "epoch": epoch,
                 "mAP_class": chosen["mAP_class"],
@@ -496,6 +514,8 @@ class Trainer:
                 "wall_time_s": self.wall_time_s,
                 "rng": rng_states,
                 "classes": self.classes,
+                "preprocess": self.preprocess,
+                "thresholds": self.thresholds,
                 "config": OmegaConf.to_container(self.cfg, resolve=True),
             }
             iteration = epoch * self.iters_per_epoch + step
@@ -507,7 +527,8 @@ class Trainer:
                 weights = {
                     "model": source.state_dict(),
                     "weights": self.best["weights"],
-                    **{k: state[k] for k in ("epoch", "classes", "config", "best")},
+                    "thresholds": self.best_thresholds,
+                    **{k: state[k] for k in ("epoch", "classes", "preprocess", "config", "best")},
                 }
                 save_checkpoint(weights, self.run_dir / "checkpoints" / "best.pt")
         dist_utils.barrier()

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from mlcls import __version__
-from mlcls.engine.checkpoint import _atomic_write
+from mlcls.engine.checkpoint import atomic_write
 from mlcls.inference.errors import InferenceError
 from mlcls.inference.predictor import InferenceModel, load_inference_model
 from mlcls.inference.preprocess import input_size
@@ -91,7 +91,7 @@ def export_torchscript(model: nn.Module, example: torch.Tensor, path: Path, meta
     with _quiet_deprecation():
         traced = torch.jit.trace(model.eval(), example)
         extra = {TORCHSCRIPT_METADATA: json.dumps(metadata)}
-        _atomic_write(path, lambda f: torch.jit.save(traced, f, _extra_files=extra))
+        atomic_write(path, lambda f: torch.jit.save(traced, f, _extra_files=extra))
 
 
 def export_onnx(
@@ -119,7 +119,7 @@ def export_onnx(
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, json.dumps(value)
     data = proto.SerializeToString()
-    _atomic_write(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data))
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:

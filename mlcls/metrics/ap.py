@@ -81,19 +81,23 @@ def _sort_rows(values: torch.Tensor) -> torch.Tensor:
 
 
 def _count_below(
-    sorted_rows: torch.Tensor, row_of: torch.Tensor, rank: torch.Tensor, queries: torch.Tensor
+    sorted_rows: torch.Tensor,
+    queries: torch.Tensor,
+    row_of: torch.Tensor,
+    rank: torch.Tensor,
+    per_row: torch.Tensor,
 ) -> torch.Tensor:
-    """For each query, the number of entries of row ``row_of`` of ``sorted_rows`` strictly below it.
+    """For each query, the number of entries of its row ``row_of`` of ``sorted_rows`` strictly below it.
 
-    ``queries`` are grouped by row, ``rank`` is their index within their row. ``torch.searchsorted`` needs
-    the same number of queries for every row, so the queries are cut into blocks of ``block`` per row and
-    each block is searched in a copy of its row: the block size balances copying long rows against
-    padding the last block of rows with few queries (one block per row when every row has few).
+    ``queries`` are grouped by row: ``rank`` is their index within their row, ``per_row`` the number of
+    queries of each row. ``torch.searchsorted`` needs the same number of queries for every row, so the
+    queries are cut into blocks of ``block`` per row and each block is searched in a copy of its row: the
+    block size balances copying long rows against padding the last block of rows with few queries (one
+    block per row, and no copy, when every row has few).
     """
     if len(queries) == 0:
         return torch.zeros_like(row_of)
     n_rows, length = sorted_rows.shape
-    per_row = torch.bincount(row_of, minlength=n_rows)
     block = max(1, min(int(per_row.max()), int(math.sqrt(length * len(queries) / n_rows))))
     n_blocks = (-(-per_row // block)).clamp_min(1)
     # flat position of each query in the (blocks, block) layout
@@ -126,12 +130,16 @@ def _positive_counts(
         scores, labels = scores.T, labels.T
     scores, labels = scores.contiguous(), labels.contiguous()
     n_lists, length = scores.shape
-    positive, known = labels == 1, labels >= 0
+    positive = labels == 1
     n_positive = positive.view(torch.uint8).sum(1, dtype=torch.int32).long()  # int32: half the traffic
-    n_unknown = length - known.view(torch.uint8).sum(1, dtype=torch.int32).long()
-
-    # unknown items sort first as -inf; they are taken out again for a positive scoring -inf
-    known_sorted = _sort_rows(torch.where(known, scores, -torch.inf))
+    n_unknown = torch.zeros_like(n_positive)
+    if labels.numel() and labels.min() < 0:
+        # unknown items sort first as -inf; they are taken out again for a positive scoring -inf
+        known = labels >= 0
+        n_unknown = length - known.view(torch.uint8).sum(1, dtype=torch.int32).long()
+        known_sorted = _sort_rows(torch.where(known, scores, -torch.inf))
+    else:
+        known_sorted = _sort_rows(scores)
     positive_sorted = _sort_rows(torch.where(positive, scores, torch.inf))  # row r: its positives first
     list_of = torch.repeat_interleave(torch.arange(n_lists, device=scores.device), n_positive)
     first_of_list = (n_positive.cumsum(0) - n_positive)[list_of]
@@ -144,7 +152,7 @@ def _positive_counts(
     starts_ties[1:] |= score[1:] != score[:-1]
     first_tie = torch.where(starts_ties, index, 0).cummax(0).values
     tp = n_positive[list_of] - (first_tie - first_of_list)
-    known_ge = length - _count_below(known_sorted, list_of, rank, score)
+    known_ge = length - _count_below(known_sorted, score, list_of, rank, n_positive)
     known_ge -= torch.where(score == -torch.inf, n_unknown[list_of], 0)
     return list_of, tp, known_ge, n_positive
 

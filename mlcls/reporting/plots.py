@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from sklearn.metrics import precision_recall_curve
 
-from mlcls.engine.checkpoint import _atomic_write
+from mlcls.engine.checkpoint import atomic_write
 from mlcls.metrics import average_precision
 
 log = logging.getLogger("mlcls")
@@ -155,7 +155,7 @@ def _save(figure: Any, path: Path) -> np.ndarray:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     data = buffer.getvalue()
-    _atomic_write(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data))
     figure.canvas.draw()
     return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
 

@@ -1,0 +1,87 @@
+"""``mlcls-bench``: every subcommand runs on tiny inputs and prints one JSON line with ``_per_s`` rates."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import TINY
+
+from mlcls.bench.pipeline_bench import make_jpegs
+from mlcls.cli.bench import add_rates, main
+
+
+def json_line(capsys: pytest.CaptureFixture[str]) -> dict:
+    """The single line printed on stdout, parsed; every ``_per_s`` value a positive finite number."""
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1, lines
+    result = json.loads(lines[0])
+    rates = {key: value for key, value in result.items() if key.endswith("_per_s")}
+    assert rates and all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in rates.values()), rates
+    return result
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("bench_jpegs")
+    make_jpegs(folder, 3, size=(96, 72))
+    return str(folder)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pipeline(images, workers, capsys):
+    main(["pipeline", "--images", images, "--n", "4", "--size", "32", "--batch-size", "2", "--repeats", "1",
+          "--workers", str(workers)])  # fmt: skip
+    result = json_line(capsys)
+    for name in ("", "torchvision_", "plain_", "fast_cpu_stage_", "device_stage_"):
+        assert f"{name}images_per_s" in result
+    assert result["ratio_fast_vs_torchvision"] == pytest.approx(
+        result["fast_images_per_s"] / result["torchvision_images_per_s"]
+    )
+    assert result["workers"] == workers and result["n"] == 4
+
+
+def test_pipeline_without_jpegs_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pipeline", "--images", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"mlcls: error: no JPEG files (*.jpg, *.jpeg) in {tmp_path}"
+
+
+def test_step(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["step", *TINY, "trainer.batch_size=8", "--repeats", "1", "--steps", "1", "--warmup", "0"])
+    result = json_line(capsys)
+    assert {"trainer_images_per_s", "bare_images_per_s"} <= result.keys()
+    assert result["model"] == "resnet10t" and result["batch_size"] == 8 and result["image_size"] == 32
+    assert result["overhead"] == pytest.approx(result["trainer_step_s"] / result["bare_step_s"] - 1)
+
+
+def test_loss(capsys):
+    main(["loss", "--repeats", "1"])
+    result = json_line(capsys)
+    assert result["twoway_512x80_per_s"] == pytest.approx(1000 / result["twoway_512x80_ms"])
+
+
+def test_metrics(capsys):
+    main(["metrics", "--n", "200", "--c", "5"])
+    result = json_line(capsys)
+    assert result["mlcls_pair_per_s"] == pytest.approx(1 / result["mlcls_pair_s"])
+    assert result["equal"] is True
+
+
+def test_add_rates_inverts_every_timing():
+    result = add_rates({"a_ms": 4.0, "b_s": 0.5, "c_per_s": 3.0, "equal": True, "name": "x", "zero_s": 0.0})
+    assert result == {"a_ms": 4.0, "a_per_s": 250.0, "b_s": 0.5, "b_per_s": 2.0, "c_per_s": 3.0,
+                      "equal": True, "name": "x", "zero_s": 0.0}  # fmt: skip
+
+
+def test_console_script_prints_json(images):
+    """The installed entry point (``python -m`` when the console script is absent)."""
+    args = ["pipeline", "--images", images, "--n", "2", "--size", "16", "--batch-size", "2", "--repeats", "1"]
+    command = [sys.executable, "-m", "mlcls.cli.bench", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(done.stdout)["images_per_s"] > 0

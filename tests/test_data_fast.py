@@ -1,0 +1,249 @@
+"""The fast pipeline against independent references: torchvision's transforms and PIL's full-size decoding."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.functional as TF
+from PIL import Image
+from scipy.stats import ks_2samp
+from torch.utils.data import default_collate
+from torchvision import transforms as T
+
+from mlcls.bench.pipeline_bench import make_jpegs
+from mlcls.data.base import MultiLabelDataset, Sample
+from mlcls.data.fast import (
+    AugmentedImage,
+    DeviceStage,
+    FastTrainTransform,
+    PlannedCrop,
+    build_backend_transform,
+    colour_lighting_normalise,
+    draft_reduction,
+    load_reduced,
+)
+from mlcls.data.loader import train_loader
+from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_PCA_EIGVAL, IMAGENET_PCA_EIGVEC, IMAGENET_STD
+from mlcls.data.transforms import build_transform as plain_transform
+
+SIZE = 64
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return make_jpegs(tmp_path_factory.mktemp("jpegs"), 4, size=(320, 240))
+
+
+@pytest.fixture(scope="module")
+def ramp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """512x384 JPEG whose red channel encodes x and green channel y (255 at the far edge)."""
+    width, height = 512, 384
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 255 / (width - 1), y * 255 / (height - 1), np.full(x.shape, 128.0)], -1)
+    path = tmp_path_factory.mktemp("ramp") / "ramp.jpg"
+    Image.fromarray(pixels.round().astype(np.uint8)).save(path, quality=95)
+    return path
+
+
+def fast_output(transform: FastTrainTransform, path: Path, seed: int) -> tuple[torch.Tensor, PlannedCrop]:
+    """Fast pipeline under ``seed``: CPU stage (reduced-scale decoding), then the device stage on the CPU."""
+    torch.manual_seed(seed)
+    planned = transform.decode(str(path))
+    sample = transform(planned)
+    return DeviceStage("cpu")(default_collate([sample]))[0], planned
+
+
+def test_same_seed_gives_the_plain_pipelines_image_and_statistics(jpegs):
+    """Under one seed both pipelines draw the same crop, flip, jitter order and factors and lighting: the
+    outputs differ only by PIL's uint8 rounding in ColorJitter and, for large crops, the DCT-scaled decode.
+    Hence per-channel means and standard deviations over all outputs agree closely."""
+    plain = plain_transform("paper", SIZE, train=True)
+    fast = FastTrainTransform(SIZE)
+    expected, got, reduced = [], [], 0
+    for path, seed in itertools.product(jpegs, range(16)):
+        torch.manual_seed(seed)
+        with Image.open(path) as img:
+            expected.append(plain(img.convert("RGB")))
+        output, planned = fast_output(fast, path, seed)
+        got.append(output)
+        reduced += planned.image.width < 320
+    assert reduced >= 4, "no sample exercised the reduced-scale decoding"
+    expected_stack, got_stack = torch.stack(expected), torch.stack(got)
+    assert got_stack.shape == expected_stack.shape == (64, 3, SIZE, SIZE)
+    # One uint8 level is 1 / (255 * 0.225) = 0.017 after normalisation; a different crop or flip gives > 0.3.
+    per_image = (got_stack - expected_stack).abs().mean((1, 2, 3))
+    assert per_image.max() < 0.06 and per_image.mean() < 0.04, per_image
+    # PIL's ColorJitter truncates to uint8 after each of its 3 steps (-0.45 level each, -0.024 here).
+    torch.testing.assert_close(got_stack.mean((0, 2, 3)), expected_stack.mean((0, 2, 3)), atol=0.035, rtol=0)
+    torch.testing.assert_close(got_stack.std((0, 2, 3)), expected_stack.std((0, 2, 3)), atol=0, rtol=0.02)
+    brightness_spread = got_stack.mean((1, 2, 3)).std().item()
+    assert brightness_spread == pytest.approx(expected_stack.mean((1, 2, 3)).std().item(), rel=0.03)
+
+
+def _geometry(pixels: np.ndarray, width: int, height: int) -> tuple[float, float, bool]:
+    """(area fraction, log aspect ratio, flipped) of a crop of the ramp image, read from its pixels."""
+    red, green = pixels[..., 0].astype(float), pixels[..., 1].astype(float)
+    x_first, x_last = red[:, 0].mean() * (width - 1) / 255, red[:, -1].mean() * (width - 1) / 255
+    y_first, y_last = green[0].mean() * (height - 1) / 255, green[-1].mean() * (height - 1) / 255
+    span_x, span_y = abs(x_last - x_first) + 1e-6, abs(y_last - y_first) + 1e-6
+    return span_x * span_y / (width * height), math.log(span_x / span_y), x_last < x_first
+
+
+def test_crop_scale_aspect_and_flip_distribution_match_torchvision(ramp):
+    """Crop area, aspect ratio and flip rate read off the output pixels of a coordinate-ramp image, against
+    torchvision's RandomResizedCrop + RandomHorizontalFlip (independent seeds); the reductions 2, 4 and 8
+    all occur, so a wrong coordinate map for a reduced-scale decode would shift the distribution."""
+    size, count = 32, 300
+    fast = FastTrainTransform(size)
+    reference = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip()])
+    with Image.open(ramp) as img:
+        full = img.convert("RGB")
+    ours, theirs, reductions = [], [], set()
+    for k in range(count):
+        torch.manual_seed(k)
+        planned = fast.decode(str(ramp))
+        reductions.add(round(512 / planned.image.width))
+        ours.append(_geometry(fast(planned).pixels.numpy(), 512, 384))
+        torch.manual_seed(100_000 + k)
+        theirs.append(_geometry(np.asarray(reference(full)), 512, 384))
+    assert reductions >= {2, 4, 8}
+    ours_a, theirs_a = np.array(ours), np.array(theirs)
+    for column in (0, 1):  # area fraction, log aspect ratio
+        assert ks_2samp(ours_a[:, column], theirs_a[:, column]).pvalue > 1e-3
+    assert ours_a[:, 0].min() / 0.08 > 0.4 and ours_a[:, 0].max() < 1.05
+    assert abs(ours_a[:, 2].mean() - 0.5) < 0.1 and abs(theirs_a[:, 2].mean() - 0.5) < 0.1
+
+
+def test_crop_stays_inside_the_sample_box(ramp):
+    fast = FastTrainTransform(16)
+    box = (100.0, 50.0, 200.0, 150.0)  # x, y, w, h
+    for seed in range(20):
+        torch.manual_seed(seed)
+        pixels = fast(fast.decode(str(ramp), box)).pixels.numpy().astype(float)
+        x = pixels[..., 0] * 511 / 255
+        y = pixels[..., 1] * 383 / 255
+        assert x.min() >= 100 - 3 and x.max() <= 300 + 3
+        assert y.min() >= 50 - 3 and y.max() <= 200 + 3
+
+
+@pytest.mark.parametrize("reduction", [2, 4, 8])
+def test_draft_decoding_equals_full_decoding_downscaled(jpegs, reduction):
+    """DCT-scaled decoding at 1/r against PIL's full decode averaged over r x r blocks (BOX resize)."""
+    path = jpegs[0]
+    with Image.open(path) as img:
+        full = img.convert("RGB")
+    with Image.open(path) as img:
+        reduced, scale_x, scale_y = load_reduced(img, reduction)
+    assert reduced.size == (320 // reduction, 240 // reduction) and scale_x == scale_y == reduction
+    expected = np.asarray(full.resize(reduced.size, Image.Resampling.BOX)).astype(float)
+    got = np.asarray(reduced).astype(float)
+    error = np.abs(got - expected).mean()
+    shifted_error = np.abs(np.roll(got, 1, axis=1) - expected).mean()  # a one-pixel misalignment
+    assert error < 4.5 and error < 0.35 * shifted_error
+
+
+def test_draft_reduction_keeps_at_least_the_output_size():
+    assert draft_reduction(447, 900, 224) == 1
+    assert draft_reduction(448, 448, 224) == 2
+    assert draft_reduction(900, 1000, 224) == 4
+    assert draft_reduction(1792, 1800, 224) == 8
+    assert draft_reduction(5000, 5000, 224) == 8
+
+
+def _reference_device_stage(pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """torchvision functional ops, one image at a time, in each image's order."""
+    adjust = {0: TF.adjust_brightness, 1: TF.adjust_contrast, 2: TF.adjust_saturation}
+    out = []
+    for image, p in zip(pixels, params, strict=True):
+        x = image.permute(2, 0, 1).float() / 255
+        for code in p[:3].long().tolist():  # the factors are stored as (brightness, contrast, saturation)
+            x = adjust[code](x, p[3 + code].item())
+        x = x + (IMAGENET_PCA_EIGVEC @ (p[6:9] * IMAGENET_PCA_EIGVAL))[:, None, None]
+        out.append(TF.normalize(x, IMAGENET_MEAN, IMAGENET_STD))
+    return torch.stack(out)
+
+
+def test_device_stage_equals_torchvision_functional_ops():
+    generator = torch.Generator().manual_seed(0)
+    orders = list(itertools.permutations(range(3)))
+    batch = 2 * len(orders)
+    pixels = torch.randint(0, 256, (batch, 12, 10, 3), dtype=torch.uint8, generator=generator)
+    pixels[0] = 255  # saturated: the clamps after each step matter
+    params = torch.cat(
+        [
+            torch.tensor([orders[k % len(orders)] for k in range(batch)], dtype=torch.float32),
+            0.6 + 0.8 * torch.rand(batch, 3, generator=generator),
+            0.3 * torch.randn(batch, 3, generator=generator),
+        ],
+        dim=1,
+    )
+    got = colour_lighting_normalise(pixels, params)
+    assert got.dtype == torch.float32 and got.shape == (batch, 3, 12, 10)
+    torch.testing.assert_close(got, _reference_device_stage(pixels, params), atol=2e-5, rtol=0)
+
+
+def test_device_stage_copies_plain_tensors_and_sets_the_memory_format():
+    images = torch.randn(2, 3, 8, 8)
+    assert torch.equal(DeviceStage("cpu")(images), images)
+    batch = AugmentedImage(
+        torch.zeros(2, 8, 8, 3, dtype=torch.uint8), torch.tensor([[0, 1, 2, 1, 1, 1, 0, 0, 0]] * 2)
+    )
+    contiguous = DeviceStage("cpu")(batch)
+    channels_last = DeviceStage("cpu", channels_last=True)(batch)
+    assert contiguous.is_contiguous() and channels_last.is_contiguous(memory_format=torch.channels_last)
+    expected = (-torch.tensor(IMAGENET_MEAN) / torch.tensor(IMAGENET_STD)).view(1, 3, 1, 1).expand(2, 3, 8, 8)
+    torch.testing.assert_close(contiguous, expected)
+
+
+def test_build_backend_transform_chooses_per_backend():
+    assert isinstance(build_backend_transform("fast", "paper", 224, train=True), FastTrainTransform)
+    assert isinstance(build_backend_transform("dali", "paper", 224, train=True), FastTrainTransform)
+    for backend, kind, train in (
+        ("torchvision", "paper", True),
+        ("fast", "paper", False),
+        ("fast", "light", True),
+    ):
+        transform = build_backend_transform(backend, kind, 32, train)
+        assert repr(transform) == repr(plain_transform(kind, 32, train))
+    with pytest.raises(ValueError, match="data.backend"):
+        build_backend_transform("opencv", "paper", 224, train=True)
+
+
+class _DecodingFolder(MultiLabelDataset):
+    """A dataset whose transform decodes the files itself (the ``decode(path, box)`` hook)."""
+
+    def __init__(self, paths: list[Path], transform: FastTrainTransform) -> None:
+        super().__init__(transform)
+        self.classes = ["a", "b"]
+        self.samples = [
+            Sample(str(p), None if k % 2 else (20.0, 10.0, 200.0, 150.0)) for k, p in enumerate(paths)
+        ]
+        self.labels = torch.eye(2)[torch.arange(len(paths)) % 2]
+
+    def load_image(self, index: int) -> PlannedCrop:
+        sample = self.samples[index]
+        return self.transform.decode(sample.path, sample.box)
+
+
+def test_batches_are_a_function_of_the_sample_seeds(jpegs):
+    """The same batches with 0 or 2 DataLoader workers, and when read again (resume is exact)."""
+    dataset = _DecodingFolder(jpegs * 2, FastTrainTransform(SIZE))
+
+    def batches(workers: int) -> list[tuple[AugmentedImage, torch.Tensor]]:
+        loader = train_loader(dataset, 4, workers, rank=0, world_size=1, seed=3, pin_memory=False)
+        loader.sampler.set_epoch(1)
+        return list(loader)
+
+    first, again, parallel = batches(0), batches(0), batches(2)
+    assert len(first) == 2 and first[0][0].pixels.shape == (4, SIZE, SIZE, 3)
+    assert first[0][0].params.shape == (4, 9)
+    for a, b, c in zip(first, again, parallel, strict=True):
+        for x, y, z in zip(a[0], b[0], c[0], strict=True):
+            assert torch.equal(x, y) and torch.equal(x, z)
+        assert torch.equal(a[1], c[1])
+    assert not torch.equal(first[0][0].pixels, first[1][0].pixels)
