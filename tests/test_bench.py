@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 from conftest import TINY
@@ -77,11 +75,3 @@ def test_add_rates_inverts_every_timing():
     result = add_rates({"a_ms": 4.0, "b_s": 0.5, "c_per_s": 3.0, "equal": True, "name": "x", "zero_s": 0.0})
     assert result == {"a_ms": 4.0, "a_per_s": 250.0, "b_s": 0.5, "b_per_s": 2.0, "c_per_s": 3.0,
                       "equal": True, "name": "x", "zero_s": 0.0}  # fmt: skip
-
-
-def test_console_script_prints_json(images):
-    """The installed entry point (``python -m`` when the console script is absent)."""
-    args = ["pipeline", "--images", images, "--n", "2", "--size", "16", "--batch-size", "2", "--repeats", "1"]
-    command = [sys.executable, "-m", "mlcls.cli.bench", *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
-    assert json.loads(done.stdout)["images_per_s"] > 0

@@ -71,7 +71,7 @@ def test_same_seed_gives_the_plain_pipelines_image_and_statistics(jpegs):
             expected.append(plain(img.convert("RGB")))
         output, planned = fast_output(fast, path, seed)
         got.append(output)
-        reduced += planned.image.width < 320
+        reduced += isinstance(planned.image, Image.Image)
     assert reduced >= 4, "no sample exercised the reduced-scale decoding"
     expected_stack, got_stack = torch.stack(expected), torch.stack(got)
     assert got_stack.shape == expected_stack.shape == (64, 3, SIZE, SIZE)
@@ -107,8 +107,9 @@ def test_crop_scale_aspect_and_flip_distribution_match_torchvision(ramp):
     for k in range(count):
         torch.manual_seed(k)
         planned = fast.decode(str(ramp))
-        reductions.add(round(512 / planned.image.width))
-        ours.append(_geometry(fast(planned).pixels.numpy(), 512, 384))
+        width = planned.image.width if isinstance(planned.image, Image.Image) else planned.image.shape[-1]
+        reductions.add(round(512 / width))
+        ours.append(_geometry(fast(planned).pixels.permute(1, 2, 0).numpy(), 512, 384))
         torch.manual_seed(100_000 + k)
         theirs.append(_geometry(np.asarray(reference(full)), 512, 384))
     assert reductions >= {2, 4, 8}
@@ -124,11 +125,29 @@ def test_crop_stays_inside_the_sample_box(ramp):
     box = (100.0, 50.0, 200.0, 150.0)  # x, y, w, h
     for seed in range(20):
         torch.manual_seed(seed)
-        pixels = fast(fast.decode(str(ramp), box)).pixels.numpy().astype(float)
+        pixels = fast(fast.decode(str(ramp), box)).pixels.permute(1, 2, 0).numpy().astype(float)
         x = pixels[..., 0] * 511 / 255
         y = pixels[..., 1] * 383 / 255
         assert x.min() >= 100 - 3 and x.max() <= 300 + 3
         assert y.min() >= 50 - 3 and y.max() <= 200 + 3
+
+
+def test_files_torchvision_cannot_decode_go_through_pil(jpegs, tmp_path):
+    """A PNG of the same pixels gives the same output (PIL's decode); a truncated JPEG raises the OSError
+    that ``dataset.on_bad_image`` handles."""
+    fast = FastTrainTransform(SIZE, draft=False)
+    png = tmp_path / "same.png"
+    with Image.open(jpegs[0]) as img:
+        img.save(png)
+    outputs = []
+    for path in (jpegs[0], png):
+        torch.manual_seed(5)
+        outputs.append(fast(fast.decode(str(path))).pixels)
+    assert torch.equal(outputs[0], outputs[1])
+    truncated = tmp_path / "truncated.jpg"
+    truncated.write_bytes(jpegs[0].read_bytes()[:3000])
+    with pytest.raises(OSError):
+        fast.decode(str(truncated))
 
 
 @pytest.mark.parametrize("reduction", [2, 4, 8])
@@ -160,7 +179,7 @@ def _reference_device_stage(pixels: torch.Tensor, params: torch.Tensor) -> torch
     adjust = {0: TF.adjust_brightness, 1: TF.adjust_contrast, 2: TF.adjust_saturation}
     out = []
     for image, p in zip(pixels, params, strict=True):
-        x = image.permute(2, 0, 1).float() / 255
+        x = image.float() / 255
         for code in p[:3].long().tolist():  # the factors are stored as (brightness, contrast, saturation)
             x = adjust[code](x, p[3 + code].item())
         x = x + (IMAGENET_PCA_EIGVEC @ (p[6:9] * IMAGENET_PCA_EIGVAL))[:, None, None]
@@ -168,11 +187,12 @@ def _reference_device_stage(pixels: torch.Tensor, params: torch.Tensor) -> torch
     return torch.stack(out)
 
 
-def test_device_stage_equals_torchvision_functional_ops():
+@pytest.mark.parametrize("batched", [True, False])
+def test_device_stage_equals_torchvision_functional_ops(batched):
     generator = torch.Generator().manual_seed(0)
     orders = list(itertools.permutations(range(3)))
     batch = 2 * len(orders)
-    pixels = torch.randint(0, 256, (batch, 12, 10, 3), dtype=torch.uint8, generator=generator)
+    pixels = torch.randint(0, 256, (batch, 3, 12, 10), dtype=torch.uint8, generator=generator)
     pixels[0] = 255  # saturated: the clamps after each step matter
     params = torch.cat(
         [
@@ -182,7 +202,7 @@ def test_device_stage_equals_torchvision_functional_ops():
         ],
         dim=1,
     )
-    got = colour_lighting_normalise(pixels, params)
+    got = colour_lighting_normalise(pixels, params, batched=batched)
     assert got.dtype == torch.float32 and got.shape == (batch, 3, 12, 10)
     torch.testing.assert_close(got, _reference_device_stage(pixels, params), atol=2e-5, rtol=0)
 
@@ -191,7 +211,7 @@ def test_device_stage_copies_plain_tensors_and_sets_the_memory_format():
     images = torch.randn(2, 3, 8, 8)
     assert torch.equal(DeviceStage("cpu")(images), images)
     batch = AugmentedImage(
-        torch.zeros(2, 8, 8, 3, dtype=torch.uint8), torch.tensor([[0, 1, 2, 1, 1, 1, 0, 0, 0]] * 2)
+        torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.tensor([[0, 1, 2, 1, 1, 1, 0, 0, 0]] * 2)
     )
     contiguous = DeviceStage("cpu")(batch)
     channels_last = DeviceStage("cpu", channels_last=True)(batch)
@@ -240,7 +260,7 @@ def test_batches_are_a_function_of_the_sample_seeds(jpegs):
         return list(loader)
 
     first, again, parallel = batches(0), batches(0), batches(2)
-    assert len(first) == 2 and first[0][0].pixels.shape == (4, SIZE, SIZE, 3)
+    assert len(first) == 2 and first[0][0].pixels.shape == (4, 3, SIZE, SIZE)
     assert first[0][0].params.shape == (4, 9)
     for a, b, c in zip(first, again, parallel, strict=True):
         for x, y, z in zip(a[0], b[0], c[0], strict=True):

@@ -1,7 +1,8 @@
 """Multi-node DDP on one machine: two torchrun "nodes" x 1 process (c10d rendezvous, gloo) against 1 process.
 
-With a model without BatchNorm, DDP over 2 processes computes the same global-batch gradient as one process
-(the global batch holds the same samples, each augmented under its own seed), so the figures agree.
+With a model without BatchNorm and the two-way loss gathered over the processes (``loss.gather=true``, the
+class-wise term on the global batch), DDP over 2 processes computes the gradient one process computes on the
+same global batch (it holds the same samples, each augmented under its own seed), so the figures agree.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ARGS = [
     "trainer.batch_size=32",
     "trainer.workers=0",
     "trainer.device=cpu",
+    "loss=twoway",
 ]
 
 
@@ -59,6 +61,7 @@ def test_two_nodes_match_one_process(tmp_path):
         "-m",
         "mlcls.train",
         *ARGS,
+        "loss.gather=true",
         f"trainer.output_dir={tmp_path / 'two'}",
     ]
     env = {"OMP_NUM_THREADS": "1", "PATH": str(bin_dir) + ":/usr/bin:/bin"}

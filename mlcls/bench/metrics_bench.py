@@ -1,10 +1,11 @@
 """Benchmark: mAP@class + mAP@sample on COCO-val-sized scores, mlcls against scikit-learn, side by side.
 
-``python -m mlcls.bench.metrics_bench [--n 40137] [--c 80] [--seed 0]`` prints one JSON line. The data
-imitate COCO val2014: 40,137 images, 80 classes with long-tailed frequencies (the most frequent class in
-~38% of the images), ~2.9 positives per image, float32 logits that separate positives only partly. The
-scikit-learn pair is ``average_precision_score(average="macro")`` plus ``average="samples"`` over the
-rows with a positive; it takes tens of seconds, so this is a benchmark, not a test.
+``python -m mlcls.bench.metrics_bench [--n 40137] [--c 80] [--seed 0] [--threads 1]`` prints one JSON
+line. The data imitate COCO val2014: 40,137 images, 80 classes with long-tailed frequencies (the most
+frequent class in ~38% of the images), ~2.9 positives per image, float32 logits that separate positives
+only partly. The scikit-learn pair is ``average_precision_score(average="macro")`` plus
+``average="samples"`` over the rows with a positive; it takes tens of seconds, so this is a benchmark, not
+a test. Both run on one CPU thread unless ``--threads`` says otherwise.
 """
 
 from __future__ import annotations
@@ -58,13 +59,27 @@ def _mlcls_pair(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, floa
     return class_percent / 100, sample_percent / 100, time.perf_counter() - start
 
 
-def run(n: int = 40137, c: int = 80, seed: int = 0) -> dict:
+def run(n: int = 40137, c: int = 80, seed: int = 0, threads: int | None = 1) -> dict:
     """Both means timed with scikit-learn (once) and with mlcls (a cold call, then 5 before and 5 after).
 
     mlcls is timed on both sides of scikit-learn's long run, so that a burst of load from other processes
     does not decide the result. ``ratio`` is scikit-learn's time over mlcls' median call, ``ratio_best``
     over its best call; ``equal`` compares the values to 1e-9.
+
+    ``threads`` sets torch's CPU threads during the run: by default 1, as scikit-learn uses one core, which
+    also keeps the figure stable on a shared machine (when another process keeps a core busy, torch's
+    OpenMP threads wait for each other at every operation and two threads are several times slower than
+    one). ``None`` leaves torch's setting unchanged.
     """
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    try:
+        return _run(n, c, seed)
+    finally:
+        torch.set_num_threads(default_threads)
+
+
+def _run(n: int, c: int, seed: int) -> dict:
     logits, labels = make_scores(n, c, seed)
     ours_class, ours_sample, cold_s = _mlcls_pair(logits, labels)
     warm = [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
@@ -101,8 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=40137, help="number of samples (rows)")
     parser.add_argument("--c", type=int, default=80, help="number of classes (columns)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.n, args.c, args.seed)))
+    print(json.dumps(run(args.n, args.c, args.seed, args.threads or None)))
 
 
 if __name__ == "__main__":

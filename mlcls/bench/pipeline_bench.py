@@ -8,7 +8,9 @@ Pipelines, each over the same JPEG files, interleaved within every repeat (same 
 * ``fast_cpu_stage``: mlcls's ``data.backend=fast`` CPU stage, the whole per-image CPU work when training
   on CUDA (colour, lighting and normalisation then run batched on the GPU);
 * ``fast``: the CPU stage plus the device stage run on the CPU in batches (training on the CPU), or on
-  CUDA when available.
+  CUDA when available;
+* ``decode_only``: PIL's full-size decode and nothing else, the ceiling of any pipeline that decodes
+  every pixel of the JPEG.
 
 ``python -m mlcls.bench.pipeline_bench --images DIR [--n N] [--workers W] [--size 224]``; without
 ``--images`` it generates 640x480 JPEGs in a temporary directory (:func:`make_jpegs`). Prints one JSON line.
@@ -37,7 +39,7 @@ from mlcls.data.base import MultiLabelDataset, Sample
 from mlcls.data.fast import AugmentedImage, DeviceStage, build_backend_transform
 from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
-PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast")
+PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast", "decode_only")
 JPEG_EXTENSIONS = (".jpg", ".jpeg", ".JPG", ".JPEG")
 
 
@@ -120,6 +122,10 @@ def torchvision_reference(size: int) -> Callable:
     )
 
 
+def _no_augmentation(image: Image.Image) -> torch.Tensor:
+    return torch.empty(0)
+
+
 def _datasets(paths: list[Path], size: int) -> dict[str, torch.utils.data.Dataset]:
     fast = JpegFolder(paths, build_backend_transform("fast", "paper", size, train=True))
     return {
@@ -127,6 +133,7 @@ def _datasets(paths: list[Path], size: int) -> dict[str, torch.utils.data.Datase
         "plain": JpegFolder(paths, build_backend_transform("torchvision", "paper", size, train=True)),
         "fast_cpu_stage": fast,
         "fast": fast,
+        "decode_only": _OpenAndTransform(paths, _no_augmentation),
     }
 
 
@@ -240,6 +247,7 @@ def _measure(
         "ratio_fast_cpu_stage_vs_torchvision": rates["fast_cpu_stage"] / rates["torchvision"],
         "ratio_fast_vs_torchvision": rates["fast"] / rates["torchvision"],
         "ratio_plain_vs_torchvision": rates["plain"] / rates["torchvision"],
+        "ratio_decode_only_vs_torchvision": rates["decode_only"] / rates["torchvision"],
         "n": n,
         "files": len(paths),
         "workers": workers,
@@ -256,7 +264,7 @@ def _measure(
 def _device_stage_rate(batch_size: int, size: int, device: torch.device, repeats: int) -> float:
     """Images/s of the device stage alone on uint8 batches already on ``device``."""
     generator = torch.Generator().manual_seed(0)
-    pixels = torch.randint(0, 256, (batch_size, size, size, 3), dtype=torch.uint8, generator=generator)
+    pixels = torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, generator=generator)
     params = torch.cat(
         [
             torch.stack([torch.randperm(3, generator=generator) for _ in range(batch_size)]).float(),

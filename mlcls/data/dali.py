@@ -9,7 +9,8 @@ Division of work, chosen so that the augmentation stays a function of each sampl
   (:class:`mlcls.data.loader.SeededSamples`), with the calls of :class:`mlcls.data.fast.FastTrainTransform`
   in the same order: RandomResizedCrop window, flip, ColorJitter order and factors, lighting alphas;
 * DALI (nvJPEG, ``decoders.image_slice``) decodes only the crop window on the GPU, resizes it to
-  ``size`` x ``size`` (linear, antialiased) and flips it: uint8 (B, S, S, 3) on the GPU;
+  ``size`` x ``size`` (linear, antialiased) and flips it: uint8 (B, S, S, 3) on the GPU, handed on as a
+  (B, 3, S, S) view;
 * :class:`mlcls.data.fast.DeviceStage` applies colour jitter, lighting and normalisation as for ``fast``.
 
 No DALI random operator is used, so a resumed run sees exactly the batches it would have seen.
@@ -128,7 +129,7 @@ class DaliTrainLoader:
             (images,) = self.pipeline.run()
             pixels = torch.empty((len(encoded), self.size, self.size, 3), dtype=torch.uint8, device=device)
             feed_ndarray(images.as_tensor(), pixels, cuda_stream=torch.cuda.current_stream(device))
-            yield AugmentedImage(pixels, params.to(device, non_blocking=True)), targets
+            yield AugmentedImage(pixels.permute(0, 3, 1, 2), params.to(device, non_blocking=True)), targets
 
 
 def _build_pipeline(dali: Any, batch_size: int, size: int, device_id: int, threads: int) -> Any:

@@ -69,6 +69,12 @@ def check_scores_labels(scores: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return check_labels(labels, scores.shape)
 
 
+def count_true(mask: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """Number of True entries of a bool tensor along ``dim`` (int64); summed as uint8 into int32, which
+    moves a quarter of the memory of ``mask.sum(dim)``."""
+    return mask.view(torch.uint8).sum(dim, keepdim=keepdim, dtype=torch.int32).long()
+
+
 def _sort_rows(values: torch.Tensor) -> torch.Tensor:
     """Each row sorted ascending (values only).
 
@@ -104,7 +110,12 @@ def _count_below(
     position = ((n_blocks.cumsum(0) - n_blocks)[row_of] + rank // block) * block + rank % block
     padded = queries.new_full((int(n_blocks.sum()), block), torch.inf)
     padded.view(-1)[position] = queries
-    boundaries = sorted_rows if len(padded) == n_rows else sorted_rows.repeat_interleave(n_blocks, dim=0)
+    if len(padded) == n_rows:
+        boundaries = sorted_rows
+    else:  # indexing, not repeat_interleave(dim=0): its index_select is ~25x slower with 2 CPU threads
+        boundaries = sorted_rows[
+            torch.repeat_interleave(torch.arange(n_rows, device=row_of.device), n_blocks)
+        ]
     return torch.searchsorted(boundaries, padded).view(-1)[position]
 
 
@@ -131,12 +142,12 @@ def _positive_counts(
     scores, labels = scores.contiguous(), labels.contiguous()
     n_lists, length = scores.shape
     positive = labels == 1
-    n_positive = positive.view(torch.uint8).sum(1, dtype=torch.int32).long()  # int32: half the traffic
+    n_positive = count_true(positive, 1)
     n_unknown = torch.zeros_like(n_positive)
     if labels.numel() and labels.min() < 0:
         # unknown items sort first as -inf; they are taken out again for a positive scoring -inf
         known = labels >= 0
-        n_unknown = length - known.view(torch.uint8).sum(1, dtype=torch.int32).long()
+        n_unknown = length - count_true(known, 1)
         known_sorted = _sort_rows(torch.where(known, scores, -torch.inf))
     else:
         known_sorted = _sort_rows(scores)

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from mlcls.metrics.ap import check_labels, check_scores
+from mlcls.metrics.ap import check_labels, check_scores, count_true
 
 
 def threshold_predictions(scores: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
@@ -56,8 +56,8 @@ def top_k_predictions(scores: torch.Tensor, k: int = 3) -> torch.Tensor:
         scores = scores.float()
     kth = scores.topk(k, dim=1).values[:, -1:]
     above, tied = scores > kth, scores == kth
-    room_left = k - above.sum(1, keepdim=True)
-    return above | (tied & (tied.cumsum(1) <= room_left))
+    room_left = k - count_true(above, 1, keepdim=True)
+    return above | (tied & (tied.view(torch.uint8).cumsum(1, dtype=torch.int32) <= room_left))
 
 
 def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
@@ -74,9 +74,9 @@ def _f1(precision: float, recall: float) -> float:
 def _precision_recall_f1(predicted: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     predicted = predicted.to(labels.device)
     positive = labels == 1
-    true_positives = (predicted & positive).sum(0)
-    predicted_known = (predicted & (labels >= 0)).sum(0)
-    positives = positive.sum(0)
+    true_positives = count_true(predicted & positive, 0)
+    predicted_known = count_true(predicted & (labels >= 0), 0)
+    positives = count_true(positive, 0)
     counted = positives > 0
     if counted.any():
         class_precision = 100 * _ratio(true_positives, predicted_known)[counted].mean().item()
