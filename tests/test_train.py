@@ -72,6 +72,7 @@ class _StopAfterFirstEpoch(Trainer):
 
 
 def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny):
+    tiny = [*tiny, "dataset.train_size=96", "dataset.val_size=40"]  # 3 steps per epoch
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     straight = run(compose_config([*tiny, f"trainer.output_dir={straight_dir}"]))
 
