@@ -158,6 +158,29 @@ def _time_pipeline(
     return time.perf_counter() - start
 
 
+def _interleaved_seconds(
+    loaders: dict[str, Callable[[], Iterable]],
+    finishers: dict[str, Callable | None],
+    device: torch.device,
+    count: int,
+    batch_size: int,
+    repeat: int,
+) -> dict[str, float]:
+    """Seconds each pipeline takes for ``count`` images, one batch of each in turn (rotating order)."""
+    streams = {name: iter(make()) for name, make in loaders.items()}
+    totals = dict.fromkeys(loaders, 0.0)
+    names = list(loaders)
+    for step in range(-(-count // batch_size)):
+        shift = (step + repeat) % len(names)
+        for name in names[shift:] + names[:shift]:
+            totals[name] += _time_pipeline(_one(streams[name]), finishers[name], device, 1)
+    return totals
+
+
+def _one(stream: Iterable) -> Iterable:
+    yield next(iter(stream))
+
+
 def _in_process_batches(dataset: torch.utils.data.Dataset, count: int, batch_size: int) -> Iterable:
     """Batches of ``count`` samples read in this process (cycling over the dataset), like ``workers=0``."""
     for first in range(0, count, batch_size):
@@ -234,6 +257,12 @@ def _measure(
         loaders[name] = drained
     seconds: dict[str, list[float]] = {name: [] for name in PIPELINES}
     for repeat in range(repeats):
+        if workers == 0:  # batch by batch in turn, so that every pipeline sees the same machine load
+            for name, value in _interleaved_seconds(
+                loaders, finishers, device, n, batch_size, repeat
+            ).items():
+                seconds[name].append(value)
+            continue
         order = PIPELINES if repeat % 2 == 0 else PIPELINES[::-1]
         for name in order:
             batches = loaders[name]()
