@@ -19,7 +19,7 @@ demo: install
 
 ## test: the whole test suite (the command CI runs)
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=10
 
 ## test-fast: skip the tests that launch torchrun
 test-fast: install
