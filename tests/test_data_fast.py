@@ -267,3 +267,47 @@ def test_batches_are_a_function_of_the_sample_seeds(jpegs):
             assert torch.equal(x, y) and torch.equal(x, z)
         assert torch.equal(a[1], c[1])
     assert not torch.equal(first[0][0].pixels, first[1][0].pixels)
+
+
+def test_trainer_trains_on_jpegs_with_the_fast_pipeline_compiled(tmp_path, monkeypatch):
+    """``data.backend=fast`` end to end: uint8 batches finished by the device stage, ``trainer.compile``,
+    checkpoints holding the plain module's weights (torch.compile with the quick eager backend here)."""
+    from conftest import compose_config
+
+    from mlcls.engine.trainer import Trainer
+
+    names = [path.name for path in make_jpegs(tmp_path, 16, size=(96, 72))]
+    rows = [f"{name},{'a b' if k % 3 == 0 else 'ab'[k % 2]}" for k, name in enumerate(names)]
+    (tmp_path / "train.csv").write_text("\n".join(["image,labels", *rows]) + "\n")
+    compiled = []
+
+    def eager_compile(module: torch.nn.Module) -> torch.nn.Module:
+        compiled.append(module)
+        return original_compile(module, backend="eager")
+
+    original_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    cfg = compose_config(
+        ["dataset=csv", f"dataset.root={tmp_path}", "dataset.image_size=32", "data.backend=fast",
+         "model.name=resnet10t", "model.pretrained=false", "trainer.epochs=1", "trainer.batch_size=4",
+         "trainer.workers=0", "trainer.compile=true", f"trainer.output_dir={tmp_path / 'run'}"]
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.train_set.transform, FastTrainTransform)
+    assert isinstance(next(iter(trainer.train_loader))[0], AugmentedImage)
+    results = trainer.fit()
+    assert compiled == [trainer.model] and trainer.ddp_model is not trainer.model
+    assert results["epochs_completed"] == 1 and math.isfinite(results["history"][0]["loss"])
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=False)["model"]
+    assert saved.keys() == trainer.model.state_dict().keys()
+
+
+def test_config_rejects_an_unknown_backend_and_dali_without_the_paper_transform():
+    from conftest import TINY, compose_config
+
+    from mlcls.engine.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match="data.backend='opencv'; expected one of torchvision, fast, dali"):
+        validate_config(compose_config([*TINY, "data.backend=opencv"]))
+    with pytest.raises(ConfigError, match="dataset.transform=paper"):
+        validate_config(compose_config([*TINY, "data.backend=dali"]))  # the synthetic set uses ``light``

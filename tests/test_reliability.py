@@ -195,3 +195,17 @@ def test_slurm_launcher_config_composes(tiny):
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
     assert launcher.max_num_timeout > 0 and launcher.signal_delay_s > 0
+
+
+def test_gradient_norm_is_clip_grad_norms_total_norm():
+    """The trainer's finite check without clipping: the norm ``clip_grad_norm_`` reports, without its
+    rescaling pass; non-finite as soon as one gradient entry is."""
+    from mlcls.engine.trainer import gradient_norm
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model(torch.randn(5, 4)).sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    torch.testing.assert_close(gradient_norm(model.parameters()), expected)
+    model[0].weight.grad[0, 0] = float("nan")
+    assert not torch.isfinite(gradient_norm(model.parameters()))
+    assert gradient_norm([torch.nn.Parameter(torch.zeros(2))]) == 0

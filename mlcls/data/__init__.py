@@ -22,7 +22,7 @@ from mlcls.data.base import (
     MultiLabelDataset,
     Sample,
 )
-from mlcls.data.transforms import build_transform
+from mlcls.data.fast import build_backend_transform
 
 # Keys of a dataset config consumed by the framework rather than passed to the dataset class.
 FRAMEWORK_KEYS = ("name", "image_size", "transform", "train_split", "val_split")
@@ -39,12 +39,15 @@ __all__ = [
 ]
 
 
-def build_dataset(cfg: DictConfig | dict[str, Any], train: bool) -> MultiLabelDataset:
-    """Instantiate the training (``train=True``) or validation split of the dataset config ``cfg``."""
+def build_dataset(
+    cfg: DictConfig | dict[str, Any], train: bool, backend: str = "torchvision"
+) -> MultiLabelDataset:
+    """Instantiate the training (``train=True``) or validation split of the dataset config ``cfg``, with the
+    transform of the input pipeline ``backend`` (``data.backend``; see :mod:`mlcls.data.fast`)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if not isinstance(cfg, dict) else cfg
     cfg = OmegaConf.create(cfg)
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
-    transform = build_transform(cfg.get("transform", "paper"), int(cfg.image_size), train)
+    transform = build_backend_transform(backend, cfg.get("transform", "paper"), int(cfg.image_size), train)
     kwargs = {k: v for k, v in cfg.items() if k not in FRAMEWORK_KEYS}
     try:
         return instantiate(kwargs, split=split, transform=transform, _convert_="all")

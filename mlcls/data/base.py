@@ -156,8 +156,15 @@ class MultiLabelDataset(Dataset):
         return len(self.samples)
 
     def load_image(self, index: int) -> Image.Image:
-        """Decode sample ``index`` as RGB, cropped to its box (clamped to the image) when it has one."""
+        """Decode sample ``index`` as RGB, cropped to its box (clamped to the image) when it has one.
+
+        A transform with a ``decode(path, box)`` method decodes the file itself and its result goes to the
+        transform (the fast pipeline picks its random crop first, then decodes JPEGs at reduced scale).
+        """
         sample = self.samples[index]
+        decode = getattr(self.transform, "decode", None)
+        if decode is not None:
+            return decode(sample.path, sample.box)
         with Image.open(sample.path) as img:
             img = img.convert("RGB")
         if sample.box is not None:

@@ -18,11 +18,11 @@ command with ``trainer.resume=auto`` continues exactly where it stopped.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from torch.utils.data import Subset
 from tqdm import tqdm
 
 from mlcls.data import build_dataset
+from mlcls.data.fast import AugmentedImage, DeviceStage
 from mlcls.data.loader import eval_loader, train_loader
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import (
@@ -93,6 +94,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def gradient_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients together (0 without any), as ``clip_grad_norm_`` reports it."""
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in parameters if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
 class Trainer:
     """Builds the run from ``cfg`` (the composed ``configs/train.yaml``) and trains it with :meth:`fit`."""
 
@@ -117,22 +124,39 @@ class Trainer:
         seed_everything(tcfg.seed)
 
         # data
-        self.train_set = build_dataset(cfg.dataset, train=True)
-        self.val_set = build_dataset(cfg.dataset, train=False)
+        backend = cfg.data.backend
+        self.train_set = build_dataset(cfg.dataset, train=True, backend=backend)
+        self.val_set = build_dataset(cfg.dataset, train=False, backend=backend)
         self.classes = list(self.train_set.classes)
         self.preprocess = preprocess_spec(cfg.dataset)  # in checkpoints: predict needs no dataset
         if tcfg.limit_val_batches:
             keep = min(len(self.val_set), tcfg.limit_val_batches * self.local_batch * self.dist.world_size)
             self.val_set = Subset(self.val_set, range(keep))
-        self.train_loader = train_loader(
-            self.train_set,
-            self.local_batch,
-            tcfg.workers,
-            self.dist.rank,
-            self.dist.world_size,
-            tcfg.seed,
-            self.cuda,
-        )
+        if backend == "dali":
+            from mlcls.data.dali import DaliTrainLoader
+
+            self.train_loader = DaliTrainLoader(
+                self.train_set,
+                self.local_batch,
+                tcfg.workers,
+                self.dist.rank,
+                self.dist.world_size,
+                tcfg.seed,
+                int(cfg.dataset.image_size),
+                self.device.index or 0,
+            )
+        else:
+            self.train_loader = train_loader(
+                self.train_set,
+                self.local_batch,
+                tcfg.workers,
+                self.dist.rank,
+                self.dist.world_size,
+                tcfg.seed,
+                self.cuda,
+            )
+        # Copies each batch to the device and finishes the fast pipeline there (colour, lighting, normalise).
+        self.device_stage = DeviceStage(self.device, self.channels_last)
         self.val_loader = eval_loader(
             self.val_set, self.local_batch, tcfg.workers, self.dist.rank, self.dist.world_size, self.cuda
         )
@@ -181,6 +205,8 @@ class Trainer:
             if self.dist.distributed
             else self.model
         )
+        if tcfg.compile:  # training forward only; self.model (checkpoints, EMA, evaluation) stays plain
+            self.ddp_model = torch.compile(self.ddp_model)
         self._signal_received, self._signum = False, None
         self.writer = None
         if self.dist.is_main:
@@ -348,7 +374,7 @@ class Trainer:
                         "trainer.amp=bf16 or none instead of fp16, set trainer.grad_clip, and check the "
                         "labels (values 1/0/-1)"
                     )
-            seen += images.shape[0]
+            seen += targets.shape[0]
             iteration = epoch * self.iters_per_epoch + step + 1
             if show_bar:
                 bar.update()
@@ -384,24 +410,28 @@ class Trainer:
         log.info("epoch %d/%d  loss %.4f  %.1f images/s", epoch + 1, tcfg.epochs, mean_loss, images_per_s)
         return {"loss": mean_loss, "images_per_s": images_per_s, "time_s": elapsed}
 
-    def train_step(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def train_step(
+        self, images: torch.Tensor | AugmentedImage, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, bool]:
         """One optimisation step; returns the detached loss and whether the step was applied.
+
+        ``images``: a float batch, or the fast pipeline's uint8 batch with its colour parameters.
 
         A non-finite gradient norm (identical on every rank after DDP's all-reduce, so all ranks agree)
         skips the update. With fp16 the GradScaler owns that decision, as overflow is routine there.
         """
-        images = images.to(self.device, non_blocking=True)
+        images = self.device_stage(images)
         targets = targets.to(self.device, non_blocking=True)
-        if self.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
         with autocast_context(self.device, self.amp):
             logits = self.ddp_model(images)
         loss = self.criterion(logits.float(), targets)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.trainer.grad_clip or math.inf
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.cfg.trainer.grad_clip:
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        else:  # the norm alone, for the finite check (clip_grad_norm_ would also rescale every gradient by 1)
+            grad_norm = gradient_norm(self.model.parameters())
         finite = self.amp == "fp16" or bool(torch.isfinite(grad_norm))
         if finite:
             self.scaler.step(self.optimizer)

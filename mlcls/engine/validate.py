@@ -9,6 +9,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from mlcls.data.fast import BACKENDS
+
 AMP_MODES = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -85,6 +87,12 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
         )
 
     _positive(cfg.dataset.image_size, "dataset.image_size", integer=True)
+    if cfg.data.backend not in BACKENDS:
+        raise ConfigError(f"data.backend={cfg.data.backend!r}; expected one of {', '.join(BACKENDS)}")
+    if cfg.data.backend == "dali" and cfg.dataset.get("transform", "paper") != "paper":
+        raise ConfigError("data.backend=dali does the paper's augmentation only; use dataset.transform=paper")
+    if not isinstance(t.compile, bool):
+        raise ConfigError(f"trainer.compile={t.compile!r}; expected true or false")
     for key in ("lr_head", "lr_backbone"):
         if not isinstance(cfg.optim[key], (int, float)) or cfg.optim[key] < 0:
             raise ConfigError(f"optim.{key}={cfg.optim[key]!r}; expected a number >= 0")
