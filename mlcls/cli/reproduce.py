@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
+from mlcls.cli.tables import parse_pairs
 from mlcls.reporting.sweeps import (
     SMOKE_STAND_INS,
     TRAIN_IMAGES_PER_S,
@@ -112,13 +113,7 @@ def run_sweep(sweep: Sweep, launcher: str, nproc_per_node: int) -> None:
 
 def parse_roots(pairs: Sequence[str]) -> dict[str, str]:
     """``["coco=/data/coco"]`` -> ``{"coco": "/data/coco"}``."""
-    roots = {}
-    for pair in pairs:
-        name, sep, path = pair.partition("=")
-        if not sep or not name or not path:
-            raise ReportError(f"--root {pair!r}; expected DATASET=PATH, e.g. coco=/data/coco")
-        roots[name] = path
-    return roots
+    return parse_pairs(pairs, "--root", "DATASET=PATH, e.g. coco=/data/coco")
 
 
 def plan(

@@ -28,15 +28,20 @@ from mlcls.reporting.tables import (
 )
 
 
+def parse_pairs(pairs: Sequence[str], option: str, form: str) -> dict[str, str]:
+    """``["a=b", ...]`` given to ``option`` -> ``{"a": "b", ...}``; ``form`` names the expected shape."""
+    parsed = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not value:
+            raise ReportError(f"{option} {pair!r}; expected {form}")
+        parsed[key] = value
+    return parsed
+
+
 def parse_stand_ins(pairs: Sequence[str]) -> dict[str, str]:
     """``["synthetic=coco"]`` -> ``{"synthetic": "coco"}``."""
-    stand_ins = {}
-    for pair in pairs:
-        ours, sep, paper = pair.partition("=")
-        if not sep or not ours or not paper:
-            raise ReportError(f"--stand-in {pair!r}; expected OURS=PAPER, e.g. synthetic=coco")
-        stand_ins[ours] = paper
-    return stand_ins
+    return parse_pairs(pairs, "--stand-in", "OURS=PAPER, e.g. synthetic=coco")
 
 
 def build_tables(runs: Sequence[RunRecord], names: Sequence[str] | None) -> list[FilledTable]:
