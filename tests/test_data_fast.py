@@ -23,7 +23,9 @@ from mlcls.data.fast import (
     FastTrainTransform,
     PlannedCrop,
     build_backend_transform,
+    collate_batch,
     colour_lighting_normalise,
+    decode_jpeg,
     draft_reduction,
     load_reduced,
 )
@@ -55,7 +57,7 @@ def fast_output(transform: FastTrainTransform, path: Path, seed: int) -> tuple[t
     torch.manual_seed(seed)
     planned = transform.decode(str(path))
     sample = transform(planned)
-    return DeviceStage("cpu")(default_collate([sample]))[0], planned
+    return DeviceStage("cpu")(collate_batch([sample]))[0], planned
 
 
 def test_same_seed_gives_the_plain_pipelines_image_and_statistics(jpegs):
@@ -132,7 +134,28 @@ def test_crop_stays_inside_the_sample_box(ramp):
         assert y.min() >= 50 - 3 and y.max() <= 200 + 3
 
 
-def test_files_torchvision_cannot_decode_go_through_pil(jpegs, tmp_path):
+def _pil_pixels(path: Path) -> np.ndarray:
+    with Image.open(path) as img:
+        return np.asarray(img.convert("RGB"))
+
+
+def test_full_size_decoding_gives_pils_pixels(jpegs, tmp_path):
+    """libjpeg-turbo through simplejpeg against PIL's decode: the same pixels for colour and greyscale
+    JPEGs; CMYK JPEGs (which it would convert differently) and other formats are left to PIL."""
+    grey, cmyk = tmp_path / "grey.jpg", tmp_path / "cmyk.jpg"
+    with Image.open(jpegs[1]) as img:
+        img.convert("L").save(grey, quality=90)
+        img.convert("CMYK").save(cmyk, quality=90)
+    for path in (jpegs[0], grey):
+        pixels = decode_jpeg(path.read_bytes())
+        assert pixels.dtype == torch.uint8 and pixels.shape == (3, 240, 320)
+        np.testing.assert_array_equal(pixels.permute(1, 2, 0).numpy(), _pil_pixels(path))
+    fast = FastTrainTransform(SIZE, draft=False)
+    planned = fast.decode(str(cmyk))
+    np.testing.assert_array_equal(planned.image.permute(1, 2, 0).numpy(), _pil_pixels(cmyk))
+
+
+def test_files_libjpeg_turbo_does_not_decode_go_through_pil(jpegs, tmp_path):
     """A PNG of the same pixels gives the same output (PIL's decode); a truncated JPEG raises the OSError
     that ``dataset.on_bad_image`` handles."""
     fast = FastTrainTransform(SIZE, draft=False)
@@ -164,6 +187,22 @@ def test_draft_decoding_equals_full_decoding_downscaled(jpegs, reduction):
     error = np.abs(got - expected).mean()
     shifted_error = np.abs(np.roll(got, 1, axis=1) - expected).mean()  # a one-pixel misalignment
     assert error < 4.5 and error < 0.35 * shifted_error
+
+
+def test_collate_batch_stacks_channels_last_and_equals_default_collate(jpegs):
+    fast = FastTrainTransform(SIZE)
+    samples = []
+    for seed, path in enumerate(jpegs):
+        torch.manual_seed(seed)
+        samples.append((fast(fast.decode(str(path))), torch.tensor([seed, 1.0])))
+    images, labels = collate_batch(samples)
+    expected_images, expected_labels = default_collate(samples)
+    assert images.pixels.shape == (4, 3, SIZE, SIZE)
+    assert images.pixels.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(images.pixels, expected_images.pixels) and torch.equal(
+        images.params, expected_images.params
+    )
+    assert torch.equal(labels, expected_labels)
 
 
 def test_draft_reduction_keeps_at_least_the_output_size():

@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
 from mlcls.data.base import MultiLabelDataset, Sample
-from mlcls.data.fast import AugmentedImage, DeviceStage, build_backend_transform
+from mlcls.data.fast import AugmentedImage, DeviceStage, build_backend_transform, collate_batch
 from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast", "decode_only")
@@ -185,7 +185,7 @@ def _in_process_batches(dataset: torch.utils.data.Dataset, count: int, batch_siz
     """Batches of ``count`` samples read in this process (cycling over the dataset), like ``workers=0``."""
     for first in range(0, count, batch_size):
         items = [dataset[i % len(dataset)] for i in range(first, min(count, first + batch_size))]
-        yield default_collate(items)
+        yield collate_batch(items)
 
 
 def run(
@@ -244,6 +244,7 @@ def _measure(
                 persistent_workers=True,
                 prefetch_factor=prefetch,
                 pin_memory=device.type == "cuda",
+                collate_fn=collate_batch,
             )
         )
 

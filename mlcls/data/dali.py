@@ -10,7 +10,8 @@ Division of work, chosen so that the augmentation stays a function of each sampl
   in the same order: RandomResizedCrop window, flip, ColorJitter order and factors, lighting alphas;
 * DALI (nvJPEG, ``decoders.image_slice``) decodes only the crop window on the GPU, resizes it to
   ``size`` x ``size`` (linear, antialiased) and flips it: uint8 (B, S, S, 3) on the GPU, handed on as a
-  (B, 3, S, S) view;
+  (B, 3, S, S) view. The same graph runs with CPU operators (``_build_pipeline(..., device="cpu")``), which
+  is how the tests check it without a GPU;
 * :class:`mlcls.data.fast.DeviceStage` applies colour jitter, lighting and normalisation as for ``fast``.
 
 No DALI random operator is used, so a resumed run sees exactly the batches it would have seen.
@@ -29,6 +30,9 @@ from torch.utils.data import DataLoader, Dataset
 from mlcls.data.base import DatasetConfigError, MultiLabelDataset, crop_box
 from mlcls.data.fast import AugmentedImage, FastTrainTransform
 from mlcls.data.loader import ResumableSampler, SeededSamples
+
+# DALI decoder device for each graph device: nvJPEG on the GPU ("mixed": CPU input, GPU output), or the CPU.
+DECODER_DEVICES = {"gpu": "mixed", "cpu": "cpu"}
 
 
 class DaliUnavailableError(DatasetConfigError):
@@ -112,7 +116,7 @@ class DaliTrainLoader:
             persistent_workers=workers > 0,
             prefetch_factor=4 if workers > 0 else None,
         )
-        self.pipeline = _build_pipeline(dali, batch_size, size, device_id, max(1, workers))
+        self.pipeline = _build_pipeline(dali, batch_size, size, max(1, workers), "gpu", device_id)
         self.pipeline.build()
 
     def __len__(self) -> int:
@@ -123,21 +127,48 @@ class DaliTrainLoader:
 
         device = torch.device("cuda", self.device_id)
         for encoded, windows, flips, params, targets in self.plans:
-            self.pipeline.feed_input("encoded", encoded)
-            self.pipeline.feed_input("window", windows)
-            self.pipeline.feed_input("flip", [np.array(f, dtype=np.int32) for f in flips])
-            (images,) = self.pipeline.run()
+            images = _run_pipeline(self.pipeline, encoded, windows, flips)
             pixels = torch.empty((len(encoded), self.size, self.size, 3), dtype=torch.uint8, device=device)
             feed_ndarray(images.as_tensor(), pixels, cuda_stream=torch.cuda.current_stream(device))
             yield AugmentedImage(pixels.permute(0, 3, 1, 2), params.to(device, non_blocking=True)), targets
 
 
-def _build_pipeline(dali: Any, batch_size: int, size: int, device_id: int, threads: int) -> Any:
-    """DALI graph: encoded bytes + (x, y, w, h) window + flip flag -> uint8 (size, size, 3) on the GPU."""
+def _run_pipeline(
+    pipeline: Any, encoded: list[np.ndarray], windows: list[np.ndarray], flips: list[bool]
+) -> Any:
+    """Feed one batch of :class:`CropPlans` to the graph of :func:`_build_pipeline` and run it.
+
+    ``encoded``: B uint8 (N,) file contents; ``windows``: B float32 (4,) ``(x, y, w, h)`` in pixels;
+    ``flips``: B flags. Returns the DALI ``TensorList`` of B uint8 (size, size, 3) images, on the GPU or on
+    the CPU as the graph's ``device``.
+    """
+    pipeline.feed_input("encoded", encoded)
+    pipeline.feed_input("window", windows)
+    pipeline.feed_input("flip", [np.array(flip, dtype=np.int32) for flip in flips])
+    (images,) = pipeline.run()
+    return images
+
+
+def _build_pipeline(
+    dali: Any, batch_size: int, size: int, threads: int, device: str = "gpu", device_id: int = 0
+) -> Any:
+    """DALI graph: encoded bytes + (x, y, w, h) window + flip flag -> uint8 (size, size, 3) images.
+
+    ``device="gpu"`` (training): nvJPEG decoding (``mixed``) and GPU resize and flip on GPU ``device_id``.
+    ``device="cpu"``: the same operators on the CPU (libjpeg-turbo decoding), no GPU needed; ``device_id``
+    is unused. Decoding ignores EXIF orientation, as PIL and the other backends do, so the window is in the
+    coordinates of the stored pixels.
+    """
     from nvidia.dali import fn, types
 
+    if device not in DECODER_DEVICES:
+        raise ValueError(f"device={device!r}; expected one of {', '.join(DECODER_DEVICES)}")
+
     @dali.pipeline_def(
-        batch_size=batch_size, num_threads=threads, device_id=device_id, prefetch_queue_depth=1
+        batch_size=batch_size,
+        num_threads=threads,
+        device_id=device_id if device == "gpu" else None,
+        prefetch_queue_depth=1,
     )
     def crop_decode_resize() -> Any:
         encoded = fn.external_source(name="encoded", dtype=types.UINT8)
@@ -147,8 +178,10 @@ def _build_pipeline(dali: Any, batch_size: int, size: int, device_id: int, threa
             encoded,
             window[0:2],
             window[2:4],
-            device="mixed",
+            device=DECODER_DEVICES[device],
             output_type=types.RGB,
+            adjust_orientation=False,
+            jpeg_fancy_upsampling=True,  # nvJPEG upsamples chroma as libjpeg-turbo (the other backends) does
             normalized_anchor=False,
             normalized_shape=False,
             axis_names="WH",

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from mlcls.data.fast import collate_batch
+
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """A 63-bit seed for the augmentation of sample ``index`` in ``epoch``."""
@@ -105,6 +107,7 @@ def train_loader(
         num_workers=workers,
         pin_memory=pin_memory,
         drop_last=True,
+        collate_fn=collate_batch,
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
     )
