@@ -4,7 +4,7 @@ What is checked, on every rank:
 
 * ``gather=True``: the loss value equals the single-process loss on the concatenated batch, and the
   gradient w.r.t. the rank's own logits is ``world_size`` times the single-process gradient of those
-  rows. The factor comes from the autograd-aware ``all_gather``: its backward *sums* over ranks the
+  rows. The factor comes from the gather's backward, which *sums* over ranks the
   gradients every rank's (identical) loss sends to this rank's rows. DDP averages parameter gradients
   over ranks, i.e. divides by ``world_size``, which restores the single-process gradient exactly; the
   second check asserts that end to end on the parameters of a DDP-wrapped model.

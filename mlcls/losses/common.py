@@ -107,22 +107,38 @@ def split_buckets(tensor: Tensor, bucket_size: int | None) -> Tensor:
     return tensor.view(rows // size, size, classes)
 
 
+class _GatherRows(torch.autograd.Function):
+    """All ranks' (B, C) rows concatenated in rank order; the backward sums, over the ranks, the gradients
+    sent to this rank's rows (all-reduce, then this rank's slice: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, rows: Tensor) -> Tensor:
+        parts = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, rows)
+        ctx.span = (dist.get_rank() * rows.shape[0], (dist.get_rank() + 1) * rows.shape[0])
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        grad = grad.clone(memory_format=torch.contiguous_format)  # the incoming gradient may be shared
+        dist.all_reduce(grad)
+        start, end = ctx.span
+        return grad[start:end]
+
+
 def gather_batch(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Concatenate every rank's rows, in rank order; gradients flow back to each rank's ``logits``.
 
-    Uses the autograd-aware ``torch.distributed.nn.functional.all_gather``, whose backward *sums* the
-    gradients that all ranks send to a rank's slice. Every rank computes the same loss on the same
-    global batch, so that sum is ``world_size`` times the gradient of the global loss, and DDP's
-    averaging over ranks divides it back: the parameter gradient equals that of one process training
-    on the concatenated batch. Every rank must hold the same number of rows.
+    The backward *sums* the gradients that all ranks send to a rank's slice. Every rank computes the same
+    loss on the same global batch, so that sum is ``world_size`` times the gradient of the global loss,
+    and DDP's averaging over ranks divides it back: the parameter gradient equals that of one process
+    training on the concatenated batch. Every rank must hold the same number of rows.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("gather=True needs torch.distributed initialised (run under torchrun)")
     world = dist.get_world_size()
     if world == 1:
         return logits, targets
-    from torch.distributed.nn.functional import all_gather
-
     sizes = [torch.zeros(1, dtype=torch.long, device=logits.device) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([logits.shape[0]], device=logits.device))
     if len({int(size) for size in sizes}) > 1:
@@ -131,7 +147,7 @@ def gather_batch(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         )
     target_parts = [torch.empty_like(targets) for _ in range(world)]
     dist.all_gather(target_parts, targets.contiguous())
-    return torch.cat(all_gather(logits.contiguous())), torch.cat(target_parts)
+    return _GatherRows.apply(logits.contiguous()), torch.cat(target_parts)
 
 
 class MultiLabelLoss(nn.Module):
