@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 
 import pytest
 import torch
@@ -107,6 +108,17 @@ def test_non_finite_steps_are_skipped_then_abort(tmp_path, tiny):
     trainer.criterion = _NaNLoss(bad_calls=set(range(1, 100)))
     with pytest.raises(NonFiniteError, match="learning rate"):
         trainer.fit()
+
+
+def test_skipped_first_step_advances_the_schedule_without_warning(tmp_path, tiny):
+    trainer = Trainer(compose_config([*tiny, *SMALL, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"]))
+    trainer.criterion = lambda logits, targets: logits.sum() * float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, finite = trainer.train_step(*next(iter(_plain_batches(trainer))))
+    assert not finite
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)]
+    assert trainer.scheduler.last_epoch == 1  # one schedule value per iteration, applied or skipped
 
 
 def _plain_batches(trainer: Trainer):

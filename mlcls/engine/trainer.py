@@ -22,6 +22,7 @@ import random
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -438,7 +439,11 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update_parameters(self.model)
         self.scaler.update()
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # a skipped step (here or by the GradScaler) still advances the schedule, one value per
+            # iteration; torch warns when that happens before the first applied optimizer step
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`", UserWarning)
+            self.scheduler.step()
         return loss.detach(), finite
 
     def _collect_bad_images(self) -> None:
