@@ -15,7 +15,7 @@ size, train=True)`` of :mod:`mlcls.data.transforms` (RandomResizedCrop -> flip -
 * **device stage**, :class:`DeviceStage`, on the batch after its copy to the training device:
   uint8 -> [0, 1] float, each sample's ColorJitter in its own order, lighting, normalisation
   (:func:`colour_lighting_normalise`). On CUDA the colour work leaves the CPU and the copy is 4x smaller;
-  training on the CPU, it runs in the main process (~1 ms per 224 px image, image by image).
+  training on the CPU, it runs in the main process (0.5–1 ms per 224 px image, image by image).
 
 Seeding: every random number is drawn from torch's global RNG inside the dataset's ``__getitem__`` (which
 :class:`mlcls.data.loader.SeededSamples` seeds per sample), through the same torchvision calls and in the
