@@ -14,9 +14,6 @@ from conftest import compose_config
 from omegaconf import OmegaConf
 
 from mlcls.reporting.provenance import collect_provenance, git_state
-from mlcls.reporting.sweeps import experiment_key
-
-EXP = experiment_key()
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -39,7 +36,7 @@ def make_checkout(root: Path) -> Path:
 
 
 def test_provenance_of_a_run():
-    cfg = compose_config([f"{EXP}=paper_twoway", "dataset=coco", "++protocol.bucket_size=64"])
+    cfg = compose_config(["experiment=paper_twoway", "dataset=coco", "++protocol.bucket_size=64"])
     record = collect_provenance(
         cfg,
         world_size=2,
@@ -64,7 +61,7 @@ def test_provenance_of_a_run():
 
 
 def test_provenance_bucket_size_of_losses_without_buckets():
-    cfg = compose_config([f"{EXP}=paper_bce", "dataset=coco"])
+    cfg = compose_config(["experiment=paper_bce", "dataset=coco"])
     record = collect_provenance(cfg, 4, torch.device("cpu"), 10, 5, 1.0, 1.0)
     assert record["bucket_size"] is None and record["effective_bucket_size"] is None
     cfg = compose_config(["loss=twoway", "trainer.batch_size=512"])  # bucket_size null: the per-process batch

@@ -14,7 +14,6 @@ from conftest import cli, compose_config, run_cli
 from omegaconf import OmegaConf
 
 from mlcls.cli import tables as tables_cli
-from mlcls.reporting.sweeps import experiment_key
 from mlcls.reporting.tables import (
     HARD_MIN_TP,
     ReportError,
@@ -28,7 +27,6 @@ from mlcls.reporting.tables import (
     unplaced_runs,
 )
 
-EXP = experiment_key()
 SHARED_TABLES = Path("/work/shared/paper/tables.yaml")
 # Table 6 sizes (train, test), typed from the paper, so that a run can follow the protocol exactly.
 COCO_SIZES = {"name": "coco", "num_classes": 80, "train_size": 82081, "val_size": 40137}
@@ -36,13 +34,13 @@ COCO_SIZES = {"name": "coco", "num_classes": 80, "train_size": 82081, "val_size"
 
 @pytest.fixture(scope="module")
 def twoway_coco() -> dict:
-    """The resolved config of ``+experiment=paper_twoway dataset=coco`` (composed once)."""
-    return OmegaConf.to_container(compose_config([f"{EXP}=paper_twoway", "dataset=coco"]), resolve=True)
+    """The resolved config of ``experiment=paper_twoway dataset=coco`` (composed once)."""
+    return OmegaConf.to_container(compose_config(["experiment=paper_twoway", "dataset=coco"]), resolve=True)
 
 
 @pytest.fixture(scope="module")
 def bce_coco() -> dict:
-    return OmegaConf.to_container(compose_config([f"{EXP}=paper_bce", "dataset=coco"]), resolve=True)
+    return OmegaConf.to_container(compose_config(["experiment=paper_bce", "dataset=coco"]), resolve=True)
 
 
 def write_run(

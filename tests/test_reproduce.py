@@ -13,11 +13,9 @@ import pytest
 import yaml
 
 from mlcls.cli import reproduce
-from mlcls.reporting.sweeps import experiment_key
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = ("mAP_class", "mAP_sample")
-EXP = experiment_key()
 
 # The cells each smoke sweep fills: (row, column of the mAP@class block) -> (config key, value) of the run
 # expected there, and the paper's [mAP@class, mAP@sample] typed from the paper (None: not legible).
@@ -135,7 +133,7 @@ def test_dry_run_torchrun_starts_one_process_group_per_run(tmp_path, capsys):
     commands = capsys.readouterr().out.splitlines()[1:]
     assert len(commands) == 5
     for number, (command, eps) in enumerate(zip(commands, ("0.5", "1", "2", "4", "8"), strict=True)):
-        assert f"--nproc_per_node=4 -m mlcls.train dataset=coco {EXP}=paper_twoway" in command
+        assert "--nproc_per_node=4 -m mlcls.train dataset=coco experiment=paper_twoway" in command
         assert f"loss.margin={eps} " in command and "trainer.seed=3" in command
         assert command.endswith(
             f"trainer.output_dir={tmp_path / 'table2' / 'coco' / str(number)} trainer.resume=auto"
@@ -172,7 +170,7 @@ def test_table_script_runs_the_command(tmp_path):
     assert done.returncode == 0, done.stderr
     sweep = tmp_path / "table4" / "coco"
     assert done.stdout.splitlines()[1] == (
-        f"mlcls-train -m dataset=coco {EXP}=paper_multisim,paper_joint loss.tp=1,2,4 "
+        f"mlcls-train -m dataset=coco experiment=paper_multisim,paper_joint loss.tp=1,2,4 "
         f"'trainer.output_dir={sweep}/${{hydra:job.num}}' trainer.resume=auto hydra.sweep.dir={sweep}"
     )
 

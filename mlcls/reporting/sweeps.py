@@ -1,7 +1,7 @@
 """The Hydra multirun sweeps that reproduce each paper table, their smoke versions and their cost.
 
 A table is reproduced by one Hydra multirun per dataset (Table 7 has six, the ablations one, on MS-COCO),
-each over the paper presets of ``configs/experiment/`` (``+experiment=paper_<loss>``) and the table's grid.
+each over the paper presets of ``configs/experiment/`` (``experiment=paper_<loss>``) and the table's grid.
 The smoke version is the same sweep on the embedded synthetic dataset with a tiny model, a couple of
 iterations and two cells of the grid; its batch is 1/32 of the paper's, so bucket sizes shrink by 32 too.
 
@@ -146,24 +146,13 @@ def _value(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def experiment_key() -> str:
-    """How an override selects a preset: ``experiment`` once ``configs/train.yaml`` lists the group
-    (``- experiment: null``), else ``+experiment`` (which adds the group)."""
-    defaults = OmegaConf.load(config_dir() / "train.yaml").get("defaults", [])
-    listed = any(
-        isinstance(entry, Mapping) and any(str(key).split()[-1] == "experiment" for key in entry)
-        for entry in defaults
-    )
-    return "experiment" if listed else "+experiment"
-
-
 def _grid_overrides(experiments: Sequence[str], grid: Mapping[str, Sequence[object]]) -> list[str]:
     """Hydra overrides of a grid.
 
     Before it expands a sweep, Hydra composes the config without the swept overrides; when the presets
     are swept that config lacks their keys (loss.*, protocol.*), so a single value is forced in with ``++``.
     """
-    overrides = [f"{experiment_key()}={','.join(experiments)}"]
+    overrides = [f"experiment={','.join(experiments)}"]
     for key, values in grid.items():
         forced = len(experiments) > 1 and len(values) == 1 and key.split(".")[0] in ("loss", "protocol")
         overrides.append(f"{'++' if forced else ''}{key}={','.join(map(_value, values))}")
@@ -255,7 +244,7 @@ def expand(overrides: Sequence[str]) -> list[list[str]]:
 
 
 def job_values(job: Sequence[str]) -> dict[str, str]:
-    """``["+experiment=paper_bce", "loss.tp=4"]`` -> ``{"experiment": "paper_bce", "loss.tp": "4"}``."""
+    """``["experiment=paper_bce", "loss.tp=4"]`` -> ``{"experiment": "paper_bce", "loss.tp": "4"}``."""
     return {key.lstrip("+~"): value for key, _, value in (override.partition("=") for override in job)}
 
 
