@@ -163,8 +163,16 @@ def test_unknown_key_and_bad_value_fail_before_any_data_is_read(tmp_path):
         "mlcls: error: trainer.amp=fp16 needs CUDA; on the CPU use trainer.amp=none"
     ]
 
-    proc = run_cli(cli("mlcls-train", "trainer.epochz=3"), cwd=tmp_path, timeout=120)
-    assert proc.returncode != 0 and "epochz" in proc.stderr
+    # A misspelt key: one line naming the option meant, and no run directory.
+    proc = run_cli(
+        cli("mlcls-train", "+trainer.epochz=3", f"trainer.output_dir={tmp_path / 'run'}"), cwd=tmp_path
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "mlcls: error: unknown option +trainer.epochz: did you mean trainer.epochs? "
+        "(nothing reads an added key; ++ adds one all the same)"
+    ]
+    assert not (tmp_path / "run").exists()
 
 
 def test_usr1_checkpoints_then_hands_over_to_previous_handler(tmp_path, tiny):

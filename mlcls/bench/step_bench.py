@@ -34,21 +34,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from mlcls import config_dir
+from mlcls.cli.overrides import compose_config
 from mlcls.engine.evaluate import autocast_context
 from mlcls.engine.optim import build_optimizer
 from mlcls.engine.trainer import Trainer
-
-
-def compose_train_config(overrides: Sequence[str]) -> DictConfig:
-    """The config ``mlcls-train <overrides>`` would run."""
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 def _sync(device: torch.device) -> None:
@@ -101,7 +94,7 @@ def synthetic_batch(
 def run(overrides: Sequence[str] = (), repeats: int = 5, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     """Median seconds per step of the trainer and the bare loop, as images/s, and their ratio."""
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = compose_train_config([*overrides, f"trainer.output_dir={run_dir}"])
+        cfg = compose_config("train", [*overrides, f"trainer.output_dir={run_dir}"])
         trainer = Trainer(cfg)
         try:
             return _measure(cfg, trainer, repeats, steps, warmup)

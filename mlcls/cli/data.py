@@ -16,22 +16,17 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from mlcls import config_dir
+from mlcls.cli.errors import one_line
+from mlcls.cli.overrides import compose_config
 from mlcls.data import DatasetError, MultiLabelDataset, build_dataset
 from mlcls.data.stats import find_unreadable, label_stats
+from mlcls.engine.validate import ConfigError
 
 TOP_CLASSES = 5
-
-
-def compose_config(overrides: Sequence[str]) -> DictConfig:
-    """The ``mlcls-train`` config with ``overrides`` applied."""
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 def describe(dataset: MultiLabelDataset, title: str) -> None:
@@ -71,14 +66,6 @@ def stats(cfg: DictConfig, splits: Sequence[str], check_images: bool, workers: i
     return 1 if unreadable else 0
 
 
-def one_line(exc: Exception) -> str:
-    """The message of ``exc`` on one line (Hydra's lists of options folded, its search path dropped)."""
-    lines = [line.strip() for line in str(exc).split("Config search path")[0].splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    return lines[0] + (f" ({' '.join(lines[1:])})" if len(lines) > 1 else "")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mlcls-data``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="mlcls-data", description=__doc__.split("\n\n")[0])
@@ -96,9 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     splits = ["train", "val"] if args.split == "both" else [args.split]
     try:
-        cfg = compose_config(args.overrides)
+        cfg = compose_config("train", args.overrides)
         return stats(cfg, splits, args.check, args.workers)
-    except (DatasetError, HydraException, OmegaConfBaseException) as exc:
+    except (DatasetError, ConfigError, HydraException, OmegaConfBaseException) as exc:
         print(f"mlcls-data: error: {one_line(exc)}", file=sys.stderr)
         return 2
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
 from mlcls.cli.errors import user_errors
+from mlcls.cli.overrides import check_command_line
 from mlcls.data import build_dataset
 from mlcls.data.loader import eval_loader
 from mlcls.engine import distributed as dist_utils
@@ -64,6 +65,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    check_command_line("eval")
     _hydra_main()
 
 

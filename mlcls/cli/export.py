@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from mlcls import config_dir
 from mlcls.cli.errors import user_errors
+from mlcls.cli.overrides import check_command_line
 from mlcls.inference.export import export_checkpoint
 
 
@@ -32,6 +33,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    check_command_line("export")
     _hydra_main()
 
 

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
 from mlcls.cli.errors import user_errors
+from mlcls.cli.overrides import check_command_line
 from mlcls.engine.checkpoint import atomic_write
 from mlcls.inference.errors import InferenceError
 from mlcls.inference.predictor import (
@@ -79,6 +80,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    check_command_line("predict")
     _hydra_main()
 
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from mlcls import config_dir
 from mlcls.cli.errors import user_errors
+from mlcls.cli.overrides import check_command_line
 from mlcls.engine.trainer import EXIT_PREEMPTED, NonFiniteError, Preempted, Trainer
 
 
@@ -46,6 +47,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
+    check_command_line("train")
     _hydra_main()
 
 
