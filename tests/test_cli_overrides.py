@@ -18,6 +18,7 @@ from mlcls.engine.validate import ConfigError
         (["trainer.foo=1"], "trainer has amp, batch_size, "),
         (["foo=1"], "unknown option foo: the config has data, dataset, loss, model, optim, sched, trainer"),
         (["foo.bar=1"], "unknown option foo.bar: run with --cfg job to list the options"),
+        (["optim=adamw", "optim.betas.2=0.9"], "unknown option optim.betas.2: optim.betas has 0, 1"),
         # dataset.year is a COCO key: unknown to the default (synthetic) dataset
         (["dataset.year=2017"], "unknown option dataset.year"),
         # a key of the loss the preset does not choose (the softmax loss has no tn)
@@ -36,6 +37,7 @@ def test_unknown_keys_are_refused_with_the_closest_options(overrides, message):
     [
         [],
         ["trainer.epochs=3", "loss.tp=2", "optim.lr_head=0.1"],
+        ["optim=adamw", "optim.betas.1=0.99"],  # an item of a list
         ["dataset=coco", "dataset.year=2017", "dataset.root=/data/coco"],
         ["experiment=paper_twoway", "protocol.bucket_size=64", "loss.tn=2"],
         ["++trainer.epoch=3", "~trainer.ema_decay"],  # explicit add; deletion

@@ -105,11 +105,11 @@ def _product_size(choices: list[list[str]]) -> int:
 
 def _paths(node: Any, prefix: str = "") -> Iterator[str]:
     """Every key path of a config tree, inner nodes included: ``trainer``, ``trainer.epochs``, …"""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            path = f"{prefix}{key}"
-            yield path
-            yield from _paths(value, f"{path}.")
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        path = f"{prefix}{key}"
+        yield path
+        yield from _paths(value, f"{path}.")
 
 
 def _unknown_key_message(override: Override, known: list[str]) -> str:
