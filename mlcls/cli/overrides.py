@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -43,10 +44,7 @@ def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
 def command_line_overrides(argv: Sequence[str]) -> list[str] | None:
     """The overrides among a Hydra command line's arguments; ``None`` when it selects another config
     (``--config-name``, ``--config-dir``, ``--config-path``), which this module does not check."""
-    if any(
-        arg.split("=")[0] in ("-cn", "--config-name", "-cd", "--config-dir", "-cp", "--config-path")
-        for arg in argv
-    ):
+    if any(arg.split("=")[0] in CONFIG_FLAGS for arg in argv):
         return None
     return [arg for arg in argv if "=" in arg and not arg.startswith("-")]
 
@@ -69,7 +67,7 @@ def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
         if not keys:
             return
         choices = [[f"{o.get_key_element()}={value}" for value in _values(o)] for o in groups]
-        if _product_size(choices) > MAX_COMPOSITIONS:
+        if math.prod(len(values) for values in choices) > MAX_COMPOSITIONS:
             return
         try:
             trees = [
@@ -94,13 +92,6 @@ def _values(override: Override) -> list[str]:
     if override.is_sweep_override():
         return list(override.sweep_string_iterator())
     return [override.get_value_element_as_str()]
-
-
-def _product_size(choices: list[list[str]]) -> int:
-    size = 1
-    for values in choices:
-        size *= len(values)
-    return size
 
 
 def _paths(node: Any, prefix: str = "") -> Iterator[str]:
