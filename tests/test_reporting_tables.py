@@ -14,11 +14,11 @@ from conftest import cli, compose_config, run_cli
 from omegaconf import OmegaConf
 
 from mlcls.cli import tables as tables_cli
+from mlcls.losses.spec import effective_bucket_size
 from mlcls.reporting.tables import (
     HARD_MIN_TP,
     ReportError,
     collect_runs,
-    effective_bucket_size,
     fill_table,
     load_paper,
     render_csv,

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import mlcls
-from mlcls.reporting.tables import effective_bucket_size
+from mlcls.losses.spec import effective_bucket_size
 
 GIT_TIMEOUT_S = 10
 

@@ -14,7 +14,7 @@ A run is placed by its resolved config only (never by its directory name). The p
 packaged ``paper_tables.yaml``, a copy of the transcription in ``shared/paper/tables.yaml``.
 
 Buckets are identified by their number per batch, ``k = trainer.batch_size / M`` (M: rows of the logit
-matrix, :func:`mlcls.reporting.provenance.effective_bucket_size`): the paper's M = 128 at batch 512 is k = 4,
+matrix, :func:`mlcls.losses.spec.effective_bucket_size`): the paper's M = 128 at batch 512 is k = 4,
 on 4 GPUs or on one. A run that departs from the paper's protocol (fewer epochs, another batch size,
 no pretrained weights, a stand-in dataset, ...) still fills its cell, marked and with the departures listed.
 """
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from mlcls.losses.spec import effective_bucket_size, loss_name
 
 METRICS = {"mAP_class": "mAP@class", "mAP_sample": "mAP@sample"}
 # T_P -> 0 (Table 1's top row, the hard minimum) is run at this temperature: the loss needs T_P > 0.
@@ -76,20 +78,6 @@ def load_paper() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def effective_bucket_size(loss: Mapping[str, Any], batch_size: int, world_size: int) -> int | None:
-    """Rows M of the logit matrix a bucketed loss sees, or None for a loss without buckets.
-
-    ``loss.bucket_size`` when set; otherwise the whole batch the loss is given: the per-process batch
-    ``batch_size / world_size``, or the global batch under ``loss.gather``. The paper's M = 128 is 4 GPUs x
-    128 with ``bucket_size`` null, or one process with batch 512 and ``bucket_size=128``.
-    """
-    if "bucket_size" not in loss:
-        return None
-    if loss["bucket_size"] is not None:
-        return int(loss["bucket_size"])
-    return int(batch_size) if loss.get("gather") else int(batch_size) // int(world_size)
-
-
 @dataclass(frozen=True)
 class RunRecord:
     """One finished (or partly finished) run: where it is, what it was, what it scored."""
@@ -112,7 +100,7 @@ def run_attributes(config: Mapping[str, Any], world_size: int) -> dict[str, Any]
     attributes: dict[str, Any] = {
         "dataset": config["dataset"]["name"],
         "backbone": str(config["model"]["name"]).split(".")[0],
-        "loss": loss["name"],
+        "loss": loss_name(loss),
     }
     for key, value in loss.items():
         if key not in ("_target_", "name", "bucket_size", "gather") and not isinstance(value, (dict, list)):

@@ -1,0 +1,38 @@
+"""What a loss config says about the loss, without building it: its short name and the rows M its
+buckets see. Used by provenance and the paper tables, which read the resolved config of finished runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def loss_name(loss: Mapping[str, Any]) -> str:
+    """Short name of the loss a config builds (``twoway``, ``bce``, ...).
+
+    The class named by ``_target_`` carries it as its ``name`` attribute; configs of older runs name it
+    with a ``name`` key, which is used when present.
+    """
+    if loss.get("name"):
+        return str(loss["name"])
+    target = loss.get("_target_")
+    if not target:
+        raise ValueError("a loss config needs _target_ (the loss class, e.g. mlcls.losses.TwoWayLoss)")
+    from hydra.utils import get_class
+
+    cls = get_class(str(target))
+    return str(getattr(cls, "name", cls.__name__))
+
+
+def effective_bucket_size(loss: Mapping[str, Any], batch_size: int, world_size: int) -> int | None:
+    """Rows M of the logit matrix a bucketed loss sees, or None for a loss without buckets.
+
+    ``loss.bucket_size`` when set; otherwise the whole batch the loss is given: the per-process batch
+    ``batch_size / world_size``, or the global batch under ``loss.gather``. The paper's M = 128 is 4 GPUs x
+    128 with ``bucket_size`` null, or one process with batch 512 and ``bucket_size=128``.
+    """
+    if "bucket_size" not in loss:
+        return None
+    if loss["bucket_size"] is not None:
+        return int(loss["bucket_size"])
+    return int(batch_size) if loss.get("gather") else int(batch_size) // int(world_size)
