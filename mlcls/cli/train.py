@@ -7,6 +7,7 @@ torchrun --nproc_per_node=4 -m mlcls.train dataset=coco dataset.root=/data/coco
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Any
 
@@ -16,7 +17,11 @@ from omegaconf import DictConfig
 from mlcls import config_dir
 from mlcls.cli.errors import user_errors
 from mlcls.cli.overrides import check_command_line
+from mlcls.engine.distributed import RankFailed
 from mlcls.engine.trainer import EXIT_PREEMPTED, NonFiniteError, Preempted, Trainer
+
+# A shell's exit status for a process ended by Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -31,9 +36,12 @@ def _run_cli(cfg: DictConfig) -> dict[str, Any]:
     try:
         return run(cfg)
     except Preempted as exc:
-        print(f"mlcls: preempted: {exc}", file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
-    except NonFiniteError as exc:
+        print(f"mlcls: stopped: {exc}", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED if exc.signum == signal.SIGINT else EXIT_PREEMPTED)
+    except KeyboardInterrupt:
+        print("mlcls: interrupted (no checkpoint of the current epoch)", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except (NonFiniteError, RankFailed) as exc:
         print(f"mlcls: error: {exc}", file=sys.stderr)
         sys.exit(1)
 

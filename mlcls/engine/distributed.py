@@ -1,14 +1,34 @@
-"""Process-group set-up under torchrun, and the few collectives the trainer needs."""
+"""Process-group set-up under torchrun or SLURM, and the few collectives the trainer needs.
+
+The process group has two backends: NCCL for CUDA tensors (gradients, logits) and gloo for CPU tensors
+(control messages: the stop flag, the status of a rank's work, objects). Control messages therefore never
+wait for the GPU's stream, and a status exchange can end every rank when one fails.
+"""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("mlcls")
+
+T = TypeVar("T")
+
+# Variables torchrun sets for every process; submitit's are derived into them under SLURM.
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankFailed(RuntimeError):
+    """Another rank failed during work every rank takes part in; its error is in the message."""
 
 
 @dataclass(frozen=True)
@@ -40,18 +60,30 @@ def resolve_device(preference: str) -> torch.device:
     return torch.device(preference)
 
 
-def init_distributed(device_preference: str = "auto") -> DistInfo:
-    """Join the process group torchrun describes (``WORLD_SIZE`` > 1): NCCL on CUDA, gloo on CPU.
+def export_slurm_environment() -> None:
+    """Under Hydra's submitit launcher (one process per SLURM task, no torchrun), set torchrun's variables
+    from submitit's view of the job. A no-op when ``WORLD_SIZE`` is already set or outside SLURM."""
+    if "WORLD_SIZE" in os.environ or os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return
+    import submitit
 
-    Under SLURM through Hydra's submitit launcher the variables come from submitit. Without either this is
-    a single process on rank 0.
+    submitit.helpers.TorchDistributedEnvironment().export()
+
+
+def world_size_from_environment() -> int:
+    """The number of processes of this run, as :func:`init_distributed` will see it (1 without a launcher)."""
+    export_slurm_environment()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: float | None = None) -> DistInfo:
+    """Join the process group torchrun (``WORLD_SIZE`` > 1) or SLURM through submitit describes.
+
+    NCCL serves CUDA tensors and gloo CPU tensors (on the CPU, gloo serves both). Without a launcher this
+    is a single process on rank 0. ``timeout_s`` bounds how long a collective waits for a missing rank.
     """
     device = resolve_device(device_preference)
-    if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
-        # Launched by Hydra's submitit launcher (one process per task): derive torchrun's variables.
-        import submitit
-
-        submitit.helpers.TorchDistributedEnvironment().export()
+    export_slurm_environment()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -60,7 +92,11 @@ def init_distributed(device_preference: str = "auto") -> DistInfo:
             torch.cuda.set_device(local_rank)
             device = torch.device("cuda", local_rank)
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+            backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+            kwargs: dict[str, Any] = {"backend": backend}
+            if timeout_s:
+                kwargs["timeout"] = timedelta(seconds=timeout_s)
+            dist.init_process_group(**kwargs)
             # One group per process, reused by every run of a sweep, closed when the process exits.
             atexit.register(cleanup)
     elif device.type == "cuda":
@@ -68,28 +104,91 @@ def init_distributed(device_preference: str = "auto") -> DistInfo:
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Return rank ``src``'s ``obj`` on every rank (identity without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
+    if not initialized():
+        return [obj]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         dist.barrier()
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     """Sum of ``value`` over ranks (identity without a process group)."""
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         value = value.clone()
         dist.all_reduce(value)
     return value
 
 
+def agree(error: BaseException | None) -> None:
+    """Exchange every rank's outcome of a piece of work; raise on every rank if any rank failed.
+
+    The failing rank re-raises its own error; the others raise :class:`RankFailed` naming the first failed
+    rank and its error. Call it on every rank at the same point, where a rank would otherwise wait in a
+    collective (a barrier, a gather) for a rank that will never arrive.
+    """
+    if error is not None and not isinstance(error, Exception):
+        raise error  # KeyboardInterrupt, SystemExit: this process ends at once
+    failures = [
+        (rank, message)
+        for rank, message in enumerate(all_gather_object(None if error is None else _describe(error)))
+        if message is not None
+    ]
+    if error is not None:
+        raise error
+    if failures:
+        rank, message = failures[0]
+        raise RankFailed(f"rank {rank} failed: {message}")
+
+
+@contextlib.contextmanager
+def all_or_none() -> Iterator[None]:
+    """Run the block on every rank; if it raises on any rank, raise on every rank (see :func:`agree`)."""
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as exc:  # noqa: BLE001 - handed to agree(), which re-raises it
+        error = exc
+    agree(error)
+
+
+def on_main(work: Callable[[], T], is_main: bool) -> T | None:
+    """``work()`` on rank 0 only, then every rank continues together; if it raises, every rank raises.
+
+    This replaces "rank 0 writes, then barrier": a barrier would leave the other ranks waiting for a rank 0
+    that died, until the collective timeout.
+    """
+    result: T | None = None
+    with all_or_none():
+        if is_main:
+            result = work()
+    return result
+
+
+def _describe(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+
+
 def cleanup() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         dist.destroy_process_group()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -31,9 +30,13 @@ def _positive(value, key: str, integer: bool = False) -> None:
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise :class:`ConfigError` with a one-line message for the first invalid setting.
 
-    ``world_size`` defaults to the ``WORLD_SIZE`` torchrun sets (1 without torchrun).
+    ``world_size`` defaults to the number of processes torchrun, or SLURM through submitit, starts (1
+    without either); the trainer passes the size of the process group it joined.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    if world_size is None:
+        from mlcls.engine.distributed import world_size_from_environment
+
+        world_size = world_size_from_environment()
     t = cfg.trainer
     for key in ("epochs", "batch_size", "eval_every", "log_every", "keep_checkpoints", "max_nonfinite"):
         _positive(t[key], f"trainer.{key}", integer=True)
@@ -44,6 +47,8 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             _positive(t[key], f"trainer.{key}", integer=True)
     if t.amp not in AMP_MODES:
         raise ConfigError(f"trainer.amp={t.amp!r}; expected one of {', '.join(AMP_MODES)}")
+    if t.get("eval_amp") not in (None, *AMP_MODES):
+        raise ConfigError(f"trainer.eval_amp={t.eval_amp!r}; expected one of {', '.join(AMP_MODES)}, or null")
     if t.device not in DEVICES:
         raise ConfigError(f"trainer.device={t.device!r}; expected one of {', '.join(DEVICES)}")
     on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
