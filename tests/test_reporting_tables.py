@@ -1,4 +1,5 @@
-"""mlcls.reporting.tables and mlcls-tables: runs placed by their config, paper numbers beside ours."""
+"""mlcls.reporting's runs, table_specs, render and mlcls-tables: runs placed by their config, paper numbers
+beside ours."""
 
 from __future__ import annotations
 
@@ -15,17 +16,10 @@ from omegaconf import OmegaConf
 
 from mlcls.cli import tables as tables_cli
 from mlcls.losses.spec import effective_bucket_size
-from mlcls.reporting.tables import (
-    HARD_MIN_TP,
-    ReportError,
-    collect_runs,
-    fill_table,
-    load_paper,
-    render_csv,
-    render_markdown,
-    table_spec,
-    unplaced_runs,
-)
+from mlcls.reporting.paper import ReportError, load_paper
+from mlcls.reporting.render import render_csv, render_markdown
+from mlcls.reporting.runs import collect_runs
+from mlcls.reporting.table_specs import HARD_MIN_TP, fill_table, table_spec, unplaced_runs
 
 SHARED_TABLES = Path("/work/shared/paper/tables.yaml")
 # Table 6 sizes (train, test), typed from the paper, so that a run can follow the protocol exactly.
