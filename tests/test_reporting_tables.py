@@ -18,7 +18,7 @@ from mlcls.cli import tables as tables_cli
 from mlcls.losses.spec import effective_bucket_size
 from mlcls.reporting.paper import ReportError, load_paper
 from mlcls.reporting.render import render_csv, render_markdown
-from mlcls.reporting.runs import collect_runs
+from mlcls.reporting.runs import built_name, collect_runs, protocol_deviations
 from mlcls.reporting.table_specs import HARD_MIN_TP, fill_table, table_spec, unplaced_runs
 
 SHARED_TABLES = Path("/work/shared/paper/tables.yaml")
@@ -281,6 +281,42 @@ def test_deviations_are_marked_and_listed(tmp_path, twoway_coco):
     markdown = render_markdown(fill_table(table_spec("table1"), runs))
     assert "70.00 / 74.11 (-4.11) *" in markdown
     assert "- trainer.epochs=20 (paper 40) (2 cells)" in markdown
+
+
+def with_groups(config: dict, optim_target: str, sched_target: str) -> dict:
+    """``config`` with optimizer and schedule as ``_partial_`` configs (``_target_``, no ``name`` key)."""
+    config = copy.deepcopy(config)
+    for group, target in (("optim", optim_target), ("sched", sched_target)):
+        config[group].pop("name")
+        config[group].update({"_target_": target, "_partial_": True})
+    return config
+
+
+def deviations(config: dict) -> list[str]:
+    return protocol_deviations(config, {"epochs_completed": 40, "dataset": COCO_SIZES})
+
+
+@pytest.mark.parametrize(
+    ("optim_target", "sched_target", "expected"),
+    [
+        ("torch.optim.SGD", "torch.optim.lr_scheduler.CosineAnnealingLR", []),
+        ("torch.optim.SGD", "mlcls.engine.schedule.warmup_cosine", []),
+        ("torch.optim.AdamW", "mlcls.engine.schedule.cosine", ["optim=adamw (paper sgd)"]),
+        ("torch.optim.ASGD", "mlcls.engine.schedule.cosine", ["optim=asgd (paper sgd)"]),
+        ("torch.optim.SGD", "torch.optim.lr_scheduler.StepLR", ["sched=steplr (paper cosine)"]),
+    ],
+)
+def test_optimizer_and_schedule_are_named_by_their_target(twoway_coco, optim_target, sched_target, expected):
+    assert deviations(with_groups(twoway_coco, optim_target, sched_target)) == expected
+
+
+def test_old_runs_name_their_optimizer_with_a_name_key(twoway_coco):
+    assert deviations(twoway_coco) == []  # the paper presets of this version: optim.name, sched.name
+    adamw = copy.deepcopy(twoway_coco)
+    adamw["optim"]["name"] = "adamw"
+    assert deviations(adamw) == ["optim=adamw (paper sgd)"]
+    assert built_name({"name": "sgd", "_target_": "torch.optim.AdamW"}) == "sgd"
+    assert built_name({}) is None
 
 
 def test_stand_ins(tmp_path, twoway_coco):
