@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,17 @@ def make_checkout(root: Path) -> Path:
     git(root, "add", ".")
     git(root, "commit", "-q", "-m", "first")
     return package
+
+
+def test_provenance_does_not_import_the_tables():
+    """The trainer imports provenance; the table specs and their renderer stay out of it."""
+    code = (
+        "import sys, mlcls.reporting.provenance; print(*sorted(m for m in sys.modules if 'reporting' in m))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.split() == ["mlcls.reporting", "mlcls.reporting.provenance"]
 
 
 def test_provenance_of_a_run():

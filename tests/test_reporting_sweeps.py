@@ -13,6 +13,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from mlcls import config_dir
+from mlcls.reporting.paper import ReportError
+from mlcls.reporting.runs import PAPER_WEIGHTS, matches, run_attributes
 from mlcls.reporting.sweeps import (
     SMOKE_STAND_INS,
     dataset_root,
@@ -22,7 +24,7 @@ from mlcls.reporting.sweeps import (
     sweep_gpu_hours,
     table_sweeps,
 )
-from mlcls.reporting.tables import PAPER_WEIGHTS, ReportError, matches, run_attributes, table_spec
+from mlcls.reporting.table_specs import table_spec
 
 TABLES = ("table1", "table2", "table3", "table4", "table5", "table7")
 

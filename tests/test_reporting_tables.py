@@ -1,4 +1,5 @@
-"""mlcls.reporting.tables and mlcls-tables: runs placed by their config, paper numbers beside ours."""
+"""mlcls.reporting's runs, table_specs, render and mlcls-tables: runs placed by their config, paper numbers
+beside ours."""
 
 from __future__ import annotations
 
@@ -15,17 +16,10 @@ from omegaconf import OmegaConf
 
 from mlcls.cli import tables as tables_cli
 from mlcls.losses.spec import effective_bucket_size
-from mlcls.reporting.tables import (
-    HARD_MIN_TP,
-    ReportError,
-    collect_runs,
-    fill_table,
-    load_paper,
-    render_csv,
-    render_markdown,
-    table_spec,
-    unplaced_runs,
-)
+from mlcls.reporting.paper import ReportError, load_paper
+from mlcls.reporting.render import render_csv, render_markdown
+from mlcls.reporting.runs import built_name, collect_runs, protocol_deviations
+from mlcls.reporting.table_specs import HARD_MIN_TP, fill_table, table_spec, unplaced_runs
 
 SHARED_TABLES = Path("/work/shared/paper/tables.yaml")
 # Table 6 sizes (train, test), typed from the paper, so that a run can follow the protocol exactly.
@@ -118,6 +112,31 @@ def test_packaged_numbers_equal_the_shared_transcription():
 def test_cells_carry_the_papers_numbers(table, row, column, paper):
     spec = table_spec(table)
     assert spec.paper[(row, column)] == paper
+
+
+def test_every_paper_number_fills_one_cell():
+    """The non-null numbers of each table's transcription, walked here, are the spec's numbers: none lost,
+    none given to two cells."""
+    paper = load_paper()
+    t1, t3, t4, t7 = (paper[k] for k in ("table1_temperature", "table3_ways", "table4_related", "table7"))
+    numbers = {
+        "table1": [v for row in t1["tp"].values() for metric in row.values() for v in metric],
+        "table2": [v for pair in paper["table2_logit_bias"]["values"].values() for v in pair],
+        "table3": [v for loss in t3.values() for pair in loss.values() for v in pair],
+        "table4": [v for loss in t4.values() for k in ("mAP_class", "mAP_sample") for v in loss[k]],
+        "table5": [],
+        "table7": [
+            v
+            for dataset in ("coco", "vispr", "vaw", "wider", "voc2007", "voc2012")
+            for loss in t7[dataset].values()
+            for pair in loss.values()
+            for v in pair
+        ],
+    }
+    for name, expected in numbers.items():
+        ours = [value for value in table_spec(name).paper.values() if value is not None]
+        assert sorted(ours) == sorted(float(v) for v in expected if v is not None), name
+    assert len(numbers["table7"]) == 6 * 5 * 4 * 2 and len(numbers["table1"]) == 5 * 4 * 2
 
 
 def test_table_shapes_follow_the_paper():
@@ -262,6 +281,42 @@ def test_deviations_are_marked_and_listed(tmp_path, twoway_coco):
     markdown = render_markdown(fill_table(table_spec("table1"), runs))
     assert "70.00 / 74.11 (-4.11) *" in markdown
     assert "- trainer.epochs=20 (paper 40) (2 cells)" in markdown
+
+
+def with_groups(config: dict, optim_target: str, sched_target: str) -> dict:
+    """``config`` with optimizer and schedule as ``_partial_`` configs (``_target_``, no ``name`` key)."""
+    config = copy.deepcopy(config)
+    for group, target in (("optim", optim_target), ("sched", sched_target)):
+        config[group].pop("name")
+        config[group].update({"_target_": target, "_partial_": True})
+    return config
+
+
+def deviations(config: dict) -> list[str]:
+    return protocol_deviations(config, {"epochs_completed": 40, "dataset": COCO_SIZES})
+
+
+@pytest.mark.parametrize(
+    ("optim_target", "sched_target", "expected"),
+    [
+        ("torch.optim.SGD", "torch.optim.lr_scheduler.CosineAnnealingLR", []),
+        ("torch.optim.SGD", "mlcls.engine.schedule.warmup_cosine", []),
+        ("torch.optim.AdamW", "mlcls.engine.schedule.cosine", ["optim=adamw (paper sgd)"]),
+        ("torch.optim.ASGD", "mlcls.engine.schedule.cosine", ["optim=asgd (paper sgd)"]),
+        ("torch.optim.SGD", "torch.optim.lr_scheduler.StepLR", ["sched=steplr (paper cosine)"]),
+    ],
+)
+def test_optimizer_and_schedule_are_named_by_their_target(twoway_coco, optim_target, sched_target, expected):
+    assert deviations(with_groups(twoway_coco, optim_target, sched_target)) == expected
+
+
+def test_old_runs_name_their_optimizer_with_a_name_key(twoway_coco):
+    assert deviations(twoway_coco) == []  # the paper presets of this version: optim.name, sched.name
+    adamw = copy.deepcopy(twoway_coco)
+    adamw["optim"]["name"] = "adamw"
+    assert deviations(adamw) == ["optim=adamw (paper sgd)"]
+    assert built_name({"name": "sgd", "_target_": "torch.optim.AdamW"}) == "sgd"
+    assert built_name({}) is None
 
 
 def test_stand_ins(tmp_path, twoway_coco):

@@ -24,7 +24,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
-from mlcls.cli.tables import parse_pairs
+from mlcls.cli.tables import failure, parse_pairs
+from mlcls.reporting.paper import ReportError
+from mlcls.reporting.render import write_table
+from mlcls.reporting.runs import collect_runs
 from mlcls.reporting.sweeps import (
     SMOKE_STAND_INS,
     TRAIN_IMAGES_PER_S,
@@ -33,14 +36,7 @@ from mlcls.reporting.sweeps import (
     sweep_gpu_hours,
     table_sweeps,
 )
-from mlcls.reporting.tables import (
-    TABLE_NAMES,
-    ReportError,
-    collect_runs,
-    fill_table,
-    table_spec,
-    write_table,
-)
+from mlcls.reporting.table_specs import TABLE_NAMES, fill_table, table_spec
 
 
 class SweepFailed(RuntimeError):
@@ -210,12 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(render(tables, sweep_dir, args.smoke), end="")
         print(f"# tables written to {sweep_dir}/<table>.md and .csv")
     except SweepFailed as exc:
-        print(f"mlcls-reproduce: error: {exc}", file=sys.stderr)
-        print(f"mlcls-reproduce: the same command with --sweep-dir {sweep_dir} resumes", file=sys.stderr)
-        return 1
+        return failure("mlcls-reproduce", exc, 1, f"the same command with --sweep-dir {sweep_dir} resumes")
     except ReportError as exc:
-        print(f"mlcls-reproduce: error: {exc}", file=sys.stderr)
-        return 2
+        return failure("mlcls-reproduce", exc)
     return 0
 
 

@@ -12,20 +12,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mlcls.reporting.paper import ReportError
+from mlcls.reporting.render import render_csv, render_markdown, write_table
+from mlcls.reporting.runs import RunRecord, collect_runs
 from mlcls.reporting.sweeps import SMOKE_STAND_INS
-from mlcls.reporting.tables import (
-    TABLE_NAMES,
-    FilledTable,
-    ReportError,
-    RunRecord,
-    collect_runs,
-    fill_table,
-    render_csv,
-    render_markdown,
-    table_spec,
-    unplaced_runs,
-    write_table,
-)
+from mlcls.reporting.table_specs import TABLE_NAMES, FilledTable, fill_table, table_spec, unplaced_runs
+
+
+def failure(prog: str, error: Exception, status: int = 2, *notes: str) -> int:
+    """Print ``<prog>: error: <error>`` and each note as ``<prog>: <note>`` on stderr; return ``status``."""
+    for line in (f"error: {error}", *notes):
+        print(f"{prog}: {line}", file=sys.stderr)
+    return status
 
 
 def parse_pairs(pairs: Sequence[str], option: str, form: str) -> dict[str, str]:
@@ -113,8 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stand_ins = {**(SMOKE_STAND_INS if args.smoke else {}), **parse_stand_ins(args.stand_in)}
         print(report(args.run_dirs, args.table, args.out, stand_ins, args.csv), end="")
     except ReportError as exc:
-        print(f"mlcls-tables: error: {exc}", file=sys.stderr)
-        return 2
+        return failure("mlcls-tables", exc)
     return 0
 
 

@@ -5,7 +5,7 @@ each over the paper presets of ``configs/experiment/`` (``experiment=paper_<loss
 The smoke version is the same sweep on the embedded synthetic dataset with a tiny model, a couple of
 iterations and two cells of the grid; its batch is 1/32 of the paper's, so bucket sizes shrink by 32 too.
 
-``mlcls-reproduce`` (:mod:`mlcls.cli.reproduce`) runs these; :mod:`mlcls.reporting.tables` reads the results.
+``mlcls-reproduce`` (:mod:`mlcls.cli.reproduce`) runs these; :mod:`mlcls.reporting.runs` reads the results.
 """
 
 from __future__ import annotations
@@ -18,14 +18,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from mlcls import config_dir
-from mlcls.reporting.tables import (
-    DATASET_LABELS,
-    HARD_MIN_TP,
-    PAPER_WEIGHTS,
-    TABLE_NAMES,
-    ReportError,
-    load_paper,
-)
+from mlcls.reporting.paper import ReportError, load_paper
+from mlcls.reporting.runs import PAPER_WEIGHTS
+from mlcls.reporting.table_specs import HARD_MIN_TP, TABLE_NAMES
 
 # The smoke run: embedded dataset, tiny model, one epoch of two iterations on the CPU. Batch 16 = 512 / 32.
 SMOKE_SCALE = 32
@@ -115,7 +110,7 @@ def _grids() -> dict[str, TableGrid]:
             grid={"model.name": list(PAPER_WEIGHTS.values())},
             smoke_experiments=("paper_twoway", "paper_bce"),
             smoke_grid={},
-            datasets=tuple(DATASET_LABELS),
+            datasets=tuple(paper["table6_datasets"]),
             description="softmax, BCE, focal, ASL and two-way losses x 4 backbones x 6 datasets",
         ),
     }

@@ -1,0 +1,88 @@
+"""A filled paper table as Markdown (the paper's layout) and CSV (one line per cell)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from mlcls.reporting.table_specs import FilledCell, FilledTable
+
+CSV_COLUMNS = ("table", "row", "column", "metric", "ours", "paper", "diff", "runs", "deviations", "run_dirs")
+
+
+def write_table(table: FilledTable, out_dir: Path) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<table>.md`` and ``<table>.csv``; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    markdown, table_csv = out_dir / f"{table.spec.name}.md", out_dir / f"{table.spec.name}.csv"
+    markdown.write_text(render_markdown(table))
+    table_csv.write_text(render_csv(table))
+    return markdown, table_csv
+
+
+def _fmt(value: float | None, missing: str) -> str:
+    return missing if value is None else f"{value:.2f}"
+
+
+def _cell_text(cell: FilledCell) -> str:
+    text = f"{_fmt(cell.ours, 'missing')} / {_fmt(cell.paper, 'n/a')}"
+    if cell.diff is not None:
+        text += f" ({cell.diff:+.2f})"
+    if len(cell.runs) > 1:
+        text += f" n={len(cell.runs)}"
+    if cell.deviations:
+        text += " *"
+    return text
+
+
+def render_markdown(table: FilledTable) -> str:
+    """The table in the paper's layout; each cell ``ours / paper (ours - paper)``, ``*`` off-protocol."""
+    spec = table.spec
+    by_position = {(cell.row, cell.column): cell for cell in table.cells}
+    header = [*spec.row_header, *(column.label for column in spec.columns)]
+    lines = [
+        f"### {spec.caption}",
+        "",
+        "Each cell: ours / paper (ours − paper), mAP in %; ours = last evaluation, mean of the n runs when "
+        "n > 1; missing = no run; n/a = no paper number.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+    ]
+    for row in spec.rows:
+        texts = [_cell_text(by_position[(tuple(row.label), column.label)]) for column in spec.columns]
+        lines.append("| " + " | ".join([*row.label, *texts]) + " |")
+    lines += ["", f"{table.filled} of {len(table.cells)} cells filled."]
+    if spec.note:
+        lines.append(spec.note)
+    deviations: dict[str, int] = {}
+    for cell in table.cells:
+        for deviation in cell.deviations:
+            deviations[deviation] = deviations.get(deviation, 0) + 1
+    if deviations:
+        lines += ["", "\\* Off the paper's protocol:"]
+        lines += [f"- {text} ({count} cells)" for text, count in deviations.items()]
+    return "\n".join(lines) + "\n"
+
+
+def render_csv(table: FilledTable) -> str:
+    """One line per cell (long format): labels as in the paper, full-precision values, empty when missing."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for cell in table.cells:
+        writer.writerow(
+            [
+                table.spec.name,
+                " / ".join(cell.row),
+                cell.column,
+                cell.metric,
+                "" if cell.ours is None else repr(cell.ours),
+                "" if cell.paper is None else repr(cell.paper),
+                "" if cell.diff is None else repr(cell.diff),
+                len(cell.runs),
+                "; ".join(cell.deviations),
+                " ".join(str(run.path) for run in cell.runs),
+            ]
+        )
+    return out.getvalue()

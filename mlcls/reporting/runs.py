@@ -1,0 +1,247 @@
+"""Finished runs as the paper tables see them: where a run is, what it was, what it scored, and how it
+departs from the paper's protocol.
+
+A run is placed by its resolved config only (never by its directory name): ``provenance.config`` in its
+``results.json``, else the run's ``config.yaml``. Buckets are identified by their number per batch,
+``k = trainer.batch_size / M`` (M: rows of the logit matrix, :func:`mlcls.losses.spec.effective_bucket_size`):
+the paper's M = 128 at batch 512 is k = 4, on 4 GPUs or on one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlcls.losses.spec import effective_bucket_size, loss_name
+from mlcls.reporting.paper import ReportError, load_paper
+
+METRICS = {"mAP_class": "mAP@class", "mAP_sample": "mAP@sample"}
+# The ImageNet weights of each Table 7 backbone (timm names): the torchvision weights where timm has them;
+# timm has no torchvision V1 RegNetY-32GF, so its pycls (original RegNet) weights stand for them.
+PAPER_WEIGHTS = {
+    "resnet50": "resnet50.tv_in1k",
+    "resnext50_32x4d": "resnext50_32x4d.tv_in1k",
+    "densenet169": "densenet169.tv_in1k",
+    "regnety_320": "regnety_320.pycls_in1k",
+}
+# Config groups checked by the name of what they build (the paper's SGD, cosine schedule).
+NAMED_GROUPS = ("optim", "sched")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One finished (or partly finished) run: where it is, what it was, what it scored."""
+
+    path: Path
+    attributes: dict[str, Any]
+    metrics: dict[str, float]
+    deviations: tuple[str, ...]
+
+
+def run_attributes(config: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    """The facts that place a run in a table, from its resolved config.
+
+    Keys: ``dataset`` (``dataset.name``), ``backbone`` (the timm architecture, ``model.name`` without its
+    weights tag), ``loss`` (:func:`mlcls.losses.spec.loss_name`), ``loss.<key>`` for every scalar loss
+    setting, and ``buckets`` (buckets per batch, ``trainer.batch_size / M``) for the losses that have buckets.
+    """
+    loss = config["loss"]
+    batch_size = int(config["trainer"]["batch_size"])
+    attributes: dict[str, Any] = {
+        "dataset": config["dataset"]["name"],
+        "backbone": architecture(config),
+        "loss": loss_name(loss),
+    }
+    for key, value in loss.items():
+        if key not in ("_target_", "name", "bucket_size", "gather") and not isinstance(value, (dict, list)):
+            attributes[f"loss.{key}"] = value
+    rows = effective_bucket_size(loss, batch_size, world_size)
+    if rows is not None:
+        attributes["buckets"] = batch_size / rows
+    return attributes
+
+
+def architecture(config: Mapping[str, Any]) -> str:
+    """The timm architecture of a run: ``model.name`` without its weights tag (``resnet50.tv_in1k``)."""
+    return str(config["model"]["name"]).split(".")[0]
+
+
+def built_name(group: Mapping[str, Any]) -> str | None:
+    """Short name of what a config group builds: ``torch.optim.SGD`` -> ``sgd`` (the last part of its
+    ``_target_``, lower case); configs of older runs name it with a ``name`` key, used when present."""
+    if group.get("name"):
+        return str(group["name"])
+    target = group.get("_target_")
+    return None if not target else str(target).rsplit(".", 1)[-1].lower()
+
+
+def config_value(config: Mapping[str, Any], dotted: str) -> Any:
+    """The value at ``dotted`` (``optim.lr_head``), or None when the config has no such key."""
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def same_setting(ours: Any, wanted: Any) -> bool:
+    """Equality with a float tolerance (0.01 and 1e-2, 4 and 4.0 are the same setting)."""
+    if isinstance(wanted, (int, float)) and not isinstance(wanted, bool):
+        return (
+            isinstance(ours, (int, float))
+            and not isinstance(ours, bool)
+            and math.isclose(ours, wanted, rel_tol=1e-6, abs_tol=1e-12)
+        )
+    return ours == wanted
+
+
+def matches(attributes: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """True when the run attributes hold every wanted value."""
+    return all(key in attributes and same_setting(attributes[key], value) for key, value in wanted.items())
+
+
+def _plain(value: Any) -> str:
+    """A config value as written in a YAML file: null, true/false, numbers and text as they are."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def protocol_checks() -> dict[str, Any]:
+    """Config keys and the values the paper's protocol (Sec. 4.1) gives them; ``optim`` and ``sched`` are
+    checked by the name of what they build (:func:`built_name`)."""
+    protocol = load_paper()["protocol"]
+    optimizer = protocol["optimizer"]
+    return {
+        "trainer.epochs": protocol["epochs"],
+        "trainer.batch_size": protocol["batch_size"],
+        "optim": optimizer["name"],
+        "optim.lr_head": protocol["lr"]["head"],
+        "optim.lr_backbone": protocol["lr"]["backbone"],
+        "optim.weight_decay": optimizer["weight_decay"],
+        "optim.momentum": optimizer["momentum"],
+        "optim.nesterov": optimizer["nesterov"],
+        "sched": "cosine",
+        "sched.warmup_iters": 0,
+        "sched.min_lr_ratio": 0.0,
+        "dataset.image_size": protocol["image_size"]["train"],
+        "dataset.transform": "paper",
+        "trainer.limit_train_batches": None,
+        "trainer.limit_val_batches": None,
+        "trainer.grad_clip": None,
+        "trainer.ema_decay": None,
+    }
+
+
+def _follows(config: Mapping[str, Any], key: str, wanted: Any) -> tuple[bool, Any]:
+    """Whether ``config`` holds the protocol's value at ``key``, and the value it holds.
+
+    A group of :data:`NAMED_GROUPS` follows when one ``_``-separated part of its built name begins with the
+    paper's (``sgd``; ``cosine`` for ``cosine``, ``warmup_cosine`` or ``CosineAnnealingLR``).
+    """
+    if key in NAMED_GROUPS:
+        name = built_name(config.get(key) or {})
+        return name is not None and any(part.startswith(wanted) for part in name.split("_")), name
+    ours = config_value(config, key)
+    return same_setting(ours, wanted), ours
+
+
+def protocol_deviations(
+    config: Mapping[str, Any], results: Mapping[str, Any], stand_ins: Mapping[str, str] | None = None
+) -> list[str]:
+    """How a run departs from the paper's protocol, one short phrase each (empty: it follows it).
+
+    Checks the optimiser, schedule, epochs (configured and completed), batch size, augmentation and image
+    size, mixed precision, the backbone's ImageNet weights, the dataset sizes of Table 6, and names the
+    stand-ins (a dataset or backbone counted as another, e.g. in smoke runs).
+    """
+    stand_ins = stand_ins or {}
+    deviations = []
+    for name, replacement in stand_ins.items():
+        if name in (config["dataset"]["name"], architecture(config)):
+            deviations.append(f"{name} stands in for {replacement}")
+    for key, wanted in protocol_checks().items():
+        follows, ours = _follows(config, key, wanted)
+        if not follows:
+            deviations.append(f"{key}={_plain(ours)} (paper {_plain(wanted)})")
+    if config_value(config, "trainer.amp") == "none":
+        deviations.append("no mixed precision (paper AMP)")
+    completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
+    if completed is not None and epochs is not None and completed < epochs:
+        deviations.append(f"unfinished: {completed} of {epochs} epochs")
+    deviations += _weights_deviations(config, stand_ins)
+    name = config["dataset"]["name"]
+    sizes = load_paper()["table6_datasets"].get(stand_ins.get(name, name))
+    ours_sizes = results.get("dataset") or {}
+    if sizes is not None:
+        for ours_key, paper_key in (("train_size", "train"), ("val_size", "test")):
+            if ours_key in ours_sizes and ours_sizes[ours_key] != sizes[paper_key]:
+                ours_count, paper_count = ours_sizes[ours_key], sizes[paper_key]
+                deviations.append(f"{paper_key} split {ours_count} samples (paper {paper_count})")
+    return deviations
+
+
+def _weights_deviations(config: Mapping[str, Any], stand_ins: Mapping[str, str]) -> list[str]:
+    """How the backbone's starting weights depart from the paper's ImageNet weights (empty: they are them)."""
+    model, backbone = config["model"], architecture(config)
+    weights = PAPER_WEIGHTS.get(stand_ins.get(backbone, backbone))
+    if not model.get("pretrained") and not model.get("checkpoint_path"):
+        return [f"not pretrained (paper {weights or 'ImageNet weights'})"]
+    if model.get("checkpoint_path"):
+        return [f"weights from {model['checkpoint_path']} (unverified)"]
+    if weights is not None and model["name"] != weights:
+        return [f"weights {model['name']} (paper {weights})"]
+    return []
+
+
+def load_run(run_dir: Path, stand_ins: Mapping[str, str] | None = None) -> RunRecord:
+    """Read ``run_dir/results.json`` and the resolved config (``provenance.config``, else ``config.yaml``)."""
+    run_dir = Path(run_dir)
+    results_path = run_dir / "results.json"
+    try:
+        results = json.loads(results_path.read_text())
+    except FileNotFoundError:
+        raise ReportError(f"{run_dir}: no results.json") from None
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{results_path}: not valid JSON ({exc})") from None
+    provenance = results.get("provenance") or {}
+    config = provenance.get("config")
+    if config is None:
+        config_path = run_dir / "config.yaml"
+        if not config_path.is_file():
+            raise ReportError(f"{run_dir}: results.json has no provenance.config and there is no config.yaml")
+        config = yaml.safe_load(config_path.read_text())
+    world_size = int(provenance.get("world_size", results.get("world_size", 1)))
+    attributes = run_attributes(config, world_size)
+    for key in ("dataset", "backbone"):
+        attributes[key] = (stand_ins or {}).get(attributes[key], attributes[key])
+    metrics = results.get("metrics") or {}
+    return RunRecord(
+        path=run_dir,
+        attributes=attributes,
+        metrics={k: float(metrics[k]) for k in METRICS if metrics.get(k) is not None},
+        deviations=tuple(protocol_deviations(config, results, stand_ins)),
+    )
+
+
+def collect_runs(paths: Iterable[Path | str], stand_ins: Mapping[str, str] | None = None) -> list[RunRecord]:
+    """Every run under ``paths``: a run directory (holding results.json) or a sweep directory above runs."""
+    runs = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise ReportError(f"{path}: no such directory")
+        if (path / "results.json").is_file():
+            found = [path / "results.json"]
+        else:
+            found = sorted(path.rglob("results.json"))
+        if not found:
+            raise ReportError(f"{path}: no results.json in it or below")
+        runs.extend(load_run(result.parent, stand_ins) for result in found)
+    return runs
