@@ -67,7 +67,23 @@ def export_slurm_environment() -> None:
         return
     import submitit
 
-    submitit.helpers.TorchDistributedEnvironment().export()
+    # submitit's defaults would refuse a MASTER_PORT the job script set (it reads it as the port all the
+    # same), and narrow CUDA_VISIBLE_DEVICES to the local rank, after which no device index but 0 exists;
+    # the device is chosen by cuda_device_index instead, from the devices SLURM gave the task.
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+
+
+def cuda_device_index(local_rank: int, device_count: int) -> int:
+    """The CUDA device of the process with ``local_rank`` among the ``device_count`` it can see: its own
+    index when each process sees every GPU of the node, 0 when it sees only the one bound to it."""
+    if local_rank < device_count:
+        return local_rank
+    if device_count == 1:
+        return 0
+    raise RuntimeError(
+        f"LOCAL_RANK={local_rank} but this process sees {device_count} CUDA devices "
+        "(CUDA_VISIBLE_DEVICES); launch one process per GPU"
+    )
 
 
 def world_size_from_environment() -> int:
@@ -89,8 +105,8 @@ def init_distributed(device_preference: str = "auto", timeout_s: float | None = 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world_size > 1:
         if device.type == "cuda":
-            torch.cuda.set_device(local_rank)
-            device = torch.device("cuda", local_rank)
+            device = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
+            torch.cuda.set_device(device)
         if not dist.is_initialized():
             backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
             kwargs: dict[str, Any] = {"backend": backend}

@@ -1,0 +1,370 @@
+"""The cluster path of the trainer, on gloo processes and the CPU: SLURM start-up, failing ranks, resume
+under DDP, the non-finite guard with a skipping GradScaler, and a training step that reads nothing back
+from the device between log steps."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import TINY, compose_config
+
+from mlcls.engine import preemption
+from mlcls.engine.checkpoint import load_checkpoint
+from mlcls.engine.distributed import DistInfo, RankFailed
+from mlcls.engine.trainer import NonFiniteError, Trainer
+
+WORLD = 2
+# 128 samples, global batch 32: 16 per process, 4 steps per epoch.
+SMALL = ["dataset.train_size=128", "dataset.val_size=40", "trainer.epochs=1"]
+
+
+def _slurm_environment(rank: int, port: int) -> dict[str, str]:
+    """What SLURM sets for task ``rank`` of a 2-task job on one node, and what submitit adds."""
+    return {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": str(WORLD),
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "MASTER_PORT": str(port),  # set by many job scripts; submitit reads it as the port
+        "CUDA_VISIBLE_DEVICES": "0,1",  # the job's GPUs, as SLURM sets them for every task of the node
+    }
+
+
+def _torchrun_environment(rank: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(WORLD),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _on_rank(rank: int, scenario: str, port: int, out_dir: str) -> None:
+    """Run ``scenario`` as rank ``rank`` and save what it observed (or its traceback) to rank<r>.pt."""
+    torch.set_num_threads(1)
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "SUBMITIT_EXECUTOR"):
+        os.environ.pop(key, None)
+    environment = _slurm_environment if scenario == "slurm" else _torchrun_environment
+    os.environ.update(environment(rank, port))
+    try:
+        observed = SCENARIOS[scenario](rank, Path(out_dir))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        observed = {"crash": traceback.format_exc()}
+    torch.save(observed, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _spawn(scenario: str, tmp_path: Path) -> list[dict]:
+    mp.spawn(_on_rank, args=(scenario, _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    observed = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    for rank, result in enumerate(observed):
+        assert "crash" not in result, f"rank {rank}:\n{result['crash']}"
+    return observed
+
+
+# ---------------------------------------------------------------------------------------------- SLURM
+def _slurm(rank: int, out: Path) -> dict:
+    # The global batch of 32 in buckets of 32: only valid when the loss gathers both processes' 16 rows.
+    cfg = compose_config(
+        [*TINY, *SMALL, "loss.gather=true", "loss.bucket_size=32", f"trainer.output_dir={out / 'run'}"]
+    )
+    results = Trainer(cfg).fit()
+    return {
+        "world_size": results["world_size"],
+        "mAP": results["metrics"]["mAP_class"],
+        "visible": os.environ["CUDA_VISIBLE_DEVICES"],
+    }
+
+
+def test_slurm_tasks_are_validated_as_the_whole_job(tmp_path):
+    """Under Hydra's submitit launcher the world size exists only after submitit's environment export:
+    the config must be checked against it (loss.gather=true is refused for a single process)."""
+    observed = _spawn("slurm", tmp_path)
+    assert [o["world_size"] for o in observed] == [WORLD, WORLD]
+    assert observed[0]["mAP"] == observed[1]["mAP"]
+    assert [o["visible"] for o in observed] == ["0,1", "0,1"]  # each task still sees the node's GPUs
+
+
+def test_cuda_device_of_a_local_rank():
+    from mlcls.engine.distributed import cuda_device_index
+
+    assert [cuda_device_index(r, 4) for r in range(4)] == [0, 1, 2, 3]  # every task sees the node's GPUs
+    assert cuda_device_index(3, 1) == 0  # SLURM bound one GPU to the task
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=3 but this process sees 2 CUDA devices"):
+        cuda_device_index(3, 2)
+
+
+# ---------------------------------------------------------------------------------------------- failing ranks
+def _failures(rank: int, out: Path) -> dict:
+    trainer = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'run'}"]))
+    observed = {}
+
+    if rank == 1:  # an unreadable image in rank 1's shard of the validation set
+
+        def broken(*args, **kwargs):
+            raise OSError("cannot identify image file 'val/0007.jpg'")
+
+        import mlcls.engine.trainer as trainer_module
+
+        trainer_module.predict = broken
+    start = time.perf_counter()
+    try:
+        trainer.evaluate()
+        observed["evaluate"] = "returned"
+    except Exception as exc:  # noqa: BLE001
+        observed["evaluate"] = f"{type(exc).__name__}: {exc}"
+    observed["evaluate_s"] = time.perf_counter() - start
+
+    if rank == 0:  # the disk fills while rank 0 writes the checkpoint
+
+        def full_disk(is_best):
+            raise OSError(28, "No space left on device")
+
+        trainer._write_files = full_disk
+    start = time.perf_counter()
+    try:
+        trainer.save(1, is_best=False)
+        observed["save"] = "returned"
+    except Exception as exc:  # noqa: BLE001
+        observed["save"] = f"{type(exc).__name__}: {exc}"
+    observed["save_s"] = time.perf_counter() - start
+    return observed
+
+
+def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
+    """A rank failing in evaluation, or rank 0 failing to write a checkpoint, must not leave the others
+    waiting in a collective until the timeout: every rank stops within seconds, naming the failure."""
+    rank0, rank1 = _spawn("failures", tmp_path)
+    assert rank1["evaluate"].startswith("OSError: cannot identify image file")
+    assert (
+        rank0["evaluate"] == "RankFailed: rank 1 failed: OSError: cannot identify image file 'val/0007.jpg'"
+    )
+    assert rank0["save"].startswith("OSError: [Errno 28] No space left on device")
+    assert rank1["save"] == "RankFailed: rank 0 failed: OSError: [Errno 28] No space left on device"
+    assert max(rank0["evaluate_s"], rank1["evaluate_s"], rank0["save_s"], rank1["save_s"]) < 20
+
+
+# ---------------------------------------------------------------------------------------------- resume under DDP
+def _resume(rank: int, out: Path) -> dict:
+    """An uninterrupted epoch; the same epoch stopped by a signal to rank 0 after step 2, then resumed
+    while rank 1 sees no checkpoint of its own (as on a node whose file system lags)."""
+    preemption.POLL_EVERY = 1
+    straight = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'straight'}"])).fit()
+
+    class SignalAfterStep2(Trainer):
+        def train_step(self, images, targets):
+            self.steps = getattr(self, "steps", 0) + 1
+            if self.steps == 2 and self.dist.rank == 0:
+                self.signals.received = signal.SIGTERM
+            return super().train_step(images, targets)
+
+    cfg = compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}"])
+    try:
+        SignalAfterStep2(cfg).fit()
+        stopped = "finished"
+    except Exception as exc:  # noqa: BLE001
+        stopped = type(exc).__name__
+    if rank == 1:
+        import mlcls.engine.trainer as trainer_module
+
+        trainer_module.resume_candidates = lambda directory: []
+    resumed_trainer = Trainer(
+        compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}", "trainer.resume=auto"])
+    )
+    start = (resumed_trainer.start_epoch, resumed_trainer.start_step)
+    resumed = resumed_trainer.fit()
+    return {
+        "straight": straight["history"],
+        "stopped": stopped,
+        "start": start,
+        "resumed": resumed["history"],
+    }
+
+
+def test_mid_epoch_resume_under_ddp_matches_the_uninterrupted_run(tmp_path):
+    """Rank 0 chooses the checkpoint for every rank, and every rank's partial loss sum is restored."""
+    rank0, rank1 = _spawn("resume", tmp_path)
+    # The flag set during step 2 is exchanged after it and read after step 3 (POLL_EVERY = 1).
+    state = load_checkpoint(tmp_path / "stopped" / "checkpoints" / "iter_000000003.pt")
+    assert (state["epoch"], state["step"]) == (0, 3)
+    assert len(state["partial"]) == WORLD and state["partial"][0] != state["partial"][1]
+    for observed in (rank0, rank1):
+        assert observed["stopped"] == "Preempted"
+        assert observed["start"] == (0, 3)
+        assert [h["loss"] for h in observed["resumed"]] == pytest.approx(
+            [h["loss"] for h in observed["straight"]], rel=1e-6
+        )
+
+
+SCENARIOS = {"slurm": _slurm, "failures": _failures, "resume": _resume}
+
+
+# ---------------------------------------------------------------------------------------------- one process
+class _CountReads:
+    """Counts reads of tensor values by the host (``item``, ``bool``, ``int``, ``float``, ``tolist``) made
+    while the training loop runs, outside the data pipeline (which works on the CPU by design)."""
+
+    METHODS = ("item", "__bool__", "__int__", "__float__", "tolist")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, original))
+
+    def _wrap(self, name, original):
+        def counted(tensor, *args, **kwargs):
+            frames = traceback.extract_stack()[:-1]
+            in_loop = any(f.name == "train_one_epoch" for f in frames)
+            in_data = any("/mlcls/data/" in f.filename or "/torch/utils/data/" in f.filename for f in frames)
+            if in_loop and not in_data:
+                self.calls.append(f"{name} at {frames[-1].filename}:{frames[-1].lineno}")
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("extra", [[], ["trainer.grad_clip=1.0", "trainer.ema_decay=0.99"]])
+def test_the_training_loop_reads_the_device_only_at_log_steps(tmp_path, monkeypatch, extra):
+    """Steps between log steps cost no host read: an epoch of 8 steps reads as often as one of 2."""
+
+    def reads(steps: int) -> list[str]:
+        cfg = compose_config(
+            [*TINY, *extra, "trainer.log_every=1000", f"trainer.limit_train_batches={steps}",
+             f"trainer.output_dir={tmp_path / str(steps)}"]
+        )  # fmt: skip
+        trainer = Trainer(cfg)
+        counter = _CountReads(monkeypatch)
+        trainer.train_one_epoch(0)
+        monkeypatch.undo()
+        return counter.calls
+
+    two, eight = reads(2), reads(8)
+    assert len(eight) == len(two), "\n".join(eight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_synchronising_call_in_cuda_training_steps(tmp_path):
+    cfg = compose_config(
+        [*TINY, "trainer.device=cuda", "trainer.log_every=1000", "trainer.limit_train_batches=6",
+         f"trainer.output_dir={tmp_path}"]
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.train_one_epoch(0)  # warm-up: cuDNN autotuning, allocator, first optimizer state
+    batches = [next(iter(trainer.train_loader)) for _ in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for images, targets in batches:
+            trainer.train_step(images, targets)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _nan_after(calls: int):
+    """A loss that is NaN from its ``calls``-th call on (a GradScaler sees an inf/NaN gradient)."""
+    count = {"n": 0}
+
+    def loss(logits, targets):
+        count["n"] += 1
+        value = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets.clamp(min=0))
+        return value * float("nan") if count["n"] >= calls else value
+
+    return loss
+
+
+def test_fp16_skipped_steps_are_counted_and_abort(tmp_path):
+    """With fp16 the GradScaler skips a step with an inf/NaN gradient: the step must still be counted, the
+    EMA must not move, and a run that never recovers must stop with the usual message."""
+    cfg = compose_config(
+        [*TINY, "trainer.ema_decay=0.9", "trainer.max_nonfinite=3", f"trainer.output_dir={tmp_path}"]
+    )
+    trainer = Trainer(cfg)
+    trainer.amp = "fp16"  # autocast stays off on the CPU; the scaler's dynamic scale is what fp16 changes
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    trainer.criterion = _nan_after(2)
+    batch = next(iter(trainer.train_loader))
+    trainer.train_step(*batch)
+    ema_before = {k: v.clone() for k, v in trainer.ema.module.state_dict().items()}
+    params_before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    _, applied = trainer.train_step(*batch)
+    assert not applied
+    assert all(torch.equal(v, trainer.ema.module.state_dict()[k]) for k, v in ema_before.items())
+    assert all(torch.equal(v, dict(trainer.model.named_parameters())[k]) for k, v in params_before.items())
+    assert trainer.scaler.get_scale() == 2.0**15  # the scaler backed off
+    with pytest.raises(NonFiniteError, match="3 consecutive steps with a non-finite loss"):
+        trainer.train_one_epoch(0)
+    assert trainer._nonfinite.take_skipped() >= 3
+
+
+def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    Trainer(
+        compose_config([*TINY, "trainer.epochs=1", "trainer.amp=bf16", f"trainer.output_dir={run_dir}"])
+    ).fit()
+    state = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    state["config"]["trainer"]["amp"] = "fp16"  # as written by a fp16 run on a GPU
+    state["scaler"] = {"scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+                       "_growth_tracker": 0}  # fmt: skip
+    torch.save(state, run_dir / "checkpoints" / "last.pt")
+    with caplog.at_level(logging.WARNING, logger="mlcls"):
+        trainer = Trainer(
+            compose_config(
+                [*TINY, "trainer.amp=bf16", f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
+            )
+        )
+    assert "trained with trainer.amp=fp16; continuing with trainer.amp=bf16" in caplog.text
+    assert trainer.start_epoch == 1 and trainer.scaler.get_scale() == 1.0
+
+
+def test_paper_presets_on_one_process_warn_about_batchnorm(caplog):
+    cfg = compose_config(["experiment=paper_twoway"])
+    assert cfg.trainer.eval_amp == "none"  # the authors evaluate in float32
+    single = SimpleNamespace(cfg=cfg, dist=DistInfo(0, 0, 1, torch.device("cpu")))
+    with caplog.at_level(logging.WARNING, logger="mlcls"):
+        Trainer._warn_protocol(single)
+    assert "BatchNorm normalises over all 512 samples" in caplog.text and "torchrun" in caplog.text
+    caplog.clear()
+    Trainer._warn_protocol(SimpleNamespace(cfg=cfg, dist=DistInfo(0, 0, 4, torch.device("cpu"))))
+    assert not caplog.text
+
+
+def test_failed_checks_leave_no_run_directory(tmp_path):
+    from conftest import cli, run_cli
+
+    result = run_cli(cli("mlcls-train", *TINY, "dataset.train_size=10", "hydra.run.dir=runs/x"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "use trainer.batch_size=8 or less" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_hydra_run_dir_is_the_run_directory(tmp_path):
+    from conftest import cli, run_cli
+
+    overrides = [*TINY, "trainer.epochs=1", "dataset.train_size=64", "dataset.val_size=20"]
+    result = run_cli(cli("mlcls-train", *overrides, "hydra.run.dir=runs/first"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "runs/first/results.json").is_file()
+    assert (tmp_path / "runs/first/checkpoints/best.pt").is_file()
+    assert not (tmp_path / "outputs").exists()
