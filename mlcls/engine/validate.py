@@ -104,5 +104,5 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     try:
         instantiate(cfg.loss)
     except Exception as exc:
-        cause = exc.__cause__ or exc
+        cause = " ".join(str(exc.__cause__ or exc).split())  # Hydra's import errors span several lines
         raise ConfigError(f"loss={loss_name(cfg.loss)}: {cause}") from None

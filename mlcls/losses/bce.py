@@ -25,7 +25,7 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
     The weights are a buffer (``class_weight``, (C,)): ``criterion.to(device)`` moves it, before or after
     :meth:`setup`, and a step on logits of that device and dtype uses it without a copy.
 
-    Reduction (``reduction``, see :class:`~mlcls.losses.common.EntrywiseLoss`): ``"mean"`` (default) sum
+    Reduction: set by ``reduction`` (:class:`~mlcls.losses.common.EntrywiseLoss`). ``"mean"`` (default) sum
     over the known entries (label 1 or 0) divided by their number, 0 when none is known; ``"sum"`` sum
     over the known entries of the batch; ``"sum_per_sample"`` eq. 19 as written, a sum over a sample's
     known classes, then the mean over the samples with at least one known label.

@@ -33,7 +33,7 @@ class FocalLoss(EntrywiseLoss):
     give BCE. Equals ``torchvision.ops.sigmoid_focal_loss(..., reduction="mean")`` on fully known labels
     (torchvision's ``alpha=-1`` is our ``None``).
 
-    Reduction (``reduction``, see :class:`~mlcls.losses.common.EntrywiseLoss`): ``"mean"`` (default) sum
+    Reduction: set by ``reduction`` (:class:`~mlcls.losses.common.EntrywiseLoss`). ``"mean"`` (default) sum
     over the known entries (label 1 or 0) divided by their number, 0 when none is known; ``"sum"`` sum
     over the known entries of the batch; ``"sum_per_sample"`` a sum over a sample's known classes, then
     the mean over the samples with at least one known label.
@@ -81,7 +81,7 @@ class AsymmetricLoss(EntrywiseLoss):
     is recorded). Equals ``timm.loss.AsymmetricLossMultiLabel(..., reduction="mean")`` on fully known
     labels and moderate logits.
 
-    Reduction (``reduction``, see :class:`~mlcls.losses.common.EntrywiseLoss`): ``"mean"`` (default) sum
+    Reduction: set by ``reduction`` (:class:`~mlcls.losses.common.EntrywiseLoss`). ``"mean"`` (default) sum
     over the known entries (label 1 or 0) divided by their number, 0 when none is known; ``"sum"`` sum
     over the known entries of the batch, as ASL's reference implementation reduces (over the batch and
     the classes); ``"sum_per_sample"`` a sum over a sample's known classes, then the mean over the
