@@ -761,7 +761,7 @@ def test_config_lists_every_argument_with_its_default(name):
 
 
 def test_loss_name_of_old_and_broken_configs():
-    assert loss_name({"_target_": "mlcls.losses.factory", "name": "bce"}) == "bce"  # a run of an older version
+    assert loss_name({"_target_": "mlcls.losses.factory", "name": "bce"}) == "bce"  # an older version
     assert loss_name({"_target_": "mlcls.losses.TwoWayLos"}) == "TwoWayLos"  # misspelt class
     assert loss_name({"_target_": "no_such_package.MyLoss"}) == "MyLoss"
     assert loss_name({"_target_": "torch.nn.BCEWithLogitsLoss"}) == "BCEWithLogitsLoss"  # no name attribute
