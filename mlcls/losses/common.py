@@ -16,6 +16,7 @@ Conventions used throughout :mod:`mlcls.losses`:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import ClassVar
 
 import torch
@@ -174,9 +175,12 @@ class MultiLabelLoss(nn.Module):
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
         """logits (B, C), targets (B, C) in {1, 0, -1} -> scalar."""
         device = logits.device.type
-        if not torch.amp.is_autocast_available(device):
-            return self.compute(*prepare(logits, targets))
-        with torch.autocast(device_type=device, enabled=False):
+        no_autocast = (
+            torch.autocast(device_type=device, enabled=False)
+            if torch.amp.is_autocast_available(device)
+            else nullcontext()
+        )
+        with no_autocast:
             return self.compute(*prepare(logits, targets))
 
     def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -187,9 +191,9 @@ class MultiLabelLoss(nn.Module):
 class BucketedLoss(MultiLabelLoss):
     """Base of the losses computed per bucket of rows (Sec. 2.4, footnote 1 of the paper).
 
-    :meth:`compute` gathers the global batch when ``gather`` is set (comparing the ranks' batch sizes on the
-    first call only, see :func:`gather_batch`), splits the rows into K consecutive
-    buckets of ``bucket_size`` and calls :meth:`bucket_loss`, which returns the mean over buckets.
+    :meth:`compute` gathers the global batch when ``gather`` is set (comparing the ranks' batch sizes on
+    the first call only, see :func:`gather_batch`), splits the rows into K consecutive buckets of
+    ``bucket_size`` and calls :meth:`bucket_loss`, which returns the mean over buckets.
 
     Args:
         bucket_size: rows per bucket, M; must divide the batch size (of the gathered batch when
