@@ -23,20 +23,35 @@ from torch import Tensor
 
 from mlcls import config_dir
 from mlcls.bench import loss_bench
-from mlcls.losses import LOSSES, BCELoss, TwoWayLoss, build_loss
-
-NAMES = (
-    "twoway",
-    "joint",
-    "multisim",
-    "zlpr",
-    "softmax",
-    "bce",
-    "focal",
-    "asl",
-    "taylor_softmax",
-    "spherical_softmax",
+from mlcls.losses import (
+    AsymmetricLoss,
+    BinaryCrossEntropyLoss,
+    FocalLoss,
+    JointLoss,
+    MultiSimilarityLoss,
+    SoftmaxLoss,
+    SphericalSoftmaxLoss,
+    TaylorSoftmaxLoss,
+    TwoWayLoss,
+    ZLPRLoss,
 )
+from mlcls.losses.common import REDUCTIONS
+from mlcls.losses.spec import loss_name
+
+# loss=<name> on the command line -> the class its config builds
+CLASSES: dict[str, type[torch.nn.Module]] = {
+    "twoway": TwoWayLoss,
+    "joint": JointLoss,
+    "multisim": MultiSimilarityLoss,
+    "zlpr": ZLPRLoss,
+    "softmax": SoftmaxLoss,
+    "bce": BinaryCrossEntropyLoss,
+    "focal": FocalLoss,
+    "asl": AsymmetricLoss,
+    "taylor_softmax": TaylorSoftmaxLoss,
+    "spherical_softmax": SphericalSoftmaxLoss,
+}
+NAMES = tuple(CLASSES)
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 F64 = torch.float64
 NEG_INF = float("-inf")
@@ -177,17 +192,61 @@ def ref_zlpr_literal(x, y) -> Tensor:
     return ref_mean(losses)
 
 
-def ref_bce(x, y, weight: Tensor | None = None) -> Tensor:
-    """Eq. 19: -w_c y log(1 / (1 + e^-x)) - (1 - y) log(1 / (1 + e^x)), mean over known entries."""
-    losses = []
-    for i in range(x.shape[0]):
-        for c in range(x.shape[1]):
-            w = 1.0 if weight is None else float(weight[c])
-            if y[i, c] == 1:
-                losses.append(w * ref_softplus(-x[i, c]))  # -log sigmoid(x) = softplus(-x)
-            elif y[i, c] == 0:
-                losses.append(ref_softplus(x[i, c]))
-    return ref_mean(losses)
+def ref_reduce(entries: list[list[Tensor | None]], reduction: str = "mean") -> Tensor:
+    """Reduce per-entry losses (rows of samples; None = unknown label) as ``reduction`` says."""
+    rows = [[v for v in row if v is not None] for row in entries]
+    if reduction == "mean":
+        return ref_mean([v for row in rows for v in row])
+    if reduction == "sum":
+        return sum((v for row in rows for v in row), torch.zeros((), dtype=F64))
+    assert reduction == "sum_per_sample"
+    return ref_mean([sum(row, torch.zeros((), dtype=F64)) for row in rows if row])
+
+
+def ref_entrywise(
+    x: Tensor, y: Tensor, entry: Callable[[Tensor, int, int], Tensor], reduction: str
+) -> Tensor:
+    """``entry(x_ic, y_ic, c)`` on every known entry, reduced by :func:`ref_reduce`."""
+    entries = [
+        [entry(x[i, c], int(y[i, c]), c) if y[i, c] != -1 else None for c in range(x.shape[1])]
+        for i in range(x.shape[0])
+    ]
+    return ref_reduce(entries, reduction)
+
+
+def ref_bce(x, y, weight: Tensor | None = None, reduction: str = "mean") -> Tensor:
+    """Eq. 19: -w_c y log(1 / (1 + e^-x)) - (1 - y) log(1 / (1 + e^x)), reduced over the known entries."""
+
+    def entry(v: Tensor, label: int, c: int) -> Tensor:
+        w = 1.0 if weight is None else float(weight[c])
+        return w * ref_softplus(-v) if label == 1 else ref_softplus(v)  # -log sigmoid(x) = softplus(-x)
+
+    return ref_entrywise(x, y, entry, reduction)
+
+
+def ref_focal(x, y, gamma: float, alpha: float | None, reduction: str) -> Tensor:
+    """-alpha_t (1 - p_t)^gamma log p_t with p_t = sigmoid(x) for a positive, 1 - sigmoid(x) otherwise."""
+
+    def entry(v: Tensor, label: int, c: int) -> Tensor:
+        p = 1 / (1 + torch.exp(-v))
+        p_t = p if label == 1 else 1 - p
+        alpha_t = 1.0 if alpha is None else (alpha if label == 1 else 1 - alpha)
+        return -alpha_t * (1 - p_t) ** gamma * torch.log(p_t)
+
+    return ref_entrywise(x, y, entry, reduction)
+
+
+def ref_asl(x, y, gamma_pos: float, gamma_neg: float, clip: float, detach: bool, reduction: str) -> Tensor:
+    """-(1 - p)^g+ log p for a positive, -p_m^g- log(1 - p_m) with p_m = max(p - m, 0) for a negative."""
+
+    def entry(v: Tensor, label: int, c: int) -> Tensor:
+        p = 1 / (1 + torch.exp(-v))
+        prob = p if label == 1 else torch.clamp(p - clip, min=0)
+        weight = (1 - prob) ** gamma_pos if label == 1 else prob**gamma_neg
+        weight = weight.detach() if detach else weight
+        return -weight * torch.log(prob if label == 1 else 1 - prob)
+
+    return ref_entrywise(x, y, entry, reduction)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -246,7 +305,7 @@ def assert_matches(loss: Callable, reference: Callable, x: Tensor, y: Tensor) ->
 
 
 def make_loss(name: str, train_labels: Tensor | None = None, **kwargs) -> torch.nn.Module:
-    loss = build_loss(name, **kwargs)
+    loss = CLASSES[name](**kwargs)
     if hasattr(loss, "setup"):
         loss.setup(train_labels if train_labels is not None else random_batch(rows=40, seed=9)[1])
     return loss
@@ -268,7 +327,7 @@ def test_twoway_equals_eqs_14_to_17(ways, bucket_size, tp, tn, margin):
 
 @pytest.mark.parametrize(("tp", "tn", "bucket_size"), [(4.0, 1.0, None), (1.0, 0.5, 4), (2.0, 1.0, 2)])
 def test_joint_equals_eq_22(tp, tn, bucket_size):
-    loss = build_loss("joint", tp=tp, tn=tn, bucket_size=bucket_size)
+    loss = CLASSES["joint"](tp=tp, tn=tn, bucket_size=bucket_size)
     x, y = random_batch(seed=4)
     assert_matches(loss, lambda a, b: ref_joint(a, b, tp, tn, bucket_size), x, y)
 
@@ -276,7 +335,7 @@ def test_joint_equals_eq_22(tp, tn, bucket_size):
 @pytest.mark.parametrize("name", ["softmax", "taylor_softmax", "spherical_softmax"])
 @pytest.mark.parametrize(("ways", "bucket_size"), [("sample", None), ("class", 4), ("both", 2)])
 def test_softmax_family_equals_eq_18(name, ways, bucket_size):
-    loss = build_loss(name, ways=ways, bucket_size=bucket_size)
+    loss = CLASSES[name](ways=ways, bucket_size=bucket_size)
     x, y = random_batch(seed=5)
     assert_matches(loss, lambda a, b: ref_softmax_family(a, b, name, ways, bucket_size), x, y)
 
@@ -284,13 +343,13 @@ def test_softmax_family_equals_eq_18(name, ways, bucket_size):
 @pytest.mark.parametrize("tp", [1.0, 2.0, 4.0])
 def test_multisim_equals_eq_20(tp):
     x, y = random_batch(seed=6)
-    assert_matches(build_loss("multisim", tp=tp), lambda a, b: ref_multisim(a, b, tp), x, y)
+    assert_matches(CLASSES["multisim"](tp=tp), lambda a, b: ref_multisim(a, b, tp), x, y)
 
 
 def test_zlpr_is_su_multilabel_softmax_ce():
     x, y = random_batch(seed=7)
-    assert_matches(build_loss("zlpr"), ref_zlpr_literal, x, y)
-    assert build_loss("multisim").tp == 4.0 and build_loss("zlpr").tp == 1.0
+    assert_matches(CLASSES["zlpr"](), ref_zlpr_literal, x, y)
+    assert CLASSES["multisim"]().tp == 4.0 and CLASSES["zlpr"]().tp == 1.0
 
 
 def test_bce_equals_eq_19_with_and_without_class_weights():
@@ -298,18 +357,18 @@ def test_bce_equals_eq_19_with_and_without_class_weights():
     train = torch.tensor([[1, 0, 0, -1, 1], [1, 1, 0, 0, 0], [0, -1, 0, 0, 0], [1, 0, 0, 0, -1]], dtype=F64)
     # w_c = negatives / positives of class c, unknown labels not counted; 1 for classes 2 and 3 (no positive)
     expected_weight = torch.tensor([1 / 3, 2 / 1, 1.0, 1.0, 2 / 1])
-    weighted = BCELoss(pos_weight="freq")
+    weighted = BinaryCrossEntropyLoss(pos_weight="freq")
     weighted.setup(train)
     torch.testing.assert_close(weighted.class_weight, expected_weight.float())
-    assert_matches(BCELoss(), ref_bce, x, y)
+    assert_matches(BinaryCrossEntropyLoss(), ref_bce, x, y)
     assert_matches(weighted, lambda a, b: ref_bce(a, b, expected_weight.to(F64)), x, y)
 
 
 def test_bce_freq_needs_setup():
     x, y = random_batch()
     with pytest.raises(RuntimeError, match="setup"):
-        BCELoss(pos_weight="freq")(x, y)
-    assert not hasattr(build_loss("twoway"), "setup")  # the trainer calls setup only where it exists
+        BinaryCrossEntropyLoss(pos_weight="freq")(x, y)
+    assert not hasattr(CLASSES["twoway"](), "setup")  # the trainer calls setup only where it exists
 
 
 @pytest.mark.parametrize(("gamma", "alpha"), [(2.0, None), (2.0, 0.25), (0.0, None), (1.5, 0.75)])
@@ -317,7 +376,7 @@ def test_focal_equals_torchvision(gamma, alpha):
     x, y = random_batch(seed=10, p_unknown=0.0)
     x[0, :2] = torch.tensor([1e4, -1e4], dtype=F64)  # torchvision is exact there too in float64
     tv_alpha = -1 if alpha is None else alpha
-    loss = build_loss("focal", gamma=gamma, alpha=alpha)
+    loss = CLASSES["focal"](gamma=gamma, alpha=alpha)
 
     def torchvision_mean(a, b):
         return torchvision.ops.sigmoid_focal_loss(a, b, alpha=tv_alpha, gamma=gamma, reduction="mean")
@@ -347,7 +406,7 @@ def test_asl_equals_timm(gamma_pos, gamma_neg, clip, detach_weight):
         disable_torch_grad_focal_loss=detach_weight,
         reduction="mean",
     )
-    ours = build_loss("asl", gamma_pos=gamma_pos, gamma_neg=gamma_neg, clip=clip, detach_weight=detach_weight)
+    ours = CLASSES["asl"](gamma_pos=gamma_pos, gamma_neg=gamma_neg, clip=clip, detach_weight=detach_weight)
     x32 = x.float()
     value, grad = value_and_grad(lambda a: ours(a, y), x32)
     ref_value, ref_grad = value_and_grad(lambda a: timm_loss(a, y.float()), x32)
@@ -360,6 +419,45 @@ def test_asl_equals_timm(gamma_pos, gamma_neg, clip, detach_weight):
     torch.testing.assert_close(
         ours(x.float(), y), timm_loss(x.float(), y.clamp(min=0).float())[known].mean(), rtol=1e-5, atol=1e-7
     )
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_entrywise_reductions_equal_reference_loops(reduction):
+    """mean over known entries, sum over known entries, per-sample sums averaged over samples with a label."""
+    x, y = random_batch(rows=6, seed=23, p_unknown=0.3)
+    y[2] = -1.0  # a sample without any known label: no term in the mean over samples
+    weight = torch.tensor([0.5, 2.0, 1.0, 3.0, 1.0], dtype=F64)
+    bce = BinaryCrossEntropyLoss(pos_weight="freq", reduction=reduction).double()
+    bce.class_weight = weight
+    assert_matches(bce, lambda a, b: ref_bce(a, b, weight, reduction), x, y)
+    assert_matches(
+        FocalLoss(gamma=2.0, alpha=0.25, reduction=reduction),
+        lambda a, b: ref_focal(a, b, 2.0, 0.25, reduction),
+        x,
+        y,
+    )
+    for detach in (False, True):  # the paper preset: detached focusing weights, summed
+        assert_matches(
+            AsymmetricLoss(
+                gamma_pos=1.0, gamma_neg=4.0, clip=0.05, detach_weight=detach, reduction=reduction
+            ),
+            lambda a, b, d=detach: ref_asl(a, b, 1.0, 4.0, 0.05, d, reduction),
+            x,
+            y,
+        )
+
+
+def test_entrywise_reductions_relate_by_counts():
+    """On fully known labels: sum = B C x mean and sum_per_sample = C x mean."""
+    x, y = random_batch(rows=6, classes=5, seed=24, p_unknown=0.0)
+    for cls in (BinaryCrossEntropyLoss, FocalLoss, AsymmetricLoss):
+        mean = cls(reduction="mean")(x, y)
+        torch.testing.assert_close(cls(reduction="sum")(x, y), 30 * mean, **TOL)
+        torch.testing.assert_close(cls(reduction="sum_per_sample")(x, y), 5 * mean, **TOL)
+    with pytest.raises(
+        ValueError, match="reduction must be one of 'mean', 'sum', 'sum_per_sample'; got 'avg'"
+    ):
+        FocalLoss(reduction="avg")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -386,22 +484,22 @@ def test_edge_cases_match_references(case):
         loss = TwoWayLoss(ways=ways, bucket_size=bucket_size, margin=0.5)
         assert_matches(loss, lambda a, b, w=ways: ref_twoway(a, b, 4.0, 1.0, w, bucket_size, 0.5), x, y)
     assert_matches(
-        build_loss("joint", bucket_size=bucket_size),
+        CLASSES["joint"](bucket_size=bucket_size),
         lambda a, b: ref_joint(a, b, bucket_size=bucket_size),
         x,
         y,
     )
     assert_matches(
-        build_loss("softmax", ways="both", bucket_size=bucket_size),
+        CLASSES["softmax"](ways="both", bucket_size=bucket_size),
         lambda a, b: ref_softmax_family(a, b, "softmax", "both", bucket_size),
         x,
         y,
     )
-    assert_matches(build_loss("multisim"), ref_multisim, x, y)
-    assert_matches(build_loss("bce"), ref_bce, x, y)
+    assert_matches(CLASSES["multisim"](), ref_multisim, x, y)
+    assert_matches(CLASSES["bce"](), ref_bce, x, y)
     for name in ("taylor_softmax", "spherical_softmax"):
         assert_matches(
-            build_loss(name, ways="both", bucket_size=bucket_size),
+            CLASSES[name](ways="both", bucket_size=bucket_size),
             lambda a, b, n=name: ref_softmax_family(a, b, n, "both", bucket_size),
             x,
             y,
@@ -412,11 +510,11 @@ def test_edge_case_values():
     """The conventions of the issue, in numbers: empty sets give exactly 0 and still count in the means."""
     x, y, _ = EDGES["all_positive"]
     assert TwoWayLoss(bucket_size=4)(x, y).item() == 0.0  # positives, no negatives: softplus(-inf) = 0
-    assert build_loss("joint")(x, y).item() == 0.0
+    assert CLASSES["joint"]()(x, y).item() == 0.0
     x, y, _ = EDGES["no_positive"]
     assert TwoWayLoss()(x, y).item() == 0.0  # no line has a positive
-    assert build_loss("softmax")(x, y).item() == 0.0
-    assert build_loss("bce")(*EDGES["all_unknown"][:2]).item() == 0.0
+    assert CLASSES["softmax"]()(x, y).item() == 0.0
+    assert CLASSES["bce"]()(*EDGES["all_unknown"][:2]).item() == 0.0
     # a bucket without positives counts among the buckets: half of the loss of the other bucket
     x, y, _ = EDGES["bucket_without_positive"]
     torch.testing.assert_close(TwoWayLoss(bucket_size=4)(x, y), TwoWayLoss()(x[4:], y[4:]) / 2, **TOL)
@@ -433,7 +531,7 @@ def test_edge_case_values():
 def test_finite_value_and_gradient(name, case):
     x, y, bucket_size = EDGES[case]
     kwargs = (
-        {"bucket_size": bucket_size} if "bucket_size" in inspect.signature(LOSSES[name]).parameters else {}
+        {"bucket_size": bucket_size} if "bucket_size" in inspect.signature(CLASSES[name]).parameters else {}
     )
     for dtype in (F64, torch.float32):
         value, grad = value_and_grad(lambda a: make_loss(name, **kwargs)(a, y), x.to(dtype))
@@ -481,7 +579,7 @@ def test_unknown_entries_are_excluded(name):
         TwoWayLoss(ways="sample", tp=2.0, tn=0.5),
         TwoWayLoss(ways="class", bucket_size=4),
     ]
-    + [build_loss("joint", bucket_size=2), build_loss("softmax", ways="both")],
+    + [CLASSES["joint"](bucket_size=2), CLASSES["softmax"](ways="both")],
     ids=["twoway", "twoway-sample", "twoway-class", "joint", "softmax"],
 )
 def test_shift_invariance(loss):
@@ -489,7 +587,7 @@ def test_shift_invariance(loss):
     x, y = random_batch(seed=17)
     for shift in (1000.0, -37.5):
         torch.testing.assert_close(loss(x + shift, y), loss(x, y), **TOL)
-    assert not torch.isclose(build_loss("bce")(x + 1.0, y), build_loss("bce")(x, y))  # BCE is not
+    assert not torch.isclose(CLASSES["bce"]()(x + 1.0, y), CLASSES["bce"]()(x, y))  # BCE is not
 
 
 @pytest.mark.parametrize("tp", [1.0, 4.0])
@@ -499,15 +597,15 @@ def test_one_hot_sample_wise_twoway_is_softmax_cross_entropy(tp):
     y = F.one_hot(target, 5).to(F64)
     expected = F.cross_entropy(x, target)
     torch.testing.assert_close(TwoWayLoss(tp=tp, ways="sample")(x, y), expected, **TOL)
-    torch.testing.assert_close(build_loss("softmax")(x, y), expected, **TOL)
+    torch.testing.assert_close(CLASSES["softmax"]()(x, y), expected, **TOL)
 
 
 @pytest.mark.parametrize("name", ["twoway", "joint", "softmax", "taylor_softmax", "spherical_softmax"])
 def test_bucket_size_is_mean_over_chunks(name):
     x, y = random_batch(rows=12, seed=19)
     kwargs = {"ways": "both"} if name != "joint" else {}
-    chunked = build_loss(name, bucket_size=4, **kwargs)
-    whole = build_loss(name, **kwargs)
+    chunked = CLASSES[name](bucket_size=4, **kwargs)
+    whole = CLASSES[name](**kwargs)
     expected_value, expected_grad = value_and_grad(
         lambda a: sum(whole(a[k : k + 4], y[k : k + 4]) for k in range(0, 12, 4)) / 3, x
     )
@@ -515,7 +613,7 @@ def test_bucket_size_is_mean_over_chunks(name):
     torch.testing.assert_close(value, expected_value, **TOL)
     torch.testing.assert_close(grad, expected_grad, **TOL)
     with pytest.raises(ValueError, match="bucket_size=5 must divide the batch size 12"):
-        build_loss(name, bucket_size=5)(x, y)
+        CLASSES[name](bucket_size=5)(x, y)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -527,8 +625,88 @@ def test_gradcheck(name):
 
 def test_gradcheck_buckets_and_margin():
     x, y = random_batch(rows=6, classes=4, seed=21)
-    for loss in (TwoWayLoss(bucket_size=3, margin=1.0, tp=2.0, tn=0.5), build_loss("joint", bucket_size=2)):
+    for loss in (TwoWayLoss(bucket_size=3, margin=1.0, tp=2.0, tn=0.5), CLASSES["joint"](bucket_size=2)):
         assert torch.autograd.gradcheck(lambda a, f=loss: f(a, y), (x.clone().requires_grad_(True),))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a training step on a device
+
+# Tensor methods that read a value back to the host: on a GPU each one waits for the queued kernels.
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+# The settings of each loss the step test uses: buckets, class weights, every reduction of the paper presets.
+STEP_SETTINGS = {
+    "twoway": {"bucket_size": 4},
+    "joint": {"bucket_size": 4},
+    "softmax": {"ways": "both", "bucket_size": 4},
+    "taylor_softmax": {"ways": "both", "bucket_size": 4},
+    "spherical_softmax": {"ways": "both", "bucket_size": 4},
+    "bce": {"pos_weight": "freq", "reduction": "sum_per_sample"},
+    "focal": {"alpha": 0.25, "reduction": "mean"},
+    "asl": {"detach_weight": True, "reduction": "sum"},
+}
+
+
+@pytest.fixture
+def host_reads(monkeypatch) -> list[str]:
+    """The names of the host-reading Tensor methods called while the fixture is active, in call order."""
+    calls: list[str] = []
+    for method in HOST_READS:
+        original = getattr(torch.Tensor, method)
+
+        def counting(self, *args, _original=original, _method=method, **kwargs):
+            calls.append(_method)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    monkeypatch.setattr(torch, "nonzero", lambda *args, **kwargs: calls.append("torch.nonzero"))
+    torch.ones(1).item()  # the counter itself works
+    assert calls == ["item"]
+    calls.clear()
+    return calls
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_training_step_reads_nothing_back_from_the_device(name, host_reads):
+    """Forward + backward of every loss, built and moved as the trainer does (``.to(device)``, then
+    ``setup``), on the meta device: a stand-in for a GPU that holds no data, so that neither the loss nor
+    its backward may call ``.item()``, ``bool()``, ``int()``, ``.tolist()`` or ``nonzero`` on a tensor."""
+    train_labels = random_batch(rows=40, seed=9)[1]
+    x, y = random_batch(seed=25)
+    loss = CLASSES[name](**STEP_SETTINGS.get(name, {})).to("meta")
+    if hasattr(loss, "setup"):
+        loss.setup(train_labels)
+    logits = x.float().to("meta").requires_grad_(True)
+    loss(logits, y.float().to("meta")).backward()
+    assert host_reads == []
+    assert logits.grad is not None and logits.grad.shape == x.shape
+
+
+def test_bce_class_weight_is_a_buffer_that_moves_with_the_module(monkeypatch):
+    """``criterion.to(device)`` before ``setup`` places the weights there; a step then converts nothing."""
+    train = torch.tensor([[1, 0, 0, -1, 1], [1, 1, 0, 0, 0], [0, -1, 0, 0, 0], [1, 0, 0, 0, -1]], dtype=F64)
+    expected_weight = torch.tensor([1 / 3, 2 / 1, 1.0, 1.0, 2 / 1], dtype=F64)
+    loss = BinaryCrossEntropyLoss(pos_weight="freq").to(F64)
+    loss.setup(train)
+    assert dict(loss.named_buffers())["class_weight"] is loss.class_weight
+    torch.testing.assert_close(loss.class_weight, expected_weight, rtol=0, atol=0)  # float64, not float32
+    on_meta = BinaryCrossEntropyLoss(pos_weight="freq").to("meta")
+    on_meta.setup(train)
+    assert on_meta.class_weight.device.type == "meta"
+    converted = []
+    original_to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        result = original_to(self, *args, **kwargs)
+        if self is loss.class_weight and result is not self:
+            converted.append(result)
+        return result
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    x, y = random_batch(seed=26)
+    assert_matches(loss, lambda a, b: ref_bce(a, b, expected_weight), x, y)
+    assert converted == []
+    assert "class_weight" not in loss.state_dict()  # recomputed by setup, not restored from checkpoints
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -542,15 +720,13 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="tp must be > 0"):
         TwoWayLoss(tp=0.0)
     with pytest.raises(ValueError, match="tn must be > 0"):
-        build_loss("joint", tn=-1.0)
+        CLASSES["joint"](tn=-1.0)
     with pytest.raises(ValueError, match="tp must be > 0"):
-        build_loss("multisim", tp=0)
+        CLASSES["multisim"](tp=0)
     with pytest.raises(ValueError, match="bucket_size must be a positive integer"):
         TwoWayLoss(bucket_size=0)
     with pytest.raises(ValueError, match="pos_weight must be one of"):
-        build_loss("bce", pos_weight="balanced")
-    with pytest.raises(ValueError, match="unknown loss 'twowya'"):
-        build_loss("twowya")
+        CLASSES["bce"](pos_weight="balanced")
     for name in NAMES:
         loss = make_loss(name)
         with pytest.raises(ValueError, match="must both be \\(B, C\\)"):
@@ -561,12 +737,13 @@ def test_clear_errors():
         TwoWayLoss(gather=True)(x, y)
 
 
-def test_registry_holds_every_loss_and_exports_classes():
+def test_every_loss_is_exported_with_its_name_and_config():
     import mlcls.losses
 
-    assert set(LOSSES) == set(NAMES)
-    for cls in set(LOSSES.values()):
-        assert getattr(mlcls.losses, cls.__name__) is cls
+    assert {getattr(mlcls.losses, name) for name in mlcls.losses.__all__} == set(CLASSES.values())
+    assert {path.stem for path in (config_dir() / "loss").glob("*.yaml")} == set(NAMES)
+    for name, cls in CLASSES.items():
+        assert cls.name == name
         assert "Reduction:" in cls.__doc__ and "=" in cls.__doc__, (
             f"{cls.__name__}: state equation and reduction"
         )
@@ -575,11 +752,42 @@ def test_registry_holds_every_loss_and_exports_classes():
 @pytest.mark.parametrize("name", NAMES)
 def test_config_lists_every_argument_with_its_default(name):
     cfg = OmegaConf.load(config_dir() / "loss" / f"{name}.yaml")
-    assert cfg._target_ == "mlcls.losses.build_loss" and cfg.name == name
-    params = inspect.signature(LOSSES[name]).parameters
-    arguments = {key: value for key, value in cfg.items() if key not in ("_target_", "name")}
+    assert cfg._target_ == f"mlcls.losses.{CLASSES[name].__name__}" and "name" not in cfg
+    assert loss_name(cfg) == name
+    params = inspect.signature(CLASSES[name]).parameters
+    arguments = {key: value for key, value in cfg.items() if key != "_target_"}
     assert arguments == {key: p.default for key, p in params.items()}
-    assert type(instantiate(cfg)) is LOSSES[name]
+    assert type(instantiate(cfg)) is CLASSES[name]
+
+
+def test_loss_name_of_old_and_broken_configs():
+    assert loss_name({"_target_": "mlcls.losses.factory", "name": "bce"}) == "bce"  # an older version
+    assert loss_name({"_target_": "mlcls.losses.TwoWayLos"}) == "TwoWayLos"  # misspelt class
+    assert loss_name({"_target_": "no_such_package.MyLoss"}) == "MyLoss"
+    assert loss_name({"_target_": "torch.nn.BCEWithLogitsLoss"}) == "BCEWithLogitsLoss"  # no name attribute
+    with pytest.raises(ValueError, match="a loss config needs _target_"):
+        loss_name({"tp": 4.0})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["loss=twoway", "loss.tp=0"], "loss=twoway: tp must be > 0, got 0"),
+        (["loss=asl", "loss.reduction=avg"], "loss=asl: reduction must be one of"),
+        (
+            ["loss=bce", "loss._target_=mlcls.losses.BCELoss"],
+            "loss=BCELoss: Error loading 'mlcls.losses.BCELoss'",
+        ),
+    ],
+)
+def test_config_validation_names_the_loss(overrides, message):
+    from conftest import compose_config
+
+    from mlcls.engine.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")) as error:
+        validate_config(compose_config(["trainer.device=cpu", "trainer.amp=none", *overrides]), world_size=1)
+    assert "\n" not in str(error.value)
 
 
 def test_benchmark_baseline_is_eq_17_and_prints_one_json_line(capsys, monkeypatch):

@@ -10,7 +10,8 @@ What is checked, on every rank:
   second check asserts that end to end on the parameters of a DDP-wrapped model.
 * ``gather=False`` with ``bucket_size=None`` is the paper's setting (one bucket per GPU): after DDP's
   averaging the parameter gradients equal those of one process with ``bucket_size`` = per-rank batch.
-* ranks with different batch sizes get a clear error rather than a hang.
+* ranks with different batch sizes get a clear error rather than a hang, from a check that reads the
+  sizes back to the host on the first step only.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mlcls.losses import TwoWayLoss, build_loss
+from mlcls.losses import SoftmaxLoss, TwoWayLoss
 
 WORLD = 2
 ROWS = 6  # per rank
@@ -51,16 +52,16 @@ def _check_gathered_loss(rank: int) -> None:
     rows = slice(rank * ROWS, (rank + 1) * ROWS)
     logits, targets = _global_batch(seed=0)
     configs = [
-        ("twoway", {}),
-        ("twoway", {"ways": "class", "bucket_size": 4, "margin": 0.5}),  # buckets of 4 rows straddle ranks
-        ("softmax", {"ways": "both"}),
+        (TwoWayLoss, {}),
+        (TwoWayLoss, {"ways": "class", "bucket_size": 4, "margin": 0.5}),  # buckets of 4 rows straddle ranks
+        (SoftmaxLoss, {"ways": "both"}),
     ]
-    for name, kwargs in configs:
+    for cls, kwargs in configs:
         local = logits[rows].clone().requires_grad_(True)
-        value = build_loss(name, gather=True, **kwargs)(local, targets[rows])
+        value = cls(gather=True, **kwargs)(local, targets[rows])
         value.backward()
         full = logits.clone().requires_grad_(True)
-        expected = build_loss(name, **kwargs)(full, targets)
+        expected = cls(**kwargs)(full, targets)
         expected.backward()
         assert_close(value, expected)
         assert_close(local.grad, WORLD * full.grad[rows])
@@ -96,6 +97,37 @@ def _check_unequal_batches(rank: int) -> None:
         TwoWayLoss(gather=True)(logits[:rows], targets[:rows])
 
 
+def _check_sizes_compared_on_the_first_step_only(rank: int) -> None:
+    """The size check reads the ranks' sizes back to the host: once, not on every training step."""
+    logits, targets = _global_batch(seed=4)
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    loss = TwoWayLoss(gather=True)
+    reads: list[str] = []
+    # Not __bool__: on the CPU the label check of every step reads one boolean (no device to wait for).
+    originals = {method: getattr(torch.Tensor, method) for method in ("tolist", "item", "__int__")}
+
+    def counting(method: str):
+        def read(self, *args, **kwargs):
+            reads.append(method)
+            return originals[method](self, *args, **kwargs)
+
+        return read
+
+    try:
+        for method in originals:
+            setattr(torch.Tensor, method, counting(method))
+        reads_per_step = []
+        for _ in range(3):
+            before = len(reads)
+            local = logits[rows].clone().requires_grad_(True)
+            loss(local, targets[rows]).backward()
+            reads_per_step.append(len(reads) - before)
+    finally:
+        for method, original in originals.items():
+            setattr(torch.Tensor, method, original)
+    assert reads_per_step == [1, 0, 0], reads
+
+
 def _worker(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -103,6 +135,7 @@ def _worker(rank: int, init_file: str) -> None:
         _check_gathered_loss(rank)
         _check_ddp_parameter_grads(rank)
         _check_unequal_batches(rank)
+        _check_sizes_compared_on_the_first_step_only(rank)
     finally:
         dist.destroy_process_group()
 

@@ -9,6 +9,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from mlcls.data.fast import BACKENDS
+from mlcls.losses.spec import loss_name
 
 AMP_MODES = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -108,5 +109,5 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     try:
         instantiate(cfg.loss)
     except Exception as exc:
-        cause = exc.__cause__ or exc
-        raise ConfigError(f"loss={cfg.loss.get('name')}: {cause}") from None
+        cause = " ".join(str(exc.__cause__ or exc).split())  # Hydra's import errors span several lines
+        raise ConfigError(f"loss={loss_name(cfg.loss)}: {cause}") from None

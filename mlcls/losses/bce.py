@@ -6,15 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlcls.losses import register_loss
-from mlcls.losses.common import MultiLabelLoss
+from mlcls.losses.common import EntrywiseLoss
 
 POS_WEIGHTS = ("none", "freq")
 
 
-@register_loss("bce")
-class BCELoss(MultiLabelLoss):
-    """Eq. 19 per entry, averaged over the entries with a known label::
+class BinaryCrossEntropyLoss(EntrywiseLoss):
+    """Eq. 19 per entry, reduced over the entries with a known label::
 
         l_ic = -w_c y_ic log sigmoid(x_ic) - (1 - y_ic) log sigmoid(-x_ic)
 
@@ -24,43 +22,53 @@ class BCELoss(MultiLabelLoss):
     the positives of a class weigh as much in total as its negatives; ``w_c = 1`` for a class without
     any training positive. The paper's BCE baseline of Table 7 is weighted by class frequencies.
 
-    Reduction: sum over known entries (label 1 or 0) divided by their number (0 when none is known).
+    The weights are a buffer (``class_weight``, (C,)): ``criterion.to(device)`` moves it, before or after
+    :meth:`setup`, and a step on logits of that device and dtype uses it without a copy.
+
+    Reduction: set by ``reduction`` (:class:`~mlcls.losses.common.EntrywiseLoss`). ``"mean"`` (default) sum
+    over the known entries (label 1 or 0) divided by their number, 0 when none is known; ``"sum"`` sum
+    over the known entries of the batch; ``"sum_per_sample"`` eq. 19 as written, a sum over a sample's
+    known classes, then the mean over the samples with at least one known label.
     Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
     """
 
-    class_weight: Tensor | None
+    name = "bce"
+    class_weight: Tensor
 
-    def __init__(self, pos_weight: str = "none") -> None:
-        super().__init__()
+    def __init__(self, pos_weight: str = "none", reduction: str = "mean") -> None:
+        super().__init__(reduction=reduction)
         if pos_weight not in POS_WEIGHTS:
             raise ValueError(
                 f"pos_weight must be one of {', '.join(map(repr, POS_WEIGHTS))}; got {pos_weight!r}"
             )
         self.pos_weight = pos_weight
-        self.register_buffer("class_weight", None, persistent=False)
+        # Empty until setup(); a buffer from the start so that .to(device) before setup() places it too.
+        self.register_buffer("class_weight", torch.empty(0), persistent=False)
 
     def setup(self, train_labels: Tensor) -> None:
-        """Compute the class weights ``w_c`` (C,) from the training labels (N, C) in {1, 0, -1}."""
+        """Compute the class weights ``w_c`` (C,) from the training labels (N, C) in {1, 0, -1}.
+
+        The weights take the device and dtype of the module's buffer (float32 unless moved).
+        """
         if self.pos_weight == "freq":
             positives = (train_labels == 1).sum(0).double()
             negatives = (train_labels == 0).sum(0).double()
-            self.class_weight = torch.where(positives > 0, negatives / positives.clamp(min=1), 1.0).float()
+            weight = torch.where(positives > 0, negatives / positives.clamp(min=1), 1.0)
+            self.class_weight = weight.to(self.class_weight)
 
-    def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
+    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         weight = None
         if self.pos_weight == "freq":
-            if self.class_weight is None:
+            if self.class_weight.numel() == 0:
                 raise RuntimeError("bce with pos_weight='freq' needs setup(train_labels) before forward")
             if self.class_weight.shape[0] != logits.shape[1]:
                 raise ValueError(
-                    f"bce was set up for {len(self.class_weight)} classes, got {logits.shape[1]}"
+                    f"bce was set up for {self.class_weight.shape[0]} classes, got {logits.shape[1]}"
                 )
-            weight = self.class_weight.to(logits)
-        known = targets >= 0
-        per_entry = F.binary_cross_entropy_with_logits(
+            weight = self.class_weight.to(logits)  # the buffer itself when device and dtype match
+        return F.binary_cross_entropy_with_logits(
             logits, (targets == 1).to(logits.dtype), pos_weight=weight, reduction="none"
         )
-        return torch.where(known, per_entry, 0.0).sum() / known.sum().clamp(min=1)
 
     def extra_repr(self) -> str:
-        return f"pos_weight={self.pos_weight!r}"
+        return f"pos_weight={self.pos_weight!r}, " + super().extra_repr()

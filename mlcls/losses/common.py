@@ -1,4 +1,5 @@
-"""Pieces shared by the losses: input checks, masked log-sum-exp, buckets, the DDP gather.
+"""Pieces shared by the losses: input checks, base classes, reductions, masked log-sum-exp, buckets, the
+DDP gather.
 
 Conventions used throughout :mod:`mlcls.losses`:
 
@@ -7,15 +8,22 @@ Conventions used throughout :mod:`mlcls.losses`:
 * ``targets`` (B, C) hold 1 = positive, 0 = negative, -1 = unknown. An unknown entry is *excluded*: it
   is in neither the positive nor the negative set, so it enters no sum, no log-sum-exp and no count;
 * a set that is empty contributes ``log-sum-exp = -inf`` (``sum_{empty} exp = 0``), never a finite
-  stand-in such as adding -100 to a logit, which leaks once logit gaps exceed 100.
+  stand-in such as adding -100 to a logit, which leaks once logit gaps exceed 100;
+* a forward or backward pass reads no value back from the device (no ``.item()``, ``bool()`` or ``if``
+  on a tensor), so a training step on a GPU never waits for it; the one exception is the batch-size
+  check of the first DDP gather (:func:`gather_batch`).
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+REDUCTIONS = ("mean", "sum", "sum_per_sample")
 WAYS = ("both", "sample", "class")
 # Inside a bucket tensor (K, M, C): a sample's logits lie along dim 2, a class's logits along dim 1.
 WAY_DIMS: dict[str, tuple[int, ...]] = {"sample": (2,), "class": (1,), "both": (2, 1)}
@@ -41,8 +49,10 @@ def prepare(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Check ``logits``/``targets`` (B, C) and return ``(logits, targets)`` in the compute dtype.
 
     The compute dtype is float32, or float64 for float64 logits. Raises ``ValueError`` on a shape
-    mismatch, a non-2-D input, or a label outside {1, 0, -1} (soft labels are not supported); that
-    check reads one boolean back from the device per call.
+    mismatch, a non-2-D input or non-float logits. Label values outside {1, 0, -1} (soft labels are not
+    supported) are refused only for targets on the CPU, where the check reads no value back from a
+    device; for targets on a GPU it is skipped, since it would stall every step until the GPU catches
+    up: the datasets validate their labels once when they are built.
     """
     if logits.ndim != 2 or logits.shape != targets.shape:
         raise ValueError(
@@ -52,7 +62,7 @@ def prepare(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
     dtype = torch.promote_types(logits.dtype, torch.float32)
     targets = targets.to(dtype)
-    if not ((targets == 1) | (targets == 0) | (targets == -1)).all():
+    if targets.device.type == "cpu" and not ((targets == 1) | (targets == 0) | (targets == -1)).all():
         raise ValueError("targets must hold only 1 (positive), 0 (negative) and -1 (unknown)")
     return logits.to(dtype), targets
 
@@ -126,25 +136,30 @@ class _GatherRows(torch.autograd.Function):
         return grad[start:end]
 
 
-def gather_batch(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+def gather_batch(logits: Tensor, targets: Tensor, check_sizes: bool = True) -> tuple[Tensor, Tensor]:
     """Concatenate every rank's rows, in rank order; gradients flow back to each rank's ``logits``.
 
     The backward *sums* the gradients that all ranks send to a rank's slice. Every rank computes the same
     loss on the same global batch, so that sum is ``world_size`` times the gradient of the global loss,
     and DDP's averaging over ranks divides it back: the parameter gradient equals that of one process
-    training on the concatenated batch. Every rank must hold the same number of rows.
+    training on the concatenated batch.
+
+    Every rank must hold the same number of rows. ``check_sizes`` compares them (one all-gather and a
+    read back to the host) and raises ``ValueError`` on a mismatch; every rank must pass the same value,
+    since the check is a collective. :class:`BucketedLoss` checks on its first call only: the training
+    loaders drop the last incomplete batch, so the sizes cannot change afterwards.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("gather=True needs torch.distributed initialised (run under torchrun)")
     world = dist.get_world_size()
     if world == 1:
         return logits, targets
-    sizes = [torch.zeros(1, dtype=torch.long, device=logits.device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([logits.shape[0]], device=logits.device))
-    if len({int(size) for size in sizes}) > 1:
-        raise ValueError(
-            f"gather=True needs the same batch size on every rank; got {[int(s) for s in sizes]}"
-        )
+    if check_sizes:
+        sizes = [torch.zeros(1, dtype=torch.long, device=logits.device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([logits.shape[0]], device=logits.device))
+        rows = torch.cat(sizes).tolist()
+        if len(set(rows)) > 1:
+            raise ValueError(f"gather=True needs the same batch size on every rank; got {rows}")
     target_parts = [torch.empty_like(targets) for _ in range(world)]
     dist.all_gather(target_parts, targets.contiguous())
     return _GatherRows.apply(logits.contiguous()), torch.cat(target_parts)
@@ -152,11 +167,20 @@ def gather_batch(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
 
 class MultiLabelLoss(nn.Module):
     """Base of every loss here: ``forward`` checks the inputs, casts them to the compute dtype and calls
-    :meth:`compute` with autocast disabled."""
+    :meth:`compute` with autocast disabled (on a device that has autocast; the meta device, on which
+    shapes can be checked without data, has none). ``name`` is the loss's short name (``loss=<name>``)."""
+
+    name: ClassVar[str]
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
         """logits (B, C), targets (B, C) in {1, 0, -1} -> scalar."""
-        with torch.autocast(device_type=logits.device.type, enabled=False):
+        device = logits.device.type
+        no_autocast = (
+            torch.autocast(device_type=device, enabled=False)
+            if torch.amp.is_autocast_available(device)
+            else nullcontext()
+        )
+        with no_autocast:
             return self.compute(*prepare(logits, targets))
 
     def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -167,8 +191,9 @@ class MultiLabelLoss(nn.Module):
 class BucketedLoss(MultiLabelLoss):
     """Base of the losses computed per bucket of rows (Sec. 2.4, footnote 1 of the paper).
 
-    :meth:`compute` gathers the global batch when ``gather`` is set, splits the rows into K consecutive
-    buckets of ``bucket_size`` and calls :meth:`bucket_loss`, which returns the mean over buckets.
+    :meth:`compute` gathers the global batch when ``gather`` is set (comparing the ranks' batch sizes on
+    the first call only, see :func:`gather_batch`), splits the rows into K consecutive buckets of
+    ``bucket_size`` and calls :meth:`bucket_loss`, which returns the mean over buckets.
 
     Args:
         bucket_size: rows per bucket, M; must divide the batch size (of the gathered batch when
@@ -182,10 +207,12 @@ class BucketedLoss(MultiLabelLoss):
             raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size}")
         self.bucket_size = bucket_size
         self.gather = gather
+        self.sizes_checked = False  # the ranks' batch sizes are compared on the first gather only
 
     def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
         if self.gather:
-            logits, targets = gather_batch(logits, targets)
+            logits, targets = gather_batch(logits, targets, check_sizes=not self.sizes_checked)
+            self.sizes_checked = True
         targets = split_buckets(targets, self.bucket_size)
         return self.bucket_loss(split_buckets(logits, self.bucket_size), targets == 1, targets == 0)
 
@@ -203,3 +230,44 @@ def reduce_lines(per_line: Tensor, valid: Tensor) -> Tensor:
     Invalid lines are dropped with ``where`` (their value may be -inf or NaN), not multiplied by 0.
     """
     return (torch.where(valid, per_line, 0.0) * line_weights(valid, per_line.dtype)).sum()
+
+
+class EntrywiseLoss(MultiLabelLoss):
+    """Base of the losses defined per entry (i, c) of the logit matrix (bce, focal, asl).
+
+    :meth:`entry_loss` gives ``l_ic`` (B, C); :meth:`compute` keeps the known entries (label 1 or 0) and
+    reduces them by ``reduction``:
+
+    * ``"mean"``: sum over the known entries divided by their number (0 when none is known);
+    * ``"sum"``: sum over the known entries of the batch;
+    * ``"sum_per_sample"``: each sample's sum over its known entries (classes), then the mean over the
+      samples with at least one known entry.
+
+    The batch is the one the loss is given: under DDP, the per-process batch, and DDP averages the
+    parameter gradients over the processes. Unknown entries are dropped with ``where``, so their value
+    and gradient never reach the result.
+    """
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(
+                f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}; got {reduction!r}"
+            )
+        self.reduction = reduction
+
+    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """logits, targets (B, C) -> ``l_ic`` (B, C); its values at unknown entries are discarded."""
+        raise NotImplementedError
+
+    def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
+        known = targets >= 0
+        total = torch.where(known, self.entry_loss(logits, targets), 0.0).sum()
+        if self.reduction == "sum":
+            return total
+        if self.reduction == "sum_per_sample":
+            return total / known.any(1).sum().clamp(min=1)
+        return total / known.sum().clamp(min=1)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}"

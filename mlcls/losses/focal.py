@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlcls.losses import register_loss
-from mlcls.losses.common import MultiLabelLoss
+from mlcls.losses.common import EntrywiseLoss
 
 
 def _power(base: Tensor, exponent: float) -> Tensor:
@@ -17,20 +16,14 @@ def _power(base: Tensor, exponent: float) -> Tensor:
     return base.clamp_min(torch.finfo(base.dtype).tiny) ** exponent
 
 
-def _mean_over_known(per_entry: Tensor, targets: Tensor) -> Tensor:
-    known = targets >= 0
-    return torch.where(known, per_entry, 0.0).sum() / known.sum().clamp(min=1)
-
-
 def _check_gamma(**gammas: float) -> None:
     for name, value in gammas.items():
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-@register_loss("focal")
-class FocalLoss(MultiLabelLoss):
-    """Focal loss (Lin et al.) per entry, averaged over the entries with a known label::
+class FocalLoss(EntrywiseLoss):
+    """Focal loss (Lin et al.) per entry, reduced over the entries with a known label::
 
         l_ic = -alpha_t (1 - p_t)^gamma log p_t,   p_t = sigmoid(x) if y = 1 else sigmoid(-x),
         alpha_t = alpha if y = 1 else 1 - alpha    (alpha_t = 1 when ``alpha`` is None)
@@ -40,37 +33,42 @@ class FocalLoss(MultiLabelLoss):
     give BCE. Equals ``torchvision.ops.sigmoid_focal_loss(..., reduction="mean")`` on fully known labels
     (torchvision's ``alpha=-1`` is our ``None``).
 
-    Reduction: sum over known entries divided by their number. Shapes: logits (B, C), targets (B, C) in
-    {1, 0, -1}; scalar result.
+    Reduction: set by ``reduction`` (:class:`~mlcls.losses.common.EntrywiseLoss`). ``"mean"`` (default) sum
+    over the known entries (label 1 or 0) divided by their number, 0 when none is known; ``"sum"`` sum
+    over the known entries of the batch; ``"sum_per_sample"`` a sum over a sample's known classes, then
+    the mean over the samples with at least one known label.
+    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
 
     Args:
         gamma: focusing parameter (paper: 2).
         alpha: weight of the positives in [0, 1], or None for no weighting.
+        reduction: "mean" | "sum" | "sum_per_sample".
     """
 
-    def __init__(self, gamma: float = 2.0, alpha: float | None = None) -> None:
-        super().__init__()
+    name = "focal"
+
+    def __init__(self, gamma: float = 2.0, alpha: float | None = None, reduction: str = "mean") -> None:
+        super().__init__(reduction=reduction)
         _check_gamma(gamma=gamma)
         if alpha is not None and not 0 <= alpha <= 1:
             raise ValueError(f"alpha must be in [0, 1] or None, got {alpha}")
         self.gamma = float(gamma)
         self.alpha = None if alpha is None else float(alpha)
 
-    def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
+    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         positive = targets == 1
         signed = torch.where(positive, logits, -logits)  # p_t = sigmoid(signed)
         per_entry = -_power(torch.sigmoid(-signed), self.gamma) * F.logsigmoid(signed)
         if self.alpha is not None:
             per_entry = per_entry * torch.where(positive, self.alpha, 1.0 - self.alpha)
-        return _mean_over_known(per_entry, targets)
+        return per_entry
 
     def extra_repr(self) -> str:
-        return f"gamma={self.gamma}, alpha={self.alpha}"
+        return f"gamma={self.gamma}, alpha={self.alpha}, " + super().extra_repr()
 
 
-@register_loss("asl")
-class AsymmetricLoss(MultiLabelLoss):
-    """Asymmetric loss (Ridnik, Ben-Baruch et al.) per entry, averaged over the entries with a known label::
+class AsymmetricLoss(EntrywiseLoss):
+    """Asymmetric loss (Ridnik, Ben-Baruch et al.) per entry, reduced over the entries with a known label::
 
         l_ic = -y (1 - p)^gamma_pos log p - (1 - y) p_m^gamma_neg log(1 - p_m),
         p = sigmoid(x),   p_m = max(p - clip, 0)   (probability shifting of the negatives)
@@ -83,27 +81,39 @@ class AsymmetricLoss(MultiLabelLoss):
     is recorded). Equals ``timm.loss.AsymmetricLossMultiLabel(..., reduction="mean")`` on fully known
     labels and moderate logits.
 
-    Reduction: sum over known entries divided by their number. Shapes: logits (B, C), targets (B, C) in
-    {1, 0, -1}; scalar result.
+    Reduction: set by ``reduction`` (:class:`~mlcls.losses.common.EntrywiseLoss`). ``"mean"`` (default) sum
+    over the known entries (label 1 or 0) divided by their number, 0 when none is known; ``"sum"`` sum
+    over the known entries of the batch, as ASL's reference implementation reduces (over the batch and
+    the classes); ``"sum_per_sample"`` a sum over a sample's known classes, then the mean over the
+    samples with at least one known label.
+    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
 
     Args:
         gamma_pos: focusing parameter of the positives (paper: 0).
         gamma_neg: focusing parameter of the negatives (paper: 4).
         clip: probability margin m of the negatives (paper: 0.05); 0 disables the shift.
-        detach_weight: no gradient through the focusing weights.
+        detach_weight: no gradient through the focusing weights (ASL's reference: true).
+        reduction: "mean" | "sum" | "sum_per_sample".
     """
 
+    name = "asl"
+
     def __init__(
-        self, gamma_pos: float = 0.0, gamma_neg: float = 4.0, clip: float = 0.05, detach_weight: bool = False
+        self,
+        gamma_pos: float = 0.0,
+        gamma_neg: float = 4.0,
+        clip: float = 0.05,
+        detach_weight: bool = False,
+        reduction: str = "mean",
     ) -> None:
-        super().__init__()
+        super().__init__(reduction=reduction)
         _check_gamma(gamma_pos=gamma_pos, gamma_neg=gamma_neg)
         if not 0 <= clip < 1:
             raise ValueError(f"clip must be in [0, 1), got {clip}")
         self.gamma_pos, self.gamma_neg, self.clip = float(gamma_pos), float(gamma_neg), float(clip)
         self.detach_weight = detach_weight
 
-    def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
+    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         prob = torch.sigmoid(logits)
         weight_pos = _power(torch.sigmoid(-logits), self.gamma_pos)
         if self.clip > 0:
@@ -115,11 +125,10 @@ class AsymmetricLoss(MultiLabelLoss):
             log_neg = F.logsigmoid(-logits)
         if self.detach_weight:
             weight_pos, weight_neg = weight_pos.detach(), weight_neg.detach()
-        per_entry = torch.where(targets == 1, -weight_pos * F.logsigmoid(logits), -weight_neg * log_neg)
-        return _mean_over_known(per_entry, targets)
+        return torch.where(targets == 1, -weight_pos * F.logsigmoid(logits), -weight_neg * log_neg)
 
     def extra_repr(self) -> str:
         return (
             f"gamma_pos={self.gamma_pos}, gamma_neg={self.gamma_neg}, clip={self.clip}, "
-            f"detach_weight={self.detach_weight}"
+            f"detach_weight={self.detach_weight}, " + super().extra_repr()
         )

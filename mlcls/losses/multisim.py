@@ -6,11 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlcls.losses import register_loss
 from mlcls.losses.common import MultiLabelLoss, check_positive, masked_logsumexp
 
 
-@register_loss("multisim")
 class MultiSimilarityLoss(MultiLabelLoss):
     """Multi-similarity loss, eq. 20, with temperature ``T_P = tp`` on the positives (Table 4a)::
 
@@ -27,6 +25,8 @@ class MultiSimilarityLoss(MultiLabelLoss):
     Args:
         tp: positive temperature T_P (Table 4a: 1, 2, 4; 4 is best).
     """
+
+    name = "multisim"
 
     def __init__(self, tp: float = 4.0) -> None:
         super().__init__()
@@ -45,7 +45,6 @@ class MultiSimilarityLoss(MultiLabelLoss):
         return f"tp={self.tp}"
 
 
-@register_loss("zlpr")
 class ZLPRLoss(MultiSimilarityLoss):
     """Su's multi-label softmax cross-entropy (ZLPR), eq. 20 at ``tp = 1``::
 
@@ -53,6 +52,8 @@ class ZLPRLoss(MultiSimilarityLoss):
 
     Reduction: mean over samples with at least one known label, as :class:`MultiSimilarityLoss`.
     """
+
+    name = "zlpr"
 
     def __init__(self, tp: float = 1.0) -> None:
         super().__init__(tp=tp)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mlcls.losses import register_loss
 from mlcls.losses.common import BucketedLoss, check_positive, check_ways, masked_logsumexp, reduce_lines
 
 
@@ -56,7 +55,6 @@ class _NormalisedCrossEntropy(BucketedLoss):
         return f"ways={self.ways!r}, " + super().extra_repr()
 
 
-@register_loss("softmax")
 class SoftmaxLoss(_NormalisedCrossEntropy):
     """Softmax cross-entropy with labels normalised to sum 1, eq. 18: ``g(x) = exp(x)``.
 
@@ -67,11 +65,12 @@ class SoftmaxLoss(_NormalisedCrossEntropy):
     adds the class-wise term. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
     """
 
+    name = "softmax"
+
     def log_score(self, logits: Tensor) -> Tensor:
         return logits
 
 
-@register_loss("taylor_softmax")
 class TaylorSoftmaxLoss(_NormalisedCrossEntropy):
     """Eq. 18 with the Taylor softmax of de Brebisson & Vincent: ``g(x) = 1 + x + x^2 / 2``.
 
@@ -81,11 +80,12 @@ class TaylorSoftmaxLoss(_NormalisedCrossEntropy):
     Reduction: as :class:`SoftmaxLoss`. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
     """
 
+    name = "taylor_softmax"
+
     def log_score(self, logits: Tensor) -> Tensor:
         return torch.log(1.0 + logits + 0.5 * logits.square())
 
 
-@register_loss("spherical_softmax")
 class SphericalSoftmaxLoss(_NormalisedCrossEntropy):
     """Eq. 18 with the spherical softmax of de Brebisson & Vincent: ``g(x) = x^2 + eps``.
 
@@ -95,6 +95,8 @@ class SphericalSoftmaxLoss(_NormalisedCrossEntropy):
 
     Reduction: as :class:`SoftmaxLoss`. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
     """
+
+    name = "spherical_softmax"
 
     def __init__(
         self, eps: float = 0.01, ways: str = "sample", bucket_size: int | None = None, gather: bool = False

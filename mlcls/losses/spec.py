@@ -3,6 +3,7 @@ buckets see. Used by provenance and the paper tables, which read the resolved co
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,17 +12,21 @@ def loss_name(loss: Mapping[str, Any]) -> str:
     """Short name of the loss a config builds (``twoway``, ``bce``, ...).
 
     The class named by ``_target_`` carries it as its ``name`` attribute; configs of older runs name it
-    with a ``name`` key, which is used when present.
+    with a ``name`` key, which is used when present. A class without ``name`` gives its class name, and a
+    ``_target_`` that cannot be imported (a misspelt path, a module not installed) the last component of
+    the path, so that an error message or a table of old runs can still say which loss it was.
     """
     if loss.get("name"):
         return str(loss["name"])
     target = loss.get("_target_")
     if not target:
         raise ValueError("a loss config needs _target_ (the loss class, e.g. mlcls.losses.TwoWayLoss)")
-    from hydra.utils import get_class
-
-    cls = get_class(str(target))
-    return str(getattr(cls, "name", cls.__name__))
+    module_path, _, class_name = str(target).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_path), class_name)
+    except (ImportError, AttributeError, ValueError):
+        return class_name
+    return str(getattr(cls, "name", class_name))
 
 
 def effective_bucket_size(loss: Mapping[str, Any], batch_size: int, world_size: int) -> int | None:

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from mlcls.losses import register_loss
 from mlcls.losses.common import (
     BucketedLoss,
     LineDims,
@@ -33,7 +32,7 @@ from mlcls.losses.common import (
 )
 
 
-class _MultiLabelSoftplus(torch.autograd.Function):
+class _SoftplusLogSumExp(torch.autograd.Function):
     """Sum over ``line_dims`` of the mean of eq. 14 over valid lines and buckets, gradient in the same pass.
 
     The gradient of eq. 14 has a closed form: with ``z`` the softplus argument,
@@ -81,8 +80,10 @@ class _MultiLabelSoftplus(torch.autograd.Function):
         return (grad_output * grad, None, None, None, None, None, None, None)
 
 
-class _MultiLabelLoss(BucketedLoss):
-    """Eq. 14 summed over the line directions ``line_dims`` of each bucket (shared by twoway and joint)."""
+class SoftplusLogSumExpLoss(BucketedLoss):
+    """Base of twoway and joint: eq. 14, the softplus of tempered log-sum-exps over a line's negatives and
+    positives, averaged over the lines along each direction of ``line_dims`` and summed over the directions,
+    per bucket (:class:`_SoftplusLogSumExp` computes it with its gradient)."""
 
     line_dims: tuple[LineDims, ...]
 
@@ -93,7 +94,7 @@ class _MultiLabelLoss(BucketedLoss):
 
     def bucket_loss(self, logits: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
         with_grad = torch.is_grad_enabled() and logits.requires_grad
-        return _MultiLabelSoftplus.apply(
+        return _SoftplusLogSumExp.apply(
             logits, positive, negative, self.line_dims, self.tp, self.tn, self.margin, with_grad
         )
 
@@ -101,8 +102,7 @@ class _MultiLabelLoss(BucketedLoss):
         return f"tp={self.tp}, tn={self.tn}, margin={self.margin}, " + super().extra_repr()
 
 
-@register_loss("twoway")
-class TwoWayLoss(_MultiLabelLoss):
+class TwoWayLoss(SoftplusLogSumExpLoss):
     """Two-way multi-label loss, eq. 17: sample-wise eq. 15 plus class-wise eq. 16, per bucket.
 
     For a bucket X (M, C) with labels Y::
@@ -134,6 +134,8 @@ class TwoWayLoss(_MultiLabelLoss):
     Shapes: logits (B, C) any float dtype, targets (B, C) in {1, 0, -1}; returns a float32 scalar.
     """
 
+    name = "twoway"
+
     def __init__(
         self,
         tp: float = 4.0,
@@ -151,8 +153,7 @@ class TwoWayLoss(_MultiLabelLoss):
         return f"ways={self.ways!r}, " + super().extra_repr()
 
 
-@register_loss("joint")
-class JointLoss(_MultiLabelLoss):
+class JointLoss(SoftplusLogSumExpLoss):
     """Joint-way loss, eq. 22: eq. 14 over all entries of a bucket at once.
 
     For a bucket X (M, C)::
@@ -165,6 +166,7 @@ class JointLoss(_MultiLabelLoss):
     to a constant logit shift. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
     """
 
+    name = "joint"
     line_dims = ((1, 2),)
 
     def __init__(
