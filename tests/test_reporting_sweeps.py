@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from mlcls import config_dir
+from mlcls.losses.spec import loss_name
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.runs import PAPER_WEIGHTS, matches, run_attributes
 from mlcls.reporting.sweeps import (
@@ -75,23 +76,25 @@ def test_paper_preset_is_the_protocol_of_section_4_1():
 
 
 @pytest.mark.parametrize(
-    ("preset", "expected"),
+    ("preset", "name", "expected"),
     [
+        ("paper_twoway", "twoway", {"tp": 4.0, "tn": 1.0, "ways": "both", "margin": 0.0, "bucket_size": 128}),
+        ("paper_softmax", "softmax", {"ways": "sample", "bucket_size": 128}),
+        ("paper_bce", "bce", {"pos_weight": "freq", "reduction": "mean"}),
+        ("paper_focal", "focal", {"gamma": 2.0, "alpha": None, "reduction": "mean"}),
         (
-            "paper_twoway",
-            {"name": "twoway", "tp": 4.0, "tn": 1.0, "ways": "both", "margin": 0.0, "bucket_size": 128},
+            "paper_asl",
+            "asl",
+            {"gamma_pos": 0.0, "gamma_neg": 4.0, "clip": 0.05, "detach_weight": True, "reduction": "sum"},
         ),
-        ("paper_softmax", {"name": "softmax", "ways": "sample", "bucket_size": 128}),
-        ("paper_bce", {"name": "bce", "pos_weight": "freq"}),
-        ("paper_focal", {"name": "focal", "gamma": 2.0, "alpha": None}),
-        ("paper_asl", {"name": "asl", "gamma_pos": 0.0, "gamma_neg": 4.0, "clip": 0.05}),
-        ("paper_multisim", {"name": "multisim", "tp": 4.0}),
-        ("paper_joint", {"name": "joint", "tp": 4.0, "tn": 1.0, "margin": 0.0, "bucket_size": 128}),
+        ("paper_multisim", "multisim", {"tp": 4.0}),
+        ("paper_joint", "joint", {"tp": 4.0, "tn": 1.0, "margin": 0.0, "bucket_size": 128}),
     ],
 )
-def test_loss_presets(preset, expected):
+def test_loss_presets(preset, name, expected):
     cfg = compose_config([f"experiment={preset}", "dataset=coco"])
     loss = OmegaConf.to_container(cfg.loss, resolve=True)
+    assert loss_name(loss) == name
     assert {key: loss[key] for key in expected} == expected
     assert cfg.trainer.batch_size == 512 and cfg.optim.lr_head == 0.01  # the protocol comes along
     instantiate(cfg.loss)  # the loss accepts its settings

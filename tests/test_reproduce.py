@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from mlcls.cli import reproduce
+from mlcls.losses.spec import loss_name
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = ("mAP_class", "mAP_sample")
@@ -57,7 +58,10 @@ def smoke(tmp_path_factory) -> Path:
 
 
 def config_value(run_dir: Path, dotted: str):
+    """The value of ``dotted`` in the run's resolved config; ``loss.name`` is the loss's short name."""
     node = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if dotted == "loss.name":
+        return loss_name(node["loss"])
     for part in dotted.split("."):
         node = node[part]
     return node
