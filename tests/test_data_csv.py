@@ -124,7 +124,9 @@ def test_held_out_share_is_close_to_val_fraction() -> None:
 def test_a_val_fraction_holding_out_no_image_says_so(tmp_path: Path) -> None:
     root = write_csv(tmp_path, "image,labels\nx.jpg,cat\n", images=["x.jpg"])
     seed = next(s for s in range(100) if not held_out("x.jpg", 0.2, s))
-    with pytest.raises(DatasetConfigError, match=r"none of the 1 images of .*train\.csv falls in the held-out"):
+    with pytest.raises(
+        DatasetConfigError, match=r"none of the 1 images of .*train\.csv falls in the held-out"
+    ):
         CSVDataset("val", root=str(root), val_fraction=0.2, seed=seed)
 
 
