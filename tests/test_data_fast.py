@@ -29,7 +29,7 @@ from mlcls.data.fast import (
     draft_reduction,
     load_reduced,
 )
-from mlcls.data.loader import train_loader
+from mlcls.data.loader import build_train_loader
 from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_PCA_EIGVAL, IMAGENET_PCA_EIGVEC, IMAGENET_STD
 from mlcls.data.transforms import build_transform as plain_transform
 
@@ -271,7 +271,7 @@ def test_batches_are_a_function_of_the_sample_seeds(jpegs):
     dataset = PhotoFiles(jpegs * 2, FastTrainTransform(SIZE))  # the transform decodes the files itself
 
     def batches(workers: int) -> list[tuple[AugmentedImage, torch.Tensor]]:
-        loader = train_loader(dataset, 4, workers, rank=0, world_size=1, seed=3, pin_memory=False)
+        loader = build_train_loader(dataset, 4, workers, 0, 1, 3, torch.device("cpu"), backend="fast")
         loader.sampler.set_epoch(1)
         return list(loader)
 
