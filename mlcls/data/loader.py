@@ -134,7 +134,7 @@ def loader_workers(requested: int) -> int:
 
 @functools.cache
 def _log_worker_cap(requested: int, cpus: int) -> None:
-    log.info("trainer.workers=%d but this process may use %d CPUs: using %d workers", requested, cpus, cpus)
+    log.info("DataLoader workers capped at the %d CPUs this process may use (%d requested)", cpus, requested)
 
 
 class TrainBatches(Protocol):
