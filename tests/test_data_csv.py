@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
@@ -121,13 +122,13 @@ def test_held_out_share_is_close_to_val_fraction() -> None:
     assert not any(held_out(f"{k}.jpg", 0.0, 0) for k in range(1000))
 
 
-def test_a_val_fraction_holding_out_no_image_says_so(tmp_path: Path) -> None:
-    root = write_csv(tmp_path, "image,labels\nx.jpg,cat\n", images=["x.jpg"])
-    seed = next(s for s in range(100) if not held_out("x.jpg", 0.2, s))
-    with pytest.raises(
-        DatasetConfigError, match=r"none of the 1 images of .*train\.csv falls in the held-out"
-    ):
-        CSVDataset("val", root=str(root), val_fraction=0.2, seed=seed)
+def test_a_file_too_small_for_val_fraction_still_holds_out_one_image(tmp_path: Path) -> None:
+    names = ["a.jpg", "b.jpg", "c.jpg", "d.jpg"]
+    root = str(write_csv(tmp_path, "image,labels\n" + "".join(f"{n},cat\n" for n in names), images=names))
+    seed = next(s for s in range(100) if not any(held_out(n, 0.2, s) for n in names))
+    smallest = min(names, key=lambda n: hashlib.sha1(f"{seed}:{n}".encode()).digest())
+    assert _split_names(root, "val", seed, 0.2) == [smallest]
+    assert _split_names(root, "train", seed, 0.2) == [n for n in names if n != smallest]
 
 
 def test_csv_errors(tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ the training and validation files (labels column), or the class columns in heade
 Image paths are relative to ``root / image_dir`` (or absolute). Validation data: ``val_file``, or else about
 ``val_fraction`` of the training file's images, each held out or not by a hash of its path as written in the
 file and ``seed`` (:func:`held_out`): the split is a function of each image alone, so appending rows to the
-file never moves an image between training and validation, and the rows of one image stay together.
+file never moves an image between training and validation, and the rows of one image stay together (a file
+so small that no image is held out gets one: the one of smallest hash).
 The file delimiter follows the extension (``.tsv``/``.tab`` -> tab, else comma) unless ``delimiter`` is set.
 """
 
@@ -155,7 +156,7 @@ class CSVDataset(MultiLabelDataset):
         images = [os.path.join(image_root, row[column]) for row in rows]  # an absolute path stays as it is
 
         if not val_file:
-            chosen = self._holdout([row[column] for row in rows], val_fraction, seed, split, paths[source])
+            chosen = self._holdout([row[column] for row in rows], val_fraction, seed, split)
             labels, images = labels[chosen], [images[i] for i in chosen]
         if not images:
             raise DatasetFormatError(f"{paths[source]}: the {split} split is empty")
@@ -167,28 +168,33 @@ class CSVDataset(MultiLabelDataset):
         self.samples = [Sample(path) for path in images]
 
     @staticmethod
-    def _holdout(images: list[str], val_fraction: float, seed: int, split: str, path: Path) -> np.ndarray:
+    def _holdout(images: list[str], val_fraction: float, seed: int, split: str) -> np.ndarray:
         """Indices of the rows of ``split``: those whose image :func:`held_out` puts in validation (``val``)
-        or not (``train``)."""
-        if split == "val" and val_fraction == 0:
-            raise DatasetConfigError(
-                "the csv dataset has no validation data: set dataset.val_file or dataset.val_fraction > 0"
-            )
+        or not (``train``). When no image is held out (a file of a few rows), the image of smallest
+        :func:`image_hash` is, so that validation is never empty."""
+        if val_fraction == 0:
+            if split == "val":
+                raise DatasetConfigError(
+                    "the csv dataset has no validation data: set dataset.val_file or dataset.val_fraction > 0"
+                )
+            return np.arange(len(images))
+        hashes = [image_hash(image, seed) for image in images]
         in_val = np.array([held_out(image, val_fraction, seed) for image in images], dtype=bool)
-        if split == "val" and not in_val.any():
-            raise DatasetConfigError(
-                f"none of the {len(images)} images of {path} falls in the held-out dataset.val_fraction="
-                f"{val_fraction}; set dataset.val_file or a larger dataset.val_fraction"
-            )
+        if not in_val.any():
+            in_val = np.array(hashes) == min(hashes)
         return np.flatnonzero(in_val if split == "val" else ~in_val)
 
 
+def image_hash(image: str, seed: int) -> int:
+    """The first 8 bytes of SHA-1(``"<seed>:<image>"``): a uniform 64-bit integer per (seed, image path)."""
+    return int.from_bytes(hashlib.sha1(f"{seed}:{image}".encode()).digest()[:8], "big")
+
+
 def held_out(image: str, val_fraction: float, seed: int) -> bool:
-    """Whether ``image`` (its path as written in the CSV file) is held out for validation: the first 8 bytes
-    of SHA-1(``"<seed>:<image>"``), a uniform 64-bit integer, below ``val_fraction * 2**64``. Each image is
-    held out with probability ``val_fraction``, independently of every other row of the file."""
-    digest = hashlib.sha1(f"{seed}:{image}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") < val_fraction * 2**64
+    """Whether ``image`` (its path as written in the CSV file) is held out for validation:
+    ``image_hash(image, seed) < val_fraction * 2**64``. Each image is held out with probability
+    ``val_fraction``, independently of every other row of the file."""
+    return image_hash(image, seed) < val_fraction * 2**64
 
 
 def _split_names(cell: str, label_delimiter: str) -> list[str]:
