@@ -14,11 +14,17 @@ Division of work, chosen so that the augmentation stays a function of each sampl
   is how the tests check it without a GPU;
 * :class:`mlcls.data.fast.DeviceStage` applies colour jitter, lighting and normalisation as for ``fast``.
 
-No DALI random operator is used, so a resumed run sees exactly the batches it would have seen.
+No DALI random operator is used, so a resumed run sees exactly the batches it would have seen. The workers
+read each file through the dataset's reading path, so ``dataset.on_bad_image`` applies as with the other
+backends, and a JPEG cut short is caught there (no end-of-image marker) rather than by the GPU decoder on
+one rank. The graph pulls the plan batches itself (``external_source`` with a ``source``) and runs
+``prefetch_depth`` batches ahead (``build_train_loader(..., dali_prefetch=2)``), so that GPU decoding
+overlaps the training step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -218,11 +224,9 @@ class DaliTrainLoader:
             # Stopped early (the trainer's limit_train_batches) or at the end: drop the batches still
             # scheduled, and start the next epoch from a fresh graph epoch.
             self._epoch_plans = iter(())
-            try:
+            with contextlib.suppress(StopIteration):
                 while True:
                     self.pipeline.run()
-            except StopIteration:
-                pass
             self.pipeline.reset()
             self._scheduled.clear()
 
