@@ -11,7 +11,11 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
+
+from mlcls.bench.pipeline_bench import make_jpegs
+from mlcls.data.base import MultiLabelDataset, Sample
 
 VISPR_ATTRIBUTES = Path("/work/shared/fixtures/vispr/attributes.tsv")
 RED, BLUE, GREY = (230, 20, 20), (20, 20, 230), (128, 128, 128)
@@ -256,3 +260,42 @@ def write_csv(root: Path, text: str, name: str = "train.csv", images: list[str] 
     for image in images or []:
         write_jpeg(root / image)
     return root
+
+
+# ------------------------------------------------------------------------- JPEGs of the input pipelines
+# (tests/test_data_fast.py, tests/test_data_dali.py, tests/test_data_loader.py)
+RAMP_WIDTH, RAMP_HEIGHT = 512, 384
+
+
+def write_photos(folder: Path, count: int) -> list[Path]:
+    """``count`` 320x240 JPEGs of natural-looking content (:func:`mlcls.bench.pipeline_bench.make_jpegs`)."""
+    return make_jpegs(folder, count, size=(320, 240))
+
+
+def write_ramp(folder: Path) -> Path:
+    """A 512x384 JPEG whose red channel encodes x and green channel y (255 at the far edge)."""
+    y, x = np.mgrid[0:RAMP_HEIGHT, 0:RAMP_WIDTH]
+    pixels = np.stack([x * 255 / (RAMP_WIDTH - 1), y * 255 / (RAMP_HEIGHT - 1), np.full(x.shape, 128.0)], -1)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "ramp.jpg"
+    Image.fromarray(pixels.round().astype(np.uint8)).save(path, quality=95)
+    return path
+
+
+def decode_rgb(path: Path) -> Image.Image:
+    """PIL's full-size RGB decode of ``path``."""
+    with Image.open(path) as img:
+        return img.convert("RGB")
+
+
+class PhotoFiles(MultiLabelDataset):
+    """Image files as a 2-class dataset: sample k has the crop box (20, 10, 200, 150) when k is even, none
+    when odd, and the label row [1, 0] when k is even, [0, 1] when odd."""
+
+    def __init__(self, paths: list[Path], transform=None, on_bad_image: str = "error") -> None:
+        super().__init__(transform, on_bad_image)
+        self.classes = ["a", "b"]
+        self.samples = [
+            Sample(str(p), None if k % 2 else (20.0, 10.0, 200.0, 150.0)) for k, p in enumerate(paths)
+        ]
+        self.labels = torch.eye(2)[torch.arange(len(paths)) % 2]

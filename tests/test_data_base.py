@@ -11,7 +11,14 @@ from data_fixtures import corrupt, truncate, write_csv
 from torch.utils.data import DataLoader
 
 from mlcls.data import build_dataset
-from mlcls.data.base import BadImageError, DatasetConfigError, DatasetLayoutError, crop_box
+from mlcls.data.base import (
+    BadImageError,
+    DatasetConfigError,
+    DatasetFormatError,
+    DatasetLayoutError,
+    MultiLabelDataset,
+    crop_box,
+)
 from mlcls.data.csv_dataset import CSVDataset
 from mlcls.data.transforms import build_transform
 
@@ -84,3 +91,60 @@ def test_build_dataset_raises_the_dataset_error_itself(tmp_path: Path) -> None:
            "transform": "paper", "train_split": "trainval", "val_split": "test", "year": 2007}  # fmt: skip
     with pytest.raises(DatasetLayoutError, match=r"^missing .*trainval\.txt; expected layout"):
         build_dataset(cfg, train=True)
+
+
+class _Labelled(MultiLabelDataset):
+    """A dataset whose label matrix is given as it is."""
+
+    def __init__(self, labels: torch.Tensor) -> None:
+        super().__init__()
+        self.split = "train"
+        self.classes = ["cat", "dog", "bird"]
+        self.labels = labels
+
+
+def test_labels_are_checked_when_the_dataset_is_built() -> None:
+    labels = _Labelled(torch.tensor([[1, 0, -1], [0, 0, 1]])).labels
+    assert labels.dtype == torch.float32 and labels.tolist() == [[1, 0, -1], [0, 0, 1]]
+    message = (
+        "_Labelled (train split): label 2 for sample 1, class 'dog'; "
+        "expected 1 (positive), 0 (negative) or -1 (unknown)"
+    )
+    with pytest.raises(DatasetFormatError, match=f"^{re.escape(message)}$"):
+        _Labelled(torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.5]]))
+    with pytest.raises(DatasetFormatError, match=r"label nan for sample 0, class 'bird'"):
+        _Labelled(torch.tensor([[1.0, 0.0, float("nan")]]))
+    with pytest.raises(DatasetFormatError, match=r"labels of shape \(2, 2\); expected \(samples, 3\)"):
+        _Labelled(torch.zeros(2, 2))
+
+
+def test_dataset_configs_instantiate_as_they_are(tmp_path: Path) -> None:
+    """The shipped config, with no key removed, gives the dataset: its named transform built for the split,
+    the common keys kept; a misspelt key is refused."""
+    from conftest import compose_config
+    from data_fixtures import write_voc
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    root = write_voc(tmp_path, 2007)
+    cfg = compose_config(["dataset=voc2007", f"dataset.root={root}", "dataset.image_size=48"]).dataset
+    train = instantiate(cfg, split=cfg.train_split)
+    test = instantiate(cfg, split=cfg.val_split)
+    assert (train.name, train.image_size, train.train_split, train.val_split) == (
+        "voc2007",
+        48,
+        "trainval",
+        "test",
+    )
+    assert repr(train.transform) == repr(build_transform("paper", 48, train=True))
+    assert repr(test.transform) == repr(build_transform("paper", 48, train=False))
+    assert len(train) == 3 and len(test) == 2
+    built = build_dataset(cfg, train=True, backend="fast")
+    assert (
+        type(built.transform).__name__ == "FastTrainTransform"
+        and built.labels.tolist() == train.labels.tolist()
+    )
+    typo = {**OmegaConf.to_container(cfg), "image_sise": 48}
+    with pytest.raises(InstantiationException, match="image_sise"):
+        instantiate(typo, split="test")

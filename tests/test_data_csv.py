@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 from pathlib import Path
 
 import pytest
 from data_fixtures import write_csv
 
 from mlcls.data.base import DatasetConfigError, DatasetFormatError, DatasetLayoutError
-from mlcls.data.csv_dataset import CSVDataset
+from mlcls.data.csv_dataset import CSVDataset, held_out
 
 NAMES_CSV = "image,labels\nimg/a.jpg,cat dog\nimg/b.jpg,dog\n\nimg/c.jpg,\nimg/d.jpg,bird  cat\n"
 IMAGES = ["img/a.jpg", "img/b.jpg", "img/c.jpg", "img/d.jpg"]
@@ -78,19 +80,55 @@ def test_val_file_and_classes_from_both_files(tmp_path: Path) -> None:
     assert val.labels.tolist() == [[0, 1, 0, 1]]
 
 
+def _split_names(root: str, split: str, seed: int = 0, val_fraction: float = 0.25) -> list[str]:
+    dataset = CSVDataset(split, root=root, val_fraction=val_fraction, seed=seed)
+    return [Path(s.path).name for s in dataset.samples]
+
+
 def test_val_fraction_is_a_seeded_disjoint_holdout(tmp_path: Path) -> None:
     images = [f"{i:02d}.jpg" for i in range(20)]
     text = "image,labels\n" + "".join(f"{name},c{i % 3}\n" for i, name in enumerate(images))
     root = str(write_csv(tmp_path, text, images=images))
-
-    def split(name: str, seed: int) -> list[str]:
-        return [Path(s.path).name for s in CSVDataset(name, root=root, val_fraction=0.25, seed=seed).samples]
-
-    train, val = split("train", 0), split("val", 0)
-    assert len(val) == 5 and len(train) == 15
+    train, val = _split_names(root, "train"), _split_names(root, "val")
+    assert 0 < len(val) < 20 and len(train) + len(val) == 20
     assert sorted(train + val) == images
-    assert split("val", 0) == val
-    assert split("val", 1) != val
+    assert _split_names(root, "val") == val
+    assert _split_names(root, "val", seed=1) != val
+
+
+def test_appending_rows_moves_no_image_between_train_and_val(tmp_path: Path) -> None:
+    """The old split (a permutation of the row count) moved images when rows were appended; now each
+    image's side depends on its own path only."""
+    images = [f"img_{i:03d}.jpg" for i in range(60)]
+    header = "image,labels\n"
+    rows = [f"{name},c{i % 4}\n" for i, name in enumerate(images)]
+    root = write_csv(tmp_path, header + "".join(rows[:40]), images=images)
+    before = {name: "val" for name in _split_names(str(root), "val")}
+    before.update({name: "train" for name in _split_names(str(root), "train")})
+    (root / "train.csv").write_text(header + "".join(rows))  # 20 rows appended
+    after = {name: "val" for name in _split_names(str(root), "val")}
+    after.update({name: "train" for name in _split_names(str(root), "train")})
+    assert len(before) == 40 and len(after) == 60
+    assert {name: after[name] for name in before} == before
+    assert {after[name] for name in images[40:]} == {"train", "val"}
+
+
+def test_held_out_share_is_close_to_val_fraction() -> None:
+    """Over 20,000 paths the share held out is val_fraction within 4 standard deviations of a binomial."""
+    count = 20_000
+    for fraction in (0.05, 0.1, 0.3):
+        share = sum(held_out(f"photos/{k:05d}.jpg", fraction, 0) for k in range(count)) / count
+        assert abs(share - fraction) < 4 * math.sqrt(fraction * (1 - fraction) / count), (fraction, share)
+    assert not any(held_out(f"{k}.jpg", 0.0, 0) for k in range(1000))
+
+
+def test_a_file_too_small_for_val_fraction_still_holds_out_one_image(tmp_path: Path) -> None:
+    names = ["a.jpg", "b.jpg", "c.jpg", "d.jpg"]
+    root = str(write_csv(tmp_path, "image,labels\n" + "".join(f"{n},cat\n" for n in names), images=names))
+    seed = next(s for s in range(100) if not any(held_out(n, 0.2, s) for n in names))
+    smallest = min(names, key=lambda n: hashlib.sha1(f"{seed}:{n}".encode()).digest())
+    assert _split_names(root, "val", seed, 0.2) == [smallest]
+    assert _split_names(root, "train", seed, 0.2) == [n for n in names if n != smallest]
 
 
 def test_csv_errors(tmp_path: Path) -> None:

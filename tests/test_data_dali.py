@@ -1,5 +1,6 @@
 """The DALI backend's graph with CPU operators, against PIL's decode and resize, and its sampling against the
-fast pipeline's. Needs NVIDIA DALI (``pip install 'mlcls[dali]'``; not installed in CI): skipped without it.
+fast pipeline's. The graph tests need NVIDIA DALI (``pip install 'mlcls[dali]'``; not installed in CI) and are
+skipped without it; the crop plans (pure Python) are tested everywhere, the loader with CUDA and DALI.
 
 The GPU graph differs only in the decoder's device (nvJPEG, ``mixed``) and in running resize and flip on
 the GPU; that, and the copy into torch (``feed_ndarray``), are not covered here.
@@ -7,30 +8,34 @@ the GPU; that, and the copy into torch (``feed_ndarray``), are not covered here.
 
 from __future__ import annotations
 
+import re
 import sys
+import types
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from data_fixtures import PhotoFiles, corrupt, decode_rgb, truncate, write_photos, write_ramp
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from mlcls.bench.pipeline_bench import make_jpegs
-from mlcls.data.base import MultiLabelDataset, Sample
+from mlcls.data.base import BadImageError
 from mlcls.data.dali import (
     CropPlans,
     DaliUnavailableError,
     _build_pipeline,
-    _collate,
-    _run_pipeline,
+    collate_plans,
+    encoded_image_size,
     require_dali,
 )
 from mlcls.data.fast import FastTrainTransform, resized_crop
 from mlcls.data.loader import SeededSamples, sample_seed
 
-dali = pytest.importorskip("nvidia.dali")
+# Batches waiting for the CPU graph's source (``run_graph`` puts one, the graph takes it).
+_QUEUED: deque[tuple[list, list, list]] = deque()
 
 SIZE = 48
 BATCH = 6
@@ -44,39 +49,46 @@ FLIPS = [False, True, False, True, True, False]
 
 @pytest.fixture(scope="module")
 def jpegs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    return make_jpegs(tmp_path_factory.mktemp("jpegs"), 3, size=(320, 240))
+    return write_photos(tmp_path_factory.mktemp("jpegs"), 3)
 
 
 @pytest.fixture(scope="module")
 def ramp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """512x384 JPEG whose red channel encodes x and green channel y (255 at the far edge)."""
-    width, height = 512, 384
-    y, x = np.mgrid[0:height, 0:width]
-    pixels = np.stack([x * 255 / (width - 1), y * 255 / (height - 1), np.full(x.shape, 128.0)], -1)
-    path = tmp_path_factory.mktemp("ramp") / "ramp.jpg"
-    Image.fromarray(pixels.round().astype(np.uint8)).save(path, quality=95)
-    return path
+    return write_ramp(tmp_path_factory.mktemp("ramp"))
+
+
+def _queued_batch() -> tuple[list, list, list]:
+    if not _QUEUED:
+        raise StopIteration
+    return _QUEUED.popleft()
 
 
 @pytest.fixture(scope="module")
-def cpu_graph() -> Any:
+def dali() -> Any:
+    return pytest.importorskip("nvidia.dali")
+
+
+@pytest.fixture(scope="module")
+def cpu_graph(dali: Any) -> Any:
     """The backend's DALI graph with CPU operators (batches of at most BATCH), built once."""
-    pipeline = _build_pipeline(dali, BATCH, SIZE, 1, "cpu")
+    pipeline = _build_pipeline(dali, BATCH, SIZE, _queued_batch, 1, "cpu", prefetch_depth=1)
     pipeline.build()
     return pipeline
+
+
+def run_graph(pipeline: Any, encoded: list[np.ndarray], windows: list[np.ndarray], flips: list) -> Any:
+    """The DALI ``TensorList`` of the graph's output for one batch."""
+    _QUEUED.append((encoded, windows, [np.array(flip, dtype=np.int32) for flip in flips]))
+    (images,) = pipeline.run()
+    return images
 
 
 def run_cpu(pipeline: Any, paths: list[Path], windows: list[tuple], flips: list[bool]) -> np.ndarray:
     """uint8 (B, SIZE, SIZE, 3) output of the graph for the files, ``(x, y, w, h)`` windows and flips."""
     encoded = [np.fromfile(path, dtype=np.uint8) for path in paths]
-    images = _run_pipeline(pipeline, encoded, [np.array(w, dtype=np.float32) for w in windows], flips)
+    images = run_graph(pipeline, encoded, [np.array(w, dtype=np.float32) for w in windows], flips)
     assert images.layout() == "HWC"
     return images.as_array()
-
-
-def full_decode(path: Path) -> Image.Image:
-    with Image.open(path) as img:
-        return img.convert("RGB")
 
 
 def pil_window(image: Image.Image, window: tuple, flip: bool, clamp: bool = False) -> np.ndarray:
@@ -106,7 +118,7 @@ def test_cpu_graph_equals_pil_resize_of_the_window(cpu_graph, jpegs):
     assert got.shape == (BATCH, SIZE, SIZE, 3)
     ring_errors = []
     for k, (path, window, flip) in enumerate(zip(paths, WINDOWS, FLIPS, strict=True)):
-        image = full_decode(path)
+        image = decode_rgb(path)
         expected = pil_window(image, window, flip).astype(int)
         error = np.abs(got[k] - expected)
         assert error[1:-1, 1:-1].max() <= 1, (window, error[1:-1, 1:-1].max())
@@ -115,7 +127,7 @@ def test_cpu_graph_equals_pil_resize_of_the_window(cpu_graph, jpegs):
         assert np.abs(got[k] - clamped).max() <= 1, window
         assert np.abs(got[k] - expected[:, ::-1]).mean() > 10  # the opposite flip is far off
     x, y, _, _ = WINDOWS[-1]
-    window_pixels = np.asarray(full_decode(paths[-1]))[y : y + SIZE, x : x + SIZE]
+    window_pixels = np.asarray(decode_rgb(paths[-1]))[y : y + SIZE, x : x + SIZE]
     np.testing.assert_array_equal(got[-1], window_pixels)
     assert max(ring_errors) > 1  # the ring does differ: the model above is what the test verifies
 
@@ -153,24 +165,12 @@ def test_cpu_graph_ignores_exif_orientation(cpu_graph, jpegs, tmp_path):
     tagged = tmp_path / "rotated.jpg"
     exif = Image.Exif()
     exif[0x0112] = 6
-    full_decode(jpegs[0]).save(tagged, quality=90, exif=exif)
+    decode_rgb(jpegs[0]).save(tagged, quality=90, exif=exif)
     with Image.open(tagged) as img:
         assert img.getexif()[0x0112] == 6 and img.size == (320, 240)
     window = (200, 20, 110, 210)  # would be out of range (and fail) in the rotated 240x320 image
     got = run_cpu(cpu_graph, [tagged], [window], [False])[0].astype(int)
-    assert np.abs(got - pil_window(full_decode(tagged), window, False, clamp=True).astype(int)).max() <= 1
-
-
-class _Files(MultiLabelDataset):
-    """JPEG files, every other one with a crop box; no transform (``CropPlans`` reads the samples)."""
-
-    def __init__(self, paths: list[Path]) -> None:
-        super().__init__()
-        self.classes = ["a", "b"]
-        self.samples = [
-            Sample(str(p), None if k % 2 else (20.0, 10.0, 200.0, 150.0)) for k, p in enumerate(paths)
-        ]
-        self.labels = torch.eye(2)[torch.arange(len(paths)) % 2]
+    assert np.abs(got - pil_window(decode_rgb(tagged), window, False, clamp=True).astype(int)).max() <= 1
 
 
 def test_crop_plans_draw_the_fast_pipelines_window_flip_and_colour(jpegs):
@@ -178,7 +178,7 @@ def test_crop_plans_draw_the_fast_pipelines_window_flip_and_colour(jpegs):
     colour parameters the fast pipeline picks for that sample: its window is the full-size crop region
     ``FastTrainTransform.decode`` chooses, its flip whether the fast output is the mirrored crop, its
     parameters the fast output's."""
-    dataset = _Files(jpegs * 2)
+    dataset = PhotoFiles(jpegs * 2)
     fast = FastTrainTransform(SIZE, draft=False)  # full-size decoding: the region is in the file's pixels
     plans = SeededSamples(CropPlans(dataset, FastTrainTransform(SIZE)))
     flips = []
@@ -206,29 +206,105 @@ def test_crop_plans_draw_the_fast_pipelines_window_flip_and_colour(jpegs):
 def test_loader_batches_run_through_the_cpu_graph(cpu_graph, jpegs):
     """A batch of plans as ``DaliTrainLoader`` feeds it (``SeededSamples(CropPlans)``, ``_collate``, a worker
     process) gives, per sample, PIL's resize of its window (edge-padded, see above), flipped as planned."""
-    dataset = _Files(jpegs * 2)
+    dataset = PhotoFiles(jpegs * 2)
     plans = SeededSamples(CropPlans(dataset, FastTrainTransform(SIZE)))
     keys = [(index, sample_seed(3, 0, index)) for index in range(len(dataset))]
-    loader = DataLoader(plans, batch_size=BATCH, sampler=keys, num_workers=1, collate_fn=_collate)
+    loader = DataLoader(plans, batch_size=BATCH, sampler=keys, num_workers=1, collate_fn=collate_plans)
     ((encoded, windows, flips, params, targets),) = list(loader)
     assert params.shape == (BATCH, 9) and torch.equal(targets, dataset.labels)
-    got = _run_pipeline(cpu_graph, encoded, windows, flips).as_array().astype(int)
+    got = run_graph(cpu_graph, encoded, windows, flips).as_array().astype(int)
     for k, (window, flip) in enumerate(zip(windows, flips, strict=True)):
         expected = pil_window(
-            full_decode(jpegs[k % len(jpegs)]), tuple(int(v) for v in window), flip, clamp=True
+            decode_rgb(jpegs[k % len(jpegs)]), tuple(int(v) for v in window), flip, clamp=True
         )
         assert np.abs(got[k] - expected.astype(int)).max() <= 1, window
 
 
-def test_build_pipeline_rejects_an_unknown_device():
+def test_build_pipeline_rejects_an_unknown_device(dali):
     with pytest.raises(ValueError, match="device='tpu'; expected one of gpu, cpu"):
-        _build_pipeline(dali, 1, SIZE, 1, "tpu")
+        _build_pipeline(dali, 1, SIZE, _queued_batch, 1, "tpu")
 
 
 def test_require_dali_names_what_is_missing(monkeypatch):
+    # DALI importable (a stand-in where it is not installed), no CUDA device
+    nvidia = sys.modules.get("nvidia") or types.ModuleType("nvidia")
+    dali_module = sys.modules.get("nvidia.dali") or types.ModuleType("nvidia.dali")
+    monkeypatch.setitem(sys.modules, "nvidia", nvidia)
+    monkeypatch.setitem(sys.modules, "nvidia.dali", dali_module)
+    monkeypatch.setattr(nvidia, "dali", dali_module, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DaliUnavailableError, match="needs a CUDA device; use data.backend=fast"):
         require_dali()
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # import fails as if DALI were not installed
     with pytest.raises(DaliUnavailableError, match=r"needs NVIDIA DALI: pip install 'mlcls\[dali\]'"):
         require_dali()
+
+
+def test_encoded_image_size_reads_headers_and_rejects_a_cut_jpeg(jpegs, tmp_path):
+    """A cut JPEG's header still reads (PIL opens it, the old plans served it and the GPU decoder failed
+    on one rank); the missing end-of-image marker gives it away. Bytes after the marker are allowed."""
+    data = jpegs[0].read_bytes()
+    assert encoded_image_size(data) == (320, 240)
+    assert encoded_image_size(data + b"trailing camera data") == (320, 240)
+    with pytest.raises(OSError, match="truncated"):
+        encoded_image_size(data[: len(data) // 2])
+    png = tmp_path / "x.png"
+    decode_rgb(jpegs[0]).resize((50, 30)).save(png)
+    assert encoded_image_size(png.read_bytes()) == (50, 30)
+    with pytest.raises(OSError):
+        encoded_image_size(b"this is not an image" * 10)
+
+
+def _plan_files(tmp_path: Path, jpegs: list[Path], on_bad_image: str) -> tuple[PhotoFiles, list[Path]]:
+    """Six copies of the photos; the second is corrupt, the third cut in half."""
+    paths = []
+    for k in range(6):
+        path = tmp_path / f"{k}.jpg"
+        path.write_bytes(jpegs[k % len(jpegs)].read_bytes())
+        paths.append(path)
+    corrupt(paths[1])
+    truncate(paths[2])
+    return PhotoFiles(paths, on_bad_image=on_bad_image), paths
+
+
+def test_crop_plans_skip_unreadable_files_as_the_other_backends(jpegs, tmp_path):
+    """``on_bad_image=skip``: samples 1 (corrupt) and 2 (cut) are served by sample 3, bytes and target,
+    and both files are recorded, as the dataset's own reading does."""
+    dataset, paths = _plan_files(tmp_path, jpegs, "skip")
+    plans = SeededSamples(CropPlans(dataset, FastTrainTransform(SIZE)))
+    for index, served in ((0, 0), (1, 3), (2, 3), (3, 3)):
+        plan = plans[(index, sample_seed(0, 0, index))]
+        assert np.array_equal(plan.encoded, np.fromfile(paths[served], dtype=np.uint8)), index
+        assert torch.equal(plan.target, dataset.labels[served])
+    assert dataset.pop_bad_images() == [str(paths[1]), str(paths[2])]
+
+
+def test_crop_plans_name_an_unreadable_file_with_on_bad_image_error(jpegs, tmp_path):
+    dataset, paths = _plan_files(tmp_path, jpegs, "error")
+    plans = CropPlans(dataset, FastTrainTransform(SIZE))
+    for index in (1, 2):
+        with pytest.raises(BadImageError, match=f"cannot read image {re.escape(str(paths[index]))}"):
+            plans[index]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the DALI loader needs CUDA")
+def test_dali_loader_prefetches_and_restarts_after_an_early_stop(dali, jpegs):
+    """With 2 batches decoded ahead: every epoch gives len(loader) batches whose targets follow the sampler,
+    also after an epoch stopped early (the batches still scheduled are dropped)."""
+    from mlcls.data.loader import build_train_loader
+
+    dataset = PhotoFiles(jpegs * 4, FastTrainTransform(SIZE))  # 12 samples: 4 batches of 3
+    loader = build_train_loader(dataset, 3, 0, 0, 1, seed=5, device=torch.device("cuda"), backend="dali")
+    assert len(loader) == 4
+    for stop in (1, None, 2, None):
+        loader.sampler.set_epoch(0)
+        order = [index for index, _ in loader.sampler]
+        batches = []
+        for images, targets in loader:
+            batches.append((images, targets))
+            if len(batches) == stop:
+                break
+        assert len(batches) == (stop or 4)
+        for k, (images, targets) in enumerate(batches):
+            assert images.pixels.shape == (3, 3, SIZE, SIZE) and images.pixels.is_cuda
+            assert torch.equal(targets, dataset.labels[order[3 * k : 3 * k + 3]])

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms.functional as TF
+from data_fixtures import PhotoFiles, decode_rgb, write_photos, write_ramp
 from PIL import Image
 from scipy.stats import ks_2samp
 from torch.utils.data import default_collate
 from torchvision import transforms as T
 
 from mlcls.bench.pipeline_bench import make_jpegs
-from mlcls.data.base import MultiLabelDataset, Sample
 from mlcls.data.fast import (
     AugmentedImage,
     DeviceStage,
@@ -29,7 +29,7 @@ from mlcls.data.fast import (
     draft_reduction,
     load_reduced,
 )
-from mlcls.data.loader import train_loader
+from mlcls.data.loader import build_train_loader
 from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_PCA_EIGVAL, IMAGENET_PCA_EIGVEC, IMAGENET_STD
 from mlcls.data.transforms import build_transform as plain_transform
 
@@ -38,18 +38,12 @@ SIZE = 64
 
 @pytest.fixture(scope="module")
 def jpegs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    return make_jpegs(tmp_path_factory.mktemp("jpegs"), 4, size=(320, 240))
+    return write_photos(tmp_path_factory.mktemp("jpegs"), 4)
 
 
 @pytest.fixture(scope="module")
 def ramp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """512x384 JPEG whose red channel encodes x and green channel y (255 at the far edge)."""
-    width, height = 512, 384
-    y, x = np.mgrid[0:height, 0:width]
-    pixels = np.stack([x * 255 / (width - 1), y * 255 / (height - 1), np.full(x.shape, 128.0)], -1)
-    path = tmp_path_factory.mktemp("ramp") / "ramp.jpg"
-    Image.fromarray(pixels.round().astype(np.uint8)).save(path, quality=95)
-    return path
+    return write_ramp(tmp_path_factory.mktemp("ramp"))
 
 
 def fast_output(transform: FastTrainTransform, path: Path, seed: int) -> tuple[torch.Tensor, PlannedCrop]:
@@ -135,8 +129,7 @@ def test_crop_stays_inside_the_sample_box(ramp):
 
 
 def _pil_pixels(path: Path) -> np.ndarray:
-    with Image.open(path) as img:
-        return np.asarray(img.convert("RGB"))
+    return np.asarray(decode_rgb(path))
 
 
 def test_full_size_decoding_gives_pils_pixels(jpegs, tmp_path):
@@ -273,28 +266,12 @@ def test_build_backend_transform_chooses_per_backend():
         build_backend_transform("opencv", "paper", 224, train=True)
 
 
-class _DecodingFolder(MultiLabelDataset):
-    """A dataset whose transform decodes the files itself (the ``decode(path, box)`` hook)."""
-
-    def __init__(self, paths: list[Path], transform: FastTrainTransform) -> None:
-        super().__init__(transform)
-        self.classes = ["a", "b"]
-        self.samples = [
-            Sample(str(p), None if k % 2 else (20.0, 10.0, 200.0, 150.0)) for k, p in enumerate(paths)
-        ]
-        self.labels = torch.eye(2)[torch.arange(len(paths)) % 2]
-
-    def load_image(self, index: int) -> PlannedCrop:
-        sample = self.samples[index]
-        return self.transform.decode(sample.path, sample.box)
-
-
 def test_batches_are_a_function_of_the_sample_seeds(jpegs):
     """The same batches with 0 or 2 DataLoader workers, and when read again (resume is exact)."""
-    dataset = _DecodingFolder(jpegs * 2, FastTrainTransform(SIZE))
+    dataset = PhotoFiles(jpegs * 2, FastTrainTransform(SIZE))  # the transform decodes the files itself
 
     def batches(workers: int) -> list[tuple[AugmentedImage, torch.Tensor]]:
-        loader = train_loader(dataset, 4, workers, rank=0, world_size=1, seed=3, pin_memory=False)
+        loader = build_train_loader(dataset, 4, workers, 0, 1, 3, torch.device("cpu"), backend="fast")
         loader.sampler.set_epoch(1)
         return list(loader)
 

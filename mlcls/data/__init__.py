@@ -1,8 +1,18 @@
-"""Datasets. Each config in ``configs/dataset/`` names its class with ``_target_``.
+"""Datasets. Each config in ``configs/dataset/`` names its class with ``_target_`` and is instantiated as it
+is, the split added: ``hydra.utils.instantiate(cfg.dataset, split=cfg.dataset.train_split)``.
 
-The keys of a dataset config that are not arguments of the dataset class are read here:
-``name`` (short name), ``image_size`` (network input side), ``transform`` (kind, see
-:mod:`mlcls.data.transforms`), ``train_split`` and ``val_split`` (values passed as ``split``).
+Besides the class's own arguments (``root``, ``year``, ...), every dataset config holds the keys the rest of
+mlcls reads: ``name`` (short name), ``image_size`` (network input side), ``transform`` (a transform name of
+:mod:`mlcls.data.transforms`), ``train_split`` and ``val_split`` (the ``split`` values of training and
+evaluation). The base class :class:`MultiLabelDataset` takes them as arguments (each subclass passes them on
+with ``**config_keys``) and builds the named transform for its split. Chosen over the alternatives because
+it keeps every key path users type (``dataset.root``, ``dataset.image_size``, ...), keeps ``_target_``
+pointing straight at the dataset class, and a plain ``instantiate`` gives a working dataset; a misspelt key
+still fails as an unexpected argument. (``_partial_`` would not remove the keys: Hydra passes every key of
+the node to the target, partial or not.)
+
+:func:`build_dataset` adds what a config does not hold: the split (train or validation) and the transform of
+the input pipeline ``data.backend`` (:mod:`mlcls.data.fast`), which replaces the named one.
 """
 
 from __future__ import annotations
@@ -23,9 +33,6 @@ from mlcls.data.base import (
     Sample,
 )
 from mlcls.data.fast import build_backend_transform
-
-# Keys of a dataset config consumed by the framework rather than passed to the dataset class.
-FRAMEWORK_KEYS = ("name", "image_size", "transform", "train_split", "val_split")
 
 __all__ = [
     "BadImageError",
@@ -48,9 +55,8 @@ def build_dataset(
     cfg = OmegaConf.create(cfg)
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
     transform = build_backend_transform(backend, cfg.get("transform", "paper"), int(cfg.image_size), train)
-    kwargs = {k: v for k, v in cfg.items() if k not in FRAMEWORK_KEYS}
     try:
-        return instantiate(kwargs, split=split, transform=transform, _convert_="all")
+        return instantiate(cfg, split=split, transform=transform, _convert_="all")
     except InstantiationException as exc:
         # Hydra wraps whatever the constructor raises; a dataset error is the user's one-line message.
         if isinstance(exc.__cause__, DatasetError):

@@ -25,18 +25,24 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from mlcls.data.transforms import build_transform
+
 ON_BAD_IMAGE = ("error", "skip")
 # What PIL raises for a missing, unidentifiable, truncated or oversized image file.
 BAD_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 # In ``skip`` mode, give up after this many consecutive unreadable samples (a wrong folder, not bad luck).
 MAX_CONSECUTIVE_BAD = 16
+# Label values: positive, negative, unknown.
+LABEL_VALUES = (1.0, 0.0, -1.0)
+
+T = TypeVar("T")
 
 
 class DatasetError(Exception):
@@ -121,20 +127,76 @@ def nonempty_boxes(boxes: np.ndarray) -> np.ndarray:
     return (boxes[:, 2] > 0) & (boxes[:, 3] > 0)
 
 
+def check_labels(labels: torch.Tensor, classes: Sequence[str], dataset: str) -> torch.Tensor:
+    """``labels`` as float32 (N, C), C = ``len(classes)``, checked to hold only 1, 0 and -1; else one
+    :class:`DatasetFormatError` line naming ``dataset``, the first bad value, its row and class.
+
+    Checked once, when the dataset is built: the losses and metrics rely on it at every step.
+    """
+    labels = torch.as_tensor(labels, dtype=torch.float32)
+    if labels.ndim != 2 or labels.shape[1] != len(classes):
+        raise DatasetFormatError(
+            f"{dataset}: labels of shape {tuple(labels.shape)}; expected (samples, {len(classes)}), one "
+            "column per class"
+        )
+    valid = torch.isin(labels, torch.tensor(LABEL_VALUES))
+    if not bool(valid.all()):
+        row, column = torch.nonzero(~valid)[0].tolist()
+        raise DatasetFormatError(
+            f"{dataset}: label {labels[row, column].item():g} for sample {row}, class {classes[column]!r}; "
+            "expected 1 (positive), 0 (negative) or -1 (unknown)"
+        )
+    return labels
+
+
 class MultiLabelDataset(Dataset):
     """Serves ``(image, target)``: ``image`` is the transformed PIL image, ``target`` a float32 (C,) row.
 
+    Takes the keys every dataset config holds besides the subclass's own (see :mod:`mlcls.data`), so that a
+    config instantiates as it is: ``hydra.utils.instantiate(cfg.dataset, split=...)``.
+
     Args:
-        transform: applied to the PIL image.
+        transform: applied to the PIL image; or the name of a transform of
+            :func:`mlcls.data.transforms.build_transform` (``dataset.transform``: ``paper``, ``light``), built
+            at ``image_size`` for training when ``split == train_split``, else for evaluation.
         on_bad_image: ``"error"`` or ``"skip"`` (see the module docstring).
+        split: the split this dataset serves (checked by the subclass).
+        name: the dataset's short name (``dataset.name``, in results and reports).
+        image_size: the network's input side (``dataset.image_size``).
+        train_split, val_split: the splits training and evaluation use (``dataset.train_split``, ...).
     """
 
     classes: list[str]
-    labels: torch.Tensor
 
-    def __init__(self, transform: Callable | None = None, on_bad_image: str = "error") -> None:
+    def __init__(
+        self,
+        transform: Callable | str | None = None,
+        on_bad_image: str = "error",
+        *,
+        split: str | None = None,
+        name: str | None = None,
+        image_size: int = 224,
+        train_split: str = "train",
+        val_split: str = "val",
+    ) -> None:
+        self.name, self.image_size = name, int(image_size)
+        self.train_split, self.val_split = train_split, val_split
+        if isinstance(transform, str):
+            transform = build_transform(transform, self.image_size, train=split == train_split)
         self.transform = transform
         self.on_bad_image = check_choice("on_bad_image", on_bad_image, ON_BAD_IMAGE)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """float32 (N, C): 1 positive, 0 negative, -1 unknown; checked by :func:`check_labels` when set
+        (set ``classes`` first)."""
+        return self._labels
+
+    @labels.setter
+    def labels(self, labels: torch.Tensor) -> None:
+        split = getattr(self, "split", None)
+        described = type(self).__name__ + (f" ({split} split)" if split else "")
+        self._labels = check_labels(labels, self.classes, described)
 
     @property
     def samples(self) -> list[Sample]:
@@ -173,10 +235,20 @@ class MultiLabelDataset(Dataset):
 
     def read_image(self, index: int) -> tuple[Image.Image, int]:
         """``(image, index_served)``: sample ``index``, or in ``skip`` mode the next readable one."""
+        return self.read_sample(index, self.load_image)
+
+    def read_sample(self, index: int, read: Callable[[int], T]) -> tuple[T, int]:
+        """``(read(i), i)`` for ``i = index``; when ``read`` raises a bad-image error (``OSError``, ...):
+        :class:`BadImageError` naming the file (``on_bad_image="error"``), or the next ``i`` whose read
+        succeeds, the bad file recorded for :meth:`pop_bad_images` (``"skip"``).
+
+        The reading path of every input pipeline: ``read`` is :meth:`load_image` here, the DALI backend's
+        header-and-bytes read there.
+        """
         for attempt in range(min(MAX_CONSECUTIVE_BAD, len(self))):
             current = (index + attempt) % len(self)
             try:
-                return self.load_image(current), current
+                return read(current), current
             except BAD_IMAGE_ERRORS as exc:
                 path = self.samples[current].path
                 if self.on_bad_image == "error":

@@ -19,6 +19,7 @@ import io
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,27 +44,30 @@ class COCO(MultiLabelDataset):
 
     Args:
         split: ``"train"`` or ``"val"``.
-        transform: applied to the PIL image.
+        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
         root: folder holding ``annotations/`` and the image folders.
         year: 2014 or 2017.
         train_images, val_images: image folders (relative to ``root`` or absolute); default
             ``{split}{year}``, e.g. ``images/train2014`` for the other common layout.
         keep_empty: keep images without any annotation (all-negative rows).
         on_bad_image: ``"error"`` or ``"skip"``.
+        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
+            :class:`MultiLabelDataset`).
     """
 
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | None = None,
+        transform: Callable | str | None = None,
         root: str = "data/coco",
         year: int = 2014,
         train_images: str | None = None,
         val_images: str | None = None,
         keep_empty: bool = False,
         on_bad_image: str = "error",
+        **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image)
+        super().__init__(transform, on_bad_image, split=split, **config_keys)
         self.split = check_choice("COCO split", split, SPLITS)
         year = int(check_choice("COCO year", str(year), tuple(map(str, YEARS))))
         image_dir = (train_images if split == "train" else val_images) or f"{split}{year}"

@@ -19,17 +19,22 @@ Two label formats:
 Classes: ``classes`` given (that order; any other name is an error), or inferred: the sorted names found in
 the training and validation files (labels column), or the class columns in header order (one-hot).
 
-Image paths are relative to ``root / image_dir`` (or absolute). Validation data: ``val_file``, or else a
-random ``val_fraction`` of the training file, drawn with ``seed`` (the same seed gives the same split).
+Image paths are relative to ``root / image_dir`` (or absolute). Validation data: ``val_file``, or else about
+``val_fraction`` of the training file's images, each held out or not by a hash of its path as written in the
+file and ``seed`` (:func:`held_out`): the split is a function of each image alone, so appending rows to the
+file never moves an image between training and validation, and the rows of one image stay together (a file
+so small that no image is held out gets one: the one of smallest hash).
 The file delimiter follows the extension (``.tsv``/``.tab`` -> tab, else comma) unless ``delimiter`` is set.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,12 +87,12 @@ class CSVDataset(MultiLabelDataset):
 
     Args:
         split: ``"train"`` or ``"val"``.
-        transform: applied to the PIL image.
+        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
         root: folder the files and images are relative to.
         train_file: the training list (relative to ``root`` or absolute).
         val_file: the validation list; ``None`` to hold out ``val_fraction`` of ``train_file``.
         val_fraction: share of ``train_file`` held out for validation when there is no ``val_file``.
-        seed: seed of that random hold-out.
+        seed: seed of that hold-out (another seed, another split).
         image_column: column holding the image paths.
         labels_column: column of delimited class names; ``None`` for one column per class.
         label_delimiter: separator of the names in ``labels_column``.
@@ -95,12 +100,14 @@ class CSVDataset(MultiLabelDataset):
         image_dir: folder the image paths are relative to, itself relative to ``root``.
         delimiter: the file's field delimiter; ``None`` to choose from the extension.
         on_bad_image: ``"error"`` or ``"skip"``.
+        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
+            :class:`MultiLabelDataset`).
     """
 
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | None = None,
+        transform: Callable | str | None = None,
         root: str = ".",
         train_file: str = "train.csv",
         val_file: str | None = None,
@@ -113,8 +120,9 @@ class CSVDataset(MultiLabelDataset):
         image_dir: str = "",
         delimiter: str | None = None,
         on_bad_image: str = "error",
+        **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image)
+        super().__init__(transform, on_bad_image, split=split, **config_keys)
         self.split = check_choice("csv split", split, SPLITS)
         layout = (
             f"{root}/{train_file} with columns {image_column!r} and labels, images under {root}/{image_dir}"
@@ -148,7 +156,7 @@ class CSVDataset(MultiLabelDataset):
         images = [os.path.join(image_root, row[column]) for row in rows]  # an absolute path stays as it is
 
         if not val_file:
-            chosen = self._holdout(len(rows), val_fraction, seed, split)
+            chosen = self._holdout([row[column] for row in rows], val_fraction, seed, split)
             labels, images = labels[chosen], [images[i] for i in chosen]
         if not images:
             raise DatasetFormatError(f"{paths[source]}: the {split} split is empty")
@@ -160,15 +168,33 @@ class CSVDataset(MultiLabelDataset):
         self.samples = [Sample(path) for path in images]
 
     @staticmethod
-    def _holdout(count: int, val_fraction: float, seed: int, split: str) -> np.ndarray:
-        """Sorted row indices of ``split`` when ``round(val_fraction * count)`` random rows are held out."""
-        val_count = int(round(val_fraction * count))
-        if split == "val" and val_count == 0:
-            raise DatasetConfigError(
-                "the csv dataset has no validation data: set dataset.val_file or dataset.val_fraction > 0"
-            )
-        order = np.random.default_rng(seed).permutation(count)
-        return np.sort(order[:val_count] if split == "val" else order[val_count:])
+    def _holdout(images: list[str], val_fraction: float, seed: int, split: str) -> np.ndarray:
+        """Indices of the rows of ``split``: those whose image :func:`held_out` puts in validation (``val``)
+        or not (``train``). When no image is held out (a file of a few rows), the image of smallest
+        :func:`image_hash` is, so that validation is never empty."""
+        if val_fraction == 0:
+            if split == "val":
+                raise DatasetConfigError(
+                    "the csv dataset has no validation data: set dataset.val_file or dataset.val_fraction > 0"
+                )
+            return np.arange(len(images))
+        hashes = [image_hash(image, seed) for image in images]
+        in_val = np.array([held_out(image, val_fraction, seed) for image in images], dtype=bool)
+        if not in_val.any():
+            in_val = np.array(hashes) == min(hashes)
+        return np.flatnonzero(in_val if split == "val" else ~in_val)
+
+
+def image_hash(image: str, seed: int) -> int:
+    """The first 8 bytes of SHA-1(``"<seed>:<image>"``): a uniform 64-bit integer per (seed, image path)."""
+    return int.from_bytes(hashlib.sha1(f"{seed}:{image}".encode()).digest()[:8], "big")
+
+
+def held_out(image: str, val_fraction: float, seed: int) -> bool:
+    """Whether ``image`` (its path as written in the CSV file) is held out for validation:
+    ``image_hash(image, seed) < val_fraction * 2**64``. Each image is held out with probability
+    ``val_fraction``, independently of every other row of the file."""
+    return image_hash(image, seed) < val_fraction * 2**64
 
 
 def _split_names(cell: str, label_delimiter: str) -> list[str]:

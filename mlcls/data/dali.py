@@ -14,13 +14,21 @@ Division of work, chosen so that the augmentation stays a function of each sampl
   is how the tests check it without a GPU;
 * :class:`mlcls.data.fast.DeviceStage` applies colour jitter, lighting and normalisation as for ``fast``.
 
-No DALI random operator is used, so a resumed run sees exactly the batches it would have seen.
+No DALI random operator is used, so a resumed run sees exactly the batches it would have seen. The workers
+read each file through the dataset's reading path, so ``dataset.on_bad_image`` applies as with the other
+backends, and a JPEG cut short is caught there (no end-of-image marker) rather than by the GPU decoder on
+one rank. The graph pulls the plan batches itself (``external_source`` with a ``source``) and runs
+``prefetch_depth`` batches ahead (``build_train_loader(..., dali_prefetch=2)``), so that GPU decoding
+overlaps the training step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import contextlib
+import io
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,8 +36,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from mlcls.data.base import DatasetConfigError, MultiLabelDataset, crop_box
-from mlcls.data.fast import AugmentedImage, FastTrainTransform
-from mlcls.data.loader import ResumableSampler, SeededSamples
+from mlcls.data.fast import AugmentedImage, FastTrainTransform, jpeg_header
+from mlcls.data.loader import PREFETCH_FACTOR, ResumableSampler, SeededSamples
 
 # DALI decoder device for each graph device: nvJPEG on the GPU ("mixed": CPU input, GPU output), or the CPU.
 DECODER_DEVICES = {"gpu": "mixed", "cpu": "cpu"}
@@ -54,10 +62,42 @@ def require_dali() -> Any:
     return dali
 
 
-class CropPlans(Dataset):
-    """``plans[index]``: the encoded file, its crop window, flip and colour parameters, and its target.
+def encoded_image_size(data: bytes) -> tuple[int, int]:
+    """``(width, height)`` of an encoded image, from its header.
 
-    Runs inside ``SeededSamples`` (per-sample seed); draws in the order of the fast pipeline.
+    Raises ``OSError`` (or what PIL raises for a file it cannot identify) for what the GPU decoder would
+    fail on and can be told without decoding: not an image, a damaged header, and a JPEG cut short, which
+    has no end-of-image marker (FFD9) after its last start-of-scan marker (FFDA): entropy-coded data never
+    holds an FFD9 (an FF byte is stuffed as FF00), and an EXIF thumbnail's markers come before the image's
+    scans.
+    """
+    jpeg_size = jpeg_header(data)
+    if jpeg_size is None:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    if data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda"):
+        raise OSError("JPEG file is truncated (no end-of-image marker after its last scan)")
+    return jpeg_size
+
+
+class CropPlan(NamedTuple):
+    """One sample as :class:`CropPlans` serves it: ``encoded`` file bytes uint8 (N,), crop ``window``
+    float32 ``(x, y, w, h)`` in pixels, ``flip``, colour ``params`` float32 (9,) and ``target`` (C,)."""
+
+    encoded: np.ndarray
+    window: np.ndarray
+    flip: bool
+    params: torch.Tensor
+    target: torch.Tensor
+
+
+class CropPlans(Dataset):
+    """``plans[index]``: the :class:`CropPlan` of sample ``index``.
+
+    Runs inside ``SeededSamples`` (per-sample seed); draws in the order of the fast pipeline. Files are read
+    through the dataset's reading path (:meth:`MultiLabelDataset.read_sample`), so ``dataset.on_bad_image``
+    applies as with the other backends: ``error`` raises :class:`mlcls.data.base.BadImageError` naming the
+    file, ``skip`` serves the next readable sample (image and target) and records the bad one.
     """
 
     def __init__(self, dataset: MultiLabelDataset, transform: FastTrainTransform) -> None:
@@ -66,30 +106,56 @@ class CropPlans(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray, bool, torch.Tensor, torch.Tensor]:
+    def plan(self, index: int) -> CropPlan:
+        """The plan of sample ``index`` itself; ``OSError`` when its file cannot be read."""
         sample = self.dataset.samples[index]
-        with Image.open(sample.path) as img:
-            width, height = img.size
+        with open(sample.path, "rb") as f:
+            data = f.read()
+        width, height = encoded_image_size(data)
         whole = (0, 0, width, height)
         left, top, right, bottom = whole if sample.box is None else crop_box(sample.box, width, height)
         i, j, h, w = self.transform.crop_params(right - left, bottom - top)
         flip = bool(torch.rand(1) < 0.5)
         params = self.transform.colour_params()
-        with open(sample.path, "rb") as f:
-            encoded = np.frombuffer(f.read(), dtype=np.uint8)
         window = np.array([left + j, top + i, w, h], dtype=np.float32)  # x, y, width, height
-        return encoded, window, flip, params, self.dataset.labels[index]
+        encoded = np.frombuffer(data, dtype=np.uint8)
+        return CropPlan(encoded, window, flip, params, self.dataset.labels[index])
+
+    def __getitem__(self, index: int) -> CropPlan:
+        plan, _ = self.dataset.read_sample(index, self.plan)
+        return plan
 
 
-def _collate(items: list[tuple]) -> tuple[list, list, list, torch.Tensor, torch.Tensor]:
-    encoded, windows, flips, params, targets = zip(*items, strict=True)
-    return list(encoded), list(windows), list(flips), torch.stack(params), torch.stack(targets)
+class PlanBatch(NamedTuple):
+    """A batch of B :class:`CropPlan`: ``encoded``, ``windows`` and ``flips`` as lists (what the DALI graph
+    takes), ``params`` (B, 9) and ``targets`` (B, C) stacked."""
+
+    encoded: list[np.ndarray]
+    windows: list[np.ndarray]
+    flips: list[np.ndarray]
+    params: torch.Tensor
+    targets: torch.Tensor
+
+
+def collate_plans(plans: list[CropPlan]) -> PlanBatch:
+    """Batch the plans; each flip becomes the int32 scalar array the graph's flip operator reads."""
+    return PlanBatch(
+        [plan.encoded for plan in plans],
+        [plan.window for plan in plans],
+        [np.array(plan.flip, dtype=np.int32) for plan in plans],
+        torch.stack([plan.params for plan in plans]),
+        torch.stack([plan.target for plan in plans]),
+    )
 
 
 class DaliTrainLoader:
-    """Training batches ``(AugmentedImage on the GPU, targets)``; a drop-in for ``loader.train_loader``.
+    """Training batches ``(AugmentedImage on the GPU, targets)``, the ``dali`` case of
+    :func:`mlcls.data.loader.build_train_loader` (which builds it).
 
-    ``sampler`` is the same :class:`ResumableSampler` (``set_epoch``, ``set_start`` for exact resume).
+    ``sampler`` is the given :class:`ResumableSampler` (``set_epoch``, ``set_start`` for exact resume).
+    DataLoader workers read the files and draw the plans; the DALI graph keeps ``prefetch_depth`` batches
+    scheduled ahead of the one handed out, so GPU decoding overlaps the training step. Each batch's copy
+    into torch runs on the current CUDA stream (the side stream of the :class:`DevicePrefetcher`).
     """
 
     def __init__(
@@ -97,62 +163,90 @@ class DaliTrainLoader:
         dataset: MultiLabelDataset,
         batch_size: int,
         workers: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        size: int,
-        device_id: int = 0,
+        sampler: ResumableSampler,
+        transform: FastTrainTransform,
+        device: torch.device,
+        prefetch_depth: int = 2,
     ) -> None:
         dali = require_dali()
-        self.batch_size, self.size, self.device_id = batch_size, size, device_id
-        self.sampler = ResumableSampler(dataset, world_size, rank, seed)
+        if prefetch_depth < 1:
+            raise DatasetConfigError(f"the DALI prefetch depth must be at least 1, got {prefetch_depth}")
+        self.batch_size, self.size = batch_size, transform.size
+        self.device = torch.device(
+            "cuda", torch.cuda.current_device() if device.index is None else device.index
+        )
+        self.sampler = sampler
         self.plans = DataLoader(
-            SeededSamples(CropPlans(dataset, FastTrainTransform(size))),
+            SeededSamples(CropPlans(dataset, transform)),
             batch_size=batch_size,
-            sampler=self.sampler,
+            sampler=sampler,
             num_workers=workers,
             drop_last=True,
-            collate_fn=_collate,
+            collate_fn=collate_plans,
             persistent_workers=workers > 0,
-            prefetch_factor=4 if workers > 0 else None,
+            prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
         )
-        self.pipeline = _build_pipeline(dali, batch_size, size, max(1, workers), "gpu", device_id)
+        # The graph pulls the epoch's plan batches through this iterator; their params and targets wait in
+        # ``_scheduled`` (oldest first) until the graph hands out the batch's pixels.
+        self._epoch_plans: Iterator[PlanBatch] = iter(())
+        self._scheduled: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+        self.pipeline = _build_pipeline(
+            dali, batch_size, self.size, self._next_plans, max(1, workers), "gpu", self.device.index,
+            prefetch_depth,
+        )  # fmt: skip
         self.pipeline.build()
 
     def __len__(self) -> int:
         return len(self.plans)
 
+    def _next_plans(self) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        batch = next(self._epoch_plans)  # StopIteration ends the graph's epoch
+        self._scheduled.append((batch.params, batch.targets))
+        return batch.encoded, batch.windows, batch.flips
+
     def __iter__(self) -> Iterator[tuple[AugmentedImage, torch.Tensor]]:
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
-        device = torch.device("cuda", self.device_id)
-        for encoded, windows, flips, params, targets in self.plans:
-            images = _run_pipeline(self.pipeline, encoded, windows, flips)
-            pixels = torch.empty((len(encoded), self.size, self.size, 3), dtype=torch.uint8, device=device)
-            feed_ndarray(images.as_tensor(), pixels, cuda_stream=torch.cuda.current_stream(device))
-            yield AugmentedImage(pixels.permute(0, 3, 1, 2), params.to(device, non_blocking=True)), targets
-
-
-def _run_pipeline(
-    pipeline: Any, encoded: list[np.ndarray], windows: list[np.ndarray], flips: list[bool]
-) -> Any:
-    """Feed one batch of :class:`CropPlans` to the graph of :func:`_build_pipeline` and run it.
-
-    ``encoded``: B uint8 (N,) file contents; ``windows``: B float32 (4,) ``(x, y, w, h)`` in pixels;
-    ``flips``: B flags. Returns the DALI ``TensorList`` of B uint8 (size, size, 3) images, on the GPU or on
-    the CPU as the graph's ``device``.
-    """
-    pipeline.feed_input("encoded", encoded)
-    pipeline.feed_input("window", windows)
-    pipeline.feed_input("flip", [np.array(flip, dtype=np.int32) for flip in flips])
-    (images,) = pipeline.run()
-    return images
+        self._epoch_plans, self._scheduled = iter(self.plans), deque()
+        try:
+            while True:
+                try:
+                    (images,) = self.pipeline.run()
+                except StopIteration:
+                    return
+                params, targets = self._scheduled.popleft()
+                shape = (len(images), self.size, self.size, 3)
+                pixels = torch.empty(shape, dtype=torch.uint8, device=self.device)
+                feed_ndarray(images.as_tensor(), pixels, cuda_stream=torch.cuda.current_stream(self.device))
+                params = params.to(self.device, non_blocking=True)
+                yield AugmentedImage(pixels.permute(0, 3, 1, 2), params), targets
+        finally:
+            # Stopped early (the trainer's limit_train_batches) or at the end: drop the batches still
+            # scheduled, and start the next epoch from a fresh graph epoch.
+            self._epoch_plans = iter(())
+            with contextlib.suppress(StopIteration):
+                while True:
+                    self.pipeline.run()
+            self.pipeline.reset()
+            self._scheduled.clear()
 
 
 def _build_pipeline(
-    dali: Any, batch_size: int, size: int, threads: int, device: str = "gpu", device_id: int = 0
+    dali: Any,
+    batch_size: int,
+    size: int,
+    source: Callable[[], tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]],
+    threads: int,
+    device: str = "gpu",
+    device_id: int | None = 0,
+    prefetch_depth: int = 2,
 ) -> Any:
     """DALI graph: encoded bytes + (x, y, w, h) window + flip flag -> uint8 (size, size, 3) images.
+
+    ``source()`` gives the next batch: B uint8 (N,) file contents, B float32 (4,) windows in pixels and B
+    int32 flip flags; it raises ``StopIteration`` at the end of an epoch, after which ``pipeline.run()``
+    hands out the batches still scheduled, then raises ``StopIteration`` until ``pipeline.reset()``.
+    The graph runs ``prefetch_depth`` batches ahead of the one ``run()`` returns.
 
     ``device="gpu"`` (training): nvJPEG decoding (``mixed``) and GPU resize and flip on GPU ``device_id``.
     ``device="cpu"``: the same operators on the CPU (libjpeg-turbo decoding), no GPU needed; ``device_id``
@@ -168,12 +262,10 @@ def _build_pipeline(
         batch_size=batch_size,
         num_threads=threads,
         device_id=device_id if device == "gpu" else None,
-        prefetch_queue_depth=1,
+        prefetch_queue_depth=prefetch_depth,
     )
     def crop_decode_resize() -> Any:
-        encoded = fn.external_source(name="encoded", dtype=types.UINT8)
-        window = fn.external_source(name="window", dtype=types.FLOAT)
-        flip = fn.external_source(name="flip", dtype=types.INT32)
+        encoded, window, flip = fn.external_source(source=source, num_outputs=3, batch=True)
         images = fn.decoders.image_slice(
             encoded,
             window[0:2],

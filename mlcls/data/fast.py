@@ -272,18 +272,46 @@ def collate_batch(batch: list[Any]) -> Any:
     return collate(batch, collate_fn_map=_COLLATE_FNS)
 
 
+@dataclass(frozen=True)
+class ColourConstants:
+    """The constant tensors of the device stage, on one device: the PCA lighting basis ``eigval`` (3,) and
+    ``eigvec`` (3, 3), the normalisation ``mean`` (3,) and ``inv_std`` (1, 3, 1, 1), and the luma weights
+    ``gray_weight`` (1, 3, 1, 1) (:data:`GRAY_WEIGHTS`). Made once per :class:`DeviceStage`, so that no
+    step copies them from the host (a blocking copy on CUDA)."""
+
+    eigval: Tensor
+    eigvec: Tensor
+    mean: Tensor
+    inv_std: Tensor
+    gray_weight: Tensor
+
+    @classmethod
+    def on(
+        cls,
+        device: torch.device | str,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+    ) -> ColourConstants:
+        device = torch.device(device)
+        return cls(
+            eigval=IMAGENET_PCA_EIGVAL.to(device),
+            eigvec=IMAGENET_PCA_EIGVEC.to(device),
+            mean=torch.tensor(mean, device=device),
+            inv_std=(1.0 / torch.tensor(std, device=device)).view(1, 3, 1, 1),
+            gray_weight=torch.tensor(GRAY_WEIGHTS, device=device).view(1, 3, 1, 1),
+        )
+
+
 def colour_lighting_normalise(
-    pixels: Tensor,
-    params: Tensor,
-    mean: Sequence[float] = IMAGENET_MEAN,
-    std: Sequence[float] = IMAGENET_STD,
-    batched: bool | None = None,
+    pixels: Tensor, params: Tensor, constants: ColourConstants | None = None, batched: bool | None = None
 ) -> Tensor:
     """Device stage on a batch: ColorJitter with per-sample order and factors, PCA lighting, normalisation.
 
     Args:
         pixels: uint8 (B, 3, H, W).
         params: float (B, 9), as in :class:`AugmentedImage`.
+        constants: on ``pixels``' device (:class:`DeviceStage` keeps them); default: made for this call,
+            with ImageNet's mean and standard deviation.
         batched: all images at once (default on CUDA), or one at a time (default on the CPU).
 
     Returns float32 (B, 3, H, W). Each jitter step is torchvision's float blend
@@ -291,34 +319,35 @@ def colour_lighting_normalise(
     (contrast) or its grey image (saturation); then ``x + eigvec @ (alpha * eigval)`` (no clamp, as
     :class:`mlcls.data.transforms.Lighting`) and ``(x - mean) / std``, fused into ``x * scale + shift``.
 
-    Batched, every step computes what any image needs (reading the operation codes on the host would wait
-    for the device). One at a time, each image stays in the CPU cache and each step computes only what its
-    operation needs.
+    Batched, every step computes what any image needs and nothing is read back to the host (no sync on
+    CUDA). One at a time (the CPU), each image stays in the CPU cache and each step computes only what its
+    operation needs, read from the operation codes.
     """
     device = pixels.device
-    eigval, eigvec = IMAGENET_PCA_EIGVAL.to(device), IMAGENET_PCA_EIGVEC.to(device)
-    rgb_shift = (params[:, PARAMS_ALPHA].float() * eigval) @ eigvec.T
-    scale = 1.0 / torch.tensor(std, device=device)
-    shift = ((rgb_shift - torch.tensor(mean, device=device)) * scale).view(-1, 3, 1, 1)
-    scale = scale.view(1, 3, 1, 1)
+    c = ColourConstants.on(device) if constants is None else constants
+    rgb_shift = (params[:, PARAMS_ALPHA].float() * c.eigval) @ c.eigvec.T
+    shift = (rgb_shift - c.mean).view(-1, 3, 1, 1) * c.inv_std
     if batched is None:
         batched = device.type != "cpu"
     if batched:
-        return _colour_jitter(pixels.float(), params, known_codes=False).mul_(scale).add_(shift)
+        x = _colour_jitter(pixels.float(), params, c.gray_weight, known_codes=False)
+        return x.mul_(c.inv_std).add_(shift)
     out = torch.empty(pixels.shape, device=device)
     for k in range(pixels.shape[0]):
         # Contiguous: the CPU's vectorised kernels need it for the per-channel operands.
-        x = _colour_jitter(pixels[k : k + 1].float().contiguous(), params[k : k + 1], known_codes=True)
-        torch.mul(x, scale, out=out[k : k + 1]).add_(shift[k : k + 1])
+        x = _colour_jitter(
+            pixels[k : k + 1].float().contiguous(), params[k : k + 1], c.gray_weight, known_codes=True
+        )
+        torch.mul(x, c.inv_std, out=out[k : k + 1]).add_(shift[k : k + 1])
     return out
 
 
-def _colour_jitter(x: Tensor, params: Tensor, known_codes: bool) -> Tensor:
+def _colour_jitter(x: Tensor, params: Tensor, gray_weight: Tensor, known_codes: bool) -> Tensor:
     """The three ColorJitter steps of :func:`colour_lighting_normalise`, in place on float (B, 3, H, W)
-    pixel values in [0, 255]; returns ``x``, in [0, 1]. ``known_codes``: read the operation codes on the
-    host and compute only what the images of the batch need."""
+    pixel values in [0, 255]; returns ``x``, in [0, 1]. ``gray_weight``: (1, 3, 1, 1) luma weights.
+    ``known_codes``: read the operation codes on the host (a sync on CUDA: CPU batches only) and compute
+    only what the images of the batch need."""
     x = x.mul_(1.0 / 255.0)
-    gray_weight = torch.tensor(GRAY_WEIGHTS, device=x.device).view(1, 3, 1, 1)
     order = params[:, PARAMS_ORDER].long()
     factors = params[:, PARAMS_FACTORS].float()
     for position in range(order.shape[1]):
@@ -343,23 +372,27 @@ def _colour_jitter(x: Tensor, params: Tensor, known_codes: bool) -> Tensor:
 
 
 class DeviceStage:
-    """Moves a training batch to ``device`` and finishes it there: what ``Trainer.train_step`` calls first.
+    """Moves a training batch to ``device`` and finishes it there (what :class:`mlcls.data.loader.
+    DevicePrefetcher` applies to every batch).
 
     A float tensor (the plain pipeline, the ``light`` transform) is only copied; an
-    :class:`AugmentedImage` batch goes through :func:`colour_lighting_normalise`. The result is in
-    channels_last layout when ``channels_last`` is set, contiguous otherwise.
+    :class:`AugmentedImage` batch goes through :func:`colour_lighting_normalise` with the stage's
+    :class:`ColourConstants`, made on ``device`` once, here. The result is in channels_last layout when
+    ``channels_last`` is set, contiguous otherwise. Copies are ``non_blocking`` (asynchronous from pinned
+    memory); on CUDA nothing is read back to the host.
     """
 
     def __init__(self, device: torch.device | str, channels_last: bool = False) -> None:
         self.device = torch.device(device)
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.constants = ColourConstants.on(self.device)
 
     def __call__(self, images: Tensor | AugmentedImage) -> Tensor:
         """float32 (B, 3, H, W) on ``device``, normalised."""
         if isinstance(images, AugmentedImage):
             pixels = images.pixels.to(self.device, non_blocking=True)
             params = images.params.to(self.device, non_blocking=True)
-            images = colour_lighting_normalise(pixels, params)
+            images = colour_lighting_normalise(pixels, params, self.constants)
         else:
             images = images.to(self.device, non_blocking=True)
         return images.contiguous(memory_format=self.memory_format)

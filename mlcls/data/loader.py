@@ -1,4 +1,10 @@
-"""Samplers and DataLoaders for training and (distributed) evaluation.
+"""Samplers, DataLoaders and the device prefetcher for training and (distributed) evaluation.
+
+The trainer and ``mlcls-eval`` build their loaders with :func:`build_train_loader` and
+:func:`build_eval_loader` (the ``fast``/``torchvision`` DataLoader or the DALI loader, workers capped at the
+CPUs this process may use, pinned memory and persistent workers on CUDA), and iterate the training loader
+through :class:`DevicePrefetcher`, which hands each batch over on the device, finished by the
+:class:`mlcls.data.fast.DeviceStage`, its copy overlapped with the previous step on CUDA.
 
 Training randomness is a function of ``(seed, epoch, sample index)`` only: the sampler draws the epoch's
 permutation from ``seed + epoch`` (``DistributedSampler``'s rule, also for a single process) and hands each
@@ -9,15 +15,25 @@ in the middle of an epoch (``ResumableSampler.set_start``) sees exactly the batc
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import random
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from mlcls.data.fast import collate_batch
+from mlcls.data.base import DatasetConfigError
+from mlcls.data.fast import AugmentedImage, DeviceStage, FastTrainTransform, collate_batch
+
+log = logging.getLogger("mlcls")
+
+# Batches each DataLoader worker keeps ready (torch's default is 2): decoding times vary from image to image.
+PREFETCH_FACTOR = 4
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -95,32 +111,170 @@ class ShardSampler(Sampler[int]):
         return len(range(self.rank, self.num_samples, self.world_size))
 
 
-def train_loader(
-    dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, seed: int, pin_memory: bool
-) -> DataLoader:
-    """Shuffled loader of ``batch_size`` samples per process over a :class:`ResumableSampler`;
-    the incomplete last batch is dropped. Call ``loader.sampler.set_epoch(epoch)`` every epoch."""
+def available_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (what a SLURM or cgroup allocation sets), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def loader_workers(requested: int) -> int:
+    """``requested`` DataLoader workers (``trainer.workers``), at most :func:`available_cpus`.
+
+    More workers than CPUs only compete for them (torch warns about it for every loader); the cap is
+    logged once per process.
+    """
+    cpus = available_cpus()
+    if requested <= cpus:
+        return requested
+    _log_worker_cap(requested, cpus)
+    return cpus
+
+
+@functools.cache
+def _log_worker_cap(requested: int, cpus: int) -> None:
+    log.info("DataLoader workers capped at the %d CPUs this process may use (%d requested)", cpus, requested)
+
+
+class TrainBatches(Protocol):
+    """What :func:`build_train_loader` returns: an iterable of ``(images, targets)`` batches with a length
+    and a :class:`ResumableSampler`."""
+
+    sampler: ResumableSampler
+
+    def __iter__(self) -> Iterator[tuple[Tensor | AugmentedImage, Tensor]]: ...
+
+    def __len__(self) -> int: ...
+
+
+def build_train_loader(
+    dataset: Dataset,
+    batch_size: int,
+    workers: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    device: torch.device,
+    backend: str,
+    dali_prefetch: int = 2,
+) -> TrainBatches:
+    """The training loader of ``data.backend``: ``batch_size`` samples per process, shuffled by a
+    :class:`ResumableSampler` (``loader.sampler.set_epoch(epoch)`` every epoch, ``set_start(samples)`` to
+    resume mid-epoch), the incomplete last batch dropped; ``len(loader)`` batches per epoch.
+
+    ``backend`` ``"fast"`` or ``"torchvision"``: a DataLoader over the dataset's own transform, workers
+    capped by :func:`loader_workers`, persistent and prefetching, pinned memory when ``device`` is CUDA.
+    ``"dali"``: a :class:`mlcls.data.dali.DaliTrainLoader` (the dataset's transform must be the
+    :class:`FastTrainTransform` that ``build_dataset(..., backend="dali")`` gives with
+    ``dataset.transform=paper``), keeping ``dali_prefetch`` batches decoded ahead on the GPU.
+    Batches come on the host (DALI: pixels on the GPU); :class:`DevicePrefetcher` finishes them.
+    """
+    workers = loader_workers(workers)
+    sampler = ResumableSampler(dataset, world_size, rank, seed)
+    if backend == "dali":
+        from mlcls.data.dali import DaliTrainLoader
+
+        transform = getattr(dataset, "transform", None)
+        if not isinstance(transform, FastTrainTransform):
+            raise DatasetConfigError(
+                "data.backend=dali does the paper's augmentation only; use dataset.transform=paper"
+            )
+        return DaliTrainLoader(dataset, batch_size, workers, sampler, transform, device, dali_prefetch)
     return DataLoader(
         SeededSamples(dataset),
         batch_size=batch_size,
-        sampler=ResumableSampler(dataset, world_size, rank, seed),
+        sampler=sampler,
         num_workers=workers,
-        pin_memory=pin_memory,
+        pin_memory=device.type == "cuda",
         drop_last=True,
         collate_fn=collate_batch,
         persistent_workers=workers > 0,
-        prefetch_factor=4 if workers > 0 else None,
+        prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
     )
 
 
-def eval_loader(
-    dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, pin_memory: bool
+def build_eval_loader(
+    dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, device: torch.device
 ) -> DataLoader:
-    """Ordered loader over this process's shard (see :class:`ShardSampler`)."""
+    """Ordered loader over this process's shard (see :class:`ShardSampler`), workers capped by
+    :func:`loader_workers` and persistent (evaluation runs every ``trainer.eval_every`` epochs), pinned
+    memory when ``device`` is CUDA."""
+    workers = loader_workers(workers)
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=ShardSampler(len(dataset), rank, world_size),
         num_workers=workers,
-        pin_memory=pin_memory,
+        pin_memory=device.type == "cuda",
+        persistent_workers=workers > 0,
     )
+
+
+class DevicePrefetcher:
+    """Iterates ``loader`` and yields ``(images, targets)`` on ``device``, ready for the model: images
+    through ``device_stage`` (float32 (B, 3, H, W), normalised), targets float32 (B, C).
+
+    On CUDA batch *i + 1* is fetched, copied and finished on a side stream while the caller's step *i* runs
+    on the current stream (the current stream waits for the side stream's work before it receives a batch,
+    and the yielded tensors are recorded on it so that their memory is not reused too early). On the CPU it
+    applies the stage batch by batch, in order.
+
+    ``len()`` and ``sampler`` are the loader's: ``for step, (images, targets) in enumerate(prefetcher)``
+    replaces the loop over the loader.
+    """
+
+    def __init__(self, loader: Iterable, device_stage: DeviceStage, device: torch.device | str) -> None:
+        self.loader, self.device_stage, self.device = loader, device_stage, torch.device(device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def sampler(self) -> Any:
+        return self.loader.sampler
+
+    def _finish(self, batch: tuple[Tensor | AugmentedImage, Tensor]) -> tuple[Tensor, Tensor]:
+        images, targets = batch
+        return self.device_stage(images), targets.to(self.device, non_blocking=True)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        if self.device.type != "cuda":
+            yield from map(self._finish, self.loader)
+            return
+        side = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        batches = iter(self.loader)
+
+        def next_on_side_stream() -> tuple[Tensor, Tensor] | None:
+            # Fetched under the side stream too: the DALI loader copies its output on the current stream.
+            with torch.cuda.stream(side):
+                batch = next(batches, None)
+                return None if batch is None else self._finish(batch)
+
+        ready = next_on_side_stream()
+        while ready is not None:
+            current.wait_stream(side)
+            for tensor in ready:
+                tensor.record_stream(current)
+            upcoming = next_on_side_stream()  # enqueued before the caller's step: the two overlap
+            yield ready
+            ready = upcoming
+
+
+def train_loader(
+    dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, seed: int, pin_memory: bool
+) -> DataLoader:
+    """Transitional: the trainer's former call; :func:`build_train_loader` replaces it (remove once the
+    trainer calls that)."""
+    device = torch.device("cuda" if pin_memory else "cpu")
+    return build_train_loader(dataset, batch_size, workers, rank, world_size, seed, device, "fast")
+
+
+def eval_loader(
+    dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, pin_memory: bool
+) -> DataLoader:
+    """Transitional: the former call of the trainer and ``mlcls-eval``; :func:`build_eval_loader` replaces
+    it (remove once they call that)."""
+    device = torch.device("cuda" if pin_memory else "cpu")
+    return build_eval_loader(dataset, batch_size, workers, rank, world_size, device)

@@ -15,6 +15,7 @@ Everything is a deterministic function of ``seed``, the split and the index: lab
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,26 +35,30 @@ class SyntheticMultiLabel(MultiLabelDataset):
 
     Args:
         split: ``"train"`` or ``"val"``.
-        transform: applied to the PIL image.
+        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
         train_size, val_size: number of images in each split.
-        image_size: side of the generated square images, in pixels.
+        canvas_size: side of the generated square images, in pixels (the transform resizes them to
+            ``image_size``).
         seed: the dataset's seed; the same seed gives the same images and labels.
+        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
+            :class:`MultiLabelDataset`).
     """
 
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | None = None,
+        transform: Callable | str | None = None,
         train_size: int = 2000,
         val_size: int = 500,
-        image_size: int = 64,
+        canvas_size: int = 64,
         seed: int = 0,
+        **config_keys: Any,
     ) -> None:
-        super().__init__(transform)
+        super().__init__(transform, split=split, **config_keys)
         if split not in _SPLIT_IDS:
             raise ValueError(f"unknown split {split!r} for the synthetic dataset; expected 'train' or 'val'")
         self.split = split
-        self.image_size = int(image_size)
+        self.canvas_size = int(canvas_size)
         self.seed = int(seed)
         self.classes = [f"{colour}_{shape}" for shape in SHAPES for colour in COLOURS]
         size = train_size if split == "train" else val_size
@@ -78,7 +83,7 @@ class SyntheticMultiLabel(MultiLabelDataset):
 
     def load_image(self, index: int) -> Image.Image:
         rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split], 1, index])
-        size = self.image_size
+        size = self.canvas_size
         background = rng.integers(60, 140)
         pixels = background + rng.normal(0, 18, (size, size, 3))
         img = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))

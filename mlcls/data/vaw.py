@@ -23,6 +23,7 @@ import itertools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,21 +66,24 @@ class VAW(MultiLabelDataset):
 
     Args:
         split: ``train`` (train_part1 + train_part2 + val), ``test``, or one file name.
-        transform: applied to the PIL crop.
+        transform: applied to the PIL crop, or a transform name (see :class:`MultiLabelDataset`).
         root: folder holding ``data/`` and the Visual Genome image folders.
         image_dirs: folders searched, in order, for ``<image_id>.jpg`` (relative to ``root`` or absolute).
         on_bad_image: ``"error"`` or ``"skip"``.
+        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
+            :class:`MultiLabelDataset`).
     """
 
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | None = None,
+        transform: Callable | str | None = None,
         root: str = "data/vaw",
         image_dirs: Sequence[str] = DEFAULT_IMAGE_DIRS,
         on_bad_image: str = "error",
+        **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image)
+        super().__init__(transform, on_bad_image, split=split, **config_keys)
         self.split = check_choice("VAW split", split, tuple(SPLIT_FILES))
         files = [f"data/{name}.json" for name in SPLIT_FILES[split]]
         dirs = [resolve_path(root, d) for d in image_dirs]

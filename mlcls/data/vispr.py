@@ -20,6 +20,7 @@ import csv
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,19 +63,22 @@ class VISPR(MultiLabelDataset):
 
     Args:
         split: ``train`` (train2017 + val2017), ``test`` (test2017), or one list name.
-        transform: applied to the PIL image.
+        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
         root: folder holding ``attributes.tsv``, the split lists, ``annotations/`` and ``images/``.
         on_bad_image: ``"error"`` or ``"skip"``.
+        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
+            :class:`MultiLabelDataset`).
     """
 
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | None = None,
+        transform: Callable | str | None = None,
         root: str = "data/vispr",
         on_bad_image: str = "error",
+        **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image)
+        super().__init__(transform, on_bad_image, split=split, **config_keys)
         self.split = check_choice("VISPR split", split, tuple(SPLIT_LISTS))
         lists = [f"{name}.txt" for name in SPLIT_LISTS[split]]
         layout = (

@@ -22,6 +22,7 @@ import os
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,23 +49,26 @@ class VOC(MultiLabelDataset):
 
     Args:
         split: an ``ImageSets/Main`` list: ``trainval``/``test`` (2007), ``train``/``val`` (2012), ...
-        transform: applied to the PIL image.
+        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
         root: folder holding ``VOCdevkit/``.
         year: 2007 or 2012.
         difficult: ``"ignore"``, ``"positive"`` or ``"negative"`` (see the module docstring).
         on_bad_image: ``"error"`` or ``"skip"``.
+        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
+            :class:`MultiLabelDataset`).
     """
 
     def __init__(
         self,
         split: str = "trainval",
-        transform: Callable | None = None,
+        transform: Callable | str | None = None,
         root: str = "data/voc",
         year: int = 2007,
         difficult: str = "ignore",
         on_bad_image: str = "error",
+        **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image)
+        super().__init__(transform, on_bad_image, split=split, **config_keys)
         year = int(check_choice("VOC year", str(year), tuple(map(str, SPLITS))))
         self.split = check_choice(f"VOC{year} split", split, SPLITS[year])
         difficult_value = DIFFICULT_MODES[check_choice("difficult mode", difficult, tuple(DIFFICULT_MODES))]

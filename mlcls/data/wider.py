@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,19 +54,22 @@ class WIDERAttribute(MultiLabelDataset):
 
     Args:
         split: ``"trainval"`` or ``"test"``.
-        transform: applied to the PIL crop.
+        transform: applied to the PIL crop, or a transform name (see :class:`MultiLabelDataset`).
         root: folder holding ``Annotations/`` and ``Image/``.
         on_bad_image: ``"error"`` or ``"skip"``.
+        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
+            :class:`MultiLabelDataset`).
     """
 
     def __init__(
         self,
         split: str = "trainval",
-        transform: Callable | None = None,
+        transform: Callable | str | None = None,
         root: str = "data/wider",
         on_bad_image: str = "error",
+        **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image)
+        super().__init__(transform, on_bad_image, split=split, **config_keys)
         self.split = check_choice("WIDER-Attribute split", split, SPLITS)
         annotation_file = f"Annotations/wider_attribute_{split}.json"
         layout = f"{root}/Annotations/wider_attribute_{{trainval,test}}.json and images under {root}/Image/"

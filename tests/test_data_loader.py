@@ -1,0 +1,132 @@
+"""Loaders: the builders (pinned memory, persistent workers, workers capped at the CPUs) and the device
+prefetcher (CPU: exactly the un-prefetched batches; CUDA: the same batches, on the device, without syncs)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from data_fixtures import PhotoFiles, write_photos
+
+from mlcls.data import loader as loader_module
+from mlcls.data.fast import AugmentedImage, DeviceStage, FastTrainTransform
+from mlcls.data.loader import (
+    DevicePrefetcher,
+    ResumableSampler,
+    ShardSampler,
+    available_cpus,
+    build_eval_loader,
+    build_train_loader,
+)
+from mlcls.data.transforms import build_transform
+
+SIZE = 32
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return write_photos(tmp_path_factory.mktemp("photos"), 4)
+
+
+@pytest.fixture
+def two_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process may run on 2 CPUs; the once-per-process log record is reset."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    loader_module._log_worker_cap.cache_clear()
+
+
+def test_builders_pin_memory_and_keep_workers_on_cuda(photos):
+    dataset = PhotoFiles(photos * 2, build_transform("light", SIZE, train=True))
+    cuda = torch.device("cuda", 0)  # only the loaders' settings are read: no GPU needed
+    train = build_train_loader(dataset, 4, 1, 0, 1, seed=0, device=cuda, backend="fast")
+    evaluation = build_eval_loader(dataset, 4, 1, 0, 1, device=cuda)
+    for loader in (train, evaluation):
+        assert loader.pin_memory and loader.persistent_workers and loader.num_workers == 1
+    assert isinstance(train.sampler, ResumableSampler) and isinstance(evaluation.sampler, ShardSampler)
+    assert train.drop_last and len(train) == 2
+    on_cpu = build_train_loader(dataset, 3, 0, 0, 1, seed=0, device=CPU, backend="torchvision")
+    assert not on_cpu.pin_memory and not on_cpu.persistent_workers and len(on_cpu) == 2
+
+
+def test_workers_are_capped_at_the_cpus_and_said_once(photos, two_cpus, caplog):
+    """trainer.workers=8 on 2 CPUs: 2 workers, one log line for all loaders, and no torch warning."""
+    dataset = PhotoFiles(photos, build_transform("light", SIZE, train=False))
+    with caplog.at_level(logging.INFO, logger="mlcls"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "This DataLoader will create 8 worker processes" warning
+        train = build_train_loader(dataset, 2, 8, 0, 1, seed=0, device=CPU, backend="fast")
+        evaluation = build_eval_loader(dataset, 2, 8, 0, 1, device=CPU)
+        assert train.num_workers == evaluation.num_workers == 2
+        assert len(list(evaluation)) == 2
+    capped = [r.getMessage() for r in caplog.records if "CPUs" in r.getMessage()]
+    assert capped == ["DataLoader workers capped at the 2 CPUs this process may use (8 requested)"]
+    assert build_eval_loader(dataset, 2, 1, 0, 1, device=CPU).num_workers == 1
+
+
+def test_available_cpus_falls_back_to_the_cpu_count(monkeypatch):
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert available_cpus() == 3
+
+
+def test_dali_backend_needs_the_paper_transform(photos):
+    from mlcls.data.base import DatasetConfigError
+
+    dataset = PhotoFiles(photos, build_transform("light", SIZE, train=True))
+    with pytest.raises(DatasetConfigError, match="use dataset.transform=paper"):
+        build_train_loader(dataset, 2, 0, 0, 1, seed=0, device=CPU, backend="dali")
+
+
+def _fast_loader(photos: list[Path], workers: int = 0):
+    dataset = PhotoFiles(photos * 3, FastTrainTransform(SIZE))  # 12 samples, 4 batches of 3
+    return build_train_loader(dataset, 3, workers, 0, 1, seed=11, device=CPU, backend="fast")
+
+
+def test_prefetcher_on_the_cpu_gives_exactly_the_batches_of_the_stage(photos):
+    """The trainer's loop over the prefetcher (started mid-epoch, as on resume) against the loader's batches
+    finished by the device stage one by one."""
+    stage = DeviceStage(CPU, channels_last=True)
+    loader = _fast_loader(photos)
+    loader.sampler.set_epoch(2)
+    expected = [(stage(images), targets) for images, targets in loader]
+    assert isinstance(next(iter(loader))[0], AugmentedImage)
+    prefetcher = DevicePrefetcher(loader, stage, CPU)
+    assert len(prefetcher) == 4 and prefetcher.sampler is loader.sampler
+    prefetcher.sampler.set_epoch(2)
+    prefetcher.sampler.set_start(3)  # resume after one batch
+    got = list(enumerate(prefetcher, start=1))
+    assert [step for step, _ in got] == [1, 2, 3]
+    for (_, (images, targets)), (want_images, want_targets) in zip(got, expected[1:], strict=True):
+        assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(images, want_images) and torch.equal(targets, want_targets)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefetcher_on_cuda_gives_the_cpu_batches_without_syncs(photos):
+    """The side-stream prefetcher on the GPU: the CPU stage's batches (batched colour work, within float
+    rounding), on the device, in order; neither the stage nor the prefetcher synchronises with the host."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    loader = _fast_loader(photos, workers=1)
+    loader.sampler.set_epoch(0)
+    expected = [(DeviceStage(CPU)(images), targets) for images, targets in loader]
+    loader = build_train_loader(loader.sampler.dataset, 3, 1, 0, 1, seed=11, device=cuda, backend="fast")
+    loader.sampler.set_epoch(0)
+    stage = DeviceStage(cuda)
+    assert stage.constants.eigval.device == cuda
+    got = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for images, targets in DevicePrefetcher(loader, stage, cuda):
+            got.append((images * 1.0, targets.clone()))  # work on the compute stream, as a step would
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert len(got) == len(expected) == 4
+    for (images, targets), (want_images, want_targets) in zip(got, expected, strict=True):
+        assert images.device == cuda and targets.device == cuda
+        torch.testing.assert_close(images.cpu(), want_images, atol=1e-4, rtol=0)
+        assert torch.equal(targets.cpu(), want_targets)
