@@ -49,10 +49,13 @@ def test_pipeline_without_jpegs_is_a_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"mlcls: error: no JPEG files (*.jpg, *.jpeg) in {tmp_path}"
 
 
-def test_step(capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("loop", ["epoch", "step"])
+def test_step(capsys, tmp_path, monkeypatch, loop):
     monkeypatch.chdir(tmp_path)
-    main(["step", *TINY, "trainer.batch_size=8", "--repeats", "1", "--steps", "1", "--warmup", "0"])
+    main(["step", *TINY, "trainer.batch_size=8", "--loop", loop, "--repeats", "1", "--steps", "2",
+          "--warmup", "0"])  # fmt: skip
     result = json_line(capsys)
+    assert result["loop"] == loop and result["steps"] == 2
     assert {"trainer_images_per_s", "bare_images_per_s"} <= result.keys()
     assert result["model"] == "resnet10t" and result["batch_size"] == 8 and result["image_size"] == 32
     assert result["overhead"] == pytest.approx(result["trainer_step_s"] / result["bare_step_s"] - 1)

@@ -19,10 +19,10 @@ Pipelines, each over the same JPEG files, interleaved within every repeat (same 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -316,14 +316,6 @@ def _device_stage_rate(batch_size: int, size: int, device: torch.device, repeats
     return batch_size / statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    result = run_from_args(parser.parse_args(argv))
-    print(json.dumps(result))
-    return result
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command-line options of this benchmark (shared with ``mlcls-bench pipeline``)."""
     parser.add_argument("--images", help="folder of JPEGs (default: 64 generated 640x480 JPEGs)")
@@ -342,4 +334,6 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from mlcls.cli.bench import main
+
+    main(["pipeline", *sys.argv[1:]])

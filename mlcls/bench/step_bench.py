@@ -1,19 +1,27 @@
-"""Benchmark: images/s of ``Trainer.train_step`` against a bare hand-written PyTorch loop, side by side.
+"""Benchmark: images/s of the trainer against a bare hand-written PyTorch loop, side by side.
 
-Both run on the same synthetic batch (no data loading), with the same model architecture, optimizer,
-loss, AMP mode, memory format and ``trainer.compile`` setting, built from the same config. The bare loop is
-the minimum a training step needs::
+Two modes (``--loop``):
+
+* ``epoch`` (default): ``Trainer.train_one_epoch`` -- the loop a run executes (device prefetch, the step,
+  loss and non-finite bookkeeping on the device, log steps, stop-flag polling) -- against a bare ``for``
+  loop of bare steps, over the same in-memory batches;
+* ``step``: ``Trainer.train_step`` alone against the bare step.
+
+Both sides use the same synthetic batches (no data loading), model architecture, optimizer, loss, AMP mode,
+memory format and ``trainer.compile`` setting, built from the same config. The bare step is the minimum a
+training step needs::
 
     logits = model(images)          # under autocast for trainer.amp=bf16/fp16 on CUDA
     loss = criterion(logits.float(), targets)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()                 # through a GradScaler for fp16
-    optimizer.step()
+    scaler.scale(loss).backward()   # a GradScaler as the trainer's (it skips non-finite steps)
+    scaler.step(optimizer)
+    scaler.update()
 
-The trainer's step adds gradient clipping with its finite check, EMA, the GradScaler bookkeeping and the
-scheduler. Timed blocks of ``steps`` steps alternate between the two (order swapped every repeat).
+The trainer adds gradient clipping or the gradient norm, the EMA, the non-finite counters and the
+scheduler. Timed blocks alternate between the two (order swapped every repeat).
 
-``python -m mlcls.bench.step_bench [overrides ...] [--repeats 5] [--steps 3]``, e.g.
+``mlcls-bench step [overrides ...] [--loop epoch|step] [--repeats 5] [--steps 3]``, e.g.
 ``model.name=resnet50 dataset.image_size=224 trainer.batch_size=32 trainer.amp=bf16 trainer.compile=true``.
 The dataset config only sets the image size and the class count (the default synthetic one needs no
 files). Prints one JSON line.
@@ -23,25 +31,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
-from torch import nn
 
 from mlcls.cli.overrides import compose_config
+from mlcls.engine.build import build_loss, build_model, build_optimization
 from mlcls.engine.evaluate import autocast_context
-from mlcls.engine.optim import build_optimizer
 from mlcls.engine.trainer import Trainer
+
+LOOPS = ("epoch", "step")
 
 
 def _sync(device: torch.device) -> None:
@@ -53,15 +60,11 @@ def bare_step_fn(cfg: DictConfig, trainer: Trainer) -> Callable[[torch.Tensor, t
     """A hand-written training step with a fresh model of the same architecture, optimizer and loss."""
     device, amp = trainer.device, trainer.amp
     torch.manual_seed(cfg.trainer.seed)
-    model: nn.Module = instantiate(cfg.model, num_classes=len(trainer.classes)).to(device)
-    if trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(cfg.optim, model)
-    criterion = instantiate(cfg.loss)
-    if hasattr(criterion, "setup"):
-        criterion.setup(trainer.train_set.labels)
+    model = build_model(cfg.model, len(trainer.classes), device, trainer.channels_last)
+    optimizer, _ = build_optimization(cfg, model, trainer.iters_per_epoch)
+    criterion = build_loss(cfg.loss, trainer.train_set.labels, device)
     forward = torch.compile(model) if cfg.trainer.get("compile", False) else model
-    scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")
+    scaler = torch.amp.GradScaler(device.type, init_scale=trainer.scaler.get_scale())
     model.train()
 
     def step(images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -91,37 +94,93 @@ def synthetic_batch(
     return images, targets
 
 
-def run(overrides: Sequence[str] = (), repeats: int = 5, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
+class RepeatedBatches:
+    """``steps`` times the same batch, as a training loader (``len()``, a ``sampler`` with ``set_epoch`` and
+    ``set_start``), so that the whole epoch loop runs without data loading."""
+
+    class _Sampler:
+        def set_epoch(self, epoch: int) -> None:
+            pass
+
+        def set_start(self, start: int) -> None:
+            pass
+
+    def __init__(self, batch: tuple[torch.Tensor, torch.Tensor], steps: int) -> None:
+        self.batch, self.steps, self.sampler = batch, steps, self._Sampler()
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (self.batch for _ in range(self.steps))
+
+
+def run(
+    overrides: Sequence[str] = (), repeats: int = 5, steps: int = 3, warmup: int = 2, loop: str = "epoch"
+) -> dict[str, Any]:
     """Median seconds per step of the trainer and the bare loop, as images/s, and their ratio."""
+    if loop not in LOOPS:
+        raise ValueError(f"--loop {loop!r}; expected one of {', '.join(LOOPS)}")
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = compose_config("train", [*overrides, f"trainer.output_dir={run_dir}"])
         trainer = Trainer(cfg)
         try:
-            return _measure(cfg, trainer, repeats, steps, warmup)
+            return _measure(cfg, trainer, repeats, steps, warmup, loop)
         finally:
             if trainer.writer is not None:
                 trainer.writer.close()
 
 
-def _measure(cfg: DictConfig, trainer: Trainer, repeats: int, steps: int, warmup: int) -> dict[str, Any]:
+def _contenders(
+    trainer: Trainer, bare: Callable, batch: tuple[torch.Tensor, torch.Tensor], steps: int, loop: str
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """One timed block of ``steps`` steps per contender; each returns its last loss."""
+    if loop == "step":
+
+        def trainer_block() -> torch.Tensor:
+            for _ in range(steps):
+                loss, _ = trainer.train_step(*batch)
+            return loss
+
+        def bare_block() -> torch.Tensor:
+            for _ in range(steps):
+                loss = bare(*batch)
+            return loss
+
+        return {"trainer": trainer_block, "bare": bare_block}
+    batches = RepeatedBatches(batch, steps)
+    trainer.data.train_loader = batches
+    trainer.iters_per_epoch = steps
+
+    def epoch_block() -> torch.Tensor:
+        return torch.tensor(trainer.train_one_epoch(0)["loss"])
+
+    def bare_loop() -> torch.Tensor:
+        for images, targets in batches:
+            loss = bare(images, targets)
+        return loss
+
+    return {"trainer": epoch_block, "bare": bare_loop}
+
+
+def _measure(
+    cfg: DictConfig, trainer: Trainer, repeats: int, steps: int, warmup: int, loop: str
+) -> dict[str, Any]:
     images, targets = synthetic_batch(trainer.local_batch, int(cfg.dataset.image_size), len(trainer.classes))
     if trainer.cuda:
         images, targets = images.pin_memory(), targets.pin_memory()
-    bare = bare_step_fn(cfg, trainer)
+    contenders = _contenders(trainer, bare_step_fn(cfg, trainer), (images, targets), steps, loop)
     trainer.ddp_model.train()
-    contenders: dict[str, Callable] = {"trainer": lambda: trainer.train_step(images, targets)[0]}
-    contenders["bare"] = lambda: bare(images, targets)
     for _ in range(warmup):  # compilation, allocator and cuDNN autotuning
-        for fn in contenders.values():
-            fn()
+        for block in contenders.values():
+            block()
     _sync(trainer.device)
     seconds: dict[str, list[float]] = {name: [] for name in contenders}
     for repeat in range(repeats):
         order = list(contenders) if repeat % 2 == 0 else list(contenders)[::-1]
         for name in order:
             start = time.perf_counter()
-            for _ in range(steps):
-                loss = contenders[name]()
+            loss = contenders[name]()
             _sync(trainer.device)
             seconds[name].append((time.perf_counter() - start) / steps)
             if not torch.isfinite(loss):
@@ -129,6 +188,7 @@ def _measure(cfg: DictConfig, trainer: Trainer, repeats: int, steps: int, warmup
     step_s = {name: statistics.median(values) for name, values in seconds.items()}
     batch = trainer.local_batch
     return {
+        "loop": loop,
         "trainer_images_per_s": batch / step_s["trainer"],
         "bare_images_per_s": batch / step_s["bare"],
         "trainer_step_s": step_s["trainer"],
@@ -150,26 +210,23 @@ def _measure(cfg: DictConfig, trainer: Trainer, repeats: int, steps: int, warmup
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The command-line options of this benchmark (shared with ``mlcls-bench step``)."""
+    """The command-line options of ``mlcls-bench step``."""
     parser.add_argument("overrides", nargs="*", help="config overrides, as for mlcls-train")
+    parser.add_argument(
+        "--loop", choices=LOOPS, default="epoch", help="the whole epoch loop, or the step function alone"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed blocks per contender")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed blocks per contender first")
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     # Anything the trainer prints goes to stderr: stdout holds the JSON line only.
     with contextlib.redirect_stdout(sys.stderr):
-        return run(args.overrides, args.repeats, args.steps, args.warmup)
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    result = run_from_args(parser.parse_args(argv))
-    print(json.dumps(result))
-    return result
+        return run(args.overrides, args.repeats, args.steps, args.warmup, args.loop)
 
 
 if __name__ == "__main__":
-    main()
+    from mlcls.cli.bench import main
+
+    main(["step", *sys.argv[1:]])

@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline = commands.add_parser("pipeline", help="decode + training augmentation images/s")
     pipeline_bench.add_arguments(pipeline)
     pipeline.set_defaults(run=pipeline_bench.run_from_args)
-    step = commands.add_parser("step", help="Trainer.train_step vs a bare PyTorch loop, images/s")
+    step = commands.add_parser(
+        "step", help="the trainer's epoch loop (or step) vs a bare PyTorch loop, images/s"
+    )
     step_bench.add_arguments(step)
     step.set_defaults(run=step_bench.run_from_args)
     loss = commands.add_parser("loss", help="two-way loss vs masked logsumexp, forward + backward")

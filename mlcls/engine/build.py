@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from mlcls.data import MultiLabelDataset, build_dataset
-from mlcls.data.loader import eval_loader, train_loader
+from mlcls.data.loader import build_eval_loader, build_train_loader
 from mlcls.engine.distributed import DistInfo
 from mlcls.engine.optim import build_optimizer, build_scheduler
 from mlcls.engine.validate import ConfigError
@@ -41,21 +41,13 @@ def build_data(cfg: DictConfig, dist: DistInfo) -> RunData:
     """Both splits of ``cfg.dataset`` with the ``data.backend`` pipeline, and this rank's loaders."""
     tcfg, backend = cfg.trainer, cfg.data.backend
     local_batch = tcfg.batch_size // dist.world_size
-    cuda = dist.device.type == "cuda"
     train_set = build_dataset(cfg.dataset, train=True, backend=backend)
     val_set: Dataset = build_dataset(cfg.dataset, train=False, backend=backend)
     if tcfg.limit_val_batches:
         keep = min(len(val_set), tcfg.limit_val_batches * local_batch * dist.world_size)
         val_set = Subset(val_set, range(keep))
     args = (local_batch, tcfg.workers, dist.rank, dist.world_size)
-    if backend == "dali":
-        from mlcls.data.dali import DaliTrainLoader
-
-        loader = DaliTrainLoader(
-            train_set, *args, tcfg.seed, int(cfg.dataset.image_size), dist.device.index or 0
-        )
-    else:
-        loader = train_loader(train_set, *args, tcfg.seed, cuda)
+    loader = build_train_loader(train_set, *args, tcfg.seed, dist.device, backend)
     iters = len(loader)
     if tcfg.limit_train_batches:
         iters = min(iters, tcfg.limit_train_batches)
@@ -71,7 +63,7 @@ def build_data(cfg: DictConfig, dist: DistInfo) -> RunData:
         train_set=train_set,
         val_set=val_set,
         train_loader=loader,
-        val_loader=eval_loader(val_set, *args, cuda),
+        val_loader=build_eval_loader(val_set, *args, dist.device),
         classes=list(train_set.classes),
         iters_per_epoch=iters,
     )

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from mlcls.data.fast import AugmentedImage, DeviceStage
+from mlcls.data.loader import DevicePrefetcher
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import (
     build_data,
@@ -355,7 +356,9 @@ class Trainer:
             disable=not show_bar,
         )
         start = time.perf_counter()
-        for step, (images, targets) in enumerate(self.train_loader, start=first_step):
+        # Batches arrive on the device, finished; on CUDA the next one is prepared during this step.
+        batches = DevicePrefetcher(self.train_loader, self.device_stage, self.device)
+        for step, (images, targets) in enumerate(batches, start=first_step):
             if step >= self.iters_per_epoch:
                 break
             loss, applied = self.train_step(images, targets)
@@ -394,6 +397,9 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimisation step; returns the detached loss and whether the update was applied, both as
         device tensors (reading them would wait for the device).
+
+        ``images``, ``targets``: a batch from :class:`DevicePrefetcher` (already on the device, finished),
+        or as the loader gives it (moved and finished here).
 
         A step with a non-finite gradient norm (identical on every rank after DDP's all-reduce, so all
         ranks agree) is skipped by the GradScaler: parameters, optimizer state and EMA stay as they were.
