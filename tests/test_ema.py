@@ -30,34 +30,40 @@ def float_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.double().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
 
 
-@pytest.mark.parametrize("warmup", [True, False])
-def test_update_matches_a_float64_loop_of_the_formula(warmup):
-    decay, steps = 0.9, 25
+@pytest.mark.parametrize(("decay", "warmup"), [(0.5, True), (0.9, True), (0.9, False)])
+def test_update_matches_a_float64_loop_of_the_formula(decay, warmup):
+    # decay 0.5: the warm-up (1 + t) / (10 + t) passes it at t = 8; 0.9: not within the 25 steps
+    applied = [True] * 10 + [False] * 3 + [True] * 12  # skipped steps leave everything as it was
     model = small_net()
     ema = ModelEma(model, decay, warmup=warmup)
-    reference = float_state(model)
-    for t, _ in enumerate(training_steps(model, steps)):
-        d = min(decay, (1.0 + t) / (10.0 + t)) if warmup else decay
-        for key, x in float_state(model).items():
-            reference[key] = d * reference[key] + (1.0 - d) * x
-        ema.update(model)
+    reference, t = float_state(model), 0
+    for step_applied, _ in zip(applied, training_steps(model, len(applied)), strict=True):
+        if step_applied:
+            d = min(decay, (1.0 + t) / (10.0 + t)) if warmup else decay
+            for key, x in float_state(model).items():
+                reference[key] = d * reference[key] + (1.0 - d) * x
+            t += 1
+        ema.update(model, torch.tensor(step_applied))
     averaged = ema.module.state_dict()
     assert set(reference) == {k for k, v in averaged.items() if v.is_floating_point()}
     assert "1.running_mean" in reference and "1.running_var" in reference  # buffers averaged too
     for key, value in reference.items():
         torch.testing.assert_close(averaged[key].double(), value, rtol=1e-5, atol=1e-6, msg=key)
-    assert ema.updates == steps
-    # the warm-up reaches `decay` at t = (10 decay - 1) / (1 - decay) = 80 here
-    assert warmup is False or ema.decay_at(79) < decay == ema.decay_at(80)
+    assert ema.updates == t == 22
 
 
 def test_integer_buffers_are_copied_exactly():
     model = small_net()
     ema = ModelEma(model, 0.9997)
-    for _ in training_steps(model, 7):
+    steps = training_steps(model, 9)
+    for _ in range(7):
+        next(steps)
         ema.update(model)
+    for _ in steps:  # two steps the optimizer skipped: the model's BatchNorm still counted the batches
+        ema.update(model, torch.tensor(False))
     counter = ema.module.state_dict()["1.num_batches_tracked"]
     assert counter.dtype == torch.int64 and counter.item() == 7
+    assert model.state_dict()["1.num_batches_tracked"].item() == 9
 
 
 def test_the_first_weights_fade_with_the_warm_up():
@@ -113,6 +119,21 @@ def test_something_else_is_refused_with_the_expected_keys():
         ema.load_state_dict(small_net().state_dict())
     with pytest.raises(ValueError, match=r"EMA decay 1\.0; expected a number in \(0, 1\)"):
         ModelEma(small_net(), 1.0)
+
+
+def test_update_reads_no_tensor_on_the_host(monkeypatch):
+    model = small_net()
+    ema = ModelEma(model, 0.9997)
+
+    def refuse(tensor, *args):
+        raise AssertionError("the EMA update read a tensor on the host")
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for applied in (None, torch.tensor(True), torch.tensor(False)):
+        ema.update(model, applied)
+    monkeypatch.undo()
+    assert ema.updates == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the host-sync check needs CUDA")

@@ -28,8 +28,12 @@ class ModelEma:
     Floating buffers (BatchNorm's running mean and variance) are averaged like the parameters, so the
     averaged network normalises with statistics that follow its own averaged weights rather than the raw
     model's latest ones. Other buffers (``num_batches_tracked``) are counters: copied exactly, never
-    averaged. The update is a few fused in-place ops on the device (``torch._foreach_lerp_`` with a
-    Python-float weight) and never synchronises with the host.
+    averaged.
+
+    The update never reads the device from the host: the update count ``t`` is a device tensor, and the
+    weight ``1 - d_t = max(1 - decay, 9 / (10 + t))`` (the complement directly: accurate in float32, where
+    subtracting ``d_t`` from 1 would lose digits) is computed there and multiplied by the step's
+    ``applied`` flag, so a step the optimizer skipped leaves the average and the count as they were.
     """
 
     def __init__(self, model: nn.Module, decay: float, warmup: bool = True) -> None:
@@ -37,15 +41,28 @@ class ModelEma:
             raise ValueError(f"EMA decay {decay!r}; expected a number in (0, 1)")
         self.decay, self.warmup = decay, warmup
         self.module = copy.deepcopy(model).requires_grad_(False)
-        self.updates = 0  # applied updates since the start of training (resumed with the state dict)
+        device = next(self.module.parameters()).device
+        self._updates = torch.zeros((), dtype=torch.int64, device=device)  # applied updates so far
 
-    def decay_at(self, updates: int) -> float:
-        """The decay d_t of the update that follows ``updates`` earlier ones."""
-        return min(self.decay, (1 + updates) / (10 + updates)) if self.warmup else self.decay
+    @property
+    def updates(self) -> int:
+        """Number of applied updates (reads the device)."""
+        return int(self._updates)
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        """Move the average towards ``model`` (the same architecture, unwrapped from DDP/compile)."""
+    def update(self, model: nn.Module, applied: torch.Tensor | None = None) -> None:
+        """Move the average towards ``model`` (the same architecture, unwrapped from DDP/compile).
+
+        ``applied``: 0-d bool tensor on the device, false when the optimizer skipped the step (non-finite
+        gradients); the update then changes nothing. None: the step was applied.
+        """
+        applied = (
+            torch.ones((), dtype=torch.bool, device=self._updates.device) if applied is None else applied
+        )
+        weight = 1.0 - self.decay
+        if self.warmup:
+            weight = torch.clamp(9.0 / (10.0 + self._updates.float()), min=weight)
+        weight = weight * applied
         averaged, current, counters, counts = [], [], [], []
         pairs = zip(
             [*self.module.parameters(), *self.module.buffers()],
@@ -59,13 +76,15 @@ class ModelEma:
             else:
                 counters.append(ema_tensor)
                 counts.append(model_tensor)
-        torch._foreach_lerp_(averaged, current, 1.0 - self.decay_at(self.updates))
-        if counters:
-            torch._foreach_copy_(counters, counts)
-        self.updates += 1
+        # one 0-d weight per tensor, in its dtype and on its device: lerp reads it on the device
+        weights = {(t.device, t.dtype): weight.to(t.device, t.dtype) for t in averaged}
+        torch._foreach_lerp_(averaged, current, [weights[t.device, t.dtype] for t in averaged])
+        for counter, count in zip(counters, counts, strict=True):
+            counter.copy_(torch.where(applied, count, counter))
+        self._updates += applied
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"module": the averaged weights, "updates": number of updates so far}``."""
+        """``{"module": the averaged weights, "updates": number of applied updates}`` (reads the device)."""
         return {"module": self.module.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -83,4 +102,4 @@ class ModelEma:
                 "or torch AveragedModel's module.* and n_averaged"
             )
         self.module.load_state_dict(weights)
-        self.updates = int(updates)
+        self._updates.fill_(int(updates))
