@@ -118,6 +118,7 @@ def test_null_decays_step_like_torch_sgd_with_two_groups(resnet10t):
         momentum=0.9,
         nesterov=True,
         weight_decay=0.05,
+        fused=True,
     )
     images = torch.randn(4, 3, 32, 32)
     for model, optimizer in ((resnet10t, ours), (reference, theirs)):
@@ -145,7 +146,7 @@ def test_zero_norm_and_bias_decay_exempts_them_from_adamw_decay(resnet10t):
 
 def test_any_torch_optimizer_with_its_own_keywords(resnet10t):
     cfg = optim_config("adamw", _target_="torch.optim.RMSprop", alpha=0.95)
-    del cfg["betas"]
+    del cfg["betas"], cfg["fused"]  # keywords RMSprop does not take
     optimizer = build_optimizer(cfg, resnet10t)
     assert isinstance(optimizer, torch.optim.RMSprop)
     assert optimizer.defaults["alpha"] == 0.95
