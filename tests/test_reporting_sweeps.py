@@ -60,19 +60,24 @@ def test_paper_preset_is_the_protocol_of_section_4_1():
     cfg = compose_config(["experiment=paper", "dataset=coco"])
     assert cfg.model.name == "resnet50.tv_in1k" and cfg.model.pretrained is True
     assert dict(cfg.optim) == {
-        "name": "sgd",
+        "_target_": "torch.optim.SGD",
+        "_partial_": True,
+        "fused": True,
         "lr_head": 0.01,
         "lr_backbone": 0.001,
         "weight_decay": 1e-4,
+        "norm_weight_decay": None,
+        "bias_weight_decay": None,
         "momentum": 0.9,
         "nesterov": True,
     }
-    assert cfg.sched.name == "cosine" and cfg.sched.warmup_iters == 0 and cfg.sched.min_lr_ratio == 0.0
+    assert cfg.sched._target_ == "mlcls.engine.optim.cosine_schedule"
+    assert cfg.sched.warmup_iters == 0 and cfg.sched.min_lr_ratio == 0.0
     assert (cfg.trainer.epochs, cfg.trainer.batch_size, cfg.trainer.amp) == (40, 512, "fp16")
     assert (cfg.dataset.transform, cfg.dataset.image_size) == ("paper", 224)
     # The preset also overrides what the synthetic dataset config sets for itself (AdamW, 8 epochs).
     synthetic = compose_config(["experiment=paper", "dataset=synthetic"])
-    assert synthetic.optim.name == "sgd" and synthetic.trainer.epochs == 40
+    assert synthetic.optim._target_ == "torch.optim.SGD" and synthetic.trainer.epochs == 40
 
 
 @pytest.mark.parametrize(

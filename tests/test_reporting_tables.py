@@ -287,7 +287,7 @@ def with_groups(config: dict, optim_target: str, sched_target: str) -> dict:
     """``config`` with optimizer and schedule as ``_partial_`` configs (``_target_``, no ``name`` key)."""
     config = copy.deepcopy(config)
     for group, target in (("optim", optim_target), ("sched", sched_target)):
-        config[group].pop("name")
+        config[group].pop("name", None)
         config[group].update({"_target_": target, "_partial_": True})
     return config
 

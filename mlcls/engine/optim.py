@@ -1,62 +1,196 @@
-"""Optimizer with separate head/backbone learning rates, and the per-iteration cosine schedule."""
+"""The optimizer's parameter groups (head/backbone learning rates, weight decay by parameter kind) and the
+per-iteration cosine schedule.
+
+``configs/optim/*.yaml`` are Hydra ``_partial_`` configs of a torch optimizer class (``_target_:
+torch.optim.SGD``) with its own keyword arguments (``momentum``, ``nesterov``, ``betas``, ...), so any torch
+optimizer works (``optim._target_=torch.optim.RMSprop`` with its keywords). Beside them the config holds
+the project's parameter-group keys, :data:`GROUP_KEYS`:
+
+- ``lr_head``, ``lr_backbone``: learning rates of the classifier head (``model.get_classifier()``) and of
+  the rest of the network (the paper's 0.01 and 0.001, Sec. 4.1);
+- ``weight_decay``: decay of the weights; ``norm_weight_decay``: of the parameters of normalisation layers;
+  ``bias_weight_decay``: of the other 1-D ``bias`` parameters (null: same as ``weight_decay``, the paper's
+  protocol; 0.0 excludes them from decay, the convention of torchvision's ``--norm-weight-decay``).
+
+These keys are taken out of the config before it is instantiated, as they are not keyword arguments of
+the optimizer: they define its parameter groups, each with its own ``lr`` and ``weight_decay``, which
+override the constructor's defaults. Each group has a ``name``: the part (``head``, ``backbone``) for the
+weights, the part and kinds for the others when their decay differs (``backbone_norm_bias``, or
+``backbone_norm`` and ``backbone_bias`` when the two differ). Groups that would hold no parameter are not
+made, so with null norm/bias decays there are two groups, head then backbone, as in the paper's protocol.
+
+``configs/sched/*.yaml`` are ``_partial_`` configs of a function called as
+``target(optimizer, total_iters=N, **keys)`` that returns an LRScheduler stepped every iteration, such as
+:func:`cosine_schedule`.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from mlcls.models import split_parameters
 
-OPTIMIZERS = ("sgd", "adamw")
+GROUP_KEYS = ("lr_head", "lr_backbone", "weight_decay", "norm_weight_decay", "bias_weight_decay")
+PARTS = ("head", "backbone")
+KINDS = ("weight", "norm", "bias")  # "weight": every parameter that is neither of the other two
+
+# torch's normalisation layers; timm's LayerNorm2d, GroupNorm1, BatchNormAct2d, ... subclass them
+TORCH_NORM_LAYERS = (
+    nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm*
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+)
+
+
+def is_norm_layer(module: nn.Module) -> bool:
+    """A normalisation layer: one of torch's, or a module named ``*Norm*`` whose parameters are all its own
+    per-channel vectors (timm's RmsNorm, SimpleNorm, EvoNorm, FilterResponseNorm, which subclass none;
+    containers such as ``ConvNormAct`` or a model named ``*Norm*`` hold their parameters in submodules)."""
+    if isinstance(module, TORCH_NORM_LAYERS):
+        return True
+    own = list(module.parameters(recurse=False))
+    return (
+        "Norm" in type(module).__name__
+        and len(own) == len(list(module.parameters()))
+        and bool(own)
+        and all(p.ndim <= 1 for p in own)
+    )
+
+
+def parameter_kinds(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> kind``: "norm" (a normalisation layer's), "bias" (other 1-D parameters named
+    ``bias``) or "weight" (the rest)."""
+    kinds: dict[int, str] = {}
+    for module in model.modules():
+        norm = is_norm_layer(module)
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in kinds:  # a shared parameter keeps the kind of its first owner
+                kinds[id(param)] = (
+                    "norm" if norm else "bias" if name == "bias" and param.ndim == 1 else "weight"
+                )
+    return kinds
+
+
+def _settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+
+
+def parameter_groups(model: nn.Module, cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups of ``model`` from the group keys of ``cfg`` (the others ignored).
+
+    Head groups first, then backbone groups; within a part the group at ``weight_decay`` first, and
+    parameters in ``model.parameters()`` order. Parameters of one part whose decays are equal share a group.
+    """
+    decay = {
+        "weight": cfg["weight_decay"],
+        "norm": cfg["weight_decay"] if cfg.get("norm_weight_decay") is None else cfg["norm_weight_decay"],
+        "bias": cfg["weight_decay"] if cfg.get("bias_weight_decay") is None else cfg["bias_weight_decay"],
+    }
+    by_decay: dict[float, list[str]] = {}  # decay -> kinds sharing it; the weights' value first
+    for kind in KINDS:
+        by_decay.setdefault(decay[kind], []).append(kind)
+    kinds = parameter_kinds(model)
+    groups = []
+    for part, params in zip(PARTS, split_parameters(model), strict=True):
+        for value, shared in by_decay.items():
+            members = [p for p in params if kinds[id(p)] in shared]
+            if members:
+                name = part if "weight" in shared else "_".join((part, *shared))
+                groups.append(
+                    {"params": members, "lr": cfg[f"lr_{part}"], "weight_decay": value, "name": name}
+                )
+    return groups
+
+
+def optimizer_factory(cfg: Mapping[str, Any]) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    """The optimizer class of ``cfg`` with its own keywords bound, ``cfg`` without :data:`GROUP_KEYS`."""
+    settings = _settings(cfg)
+    for key in GROUP_KEYS:
+        settings.pop(key, None)
+    return instantiate(settings, _convert_="all")
 
 
 def build_optimizer(cfg: Mapping[str, Any], model: nn.Module) -> torch.optim.Optimizer:
-    """Two parameter groups: the classifier head at ``lr_head``, the rest at ``lr_backbone``.
+    """The optimizer of ``cfg`` (a ``_partial_`` config of a torch optimizer) over :func:`parameter_groups`.
 
-    Group 0 is the head, group 1 the backbone (``model.get_classifier()`` decides which is which).
+    Group 0 is the head at ``lr_head``; :func:`group_lrs` reads the learning rates by part. Loading a state
+    dict checks that its groups are this optimizer's (same names and sizes) and keeps the names when it has
+    none (checkpoints written before groups were named).
     """
-    name = cfg["name"]
-    head, backbone = split_parameters(model)
-    groups = [{"params": head, "lr": cfg["lr_head"]}, {"params": backbone, "lr": cfg["lr_backbone"]}]
-    if name == "sgd":
-        return torch.optim.SGD(
-            groups,
-            lr=cfg["lr_head"],
-            momentum=cfg.get("momentum", 0.9),
-            nesterov=cfg.get("nesterov", True),
-            weight_decay=cfg["weight_decay"],
+    optimizer = optimizer_factory(cfg)(parameter_groups(model, cfg))
+    optimizer.register_load_state_dict_pre_hook(_match_saved_groups)
+    return optimizer
+
+
+def _group_layout(groups: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{g.get('name', '?')} {len(g['params'])}" for g in groups)
+
+
+def _match_saved_groups(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """Load-state pre-hook: one clear error when the saved groups differ; names added to unnamed ones."""
+    saved = state["param_groups"]
+    ours = optimizer.param_groups
+    same = len(saved) == len(ours) and all(
+        len(s["params"]) == len(o["params"]) and s.get("name", o["name"]) == o["name"]
+        for s, o in zip(saved, ours, strict=True)
+    )
+    if not same:
+        raise ValueError(
+            f"the saved optimizer state has parameter groups ({_group_layout(saved)}) where this config "
+            f"makes ({_group_layout(ours)}): resume with the run's model and optim.*_weight_decay settings"
         )
-    if name == "adamw":
-        return torch.optim.AdamW(
-            groups,
-            lr=cfg["lr_head"],
-            betas=tuple(cfg.get("betas", (0.9, 0.999))),
-            weight_decay=cfg["weight_decay"],
-        )
-    raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
+    state["param_groups"] = [{**s, "name": o["name"]} for s, o in zip(saved, ours, strict=True)]
+    return state
+
+
+def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Current learning rate of each part, ``{"head": lr, "backbone": lr}`` (all groups of a part share it;
+    a part without trainable parameters is absent)."""
+    lrs: dict[str, float] = {}
+    for group in optimizer.param_groups:
+        lrs.setdefault(group["name"].split("_")[0], group["lr"])
+    return lrs
 
 
 def cosine_factor(
     iteration: int, total_iters: int, warmup_iters: int = 0, min_lr_ratio: float = 0.0
 ) -> float:
-    """Learning-rate multiplier: linear warm-up from 0, then cosine from 1 down to ``min_lr_ratio``."""
+    """Learning-rate multiplier at 0-based ``iteration``.
+
+    Linear warm-up ``(iteration + 1) / warmup_iters`` for the first ``warmup_iters`` iterations, then the
+    cosine decay ``r + (1 - r) (1 + cos(pi p)) / 2`` with ``r = min_lr_ratio`` and progress
+    ``p = min(1, (iteration - warmup_iters) / max(1, total_iters - warmup_iters))``.
+    """
     if iteration < warmup_iters:
         return (iteration + 1) / warmup_iters
     progress = (iteration - warmup_iters) / max(1, total_iters - warmup_iters)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def cosine_schedule(
+    optimizer: torch.optim.Optimizer, total_iters: int, warmup_iters: int = 0, min_lr_ratio: float = 0.0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Each group's lr times :func:`cosine_factor`, stepped every iteration (the paper's schedule)."""
+    if not isinstance(warmup_iters, int) or isinstance(warmup_iters, bool) or warmup_iters < 0:
+        raise ValueError(f"warmup_iters={warmup_iters!r}; expected an integer >= 0")
+    if not isinstance(min_lr_ratio, (int, float)) or not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio={min_lr_ratio!r}; expected a number in [0, 1]")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda it: cosine_factor(it, total_iters, warmup_iters, min_lr_ratio)
+    )
+
+
 def build_scheduler(
     cfg: Mapping[str, Any], optimizer: torch.optim.Optimizer, total_iters: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Cosine schedule stepped every iteration (the paper's), with optional warm-up."""
-    if cfg["name"] != "cosine":
-        raise ValueError(f"unknown schedule {cfg['name']!r}; expected cosine")
-    warmup, floor = int(cfg.get("warmup_iters", 0)), float(cfg.get("min_lr_ratio", 0.0))
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda it: cosine_factor(it, total_iters, warmup, floor)
-    )
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The schedule of ``cfg`` (a ``_partial_`` config) over ``total_iters`` iterations of ``optimizer``."""
+    return instantiate(_settings(cfg), _convert_="all")(optimizer, total_iters=total_iters)

@@ -9,6 +9,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from mlcls.data.fast import BACKENDS
+from mlcls.engine.optim import GROUP_KEYS, build_scheduler, optimizer_factory
 from mlcls.losses.spec import loss_name
 
 AMP_MODES = ("none", "bf16", "fp16")
@@ -26,6 +27,40 @@ def _positive(value, key: str, integer: bool = False) -> None:
     if not ok or value <= 0:
         kind = "a positive integer" if integer else "a positive number"
         raise ConfigError(f"{key}={value!r}; expected {kind}")
+
+
+def _check_optimization(cfg: DictConfig) -> None:
+    """The parameter-group keys of ``optim``, then the optimizer and the schedule built on one parameter:
+    they check their own keywords (an unknown one, momentum out of range, ...) at no cost."""
+    for key in GROUP_KEYS:
+        value = cfg.optim.get(key)
+        if value is None and key in ("norm_weight_decay", "bias_weight_decay"):
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            kind = "a number >= 0, or null for weight_decay's" if "_weight_decay" in key else "a number >= 0"
+            raise ConfigError(f"optim.{key}={value!r}; expected {kind}")
+    for group in ("optim", "sched"):
+        if cfg[group].get("_partial_") is not True:
+            raise ConfigError(f"{group}._partial_ must be true: {group}._target_ is called by the trainer")
+    try:
+        optimizer = optimizer_factory(cfg.optim)([{"params": [torch.nn.Parameter(torch.zeros(1))]}])
+    except Exception as exc:
+        raise ConfigError(f"optim._target_={cfg.optim.get('_target_')}: {_first_line(exc)}") from None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optim._target_={cfg.optim._target_} is not a torch optimizer class")
+    try:
+        scheduler = build_scheduler(cfg.sched, optimizer, total_iters=1)
+    except Exception as exc:
+        raise ConfigError(f"sched._target_={cfg.sched.get('_target_')}: {_first_line(exc)}") from None
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise ConfigError(f"sched._target_={cfg.sched._target_} does not return a learning-rate scheduler")
+
+
+def _first_line(exc: Exception) -> str:
+    """The first line of the innermost message (Hydra wraps the target's error in a few lines of its own)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
@@ -99,11 +134,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
         raise ConfigError("data.backend=dali does the paper's augmentation only; use dataset.transform=paper")
     if not isinstance(t.compile, bool):
         raise ConfigError(f"trainer.compile={t.compile!r}; expected true or false")
-    for key in ("lr_head", "lr_backbone"):
-        if not isinstance(cfg.optim[key], (int, float)) or cfg.optim[key] < 0:
-            raise ConfigError(f"optim.{key}={cfg.optim[key]!r}; expected a number >= 0")
-    if cfg.optim.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay={cfg.optim.weight_decay!r}; expected a number >= 0")
+    _check_optimization(cfg)
 
     # The loss checks its own arguments (tp > 0, known ways, ...): building it costs nothing.
     try:

@@ -128,6 +128,8 @@ def protocol_checks() -> dict[str, Any]:
         "optim.weight_decay": optimizer["weight_decay"],
         "optim.momentum": optimizer["momentum"],
         "optim.nesterov": optimizer["nesterov"],
+        "optim.norm_weight_decay": None,  # null: the same weight decay on every parameter
+        "optim.bias_weight_decay": None,
         "sched": "cosine",
         "sched.warmup_iters": 0,
         "sched.min_lr_ratio": 0.0,
@@ -137,6 +139,7 @@ def protocol_checks() -> dict[str, Any]:
         "trainer.limit_val_batches": None,
         "trainer.grad_clip": None,
         "trainer.ema_decay": None,
+        "trainer.eval_amp": "none",  # the authors evaluate in float32
     }
 
 

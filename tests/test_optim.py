@@ -1,0 +1,226 @@
+"""Parameter groups (head/backbone x decay kind), the optimizer as a Hydra partial, the cosine schedule."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import timm
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from mlcls import config_dir
+from mlcls.engine.optim import build_optimizer, build_scheduler, group_lrs
+from mlcls.engine.validate import ConfigError, validate_config
+from tests.conftest import TINY, compose_config
+
+# resnet10t's normalisation layers, read off its parameter names: the deep stem's BatchNorms (conv1.1,
+# conv1.4), bn1, each block's bn1/bn2 and the BatchNorm of each downsample branch (downsample.2).
+RESNET10T_NORM = re.compile(r"^(conv1\.[14]|bn1|layer\d\.\d\.(bn\d|downsample\.2))\.(weight|bias)$")
+
+
+def optim_config(name: str, **overrides) -> dict:
+    cfg = OmegaConf.to_container(OmegaConf.load(config_dir() / "optim" / f"{name}.yaml"))
+    return {**cfg, **overrides}
+
+
+def sched_config(**overrides) -> dict:
+    return {**OmegaConf.to_container(OmegaConf.load(config_dir() / "sched" / "cosine.yaml")), **overrides}
+
+
+@pytest.fixture
+def resnet10t() -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("resnet10t", pretrained=False, num_classes=5)
+
+
+def names_of(model: nn.Module, params: list[nn.Parameter]) -> set[str]:
+    ids = {id(p) for p in params}
+    return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+def test_null_norm_and_bias_decay_make_the_two_paper_groups(resnet10t):
+    optimizer = build_optimizer(optim_config("sgd"), resnet10t)
+    assert isinstance(optimizer, torch.optim.SGD)
+    groups = optimizer.param_groups
+    assert [g["name"] for g in groups] == ["head", "backbone"]
+    assert names_of(resnet10t, groups[0]["params"]) == {"fc.weight", "fc.bias"}
+    every = [name for name, _ in resnet10t.named_parameters()]
+    assert [n for n in every if n.startswith("fc.")] + [n for n in every if not n.startswith("fc.")] == [
+        name for g in groups for name, p in resnet10t.named_parameters() if any(p is q for q in g["params"])
+    ]  # model order within each group
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(0.01, 1e-4), (0.001, 1e-4)]
+    assert (groups[0]["momentum"], groups[0]["nesterov"]) == (0.9, True)
+    assert group_lrs(optimizer) == {"head": 0.01, "backbone": 0.001}
+
+
+def test_resnet10t_groups_by_part_and_decay_kind(resnet10t):
+    cfg = optim_config("sgd", norm_weight_decay=0.0, bias_weight_decay=0.5)
+    groups = {g["name"]: g for g in build_optimizer(cfg, resnet10t).param_groups}
+    assert list(groups) == ["head", "head_bias", "backbone", "backbone_norm"]  # no empty groups
+    every = {name for name, _ in resnet10t.named_parameters()}
+    norm = {name for name in every if RESNET10T_NORM.match(name)}
+    assert len(norm) == 28  # 14 BatchNorms: 2 in the stem, bn1, 2 per block x 4, 3 downsamples
+    assert names_of(resnet10t, groups["backbone_norm"]["params"]) == norm
+    assert names_of(resnet10t, groups["head"]["params"]) == {"fc.weight"}
+    assert names_of(resnet10t, groups["head_bias"]["params"]) == {"fc.bias"}
+    assert names_of(resnet10t, groups["backbone"]["params"]) == every - norm - {"fc.weight", "fc.bias"}
+    assert len(groups["backbone"]["params"]) == 14  # the convolutions, without bias
+    decays = {name: g["weight_decay"] for name, g in groups.items()}
+    assert decays == {"head": 1e-4, "head_bias": 0.5, "backbone": 1e-4, "backbone_norm": 0.0}
+    lrs = {name: g["lr"] for name, g in groups.items()}
+    assert lrs == {"head": 0.01, "head_bias": 0.01, "backbone": 0.001, "backbone_norm": 0.001}
+
+
+class NormZoo(nn.Module):
+    """Convolution biases, a LayerNorm, and timm norm layers that subclass no torch norm (RmsNorm,
+    EvoNorm), a layer-scale vector (decayed as a weight) and a linear classifier. The model's own name
+    contains "Norm" and it owns a 1-D parameter: it is no norm layer all the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.evo = timm.layers.EvoNorm2dS0(4, group_size=2)
+        self.rms = timm.layers.RmsNorm(4)
+        self.ln = nn.LayerNorm(4)
+        self.gamma = nn.Parameter(torch.ones(4))
+        self.fc = nn.Linear(4, 2)
+
+    def get_classifier(self) -> nn.Module:
+        return self.fc
+
+
+def test_timm_norm_layers_and_biases_are_recognised():
+    model = NormZoo()
+    cfg = optim_config("adamw", norm_weight_decay=0.0, bias_weight_decay=0.0)
+    groups = {g["name"]: names_of(model, g["params"]) for g in build_optimizer(cfg, model).param_groups}
+    evo = {f"evo.{name}" for name, _ in model.evo.named_parameters()}
+    assert len(evo) == 3  # weight, bias, v
+    assert groups == {
+        "head": {"fc.weight"},
+        "head_norm_bias": {"fc.bias"},
+        "backbone": {"conv.weight", "gamma"},
+        "backbone_norm_bias": {"conv.bias", "rms.weight", "ln.weight", "ln.bias", *evo},
+    }
+
+
+def test_null_decays_step_like_torch_sgd_with_two_groups(resnet10t):
+    reference = timm.create_model("resnet10t", pretrained=False, num_classes=5)
+    reference.load_state_dict(resnet10t.state_dict())
+    ours = build_optimizer(optim_config("sgd", weight_decay=0.05), resnet10t)
+    head = list(reference.fc.parameters())
+    rest = [p for name, p in reference.named_parameters() if not name.startswith("fc.")]
+    theirs = torch.optim.SGD(
+        [{"params": head, "lr": 0.01}, {"params": rest, "lr": 0.001}],
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=0.05,
+        fused=True,
+    )
+    images = torch.randn(4, 3, 32, 32)
+    for model, optimizer in ((resnet10t, ours), (reference, theirs)):
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(images).square().mean().backward()
+            optimizer.step()
+    for (name, p), q in zip(resnet10t.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_zero_norm_and_bias_decay_exempts_them_from_adamw_decay(resnet10t):
+    cfg = optim_config("adamw", lr_head=0.1, lr_backbone=0.1, weight_decay=0.5)
+    cfg.update(norm_weight_decay=0.0, bias_weight_decay=0.0)
+    before = {name: p.detach().clone() for name, p in resnet10t.named_parameters()}
+    optimizer = build_optimizer(cfg, resnet10t)
+    for p in resnet10t.parameters():
+        p.grad = torch.zeros_like(p)  # Adam's term is 0: only the decoupled decay p <- p (1 - lr wd) remains
+    optimizer.step()
+    for name, p in resnet10t.named_parameters():
+        exempt = RESNET10T_NORM.match(name) or name == "fc.bias"
+        expected = before[name] if exempt else before[name] * (1 - 0.1 * 0.5)
+        torch.testing.assert_close(p.detach(), expected, msg=name)
+
+
+def test_any_torch_optimizer_with_its_own_keywords(resnet10t):
+    cfg = optim_config("adamw", _target_="torch.optim.RMSprop", alpha=0.95)
+    del cfg["betas"], cfg["fused"]  # keywords RMSprop does not take
+    optimizer = build_optimizer(cfg, resnet10t)
+    assert isinstance(optimizer, torch.optim.RMSprop)
+    assert optimizer.defaults["alpha"] == 0.95
+    assert not {"lr_head", "lr_backbone", "norm_weight_decay"} & set(optimizer.defaults)
+
+
+def paper_cosine_lr(base_lr: float, iteration: int, total: int, warmup: int, floor: float) -> float:
+    """The per-iteration cosine decay in float64, after a linear warm-up from base_lr / warmup."""
+    if iteration < warmup:
+        return base_lr * (iteration + 1) / warmup
+    t = np.float64(min(iteration - warmup, total - warmup)) / np.float64(total - warmup)
+    return float(base_lr * (floor + (1 - floor) * (1 + np.cos(np.pi * t)) / 2))
+
+
+@pytest.mark.parametrize(("warmup", "floor"), [(0, 0.0), (5, 0.1)])
+def test_cosine_schedule_follows_the_per_iteration_formula(resnet10t, warmup, floor):
+    optimizer = build_optimizer(optim_config("sgd", norm_weight_decay=0.0), resnet10t)
+    total = 40
+    scheduler = build_scheduler(sched_config(warmup_iters=warmup, min_lr_ratio=floor), optimizer, total)
+    for iteration in range(total + 3):  # past the end the lr stays at the floor
+        lrs = group_lrs(optimizer)
+        for part, base in (("head", 0.01), ("backbone", 0.001)):
+            assert math.isclose(
+                lrs[part], paper_cosine_lr(base, iteration, total, warmup, floor), rel_tol=1e-12
+            )
+        assert len({g["lr"] for g in optimizer.param_groups if g["name"].startswith("backbone")}) == 1
+        optimizer.step()
+        scheduler.step()
+
+
+def test_a_state_without_group_names_loads_and_keeps_them(resnet10t):
+    optimizer = build_optimizer(optim_config("sgd"), resnet10t)
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:
+        del group["name"]  # as saved before the groups were named
+    resumed = build_optimizer(optim_config("sgd"), resnet10t)
+    resumed.load_state_dict(state)
+    assert [g["name"] for g in resumed.param_groups] == ["head", "backbone"]
+    assert group_lrs(resumed) == {"head": 0.01, "backbone": 0.001}
+
+
+def test_a_state_with_other_groups_is_refused_in_one_line(resnet10t):
+    state = build_optimizer(optim_config("sgd"), resnet10t).state_dict()
+    split = build_optimizer(optim_config("sgd", norm_weight_decay=0.0), resnet10t)
+    with pytest.raises(ValueError, match=r"groups \(head 2, backbone 42\) where this config makes \(head 2"):
+        split.load_state_dict(state)
+
+
+def test_demo_adamw_exempts_norm_and_bias_and_the_paper_keeps_one_decay():
+    demo = compose_config([])
+    assert demo.optim._target_ == "torch.optim.AdamW"
+    assert (demo.optim.norm_weight_decay, demo.optim.bias_weight_decay) == (0.0, 0.0)
+    paper = compose_config(["experiment=paper", "dataset=synthetic"])
+    assert paper.optim._target_ == "torch.optim.SGD"
+    assert (paper.optim.norm_weight_decay, paper.optim.bias_weight_decay) == (None, None)
+    with_adamw = compose_config(["experiment=paper", "dataset=coco", "optim=adamw", "trainer.amp=none"])
+    validate_config(with_adamw, world_size=1)  # the paper's block carries no SGD-only keyword
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["optim.norm_weight_decay=-1"], "optim.norm_weight_decay=-1; expected a number >= 0, or null"),
+        (["optim.weight_decay=null"], "optim.weight_decay=None; expected a number >= 0"),
+        (["optim._partial_=false"], "optim._partial_ must be true"),
+        (["optim._target_=torch.optim.SDG"], "optim._target_=torch.optim.SDG: No module named"),
+        (["++optim.momentum=0.9"], "AdamW.__init__() got an unexpected keyword argument 'momentum'"),
+        (["optim.betas.1=1.5"], "Invalid beta parameter at index 1: 1.5"),
+        (["optim._target_=torch.nn.Identity", "~optim.betas"], "is not a torch optimizer class"),
+        (["sched.warmup_iters=-3"], "warmup_iters=-3; expected an integer >= 0"),
+        (["sched.min_lr_ratio=2"], "min_lr_ratio=2; expected a number in [0, 1]"),
+    ],
+)
+def test_optimization_config_errors(overrides, message):
+    cfg = compose_config([*TINY, *overrides])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(cfg, world_size=1)
