@@ -57,6 +57,7 @@ from mlcls.engine.checkpoint import (
 )
 from mlcls.engine.ema import ModelEma
 from mlcls.engine.evaluate import autocast_context, predict
+from mlcls.engine.optim import group_lrs
 from mlcls.engine.preemption import StopSignals
 from mlcls.engine.state import EpochProgress, TrainState, rng_state, seed_everything, set_rng_state
 from mlcls.engine.validate import ConfigError, validate_config
@@ -446,8 +447,8 @@ class Trainer:
             log.info("epoch %d iter %d/%d loss %.4f", epoch + 1, step + 1, self.iters_per_epoch, loss)
         if self.writer is not None:
             self.writer.add_scalar("train/loss", loss, iteration)
-            for group in self.optimizer.param_groups:
-                self.writer.add_scalar(f"train/lr_{group.get('name', 'group')}", group["lr"], iteration)
+            for part, lr in group_lrs(self.optimizer).items():
+                self.writer.add_scalar(f"train/lr_{part}", lr, iteration)
 
     def _collect_bad_images(self) -> None:
         """Files the datasets skipped since the last call (``dataset.on_bad_image=skip``), from every rank."""
