@@ -71,8 +71,8 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
     dataset = build_dataset(dataset_cfg, train=False)
     if list(dataset.classes) != inference.classes:
         raise ConfigError(
-            f"the evaluation set has {len(dataset.classes)} classes ({', '.join(dataset.classes[:5])}, …); "
-            f"the checkpoint's model {len(inference.classes)} ({', '.join(inference.classes[:5])}, …)"
+            f"the evaluation set's classes ({len(dataset.classes)}: {', '.join(dataset.classes[:5])}, …) "
+            f"differ from the model's ({len(inference.classes)}: {', '.join(inference.classes[:5])}, …)"
         )
     loader = eval_loader(
         dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device.type == "cuda"
