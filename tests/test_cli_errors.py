@@ -90,12 +90,13 @@ def run_main(main, argv: list[str], monkeypatch, capsys) -> tuple[int, list[str]
 )
 def test_mistakes_are_one_line_with_status_2(main, argv, message, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # as the subprocess tests set it: Hydra's report is not asked
     if main is train_cli._hydra_main:
         main = lambda: overrides.run_command("train", train_cli._hydra_main)  # noqa: E731 -- train.py's main
     code, err, _ = run_main(main, argv, monkeypatch, capsys)
     assert code == 2
     assert len(err) == 1 and err[0].startswith(message), err
-    assert "HYDRA_FULL_ERROR" not in os.environ
+    assert os.environ["HYDRA_FULL_ERROR"] == "0"
 
 
 @pytest.mark.parametrize("main", [predict_cli.main, eval_cli.main, export_cli.main])

@@ -47,10 +47,11 @@ def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
 
     :func:`check_command_line` runs first; an error Hydra raises while composing the config (unknown key,
     unknown config group option, unparsable override) is printed as one line by :func:`explain_error`.
-    With ``HYDRA_FULL_ERROR`` set by the user, Hydra's own report is kept.
+    With ``HYDRA_FULL_ERROR=1`` set by the user, Hydra's own report is kept.
     """
     overrides = check_command_line(config_name)
-    if os.environ.get("HYDRA_FULL_ERROR"):
+    user_setting = os.environ.get("HYDRA_FULL_ERROR")
+    if user_setting == "1":
         hydra_main()
         return
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its report and exiting with 1
@@ -62,7 +63,10 @@ def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
         with user_errors():
             raise ConfigError(explain_error(config_name, overrides, exc)) from exc
     finally:
-        del os.environ["HYDRA_FULL_ERROR"]
+        if user_setting is None:
+            del os.environ["HYDRA_FULL_ERROR"]
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = user_setting
 
 
 def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> list[str] | None:
@@ -118,6 +122,8 @@ def explain_error(config_name: str, overrides: Sequence[str] | None, exc: Except
             check_overrides(config_name, overrides)
         except ConfigError as error:
             return str(error)
+        except HydraException:
+            pass  # the config itself does not compose: Hydra's message says why
     if isinstance(exc, OverrideParseException):
         reason = [line for line in exc.message.splitlines() if not line.startswith(("Error parsing", "See "))]
         return f"cannot parse {exc.override!r} ({'; '.join(reason)}): expected key=value in Hydra's grammar"
