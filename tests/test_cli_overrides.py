@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from mlcls.cli.overrides import check_command_line, check_overrides, command_line_overrides, compose_config
+from mlcls.cli.overrides import check_overrides, command_line_overrides, compose_config, run_command
 from mlcls.engine.validate import ConfigError
 
 
@@ -69,9 +71,12 @@ def test_command_line_overrides_skips_flags_and_other_configs():
     assert command_line_overrides(["-cd=/somewhere", "trainer.epoch=3"]) is None
 
 
-def test_check_command_line_exits_2_with_one_line(capsys):
+def test_check_command_line_exits_2_with_one_line(capsys, monkeypatch):
+    from mlcls.cli.train import _hydra_main
+
+    monkeypatch.setattr(sys, "argv", ["mlcls-train", "trainer.bacth_size=8"])
     with pytest.raises(SystemExit) as info:
-        check_command_line("train", ["trainer.bacth_size=8"])
+        run_command("train", _hydra_main)
     assert info.value.code == 2
     assert (
         capsys.readouterr().err

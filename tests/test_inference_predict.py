@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -167,3 +168,29 @@ def test_cli_user_errors_are_one_line_with_status_2(
         predict_cli.main()
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [message]
+
+
+def test_summary_names_the_classes_without_a_calibrated_threshold(
+    run_dir, images, tmp_path, monkeypatch, capsys
+):
+    """A class calibrated without a validation positive (threshold +inf) is never listed, and the summary
+    says which classes those are; one image: "1 image", not "1 images"."""
+    state = torch.load(run_dir / "calibrated.pt", weights_only=False)
+    classes = state["classes"]
+    thresholds = torch.full((len(classes),), -math.inf, dtype=torch.float64)  # every other class: always
+    thresholds[[0, 3]] = math.inf
+    checkpoint = tmp_path / "no_positive.pt"
+    torch.save({**state, "thresholds": thresholds}, checkpoint)
+    _, readable, _ = images
+    monkeypatch.setattr(
+        sys, "argv", ["mlcls-predict", f"checkpoint={checkpoint}", f"images={readable[0]}", "workers=0"]
+    )
+    predict_cli.main()
+    out, err = capsys.readouterr()
+    listed = out.splitlines()[1].split()[1::2]  # the table's row: image, then name and probability pairs
+    assert sorted(listed) == sorted(c for i, c in enumerate(classes) if i not in (0, 3))
+    assert err.strip().splitlines() == [
+        "mlcls: 1 image labelled by per-class thresholds calibrated on the validation set (max F1); not "
+        f"calibrated, no positive validation label, never predicted: {classes[0]}, {classes[3]} "
+        "(threshold= or top_k= score them)"
+    ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 from sklearn.metrics import f1_score
 
-from mlcls.inference.thresholds import calibrate_thresholds, select_labels
+from mlcls.inference.thresholds import NEVER_PREDICTED, calibrate_thresholds, describe_rule, select_labels
 
 
 def brute_force_best_cut(scores: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
@@ -121,3 +122,30 @@ def test_select_labels_precedence_matches_a_hand_computed_reference():
     np.testing.assert_array_equal(both, [[True, False, False, False], [False, True, False, True]])
     with pytest.raises(ValueError, match="thresholds"):
         select_labels(logits, per_class[:3])
+
+
+def test_class_without_a_validation_positive_is_never_predicted_and_named_once(caplog):
+    scores = torch.tensor([[3.0, 9.0, 0.5], [-1.0, 8.0, 0.1], [2.0, 7.0, -0.3]])
+    labels = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, -1.0, 0.0]])
+    classes = ["tabby", "only_negatives", "also_negatives"]
+    with caplog.at_level(logging.INFO, logger="mlcls"):
+        for _ in range(3):  # one call per epoch
+            thresholds = calibrate_thresholds(scores, labels, no_positive=NEVER_PREDICTED, classes=classes)
+    assert thresholds.tolist() == [0.5, math.inf, math.inf]
+    # however high its logit, such a class is not predicted by the calibrated thresholds
+    assert select_labels(torch.tensor([[3.0, 1e30, 50.0]]), thresholds).tolist() == [[True, False, False]]
+    named = [r.getMessage() for r in caplog.records if "no positive validation label" in r.getMessage()]
+    assert named == [
+        "thresholds: no positive validation label, never predicted: only_negatives, also_negatives"
+    ]
+
+
+def test_describe_rule_names_the_classes_without_a_calibrated_threshold():
+    thresholds = torch.tensor([0.5, math.inf, -1.0], dtype=torch.float64)
+    rule = describe_rule(thresholds, None, None, ["cat", "dog", "bird"])
+    assert rule == (
+        "per-class thresholds calibrated on the validation set (max F1); not calibrated, no positive "
+        "validation label, never predicted: dog (threshold= or top_k= score them)"
+    )
+    assert describe_rule(thresholds[[0, 2]], None, None, ["cat", "bird"]).endswith("(max F1)")
+    assert describe_rule(thresholds, None, 2, ["cat", "dog", "bird"]) == "top 2"

@@ -20,7 +20,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from mlcls.cli.errors import one_line
+from mlcls.cli.errors import one_line, plural
 from mlcls.cli.overrides import compose_config
 from mlcls.data import DatasetError, MultiLabelDataset, build_dataset
 from mlcls.data.stats import find_unreadable, label_stats
@@ -32,7 +32,7 @@ TOP_CLASSES = 5
 def describe(dataset: MultiLabelDataset, title: str) -> None:
     """Print the size and label statistics of one split."""
     stats = label_stats(dataset.labels)
-    print(f"\n{title}: {stats.num_samples} samples")
+    print(f"\n{title}: {plural(stats.num_samples, 'sample')}")
     print(f"  positive labels per sample: {stats.positives_per_sample:.2f}")
     print(f"  unknown labels (-1): {100 * stats.unknown_share:.2f}% of the {dataset.labels.numel()} entries")
     for name, most in (("most frequent", True), ("least frequent", False)):

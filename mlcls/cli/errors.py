@@ -6,7 +6,8 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-from hydra.errors import HydraException
+from hydra.errors import HydraException, InstantiationException
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mlcls.data.base import DatasetError
@@ -22,15 +23,29 @@ def user_errors() -> Iterator[None]:
     """Exit with status 2 and ``mlcls: error: <message>`` for the errors a user can fix."""
     try:
         yield
-    except HydraException as exc:  # a bad override of a command that composes its config itself
-        print(f"mlcls: error: {one_line(exc)}", file=sys.stderr)
+    except (HydraException, *USER_ERRORS) as exc:
+        print(f"mlcls: error: {error_line(exc)}", file=sys.stderr)
         sys.exit(2)
-    except USER_ERRORS as exc:
-        # An error raised in a DataLoader worker comes back with the worker's traceback in its message;
-        # its last line is the error itself.
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        print(f"mlcls: error: {lines[-1]}", file=sys.stderr)
-        sys.exit(2)
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line that says what went wrong in ``exc``, one of the errors :func:`user_errors` handles.
+
+    * a user error raised inside a ``_target_`` that Hydra instantiated: that error's own message, not
+      Hydra's "Error in call to target" wrapper;
+    * OmegaConf: its message, without the ``full_key`` / ``object_type`` lines it appends;
+    * an error raised in a DataLoader worker comes back with the worker's traceback in its message: its
+      last line is the error itself;
+    * Hydra's own errors: :func:`one_line`.
+    """
+    if isinstance(exc, InstantiationException) and isinstance(exc.__cause__, USER_ERRORS):
+        return error_line(exc.__cause__)
+    if isinstance(exc, HydraException):
+        return one_line(exc)
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return lines[0] if isinstance(exc, OmegaConfBaseException) else lines[-1]
 
 
 def one_line(exc: Exception) -> str:
@@ -39,3 +54,17 @@ def one_line(exc: Exception) -> str:
     if not lines:
         return type(exc).__name__
     return lines[0] + (f" ({' '.join(lines[1:])})" if len(lines) > 1 else "")
+
+
+def require_keys(cfg: DictConfig, usage: str) -> None:
+    """Raise :class:`ConfigError` naming the keys of ``cfg`` still ``???`` (required, not given), with the
+    command's ``usage`` example."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        keys = " and ".join(f"{key}=…" for key in missing)
+        raise ConfigError(f"missing {keys} (required); usage: {usage}")
+
+
+def plural(count: int, noun: str) -> str:
+    """``"1 image"``, ``"3 images"``: ``count`` and ``noun``, plural unless ``count`` is 1."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

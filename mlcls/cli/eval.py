@@ -1,7 +1,11 @@
-"""``mlcls-eval``: the figures of a checkpoint on its validation set (or another split/root).
+"""``mlcls-eval``: the figures of a checkpoint on its validation set, or on your own test file or folder.
 
 mlcls-eval checkpoint=outputs/2026-01-01/12-00-00/checkpoints/best.pt
+mlcls-eval checkpoint=runs/mine/checkpoints/best.pt dataset.val_file=test.csv     # a CSV run's test list
 torchrun --nproc_per_node=4 -m mlcls.eval checkpoint=... dataset.root=/data/coco
+
+Any ``dataset.<key>=value`` replaces that key of the dataset config stored in the checkpoint; a key that
+config does not have is refused with the keys it has.
 """
 
 from __future__ import annotations
@@ -12,40 +16,71 @@ import sys
 from typing import Any
 
 import hydra
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
-from mlcls.cli.errors import user_errors
-from mlcls.cli.overrides import check_command_line
+from mlcls.cli.errors import require_keys, user_errors
+from mlcls.cli.overrides import closest_keys, run_command
 from mlcls.data import build_dataset
 from mlcls.data.loader import eval_loader
 from mlcls.engine import distributed as dist_utils
-from mlcls.engine.checkpoint import load_checkpoint, write_json
+from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import predict_dataset
+from mlcls.engine.validate import ConfigError
+from mlcls.inference.predictor import load_inference_model
 from mlcls.metrics import compute_metrics
+
+USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"
+
+
+def evaluation_dataset_config(
+    run_dataset: DictConfig | dict, overrides: DictConfig | dict, classes: list[str]
+) -> DictConfig:
+    """The checkpoint's dataset config ``run_dataset`` with the keys of ``overrides`` replaced (a null
+    value keeps the checkpoint's).
+
+    A key ``run_dataset`` lacks raises :class:`ConfigError` naming the closest keys. When the dataset config
+    has a ``classes`` key (the CSV dataset) that is not overridden, it is set to the checkpoint's
+    ``classes``: a test file is read in the order the model was trained with, and a name unknown to the
+    model is an error rather than a new class.
+    """
+    run_dataset = OmegaConf.create(run_dataset)
+    given = OmegaConf.to_container(OmegaConf.create(overrides))
+    overrides = {key: value for key, value in given.items() if value is not None}
+    name = run_dataset.get("name", "?")
+    for key in overrides:
+        if key not in run_dataset:
+            raise ConfigError(
+                f"unknown option dataset.{key} for the checkpoint's dataset ({name}): "
+                f"{closest_keys(str(key), [str(k) for k in run_dataset], 'dataset')}"
+            )
+    merged = OmegaConf.merge(run_dataset, overrides)
+    if "classes" in merged and "classes" not in overrides:
+        merged.classes = list(classes)
+    return merged
 
 
 def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate ``cfg.checkpoint``; every process returns the same figures."""
+    require_keys(cfg, USAGE)
     info = dist_utils.init_distributed(cfg.device)
-    state = load_checkpoint(cfg.checkpoint, map_location="cpu")
-    run_cfg = OmegaConf.create(state["config"])
-    overrides = {k: v for k, v in OmegaConf.to_container(cfg.dataset).items() if v is not None}
-    dataset_cfg = OmegaConf.merge(run_cfg.dataset, overrides)
+    inference = load_inference_model(cfg.checkpoint, info.device)
+    if "dataset" not in inference.config:
+        raise ConfigError(f"{cfg.checkpoint} holds no dataset config; is it an mlcls checkpoint?")
+    dataset_cfg = evaluation_dataset_config(inference.config["dataset"], cfg.dataset, inference.classes)
     dataset = build_dataset(dataset_cfg, train=False)
-    model = instantiate(
-        run_cfg.model, num_classes=len(state["classes"]), pretrained=False, checkpoint_path=None
-    )
-    model.load_state_dict(state["model"])
-    model.to(info.device)
+    if list(dataset.classes) != inference.classes:
+        raise ConfigError(
+            f"the evaluation set's classes ({len(dataset.classes)}: {', '.join(dataset.classes[:5])}, …) "
+            f"differ from the model's ({len(inference.classes)}: {', '.join(inference.classes[:5])}, …)"
+        )
     loader = eval_loader(
         dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device.type == "cuda"
     )
     scores, labels = predict_dataset(
-        model, loader, info.device, cfg.amp if info.device.type == "cuda" else "none"
+        inference.model, loader, info.device, cfg.amp if info.device.type == "cuda" else "none"
     )
-    figures = compute_metrics(scores, labels, list(state["classes"]))
+    figures = compute_metrics(scores, labels, inference.classes)
     figures["checkpoint"] = str(cfg.checkpoint)
     figures["num_samples"] = len(dataset)
     return figures
@@ -64,9 +99,16 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(json.dumps({k: v for k, v in figures.items() if k != "per_class_ap"}))
 
 
+def dataset_overrides_as_replacements(argv: list[str]) -> list[str]:
+    """``argv`` with every ``dataset.<key>=value`` (or ``+dataset.…``) written ``++dataset.<key>=value``:
+    the keys come from the checkpoint's dataset config, unknown to ``eval.yaml``, and are checked against
+    it by :func:`evaluation_dataset_config`."""
+    return [f"++{arg.lstrip('+')}" if arg.lstrip("+").startswith("dataset.") else arg for arg in argv]
+
+
 def main() -> None:
-    check_command_line("eval")
-    _hydra_main()
+    sys.argv[1:] = dataset_overrides_as_replacements(sys.argv[1:])
+    run_command("eval", _hydra_main)
 
 
 if __name__ == "__main__":

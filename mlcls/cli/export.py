@@ -13,14 +13,17 @@ import hydra
 from omegaconf import DictConfig
 
 from mlcls import config_dir
-from mlcls.cli.errors import user_errors
-from mlcls.cli.overrides import check_command_line
+from mlcls.cli.errors import require_keys, user_errors
+from mlcls.cli.overrides import run_command
 from mlcls.inference.export import export_checkpoint
+
+USAGE = "mlcls-export checkpoint=<run>/checkpoints/best.pt format=onnx"
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="export")
 def _hydra_main(cfg: DictConfig) -> None:
     with user_errors():
+        require_keys(cfg, USAGE)
         path, difference = export_checkpoint(cfg.checkpoint, cfg.format, cfg.out, cfg.opset, cfg.verify)
     print(json.dumps({"format": cfg.format, "path": str(path), "max_abs_difference": difference}))
     if difference is not None and not difference <= cfg.tolerance:
@@ -33,8 +36,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    check_command_line("export")
-    _hydra_main()
+    run_command("export", _hydra_main)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,17 @@
-"""Command-line overrides checked against the composed config before anything runs.
+"""Command lines of the ``mlcls-*`` commands: every mistake in one line on stderr, exit status 2.
 
-Hydra answers ``trainer.epoch=3`` (a typo of ``trainer.epochs``) with advice to append the key as
-``+trainer.epoch=3``, which then trains 40 epochs with a key nothing reads. Here an override of a key that
-is not in the config, with ``=`` or ``+``, stops the command with one line naming the closest options.
-``++key=value`` (Hydra's explicit "add or replace") is left alone, as are deletions (``~key``), config
-group choices (``loss=bce``, ``experiment=paper``) and ``hydra.*`` settings.
+Hydra's own reports of a bad command line span many lines and exit with status 1: an unknown config group
+option (``loss=nope``) lists the options one per line followed by the search path, an unknown key
+(``trainer.epoch=3``) comes with advice to append it as ``+trainer.epoch=3``, a positional argument
+(``mlcls-predict ckpt dir``) reads ``missing EQUAL at '<EOF>'``. :func:`run_command` runs a command's
+``@hydra.main`` function with Hydra's errors raised (``HYDRA_FULL_ERROR``) and prints each as one line
+naming the valid options. Only then is the config composed a second time, to find the closest keys: a
+correct command line costs no composition.
+
+Where Hydra reports nothing, the command line is checked before Hydra runs (:func:`check_command_line`):
+``+key=value`` for a key the config lacks is accepted by Hydra and read by nothing (``+trainer.epoch=3``
+trains the default number of epochs), so it is refused. ``++key=value`` (Hydra's explicit "add or
+replace") is left alone, as are deletions (``~key``) and ``hydra.*`` settings.
 """
 
 from __future__ import annotations
@@ -12,41 +19,115 @@ from __future__ import annotations
 import difflib
 import itertools
 import math
+import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser  # the parser of @hydra.main's own command line
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from mlcls import config_dir
-from mlcls.cli.errors import user_errors
+from mlcls.cli.errors import one_line, user_errors
 from mlcls.engine.validate import ConfigError
 
 # Configs composed per command at most for swept config groups (e.g. experiment=a,b,c); beyond, no check.
 MAX_COMPOSITIONS = 64
-# Hydra's flags that choose another config than the command's own.
-CONFIG_FLAGS = ("-cn", "--config-name", "-cd", "--config-dir", "-cp", "--config-path")
 
 
-def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
-    """The config ``config_name`` of ``mlcls/configs`` with ``overrides`` applied, after
-    :func:`check_overrides`."""
-    check_overrides(config_name, overrides)
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name=config_name, overrides=list(overrides))
+def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
+    """Run ``hydra_main``, the ``@hydra.main`` function of config ``config_name``, on this process's command
+    line (``sys.argv``); a mistake in the command line ends it with one line and exit status 2.
+
+    :func:`check_command_line` runs first; an error Hydra raises while composing the config (unknown key,
+    unknown config group option, unparsable override) is printed as one line by :func:`explain_error`.
+    With ``HYDRA_FULL_ERROR=1`` set by the user, Hydra's own report is kept.
+    """
+    overrides = check_command_line(config_name)
+    user_setting = os.environ.get("HYDRA_FULL_ERROR")
+    if user_setting == "1":
+        hydra_main()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its report and exiting with 1
+    try:
+        hydra_main()
+    except (HydraException, OmegaConfBaseException) as exc:
+        # The commands turn their own errors into one line (mlcls.cli.errors.user_errors): what arrives here
+        # comes from Hydra, before or between the jobs.
+        with user_errors():
+            raise ConfigError(explain_error(config_name, overrides, exc)) from exc
+    finally:
+        if user_setting is None:
+            del os.environ["HYDRA_FULL_ERROR"]
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = user_setting
+
+
+def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> list[str] | None:
+    """Check a ``mlcls-*`` command line (default ``sys.argv[1:]``) before Hydra runs; return its overrides
+    (:func:`command_line_overrides`).
+
+    A positional argument, or ``+key=…`` for a key the config lacks, ends the process with one line and
+    exit status 2. The config is composed only when a ``+key=…`` override is given.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with user_errors():
+        for arg in get_args_parser().parse_args(argv).overrides:
+            if "=" not in arg and not arg.startswith("~"):
+                raise ConfigError(
+                    f"unexpected argument {arg!r}: mlcls-{config_name} takes key=value overrides; "
+                    f"mlcls-{config_name} --help lists the keys"
+                )
+        overrides = command_line_overrides(argv)
+        if overrides is not None:
+            _check_added_keys(config_name, overrides)
+    return overrides
 
 
 def command_line_overrides(argv: Sequence[str]) -> list[str] | None:
-    """The overrides among a Hydra command line's arguments; ``None`` when it selects another config
-    (``--config-name``, ``--config-dir``, ``--config-path``), which this module does not check."""
-    if any(arg.split("=")[0] in CONFIG_FLAGS for arg in argv):
+    """The ``key=value`` overrides among a Hydra command line's arguments; ``None`` when it selects another
+    config (``--config-name``, ``--config-dir``, ``--config-path``), which this module does not check."""
+    args = get_args_parser().parse_args(list(argv))
+    if args.config_name or args.config_path or args.config_dir:
         return None
-    return [arg for arg in argv if "=" in arg and not arg.startswith("-")]
+    return [arg for arg in args.overrides if "=" in arg]
+
+
+def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
+    """The config ``config_name`` of ``mlcls/configs`` with ``overrides`` applied; a mistake in
+    ``overrides`` raises :class:`ConfigError` with the message of :func:`explain_error`."""
+    _check_added_keys(config_name, overrides)
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            return compose(config_name=config_name, overrides=list(overrides))
+    except HydraException as exc:
+        raise ConfigError(explain_error(config_name, overrides, exc)) from exc
+
+
+def explain_error(config_name: str, overrides: Sequence[str] | None, exc: Exception) -> str:
+    """One line for the error Hydra raised on ``overrides`` of ``config_name``: the unknown config group
+    option with the group's options, else the unknown key with the closest keys
+    (:func:`check_overrides`), else Hydra's message on one line."""
+    if overrides is not None:
+        GlobalHydra.instance().clear()  # left initialised by the failed run
+        try:
+            with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+                _check_group_options(config_name, overrides)
+            check_overrides(config_name, overrides)
+        except ConfigError as error:
+            return str(error)
+        except HydraException:
+            pass  # the config itself does not compose: Hydra's message says why
+    if isinstance(exc, OverrideParseException):
+        reason = [line for line in exc.message.splitlines() if not line.startswith(("Error parsing", "See "))]
+        return f"cannot parse {exc.override!r} ({'; '.join(reason)}): expected key=value in Hydra's grammar"
+    return one_line(exc)
 
 
 def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
@@ -56,11 +137,9 @@ def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
     turn); a key counts as known if any of those configs has it. Overrides Hydra cannot parse, and choices
     it cannot compose, are left for Hydra to report.
     """
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException:
+    parsed = _parse(overrides)
+    if parsed is None:
         return
-    parsed = [o for o in parsed if not o.is_hydra_override() and o.type != OverrideType.DEL]
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         groups = [o for o in parsed if _is_group(o.key_or_group)]
         keys = [o for o in parsed if o not in groups and o.type in (OverrideType.CHANGE, OverrideType.ADD)]
@@ -80,7 +159,63 @@ def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
     for override in keys:
         key = override.key_or_group
         if key not in known:
-            raise ConfigError(_unknown_key_message(override, known))
+            parent, _, leaf = key.rpartition(".")
+            siblings = [path.rpartition(".")[2] for path in known if path.rpartition(".")[0] == parent]
+            added = ""
+            if override.type == OverrideType.ADD:
+                added = " (nothing reads an added key; ++ adds one all the same)"
+            raise ConfigError(
+                f"unknown option {override.get_key_element()}: {closest_keys(leaf, siblings, parent)}{added}"
+            )
+
+
+def closest_keys(leaf: str, siblings: Sequence[str], parent: str = "") -> str:
+    """``did you mean <parent>.<closest>?`` for an unknown key ``leaf`` of ``parent`` whose keys are
+    ``siblings``; else the list of those keys."""
+    close = difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)
+    prefix = f"{parent}." if parent else ""
+    if close:
+        return f"did you mean {' or '.join(prefix + name for name in close)}?"
+    if siblings:
+        return f"{parent or 'the config'} has {', '.join(siblings)}"
+    return "run with --cfg job to list the options"
+
+
+def _check_added_keys(config_name: str, overrides: Sequence[str]) -> None:
+    """:func:`check_overrides` when ``overrides`` add a key with a single ``+``, which Hydra accepts."""
+    if any(o.startswith("+") and not o.startswith("++") for o in overrides):
+        check_overrides(config_name, overrides)
+
+
+def _check_group_options(config_name: str, overrides: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` for a config group choice (``loss=nope``) that is not one of its options,
+    or of a group the command's config does not use (``mlcls-predict loss=bce``); Hydra must be initialised
+    on ``mlcls/configs``."""
+    base = compose(config_name=config_name, return_hydra_config=True)
+    used = set(base.hydra.runtime.choices)
+    loader = GlobalHydra.instance().config_loader()
+    for override in _parse(overrides) or []:
+        group = override.key_or_group
+        if not _is_group(group):
+            continue
+        if group not in used and override.type != OverrideType.ADD:
+            keys = [str(key) for key in base if key != "hydra"]
+            raise ConfigError(f"unknown option {group}: {closest_keys(group, keys)}")
+        options = loader.get_group_options(group)
+        for value in _values(override):
+            if value not in options:
+                raise ConfigError(
+                    f"Could not find '{group}/{value}'. Available options in '{group}': {', '.join(options)}"
+                )
+
+
+def _parse(overrides: Sequence[str]) -> list[Override] | None:
+    """The parsed overrides, ``hydra.*`` settings and deletions left out; None if Hydra cannot parse them."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return None
+    return [o for o in parsed if not o.is_hydra_override() and o.type != OverrideType.DEL]
 
 
 def _is_group(name: str) -> bool:
@@ -101,29 +236,3 @@ def _paths(node: Any, prefix: str = "") -> Iterator[str]:
         path = f"{prefix}{key}"
         yield path
         yield from _paths(value, f"{path}.")
-
-
-def _unknown_key_message(override: Override, known: list[str]) -> str:
-    parent, _, leaf = override.key_or_group.rpartition(".")
-    siblings = [path.rpartition(".")[2] for path in known if path.rpartition(".")[0] == parent]
-    close = difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)
-    prefix = f"{parent}." if parent else ""
-    if close:
-        hint = f"did you mean {' or '.join(prefix + name for name in close)}?"
-    elif siblings:
-        hint = f"{parent or 'the config'} has {', '.join(siblings)}"
-    else:
-        hint = "run with --cfg job to list the options"
-    added = ""
-    if override.type == OverrideType.ADD:
-        added = " (nothing reads an added key; ++ adds one all the same)"
-    return f"unknown option {override.get_key_element()}: {hint}{added}"
-
-
-def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> None:
-    """:func:`check_overrides` on this process's command line (``sys.argv``) as a ``mlcls-*`` command:
-    an unknown key ends it with one line and exit status 2, before Hydra runs."""
-    overrides = command_line_overrides(sys.argv[1:] if argv is None else argv)
-    if overrides is not None:
-        with user_errors():
-            check_overrides(config_name, overrides)

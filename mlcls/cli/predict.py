@@ -15,8 +15,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
-from mlcls.cli.errors import user_errors
-from mlcls.cli.overrides import check_command_line
+from mlcls.cli.errors import plural, require_keys, user_errors
+from mlcls.cli.overrides import run_command
 from mlcls.engine.checkpoint import atomic_write
 from mlcls.inference.errors import InferenceError
 from mlcls.inference.predictor import (
@@ -27,6 +27,8 @@ from mlcls.inference.predictor import (
     predict_images,
 )
 from mlcls.inference.thresholds import describe_rule
+
+USAGE = "mlcls-predict checkpoint=<run>/checkpoints/best.pt images=<file | folder | 'glob/*.jpg'>"
 
 
 def check_rule(threshold: Any, top_k: Any) -> None:
@@ -41,6 +43,7 @@ def check_rule(threshold: Any, top_k: Any) -> None:
 
 def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]:
     """Predict ``cfg.images`` with ``cfg.checkpoint``: the predictions, the unreadable files, the rule."""
+    require_keys(cfg, USAGE)
     check_rule(cfg.threshold, cfg.top_k)
     sources = OmegaConf.to_container(cfg.images) if OmegaConf.is_list(cfg.images) else str(cfg.images)
     paths = find_images(sources)
@@ -51,8 +54,11 @@ def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]
         inference, paths, cfg.batch_size, cfg.workers, threshold=cfg.threshold, top_k=cfg.top_k
     )
     if not predictions:
-        raise InferenceError(f"none of the {len(paths)} matched files is a readable image, e.g. {paths[0]}")
-    return predictions, unreadable, describe_rule(inference.thresholds, cfg.threshold, cfg.top_k)
+        raise InferenceError(
+            f"none of the {plural(len(paths), 'matched file')} is a readable image, e.g. {paths[0]}"
+        )
+    rule = describe_rule(inference.thresholds, cfg.threshold, cfg.top_k, inference.classes)
+    return predictions, unreadable, rule
 
 
 def write_json_lines(predictions: list[Prediction], path: str | Path) -> None:
@@ -71,7 +77,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         write_json_lines(predictions, cfg.out)
     if not cfg.quiet:
         print(format_table(predictions))
-    summary = f"mlcls: {len(predictions)} images labelled by {rule}"
+    summary = f"mlcls: {plural(len(predictions), 'image')} labelled by {rule}"
     if unreadable:
         summary += f"; {len(unreadable)} unreadable skipped"
     if cfg.out:
@@ -80,8 +86,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    check_command_line("predict")
-    _hydra_main()
+    run_command("predict", _hydra_main)
 
 
 if __name__ == "__main__":

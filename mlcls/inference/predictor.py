@@ -111,7 +111,9 @@ def load_inference_model(path: str | Path, device: str | torch.device = "auto") 
     if thresholds is not None:
         thresholds = torch.as_tensor(thresholds, dtype=torch.float64).flatten()
         if thresholds.numel() != len(classes):
-            raise InferenceError(f"{path} holds {thresholds.numel()} thresholds for {len(classes)} classes")
+            raise InferenceError(
+                f"{path}: {thresholds.numel()} thresholds stored, one per class expected ({len(classes)})"
+            )
     if not isinstance(device, torch.device):
         try:
             device = resolve_device(device)

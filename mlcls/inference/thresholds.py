@@ -16,8 +16,10 @@ cumulative sums per column, all classes together). Rules:
 * the returned threshold lies halfway between the scores either side of the chosen cut, so a score near
   the boundary on new data is decided by the nearer validation score; if the best cut keeps every sample
   of the column, the threshold is ``-inf`` (the class is always predicted);
-* a class without any positive (F1 undefined) gets ``no_positive`` (default 0.0, i.e. the uncalibrated
-  sigmoid-probability 0.5 rule), and a log line names it.
+* a class without any positive (F1 undefined) gets ``no_positive``: the trainer passes
+  :data:`NEVER_PREDICTED` (``+inf``: with no positive to calibrate on, the class is not predicted by the
+  calibrated rule; ``threshold=`` or ``top_k=`` still score it); the default 0.0 is the uncalibrated
+  sigmoid-probability 0.5 rule. A log line names such classes, once per process for the same classes.
 
 :func:`select_labels` applies the precedence used by ``mlcls-predict``: a global probability
 ``threshold`` or ``top_k`` if given, else the calibrated per-class thresholds, else probability 0.5.
@@ -26,6 +28,8 @@ cumulative sums per column, all classes together). Rules:
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 
 import torch
 
@@ -34,16 +38,26 @@ from mlcls.metrics.ap import check_scores_labels
 
 log = logging.getLogger("mlcls")
 
+# The threshold of a class without a positive validation label: never reached, the class is not predicted.
+NEVER_PREDICTED = math.inf
+# The classes already named by the "without a positive validation label" log line of this process.
+_reported_without_positive: set[tuple[str, ...]] = set()
+
 
 def calibrate_thresholds(
-    scores: torch.Tensor, labels: torch.Tensor, no_positive: float = 0.0
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    no_positive: float = 0.0,
+    classes: Sequence[str] | None = None,
 ) -> torch.Tensor:
     """Per-class logit thresholds maximising each class's F1 on ``scores`` (see the module docstring).
 
     Args:
         scores: (N, C) logits of the validation set (any real dtype, CPU or CUDA).
         labels: (N, C) with 1 = positive, 0 = negative, -1 = ignored.
-        no_positive: the threshold of a class without any positive label.
+        no_positive: the threshold of a class without any positive label (:data:`NEVER_PREDICTED`: never
+            predicted).
+        classes: the C class names, for the log line naming the classes without a positive (else indices).
 
     Returns:
         float64 tensor (C,) on ``scores.device``; entries may be ``-inf`` (class always predicted).
@@ -73,12 +87,12 @@ def calibrate_thresholds(
     has_positive = positives.squeeze(1) > 0
     if not has_positive.all():
         missing = torch.nonzero(~has_positive).flatten().tolist()
-        log.info(
-            "thresholds: %d classes without a positive validation label keep %s: %s",
-            len(missing),
-            no_positive,
-            missing[:20],
-        )
+        names = tuple(str(classes[c]) if classes is not None else str(c) for c in missing)
+        if names not in _reported_without_positive:
+            _reported_without_positive.add(names)
+            shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+            rule = _no_positive_rule(no_positive)
+            log.info("thresholds: no positive validation label, %s: %s", rule, shown)
     return torch.where(has_positive, threshold, float(no_positive))
 
 
@@ -109,12 +123,33 @@ def select_labels(
     return threshold_predictions(scores, 0.5)
 
 
-def describe_rule(thresholds: torch.Tensor | None, threshold: float | None, top_k: int | None) -> str:
-    """One line naming the rule :func:`select_labels` applies for these arguments."""
+def _no_positive_rule(no_positive: float) -> str:
+    if no_positive == NEVER_PREDICTED:
+        return "never predicted"
+    probability = torch.sigmoid(torch.tensor(float(no_positive), dtype=torch.float64)).item()
+    return f"threshold {no_positive} (probability {probability:.3g})"
+
+
+def describe_rule(
+    thresholds: torch.Tensor | None,
+    threshold: float | None,
+    top_k: int | None,
+    classes: Sequence[str] | None = None,
+) -> str:
+    """One line naming the rule :func:`select_labels` applies for these arguments; with calibrated
+    ``thresholds``, also the ``classes`` without a calibrated threshold (:data:`NEVER_PREDICTED`)."""
     if top_k is not None:
         return f"top {top_k}" + (f" with probability >= {threshold}" if threshold is not None else "")
     if threshold is not None:
         return f"probability >= {threshold} for every class"
-    if thresholds is not None:
-        return "per-class thresholds calibrated on the validation set (max F1)"
-    return "probability >= 0.5 (the checkpoint has no calibrated thresholds)"
+    if thresholds is None:
+        return "probability >= 0.5 (the checkpoint has no calibrated thresholds)"
+    rule = "per-class thresholds calibrated on the validation set (max F1)"
+    never = torch.nonzero(thresholds == NEVER_PREDICTED).flatten().tolist()
+    if never:
+        names = ", ".join(str(classes[c]) if classes is not None else str(c) for c in never)
+        rule += (
+            f"; not calibrated, no positive validation label, never predicted: {names} "
+            "(threshold= or top_k= score them)"
+        )
+    return rule

@@ -5,7 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import timm
+from huggingface_hub import (
+    get_hf_file_metadata,
+    hf_hub_download,
+    hf_hub_url,
+    is_offline_mode,
+    try_to_load_from_cache,
+)
+from huggingface_hub.errors import EntryNotFoundError
 from torch import nn
+
+from mlcls.engine.validate import ConfigError
+
+# Seconds the Hugging Face hub has to answer the one request that tells whether it can be reached.
+HUB_TIMEOUT = 10.0
+# The weight files timm looks for in a hub repository, in its order of preference.
+HUB_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def create_model(
@@ -17,9 +32,9 @@ def create_model(
 ) -> nn.Module:
     """Build timm model ``name`` with a freshly initialised ``num_classes``-way classifier.
 
-    With ``pretrained=True`` timm loads the ImageNet weights from its hub; ``checkpoint_path`` loads a local
-    weights file instead (for machines without hub access). In both cases the pretrained classifier is
-    dropped, since its classes are not ours.
+    With ``pretrained=True`` the ImageNet weights come from the local Hugging Face cache, else from the hub
+    (:func:`pretrained_weights_file`); ``checkpoint_path`` loads a local weights file instead (for machines
+    without hub access). In both cases the pretrained classifier is dropped, since its classes are not ours.
     """
     if not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r}; see timm.list_models() for valid names")
@@ -30,7 +45,51 @@ def create_model(
             raise FileNotFoundError(f"model.checkpoint_path {path} does not exist")
         kwargs["pretrained_cfg_overlay"] = {"file": str(path)}
         pretrained = True
+    elif pretrained:
+        weights = pretrained_weights_file(name)
+        if weights is not None:
+            kwargs["pretrained_cfg_overlay"] = {"file": weights}
     return timm.create_model(name, pretrained=pretrained, **kwargs)
+
+
+def pretrained_weights_file(name: str) -> str | None:
+    """A local file holding the pretrained weights of timm model ``name`` that timm would fetch from the
+    Hugging Face hub; ``None`` when they do not come from the hub (timm loads those itself).
+
+    The local cache is tried first, without any request. Otherwise one request with a
+    :data:`HUB_TIMEOUT` tells whether the hub answers before the file is downloaded: where it does not
+    (no network, ``HF_HUB_OFFLINE=1``), :class:`ConfigError` says so at once and names the two ways out,
+    instead of huggingface_hub's minute of retries.
+    """
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg is None or not cfg.hf_hub_id:
+        return None
+    repo_id, _, revision = cfg.hf_hub_id.partition("@")
+    revision = revision or None
+    files = (cfg.hf_hub_filename,) if cfg.hf_hub_filename else HUB_WEIGHT_FILES
+    for filename in files:
+        cached = try_to_load_from_cache(repo_id, filename, revision=revision)
+        if isinstance(cached, str):
+            return cached
+    if is_offline_mode():
+        raise _unavailable(name, "HF_HUB_OFFLINE is set and they are not in the local Hugging Face cache")
+    for filename in files:
+        try:
+            get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), timeout=HUB_TIMEOUT)
+        except EntryNotFoundError:
+            continue
+        except Exception as exc:  # any failure of the request means: the hub cannot be reached
+            reason = f"the Hugging Face hub does not answer ({type(exc).__name__}: {exc})"
+            raise _unavailable(name, reason) from exc
+        return hf_hub_download(repo_id, filename, revision=revision)
+    return None
+
+
+def _unavailable(name: str, reason: str) -> ConfigError:
+    return ConfigError(
+        f"model.pretrained=true: cannot fetch the weights of {name}: {reason}; train from scratch with "
+        "model.pretrained=false, or give a local weights file with model.checkpoint_path=<file>"
+    )
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

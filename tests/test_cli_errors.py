@@ -1,0 +1,136 @@
+"""Every mistake on a mlcls-* command line is one line on stderr and exit status 2 (mlcls.cli.overrides,
+mlcls.cli.errors), and the check costs no config composition when the command line is right."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from hydra.errors import InstantiationException
+from omegaconf import OmegaConf
+
+from mlcls.cli import eval as eval_cli
+from mlcls.cli import export as export_cli
+from mlcls.cli import overrides
+from mlcls.cli import predict as predict_cli
+from mlcls.cli import train as train_cli
+from mlcls.cli.errors import error_line, plural, require_keys
+from mlcls.engine.validate import ConfigError
+
+LOSSES = "asl, bce, focal, joint, multisim, softmax, spherical_softmax, taylor_softmax, twoway, zlpr"
+
+
+def run_main(main, argv: list[str], monkeypatch, capsys) -> tuple[int, list[str], str]:
+    """(exit status, stderr lines, stdout) of a CLI ``main`` on ``argv``, run in this process."""
+    monkeypatch.setattr(sys, "argv", argv)
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.err.strip().splitlines(), captured.out
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "message"),
+    [
+        # 15.1: a required key not given
+        (eval_cli.main, ["mlcls-eval"], "mlcls: error: missing checkpoint=… (required); usage: mlcls-eval "),
+        (
+            export_cli.main,
+            ["mlcls-export"],
+            "mlcls: error: missing checkpoint=… (required); usage: mlcls-export",
+        ),
+        (
+            predict_cli.main,
+            ["mlcls-predict", "images=photos/"],
+            "mlcls: error: missing checkpoint=… (required); usage: mlcls-predict checkpoint=",
+        ),
+        (
+            predict_cli.main,
+            ["mlcls-predict"],
+            "mlcls: error: missing checkpoint=… and images=… (required); usage: mlcls-predict",
+        ),
+        # 15.9: an unknown config group option, with the options
+        (
+            train_cli._hydra_main,
+            ["mlcls-train", "loss=nope"],
+            f"mlcls: error: Could not find 'loss/nope'. Available options in 'loss': {LOSSES}",
+        ),
+        (
+            train_cli._hydra_main,
+            ["mlcls-train", "-m", "loss=bce,nope"],
+            f"mlcls: error: Could not find 'loss/nope'. Available options in 'loss': {LOSSES}",
+        ),
+        # a training group given to a command whose config has none
+        (
+            predict_cli.main,
+            ["mlcls-predict", "checkpoint=a.pt", "loss=bce"],
+            "mlcls: error: unknown option loss: the config has checkpoint, images, out, threshold, top_k, "
+            "batch_size, workers, device, quiet",
+        ),
+        # a positional argument
+        (
+            predict_cli.main,
+            ["mlcls-predict", "ckpt.pt", "photos/"],
+            "mlcls: error: unexpected argument 'ckpt.pt': mlcls-predict takes key=value overrides; "
+            "mlcls-predict --help lists the keys",
+        ),
+        # an override Hydra cannot parse
+        (
+            export_cli.main,
+            ["mlcls-export", "checkpoint=a.pt", "opset=[1"],
+            "mlcls: error: cannot parse 'opset=[1' (no viable alternative at input '[1'): expected key=value",
+        ),
+        # an unknown key of another command
+        (eval_cli.main, ["mlcls-eval", "checkpoint=a.pt", "batch=8"], "mlcls: error: unknown option batch: "),
+    ],
+)
+def test_mistakes_are_one_line_with_status_2(main, argv, message, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # as the subprocess tests set it: Hydra's report is not asked
+    if main is train_cli._hydra_main:
+        main = lambda: overrides.run_command("train", train_cli._hydra_main)  # noqa: E731 -- train.py's main
+    code, err, _ = run_main(main, argv, monkeypatch, capsys)
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert os.environ["HYDRA_FULL_ERROR"] == "0"
+
+
+@pytest.mark.parametrize("main", [predict_cli.main, eval_cli.main, export_cli.main])
+def test_help_lists_the_command_keys_not_the_training_groups(main, monkeypatch, capsys):
+    code, _, out = run_main(main, ["mlcls-x", "--help"], monkeypatch, capsys)
+    assert code == 0
+    assert "checkpoint: ???" in out and "Usage: mlcls-" in out
+    assert "Configuration groups" not in out and "loss:" not in out and "experiment" not in out
+
+
+def test_a_right_command_line_composes_no_config(monkeypatch):
+    def no_composition(*args, **kwargs):
+        raise AssertionError("composed a config")
+
+    monkeypatch.setattr(overrides, "compose", no_composition)
+    argv = ["-m", "trainer.epochs=1,2", "loss=bce", "loss.pos_weight=2", "++x.y=1", "~trainer.ema_decay"]
+    assert overrides.check_command_line("train", argv) == [arg for arg in argv if "=" in arg]
+    # a single + adds a key Hydra accepts and nothing reads: then the config is composed to check it
+    with pytest.raises(AssertionError, match="composed"):
+        overrides.check_command_line("train", ["+trainer.epoch=3"])
+
+
+def test_error_line_unwraps_instantiation_and_omegaconf_errors():
+    wrapped = InstantiationException("Error in call to target 'mlcls.models.create_model':\nConfigError(...)")
+    wrapped.__cause__ = ConfigError("model.pretrained=true: cannot fetch the weights")
+    assert error_line(wrapped) == "model.pretrained=true: cannot fetch the weights"
+    cfg = OmegaConf.create({"checkpoint": "???"})
+    with pytest.raises(Exception) as info:
+        _ = cfg.checkpoint
+    assert error_line(info.value) == "Missing mandatory value: checkpoint"
+
+
+def test_require_keys_and_plural():
+    require_keys(OmegaConf.create({"checkpoint": "a.pt", "out": None}), "usage")
+    with pytest.raises(ConfigError, match=r"^missing checkpoint=… \(required\); usage: mlcls-x a=1$"):
+        require_keys(OmegaConf.create({"checkpoint": "???", "out": None}), "mlcls-x a=1")
+    assert [plural(n, "image") for n in (0, 1, 2)] == ["0 images", "1 image", "2 images"]

@@ -1,0 +1,123 @@
+"""mlcls-eval on a user's own test list: ``dataset.<key>=value`` replaces a key of the checkpoint's dataset
+config (one line naming the closest keys for one it lacks); figures against scikit-learn on timm's logits."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import average_precision_score
+from test_inference_support import IMAGE_SIZE, reference_logits, trained_run
+
+from mlcls.cli import eval as eval_cli
+from mlcls.cli.eval import evaluation_dataset_config
+from mlcls.data.synthetic import SyntheticMultiLabel
+from mlcls.engine.validate import ConfigError
+
+TEST_SIZE = 24
+
+
+@pytest.fixture(scope="module")
+def csv_run(tmp_path_factory):
+    """A checkpoint of the tiny run whose dataset config is a CSV folder (light transform, 32 px, classes
+    inferred, validation held out of train.csv), the folder's test.csv, its image paths and labels."""
+    run_dir = trained_run(tmp_path_factory.mktemp("inference"))
+    root = tmp_path_factory.mktemp("mine")
+    source = SyntheticMultiLabel("val", val_size=TEST_SIZE, image_size=IMAGE_SIZE, seed=7)
+    rows, paths = [], []
+    for i in range(TEST_SIZE):
+        path = root / "images" / f"{i:03d}.png"
+        path.parent.mkdir(exist_ok=True)
+        source.load_image(i).save(path)
+        names = [name for name, y in zip(source.classes, source.labels[i].tolist(), strict=True) if y == 1]
+        rows.append(f"images/{path.name},{' '.join(names)}\n")
+        paths.append(path)
+    (root / "train.csv").write_text("image,labels\n" + "".join(rows[:4]))
+    (root / "test.csv").write_text("image,labels\n" + "".join(rows))
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
+    assert state["classes"] == list(source.classes)
+    state["config"]["dataset"] = {
+        "_target_": "mlcls.data.csv_dataset.CSVDataset",
+        "name": "csv",
+        "root": str(root),
+        "image_size": IMAGE_SIZE,
+        "transform": "light",
+        "train_split": "train",
+        "val_split": "val",
+        "train_file": "train.csv",
+        "val_file": None,
+        "val_fraction": 0.5,
+        "seed": 0,
+        "image_column": "image",
+        "labels_column": "labels",
+        "label_delimiter": " ",
+        "classes": None,
+        "image_dir": "",
+        "delimiter": None,
+        "on_bad_image": "error",
+    }
+    checkpoint = root / "csv_run.pt"
+    torch.save(state, checkpoint)
+    return checkpoint, paths, source.labels.numpy()
+
+
+def run_eval(argv, monkeypatch, capsys) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["mlcls-eval", *argv])
+    code = 0
+    try:
+        eval_cli.main()
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_eval_on_a_test_csv_is_one_override(csv_run, monkeypatch, capsys, tmp_path):
+    checkpoint, paths, labels = csv_run
+    monkeypatch.chdir(tmp_path)
+    argv = [f"checkpoint={checkpoint}", "dataset.val_file=test.csv", "workers=0", "device=cpu"]
+    code, out, err = run_eval(argv, monkeypatch, capsys)
+    assert code == 0, err
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert figures["num_samples"] == TEST_SIZE
+    logits = reference_logits(checkpoint, paths, "light").double().numpy()
+    with_positive = labels.sum(0) > 0
+    expected = np.mean(
+        [average_precision_score(labels[:, c], logits[:, c]) for c in np.flatnonzero(with_positive)]
+    )
+    assert figures["mAP_class"] == pytest.approx(100 * expected, abs=1e-4)
+
+
+def test_a_key_the_checkpoint_dataset_lacks_is_one_line(csv_run, monkeypatch, capsys, tmp_path):
+    checkpoint, _, _ = csv_run
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_eval([f"checkpoint={checkpoint}", "dataset.val_fil=test.csv"], monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "mlcls: error: unknown option dataset.val_fil for the checkpoint's dataset (csv): "
+        "did you mean dataset.val_file or dataset.val_fraction or dataset.val_split?"
+    ]
+
+
+def test_evaluation_dataset_config_replaces_keys_and_pins_the_checkpoint_classes():
+    run = {"name": "csv", "root": "a", "val_file": None, "classes": None, "image_size": 32}
+    merged = evaluation_dataset_config(run, {"val_file": "test.csv", "root": None}, ["b", "a"])
+    assert merged == {
+        "name": "csv",
+        "root": "a",
+        "val_file": "test.csv",
+        "classes": ["b", "a"],
+        "image_size": 32,
+    }
+    coco = {"name": "coco", "root": "/data/coco", "val_split": "val2014"}
+    assert evaluation_dataset_config(coco, {"val_split": "val2017"}, ["x"]) == {
+        **coco,
+        "val_split": "val2017",
+    }
+    with pytest.raises(
+        ConfigError, match=r"dataset \(coco\): coco has name, root, val_split$|coco\): dataset"
+    ):
+        evaluation_dataset_config(coco, {"year": 2017}, ["x"])
