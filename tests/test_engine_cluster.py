@@ -19,7 +19,7 @@ from conftest import TINY, compose_config
 
 from mlcls.engine import preemption
 from mlcls.engine.checkpoint import load_checkpoint
-from mlcls.engine.distributed import DistInfo, RankFailed
+from mlcls.engine.distributed import DistInfo
 from mlcls.engine.trainer import NonFiniteError, Trainer
 
 WORLD = 2
@@ -165,7 +165,7 @@ def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
     assert max(rank0["evaluate_s"], rank1["evaluate_s"], rank0["save_s"], rank1["save_s"]) < 20
 
 
-# ---------------------------------------------------------------------------------------------- resume under DDP
+# ---------------------------------------------------------------------------------- resume under DDP
 def _resume(rank: int, out: Path) -> dict:
     """An uninterrupted epoch; the same epoch stopped by a signal to rank 0 after step 2, then resumed
     while rank 1 sees no checkpoint of its own (as on a node whose file system lags)."""

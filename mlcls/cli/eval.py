@@ -22,7 +22,7 @@ from mlcls import config_dir
 from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import closest_keys, run_command
 from mlcls.data import build_dataset
-from mlcls.data.loader import eval_loader
+from mlcls.data.loader import build_eval_loader
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import predict_dataset
@@ -74,9 +74,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
             f"the evaluation set's classes ({len(dataset.classes)}: {', '.join(dataset.classes[:5])}, …) "
             f"differ from the model's ({len(inference.classes)}: {', '.join(inference.classes[:5])}, …)"
         )
-    loader = eval_loader(
-        dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device.type == "cuda"
-    )
+    loader = build_eval_loader(dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device)
     scores, labels = predict_dataset(
         inference.model, loader, info.device, cfg.amp if info.device.type == "cuda" else "none"
     )

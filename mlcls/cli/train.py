@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from mlcls import config_dir
 from mlcls.cli.errors import user_errors
-from mlcls.cli.overrides import check_command_line
+from mlcls.cli.overrides import run_command
 from mlcls.engine.distributed import RankFailed
 from mlcls.engine.trainer import EXIT_PREEMPTED, NonFiniteError, Preempted, Trainer
 
@@ -55,8 +55,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    check_command_line("train")
-    _hydra_main()
+    run_command("train", _hydra_main)
 
 
 if __name__ == "__main__":

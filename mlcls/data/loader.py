@@ -260,21 +260,3 @@ class DevicePrefetcher:
             upcoming = next_on_side_stream()  # enqueued before the caller's step: the two overlap
             yield ready
             ready = upcoming
-
-
-def train_loader(
-    dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, seed: int, pin_memory: bool
-) -> DataLoader:
-    """Transitional: the trainer's former call; :func:`build_train_loader` replaces it (remove once the
-    trainer calls that)."""
-    device = torch.device("cuda" if pin_memory else "cpu")
-    return build_train_loader(dataset, batch_size, workers, rank, world_size, seed, device, "fast")
-
-
-def eval_loader(
-    dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, pin_memory: bool
-) -> DataLoader:
-    """Transitional: the former call of the trainer and ``mlcls-eval``; :func:`build_eval_loader` replaces
-    it (remove once they call that)."""
-    device = torch.device("cuda" if pin_memory else "cpu")
-    return build_eval_loader(dataset, batch_size, workers, rank, world_size, device)

@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ from mlcls.engine.preemption import StopSignals
 from mlcls.engine.state import EpochProgress, TrainState, rng_state, seed_everything, set_rng_state
 from mlcls.engine.validate import ConfigError, validate_config
 from mlcls.inference import calibrate_thresholds, preprocess_spec
+from mlcls.inference.thresholds import NEVER_PREDICTED
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.gather import gather_shards
 from mlcls.reporting.plots import write_plots
@@ -497,9 +499,11 @@ class Trainer:
         is_best = best is None or chosen.figures["mAP_class"] > best["mAP_class"]
         raw = evaluations["raw"]
         self.val_outputs = (raw.scores, raw.labels)
-        self.state.thresholds = calibrate_thresholds(raw.scores, raw.labels)  # for last.pt's raw weights
+        # a class without a validation positive gets a threshold that never fires (NEVER_PREDICTED)
+        calibrate = partial(calibrate_thresholds, no_positive=NEVER_PREDICTED, classes=self.classes)
+        self.state.thresholds = calibrate(raw.scores, raw.labels)  # for last.pt's raw weights
         if is_best:
-            self.best_thresholds = calibrate_thresholds(chosen.scores, chosen.labels)
+            self.best_thresholds = calibrate(chosen.scores, chosen.labels)
             self.state.best = best = {
                 "epoch": epoch,
                 "mAP_class": chosen.figures["mAP_class"],
