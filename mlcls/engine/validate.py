@@ -10,14 +10,11 @@ from omegaconf import DictConfig
 
 from mlcls.data.fast import BACKENDS
 from mlcls.engine.optim import GROUP_KEYS, build_scheduler, optimizer_factory
+from mlcls.errors import ConfigError  # noqa: F401 - re-exported: raised by validate_config
 from mlcls.losses.spec import loss_name
 
 AMP_MODES = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-class ConfigError(ValueError):
-    """The resolved configuration is invalid; the message says which key and what is expected."""
 
 
 def _positive(value, key: str, integer: bool = False) -> None:

@@ -15,7 +15,7 @@ from huggingface_hub import (
 from huggingface_hub.errors import EntryNotFoundError
 from torch import nn
 
-from mlcls.engine.validate import ConfigError
+from mlcls.errors import ConfigError
 
 # Seconds the Hugging Face hub has to answer the one request that tells whether it can be reached.
 HUB_TIMEOUT = 10.0
