@@ -1,7 +1,13 @@
-"""Errors a user fixes by changing the command line or the config (the CLIs print them as one line)."""
+"""Errors a user fixes by changing the command line or the config (the CLIs print them as one line), and
+the wording shared by messages."""
 
 from __future__ import annotations
 
 
 class ConfigError(ValueError):
     """The resolved configuration is invalid; the message says which key and what is expected."""
+
+
+def plural(count: int, noun: str) -> str:
+    """``"1 image"``, ``"3 images"``: ``count`` and ``noun``, plural unless ``count`` is 1."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

@@ -309,7 +309,7 @@ def test_trainer_trains_on_jpegs_with_the_fast_pipeline_compiled(tmp_path, monke
          "trainer.workers=0", "trainer.compile=true", f"trainer.output_dir={tmp_path / 'run'}"]
     )  # fmt: skip
     trainer = Trainer(cfg)
-    assert isinstance(trainer.train_set.transform, FastTrainTransform)
+    assert isinstance(trainer.data.train_set.transform, FastTrainTransform)
     assert isinstance(next(iter(trainer.train_loader))[0], AugmentedImage)
     results = trainer.fit()
     assert compiled == [trainer.model] and trainer.ddp_model is not trainer.model

@@ -10,7 +10,6 @@ import signal
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +17,8 @@ import torch.multiprocessing as mp
 from conftest import TINY, compose_config
 
 from mlcls.engine import preemption
+from mlcls.engine.build import warn_protocol
 from mlcls.engine.checkpoint import load_checkpoint
-from mlcls.engine.distributed import DistInfo
 from mlcls.engine.trainer import NonFiniteError, Trainer
 
 WORLD = 2
@@ -125,9 +124,9 @@ def _failures(rank: int, out: Path) -> dict:
         def broken(*args, **kwargs):
             raise OSError("cannot identify image file 'val/0007.jpg'")
 
-        import mlcls.engine.trainer as trainer_module
+        import mlcls.engine.evaluate as evaluate_module
 
-        trainer_module.predict = broken
+        evaluate_module.predict = broken
     start = time.perf_counter()
     try:
         trainer.evaluate()
@@ -338,19 +337,18 @@ def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
                 [*TINY, "trainer.amp=bf16", f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
             )
         )
-    assert "trained with trainer.amp=fp16; continuing with trainer.amp=bf16" in caplog.text
+    assert "trained with trainer.amp=fp16; continuing with trainer.amp=bf16 (fresh loss scale)" in caplog.text
     assert trainer.start_epoch == 1 and trainer.scaler.get_scale() == 1.0
 
 
 def test_paper_presets_on_one_process_warn_about_batchnorm(caplog):
     cfg = compose_config(["experiment=paper_twoway"])
     assert cfg.trainer.eval_amp == "none"  # the authors evaluate in float32
-    single = SimpleNamespace(cfg=cfg, dist=DistInfo(0, 0, 1, torch.device("cpu")))
     with caplog.at_level(logging.WARNING, logger="mlcls"):
-        Trainer._warn_protocol(single)
+        warn_protocol(cfg, world_size=1)
     assert "BatchNorm normalises over all 512 samples" in caplog.text and "torchrun" in caplog.text
     caplog.clear()
-    Trainer._warn_protocol(SimpleNamespace(cfg=cfg, dist=DistInfo(0, 0, 4, torch.device("cpu"))))
+    warn_protocol(cfg, world_size=4)
     assert not caplog.text
 
 

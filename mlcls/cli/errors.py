@@ -13,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from mlcls.data.base import DatasetError
 from mlcls.engine.checkpoint import CheckpointError
 from mlcls.engine.validate import ConfigError
+from mlcls.errors import plural  # noqa: F401 - re-exported for the commands
 from mlcls.inference.errors import InferenceError
 
 USER_ERRORS = (DatasetError, CheckpointError, ConfigError, InferenceError, OmegaConfBaseException)
@@ -63,8 +64,3 @@ def require_keys(cfg: DictConfig, usage: str) -> None:
     if missing:
         keys = " and ".join(f"{key}=…" for key in missing)
         raise ConfigError(f"missing {keys} (required); usage: {usage}")
-
-
-def plural(count: int, noun: str) -> str:
-    """``"1 image"``, ``"3 images"``: ``count`` and ``noun``, plural unless ``count`` is 1."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

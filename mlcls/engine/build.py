@@ -112,3 +112,28 @@ def classes_without_positives(dataset: Dataset, classes: list[str]) -> list[str]
         return []
     present = (torch.as_tensor(labels) == 1).any(0)
     return [name for name, seen in zip(classes, present.tolist(), strict=True) if not seen]
+
+
+def warn_unscored_classes(val_set: Dataset, classes: list[str]) -> None:
+    """Say once, by name, which classes the validation split cannot score (no positive label)."""
+    missing = classes_without_positives(val_set, classes)
+    if missing:
+        log.warning(
+            "%d of %d classes have no positive in the validation split (%s): their AP is undefined and "
+            "predict never reports them (no calibrated threshold)",
+            len(missing),
+            len(classes),
+            ", ".join(missing[:10]) + (", ..." if len(missing) > 10 else ""),
+        )
+
+
+def warn_protocol(cfg: DictConfig, world_size: int) -> None:
+    """Warn when a paper preset (``experiment=paper*``) runs where BatchNorm sees another batch than the
+    paper's 128 samples per GPU."""
+    if "protocol" in cfg and world_size == 1 and cfg.trainer.batch_size > 128:
+        log.warning(
+            "experiment=paper* on one process: BatchNorm normalises over all %d samples of a batch where "
+            "the paper's 4 GPUs saw 128 each; for comparable figures launch "
+            "torchrun --nproc_per_node=4 (docs/reproduce.md)",
+            cfg.trainer.batch_size,
+        )

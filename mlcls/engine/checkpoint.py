@@ -7,6 +7,7 @@ target, so a crash mid-write leaves the previous complete file in place, never a
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+
+log = logging.getLogger("mlcls")
 
 
 class CheckpointError(RuntimeError):
@@ -104,3 +107,19 @@ def resume_candidates(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     candidates = [directory / "last.pt"] if (directory / "last.pt").is_file() else []
     return candidates + sorted(directory.glob("iter_*.pt"), reverse=True)
+
+
+def choose_resume_checkpoint(resume: str, directory: str | Path) -> str | None:
+    """The checkpoint ``trainer.resume`` names: a file as given, or for ``auto`` the newest readable one in
+    ``directory`` (an unreadable one, e.g. truncated by a crash, is reported and the previous one tried);
+    None when there is none."""
+    if resume != "auto":
+        return str(resume)
+    for path in resume_candidates(directory):
+        try:
+            load_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("%s; trying the previous checkpoint", exc)
+            continue
+        return str(path)
+    return None

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from mlcls.engine import distributed as dist_utils
+from mlcls.metrics import compute_metrics
 from mlcls.metrics.gather import gather_shards
 
 
@@ -56,3 +60,38 @@ def predict_dataset(
     scores, targets = predict(model, loader, device, amp, channels_last)
     total = len(loader.dataset)
     return gather_shards(scores, total), gather_shards(targets, total)
+
+
+@dataclass
+class Evaluation:
+    """Metrics of one set of weights on the whole validation set, and the scores behind them."""
+
+    metrics: dict[str, Any]
+    scores: torch.Tensor  # (N, C) logits, dataset order
+    labels: torch.Tensor  # (N, C) in {1, 0, -1}
+
+
+def evaluate_model(
+    model: nn.Module,
+    loader: DataLoader,
+    device: torch.device,
+    classes: list[str],
+    amp: str = "none",
+    channels_last: bool = False,
+) -> Evaluation:
+    """``model`` on the whole dataset behind ``loader`` (ShardSampler shards); the metrics are equal on every
+    rank, each sample scored once.
+
+    Under DDP each process's BatchNorm running statistics drift from rank 0's during an epoch (DDP
+    broadcasts them only at the next forward), so rank 0's buffers, the ones checkpointed, are broadcast
+    first: every shard is scored by exactly the saved model. A rank that fails on its shard (an unreadable
+    image) ends every rank with its error instead of leaving them waiting in the gather.
+    """
+    if dist_utils.initialized():
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+    with dist_utils.all_or_none():
+        scores, labels = predict(model, loader, device, amp, channels_last)
+    total = len(loader.dataset)
+    scores, labels = gather_shards(scores, total), gather_shards(labels, total)
+    return Evaluation(compute_metrics(scores, labels, classes), scores, labels)

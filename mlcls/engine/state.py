@@ -48,7 +48,7 @@ class TrainState:
 
     ``partial`` holds every rank's :class:`EpochProgress` of that incomplete epoch (empty when ``step`` is
     0), ``history`` one record per finished epoch, ``best`` the best evaluation so far (epoch, mAP@class,
-    mAP@sample and which ``weights``: "raw" or "ema"), ``last_figures`` the newest evaluation's figures,
+    mAP@sample and which ``weights``: "raw" or "ema"), ``last_metrics`` the newest evaluation's metrics,
     ``thresholds`` the per-class thresholds calibrated for the raw weights, ``counts`` the skipped steps
     and unreadable images, ``rng`` every rank's generator states.
     """
@@ -58,7 +58,7 @@ class TrainState:
     partial: list[EpochProgress] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
     best: dict[str, Any] | None = None
-    last_figures: dict[str, Any] | None = None
+    last_metrics: dict[str, Any] | None = None
     thresholds: torch.Tensor | None = None
     counts: dict[str, Any] = field(default_factory=lambda: {"skipped_steps": 0, "skipped_images": []})
     wall_time_s: float = 0.0
@@ -75,6 +75,8 @@ class TrainState:
         for key, value in state.items():
             if key in names:
                 setattr(self, key, value)
+        if "last_figures" in state:  # the name of earlier versions
+            self.last_metrics = state["last_figures"]
         self.partial = [EpochProgress(**p) for p in state.get("partial", [])]
         if not self.partial and state.get("epoch_partial"):  # one sum for all ranks, from rank 0 only
             self.partial = [EpochProgress(**state["epoch_partial"])]

@@ -1,7 +1,7 @@
 """The training loop: ``Trainer(cfg).fit()`` builds the run, trains, evaluates and saves.
 
     <run_dir>/config.yaml                resolved config
-    <run_dir>/results.json               last and best figures, per-class AP, dataset facts, counts, history
+    <run_dir>/results.json               last and best metrics, per-class AP, dataset facts, counts, history
     <run_dir>/checkpoints/last.pt        newest full training state (what resume=auto loads first)
     <run_dir>/checkpoints/iter_*.pt      the newest trainer.keep_checkpoints full states (fallbacks)
     <run_dir>/checkpoints/best.pt        the weights of the best mAP@class evaluation
@@ -21,15 +21,10 @@ accumulated on the device and read every ``trainer.log_every`` steps; the stop f
 from __future__ import annotations
 
 import logging
-import shutil
 import sys
 import time
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass
-from datetime import datetime
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,28 +41,29 @@ from mlcls.engine.build import (
     build_loss,
     build_model,
     build_optimization,
-    classes_without_positives,
+    warn_protocol,
+    warn_unscored_classes,
 )
 from mlcls.engine.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    resume_candidates,
     save_checkpoint,
     save_training_checkpoint,
     write_json,
 )
 from mlcls.engine.ema import ModelEma
-from mlcls.engine.evaluate import autocast_context, predict
+from mlcls.engine.evaluate import Evaluation, autocast_context, evaluate_model
+from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm
+from mlcls.engine.logging import RunLog
 from mlcls.engine.optim import group_lrs
 from mlcls.engine.preemption import StopSignals
-from mlcls.engine.state import EpochProgress, TrainState, rng_state, seed_everything, set_rng_state
+from mlcls.engine.results import record_skipped_images, run_results
+from mlcls.engine.resume import resume_run
+from mlcls.engine.rundir import discard_if_empty, hydra_run_dir, resolve_run_dir
+from mlcls.engine.state import EpochProgress, TrainState, rng_state, seed_everything
 from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.errors import plural
 from mlcls.inference import calibrate_thresholds, preprocess_spec
 from mlcls.inference.thresholds import NEVER_PREDICTED
-from mlcls.metrics import compute_metrics
-from mlcls.metrics.gather import gather_shards
 from mlcls.reporting.plots import write_plots
-from mlcls.reporting.provenance import collect_provenance
 
 log = logging.getLogger("mlcls")
 
@@ -82,25 +78,6 @@ class Preempted(Exception):
     def __init__(self, message: str, signum: int | None = None) -> None:
         super().__init__(message)
         self.signum = signum
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
-
-
-@dataclass
-class Evaluation:
-    """Figures of one set of weights on the whole validation set, and the scores behind them."""
-
-    figures: dict[str, Any]
-    scores: torch.Tensor  # (N, C) logits, dataset order
-    labels: torch.Tensor  # (N, C) in {1, 0, -1}
-
-
-def gradient_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
-    """L2 norm of all gradients together (0 without any), as ``clip_grad_norm_`` reports it."""
-    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in parameters if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 class Trainer:
@@ -119,16 +96,14 @@ class Trainer:
         self.eval_amp = (self.amp if eval_amp is None else eval_amp) if self.cuda else "none"
         self.channels_last = bool(tcfg.channels_last) and self.cuda
         self.local_batch = tcfg.batch_size // self.dist.world_size
-        if not self.dist.is_main:
-            log.setLevel(logging.WARNING)
         if self.cuda:
             torch.backends.cudnn.benchmark = not tcfg.deterministic
         if tcfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        self._warn_protocol()
+        warn_protocol(cfg, self.dist.world_size)
         seed_everything(tcfg.seed)
 
-        hydra_dir = _hydra_run_dir()
+        hydra_dir = hydra_run_dir()
         try:
             self.data = build_data(cfg, self.dist)
             self.classes = self.data.classes
@@ -136,9 +111,9 @@ class Trainer:
             self.model = build_model(cfg.model, len(self.classes), self.device, self.channels_last)
             self.criterion = build_loss(cfg.loss, self.data.train_set.labels, self.device)
         except BaseException:
-            _discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
+            discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
             raise
-        self.run_dir = self._resolve_run_dir(hydra_dir)
+        self.run_dir = resolve_run_dir(tcfg.output_dir, hydra_dir, self.dist.is_main)
         self.iters_per_epoch = self.data.iters_per_epoch
         self.ema = ModelEma(self.model, tcfg.ema_decay, warmup=tcfg.ema_warmup) if tcfg.ema_decay else None
         self.optimizer, self.scheduler = build_optimization(cfg, self.model, self.iters_per_epoch)
@@ -149,7 +124,7 @@ class Trainer:
         )
         # Copies each batch to the device and finishes the fast pipeline there (colour, lighting, normalise).
         self.device_stage = DeviceStage(self.device, self.channels_last)
-        self._nonfinite = _NonFiniteCounter(self.device)
+        self._nonfinite = NonFiniteCounter(self.device, tcfg.max_nonfinite)
         self.signals = StopSignals(self.dist.distributed)
 
         self.state = TrainState()
@@ -164,31 +139,12 @@ class Trainer:
             self.ddp_model = torch.compile(self.ddp_model)
         self.val_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.best_thresholds: torch.Tensor | None = None
-        self.writer = None
+        self.run_log = RunLog(self.run_dir, self.dist.is_main, tcfg.epochs, self.iters_per_epoch)
         if self.dist.is_main:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.run_dir / "tb"))
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        missing = classes_without_positives(self.data.val_set, self.classes)
-        if missing:
-            log.warning(
-                "%d of %d classes have no positive in the validation split (%s): their AP is undefined and "
-                "they get no calibrated threshold",
-                len(missing),
-                len(self.classes),
-                ", ".join(missing[:10]) + (", ..." if len(missing) > 10 else ""),
-            )
+        warn_unscored_classes(self.data.val_set, self.classes)
 
     # ------------------------------------------------------------------ convenience views
-    @property
-    def train_set(self):
-        return self.data.train_set
-
-    @property
-    def val_set(self):
-        return self.data.val_set
-
     @property
     def train_loader(self):
         return self.data.train_loader
@@ -201,85 +157,12 @@ class Trainer:
     def start_step(self) -> int:
         return self.state.step
 
-    # ------------------------------------------------------------------ set-up helpers
-    def _warn_protocol(self) -> None:
-        if "protocol" in self.cfg and self.dist.world_size == 1 and self.cfg.trainer.batch_size > 128:
-            log.warning(
-                "experiment=paper* on one process: BatchNorm normalises over all %d samples of a batch where "
-                "the paper's 4 GPUs saw 128 each; for comparable figures launch "
-                "torchrun --nproc_per_node=4 (docs/reproduce.md)",
-                self.cfg.trainer.batch_size,
-            )
-
-    def _resolve_run_dir(self, hydra_dir: Path | None) -> Path:
-        """``trainer.output_dir``, else Hydra's run (or sweep job) directory, else ``outputs/<date>/<time>``.
-
-        Rank 0 decides for every process (each rank's Hydra resolves ``${now:...}`` on its own clock).
-        """
-        chosen = self.cfg.trainer.output_dir or hydra_dir or f"outputs/{datetime.now():%Y-%m-%d/%H-%M-%S}"
-        run_dir = Path(dist_utils.broadcast_object(str(chosen))).absolute()
-        if hydra_dir is not None and hydra_dir.absolute() != run_dir:
-            _discard_if_empty(hydra_dir)
-        dist_utils.on_main(
-            lambda: (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True), self.dist.is_main
-        )
-        return run_dir
-
     def _maybe_resume(self) -> bool:
-        """Load ``trainer.resume`` (a path, or ``auto``: the newest readable checkpoint of this run).
-
-        Rank 0 chooses the file and every rank loads that one. With ``auto`` an unreadable checkpoint (e.g.
-        truncated by a crash) is reported and the previous one tried. Returns True if a state was loaded.
-        """
-        resume = self.cfg.trainer.resume
-        if not resume:
-            return False
-        path = dist_utils.on_main(lambda: self._choose_checkpoint(resume), self.dist.is_main)
-        path = dist_utils.broadcast_object(path)
-        if path is None:
-            log.info("trainer.resume=auto: no readable checkpoint in %s, starting from scratch", self.run_dir)
-            return False
-        with dist_utils.all_or_none():
-            state = load_checkpoint(path)
-            self._load_state(state, Path(path))
-        return True
-
-    def _choose_checkpoint(self, resume: str) -> str | None:
-        if resume != "auto":
-            return str(resume)
-        for path in resume_candidates(self.run_dir / "checkpoints"):
-            try:
-                load_checkpoint(path)
-            except CheckpointError as exc:
-                log.warning("%s; trying the previous checkpoint", exc)
-                continue
-            return str(path)
-        return None
-
-    def _load_state(self, state: dict[str, Any], path: Path) -> None:
-        if "optimizer" not in state:
-            raise CheckpointError(f"{path} holds weights only (best.pt?); resume needs last.pt or iter_*.pt")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        saved_amp = state.get("config", {}).get("trainer", {}).get("amp", self.cfg.trainer.amp)
-        if saved_amp != self.cfg.trainer.amp:
-            log.warning(
-                "%s was trained with trainer.amp=%s; continuing with trainer.amp=%s, the loss scale starts "
-                "afresh",
-                path,
-                saved_amp,
-                self.cfg.trainer.amp,
-            )
-        elif state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        if self.ema is not None and state.get("ema") is not None:
-            self.ema.load_state_dict(state["ema"])
-        self.state.load_state_dict(state)
-        rngs = self.state.rng
-        set_rng_state(rngs[min(self.dist.rank, len(rngs) - 1)])
-        where = f"epoch {self.state.epoch + 1}" + (f", step {self.state.step + 1}" if self.state.step else "")
-        log.info("resumed from %s: continuing at %s", path, where)
+        """Load ``trainer.resume`` (see :func:`resume_run`); True if a state was loaded."""
+        parts = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
+        if self.ema is not None:
+            parts["ema"] = self.ema
+        return resume_run(self.cfg, self.run_dir, parts, self.scaler, self.state, self.dist.rank)
 
     # ------------------------------------------------------------------ training
     def fit(self) -> dict[str, Any]:
@@ -287,8 +170,8 @@ class Trainer:
         log.info(
             "run dir %s | %d train / %d val samples, %d classes | %s on %s x%d | batch %d (%d per process)",
             self.run_dir,
-            len(self.train_set),
-            len(self.val_set),
+            len(self.data.train_set),
+            len(self.data.val_set),
             len(self.classes),
             self.cfg.model.name,
             self.device.type,
@@ -303,11 +186,11 @@ class Trainer:
                     is_best = False
                     if (epoch + 1) % tcfg.eval_every == 0 or epoch + 1 == tcfg.epochs:
                         is_best = self.evaluate_and_select(epoch + 1)
-                        record.update({k: self.state.last_figures[k] for k in ("mAP_class", "mAP_sample")})
-                    self._collect_bad_images()
+                        record.update({k: self.state.last_metrics[k] for k in ("mAP_class", "mAP_sample")})
+                    record_skipped_images(self.state.counts, (self.data.train_set, self.data.val_set))
                     self.state.history.append(record)
                     self.save(epoch + 1, is_best=is_best)
-                    if self.state.last_figures is not None:
+                    if self.state.last_metrics is not None:
                         self.write_results(epoch + 1)
                     if epoch + 1 < tcfg.epochs and self.signals.agree_now():
                         self._stop(epoch + 1, 0)
@@ -318,7 +201,7 @@ class Trainer:
                             self.state.history,
                             *self.val_outputs,
                             self.classes,
-                            writer=self.writer,
+                            writer=self.run_log.writer,
                         ),
                         self.dist.is_main,
                     )
@@ -328,8 +211,7 @@ class Trainer:
             self.signals.hand_over()
             raise
         finally:
-            if self.writer is not None:
-                self.writer.close()
+            self.run_log.close()
         return self.results(tcfg.epochs)
 
     def _stop(self, epoch: int, step: int) -> None:
@@ -351,12 +233,11 @@ class Trainer:
         mine = self.state.progress_of(self.dist.rank) if first_step else EpochProgress()
         loss_sum = torch.tensor(mine.loss_sum, device=self.device)
         seen, elapsed = mine.seen, mine.time_s
-        show_bar = self.dist.is_main and sys.stdout.isatty()
         bar = tqdm(
             total=self.iters_per_epoch,
             initial=first_step,
             desc=f"epoch {epoch + 1}/{tcfg.epochs}",
-            disable=not show_bar,
+            disable=not (self.dist.is_main and sys.stdout.isatty()),
         )
         start = time.perf_counter()
         # Batches arrive on the device, finished; on CUDA the next one is prepared during this step.
@@ -370,29 +251,26 @@ class Trainer:
             iteration = epoch * self.iters_per_epoch + step + 1
             bar.update()
             if iteration % tcfg.log_every == 0:  # the only reads from the device within an epoch
-                self._check_nonfinite(epoch)
-                self._log_step(epoch, step, iteration, loss.item(), bar if show_bar else None)
+                self._nonfinite.check(epoch)
+                self.run_log.step(epoch, step, iteration, loss.item(), group_lrs(self.optimizer), bar)
             if self.signals.poll(step + 1):
                 elapsed += time.perf_counter() - start
                 self._checkpoint_mid_epoch(epoch, step + 1, EpochProgress(loss_sum.item(), seen, elapsed))
                 self._stop(epoch, step + 1)
         bar.close()
-        self._check_nonfinite(epoch)
+        self._nonfinite.check(epoch)
         elapsed += time.perf_counter() - start
         self.state.wall_time_s += time.perf_counter() - start
         skipped = self._nonfinite.take_skipped()
         if skipped:
             log.warning(
-                "epoch %d: %s with a non-finite loss or gradient skipped", epoch + 1, _plural(skipped, "step")
+                "epoch %d: %s with a non-finite loss or gradient skipped", epoch + 1, plural(skipped, "step")
             )
         self.state.counts["skipped_steps"] += skipped
         steps_done = self.iters_per_epoch * self.dist.world_size
         mean_loss = (dist_utils.all_reduce_sum(loss_sum) / steps_done).item()
         images_per_s = seen * self.dist.world_size / max(elapsed, 1e-9)
-        if self.writer is not None:
-            self.writer.add_scalar("train/epoch_loss", mean_loss, epoch + 1)
-            self.writer.add_scalar("train/images_per_s", images_per_s, epoch + 1)
-        log.info("epoch %d/%d  loss %.4f  %.1f images/s", epoch + 1, tcfg.epochs, mean_loss, images_per_s)
+        self.run_log.epoch(epoch, mean_loss, images_per_s)
         return {"loss": mean_loss, "images_per_s": images_per_s, "time_s": elapsed}
 
     def train_step(
@@ -433,70 +311,23 @@ class Trainer:
             self.scheduler.step()
         return loss.detach(), applied
 
-    def _check_nonfinite(self, epoch: int) -> None:
-        run = self._nonfinite.longest_run()
-        if run >= self.cfg.trainer.max_nonfinite:
-            raise NonFiniteError(
-                f"{run} consecutive steps with a non-finite loss or gradient at epoch {epoch + 1}: lower the "
-                "learning rate (optim.lr_head/lr_backbone), try trainer.amp=bf16 or none instead of fp16, "
-                "set trainer.grad_clip, and check the labels (values 1/0/-1)"
-            )
-
-    def _log_step(self, epoch: int, step: int, iteration: int, loss: float, bar: tqdm | None) -> None:
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}")
-        elif self.dist.is_main:
-            log.info("epoch %d iter %d/%d loss %.4f", epoch + 1, step + 1, self.iters_per_epoch, loss)
-        if self.writer is not None:
-            self.writer.add_scalar("train/loss", loss, iteration)
-            for part, lr in group_lrs(self.optimizer).items():
-                self.writer.add_scalar(f"train/lr_{part}", lr, iteration)
-
-    def _collect_bad_images(self) -> None:
-        """Files the datasets skipped since the last call (``dataset.on_bad_image=skip``), from every rank."""
-        mine: list[str] = []
-        for dataset in (self.train_set, getattr(self.val_set, "dataset", self.val_set)):
-            if hasattr(dataset, "pop_bad_images"):
-                mine.extend(dataset.pop_bad_images())
-        skipped = self.state.counts["skipped_images"]
-        new = sorted({p for part in dist_utils.all_gather_object(mine) for p in part} - set(skipped))
-        if new:
-            log.warning("skipped %s, e.g. %s", _plural(len(new), "unreadable image"), new[0])
-            skipped.extend(new)
-
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, model: nn.Module | None = None) -> Evaluation:
-        """``model`` (default: the raw weights) on the whole validation set; the figures are equal on
-        every rank, each sample scored once.
-
-        Under DDP each process's BatchNorm running statistics drift from rank 0's during the epoch (DDP
-        broadcasts them only at the next forward), so rank 0's buffers, the ones checkpointed, are
-        broadcast first: every shard is scored by exactly the saved model. A rank that fails on its shard
-        (an unreadable image) ends every rank with its error instead of leaving them in the gather.
-        """
+        """``model`` (default: the raw weights) on the whole validation set (see :func:`evaluate_model`)."""
         model = self.model if model is None else model
-        if self.dist.distributed:
-            for buffer in model.buffers():
-                torch.distributed.broadcast(buffer, src=0)
-        with dist_utils.all_or_none():
-            scores, labels = predict(
-                model, self.data.val_loader, self.device, self.eval_amp, self.channels_last
-            )
-        total = len(self.data.val_loader.dataset)
-        scores, labels = gather_shards(scores, total), gather_shards(labels, total)
-        return Evaluation(compute_metrics(scores, labels, self.classes), scores, labels)
+        loader = self.data.val_loader
+        return evaluate_model(model, loader, self.device, self.classes, self.eval_amp, self.channels_last)
 
     def evaluate_and_select(self, epoch: int) -> bool:
         """Evaluate the raw (and EMA) weights, log them, update ``best``; True for a new best epoch."""
         evaluations = {"raw": self.evaluate()}
         if self.ema is not None:
             evaluations["ema"] = self.evaluate(self.ema.module)
-        figures = evaluations["raw"].figures
+        metrics = evaluations["raw"].metrics
         if "ema" in evaluations:
-            figures["ema"] = evaluations["ema"].figures
-        weights, chosen = max(evaluations.items(), key=lambda kv: kv[1].figures["mAP_class"])
-        best = self.state.best
-        is_best = best is None or chosen.figures["mAP_class"] > best["mAP_class"]
+            metrics["ema"] = evaluations["ema"].metrics
+        kind, chosen = max(evaluations.items(), key=lambda item: item[1].metrics["mAP_class"])
+        is_best = self.state.best is None or chosen.metrics["mAP_class"] > self.state.best["mAP_class"]
         raw = evaluations["raw"]
         self.val_outputs = (raw.scores, raw.labels)
         # a class without a validation positive gets a threshold that never fires (NEVER_PREDICTED)
@@ -504,37 +335,17 @@ class Trainer:
         self.state.thresholds = calibrate(raw.scores, raw.labels)  # for last.pt's raw weights
         if is_best:
             self.best_thresholds = calibrate(chosen.scores, chosen.labels)
-            self.state.best = best = {
+            self.state.best = {
                 "epoch": epoch,
-                "mAP_class": chosen.figures["mAP_class"],
-                "mAP_sample": chosen.figures["mAP_sample"],
-                "weights": weights,
+                "mAP_class": chosen.metrics["mAP_class"],
+                "mAP_sample": chosen.metrics["mAP_sample"],
+                "weights": kind,  # "raw" or "ema": which weights best.pt holds
             }
-        self.state.last_figures = figures
-        for name, evaluation in evaluations.items():
-            self._log_scalars("val" if name == "raw" else "val_ema", evaluation.figures, epoch)
-        ema_note = f"  EMA mAP@class {figures['ema']['mAP_class']:.2f}" if "ema" in figures else ""
-        log.info(
-            "epoch %d/%d  mAP@class %.2f  mAP@sample %.2f%s  (best mAP@class %.2f at epoch %d, %s weights)",
-            epoch,
-            self.cfg.trainer.epochs,
-            figures["mAP_class"],
-            figures["mAP_sample"],
-            ema_note,
-            best["mAP_class"],
-            best["epoch"],
-            best["weights"],
-        )
+        self.state.last_metrics = metrics
+        self.run_log.evaluation(epoch, metrics, self.state.best)
         return is_best
 
     # ------------------------------------------------------------------ outputs
-    def _log_scalars(self, prefix: str, figures: dict[str, Any], step: int) -> None:
-        if self.writer is None:
-            return
-        for key, value in figures.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(f"{prefix}/{key}", value, step)
-
     def _checkpoint_mid_epoch(self, epoch: int, step: int, mine: EpochProgress) -> None:
         """Checkpoint after ``step`` steps of the incomplete epoch ``epoch`` (0-based), with every rank's
         partial sums."""
@@ -572,101 +383,20 @@ class Trainer:
         if is_best:
             best = self.state.best
             source = self.model if best["weights"] == "raw" else self.ema.module
-            weights = {
+            best_weights = {
                 "model": source.state_dict(),
                 "weights": best["weights"],
                 "thresholds": self.best_thresholds,
                 **{k: state[k] for k in ("epoch", "classes", "preprocess", "config", "best")},
             }
-            save_checkpoint(weights, checkpoints / "best.pt")
+            save_checkpoint(best_weights, checkpoints / "best.pt")
 
     def results(self, epochs_completed: int) -> dict[str, Any]:
-        figures = self.state.last_figures or {}
-        counts = self.state.counts
-        history = self.state.history
-        return {
-            "metrics": {k: v for k, v in figures.items() if k != "per_class_ap"},
-            "best": self.state.best,
-            "per_class_ap": figures.get("per_class_ap", {}),
-            "dataset": {
-                "name": self.cfg.dataset.name,
-                "num_classes": len(self.classes),
-                "train_size": len(self.train_set),
-                "val_size": len(self.val_set),
-            },
-            "epochs_completed": epochs_completed,
-            "counts": {
-                "skipped_steps": counts["skipped_steps"],
-                "skipped_images": len(counts["skipped_images"]),
-                "skipped_image_files": counts["skipped_images"][:100],
-                "ignored_train_labels": int((self.train_set.labels < 0).sum()),
-            },
-            "history": history,
-            "world_size": self.dist.world_size,
-            "provenance": collect_provenance(
-                self.cfg,
-                self.dist.world_size,
-                self.device,
-                len(self.train_set),
-                len(self.val_set),
-                self.state.wall_time_s,
-                history[-1]["images_per_s"] if history else float("nan"),
-            ),
-        }
+        """What results.json holds after ``epochs_completed`` epochs (see :func:`run_results`)."""
+        return run_results(
+            self.cfg, self.state, self.data, self.dist.world_size, self.device, epochs_completed
+        )
 
     def write_results(self, epochs_completed: int) -> None:
         results = self.results(epochs_completed)
         dist_utils.on_main(lambda: write_json(results, self.run_dir / "results.json"), self.dist.is_main)
-
-
-class _NonFiniteCounter:
-    """Skipped steps counted on the device: the current run of consecutive skips, its longest length since
-    the last read, and the total since the last :meth:`take_skipped`."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.run = torch.zeros((), dtype=torch.long, device=device)
-        self.longest = torch.zeros_like(self.run)
-        self.skipped = torch.zeros_like(self.run)
-
-    def record(self, applied: torch.Tensor) -> None:
-        skipped = (~applied).long()
-        self.run.add_(skipped).mul_(skipped)
-        torch.maximum(self.longest, self.run, out=self.longest)
-        self.skipped.add_(skipped)
-
-    def longest_run(self) -> int:
-        """The longest run of consecutive skips since the last call (the current run included)."""
-        longest = int(self.longest.item())
-        self.longest.copy_(self.run)
-        return longest
-
-    def take_skipped(self) -> int:
-        skipped = int(self.skipped.item())
-        self.skipped.zero_()
-        return skipped
-
-
-def _hydra_run_dir() -> Path | None:
-    """The directory Hydra made for this job (``hydra.run.dir``, or the sweep job's), if Hydra runs it."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return None
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
-def _discard_if_empty(directory: Path | None) -> None:
-    """Remove ``directory`` if nothing was written into it (a run that stopped before it began, or Hydra's
-    default directory of a run that writes elsewhere), and its parents below the working directory that
-    are left empty (``outputs/<date>``)."""
-    if directory is None or not directory.is_dir() or any(directory.rglob("*")):
-        return
-    shutil.rmtree(directory, ignore_errors=True)
-    cwd, parent = Path.cwd().absolute(), directory.absolute().parent
-    while parent != cwd and cwd in parent.parents and not any(parent.iterdir()):
-        parent.rmdir()
-        parent = parent.parent
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"

@@ -1,0 +1,55 @@
+"""The non-finite guard: the gradient norm a step is judged by, and skipped steps counted on the device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+def gradient_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients together (0 without any), as ``clip_grad_norm_`` reports it."""
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in parameters if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+class NonFiniteCounter:
+    """Skipped steps counted on the device, so that recording one reads nothing back: the current run of
+    consecutive skips, its longest length since the last :meth:`check`, and the total since the last
+    :meth:`take_skipped`."""
+
+    def __init__(self, device: torch.device, max_run: int) -> None:
+        self.max_run = max_run
+        self.run = torch.zeros((), dtype=torch.long, device=device)
+        self.longest = torch.zeros_like(self.run)
+        self.skipped = torch.zeros_like(self.run)
+
+    def record(self, applied: torch.Tensor) -> None:
+        """Count one step; ``applied`` is a 0-d bool tensor, False for a skipped step."""
+        skipped = (~applied).long()
+        self.run.add_(skipped).mul_(skipped)
+        torch.maximum(self.longest, self.run, out=self.longest)
+        self.skipped.add_(skipped)
+
+    def check(self, epoch: int) -> None:
+        """Raise :class:`NonFiniteError` if ``max_run`` consecutive steps were skipped since the last check
+        (a read from the device: call it at log steps)."""
+        longest = int(self.longest.item())
+        self.longest.copy_(self.run)
+        if longest >= self.max_run:
+            raise NonFiniteError(
+                f"{longest} consecutive steps with a non-finite loss or gradient at epoch {epoch + 1}: lower "
+                "the learning rate (optim.lr_head/lr_backbone), try trainer.amp=bf16 or none instead of "
+                "fp16, set trainer.grad_clip, and check the labels (values 1/0/-1)"
+            )
+
+    def take_skipped(self) -> int:
+        """Skipped steps since the last call."""
+        skipped = int(self.skipped.item())
+        self.skipped.zero_()
+        return skipped

@@ -1,0 +1,77 @@
+"""``results.json``: the figures of a run, its dataset, counts, history and provenance."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from mlcls.engine import distributed as dist_utils
+from mlcls.engine.build import RunData
+from mlcls.engine.state import TrainState
+from mlcls.errors import plural
+from mlcls.reporting.provenance import collect_provenance
+
+log = logging.getLogger("mlcls")
+
+
+def run_results(
+    cfg: DictConfig,
+    state: TrainState,
+    data: RunData,
+    world_size: int,
+    device: torch.device,
+    epochs_completed: int,
+) -> dict[str, Any]:
+    """The content of results.json: ``metrics`` (the last evaluation, without per-class AP), ``best``,
+    ``per_class_ap``, ``dataset`` facts, ``epochs_completed``, ``counts`` (skipped steps and images, ignored
+    labels), ``history`` (one record per epoch), ``world_size`` and ``provenance``."""
+    metrics = state.last_metrics or {}
+    counts, history = state.counts, state.history
+    return {
+        "metrics": {k: v for k, v in metrics.items() if k != "per_class_ap"},
+        "best": state.best,
+        "per_class_ap": metrics.get("per_class_ap", {}),
+        "dataset": {
+            "name": cfg.dataset.name,
+            "num_classes": len(data.classes),
+            "train_size": len(data.train_set),
+            "val_size": len(data.val_set),
+        },
+        "epochs_completed": epochs_completed,
+        "counts": {
+            "skipped_steps": counts["skipped_steps"],
+            "skipped_images": len(counts["skipped_images"]),
+            "skipped_image_files": counts["skipped_images"][:100],
+            "ignored_train_labels": int((data.train_set.labels < 0).sum()),
+        },
+        "history": history,
+        "world_size": world_size,
+        "provenance": collect_provenance(
+            cfg,
+            world_size,
+            device,
+            len(data.train_set),
+            len(data.val_set),
+            state.wall_time_s,
+            history[-1]["images_per_s"] if history else float("nan"),
+        ),
+    }
+
+
+def record_skipped_images(counts: dict[str, Any], datasets: Iterable[Any]) -> None:
+    """Add to ``counts["skipped_images"]`` the files ``datasets`` skipped since the last call
+    (``dataset.on_bad_image=skip``) on any rank, and say how many are new."""
+    mine: list[str] = []
+    for dataset in datasets:
+        dataset = getattr(dataset, "dataset", dataset)  # a Subset (trainer.limit_val_batches)
+        if hasattr(dataset, "pop_bad_images"):
+            mine.extend(dataset.pop_bad_images())
+    skipped = counts["skipped_images"]
+    new = sorted({p for part in dist_utils.all_gather_object(mine) for p in part} - set(skipped))
+    if new:
+        log.warning("skipped %s, e.g. %s", plural(len(new), "unreadable image"), new[0])
+        skipped.extend(new)
