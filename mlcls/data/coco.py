@@ -42,6 +42,9 @@ YEARS = (2014, 2017)
 class COCO(MultiLabelDataset):
     """COCO instances annotations as multi-label targets.
 
+    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split`` and ``val_split``
+    (``**config_keys``) are those of :class:`MultiLabelDataset`.
+
     Args:
         split: ``"train"`` or ``"val"``.
         transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
@@ -50,9 +53,6 @@ class COCO(MultiLabelDataset):
         train_images, val_images: image folders (relative to ``root`` or absolute); default
             ``{split}{year}``, e.g. ``images/train2014`` for the other common layout.
         keep_empty: keep images without any annotation (all-negative rows).
-        on_bad_image: ``"error"`` or ``"skip"``.
-        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
-            :class:`MultiLabelDataset`).
     """
 
     def __init__(

@@ -85,6 +85,9 @@ def _column(header: list[str], name: str, path: Path) -> int:
 class CSVDataset(MultiLabelDataset):
     """Images and labels listed in a CSV/TSV file (see the module docstring for the formats).
 
+    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split`` and ``val_split``
+    (``**config_keys``) are those of :class:`MultiLabelDataset`.
+
     Args:
         split: ``"train"`` or ``"val"``.
         transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
@@ -99,9 +102,6 @@ class CSVDataset(MultiLabelDataset):
         classes: class names in their order; ``None`` to infer them.
         image_dir: folder the image paths are relative to, itself relative to ``root``.
         delimiter: the file's field delimiter; ``None`` to choose from the extension.
-        on_bad_image: ``"error"`` or ``"skip"``.
-        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
-            :class:`MultiLabelDataset`).
     """
 
     def __init__(

@@ -64,14 +64,14 @@ def read_attribute_index(path: Path) -> list[str]:
 class VAW(MultiLabelDataset):
     """VAW instance crops with positive / negative / unknown attributes.
 
+    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split`` and ``val_split``
+    (``**config_keys``) are those of :class:`MultiLabelDataset`.
+
     Args:
         split: ``train`` (train_part1 + train_part2 + val), ``test``, or one file name.
         transform: applied to the PIL crop, or a transform name (see :class:`MultiLabelDataset`).
         root: folder holding ``data/`` and the Visual Genome image folders.
         image_dirs: folders searched, in order, for ``<image_id>.jpg`` (relative to ``root`` or absolute).
-        on_bad_image: ``"error"`` or ``"skip"``.
-        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
-            :class:`MultiLabelDataset`).
     """
 
     def __init__(

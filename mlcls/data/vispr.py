@@ -61,13 +61,13 @@ def read_attributes(path: Path) -> list[str]:
 class VISPR(MultiLabelDataset):
     """VISPR privacy attributes.
 
+    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split`` and ``val_split``
+    (``**config_keys``) are those of :class:`MultiLabelDataset`.
+
     Args:
         split: ``train`` (train2017 + val2017), ``test`` (test2017), or one list name.
         transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
         root: folder holding ``attributes.tsv``, the split lists, ``annotations/`` and ``images/``.
-        on_bad_image: ``"error"`` or ``"skip"``.
-        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
-            :class:`MultiLabelDataset`).
     """
 
     def __init__(

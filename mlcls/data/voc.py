@@ -47,15 +47,15 @@ DIFFICULT_MODES = {"ignore": -1.0, "positive": 1.0, "negative": 0.0}
 class VOC(MultiLabelDataset):
     """PASCAL VOC classification labels parsed from the detection XML files.
 
+    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split`` and ``val_split``
+    (``**config_keys``) are those of :class:`MultiLabelDataset`.
+
     Args:
         split: an ``ImageSets/Main`` list: ``trainval``/``test`` (2007), ``train``/``val`` (2012), ...
         transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
         root: folder holding ``VOCdevkit/``.
         year: 2007 or 2012.
         difficult: ``"ignore"``, ``"positive"`` or ``"negative"`` (see the module docstring).
-        on_bad_image: ``"error"`` or ``"skip"``.
-        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
-            :class:`MultiLabelDataset`).
     """
 
     def __init__(

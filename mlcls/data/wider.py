@@ -52,13 +52,13 @@ def attribute_names(id_map: dict[str, str], source: Path) -> list[str]:
 class WIDERAttribute(MultiLabelDataset):
     """WIDER-Attribute person crops.
 
+    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split`` and ``val_split``
+    (``**config_keys``) are those of :class:`MultiLabelDataset`.
+
     Args:
         split: ``"trainval"`` or ``"test"``.
         transform: applied to the PIL crop, or a transform name (see :class:`MultiLabelDataset`).
         root: folder holding ``Annotations/`` and ``Image/``.
-        on_bad_image: ``"error"`` or ``"skip"``.
-        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
-            :class:`MultiLabelDataset`).
     """
 
     def __init__(
