@@ -220,7 +220,7 @@ def test_slurm_launcher_config_composes(tiny):
 def test_gradient_norm_is_clip_grad_norms_total_norm():
     """The trainer's finite check without clipping: the norm ``clip_grad_norm_`` reports, without its
     rescaling pass; non-finite as soon as one gradient entry is."""
-    from mlcls.engine.trainer import gradient_norm
+    from mlcls.engine.guards import gradient_norm
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     model(torch.randn(5, 4)).sum().backward()

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.nn.utils import get_total_norm
 
 
 class NonFiniteError(RuntimeError):
@@ -13,9 +14,10 @@ class NonFiniteError(RuntimeError):
 
 
 def gradient_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
-    """L2 norm of all gradients together (0 without any), as ``clip_grad_norm_`` reports it."""
-    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in parameters if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    """L2 norm of all gradients together (0 without any), as ``clip_grad_norm_`` reports it, in one
+    multi-tensor pass and without reading it back."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    return get_total_norm(grads, foreach=True) if grads else torch.zeros(())
 
 
 class NonFiniteCounter:
