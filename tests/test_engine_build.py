@@ -3,6 +3,7 @@ exit statuses."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -44,7 +45,7 @@ def test_first_ctrl_c_asks_to_stop_the_second_quits():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_ctrl_c_mid_epoch_checkpoints_then_resumes(tmp_path):
+def test_ctrl_c_mid_epoch_checkpoints_then_resumes(tmp_path, caplog):
     class _CtrlCAtStep2(Trainer):
         def train_step(self, images, targets):
             self.steps = getattr(self, "steps", 0) + 1
@@ -58,8 +59,10 @@ def test_ctrl_c_mid_epoch_checkpoints_then_resumes(tmp_path):
     assert stopped.value.signum == signal.SIGINT
     state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
     assert (state["epoch"], state["step"]) == (0, 2)
-    resumed = Trainer(compose_config([*overrides, "trainer.resume=auto"]))
+    with caplog.at_level(logging.INFO, logger="mlcls"):
+        resumed = Trainer(compose_config([*overrides, "trainer.resume=auto"]))
     assert (resumed.start_epoch, resumed.start_step) == (0, 2)
+    assert "continuing at epoch 1, step 3" in caplog.text  # what runs next, counted from 1
 
 
 @pytest.mark.parametrize(
