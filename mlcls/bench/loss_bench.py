@@ -9,13 +9,25 @@ negative number, ``torch.logsumexp`` per row and per column, autograd for the ba
 
 prints one JSON line: the median milliseconds of both implementations at both sizes and ``ratio``, the
 larger of the two ratios (two-way / masked logsumexp; below 1 means faster).
+
+Large label spaces (``--scale``, :func:`run_scale`): every loss of :mod:`mlcls.losses` (default arguments)
+at C = 80 (MS-COCO) and C = 9,605 (Open Images V6's trainable classes), a batch of 128 (one process's
+batch in the paper), ~3 positives per sample; forward + backward median milliseconds, the peak memory a
+step adds, the two-way loss's time over BCE's at C = 9,605 (``twoway_over_bce``), and mAP@class and
+mAP@sample on N = 20,000 x C = 9,605 scores (seconds).
+
+    python -m mlcls.bench.loss_bench --scale [--repeats 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mlcls import losses
 from mlcls.losses import TwoWayLoss
 
 # (name, classes, positive labels per sample) after Table 6 of the paper; batch 512, buckets of 128.
@@ -55,10 +68,12 @@ def masked_logsumexp_twoway(
     return loss
 
 
-def _random_batch(classes: int, labels_per_sample: float, device: str, seed: int) -> tuple[Tensor, Tensor]:
+def _random_batch(
+    classes: int, labels_per_sample: float, device: str, seed: int, batch_size: int = BATCH_SIZE
+) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    logits = 3.0 * torch.randn(BATCH_SIZE, classes, generator=generator)
-    targets = (torch.rand(BATCH_SIZE, classes, generator=generator) < labels_per_sample / classes).float()
+    logits = 3.0 * torch.randn(batch_size, classes, generator=generator)
+    targets = (torch.rand(batch_size, classes, generator=generator) < labels_per_sample / classes).float()
     return logits.to(device), targets.to(device)
 
 
@@ -111,13 +126,105 @@ def _check_agreement(twoway: TwoWayLoss, logits: Tensor, targets: Tensor) -> Non
     assert torch.allclose(v1, v2, rtol=1e-4) and torch.allclose(g1, g2, rtol=1e-3, atol=1e-7), "mismatch"
 
 
+# Large label spaces: classes (MS-COCO, Open Images V6 trainable), batch per process, metric set size.
+SCALE_CLASSES = (80, 9605)
+SCALE_BATCH = 128
+SCALE_POSITIVES = 3.0
+SCALE_METRIC_SAMPLES = 20_000
+
+
+def _rss_bytes(key: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux ``/proc/self/status``)."""
+    with open("/proc/self/status") as status:
+        return 1024 * int(re.search(rf"^{key}:\s+(\d+) kB", status.read(), re.M).group(1))
+
+
+def _peak_bytes(step: Callable[[], object]) -> int:
+    """Peak resident memory ``step`` adds (Linux): the high-water mark is reset (``/proc/self/clear_refs``),
+    ``step`` runs, and the mark is read back above the resident size before. Exact to the page only in a
+    process whose allocations bypass glibc's heap (see :func:`peak_memory`)."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # reset VmHWM to the current resident size
+    before = _rss_bytes("VmRSS")
+    step()
+    return _rss_bytes("VmHWM") - before
+
+
+def _scale_batches() -> dict[int, tuple[Tensor, Tensor]]:
+    return {
+        c: _random_batch(c, SCALE_POSITIVES, "cpu", seed=c, batch_size=SCALE_BATCH) for c in SCALE_CLASSES
+    }
+
+
+def _criteria() -> dict[str, torch.nn.Module]:
+    """Every loss of :mod:`mlcls.losses` with its default arguments, by name."""
+    return {loss.name: loss() for loss in (getattr(losses, name) for name in losses.__all__)}
+
+
+def peak_memory() -> dict[str, float]:
+    """``<name>_c<C>_peak_mib``: the peak memory one forward + backward adds, every loss and size (Linux).
+
+    Meant for a fresh process (``--memory``): glibc is first told to serve every allocation above 4 KiB
+    with its own ``mmap`` (``M_MMAP_THRESHOLD``), so that a freed tensor leaves the resident set at once
+    instead of staying in the heap for reuse; the figure is then the bytes live at the worst moment.
+    """
+    ctypes.CDLL("libc.so.6").mallopt(-3, 4096)  # M_MMAP_THRESHOLD = 4 KiB, before any tensor exists
+    result = {}
+    for classes, (logits, targets) in _scale_batches().items():
+        for name, criterion in _criteria().items():
+            _time_ms(criterion, logits, targets, "cpu")  # first call: lazy initialisations
+            peak = _peak_bytes(lambda c=criterion, x=logits, y=targets: _time_ms(c, x, y, "cpu"))
+            result[f"{name}_c{classes}_peak_mib"] = peak / 2**20
+    return result
+
+
+def run_scale(repeats: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Every loss at every ``SCALE_CLASSES`` size (batch 128): ``<name>_c<C>_ms`` (median forward + backward,
+    the losses interleaved within each repeat), ``twoway_over_bce`` at C = 9,605, ``map_class_s`` /
+    ``map_sample_s`` (one call each, N = 20,000, C = 9,605) and, on Linux, the :func:`peak_memory` figures
+    measured in a child process."""
+    from mlcls.bench.metrics_bench import make_scores
+    from mlcls.metrics import map_class, map_sample
+
+    criteria = _criteria()
+    result: dict[str, float] = {}
+    for classes, (logits, targets) in _scale_batches().items():
+        times: dict[str, list[float]] = {name: [] for name in criteria}
+        for step in range(warmup + repeats):
+            for name, criterion in criteria.items():
+                elapsed = _time_ms(criterion, logits, targets, "cpu")
+                if step >= warmup:
+                    times[name].append(elapsed)
+        for name, values in times.items():
+            result[f"{name}_c{classes}_ms"] = statistics.median(values)
+    largest = SCALE_CLASSES[-1]
+    result["twoway_over_bce"] = result[f"twoway_c{largest}_ms"] / result[f"bce_c{largest}_ms"]
+    scores, labels = make_scores(SCALE_METRIC_SAMPLES, largest, seed=0)
+    for key, metric in (("map_class_s", map_class), ("map_sample_s", map_sample)):
+        start = time.perf_counter()
+        metric(scores, labels)
+        result[key] = time.perf_counter() - start
+    if sys.platform == "linux":
+        child = [sys.executable, "-m", "mlcls.bench.loss_bench", "--memory"]
+        output = subprocess.run(child, capture_output=True, text=True, check=True).stdout
+        result.update(json.loads(output.strip().splitlines()[-1]))
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Command line: print ``run``'s result as one JSON line."""
+    """Command line: print ``run``'s (or with ``--scale``, ``run_scale``'s) result as one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--scale", action="store_true", help="every loss at C = 80 and 9,605 (CPU)")
+    parser.add_argument("--memory", action="store_true", help="only the peak memory of --scale (Linux)")
     args = parser.parse_args(argv)
-    result = run(device=args.device, repeats=args.repeats)
+    if args.memory:
+        result = peak_memory()
+    elif args.scale:
+        result = run_scale(repeats=args.repeats)
+    else:
+        result = run(device=args.device, repeats=args.repeats)
     print(json.dumps({key: round(value, 4) for key, value in result.items()}))
     return result
 

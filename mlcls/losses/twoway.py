@@ -61,8 +61,8 @@ class _SoftplusLogSumExp(torch.autograd.Function):
         loss = logits.new_zeros(())
         grad = torch.zeros_like(logits) if with_grad else None
         for dims in line_dims:
-            exp_n, total_n, shift_n = shifted_exp(neg_logits, dims)
-            exp_p, total_p, shift_p = shifted_exp(pos_logits, dims)
+            exp_n, total_n, shift_n = shifted_exp(neg_logits, negative, dims)
+            exp_p, total_p, shift_p = shifted_exp(pos_logits, positive, dims)
             z = tn * log_total(total_n, shift_n) + tp * log_total(total_p, shift_p) + margin
             weight = line_weights(positive.any(dims, keepdim=True), logits.dtype)
             loss += (F.softplus(z) * weight).sum()
