@@ -118,7 +118,7 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
     write_sidecars(out, dataset, names, reports, options["max_side"], options["quality"])
     if splits[0] == "train":
         last = len(reports[0].shards) - 1
-        print(f"train with: dataset=shards dataset.urls={out}/train-{{000000..{last:06d}}}.tar")
+        print(f"""train with: dataset=shards 'dataset.urls="{out}/train-{{000000..{last:06d}}}.tar"'""")
     return 1 if any(report.skipped for report in reports) else 0
 
 

@@ -179,8 +179,9 @@ def build_train_loader(
     ``dataset.transform=paper``), keeping ``dali_prefetch`` batches decoded ahead on the GPU.
     Batches come on the host (DALI: pixels on the GPU); :class:`DevicePrefetcher` finishes them.
 
-    A :class:`mlcls.data.shards.ShardTrainSet` (``dataset=shards``; with ``dali`` the fast CPU stage decodes) gets its
-    :class:`mlcls.data.shards.ShardTrainLoader`: the same interface, its ``sampler`` a ``ShardSchedule``.
+    A :class:`mlcls.data.shards.ShardTrainSet` (``dataset=shards``; with ``dali`` the fast CPU stage
+    decodes) gets its :class:`mlcls.data.shards.ShardTrainLoader`: the same interface, its ``sampler`` a
+    ``ShardSchedule``.
     """
     from mlcls.data.shards import ShardTrainLoader, ShardTrainSet
 

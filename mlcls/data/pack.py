@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import os
+import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import simplejpeg
-import tarfile
 import torch
 from PIL import Image
 from tqdm import tqdm
@@ -97,12 +97,16 @@ def packed_image(dataset: MultiLabelDataset, index: int, max_side: int, quality:
             return data
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
-            left, top, right, bottom = (0, 0, width, height) if sample.box is None else crop_box(
-                sample.box, width, height
+            left, top, right, bottom = (
+                (0, 0, width, height) if sample.box is None else crop_box(sample.box, width, height)
             )
             target = bounded_size(right - left, bottom - top, max_side)
             reduction = next(
-                (r for r in DRAFT_REDUCTIONS if right - left >= r * target[0] and bottom - top >= r * target[1]),
+                (
+                    r
+                    for r in DRAFT_REDUCTIONS
+                    if right - left >= r * target[0] and bottom - top >= r * target[1]
+                ),
                 1,
             )
             reduced, scale_x, scale_y = load_reduced(img, reduction)
@@ -177,8 +181,13 @@ def pack_split(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     order = packing_order(len(dataset), shuffle, seed)
-    settings = {"shard_size": shard_size, "max_side": max_side, "quality": quality, "order_seed": seed
-                if shuffle else None, "samples": len(dataset)}
+    settings = {
+        "shard_size": shard_size,
+        "max_side": max_side,
+        "quality": quality,
+        "order_seed": seed if shuffle else None,
+        "samples": len(dataset),
+    }
     progress_file = out / f".{role}-progress.jsonl"
     done = read_progress(progress_file, settings, out)
     if not done:
@@ -252,21 +261,32 @@ def write_shard(
 
 
 def write_sidecars(
-    out: str | Path, dataset: MultiLabelDataset, splits: dict[str, str], reports: Sequence[SplitReport],
-    max_side: int, quality: int,
+    out: str | Path,
+    dataset: MultiLabelDataset,
+    splits: dict[str, str],
+    reports: Sequence[SplitReport],
+    max_side: int,
+    quality: int,
 ) -> None:
     """``classes.json`` and ``manifest.json`` (see the module docstring), merged with those of splits
     packed by an earlier command into the same folder."""
     out = Path(out)
-    classes = {"dataset": dataset.name, "splits": splits, "max_side": max_side, "quality": quality,
-               "classes": list(dataset.classes)}
+    classes = {
+        "dataset": dataset.name,
+        "splits": splits,
+        "max_side": max_side,
+        "quality": quality,
+        "classes": list(dataset.classes),
+    }
     (out / CLASSES_FILE).write_text(json.dumps(classes, indent=1) + "\n", encoding="utf-8")
     manifest_path = out / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.exists() else {}
     for report in reports:
         manifest[report.role] = {
             "samples": report.samples,
-            "shards": [{k: entry[k] for k in ("name", "samples", "sha256", "bytes")} for entry in report.shards],
+            "shards": [
+                {k: entry[k] for k in ("name", "samples", "sha256", "bytes")} for entry in report.shards
+            ],
             "skipped": report.skipped,
         }
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")

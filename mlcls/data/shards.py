@@ -14,7 +14,8 @@ front to back, and shuffles its samples in windows of ``shuffle_buffer`` (an ord
 epoch and the window). The DataLoader takes the workers' batches in turn, so the epoch's batch order is a
 function of ``(seed, epoch, rank, world_size, workers)``; each sample's augmentation runs under
 ``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the workers. ``set_start(k)``
-(resuming mid-epoch with the same number of workers) skips exactly the first ``k`` samples the rank served.
+(resuming mid-epoch with the same number of workers) skips exactly the first ``k`` samples the rank served
+and serves the rest in the order they would have come.
 
 **Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
 (the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
@@ -154,7 +155,8 @@ class ShardIndex:
 def default_meta(url: str) -> str:
     if url.startswith("pipe:"):
         raise DatasetConfigError(
-            "dataset.meta is needed with pipe: shard URLs: the folder or URL of classes.json and manifest.json"
+            "dataset.meta is needed with pipe: shard URLs: the folder or URL of classes.json and "
+            "manifest.json"
         )
     return url.rsplit("/", 1)[0] if "/" in url else "."
 
@@ -218,9 +220,11 @@ class ShardTrainSet:
     ) -> None:
         self.name, self.image_size, self.split = name, int(image_size), "train"
         self.train_split, self.val_split = train_split, val_split
-        self.transform = build_transform(transform, self.image_size, train=True) if isinstance(
-            transform, str
-        ) else transform
+        self.transform = (
+            build_transform(transform, self.image_size, train=True)
+            if isinstance(transform, str)
+            else transform
+        )
         self.urls, self.shuffle_buffer = urls, max(1, int(shuffle_buffer))
         self.classes = index.classes
         self.shard_sizes = index.shard_sizes("train", urls)
@@ -264,7 +268,9 @@ class ShardSchedule:
     :class:`mlcls.data.loader.ResumableSampler`; the state lives in shared memory, so that persistent
     DataLoader workers see it."""
 
-    def __init__(self, shard_sizes: list[int], batch_size: int, rank: int, world_size: int, seed: int) -> None:
+    def __init__(
+        self, shard_sizes: list[int], batch_size: int, rank: int, world_size: int, seed: int
+    ) -> None:
         self.shard_sizes, self.batch_size = list(shard_sizes), batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.per_rank = sum(shard_sizes) // (world_size * batch_size) * batch_size
@@ -334,8 +340,11 @@ class ShardStream(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[Any, Tensor]]:
         info = get_worker_info()
-        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         schedule, window_size = self.schedule, self.dataset.shuffle_buffer
+        workers = 1 if info is None else info.num_workers
+        # The DataLoader starts every iteration at its worker 0: after k batches served, that is the worker
+        # whose turn came next, k mod workers.
+        worker = 0 if info is None else (info.id + schedule.start // schedule.batch_size) % workers
         reads, served = schedule.reads(worker, workers)
         position = 0  # samples of this worker's list before the window
         for window in self._windows(reads, window_size):
@@ -347,7 +356,9 @@ class ShardStream(IterableDataset):
                     served -= 1
                     continue
                 key, fields = window[k]
-                yield self.dataset.make_sample(key, fields, sample_seed(schedule.seed, schedule.epoch, int(key)))
+                yield self.dataset.make_sample(
+                    key, fields, sample_seed(schedule.seed, schedule.epoch, int(key))
+                )
             position += len(window)
 
     def _windows(
@@ -367,7 +378,8 @@ class ShardStream(IterableDataset):
                         window = []
             if count != stop - first:
                 raise DatasetFormatError(
-                    f"shard {url} holds fewer samples than its manifest entry ({self.dataset.shard_sizes[shard]})"
+                    f"shard {url} holds fewer samples than its manifest entry "
+                    f"({self.dataset.shard_sizes[shard]})"
                 )
         if window:
             yield window
@@ -413,8 +425,9 @@ class ShardEvalSet(MultiLabelDataset):
     their offsets: shared by forked DataLoader workers without copies); a map-style dataset in shard
     order. ``samples`` name ``<shard URL>#<key>``."""
 
-    def __init__(self, index: ShardIndex, urls: list[str], transform: Callable | str | None = None,
-                 **config_keys: Any) -> None:
+    def __init__(
+        self, index: ShardIndex, urls: list[str], transform: Callable | str | None = None, **config_keys: Any
+    ) -> None:
         super().__init__(transform, split="val", **config_keys)
         self.split = "val"
         if not urls:
