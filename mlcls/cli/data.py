@@ -7,7 +7,8 @@
 
 Overrides are those of ``mlcls-train`` (the same Hydra config); ``pack`` also takes ``out=`` (required),
 ``shard_size=`` (samples per shard, default 1000), ``max_side=`` (default 320), ``quality=`` (default 90)
-and ``seed=`` (the training split's packing order, default 0). Exit status: 0, 1 when ``--check`` found
+``seed=`` (the training split's packing order, default 0) and ``workers=`` (shards written at once, in
+processes; default 1). Exit status: 0, 1 when ``--check`` found
 unreadable images or ``pack`` skipped some, 2 for a configuration or layout mistake (one line).
 """
 
@@ -33,7 +34,7 @@ from mlcls.data.stats import find_unreadable, label_stats
 from mlcls.engine.validate import ConfigError
 
 TOP_CLASSES = 5
-PACK_OPTIONS = {"out": None, "shard_size": 1000, "max_side": 320, "quality": 90, "seed": 0}
+PACK_OPTIONS = {"out": None, "shard_size": 1000, "max_side": 320, "quality": 90, "seed": 0, "workers": 1}
 
 
 def describe(dataset: MultiLabelDataset, title: str) -> None:
@@ -107,6 +108,7 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
             shuffle=split == "train",
             seed=options["seed"],
             progress=progress,
+            workers=options["workers"],
         )
         reports.append(report)
         print(

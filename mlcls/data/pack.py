@@ -28,7 +28,10 @@ import json
 import os
 import tarfile
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -166,12 +169,14 @@ def pack_split(
     shuffle: bool = False,
     seed: int = 0,
     progress: bool = True,
+    workers: int = 1,
 ) -> SplitReport:
     """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (see the module docstring); resumes an
     interrupted run with the same settings. Returns the :class:`SplitReport` (shards in order).
 
     Unreadable images (``OSError``, ... from PIL) are left out and listed in the report, whatever
-    ``dataset.on_bad_image`` says: packing is where they are found.
+    ``dataset.on_bad_image`` says: packing is where they are found. ``workers`` > 1 writes that many
+    shards at once in worker processes.
     """
     if shard_size < 1 or max_side < 1 or not 1 <= quality <= 100:
         raise DatasetConfigError(
@@ -193,23 +198,33 @@ def pack_split(
     if not done:
         progress_file.write_text(json.dumps({"settings": settings}) + "\n")
     report = SplitReport(role)
-    num_shards = -(-len(order) // shard_size)
     labels = dataset.labels.to(torch.int8).numpy()
+    chunks = {
+        shard_name(role, k): order[first : first + shard_size]
+        for k, first in enumerate(range(0, len(order), shard_size))
+    }
+    entries = {name: done[name] for name in chunks if name in done}
+    report.kept = len(entries)
     bar = tqdm(total=len(order), desc=f"pack {role}", unit="img", disable=not progress)
-    for k in range(num_shards):
-        indices = order[k * shard_size : (k + 1) * shard_size]
-        name = shard_name(role, k)
-        if name in done:
-            report.shards.append(done[name])
-            report.kept += 1
-        else:
-            entry = write_shard(dataset, out / name, indices, labels, max_side, quality)
+    bar.update(sum(len(chunks[name]) for name in entries))
+    pending = [name for name in chunks if name not in done]
+    with (
+        ProcessPoolExecutor(workers, mp_context=get_context("fork")) if workers > 1 else nullcontext() as pool
+    ):
+        jobs = [(dataset, out / name, chunks[name], labels, max_side, quality) for name in pending]
+        written = (
+            pool.map(write_shard, *zip(*jobs, strict=True))
+            if pool is not None and jobs
+            else (write_shard(*job) for job in jobs)
+        )
+        for entry in written:
             with open(progress_file, "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
-            report.shards.append(entry)
+            entries[entry["name"]] = entry
             report.written += 1
-        bar.update(len(indices))
+            bar.update(len(chunks[entry["name"]]))
     bar.close()
+    report.shards = [entries[name] for name in chunks]
     kept_rows = [i for entry in report.shards for i in entry["indices"]]
     np.save(out / labels_file(role), labels[kept_rows])
     return report
