@@ -233,3 +233,15 @@ def test_train_set_labels_are_those_of_the_packed_samples(packed: Path) -> None:
     assert isinstance(train, ShardTrainSet) and len(train) == 90
     source = SyntheticMultiLabel("train", train_size=90)
     assert sorted(map(tuple, train.labels.tolist())) == sorted(map(tuple, source.labels.tolist()))
+
+
+def test_seeded_augmentation_seeds_the_cpu_generator_only(monkeypatch) -> None:
+    from mlcls.data.loader import seeded_call
+
+    def device_seeding(seed: int) -> None:
+        raise AssertionError("a device generator was seeded")
+
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", device_seeding)
+    expected = torch.Generator().manual_seed(123)
+    drawn = seeded_call(123, torch.rand, 5)
+    torch.testing.assert_close(drawn, torch.rand(5, generator=expected))
