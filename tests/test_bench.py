@@ -34,10 +34,13 @@ def test_pipeline(images, workers, capsys):
     main(["pipeline", "--images", images, "--n", "4", "--size", "32", "--batch-size", "2", "--repeats", "1",
           "--workers", str(workers)])  # fmt: skip
     result = json_line(capsys)
-    for name in ("", "torchvision_", "plain_", "fast_cpu_stage_", "device_stage_"):
+    for name in ("", "torchvision_", "plain_", "fast_cpu_stage_", "device_stage_", "shards_", "pack_"):
         assert f"{name}images_per_s" in result
     assert result["ratio_fast_vs_torchvision"] == pytest.approx(
         result["fast_images_per_s"] / result["torchvision_images_per_s"]
+    )
+    assert result["ratio_shards_vs_torchvision"] == pytest.approx(
+        result["shards_images_per_s"] / result["torchvision_images_per_s"]
     )
     assert result["workers"] == workers and result["n"] == 4
 

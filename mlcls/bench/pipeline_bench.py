@@ -10,7 +10,10 @@ Pipelines, each over the same JPEG files, interleaved within every repeat (same 
 * ``fast``: the CPU stage plus the device stage run on the CPU in batches (training on the CPU), or on
   CUDA when available;
 * ``decode_only``: PIL's full-size decode and nothing else, the ceiling of any pipeline that decodes
-  every pixel of the JPEG.
+  every pixel of the JPEG;
+* ``shards``: the same images packed by ``mlcls-data pack`` (long side ``--max-side``, 320 by default) and
+  read back from the tar shards by ``dataset=shards``'s loader, through the ``fast`` pipeline (CPU and
+  device stage). The pack's own speed (images/s, ``--pack-workers`` processes) is reported beside it.
 
 ``python -m mlcls.bench.pipeline_bench --images DIR [--n N] [--workers W] [--size 224]``; without
 ``--images`` it generates 640x480 JPEGs in a temporary directory (:func:`make_jpegs`). Prints one JSON line.
@@ -19,6 +22,7 @@ Pipelines, each over the same JPEG files, interleaved within every repeat (same 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -37,9 +41,11 @@ from torchvision import transforms as T
 
 from mlcls.data.base import MultiLabelDataset, Sample
 from mlcls.data.fast import AugmentedImage, DeviceStage, build_backend_transform, collate_batch
+from mlcls.data.pack import pack_split, write_sidecars
+from mlcls.data.shards import ShardTrainLoader, open_shards
 from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
-PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast", "decode_only")
+PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast", "decode_only", "shards")
 JPEG_EXTENSIONS = (".jpg", ".jpeg", ".JPG", ".JPEG")
 
 
@@ -197,6 +203,8 @@ def run(
     repeats: int = 3,
     seed: int = 0,
     threads: int = 1,
+    max_side: int = 320,
+    pack_workers: int = 2,
 ) -> dict[str, Any]:
     """Images/s of every pipeline of :data:`PIPELINES` (median of ``repeats``), and ratios to the reference.
 
@@ -215,22 +223,60 @@ def run(
         previous_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return _measure(paths, n, workers, size, batch_size, repeats, seed)
+            shards = Path(tmp) / "shards"
+            start = time.perf_counter()
+            folder = JpegFolder(paths)
+            report = pack_split(folder, shards, "train", 16, max_side, progress=False, workers=pack_workers)
+            pack_rate = len(paths) / (time.perf_counter() - start)
+            write_sidecars(shards, folder, {"train": "train"}, [report], max_side, 90)
+            urls = [str(shards / entry["name"]) for entry in report.shards]
+            result = _measure(paths, urls, n, workers, size, batch_size, repeats, seed)
+            return {
+                **result,
+                "pack_images_per_s": pack_rate,
+                "pack_workers": pack_workers,
+                "max_side": max_side,
+            }
         finally:
             torch.set_num_threads(previous_threads)
 
 
+def _shard_batches(
+    urls: list[str], size: int, batch_size: int, workers: int, device: torch.device
+) -> Iterable:
+    """Endless training batches of the packed shards (epoch after epoch), as ``dataset=shards`` reads them."""
+    dataset = open_shards(
+        "train",
+        urls,
+        transform=build_backend_transform("fast", "paper", size, train=True),
+        image_size=size,
+    )
+    loader = ShardTrainLoader(dataset, batch_size, workers, 0, 1, seed=0, device=device)
+    for epoch in itertools.count():
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+
+
 def _measure(
-    paths: list[Path], n: int, workers: int, size: int, batch_size: int, repeats: int, seed: int
+    paths: list[Path],
+    shard_urls: list[str],
+    n: int,
+    workers: int,
+    size: int,
+    batch_size: int,
+    repeats: int,
+    seed: int,
 ) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     stage = DeviceStage(device)
     datasets = _datasets(paths, size)
     finishers: dict[str, Callable | None] = {name: None for name in PIPELINES}
-    finishers["fast"] = stage
+    finishers["fast"] = finishers["shards"] = stage
     torch.manual_seed(seed)
     prefetch = 2
     loaders: dict[str, Callable[[], Iterable]] = {}
+    shard_stream = _shard_batches(shard_urls, size, batch_size, workers, device)
+    loaders["shards"] = lambda: shard_stream
     for name, dataset in datasets.items():
         if workers == 0:
             loaders[name] = lambda dataset=dataset: _in_process_batches(dataset, n, batch_size)
@@ -278,6 +324,7 @@ def _measure(
         "ratio_fast_vs_torchvision": rates["fast"] / rates["torchvision"],
         "ratio_plain_vs_torchvision": rates["plain"] / rates["torchvision"],
         "ratio_decode_only_vs_torchvision": rates["decode_only"] / rates["torchvision"],
+        "ratio_shards_vs_torchvision": rates["shards"] / rates["torchvision"],
         "n": n,
         "files": len(paths),
         "workers": workers,
@@ -325,11 +372,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in this process")
+    parser.add_argument("--max-side", type=int, default=320, help="long side of the packed images")
+    parser.add_argument("--pack-workers", type=int, default=2, help="processes packing the shards")
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return run(
-        args.images, args.n, args.workers, args.size, args.batch_size, args.repeats, threads=args.threads
+        args.images,
+        args.n,
+        args.workers,
+        args.size,
+        args.batch_size,
+        args.repeats,
+        threads=args.threads,
+        max_side=args.max_side,
+        pack_workers=args.pack_workers,
     )
 
 

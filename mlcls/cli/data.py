@@ -3,9 +3,13 @@
     mlcls-data stats dataset=coco dataset.root=/data/coco            # sizes, classes, label statistics
     mlcls-data stats dataset=vaw dataset.root=/data/vaw --check      # also decode every image
     mlcls-data stats dataset=csv dataset.root=/data/mine --split val
+    mlcls-data pack dataset=coco dataset.root=/data/coco out=/data/coco320 shard_size=1000 max_side=320
 
-Overrides are those of ``mlcls-train`` (the same Hydra config). Exit status: 0, 1 when ``--check`` found
-unreadable images, 2 for a configuration or layout mistake (printed as one line).
+Overrides are those of ``mlcls-train`` (the same Hydra config); ``pack`` also takes ``out=`` (required),
+``shard_size=`` (samples per shard, default 1000), ``max_side=`` (default 320), ``quality=`` (default 90)
+``seed=`` (the training split's packing order, default 0) and ``workers=`` (shards written at once, in
+processes; default 1). Exit status: 0, 1 when ``--check`` found
+unreadable images or ``pack`` skipped some, 2 for a configuration or layout mistake (one line).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from hydra.errors import HydraException
 from omegaconf import DictConfig
@@ -23,10 +29,12 @@ from omegaconf.errors import OmegaConfBaseException
 from mlcls.cli.errors import one_line, plural
 from mlcls.cli.overrides import compose_config
 from mlcls.data import DatasetError, MultiLabelDataset, build_dataset
+from mlcls.data.pack import pack_split, write_sidecars
 from mlcls.data.stats import find_unreadable, label_stats
 from mlcls.engine.validate import ConfigError
 
 TOP_CLASSES = 5
+PACK_OPTIONS = {"out": None, "shard_size": 1000, "max_side": 320, "quality": 90, "seed": 0, "workers": 1}
 
 
 def describe(dataset: MultiLabelDataset, title: str) -> None:
@@ -66,10 +74,64 @@ def stats(cfg: DictConfig, splits: Sequence[str], check_images: bool, workers: i
     return 1 if unreadable else 0
 
 
+def split_pack_options(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """``pack``'s own ``key=value`` options (:data:`PACK_OPTIONS`) and the remaining config overrides."""
+    options, rest = dict(PACK_OPTIONS), []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key in PACK_OPTIONS:
+            if key != "out" and not value.isdigit():
+                raise ConfigError(f"{key}={value}; expected a positive integer")
+            options[key] = value if key == "out" else int(value)
+        else:
+            rest.append(override)
+    if not options["out"]:
+        raise ConfigError("pack needs out=DIR, the folder of the shards")
+    return options, rest
+
+
+def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progress: bool) -> int:
+    """Pack ``splits`` of ``cfg.dataset`` into ``options["out"]``; print a report; return the exit status."""
+    out = Path(options["out"])
+    reports, names, dataset = [], {}, None
+    for split in splits:
+        dataset = build_dataset(cfg.dataset, train=split == "train")
+        dataset.transform = None  # the packed images are the source images, resized
+        names[split] = cfg.dataset.get(f"{split}_split", split)
+        report = pack_split(
+            dataset,
+            out,
+            split,
+            options["shard_size"],
+            options["max_side"],
+            options["quality"],
+            shuffle=split == "train",
+            seed=options["seed"],
+            progress=progress,
+            workers=options["workers"],
+        )
+        reports.append(report)
+        print(
+            f"{split}: {report.samples} samples in {len(report.shards)} shards ({report.written} written, "
+            f"{report.kept} kept from an earlier run), {len(report.skipped)} unreadable images skipped"
+        )
+        for skipped in report.skipped:
+            print(f"  skipped {skipped['path']}: {skipped['error']}")
+    write_sidecars(out, dataset, names, reports, options["max_side"], options["quality"])
+    if splits[0] == "train":
+        last = len(reports[0].shards) - 1
+        print(f"""train with: dataset=shards 'dataset.urls="{out}/train-{{000000..{last:06d}}}.tar"'""")
+    return 1 if any(report.skipped for report in reports) else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mlcls-data``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="mlcls-data", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["stats"], help="stats: sizes, classes and label statistics")
+    parser.add_argument(
+        "command",
+        choices=["stats", "pack"],
+        help="stats: sizes, classes and label statistics; pack: write WebDataset shards",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. dataset=coco dataset.root=/data")
     parser.add_argument(
         "--check", action="store_true", help="decode every image and list the unreadable ones"
@@ -83,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     splits = ["train", "val"] if args.split == "both" else [args.split]
     try:
+        if args.command == "pack":
+            options, overrides = split_pack_options(args.overrides)
+            return pack(compose_config("train", overrides), splits, options, sys.stderr.isatty())
         cfg = compose_config("train", args.overrides)
         return stats(cfg, splits, args.check, args.workers)
     except (DatasetError, ConfigError, HydraException, OmegaConfBaseException) as exc:

@@ -207,7 +207,10 @@ class FastTrainTransform:
         then decode: at the largest reduction the crop allows (PIL's draft mode), else at full size
         (libjpeg-turbo through simplejpeg for JPEGs; PIL for the rest and for damaged JPEGs)."""
         with open(path, "rb") as f:
-            data = f.read()
+            return self.decode_bytes(f.read(), box)
+
+    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> PlannedCrop:
+        """:meth:`decode` of an image file's bytes (a sample read from a shard)."""
         jpeg_size = jpeg_header(data)
         if jpeg_size is None:
             with Image.open(io.BytesIO(data)) as img:

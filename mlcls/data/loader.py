@@ -19,8 +19,8 @@ import functools
 import logging
 import os
 import random
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -34,6 +34,8 @@ log = logging.getLogger("mlcls")
 
 # Batches each DataLoader worker keeps ready (torch's default is 2): decoding times vary from image to image.
 PREFETCH_FACTOR = 4
+
+T = TypeVar("T")
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -82,16 +84,27 @@ class SeededSamples(Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         index, seed = key
-        py_state, np_state = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(py_state)
-                np.random.set_state(np_state)
+        return seeded_call(seed, self.dataset.__getitem__, index)
+
+
+def seeded_call(seed: int, function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)`` with torch/numpy/random seeded by ``seed``; the caller's random state is restored
+    afterwards. How every training sample's augmentation runs (map-style and shard datasets).
+
+    Only the CPU generator is seeded (the augmentation draws nothing on a device): ``torch.manual_seed``
+    would also queue the seeding of every device generator, capturing a stack trace for each (~1 ms per
+    sample, a quarter of the fast pipeline's time per image), and leave them changed.
+    """
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        try:
+            return function(*args)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 class ShardSampler(Sampler[int]):
@@ -139,9 +152,10 @@ def _log_worker_cap(requested: int, cpus: int) -> None:
 
 class TrainBatches(Protocol):
     """What :func:`build_train_loader` returns: an iterable of ``(images, targets)`` batches with a length
-    and a :class:`ResumableSampler`."""
+    and a ``sampler`` with ``set_epoch(epoch)`` and ``set_start(samples)`` (a :class:`ResumableSampler`, or
+    the ``ShardSchedule`` of packed shards)."""
 
-    sampler: ResumableSampler
+    sampler: Any
 
     def __iter__(self) -> Iterator[tuple[Tensor | AugmentedImage, Tensor]]: ...
 
@@ -169,7 +183,15 @@ def build_train_loader(
     :class:`FastTrainTransform` that ``build_dataset(..., backend="dali")`` gives with
     ``dataset.transform=paper``), keeping ``dali_prefetch`` batches decoded ahead on the GPU.
     Batches come on the host (DALI: pixels on the GPU); :class:`DevicePrefetcher` finishes them.
+
+    A :class:`mlcls.data.shards.ShardTrainSet` (``dataset=shards``; with ``dali`` the fast CPU stage
+    decodes) gets its :class:`mlcls.data.shards.ShardTrainLoader`: the same interface, its ``sampler`` a
+    ``ShardSchedule``.
     """
+    from mlcls.data.shards import ShardTrainLoader, ShardTrainSet
+
+    if isinstance(dataset, ShardTrainSet):
+        return ShardTrainLoader(dataset, batch_size, workers, rank, world_size, seed, device)
     workers = loader_workers(workers)
     sampler = ResumableSampler(dataset, world_size, rank, seed)
     if backend == "dali":

@@ -1,26 +1,111 @@
-"""What a run tells while it trains: log lines (rank 0) and TensorBoard scalars (``<run_dir>/tb``)."""
+"""What a run tells while it trains: log lines (rank 0), TensorBoard scalars (``<run_dir>/tb``) and, with
+``logger=mlflow``, an MLflow run (:class:`MlflowRun`)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from mlcls.errors import ConfigError
+
 log = logging.getLogger("mlcls")
+# What MlflowRun uploads at the end, relative to the run directory, when it exists.
+MLFLOW_ARTIFACTS = ("plots", "results.json", "config.yaml")
+BEST_CHECKPOINT = "checkpoints/best.pt"
+
+
+def flat_params(cfg: Mapping[str, Any] | DictConfig, prefix: str = "") -> dict[str, str]:
+    """``{"optim.lr_head": "0.002", ...}``: the leaves of a (resolved) config as dotted keys and strings."""
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    flat: dict[str, str] = {}
+    for key, value in cfg.items():
+        if isinstance(value, Mapping):
+            flat.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
+
+
+class MlflowRun:
+    """An MLflow run of a training run (``logger=mlflow``, rank 0): opened with the config as params
+    (dotted keys), metrics logged with their step, artifacts uploaded at :meth:`close`.
+
+    Args:
+        logger_cfg: ``cfg.logger`` (``configs/logger/mlflow.yaml``): ``tracking_uri`` (None:
+            ``$MLFLOW_TRACKING_URI``, else the file store ``./mlruns``), ``experiment``, ``run_name`` (None:
+            the run directory's name), ``log_checkpoint``.
+        run_dir: the run directory, whose plots, results.json, config.yaml and best checkpoint are uploaded.
+        params: the run's config.
+    """
+
+    def __init__(self, logger_cfg: Mapping[str, Any], run_dir: Path, params: Mapping[str, Any] | DictConfig):
+        try:
+            import mlflow
+        except ImportError:
+            raise ConfigError("logger=mlflow needs the mlflow package; pip install 'mlcls[mlflow]'") from None
+        self.mlflow, self.run_dir = mlflow, run_dir
+        self.log_checkpoint = bool(logger_cfg.get("log_checkpoint", True))
+        uri = logger_cfg.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:  # MLflow 3 keeps its file store behind this switch
+            uri = Path("mlruns").resolve().as_uri()
+        if uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(logger_cfg.get("experiment") or "mlcls")
+        self.run = mlflow.start_run(run_name=logger_cfg.get("run_name") or run_dir.name)
+        mlflow.log_params({k: v[:500] for k, v in flat_params(params).items() if not k.startswith("hydra.")})
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics(values, step=step)
+
+    def close(self, failed: bool) -> None:
+        """Upload the run directory's results (:data:`MLFLOW_ARTIFACTS`, the best checkpoint) and end the
+        run, ``FAILED`` or ``FINISHED``."""
+        for name in MLFLOW_ARTIFACTS:
+            path = self.run_dir / name
+            if path.is_dir():
+                self.mlflow.log_artifacts(str(path), artifact_path=name)
+            elif path.is_file():
+                self.mlflow.log_artifact(str(path))
+        best = self.run_dir / BEST_CHECKPOINT
+        if self.log_checkpoint and best.is_file():
+            self.mlflow.log_artifact(str(best), artifact_path="checkpoints")
+        self.mlflow.end_run("FAILED" if failed else "FINISHED")
 
 
 class RunLog:
-    """Log lines and TensorBoard scalars of rank 0; the other ranks log warnings only and write nothing."""
+    """Log lines and TensorBoard scalars of rank 0, and its MLflow run when ``cfg.logger.name`` is
+    ``mlflow``; the other ranks log warnings only and write nothing.
 
-    def __init__(self, run_dir: Path, is_main: bool, epochs: int, iters_per_epoch: int) -> None:
+    ``cfg``: the run's config (the MLflow run's params and its ``logger`` settings); None: no MLflow.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        is_main: bool,
+        epochs: int,
+        iters_per_epoch: int,
+        cfg: DictConfig | Mapping[str, Any] | None = None,
+    ) -> None:
         self.epochs, self.iters_per_epoch = epochs, iters_per_epoch
         self.writer = None
+        self.mlflow: MlflowRun | None = None
         if is_main:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(run_dir / "tb"))
+            logger_cfg = (cfg or {}).get("logger") or {}
+            if logger_cfg.get("name") == "mlflow":
+                self.mlflow = MlflowRun(logger_cfg, run_dir, cfg)
         else:
             log.setLevel(logging.WARNING)
 
@@ -58,13 +143,24 @@ class RunLog:
         )
 
     def scalars(self, prefix: str, values: dict[str, Any], step: int) -> None:
-        """``prefix/<key>`` for every number among ``values``."""
+        """``prefix/<key>`` for every number among ``values`` (MLflow: ``prefix_<key>``, with the step)."""
         if self.writer is None:
             return
-        for key, value in values.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        numbers = {
+            key: float(value)
+            for key, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        for key, value in numbers.items():
+            self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        if self.mlflow is not None and numbers:
+            self.mlflow.metrics({f"{prefix}_{key}": value for key, value in numbers.items()}, step)
 
     def close(self) -> None:
+        """Close the TensorBoard writer; upload the artifacts and end the MLflow run (``FAILED`` when called
+        while an exception propagates, in the trainer's ``finally``)."""
         if self.writer is not None:
             self.writer.close()
+        if self.mlflow is not None:
+            self.mlflow.close(failed=sys.exc_info()[0] is not None)
+            self.mlflow = None

@@ -139,7 +139,7 @@ class Trainer:
             self.ddp_model = torch.compile(self.ddp_model)
         self.val_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.best_thresholds: torch.Tensor | None = None
-        self.run_log = RunLog(self.run_dir, self.dist.is_main, tcfg.epochs, self.iters_per_epoch)
+        self.run_log = RunLog(self.run_dir, self.dist.is_main, tcfg.epochs, self.iters_per_epoch, cfg=cfg)
         if self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         warn_unscored_classes(self.data.val_set, self.classes)

@@ -1,0 +1,320 @@
+"""Packing a dataset into WebDataset tar shards with pre-resized JPEGs (``mlcls-data pack``).
+
+Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards`):
+
+* ``train-000000.tar``, ``train-000001.tar``, ... and ``val-000000.tar``, ...: plain POSIX tar files in the
+  WebDataset layout, two members per sample, ``<key>.jpg`` (the image, RGB JPEG, long side at most
+  ``max_side``) and ``<key>.labels.npy`` (int8 (C,): 1 positive, 0 negative, -1 unknown). ``<key>`` is the
+  sample's index in the source split, 9 digits. Shard ``k`` of a split holds the samples at positions
+  ``k * shard_size ...`` of the packing order (the training split in a seeded random order, so that
+  consecutive samples are unrelated; the validation split in dataset order), minus the unreadable ones.
+* ``classes.json``: the source dataset's name, its split names, ``max_side``, ``quality`` and the classes in
+  label order.
+* ``manifest.json``: per split, every shard's name, sample count and sha256, and the skipped images.
+* ``train-labels.npy``, ``val-labels.npy``: int8 (N, C), the labels of the packed samples in shard order
+  (class statistics and loss weights without reading a shard).
+
+Resumable: each shard is written under a temporary name and renamed when complete; its entry is then
+appended to ``.<split>-progress.jsonl``. A restarted pack keeps the shards whose entry and file exist
+(same settings) and writes the others. The tar files are written with :mod:`tarfile` (``ustar`` format,
+what ``webdataset`` reads); the ``webdataset`` library is needed only to read them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import simplejpeg
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from mlcls.data.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
+from mlcls.data.fast import DRAFT_REDUCTIONS, jpeg_header, load_reduced
+
+CLASSES_FILE, MANIFEST_FILE = "classes.json", "manifest.json"
+KEY_DIGITS, SHARD_DIGITS = 9, 6
+IMAGE_EXT, LABELS_EXT = "jpg", "labels.npy"
+
+
+def shard_name(role: str, index: int) -> str:
+    """``train-000012.tar``: shard ``index`` of the split ``role`` (``train`` or ``val``)."""
+    return f"{role}-{index:0{SHARD_DIGITS}d}.tar"
+
+
+def labels_file(role: str) -> str:
+    return f"{role}-labels.npy"
+
+
+def sha256_of(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def bounded_size(width: int, height: int, max_side: int) -> tuple[int, int]:
+    """``(width, height)`` scaled so that the long side is at most ``max_side`` (never enlarged)."""
+    scale = max_side / max(width, height)
+    if scale >= 1:
+        return width, height
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def encode_jpeg(image: Image.Image, quality: int) -> bytes:
+    """RGB JPEG bytes of ``image`` (libjpeg-turbo, 4:2:0 chroma as PIL's default)."""
+    pixels = np.ascontiguousarray(np.asarray(image.convert("RGB")))
+    return simplejpeg.encode_jpeg(pixels, quality=quality, colorspace="RGB", colorsubsampling="420")
+
+
+def packed_image(dataset: MultiLabelDataset, index: int, max_side: int, quality: int) -> bytes:
+    """JPEG bytes of sample ``index`` (its crop box applied), long side at most ``max_side``.
+
+    Image files are read directly: a JPEG already within ``max_side`` (no crop) is kept byte for byte; a
+    larger one is decoded at the largest DCT reduction that keeps it at least ``max_side`` on its long side
+    (PIL's draft mode), then resized (bilinear, antialiased) and encoded at ``quality``. Datasets that make
+    their pixels (the synthetic one) go through their own ``load_image``. Raises the bad-image errors of
+    PIL (``OSError``, ...) for unreadable files.
+    """
+    sample = dataset.samples[index]
+    if type(dataset).load_image is not MultiLabelDataset.load_image:  # generated pixels
+        image = dataset.load_image(index)
+    else:
+        with open(sample.path, "rb") as f:
+            data = f.read()
+        header = jpeg_header(data)
+        if sample.box is None and header is not None and max(header) <= max_side:
+            return data
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            left, top, right, bottom = (
+                (0, 0, width, height) if sample.box is None else crop_box(sample.box, width, height)
+            )
+            target = bounded_size(right - left, bottom - top, max_side)
+            reduction = next(
+                (
+                    r
+                    for r in DRAFT_REDUCTIONS
+                    if right - left >= r * target[0] and bottom - top >= r * target[1]
+                ),
+                1,
+            )
+            reduced, scale_x, scale_y = load_reduced(img, reduction)
+        box = (left / scale_x, top / scale_y, right / scale_x, bottom / scale_y)
+        image = reduced.resize(target, Image.Resampling.BILINEAR, box=box)
+        return encode_jpeg(image, quality)
+    target = bounded_size(image.width, image.height, max_side)
+    if target != image.size:
+        image = image.resize(target, Image.Resampling.BILINEAR)
+    return encode_jpeg(image, quality)
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o644, 0  # mtime 0: the same input gives the same bytes
+    tar.addfile(info, io.BytesIO(data))
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+@dataclass
+class SplitReport:
+    """What packing one split did: shards written now, shards kept from an earlier run, samples, skips."""
+
+    role: str
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    written: int = 0
+    kept: int = 0
+
+    @property
+    def samples(self) -> int:
+        return sum(entry["samples"] for entry in self.shards)
+
+    @property
+    def skipped(self) -> list[dict[str, str]]:
+        return [skip for entry in self.shards for skip in entry["skipped"]]
+
+
+def packing_order(num_samples: int, shuffle: bool, seed: int) -> list[int]:
+    """Dataset indices in packing order: a permutation drawn from ``seed`` (training split) or 0..N-1."""
+    if not shuffle:
+        return list(range(num_samples))
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def pack_split(
+    dataset: MultiLabelDataset,
+    out: str | Path,
+    role: str,
+    shard_size: int,
+    max_side: int,
+    quality: int = 90,
+    shuffle: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+    workers: int = 1,
+) -> SplitReport:
+    """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (see the module docstring); resumes an
+    interrupted run with the same settings. Returns the :class:`SplitReport` (shards in order).
+
+    Unreadable images (``OSError``, ... from PIL) are left out and listed in the report, whatever
+    ``dataset.on_bad_image`` says: packing is where they are found. ``workers`` > 1 writes that many
+    shards at once in worker processes.
+    """
+    if shard_size < 1 or max_side < 1 or not 1 <= quality <= 100:
+        raise DatasetConfigError(
+            f"shard_size={shard_size}, max_side={max_side}, quality={quality}; expected shard_size >= 1, "
+            "max_side >= 1 and quality in 1..100"
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    order = packing_order(len(dataset), shuffle, seed)
+    settings = {
+        "shard_size": shard_size,
+        "max_side": max_side,
+        "quality": quality,
+        "order_seed": seed if shuffle else None,
+        "samples": len(dataset),
+    }
+    progress_file = out / f".{role}-progress.jsonl"
+    done = read_progress(progress_file, settings, out)
+    if not done:
+        progress_file.write_text(json.dumps({"settings": settings}) + "\n")
+    report = SplitReport(role)
+    labels = dataset.labels.to(torch.int8).numpy()
+    chunks = {
+        shard_name(role, k): order[first : first + shard_size]
+        for k, first in enumerate(range(0, len(order), shard_size))
+    }
+    entries = {name: done[name] for name in chunks if name in done}
+    report.kept = len(entries)
+    bar = tqdm(total=len(order), desc=f"pack {role}", unit="img", disable=not progress)
+    bar.update(sum(len(chunks[name]) for name in entries))
+    pending = [name for name in chunks if name not in done]
+    with (
+        ProcessPoolExecutor(workers, mp_context=get_context("fork")) if workers > 1 else nullcontext() as pool
+    ):
+        jobs = [(dataset, out / name, chunks[name], labels, max_side, quality) for name in pending]
+        written = (
+            pool.map(write_shard, *zip(*jobs, strict=True))
+            if pool is not None and jobs
+            else (write_shard(*job) for job in jobs)
+        )
+        for entry in written:
+            with open(progress_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+            entries[entry["name"]] = entry
+            report.written += 1
+            bar.update(len(chunks[entry["name"]]))
+    bar.close()
+    report.shards = [entries[name] for name in chunks]
+    kept_rows = [i for entry in report.shards for i in entry["indices"]]
+    np.save(out / labels_file(role), labels[kept_rows])
+    return report
+
+
+def read_progress(progress_file: Path, settings: dict[str, Any], out: Path) -> dict[str, dict[str, Any]]:
+    """The completed shards recorded in ``progress_file`` (by name) whose file exists, if it was written
+    with the same ``settings``; else nothing (a pack with other settings starts over)."""
+    if not progress_file.exists():
+        return {}
+    lines = [json.loads(line) for line in progress_file.read_text(encoding="utf-8").splitlines() if line]
+    if not lines or lines[0].get("settings") != settings:
+        return {}
+    return {entry["name"]: entry for entry in lines[1:] if (out / entry["name"]).exists()}
+
+
+def write_shard(
+    dataset: MultiLabelDataset,
+    path: Path,
+    indices: Sequence[int],
+    labels: np.ndarray,
+    max_side: int,
+    quality: int,
+) -> dict[str, Any]:
+    """Write the samples ``indices`` of ``dataset`` to the shard ``path`` (through ``path.tmp``, renamed
+    when complete); returns its progress entry: name, samples, sha256, bytes, dataset indices, skipped."""
+    temporary = path.with_name(path.name + ".tmp")
+    kept, skipped = [], []
+    with tarfile.open(temporary, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for index in indices:
+            try:
+                image = packed_image(dataset, index, max_side, quality)
+            except BAD_IMAGE_ERRORS as exc:
+                skipped.append({"path": dataset.samples[index].path, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            key = f"{index:0{KEY_DIGITS}d}"
+            add_member(tar, f"{key}.{IMAGE_EXT}", image)
+            add_member(tar, f"{key}.{LABELS_EXT}", npy_bytes(labels[index]))
+            kept.append(index)
+    os.replace(temporary, path)
+    return {
+        "name": path.name,
+        "samples": len(kept),
+        "sha256": sha256_of(path),
+        "bytes": path.stat().st_size,
+        "indices": kept,
+        "skipped": skipped,
+    }
+
+
+def write_sidecars(
+    out: str | Path,
+    dataset: MultiLabelDataset,
+    splits: dict[str, str],
+    reports: Sequence[SplitReport],
+    max_side: int,
+    quality: int,
+) -> None:
+    """``classes.json`` and ``manifest.json`` (see the module docstring), merged with those of splits
+    packed by an earlier command into the same folder."""
+    out = Path(out)
+    classes = {
+        "dataset": dataset.name,
+        "splits": splits,
+        "max_side": max_side,
+        "quality": quality,
+        "classes": list(dataset.classes),
+    }
+    (out / CLASSES_FILE).write_text(json.dumps(classes, indent=1) + "\n", encoding="utf-8")
+    manifest_path = out / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.exists() else {}
+    for report in reports:
+        manifest[report.role] = {
+            "samples": report.samples,
+            "shards": [
+                {k: entry[k] for k in ("name", "samples", "sha256", "bytes")} for entry in report.shards
+            ],
+            "skipped": report.skipped,
+        }
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+
+
+def verify_shards(out: str | Path) -> list[str]:
+    """Names of the shards of ``<out>/manifest.json`` whose file is missing or whose sha256 differs."""
+    out = Path(out)
+    manifest = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
+    bad = []
+    for split in manifest.values():
+        for entry in split["shards"]:
+            path = out / entry["name"]
+            if not path.exists() or sha256_of(path) != entry["sha256"]:
+                bad.append(entry["name"])
+    return bad

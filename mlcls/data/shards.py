@@ -1,0 +1,450 @@
+"""Training and evaluation from packed shards (``dataset=shards``), as ``mlcls-data pack`` writes them
+(layout: :mod:`mlcls.data.pack`).
+
+Shards are read through ``webdataset``'s ``gopen``: local paths, ``http(s)://`` and ``pipe:`` commands
+(``pipe:aws s3 cp s3://bucket/train-000001.tar -``), each as one sequential stream.
+
+**Training** (:class:`ShardTrainSet`, loaded by :class:`ShardTrainLoader`): every epoch the shards are put
+in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut into contiguous ranges of
+``per_rank = floor(N / (world_size * batch)) * batch`` samples, one per rank (``DistributedSampler``'s
+``drop_last`` count: every rank runs the same number of steps, no sample twice). A rank's range is cut
+into its ``per_rank / batch`` batches, and those into contiguous blocks, one per DataLoader worker (the
+first workers one batch more when it does not divide): each worker reads only the shards of its block,
+front to back, and shuffles its samples in windows of ``shuffle_buffer`` (an order drawn from the seed, the
+epoch and the window). The DataLoader takes the workers' batches in turn, so the epoch's batch order is a
+function of ``(seed, epoch, rank, world_size, workers)``; each sample's augmentation runs under
+``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the workers. ``set_start(k)``
+(resuming mid-epoch with the same number of workers) skips exactly the first ``k`` samples the rank served
+and serves the rest in the order they would have come.
+
+**Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
+(the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
+trainer's evaluation (``ShardSampler``: every sample scored exactly once over the ranks) applies unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tarfile
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from mlcls.data.base import (
+    BAD_IMAGE_ERRORS,
+    BadImageError,
+    DatasetConfigError,
+    DatasetFormatError,
+    DatasetLayoutError,
+    MultiLabelDataset,
+    Sample,
+    check_choice,
+    check_labels,
+)
+from mlcls.data.fast import collate_batch
+from mlcls.data.loader import PREFETCH_FACTOR, loader_workers, sample_seed, seeded_call
+from mlcls.data.pack import CLASSES_FILE, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
+from mlcls.data.transforms import build_transform
+
+ROLES = ("train", "val")
+SHARD_NAME = re.compile(r"[^/\s]+\.tar")
+
+
+def open_url(url: str) -> IO[bytes]:
+    """A binary stream of ``url`` (a path, ``http(s)://``, ``pipe:`` command, ...) by ``webdataset``."""
+    try:
+        from webdataset.gopen import gopen
+    except ImportError:
+        raise DatasetConfigError(
+            "dataset=shards reads shards with the webdataset library; pip install 'mlcls[shards]'"
+        ) from None
+    try:
+        return gopen(url, "rb")
+    except (OSError, ValueError) as exc:
+        raise DatasetLayoutError(f"cannot open {url}: {exc}") from exc
+
+
+def read_url(url: str) -> bytes:
+    with open_url(url) as stream:
+        return stream.read()
+
+
+def expand_urls(urls: str | list[str]) -> list[str]:
+    """Shard URLs of ``dataset.urls``: a brace pattern (``train-{000000..000123}.tar``) or a list of them."""
+    from braceexpand import braceexpand
+
+    patterns = [urls] if isinstance(urls, str) else list(urls)
+    return [url for pattern in patterns for url in braceexpand(pattern)]
+
+
+def shard_name_of(url: str) -> str:
+    """The shard's file name in ``url`` (the last ``*.tar`` word: works for paths, URLs and commands)."""
+    names = SHARD_NAME.findall(url)
+    if not names:
+        raise DatasetConfigError(f"no shard file name (*.tar) in the shard URL {url!r}")
+    return names[-1]
+
+
+def iter_shard(url: str) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """``(key, {extension: bytes})`` of each sample of the tar shard ``url``, in order, streamed."""
+    with open_url(url) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+        key, fields = None, {}
+        for member in tar:
+            if not member.isfile():
+                continue
+            name = member.name.rsplit("/", 1)[-1]
+            member_key, _, extension = name.partition(".")
+            if member_key != key:
+                if key is not None:
+                    yield key, fields
+                key, fields = member_key, {}
+            fields[extension] = tar.extractfile(member).read()
+        if key is not None:
+            yield key, fields
+
+
+class ShardIndex:
+    """The sidecar files of a packed folder: ``classes.json`` (classes, source dataset) and ``manifest.json``
+    (shard names and sample counts), read from ``meta`` (a folder or URL prefix)."""
+
+    def __init__(self, meta: str) -> None:
+        self.meta = meta.rstrip("/")
+        info = self.read_json(CLASSES_FILE)
+        self.classes: list[str] = list(info["classes"])
+        self.source: str = info.get("dataset") or "shards"
+        self.manifest: dict[str, Any] = self.read_json(MANIFEST_FILE)
+
+    def read_json(self, name: str) -> Any:
+        url = f"{self.meta}/{name}"
+        try:
+            return json.loads(read_url(url))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DatasetFormatError(f"cannot parse {url}: {exc}") from exc
+
+    def labels(self, role: str) -> Tensor:
+        """float32 (N, C) labels of the packed samples of ``role``, in shard order."""
+        data = read_url(f"{self.meta}/{labels_file(role)}")
+        return torch.from_numpy(np.load(io.BytesIO(data)).astype(np.float32))
+
+    def shard_sizes(self, role: str, urls: list[str]) -> list[int]:
+        """Sample count of each shard of ``urls`` (matched by file name in the manifest)."""
+        if role not in self.manifest:
+            raise DatasetLayoutError(f"{self.meta}/{MANIFEST_FILE} lists no {role} shards; pack that split")
+        sizes = {entry["name"]: entry["samples"] for entry in self.manifest[role]["shards"]}
+        missing = [shard_name_of(url) for url in urls if shard_name_of(url) not in sizes]
+        if missing:
+            raise DatasetConfigError(
+                f"shard {missing[0]} is not a {role} shard of {self.meta}/{MANIFEST_FILE}; expected names "
+                f"like {next(iter(sizes), '?')}"
+            )
+        return [sizes[shard_name_of(url)] for url in urls]
+
+    def role_urls(self, role: str, like: str) -> list[str]:
+        """URLs of every ``role`` shard of the manifest, made from the URL ``like`` of another shard."""
+        name = shard_name_of(like)
+        return [like.replace(name, entry["name"]) for entry in self.manifest.get(role, {}).get("shards", [])]
+
+
+def default_meta(url: str) -> str:
+    if url.startswith("pipe:"):
+        raise DatasetConfigError(
+            "dataset.meta is needed with pipe: shard URLs: the folder or URL of classes.json and "
+            "manifest.json"
+        )
+    return url.rsplit("/", 1)[0] if "/" in url else "."
+
+
+def decode_image(data: bytes, transform: Callable | None) -> Any:
+    """The transform's input for the image bytes ``data``: its ``decode_bytes`` result (the fast pipeline)
+    or the RGB PIL image."""
+    decode = getattr(transform, "decode_bytes", None)
+    if decode is not None:
+        return decode(data)
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
+
+
+def open_shards(
+    split: str = "train",
+    urls: str | list[str] | None = None,
+    val_urls: str | list[str] | None = None,
+    meta: str | None = None,
+    shuffle_buffer: int = 1000,
+    transform: Callable | str | None = None,
+    **config_keys: Any,
+) -> ShardTrainSet | ShardEvalSet:
+    """The ``split`` (``train`` or ``val``) of packed shards: a :class:`ShardTrainSet` for training, a
+    :class:`ShardEvalSet` for evaluation (``dataset=shards``; see ``configs/dataset/shards.yaml``).
+
+    Args:
+        urls: the training shards, a brace pattern or a list (any URL ``webdataset`` opens).
+        val_urls: the validation shards; None: every val shard of the manifest, at the place of ``urls``.
+        meta: folder or URL prefix of ``classes.json``, ``manifest.json``, ``*-labels.npy``; None: the
+            folder of the first training shard (required with ``pipe:`` URLs).
+        shuffle_buffer: training samples a worker shuffles together (see the module docstring).
+        transform, **config_keys: as for :class:`MultiLabelDataset`.
+    """
+    check_choice("split", split, ROLES)
+    if not urls:
+        raise DatasetConfigError("dataset=shards needs dataset.urls, e.g. DIR/train-{000000..000009}.tar")
+    train_urls = expand_urls(urls)
+    index = ShardIndex(meta or default_meta(train_urls[0]))
+    if split == "train":
+        return ShardTrainSet(index, train_urls, shuffle_buffer, transform, **config_keys)
+    split_urls = expand_urls(val_urls) if val_urls else index.role_urls("val", train_urls[0])
+    return ShardEvalSet(index, split_urls, transform, **config_keys)
+
+
+class ShardTrainSet:
+    """The training split of packed shards: classes, labels (the sidecar's) and the shard URLs; iterated
+    by :class:`ShardTrainLoader` (``build_train_loader`` makes it). ``len()``: packed samples."""
+
+    def __init__(
+        self,
+        index: ShardIndex,
+        urls: list[str],
+        shuffle_buffer: int,
+        transform: Callable | str | None = None,
+        *,
+        name: str | None = None,
+        image_size: int = 224,
+        train_split: str = "train",
+        val_split: str = "val",
+    ) -> None:
+        self.name, self.image_size, self.split = name, int(image_size), "train"
+        self.train_split, self.val_split = train_split, val_split
+        self.transform = (
+            build_transform(transform, self.image_size, train=True)
+            if isinstance(transform, str)
+            else transform
+        )
+        self.urls, self.shuffle_buffer = urls, max(1, int(shuffle_buffer))
+        self.classes = index.classes
+        self.shard_sizes = index.shard_sizes("train", urls)
+        labels = index.labels("train")
+        if len(labels) != index.manifest["train"]["samples"]:
+            raise DatasetFormatError(f"{index.meta}/{labels_file('train')} does not match the manifest")
+        # Rows of the shards given (all of them, or a subset of the manifest's shards).
+        offsets = np.cumsum([0] + [e["samples"] for e in index.manifest["train"]["shards"]])
+        position = {e["name"]: k for k, e in enumerate(index.manifest["train"]["shards"])}
+        rows = [
+            i
+            for url in urls
+            for i in range(offsets[position[shard_name_of(url)]], offsets[position[shard_name_of(url)] + 1])
+        ]
+        self.labels = check_labels(labels[rows], self.classes, "shards (train split)")
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def __len__(self) -> int:
+        return sum(self.shard_sizes)
+
+    def make_sample(self, key: str, fields: dict[str, bytes], seed: int) -> tuple[Any, Tensor]:
+        """``(image, target)`` of one shard sample, its augmentation run under ``seed``."""
+        try:
+            image = seeded_call(seed, self._augment, fields[IMAGE_EXT])
+        except BAD_IMAGE_ERRORS as exc:
+            raise BadImageError(f"cannot read the image of sample {key} of the shards: {exc}") from exc
+        target = torch.from_numpy(np.load(io.BytesIO(fields[LABELS_EXT])).astype(np.float32))
+        return image, target
+
+    def _augment(self, data: bytes) -> Any:
+        image = decode_image(data, self.transform)
+        return image if self.transform is None else self.transform(image)
+
+
+class ShardSchedule:
+    """The ``sampler`` of :class:`ShardTrainLoader`: which samples of the shards each rank and worker
+    reads in an epoch (see the module docstring). ``set_epoch(e)`` and ``set_start(samples)`` as
+    :class:`mlcls.data.loader.ResumableSampler`; the state lives in shared memory, so that persistent
+    DataLoader workers see it."""
+
+    def __init__(
+        self, shard_sizes: list[int], batch_size: int, rank: int, world_size: int, seed: int
+    ) -> None:
+        self.shard_sizes, self.batch_size = list(shard_sizes), batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.per_rank = sum(shard_sizes) // (world_size * batch_size) * batch_size
+        self.state = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, start
+
+    @property
+    def epoch(self) -> int:
+        return int(self.state[0])
+
+    @property
+    def start(self) -> int:
+        return int(self.state[1])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.state[0], self.state[1] = epoch, 0
+
+    def set_start(self, start: int) -> None:
+        self.state[1] = start
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start
+
+    def shard_order(self) -> list[int]:
+        """This epoch's shard order (the same on every rank)."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.shard_sizes), generator=generator).tolist()
+
+    def worker_blocks(self, workers: int) -> list[tuple[int, int]]:
+        """``(first batch, batches)`` of each worker within the rank's range."""
+        batches = self.per_rank // self.batch_size
+        base, extra = divmod(batches, workers)
+        blocks, first = [], 0
+        for worker in range(workers):
+            count = base + (worker < extra)
+            blocks.append((first, count))
+            first += count
+        return blocks
+
+    def consumed(self, worker: int, workers: int, batches: int) -> int:
+        """Batches of ``worker`` among the first ``batches`` the DataLoader served (it takes one batch of
+        each worker in turn; the workers with one batch more come first)."""
+        count = self.worker_blocks(workers)[worker][1]
+        return min(count, batches // workers + (worker < batches % workers))
+
+    def reads(self, worker: int, workers: int) -> tuple[list[tuple[int, int, int]], int]:
+        """The reads of ``worker``: ``(shard, first, stop)`` sample ranges in order, and the number of its
+        samples the DataLoader already served (to skip, after the window shuffle)."""
+        first_batch, count = self.worker_blocks(workers)[worker]
+        begin = self.rank * self.per_rank + first_batch * self.batch_size
+        end = begin + count * self.batch_size
+        reads, offset = [], 0
+        for shard in self.shard_order():
+            size = self.shard_sizes[shard]
+            lo, hi = max(begin, offset), min(end, offset + size)
+            if lo < hi:
+                reads.append((shard, lo - offset, hi - offset))
+            offset += size
+        served = self.consumed(worker, workers, self.start // self.batch_size) * self.batch_size
+        return reads, served
+
+
+class ShardStream(IterableDataset):
+    """The samples of one rank for one DataLoader worker (or the main process), as the schedule says."""
+
+    def __init__(self, dataset: ShardTrainSet, schedule: ShardSchedule) -> None:
+        self.dataset, self.schedule = dataset, schedule
+
+    def __iter__(self) -> Iterator[tuple[Any, Tensor]]:
+        info = get_worker_info()
+        schedule, window_size = self.schedule, self.dataset.shuffle_buffer
+        workers = 1 if info is None else info.num_workers
+        # The DataLoader starts every iteration at its worker 0: after k batches served, that is the worker
+        # whose turn came next, k mod workers.
+        worker = 0 if info is None else (info.id + schedule.start // schedule.batch_size) % workers
+        reads, served = schedule.reads(worker, workers)
+        position = 0  # samples of this worker's list before the window
+        for window in self._windows(reads, window_size):
+            generator = torch.Generator().manual_seed(
+                sample_seed(schedule.seed, schedule.epoch, schedule.rank * schedule.per_rank + position)
+            )
+            for k in torch.randperm(len(window), generator=generator).tolist():
+                if served > 0:
+                    served -= 1
+                    continue
+                key, fields = window[k]
+                yield self.dataset.make_sample(
+                    key, fields, sample_seed(schedule.seed, schedule.epoch, int(key))
+                )
+            position += len(window)
+
+    def _windows(
+        self, reads: list[tuple[int, int, int]], size: int
+    ) -> Iterator[list[tuple[str, dict[str, bytes]]]]:
+        window: list[tuple[str, dict[str, bytes]]] = []
+        for shard, first, stop in reads:
+            url = self.dataset.urls[shard]
+            count = 0
+            # Read to the end even past ``stop``: a pipe: command closed early fails.
+            for position, sample in enumerate(iter_shard(url)):
+                if first <= position < stop:
+                    window.append(sample)
+                    count += 1
+                    if len(window) == size:
+                        yield window
+                        window = []
+            if count != stop - first:
+                raise DatasetFormatError(
+                    f"shard {url} holds fewer samples than its manifest entry "
+                    f"({self.dataset.shard_sizes[shard]})"
+                )
+        if window:
+            yield window
+
+
+class ShardTrainLoader:
+    """The training loader of a :class:`ShardTrainSet` (what ``build_train_loader`` returns for one):
+    ``len()`` batches of ``batch_size`` per epoch, ``sampler`` a :class:`ShardSchedule`; batches as the
+    map-style loader's (collated by :func:`mlcls.data.fast.collate_batch`)."""
+
+    def __init__(
+        self,
+        dataset: ShardTrainSet,
+        batch_size: int,
+        workers: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        device: torch.device,
+    ) -> None:
+        workers = loader_workers(workers)
+        self.batch_size = batch_size
+        self.sampler = ShardSchedule(dataset.shard_sizes, batch_size, rank, world_size, seed)
+        self.loader = DataLoader(
+            ShardStream(dataset, self.sampler),
+            batch_size=batch_size,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            collate_fn=collate_batch,
+            persistent_workers=workers > 0,
+            prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
+        )
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+
+class ShardEvalSet(MultiLabelDataset):
+    """The validation split of packed shards, read whole into memory (one byte buffer of the JPEGs and
+    their offsets: shared by forked DataLoader workers without copies); a map-style dataset in shard
+    order. ``samples`` name ``<shard URL>#<key>``."""
+
+    def __init__(
+        self, index: ShardIndex, urls: list[str], transform: Callable | str | None = None, **config_keys: Any
+    ) -> None:
+        super().__init__(transform, split="val", **config_keys)
+        self.split = "val"
+        if not urls:
+            raise DatasetLayoutError(f"{index.meta}/{MANIFEST_FILE} lists no val shards; pack that split")
+        self.classes = index.classes
+        images, offsets, labels, samples = [], [0], [], []
+        for url in urls:
+            for key, fields in iter_shard(url):
+                images.append(fields[IMAGE_EXT])
+                offsets.append(offsets[-1] + len(fields[IMAGE_EXT]))
+                labels.append(np.load(io.BytesIO(fields[LABELS_EXT])))
+                samples.append(Sample(f"{url}#{key}"))
+        self.buffer = np.frombuffer(b"".join(images), dtype=np.uint8)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.labels = torch.from_numpy(np.stack(labels).astype(np.float32))
+        self.samples = samples
+
+    def load_image(self, index: int) -> Any:
+        data = self.buffer[self.offsets[index] : self.offsets[index + 1]].tobytes()
+        return decode_image(data, self.transform)
