@@ -19,7 +19,10 @@ from mlcls.losses.spec import loss_name
         (["+trainer.epoch=3"], "unknown option +trainer.epoch: did you mean trainer.epochs? (nothing reads"),
         (["sched.warmup=5"], "did you mean sched.warmup_iters?"),
         (["trainer.foo=1"], "trainer has amp, batch_size, "),
-        (["foo=1"], "unknown option foo: the config has data, dataset, logger, loss, model, optim, sched, trainer"),
+        (
+            ["foo=1"],
+            "unknown option foo: the config has data, dataset, logger, loss, model, optim, sched, trainer",
+        ),
         (["foo.bar=1"], "unknown option foo.bar: run with --cfg job to list the options"),
         (["optim=adamw", "optim.betas.2=0.9"], "unknown option optim.betas.2: optim.betas has 0, 1"),
         # dataset.year is a COCO key: unknown to the default (synthetic) dataset

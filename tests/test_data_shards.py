@@ -23,7 +23,8 @@ from mlcls.cli.train import run
 from mlcls.data import pack as pack_module
 from mlcls.data.loader import build_eval_loader
 from mlcls.data.pack import pack_split
-from mlcls.data.shards import ShardSchedule, ShardTrainLoader, ShardTrainSet, open_shards
+from mlcls.data.shard_loader import ShardSchedule, ShardTrainLoader
+from mlcls.data.shards import ShardTrainSet, open_shards
 from mlcls.data.synthetic import SyntheticMultiLabel
 
 wds = pytest.importorskip("webdataset")

@@ -42,7 +42,8 @@ from torchvision import transforms as T
 from mlcls.data.base import MultiLabelDataset, Sample
 from mlcls.data.fast import AugmentedImage, DeviceStage, build_backend_transform, collate_batch
 from mlcls.data.pack import pack_split, write_sidecars
-from mlcls.data.shards import ShardTrainLoader, open_shards
+from mlcls.data.shard_loader import ShardTrainLoader
+from mlcls.data.shards import open_shards
 from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast", "decode_only", "shards")

@@ -185,10 +185,11 @@ def build_train_loader(
     Batches come on the host (DALI: pixels on the GPU); :class:`DevicePrefetcher` finishes them.
 
     A :class:`mlcls.data.shards.ShardTrainSet` (``dataset=shards``; with ``dali`` the fast CPU stage
-    decodes) gets its :class:`mlcls.data.shards.ShardTrainLoader`: the same interface, its ``sampler`` a
+    decodes) gets its :class:`mlcls.data.shard_loader.ShardTrainLoader`: the same interface, its ``sampler`` a
     ``ShardSchedule``.
     """
-    from mlcls.data.shards import ShardTrainLoader, ShardTrainSet
+    from mlcls.data.shard_loader import ShardTrainLoader
+    from mlcls.data.shards import ShardTrainSet
 
     if isinstance(dataset, ShardTrainSet):
         return ShardTrainLoader(dataset, batch_size, workers, rank, world_size, seed, device)
