@@ -5,17 +5,17 @@ Shards are read through ``webdataset``'s ``gopen``: local paths, ``http(s)://`` 
 (``pipe:aws s3 cp s3://bucket/train-000001.tar -``), each as one sequential stream.
 
 **Training** (:class:`ShardTrainSet`, loaded by :class:`mlcls.data.shard_loader.ShardTrainLoader`): every
-epoch the shards are put in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut into contiguous ranges of
-``per_rank = floor(N / (world_size * batch)) * batch`` samples, one per rank (``DistributedSampler``'s
-``drop_last`` count: every rank runs the same number of steps, no sample twice). A rank's range is cut
-into its ``per_rank / batch`` batches, and those into contiguous blocks, one per DataLoader worker (the
-first workers one batch more when it does not divide): each worker reads only the shards of its block,
-front to back, and shuffles its samples in windows of ``shuffle_buffer`` (an order drawn from the seed, the
-epoch and the window). The DataLoader takes the workers' batches in turn, so the epoch's batch order is a
-function of ``(seed, epoch, rank, world_size, workers)``; each sample's augmentation runs under
-``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the workers. ``set_start(k)``
-(resuming mid-epoch with the same number of workers) skips exactly the first ``k`` samples the rank served
-and serves the rest in the order they would have come.
+epoch the shards are put in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut
+into contiguous ranges of ``per_rank = floor(N / (world_size * batch)) * batch`` samples, one per rank
+(``DistributedSampler``'s ``drop_last`` count: every rank runs the same number of steps, no sample twice). A
+rank's range is cut into its ``per_rank / batch`` batches, and those into contiguous blocks, one per
+DataLoader worker (the first workers one batch more when it does not divide): each worker reads only the
+shards of its block, front to back, and shuffles its samples in windows of ``shuffle_buffer`` (an order
+drawn from the seed, the epoch and the window). The DataLoader takes the workers' batches in turn, so the
+epoch's batch order is a function of ``(seed, epoch, rank, world_size, workers)``; each sample's
+augmentation runs under ``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the
+workers. ``set_start(k)`` (resuming mid-epoch with the same number of workers) skips exactly the first ``k``
+samples the rank served and serves the rest in the order they would have come.
 
 **Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
 (the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
