@@ -25,10 +25,9 @@ from mlcls.data import build_dataset
 from mlcls.data.loader import build_eval_loader
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import write_json
-from mlcls.engine.evaluate import predict_dataset
+from mlcls.engine.evaluate import evaluate_model
 from mlcls.engine.validate import ConfigError
 from mlcls.inference.predictor import load_inference_model
-from mlcls.metrics import compute_metrics
 
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"
 
@@ -75,26 +74,24 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
             f"differ from the model's ({len(inference.classes)}: {', '.join(inference.classes[:5])}, …)"
         )
     loader = build_eval_loader(dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device)
-    scores, labels = predict_dataset(
-        inference.model, loader, info.device, cfg.amp if info.device.type == "cuda" else "none"
-    )
-    figures = compute_metrics(scores, labels, inference.classes)
-    figures["checkpoint"] = str(cfg.checkpoint)
-    figures["num_samples"] = len(dataset)
-    return figures
+    amp = cfg.amp if info.device.type == "cuda" else "none"
+    metrics = evaluate_model(inference.model, loader, info.device, inference.classes, amp).metrics
+    metrics["checkpoint"] = str(cfg.checkpoint)
+    metrics["num_samples"] = len(dataset)
+    return metrics
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="eval")
 def _hydra_main(cfg: DictConfig) -> None:
     with user_errors():
         try:
-            figures = evaluate_checkpoint(cfg)
+            metrics = evaluate_checkpoint(cfg)
         finally:
             dist_utils.cleanup()
     if int(os.environ.get("RANK", "0")) == 0:
         if cfg.output:
-            write_json(figures, cfg.output)
-        print(json.dumps({k: v for k, v in figures.items() if k != "per_class_ap"}))
+            write_json(metrics, cfg.output)
+        print(json.dumps({k: v for k, v in metrics.items() if k != "per_class_ap"}))
 
 
 def dataset_overrides_as_replacements(argv: list[str]) -> list[str]:

@@ -50,18 +50,6 @@ def predict(
     return torch.cat(scores), torch.cat(targets)
 
 
-def predict_dataset(
-    model: nn.Module, loader: DataLoader, device: torch.device, amp: str = "none", channels_last: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and targets of the whole dataset behind ``loader`` (ShardSampler shards), in dataset order.
-
-    Every process gets the full tensors; each sample appears exactly once whatever the world size.
-    """
-    scores, targets = predict(model, loader, device, amp, channels_last)
-    total = len(loader.dataset)
-    return gather_shards(scores, total), gather_shards(targets, total)
-
-
 @dataclass
 class Evaluation:
     """Metrics of one set of weights on the whole validation set, and the scores behind them."""
