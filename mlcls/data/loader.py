@@ -145,6 +145,20 @@ def loader_workers(requested: int) -> int:
     return cpus
 
 
+def training_loader_options(workers: int, device: torch.device) -> dict[str, Any]:
+    """The DataLoader options of a training loader of ``workers`` capped processes (:func:`loader_workers`)
+    feeding ``device``: batches collated by :func:`mlcls.data.fast.collate_batch`, pinned memory on CUDA,
+    persistent workers each keeping ``PREFETCH_FACTOR`` batches ready."""
+    workers = loader_workers(workers)
+    return {
+        "num_workers": workers,
+        "pin_memory": device.type == "cuda",
+        "collate_fn": collate_batch,
+        "persistent_workers": workers > 0,
+        "prefetch_factor": PREFETCH_FACTOR if workers > 0 else None,
+    }
+
+
 @functools.cache
 def _log_worker_cap(requested: int, cpus: int) -> None:
     log.info("DataLoader workers capped at the %d CPUs this process may use (%d requested)", cpus, requested)
@@ -193,7 +207,6 @@ def build_train_loader(
 
     if isinstance(dataset, ShardTrainSet):
         return ShardTrainLoader(dataset, batch_size, workers, rank, world_size, seed, device)
-    workers = loader_workers(workers)
     sampler = ResumableSampler(dataset, world_size, rank, seed)
     if backend == "dali":
         from mlcls.data.dali import DaliTrainLoader
@@ -203,17 +216,15 @@ def build_train_loader(
             raise DatasetConfigError(
                 "data.backend=dali does the paper's augmentation only; use dataset.transform=paper"
             )
-        return DaliTrainLoader(dataset, batch_size, workers, sampler, transform, device, dali_prefetch)
+        return DaliTrainLoader(
+            dataset, batch_size, loader_workers(workers), sampler, transform, device, dali_prefetch
+        )
     return DataLoader(
         SeededSamples(dataset),
         batch_size=batch_size,
         sampler=sampler,
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
         drop_last=True,
-        collate_fn=collate_batch,
-        persistent_workers=workers > 0,
-        prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
+        **training_loader_options(workers, device),
     )
 
 

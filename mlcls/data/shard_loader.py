@@ -14,8 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mlcls.data.base import (
     DatasetFormatError,
 )
-from mlcls.data.fast import collate_batch
-from mlcls.data.loader import PREFETCH_FACTOR, loader_workers, sample_seed
+from mlcls.data.loader import sample_seed, training_loader_options
 from mlcls.data.shards import ShardTrainSet, iter_shard
 
 
@@ -157,17 +156,12 @@ class ShardTrainLoader:
         seed: int,
         device: torch.device,
     ) -> None:
-        workers = loader_workers(workers)
         self.batch_size = batch_size
         self.sampler = ShardSchedule(dataset.shard_sizes, batch_size, rank, world_size, seed)
         self.loader = DataLoader(
             ShardStream(dataset, self.sampler),
             batch_size=batch_size,
-            num_workers=workers,
-            pin_memory=device.type == "cuda",
-            collate_fn=collate_batch,
-            persistent_workers=workers > 0,
-            prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
+            **training_loader_options(workers, device),
         )
 
     def __len__(self) -> int:
