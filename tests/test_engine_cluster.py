@@ -352,12 +352,19 @@ def test_paper_presets_on_one_process_warn_about_batchnorm(caplog):
     assert not caplog.text
 
 
-def test_failed_checks_leave_no_run_directory(tmp_path):
+@pytest.mark.parametrize(
+    ("mistake", "message"),
+    [
+        ("dataset.train_size=10", "use trainer.batch_size=8 or less"),  # found when the data is built
+        ("trainer.max_nonfinite=0", "trainer.max_nonfinite=0; expected a positive integer"),  # config check
+    ],
+)
+def test_failed_checks_leave_no_run_directory(tmp_path, mistake, message):
     from conftest import cli, run_cli
 
-    result = run_cli(cli("mlcls-train", *TINY, "dataset.train_size=10", "hydra.run.dir=runs/x"), cwd=tmp_path)
+    result = run_cli(cli("mlcls-train", *TINY, mistake, "hydra.run.dir=runs/x"), cwd=tmp_path)
     assert result.returncode == 2
-    assert "use trainer.batch_size=8 or less" in result.stderr
+    assert message in result.stderr
     assert not (tmp_path / "runs").exists()
 
 

@@ -86,25 +86,24 @@ class Trainer:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         tcfg = cfg.trainer
-        # The process group first: under SLURM the world size exists only once it is set up.
-        self.dist = dist_utils.init_distributed(tcfg.device)
-        validate_config(cfg, world_size=self.dist.world_size)
-        self.device = self.dist.device
-        self.cuda = self.device.type == "cuda"
-        self.amp = tcfg.amp if self.cuda else "none"
-        eval_amp = tcfg.get("eval_amp")
-        self.eval_amp = (self.amp if eval_amp is None else eval_amp) if self.cuda else "none"
-        self.channels_last = bool(tcfg.channels_last) and self.cuda
-        self.local_batch = tcfg.batch_size // self.dist.world_size
-        if self.cuda:
-            torch.backends.cudnn.benchmark = not tcfg.deterministic
-        if tcfg.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        warn_protocol(cfg, self.dist.world_size)
-        seed_everything(tcfg.seed)
-
         hydra_dir = hydra_run_dir()
         try:
+            # The process group first: under SLURM the world size exists only once it is set up.
+            self.dist = dist_utils.init_distributed(tcfg.device)
+            validate_config(cfg, world_size=self.dist.world_size)
+            self.device = self.dist.device
+            self.cuda = self.device.type == "cuda"
+            self.amp = tcfg.amp if self.cuda else "none"
+            eval_amp = tcfg.get("eval_amp")
+            self.eval_amp = (self.amp if eval_amp is None else eval_amp) if self.cuda else "none"
+            self.channels_last = bool(tcfg.channels_last) and self.cuda
+            self.local_batch = tcfg.batch_size // self.dist.world_size
+            if self.cuda:
+                torch.backends.cudnn.benchmark = not tcfg.deterministic
+            if tcfg.deterministic:
+                torch.use_deterministic_algorithms(True, warn_only=True)
+            warn_protocol(cfg, self.dist.world_size)
+            seed_everything(tcfg.seed)
             self.data = build_data(cfg, self.dist)
             self.classes = self.data.classes
             self.preprocess = preprocess_spec(cfg.dataset)  # in checkpoints: predict needs no dataset
