@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from data_fixtures import write_jpeg
+from PIL import Image
 
 DESCRIPTIONS = [
     ("/m/cat", "Cat"),
@@ -69,3 +71,48 @@ def write_openimages(root: Path) -> Path:
         for image_id in sorted({row[0] for row in rows} - {MISSING_IMAGE}):
             write_jpeg(root / split / f"{image_id}.jpg")
     return root
+
+
+def write_generated_openimages(
+    root: Path, train: int = 64, validation: int = 20, classes: int = 12, seed: int = 0
+) -> tuple[Path, dict[str, list[list[float]]]]:
+    """Write a larger Open Images in the official format, with random human-verified labels, for training.
+
+    Each image gets 1-3 positive verifications and 1-6 negative ones among ``classes`` trainable classes
+    (one more, non-trainable class appears in the descriptions and labels); each image's JPEG has the
+    colour of its first positive class plus noise, so a model can learn something and no two images tie.
+    Returns ``(root, rows)`` with the
+    (N, C) 1 / 0 / -1 rows each split must yield, in ImageID order, computed here from the drawn labels.
+    """
+    import random
+
+    rng, np_rng = random.Random(seed), np.random.default_rng(seed)
+    names = [f"/m/gen{c:03d}" for c in range(classes)]
+    root.mkdir(parents=True, exist_ok=True)
+    lines = ["LabelName,DisplayName", "/m/other,Other", *(f"{mid},Class {c}" for c, mid in enumerate(names))]
+    (root / "oidv6-class-descriptions.csv").write_text("\n".join(lines) + "\n")
+    (root / "oidv6-classes-trainable.txt").write_text("\n".join(names) + "\n")
+    expected: dict[str, list[list[float]]] = {}
+    for split, count in (("train", train), ("validation", validation)):
+        rows, text = [], ["ImageID,Source,LabelName,Confidence"]
+        ids = sorted(rng.sample(range(1, 2**40), count))
+        for image_id in ids:
+            picked = rng.sample(range(classes), rng.randint(2, 7))
+            positives = picked[: rng.randint(1, min(3, len(picked) - 1))]
+            row = [-1.0] * classes
+            for c in picked:
+                row[c] = 1.0 if c in positives else 0.0
+                text.append(f"{image_id:016x},verification,{names[c]},{int(row[c])}")
+            text.append(f"{image_id:016x},verification,/m/other,1")
+            rows.append(row)
+            hue = 255 * positives[0] // classes
+            base = np.array([hue, 255 - hue, 128], dtype=np.float32)
+            noise = np_rng.normal(0, 25, (30, 40, 3))  # every image distinct: no tied scores
+            path = root / split / f"{image_id:016x}.jpg"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8)).save(path, quality=95)
+        body = text[1:]
+        rng.shuffle(body)  # a real file is not sorted by image
+        (root / LABEL_FILES[split]).write_text("\n".join([text[0], *body]) + "\n")
+        expected[split] = rows
+    return root, expected

@@ -11,16 +11,16 @@ import torch
 from data_fixtures import corrupt, write_voc
 
 from mlcls.cli.data import main
-from mlcls.data.stats import label_stats
+from mlcls.data.labels import LabelCounts
 
 
 def test_label_stats_of_a_small_matrix() -> None:
     labels = torch.tensor([[1.0, 0.0, -1.0], [1.0, 1.0, 0.0], [0.0, -1.0, -1.0], [1.0, 0.0, 0.0]])
-    stats = label_stats(labels)
+    stats = LabelCounts.of(labels)
     assert stats.num_samples == 4
     assert stats.positives_per_sample == pytest.approx(4 / 4)
     assert stats.unknown_share == pytest.approx(3 / 12)
-    assert stats.positives_per_class.tolist() == [3, 1, 0]
+    assert stats.positives.tolist() == [3, 1, 0] and stats.negatives.tolist() == [1, 2, 2]
     assert stats.ranked(["a", "b", "c"], 2, most=True) == [("a", 3), ("b", 1)]
     assert stats.ranked(["a", "b", "c"], 2, most=False) == [("c", 0), ("b", 1)]
 

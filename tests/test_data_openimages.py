@@ -46,7 +46,7 @@ def test_openimages_sparse_counts_and_dense_limit(tmp_path: Path) -> None:
     assert sparse.shape == (4, 5)
     assert sparse.count_per_class(1).tolist() == [2, 0, 0, 1, 1]
     assert sparse.count_per_class(0).tolist() == [0, 2, 1, 0, 0]
-    assert sparse.unknown_count() == 20 - 7
+    assert sparse.counts().unknown == 20 - 7
     with pytest.raises(DatasetConfigError, match=r"4 x 5 float32\) would take 0\.0 GB, over dataset\.dense"):
         train.labels  # noqa: B018
     assert train[1][1].tolist() == TRAIN_ROWS[1]  # loading needs no dense matrix

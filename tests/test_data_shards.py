@@ -16,15 +16,17 @@ import torch
 import torch.multiprocessing as mp
 from conftest import TINY, compose_config
 from data_fixtures import corrupt, write_voc
+from openimages_fixture import write_generated_openimages
 from PIL import Image
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
 from mlcls.data import pack as pack_module
+from mlcls.data.labels import SparseLabels
 from mlcls.data.loader import build_eval_loader
 from mlcls.data.pack import pack_split
 from mlcls.data.shard_loader import ShardSchedule, ShardTrainLoader
-from mlcls.data.shards import ShardTrainSet, open_shards
+from mlcls.data.shards import ShardTrainSet, iter_shard, open_shards
 from mlcls.data.synthetic import SyntheticMultiLabel
 
 wds = pytest.importorskip("webdataset")
@@ -51,6 +53,33 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# A generated Open Images (64 train, 20 validation images, 12 classes) packed with a dense-label budget too
+# small for any (N, C) matrix: packing, training and evaluation read only label rows and counts.
+OPENIMAGES = ["dataset=openimages", "dataset.dense_labels_gb=1e-12", "dataset.image_size=32"]
+OPENIMAGES_URLS = "train-{000000..000003}.tar"  # 64 samples in shards of 16
+
+
+@pytest.fixture(scope="module")
+def generated_openimages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    return write_generated_openimages(tmp_path_factory.mktemp("openimages"))
+
+
+@pytest.fixture(scope="module")
+def packed_openimages(tmp_path_factory: pytest.TempPathFactory, generated_openimages) -> Path:
+    root, _ = generated_openimages
+    out = tmp_path_factory.mktemp("packed_openimages")
+    options = [f"dataset.root={root}", f"out={out}", "shard_size=16", "max_side=32"]
+    assert data_main(["pack", *OPENIMAGES, *options]) == 0
+    return out
+
+
+# (fixture of the packed folder, its training shards, classes, validation samples, the source's val split)
+PACKS = {
+    "synthetic": ("packed", URLS, 12, 30),
+    "openimages": ("packed_openimages", OPENIMAGES_URLS, 12, 20),
+}
+
+
 def test_pack_writes_webdataset_shards_of_the_resized_images(packed: Path) -> None:
     source = SyntheticMultiLabel("train", train_size=90, canvas_size=64)
     dataset = wds.WebDataset(str(packed / URLS), shardshuffle=False).decode("pil")
@@ -71,8 +100,8 @@ def test_pack_writes_webdataset_shards_of_the_resized_images(packed: Path) -> No
     assert manifest["val"]["samples"] == 30 and manifest["train"]["skipped"] == []
     for entry in manifest["train"]["shards"] + manifest["val"]["shards"]:
         assert entry["sha256"] == hashlib.sha256((packed / entry["name"]).read_bytes()).hexdigest()
-    rows = np.load(packed / "train-labels.npy")
-    assert rows.dtype == np.int8 and rows.shape == (90, 12)
+    rows = SparseLabels.from_bytes((packed / "train-labels.npz").read_bytes())
+    torch.testing.assert_close(rows.dense(), source.labels[seen])  # the sidecar, in shard order
 
 
 def test_a_killed_pack_continues_at_the_next_shard(tmp_path: Path, packed: Path, monkeypatch) -> None:
@@ -165,63 +194,100 @@ def test_shard_urls_not_in_the_manifest_are_one_line(packed: Path) -> None:
         open_shards("train", "pipe:cat /x/train-000000.tar")
 
 
-def test_pack_train_evaluate_on_the_shards(packed: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack", list(PACKS))
+def test_pack_train_evaluate_on_the_shards(pack: str, tmp_path: Path, request) -> None:
+    fixture, urls, classes, val_size = PACKS[pack]
+    packed = request.getfixturevalue(fixture)
     overrides = [o for o in TINY if not o.startswith("dataset")] + [
         "dataset=shards",
-        f'dataset.urls="{packed / URLS}"',
+        f'dataset.urls="{packed / urls}"',
         "dataset.image_size=32",
         "dataset.transform=light",
         "optim=adamw",
+        "loss=bce",
+        "loss.pos_weight=freq",  # class-frequency weights: set up from the sidecar's label counts
         "trainer.epochs=1",
+        "trainer.batch_size=16",
         f"trainer.output_dir={tmp_path}",
     ]
     results = run(compose_config(overrides))
     on_disk = json.loads((tmp_path / "results.json").read_text())
-    assert on_disk["dataset"]["train_size"] == 90 and on_disk["dataset"]["val_size"] == 30
+    train_size = sum(
+        e["samples"] for e in json.loads((packed / "manifest.json").read_text())["train"]["shards"]
+    )
+    assert on_disk["dataset"]["train_size"] == train_size and on_disk["dataset"]["val_size"] == val_size
     assert on_disk["metrics"]["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"])
-    assert len(on_disk["per_class_ap"]) == 12
+    assert len(on_disk["per_class_ap"]) == classes
 
 
-def fixed_model() -> torch.nn.Module:
+def test_openimages_trains_from_the_csvs_without_a_dense_label_matrix(generated_openimages, tmp_path) -> None:
+    root, rows = generated_openimages
+    overrides = [o for o in TINY if not o.startswith("dataset")] + [
+        *OPENIMAGES,
+        f"dataset.root={root}",
+        "loss=bce",
+        "loss.pos_weight=freq",
+        "trainer.epochs=1",
+        "trainer.batch_size=16",
+        f"trainer.output_dir={tmp_path}",
+    ]
+    run(compose_config(overrides))
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["dataset"] == {"name": "openimages", "num_classes": 12, "train_size": 64, "val_size": 20}
+    unknown = sum(value == -1 for row in rows["train"] for value in row)
+    assert on_disk["counts"]["ignored_train_labels"] == unknown
+
+
+def fixed_model(classes: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(48, 12))
+    return torch.nn.Sequential(
+        torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(48, classes)
+    )
 
 
-def evaluate_shards(packed: Path, rank: int, world: int) -> dict:
+def evaluate_shards(packed: Path, urls: str, rank: int, world: int) -> dict:
     from mlcls.data import build_dataset
     from mlcls.engine.evaluate import evaluate_model
 
     cfg = {
         "_target_": "mlcls.data.shards.open_shards",
-        "urls": str(packed / URLS),
+        "urls": str(packed / urls),
         "image_size": 32,
         "transform": "light",
     }
     val_set = build_dataset(cfg, train=False)
     loader = build_eval_loader(val_set, 4, 1, rank, world, torch.device("cpu"))
-    evaluation = evaluate_model(fixed_model(), loader, torch.device("cpu"), val_set.classes)
+    evaluation = evaluate_model(
+        fixed_model(len(val_set.classes)), loader, torch.device("cpu"), val_set.classes
+    )
     return {"metrics": evaluation.metrics, "scores": evaluation.scores, "labels": evaluation.labels}
 
 
-def _evaluate_on_rank(rank: int, packed: str, port: int, out: str) -> None:
+def _evaluate_on_rank(rank: int, packed: str, urls: str, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        torch.save(evaluate_shards(Path(packed), rank, 2), Path(out) / f"rank{rank}.pt")
+        torch.save(evaluate_shards(Path(packed), urls, rank, 2), Path(out) / f"rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_evaluation_is_equal_on_one_and_two_processes(packed: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack", list(PACKS))
+def test_evaluation_is_equal_on_one_and_two_processes(pack: str, tmp_path: Path, request) -> None:
     import socket
 
+    fixture, urls, _, _ = PACKS[pack]
+    packed = request.getfixturevalue(fixture)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_evaluate_on_rank, args=(str(packed), port, str(tmp_path)), nprocs=2, join=True)
-    alone = evaluate_shards(packed, 0, 1)
-    source = SyntheticMultiLabel("val", val_size=30)
-    torch.testing.assert_close(alone["labels"], source.labels)  # every sample once, in dataset order
+    mp.spawn(_evaluate_on_rank, args=(str(packed), urls, port, str(tmp_path)), nprocs=2, join=True)
+    alone = evaluate_shards(packed, urls, 0, 1)
+    if pack == "synthetic":
+        expected = SyntheticMultiLabel("val", val_size=30).labels
+    else:
+        expected = torch.tensor(request.getfixturevalue("generated_openimages")[1]["validation"])
+    torch.testing.assert_close(alone["labels"], expected)  # every sample once, in dataset order
     for rank in range(2):
         both = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         torch.testing.assert_close(both["scores"], alone["scores"])
@@ -234,6 +300,23 @@ def test_train_set_labels_are_those_of_the_packed_samples(packed: Path) -> None:
     assert isinstance(train, ShardTrainSet) and len(train) == 90
     source = SyntheticMultiLabel("train", train_size=90)
     assert sorted(map(tuple, train.labels.tolist())) == sorted(map(tuple, source.labels.tolist()))
+    # A subset of the shards: the labels of exactly those shards' samples, in shard order.
+    subset = open_shards("train", str(packed / "train-{000001..000002}.tar"), transform=None)
+    keys = [int(key) for shard in (1, 2) for key, _ in iter_shard(str(packed / f"train-{shard:06d}.tar"))]
+    torch.testing.assert_close(subset.labels, source.labels[keys])
+    assert subset.label_counts().positives.tolist() == (source.labels[keys] == 1).sum(0).tolist()
+
+
+def test_openimages_pack_keeps_the_verified_labels(packed_openimages: Path, generated_openimages) -> None:
+    _, rows = generated_openimages
+    train = open_shards("train", str(packed_openimages / OPENIMAGES_URLS), transform=None)
+    stored = SparseLabels.from_bytes((packed_openimages / "train-labels.npz").read_bytes())
+    assert stored.fill == -1  # unknown is the most frequent value: the verified labels are what is stored
+    keys = [int(k) for s in range(4) for k, _ in iter_shard(str(packed_openimages / f"train-{s:06d}.tar"))]
+    torch.testing.assert_close(stored.dense(), torch.tensor(rows["train"])[keys])
+    expected = torch.tensor(rows["train"])
+    assert train.label_counts().positives.tolist() == (expected == 1).sum(0).tolist()
+    assert train.label_counts().negatives.tolist() == (expected == 0).sum(0).tolist()
 
 
 def test_seeded_augmentation_seeds_the_cpu_generator_only(monkeypatch) -> None:

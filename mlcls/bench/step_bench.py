@@ -62,7 +62,7 @@ def bare_step_fn(cfg: DictConfig, trainer: Trainer) -> Callable[[torch.Tensor, t
     torch.manual_seed(cfg.trainer.seed)
     model = build_model(cfg.model, len(trainer.classes), device, trainer.channels_last)
     optimizer, _ = build_optimization(cfg, model, trainer.iters_per_epoch)
-    criterion = build_loss(cfg.loss, trainer.data.train_set.labels, device)
+    criterion = build_loss(cfg.loss, trainer.data.train_set, device)
     forward = torch.compile(model) if cfg.trainer.get("compile", False) else model
     scaler = torch.amp.GradScaler(device.type, init_scale=trainer.scaler.get_scale())
     model.train()

@@ -29,8 +29,9 @@ from omegaconf.errors import OmegaConfBaseException
 from mlcls.cli.errors import one_line, plural
 from mlcls.cli.overrides import compose_config
 from mlcls.data import DatasetError, MultiLabelDataset, build_dataset
+from mlcls.data.labels import label_counts
 from mlcls.data.pack import pack_split, write_sidecars
-from mlcls.data.stats import find_unreadable, label_stats
+from mlcls.data.stats import find_unreadable
 from mlcls.engine.validate import ConfigError
 
 TOP_CLASSES = 5
@@ -39,10 +40,11 @@ PACK_OPTIONS = {"out": None, "shard_size": 1000, "max_side": 320, "quality": 90,
 
 def describe(dataset: MultiLabelDataset, title: str) -> None:
     """Print the size and label statistics of one split."""
-    stats = label_stats(dataset.labels)
+    stats = label_counts(dataset)
     print(f"\n{title}: {plural(stats.num_samples, 'sample')}")
     print(f"  positive labels per sample: {stats.positives_per_sample:.2f}")
-    print(f"  unknown labels (-1): {100 * stats.unknown_share:.2f}% of the {dataset.labels.numel()} entries")
+    entries = stats.num_samples * stats.num_classes
+    print(f"  unknown labels (-1): {100 * stats.unknown_share:.2f}% of the {entries} entries")
     for name, most in (("most frequent", True), ("least frequent", False)):
         ranked = stats.ranked(dataset.classes, TOP_CLASSES, most)
         print(f"  {name}: {', '.join(f'{cls} {count}' for cls, count in ranked)}")

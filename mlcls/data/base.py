@@ -76,6 +76,11 @@ class Sample:
     box: tuple[float, float, float, float] | None = None
 
 
+class LazySamples(Sequence):
+    """Base of a sequence of :class:`Sample` made on access (``samples[i]``), for datasets whose millions of
+    images would take gigabytes as a list of objects; the dataset keeps it as it is."""
+
+
 def require_files(root: str | Path, relative_paths: Sequence[str], layout: str) -> None:
     """Raise :class:`DatasetLayoutError` naming the first missing file and the expected layout."""
     root = Path(root)
@@ -205,7 +210,8 @@ class MultiLabelDataset(Dataset):
 
     @samples.setter
     def samples(self, samples: Sequence[Sample]) -> None:
-        self._samples = list(samples)
+        # A lazy sequence (Open Images' millions of images) is kept as it is; anything else becomes a list.
+        self._samples = samples if isinstance(samples, LazySamples) else list(samples)
         # Allocated here, in the process that builds the dataset, so that DataLoader workers (forked or
         # spawned) share it with the main process.
         self._bad_flags = torch.zeros(len(self._samples), dtype=torch.bool).share_memory_()
@@ -272,8 +278,12 @@ class MultiLabelDataset(Dataset):
         self._bad_flags.zero_()
         return sorted({self.samples[i].path for i in flagged})
 
+    def target(self, index: int) -> torch.Tensor:
+        """float32 (C,): the labels of sample ``index`` (a row of ``labels``)."""
+        return self.labels[index]
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image, served = self.read_image(index)
         if self.transform is not None:
             image = self.transform(image)
-        return image, self.labels[served]
+        return image, self.target(served)

@@ -119,7 +119,7 @@ class CropPlans(Dataset):
         params = self.transform.colour_params()
         window = np.array([left + j, top + i, w, h], dtype=np.float32)  # x, y, width, height
         encoded = np.frombuffer(data, dtype=np.uint8)
-        return CropPlan(encoded, window, flip, params, self.dataset.labels[index])
+        return CropPlan(encoded, window, flip, params, self.dataset.target(index))
 
     def __getitem__(self, index: int) -> CropPlan:
         plan, _ = self.dataset.read_sample(index, self.plan)

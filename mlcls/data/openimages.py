@@ -20,16 +20,15 @@ Layout (the official downloads, unrenamed, in ``root/<annotations>``; images nam
   classes outside the trainable list, conflicting pairs and images without a trainable label are left
   out and counted in ``ignored`` (a dict, also logged).
 
-Memory. The labels are kept sparse (:class:`SparseLabels`: the verified entries only, 5 bytes each plus 8
-per image; the V6 training split's ~57 M verified labels of ~9 M images take about 0.35 GB), and
-``__getitem__`` builds each target row from them. The dense float32 ``labels`` (N, C) that the rest of
-mlcls reads (loss set-up, class statistics, the ignored-label count) is built on first access and only
-when it fits in ``dense_labels_gb``: validation (41,620 x 9,605: 1.6 GB) and test (125,436 images:
-4.8 GB) do; the training split (~9 M x 9,605: ~350 GB) does not, and reading its ``labels`` raises a
-:class:`DatasetConfigError` saying so. The training split is meant to be packed into shards
-(``mlcls-data pack``), which store one label row per sample; training from the CSVs directly on the full
-split needs those consumers to take label counts instead of the dense matrix (see ``SparseLabels``).
-The samples list (one path per image) takes about 150 bytes an image, ~1.4 GB for the training split.
+Memory. The labels are kept sparse (:class:`mlcls.data.labels.SparseLabels`: the verified entries only, 5
+bytes each plus 8 per image; the V6 training split's ~57 M verified labels of ~9 M images take about
+0.35 GB), and each target row is built from them on its own. Training reads only those rows and the label
+counts (:func:`mlcls.data.labels.label_counts`: loss weights, class statistics, results), so the full training
+split trains from the CSVs or packs into shards without a dense matrix. The dense float32 ``labels`` (N, C)
+is built on first access for tools that read it, and only when it fits in ``dense_labels_gb``: validation
+(41,620 x 9,605: 1.6 GB) and test (125,436 images: 4.8 GB) do; the training split (~9 M x 9,605: ~350 GB)
+does not, and reading its ``labels`` raises a :class:`DatasetConfigError` saying so. The samples are made
+on access from the image ids (:class:`ImageSamples`, 8 bytes an image).
 """
 
 from __future__ import annotations
@@ -44,17 +43,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.base import (
-    DatasetConfigError,
     DatasetFormatError,
+    LazySamples,
     MultiLabelDataset,
     Sample,
     check_choice,
     require_files,
     resolve_path,
 )
+from mlcls.data.labels import SparseLabelled, SparseLabels
 
 log = logging.getLogger("mlcls")
 
@@ -71,59 +70,23 @@ CONFIDENCE_VALUES = {"1": 1, "0": 0, "1.0": 1, "0.0": 0}
 IMAGE_ID_DIGITS = 16  # ImageIDs are 64-bit integers written as 16 lowercase hexadecimal digits
 
 
-class SparseLabels:
-    """An (N, C) label matrix stored as its known entries, row by row (compressed sparse rows).
+class ImageSamples(LazySamples):
+    """The samples ``<folder>/<ImageID>.jpg`` of ``image_ids`` (uint64 (N,)), each made on access: 8 bytes an
+    image instead of ~150 for a list of :class:`Sample` (~1.4 GB for the V6 training split)."""
 
-    Row ``i``'s known entries are ``columns[offsets[i]:offsets[i + 1]]`` (ascending) with values
-    ``values[...]`` (1 positive, 0 negative); every other entry is -1 (unknown).
-
-    Args:
-        offsets: int64 (N + 1,), non-decreasing, ``offsets[0] = 0``.
-        columns: int32 (K,) class indices in [0, C), ascending within each row.
-        values: int8 (K,) in {0, 1}.
-        num_classes: C.
-    """
-
-    def __init__(self, offsets: np.ndarray, columns: np.ndarray, values: np.ndarray, num_classes: int):
-        self.offsets, self.columns, self.values = offsets, columns, values
-        self.shape = (len(offsets) - 1, int(num_classes))
+    def __init__(self, folder: str, image_ids: np.ndarray) -> None:
+        self.folder, self.image_ids = folder, image_ids
 
     def __len__(self) -> int:
-        return self.shape[0]
+        return len(self.image_ids)
 
-    @property
-    def nbytes(self) -> int:
-        return self.offsets.nbytes + self.columns.nbytes + self.values.nbytes
-
-    def row(self, index: int) -> torch.Tensor:
-        """float32 (C,): row ``index`` with 1 / 0 / -1."""
-        start, end = self.offsets[index], self.offsets[index + 1]
-        row = torch.full((self.shape[1],), -1.0)
-        row[torch.from_numpy(self.columns[start:end]).long()] = torch.from_numpy(
-            self.values[start:end]
-        ).float()
-        return row
-
-    def dense(self) -> torch.Tensor:
-        """float32 (N, C): the whole matrix (N * C * 4 bytes)."""
-        rows = np.repeat(np.arange(self.shape[0]), np.diff(self.offsets))
-        dense = torch.full(self.shape, -1.0)
-        dense[torch.from_numpy(rows), torch.from_numpy(self.columns).long()] = torch.from_numpy(
-            self.values
-        ).float()
-        return dense
-
-    def count_per_class(self, value: int) -> torch.Tensor:
-        """int64 (C,): number of entries equal to ``value`` (1 or 0) in each column."""
-        counts = np.bincount(self.columns[self.values == value], minlength=self.shape[1])
-        return torch.from_numpy(counts.astype(np.int64))
-
-    def unknown_count(self) -> int:
-        """Number of -1 entries: N * C minus the known ones."""
-        return self.shape[0] * self.shape[1] - len(self.values)
+    def __getitem__(self, index: int) -> Sample:  # type: ignore[override]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return Sample(os.path.join(self.folder, f"{int(self.image_ids[index]):016x}.jpg"))
 
 
-class OpenImages(MultiLabelDataset):
+class OpenImages(SparseLabelled, MultiLabelDataset):
     """Open Images V6 human-verified image-level labels over the trainable classes (see the module
     docstring for the label semantics and the memory limits).
 
@@ -183,32 +146,7 @@ class OpenImages(MultiLabelDataset):
                 split,
                 ", ".join(f"{count} {what.replace('_', ' ')}" for what, count in self.ignored.items()),
             )
-        folder = str(image_dir)
-        self.samples = [Sample(os.path.join(folder, f"{i:016x}.jpg")) for i in image_ids.tolist()]
-        self._dense_labels: torch.Tensor | None = None
-
-    @property
-    def labels(self) -> torch.Tensor:
-        """float32 (N, C): 1 positive, 0 negative, -1 unknown; built from ``sparse_labels`` on first access,
-        or :class:`DatasetConfigError` when it would exceed ``dense_labels_gb``."""
-        if self._dense_labels is None:
-            size_gb = 4 * self.sparse_labels.shape[0] * self.sparse_labels.shape[1] / 1e9
-            if size_gb > self.dense_labels_gb:
-                rows, classes = self.sparse_labels.shape
-                raise DatasetConfigError(
-                    f"Open Images {self.split}: the dense label matrix ({rows} x {classes} float32) would "
-                    f"take {size_gb:.1f} GB, over dataset.dense_labels_gb={self.dense_labels_gb:g}; pack the "
-                    "split into shards (mlcls-data pack) or raise dataset.dense_labels_gb"
-                )
-            self._dense_labels = self.sparse_labels.dense()
-        return self._dense_labels
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(image, target)`` with the target row built from ``sparse_labels`` (no dense matrix needed)."""
-        image, served = self.read_image(index)
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, self.sparse_labels.row(served)
+        self.samples = ImageSamples(str(image_dir), image_ids)
 
 
 def _read_trainable(path: Path) -> list[str]:

@@ -11,8 +11,10 @@ Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards`):
 * ``classes.json``: the source dataset's name, its split names, ``max_side``, ``quality`` and the classes in
   label order.
 * ``manifest.json``: per split, every shard's name, sample count and sha256, and the skipped images.
-* ``train-labels.npy``, ``val-labels.npy``: int8 (N, C), the labels of the packed samples in shard order
-  (class statistics and loss weights without reading a shard).
+* ``train-labels.npz``, ``val-labels.npz``: the labels of the packed samples in shard order, stored sparse
+  (:meth:`mlcls.data.labels.SparseLabels.to_bytes`: the entries that differ from the split's most frequent
+  value, 0 or -1), for the class statistics and loss weights without reading a shard; Open Images'
+  training split takes ~0.3 GB there instead of ~86 GB as a dense int8 matrix.
 
 Resumable: each shard is written under a temporary name and renamed when complete; its entry is then
 appended to ``.<split>-progress.jsonl``. A restarted pack keeps the shards whose entry and file exist
@@ -43,6 +45,7 @@ from tqdm import tqdm
 
 from mlcls.data.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
 from mlcls.data.fast import DRAFT_REDUCTIONS, jpeg_header, load_reduced
+from mlcls.data.labels import sparse_labels_of
 
 CLASSES_FILE, MANIFEST_FILE = "classes.json", "manifest.json"
 KEY_DIGITS, SHARD_DIGITS = 9, 6
@@ -55,7 +58,7 @@ def shard_name(role: str, index: int) -> str:
 
 
 def labels_file(role: str) -> str:
-    return f"{role}-labels.npy"
+    return f"{role}-labels.npz"
 
 
 def sha256_of(path: str | Path) -> str:
@@ -198,7 +201,6 @@ def pack_split(
     if not done:
         progress_file.write_text(json.dumps({"settings": settings}) + "\n")
     report = SplitReport(role)
-    labels = dataset.labels.to(torch.int8).numpy()
     chunks = {
         shard_name(role, k): order[first : first + shard_size]
         for k, first in enumerate(range(0, len(order), shard_size))
@@ -211,7 +213,7 @@ def pack_split(
     with (
         ProcessPoolExecutor(workers, mp_context=get_context("fork")) if workers > 1 else nullcontext() as pool
     ):
-        jobs = [(dataset, out / name, chunks[name], labels, max_side, quality) for name in pending]
+        jobs = [(dataset, out / name, chunks[name], max_side, quality) for name in pending]
         written = (
             pool.map(write_shard, *zip(*jobs, strict=True))
             if pool is not None and jobs
@@ -226,7 +228,7 @@ def pack_split(
     bar.close()
     report.shards = [entries[name] for name in chunks]
     kept_rows = [i for entry in report.shards for i in entry["indices"]]
-    np.save(out / labels_file(role), labels[kept_rows])
+    (out / labels_file(role)).write_bytes(sparse_labels_of(dataset).rows(kept_rows).to_bytes())
     return report
 
 
@@ -245,7 +247,6 @@ def write_shard(
     dataset: MultiLabelDataset,
     path: Path,
     indices: Sequence[int],
-    labels: np.ndarray,
     max_side: int,
     quality: int,
 ) -> dict[str, Any]:
@@ -262,7 +263,7 @@ def write_shard(
                 continue
             key = f"{index:0{KEY_DIGITS}d}"
             add_member(tar, f"{key}.{IMAGE_EXT}", image)
-            add_member(tar, f"{key}.{LABELS_EXT}", npy_bytes(labels[index]))
+            add_member(tar, f"{key}.{LABELS_EXT}", npy_bytes(dataset.target(index).to(torch.int8).numpy()))
             kept.append(index)
     os.replace(temporary, path)
     return {

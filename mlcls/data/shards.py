@@ -45,8 +45,8 @@ from mlcls.data.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
-    check_labels,
 )
+from mlcls.data.labels import SparseLabelled, SparseLabels
 from mlcls.data.loader import seeded_call
 from mlcls.data.pack import CLASSES_FILE, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.transforms import build_transform
@@ -126,10 +126,13 @@ class ShardIndex:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise DatasetFormatError(f"cannot parse {url}: {exc}") from exc
 
-    def labels(self, role: str) -> Tensor:
-        """float32 (N, C) labels of the packed samples of ``role``, in shard order."""
-        data = read_url(f"{self.meta}/{labels_file(role)}")
-        return torch.from_numpy(np.load(io.BytesIO(data)).astype(np.float32))
+    def labels(self, role: str) -> SparseLabels:
+        """The labels of the packed samples of ``role``, in shard order (the sparse sidecar)."""
+        url = f"{self.meta}/{labels_file(role)}"
+        try:
+            return SparseLabels.from_bytes(read_url(url)).check(url)
+        except (OSError, ValueError, KeyError) as exc:
+            raise DatasetFormatError(f"cannot read the labels {url}: {exc}; pack the split again") from exc
 
     def shard_sizes(self, role: str, urls: list[str]) -> list[int]:
         """Sample count of each shard of ``urls`` (matched by file name in the manifest)."""
@@ -184,7 +187,7 @@ def open_shards(
     Args:
         urls: the training shards, a brace pattern or a list (any URL ``webdataset`` opens).
         val_urls: the validation shards; None: every val shard of the manifest, at the place of ``urls``.
-        meta: folder or URL prefix of ``classes.json``, ``manifest.json``, ``*-labels.npy``; None: the
+        meta: folder or URL prefix of ``classes.json``, ``manifest.json``, ``*-labels.npz``; None: the
             folder of the first training shard (required with ``pipe:`` URLs).
         shuffle_buffer: training samples a worker shuffles together (see the module docstring).
         transform, **config_keys: as for :class:`MultiLabelDataset`.
@@ -200,9 +203,10 @@ def open_shards(
     return ShardEvalSet(index, split_urls, transform, **config_keys)
 
 
-class ShardTrainSet:
-    """The training split of packed shards: classes, labels (the sidecar's) and the shard URLs; iterated
-    by :class:`ShardTrainLoader` (``build_train_loader`` makes it). ``len()``: packed samples."""
+class ShardTrainSet(SparseLabelled):
+    """The training split of packed shards: classes, labels (the sidecar's, sparse: ``label_counts()``
+    without a dense matrix) and the shard URLs; iterated by :class:`ShardTrainLoader`
+    (``build_train_loader`` makes it). ``len()``: packed samples."""
 
     def __init__(
         self,
@@ -227,17 +231,16 @@ class ShardTrainSet:
         self.classes = index.classes
         self.shard_sizes = index.shard_sizes("train", urls)
         labels = index.labels("train")
-        if len(labels) != index.manifest["train"]["samples"]:
+        if labels.shape != (index.manifest["train"]["samples"], len(self.classes)):
             raise DatasetFormatError(f"{index.meta}/{labels_file('train')} does not match the manifest")
         # Rows of the shards given (all of them, or a subset of the manifest's shards).
         offsets = np.cumsum([0] + [e["samples"] for e in index.manifest["train"]["shards"]])
         position = {e["name"]: k for k, e in enumerate(index.manifest["train"]["shards"])}
-        rows = [
-            i
-            for url in urls
-            for i in range(offsets[position[shard_name_of(url)]], offsets[position[shard_name_of(url)] + 1])
-        ]
-        self.labels = check_labels(labels[rows], self.classes, "shards (train split)")
+        starts = [offsets[position[shard_name_of(url)]] for url in urls]
+        rows = np.concatenate(
+            [np.arange(start, start + size) for start, size in zip(starts, self.shard_sizes, strict=True)]
+        )
+        self.sparse_labels = labels.rows(rows)
 
     @property
     def num_classes(self) -> int:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from mlcls.data import MultiLabelDataset, build_dataset
+from mlcls.data.labels import label_counts
 from mlcls.data.loader import build_eval_loader, build_train_loader
 from mlcls.engine.distributed import DistInfo
 from mlcls.engine.optim import build_optimizer, build_scheduler
@@ -84,12 +85,12 @@ def build_model(
     return model
 
 
-def build_loss(loss_cfg: DictConfig, train_labels: torch.Tensor, device: torch.device) -> nn.Module:
-    """The ``loss`` config's criterion on ``device``, set up with the training labels where it needs them
-    (class-frequency weights)."""
+def build_loss(loss_cfg: DictConfig, train_set: Dataset, device: torch.device) -> nn.Module:
+    """The ``loss`` config's criterion on ``device``, set up with the training set's label counts where it
+    needs them (class-frequency weights)."""
     criterion = instantiate(loss_cfg)
     if hasattr(criterion, "setup"):
-        criterion.setup(train_labels)
+        criterion.setup(label_counts(train_set))
     return criterion.to(device)
 
 
@@ -104,14 +105,10 @@ def build_optimization(
 
 def classes_without_positives(dataset: Dataset, classes: list[str]) -> list[str]:
     """Names of the classes without a single positive label in ``dataset`` (empty when it has no labels)."""
-    labels = getattr(dataset, "labels", None)
-    if isinstance(dataset, Subset):
-        parent = getattr(dataset.dataset, "labels", None)
-        labels = None if parent is None else parent[list(dataset.indices)]
-    if labels is None or len(labels) == 0:
+    counts = label_counts(dataset)
+    if counts is None or counts.num_samples == 0:
         return []
-    present = (torch.as_tensor(labels) == 1).any(0)
-    return [name for name, seen in zip(classes, present.tolist(), strict=True) if not seen]
+    return [name for name, positives in zip(classes, counts.positives.tolist(), strict=True) if not positives]
 
 
 def warn_unscored_classes(val_set: Dataset, classes: list[str]) -> None:

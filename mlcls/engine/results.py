@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from mlcls.data.labels import label_counts
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import RunData
 from mlcls.engine.state import TrainState
@@ -46,7 +47,7 @@ def run_results(
             "skipped_steps": counts["skipped_steps"],
             "skipped_images": len(counts["skipped_images"]),
             "skipped_image_files": counts["skipped_images"][:100],
-            "ignored_train_labels": int((data.train_set.labels < 0).sum()),
+            "ignored_train_labels": label_counts(data.train_set).unknown,
         },
         "history": history,
         "world_size": world_size,

@@ -108,7 +108,7 @@ class Trainer:
             self.classes = self.data.classes
             self.preprocess = preprocess_spec(cfg.dataset)  # in checkpoints: predict needs no dataset
             self.model = build_model(cfg.model, len(self.classes), self.device, self.channels_last)
-            self.criterion = build_loss(cfg.loss, self.data.train_set.labels, self.device)
+            self.criterion = build_loss(cfg.loss, self.data.train_set, self.device)
         except BaseException:
             discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
             raise

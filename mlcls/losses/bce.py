@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from mlcls.losses.common import EntrywiseLoss
+
+if TYPE_CHECKING:
+    from mlcls.data.labels import LabelCounts
 
 POS_WEIGHTS = ("none", "freq")
 
@@ -45,14 +50,18 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
         # Empty until setup(); a buffer from the start so that .to(device) before setup() places it too.
         self.register_buffer("class_weight", torch.empty(0), persistent=False)
 
-    def setup(self, train_labels: Tensor) -> None:
-        """Compute the class weights ``w_c`` (C,) from the training labels (N, C) in {1, 0, -1}.
+    def setup(self, train_labels: Tensor | LabelCounts) -> None:
+        """Compute the class weights ``w_c`` (C,) from the training labels: a dense (N, C) matrix in
+        {1, 0, -1}, or their per-class counts (:class:`mlcls.data.labels.LabelCounts`, all the weights need).
 
         The weights take the device and dtype of the module's buffer (float32 unless moved).
         """
         if self.pos_weight == "freq":
-            positives = (train_labels == 1).sum(0).double()
-            negatives = (train_labels == 0).sum(0).double()
+            if isinstance(train_labels, Tensor):
+                positives, negatives = (train_labels == 1).sum(0), (train_labels == 0).sum(0)
+            else:
+                positives, negatives = train_labels.positives, train_labels.negatives
+            positives, negatives = positives.double(), negatives.double()
             weight = torch.where(positives > 0, negatives / positives.clamp(min=1), 1.0)
             self.class_weight = weight.to(self.class_weight)
 

@@ -1,0 +1,242 @@
+"""Label matrices too large to hold densely, and the per-class counts that the trainer reads instead.
+
+A dataset's labels form an (N, C) matrix of 1 (positive), 0 (negative) and -1 (unknown). Open Images' training
+split (~9 M images x 9,605 classes) would take ~350 GB as float32, so nothing in the training path needs that
+matrix: the loss set-up, the class statistics, the classes-without-a-positive check and results.json read a
+:class:`LabelCounts` (:func:`label_counts`), and each sample's target row is built on its own
+(:class:`SparseLabels`, ``row``).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Subset
+
+from mlcls.data.base import LABEL_VALUES, DatasetConfigError
+
+
+@dataclass(frozen=True)
+class LabelCounts:
+    """Per-class counts of an (N, C) label matrix with entries 1 / 0 / -1.
+
+    Attributes:
+        num_samples: N.
+        positives: int64 (C,), the number of 1 entries in each column.
+        negatives: int64 (C,), the number of 0 entries in each column.
+    """
+
+    num_samples: int
+    positives: Tensor
+    negatives: Tensor
+
+    @classmethod
+    def of(cls, labels: Tensor) -> LabelCounts:
+        """The counts of a dense (N, C) matrix."""
+        labels = torch.as_tensor(labels)
+        return cls(labels.shape[0], (labels == 1).sum(0), (labels == 0).sum(0))
+
+    @property
+    def num_classes(self) -> int:
+        return self.positives.shape[0]
+
+    @property
+    def unknown(self) -> int:
+        """Number of -1 entries: N * C minus the known ones."""
+        return self.num_samples * self.num_classes - int(self.positives.sum()) - int(self.negatives.sum())
+
+    @property
+    def positives_per_sample(self) -> float:
+        """Mean number of 1 entries per row (0 for no row)."""
+        return int(self.positives.sum()) / self.num_samples if self.num_samples else 0.0
+
+    @property
+    def unknown_share(self) -> float:
+        """Share of -1 entries among all N * C entries (0 for an empty matrix)."""
+        entries = self.num_samples * self.num_classes
+        return self.unknown / entries if entries else 0.0
+
+    def ranked(self, classes: list[str], count: int, most: bool) -> list[tuple[str, int]]:
+        """The ``count`` most (or least) frequent classes as ``(name, positives)``; ties by class order."""
+        order = sorted(range(len(classes)), key=lambda c: (-1 if most else 1) * int(self.positives[c]))
+        return [(classes[c], int(self.positives[c])) for c in order[:count]]
+
+
+class SparseLabels:
+    """An (N, C) label matrix stored as the entries that differ from ``fill``, row by row (compressed rows).
+
+    Row ``i``'s stored entries are ``columns[offsets[i]:offsets[i + 1]]`` (ascending) with values
+    ``values[...]`` in {1, 0, -1}; every other entry of the row equals ``fill``. Open Images keeps its
+    verified labels with ``fill = -1`` (unknown); a fully labelled dataset converted by :meth:`from_dense`
+    keeps its positives with ``fill = 0``.
+
+    Args:
+        offsets: int64 (N + 1,), non-decreasing, ``offsets[0] = 0``.
+        columns: int32 (K,) class indices in [0, C), ascending within each row.
+        values: int8 (K,) in {1, 0, -1}.
+        num_classes: C.
+        fill: the value of every entry not stored (-1, 0 or 1).
+    """
+
+    def __init__(
+        self, offsets: np.ndarray, columns: np.ndarray, values: np.ndarray, num_classes: int, fill: int = -1
+    ) -> None:
+        self.offsets, self.columns, self.values = offsets, columns, values
+        self.shape = (len(offsets) - 1, int(num_classes))
+        self.fill = int(fill)
+
+    @classmethod
+    def from_dense(cls, labels: Tensor | np.ndarray) -> SparseLabels:
+        """The sparse form of a dense (N, C) matrix, ``fill`` its most frequent value among 0 and -1."""
+        dense = np.asarray(labels, dtype=np.int8)
+        fill = 0 if (dense == 0).sum() >= (dense == -1).sum() else -1
+        rows, columns = np.nonzero(dense != fill)
+        offsets = np.zeros(dense.shape[0] + 1, dtype=np.int64)
+        np.cumsum(np.bincount(rows, minlength=dense.shape[0]), out=offsets[1:])
+        return cls(offsets, columns.astype(np.int32), dense[rows, columns], dense.shape[1], fill)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets.nbytes + self.columns.nbytes + self.values.nbytes
+
+    def row(self, index: int) -> Tensor:
+        """float32 (C,): row ``index`` with 1 / 0 / -1."""
+        start, end = self.offsets[index], self.offsets[index + 1]
+        row = torch.full((self.shape[1],), float(self.fill))
+        row[torch.from_numpy(self.columns[start:end]).long()] = torch.from_numpy(
+            self.values[start:end]
+        ).float()
+        return row
+
+    def rows(self, indices: np.ndarray | list[int]) -> SparseLabels:
+        """The rows ``indices``, in that order, as a new :class:`SparseLabels`."""
+        indices = np.asarray(indices, dtype=np.int64)
+        starts, ends = self.offsets[indices], self.offsets[indices + 1]
+        lengths = ends - starts
+        offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # Position of each kept entry in the old arrays: its row's start plus its rank within the row.
+        take = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
+        return SparseLabels(offsets, self.columns[take], self.values[take], self.shape[1], self.fill)
+
+    def dense(self) -> Tensor:
+        """float32 (N, C): the whole matrix (N * C * 4 bytes)."""
+        rows = np.repeat(np.arange(self.shape[0]), np.diff(self.offsets))
+        dense = torch.full(self.shape, float(self.fill))
+        dense[torch.from_numpy(rows), torch.from_numpy(self.columns).long()] = torch.from_numpy(
+            self.values
+        ).float()
+        return dense
+
+    def count_per_class(self, value: int) -> Tensor:
+        """int64 (C,): number of entries equal to ``value`` (1, 0 or -1) in each column."""
+        stored = np.bincount(self.columns[self.values == value], minlength=self.shape[1]).astype(np.int64)
+        if value == self.fill:
+            stored = len(self) - np.bincount(self.columns, minlength=self.shape[1]) + stored
+        return torch.from_numpy(stored.astype(np.int64))
+
+    def counts(self) -> LabelCounts:
+        return LabelCounts(len(self), self.count_per_class(1), self.count_per_class(0))
+
+    def check(self, where: str) -> SparseLabels:
+        """Raise ``ValueError`` naming ``where`` unless the arrays form a valid matrix; return ``self``."""
+        offsets, columns = self.offsets, self.columns
+        if (
+            len(offsets) == 0
+            or offsets[0] != 0
+            or offsets[-1] != len(columns)
+            or len(self.values) != len(columns)
+            or (np.diff(offsets) < 0).any()
+        ):
+            raise ValueError(f"{where}: row offsets do not match the {len(columns)} stored labels")
+        if len(columns) and (columns.min() < 0 or columns.max() >= self.shape[1]):
+            raise ValueError(f"{where}: class index outside [0, {self.shape[1]})")
+        if not np.isin(self.values, LABEL_VALUES).all() or self.fill not in LABEL_VALUES:
+            raise ValueError(f"{where}: labels must be 1 (positive), 0 (negative) or -1 (unknown)")
+        return self
+
+    def to_bytes(self) -> bytes:
+        """The matrix as an ``.npz`` file (arrays ``offsets``, ``columns``, ``values``, ``shape_fill``)."""
+        buffer = io.BytesIO()
+        np.savez(
+            buffer,
+            offsets=self.offsets,
+            columns=self.columns,
+            values=self.values,
+            shape_fill=np.asarray([*self.shape, self.fill], dtype=np.int64),
+        )
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SparseLabels:
+        """The matrix of :meth:`to_bytes`'s ``.npz`` bytes."""
+        with np.load(io.BytesIO(data)) as arrays:
+            rows, classes, fill = (int(v) for v in arrays["shape_fill"])
+            labels = cls(arrays["offsets"], arrays["columns"], arrays["values"], classes, fill)
+        if len(labels) != rows:
+            raise ValueError(f"{rows} rows announced, {len(labels)} stored")
+        return labels
+
+
+class SparseLabelled:
+    """A dataset whose labels are a :class:`SparseLabels` (``sparse_labels``): each target row is built on its
+    own (:meth:`target`), the counts come from the stored entries (:meth:`label_counts`), and the dense
+    ``labels`` (N, C) is built on first access only when it fits in ``dense_labels_gb``."""
+
+    sparse_labels: SparseLabels
+    dense_labels_gb: float = 8.0
+    _dense_labels: Tensor | None = None
+
+    def label_counts(self) -> LabelCounts:
+        return self.sparse_labels.counts()
+
+    def target(self, index: int) -> Tensor:
+        """float32 (C,): the labels of sample ``index``."""
+        return self.sparse_labels.row(index)
+
+    @property
+    def labels(self) -> Tensor:
+        """float32 (N, C): 1 positive, 0 negative, -1 unknown; built from ``sparse_labels`` on first access,
+        or :class:`DatasetConfigError` when it would exceed ``dense_labels_gb``."""
+        if self._dense_labels is None:
+            rows, classes = self.sparse_labels.shape
+            size_gb = 4 * rows * classes / 1e9
+            if size_gb > self.dense_labels_gb:
+                raise DatasetConfigError(
+                    f"{type(self).__name__} ({getattr(self, 'split', '?')} split): the dense label matrix "
+                    f"({rows} x {classes} float32) would take {size_gb:.1f} GB, over "
+                    f"dataset.dense_labels_gb={self.dense_labels_gb:g}; training needs only each sample's "
+                    "row and the label counts, raise dataset.dense_labels_gb for tools that read the matrix"
+                )
+            self._dense_labels = self.sparse_labels.dense()
+        return self._dense_labels
+
+
+def sparse_labels_of(dataset: object) -> SparseLabels:
+    """A dataset's labels as :class:`SparseLabels`: its ``sparse_labels``, or its dense ``labels``
+    converted."""
+    sparse = getattr(dataset, "sparse_labels", None)
+    return sparse if sparse is not None else SparseLabels.from_dense(dataset.labels)
+
+
+def label_counts(dataset: object) -> LabelCounts | None:
+    """The :class:`LabelCounts` of a dataset's labels: its ``label_counts()`` when it has one (sparse
+    labels), else counted from its dense ``labels``; a ``Subset`` counts its parent's rows. None for a
+    dataset without labels."""
+    if isinstance(dataset, Subset):
+        parent = dataset.dataset
+        if getattr(parent, "sparse_labels", None) is None and getattr(parent, "labels", None) is None:
+            return None
+        return sparse_labels_of(parent).rows(list(dataset.indices)).counts()
+    counts = getattr(dataset, "label_counts", None)
+    if counts is not None:
+        return counts()
+    labels = getattr(dataset, "labels", None)
+    return None if labels is None else LabelCounts.of(labels)
