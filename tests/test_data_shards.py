@@ -194,11 +194,8 @@ def test_shard_urls_not_in_the_manifest_are_one_line(packed: Path) -> None:
         open_shards("train", "pipe:cat /x/train-000000.tar")
 
 
-@pytest.mark.parametrize("pack", list(PACKS))
-def test_pack_train_evaluate_on_the_shards(pack: str, tmp_path: Path, request) -> None:
-    fixture, urls, classes, val_size = PACKS[pack]
-    packed = request.getfixturevalue(fixture)
-    overrides = [o for o in TINY if not o.startswith("dataset")] + [
+def shard_training(packed: Path, urls: str, out: Path) -> list[str]:
+    return [o for o in TINY if not o.startswith("dataset")] + [
         "dataset=shards",
         f'dataset.urls="{packed / urls}"',
         "dataset.image_size=32",
@@ -208,9 +205,15 @@ def test_pack_train_evaluate_on_the_shards(pack: str, tmp_path: Path, request) -
         "loss.pos_weight=freq",  # class-frequency weights: set up from the sidecar's label counts
         "trainer.epochs=1",
         "trainer.batch_size=16",
-        f"trainer.output_dir={tmp_path}",
+        f"trainer.output_dir={out}",
     ]
-    results = run(compose_config(overrides))
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+def test_pack_train_evaluate_on_the_shards(pack: str, tmp_path: Path, request) -> None:
+    fixture, urls, classes, val_size = PACKS[pack]
+    packed = request.getfixturevalue(fixture)
+    results = run(compose_config(shard_training(packed, urls, tmp_path)))
     on_disk = json.loads((tmp_path / "results.json").read_text())
     train_size = sum(
         e["samples"] for e in json.loads((packed / "manifest.json").read_text())["train"]["shards"]
@@ -218,6 +221,48 @@ def test_pack_train_evaluate_on_the_shards(pack: str, tmp_path: Path, request) -
     assert on_disk["dataset"]["train_size"] == train_size and on_disk["dataset"]["val_size"] == val_size
     assert on_disk["metrics"]["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"])
     assert len(on_disk["per_class_ap"]) == classes
+
+
+def _train_on_rank(rank: int, packed: str, port: int, out: str) -> None:
+    from mlcls.engine.trainer import Trainer
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    Trainer(compose_config(shard_training(Path(packed), OPENIMAGES_URLS, Path(out)))).fit()
+
+
+@pytest.mark.slow
+def test_openimages_shards_train_on_two_processes_and_evaluate_alike_on_one(
+    packed_openimages, tmp_path
+) -> None:
+    import socket
+
+    from omegaconf import OmegaConf
+
+    from mlcls.cli.eval import evaluate_checkpoint
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_train_on_rank, args=(str(packed_openimages), port, str(tmp_path)), nprocs=2, join=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["world_size"] == 2 and results["epochs_completed"] == 1
+    cfg = OmegaConf.merge(
+        OmegaConf.load(Path(__file__).parents[1] / "mlcls/configs/eval.yaml"),
+        {
+            "checkpoint": str(tmp_path / "checkpoints" / "last.pt"),
+            "workers": 0,
+            "batch_size": 8,
+            "device": "cpu",
+        },
+    )
+    cfg.pop("defaults"), cfg.pop("hydra")
+    single = evaluate_checkpoint(cfg)
+    assert single["num_samples"] == 20
+    assert single["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"], abs=1e-6)
+    assert single["mAP_sample"] == pytest.approx(results["metrics"]["mAP_sample"], abs=1e-6)
 
 
 def test_openimages_trains_from_the_csvs_without_a_dense_label_matrix(generated_openimages, tmp_path) -> None:
@@ -272,21 +317,17 @@ def _evaluate_on_rank(rank: int, packed: str, urls: str, port: int, out: str) ->
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("pack", list(PACKS))
-def test_evaluation_is_equal_on_one_and_two_processes(pack: str, tmp_path: Path, request) -> None:
+def test_evaluation_is_equal_on_one_and_two_processes(packed: Path, tmp_path: Path) -> None:
+    """(The packed Open Images: test_openimages_shards_train_on_two_processes_and_evaluate_alike_on_one.)"""
     import socket
 
-    fixture, urls, _, _ = PACKS[pack]
-    packed = request.getfixturevalue(fixture)
+    urls = URLS
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_evaluate_on_rank, args=(str(packed), urls, port, str(tmp_path)), nprocs=2, join=True)
     alone = evaluate_shards(packed, urls, 0, 1)
-    if pack == "synthetic":
-        expected = SyntheticMultiLabel("val", val_size=30).labels
-    else:
-        expected = torch.tensor(request.getfixturevalue("generated_openimages")[1]["validation"])
+    expected = SyntheticMultiLabel("val", val_size=30).labels
     torch.testing.assert_close(alone["labels"], expected)  # every sample once, in dataset order
     for rank in range(2):
         both = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
