@@ -218,11 +218,12 @@ class BucketedLoss(MultiLabelLoss):
         if self.gather:
             logits, targets = gather_batch(logits, targets, check_sizes=not self.sizes_checked)
             self.sizes_checked = True
-        targets = split_buckets(targets, self.bucket_size)
-        return self.bucket_loss(split_buckets(logits, self.bucket_size), targets == 1, targets == 0)
+        return self.bucket_loss(
+            split_buckets(logits, self.bucket_size), split_buckets(targets, self.bucket_size)
+        )
 
-    def bucket_loss(self, logits: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
-        """logits, positive, negative (K, M, C) -> scalar mean over the K buckets."""
+    def bucket_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """logits, targets (K, M, C), targets in {1, 0, -1} -> scalar mean over the K buckets."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

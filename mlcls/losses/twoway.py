@@ -92,10 +92,10 @@ class SoftplusLogSumExpLoss(BucketedLoss):
         check_positive(tp=tp, tn=tn)
         self.tp, self.tn, self.margin = float(tp), float(tn), float(margin)
 
-    def bucket_loss(self, logits: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
+    def bucket_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         with_grad = torch.is_grad_enabled() and logits.requires_grad
         return _SoftplusLogSumExp.apply(
-            logits, positive, negative, self.line_dims, self.tp, self.tn, self.margin, with_grad
+            logits, targets == 1, targets == 0, self.line_dims, self.tp, self.tn, self.margin, with_grad
         )
 
     def extra_repr(self) -> str:
