@@ -568,6 +568,44 @@ def test_unknown_entries_are_excluded(name):
         torch.testing.assert_close(moved_grad, grad, **TOL)
 
 
+def test_twoway_sets_far_apart_in_float32():
+    """Each entry's exponential is shifted by its own set's line maximum, in one pass for both sets: rows
+    1e4 apart (so columns mix logits 2e4 apart) and, within a line, negatives' maxima far below or above
+    the positives' (x / T_N against -x / T_P). float32 matches the float64 reference on the same (rounded)
+    logits to the precision of float32 arithmetic on logits of 1e4; float64 matches at 1e-10."""
+    x, y = random_batch(rows=8, classes=6, seed=31, p_pos=0.35, p_unknown=0.15)
+    x = (x + torch.tensor([0.0, 1e4, -1e4, 5e3, 0.0, -1e4, 1e4, 3e3], dtype=F64)[:, None]).float().to(F64)
+    for ways in ("both", "sample", "class"):
+        for tp, tn, bucket_size, margin in ((4.0, 1.0, 4, 0.5), (0.5, 2.0, None, 0.0)):
+            loss = TwoWayLoss(tp=tp, tn=tn, ways=ways, bucket_size=bucket_size, margin=margin)
+
+            def reference(a, b, tp=tp, tn=tn, ways=ways, bucket_size=bucket_size, margin=margin):
+                return ref_twoway(a, b, tp, tn, ways, bucket_size, margin)
+
+            assert_matches(loss, reference, x, y)
+            value, grad = value_and_grad(lambda a, f=loss: f(a, y.float()), x.float())
+            ref_value, ref_grad = value_and_grad(lambda a, r=reference: r(a, y), x)
+            torch.testing.assert_close(value, ref_value.float(), rtol=1e-3, atol=1e-6)
+            torch.testing.assert_close(grad, ref_grad.float(), rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["twoway", "joint"])
+def test_unknown_entries_holding_inf_or_nan_change_nothing(name):
+    """An unknown entry enters no sum whatever its logit, even +-inf or NaN: value and gradient are
+    bit-identical to those with a finite logit there, and its gradient is 0."""
+    x, y = random_batch(seed=32, p_unknown=0.3)
+    unknown = y == -1
+    loss = CLASSES[name](bucket_size=4)
+    for dtype in (F64, torch.float32):
+        value, grad = value_and_grad(lambda a: loss(a, y), x.to(dtype))
+        for fill in (float("inf"), float("-inf"), float("nan")):
+            moved_value, moved_grad = value_and_grad(
+                lambda a: loss(a, y), torch.where(unknown, fill, x).to(dtype)
+            )
+            assert torch.equal(moved_value, value) and torch.equal(moved_grad, grad), (fill, dtype)
+            assert (moved_grad[unknown] == 0).all()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # invariances and special cases from the paper
 

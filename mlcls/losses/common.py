@@ -67,6 +67,16 @@ def prepare(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     return logits.to(dtype), targets
 
 
+def line_max(masked: Tensor, dim: LineDims) -> Tensor:
+    """The maximum of ``masked`` along ``dim`` (kept as size 1), without gradient; 0 on a line of -inf only.
+
+    ``masked`` holds -inf outside the set being summed: the result is the shift of a stable log-sum-exp
+    over the set (every exponent ``x - shift`` of a member is <= 0, and the largest is exactly 0).
+    """
+    shift = masked.detach().amax(dim, keepdim=True)
+    return torch.where(shift == float("-inf"), 0.0, shift)
+
+
 def shifted_exp(masked: Tensor, member: Tensor, dim: LineDims) -> tuple[Tensor, Tensor, Tensor]:
     """``exp(masked - shift)``, its sum along ``dim`` and ``shift``, for a stable masked log-sum-exp.
 
@@ -79,8 +89,7 @@ def shifted_exp(masked: Tensor, member: Tensor, dim: LineDims) -> tuple[Tensor, 
     ``exp(-inf)``): the CPU's vectorised ``exp`` is about ten times slower on -inf than on finite input,
     and with sparse positives (or mostly unknown labels) nearly every entry of a set's matrix is -inf.
     """
-    shift = masked.detach().amax(dim, keepdim=True)
-    shift = torch.where(shift == float("-inf"), 0.0, shift)
+    shift = line_max(masked, dim)
     exp = torch.where(member, torch.where(member, masked - shift, 0.0).exp(), 0.0)
     return exp, exp.sum(dim, keepdim=True), shift
 
@@ -218,11 +227,12 @@ class BucketedLoss(MultiLabelLoss):
         if self.gather:
             logits, targets = gather_batch(logits, targets, check_sizes=not self.sizes_checked)
             self.sizes_checked = True
-        targets = split_buckets(targets, self.bucket_size)
-        return self.bucket_loss(split_buckets(logits, self.bucket_size), targets == 1, targets == 0)
+        return self.bucket_loss(
+            split_buckets(logits, self.bucket_size), split_buckets(targets, self.bucket_size)
+        )
 
-    def bucket_loss(self, logits: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
-        """logits, positive, negative (K, M, C) -> scalar mean over the K buckets."""
+    def bucket_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """logits, targets (K, M, C), targets in {1, 0, -1} -> scalar mean over the K buckets."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

@@ -41,9 +41,10 @@ class _NormalisedCrossEntropy(BucketedLoss):
         """``log g(x)`` elementwise."""
         raise NotImplementedError
 
-    def bucket_loss(self, logits: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
+    def bucket_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         scores = self.log_score(logits)
-        known = positive | negative
+        positive = targets == 1
+        known = positive | (targets == 0)
         loss = logits.new_zeros(())
         for dims in self.line_dims:
             num_pos = positive.sum(dims, keepdim=True)

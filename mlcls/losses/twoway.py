@@ -26,9 +26,9 @@ from mlcls.losses.common import (
     LineDims,
     check_positive,
     check_ways,
+    line_max,
     line_weights,
     log_total,
-    shifted_exp,
 )
 
 
@@ -41,35 +41,59 @@ class _SoftplusLogSumExp(torch.autograd.Function):
     assembles the input gradient there and the backward pass is one multiplication; autograd through
     ``torch.logsumexp`` would recompute every exponential in the backward pass. First-order only
     (``once_differentiable``): no double backward.
+
+    P and N are disjoint, so one exponential per direction serves both sets: every entry is shifted by
+    its own set's line maximum (each exponent of a member is <= 0, its set's largest exactly 0, so no line
+    underflows whatever the other set's range) and the two sums are taken through the masks. Apart from
+    the two masked maxima, the full-size passes are arithmetic on float masks (1 in the set, 0 elsewhere),
+    several times faster on the CPU than ``torch.where`` on bool masks; a mask only multiplies finite
+    values (temperatures, shifts, exponentials in [0, 1]), so ``v * 1 + w * 0`` selects ``v`` exactly.
+    An unknown entry, in neither mask, gets an exponent clamped to [lowest finite, 0] whatever its logit
+    (even inf or NaN), and then weighs 0 in every sum and gradient. The (K, M, C) buffers are reused
+    in place: at most five per call (two masks, the scaled logits, a work buffer, the gradient).
     """
 
     @staticmethod
     def forward(
         ctx: FunctionCtx,
         logits: Tensor,
-        positive: Tensor,
-        negative: Tensor,
+        targets: Tensor,
         line_dims: tuple[LineDims, ...],
         tp: float,
         tn: float,
         margin: float,
         with_grad: bool,
     ) -> Tensor:
-        neg_logits = torch.where(negative, logits / tn, float("-inf"))  # x_n / T_N on N, -inf elsewhere
-        pos_logits = torch.where(positive, logits / -tp, float("-inf"))  # -x_p / T_P on P, -inf elsewhere
+        positive = targets.clamp_min(0.0)  # 1 on P, 0 elsewhere
+        negative = targets.abs().neg_().add_(1.0)  # 1 on N, 0 elsewhere
+        temperature = (1.0 - positive).mul_(tn).add_(positive, alpha=-tp)  # T_N, and -T_P on P
+        scaled = torch.div(logits, temperature, out=temperature)  # x / T_N, and -x / T_P on P
+        # the line maxima of each set: a -inf fill, which ignores whatever lies outside the set
+        work = torch.where(negative.bool(), scaled, float("-inf"))
+        shifts_n = [line_max(work, dims) for dims in line_dims]
+        torch.where(positive.bool(), scaled, work.new_tensor(float("-inf")), out=work)
+        shifts_p = [line_max(work, dims) for dims in line_dims]
         tiny = torch.finfo(logits.dtype).tiny
         loss = logits.new_zeros(())
-        grad = torch.zeros_like(logits) if with_grad else None
-        for dims in line_dims:
-            exp_n, total_n, shift_n = shifted_exp(neg_logits, negative, dims)
-            exp_p, total_p, shift_p = shifted_exp(pos_logits, positive, dims)
+        grad = None
+        for index, (dims, shift_n, shift_p) in enumerate(zip(line_dims, shifts_n, shifts_p, strict=True)):
+            exp = torch.addcmul(scaled, negative, shift_n, value=-1.0, out=work)
+            exp.addcmul_(positive, shift_p, value=-1.0).clamp_max_(0.0).nan_to_num_(nan=0.0).exp_()
+            # the last direction no longer needs ``scaled``: its buffer takes the negatives' exponentials
+            exp_n = torch.mul(exp, negative, out=scaled if index == len(line_dims) - 1 else None)
+            exp_p = exp.mul_(positive)
+            total_n = exp_n.sum(dims, keepdim=True)
+            total_p = exp_p.sum(dims, keepdim=True)  # >= 1 on a line with a positive, 0 on one without
             z = tn * log_total(total_n, shift_n) + tp * log_total(total_p, shift_p) + margin
-            weight = line_weights(positive.any(dims, keepdim=True), logits.dtype)
+            weight = line_weights(total_p > 0, logits.dtype)
             loss += (F.softplus(z) * weight).sum()
-            if grad is not None:
+            if with_grad:
                 dz = torch.sigmoid(z) * weight  # 0 on invalid lines and on lines without negatives
-                grad.addcmul_(exp_n, dz / total_n.clamp_min(tiny))
-                grad.addcmul_(exp_p, dz / total_p.clamp_min(tiny), value=-1.0)
+                coef_n, coef_p = dz / total_n.clamp_min(tiny), -dz / total_p.clamp_min(tiny)
+                if grad is None:
+                    grad = exp_n.mul_(coef_n).addcmul_(exp_p, coef_p)
+                else:
+                    grad.addcmul_(exp_n, coef_n).addcmul_(exp_p, coef_p)
         ctx.save_for_backward(grad)
         return loss
 
@@ -77,7 +101,7 @@ class _SoftplusLogSumExp(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         (grad,) = ctx.saved_tensors
-        return (grad_output * grad, None, None, None, None, None, None, None)
+        return (grad_output * grad, None, None, None, None, None, None)
 
 
 class SoftplusLogSumExpLoss(BucketedLoss):
@@ -92,10 +116,10 @@ class SoftplusLogSumExpLoss(BucketedLoss):
         check_positive(tp=tp, tn=tn)
         self.tp, self.tn, self.margin = float(tp), float(tn), float(margin)
 
-    def bucket_loss(self, logits: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
+    def bucket_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         with_grad = torch.is_grad_enabled() and logits.requires_grad
         return _SoftplusLogSumExp.apply(
-            logits, positive, negative, self.line_dims, self.tp, self.tn, self.margin, with_grad
+            logits, targets, self.line_dims, self.tp, self.tn, self.margin, with_grad
         )
 
     def extra_repr(self) -> str:
