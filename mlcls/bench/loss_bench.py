@@ -178,11 +178,21 @@ def peak_memory() -> dict[str, float]:
     return result
 
 
-def run_scale(repeats: int = 20, warmup: int = 3) -> dict[str, float]:
+def run_scale(repeats: int = 20, warmup: int = 3, threads: int = 1) -> dict[str, float]:
     """Every loss at every ``SCALE_CLASSES`` size (batch 128): ``<name>_c<C>_ms`` (median forward + backward,
     the losses interleaved within each repeat), ``twoway_over_bce`` at C = 9,605, ``map_class_s`` /
     ``map_sample_s`` (one call each, N = 20,000, C = 9,605) and, on Linux, the :func:`peak_memory` figures
-    measured in a child process."""
+    measured in a child process. Torch runs ``threads`` intra-op threads (default 1: the ratio then does
+    not depend on what else the machine runs); the previous setting is restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {**_scale_figures(repeats, warmup), "torch_threads": threads}
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _scale_figures(repeats: int, warmup: int) -> dict[str, float]:
     from mlcls.bench.metrics_bench import make_scores
     from mlcls.metrics import map_class, map_sample
 
@@ -218,11 +228,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--scale", action="store_true", help="every loss at C = 80 and 9,605 (CPU)")
     parser.add_argument("--memory", action="store_true", help="only the peak memory of --scale (Linux)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for --scale")
     args = parser.parse_args(argv)
     if args.memory:
         result = peak_memory()
     elif args.scale:
-        result = run_scale(repeats=args.repeats)
+        result = run_scale(repeats=args.repeats, threads=args.threads)
     else:
         result = run(device=args.device, repeats=args.repeats)
     print(json.dumps({key: round(value, 4) for key, value in result.items()}))

@@ -3,7 +3,7 @@
 mlcls-bench pipeline --images DIR [--n N] [--workers W] [--size 224]   decode + augmentation, images/s
 mlcls-bench step model.name=resnet50 dataset.image_size=224 trainer.batch_size=32 [trainer.amp=bf16]
                                                                         train step vs a bare loop, images/s
-mlcls-bench loss [--device cpu] [--repeats 100] [--scale]              two-way loss forward + backward
+mlcls-bench loss [--device cpu] [--repeats 100] [--scale [--threads 1]] two-way loss forward + backward
 mlcls-bench metrics [--n 40137] [--c 80]                               mAP@class + mAP@sample vs sklearn
 
 Rates are under keys ending in ``_per_s``; for the loss and metric timings (milliseconds or seconds per
@@ -40,7 +40,7 @@ def _loss(args: argparse.Namespace) -> dict[str, Any]:
     from mlcls.bench import loss_bench
 
     if args.scale:
-        return add_rates(loss_bench.run_scale(repeats=args.repeats))
+        return add_rates(loss_bench.run_scale(repeats=args.repeats, threads=args.threads))
     return add_rates(loss_bench.run(device=args.device, repeats=args.repeats))
 
 
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     loss.add_argument("--device", default="cpu")
     loss.add_argument("--repeats", type=int, default=100)
     loss.add_argument("--scale", action="store_true", help="every loss at C = 80 and 9,605, batch 128 (CPU)")
+    loss.add_argument("--threads", type=int, default=1, help="torch intra-op threads for --scale")
     loss.set_defaults(run=_loss)
     metrics = commands.add_parser("metrics", help="mAP@class + mAP@sample vs scikit-learn")
     metrics.add_argument("--n", type=int, default=40137, help="samples (rows)")
