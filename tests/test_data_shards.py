@@ -348,3 +348,38 @@ def test_npy_array_reads_what_np_load_reads() -> None:
     for bad in (b"not an array", buffer.getvalue()[:-3]):  # np.load's errors
         with pytest.raises(ValueError):
             npy_array(bad)
+
+
+def test_torch_only_seeding_leaves_python_and_numpy_alone() -> None:
+    import random
+
+    from mlcls.data.loader import seeded_call
+
+    random.seed(5)
+    np.random.seed(6)
+    expected_python, expected_numpy = random.random(), np.random.random()
+    random.seed(5)
+    np.random.seed(6)
+    drawn = seeded_call(123, torch.rand, 5, torch_only=True)
+    torch.testing.assert_close(drawn, torch.rand(5, generator=torch.Generator().manual_seed(123)))
+    assert (random.random(), np.random.random()) == (expected_python, expected_numpy)
+
+
+def test_a_shard_sample_is_augmented_as_under_full_seeding(packed: Path) -> None:
+    """The fast CPU stage draws from torch alone: seeding only torch gives each sample the augmentation
+    that seeding torch, numpy and random gives it; the target is the packed labels row."""
+    from mlcls.data.fast import FastTrainTransform
+    from mlcls.data.loader import sample_seed, seeded_call
+    from mlcls.data.shards import iter_shard
+
+    transform = FastTrainTransform(32)
+    dataset = open_shards("train", str(packed / URLS), transform=transform, image_size=32)
+    source = SyntheticMultiLabel("train", train_size=90)
+    for key, fields in list(iter_shard(str(packed / "train-000001.tar")))[:6]:
+        seed = sample_seed(3, 2, int(key))
+        image, target = dataset.make_sample(key, fields, seed)
+        expected = seeded_call(seed, lambda data: transform(transform.decode_bytes(data)), fields["jpg"])
+        torch.testing.assert_close(image.pixels, expected.pixels, rtol=0, atol=0)
+        torch.testing.assert_close(image.params, expected.params, rtol=0, atol=0)
+        assert target.dtype == torch.float32
+        torch.testing.assert_close(target, source.labels[int(key)].float())

@@ -378,7 +378,8 @@ class ShardTrainSet:
     def make_sample(self, key: str, fields: dict[str, bytes], seed: int) -> tuple[Any, Tensor]:
         """``(image, target)`` of one shard sample, its augmentation run under ``seed``."""
         try:
-            image = seeded_call(seed, self._augment, fields[IMAGE_EXT])
+            torch_only = self.transform is None or getattr(self.transform, "torch_random_only", False)
+            image = seeded_call(seed, self._augment, fields[IMAGE_EXT], torch_only=torch_only)
         except BAD_IMAGE_ERRORS as exc:
             raise BadImageError(f"cannot read the image of sample {key} of the shards: {exc}") from exc
         target = torch.from_numpy(npy_array(fields[LABELS_EXT]).astype(np.float32))
