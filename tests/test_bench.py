@@ -34,13 +34,25 @@ def test_pipeline(images, workers, capsys):
     main(["pipeline", "--images", images, "--n", "4", "--size", "32", "--batch-size", "2", "--repeats", "1",
           "--workers", str(workers)])  # fmt: skip
     result = json_line(capsys)
-    for name in ("", "torchvision_", "plain_", "fast_cpu_stage_", "device_stage_", "shards_", "pack_"):
+    names = (
+        "torchvision_",
+        "plain_",
+        "fast_cpu_stage_",
+        "device_stage_",
+        "shards_cpu_stage_",
+        "shards_",
+        "pack_",
+    )
+    for name in ("", *names):
         assert f"{name}images_per_s" in result
     assert result["ratio_fast_vs_torchvision"] == pytest.approx(
         result["fast_images_per_s"] / result["torchvision_images_per_s"]
     )
     assert result["ratio_shards_vs_torchvision"] == pytest.approx(
         result["shards_images_per_s"] / result["torchvision_images_per_s"]
+    )
+    assert result["ratio_shards_cpu_stage_vs_torchvision"] == pytest.approx(
+        result["shards_cpu_stage_images_per_s"] / result["torchvision_images_per_s"]
     )
     assert result["workers"] == workers and result["n"] == 4
 

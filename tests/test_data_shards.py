@@ -8,6 +8,9 @@ import hashlib
 import io
 import json
 import os
+import shutil
+import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +24,13 @@ from PIL import Image
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
+from mlcls.data import DatasetFormatError
 from mlcls.data import pack as pack_module
 from mlcls.data.labels import SparseLabels
 from mlcls.data.loader import build_eval_loader
 from mlcls.data.pack import pack_split
 from mlcls.data.shard_loader import ShardSchedule, ShardTrainLoader
-from mlcls.data.shards import ShardTrainSet, iter_shard, open_shards
+from mlcls.data.shards import ShardTrainSet, iter_shard, npy_array, open_shards, tar_files
 from mlcls.data.synthetic import SyntheticMultiLabel
 
 wds = pytest.importorskip("webdataset")
@@ -370,3 +374,136 @@ def test_seeded_augmentation_seeds_the_cpu_generator_only(monkeypatch) -> None:
     expected = torch.Generator().manual_seed(123)
     drawn = seeded_call(123, torch.rand, 5)
     torch.testing.assert_close(drawn, torch.rand(5, generator=expected))
+
+
+def tarfile_members(path: Path) -> list[tuple[str, bytes]]:
+    """The reference: ``(name, data)`` of the regular files, as tarfile streams them."""
+    with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
+        return [(member.name, tar.extractfile(member).read()) for member in tar if member.isfile()]
+
+
+@pytest.mark.parametrize("tar_format", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_tar_files_reads_what_tarfile_reads(tmp_path: Path, tar_format: int) -> None:
+    path = tmp_path / "archive.tar"
+    rng = np.random.default_rng(0)
+    long = tar_format != tarfile.USTAR_FORMAT  # names and link targets only GNU and pax can hold
+    names = ["000000001.jpg", "a" * 90 + "/" + "b" * 40 + ".jpg", "é.labels.npy", "c" * (120 if long else 9)]
+    with tarfile.open(path, "w", format=tar_format) as tar:
+        folder = tarfile.TarInfo("folder")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+        for k, name in enumerate(names):
+            data = rng.integers(0, 256, 700 * k + 3, dtype=np.uint8).tobytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = (
+                len(data),
+                time.time(),
+            )  # a float mtime: a pax record (webdataset's writer)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("link")
+        link.type, link.linkname = tarfile.SYMTYPE, "z" * (150 if long else 9)
+        tar.addfile(link)
+        tar.addfile(tarfile.TarInfo("empty"), io.BytesIO(b""))
+    with open(path, "rb") as f:
+        members = list(tar_files(f, str(path)))
+    assert [name for name, _ in members] == [*names, "empty"]
+    assert members == tarfile_members(path)
+
+
+def test_tar_files_reads_the_packed_shards_as_tarfile_does(packed: Path) -> None:
+    for path in sorted(packed.glob("*.tar")):
+        with open(path, "rb") as f:
+            assert list(tar_files(f, str(path))) == tarfile_members(path)
+
+
+@pytest.mark.parametrize("cut", ["in a member", "before the end block", "in a header"])
+def test_a_truncated_shard_is_a_format_error(packed: Path, tmp_path: Path, cut: str) -> None:
+    for name in ("classes.json", "manifest.json", "train-labels.npy", "val-labels.npy"):
+        shutil.copy(packed / name, tmp_path / name)
+    for k in range(4):
+        shutil.copy(packed / f"train-{k:06d}.tar", tmp_path / f"train-{k:06d}.tar")
+    shard = tmp_path / "train-000003.tar"  # every shard is read in an epoch: this one, last in the file
+    with tarfile.open(shard) as tar:
+        last = tar.getmembers()[-1]
+    data_end = last.offset_data + last.size
+    end = {
+        "in a member": data_end - 10,
+        "before the end block": -(-data_end // 512) * 512,
+        "in a header": last.offset + 100,
+    }
+    data = shard.read_bytes()
+    shard.write_bytes(data[: end[cut]])
+    dataset = open_shards("train", str(tmp_path / URLS), transform=None)
+    dataset.make_sample = lambda key, fields, seed: (int(key), 0)
+    loader = ShardTrainLoader(dataset, 8, 0, 0, 1, seed=3, device=torch.device("cpu"))
+    with pytest.raises(DatasetFormatError, match="train-000003.tar is truncated"):
+        list(loader)
+
+
+def test_pipe_shards_are_read_to_the_end_of_the_stream(packed: Path) -> None:
+    """A pipe: command whose output the reader stopped reading fails (here: exit 3 once the trailing
+    300 kB, more than a pipe holds, meet a closed pipe); the shards read through pipes give the same
+    batches as the files."""
+    urls = [
+        f"pipe:(cat {packed / f'train-{k:06d}.tar'}; head -c 300000 /dev/zero) || exit 3" for k in range(4)
+    ]
+    dataset = open_shards("train", urls, meta=str(packed), transform=None)
+    dataset.make_sample = lambda key, fields, seed: (int(key), 0)
+    loader = ShardTrainLoader(dataset, 8, 0, 0, 1, seed=3, device=torch.device("cpu"))
+    loader.sampler.set_epoch(1)
+    assert [keys.tolist() for keys, _ in loader] == shard_keys(packed, 0, 1, 0, epoch=1)
+
+
+def test_npy_array_reads_what_np_load_reads() -> None:
+    arrays = [
+        np.array([1, 0, -1, 1], dtype=np.int8),
+        np.arange(6, dtype=">f4").reshape(2, 3),
+        np.asfortranarray(np.arange(6).reshape(2, 3)),
+        np.float64(3.5),
+    ]
+    for array in arrays:
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        read = npy_array(buffer.getvalue())
+        assert read.dtype == array.dtype and read.shape == array.shape
+        np.testing.assert_array_equal(read, array)
+    buffer = io.BytesIO()
+    np.save(buffer, np.arange(3))
+    for bad in (b"not an array", buffer.getvalue()[:-3]):  # np.load's errors
+        with pytest.raises(ValueError):
+            npy_array(bad)
+
+
+def test_torch_only_seeding_leaves_python_and_numpy_alone() -> None:
+    import random
+
+    from mlcls.data.loader import seeded_call
+
+    random.seed(5)
+    np.random.seed(6)
+    expected_python, expected_numpy = random.random(), np.random.random()
+    random.seed(5)
+    np.random.seed(6)
+    drawn = seeded_call(123, torch.rand, 5, torch_only=True)
+    torch.testing.assert_close(drawn, torch.rand(5, generator=torch.Generator().manual_seed(123)))
+    assert (random.random(), np.random.random()) == (expected_python, expected_numpy)
+
+
+def test_a_shard_sample_is_augmented_as_under_full_seeding(packed: Path) -> None:
+    """The fast CPU stage draws from torch alone: seeding only torch gives each sample the augmentation
+    that seeding torch, numpy and random gives it; the target is the packed labels row."""
+    from mlcls.data.fast import FastTrainTransform
+    from mlcls.data.loader import sample_seed, seeded_call
+    from mlcls.data.shards import iter_shard
+
+    transform = FastTrainTransform(32)
+    dataset = open_shards("train", str(packed / URLS), transform=transform, image_size=32)
+    source = SyntheticMultiLabel("train", train_size=90)
+    for key, fields in list(iter_shard(str(packed / "train-000001.tar")))[:6]:
+        seed = sample_seed(3, 2, int(key))
+        image, target = dataset.make_sample(key, fields, seed)
+        expected = seeded_call(seed, lambda data: transform(transform.decode_bytes(data)), fields["jpg"])
+        torch.testing.assert_close(image.pixels, expected.pixels, rtol=0, atol=0)
+        torch.testing.assert_close(image.params, expected.params, rtol=0, atol=0)
+        assert target.dtype == torch.float32
+        torch.testing.assert_close(target, source.labels[int(key)].float())

@@ -11,9 +11,11 @@ Pipelines, each over the same JPEG files, interleaved within every repeat (same 
   CUDA when available;
 * ``decode_only``: PIL's full-size decode and nothing else, the ceiling of any pipeline that decodes
   every pixel of the JPEG;
-* ``shards``: the same images packed by ``mlcls-data pack`` (long side ``--max-side``, 320 by default) and
-  read back from the tar shards by ``dataset=shards``'s loader, through the ``fast`` pipeline (CPU and
-  device stage). The pack's own speed (images/s, ``--pack-workers`` processes) is reported beside it.
+* ``shards_cpu_stage``: the same images packed by ``mlcls-data pack`` (long side ``--max-side``, 320 by
+  default) and read back from the tar shards by ``dataset=shards``'s loader, through the ``fast`` CPU
+  stage: the whole per-image CPU work when training from shards on CUDA;
+* ``shards``: the same shard loader plus the device stage (training from shards on the CPU, or on CUDA
+  when available). The pack's own speed (images/s, ``--pack-workers`` processes) is reported beside it.
 
 ``python -m mlcls.bench.pipeline_bench --images DIR [--n N] [--workers W] [--size 224]``; without
 ``--images`` it generates 640x480 JPEGs in a temporary directory (:func:`make_jpegs`). Prints one JSON line.
@@ -46,7 +48,7 @@ from mlcls.data.shard_loader import ShardTrainLoader
 from mlcls.data.shards import open_shards
 from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
-PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast", "decode_only", "shards")
+PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast", "decode_only", "shards_cpu_stage", "shards")
 JPEG_EXTENSIONS = (".jpg", ".jpeg", ".JPG", ".JPEG")
 
 
@@ -276,8 +278,9 @@ def _measure(
     torch.manual_seed(seed)
     prefetch = 2
     loaders: dict[str, Callable[[], Iterable]] = {}
-    shard_stream = _shard_batches(shard_urls, size, batch_size, workers, device)
-    loaders["shards"] = lambda: shard_stream
+    for name in ("shards_cpu_stage", "shards"):
+        shard_stream = _shard_batches(shard_urls, size, batch_size, workers, device)
+        loaders[name] = lambda shard_stream=shard_stream: shard_stream
     for name, dataset in datasets.items():
         if workers == 0:
             loaders[name] = lambda dataset=dataset: _in_process_batches(dataset, n, batch_size)
@@ -325,6 +328,7 @@ def _measure(
         "ratio_fast_vs_torchvision": rates["fast"] / rates["torchvision"],
         "ratio_plain_vs_torchvision": rates["plain"] / rates["torchvision"],
         "ratio_decode_only_vs_torchvision": rates["decode_only"] / rates["torchvision"],
+        "ratio_shards_cpu_stage_vs_torchvision": rates["shards_cpu_stage"] / rates["torchvision"],
         "ratio_shards_vs_torchvision": rates["shards"] / rates["torchvision"],
         "n": n,
         "files": len(paths),

@@ -179,6 +179,9 @@ class FastTrainTransform:
         draft: decode JPEGs at reduced scale when the crop allows it (in :meth:`decode`).
     """
 
+    # Every random number is drawn from torch's CPU generator (``seeded_call(..., torch_only=True)``).
+    torch_random_only = True
+
     def __init__(
         self,
         size: int,
