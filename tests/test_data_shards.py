@@ -28,10 +28,11 @@ from mlcls.data import DatasetFormatError
 from mlcls.data import pack as pack_module
 from mlcls.data.labels import SparseLabels
 from mlcls.data.loader import build_eval_loader
-from mlcls.data.pack import pack_split
+from mlcls.data.pack import labels_file, pack_split
 from mlcls.data.shard_loader import ShardSchedule, ShardTrainLoader
-from mlcls.data.shards import ShardTrainSet, iter_shard, npy_array, open_shards, tar_files
+from mlcls.data.shards import ShardTrainSet, iter_shard, open_shards
 from mlcls.data.synthetic import SyntheticMultiLabel
+from mlcls.data.tario import npy_array, tar_files
 
 wds = pytest.importorskip("webdataset")
 
@@ -418,7 +419,7 @@ def test_tar_files_reads_the_packed_shards_as_tarfile_does(packed: Path) -> None
 
 @pytest.mark.parametrize("cut", ["in a member", "before the end block", "in a header"])
 def test_a_truncated_shard_is_a_format_error(packed: Path, tmp_path: Path, cut: str) -> None:
-    for name in ("classes.json", "manifest.json", "train-labels.npy", "val-labels.npy"):
+    for name in ("classes.json", "manifest.json", labels_file("train"), labels_file("val")):
         shutil.copy(packed / name, tmp_path / name)
     for k in range(4):
         shutil.copy(packed / f"train-{k:06d}.tar", tmp_path / f"train-{k:06d}.tar")
