@@ -20,15 +20,16 @@ import torch.multiprocessing as mp
 from conftest import TINY, compose_config
 from data_fixtures import corrupt, write_voc
 from openimages_fixture import write_generated_openimages
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
 from mlcls.data import DatasetFormatError
 from mlcls.data import pack as pack_module
+from mlcls.data.base import MultiLabelDataset, Sample
 from mlcls.data.labels import SparseLabels
 from mlcls.data.loader import build_eval_loader
-from mlcls.data.pack import labels_file, pack_split
+from mlcls.data.pack import encode_jpeg, labels_file, pack_split, packed_image
 from mlcls.data.shard_loader import ShardSchedule, ShardTrainLoader
 from mlcls.data.shards import ShardTrainSet, iter_shard, open_shards
 from mlcls.data.synthetic import SyntheticMultiLabel
@@ -44,11 +45,39 @@ def pack_synthetic(out: Path, *extra: str) -> int:
     return data_main(["pack", *SYNTHETIC, f"out={out}", "shard_size=25", "max_side=48", *extra])
 
 
-def pil_reference(image: Image.Image) -> np.ndarray:
-    """PIL's bilinear resize to 48 px and JPEG at quality 90, decoded."""
+# PIL's ``subsampling`` codes, as JpegImagePlugin.get_sampling reads them back from a file.
+PIL_SUBSAMPLING = {"444": 0, "422": 1, "420": 2}
+
+
+def pil_jpeg(image: Image.Image, quality: int = 90, subsampling: str = "444") -> bytes:
+    """``image`` saved by PIL as a JPEG."""
     buffer = io.BytesIO()
-    image.resize((48, 48), Image.Resampling.BILINEAR).save(buffer, "JPEG", quality=90)
-    return np.asarray(Image.open(buffer).convert("RGB"), float)
+    image.save(buffer, "JPEG", quality=quality, subsampling=PIL_SUBSAMPLING[subsampling])
+    return buffer.getvalue()
+
+
+def pixels(data: bytes) -> np.ndarray:
+    """float (H, W, 3) RGB pixels of the image file ``data``, decoded by PIL."""
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img.convert("RGB"), float)
+
+
+def assert_pils_jpeg(data: bytes, source: Image.Image, quality: int = 90, subsampling: str = "444") -> None:
+    """``data`` is a JPEG of ``source`` as PIL writes it at ``quality`` and ``subsampling``: the same chroma
+    sampling in its header and the same mean error against ``source``, within 2 % (the two libjpeg-turbo
+    builds round differently, ~1.5 grey levels apart pixel by pixel; a step of quality or of subsampling
+    changes the error by 15 % or more)."""
+    assert sampling_of(data) == PIL_SUBSAMPLING[subsampling]
+    reference = np.asarray(source.convert("RGB"), float)
+    ours = np.abs(pixels(data) - reference).mean()
+    pils = np.abs(pixels(pil_jpeg(source, quality, subsampling)) - reference).mean()
+    assert abs(ours - pils) <= 0.02 * pils, (ours, pils)
+
+
+def sampling_of(data: bytes) -> int:
+    """PIL's subsampling code (0 4:4:4, 1 4:2:2, 2 4:2:0) of the JPEG ``data``, read from its header."""
+    with Image.open(io.BytesIO(data)) as img:
+        return JpegImagePlugin.get_sampling(img)
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +116,20 @@ PACKS = {
 
 def test_pack_writes_webdataset_shards_of_the_resized_images(packed: Path) -> None:
     source = SyntheticMultiLabel("train", train_size=90, canvas_size=64)
-    dataset = wds.WebDataset(str(packed / URLS), shardshuffle=False).decode("pil")
+    dataset = wds.WebDataset(str(packed / URLS), shardshuffle=False).decode()
     seen = []
     for sample in dataset:
         index = int(sample["__key__"])
         seen.append(index)
-        image = sample["jpg"]
-        assert image.size == (48, 48)
+        with Image.open(io.BytesIO(sample["jpg"])) as image:
+            assert image.size == (48, 48)
         np.testing.assert_array_equal(sample["labels.npy"], source.labels[index].numpy())
-        assert np.abs(np.asarray(image, float) - pil_reference(source.load_image(index))).mean() < 2.0
+        assert_pils_jpeg(sample["jpg"], source.load_image(index).resize((48, 48), Image.Resampling.BILINEAR))
     assert sorted(seen) == list(range(90)) and seen != sorted(seen)  # every sample once, shuffled
     classes = json.loads((packed / "classes.json").read_text())
     assert classes["classes"] == source.classes and classes["dataset"] == "synthetic"
     assert classes["splits"] == {"train": "train", "val": "val"} and classes["max_side"] == 48
+    assert (classes["quality"], classes["subsampling"]) == (90, "444")
     manifest = json.loads((packed / "manifest.json").read_text())
     assert [e["samples"] for e in manifest["train"]["shards"]] == [25, 25, 25, 15]
     assert manifest["val"]["samples"] == 30 and manifest["train"]["skipped"] == []
@@ -133,6 +163,8 @@ def test_a_killed_pack_continues_at_the_next_shard(tmp_path: Path, packed: Path,
         assert (tmp_path / name).read_bytes() == (packed / name).read_bytes(), name
     # Other settings start over.
     assert pack_split(dataset, tmp_path, "train", 30, 48, shuffle=True, progress=False).kept == 0
+    again = pack_split(dataset, tmp_path, "train", 30, 48, subsampling="420", shuffle=True, progress=False)
+    assert again.kept == 0
 
 
 def test_pack_skips_and_reports_unreadable_images(tmp_path: Path, capsys) -> None:
@@ -148,6 +180,55 @@ def test_pack_skips_and_reports_unreadable_images(tmp_path: Path, capsys) -> Non
     assert manifest["val"]["samples"] == 2
     assert data_main(["pack", "dataset=voc2007", f"dataset.root={root}"]) == 2
     assert "pack needs out=DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("subsampling", ["444", "422", "420"])
+@pytest.mark.parametrize("quality", [80, 90])
+def test_encode_jpeg_is_pils_jpeg_at_the_quality_and_subsampling(quality: int, subsampling: str) -> None:
+    for index in range(3):  # noisy backgrounds, saturated colours: much chroma detail
+        image = SyntheticMultiLabel("val", val_size=3).load_image(index)
+        assert_pils_jpeg(encode_jpeg(image, quality, subsampling), image, quality, subsampling)
+
+
+class FileImages(MultiLabelDataset):
+    """Image files as a dataset of one class, every label 1 (what ``packed_image`` reads of a dataset)."""
+
+    def __init__(self, samples: list[Sample]) -> None:
+        super().__init__(None, split="train")
+        self.samples, self.classes = samples, ["thing"]
+        self.labels = torch.ones(len(samples), 1)
+
+
+def test_pack_keeps_small_jpegs_byte_for_byte_and_reencodes_the_rest(tmp_path: Path) -> None:
+    """A JPEG within ``max_side`` is stored as it is (whatever its quality and subsampling); a larger JPEG,
+    a PNG and a crop are re-encoded at the pack's quality and subsampling."""
+    photo = SyntheticMultiLabel("val", val_size=1).load_image(0)  # 64 x 64
+    small, large, png = tmp_path / "small.jpg", tmp_path / "large.jpg", tmp_path / "small.png"
+    photo.save(small, quality=75)  # PIL's default 4:2:0
+    photo.resize((128, 96), Image.Resampling.BILINEAR).save(large, quality=95, subsampling=0)
+    photo.save(png)
+    samples = [Sample(str(small)), Sample(str(large)), Sample(str(png)), Sample(str(small), (0, 0, 32, 16))]
+    kept, resized, from_png, cropped = (packed_image(FileImages(samples), i, 64, 90, "420") for i in range(4))
+    assert kept == small.read_bytes()
+    assert_pils_jpeg(from_png, photo, 90, "420")
+    assert_pils_jpeg(cropped, Image.open(small).crop((0, 0, 32, 16)), 90, "420")
+    with Image.open(io.BytesIO(resized)) as img:
+        assert img.size == (64, 48) and sampling_of(resized) == PIL_SUBSAMPLING["420"]
+    expected = np.asarray(Image.open(large).resize((64, 48), Image.Resampling.BILINEAR), float)
+    assert np.abs(pixels(resized) - expected).mean() < 8.0  # 4:2:0 of the noise, and draft-mode decoding
+
+
+def test_pack_subsampling_option(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "shards"
+    assert pack_synthetic(out, "--split", "val", "subsampling=420", "quality=80") == 0
+    classes = json.loads((out / "classes.json").read_text())
+    assert (classes["quality"], classes["subsampling"]) == (80, "420")
+    source = SyntheticMultiLabel("val", val_size=30, canvas_size=64)
+    for sample in wds.WebDataset(str(out / "val-000000.tar"), shardshuffle=False):
+        small = source.load_image(int(sample["__key__"])).resize((48, 48), Image.Resampling.BILINEAR)
+        assert_pils_jpeg(sample["jpg"], small, 80, "420")
+    assert pack_synthetic(tmp_path / "other", "subsampling=411") == 2
+    assert "subsampling=411" in capsys.readouterr().err
 
 
 def shard_keys(

@@ -6,7 +6,8 @@
     mlcls-data pack dataset=coco dataset.root=/data/coco out=/data/coco320 shard_size=1000 max_side=320
 
 Overrides are those of ``mlcls-train`` (the same Hydra config); ``pack`` also takes ``out=`` (required),
-``shard_size=`` (samples per shard, default 1000), ``max_side=`` (default 320), ``quality=`` (default 90)
+``shard_size=`` (samples per shard, default 1000), ``max_side=`` (default 320), ``quality=`` (JPEG quality of
+re-encoded images, default 90), ``subsampling=`` (their chroma subsampling: 444, the default, 422 or 420),
 ``seed=`` (the training split's packing order, default 0) and ``workers=`` (shards written at once, in
 processes; default 1). Exit status: 0, 1 when ``--check`` found
 unreadable images or ``pack`` skipped some, 2 for a configuration or layout mistake (one line).
@@ -35,7 +36,16 @@ from mlcls.data.stats import find_unreadable
 from mlcls.engine.validate import ConfigError
 
 TOP_CLASSES = 5
-PACK_OPTIONS = {"out": None, "shard_size": 1000, "max_side": 320, "quality": 90, "seed": 0, "workers": 1}
+PACK_OPTIONS = {
+    "out": None,
+    "shard_size": 1000,
+    "max_side": 320,
+    "quality": 90,
+    "subsampling": "444",
+    "seed": 0,
+    "workers": 1,
+}
+TEXT_PACK_OPTIONS = ("out", "subsampling")  # the others are positive integers
 
 
 def describe(dataset: MultiLabelDataset, title: str) -> None:
@@ -82,9 +92,9 @@ def split_pack_options(overrides: Sequence[str]) -> tuple[dict[str, Any], list[s
     for override in overrides:
         key, sep, value = override.partition("=")
         if sep and key in PACK_OPTIONS:
-            if key != "out" and not value.isdigit():
+            if key not in TEXT_PACK_OPTIONS and not value.isdigit():
                 raise ConfigError(f"{key}={value}; expected a positive integer")
-            options[key] = value if key == "out" else int(value)
+            options[key] = value if key in TEXT_PACK_OPTIONS else int(value)
         else:
             rest.append(override)
     if not options["out"]:
@@ -107,6 +117,7 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
             options["shard_size"],
             options["max_side"],
             options["quality"],
+            options["subsampling"],
             shuffle=split == "train",
             seed=options["seed"],
             progress=progress,
@@ -119,7 +130,9 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
         )
         for skipped in report.skipped:
             print(f"  skipped {skipped['path']}: {skipped['error']}")
-    write_sidecars(out, dataset, names, reports, options["max_side"], options["quality"])
+    write_sidecars(
+        out, dataset, names, reports, options["max_side"], options["quality"], options["subsampling"]
+    )
     if splits[0] == "train":
         last = len(reports[0].shards) - 1
         print(f"""train with: dataset=shards 'dataset.urls="{out}/train-{{000000..{last:06d}}}.tar"'""")

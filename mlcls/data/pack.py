@@ -8,8 +8,8 @@ Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards`):
   sample's index in the source split, 9 digits. Shard ``k`` of a split holds the samples at positions
   ``k * shard_size ...`` of the packing order (the training split in a seeded random order, so that
   consecutive samples are unrelated; the validation split in dataset order), minus the unreadable ones.
-* ``classes.json``: the source dataset's name, its split names, ``max_side``, ``quality`` and the classes in
-  label order.
+* ``classes.json``: the source dataset's name, its split names, ``max_side``, ``quality``, ``subsampling``
+  and the classes in label order.
 * ``manifest.json``: per split, every shard's name, sample count and sha256, and the skipped images.
 * ``train-labels.npz``, ``val-labels.npz``: the labels of the packed samples in shard order, stored sparse
   (:meth:`mlcls.data.labels.SparseLabels.to_bytes`: the entries that differ from the split's most frequent
@@ -50,6 +50,9 @@ from mlcls.data.labels import sparse_labels_of
 CLASSES_FILE, MANIFEST_FILE = "classes.json", "manifest.json"
 KEY_DIGITS, SHARD_DIGITS = 9, 6
 IMAGE_EXT, LABELS_EXT = "jpg", "labels.npy"
+# JPEG chroma subsampling of re-encoded images: 444 keeps the colour at full resolution, 422 halves it
+# horizontally, 420 (PIL's and most cameras' default) in both directions.
+SUBSAMPLINGS = ("444", "422", "420")
 
 
 def shard_name(role: str, index: int) -> str:
@@ -77,20 +80,24 @@ def bounded_size(width: int, height: int, max_side: int) -> tuple[int, int]:
     return max(1, round(width * scale)), max(1, round(height * scale))
 
 
-def encode_jpeg(image: Image.Image, quality: int) -> bytes:
-    """RGB JPEG bytes of ``image`` (libjpeg-turbo, 4:2:0 chroma as PIL's default)."""
+def encode_jpeg(image: Image.Image, quality: int, subsampling: str = "444") -> bytes:
+    """RGB JPEG bytes of ``image`` (libjpeg-turbo) at ``quality`` with chroma ``subsampling`` (one of
+    :data:`SUBSAMPLINGS`; PIL's ``save(..., quality=q, subsampling=0 | 1 | 2)``)."""
     pixels = np.ascontiguousarray(np.asarray(image.convert("RGB")))
-    return simplejpeg.encode_jpeg(pixels, quality=quality, colorspace="RGB", colorsubsampling="420")
+    return simplejpeg.encode_jpeg(pixels, quality=quality, colorspace="RGB", colorsubsampling=subsampling)
 
 
-def packed_image(dataset: MultiLabelDataset, index: int, max_side: int, quality: int) -> bytes:
+def packed_image(
+    dataset: MultiLabelDataset, index: int, max_side: int, quality: int, subsampling: str = "444"
+) -> bytes:
     """JPEG bytes of sample ``index`` (its crop box applied), long side at most ``max_side``.
 
-    Image files are read directly: a JPEG already within ``max_side`` (no crop) is kept byte for byte; a
-    larger one is decoded at the largest DCT reduction that keeps it at least ``max_side`` on its long side
-    (PIL's draft mode), then resized (bilinear, antialiased) and encoded at ``quality``. Datasets that make
-    their pixels (the synthetic one) go through their own ``load_image``. Raises the bad-image errors of
-    PIL (``OSError``, ...) for unreadable files.
+    Image files are read directly: a JPEG already within ``max_side`` (no crop) is kept byte for byte (no
+    second generation of JPEG loss); a larger one is decoded at the largest DCT reduction that keeps it at
+    least ``max_side`` on its long side (PIL's draft mode), then resized (bilinear, antialiased) and encoded
+    at ``quality`` and chroma ``subsampling``, as is any other image. Datasets that make their pixels (the
+    synthetic one) go through their own ``load_image``. Raises the bad-image errors of PIL (``OSError``,
+    ...) for unreadable files.
     """
     sample = dataset.samples[index]
     if type(dataset).load_image is not MultiLabelDataset.load_image:  # generated pixels
@@ -118,11 +125,11 @@ def packed_image(dataset: MultiLabelDataset, index: int, max_side: int, quality:
             reduced, scale_x, scale_y = load_reduced(img, reduction)
         box = (left / scale_x, top / scale_y, right / scale_x, bottom / scale_y)
         image = reduced.resize(target, Image.Resampling.BILINEAR, box=box)
-        return encode_jpeg(image, quality)
+        return encode_jpeg(image, quality, subsampling)
     target = bounded_size(image.width, image.height, max_side)
     if target != image.size:
         image = image.resize(target, Image.Resampling.BILINEAR)
-    return encode_jpeg(image, quality)
+    return encode_jpeg(image, quality, subsampling)
 
 
 def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -169,6 +176,7 @@ def pack_split(
     shard_size: int,
     max_side: int,
     quality: int = 90,
+    subsampling: str = "444",
     shuffle: bool = False,
     seed: int = 0,
     progress: bool = True,
@@ -179,12 +187,13 @@ def pack_split(
 
     Unreadable images (``OSError``, ... from PIL) are left out and listed in the report, whatever
     ``dataset.on_bad_image`` says: packing is where they are found. ``workers`` > 1 writes that many
-    shards at once in worker processes.
+    shards at once in worker processes. ``quality`` and ``subsampling``: :func:`encode_jpeg`'s.
     """
-    if shard_size < 1 or max_side < 1 or not 1 <= quality <= 100:
+    if shard_size < 1 or max_side < 1 or not 1 <= quality <= 100 or subsampling not in SUBSAMPLINGS:
         raise DatasetConfigError(
-            f"shard_size={shard_size}, max_side={max_side}, quality={quality}; expected shard_size >= 1, "
-            "max_side >= 1 and quality in 1..100"
+            f"shard_size={shard_size}, max_side={max_side}, quality={quality}, subsampling={subsampling}; "
+            f"expected shard_size >= 1, max_side >= 1, quality in 1..100 and subsampling one of "
+            f"{', '.join(SUBSAMPLINGS)}"
         )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,6 +202,7 @@ def pack_split(
         "shard_size": shard_size,
         "max_side": max_side,
         "quality": quality,
+        "subsampling": subsampling,
         "order_seed": seed if shuffle else None,
         "samples": len(dataset),
     }
@@ -213,7 +223,7 @@ def pack_split(
     with (
         ProcessPoolExecutor(workers, mp_context=get_context("fork")) if workers > 1 else nullcontext() as pool
     ):
-        jobs = [(dataset, out / name, chunks[name], max_side, quality) for name in pending]
+        jobs = [(dataset, out / name, chunks[name], max_side, quality, subsampling) for name in pending]
         written = (
             pool.map(write_shard, *zip(*jobs, strict=True))
             if pool is not None and jobs
@@ -249,6 +259,7 @@ def write_shard(
     indices: Sequence[int],
     max_side: int,
     quality: int,
+    subsampling: str,
 ) -> dict[str, Any]:
     """Write the samples ``indices`` of ``dataset`` to the shard ``path`` (through ``path.tmp``, renamed
     when complete); returns its progress entry: name, samples, sha256, bytes, dataset indices, skipped."""
@@ -257,7 +268,7 @@ def write_shard(
     with tarfile.open(temporary, "w", format=tarfile.USTAR_FORMAT) as tar:
         for index in indices:
             try:
-                image = packed_image(dataset, index, max_side, quality)
+                image = packed_image(dataset, index, max_side, quality, subsampling)
             except BAD_IMAGE_ERRORS as exc:
                 skipped.append({"path": dataset.samples[index].path, "error": f"{type(exc).__name__}: {exc}"})
                 continue
@@ -283,6 +294,7 @@ def write_sidecars(
     reports: Sequence[SplitReport],
     max_side: int,
     quality: int,
+    subsampling: str = "444",
 ) -> None:
     """``classes.json`` and ``manifest.json`` (see the module docstring), merged with those of splits
     packed by an earlier command into the same folder."""
@@ -292,6 +304,7 @@ def write_sidecars(
         "splits": splits,
         "max_side": max_side,
         "quality": quality,
+        "subsampling": subsampling,
         "classes": list(dataset.classes),
     }
     (out / CLASSES_FILE).write_text(json.dumps(classes, indent=1) + "\n", encoding="utf-8")
