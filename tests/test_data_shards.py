@@ -129,7 +129,7 @@ def test_pack_writes_webdataset_shards_of_the_resized_images(packed: Path) -> No
     classes = json.loads((packed / "classes.json").read_text())
     assert classes["classes"] == source.classes and classes["dataset"] == "synthetic"
     assert classes["splits"] == {"train": "train", "val": "val"} and classes["max_side"] == 48
-    assert (classes["quality"], classes["subsampling"]) == (90, "444")
+    assert (classes["quality"], classes["subsampling"]) == (90, "auto")  # generated pixels: 4:4:4
     manifest = json.loads((packed / "manifest.json").read_text())
     assert [e["samples"] for e in manifest["train"]["shards"]] == [25, 25, 25, 15]
     assert manifest["val"]["samples"] == 30 and manifest["train"]["skipped"] == []
@@ -216,6 +216,21 @@ def test_pack_keeps_small_jpegs_byte_for_byte_and_reencodes_the_rest(tmp_path: P
         assert img.size == (64, 48) and sampling_of(resized) == PIL_SUBSAMPLING["420"]
     expected = np.asarray(Image.open(large).resize((64, 48), Image.Resampling.BILINEAR), float)
     assert np.abs(pixels(resized) - expected).mean() < 8.0  # 4:2:0 of the noise, and draft-mode decoding
+
+
+def test_auto_subsampling_keeps_a_jpegs_own_and_takes_444_for_other_images(tmp_path: Path) -> None:
+    photo = SyntheticMultiLabel("val", val_size=1).load_image(0).resize((128, 96), Image.Resampling.BILINEAR)
+    samples = []
+    for name, code in PIL_SUBSAMPLING.items():
+        photo.save(tmp_path / f"{name}.jpg", quality=95, subsampling=code)
+        samples.append(Sample(str(tmp_path / f"{name}.jpg")))
+    photo.save(tmp_path / "photo.png")
+    samples.append(Sample(str(tmp_path / "photo.png")))
+    dataset = FileImages(samples)
+    packed = [packed_image(dataset, i, 64, 90, "auto") for i in range(len(samples))]
+    assert [sampling_of(data) for data in packed] == [*PIL_SUBSAMPLING.values(), PIL_SUBSAMPLING["444"]]
+    # A fixed subsampling applies to every source.
+    assert {sampling_of(packed_image(dataset, i, 64, 90, "420")) for i in range(len(samples))} == {2}
 
 
 def test_pack_subsampling_option(tmp_path: Path, capsys) -> None:

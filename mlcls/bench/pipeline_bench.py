@@ -43,7 +43,7 @@ from torchvision import transforms as T
 
 from mlcls.data.base import MultiLabelDataset, Sample
 from mlcls.data.fast import AugmentedImage, DeviceStage, build_backend_transform, collate_batch
-from mlcls.data.pack import pack_split, write_sidecars
+from mlcls.data.pack import SUBSAMPLINGS, pack_split, write_sidecars
 from mlcls.data.shard_loader import ShardTrainLoader
 from mlcls.data.shards import open_shards
 from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -208,6 +208,7 @@ def run(
     threads: int = 1,
     max_side: int = 320,
     pack_workers: int = 2,
+    subsampling: str = "auto",
 ) -> dict[str, Any]:
     """Images/s of every pipeline of :data:`PIPELINES` (median of ``repeats``), and ratios to the reference.
 
@@ -229,9 +230,11 @@ def run(
             shards = Path(tmp) / "shards"
             start = time.perf_counter()
             folder = JpegFolder(paths)
-            report = pack_split(folder, shards, "train", 16, max_side, progress=False, workers=pack_workers)
+            report = pack_split(
+                folder, shards, "train", 16, max_side, 90, subsampling, progress=False, workers=pack_workers
+            )
             pack_rate = len(paths) / (time.perf_counter() - start)
-            write_sidecars(shards, folder, {"train": "train"}, [report], max_side, 90)
+            write_sidecars(shards, folder, {"train": "train"}, [report], max_side, 90, subsampling)
             urls = [str(shards / entry["name"]) for entry in report.shards]
             result = _measure(paths, urls, n, workers, size, batch_size, repeats, seed)
             return {
@@ -239,6 +242,7 @@ def run(
                 "pack_images_per_s": pack_rate,
                 "pack_workers": pack_workers,
                 "max_side": max_side,
+                "subsampling": subsampling,
             }
         finally:
             torch.set_num_threads(previous_threads)
@@ -379,6 +383,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in this process")
     parser.add_argument("--max-side", type=int, default=320, help="long side of the packed images")
     parser.add_argument("--pack-workers", type=int, default=2, help="processes packing the shards")
+    parser.add_argument(
+        "--subsampling", default="auto", choices=SUBSAMPLINGS, help="chroma of the packed JPEGs"
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -392,6 +399,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         threads=args.threads,
         max_side=args.max_side,
         pack_workers=args.pack_workers,
+        subsampling=args.subsampling,
     )
 
 

@@ -7,7 +7,8 @@
 
 Overrides are those of ``mlcls-train`` (the same Hydra config); ``pack`` also takes ``out=`` (required),
 ``shard_size=`` (samples per shard, default 1000), ``max_side=`` (default 320), ``quality=`` (JPEG quality of
-re-encoded images, default 90), ``subsampling=`` (their chroma subsampling: 444, the default, 422 or 420),
+re-encoded images, default 90), ``subsampling=`` (their chroma subsampling: auto, the default, keeps a JPEG's
+own and takes 444 for other images; or 444, 422, 420),
 ``seed=`` (the training split's packing order, default 0) and ``workers=`` (shards written at once, in
 processes; default 1). Exit status: 0, 1 when ``--check`` found
 unreadable images or ``pack`` skipped some, 2 for a configuration or layout mistake (one line).
@@ -41,7 +42,7 @@ PACK_OPTIONS = {
     "shard_size": 1000,
     "max_side": 320,
     "quality": 90,
-    "subsampling": "444",
+    "subsampling": "auto",
     "seed": 0,
     "workers": 1,
 }

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import simplejpeg
 import torch
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 from tqdm import tqdm
 
 from mlcls.data.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
@@ -51,8 +51,12 @@ CLASSES_FILE, MANIFEST_FILE = "classes.json", "manifest.json"
 KEY_DIGITS, SHARD_DIGITS = 9, 6
 IMAGE_EXT, LABELS_EXT = "jpg", "labels.npy"
 # JPEG chroma subsampling of re-encoded images: 444 keeps the colour at full resolution, 422 halves it
-# horizontally, 420 (PIL's and most cameras' default) in both directions.
-SUBSAMPLINGS = ("444", "422", "420")
+# horizontally, 420 (PIL's and most cameras' default) in both directions; auto keeps a JPEG source's own
+# (4:2:0 photographs stay 4:2:0, at their decoding speed) and takes 444 for any other source (PNG, pixels a
+# dataset generates), so that packing never halves the colour resolution an image had.
+SUBSAMPLINGS = ("auto", "444", "422", "420")
+# PIL's JpegImagePlugin.get_sampling codes; -1 (4:4:0, 4:1:1, ...) maps to 444, keeping every colour sample.
+PIL_SAMPLING = {0: "444", 1: "422", 2: "420"}
 
 
 def shard_name(role: str, index: int) -> str:
@@ -81,23 +85,33 @@ def bounded_size(width: int, height: int, max_side: int) -> tuple[int, int]:
 
 
 def encode_jpeg(image: Image.Image, quality: int, subsampling: str = "444") -> bytes:
-    """RGB JPEG bytes of ``image`` (libjpeg-turbo) at ``quality`` with chroma ``subsampling`` (one of
-    :data:`SUBSAMPLINGS`; PIL's ``save(..., quality=q, subsampling=0 | 1 | 2)``)."""
+    """RGB JPEG bytes of ``image`` (libjpeg-turbo) at ``quality`` with chroma ``subsampling`` (444, 422 or
+    420; PIL's ``save(..., quality=q, subsampling=0 | 1 | 2)``)."""
     pixels = np.ascontiguousarray(np.asarray(image.convert("RGB")))
     return simplejpeg.encode_jpeg(pixels, quality=quality, colorspace="RGB", colorsubsampling=subsampling)
 
 
+def source_subsampling(image: Image.Image, subsampling: str) -> str:
+    """The subsampling to re-encode ``image`` with: ``subsampling`` itself, or for ``auto`` the JPEG's own
+    (read from its header) and 444 for any other image."""
+    if subsampling != "auto":
+        return subsampling
+    if isinstance(image, JpegImagePlugin.JpegImageFile):
+        return PIL_SAMPLING.get(JpegImagePlugin.get_sampling(image), "444")
+    return "444"
+
+
 def packed_image(
-    dataset: MultiLabelDataset, index: int, max_side: int, quality: int, subsampling: str = "444"
+    dataset: MultiLabelDataset, index: int, max_side: int, quality: int, subsampling: str = "auto"
 ) -> bytes:
     """JPEG bytes of sample ``index`` (its crop box applied), long side at most ``max_side``.
 
     Image files are read directly: a JPEG already within ``max_side`` (no crop) is kept byte for byte (no
     second generation of JPEG loss); a larger one is decoded at the largest DCT reduction that keeps it at
     least ``max_side`` on its long side (PIL's draft mode), then resized (bilinear, antialiased) and encoded
-    at ``quality`` and chroma ``subsampling``, as is any other image. Datasets that make their pixels (the
-    synthetic one) go through their own ``load_image``. Raises the bad-image errors of PIL (``OSError``,
-    ...) for unreadable files.
+    at ``quality`` and chroma ``subsampling`` (:func:`source_subsampling`), as is any other image.
+    Datasets that make their pixels (the synthetic one) go through their own ``load_image``. Raises the
+    bad-image errors of PIL (``OSError``, ...) for unreadable files.
     """
     sample = dataset.samples[index]
     if type(dataset).load_image is not MultiLabelDataset.load_image:  # generated pixels
@@ -109,6 +123,7 @@ def packed_image(
         if sample.box is None and header is not None and max(header) <= max_side:
             return data
         with Image.open(io.BytesIO(data)) as img:
+            subsampling = source_subsampling(img, subsampling)
             width, height = img.size
             left, top, right, bottom = (
                 (0, 0, width, height) if sample.box is None else crop_box(sample.box, width, height)
@@ -129,7 +144,7 @@ def packed_image(
     target = bounded_size(image.width, image.height, max_side)
     if target != image.size:
         image = image.resize(target, Image.Resampling.BILINEAR)
-    return encode_jpeg(image, quality, subsampling)
+    return encode_jpeg(image, quality, source_subsampling(image, subsampling))
 
 
 def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -176,7 +191,7 @@ def pack_split(
     shard_size: int,
     max_side: int,
     quality: int = 90,
-    subsampling: str = "444",
+    subsampling: str = "auto",
     shuffle: bool = False,
     seed: int = 0,
     progress: bool = True,
@@ -294,7 +309,7 @@ def write_sidecars(
     reports: Sequence[SplitReport],
     max_side: int,
     quality: int,
-    subsampling: str = "444",
+    subsampling: str = "auto",
 ) -> None:
     """``classes.json`` and ``manifest.json`` (see the module docstring), merged with those of splits
     packed by an earlier command into the same folder."""
