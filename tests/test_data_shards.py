@@ -324,30 +324,31 @@ def test_pack_train_evaluate_on_the_shards(pack: str, tmp_path: Path, request) -
     assert len(on_disk["per_class_ap"]) == classes
 
 
-def _train_on_rank(rank: int, packed: str, port: int, out: str) -> None:
+def _train_on_rank(rank: int, packed: str, urls: str, port: int, out: str) -> None:
     from mlcls.engine.trainer import Trainer
 
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_num_threads(1)
-    Trainer(compose_config(shard_training(Path(packed), OPENIMAGES_URLS, Path(out)))).fit()
+    Trainer(compose_config(shard_training(Path(packed), urls, Path(out)))).fit()
 
 
 @pytest.mark.slow
-def test_openimages_shards_train_on_two_processes_and_evaluate_alike_on_one(
-    packed_openimages, tmp_path
-) -> None:
+@pytest.mark.parametrize("pack", list(PACKS))
+def test_shards_train_on_two_processes_and_evaluate_alike_on_one(pack: str, tmp_path: Path, request) -> None:
     import socket
 
     from omegaconf import OmegaConf
 
     from mlcls.cli.eval import evaluate_checkpoint
 
+    fixture, urls, _, val_size = PACKS[pack]
+    packed = request.getfixturevalue(fixture)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_train_on_rank, args=(str(packed_openimages), port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_train_on_rank, args=(str(packed), urls, port, str(tmp_path)), nprocs=2, join=True)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2 and results["epochs_completed"] == 1
     cfg = OmegaConf.merge(
@@ -361,7 +362,7 @@ def test_openimages_shards_train_on_two_processes_and_evaluate_alike_on_one(
     )
     cfg.pop("defaults"), cfg.pop("hydra")
     single = evaluate_checkpoint(cfg)
-    assert single["num_samples"] == 20
+    assert single["num_samples"] == val_size
     assert single["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"], abs=1e-6)
     assert single["mAP_sample"] == pytest.approx(results["metrics"]["mAP_sample"], abs=1e-6)
 
@@ -419,7 +420,7 @@ def _evaluate_on_rank(rank: int, packed: str, urls: str, port: int, out: str) ->
 
 
 def test_evaluation_is_equal_on_one_and_two_processes(packed: Path, tmp_path: Path) -> None:
-    """(The packed Open Images: test_openimages_shards_train_on_two_processes_and_evaluate_alike_on_one.)"""
+    """Scores and labels, not only the figures (test_shards_train_on_two_processes_... compares those)."""
     import socket
 
     urls = URLS
