@@ -13,7 +13,7 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-## demo: train on the embedded synthetic dataset (CPU, about 2 minutes: see the README)
+## demo: train on the embedded synthetic dataset (CPU, 1-2 minutes: see the README)
 demo: install
 	$(BIN)/mlcls-train
 
