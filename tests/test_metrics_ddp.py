@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mlcls.data.loader import build_eval_loader
+from mlcls.engine.evaluate import evaluate_model
 from mlcls.metrics import compute_metrics, gather_shards
 
 WORLD = 2
@@ -41,13 +43,25 @@ def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
         metrics = compute_metrics(scores, targets, CLASS_NAMES, voc11=True)
         # a set smaller than the world: rank 1 has no row, and predict() returns torch.empty(0) for it
         one_row = gather_shards(logits[:1] if rank == 0 else torch.empty(0), 1)
+        # the same through the trainer's evaluation: rank 1 scores nothing, its empty labels are int8 too
+        one_sample = torch.utils.data.TensorDataset(torch.ones(1, 3), labels[:1].float())
+        loader = build_eval_loader(one_sample, 4, 0, rank, WORLD, torch.device("cpu"))
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, len(CLASS_NAMES))
+        evaluation = evaluate_model(model, loader, torch.device("cpu"), CLASS_NAMES)
         padded = list(range(SIZE)) + [0]  # DistributedSampler pads to a multiple of the world size
         try:
             gather_shards(logits[padded[rank::WORLD]], SIZE)
             refused = ""
         except ValueError as error:
             refused = str(error)
-        result = {"scores": scores, "targets": targets, "metrics": metrics, "one_row": one_row}
+        result = {
+            "scores": scores,
+            "targets": targets,
+            "metrics": metrics,
+            "one_row": one_row,
+            "one_sample_labels": evaluation.labels,
+        }
         torch.save({**result, "refused": refused}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -65,4 +79,5 @@ def test_two_gloo_processes_give_the_single_process_figures(tmp_path: Path) -> N
         assert torch.equal(result["targets"], labels)
         assert json.dumps(result["metrics"], sort_keys=True) == json.dumps(expected, sort_keys=True)
         assert torch.equal(result["one_row"], logits[:1].float())
+        assert torch.equal(result["one_sample_labels"], labels[:1].float())
         assert "shard lengths [501, 501]" in result["refused"]

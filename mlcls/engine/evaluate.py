@@ -32,7 +32,10 @@ def predict(
     channels_last: bool = False,
     max_batches: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and targets of this process's shard, float32 on the CPU, in shard order."""
+    """Logits (float32) and targets (int8: 1, 0, -1) of this process's shard on the CPU, in shard order.
+
+    Targets travel as int8 (every dataset checks its labels when it is built): at Open Images' 41,620 x
+    9,605 validation labels the all-gather then moves 0.4 GB instead of 1.6 GB through each GPU."""
     model.eval()
     scores, targets = [], []
     for step, (images, target) in enumerate(loader):
@@ -44,9 +47,9 @@ def predict(
         with autocast_context(device, amp):
             logits = model(images)
         scores.append(logits.float().cpu())
-        targets.append(target.float())
-    if not scores:
-        return torch.empty(0), torch.empty(0)
+        targets.append(target.to(torch.int8))
+    if not scores:  # a rank without rows: the dtypes the other ranks gather
+        return torch.empty(0), torch.empty(0, dtype=torch.int8)
     return torch.cat(scores), torch.cat(targets)
 
 
@@ -81,5 +84,5 @@ def evaluate_model(
     with dist_utils.all_or_none():
         scores, labels = predict(model, loader, device, amp, channels_last)
     total = len(loader.dataset)
-    scores, labels = gather_shards(scores, total), gather_shards(labels, total)
+    scores, labels = gather_shards(scores, total), gather_shards(labels, total).float()
     return Evaluation(compute_metrics(scores, labels, classes), scores, labels)
