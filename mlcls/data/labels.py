@@ -213,7 +213,7 @@ class SparseLabelled:
                     f"{type(self).__name__} ({getattr(self, 'split', '?')} split): the dense label matrix "
                     f"({rows} x {classes} float32) would take {size_gb:.1f} GB, over "
                     f"dataset.dense_labels_gb={self.dense_labels_gb:g}; training needs only each sample's "
-                    "row and the label counts, raise dataset.dense_labels_gb for tools that read the matrix"
+                    "row and the label counts (label_counts), not this matrix"
                 )
             self._dense_labels = self.sparse_labels.dense()
         return self._dense_labels
