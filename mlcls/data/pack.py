@@ -116,6 +116,7 @@ def packed_image(
     sample = dataset.samples[index]
     if type(dataset).load_image is not MultiLabelDataset.load_image:  # generated pixels
         image = dataset.load_image(index)
+        subsampling = source_subsampling(image, subsampling)
     else:
         with open(sample.path, "rb") as f:
             data = f.read()
@@ -144,7 +145,7 @@ def packed_image(
     target = bounded_size(image.width, image.height, max_side)
     if target != image.size:
         image = image.resize(target, Image.Resampling.BILINEAR)
-    return encode_jpeg(image, quality, source_subsampling(image, subsampling))
+    return encode_jpeg(image, quality, subsampling)
 
 
 def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
