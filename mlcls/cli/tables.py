@@ -3,6 +3,8 @@
 mlcls-tables multirun/reproduce/2026-11-22_10-00-00     # every table that has a run
 mlcls-tables RUN_DIR... --table table7 --out reports/    # writes reports/table7.md and table7.csv
 mlcls-tables multirun/... --smoke                         # smoke runs: synthetic, resnet10t as coco, resnet50
+mlcls-tables --runs multirun/2026-11-22/10-00-00         # any runs side by side: what differs, what scored
+mlcls-tables --runs runs/ --sort mAP_class --csv          # best first, as CSV (--json: a JSON list)
 """
 
 from __future__ import annotations
@@ -14,9 +16,17 @@ from pathlib import Path
 
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import render_csv, render_markdown, write_table
+from mlcls.reporting.run_table import render_runs_csv, render_runs_json, render_runs_markdown, runs_table
 from mlcls.reporting.runs import RunRecord, collect_runs
 from mlcls.reporting.sweeps import SMOKE_STAND_INS
-from mlcls.reporting.table_specs import TABLE_NAMES, FilledTable, fill_table, table_spec, unplaced_runs
+from mlcls.reporting.table_specs import (
+    TABLE_NAMES,
+    FilledTable,
+    fill_table,
+    placement_problem,
+    table_spec,
+    unplaced_runs,
+)
 
 
 def failure(prog: str, error: Exception, status: int = 2, *notes: str) -> int:
@@ -42,9 +52,18 @@ def parse_stand_ins(pairs: Sequence[str]) -> dict[str, str]:
     return parse_pairs(pairs, "--stand-in", "OURS=PAPER, e.g. synthetic=coco")
 
 
-def build_tables(runs: Sequence[RunRecord], names: Sequence[str] | None) -> list[FilledTable]:
-    """The requested tables (default: every table with at least one filled cell)."""
+def build_tables(
+    runs: Sequence[RunRecord], names: Sequence[str] | None, stand_ins: dict[str, str] | None = None
+) -> list[FilledTable]:
+    """The requested tables (default: every table with at least one filled cell).
+
+    Fails when no cell is filled and no run has a dataset and a backbone of the tables, naming the
+    ``--stand-in`` options that would place them."""
     tables = [fill_table(table_spec(name), runs) for name in (names or TABLE_NAMES)]
+    if not any(table.filled for table in tables):
+        problem = placement_problem(runs, [table.spec for table in tables], stand_ins)
+        if problem:
+            raise ReportError(problem)
     if names:
         return tables
     tables = [table for table in tables if table.filled]
@@ -67,7 +86,7 @@ def report(
     for name in names or ():
         table_spec(name)  # an unknown name fails before any run is read
     runs = collect_runs(paths, stand_ins)
-    tables = build_tables(runs, names)
+    tables = build_tables(runs, names, stand_ins)
     if out_dir is not None:
         for table in tables:
             write_table(table, out_dir)
@@ -81,15 +100,32 @@ def report(
     return "\n".join(render(table) for table in tables)
 
 
+def compare_runs(paths: Sequence[Path | str], sort: str | None = None, form: str = "markdown") -> str:
+    """The runs under ``paths`` side by side (:mod:`mlcls.reporting.run_table`) as ``form``: ``markdown``,
+    ``csv`` or ``json``."""
+    render = {"markdown": render_runs_markdown, "csv": render_runs_csv, "json": render_runs_json}[form]
+    return render(runs_table(paths, sort))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlcls-tables",
-        description="Render the paper's Tables 1-5 and 7 from runs (results.json), with the paper's numbers.",
+        description="Render the paper's Tables 1-5 and 7 from runs (results.json), with the paper's numbers; "
+        "with --runs, one table of any runs side by side.",
     )
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run or sweep directories")
     p.add_argument("--table", action="append", help=f"table to render, repeatable: {', '.join(TABLE_NAMES)}")
     p.add_argument("--out", type=Path, help="write <table>.md and <table>.csv into this directory")
-    p.add_argument("--csv", action="store_true", help="print CSV instead of Markdown")
+    p.add_argument(
+        "--runs",
+        action="store_true",
+        help="one row per run: the config values that differ between the runs, mAP, best epoch, epochs, "
+        "wall time, status (finished, unfinished, failed, resumed)",
+    )
+    p.add_argument("--sort", metavar="COLUMN", help="--runs: order by this column (mAP highest first)")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--csv", action="store_true", help="print CSV instead of Markdown")
+    form.add_argument("--json", action="store_true", help="--runs: print a JSON list instead of Markdown")
     p.add_argument(
         "--stand-in",
         action="append",
@@ -108,11 +144,28 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.runs:
+            print(compare_runs(args.run_dirs, args.sort, _runs_form(args)), end="")
+            return 0
+        if args.sort or args.json:
+            raise ReportError("--sort and --json apply to --runs only; the paper tables have a fixed layout")
         stand_ins = {**(SMOKE_STAND_INS if args.smoke else {}), **parse_stand_ins(args.stand_in)}
         print(report(args.run_dirs, args.table, args.out, stand_ins, args.csv), end="")
     except ReportError as exc:
         return failure("mlcls-tables", exc)
     return 0
+
+
+def _runs_form(args: argparse.Namespace) -> str:
+    """The output form of ``--runs``; the options of the paper tables are refused with one line."""
+    ignored = [
+        option
+        for option, given in (("--table", args.table), ("--out", args.out), ("--stand-in", args.stand_in))
+        if given
+    ] + (["--smoke"] if args.smoke else [])
+    if ignored:
+        raise ReportError(f"{', '.join(ignored)} apply to the paper tables, not to --runs")
+    return "csv" if args.csv else "json" if args.json else "markdown"
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +108,7 @@ def matches(attributes: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
     return all(key in attributes and same_setting(attributes[key], value) for key, value in wanted.items())
 
 
-def _plain(value: Any) -> str:
+def yaml_text(value: Any) -> str:
     """A config value as written in a YAML file: null, true/false, numbers and text as they are."""
     if value is None:
         return "null"
@@ -173,7 +174,7 @@ def protocol_deviations(
     for key, wanted in protocol_checks().items():
         follows, ours = _follows(config, key, wanted)
         if not follows:
-            deviations.append(f"{key}={_plain(ours)} (paper {_plain(wanted)})")
+            deviations.append(f"{key}={yaml_text(ours)} (paper {yaml_text(wanted)})")
     if config_value(config, "trainer.amp") == "none":
         deviations.append("no mixed precision (paper AMP)")
     completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
@@ -204,23 +205,42 @@ def _weights_deviations(config: Mapping[str, Any], stand_ins: Mapping[str, str])
     return []
 
 
+def read_results(run_dir: Path) -> dict[str, Any] | None:
+    """``run_dir/results.json`` as a dict, None when the run wrote none (yet)."""
+    results_path = Path(run_dir) / "results.json"
+    try:
+        return json.loads(results_path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{results_path}: not valid JSON ({exc})") from None
+
+
+def read_config(run_dir: Path, results: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The resolved config of a run: ``provenance.config`` of its results, else its ``config.yaml``; None
+    when it has neither."""
+    config = ((results or {}).get("provenance") or {}).get("config")
+    config_path = Path(run_dir) / "config.yaml"
+    if config is None and config_path.is_file():
+        try:
+            config = yaml.safe_load(config_path.read_text())
+        except yaml.YAMLError as exc:
+            raise ReportError(f"{config_path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    if config is not None and not isinstance(config, dict):
+        raise ReportError(f"{run_dir}: the run's config is a {type(config).__name__}; expected a mapping")
+    return config
+
+
 def load_run(run_dir: Path, stand_ins: Mapping[str, str] | None = None) -> RunRecord:
     """Read ``run_dir/results.json`` and the resolved config (``provenance.config``, else ``config.yaml``)."""
     run_dir = Path(run_dir)
-    results_path = run_dir / "results.json"
-    try:
-        results = json.loads(results_path.read_text())
-    except FileNotFoundError:
-        raise ReportError(f"{run_dir}: no results.json") from None
-    except json.JSONDecodeError as exc:
-        raise ReportError(f"{results_path}: not valid JSON ({exc})") from None
-    provenance = results.get("provenance") or {}
-    config = provenance.get("config")
+    results = read_results(run_dir)
+    if results is None:
+        raise ReportError(f"{run_dir}: no results.json")
+    config = read_config(run_dir, results)
     if config is None:
-        config_path = run_dir / "config.yaml"
-        if not config_path.is_file():
-            raise ReportError(f"{run_dir}: results.json has no provenance.config and there is no config.yaml")
-        config = yaml.safe_load(config_path.read_text())
+        raise ReportError(f"{run_dir}: results.json has no provenance.config and there is no config.yaml")
+    provenance = results.get("provenance") or {}
     world_size = int(provenance.get("world_size", results.get("world_size", 1)))
     attributes = run_attributes(config, world_size)
     for key in ("dataset", "backbone"):
@@ -234,17 +254,35 @@ def load_run(run_dir: Path, stand_ins: Mapping[str, str] | None = None) -> RunRe
     )
 
 
+def find_run_dirs(path: Path | str, marker: str = "results.json") -> list[Path]:
+    """The run directories at or below ``path``: those holding ``marker`` (``results.json``; ``config.yaml``
+    also finds runs that stopped before their first evaluation), hidden folders skipped, sorted with job
+    numbers in numeric order (``2`` before ``10``)."""
+    path = Path(path)
+    if not path.exists():
+        raise ReportError(f"{path}: no such directory")
+    if (path / marker).is_file():
+        return [path]
+    found = {
+        hit.parent
+        for hit in path.rglob(marker)
+        if not any(part.startswith(".") for part in hit.relative_to(path).parts[:-1])
+    }
+    return sorted(found, key=natural_order)
+
+
+def natural_order(path: Path) -> list[tuple[int, int | str]]:
+    """Sort key of a path comparing its runs of digits as numbers."""
+    parts = re.split(r"(\d+)", str(path))
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in parts]
+
+
 def collect_runs(paths: Iterable[Path | str], stand_ins: Mapping[str, str] | None = None) -> list[RunRecord]:
     """Every run under ``paths``: a run directory (holding results.json) or a sweep directory above runs."""
     runs = []
     for path in map(Path, paths):
-        if not path.exists():
-            raise ReportError(f"{path}: no such directory")
-        if (path / "results.json").is_file():
-            found = [path / "results.json"]
-        else:
-            found = sorted(path.rglob("results.json"))
+        found = find_run_dirs(path)
         if not found:
             raise ReportError(f"{path}: no results.json in it or below")
-        runs.extend(load_run(result.parent, stand_ins) for result in found)
+        runs.extend(load_run(run_dir, stand_ins) for run_dir in found)
     return runs

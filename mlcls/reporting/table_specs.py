@@ -245,3 +245,44 @@ def unplaced_runs(runs: Sequence[RunRecord], specs: Iterable[TableSpec]) -> list
     """The runs that fill no cell of any of ``specs``."""
     placed = {id(run) for spec in specs for cell in fill_table(spec, runs).cells for run in cell.runs}
     return [run for run in runs if id(run) not in placed]
+
+
+def placement_problem(
+    runs: Sequence[RunRecord], specs: Sequence[TableSpec], stand_ins: Mapping[str, str] | None = None
+) -> str | None:
+    """Why no run can fill a cell of ``specs`` whatever its loss settings: none has a dataset and a backbone
+    the tables have. Says which the runs have and the ``--stand-in`` options that would place them; None
+    when some run has a dataset and a backbone of the tables."""
+    needed: dict[str, list[Any]] = {"dataset": [], "backbone": []}
+    for spec in specs:
+        for row, column in itertools.product(spec.rows, spec.columns):
+            match = spec.cell_match(row, column)
+            for key, values in needed.items():
+                if key in match and match[key] not in values:
+                    values.append(match[key])
+    fits = [
+        run
+        for run in runs
+        if all(not values or run.attributes.get(key) in values for key, values in needed.items())
+    ]
+    if fits or not runs:
+        return None
+    given = {replacement: ours for ours, replacement in (stand_ins or {}).items()}
+    have, wanted, options = [], [], []
+    for key, values in needed.items():
+        ours = sorted({str(run.attributes[key]) for run in runs})
+        have.append(_listed(key, ours))
+        if values:
+            wanted.append(_listed(key, values))
+            target = values[0] if len(values) == 1 else f"<one of {', '.join(map(str, values))}>"
+            options += [f"--stand-in {given.get(name, name)}={target}" for name in ours if name not in values]
+    return (
+        f"none of the {len(runs)} runs can fill a cell of {', '.join(spec.name for spec in specs)}: "
+        f"the runs have {' and '.join(have)}, the tables need {' and '.join(wanted)}; "
+        f"{' '.join(options)} would place them"
+    )
+
+
+def _listed(noun: str, names: Sequence[Any]) -> str:
+    """``dataset coco`` or ``datasets coco, voc2007``."""
+    return f"{noun}{'s' if len(names) > 1 else ''} {', '.join(map(str, names))}"

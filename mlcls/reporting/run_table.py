@@ -1,0 +1,205 @@
+"""Runs side by side: one row per run, the settings that differ between their configs, what they scored and
+how far they got (``mlcls-tables --runs``).
+
+Columns, in order:
+
+- the config keys whose values differ between the runs (dotted, ``loss.tp``), from each run's resolved
+  config (``provenance.config`` of ``results.json``, else ``config.yaml``), so that the keys a sweep varied
+  are the columns; where the class a config group builds differs (``loss=twoway,bce``), the group is one
+  column naming it (``loss``: twoway, bce) instead of its keys, which are not comparable;
+- ``status``: ``finished``; ``unfinished (k of n epochs)`` (stopped, preempted or still running);
+  ``failed`` (a config.yaml but no results.json: stopped, or still running, before its first evaluation);
+  ``, resumed n×`` added when training continued from a checkpoint;
+- ``mAP_class``, ``mAP_sample`` (%, the last evaluation), ``best_epoch`` (the epoch of the best mAP@class),
+  ``epochs_completed``, ``wall_time_s`` (training time), ``run`` (the run directory).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlcls.errors import plural
+from mlcls.losses.spec import loss_name
+from mlcls.reporting.paper import ReportError
+from mlcls.reporting.runs import (
+    built_name,
+    find_run_dirs,
+    natural_order,
+    read_config,
+    read_results,
+    yaml_text,
+)
+
+FIGURE_COLUMNS = ("status", "mAP_class", "mAP_sample", "best_epoch", "epochs_completed", "wall_time_s", "run")
+# Sorted highest first by --sort; every other column lowest (or alphabetically) first.
+HIGHER_IS_BETTER = ("mAP_class", "mAP_sample")
+# Settings that say where and how a run was launched, not what it was.
+LAUNCH_KEYS = ("trainer.output_dir", "trainer.resume")
+BUILT = "_target_"
+
+
+@dataclass(frozen=True)
+class RunsTable:
+    """``rows`` (one dict per run, keyed by ``columns``; None where a run has no value) under ``columns``."""
+
+    columns: tuple[str, ...]
+    rows: tuple[dict[str, Any], ...]
+
+
+def flat_settings(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every leaf of ``config`` under its dotted key (a list is one value); each group that names the class
+    it builds (``_target_``) also appears under its own key with that class's short name."""
+    settings: dict[str, Any] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            if value.get(BUILT):
+                settings[dotted] = loss_name(value) if dotted == "loss" else built_name(value)
+            settings.update(flat_settings(value, f"{dotted}."))
+        else:
+            settings[dotted] = value
+    return settings
+
+
+def differing_keys(settings: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The keys whose value (absent counting as one) is not the same in every one of ``settings``, in the
+    order they first appear, without :data:`LAUNCH_KEYS`; the keys inside a group whose ``_target_``
+    differs are left out: the group's own key names what each run built."""
+    keys = list(dict.fromkeys(key for run in settings for key in run))
+    missing = object()
+    differ = {
+        key for key in keys if len({json.dumps(run.get(key, missing), default=repr) for run in settings}) > 1
+    }
+    rebuilt = {key[: -len(BUILT) - 1] for key in differ if key.endswith(f".{BUILT}")}
+
+    def inside_rebuilt(key: str) -> bool:
+        parts = key.split(".")
+        return any(".".join(parts[:end]) in rebuilt for end in range(1, len(parts)))
+
+    return [key for key in keys if key in differ and key not in LAUNCH_KEYS and not inside_rebuilt(key)]
+
+
+def run_status(config: Mapping[str, Any] | None, results: Mapping[str, Any] | None) -> str:
+    """``finished``, ``unfinished (k of n epochs)`` or ``failed`` (no results), ``, resumed n×`` added."""
+    if results is None:
+        return "failed"
+    completed = results.get("epochs_completed")
+    planned = ((config or {}).get("trainer") or {}).get("epochs")
+    if completed is not None and planned is not None and completed < planned:
+        status = f"unfinished ({completed} of {planned} epochs)"
+    else:
+        status = "finished"
+    resumes = results.get("resumes") or 0
+    return f"{status}, resumed {resumes}×" if resumes else status
+
+
+def _figures(run_dir: Path, config: Mapping[str, Any] | None, results: Mapping[str, Any] | None) -> dict:
+    results_or_empty = results or {}
+    metrics = results_or_empty.get("metrics") or {}
+    best = results_or_empty.get("best") or {}
+    provenance = results_or_empty.get("provenance") or {}
+    return {
+        "status": run_status(config, results),
+        "mAP_class": metrics.get("mAP_class"),
+        "mAP_sample": metrics.get("mAP_sample"),
+        "best_epoch": best.get("epoch"),
+        "epochs_completed": results_or_empty.get("epochs_completed"),
+        "wall_time_s": provenance.get("wall_time_s"),
+        "run": str(run_dir),
+    }
+
+
+def runs_table(paths: Iterable[Path | str], sort: str | None = None) -> RunsTable:
+    """Every run at or below ``paths`` (a directory holding ``config.yaml`` or ``results.json``), one row
+    each, in path order (job numbers numerically), or ordered by column ``sort``: the mAP columns highest
+    first, every other lowest first; runs without a value last."""
+    paths = [Path(path) for path in paths]
+    run_dirs = sorted(
+        {
+            run_dir
+            for path in paths
+            for marker in ("config.yaml", "results.json")
+            for run_dir in find_run_dirs(path, marker)
+        },
+        key=natural_order,
+    )
+    if not run_dirs:
+        listed = ", ".join(map(str, paths))
+        raise ReportError(f"no run in {listed}: a run directory holds config.yaml or results.json")
+    settings, figures = [], []
+    for run_dir in run_dirs:
+        results = read_results(run_dir)
+        config = read_config(run_dir, results)
+        settings.append(flat_settings(config or {}))
+        figures.append(_figures(run_dir, config, results))
+    keys = differing_keys(settings)
+    columns = (*keys, *FIGURE_COLUMNS)
+    pairs = zip(settings, figures, strict=True)
+    rows = [{**{key: run.get(key) for key in keys}, **figure} for run, figure in pairs]
+    if sort is not None:
+        rows = sort_rows(rows, columns, sort)
+    return RunsTable(columns, tuple(rows))
+
+
+def sort_rows(rows: Sequence[dict[str, Any]], columns: Sequence[str], key: str) -> list[dict[str, Any]]:
+    """``rows`` ordered by column ``key`` (see :func:`runs_table`); numbers before text, None last."""
+    if key not in columns:
+        raise ReportError(f"--sort {key}: no such column; the columns are {', '.join(columns)}")
+    sign = -1 if key in HIGHER_IS_BETTER else 1
+
+    def order(row: dict[str, Any]) -> tuple:
+        value = row[key]
+        if value is None:
+            return (2, 0, "")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return (0, sign * value, "")
+        return (1, 0, yaml_text(value))
+
+    return sorted(rows, key=order)
+
+
+def _text(column: str, value: Any) -> str:
+    """A cell of the Markdown table: mAP to 2 decimals, seconds to 1, None empty, ``|`` escaped."""
+    if value is None:
+        return ""
+    if column in HIGHER_IS_BETTER:
+        return f"{value:.2f}"
+    if column == "wall_time_s":
+        return f"{value:.1f}"
+    return yaml_text(value).replace("|", "\\|")
+
+
+def render_runs_markdown(table: RunsTable) -> str:
+    """The runs as a Markdown table, a header line above it."""
+    lines = [
+        f"### {plural(len(table.rows), 'run')}",
+        "",
+        "Columns: the settings that differ between the runs; mAP in % at the last evaluation; best_epoch: "
+        "that of the best mAP_class.",
+        "",
+        "| " + " | ".join(table.columns) + " |",
+        "|" + "|".join("---" for _ in table.columns) + "|",
+    ]
+    lines += ["| " + " | ".join(_text(c, row[c]) for c in table.columns) + " |" for row in table.rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_runs_csv(table: RunsTable) -> str:
+    """One line per run under the column names; full-precision numbers, empty where a run has no value."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(table.columns)
+    for row in table.rows:
+        writer.writerow(["" if row[c] is None else yaml_text(row[c]) for c in table.columns])
+    return out.getvalue()
+
+
+def render_runs_json(table: RunsTable) -> str:
+    """A JSON list of one object per run, its keys the columns in order (null where a run has no value)."""
+    return json.dumps(list(table.rows), indent=2, default=str) + "\n"
