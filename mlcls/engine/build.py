@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +39,20 @@ class RunData:
     iters_per_epoch: int
 
 
+def pin_dataset_root(dataset_cfg: DictConfig) -> None:
+    """Write ``dataset.root`` as an absolute path, resolved against the working directory now: the config
+    a run saves (config.yaml, checkpoints, results.json) then finds its data from any directory, so that
+    ``mlcls-eval`` and ``mlcls-predict`` work wherever they are started. A dataset without ``root`` (the
+    synthetic one, shards) is left as it is."""
+    root = dataset_cfg.get("root")
+    if isinstance(root, str) and root:
+        dataset_cfg.root = os.path.abspath(os.path.expanduser(root))
+
+
 def build_data(cfg: DictConfig, dist: DistInfo) -> RunData:
-    """Both splits of ``cfg.dataset`` with the ``data.backend`` pipeline, and this rank's loaders."""
+    """Both splits of ``cfg.dataset`` with the ``data.backend`` pipeline, and this rank's loaders;
+    ``cfg.dataset.root`` made absolute first (:func:`pin_dataset_root`), before the run saves its config."""
+    pin_dataset_root(cfg.dataset)
     tcfg, backend = cfg.trainer, cfg.data.backend
     local_batch = tcfg.batch_size // dist.world_size
     train_set = build_dataset(cfg.dataset, train=True, backend=backend)

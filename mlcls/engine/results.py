@@ -29,7 +29,8 @@ def run_results(
 ) -> dict[str, Any]:
     """The content of results.json: ``metrics`` (the last evaluation, without per-class AP), ``best``,
     ``per_class_ap``, ``dataset`` facts, ``epochs_completed``, ``counts`` (skipped steps and images, ignored
-    labels), ``history`` (one record per epoch), ``world_size`` and ``provenance``."""
+    labels), ``history`` (one record per epoch), ``resumes`` (times continued from a checkpoint),
+    ``world_size`` and ``provenance``."""
     metrics = state.last_metrics or {}
     counts, history = state.counts, state.history
     return {
@@ -50,6 +51,7 @@ def run_results(
             "ignored_train_labels": label_counts(data.train_set).unknown,
         },
         "history": history,
+        "resumes": state.resumes,
         "world_size": world_size,
         "provenance": collect_provenance(
             cfg,

@@ -72,6 +72,7 @@ def restore(
     elif checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
     state.load_state_dict(checkpoint)
+    state.resumes += 1
     set_rng_state(state.rng[min(rank, len(state.rng) - 1)])
     where = f"epoch {state.epoch + 1}" + (f", step {state.step + 1}" if state.step else "")
     log.info("resumed from %s: continuing at %s", path, where)

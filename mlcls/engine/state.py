@@ -50,7 +50,8 @@ class TrainState:
     0), ``history`` one record per finished epoch, ``best`` the best evaluation so far (epoch, mAP@class,
     mAP@sample and which ``weights``: "raw" or "ema"), ``last_metrics`` the newest evaluation's metrics,
     ``thresholds`` the per-class thresholds calibrated for the raw weights, ``counts`` the skipped steps
-    and unreadable images, ``rng`` every rank's generator states.
+    and unreadable images, ``rng`` every rank's generator states, ``resumes`` how many times training
+    continued from a checkpoint.
     """
 
     epoch: int = 0
@@ -63,6 +64,7 @@ class TrainState:
     counts: dict[str, Any] = field(default_factory=lambda: {"skipped_steps": 0, "skipped_images": []})
     wall_time_s: float = 0.0
     rng: list[dict[str, Any]] = field(default_factory=list)
+    resumes: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         state = asdict(self)
