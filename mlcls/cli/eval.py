@@ -91,7 +91,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         if cfg.output:
             write_json(metrics, cfg.output)
-        print(json.dumps({k: v for k, v in metrics.items() if k != "per_class_ap"}))
+        print(json.dumps(metrics))  # one JSON line, per-class AP included
 
 
 def dataset_overrides_as_replacements(argv: list[str]) -> list[str]:

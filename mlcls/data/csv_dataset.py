@@ -22,8 +22,10 @@ the training and validation files (labels column), or the class columns in heade
 Image paths are relative to ``root / image_dir`` (or absolute). Validation data: ``val_file``, or else about
 ``val_fraction`` of the training file's images, each held out or not by a hash of its path as written in the
 file and ``seed`` (:func:`held_out`): the split is a function of each image alone, so appending rows to the
-file never moves an image between training and validation, and the rows of one image stay together (a file
-so small that no image is held out gets one: the one of smallest hash).
+file never moves an image between training and validation (a file so small that no image is held out gets
+one: the one of smallest hash). An image listed twice with the same labels counts once (with a warning);
+with other labels it is an error naming both lines. Class names that differ only in case are warned about.
+A held-out split that leaves a class fewer than ``MIN_VAL_POSITIVES`` positives is warned about, naming them.
 The file delimiter follows the extension (``.tsv``/``.tab`` -> tab, else comma) unless ``delimiter`` is set.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,8 +52,13 @@ from mlcls.data.base import (
     require_files,
     resolve_path,
 )
+from mlcls.errors import plural
 
 SPLITS = ("train", "val")
+# A class with fewer validation positives than this in a held-out split is named in a warning.
+MIN_VAL_POSITIVES = 5
+
+log = logging.getLogger("mlcls")
 
 
 def read_table(path: Path, delimiter: str | None) -> tuple[list[str], list[list[str]]]:
@@ -127,37 +135,44 @@ class CSVDataset(MultiLabelDataset):
         layout = (
             f"{root}/{train_file} with columns {image_column!r} and labels, images under {root}/{image_dir}"
         )
-        require_files(root, [train_file] + ([val_file] if val_file else []), layout)
+        source = "val" if split == "val" and val_file else "train"
+        # A test list with the model's classes (mlcls-eval) is read alone: the training file may be gone.
+        needed = {source} if classes is not None else {"train", "val"} if val_file else {"train"}
+        files = {"train": train_file, "val": val_file}
+        require_files(root, [files[key] for key in sorted(needed)], layout)
         if not val_file and not 0.0 <= val_fraction < 1.0:
             raise DatasetConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
 
-        paths = {"train": resolve_path(root, train_file)}
-        if val_file:
-            paths["val"] = resolve_path(root, val_file)
+        paths = {key: resolve_path(root, files[key]) for key in sorted(needed)}
         tables = {key: read_table(path, delimiter) for key, path in paths.items()}
 
         if classes is not None:
             self.classes = list(classes)
-        elif labels_column is None:
-            self.classes = [name for name in tables["train"][0] if name != image_column]
         else:
-            self.classes = _infer_names(tables, paths, labels_column, label_delimiter)
+            if labels_column is None:
+                self.classes = [name for name in tables["train"][0] if name != image_column]
+            else:
+                self.classes = _infer_names(tables, paths, labels_column, label_delimiter)
+            warn_case_variants(self.classes, paths["train"])
         if not self.classes:
-            raise DatasetFormatError(f"{paths['train']}: no classes found")
+            raise DatasetFormatError(f"{paths[source]}: no classes found")
 
-        source = "val" if split == "val" and val_file else "train"
         header, rows = tables[source]
         if labels_column is None:
             labels = _one_hot_labels(header, rows, self.classes, paths[source])
         else:
             labels = _named_labels(header, rows, labels_column, label_delimiter, self.classes, paths[source])
         column = _column(header, image_column, paths[source])
+        kept = unique_rows([row[column] for row in rows], labels, paths[source])
+        rows, labels = [rows[i] for i in kept], labels[kept]
         image_root = str(resolve_path(root, image_dir))
         images = [os.path.join(image_root, row[column]) for row in rows]  # an absolute path stays as it is
 
         if not val_file:
             chosen = self._holdout([row[column] for row in rows], val_fraction, seed, split)
             labels, images = labels[chosen], [images[i] for i in chosen]
+            if split == "val":
+                warn_few_positives(labels, self.classes, val_fraction)
         if not images:
             raise DatasetFormatError(f"{paths[source]}: the {split} split is empty")
         if not Path(images[0]).exists():
@@ -183,6 +198,69 @@ class CSVDataset(MultiLabelDataset):
         if not in_val.any():
             in_val = np.array(hashes) == min(hashes)
         return np.flatnonzero(in_val if split == "val" else ~in_val)
+
+
+def unique_rows(images: Sequence[str], labels: np.ndarray, path: Path) -> np.ndarray:
+    """Indices of the rows to keep: the first of each image (its path as written), the repeats of an image
+    with the same labels dropped; an image listed again with other labels raises
+    :class:`DatasetFormatError` naming its lines (line 2 is the first row below the header)."""
+    first: dict[str, int] = {}
+    kept = []
+    for i, image in enumerate(images):
+        if image not in first:
+            first[image] = i
+            kept.append(i)
+        elif not np.array_equal(labels[i], labels[first[image]]):
+            raise DatasetFormatError(
+                f"{path}, lines {first[image] + 2} and {i + 2}: image {image!r} is listed twice with other "
+                "labels; list each image once, with all its labels"
+            )
+    if len(kept) < len(images):
+        log.warning(
+            "%s: %s listed more than once with the same labels, counted once",
+            path,
+            plural(len(images) - len(kept), "repeated image row"),
+        )
+    return np.array(kept, dtype=np.int64)
+
+
+def warn_case_variants(classes: Sequence[str], path: Path) -> None:
+    """Warn when class names differ only in case (``Cat`` and ``cat``): they are separate classes."""
+    variants: dict[str, list[str]] = {}
+    for name in classes:
+        variants.setdefault(name.casefold(), []).append(name)
+    clashes = [" and ".join(names) for names in variants.values() if len(names) > 1]
+    if clashes:
+        log.warning(
+            "%s: class names that differ only in case are separate classes: %s; write them alike if they "
+            "are one class",
+            path,
+            "; ".join(clashes),
+        )
+
+
+def warn_few_positives(labels: np.ndarray, classes: Sequence[str], val_fraction: float) -> None:
+    """Warn once, naming them, about the classes with 1 to ``MIN_VAL_POSITIVES - 1`` positives in the
+    held-out validation split ``labels`` (N, C): their AP and calibrated threshold rest on a few images.
+    (A class without any is reported by the trainer as unscored.)"""
+    positives = (labels == 1).sum(axis=0)
+    few = [
+        (name, int(count))
+        for name, count in zip(classes, positives, strict=True)
+        if 0 < count < MIN_VAL_POSITIVES
+    ]
+    if few:
+        listed = ", ".join(f"{name} {count}" for name, count in few[:20]) + (", ..." if len(few) > 20 else "")
+        log.warning(
+            "the validation split held out of the training file (dataset.val_fraction=%g, %s) has fewer "
+            "than %d positives of %s (%s): their AP and per-class thresholds are noise; hold out more with "
+            "dataset.val_fraction or give a validation list with dataset.val_file",
+            val_fraction,
+            plural(len(labels), "image"),
+            MIN_VAL_POSITIVES,
+            f"{len(few)} class{'es' if len(few) > 1 else ''}",
+            listed,
+        )
 
 
 def image_hash(image: str, seed: int) -> int:
