@@ -148,3 +148,56 @@ def test_csv_errors(tmp_path: Path) -> None:
         CSVDataset("train", root=str(root))
     with pytest.raises(DatasetConfigError, match=r"val_fraction must be in \[0, 1\)"):
         CSVDataset("train", root=str(tmp_path / "a"), val_fraction=1.5)
+
+
+# ------------------------------------------------------------------ repeated rows, class names, small splits
+def test_repeated_image_rows_are_merged_when_alike_and_refused_when_not(tmp_path: Path, caplog) -> None:
+    alike = "image,labels\nimg/a.jpg,cat dog\nimg/b.jpg,dog\nimg/a.jpg,dog cat\n"
+    root = write_csv(tmp_path, alike, images=["img/a.jpg", "img/b.jpg"])
+    with caplog.at_level("WARNING", logger="mlcls"):
+        dataset = CSVDataset("train", root=str(root), val_fraction=0.0)
+    assert [Path(s.path).name for s in dataset.samples] == ["a.jpg", "b.jpg"]
+    assert dataset.labels.tolist() == [[1, 1], [0, 1]]
+    assert "1 repeated image row listed more than once with the same labels" in caplog.text
+    write_csv(tmp_path, "image,labels\nimg/a.jpg,cat\nimg/b.jpg,dog\nimg/a.jpg,dog\n")
+    with pytest.raises(
+        DatasetFormatError, match=r"lines 2 and 4: image 'img/a.jpg' is listed twice with other"
+    ):
+        CSVDataset("train", root=str(root), val_fraction=0.0)
+
+
+def test_class_names_differing_in_case_are_warned(tmp_path: Path, caplog) -> None:
+    root = write_csv(tmp_path, "image,labels\nimg/a.jpg,Cat dog\nimg/b.jpg,cat\n", images=IMAGES[:2])
+    with caplog.at_level("WARNING", logger="mlcls"):
+        dataset = CSVDataset("train", root=str(root), val_fraction=0.0)
+    assert dataset.classes == ["Cat", "cat", "dog"]
+    assert "differ only in case are separate classes: Cat and cat;" in caplog.text
+
+
+def test_a_held_out_split_with_few_positives_of_a_class_names_them(tmp_path: Path, caplog) -> None:
+    images = [f"{i:03d}.jpg" for i in range(60)]
+    held = [i for i, name in enumerate(images) if held_out(name, 0.2, 0)]
+    assert len(held) >= 3  # the hash rule holds out enough images of this fixture
+    rare = set(held[:2]) | {i for i in range(60) if i % 7 == 0 and i not in held}  # 2 held out, more in train
+    tags = ["common" + (" rare" if i in rare else "") for i in range(60)]
+    text = "image,labels\n" + "".join(f"{name},{tag}\n" for name, tag in zip(images, tags, strict=True))
+    root = str(write_csv(tmp_path, text, images=images))
+    with caplog.at_level("WARNING", logger="mlcls"):
+        CSVDataset("val", root=root, val_fraction=0.2)
+    warnings = [r.getMessage() for r in caplog.records if "fewer than 5 positives" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "of 1 class (rare 2)" in warnings[0]
+    assert "dataset.val_fraction" in warnings[0] and "dataset.val_file" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mlcls"):
+        CSVDataset("train", root=root, val_fraction=0.2)
+        CSVDataset("val", root=root, val_file="train.csv")  # a validation list: no warning
+    assert "fewer than 5 positives" not in caplog.text
+
+
+def test_a_test_list_with_given_classes_needs_no_training_file(tmp_path: Path) -> None:
+    root = write_csv(tmp_path, "image,labels\nimg/a.jpg,dog\nimg/b.jpg,cat dog\n", "test.csv", IMAGES[:2])
+    dataset = CSVDataset("val", root=str(root), val_file="test.csv", classes=["dog", "cat"])
+    assert dataset.labels.tolist() == [[1, 0], [1, 1]]
+    with pytest.raises(DatasetLayoutError, match="train.csv"):
+        CSVDataset("val", root=str(root), val_file="test.csv")  # classes to infer: the training file too

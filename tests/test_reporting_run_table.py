@@ -1,0 +1,141 @@
+"""mlcls-tables --runs: runs written by the trainer side by side, the swept key a column of its own."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import compose_config
+
+from mlcls.cli import tables as tables_cli
+from mlcls.engine.resume import restore
+from mlcls.engine.state import TrainState
+from mlcls.reporting.run_table import differing_keys, flat_settings, run_status
+
+RUN = [
+    "dataset.train_size=64",
+    "dataset.val_size=32",
+    "dataset.image_size=32",
+    "model.name=resnet10t",
+    "trainer.epochs=1",
+    "trainer.batch_size=16",
+    "trainer.limit_train_batches=2",
+    "trainer.workers=0",
+    "trainer.device=cpu",
+    "trainer.log_every=1000",
+]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A sweep directory of two real runs, loss=twoway (job 0) and loss=bce (job 1), and a job 2 that
+    stopped before its first evaluation (config.yaml only)."""
+    from mlcls.cli.train import run
+
+    root = tmp_path_factory.mktemp("sweep")
+    for job, loss in enumerate(("twoway", "bce")):
+        run(compose_config([*RUN, f"loss={loss}", f"trainer.output_dir={root / str(job)}"]))
+    (root / "2").mkdir()
+    shutil.copy(root / "1" / "config.yaml", root / "2" / "config.yaml")
+    return root
+
+
+def table(argv, capsys) -> tuple[int, str, str]:
+    code = tables_cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def results(run_dir) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def test_a_sweep_is_one_table_with_the_swept_key_as_a_column(sweep, capsys):
+    code, out, err = table(["--runs", str(sweep), "--csv"], capsys)
+    assert code == 0, err
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [row["loss"] for row in rows] == ["twoway", "bce", "bce"]
+    assert next(iter(rows[0])) == "loss"  # the only setting that differs: no loss.tp, no output_dir
+    assert list(rows[0])[1:] == [
+        "status", "mAP_class", "mAP_sample", "best_epoch", "epochs_completed", "wall_time_s", "run",
+    ]  # fmt: skip
+    for row, job in zip(rows[:2], ("0", "1"), strict=True):
+        written = results(sweep / job)
+        assert row["run"] == str(sweep / job) and row["status"] == "finished"
+        assert float(row["mAP_class"]) == written["metrics"]["mAP_class"]
+        assert float(row["mAP_sample"]) == written["metrics"]["mAP_sample"]
+        assert int(row["best_epoch"]) == written["best"]["epoch"] == 1
+        assert float(row["wall_time_s"]) == written["provenance"]["wall_time_s"] > 0
+    assert rows[2]["status"] == "failed" and rows[2]["mAP_class"] == ""
+
+
+def test_markdown_and_json_hold_the_same_runs(sweep, capsys):
+    code, out, _ = table(["--runs", str(sweep)], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "### 3 runs"
+    header = lines.index("| loss | status | mAP_class | mAP_sample | best_epoch | epochs_completed | "
+                         "wall_time_s | run |")  # fmt: skip
+    twoway = results(sweep / "0")["metrics"]["mAP_class"]
+    assert lines[header + 2].startswith(f"| twoway | finished | {twoway:.2f} |")
+    code, out, _ = table(["--runs", str(sweep / "0"), str(sweep / "1"), "--json"], capsys)
+    runs = json.loads(out)
+    assert [run["loss"] for run in runs] == ["twoway", "bce"]
+    assert runs[1]["mAP_sample"] == results(sweep / "1")["metrics"]["mAP_sample"]
+
+
+def test_sort_puts_the_best_mAP_first(sweep, capsys):
+    code, out, _ = table(["--runs", str(sweep), "--json", "--sort", "mAP_class"], capsys)
+    scores = {job: results(sweep / job)["metrics"]["mAP_class"] for job in ("0", "1")}
+    order = sorted(scores, key=scores.get, reverse=True)
+    assert [run["run"] for run in json.loads(out)] == [str(sweep / job) for job in order] + [str(sweep / "2")]
+    code, _, err = table(["--runs", str(sweep), "--sort", "mAP"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--sort mAP: no such column; the columns are loss" in err
+
+
+def test_no_run_found_is_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code, out, err = table(["--runs", str(tmp_path / "empty")], capsys)
+    assert code == 2 and out == ""
+    where = tmp_path / "empty"
+    expected = f"no run in {where}: a run directory holds config.yaml or results.json"
+    assert err == f"mlcls-tables: error: {expected}\n"
+    code, _, err = table(["--runs", str(tmp_path), "--table", "table1"], capsys)
+    assert code == 2 and "--table apply to the paper tables, not to --runs" in err
+
+
+def test_status_of_unfinished_and_resumed_runs():
+    config = {"trainer": {"epochs": 4}}
+    assert run_status(config, {"epochs_completed": 4}) == "finished"
+    assert run_status(config, {"epochs_completed": 2}) == "unfinished (2 of 4 epochs)"
+    assert run_status(config, {"epochs_completed": 4, "resumes": 2}) == "finished, resumed 2×"
+    assert run_status(config, None) == "failed"
+
+
+def test_resuming_counts_in_the_state_and_results(sweep):
+    checkpoint = torch.load(sweep / "0" / "checkpoints" / "last.pt", weights_only=False)
+    assert checkpoint.get("resumes", 0) == 0 and results(sweep / "0")["resumes"] == 0
+    state = TrainState()
+    restore(checkpoint, sweep / "0" / "last.pt", {}, torch.amp.GradScaler("cpu"), state, "none", 0)
+    assert state.resumes == 1
+    restore(state.state_dict() | {"optimizer": {}}, sweep / "0" / "x.pt", {}, torch.amp.GradScaler("cpu"),
+            state, "none", 0)  # fmt: skip
+    assert state.resumes == 2
+
+
+def test_differing_keys_name_a_rebuilt_group_once_and_skip_launch_keys():
+    twoway = {"_target_": "mlcls.losses.TwoWayLoss", "tp": 4.0, "tn": 1.0}
+    runs = [
+        {"loss": twoway, "model": {"name": "a", "drop": 0.1}, "trainer": {"output_dir": "x", "epochs": 2}},
+        {"loss": {**twoway, "tp": 1.0}, "model": {"name": "a"}, "trainer": {"output_dir": "y", "epochs": 2}},
+        {"loss": {"_target_": "mlcls.losses.BinaryCrossEntropyLoss"}, "model": {"name": "a", "drop": 0.1},
+         "trainer": {"output_dir": "z", "epochs": 2}},
+    ]  # fmt: skip
+    settings = [flat_settings(run) for run in runs]
+    assert [s["loss"] for s in settings] == ["twoway", "twoway", "bce"]
+    assert differing_keys(settings) == ["loss", "model.drop"]
+    assert differing_keys(settings[:2]) == ["loss.tp", "model.drop"]
