@@ -4,16 +4,19 @@ config (one line naming the closest keys for one it lacks); figures against scik
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from sklearn.metrics import average_precision_score
 from test_inference_support import IMAGE_SIZE, reference_logits, trained_run
 
 from mlcls.cli import eval as eval_cli
 from mlcls.cli.eval import evaluation_dataset_config
+from mlcls.data.csv_dataset import held_out
 from mlcls.data.synthetic import SyntheticMultiLabel
 from mlcls.engine.validate import ConfigError
 
@@ -121,3 +124,69 @@ def test_evaluation_dataset_config_replaces_keys_and_pins_the_checkpoint_classes
         ConfigError, match=r"dataset \(coco\): coco has name, root, val_split$|coco\): dataset"
     ):
         evaluation_dataset_config(coco, {"year": 2017}, ["x"])
+
+
+def test_eval_prints_the_per_class_ap(csv_run, monkeypatch, capsys, tmp_path):
+    checkpoint, paths, labels = csv_run
+    monkeypatch.chdir(tmp_path)
+    argv = [f"checkpoint={checkpoint}", "dataset.val_file=test.csv", "workers=0", "device=cpu"]
+    code, out, err = run_eval(argv, monkeypatch, capsys)
+    assert code == 0, err
+    per_class = json.loads(out.strip().splitlines()[-1])["per_class_ap"]
+    logits = reference_logits(checkpoint, paths, "light").double().numpy()
+    classes = torch.load(checkpoint, weights_only=False)["classes"]
+    assert list(per_class) == classes
+    for c, name in enumerate(classes):
+        if labels[:, c].sum() == 0:
+            assert per_class[name] is None
+        else:
+            assert per_class[name] == pytest.approx(
+                100 * average_precision_score(labels[:, c], logits[:, c]), abs=1e-4
+            )
+
+
+def test_a_test_csv_is_evaluated_without_the_training_csv(csv_run, monkeypatch, capsys, tmp_path):
+    checkpoint, paths, _ = csv_run
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    shutil.copy(paths[0].parent.parent / "test.csv", mine / "test.csv")
+    (mine / "images").symlink_to(paths[0].parent)
+    state = torch.load(checkpoint, weights_only=False)
+    state["config"]["dataset"]["root"] = str(mine)  # a folder without train.csv
+    torch.save(state, tmp_path / "moved.pt")
+    monkeypatch.chdir(tmp_path)
+    argv = [f"checkpoint={tmp_path / 'moved.pt'}", "dataset.val_file=test.csv", "workers=0", "device=cpu"]
+    code, out, err = run_eval(argv, monkeypatch, capsys)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["num_samples"] == TEST_SIZE
+
+
+def test_a_run_trained_with_a_relative_root_evaluates_from_another_directory(
+    csv_run, monkeypatch, capsys, tmp_path
+):
+    from conftest import compose_config
+
+    from mlcls.cli.train import run
+
+    _, paths, _ = csv_run
+    data = tmp_path / "a" / "data"
+    data.mkdir(parents=True)
+    shutil.copy(paths[0].parent.parent / "test.csv", data / "train.csv")
+    (data / "images").symlink_to(paths[0].parent)
+    monkeypatch.chdir(tmp_path / "a")
+    overrides = [
+        "dataset=csv", "dataset.root=data", "dataset.val_fraction=0.5", "dataset.image_size=32",
+        "dataset.transform=light", "model.name=resnet10t", "model.pretrained=false", "trainer.epochs=1",
+        "trainer.batch_size=4", "trainer.limit_train_batches=1", "trainer.workers=0", "trainer.device=cpu",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    run(compose_config(overrides))
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["dataset"]["root"] == str(data)
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")
+    argv = [f"checkpoint={tmp_path / 'run' / 'checkpoints' / 'best.pt'}", "workers=0", "device=cpu"]
+    code, out, err = run_eval(argv, monkeypatch, capsys)
+    assert code == 0, err
+    held = [i for i in range(TEST_SIZE) if held_out(f"images/{i:03d}.png", 0.5, 0)]
+    assert json.loads(out.strip().splitlines()[-1])["num_samples"] == len(held)

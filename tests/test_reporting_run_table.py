@@ -17,13 +17,13 @@ from mlcls.engine.state import TrainState
 from mlcls.reporting.run_table import differing_keys, flat_settings, run_status
 
 RUN = [
-    "dataset.train_size=64",
-    "dataset.val_size=32",
+    "dataset.train_size=32",
+    "dataset.val_size=16",
     "dataset.image_size=32",
     "model.name=resnet10t",
     "trainer.epochs=1",
     "trainer.batch_size=16",
-    "trainer.limit_train_batches=2",
+    "trainer.limit_train_batches=1",
     "trainer.workers=0",
     "trainer.device=cpu",
     "trainer.log_every=1000",

@@ -380,3 +380,26 @@ def test_console_script(tmp_path, twoway_coco):
     assert len(cells) == 10 and all(row["ours"] == "" for row in cells.values())  # T_P = 4 is not Table 2
     assert float(cells[("mAP@class", "ε=4")]["paper"]) == 73.44
     assert "1 of 1 runs fill no cell shown" in done.stderr
+
+
+def test_a_table_no_run_can_be_placed_in_names_the_stand_ins(tmp_path, capsys, twoway_coco):
+    synthetic = variant(twoway_coco, dataset__name="synthetic", model__name="resnet10t")
+    write_run(tmp_path / "smoke", synthetic, mac=30.0, mas=40.0)
+    argv = [str(tmp_path), "--table", "table1", "--stand-in", "synthetic=voc2007"]
+    assert tables_cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "mlcls-tables: error: none of the 1 runs can fill a cell of table1: the runs have dataset voc2007 and "
+        "backbone resnet10t, the tables need dataset coco and backbone resnet50; --stand-in synthetic=coco "
+        "--stand-in resnet10t=resnet50 would place them\n"
+    )
+    argv = [
+        str(tmp_path),
+        "--table",
+        "table1",
+        "--stand-in",
+        "synthetic=coco",
+        "--stand-in",
+        "resnet10t=resnet50",
+    ]
+    assert tables_cli.main([*argv, "--csv"]) == 0
+    assert float(csv_cells(capsys.readouterr().out)[("4", "mAP@class T_N=1")]["ours"]) == 30.0
