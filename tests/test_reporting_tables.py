@@ -388,9 +388,9 @@ def test_a_table_no_run_can_be_placed_in_names_the_stand_ins(tmp_path, capsys, t
     argv = [str(tmp_path), "--table", "table1", "--stand-in", "synthetic=voc2007"]
     assert tables_cli.main(argv) == 2
     assert capsys.readouterr().err == (
-        "mlcls-tables: error: none of the 1 runs can fill a cell of table1: the runs have dataset voc2007 and "
-        "backbone resnet10t, the tables need dataset coco and backbone resnet50; --stand-in synthetic=coco "
-        "--stand-in resnet10t=resnet50 would place them\n"
+        "mlcls-tables: error: none of the 1 runs can fill a cell of table1: the runs have dataset voc2007 "
+        "and backbone resnet10t, the tables need dataset coco and backbone resnet50; "
+        "--stand-in synthetic=coco --stand-in resnet10t=resnet50 would place them\n"
     )
     argv = [
         str(tmp_path),
