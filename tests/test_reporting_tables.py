@@ -373,13 +373,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_console_script(tmp_path, twoway_coco):
     write_run(tmp_path / "run", twoway_coco, mac=74.5, mas=86.0)
     done = run_cli(
-        cli("mlcls-tables", str(tmp_path / "run"), "--table", "table2", "--csv"), cwd=tmp_path, timeout=120
+        cli("mlcls-tables", str(tmp_path / "run"), "--table", "table1", "--csv"), cwd=tmp_path, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    cells = csv_cells(done.stdout)
-    assert len(cells) == 10 and all(row["ours"] == "" for row in cells.values())  # T_P = 4 is not Table 2
-    assert float(cells[("mAP@class", "ε=4")]["paper"]) == 73.44
-    assert "1 of 1 runs fill no cell shown" in done.stderr
+    assert float(csv_cells(done.stdout)[("4", "mAP@class T_N=1")]["ours"]) == 74.5
+    # T_P = 4 is not in Table 2: a table the runs fill nowhere is an error, not a page of "missing" cells
+    done = run_cli(
+        cli("mlcls-tables", str(tmp_path / "run"), "--table", "table2", "--csv"), cwd=tmp_path, timeout=120
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("mlcls-tables: error: none of the 1 runs fills a cell of table2;")
+    assert len(done.stderr.splitlines()) == 1
 
 
 def test_a_table_no_run_can_be_placed_in_names_the_stand_ins(tmp_path, capsys, twoway_coco):

@@ -64,15 +64,13 @@ def build_tables(
         problem = placement_problem(runs, [table.spec for table in tables], stand_ins)
         if problem:
             raise ReportError(problem)
-    if names:
-        return tables
-    tables = [table for table in tables if table.filled]
-    if not tables:
+    if not any(table.filled for table in tables):
+        shown = ", ".join(table.spec.name for table in tables) if names else "Tables 1, 2, 3, 4, 5, 7"
         raise ReportError(
-            f"none of the {len(runs)} runs fills a cell of Tables {', '.join(n[5:] for n in TABLE_NAMES)}; "
-            "see docs/reproduce.md for the settings each cell needs (smoke runs need --smoke)"
+            f"none of the {len(runs)} runs fills a cell of {shown}; see docs/reproduce.md for the settings "
+            "each cell needs (smoke runs need --smoke), or compare the runs with mlcls-tables --runs"
         )
-    return tables
+    return tables if names else [table for table in tables if table.filled]
 
 
 def report(
