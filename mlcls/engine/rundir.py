@@ -54,8 +54,9 @@ def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: boo
         discard_if_empty(hydra_dir)
 
     def create_and_lock() -> None:
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
         acquire_run_lock(run_dir)
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
 
     dist_utils.on_main(create_and_lock, is_main)  # a refused lock raises on every rank
     return run_dir

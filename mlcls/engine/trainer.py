@@ -208,9 +208,7 @@ class Trainer:
             raise
         finally:
             self.run_log.close()
-            close_run_dir(
-                self.run_dir, self.dist.is_main
-            )  # releases the lock; discards a run without checkpoint
+            close_run_dir(self.run_dir, self.dist.is_main)
         return self.results(tcfg.epochs)
 
     def _stop(self, epoch: int, step: int) -> None:
