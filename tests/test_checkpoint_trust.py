@@ -144,6 +144,13 @@ def test_a_dataset_target_from_a_file_is_not_called_by_eval(tmp_path, trained):
         evaluate_checkpoint(cfg)
     assert not marker.exists()
 
+    nested = {**stored, "transform": {"_target_": "test_checkpoint_trust.write_marker", "path": str(marker)}}
+    path = _checkpoint_with_config(tmp_path / "nested.pt", trained, "dataset", nested)
+    cfg = compose_config([f"checkpoint={path}", "device=cpu"], config_name="eval")
+    with pytest.raises(ConfigError, match="dataset.transform holds a _target_"):
+        evaluate_checkpoint(cfg)
+    assert not marker.exists()
+
 
 def test_an_old_checkpoint_is_refused_then_resaved_as_plain_data(tmp_path, trained):
     # what mlcls wrote before: NumPy's random state as it comes, with an ndarray inside

@@ -70,12 +70,19 @@ def packaged_dataset_targets() -> set[str]:
     return targets
 
 
+def _names_a_target(node: Any) -> bool:
+    """Whether a ``_target_`` key appears anywhere within ``node`` (a config value)."""
+    if OmegaConf.is_dict(node):
+        return "_target_" in node or any(_names_a_target(value) for value in node.values())
+    return OmegaConf.is_list(node) and any(_names_a_target(value) for value in node)
+
+
 def check_dataset_target(dataset_cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` unless ``dataset_cfg`` (read from a checkpoint) names one of mlcls's
     dataset classes and no other ``_target_`` within: Hydra would call whatever a file names."""
     known = packaged_dataset_targets()
     target = dataset_cfg.get("_target_")
-    nested = [key for key, value in dataset_cfg.items() if key != "_target_" and "_target_" in str(value)]
+    nested = [key for key, value in dataset_cfg.items() if key != "_target_" and _names_a_target(value)]
     if target not in known or nested:
         what = f"dataset.{nested[0]} holds a _target_" if nested else f"dataset._target_={target!r}"
         raise ConfigError(
