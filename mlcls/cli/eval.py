@@ -59,14 +59,48 @@ def evaluation_dataset_config(
     return merged
 
 
+def packaged_dataset_targets() -> set[str]:
+    """The ``_target_`` of every dataset config mlcls ships (``configs/dataset/*.yaml``)."""
+    targets = set()
+    for path in (config_dir() / "dataset").glob("*.yaml"):
+        node = OmegaConf.load(path)
+        target = OmegaConf.select(node, "dataset._target_") or node.get("_target_")
+        if target:
+            targets.add(str(target))
+    return targets
+
+
+def _names_a_target(node: Any) -> bool:
+    """Whether a ``_target_`` key appears anywhere within ``node`` (a config value)."""
+    if OmegaConf.is_dict(node):
+        return "_target_" in node or any(_names_a_target(value) for value in node.values())
+    return OmegaConf.is_list(node) and any(_names_a_target(value) for value in node)
+
+
+def check_dataset_target(dataset_cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` unless ``dataset_cfg`` (read from a checkpoint) names one of mlcls's
+    dataset classes and no other ``_target_`` within: Hydra would call whatever a file names."""
+    known = packaged_dataset_targets()
+    target = dataset_cfg.get("_target_")
+    nested = [key for key, value in dataset_cfg.items() if key != "_target_" and _names_a_target(value)]
+    if target not in known or nested:
+        what = f"dataset.{nested[0]} holds a _target_" if nested else f"dataset._target_={target!r}"
+        raise ConfigError(
+            f"the checkpoint's {what}; only mlcls's datasets are built from a file "
+            f"({', '.join(sorted(known))}), unless trust_checkpoint=true"
+        )
+
+
 def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate ``cfg.checkpoint``; every process returns the same figures."""
     require_keys(cfg, USAGE)
     info = dist_utils.init_distributed(cfg.device)
-    inference = load_inference_model(cfg.checkpoint, info.device)
+    inference = load_inference_model(cfg.checkpoint, info.device, trust=cfg.trust_checkpoint)
     if "dataset" not in inference.config:
         raise ConfigError(f"{cfg.checkpoint} holds no dataset config; is it an mlcls checkpoint?")
     dataset_cfg = evaluation_dataset_config(inference.config["dataset"], cfg.dataset, inference.classes)
+    if not cfg.trust_checkpoint:
+        check_dataset_target(dataset_cfg)
     dataset = build_dataset(dataset_cfg, train=False)
     if list(dataset.classes) != inference.classes:
         raise ConfigError(

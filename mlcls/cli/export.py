@@ -24,7 +24,9 @@ USAGE = "mlcls-export checkpoint=<run>/checkpoints/best.pt format=onnx"
 def _hydra_main(cfg: DictConfig) -> None:
     with user_errors():
         require_keys(cfg, USAGE)
-        path, difference = export_checkpoint(cfg.checkpoint, cfg.format, cfg.out, cfg.opset, cfg.verify)
+        path, difference = export_checkpoint(
+            cfg.checkpoint, cfg.format, cfg.out, cfg.opset, cfg.verify, trust=cfg.trust_checkpoint
+        )
     print(json.dumps({"format": cfg.format, "path": str(path), "max_abs_difference": difference}))
     if difference is not None and not difference <= cfg.tolerance:
         print(

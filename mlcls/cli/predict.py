@@ -49,7 +49,7 @@ def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]
     paths = find_images(sources)
     if not paths:
         raise InferenceError(f"no image matched images={sources}; give a file, a folder or a quoted glob")
-    inference = load_inference_model(cfg.checkpoint, cfg.device)
+    inference = load_inference_model(cfg.checkpoint, cfg.device, trust=cfg.trust_checkpoint)
     predictions, unreadable = predict_images(
         inference, paths, cfg.batch_size, cfg.workers, threshold=cfg.threshold, top_k=cfg.top_k
     )

@@ -1,31 +1,61 @@
-"""Atomic checkpoint and result files.
+"""Atomic checkpoint and result files, read without running code from them.
 
 Every file is written to a temporary file in the same directory, flushed to disk and renamed over the
-target, so a crash mid-write leaves the previous complete file in place, never a truncated one.
+target, so a crash mid-write (or a full disk) leaves the previous complete file in place, never a truncated
+one.
+
+Checkpoints hold plain data only -- tensors, dicts, lists, tuples, strings, numbers, booleans, None -- and
+are read with ``torch.load(weights_only=True)``: a pickle in a file from someone else cannot run code. A
+file that needs more (one written before checkpoints held plain data, or a crafted one) is refused unless
+the caller trusts it explicitly (``trust_checkpoint=true``), or once re-saved by :func:`resave_plain`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 log = logging.getLogger("mlcls")
+
+
+# How the one-line errors tell a user to trust a checkpoint they wrote themselves, or to re-save it.
+TRUST_HINT = (
+    "if you wrote it yourself, re-save it as plain data with `python -m mlcls.cli.resave {path}`, or load it "
+    "as it is with trust_checkpoint=true (trainer.trust_checkpoint=true to resume)"
+)
+_FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint file cannot be read."""
 
 
+class UntrustedCheckpointError(CheckpointError):
+    """A checkpoint needs code run to be loaded (pickled objects beyond plain data) and was not trusted."""
+
+
+class DiskFullError(RuntimeError):
+    """A run's file cannot be written for lack of space; the previous version of the file is intact."""
+
+
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename it over ``path``."""
+    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename it over ``path``.
+
+    A full disk raises :class:`DiskFullError` naming ``path`` and the free space, ``path`` unchanged.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -35,9 +65,36 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are for the whole group to read
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        _raise_if_disk_full(exc, path)
         raise
+
+
+def _raise_if_disk_full(exc: BaseException, path: Path) -> None:
+    """Raise :class:`DiskFullError` for ``path`` if ``exc`` says the disk (or the quota) is full."""
+    if isinstance(exc, OSError) and exc.errno in _FULL_DISK_ERRNOS:
+        free = shutil.disk_usage(path.parent).free
+        raise DiskFullError(
+            f"cannot write {path}: no space left on the device ({free / 2**20:.1f} MiB free in "
+            f"{path.parent}); the previous {path.name}, if any, is unchanged",
+        ) from exc
+
+
+def plain(data: Any) -> Any:
+    """``data`` with what ``torch.load(weights_only=True)`` refuses made plain: NumPy arrays become tensors
+    (unsigned integers as int64), NumPy scalars Python numbers, OmegaConf configs dicts and lists."""
+    if isinstance(data, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(data, resolve=True)
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(data.astype(np.int64) if data.dtype.kind == "u" else data.copy())
+    if isinstance(data, np.generic):
+        return data.item()
+    if isinstance(data, dict):
+        return {key: plain(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(plain(value) for value in data)
+    return data
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
@@ -45,18 +102,43 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
     atomic_write(Path(path), lambda f: torch.save(state, f))
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint`; raise :class:`CheckpointError` if unreadable."""
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", trust: bool = False
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` with ``torch.load(weights_only=True)``.
+
+    Raises :class:`UntrustedCheckpointError` for a file that holds more than plain data (naming the first
+    type it needs), unless ``trust`` (the file is yours: it is unpickled as it is, which can run code), and
+    :class:`CheckpointError` for a missing or unreadable one.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=False)
+        state = torch.load(path, map_location=map_location, weights_only=not trust)
     except Exception as exc:  # truncated zip, wrong file type, pickling error
-        raise CheckpointError(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc})") from exc
+        needed = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if not trust and needed:
+            raise UntrustedCheckpointError(
+                f"checkpoint {path} holds a {needed.group(1)} object, which loading would run code for "
+                f"(a crafted file, or one written before checkpoints held plain data); "
+                + TRUST_HINT.format(path=path)
+            ) from None
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {first_line})"
+        ) from exc
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not an mlcls checkpoint (no 'model' entry)")
     return state
+
+
+def resave_plain(path: str | Path) -> None:
+    """Rewrite the checkpoint ``path`` (trusted: it is unpickled as it is) as plain data, atomically, so
+    that :func:`load_checkpoint` reads it without ``trust``."""
+    state = plain(load_checkpoint(path, trust=True))
+    save_checkpoint(state, path)
+    load_checkpoint(path)  # what the re-saved file must now pass
 
 
 def _finite_or_none(data: Any) -> Any:
@@ -80,12 +162,15 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     tmp = dst.with_name(f".{dst.name}.link.tmp")
     tmp.unlink(missing_ok=True)
     try:
-        os.link(src, tmp)
-    except OSError:
-        import shutil
-
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        _raise_if_disk_full(exc, dst)
+        raise
 
 
 def save_training_checkpoint(state: dict[str, Any], directory: str | Path, iteration: int, keep: int) -> Path:
@@ -109,15 +194,17 @@ def resume_candidates(directory: str | Path) -> list[Path]:
     return candidates + sorted(directory.glob("iter_*.pt"), reverse=True)
 
 
-def choose_resume_checkpoint(resume: str, directory: str | Path) -> str | None:
+def choose_resume_checkpoint(resume: str, directory: str | Path, trust: bool = False) -> str | None:
     """The checkpoint ``trainer.resume`` names: a file as given, or for ``auto`` the newest readable one in
-    ``directory`` (an unreadable one, e.g. truncated by a crash, is reported and the previous one tried);
-    None when there is none."""
+    ``directory`` (an unreadable one, e.g. truncated by a crash, is reported and the previous one tried;
+    an untrusted one ends the search with :class:`UntrustedCheckpointError`); None when there is none."""
     if resume != "auto":
         return str(resume)
     for path in resume_candidates(directory):
         try:
-            load_checkpoint(path)
+            load_checkpoint(path, trust=trust)
+        except UntrustedCheckpointError:
+            raise
         except CheckpointError as exc:
             log.warning("%s; trying the previous checkpoint", exc)
             continue

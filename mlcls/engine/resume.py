@@ -28,6 +28,7 @@ def resume_run(
     ``parts`` (name -> object with ``load_state_dict``: model, optimizer, scheduler, ema), ``scaler`` and
     ``state``; True if a checkpoint was loaded.
 
+    Checkpoints are read as plain data (:func:`load_checkpoint`) unless ``trainer.trust_checkpoint``.
     Rank 0 chooses the file and every rank loads that one (ranks that chose for themselves could load
     different files when one is being written or a node's file system lags). A checkpoint written with
     another ``trainer.amp`` is resumed with a warning and a fresh loss scale.
@@ -36,13 +37,14 @@ def resume_run(
     if not resume:
         return False
     checkpoints = run_dir / "checkpoints"
-    path = dist_utils.on_main(lambda: choose_resume_checkpoint(resume, checkpoints), rank == 0)
+    trust = bool(cfg.trainer.get("trust_checkpoint", False))
+    path = dist_utils.on_main(lambda: choose_resume_checkpoint(resume, checkpoints, trust), rank == 0)
     path = dist_utils.broadcast_object(path)
     if path is None:
         log.info("trainer.resume=auto: no readable checkpoint in %s, starting from scratch", run_dir)
         return False
     with dist_utils.all_or_none():
-        restore(load_checkpoint(path), Path(path), parts, scaler, state, cfg.trainer.amp, rank)
+        restore(load_checkpoint(path, trust=trust), Path(path), parts, scaler, state, cfg.trainer.amp, rank)
     return True
 
 

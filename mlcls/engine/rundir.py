@@ -1,14 +1,31 @@
-"""Where a run writes: one directory for every process, created only once the run can start."""
+"""Where a run writes: one directory for every process, created only once the run can start, held by one
+run at a time (a lock file naming its host and process), and removed again by a run that fails before its
+first checkpoint."""
 
 from __future__ import annotations
 
+import atexit
+import json
+import logging
+import os
 import shutil
+import socket
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
 from mlcls.engine import distributed as dist_utils
+
+log = logging.getLogger("mlcls")
+
+# The lock file of a live run in its run directory: JSON {"host", "pid", "started"}.
+LOCK_NAME = ".lock"
+
+
+class RunDirLocked(RuntimeError):
+    """Another live run holds the run directory."""
 
 
 def hydra_run_dir() -> Path | None:
@@ -35,8 +52,119 @@ def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: boo
     run_dir = Path(dist_utils.broadcast_object(str(chosen))).absolute()
     if hydra_dir is not None and hydra_dir.absolute() != run_dir:
         discard_if_empty(hydra_dir)
-    dist_utils.on_main(lambda: (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True), is_main)
+
+    def create_and_lock() -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        acquire_run_lock(run_dir)
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+
+    dist_utils.on_main(create_and_lock, is_main)  # a refused lock raises on every rank
     return run_dir
+
+
+def explicit_hydra_run_dir() -> bool:
+    """True when a single run's command line sets ``hydra.run.dir``: that directory is the run's, the same
+    on every relaunch (so ``trainer.resume=auto`` knows where to look)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return False
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return False
+    return any(
+        override.lstrip("+~").split("=")[0] == "hydra.run.dir" for override in hydra_cfg.overrides.hydra
+    )
+
+
+def _lock_holder(lock: Path) -> dict[str, Any]:
+    """The ``{"host", "pid", "started"}`` a lock file names (empty when it is unreadable)."""
+    try:
+        holder = json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _is_mine(holder: dict[str, Any]) -> bool:
+    return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+
+
+def _holder_alive(holder: dict[str, Any]) -> bool:
+    """Whether the run a lock names may still be running: its process exists, or it runs on another host
+    (which this one cannot check). This process's own lock (a run of it that did not finish) is not."""
+    if holder.get("host") != socket.gethostname():
+        return bool(holder)
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user
+        return True
+    return True
+
+
+def acquire_run_lock(run_dir: Path) -> None:
+    """Take ``run_dir``'s lock for this process until :func:`release_run_lock` (or exit).
+
+    A lock of a live run raises :class:`RunDirLocked` naming its holder; a stale one (its process gone
+    from this host) is taken over with a warning. The lock appears with its content in one step (a hard
+    link of a complete file), so no run reads a half-written one.
+    """
+    lock = run_dir / LOCK_NAME
+    holder = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
+    }
+    draft = run_dir / f"{LOCK_NAME}.{os.getpid()}.tmp"
+    draft.write_text(json.dumps(holder) + "\n")
+    try:
+        while True:
+            try:
+                os.link(draft, lock)
+                break
+            except FileExistsError:
+                other = _lock_holder(lock)
+                if _holder_alive(other):
+                    raise RunDirLocked(
+                        f"run directory {run_dir} is in use by another run (pid {other.get('pid')} on "
+                        f"{other.get('host')}, started {other.get('started')}); wait for it to end, choose "
+                        f"another directory, or delete {lock} if that run is gone"
+                    ) from None
+                if not _is_mine(other):
+                    log.warning("taking over the stale lock %s of a run that is gone (%s)", lock, other)
+                lock.unlink(missing_ok=True)
+    finally:
+        draft.unlink(missing_ok=True)
+    atexit.register(release_run_lock, run_dir)
+
+
+def release_run_lock(run_dir: Path) -> None:
+    """Remove ``run_dir``'s lock if this process holds it."""
+    lock = run_dir / LOCK_NAME
+    if _is_mine(_lock_holder(lock)):
+        lock.unlink(missing_ok=True)
+
+
+def close_run_dir(run_dir: Path, is_main: bool) -> None:
+    """End the run's hold on ``run_dir`` (rank 0; other ranks do nothing): release its lock, and when no
+    checkpoint exists (the run failed before its first one) remove what it wrote -- ``config.yaml``,
+    ``tb/``, the empty ``checkpoints/`` -- and the directory if nothing else is left in it."""
+    if not is_main:
+        return
+    checkpoints = run_dir / "checkpoints"
+    if not any(checkpoints.glob("*.pt")):
+        (run_dir / "config.yaml").unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "tb", ignore_errors=True)
+        if checkpoints.is_dir() and not any(checkpoints.iterdir()):
+            checkpoints.rmdir()
+    release_run_lock(run_dir)
+    discard_if_empty(run_dir)
 
 
 def discard_if_empty(directory: Path | None) -> None:

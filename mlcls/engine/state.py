@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mlcls.engine.checkpoint import plain
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -18,16 +20,23 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's Python, NumPy, torch (and CUDA) generator states."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's Python, NumPy, torch (and CUDA) generator states, as plain data (NumPy's key array
+    as an int64 tensor) that a checkpoint loads without unpickling code."""
+    state = {
+        "python": random.getstate(),
+        "numpy": plain(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state` (NumPy's keys as a tensor, or as an array in earlier checkpoints)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    algorithm, keys, *position = state["numpy"]
+    np.random.set_state((algorithm, np.asarray(keys, dtype=np.uint32), *position))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

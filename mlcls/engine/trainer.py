@@ -8,7 +8,8 @@
     <run_dir>/tb/                        TensorBoard scalars
 
 The run directory is ``trainer.output_dir``, else Hydra's ``hydra.run.dir`` (``hydra.sweep.dir``/subdir in
-a multirun), chosen by rank 0 for every process.
+a multirun), chosen by rank 0 for every process and locked for one run at a time (``<run_dir>/.lock``). A run
+that fails before its first checkpoint removes what it wrote there.
 
 SIGTERM or SIGUSR1 (what SLURM sends before preemption) or Ctrl-C finishes the current step, writes a
 checkpoint with all ranks in step and stops with :class:`Preempted`; relaunching the same command with
@@ -44,11 +45,7 @@ from mlcls.engine.build import (
     warn_protocol,
     warn_unscored_classes,
 )
-from mlcls.engine.checkpoint import (
-    save_checkpoint,
-    save_training_checkpoint,
-    write_json,
-)
+from mlcls.engine.checkpoint import save_checkpoint, save_training_checkpoint, write_json
 from mlcls.engine.ema import ModelEma
 from mlcls.engine.evaluate import Evaluation, autocast_context, evaluate_model
 from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm
@@ -57,7 +54,7 @@ from mlcls.engine.optim import group_lrs
 from mlcls.engine.preemption import StopSignals
 from mlcls.engine.results import record_skipped_images, run_results
 from mlcls.engine.resume import resume_run
-from mlcls.engine.rundir import discard_if_empty, hydra_run_dir, resolve_run_dir
+from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
 from mlcls.engine.state import EpochProgress, TrainState, rng_state, seed_everything
 from mlcls.engine.validate import ConfigError, validate_config
 from mlcls.errors import plural
@@ -211,6 +208,7 @@ class Trainer:
             raise
         finally:
             self.run_log.close()
+            close_run_dir(self.run_dir, self.dist.is_main)
         return self.results(tcfg.epochs)
 
     def _stop(self, epoch: int, step: int) -> None:

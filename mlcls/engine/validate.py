@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from mlcls.data.fast import BACKENDS
 from mlcls.engine.optim import GROUP_KEYS, build_scheduler, optimizer_factory
+from mlcls.engine.rundir import explicit_hydra_run_dir
 from mlcls.errors import ConfigError  # noqa: F401 - re-exported: raised by validate_config
 from mlcls.losses.spec import loss_name
 
@@ -97,10 +98,13 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
         _positive(t.grad_clip, "trainer.grad_clip")
     if t.resume not in (None, "auto") and not Path(t.resume).is_file():
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint file (or use trainer.resume=auto)")
-    if t.resume == "auto" and not t.output_dir:
+    if t.resume == "auto" and not t.output_dir and not explicit_hydra_run_dir():
         raise ConfigError(
-            "trainer.resume=auto needs trainer.output_dir=<run dir> to know which run to resume"
+            "trainer.resume=auto needs trainer.output_dir=<run dir> (or hydra.run.dir=<run dir>) to know "
+            "which run to resume"
         )
+    if not isinstance(t.get("trust_checkpoint", False), bool):
+        raise ConfigError(f"trainer.trust_checkpoint={t.trust_checkpoint!r}; expected true or false")
 
     if t.batch_size % world_size:
         raise ConfigError(

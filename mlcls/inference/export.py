@@ -157,17 +157,23 @@ def default_output_path(checkpoint: str | Path, fmt: str) -> Path:
 
 
 def export_checkpoint(
-    checkpoint: str | Path, fmt: str, out: str | Path | None = None, opset: int = 17, verify: bool = True
+    checkpoint: str | Path,
+    fmt: str,
+    out: str | Path | None = None,
+    opset: int = 17,
+    verify: bool = True,
+    trust: bool = False,
 ) -> tuple[Path, float | None]:
     """Export ``checkpoint`` to ``fmt`` (one of :data:`EXPORT_FORMATS`) at ``out`` (default beside it).
 
     With ``verify`` the exported file is run on a random batch of 3 (a batch size other than the traced
     one) and compared with the PyTorch model. Returns the path written and the largest absolute logit
-    difference (None when not verified, or ONNX without onnxruntime).
+    difference (None when not verified, or ONNX without onnxruntime). ``trust``: see
+    :func:`load_inference_model`.
     """
     if fmt not in EXPORT_FORMATS:
         raise InferenceError(f"format={fmt!r}; expected one of {', '.join(EXPORT_FORMATS)}")
-    inference = load_inference_model(checkpoint, device="cpu")
+    inference = load_inference_model(checkpoint, device="cpu", trust=trust)
     path = Path(out) if out else default_output_path(checkpoint, fmt)
     metadata = export_metadata(inference)
     example = example_input(inference)

@@ -11,15 +11,13 @@ unreadable file (missing, corrupt, not an image) is reported in the ``unreadable
 from __future__ import annotations
 
 import glob
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -30,6 +28,10 @@ from mlcls.engine.distributed import resolve_device
 from mlcls.inference.errors import InferenceError
 from mlcls.inference.preprocess import build_eval_transform, spec_from_checkpoint
 from mlcls.inference.thresholds import select_labels
+from mlcls.models import create_model
+
+# The only function that builds a checkpoint's model (the ``_target_`` of configs/model/*.yaml).
+MODEL_FACTORY = "mlcls.models.create_model"
 
 # Files a directory search picks up (case-insensitive); a file or glob given explicitly is always tried.
 IMAGE_EXTENSIONS = frozenset(
@@ -82,21 +84,43 @@ class InferenceModel:
 def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
     """The network of a run's resolved ``config`` with ``num_classes`` outputs, randomly initialised.
 
-    Nothing is downloaded: the checkpoint's weights are loaded afterwards.
+    Built by :func:`mlcls.models.create_model` from the plain fields of ``config["model"]`` (a field the
+    factory does not take is refused); a ``_target_`` stored in the file is never called, and one other
+    than :data:`MODEL_FACTORY` is refused. Nothing is downloaded: the checkpoint's weights are loaded
+    afterwards.
     """
     if not isinstance(config.get("model"), dict):
         raise InferenceError("the checkpoint's config has no model section; is it an mlcls checkpoint?")
-    try:
-        return instantiate(
-            OmegaConf.create(config["model"]), num_classes=num_classes, pretrained=False, checkpoint_path=None
+    fields = dict(config["model"])
+    target = fields.pop("_target_", MODEL_FACTORY)
+    if target != MODEL_FACTORY:
+        raise InferenceError(
+            f"the checkpoint's model._target_ is {target!r}; a checkpoint's model is built by "
+            f"{MODEL_FACTORY} only (a _target_ read from a file is never called)"
         )
-    except InstantiationException as exc:
-        raise InferenceError(f"cannot build the checkpoint's model: {exc.__cause__ or exc}") from exc
+    accepted = sorted(set(inspect.signature(create_model).parameters) - {"num_classes"})
+    unknown = sorted(str(key) for key in fields if key not in accepted)
+    if unknown:
+        raise InferenceError(
+            f"the checkpoint's model config has {', '.join(unknown)}, which {MODEL_FACTORY} does not take "
+            f"(it takes {', '.join(accepted)})"
+        )
+    try:
+        return create_model(
+            **{**fields, "num_classes": num_classes, "pretrained": False, "checkpoint_path": None}
+        )
+    except (TypeError, ValueError) as exc:
+        raise InferenceError(f"cannot build the checkpoint's model: {exc}") from exc
 
 
-def load_inference_model(path: str | Path, device: str | torch.device = "auto") -> InferenceModel:
-    """Load ``path`` (``last.pt`` or ``best.pt``) in eval mode on ``device`` (auto: CUDA when available)."""
-    state = load_checkpoint(path, map_location="cpu")
+def load_inference_model(
+    path: str | Path, device: str | torch.device = "auto", trust: bool = False
+) -> InferenceModel:
+    """Load ``path`` (``last.pt`` or ``best.pt``) in eval mode on ``device`` (auto: CUDA when available).
+
+    The file is read as plain data unless ``trust`` (see :func:`mlcls.engine.checkpoint.load_checkpoint`).
+    """
+    state = load_checkpoint(path, map_location="cpu", trust=trust)
     classes = state.get("classes")
     if not classes:
         raise InferenceError(f"{path} has no class names ('classes'); is it an mlcls checkpoint?")

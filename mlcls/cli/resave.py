@@ -1,0 +1,28 @@
+"""``python -m mlcls.cli.resave FILE [FILE ...]``: rewrite checkpoints you trust as plain data.
+
+Checkpoints are read with ``torch.load(weights_only=True)``; one written before mlcls stored plain data
+(NumPy's random state as an array) is refused with a line pointing here. Re-saving unpickles each file as it
+is -- only do it for files you wrote yourself -- and writes it back atomically, readable without trust.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mlcls.cli.errors import user_errors
+from mlcls.engine.checkpoint import resave_plain
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mlcls.cli.resave", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoints", nargs="+", help="checkpoint files you wrote yourself")
+    args = parser.parse_args(argv)
+    with user_errors():
+        for path in args.checkpoints:
+            resave_plain(path)
+            print(f"mlcls: {path} re-saved as plain data", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The run directory: one live run at a time, a full disk that keeps the last good checkpoint, a run that
+fails before its first checkpoint leaving nothing, resume=auto in an explicit hydra.run.dir."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import TINY, cli, compose_config, run_cli
+from data_fixtures import truncate, write_csv
+from hydra.core.hydra_config import HydraConfig
+
+import mlcls.engine.checkpoint as checkpoint_module
+from mlcls.cli.errors import user_errors
+from mlcls.data import BadImageError
+from mlcls.engine.checkpoint import DiskFullError, load_checkpoint
+from mlcls.engine.rundir import LOCK_NAME, RunDirLocked, acquire_run_lock, release_run_lock
+from mlcls.engine.trainer import Trainer
+from mlcls.engine.validate import ConfigError, validate_config
+
+QUICK = ["dataset.train_size=64", "dataset.val_size=20"]
+
+
+def _lock_of(pid: int) -> str:
+    return json.dumps({"host": socket.gethostname(), "pid": pid, "started": "2026-01-01 00:00:00"})
+
+
+def _finished_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_live_runs_lock_refuses_a_second_run_with_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / LOCK_NAME).write_text(_lock_of(os.getppid()))  # a live process other than this one
+    with pytest.raises(RunDirLocked) as caught:
+        Trainer(compose_config([*TINY, *QUICK, f"trainer.output_dir={run_dir}"]))
+    message = str(caught.value)
+    assert "\n" not in message and f"pid {os.getppid()} on {socket.gethostname()}" in message
+    assert not (run_dir / "config.yaml").exists() and not (run_dir / "checkpoints").exists()
+
+
+def test_a_stale_lock_is_taken_over_and_released(tmp_path, caplog):
+    dead = _finished_pid()
+    (tmp_path / LOCK_NAME).write_text(_lock_of(dead))
+    with caplog.at_level(logging.WARNING, logger="mlcls"):
+        acquire_run_lock(tmp_path)
+    assert "taking over the stale lock" in caplog.text and str(dead) in caplog.text
+    holder = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert (holder["host"], holder["pid"]) == (socket.gethostname(), os.getpid())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no draft left
+    release_run_lock(tmp_path)
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_finished_run_releases_its_lock(tmp_path):
+    trainer = Trainer(compose_config([*TINY, *QUICK, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"]))
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    trainer.fit()
+    assert not (tmp_path / LOCK_NAME).exists() and (tmp_path / "checkpoints" / "last.pt").is_file()
+
+
+def test_a_full_disk_ends_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    trainer = Trainer(compose_config([*TINY, *QUICK, f"trainer.output_dir={tmp_path}"]))
+    real_save = torch.save
+
+    def save_until_epoch_two(state, f, *args, **kwargs):
+        if state.get("epoch") == 2:
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(state, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", save_until_epoch_two)
+    with pytest.raises(SystemExit) as exit_info, user_errors():
+        trainer.fit()
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "no space left on the device" in lines[0] and "MiB free in" in lines[0]
+    assert f"cannot write {tmp_path / 'checkpoints' / 'iter_000000004.pt'}" in lines[0]
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["epoch"] == 1
+    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == [] and not (tmp_path / LOCK_NAME).exists()
+
+
+def test_disk_full_error_names_path_and_free_space(tmp_path):
+    def fail(f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "results.json").write_text("previous")
+    with pytest.raises(DiskFullError, match=r"cannot write .*results.json: no space left .* MiB free"):
+        checkpoint_module.atomic_write(tmp_path / "results.json", fail)
+    assert (tmp_path / "results.json").read_text() == "previous"
+
+
+def test_a_bad_image_in_the_first_epoch_leaves_no_run_directory(tmp_path):
+    images = [f"{i}.jpg" for i in range(8)]
+    rows = "".join(f"{name},{'a' if i % 2 else 'b'}\n" for i, name in enumerate(images))
+    root = write_csv(tmp_path / "data", "image,labels\n" + rows, images=images)
+    (root / "val.csv").write_text("image,labels\n" + rows)
+    truncate(root / "3.jpg")
+    run_dir = tmp_path / "outputs" / "run"
+    cfg = compose_config(
+        [
+            *(override for override in TINY if not override.startswith("dataset")),
+            "dataset=csv",
+            f"dataset.root={root}",
+            "dataset.val_file=val.csv",
+            "dataset.image_size=32",
+            "dataset.on_bad_image=error",
+            "trainer.batch_size=4",
+            f"trainer.output_dir={run_dir}",
+        ]
+    )
+    trainer = Trainer(cfg)
+    assert (run_dir / "config.yaml").is_file()
+    with pytest.raises(BadImageError, match="3.jpg"):
+        trainer.fit()
+    assert not run_dir.exists()
+
+
+def test_resume_auto_accepts_an_explicit_hydra_run_dir(tmp_path):
+    cfg = compose_config([*TINY, "trainer.resume=auto"])
+    with pytest.raises(ConfigError, match="needs trainer.output_dir=<run dir> \\(or hydra.run.dir"):
+        validate_config(cfg, world_size=1)
+    from hydra import compose, initialize_config_dir
+
+    from mlcls import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        with_hydra = compose("train", [*TINY, "trainer.resume=auto", f"hydra.run.dir={tmp_path}"], True)
+    HydraConfig.instance().set_config(with_hydra)
+    try:
+        validate_config(cfg, world_size=1)
+    finally:
+        HydraConfig.instance().cfg = None
+
+
+@pytest.mark.slow
+def test_resume_auto_in_hydra_run_dir_through_the_cli(tmp_path):
+    common = [*TINY, *QUICK, f"hydra.run.dir={tmp_path / 'run'}"]
+    first = run_cli(cli("mlcls-train", *common, "trainer.epochs=1"), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    second = run_cli(cli("mlcls-train", *common, "trainer.epochs=2", "trainer.resume=auto"), cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout + second.stderr
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["epochs_completed"] == 2
