@@ -146,7 +146,7 @@ def stored_label_entries(fields: dict[str, bytes], num_classes: int, where: str)
             f"{where}: labels are not (class, value) pairs with classes in [0, {num_classes}) and values "
             "1, 0 or -1; pack the dataset again"
         )
-    return pairs.astype(np.int32, copy=False)
+    return pairs.astype(np.int32)  # a copy: the member's bytes are read-only
 
 
 class ShardIndex:
@@ -322,10 +322,10 @@ def source_setting(key: str, fallback: Any, node: Any) -> Any:
 
 def open_shards(
     split: str = "train",
-    root: str | None = None,
     urls: str | list[str] | None = None,
     val_urls: str | list[str] | None = None,
     meta: str | None = None,
+    root: str | None = None,
     shuffle_buffer: int = 1000,
     transform: Callable | str | None = None,
     **config_keys: Any,
@@ -334,13 +334,13 @@ def open_shards(
     :class:`ShardEvalSet` for evaluation (``dataset=shards``; see ``configs/dataset/shards.yaml``).
 
     Args:
-        root: the folder ``mlcls-data pack`` wrote: its manifest's every shard, unless ``urls`` /
-            ``val_urls`` name some.
-        urls: the training shards, a brace pattern or a list (any URL ``webdataset`` opens).
+        urls: the training shards, a brace pattern or a list (any URL ``webdataset`` opens); None: every
+            training shard of ``root``'s manifest.
         val_urls: the validation shards; None: every val shard of the manifest, at the place of ``urls``
             (or in ``root``).
         meta: folder or URL prefix of ``classes.json``, ``manifest.json``, ``*-labels.npz``; None: ``root``,
             or the folder of the first training shard (required with ``pipe:`` URLs).
+        root: the folder ``mlcls-data pack`` wrote, read through its manifest.
         shuffle_buffer: training samples a worker shuffles together (see the module docstring).
         transform, **config_keys: as for :class:`MultiLabelDataset`.
     """
