@@ -61,7 +61,8 @@ def verify_shard(url: str, entry: dict[str, Any], expected: SparseLabels, role: 
         return [str(exc)]
     if (reader.size, reader.digest.hexdigest()) != (entry["bytes"], entry["sha256"]):
         problems.append(
-            f"{url}: {reader.size} bytes whose sha256 differs from the manifest's; damaged or replaced"
+            f"{url}: sha256 or size differs from the manifest's ({reader.size} bytes, {entry['bytes']} "
+            "recorded); damaged or replaced since packing"
         )
     if len(rows) != entry["samples"]:
         problems.append(f"{url}: {len(rows)} samples, the manifest records {entry['samples']}")
