@@ -24,7 +24,7 @@ from PIL import Image, JpegImagePlugin
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
-from mlcls.data import DatasetFormatError
+from mlcls.data import DatasetConfigError, DatasetFormatError
 from mlcls.data import pack as pack_module
 from mlcls.data.base import MultiLabelDataset, Sample
 from mlcls.data.labels import SparseLabels
@@ -123,7 +123,11 @@ def test_pack_writes_webdataset_shards_of_the_resized_images(packed: Path) -> No
         seen.append(index)
         with Image.open(io.BytesIO(sample["jpg"])) as image:
             assert image.size == (48, 48)
-        np.testing.assert_array_equal(sample["labels.npy"], source.labels[index].numpy())
+        # The row stored sparse: (class, value) of the entries other than the split's fill, 0 here.
+        expected = [[c, int(v)] for c, v in enumerate(source.labels[index].tolist()) if v != 0]
+        assert (
+            sample["labels.sparse.npy"].tolist() == expected and sample["labels.sparse.npy"].dtype == np.int32
+        )
         assert_pils_jpeg(sample["jpg"], source.load_image(index).resize((48, 48), Image.Resampling.BILINEAR))
     assert sorted(seen) == list(range(90)) and seen != sorted(seen)  # every sample once, shuffled
     classes = json.loads((packed / "classes.json").read_text())
@@ -131,6 +135,17 @@ def test_pack_writes_webdataset_shards_of_the_resized_images(packed: Path) -> No
     assert classes["splits"] == {"train": "train", "val": "val"} and classes["max_side"] == 48
     assert (classes["quality"], classes["subsampling"]) == (90, "auto")  # generated pixels: 4:4:4
     manifest = json.loads((packed / "manifest.json").read_text())
+    assert manifest["format"] == 2 and manifest["train"]["label_fill"] == 0
+    assert manifest["source"] == {"image_size": 64, "transform": "light"}  # the synthetic config's
+    for name, entry in [
+        ("classes.json", manifest["classes"]),
+        ("train-labels.npz", manifest["train"]["labels"]),
+    ]:
+        assert entry == {
+            "name": name,
+            "bytes": (packed / name).stat().st_size,
+            "sha256": hashlib.sha256((packed / name).read_bytes()).hexdigest(),
+        }
     assert [e["samples"] for e in manifest["train"]["shards"]] == [25, 25, 25, 15]
     assert manifest["val"]["samples"] == 30 and manifest["train"]["skipped"] == []
     for entry in manifest["train"]["shards"] + manifest["val"]["shards"]:
@@ -161,10 +176,14 @@ def test_a_killed_pack_continues_at_the_next_shard(tmp_path: Path, packed: Path,
     for k in range(4):  # the same bytes as the uninterrupted pack
         name = f"train-{k:06d}.tar"
         assert (tmp_path / name).read_bytes() == (packed / name).read_bytes(), name
-    # Other settings start over.
-    assert pack_split(dataset, tmp_path, "train", 30, 48, shuffle=True, progress=False).kept == 0
-    again = pack_split(dataset, tmp_path, "train", 30, 48, subsampling="420", shuffle=True, progress=False)
-    assert again.kept == 0
+    # Other settings: refused in one line, or with overwrite every file of the split replaced.
+    with pytest.raises(
+        DatasetConfigError, match=r"packed with other settings \(shard_size 25 -> 30\);.*overwrite"
+    ):
+        pack_split(dataset, tmp_path, "train", 30, 48, shuffle=True, progress=False)
+    report = pack_split(dataset, tmp_path, "train", 30, 48, shuffle=True, progress=False, overwrite=True)
+    assert (report.kept, report.written) == (0, 3)
+    assert sorted(p.name for p in tmp_path.glob("train-*.tar*")) == [f"train-{k:06d}.tar" for k in range(3)]
 
 
 def test_pack_skips_and_reports_unreadable_images(tmp_path: Path, capsys) -> None:
@@ -531,7 +550,13 @@ def test_a_truncated_shard_is_a_format_error(packed: Path, tmp_path: Path, cut: 
     }
     data = shard.read_bytes()
     shard.write_bytes(data[: end[cut]])
-    dataset = open_shards("train", str(tmp_path / URLS), transform=None)
+    with pytest.raises(
+        DatasetFormatError, match=f"train-000003.tar has {end[cut]} bytes, manifest.json records"
+    ):
+        open_shards("train", str(tmp_path / URLS), transform=None)  # a local shard's size is checked at open
+    # Through pipes the size is not known before reading: the reader finds the truncation.
+    urls = [f"pipe:cat {tmp_path / f'train-{k:06d}.tar'}" for k in range(4)]
+    dataset = open_shards("train", urls, meta=str(tmp_path), transform=None)
     dataset.make_sample = lambda key, fields, seed: (int(key), 0)
     loader = ShardTrainLoader(dataset, 8, 0, 0, 1, seed=3, device=torch.device("cpu"))
     with pytest.raises(DatasetFormatError, match="train-000003.tar is truncated"):

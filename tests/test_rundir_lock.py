@@ -20,10 +20,11 @@ from hydra.core.hydra_config import HydraConfig
 import mlcls.engine.checkpoint as checkpoint_module
 from mlcls.cli.errors import user_errors
 from mlcls.data import BadImageError
-from mlcls.engine.checkpoint import DiskFullError, load_checkpoint
+from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.rundir import LOCK_NAME, RunDirLocked, acquire_run_lock, release_run_lock
 from mlcls.engine.trainer import Trainer
 from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.io import DiskFullError
 
 QUICK = ["dataset.train_size=64", "dataset.val_size=20"]
 

@@ -4,14 +4,17 @@
     mlcls-data stats dataset=vaw dataset.root=/data/vaw --check      # also decode every image
     mlcls-data stats dataset=csv dataset.root=/data/mine --split val
     mlcls-data pack dataset=coco dataset.root=/data/coco out=/data/coco320 shard_size=1000 max_side=320
+    mlcls-data verify /data/coco320                                  # every shard against the manifest
 
 Overrides are those of ``mlcls-train`` (the same Hydra config); ``pack`` also takes ``out=`` (required),
 ``shard_size=`` (samples per shard, default 1000), ``max_side=`` (default 320), ``quality=`` (JPEG quality of
 re-encoded images, default 90), ``subsampling=`` (their chroma subsampling: auto, the default, keeps a JPEG's
 own and takes 444 for other images; or 444, 422, 420),
-``seed=`` (the training split's packing order, default 0) and ``workers=`` (shards written at once, in
-processes; default 1). Exit status: 0, 1 when ``--check`` found
-unreadable images or ``pack`` skipped some, 2 for a configuration or layout mistake (one line).
+``seed=`` (the training split's packing order, default 0), ``workers=`` (shards written at once, in
+processes; default 1) and ``overwrite=true`` (delete a split packed into ``out`` with other settings
+first; without it such a folder is refused). ``verify DIR`` reads every packed file and prints one line
+per problem. Exit status: 0, 1 when ``--check`` found unreadable images, ``pack`` skipped some or
+``verify`` found problems, 2 for a configuration or layout mistake (one line).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mlcls.cli.errors import one_line, plural
@@ -33,6 +36,7 @@ from mlcls.cli.overrides import compose_config
 from mlcls.data import DatasetError, MultiLabelDataset, build_dataset
 from mlcls.data.labels import label_counts
 from mlcls.data.pack import pack_split, write_sidecars
+from mlcls.data.shard_verify import verify_pack
 from mlcls.data.stats import find_unreadable
 from mlcls.engine.validate import ConfigError
 
@@ -45,8 +49,14 @@ PACK_OPTIONS = {
     "subsampling": "auto",
     "seed": 0,
     "workers": 1,
+    "overwrite": False,
 }
-TEXT_PACK_OPTIONS = ("out", "subsampling")  # the others are positive integers
+TEXT_PACK_OPTIONS = ("out", "subsampling")  # the others are positive integers or booleans
+BOOLEANS = {"true": True, "false": False}
+# The source's settings that training from its shards takes as defaults (dataset=shards reads them from the
+# manifest), and those the pack's "train with:" line repeats where the source's config set them otherwise.
+SOURCE_DATASET_KEYS = ("image_size", "transform")
+SOURCE_MODEL_KEYS = ("model.name", "model.pretrained")
 
 
 def describe(dataset: MultiLabelDataset, title: str) -> None:
@@ -93,9 +103,14 @@ def split_pack_options(overrides: Sequence[str]) -> tuple[dict[str, Any], list[s
     for override in overrides:
         key, sep, value = override.partition("=")
         if sep and key in PACK_OPTIONS:
-            if key not in TEXT_PACK_OPTIONS and not value.isdigit():
+            if isinstance(PACK_OPTIONS[key], bool):
+                if value.lower() not in BOOLEANS:
+                    raise ConfigError(f"{key}={value}; expected true or false")
+                options[key] = BOOLEANS[value.lower()]
+            elif key not in TEXT_PACK_OPTIONS and not value.isdigit():
                 raise ConfigError(f"{key}={value}; expected a positive integer")
-            options[key] = value if key in TEXT_PACK_OPTIONS else int(value)
+            else:
+                options[key] = value if key in TEXT_PACK_OPTIONS else int(value)
         else:
             rest.append(override)
     if not options["out"]:
@@ -123,6 +138,7 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
             seed=options["seed"],
             progress=progress,
             workers=options["workers"],
+            overwrite=options["overwrite"],
         )
         reports.append(report)
         print(
@@ -131,13 +147,41 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
         )
         for skipped in report.skipped:
             print(f"  skipped {skipped['path']}: {skipped['error']}")
+    source = {key: cfg.dataset[key] for key in SOURCE_DATASET_KEYS if key in cfg.dataset}
     write_sidecars(
-        out, dataset, names, reports, options["max_side"], options["quality"], options["subsampling"]
+        out, dataset, names, reports, options["max_side"], options["quality"], options["subsampling"], source
     )
     if splits[0] == "train":
-        last = len(reports[0].shards) - 1
-        print(f"""train with: dataset=shards 'dataset.urls="{out}/train-{{000000..{last:06d}}}.tar"'""")
+        print(f"train with: {train_command(cfg, out)}")
     return 1 if any(report.skipped for report in reports) else 0
+
+
+def train_command(cfg: DictConfig, out: Path) -> str:
+    """``mlcls-train dataset=shards dataset.root=OUT``, plus the model settings (:data:`SOURCE_MODEL_KEYS`)
+    of the source's config where they differ from those ``dataset=shards`` gets (the embedded demo's
+    dataset config sets a small model without pretrained weights)."""
+    plain = compose_config("train", ["dataset=shards"])
+    overrides = []
+    for key in SOURCE_MODEL_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if value != OmegaConf.select(plain, key):
+            overrides.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return " ".join(["mlcls-train", "dataset=shards", f"dataset.root={out}", *overrides])
+
+
+def verify(arguments: Sequence[str]) -> int:
+    """``mlcls-data verify DIR``: print each problem of the packed folder ``DIR`` (one line each) or that it
+    is intact; return the exit status (1 for any problem)."""
+    if len(arguments) != 1 or "=" in arguments[0]:
+        raise ConfigError(
+            f"verify takes one folder, the one mlcls-data pack wrote; got {' '.join(arguments)}"
+        )
+    problems = verify_pack(arguments[0])
+    for problem in problems:
+        print(problem)
+    if not problems:
+        print(f"{arguments[0]}: every shard and sidecar is as packed")
+    return 1 if problems else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,8 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mlcls-data", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "command",
-        choices=["stats", "pack"],
-        help="stats: sizes, classes and label statistics; pack: write WebDataset shards",
+        choices=["stats", "pack", "verify"],
+        help="stats: sizes, classes and label statistics; pack: write WebDataset shards; verify DIR: check "
+        "every packed file against the manifest",
     )
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. dataset=coco dataset.root=/data")
     parser.add_argument(
@@ -161,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     splits = ["train", "val"] if args.split == "both" else [args.split]
     try:
+        if args.command == "verify":
+            return verify(args.overrides)
         if args.command == "pack":
             options, overrides = split_pack_options(args.overrides)
             return pack(compose_config("train", overrides), splits, options, sys.stderr.isatty())

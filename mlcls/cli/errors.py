@@ -11,11 +11,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mlcls.data.base import DatasetError
-from mlcls.engine.checkpoint import CheckpointError, DiskFullError
+from mlcls.engine.checkpoint import CheckpointError
 from mlcls.engine.rundir import RunDirLocked
 from mlcls.engine.validate import ConfigError
 from mlcls.errors import plural  # noqa: F401 - re-exported for the commands
 from mlcls.inference.errors import InferenceError
+from mlcls.io import DiskFullError
 
 USER_ERRORS = (
     DatasetError,

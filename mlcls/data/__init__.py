@@ -34,6 +34,16 @@ from mlcls.data.base import (
 )
 from mlcls.data.fast import build_backend_transform
 
+
+def _shards_source(key: str, fallback: Any, *, _parent_: DictConfig) -> Any:
+    from mlcls.data.shards import source_setting  # imported when a shards config is resolved
+
+    return source_setting(key, fallback, _parent_)
+
+
+# ``${shards_source:image_size,224}`` in configs/dataset/shards.yaml: the packed source's setting.
+OmegaConf.register_new_resolver("shards_source", _shards_source, replace=True)
+
 __all__ = [
     "BadImageError",
     "DatasetConfigError",

@@ -109,11 +109,33 @@ class SparseLabels:
     def row(self, index: int) -> Tensor:
         """float32 (C,): row ``index`` with 1 / 0 / -1."""
         start, end = self.offsets[index], self.offsets[index + 1]
-        row = torch.full((self.shape[1],), float(self.fill))
-        row[torch.from_numpy(self.columns[start:end]).long()] = torch.from_numpy(
-            self.values[start:end]
-        ).float()
-        return row
+        return dense_row(self.columns[start:end], self.values[start:end], self.shape[1], self.fill)
+
+    def stored_entries(self, index: int) -> np.ndarray:
+        """int32 (K, 2): the stored entries of row ``index`` as ``(class, value)`` pairs, class ascending."""
+        start, end = self.offsets[index], self.offsets[index + 1]
+        return np.stack([self.columns[start:end], self.values[start:end]], axis=1).astype(np.int32)
+
+    @classmethod
+    def from_stored_entries(cls, rows: list[np.ndarray], num_classes: int, fill: int) -> SparseLabels:
+        """The matrix whose row ``i`` stores the ``(class, value)`` pairs ``rows[i]`` (int (K_i, 2), as
+        :meth:`stored_entries` gives them)."""
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(pairs) for pairs in rows], out=offsets[1:])
+        pairs = np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.int32)
+        return cls(offsets, pairs[:, 0].astype(np.int32), pairs[:, 1].astype(np.int8), num_classes, fill)
+
+    def __eq__(self, other: object) -> bool:
+        """The same matrix stored the same way (fill, rows and entries)."""
+        return (
+            isinstance(other, SparseLabels)
+            and (self.shape, self.fill) == (other.shape, other.fill)
+            and np.array_equal(self.offsets, other.offsets)
+            and np.array_equal(self.columns, other.columns)
+            and np.array_equal(self.values, other.values)
+        )
+
+    __hash__ = None  # mutable arrays: not hashable
 
     def rows(self, indices: np.ndarray | list[int]) -> SparseLabels:
         """The rows ``indices``, in that order, as a new :class:`SparseLabels`."""
@@ -183,6 +205,13 @@ class SparseLabels:
         if len(labels) != rows:
             raise ValueError(f"{rows} rows announced, {len(labels)} stored")
         return labels
+
+
+def dense_row(columns: np.ndarray, values: np.ndarray, num_classes: int, fill: int) -> Tensor:
+    """float32 (C,): ``fill`` everywhere but at the classes ``columns`` (int (K,)), set to ``values``."""
+    row = torch.full((num_classes,), float(fill))
+    row[torch.from_numpy(np.asarray(columns)).long()] = torch.from_numpy(np.asarray(values)).float()
+    return row
 
 
 class SparseLabelled:

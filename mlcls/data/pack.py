@@ -4,13 +4,20 @@ Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards`):
 
 * ``train-000000.tar``, ``train-000001.tar``, ... and ``val-000000.tar``, ...: plain POSIX tar files in the
   WebDataset layout, two members per sample, ``<key>.jpg`` (the image, RGB JPEG, long side at most
-  ``max_side``) and ``<key>.labels.npy`` (int8 (C,): 1 positive, 0 negative, -1 unknown). ``<key>`` is the
-  sample's index in the source split, 9 digits. Shard ``k`` of a split holds the samples at positions
-  ``k * shard_size ...`` of the packing order (the training split in a seeded random order, so that
-  consecutive samples are unrelated; the validation split in dataset order), minus the unreadable ones.
+  ``max_side``) and ``<key>.labels.sparse.npy``, the sample's label row stored sparse: int32 (K, 2), the
+  ``(class, value)`` pairs of the entries (1 positive, 0 negative, -1 unknown) that differ from the split's
+  ``label_fill`` in the manifest (0 or -1), class ascending: ~1 kB a sample in the tar where a dense int8 row
+  of Open Images' 9,605 classes took ~10 kB. ``<key>`` is the sample's index in the source split, 9 digits.
+  Shard ``k`` of a split holds the samples at positions ``k * shard_size ...`` of the packing order (the
+  training split in a seeded random order, so that consecutive samples are unrelated; the validation split
+  in dataset order), minus the unreadable ones.
 * ``classes.json``: the source dataset's name, its split names, ``max_side``, ``quality``, ``subsampling``
   and the classes in label order.
-* ``manifest.json``: per split, every shard's name, sample count and sha256, and the skipped images.
+* ``manifest.json``: the layout's ``format`` (:data:`FORMAT`), the sha256 of ``classes.json``, the source's
+  dataset settings that ``dataset=shards`` takes as defaults (``source``: ``image_size``, ``transform``), and
+  per split the pack settings, the ``label_fill``, every shard's name, sample count, size and sha256, the
+  labels sidecar's name, size and sha256, and the skipped images. Written last, atomically, as are
+  ``classes.json`` and the labels sidecars: a folder with a manifest is complete.
 * ``train-labels.npz``, ``val-labels.npz``: the labels of the packed samples in shard order, stored sparse
   (:meth:`mlcls.data.labels.SparseLabels.to_bytes`: the entries that differ from the split's most frequent
   value, 0 or -1), for the class statistics and loss weights without reading a shard; Open Images'
@@ -18,8 +25,10 @@ Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards`):
 
 Resumable: each shard is written under a temporary name and renamed when complete; its entry is then
 appended to ``.<split>-progress.jsonl``. A restarted pack keeps the shards whose entry and file exist
-(same settings) and writes the others. The tar files are written with :mod:`tarfile` (``ustar`` format,
-what ``webdataset`` reads); the ``webdataset`` library is needed only to read them.
+(same settings; a torn last line, the entry being written when the pack died, is dropped) and writes the
+others. A folder holding a split packed with other settings is refused, unless ``overwrite`` clears that
+split's files first. The tar files are written with :mod:`tarfile` (``ustar`` format, what ``webdataset``
+reads); the ``webdataset`` library is needed only to read them.
 """
 
 from __future__ import annotations
@@ -46,10 +55,13 @@ from tqdm import tqdm
 from mlcls.data.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
 from mlcls.data.fast import DRAFT_REDUCTIONS, jpeg_header, load_reduced
 from mlcls.data.labels import sparse_labels_of
+from mlcls.io import atomic_write_bytes
 
 CLASSES_FILE, MANIFEST_FILE = "classes.json", "manifest.json"
+# Version of the layout; 1 (no "format" key) stored a dense int8 label row per sample.
+FORMAT = 2
 KEY_DIGITS, SHARD_DIGITS = 9, 6
-IMAGE_EXT, LABELS_EXT = "jpg", "labels.npy"
+IMAGE_EXT, LABELS_EXT = "jpg", "labels.sparse.npy"
 # JPEG chroma subsampling of re-encoded images: 444 keeps the colour at full resolution, 422 halves it
 # horizontally, 420 (PIL's and most cameras' default) in both directions; auto keeps a JPEG source's own
 # (4:2:0 photographs stay 4:2:0, at their decoding speed) and takes 444 for any other source (PNG, pixels a
@@ -74,6 +86,11 @@ def sha256_of(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def file_entry(name: str, data: bytes) -> dict[str, Any]:
+    """The manifest's record of a sidecar file: ``name``, ``bytes``, ``sha256``."""
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def bounded_size(width: int, height: int, max_side: int) -> tuple[int, int]:
@@ -162,12 +179,16 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
 @dataclass
 class SplitReport:
-    """What packing one split did: shards written now, shards kept from an earlier run, samples, skips."""
+    """What packing one split did: shards written now, shards kept from an earlier run, samples, skips; the
+    settings it was packed with and its labels sidecar (:func:`file_entry`)."""
 
     role: str
     shards: list[dict[str, Any]] = field(default_factory=list)
     written: int = 0
     kept: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, Any] = field(default_factory=dict)
+    label_fill: int = 0
 
     @property
     def samples(self) -> int:
@@ -197,9 +218,13 @@ def pack_split(
     seed: int = 0,
     progress: bool = True,
     workers: int = 1,
+    overwrite: bool = False,
 ) -> SplitReport:
     """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (see the module docstring); resumes an
     interrupted run with the same settings. Returns the :class:`SplitReport` (shards in order).
+
+    A ``role`` split of ``out`` packed with other settings (or of unknown settings) raises
+    :class:`DatasetConfigError`, unless ``overwrite``: its files are then deleted first.
 
     Unreadable images (``OSError``, ... from PIL) are left out and listed in the report, whatever
     ``dataset.on_bad_image`` says: packing is where they are found. ``workers`` > 1 writes that many
@@ -215,18 +240,25 @@ def pack_split(
     out.mkdir(parents=True, exist_ok=True)
     order = packing_order(len(dataset), shuffle, seed)
     settings = {
+        "format": FORMAT,
+        "dataset": dataset.name,
+        "classes": len(dataset.classes),
+        "samples": len(dataset),
         "shard_size": shard_size,
         "max_side": max_side,
         "quality": quality,
         "subsampling": subsampling,
         "order_seed": seed if shuffle else None,
-        "samples": len(dataset),
     }
-    progress_file = out / f".{role}-progress.jsonl"
-    done = read_progress(progress_file, settings, out)
-    if not done:
-        progress_file.write_text(json.dumps({"settings": settings}) + "\n")
-    report = SplitReport(role)
+    progress_file = progress_path(out, role)
+    done = read_progress(out, role, settings, overwrite)
+    # Rewritten whole: a torn last line would otherwise run into the next entry appended.
+    atomic_write_bytes(
+        progress_file,
+        "".join(json.dumps(line) + "\n" for line in [{"settings": settings}, *done.values()]).encode(),
+    )
+    labels = sparse_labels_of(dataset)
+    report = SplitReport(role, settings=settings, label_fill=labels.fill)
     chunks = {
         shard_name(role, k): order[first : first + shard_size]
         for k, first in enumerate(range(0, len(order), shard_size))
@@ -254,19 +286,71 @@ def pack_split(
     bar.close()
     report.shards = [entries[name] for name in chunks]
     kept_rows = [i for entry in report.shards for i in entry["indices"]]
-    (out / labels_file(role)).write_bytes(sparse_labels_of(dataset).rows(kept_rows).to_bytes())
+    sidecar = labels.rows(kept_rows).to_bytes()
+    atomic_write_bytes(out / labels_file(role), sidecar)
+    report.labels = file_entry(labels_file(role), sidecar)
     return report
 
 
-def read_progress(progress_file: Path, settings: dict[str, Any], out: Path) -> dict[str, dict[str, Any]]:
-    """The completed shards recorded in ``progress_file`` (by name) whose file exists, if it was written
-    with the same ``settings``; else nothing (a pack with other settings starts over)."""
-    if not progress_file.exists():
-        return {}
-    lines = [json.loads(line) for line in progress_file.read_text(encoding="utf-8").splitlines() if line]
-    if not lines or lines[0].get("settings") != settings:
-        return {}
-    return {entry["name"]: entry for entry in lines[1:] if (out / entry["name"]).exists()}
+def progress_path(out: Path, role: str) -> Path:
+    return out / f".{role}-progress.jsonl"
+
+
+def split_files(out: Path, role: str) -> list[Path]:
+    """What a pack of the split ``role`` leaves in ``out``: shards (whole or partial), progress, labels."""
+    return [
+        *sorted(out.glob(f"{role}-*.tar")),
+        *sorted(out.glob(f"{role}-*.tar.tmp")),
+        progress_path(out, role),
+        out / labels_file(role),
+    ]
+
+
+def read_progress(
+    out: Path, role: str, settings: dict[str, Any], overwrite: bool = False
+) -> dict[str, dict[str, Any]]:
+    """The completed ``role`` shards recorded in ``out``'s progress file (by name) whose file exists, if it
+    was written with the same ``settings``; nothing for a split not packed yet. A line that does not parse
+    (the entry being written when a pack died) counts as not written.
+
+    A split packed with other settings, or whose settings are unknown (shards without a progress file):
+    :class:`DatasetConfigError`, or with ``overwrite`` its files are deleted and nothing is returned.
+    """
+    progress_file, entries = progress_path(out, role), []
+    if progress_file.exists():
+        for line in progress_file.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    recorded = entries[0].get("settings") if entries and isinstance(entries[0], dict) else None
+    if recorded == settings:
+        return {
+            entry["name"]: entry
+            for entry in entries[1:]
+            if isinstance(entry, dict) and entry.keys() >= SHARD_ENTRY_KEYS and (out / entry["name"]).exists()
+        }
+    existing = [path for path in split_files(out, role) if path.exists()]
+    if existing and not overwrite:
+        changed = (
+            ", ".join(
+                f"{key} {recorded.get(key)} -> {value}"
+                for key, value in settings.items()
+                if recorded.get(key) != value
+            )
+            if isinstance(recorded, dict)
+            else "unknown settings"
+        )
+        raise DatasetConfigError(
+            f"{out} holds {role} shards packed with other settings ({changed}); pack into a fresh folder, "
+            f"the same settings to continue, or add overwrite=true to delete them first"
+        )
+    for path in existing:
+        path.unlink()
+    return {}
+
+
+SHARD_ENTRY_KEYS = {"name", "samples", "sha256", "bytes", "indices", "skipped"}
 
 
 def write_shard(
@@ -278,7 +362,9 @@ def write_shard(
     subsampling: str,
 ) -> dict[str, Any]:
     """Write the samples ``indices`` of ``dataset`` to the shard ``path`` (through ``path.tmp``, renamed
-    when complete); returns its progress entry: name, samples, sha256, bytes, dataset indices, skipped."""
+    when complete); returns its progress entry: name, samples, sha256, bytes, dataset indices, skipped.
+    The label rows are those of :func:`sparse_labels_of`, as in the split's sidecar (the same ``fill``)."""
+    labels = sparse_labels_of(dataset)
     temporary = path.with_name(path.name + ".tmp")
     kept, skipped = [], []
     with tarfile.open(temporary, "w", format=tarfile.USTAR_FORMAT) as tar:
@@ -290,7 +376,7 @@ def write_shard(
                 continue
             key = f"{index:0{KEY_DIGITS}d}"
             add_member(tar, f"{key}.{IMAGE_EXT}", image)
-            add_member(tar, f"{key}.{LABELS_EXT}", npy_bytes(dataset.target(index).to(torch.int8).numpy()))
+            add_member(tar, f"{key}.{LABELS_EXT}", npy_bytes(labels.stored_entries(index)))
             kept.append(index)
     os.replace(temporary, path)
     return {
@@ -311,9 +397,11 @@ def write_sidecars(
     max_side: int,
     quality: int,
     subsampling: str = "auto",
+    source: dict[str, Any] | None = None,
 ) -> None:
     """``classes.json`` and ``manifest.json`` (see the module docstring), merged with those of splits
-    packed by an earlier command into the same folder."""
+    packed by an earlier command into the same folder; ``source``: the source's dataset settings
+    (``image_size``, ``transform``) that ``dataset=shards`` takes as defaults."""
     out = Path(out)
     classes = {
         "dataset": dataset.name,
@@ -323,28 +411,26 @@ def write_sidecars(
         "subsampling": subsampling,
         "classes": list(dataset.classes),
     }
-    (out / CLASSES_FILE).write_text(json.dumps(classes, indent=1) + "\n", encoding="utf-8")
+    classes_bytes = (json.dumps(classes, indent=1) + "\n").encode()
+    atomic_write_bytes(out / CLASSES_FILE, classes_bytes)
     manifest_path = out / MANIFEST_FILE
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.exists() else {}
+    earlier = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.exists() else {}
+    manifest = {
+        "format": FORMAT,
+        "classes": file_entry(CLASSES_FILE, classes_bytes),
+        "source": source or {},
+    }
+    if earlier.get("format") == FORMAT:  # splits packed by an earlier command
+        manifest.update({role: earlier[role] for role in ("train", "val") if role in earlier})
     for report in reports:
         manifest[report.role] = {
             "samples": report.samples,
+            "settings": report.settings,
+            "label_fill": report.label_fill,
+            "labels": report.labels,
             "shards": [
                 {k: entry[k] for k in ("name", "samples", "sha256", "bytes")} for entry in report.shards
             ],
             "skipped": report.skipped,
         }
-    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-
-
-def verify_shards(out: str | Path) -> list[str]:
-    """Names of the shards of ``<out>/manifest.json`` whose file is missing or whose sha256 differs."""
-    out = Path(out)
-    manifest = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
-    bad = []
-    for split in manifest.values():
-        for entry in split["shards"]:
-            path = out / entry["name"]
-            if not path.exists() or sha256_of(path) != entry["sha256"]:
-                bad.append(entry["name"])
-    return bad
+    atomic_write_bytes(manifest_path, (json.dumps(manifest, indent=1) + "\n").encode())

@@ -20,34 +20,49 @@ samples the rank served and serves the rest in the order they would have come.
 **Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
 (the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
 trainer's evaluation (``ShardSampler``: every sample scored exactly once over the ranks) applies unchanged.
+
+**Checks.** Opening a split checks, cheaply, that the folder is of this layout's format, that
+``classes.json`` and the split's labels sidecar are the files the manifest records (sha256, the sidecar
+read whole anyway), that the sidecar has one row per packed sample and class, and, for local shards, that
+each file has the manifest's size; the validation shards' label rows are compared with their sidecar's.
+:func:`verify_pack` (``mlcls-data verify DIR``) reads everything: every shard's sha256, sample count and
+label rows against the manifest and the sidecars.
+
+``dataset=shards dataset.root=DIR`` reads every shard of ``DIR``'s manifest; ``dataset.image_size`` and
+``dataset.transform`` default to the packed source's (:func:`source_setting`, the config's
+``${shards_source:...}``).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import io
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import numpy as np
-import torch
 from PIL import Image
 from torch import Tensor
 
 from mlcls.data.base import (
     BAD_IMAGE_ERRORS,
+    LABEL_VALUES,
     BadImageError,
     DatasetConfigError,
+    DatasetError,
     DatasetFormatError,
     DatasetLayoutError,
     MultiLabelDataset,
     Sample,
     check_choice,
 )
-from mlcls.data.labels import SparseLabelled, SparseLabels
+from mlcls.data.labels import SparseLabelled, SparseLabels, dense_row
 from mlcls.data.loader import seeded_call
-from mlcls.data.pack import CLASSES_FILE, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
+from mlcls.data.pack import CLASSES_FILE, FORMAT, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.tario import npy_array, tar_files
 from mlcls.data.transforms import build_transform
 
@@ -94,61 +109,161 @@ def iter_shard(url: str) -> Iterator[tuple[str, dict[str, bytes]]]:
     """``(key, {extension: bytes})`` of each sample of the tar shard ``url``, in order, streamed (the
     stream read to its end: a ``pipe:`` command closed early fails)."""
     with open_url(url) as stream:
-        key, fields = None, {}
-        for name, data in tar_files(stream, url):
-            member_key, _, extension = name.rsplit("/", 1)[-1].partition(".")
-            if member_key != key:
-                if key is not None:
-                    yield key, fields
-                key, fields = member_key, {}
-            fields[extension] = data
-        if key is not None:
-            yield key, fields
+        yield from stream_samples(stream, url)
+
+
+def stream_samples(stream: IO[bytes], url: str) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """``(key, {extension: bytes})`` of each sample of the tar archive ``stream`` (of ``url``), in order."""
+    key, fields = None, {}
+    for name, data in tar_files(stream, url):
+        member_key, _, extension = name.rsplit("/", 1)[-1].partition(".")
+        if member_key != key:
+            if key is not None:
+                yield key, fields
+            key, fields = member_key, {}
+        fields[extension] = data
+    if key is not None:
+        yield key, fields
+
+
+def stored_label_entries(fields: dict[str, bytes], num_classes: int, where: str) -> np.ndarray:
+    """int32 (K, 2): the ``(class, value)`` pairs of a shard sample's label member, checked (a class in
+    [0, ``num_classes``), a value 1, 0 or -1); :class:`DatasetFormatError` naming ``where`` otherwise."""
+    if LABELS_EXT not in fields:
+        raise DatasetFormatError(f"{where} has no {LABELS_EXT} member; pack the dataset again")
+    try:
+        pairs = npy_array(fields[LABELS_EXT])
+    except ValueError as exc:
+        raise DatasetFormatError(f"{where}: unreadable labels ({exc})") from exc
+    if (
+        pairs.ndim != 2
+        or pairs.shape[1] != 2
+        or pairs.dtype.kind not in "iu"
+        or (len(pairs) and (pairs[:, 0].min() < 0 or pairs[:, 0].max() >= num_classes))
+        or not np.isin(pairs[:, 1], LABEL_VALUES).all()
+    ):
+        raise DatasetFormatError(
+            f"{where}: labels are not (class, value) pairs with classes in [0, {num_classes}) and values "
+            "1, 0 or -1; pack the dataset again"
+        )
+    return pairs.astype(np.int32)  # a copy: the member's bytes are read-only
 
 
 class ShardIndex:
     """The sidecar files of a packed folder: ``classes.json`` (classes, source dataset) and ``manifest.json``
-    (shard names and sample counts), read from ``meta`` (a folder or URL prefix)."""
+    (shard names, sample counts, sizes, hashes), read from ``meta`` (a folder or URL prefix) and checked:
+    the manifest's format and the hash of ``classes.json``."""
 
     def __init__(self, meta: str) -> None:
         self.meta = meta.rstrip("/")
-        info = self.read_json(CLASSES_FILE)
+        self.manifest: dict[str, Any] = self.read_json(
+            MANIFEST_FILE, read_url(f"{self.meta}/{MANIFEST_FILE}")
+        )
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            found = self.manifest.get("format", 1) if isinstance(self.manifest, dict) else "unknown"
+            raise DatasetFormatError(
+                f"{self.meta}/{MANIFEST_FILE} is of pack format {found}, this mlcls reads format {FORMAT}; "
+                "pack the dataset again into a fresh folder"
+            )
+        info = self.read_json(CLASSES_FILE, self.read_recorded(self.manifest.get("classes")))
         self.classes: list[str] = list(info["classes"])
         self.source: str = info.get("dataset") or "shards"
-        self.manifest: dict[str, Any] = self.read_json(MANIFEST_FILE)
 
-    def read_json(self, name: str) -> Any:
-        url = f"{self.meta}/{name}"
+    def read_json(self, name: str, data: bytes) -> Any:
         try:
-            return json.loads(read_url(url))
+            return json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DatasetFormatError(f"cannot parse {url}: {exc}") from exc
+            raise DatasetFormatError(f"cannot parse {self.meta}/{name}: {exc}") from exc
 
-    def labels(self, role: str) -> SparseLabels:
-        """The labels of the packed samples of ``role``, in shard order (the sparse sidecar)."""
-        url = f"{self.meta}/{labels_file(role)}"
-        try:
-            return SparseLabels.from_bytes(read_url(url)).check(url)
-        except (OSError, ValueError, KeyError) as exc:
-            raise DatasetFormatError(f"cannot read the labels {url}: {exc}; pack the split again") from exc
+    def read_recorded(self, entry: Any) -> bytes:
+        """The bytes of the sidecar file the manifest records as ``entry`` (name, bytes, sha256), checked
+        against its sha256."""
+        if not isinstance(entry, dict) or not {"name", "sha256"} <= entry.keys():
+            raise DatasetFormatError(f"{self.meta}/{MANIFEST_FILE} is incomplete; pack the dataset again")
+        url = f"{self.meta}/{entry['name']}"
+        data = read_url(url)
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise DatasetFormatError(
+                f"{url} is not the file {MANIFEST_FILE} records (its sha256 differs: replaced or damaged "
+                "since packing); pack the dataset again"
+            )
+        return data
 
-    def shard_sizes(self, role: str, urls: list[str]) -> list[int]:
-        """Sample count of each shard of ``urls`` (matched by file name in the manifest)."""
+    def split(self, role: str) -> dict[str, Any]:
+        """The manifest's entry of the split ``role``."""
         if role not in self.manifest:
             raise DatasetLayoutError(f"{self.meta}/{MANIFEST_FILE} lists no {role} shards; pack that split")
-        sizes = {entry["name"]: entry["samples"] for entry in self.manifest[role]["shards"]}
-        missing = [shard_name_of(url) for url in urls if shard_name_of(url) not in sizes]
+        return self.manifest[role]
+
+    def labels(self, role: str) -> SparseLabels:
+        """The labels of the packed samples of ``role``, in shard order (the sparse sidecar), checked: the
+        file the manifest records, one row per packed sample, one column per class, its ``label_fill``."""
+        split = self.split(role)
+        data = self.read_recorded(split.get("labels"))
+        url = f"{self.meta}/{labels_file(role)}"
+        try:
+            labels = SparseLabels.from_bytes(data).check(url)
+        except (OSError, ValueError, KeyError) as exc:
+            raise DatasetFormatError(f"cannot read the labels {url}: {exc}; pack the split again") from exc
+        counted = sum(entry["samples"] for entry in split["shards"])
+        expected = (split["samples"], len(self.classes))
+        if labels.shape != expected or counted != split["samples"] or labels.fill != split["label_fill"]:
+            raise DatasetFormatError(
+                f"{url} holds {labels.shape[0]} x {labels.shape[1]} labels (fill {labels.fill}), "
+                f"{MANIFEST_FILE} {split['samples']} samples ({counted} in its shards) x {len(self.classes)} "
+                f"classes (fill {split['label_fill']}); pack the split again"
+            )
+        return labels
+
+    def shard_sizes(self, role: str, urls: list[str]) -> list[int]:
+        """Sample count of each shard of ``urls`` (matched by file name in the manifest); a local shard
+        file must have the manifest's size."""
+        entries = {entry["name"]: entry for entry in self.split(role)["shards"]}
+        missing = [shard_name_of(url) for url in urls if shard_name_of(url) not in entries]
         if missing:
             raise DatasetConfigError(
                 f"shard {missing[0]} is not a {role} shard of {self.meta}/{MANIFEST_FILE}; expected names "
-                f"like {next(iter(sizes), '?')}"
+                f"like {next(iter(entries), '?')}"
             )
-        return [sizes[shard_name_of(url)] for url in urls]
+        for url in urls:
+            recorded = entries[shard_name_of(url)]["bytes"]
+            if is_local(url) and os.path.getsize(existing_file(url)) != recorded:
+                raise DatasetFormatError(
+                    f"shard {url} has {os.path.getsize(url)} bytes, {MANIFEST_FILE} records {recorded}; "
+                    "replaced or damaged since packing (mlcls-data verify checks every shard)"
+                )
+        return [entries[shard_name_of(url)]["samples"] for url in urls]
+
+    def rows_of(self, role: str, urls: list[str]) -> np.ndarray:
+        """int64: the rows of the ``role`` sidecar that the samples of the shards ``urls`` take, in order
+        (all of the split's shards, or some of them)."""
+        shards = self.split(role)["shards"]
+        offsets = np.cumsum([0] + [entry["samples"] for entry in shards])
+        position = {entry["name"]: k for k, entry in enumerate(shards)}
+        starts = [offsets[position[shard_name_of(url)]] for url in urls]
+        sizes = self.shard_sizes(role, urls)
+        return np.concatenate(
+            [np.arange(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+            or [np.zeros(0, dtype=np.int64)]
+        )
 
     def role_urls(self, role: str, like: str) -> list[str]:
         """URLs of every ``role`` shard of the manifest, made from the URL ``like`` of another shard."""
         name = shard_name_of(like)
         return [like.replace(name, entry["name"]) for entry in self.manifest.get(role, {}).get("shards", [])]
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` is a file path (no ``scheme:`` such as ``https:`` or ``pipe:`` before its first
+    ``/``)."""
+    return ":" not in url.split("/", 1)[0]
+
+
+def existing_file(path: str) -> str:
+    """``path``, or :class:`DatasetLayoutError` when no such file exists."""
+    if not os.path.isfile(path):
+        raise DatasetLayoutError(f"shard {path} does not exist")
+    return path
 
 
 def default_meta(url: str) -> str:
@@ -170,11 +285,47 @@ def decode_image(data: bytes, transform: Callable | None) -> Any:
         return img.convert("RGB")
 
 
+def config_meta(root: str | None, urls: str | list[str] | None, meta: str | None) -> str:
+    """Where a ``dataset=shards`` config's sidecar files are: ``meta``, else ``root``, else the folder of
+    the first training shard."""
+    if meta or root:
+        return str(meta or root)
+    if not urls:
+        raise DatasetConfigError(
+            "dataset=shards needs dataset.root=DIR (the folder mlcls-data pack wrote) or dataset.urls, "
+            "e.g. DIR/train-{000000..000009}.tar"
+        )
+    return default_meta(expand_urls(urls)[0])
+
+
+@functools.lru_cache(maxsize=8)
+def source_settings(meta: str) -> dict[str, Any]:
+    """The packed source's dataset settings recorded in ``<meta>/manifest.json`` (``image_size``,
+    ``transform``); empty when the manifest cannot be read (opening the shards then says why)."""
+    try:
+        source = json.loads(read_url(f"{meta.rstrip('/')}/{MANIFEST_FILE}")).get("source")
+    except (DatasetError, OSError, ValueError, AttributeError):
+        return {}
+    return source if isinstance(source, dict) else {}
+
+
+def source_setting(key: str, fallback: Any, node: Any) -> Any:
+    """The resolver ``${shards_source:KEY,FALLBACK}`` of ``configs/dataset/shards.yaml``: the packed
+    source's dataset setting ``key`` (:func:`source_settings`), ``fallback`` when it has none; ``node``:
+    the dataset config (its ``root``, ``urls``, ``meta``)."""
+    try:
+        meta = config_meta(node.get("root"), node.get("urls"), node.get("meta"))
+    except DatasetError:
+        return fallback
+    return source_settings(meta).get(key, fallback)
+
+
 def open_shards(
     split: str = "train",
     urls: str | list[str] | None = None,
     val_urls: str | list[str] | None = None,
     meta: str | None = None,
+    root: str | None = None,
     shuffle_buffer: int = 1000,
     transform: Callable | str | None = None,
     **config_keys: Any,
@@ -183,21 +334,30 @@ def open_shards(
     :class:`ShardEvalSet` for evaluation (``dataset=shards``; see ``configs/dataset/shards.yaml``).
 
     Args:
-        urls: the training shards, a brace pattern or a list (any URL ``webdataset`` opens).
-        val_urls: the validation shards; None: every val shard of the manifest, at the place of ``urls``.
-        meta: folder or URL prefix of ``classes.json``, ``manifest.json``, ``*-labels.npz``; None: the
-            folder of the first training shard (required with ``pipe:`` URLs).
+        urls: the training shards, a brace pattern or a list (any URL ``webdataset`` opens); None: every
+            training shard of ``root``'s manifest.
+        val_urls: the validation shards; None: every val shard of the manifest, at the place of ``urls``
+            (or in ``root``).
+        meta: folder or URL prefix of ``classes.json``, ``manifest.json``, ``*-labels.npz``; None: ``root``,
+            or the folder of the first training shard (required with ``pipe:`` URLs).
+        root: the folder ``mlcls-data pack`` wrote, read through its manifest.
         shuffle_buffer: training samples a worker shuffles together (see the module docstring).
         transform, **config_keys: as for :class:`MultiLabelDataset`.
     """
     check_choice("split", split, ROLES)
-    if not urls:
-        raise DatasetConfigError("dataset=shards needs dataset.urls, e.g. DIR/train-{000000..000009}.tar")
-    train_urls = expand_urls(urls)
-    index = ShardIndex(meta or default_meta(train_urls[0]))
+    index = ShardIndex(config_meta(root, urls, meta))
+    place = f"{str(root).rstrip('/')}/" if root else ""
+    train_urls = (
+        expand_urls(urls) if urls else [place + entry["name"] for entry in index.split("train")["shards"]]
+    )
     if split == "train":
         return ShardTrainSet(index, train_urls, shuffle_buffer, transform, **config_keys)
-    split_urls = expand_urls(val_urls) if val_urls else index.role_urls("val", train_urls[0])
+    if val_urls:
+        split_urls = expand_urls(val_urls)
+    elif urls:
+        split_urls = index.role_urls("val", train_urls[0])
+    else:
+        split_urls = [place + entry["name"] for entry in index.manifest.get("val", {}).get("shards", [])]
     return ShardEvalSet(index, split_urls, transform, **config_keys)
 
 
@@ -228,17 +388,7 @@ class ShardTrainSet(SparseLabelled):
         self.urls, self.shuffle_buffer = urls, max(1, int(shuffle_buffer))
         self.classes = index.classes
         self.shard_sizes = index.shard_sizes("train", urls)
-        labels = index.labels("train")
-        if labels.shape != (index.manifest["train"]["samples"], len(self.classes)):
-            raise DatasetFormatError(f"{index.meta}/{labels_file('train')} does not match the manifest")
-        # Rows of the shards given (all of them, or a subset of the manifest's shards).
-        offsets = np.cumsum([0] + [e["samples"] for e in index.manifest["train"]["shards"]])
-        position = {e["name"]: k for k, e in enumerate(index.manifest["train"]["shards"])}
-        starts = [offsets[position[shard_name_of(url)]] for url in urls]
-        rows = np.concatenate(
-            [np.arange(start, start + size) for start, size in zip(starts, self.shard_sizes, strict=True)]
-        )
-        self.sparse_labels = labels.rows(rows)
+        self.sparse_labels = index.labels("train").rows(index.rows_of("train", urls))
 
     @property
     def num_classes(self) -> int:
@@ -254,18 +404,19 @@ class ShardTrainSet(SparseLabelled):
             image = seeded_call(seed, self._augment, fields[IMAGE_EXT], torch_only=torch_only)
         except BAD_IMAGE_ERRORS as exc:
             raise BadImageError(f"cannot read the image of sample {key} of the shards: {exc}") from exc
-        target = torch.from_numpy(npy_array(fields[LABELS_EXT]).astype(np.float32))
-        return image, target
+        pairs = stored_label_entries(fields, self.num_classes, f"sample {key} of the shards")
+        return image, dense_row(pairs[:, 0], pairs[:, 1], self.num_classes, self.sparse_labels.fill)
 
     def _augment(self, data: bytes) -> Any:
         image = decode_image(data, self.transform)
         return image if self.transform is None else self.transform(image)
 
 
-class ShardEvalSet(MultiLabelDataset):
+class ShardEvalSet(SparseLabelled, MultiLabelDataset):
     """The validation split of packed shards, read whole into memory (one byte buffer of the JPEGs and
-    their offsets: shared by forked DataLoader workers without copies); a map-style dataset in shard
-    order. ``samples`` name ``<shard URL>#<key>``."""
+    their offsets: shared by forked DataLoader workers without copies; the labels sparse, as the shards
+    store them, checked against the sidecar's); a map-style dataset in shard order. ``samples`` name
+    ``<shard URL>#<key>``."""
 
     def __init__(
         self, index: ShardIndex, urls: list[str], transform: Callable | str | None = None, **config_keys: Any
@@ -275,16 +426,22 @@ class ShardEvalSet(MultiLabelDataset):
         if not urls:
             raise DatasetLayoutError(f"{index.meta}/{MANIFEST_FILE} lists no val shards; pack that split")
         self.classes = index.classes
-        images, offsets, labels, samples = [], [0], [], []
+        expected = index.labels("val").rows(index.rows_of("val", urls))
+        images, offsets, rows, samples = [], [0], [], []
         for url in urls:
             for key, fields in iter_shard(url):
                 images.append(fields[IMAGE_EXT])
                 offsets.append(offsets[-1] + len(fields[IMAGE_EXT]))
-                labels.append(npy_array(fields[LABELS_EXT]))
+                rows.append(stored_label_entries(fields, len(self.classes), f"sample {key} of {url}"))
                 samples.append(Sample(f"{url}#{key}"))
         self.buffer = np.frombuffer(b"".join(images), dtype=np.uint8)
         self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.labels = torch.from_numpy(np.stack(labels).astype(np.float32))
+        self.sparse_labels = SparseLabels.from_stored_entries(rows, len(self.classes), expected.fill)
+        if self.sparse_labels != expected:
+            raise DatasetFormatError(
+                f"the labels in the val shards differ from {index.meta}/{labels_file('val')}; pack the "
+                "split again"
+            )
         self.samples = samples
 
     def load_image(self, index: int) -> Any:

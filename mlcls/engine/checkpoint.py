@@ -12,21 +12,21 @@ the caller trusts it explicitly (``trust_checkpoint=true``), or once re-saved by
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
 import os
 import re
 import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+# re-exported: checkpoints, results and plots use them
+from mlcls.io import atomic_write, raise_if_disk_full
 
 log = logging.getLogger("mlcls")
 
@@ -36,7 +36,6 @@ TRUST_HINT = (
     "if you wrote it yourself, re-save it as plain data with `python -m mlcls.cli.resave {path}`, or load it "
     "as it is with trust_checkpoint=true (trainer.trust_checkpoint=true to resume)"
 )
-_FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CheckpointError(RuntimeError):
@@ -45,40 +44,6 @@ class CheckpointError(RuntimeError):
 
 class UntrustedCheckpointError(CheckpointError):
     """A checkpoint needs code run to be loaded (pickled objects beyond plain data) and was not trusted."""
-
-
-class DiskFullError(RuntimeError):
-    """A run's file cannot be written for lack of space; the previous version of the file is intact."""
-
-
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename it over ``path``.
-
-    A full disk raises :class:`DiskFullError` naming ``path`` and the free space, ``path`` unchanged.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are for the whole group to read
-        os.replace(tmp, path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        _raise_if_disk_full(exc, path)
-        raise
-
-
-def _raise_if_disk_full(exc: BaseException, path: Path) -> None:
-    """Raise :class:`DiskFullError` for ``path`` if ``exc`` says the disk (or the quota) is full."""
-    if isinstance(exc, OSError) and exc.errno in _FULL_DISK_ERRNOS:
-        free = shutil.disk_usage(path.parent).free
-        raise DiskFullError(
-            f"cannot write {path}: no space left on the device ({free / 2**20:.1f} MiB free in "
-            f"{path.parent}); the previous {path.name}, if any, is unchanged",
-        ) from exc
 
 
 def plain(data: Any) -> Any:
@@ -169,7 +134,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.replace(tmp, dst)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        _raise_if_disk_full(exc, dst)
+        raise_if_disk_full(exc, dst)
         raise
 
 
