@@ -7,9 +7,9 @@
     report.json and report.md in OUT_DIR from the steps the shell script ran (one tab-separated line each:
     name, status, exit code, seconds, time limit, figures file, command).
 ``pytest -p gpu_check`` (with scripts/ on PYTHONPATH)
-    keeps the CUDA tests only: those skipped by a ``skipif`` whose reason names CUDA, e.g.
-    ``@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")``. Prints their ids first,
-    as one JSON line ``{"selected_tests": [...]}``.
+    keeps the CUDA tests only: those with a ``skipif`` whose reason says "needs CUDA", e.g.
+    ``@pytest.mark.skipif(not torch.cuda.is_available(), reason="the DALI loader needs CUDA")``. Prints
+    their ids first, as one JSON line ``{"selected_tests": [...]}``.
 
 Only the standard library at module level: the report is written even when the installation failed.
 """
@@ -34,8 +34,8 @@ HEADLINE_KEYS = ("passed", "failed", "errors", "skipped", "mAP_class", "mAP_samp
 
 
 def is_cuda_test(item: Any) -> bool:
-    """Whether a pytest item is skipped, where CUDA is missing, by a ``skipif`` whose reason names CUDA."""
-    return any("CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif"))
+    """Whether a pytest item has a ``skipif`` whose reason says "needs CUDA"."""
+    return any("needs CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif"))
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
@@ -99,10 +99,9 @@ def junit_figures(path: Path) -> dict[str, Any]:
             elif child.tag == "skipped":
                 outcome = f"skipped: {child.get('message', '')}"
         outcomes[name] = outcome
-    counts = {
-        key: sum(outcome.split(":")[0] == label for outcome in outcomes.values())
-        for key, label in (("passed", "passed"), ("failed", "failed"), ("errors", "error"), ("skipped", "skipped"))
-    }
+    labels = {"passed": "passed", "failed": "failed", "errors": "error", "skipped": "skipped"}
+    kinds = [outcome.split(":")[0] for outcome in outcomes.values()]
+    counts = {key: kinds.count(label) for key, label in labels.items()}
     return {**counts, "tests": outcomes}
 
 
@@ -142,7 +141,7 @@ def read_steps(steps_file: Path) -> list[dict[str, Any]]:
         values = line.split("\t", len(STEP_FIELDS) - 1)
         if len(values) != len(STEP_FIELDS):
             raise ValueError(f"{steps_file}: {line!r} has {len(values)} fields; expected {len(STEP_FIELDS)}")
-        step: dict[str, Any] = dict(zip(STEP_FIELDS, values))
+        step: dict[str, Any] = dict(zip(STEP_FIELDS, values, strict=True))
         for key in ("exit_code", "seconds", "limit_s"):
             step[key] = int(step[key]) if step[key].lstrip("-").isdigit() else None
         logs = steps_file.parent / step["name"]
@@ -173,7 +172,8 @@ def environment() -> dict[str, Any]:
         env["torch"] = f"not importable: {exc}"
     try:
         query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-        env["driver"] = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip() or None
+        driver = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
+        env["driver"] = driver.splitlines()[0] if driver else None
     except (OSError, subprocess.TimeoutExpired):
         env["driver"] = None
     return env
@@ -186,6 +186,8 @@ def headline(figures: dict[str, Any]) -> str:
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         if key in HEADLINE_KEYS or (numeric and (key.endswith(HEADLINE_SUFFIXES) or "peak" in key)):
             shown.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
+        elif isinstance(value, list):  # e.g. the ids of the selected tests
+            shown.append(f"{key}: {len(value)}")
         elif key == "metrics" and isinstance(value, dict):
             shown.extend(f"{k}={v:.4g}" for k, v in value.items() if isinstance(v, float))
     return ", ".join(shown)
