@@ -100,8 +100,8 @@ install() {
     fi
     "${pip[@]}" install --no-index --find-links "$wheels" -r scripts/gpu_requirements.txt >&2
     "${pip[@]}" install --no-index --no-deps --no-build-isolation -e . >&2
-    "$venv/bin/mlcls-bench" --help >/dev/null
     "$venv/bin/python" scripts/gpu_check.py deps
+    "$venv/bin/mlcls-bench" --help >/dev/null
 }
 export -f install
 
