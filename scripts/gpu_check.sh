@@ -110,9 +110,9 @@ bin=$venv/bin
 cuda_tests=$(grep -l "cuda.is_available" tests/test_*.py)
 select_tests=("$bin/python" -m pytest -q -p no:cacheprovider -p gpu_check $cuda_tests)
 resnet50=(model.name=resnet50 dataset.image_size=224 trainer.batch_size=256 trainer.amp=bf16
-    trainer.channels_last=true trainer.workers=8)
+    trainer.channels_last=true)
 if [[ $cuda != 1 ]]; then
-    PYTHONPATH=scripts step cuda_tests_collected 60 - "${select_tests[@]}" --collect-only
+    PYTHONPATH=scripts step cuda_tests_collected 120 - "${select_tests[@]}" --collect-only
     for name in cuda_tests bench_step bench_pipeline demo bench_eval bench_step_compile; do
         skip $name "no CUDA"
     done
