@@ -30,7 +30,7 @@ from typing import Any
 STEP_FIELDS = ("name", "status", "exit_code", "seconds", "limit_s", "figures_file", "command")
 # Figures shown in report.md (report.json keeps every figure of every step).
 HEADLINE_SUFFIXES = ("_per_s", "_s", "overhead")
-HEADLINE_KEYS = ("passed", "failed", "errors", "skipped", "mAP_class", "mAP_sample", "missing")
+HEADLINE_KEYS = ("passed", "failed", "errors", "skipped", "missing")
 
 
 def is_cuda_test(item: Any) -> bool:
@@ -168,7 +168,7 @@ def environment() -> dict[str, Any]:
             env["gpu"] = properties.name
             env["gpu_memory_gib"] = round(properties.total_memory / 2**30, 1)
             env["gpu_count"] = torch.cuda.device_count()
-    except ImportError as exc:
+    except (ImportError, OSError, RuntimeError) as exc:  # no torch, or a broken CUDA installation
         env["torch"] = f"not importable: {exc}"
     try:
         query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
