@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-fast lint clean wheels gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,30 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
+## wheels: mlcls's non-torch dependencies for CPython 3.12 on manylinux x86_64, for a GPU machine without
+## network (scripts/gpu_check.sh; docs/performance.md, "On a GPU"). numpy is left out: the image has it.
+## antlr4-python3-runtime 4.9.3 (hydra-core's pin) exists as an sdist only: built here (pure Python).
+GPU_WHEELS ?= .gpu-wheels
+GPU_WHEELS_MAX_MIB ?= 24
+PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 any
+wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip wheel --quiet --no-deps -w $(GPU_WHEELS) antlr4-python3-runtime==4.9.3
+	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --abi cp312 $(addprefix --platform ,$(PLATFORMS)) --find-links $(GPU_WHEELS) -d $(GPU_WHEELS) \
+	    -r scripts/gpu_requirements.txt pip
+	rm -f $(GPU_WHEELS)/numpy-*.whl
+	@mib=$$(du -sm $(GPU_WHEELS) | cut -f1); \
+	    echo "$(GPU_WHEELS): $$(ls $(GPU_WHEELS) | wc -l) wheels, $$mib MiB (limit $(GPU_WHEELS_MAX_MIB) MiB)"; \
+	    test "$$mib" -le $(GPU_WHEELS_MAX_MIB) || { echo "$(GPU_WHEELS) is over $(GPU_WHEELS_MAX_MIB) MiB"; exit 1; }
+
+## gpu-check: on a CUDA machine, every CUDA path, report in gpu-report/ (scripts/gpu_check.sh)
+gpu-check:
+	bash scripts/gpu_check.sh gpu-report
+
 lint: install
 	$(BIN)/ruff check mlcls tests scripts
 	$(BIN)/ruff format --check mlcls tests scripts
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) outputs multirun .pytest_cache .gpu-venv gpu-report

@@ -1,0 +1,90 @@
+"""The trainer's CUDA paths, where CUDA exists (scripts/gpu_check.sh selects these tests by their skip
+reason, "needs CUDA"): AMP with the real GradScaler, the epoch loop's host synchronisations, and a
+single-process NCCL group through the trainer's collectives and evaluation."""
+
+from __future__ import annotations
+
+import math
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import TINY, compose_config
+
+from mlcls.engine import distributed as dist_utils
+from mlcls.engine.trainer import Trainer
+
+
+def _trainer(tmp_path, *overrides: str) -> Trainer:
+    return Trainer(
+        compose_config([*TINY, "trainer.device=cuda", f"trainer.output_dir={tmp_path}", *overrides])
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="AMP with a GradScaler needs CUDA")
+@pytest.mark.parametrize("amp, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_amp_steps_run_in_half_precision_with_the_real_grad_scaler(tmp_path, amp, dtype):
+    trainer = _trainer(tmp_path, f"trainer.amp={amp}", "trainer.limit_train_batches=4")
+    initial_scale = 2.0**16 if amp == "fp16" else 1.0
+    assert trainer.scaler.is_enabled() and trainer.scaler.get_scale() == initial_scale
+    logits_dtypes: list[torch.dtype] = []
+    hook = trainer.model.register_forward_hook(lambda _, inputs, logits: logits_dtypes.append(logits.dtype))
+    before = [parameter.detach().clone() for parameter in trainer.model.parameters()]
+    try:
+        result = trainer.train_one_epoch(0)
+    finally:
+        hook.remove()
+    assert logits_dtypes == [dtype] * 4 and math.isfinite(result["loss"])
+    skipped = trainer.state.counts["skipped_steps"]
+    assert skipped < 4
+    # fp16: every skipped step halves the scale (no growth within 2,000 steps); bf16 keeps it at 1
+    assert trainer.scaler.get_scale() == (initial_scale / 2**skipped if amp == "fp16" else 1.0)
+    after = list(trainer.model.parameters())
+    assert any(not torch.equal(old, new) for old, new in zip(before, after, strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the sync debug mode needs CUDA")
+def test_the_cuda_epoch_loop_synchronises_as_often_for_8_steps_as_for_2(tmp_path):
+    def synchronisations(steps: int) -> list[str]:
+        trainer = _trainer(
+            tmp_path / str(steps), "dataset.train_size=320", "trainer.log_every=1000",
+            f"trainer.limit_train_batches={steps}",
+        )  # fmt: skip
+        trainer.train_one_epoch(0)  # warm-up: cuDNN autotuning, allocator, first optimizer state
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.train_one_epoch(1)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return [str(warning.message) for warning in caught if "synchroniz" in str(warning.message)]
+
+    two, eight = synchronisations(2), synchronisations(8)
+    assert len(eight) == len(two), "\n".join(eight)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a NCCL group needs CUDA")
+def test_a_single_process_nccl_group_evaluates_as_without_a_group(tmp_path):
+    trainer = _trainer(tmp_path, "trainer.amp=none")
+    alone = trainer.evaluate()
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=address, rank=0, world_size=1)
+    try:
+        grouped = trainer.evaluate()
+        total = dist_utils.all_reduce_sum(torch.arange(3.0, device="cuda"))
+        gathered = dist_utils.all_gather_object({"rank": 0})
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(grouped.scores, alone.scores, rtol=1e-3, atol=1e-3)
+    assert torch.equal(grouped.labels, alone.labels)
+    assert total.tolist() == [0.0, 1.0, 2.0] and gathered == [{"rank": 0}]
