@@ -8,14 +8,11 @@ Shards are read through ``webdataset``'s ``gopen``: local paths, ``http(s)://`` 
 epoch the shards are put in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut
 into contiguous ranges of ``per_rank = floor(N / (world_size * batch)) * batch`` samples, one per rank
 (``DistributedSampler``'s ``drop_last`` count: every rank runs the same number of steps, no sample twice). A
-rank's range is cut into its ``per_rank / batch`` batches, and those into contiguous blocks, one per
-DataLoader worker (the first workers one batch more when it does not divide): each worker reads only the
-shards of its block, front to back, and shuffles its samples in windows of ``shuffle_buffer`` (an order
-drawn from the seed, the epoch and the window). The DataLoader takes the workers' batches in turn, so the
-epoch's batch order is a function of ``(seed, epoch, rank, world_size, workers)``; each sample's
+rank's range is read in blocks, each shuffled in windows of ``shuffle_buffer``, and served by the DataLoader
+workers in an order that does not depend on their number (:mod:`mlcls.data.shard_loader`); each sample's
 augmentation runs under ``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the
-workers. ``set_start(k)`` (resuming mid-epoch with the same number of workers) skips exactly the first ``k``
-samples the rank served and serves the rest in the order they would have come.
+workers. ``set_start(k)`` (resuming mid-epoch) skips exactly the first ``k`` samples the rank served and
+serves the rest in the order they would have come.
 
 **Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
 (the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
@@ -90,20 +87,37 @@ def shard_name_of(url: str) -> str:
     return names[-1]
 
 
-def iter_shard(url: str) -> Iterator[tuple[str, dict[str, bytes]]]:
+def iter_shard(url: str, num_classes: int | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
     """``(key, {extension: bytes})`` of each sample of the tar shard ``url``, in order, streamed (the
-    stream read to its end: a ``pipe:`` command closed early fails)."""
+    stream read to its end: a ``pipe:`` command closed early fails). A sample without its image or labels
+    file (missing, or a link) or, given ``num_classes``, whose labels are not a row of that many numbers
+    raises :class:`DatasetFormatError` naming the shard and the member."""
     with open_url(url) as stream:
         key, fields = None, {}
         for name, data in tar_files(stream, url):
             member_key, _, extension = name.rsplit("/", 1)[-1].partition(".")
             if member_key != key:
                 if key is not None:
-                    yield key, fields
+                    yield key, check_sample(url, key, fields, num_classes)
                 key, fields = member_key, {}
             fields[extension] = data
         if key is not None:
-            yield key, fields
+            yield key, check_sample(url, key, fields, num_classes)
+
+
+def check_sample(url: str, key: str, fields: dict[str, bytes], num_classes: int | None) -> dict[str, bytes]:
+    """``fields`` of sample ``key`` of shard ``url``, checked as :func:`iter_shard` says."""
+    for extension in (IMAGE_EXT, LABELS_EXT):
+        if extension not in fields:
+            raise DatasetFormatError(
+                f"shard {url}: no regular file {key}.{extension} (missing, or a link); pack the shard again"
+            )
+    if num_classes is not None:
+        member = f"shard {url}, member {key}.{LABELS_EXT}"
+        row = npy_array(fields[LABELS_EXT], member)
+        if row.shape != (num_classes,) or row.dtype.kind not in "biuf":
+            raise DatasetFormatError(f"{member} holds {row.shape} {row.dtype}; expected {num_classes} numbers")
+    return fields
 
 
 class ShardIndex:
@@ -277,7 +291,7 @@ class ShardEvalSet(MultiLabelDataset):
         self.classes = index.classes
         images, offsets, labels, samples = [], [0], [], []
         for url in urls:
-            for key, fields in iter_shard(url):
+            for key, fields in iter_shard(url, len(self.classes)):
                 images.append(fields[IMAGE_EXT])
                 offsets.append(offsets[-1] + len(fields[IMAGE_EXT]))
                 labels.append(npy_array(fields[LABELS_EXT]))
