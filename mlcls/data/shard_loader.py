@@ -121,7 +121,9 @@ class ShardStream(IterableDataset):
             samples = next(itertools.islice(blocks[stream], batch - next_batch[stream], None))
             next_batch[stream] = batch + 1
             for key, fields in samples:
-                yield self.dataset.make_sample(key, fields, sample_seed(schedule.seed, schedule.epoch, int(key)))
+                yield self.dataset.make_sample(
+                    key, fields, sample_seed(schedule.seed, schedule.epoch, int(key))
+                )
         for batches in blocks.values():  # every shard read to its end: a pipe: command closed early fails
             for _ in batches:
                 pass

@@ -116,7 +116,9 @@ def check_sample(url: str, key: str, fields: dict[str, bytes], num_classes: int 
         member = f"shard {url}, member {key}.{LABELS_EXT}"
         row = npy_array(fields[LABELS_EXT], member)
         if row.shape != (num_classes,) or row.dtype.kind not in "biuf":
-            raise DatasetFormatError(f"{member} holds {row.shape} {row.dtype}; expected {num_classes} numbers")
+            raise DatasetFormatError(
+                f"{member} holds {row.shape} {row.dtype}; expected {num_classes} numbers"
+            )
     return fields
 
 

@@ -66,7 +66,9 @@ def tar_files(stream: IO[bytes], url: str) -> Iterator[tuple[str, bytes]]:
             if kind == TAR_SPARSE:
                 raise ValueError("a sparse file; pack it again")
         except ValueError as exc:
-            raise DatasetFormatError(f"shard {url}, member {name!r} (header at byte {offset}): {exc}") from None
+            raise DatasetFormatError(
+                f"shard {url}, member {name!r} (header at byte {offset}): {exc}"
+            ) from None
         stored = 0 if kind in TAR_NO_DATA else size
         data = _read_exactly(stream, stored, url, offset + TAR_BLOCK)
         _read_exactly(stream, -stored % TAR_BLOCK, url, offset + TAR_BLOCK + stored)
