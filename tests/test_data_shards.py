@@ -30,7 +30,7 @@ from mlcls.data.base import MultiLabelDataset, Sample
 from mlcls.data.labels import SparseLabels
 from mlcls.data.loader import build_eval_loader
 from mlcls.data.pack import encode_jpeg, labels_file, pack_split, packed_image
-from mlcls.data.shard_loader import ShardSchedule, ShardTrainLoader
+from mlcls.data.shard_loader import ShardSchedule, ShardStream, ShardTrainLoader
 from mlcls.data.shards import ShardTrainSet, iter_shard, open_shards
 from mlcls.data.synthetic import SyntheticMultiLabel
 from mlcls.data.tario import npy_array, tar_files
@@ -298,11 +298,56 @@ def test_set_start_skips_exactly_the_batches_served(packed: Path) -> None:
     assert shard_keys(packed, 1, 2, 0, epoch=4, start=2 * 8) == shard_keys(packed, 1, 2, 0, epoch=4)[2:]
 
 
-def test_schedule_blocks_follow_the_dataloader_turns() -> None:
-    schedule = ShardSchedule([10, 10, 10], batch_size=2, rank=0, world_size=1, seed=0)
-    # 15 batches over 4 workers: 4, 4, 4, 3; after 14 served, worker 3 has none left, workers 0-1 one each.
-    assert schedule.worker_blocks(4) == [(0, 4), (4, 4), (8, 4), (12, 3)]
-    assert [schedule.consumed(w, 4, 14) for w in range(4)] == [4, 4, 3, 3]
+def test_schedule_workers_serve_the_batches_in_turn_whatever_their_number() -> None:
+    """15 batches in 4 blocks (4, 4, 4, 3); batch i is batch i // 4 of block i % 4. Taking one batch of
+    each worker in turn (the DataLoader's order) gives the batches after ``start`` in order, for any
+    number of workers."""
+    schedule = ShardSchedule([10, 10, 10], batch_size=2, rank=0, world_size=1, seed=0, streams=4)
+    assert schedule.stream_blocks() == [(0, 4), (4, 4), (8, 4), (12, 3)]
+    for start in (0, 5):
+        schedule.set_start(start * 2)
+        for workers in (1, 2, 3, 4, 5):
+            lists = [list(schedule.worker_batches(w, workers)) for w in range(workers)]
+            in_turn = [b for turn in range(15) for batches in lists for b in batches[turn : turn + 1]]
+            assert in_turn == list(range(start, 15)), (start, workers)
+
+
+def test_every_block_shuffles_its_windows_under_its_own_seed(packed: Path) -> None:
+    """Two blocks (trainer.workers=2), windows of 8: the first windows of the two blocks are shuffled by
+    different permutations (each worker's first window used to be drawn from the same seed)."""
+    dataset = open_shards("train", str(packed / URLS), transform=None, shuffle_buffer=8)
+    dataset.make_sample = lambda key, fields, seed: int(key)
+    schedule = ShardSchedule(dataset.shard_sizes, 8, rank=0, world_size=1, seed=3, streams=2)
+    schedule.set_epoch(1)
+    in_shard_order = [int(k) for s in schedule.shard_order() for k, _ in iter_shard(dataset.urls[s])]
+    served = list(ShardStream(dataset, schedule))  # batch 0 of block 0, then batch 0 of block 1, ...
+    second_block = schedule.stream_blocks()[1][0] * 8
+    first = [in_shard_order.index(key) for key in served[:8]]
+    second = [in_shard_order.index(key) - second_block for key in served[8:16]]
+    assert sorted(first) == sorted(second) == list(range(8))
+    assert first != second
+
+
+@pytest.mark.slow
+def test_order_and_resume_do_not_depend_on_the_workers_the_cpus_allow(packed: Path, monkeypatch) -> None:
+    """trainer.workers=3 (three read blocks): 3 worker processes serve the batches in the order of the
+    schedule read in one process; a requeued run capped at 2 or 1 CPUs resumes with exactly the remaining
+    batches, in the same order (no sample repeated or skipped)."""
+    from mlcls.data import loader as loader_module
+
+    def keys_on(cpus: int, start: int = 0) -> list[list[int]]:
+        monkeypatch.setattr(loader_module, "available_cpus", lambda: cpus)
+        return shard_keys(packed, 1, 2, 3, epoch=4, start=start)
+
+    dataset = open_shards("train", str(packed / URLS), transform=None)
+    dataset.make_sample = lambda key, fields, seed: int(key)
+    schedule = ShardSchedule(dataset.shard_sizes, 8, rank=1, world_size=2, seed=3, streams=3)
+    schedule.set_epoch(4)
+    served = list(ShardStream(dataset, schedule))
+    full = keys_on(3)
+    assert full == [served[k : k + 8] for k in range(0, len(served), 8)]
+    assert keys_on(2, start=2 * 8) == full[2:]
+    assert keys_on(1, start=3 * 8) == full[3:]
 
 
 def test_shard_urls_not_in_the_manifest_are_one_line(packed: Path) -> None:

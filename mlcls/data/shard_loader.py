@@ -1,9 +1,27 @@
 """Reading packed training shards: which samples each rank and DataLoader worker reads every epoch
 (:class:`ShardSchedule`), the worker-side stream (:class:`ShardStream`) and the loader the trainer iterates
-(:class:`ShardTrainLoader`). The shard files themselves and the datasets are in :mod:`mlcls.data.shards`."""
+(:class:`ShardTrainLoader`). The shard files themselves and the datasets are in :mod:`mlcls.data.shards`.
+
+**The order of an epoch.** A rank's range of samples (:mod:`mlcls.data.shards`) is cut into ``streams``
+contiguous blocks of whole batches (``streams`` = ``trainer.workers``, the number asked for, at least 1; the
+first blocks one batch more when it does not divide). Each block is read front to back and shuffled in
+windows of ``shuffle_buffer`` samples, each window's order drawn from the seed, the epoch and the window's
+position in the epoch. The rank's batch ``i`` is batch ``i // streams`` of block ``i % streams``: the order
+is a function of ``(seed, epoch, rank, world_size, streams)``, whatever number of DataLoader workers the
+CPUs allow, so a job requeued on another allocation resumes exactly (``set_start``).
+
+**Workers.** A DataLoader over an iterable dataset asks its workers for batches in turn, worker 0 first at
+every iteration (torch's ``_MultiProcessingDataLoaderIter``; ``test_data_shard_loader`` pins it): worker
+``w`` of ``W`` serves the rank's batches ``start + w``, ``start + w + W``, ... and reads the blocks they
+come from. When ``W`` divides ``streams`` (the usual ``W = streams``), each block is read by one worker
+only; otherwise workers read more blocks than they serve from (logged once).
+"""
 
 from __future__ import annotations
 
+import functools
+import itertools
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,24 +29,26 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mlcls.data.base import (
-    DatasetFormatError,
-)
+from mlcls.data.base import DatasetFormatError
 from mlcls.data.loader import sample_seed, training_loader_options
 from mlcls.data.shards import ShardTrainSet, iter_shard
 
+log = logging.getLogger("mlcls")
+
+Sample = tuple[str, dict[str, bytes]]  # (key, {extension: bytes}) of a shard sample
+
 
 class ShardSchedule:
-    """The ``sampler`` of :class:`ShardTrainLoader`: which samples of the shards each rank and worker
-    reads in an epoch (see the module docstring). ``set_epoch(e)`` and ``set_start(samples)`` as
+    """The ``sampler`` of :class:`ShardTrainLoader`: which samples of the shards each rank reads in an
+    epoch, in which order (see the module docstring). ``set_epoch(e)`` and ``set_start(samples)`` as
     :class:`mlcls.data.loader.ResumableSampler`; the state lives in shared memory, so that persistent
     DataLoader workers see it."""
 
     def __init__(
-        self, shard_sizes: list[int], batch_size: int, rank: int, world_size: int, seed: int
+        self, shard_sizes: list[int], batch_size: int, rank: int, world_size: int, seed: int, streams: int = 1
     ) -> None:
         self.shard_sizes, self.batch_size = list(shard_sizes), batch_size
-        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.rank, self.world_size, self.seed, self.streams = rank, world_size, seed, max(1, streams)
         self.per_rank = sum(shard_sizes) // (world_size * batch_size) * batch_size
         self.state = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, start
 
@@ -54,27 +74,17 @@ class ShardSchedule:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.shard_sizes), generator=generator).tolist()
 
-    def worker_blocks(self, workers: int) -> list[tuple[int, int]]:
-        """``(first batch, batches)`` of each worker within the rank's range."""
-        batches = self.per_rank // self.batch_size
-        base, extra = divmod(batches, workers)
-        blocks, first = [], 0
-        for worker in range(workers):
-            count = base + (worker < extra)
-            blocks.append((first, count))
-            first += count
-        return blocks
+    def stream_blocks(self) -> list[tuple[int, int]]:
+        """``(first batch, batches)`` of each stream's block within the rank's range."""
+        base, extra = divmod(self.per_rank // self.batch_size, self.streams)
+        counts = [base + (stream < extra) for stream in range(self.streams)]
+        firsts = itertools.accumulate([0, *counts[:-1]])
+        return list(zip(firsts, counts, strict=True))
 
-    def consumed(self, worker: int, workers: int, batches: int) -> int:
-        """Batches of ``worker`` among the first ``batches`` the DataLoader served (it takes one batch of
-        each worker in turn; the workers with one batch more come first)."""
-        count = self.worker_blocks(workers)[worker][1]
-        return min(count, batches // workers + (worker < batches % workers))
-
-    def reads(self, worker: int, workers: int) -> tuple[list[tuple[int, int, int]], int]:
-        """The reads of ``worker``: ``(shard, first, stop)`` sample ranges in order, and the number of its
-        samples the DataLoader already served (to skip, after the window shuffle)."""
-        first_batch, count = self.worker_blocks(workers)[worker]
+    def stream_reads(self, stream: int) -> tuple[list[tuple[int, int, int]], int]:
+        """The reads of block ``stream``: ``(shard, first, stop)`` sample ranges in order, and the block's
+        first position among the epoch's samples (where its shuffle windows start)."""
+        first_batch, count = self.stream_blocks()[stream]
         begin = self.rank * self.per_rank + first_batch * self.batch_size
         end = begin + count * self.batch_size
         reads, offset = [], 0
@@ -84,8 +94,12 @@ class ShardSchedule:
             if lo < hi:
                 reads.append((shard, lo - offset, hi - offset))
             offset += size
-        served = self.consumed(worker, workers, self.start // self.batch_size) * self.batch_size
-        return reads, served
+        return reads, begin
+
+    def worker_batches(self, worker: int, workers: int) -> range:
+        """The rank's batches that DataLoader worker ``worker`` of ``workers`` serves, in order (the
+        loader takes one batch of each worker in turn, from worker 0, after the ``start`` samples served)."""
+        return range(self.start // self.batch_size + worker, self.per_rank // self.batch_size, workers)
 
 
 class ShardStream(IterableDataset):
@@ -96,35 +110,45 @@ class ShardStream(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[Any, Tensor]]:
         info = get_worker_info()
-        schedule, window_size = self.schedule, self.dataset.shuffle_buffer
-        workers = 1 if info is None else info.num_workers
-        # The DataLoader starts every iteration at its worker 0: after k batches served, that is the worker
-        # whose turn came next, k mod workers.
-        worker = 0 if info is None else (info.id + schedule.start // schedule.batch_size) % workers
-        reads, served = schedule.reads(worker, workers)
-        position = 0  # samples of this worker's list before the window
-        for window in self._windows(reads, window_size):
-            generator = torch.Generator().manual_seed(
-                sample_seed(schedule.seed, schedule.epoch, schedule.rank * schedule.per_rank + position)
-            )
-            for k in torch.randperm(len(window), generator=generator).tolist():
-                if served > 0:
-                    served -= 1
-                    continue
-                key, fields = window[k]
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        schedule = self.schedule
+        blocks: dict[int, Iterator[list[Sample]]] = {}  # stream -> its batches, read on demand
+        next_batch: dict[int, int] = {}
+        for index in schedule.worker_batches(worker, workers):
+            stream, batch = index % schedule.streams, index // schedule.streams
+            if stream not in blocks:
+                blocks[stream], next_batch[stream] = self._block_batches(stream), 0
+            samples = next(itertools.islice(blocks[stream], batch - next_batch[stream], None))
+            next_batch[stream] = batch + 1
+            for key, fields in samples:
                 yield self.dataset.make_sample(
                     key, fields, sample_seed(schedule.seed, schedule.epoch, int(key))
                 )
+        for batches in blocks.values():  # every shard read to its end: a pipe: command closed early fails
+            for _ in batches:
+                pass
+
+    def _block_batches(self, stream: int) -> Iterator[list[Sample]]:
+        """The batches of block ``stream``, in order: its samples shuffled window by window."""
+        schedule = self.schedule
+        reads, position = schedule.stream_reads(stream)
+        batch: list[Sample] = []
+        for window in self._windows(reads, self.dataset.shuffle_buffer):
+            generator = torch.Generator().manual_seed(sample_seed(schedule.seed, schedule.epoch, position))
+            for k in torch.randperm(len(window), generator=generator).tolist():
+                batch.append(window[k])
+                if len(batch) == schedule.batch_size:
+                    yield batch
+                    batch = []
             position += len(window)
 
-    def _windows(
-        self, reads: list[tuple[int, int, int]], size: int
-    ) -> Iterator[list[tuple[str, dict[str, bytes]]]]:
-        window: list[tuple[str, dict[str, bytes]]] = []
+    def _windows(self, reads: list[tuple[int, int, int]], size: int) -> Iterator[list[Sample]]:
+        window: list[Sample] = []
         for shard, first, stop in reads:
             url = self.dataset.urls[shard]
             count = 0
-            # Read to the end even past ``stop``: a pipe: command closed early fails.
+            # Read to the end even past ``stop``: a pipe: command closed early fails. Labels are checked
+            # where a sample is decoded.
             for position, sample in enumerate(iter_shard(url)):
                 if first <= position < stop:
                     window.append(sample)
@@ -143,8 +167,9 @@ class ShardStream(IterableDataset):
 
 class ShardTrainLoader:
     """The training loader of a :class:`ShardTrainSet` (what ``build_train_loader`` returns for one):
-    ``len()`` batches of ``batch_size`` per epoch, ``sampler`` a :class:`ShardSchedule`; batches as the
-    map-style loader's (collated by :func:`mlcls.data.fast.collate_batch`)."""
+    ``len()`` batches of ``batch_size`` per epoch, ``sampler`` a :class:`ShardSchedule` of ``workers``
+    streams (``trainer.workers``, before the CPU cap); batches as the map-style loader's (collated by
+    :func:`mlcls.data.fast.collate_batch`)."""
 
     def __init__(
         self,
@@ -157,15 +182,24 @@ class ShardTrainLoader:
         device: torch.device,
     ) -> None:
         self.batch_size = batch_size
-        self.sampler = ShardSchedule(dataset.shard_sizes, batch_size, rank, world_size, seed)
-        self.loader = DataLoader(
-            ShardStream(dataset, self.sampler),
-            batch_size=batch_size,
-            **training_loader_options(workers, device),
-        )
+        self.sampler = ShardSchedule(dataset.shard_sizes, batch_size, rank, world_size, seed, streams=workers)
+        options = training_loader_options(workers, device)
+        if options["num_workers"] and self.sampler.streams % options["num_workers"]:
+            _log_uneven_streams(options["num_workers"], self.sampler.streams)
+        self.loader = DataLoader(ShardStream(dataset, self.sampler), batch_size=batch_size, **options)
 
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)
+
+
+@functools.cache
+def _log_uneven_streams(workers: int, streams: int) -> None:
+    log.info(
+        "dataset=shards: %d DataLoader workers share %d read streams (trainer.workers); each reads the "
+        "shards of several streams (the sample order is the same)",
+        workers,
+        streams,
+    )

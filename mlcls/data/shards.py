@@ -8,14 +8,11 @@ Shards are read through ``webdataset``'s ``gopen``: local paths, ``http(s)://`` 
 epoch the shards are put in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut
 into contiguous ranges of ``per_rank = floor(N / (world_size * batch)) * batch`` samples, one per rank
 (``DistributedSampler``'s ``drop_last`` count: every rank runs the same number of steps, no sample twice). A
-rank's range is cut into its ``per_rank / batch`` batches, and those into contiguous blocks, one per
-DataLoader worker (the first workers one batch more when it does not divide): each worker reads only the
-shards of its block, front to back, and shuffles its samples in windows of ``shuffle_buffer`` (an order
-drawn from the seed, the epoch and the window). The DataLoader takes the workers' batches in turn, so the
-epoch's batch order is a function of ``(seed, epoch, rank, world_size, workers)``; each sample's
+rank's range is read in blocks, each shuffled in windows of ``shuffle_buffer``, and served by the DataLoader
+workers in an order that does not depend on their number (:mod:`mlcls.data.shard_loader`); each sample's
 augmentation runs under ``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the
-workers. ``set_start(k)`` (resuming mid-epoch with the same number of workers) skips exactly the first ``k``
-samples the rank served and serves the rest in the order they would have come.
+workers. ``set_start(k)`` (resuming mid-epoch) skips exactly the first ``k`` samples the rank served and
+serves the rest in the order they would have come.
 
 **Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
 (the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
@@ -105,25 +102,30 @@ def shard_name_of(url: str) -> str:
     return names[-1]
 
 
-def iter_shard(url: str) -> Iterator[tuple[str, dict[str, bytes]]]:
+def iter_shard(url: str, num_classes: int | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
     """``(key, {extension: bytes})`` of each sample of the tar shard ``url``, in order, streamed (the
-    stream read to its end: a ``pipe:`` command closed early fails)."""
+    stream read to its end: a ``pipe:`` command closed early fails). A sample without its image or labels
+    file (missing, or a link) or, given ``num_classes``, whose labels are not valid (class, value) pairs
+    raises :class:`DatasetFormatError` naming the shard and the member."""
     with open_url(url) as stream:
-        yield from stream_samples(stream, url)
+        yield from stream_samples(stream, url, num_classes)
 
 
-def stream_samples(stream: IO[bytes], url: str) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """``(key, {extension: bytes})`` of each sample of the tar archive ``stream`` (of ``url``), in order."""
+def stream_samples(
+    stream: IO[bytes], url: str, num_classes: int | None = None
+) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """``(key, {extension: bytes})`` of each sample of the tar archive ``stream`` (of ``url``), in order,
+    checked by :func:`check_sample`."""
     key, fields = None, {}
     for name, data in tar_files(stream, url):
         member_key, _, extension = name.rsplit("/", 1)[-1].partition(".")
         if member_key != key:
             if key is not None:
-                yield key, fields
+                yield key, check_sample(url, key, fields, num_classes)
             key, fields = member_key, {}
         fields[extension] = data
     if key is not None:
-        yield key, fields
+        yield key, check_sample(url, key, fields, num_classes)
 
 
 def stored_label_entries(fields: dict[str, bytes], num_classes: int, where: str) -> np.ndarray:
@@ -131,10 +133,7 @@ def stored_label_entries(fields: dict[str, bytes], num_classes: int, where: str)
     [0, ``num_classes``), a value 1, 0 or -1); :class:`DatasetFormatError` naming ``where`` otherwise."""
     if LABELS_EXT not in fields:
         raise DatasetFormatError(f"{where} has no {LABELS_EXT} member; pack the dataset again")
-    try:
-        pairs = npy_array(fields[LABELS_EXT])
-    except ValueError as exc:
-        raise DatasetFormatError(f"{where}: unreadable labels ({exc})") from exc
+    pairs = npy_array(fields[LABELS_EXT], where)
     if (
         pairs.ndim != 2
         or pairs.shape[1] != 2
@@ -147,6 +146,20 @@ def stored_label_entries(fields: dict[str, bytes], num_classes: int, where: str)
             "1, 0 or -1; pack the dataset again"
         )
     return pairs.astype(np.int32)  # a copy: the member's bytes are read-only
+
+
+def check_sample(url: str, key: str, fields: dict[str, bytes], num_classes: int | None) -> dict[str, bytes]:
+    """``fields`` of sample ``key`` of shard ``url``: its image and labels members present as regular files
+    and, given ``num_classes``, its labels valid (:func:`stored_label_entries`);
+    :class:`DatasetFormatError` naming the shard and the member otherwise."""
+    for extension in (IMAGE_EXT, LABELS_EXT):
+        if extension not in fields:
+            raise DatasetFormatError(
+                f"shard {url}: no regular file {key}.{extension} (missing, or a link); pack the shard again"
+            )
+    if num_classes is not None:
+        stored_label_entries(fields, num_classes, f"shard {url}, member {key}.{LABELS_EXT}")
+    return fields
 
 
 class ShardIndex:

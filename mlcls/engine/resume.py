@@ -75,6 +75,16 @@ def restore(
         scaler.load_state_dict(checkpoint["scaler"])
     state.load_state_dict(checkpoint)
     state.resumes += 1
+    world_size = torch.distributed.get_world_size() if dist_utils.initialized() else 1
+    if len(state.rng) != world_size and rank == 0:
+        log.warning(
+            "%s was written by %d processes and resumes on %d: rank r continues the random streams of rank "
+            "min(r, %d), and the rest of an epoch stopped midway is not what an uninterrupted run would read",
+            path,
+            len(state.rng),
+            world_size,
+            len(state.rng) - 1,
+        )
     set_rng_state(state.rng[min(rank, len(state.rng) - 1)])
     where = f"epoch {state.epoch + 1}" + (f", step {state.step + 1}" if state.step else "")
     log.info("resumed from %s: continuing at %s", path, where)
