@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from mlcls.metrics import threshold_predictions, top_k_predictions
-from mlcls.metrics.ap import check_scores_labels
+from mlcls.metrics.ap import block_slices, check_scores_labels
 
 log = logging.getLogger("mlcls")
 
@@ -54,7 +54,7 @@ def calibrate_thresholds(
 
     Args:
         scores: (N, C) logits of the validation set (any real dtype, CPU or CUDA).
-        labels: (N, C) with 1 = positive, 0 = negative, -1 = ignored.
+        labels: (N, C) with 1 = positive, 0 = negative, -1 = ignored (int8 labels are used as they are).
         no_positive: the threshold of a class without any positive label (:data:`NEVER_PREDICTED`: never
             predicted).
         classes: the C class names, for the log line naming the classes without a positive (else indices).
@@ -62,29 +62,16 @@ def calibrate_thresholds(
     Returns:
         float64 tensor (C,) on ``scores.device``; entries may be ``-inf`` (class always predicted).
     """
-    check_scores_labels(scores, labels)
+    labels = check_scores_labels(scores, labels)
     if scores.shape[0] == 0:
         raise ValueError("cannot calibrate thresholds on zero samples")
-    scores = scores.detach().to(torch.float64).T  # (C, N): one column per row
-    labels = labels.to(scores.device).T
-    minus_inf = torch.tensor(-torch.inf, dtype=torch.float64, device=scores.device)
-    # Ignored samples go to the end of the sorted list, where they change no count before any real cut.
-    scores = torch.where(labels >= 0, scores, minus_inf)
-    sorted_scores, order = torch.sort(scores, dim=1, descending=True)
-    sorted_labels = labels.gather(1, order)
-    true_pos = (sorted_labels == 1).cumsum(1).to(torch.float64)
-    false_pos = (sorted_labels == 0).cumsum(1).to(torch.float64)
-    positives = true_pos[:, -1:]
-    next_scores = torch.cat([sorted_scores[:, 1:], minus_inf.expand(len(scores), 1)], dim=1)
-    is_cut = sorted_scores != next_scores
-    is_cut[:, -1] = True
-    f1 = 2 * true_pos / (true_pos + false_pos + positives).clamp_min(1)
-    best = torch.where(is_cut, f1, -1.0).argmax(1, keepdim=True)  # argmax returns the first maximum
-    above, below = sorted_scores.gather(1, best), next_scores.gather(1, best)
-    threshold = above / 2 + below / 2
-    # float64 rounding of the midpoint of two adjacent float64 scores: keep the cut on the right side
-    threshold = torch.where((threshold <= below) & (below > -torch.inf), above, threshold).squeeze(1)
-    has_positive = positives.squeeze(1) > 0
+    # columns in blocks (each class is calibrated alone): no whole-size float64 or sorted copy
+    blocks = [
+        _calibrate_columns(scores[:, columns], labels[:, columns])
+        for columns in block_slices(scores.shape[1], scores.shape[0])
+    ]
+    threshold, positives = (torch.cat(parts) for parts in zip(*blocks, strict=True))
+    has_positive = positives > 0
     if not has_positive.all():
         missing = torch.nonzero(~has_positive).flatten().tolist()
         names = tuple(str(classes[c]) if classes is not None else str(c) for c in missing)
@@ -94,6 +81,32 @@ def calibrate_thresholds(
             rule = _no_positive_rule(no_positive)
             log.info("thresholds: no positive validation label, %s: %s", rule, shown)
     return torch.where(has_positive, threshold, float(no_positive))
+
+
+def _calibrate_columns(scores: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best-F1 threshold (float64 (C,)) and the number of positives (int64 (C,)) of each column of
+    ``scores`` (N, C) with validated int8 ``labels`` (N, C); the rules are those of the module docstring."""
+    scores = scores.detach().to(torch.float64).T  # (C, N): one column per row
+    labels = labels.to(scores.device).T
+    minus_inf = torch.tensor(-torch.inf, dtype=torch.float64, device=scores.device)
+    # Ignored samples go to the end of the sorted list, where they change no count before any real cut.
+    scores = torch.where(labels >= 0, scores, minus_inf)
+    sorted_scores, order = torch.sort(scores, dim=1, descending=True)
+    sorted_labels = labels.gather(1, order)
+    del order
+    true_pos = (sorted_labels == 1).cumsum(1, dtype=torch.int32)
+    false_pos = (sorted_labels == 0).cumsum(1, dtype=torch.int32)
+    positives = true_pos[:, -1:]
+    next_scores = torch.cat([sorted_scores[:, 1:], minus_inf.expand(len(scores), 1)], dim=1)
+    is_cut = sorted_scores != next_scores
+    is_cut[:, -1] = True
+    f1 = 2 * true_pos.double() / (true_pos + false_pos + positives).clamp_min(1)
+    best = torch.where(is_cut, f1, -1.0).argmax(1, keepdim=True)  # argmax returns the first maximum
+    above, below = sorted_scores.gather(1, best), next_scores.gather(1, best)
+    threshold = above / 2 + below / 2
+    # float64 rounding of the midpoint of two adjacent float64 scores: keep the cut on the right side
+    threshold = torch.where((threshold <= below) & (below > -torch.inf), above, threshold)
+    return threshold.squeeze(1), positives.squeeze(1).long()
 
 
 def select_labels(
