@@ -103,7 +103,15 @@ def evaluate_model(
             torch.distributed.broadcast(buffer, src=0)
     with dist_utils.all_or_none():
         scores, labels = predict(model, loader, device, amp, channels_last)
-    total = len(loader.dataset)
+    return evaluate_outputs(scores, labels, len(loader.dataset), classes)
+
+
+def evaluate_outputs(
+    scores: torch.Tensor, labels: torch.Tensor, total: int, classes: list[str]
+) -> Evaluation:
+    """The rest of :func:`evaluate_model` after :func:`predict`: this rank's shard of ``total`` samples --
+    logits (n_r, C) and int8 labels (n_r, C), rows ``rank::world`` -- gathered on rank 0, whose metrics
+    every rank returns."""
     scores = gather_shards(scores, total, dst=0)
     labels = gather_shards(labels, total, dst=0)
     metrics = on_main_for_all(lambda: compute_metrics(scores, labels, classes))
