@@ -26,6 +26,7 @@ import torch
 
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import calibrate_on_main, evaluate_outputs
+from mlcls.engine.validate import ConfigError
 
 POSITIVES_PER_ROW = 5
 NEGATIVES_PER_ROW = 5
@@ -55,7 +56,7 @@ def make_outputs(n: int, c: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 def run(n: int = 41620, c: int = 9605, seed: int = 0) -> dict[str, Any]:
     """Generate the outputs, run the evaluation once in this process (one rank), return the figures."""
     if n < 1 or c < 1:
-        raise ValueError(f"--n and --c must be at least 1, got {n} and {c}")
+        raise ConfigError(f"--n and --c must be at least 1, got {n} and {c}")
     start = time.perf_counter()
     scores, labels = make_outputs(n, c, seed)
     generate_s = time.perf_counter() - start
