@@ -162,3 +162,11 @@ def test_describe_rule_names_the_classes_without_a_calibrated_threshold():
     )
     assert describe_rule(thresholds[[0, 2]], None, None, ["cat", "bird"]).endswith("(max F1)")
     assert describe_rule(thresholds, None, 2, ["cat", "dog", "bird"]) == "top 2"
+
+
+def test_a_best_cut_keeping_every_sample_is_minus_inf_even_above_infinite_scores():
+    """A column whose only known sample is a positive scoring +inf: every sample kept, -inf (not NaN)."""
+    scores = torch.tensor([[math.inf, 1.0], [0.5, -2.0]], dtype=torch.float64)
+    labels = torch.tensor([[1, 1], [-1, 0]], dtype=torch.int8)
+    thresholds = calibrate_thresholds(scores, labels, no_positive=NEVER_PREDICTED)
+    assert thresholds.tolist() == [-math.inf, -0.5]

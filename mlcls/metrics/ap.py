@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -156,16 +157,21 @@ def _count_below(
     return torch.searchsorted(boundaries, padded).view(-1)[position]
 
 
-def _positive_counts(
-    scores: torch.Tensor, labels: torch.Tensor, dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``TP`` and ``K`` at every positive of every ranked list.
+class RankedPositives(NamedTuple):
+    """The positives of R ranked lists of length L (``dim=0``: the columns, ``dim=1``: the rows), M in all,
+    grouped by list in increasing score order, with the counts at the end of each one's tie group."""
 
-    ``labels`` are validated int8. Returns ``(list_of, tp, known_ge, n_positive)``: for the M positives of
-    all lists, grouped by list in increasing score order, their list, the number of positives and the
-    number of known items scoring at least as high -- the counts at the end of the positive's tie group
-    (int64 (M,) each); and the number of positives of every list (R,). ``dim`` is 0 or 1.
-    """
+    list_of: torch.Tensor  # (M,) int64: the list of each positive
+    score: torch.Tensor  # (M,): its score (float32, or float64 for float64 and integer scores)
+    tp: torch.Tensor  # (M,) int64: positives of its list scoring >= its score
+    known_ge: torch.Tensor  # (M,) int64: known items (label 0 or 1) of its list scoring >= its score
+    n_positive: torch.Tensor  # (R,) int64: positives of every list
+    known_sorted: torch.Tensor  # (R, L): every list's scores ascending, unknown items first as -inf
+
+
+def ranked_positives(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> RankedPositives:
+    """``TP`` and ``K`` (see the module docstring) at every positive of every ranked list of ``scores``
+    (N, C) with validated int8 ``labels`` (N, C); ``dim`` is 0 or 1. Memory: a few copies of the input."""
     scores = scores.detach()
     if scores.dtype in (torch.float16, torch.bfloat16):
         scores = scores.float()  # exact; NumPy has no bfloat16
@@ -200,7 +206,7 @@ def _positive_counts(
     tp = n_positive[list_of] - (first_tie - first_of_list)
     known_ge = length - _count_below(known_sorted, score, list_of, rank, n_positive)
     known_ge -= torch.where(score == -torch.inf, n_unknown[list_of], 0)
-    return list_of, tp, known_ge, n_positive
+    return RankedPositives(list_of, score, tp, known_ge, n_positive, known_sorted)
 
 
 def average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -223,7 +229,7 @@ def _average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> 
 
 
 def _average_precision_of_block(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
-    list_of, tp, known_ge, n_positive = _positive_counts(scores, labels, dim)
+    list_of, _, tp, known_ge, n_positive, _ = ranked_positives(scores, labels, dim)
     total = torch.zeros(len(n_positive), dtype=torch.float64, device=tp.device)
     total.index_add_(0, list_of, tp.double() / known_ge.double())
     return total / n_positive  # 0 / 0 = NaN without positive
@@ -247,7 +253,7 @@ def _voc11_average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: in
 
 
 def _voc11_average_precision_of_block(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
-    list_of, tp, known_ge, n_positive = _positive_counts(scores, labels, dim)
+    list_of, _, tp, known_ge, n_positive, _ = ranked_positives(scores, labels, dim)
     levels = torch.arange(11, device=tp.device)
     # the curve's best points are at positives; level k is reached where 10 * TP >= k * |pos|
     reaches = 10 * tp[:, None] >= levels * n_positive[list_of, None]
