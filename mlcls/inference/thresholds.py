@@ -7,9 +7,11 @@ class's F1 on validation scores::
     F1_c(t) = 2 TP_c(t) / (2 TP_c(t) + FP_c(t) + FN_c(t)) = 2 TP_c(t) / (TP_c(t) + FP_c(t) + P_c)
 
 where ``P_c`` is the number of positives of class ``c`` and samples labelled -1 are ignored (neither
-positives nor negatives). The maximisation is exact: every *cut point* -- between two consecutive
-distinct scores of the sorted column, or after the lowest one -- is evaluated at once (one sort and
-cumulative sums per column, all classes together). Rules:
+positives nor negatives). The maximisation is exact over every *cut point* -- between two consecutive
+distinct scores of the sorted column, or after the lowest one. F1 rises only where a positive is added,
+so only the cuts ending a positive's tie group are evaluated, from the counts the AP computes
+(:func:`mlcls.metrics.ap.ranked_positives`: value sorts, no argsort), for blocks of columns at once with
+int8 labels: Open Images' 41,620 x 9,605 validation scores need no whole-size copy. Rules:
 
 * ties -- samples with equal scores are always on the same side of a threshold (a cut never splits them);
 * several cut points reaching the maximal F1 -- the *highest* threshold is taken (fewest predictions);
