@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
+import torch
 from conftest import TINY
+from sklearn.metrics import average_precision_score
 
 from mlcls.bench.pipeline_bench import make_jpegs
 from mlcls.cli.bench import add_rates, main
+from mlcls.metrics import compute_metrics
 
 
 def json_line(capsys: pytest.CaptureFixture[str]) -> dict:
@@ -93,3 +97,35 @@ def test_add_rates_inverts_every_timing():
     result = add_rates({"a_ms": 4.0, "b_s": 0.5, "c_per_s": 3.0, "equal": True, "name": "x", "zero_s": 0.0})
     assert result == {"a_ms": 4.0, "a_per_s": 250.0, "b_s": 0.5, "b_per_s": 2.0, "c_per_s": 3.0,
                       "equal": True, "name": "x", "zero_s": 0.0}  # fmt: skip
+
+
+def test_eval(capsys):
+    """The trainer's evaluation on generated outputs: its figures are those of the outputs, its memory
+    and times are reported."""
+    from mlcls.bench.eval_bench import make_outputs
+
+    main(["eval", "--n", "300", "--c", "40", "--seed", "3"])
+    result = json_line(capsys)
+    scores, labels = make_outputs(300, 40, seed=3)
+    assert labels.dtype == torch.int8 and set(labels.unique().tolist()) == {-1, 0, 1}
+    assert result["mAP_class"] == pytest.approx(
+        compute_metrics(scores, labels, [str(c) for c in range(40)])["mAP_class"]
+    )
+    known = labels >= 0
+    per_class = [
+        average_precision_score(labels[known[:, c], c] == 1, scores[known[:, c], c])
+        for c in range(40)
+        if (labels[:, c] == 1).any()
+    ]
+    assert result["mAP_class"] == pytest.approx(100 * np.mean(per_class))
+    assert (result["n"], result["c"], result["classes_counted"]) == (300, 40, len(per_class))
+    assert 0 < result["inputs_peak_rss_gb"] <= result["peak_rss_gb"]
+    phases = result["gather_and_metrics_s"] + result["thresholds_s"] + result["results_s"]
+    assert result["time_s"] == pytest.approx(phases, abs=0.002)
+
+
+def test_eval_without_samples_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--n", "0", "--c", "5"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "mlcls: error: --n and --c must be at least 1, got 0 and 5\n"

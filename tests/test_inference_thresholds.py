@@ -11,6 +11,7 @@ import torch
 from sklearn.metrics import f1_score
 
 from mlcls.inference.thresholds import NEVER_PREDICTED, calibrate_thresholds, describe_rule, select_labels
+from mlcls.metrics import ap as ap_module
 
 
 def brute_force_best_cut(scores: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
@@ -56,6 +57,18 @@ def test_thresholds_reach_the_brute_force_maximum_f1(seed):
             assert thresholds[c].item() == pytest.approx((kept.min() + dropped.max()) / 2)
         else:
             assert thresholds[c].item() == -math.inf
+
+
+@pytest.mark.parametrize("block_elements", [1, 130])
+def test_thresholds_in_blocks_of_columns_equal_the_whole_set_at_once(block_elements, monkeypatch):
+    """One column per block, and a few columns per block, with int8 labels: the thresholds of one block."""
+    scores, labels = random_problem(5)
+    labels[:, 2] = labels[:, 2].clamp_max(0)  # a class without positive
+    whole = calibrate_thresholds(scores, labels, no_positive=NEVER_PREDICTED)
+    assert whole[2].item() == NEVER_PREDICTED and torch.isfinite(whole[3:]).all()
+    monkeypatch.setattr(ap_module, "BLOCK_ELEMENTS", block_elements)
+    blocked = calibrate_thresholds(scores, labels.to(torch.int8), no_positive=NEVER_PREDICTED)
+    assert torch.equal(blocked, whole)
 
 
 def test_ignored_labels_do_not_move_thresholds():
@@ -149,3 +162,11 @@ def test_describe_rule_names_the_classes_without_a_calibrated_threshold():
     )
     assert describe_rule(thresholds[[0, 2]], None, None, ["cat", "bird"]).endswith("(max F1)")
     assert describe_rule(thresholds, None, 2, ["cat", "dog", "bird"]) == "top 2"
+
+
+def test_a_best_cut_keeping_every_sample_is_minus_inf_even_above_infinite_scores():
+    """A column whose only known sample is a positive scoring +inf: every sample kept, -inf (not NaN)."""
+    scores = torch.tensor([[math.inf, 1.0], [0.5, -2.0]], dtype=torch.float64)
+    labels = torch.tensor([[1, 1], [-1, 0]], dtype=torch.int8)
+    thresholds = calibrate_thresholds(scores, labels, no_positive=NEVER_PREDICTED)
+    assert thresholds.tolist() == [-math.inf, -0.5]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from sklearn.metrics import average_precision_score, precision_score, recall_score
 
+from mlcls.metrics import ap as ap_module
 from mlcls.metrics import (
     average_precision,
     compute_metrics,
@@ -281,6 +282,23 @@ def test_scores_keep_their_precision_and_gradients_are_ignored() -> None:
     assert average_precision(scores.float(), column([1, 0])).item() == 0.5
 
 
+@pytest.mark.parametrize("block_elements", [1, 7, 40])
+def test_metrics_in_blocks_equal_sklearn_and_the_whole_set_at_once(block_elements, monkeypatch) -> None:
+    """Blocks of 1 list (1 element: one line per block), of a few lists, and of the whole set give the
+    same figures, with int8 labels used as they are."""
+    scores, labels = make_case(11, n=37, c=9, ties="one_decimal", unknown=0.15, empty=2)
+    names = [f"class{j}" for j in range(9)]
+    whole = compute_metrics(scores, labels, names, top_k=2, voc11=True)
+    monkeypatch.setattr(ap_module, "BLOCK_ELEMENTS", block_elements)
+    blocked = compute_metrics(scores, labels.to(torch.int8), names, top_k=2, voc11=True)
+    assert json.dumps(blocked, sort_keys=True) == json.dumps(whole, sort_keys=True)
+    for dim in (0, 1):
+        expected = sklearn_ap_per_list(scores, labels, dim)
+        np.testing.assert_allclose(average_precision(scores, labels, dim).numpy(), expected, atol=TOLERANCE)
+    assert blocked["mAP_class"] == pytest.approx(100 * np.nanmean(sklearn_ap_per_list(scores, labels, 0)))
+    assert blocked["classes_counted"] == 7 and blocked["samples_counted"] < 37
+
+
 # --- input validation --------------------------------------------------------------------------------
 
 
@@ -331,6 +349,19 @@ def test_gather_shards_single_process_converts_to_float32() -> None:
     assert torch.equal(gather_shards(labels, 5), labels)
     with pytest.raises(ValueError, match="6 rows but total=5"):
         gather_shards(torch.zeros(6, 3), 5)
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [("cpu:gloo,cuda:nccl", "cuda"), ("nccl", "cuda"), ("gloo", "cpu"), ("cpu:gloo,cuda:gloo", "cpu")],
+)
+def test_gather_communicates_on_cuda_where_the_group_has_nccl_for_it(backend, device, monkeypatch) -> None:
+    """The trainer's CUDA group is "cpu:gloo,cuda:nccl": its scores must cross over NCCL, not gloo/TCP."""
+    from mlcls.metrics.gather import communication_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    expected = torch.device("cuda", 3) if device == "cuda" else torch.device("cpu")
+    assert communication_device(backend) == expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,4 +1,5 @@
-"""Distributed evaluation: 2 gloo processes on an odd-size dataset give exactly the single-process figures."""
+"""Distributed evaluation: 2 gloo processes on an odd-size dataset give exactly the single-process figures,
+computed on rank 0 and broadcast to the other rank."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mlcls.data.loader import build_eval_loader
-from mlcls.engine.evaluate import evaluate_model
+from mlcls.engine.evaluate import calibrate_on_main, evaluate_model
 from mlcls.metrics import compute_metrics, gather_shards
 
 WORLD = 2
@@ -28,6 +29,17 @@ def make_dataset() -> tuple[torch.Tensor, torch.Tensor]:
     logits = (torch.randn(SIZE, len(CLASS_NAMES), generator=generator) + 2 * labels).round(decimals=1)
     labels[torch.rand(SIZE, len(CLASS_NAMES), generator=generator) < 0.05] = -1
     return logits.to(torch.bfloat16), labels
+
+
+class LookUp(torch.nn.Module):
+    """A model scoring sample ``i`` (its input) with ``logits[i]``."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return self.logits[index]
 
 
 def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
@@ -49,6 +61,11 @@ def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
         torch.manual_seed(0)
         model = torch.nn.Linear(3, len(CLASS_NAMES))
         evaluation = evaluate_model(model, loader, torch.device("cpu"), CLASS_NAMES)
+        # the trainer's evaluation of the whole set: a model whose outputs are the logits of its samples
+        whole = torch.utils.data.TensorDataset(torch.arange(SIZE), labels)
+        loader = build_eval_loader(whole, 64, 0, rank, WORLD, torch.device("cpu"))
+        full = evaluate_model(LookUp(logits), loader, torch.device("cpu"), CLASS_NAMES)
+        on_rank0 = gather_shards(logits[rank::WORLD], SIZE, dst=0)
         padded = list(range(SIZE)) + [0]  # DistributedSampler pads to a multiple of the world size
         try:
             gather_shards(logits[padded[rank::WORLD]], SIZE)
@@ -61,6 +78,13 @@ def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
             "metrics": metrics,
             "one_row": one_row,
             "one_sample_labels": evaluation.labels,
+            "full": {
+                "metrics": full.metrics,
+                "scores": full.scores,
+                "labels": full.labels,
+                "thresholds": calibrate_on_main(full, CLASS_NAMES),
+            },
+            "on_rank0": on_rank0,
         }
         torch.save({**result, "refused": refused}, Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -71,6 +95,11 @@ def test_two_gloo_processes_give_the_single_process_figures(tmp_path: Path) -> N
     mp.spawn(_evaluate_on_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
     logits, labels = make_dataset()
     expected = compute_metrics(logits.float(), labels, CLASS_NAMES, voc11=True)
+    loader = build_eval_loader(torch.utils.data.TensorDataset(torch.arange(SIZE), labels), 64, 0, 0, 1,
+                               torch.device("cpu"))  # fmt: skip
+    alone = evaluate_model(LookUp(logits), loader, torch.device("cpu"), CLASS_NAMES)
+    alone_thresholds = calibrate_on_main(alone, CLASS_NAMES)
+    assert alone.labels.dtype == torch.int8 and torch.equal(alone.labels, labels.to(torch.int8))
     assert expected["classes_counted"] == len(CLASS_NAMES) - 1
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"rank{rank}.pt")
@@ -79,5 +108,17 @@ def test_two_gloo_processes_give_the_single_process_figures(tmp_path: Path) -> N
         assert torch.equal(result["targets"], labels)
         assert json.dumps(result["metrics"], sort_keys=True) == json.dumps(expected, sort_keys=True)
         assert torch.equal(result["one_row"], logits[:1].float())
-        assert torch.equal(result["one_sample_labels"], labels[:1].float())
+        if rank == 0:  # the whole set on rank 0 only, labels in int8
+            assert torch.equal(result["one_sample_labels"], labels[:1].to(torch.int8))
+            assert result["one_sample_labels"].dtype == torch.int8
+            assert torch.equal(result["on_rank0"], logits.float())
+        else:
+            assert result["one_sample_labels"] is None and result["on_rank0"] is None
+        full = result["full"]
+        assert json.dumps(full["metrics"], sort_keys=True) == json.dumps(alone.metrics, sort_keys=True)
+        assert torch.equal(full["thresholds"], alone_thresholds)
+        if rank == 0:
+            assert torch.equal(full["scores"], logits.float()) and torch.equal(full["labels"], alone.labels)
+        else:
+            assert full["scores"] is None and full["labels"] is None
         assert "shard lengths [501, 501]" in result["refused"]

@@ -5,6 +5,7 @@ mlcls-bench step model.name=resnet50 dataset.image_size=224 trainer.batch_size=3
                                                                         train step vs a bare loop, images/s
 mlcls-bench loss [--device cpu] [--repeats 100] [--scale [--threads 1]] two-way loss forward + backward
 mlcls-bench metrics [--n 40137] [--c 80]                               mAP@class + mAP@sample vs sklearn
+mlcls-bench eval [--n 41620] [--c 9605]              the trainer's evaluation: seconds and peak memory
 
 Rates are under keys ending in ``_per_s``; for the loss and metric timings (milliseconds or seconds per
 call) the matching ``_per_s`` rate (calls per second) is added next to each time.
@@ -50,6 +51,12 @@ def _metrics(args: argparse.Namespace) -> dict[str, Any]:
     return add_rates(metrics_bench.run(n=args.n, c=args.c, seed=args.seed))
 
 
+def _eval(args: argparse.Namespace) -> dict[str, Any]:
+    from mlcls.bench import eval_bench
+
+    return add_rates(eval_bench.run(n=args.n, c=args.c, seed=args.seed))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlcls-bench", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_argument("--c", type=int, default=80, help="classes (columns)")
     metrics.add_argument("--seed", type=int, default=0)
     metrics.set_defaults(run=_metrics)
+    evaluation = commands.add_parser(
+        "eval", help="gather, metrics, thresholds and results of one evaluation: seconds, peak memory"
+    )
+    evaluation.add_argument("--n", type=int, default=41620, help="validation samples (rows)")
+    evaluation.add_argument("--c", type=int, default=9605, help="classes (columns)")
+    evaluation.add_argument("--seed", type=int, default=0)
+    evaluation.set_defaults(run=_eval)
     return parser
 
 

@@ -1,18 +1,22 @@
-"""Evaluation: scores of every validation sample, gathered once across processes, then the metrics."""
+"""Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from mlcls.engine import distributed as dist_utils
+from mlcls.inference.thresholds import NEVER_PREDICTED, calibrate_thresholds
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.gather import gather_shards
+
+T = TypeVar("T")
 
 
 def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
@@ -55,11 +59,24 @@ def predict(
 
 @dataclass
 class Evaluation:
-    """Metrics of one set of weights on the whole validation set, and the scores behind them."""
+    """Metrics of one set of weights on the whole validation set, and the scores behind them.
+
+    The metrics are equal on every rank; the scores and labels are on rank 0 only (None elsewhere), the
+    one rank that computes from them."""
 
     metrics: dict[str, Any]
-    scores: torch.Tensor  # (N, C) logits, dataset order
-    labels: torch.Tensor  # (N, C) in {1, 0, -1}
+    scores: torch.Tensor | None  # (N, C) float32 logits, dataset order
+    labels: torch.Tensor | None  # (N, C) int8 in {1, 0, -1}
+
+
+def is_main_process() -> bool:
+    return not dist_utils.initialized() or torch.distributed.get_rank() == 0
+
+
+def on_main_for_all(work: Callable[[], T]) -> T:
+    """``work()`` on rank 0, its result broadcast to every rank (a small object: metrics, thresholds); if
+    it raises, every rank raises."""
+    return dist_utils.broadcast_object(dist_utils.on_main(work, is_main_process()))
 
 
 def evaluate_model(
@@ -70,8 +87,11 @@ def evaluate_model(
     amp: str = "none",
     channels_last: bool = False,
 ) -> Evaluation:
-    """``model`` on the whole dataset behind ``loader`` (ShardSampler shards); the metrics are equal on every
-    rank, each sample scored once.
+    """``model`` on the whole dataset behind ``loader`` (ShardSampler shards), each sample scored once.
+
+    The shards are gathered on rank 0, which alone computes the metrics and broadcasts them: every rank
+    gets the same figures, and only rank 0 holds the whole set (labels in int8, 0.4 GB instead of 1.6 GB
+    at Open Images' 41,620 x 9,605 validation labels).
 
     Under DDP each process's BatchNorm running statistics drift from rank 0's during an epoch (DDP
     broadcasts them only at the next forward), so rank 0's buffers, the ones checkpointed, are broadcast
@@ -83,6 +103,27 @@ def evaluate_model(
             torch.distributed.broadcast(buffer, src=0)
     with dist_utils.all_or_none():
         scores, labels = predict(model, loader, device, amp, channels_last)
-    total = len(loader.dataset)
-    scores, labels = gather_shards(scores, total), gather_shards(labels, total).float()
-    return Evaluation(compute_metrics(scores, labels, classes), scores, labels)
+    return evaluate_outputs(scores, labels, len(loader.dataset), classes)
+
+
+def evaluate_outputs(
+    scores: torch.Tensor, labels: torch.Tensor, total: int, classes: list[str]
+) -> Evaluation:
+    """The rest of :func:`evaluate_model` after :func:`predict`: this rank's shard of ``total`` samples --
+    logits (n_r, C) and int8 labels (n_r, C), rows ``rank::world`` -- gathered on rank 0, whose metrics
+    every rank returns."""
+    scores = gather_shards(scores, total, dst=0)
+    labels = gather_shards(labels, total, dst=0)
+    metrics = on_main_for_all(lambda: compute_metrics(scores, labels, classes))
+    return Evaluation(metrics, scores, labels)
+
+
+def calibrate_on_main(evaluation: Evaluation, classes: list[str]) -> torch.Tensor:
+    """The per-class logit thresholds (float64 (C,), :func:`calibrate_thresholds` with classes without a
+    positive :data:`NEVER_PREDICTED`) of ``evaluation``'s scores, computed on rank 0 and equal on every
+    rank."""
+    return on_main_for_all(
+        lambda: calibrate_thresholds(
+            evaluation.scores, evaluation.labels, no_positive=NEVER_PREDICTED, classes=classes
+        )
+    )

@@ -25,7 +25,6 @@ import logging
 import sys
 import time
 import warnings
-from functools import partial
 from typing import Any
 
 import torch
@@ -47,7 +46,7 @@ from mlcls.engine.build import (
 )
 from mlcls.engine.checkpoint import save_checkpoint, save_training_checkpoint, write_json
 from mlcls.engine.ema import ModelEma
-from mlcls.engine.evaluate import Evaluation, autocast_context, evaluate_model
+from mlcls.engine.evaluate import Evaluation, autocast_context, calibrate_on_main, evaluate_model
 from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm
 from mlcls.engine.logging import RunLog
 from mlcls.engine.optim import group_lrs
@@ -58,8 +57,7 @@ from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, 
 from mlcls.engine.state import EpochProgress, TrainState, rng_state, seed_everything
 from mlcls.engine.validate import ConfigError, validate_config
 from mlcls.errors import plural
-from mlcls.inference import calibrate_thresholds, preprocess_spec
-from mlcls.inference.thresholds import NEVER_PREDICTED
+from mlcls.inference import preprocess_spec
 from mlcls.reporting.plots import write_plots
 
 log = logging.getLogger("mlcls")
@@ -133,7 +131,7 @@ class Trainer:
         )
         if tcfg.compile:  # training forward only; self.model (checkpoints, EMA, evaluation) stays plain
             self.ddp_model = torch.compile(self.ddp_model)
-        self.val_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
         self.run_log = RunLog(self.run_dir, self.dist.is_main, tcfg.epochs, self.iters_per_epoch, cfg=cfg)
         if self.dist.is_main:
@@ -316,7 +314,8 @@ class Trainer:
         return evaluate_model(model, loader, self.device, self.classes, self.eval_amp, self.channels_last)
 
     def evaluate_and_select(self, epoch: int) -> bool:
-        """Evaluate the raw (and EMA) weights, log them, update ``best``; True for a new best epoch."""
+        """Evaluate the raw (and EMA) weights, log them, update ``best``; True for a new best epoch.
+        Thresholds are calibrated once per set of weights: the raw ones (last.pt), EMA's for a new best."""
         evaluations = {"raw": self.evaluate()}
         if self.ema is not None:
             evaluations["ema"] = self.evaluate(self.ema.module)
@@ -326,12 +325,12 @@ class Trainer:
         kind, chosen = max(evaluations.items(), key=lambda item: item[1].metrics["mAP_class"])
         is_best = self.state.best is None or chosen.metrics["mAP_class"] > self.state.best["mAP_class"]
         raw = evaluations["raw"]
-        self.val_outputs = (raw.scores, raw.labels)
-        # a class without a validation positive gets a threshold that never fires (NEVER_PREDICTED)
-        calibrate = partial(calibrate_thresholds, no_positive=NEVER_PREDICTED, classes=self.classes)
-        self.state.thresholds = calibrate(raw.scores, raw.labels)  # for last.pt's raw weights
+        self.val_outputs = (raw.scores, raw.labels)  # for the plots: on rank 0, (None, None) elsewhere
+        self.state.thresholds = calibrate_on_main(raw, self.classes)  # for last.pt's raw weights
         if is_best:
-            self.best_thresholds = calibrate(chosen.scores, chosen.labels)
+            self.best_thresholds = (
+                self.state.thresholds if kind == "raw" else calibrate_on_main(chosen, self.classes)
+            )
             self.state.best = {
                 "epoch": epoch,
                 "mAP_class": chosen.metrics["mAP_class"],

@@ -16,6 +16,7 @@ from mlcls.metrics.ap import (
     _average_precision,
     _voc11_average_precision,
     average_precision,
+    block_slices,
     check_scores_labels,
     map_class,
     map_sample,
@@ -23,8 +24,9 @@ from mlcls.metrics.ap import (
     voc11_average_precision,
 )
 from mlcls.metrics.f1 import (
-    _precision_recall_f1,
+    figures_of_counts,
     precision_recall_f1,
+    prediction_counts,
     threshold_predictions,
     top_k_predictions,
 )
@@ -55,7 +57,8 @@ def compute_metrics(
 
     Args:
         scores: (N, C) logits of the whole evaluation set, each sample once.
-        labels: (N, C) with 1 = positive, 0 = negative, -1 = unknown (ignored by every figure).
+        labels: (N, C) with 1 = positive, 0 = negative, -1 = unknown (ignored by every figure); int8
+            labels are used as they are (any other dtype is converted to an int8 copy).
         class_names: the C class names, in column order, distinct.
         threshold: probability threshold on ``sigmoid(scores)`` for CP ... OF1.
         top_k: number of top-scoring classes predicted per sample for ``CP_top{k}`` ... ``OF1_top{k}``.
@@ -82,9 +85,15 @@ def compute_metrics(
         "classes_counted": classes_counted,
         "samples_counted": samples_counted,
     }
-    metrics.update(_precision_recall_f1(threshold_predictions(scores, threshold), labels))
-    at_top_k = _precision_recall_f1(top_k_predictions(scores, top_k), labels)
-    metrics.update({f"{name}_top{top_k}": value for name, value in at_top_k.items()})
+    # predictions and their counts by blocks of rows: no (N, C) temporary of the whole set
+    at_threshold = at_top_k = torch.zeros(3, scores.shape[1], dtype=torch.int64, device=labels.device)
+    for rows in block_slices(*scores.shape):
+        at_threshold = at_threshold + prediction_counts(
+            threshold_predictions(scores[rows], threshold), labels[rows]
+        )
+        at_top_k = at_top_k + prediction_counts(top_k_predictions(scores[rows], top_k), labels[rows])
+    metrics.update(figures_of_counts(at_threshold))
+    metrics.update({f"{name}_top{top_k}": value for name, value in figures_of_counts(at_top_k).items()})
     if voc11:
         metrics["mAP_class_voc11"] = mean_counted(_voc11_average_precision(scores, labels, dim=0))[0]
     metrics["per_class_ap"] = {

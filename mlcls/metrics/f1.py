@@ -71,12 +71,23 @@ def _f1(precision: float, recall: float) -> float:
     return 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
 
 
-def _precision_recall_f1(predicted: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+def prediction_counts(predicted: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``TP_c``, ``NP_c`` and ``NG_c`` of every class (int64 (3, C)) of bool predictions (N, C) against
+    validated int8 labels (N, C); the counts of row blocks add up to those of the whole set."""
     predicted = predicted.to(labels.device)
     positive = labels == 1
-    true_positives = count_true(predicted & positive, 0)
-    predicted_known = count_true(predicted & (labels >= 0), 0)
-    positives = count_true(positive, 0)
+    return torch.stack(
+        [
+            count_true(predicted & positive, 0),
+            count_true(predicted & (labels >= 0), 0),
+            count_true(positive, 0),
+        ]
+    )
+
+
+def figures_of_counts(counts: torch.Tensor) -> dict[str, float]:
+    """CP, CR, CF1, OP, OR, OF1 in percent from the (3, C) counts of :func:`prediction_counts`."""
+    true_positives, predicted_known, positives = counts
     counted = positives > 0
     if counted.any():
         class_precision = 100 * _ratio(true_positives, predicted_known)[counted].mean().item()
@@ -104,4 +115,5 @@ def precision_recall_f1(predicted: torch.Tensor, labels: torch.Tensor) -> dict[s
         raise ValueError(
             f"predicted must be a 2-D bool tensor, got {predicted.dtype} {tuple(predicted.shape)}"
         )
-    return _precision_recall_f1(predicted, check_labels(labels, predicted.shape, against="predicted"))
+    labels = check_labels(labels, predicted.shape, against="predicted")
+    return figures_of_counts(prediction_counts(predicted, labels))

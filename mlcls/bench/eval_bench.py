@@ -1,0 +1,101 @@
+"""Benchmark: the trainer's evaluation after the forward passes, on generated Open Images-sized outputs.
+
+``mlcls-bench eval --n 41620 --c 9605`` generates float32 logits (N, C) and int8 labels (N, C) and runs
+what the trainer runs on them at each evaluation: :func:`evaluate_outputs` (the gather on rank 0 and
+every metric of results.json), :func:`calibrate_on_main` (the per-class thresholds) and the JSON writing
+of the figures. It prints one JSON line: the seconds of each phase and the process's peak resident memory
+(``ru_maxrss``) after generating the inputs and at the end, so the evaluation's own share is visible.
+
+The labels imitate Open Images' validation set, whose labels are human-verified for a few classes per
+image and unknown for the others: about :data:`POSITIVES_PER_ROW` positives per image from long-tailed
+class frequencies, :data:`NEGATIVES_PER_ROW` verified negatives, every other label -1. Logits are
+``randn`` with positives shifted up by 2, so that AP is neither 0 nor 1.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mlcls.engine.checkpoint import write_json
+from mlcls.engine.evaluate import calibrate_on_main, evaluate_outputs
+from mlcls.engine.validate import ConfigError
+
+POSITIVES_PER_ROW = 5
+NEGATIVES_PER_ROW = 5
+
+
+def peak_rss_gb() -> float:
+    """The peak resident memory of this process so far, in GB (``ru_maxrss`` is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def make_outputs(n: int, c: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Open Images-like float32 logits (n, c) and int8 labels (n, c) in {1, 0, -1}, a deterministic function
+    of ``seed``; nothing but the two results is allocated at their size."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.full((n, c), -1, dtype=torch.int8)
+    frequency = torch.arange(1, c + 1, dtype=torch.float64) ** -0.8  # long-tailed positives
+    rows = torch.arange(n).repeat_interleave(min(NEGATIVES_PER_ROW, c))
+    labels[rows, torch.randint(c, (len(rows),), generator=generator)] = 0
+    rows = torch.arange(n).repeat_interleave(min(POSITIVES_PER_ROW, c))
+    positive_classes = torch.multinomial(frequency, len(rows), replacement=True, generator=generator)
+    labels[rows, positive_classes] = 1
+    logits = torch.randn(n, c, generator=generator)
+    logits[rows, positive_classes] += 2.0
+    return logits, labels
+
+
+def run(n: int = 41620, c: int = 9605, seed: int = 0) -> dict[str, Any]:
+    """Generate the outputs, run the evaluation once in this process (one rank), return the figures."""
+    if n < 1 or c < 1:
+        raise ConfigError(f"--n and --c must be at least 1, got {n} and {c}")
+    start = time.perf_counter()
+    scores, labels = make_outputs(n, c, seed)
+    generate_s = time.perf_counter() - start
+    inputs_peak_gb = peak_rss_gb()
+    classes = [f"class_{j}" for j in range(c)]
+
+    start = time.perf_counter()
+    evaluation = evaluate_outputs(scores, labels, n, classes)
+    metrics_s = time.perf_counter() - start
+    del scores, labels  # the evaluation holds them now, as the trainer's evaluation does
+    start = time.perf_counter()
+    thresholds = calibrate_on_main(evaluation, classes)
+    thresholds_s = time.perf_counter() - start
+    start = time.perf_counter()
+    metrics = evaluation.metrics
+    with tempfile.TemporaryDirectory() as folder:
+        results = {
+            "metrics": {k: v for k, v in metrics.items() if k != "per_class_ap"},
+            "per_class_ap": metrics["per_class_ap"],
+        }
+        write_json(results, Path(folder) / "results.json")
+    results_s = time.perf_counter() - start
+    return {
+        "n": n,
+        "c": c,
+        "time_s": round(metrics_s + thresholds_s + results_s, 3),
+        "peak_rss_gb": round(peak_rss_gb(), 3),
+        "inputs_peak_rss_gb": round(inputs_peak_gb, 3),
+        "inputs_gb": round(n * c * 5 / 1e9, 3),  # float32 logits and int8 labels
+        "generate_s": round(generate_s, 3),
+        "gather_and_metrics_s": round(metrics_s, 3),
+        "thresholds_s": round(thresholds_s, 3),
+        "results_s": round(results_s, 3),
+        "mAP_class": metrics["mAP_class"],
+        "mAP_sample": metrics["mAP_sample"],
+        "classes_counted": metrics["classes_counted"],
+        "samples_counted": metrics["samples_counted"],
+        "thresholds_finite": int(torch.isfinite(thresholds).sum()),
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+    }

@@ -1,0 +1,93 @@
+"""The trainer's choice of weights after an evaluation: thresholds calibrated once per set of weights."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import mlcls.engine.evaluate as evaluate_module
+import mlcls.engine.trainer as trainer_module
+from mlcls.engine.evaluate import Evaluation
+from mlcls.engine.state import TrainState
+from mlcls.engine.trainer import Trainer
+from mlcls.inference.thresholds import NEVER_PREDICTED, calibrate_thresholds
+from mlcls.metrics import compute_metrics
+
+CLASSES = ["a", "b", "c"]
+
+
+def evaluation(seed: int) -> Evaluation:
+    """The metrics, logits and int8 labels of 40 generated samples (one ranking per seed)."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = (torch.rand(40, 3, generator=generator) < 0.4).to(torch.int8)
+    scores = torch.randn(40, 3, generator=generator) + labels
+    return Evaluation(compute_metrics(scores, labels, CLASSES), scores, labels)
+
+
+def fake_trainer(raw: Evaluation, ema: Evaluation | None, best: dict | None) -> SimpleNamespace:
+    """What :meth:`Trainer.evaluate_and_select` reads of a trainer, with evaluations given in advance."""
+    state = TrainState(best=best)
+    ema_weights = None if ema is None else SimpleNamespace(module="ema weights")
+    return SimpleNamespace(
+        evaluate=lambda model=None: raw if model is None else ema,
+        ema=ema_weights,
+        state=state,
+        dist=SimpleNamespace(is_main=True),
+        classes=CLASSES,
+        run_log=SimpleNamespace(evaluation=lambda *args: None),
+        best_thresholds=None,
+    )
+
+
+@pytest.fixture
+def calibrated(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """The scores of every threshold calibration, whichever module calls it."""
+    calls: list[torch.Tensor] = []
+
+    def counting(scores, labels, **kwargs):
+        calls.append(scores)
+        return calibrate_thresholds(scores, labels, **kwargs)
+
+    for module in (trainer_module, evaluate_module):
+        monkeypatch.setattr(module, "calibrate_thresholds", counting, raising=False)
+    return calls
+
+
+def best_of(evaluation: Evaluation) -> torch.Tensor:
+    return calibrate_thresholds(evaluation.scores, evaluation.labels, no_positive=NEVER_PREDICTED)
+
+
+@pytest.mark.parametrize("with_ema", [False, True])
+def test_raw_weights_new_best_are_calibrated_once(calibrated, with_ema: bool) -> None:
+    raw = evaluation(0)
+    ema = None
+    if with_ema:  # an EMA worse than the raw weights: nothing of it is calibrated
+        ema = evaluation(1)
+        ema.metrics["mAP_class"] = raw.metrics["mAP_class"] - 1
+    trainer = fake_trainer(raw, ema, best=None)
+    assert Trainer.evaluate_and_select(trainer, 1)
+    assert [scores is raw.scores for scores in calibrated] == [True]
+    assert torch.equal(trainer.best_thresholds, best_of(raw))
+    assert trainer.state.thresholds is trainer.best_thresholds
+    assert trainer.state.best["weights"] == "raw"
+
+
+def test_ema_new_best_calibrates_both_sets_of_weights(calibrated) -> None:
+    raw, ema = evaluation(0), evaluation(1)
+    ema.metrics["mAP_class"] = raw.metrics["mAP_class"] + 1
+    trainer = fake_trainer(raw, ema, best=None)
+    assert Trainer.evaluate_and_select(trainer, 1)
+    assert [scores is raw.scores for scores in calibrated] == [True, False]
+    assert torch.equal(trainer.state.thresholds, best_of(raw))
+    assert torch.equal(trainer.best_thresholds, best_of(ema))
+    assert trainer.state.best["weights"] == "ema"
+
+
+def test_no_new_best_calibrates_the_raw_weights_only(calibrated) -> None:
+    raw = evaluation(0)
+    trainer = fake_trainer(raw, None, best={"mAP_class": 101.0})
+    assert not Trainer.evaluate_and_select(trainer, 2)
+    assert len(calibrated) == 1 and trainer.best_thresholds is None
+    assert torch.equal(trainer.state.thresholds, best_of(raw))
