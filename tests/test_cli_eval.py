@@ -16,8 +16,8 @@ from test_inference_support import IMAGE_SIZE, reference_logits, trained_run
 
 from mlcls.cli import eval as eval_cli
 from mlcls.cli.eval import evaluation_dataset_config
-from mlcls.data.csv_dataset import held_out
-from mlcls.data.synthetic import SyntheticMultiLabel
+from mlcls.data.datasets.csv_dataset import held_out
+from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.engine.validate import ConfigError
 
 TEST_SIZE = 24
@@ -43,7 +43,7 @@ def csv_run(tmp_path_factory):
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
     assert state["classes"] == list(source.classes)
     state["config"]["dataset"] = {
-        "_target_": "mlcls.data.csv_dataset.CSVDataset",
+        "_target_": "mlcls.data.datasets.csv_dataset.CSVDataset",
         "name": "csv",
         "root": str(root),
         "image_size": IMAGE_SIZE,

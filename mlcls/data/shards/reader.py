@@ -1,0 +1,252 @@
+"""Reading packed shards (the layout of :mod:`mlcls.data.shards.pack`): opening a shard URL, streaming its
+samples checked member by member, and :class:`ShardIndex`, a pack's manifest, classes and label sidecars,
+checked against what they record. The datasets built on them are in :mod:`mlcls.data.shards.datasets`.
+
+Shards are read through ``webdataset``'s ``gopen``: local paths, ``http(s)://`` and ``pipe:`` commands
+(``pipe:aws s3 cp s3://bucket/train-000001.tar -``), each as one sequential stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import IO, Any
+
+import numpy as np
+
+from mlcls.data.datasets.base import (
+    LABEL_VALUES,
+    DatasetConfigError,
+    DatasetFormatError,
+    DatasetLayoutError,
+)
+from mlcls.data.datasets.labels import SparseLabels
+from mlcls.data.shards.pack import CLASSES_FILE, FORMAT, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
+from mlcls.data.shards.tario import npy_array, tar_files
+
+ROLES = ("train", "val")
+SHARD_NAME = re.compile(r"[^/\s]+\.tar")
+
+
+def open_url(url: str) -> IO[bytes]:
+    """A binary stream of ``url`` (a path, ``http(s)://``, ``pipe:`` command, ...) by ``webdataset``."""
+    try:
+        from webdataset.gopen import gopen
+    except ImportError:
+        raise DatasetConfigError(
+            "dataset=shards reads shards with the webdataset library; pip install 'mlcls[shards]'"
+        ) from None
+    try:
+        return gopen(url, "rb")
+    except (OSError, ValueError) as exc:
+        raise DatasetLayoutError(f"cannot open {url}: {exc}") from exc
+
+
+def read_url(url: str) -> bytes:
+    with open_url(url) as stream:
+        return stream.read()
+
+
+def expand_urls(urls: str | list[str]) -> list[str]:
+    """Shard URLs of ``dataset.urls``: a brace pattern (``train-{000000..000123}.tar``) or a list of them."""
+    from braceexpand import braceexpand
+
+    patterns = [urls] if isinstance(urls, str) else list(urls)
+    return [url for pattern in patterns for url in braceexpand(pattern)]
+
+
+def shard_name_of(url: str) -> str:
+    """The shard's file name in ``url`` (the last ``*.tar`` word: works for paths, URLs and commands)."""
+    names = SHARD_NAME.findall(url)
+    if not names:
+        raise DatasetConfigError(f"no shard file name (*.tar) in the shard URL {url!r}")
+    return names[-1]
+
+
+def iter_shard(url: str, num_classes: int | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """``(key, {extension: bytes})`` of each sample of the tar shard ``url``, in order, streamed (the
+    stream read to its end: a ``pipe:`` command closed early fails). A sample without its image or labels
+    file (missing, or a link) or, given ``num_classes``, whose labels are not valid (class, value) pairs
+    raises :class:`DatasetFormatError` naming the shard and the member."""
+    with open_url(url) as stream:
+        yield from stream_samples(stream, url, num_classes)
+
+
+def stream_samples(
+    stream: IO[bytes], url: str, num_classes: int | None = None
+) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """``(key, {extension: bytes})`` of each sample of the tar archive ``stream`` (of ``url``), in order,
+    checked by :func:`check_sample`."""
+    key, fields = None, {}
+    for name, data in tar_files(stream, url):
+        member_key, _, extension = name.rsplit("/", 1)[-1].partition(".")
+        if member_key != key:
+            if key is not None:
+                yield key, check_sample(url, key, fields, num_classes)
+            key, fields = member_key, {}
+        fields[extension] = data
+    if key is not None:
+        yield key, check_sample(url, key, fields, num_classes)
+
+
+def stored_label_entries(fields: dict[str, bytes], num_classes: int, where: str) -> np.ndarray:
+    """int32 (K, 2): the ``(class, value)`` pairs of a shard sample's label member, checked (a class in
+    [0, ``num_classes``), a value 1, 0 or -1); :class:`DatasetFormatError` naming ``where`` otherwise."""
+    if LABELS_EXT not in fields:
+        raise DatasetFormatError(f"{where} has no {LABELS_EXT} member; pack the dataset again")
+    pairs = npy_array(fields[LABELS_EXT], where)
+    if (
+        pairs.ndim != 2
+        or pairs.shape[1] != 2
+        or pairs.dtype.kind not in "iu"
+        or (len(pairs) and (pairs[:, 0].min() < 0 or pairs[:, 0].max() >= num_classes))
+        or not np.isin(pairs[:, 1], LABEL_VALUES).all()
+    ):
+        raise DatasetFormatError(
+            f"{where}: labels are not (class, value) pairs with classes in [0, {num_classes}) and values "
+            "1, 0 or -1; pack the dataset again"
+        )
+    return pairs.astype(np.int32)  # a copy: the member's bytes are read-only
+
+
+def check_sample(url: str, key: str, fields: dict[str, bytes], num_classes: int | None) -> dict[str, bytes]:
+    """``fields`` of sample ``key`` of shard ``url``: its image and labels members present as regular files
+    and, given ``num_classes``, its labels valid (:func:`stored_label_entries`);
+    :class:`DatasetFormatError` naming the shard and the member otherwise."""
+    for extension in (IMAGE_EXT, LABELS_EXT):
+        if extension not in fields:
+            raise DatasetFormatError(
+                f"shard {url}: no regular file {key}.{extension} (missing, or a link); pack the shard again"
+            )
+    if num_classes is not None:
+        stored_label_entries(fields, num_classes, f"shard {url}, member {key}.{LABELS_EXT}")
+    return fields
+
+
+class ShardIndex:
+    """The sidecar files of a packed folder: ``classes.json`` (classes, source dataset) and ``manifest.json``
+    (shard names, sample counts, sizes, hashes), read from ``meta`` (a folder or URL prefix) and checked:
+    the manifest's format and the hash of ``classes.json``."""
+
+    def __init__(self, meta: str) -> None:
+        self.meta = meta.rstrip("/")
+        self.manifest: dict[str, Any] = self.read_json(
+            MANIFEST_FILE, read_url(f"{self.meta}/{MANIFEST_FILE}")
+        )
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            found = self.manifest.get("format", 1) if isinstance(self.manifest, dict) else "unknown"
+            raise DatasetFormatError(
+                f"{self.meta}/{MANIFEST_FILE} is of pack format {found}, this mlcls reads format {FORMAT}; "
+                "pack the dataset again into a fresh folder"
+            )
+        info = self.read_json(CLASSES_FILE, self.read_recorded(self.manifest.get("classes")))
+        self.classes: list[str] = list(info["classes"])
+        self.source: str = info.get("dataset") or "shards"
+
+    def read_json(self, name: str, data: bytes) -> Any:
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DatasetFormatError(f"cannot parse {self.meta}/{name}: {exc}") from exc
+
+    def read_recorded(self, entry: Any) -> bytes:
+        """The bytes of the sidecar file the manifest records as ``entry`` (name, bytes, sha256), checked
+        against its sha256."""
+        if not isinstance(entry, dict) or not {"name", "sha256"} <= entry.keys():
+            raise DatasetFormatError(f"{self.meta}/{MANIFEST_FILE} is incomplete; pack the dataset again")
+        url = f"{self.meta}/{entry['name']}"
+        data = read_url(url)
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise DatasetFormatError(
+                f"{url} is not the file {MANIFEST_FILE} records (its sha256 differs: replaced or damaged "
+                "since packing); pack the dataset again"
+            )
+        return data
+
+    def split(self, role: str) -> dict[str, Any]:
+        """The manifest's entry of the split ``role``."""
+        if role not in self.manifest:
+            raise DatasetLayoutError(f"{self.meta}/{MANIFEST_FILE} lists no {role} shards; pack that split")
+        return self.manifest[role]
+
+    def labels(self, role: str) -> SparseLabels:
+        """The labels of the packed samples of ``role``, in shard order (the sparse sidecar), checked: the
+        file the manifest records, one row per packed sample, one column per class, its ``label_fill``."""
+        split = self.split(role)
+        data = self.read_recorded(split.get("labels"))
+        url = f"{self.meta}/{labels_file(role)}"
+        try:
+            labels = SparseLabels.from_bytes(data).check(url)
+        except (OSError, ValueError, KeyError) as exc:
+            raise DatasetFormatError(f"cannot read the labels {url}: {exc}; pack the split again") from exc
+        counted = sum(entry["samples"] for entry in split["shards"])
+        expected = (split["samples"], len(self.classes))
+        if labels.shape != expected or counted != split["samples"] or labels.fill != split["label_fill"]:
+            raise DatasetFormatError(
+                f"{url} holds {labels.shape[0]} x {labels.shape[1]} labels (fill {labels.fill}), "
+                f"{MANIFEST_FILE} {split['samples']} samples ({counted} in its shards) x {len(self.classes)} "
+                f"classes (fill {split['label_fill']}); pack the split again"
+            )
+        return labels
+
+    def shard_sizes(self, role: str, urls: list[str]) -> list[int]:
+        """Sample count of each shard of ``urls`` (matched by file name in the manifest); a local shard
+        file must have the manifest's size."""
+        entries = {entry["name"]: entry for entry in self.split(role)["shards"]}
+        missing = [shard_name_of(url) for url in urls if shard_name_of(url) not in entries]
+        if missing:
+            raise DatasetConfigError(
+                f"shard {missing[0]} is not a {role} shard of {self.meta}/{MANIFEST_FILE}; expected names "
+                f"like {next(iter(entries), '?')}"
+            )
+        for url in urls:
+            recorded = entries[shard_name_of(url)]["bytes"]
+            if is_local(url) and os.path.getsize(existing_file(url)) != recorded:
+                raise DatasetFormatError(
+                    f"shard {url} has {os.path.getsize(url)} bytes, {MANIFEST_FILE} records {recorded}; "
+                    "replaced or damaged since packing (mlcls-data verify checks every shard)"
+                )
+        return [entries[shard_name_of(url)]["samples"] for url in urls]
+
+    def rows_of(self, role: str, urls: list[str]) -> np.ndarray:
+        """int64: the rows of the ``role`` sidecar that the samples of the shards ``urls`` take, in order
+        (all of the split's shards, or some of them)."""
+        shards = self.split(role)["shards"]
+        offsets = np.cumsum([0] + [entry["samples"] for entry in shards])
+        position = {entry["name"]: k for k, entry in enumerate(shards)}
+        starts = [offsets[position[shard_name_of(url)]] for url in urls]
+        sizes = self.shard_sizes(role, urls)
+        return np.concatenate(
+            [np.arange(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+            or [np.zeros(0, dtype=np.int64)]
+        )
+
+    def role_urls(self, role: str, like: str) -> list[str]:
+        """URLs of every ``role`` shard of the manifest, made from the URL ``like`` of another shard."""
+        name = shard_name_of(like)
+        return [like.replace(name, entry["name"]) for entry in self.manifest.get(role, {}).get("shards", [])]
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` is a file path (no ``scheme:`` such as ``https:`` or ``pipe:`` before its first
+    ``/``)."""
+    return ":" not in url.split("/", 1)[0]
+
+
+def existing_file(path: str) -> str:
+    """``path``, or :class:`DatasetLayoutError` when no such file exists."""
+    if not os.path.isfile(path):
+        raise DatasetLayoutError(f"shard {path} does not exist")
+    return path
+
+
+def default_meta(url: str) -> str:
+    if url.startswith("pipe:"):
+        raise DatasetConfigError(
+            "dataset.meta is needed with pipe: shard URLs: the folder or URL of classes.json and "
+            "manifest.json"
+        )
+    return url.rsplit("/", 1)[0] if "/" in url else "."
