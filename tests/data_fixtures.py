@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from mlcls.bench.pipeline_bench import make_jpegs
-from mlcls.data.base import MultiLabelDataset, Sample
+from mlcls.data.datasets.base import MultiLabelDataset, Sample
 
 VISPR_ATTRIBUTES = Path("/work/shared/fixtures/vispr/attributes.tsv")
 RED, BLUE, GREY = (230, 20, 20), (20, 20, 230), (128, 128, 128)

@@ -15,9 +15,10 @@ from sklearn.metrics import average_precision_score
 from test_inference_support import IMAGE_SIZE, reference_logits, trained_run
 
 from mlcls.cli import eval as eval_cli
-from mlcls.cli.eval import evaluation_dataset_config
-from mlcls.data.csv_dataset import held_out
-from mlcls.data.synthetic import SyntheticMultiLabel
+from mlcls.cli.eval import check_dataset_target, evaluation_dataset_config, packaged_dataset_targets
+from mlcls.data import build_dataset, current_target
+from mlcls.data.datasets.csv_dataset import held_out
+from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.engine.validate import ConfigError
 
 TEST_SIZE = 24
@@ -43,7 +44,7 @@ def csv_run(tmp_path_factory):
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
     assert state["classes"] == list(source.classes)
     state["config"]["dataset"] = {
-        "_target_": "mlcls.data.csv_dataset.CSVDataset",
+        "_target_": "mlcls.data.datasets.csv_dataset.CSVDataset",
         "name": "csv",
         "root": str(root),
         "image_size": IMAGE_SIZE,
@@ -190,3 +191,27 @@ def test_a_run_trained_with_a_relative_root_evaluates_from_another_directory(
     assert code == 0, err
     held = [i for i in range(TEST_SIZE) if held_out(f"images/{i:03d}.png", 0.5, 0)]
     assert json.loads(out.strip().splitlines()[-1])["num_samples"] == len(held)
+
+
+def test_a_checkpoint_naming_its_dataset_by_the_path_before_the_data_split_still_evaluates():
+    """The ``_target_`` of every dataset config as checkpoints written before data/ was split hold it."""
+    before_split = {
+        "mlcls.data.coco.COCO",
+        "mlcls.data.csv_dataset.CSVDataset",
+        "mlcls.data.openimages.OpenImages",
+        "mlcls.data.shards.open_shards",
+        "mlcls.data.synthetic.SyntheticMultiLabel",
+        "mlcls.data.vaw.VAW",
+        "mlcls.data.vispr.VISPR",
+        "mlcls.data.voc.VOC",
+        "mlcls.data.wider.WIDERAttribute",
+    }
+    assert {current_target(target) for target in before_split} == packaged_dataset_targets()
+    assert current_target("mlcls.data.datasets.voc.VOC") == "mlcls.data.datasets.voc.VOC"
+    assert current_target("os.system") == "os.system"
+    run = {"_target_": "mlcls.data.synthetic.SyntheticMultiLabel", "name": "synthetic", "image_size": 32}
+    merged = evaluation_dataset_config(run, {}, ["x"])
+    assert merged._target_ == "mlcls.data.datasets.synthetic.SyntheticMultiLabel"
+    check_dataset_target(merged)  # a dataset of mlcls: accepted
+    dataset = build_dataset({**merged, "val_size": 4, "transform": "light"}, train=False)
+    assert isinstance(dataset, SyntheticMultiLabel) and len(dataset) == 4

@@ -11,7 +11,7 @@ from data_fixtures import corrupt, truncate, write_csv
 from torch.utils.data import DataLoader
 
 from mlcls.data import build_dataset
-from mlcls.data.base import (
+from mlcls.data.datasets.base import (
     BadImageError,
     DatasetConfigError,
     DatasetFormatError,
@@ -19,8 +19,8 @@ from mlcls.data.base import (
     MultiLabelDataset,
     crop_box,
 )
-from mlcls.data.csv_dataset import CSVDataset
-from mlcls.data.transforms import build_transform
+from mlcls.data.datasets.csv_dataset import CSVDataset
+from mlcls.data.pipeline.transforms import build_transform
 
 
 def one_hot_dataset(root: Path, count: int, on_bad_image: str) -> CSVDataset:
@@ -87,8 +87,9 @@ def test_on_bad_image_value_is_checked(tmp_path: Path) -> None:
 
 
 def test_build_dataset_raises_the_dataset_error_itself(tmp_path: Path) -> None:
-    cfg = {"_target_": "mlcls.data.voc.VOC", "name": "voc2007", "root": str(tmp_path), "image_size": 32,
-           "transform": "paper", "train_split": "trainval", "val_split": "test", "year": 2007}  # fmt: skip
+    cfg = {"_target_": "mlcls.data.datasets.voc.VOC", "name": "voc2007", "root": str(tmp_path),
+           "image_size": 32, "transform": "paper", "train_split": "trainval", "val_split": "test",
+           "year": 2007}  # fmt: skip
     with pytest.raises(DatasetLayoutError, match=r"^missing .*trainval\.txt; expected layout"):
         build_dataset(cfg, train=True)
 

@@ -11,7 +11,7 @@ import torch
 from data_fixtures import corrupt, write_voc
 
 from mlcls.cli.data import main
-from mlcls.data.labels import LabelCounts
+from mlcls.data.datasets.labels import LabelCounts
 
 
 def test_label_stats_of_a_small_matrix() -> None:

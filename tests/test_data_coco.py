@@ -8,9 +8,9 @@ import pytest
 import torch
 from data_fixtures import write_coco
 
-from mlcls.data.base import DatasetConfigError, DatasetLayoutError
-from mlcls.data.coco import COCO
-from mlcls.data.transforms import build_transform
+from mlcls.data.datasets.base import DatasetConfigError, DatasetLayoutError
+from mlcls.data.datasets.coco import COCO
+from mlcls.data.pipeline.transforms import build_transform
 
 CLASSES = ["person", "car", "dog", "toothbrush"]  # category ids 1, 3, 18, 90
 

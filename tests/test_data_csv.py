@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from data_fixtures import write_csv
 
-from mlcls.data.base import DatasetConfigError, DatasetFormatError, DatasetLayoutError
-from mlcls.data.csv_dataset import CSVDataset, held_out
+from mlcls.data.datasets.base import DatasetConfigError, DatasetFormatError, DatasetLayoutError
+from mlcls.data.datasets.csv_dataset import CSVDataset, held_out
 
 NAMES_CSV = "image,labels\nimg/a.jpg,cat dog\nimg/b.jpg,dog\n\nimg/c.jpg,\nimg/d.jpg,bird  cat\n"
 IMAGES = ["img/a.jpg", "img/b.jpg", "img/c.jpg", "img/d.jpg"]

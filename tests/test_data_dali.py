@@ -22,8 +22,8 @@ from data_fixtures import PhotoFiles, corrupt, decode_rgb, truncate, write_photo
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from mlcls.data.base import BadImageError
-from mlcls.data.dali import (
+from mlcls.data.datasets.base import BadImageError
+from mlcls.data.pipeline.dali import (
     CropPlans,
     DaliUnavailableError,
     _build_pipeline,
@@ -31,8 +31,8 @@ from mlcls.data.dali import (
     encoded_image_size,
     require_dali,
 )
-from mlcls.data.fast import FastTrainTransform, resized_crop
-from mlcls.data.loader import SeededSamples, sample_seed
+from mlcls.data.pipeline.fast import FastTrainTransform, resized_crop
+from mlcls.data.sampling import SeededSamples, sample_seed
 
 # Batches waiting for the CPU graph's source (``run_graph`` puts one, the graph takes it).
 _QUEUED: deque[tuple[list, list, list]] = deque()

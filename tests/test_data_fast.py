@@ -17,7 +17,8 @@ from torch.utils.data import default_collate
 from torchvision import transforms as T
 
 from mlcls.bench.pipeline_bench import make_jpegs
-from mlcls.data.fast import (
+from mlcls.data.loader import build_train_loader
+from mlcls.data.pipeline.fast import (
     AugmentedImage,
     DeviceStage,
     FastTrainTransform,
@@ -29,9 +30,13 @@ from mlcls.data.fast import (
     draft_reduction,
     load_reduced,
 )
-from mlcls.data.loader import build_train_loader
-from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_PCA_EIGVAL, IMAGENET_PCA_EIGVEC, IMAGENET_STD
-from mlcls.data.transforms import build_transform as plain_transform
+from mlcls.data.pipeline.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_PCA_EIGVAL,
+    IMAGENET_PCA_EIGVEC,
+    IMAGENET_STD,
+)
+from mlcls.data.pipeline.transforms import build_transform as plain_transform
 
 SIZE = 64
 

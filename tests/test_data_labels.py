@@ -1,4 +1,5 @@
-"""Sparse label matrices and label counts (mlcls/data/labels.py), against dense numpy computations."""
+"""Sparse label matrices and label counts (mlcls/data/datasets/labels.py), against dense numpy
+computations."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 from torch.utils.data import Subset
 
-from mlcls.data.base import DatasetConfigError
-from mlcls.data.labels import LabelCounts, SparseLabelled, SparseLabels, label_counts
+from mlcls.data.datasets.base import DatasetConfigError
+from mlcls.data.datasets.labels import LabelCounts, SparseLabelled, SparseLabels, label_counts
 from mlcls.losses import BinaryCrossEntropyLoss
 
 

@@ -12,17 +12,11 @@ import pytest
 import torch
 from data_fixtures import PhotoFiles, write_photos
 
-from mlcls.data import loader as loader_module
-from mlcls.data.fast import AugmentedImage, DeviceStage, FastTrainTransform
-from mlcls.data.loader import (
-    DevicePrefetcher,
-    ResumableSampler,
-    ShardSampler,
-    available_cpus,
-    build_eval_loader,
-    build_train_loader,
-)
-from mlcls.data.transforms import build_transform
+from mlcls.data import sampling
+from mlcls.data.loader import DevicePrefetcher, ShardSampler, build_eval_loader, build_train_loader
+from mlcls.data.pipeline.fast import AugmentedImage, DeviceStage, FastTrainTransform
+from mlcls.data.pipeline.transforms import build_transform
+from mlcls.data.sampling import ResumableSampler, available_cpus
 
 SIZE = 32
 CPU = torch.device("cpu")
@@ -37,7 +31,7 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def two_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process may run on 2 CPUs; the once-per-process log record is reset."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    loader_module._log_worker_cap.cache_clear()
+    sampling._log_worker_cap.cache_clear()
 
 
 def test_builders_pin_memory_and_keep_workers_on_cuda(photos):
@@ -74,7 +68,7 @@ def test_available_cpus_falls_back_to_the_cpu_count(monkeypatch):
 
 
 def test_dali_backend_needs_the_paper_transform(photos):
-    from mlcls.data.base import DatasetConfigError
+    from mlcls.data.datasets.base import DatasetConfigError
 
     dataset = PhotoFiles(photos, build_transform("light", SIZE, train=True))
     with pytest.raises(DatasetConfigError, match="use dataset.transform=paper"):

@@ -8,8 +8,8 @@ import pytest
 from openimages_fixture import LABEL_FILES, MISSING_IMAGE, write_openimages
 
 from mlcls.data import build_dataset
-from mlcls.data.base import BadImageError, DatasetConfigError, DatasetFormatError, DatasetLayoutError
-from mlcls.data.openimages import OpenImages
+from mlcls.data.datasets.base import BadImageError, DatasetConfigError, DatasetFormatError, DatasetLayoutError
+from mlcls.data.datasets.openimages import OpenImages
 
 CLASSES = ["Dog", "Cat", "Bass (/m/bass_fish)", "Bass (/m/bass_guitar)", "Car"]
 TRAIN_IDS = ["000000000000000b", "0000000000000a01", "0000000000000c03", "f00000000000000e"]

@@ -18,11 +18,11 @@ from test_data_shards import URLS, pack_synthetic, packed  # noqa: F401 (the mod
 
 from mlcls.cli.data import main as data_main
 from mlcls.data import DatasetFormatError, build_dataset
-from mlcls.data import pack as pack_module
-from mlcls.data.labels import SparseLabels
-from mlcls.data.pack import pack_split, write_sidecars
-from mlcls.data.shards import ShardEvalSet, open_shards
-from mlcls.data.synthetic import SyntheticMultiLabel
+from mlcls.data.datasets.labels import SparseLabels
+from mlcls.data.datasets.synthetic import SyntheticMultiLabel
+from mlcls.data.shards import pack as pack_module
+from mlcls.data.shards.datasets import ShardEvalSet, open_shards
+from mlcls.data.shards.pack import pack_split, write_sidecars
 
 pytest.importorskip("webdataset")
 

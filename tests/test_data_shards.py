@@ -25,15 +25,16 @@ from PIL import Image, JpegImagePlugin
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
 from mlcls.data import DatasetConfigError, DatasetFormatError
-from mlcls.data import pack as pack_module
-from mlcls.data.base import MultiLabelDataset, Sample
-from mlcls.data.labels import SparseLabels
+from mlcls.data.datasets.base import MultiLabelDataset, Sample
+from mlcls.data.datasets.labels import SparseLabels
+from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.data.loader import build_eval_loader
-from mlcls.data.pack import encode_jpeg, labels_file, pack_split, packed_image
-from mlcls.data.shard_loader import ShardSchedule, ShardStream, ShardTrainLoader
-from mlcls.data.shards import ShardTrainSet, iter_shard, open_shards
-from mlcls.data.synthetic import SyntheticMultiLabel
-from mlcls.data.tario import npy_array, tar_files
+from mlcls.data.shards import pack as pack_module
+from mlcls.data.shards.datasets import ShardTrainSet, open_shards
+from mlcls.data.shards.loader import ShardSchedule, ShardStream, ShardTrainLoader
+from mlcls.data.shards.pack import encode_jpeg, labels_file, pack_split, packed_image
+from mlcls.data.shards.reader import iter_shard
+from mlcls.data.shards.tario import npy_array, tar_files
 
 wds = pytest.importorskip("webdataset")
 
@@ -333,10 +334,10 @@ def test_order_and_resume_do_not_depend_on_the_workers_the_cpus_allow(packed: Pa
     """trainer.workers=3 (three read blocks): 3 worker processes serve the batches in the order of the
     schedule read in one process; a requeued run capped at 2 or 1 CPUs resumes with exactly the remaining
     batches, in the same order (no sample repeated or skipped)."""
-    from mlcls.data import loader as loader_module
+    from mlcls.data import sampling
 
     def keys_on(cpus: int, start: int = 0) -> list[list[int]]:
-        monkeypatch.setattr(loader_module, "available_cpus", lambda: cpus)
+        monkeypatch.setattr(sampling, "available_cpus", lambda: cpus)
         return shard_keys(packed, 1, 2, 3, epoch=4, start=start)
 
     dataset = open_shards("train", str(packed / URLS), transform=None)
@@ -461,7 +462,7 @@ def evaluate_shards(packed: Path, urls: str, rank: int, world: int) -> dict:
     from mlcls.engine.evaluate import evaluate_model
 
     cfg = {
-        "_target_": "mlcls.data.shards.open_shards",
+        "_target_": "mlcls.data.shards.datasets.open_shards",
         "urls": str(packed / urls),
         "image_size": 32,
         "transform": "light",
@@ -530,7 +531,7 @@ def test_openimages_pack_keeps_the_verified_labels(packed_openimages: Path, gene
 
 
 def test_seeded_augmentation_seeds_the_cpu_generator_only(monkeypatch) -> None:
-    from mlcls.data.loader import seeded_call
+    from mlcls.data.sampling import seeded_call
 
     def device_seeding(seed: int) -> None:
         raise AssertionError("a device generator was seeded")
@@ -648,7 +649,7 @@ def test_npy_array_reads_what_np_load_reads() -> None:
 def test_torch_only_seeding_leaves_python_and_numpy_alone() -> None:
     import random
 
-    from mlcls.data.loader import seeded_call
+    from mlcls.data.sampling import seeded_call
 
     random.seed(5)
     np.random.seed(6)
@@ -663,9 +664,9 @@ def test_torch_only_seeding_leaves_python_and_numpy_alone() -> None:
 def test_a_shard_sample_is_augmented_as_under_full_seeding(packed: Path) -> None:
     """The fast CPU stage draws from torch alone: seeding only torch gives each sample the augmentation
     that seeding torch, numpy and random gives it; the target is the packed labels row."""
-    from mlcls.data.fast import FastTrainTransform
-    from mlcls.data.loader import sample_seed, seeded_call
-    from mlcls.data.shards import iter_shard
+    from mlcls.data.pipeline.fast import FastTrainTransform
+    from mlcls.data.sampling import sample_seed, seeded_call
+    from mlcls.data.shards.reader import iter_shard
 
     transform = FastTrainTransform(32)
     dataset = open_shards("train", str(packed / URLS), transform=transform, image_size=32)

@@ -1,7 +1,7 @@
-"""The shard tar reader (:mod:`mlcls.data.tario`) and the sample checks of :func:`iter_shard` on shards from
-others: links, missing members, damaged headers, pax records and sizes, label rows of the wrong length, and
-seeded byte mutations of real shards all end in the data or in a one-line DatasetFormatError naming the
-shard and the member, in bounded time and memory."""
+"""The shard tar reader (:mod:`mlcls.data.shards.tario`) and the sample checks of :func:`iter_shard` on shards
+from others: links, missing members, damaged headers, pax records and sizes, label rows of the wrong
+length, and seeded byte mutations of real shards all end in the data or in a one-line DatasetFormatError
+naming the shard and the member, in bounded time and memory."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import pytest
 
 from mlcls.cli.data import main as data_main
 from mlcls.data import DatasetFormatError
-from mlcls.data.pack import IMAGE_EXT, LABELS_EXT
-from mlcls.data.shards import iter_shard
-from mlcls.data.tario import TAR_BLOCK, npy_array, tar_files
+from mlcls.data.shards.pack import IMAGE_EXT, LABELS_EXT
+from mlcls.data.shards.reader import iter_shard
+from mlcls.data.shards.tario import TAR_BLOCK, npy_array, tar_files
 
 pytest.importorskip("webdataset")
 

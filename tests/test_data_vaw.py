@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from data_fixtures import BLUE, RED, close, mean_colour, write_vaw
 
-from mlcls.data.base import DatasetFormatError, DatasetLayoutError
-from mlcls.data.vaw import VAW
+from mlcls.data.datasets.base import DatasetFormatError, DatasetLayoutError
+from mlcls.data.datasets.vaw import VAW
 
 CLASSES = ["red", "wooden", "white", "tall", "striped", "metal"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from data_fixtures import VISPR_ATTRIBUTES, write_vispr
 
-from mlcls.data.base import DatasetFormatError, DatasetLayoutError
-from mlcls.data.vispr import VISPR
+from mlcls.data.datasets.base import DatasetFormatError, DatasetLayoutError
+from mlcls.data.datasets.vispr import VISPR
 
 # idx of the attributes used by the fixture, read off /work/shared/fixtures/vispr/attributes.tsv
 INDEX = {"a0_safe": 0, "a4_gender": 4, "a9_face_complete": 9, "a16_race": 14, "a17_color": 15,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from data_fixtures import write_voc
 
-from mlcls.data.base import DatasetConfigError, DatasetFormatError, DatasetLayoutError
-from mlcls.data.voc import VOC
+from mlcls.data.datasets.base import DatasetConfigError, DatasetFormatError, DatasetLayoutError
+from mlcls.data.datasets.voc import VOC
 
 CLASSES = [
     "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "diningtable",

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from data_fixtures import BLUE, RED, WIDER_NAMES, close, mean_colour, write_wider
 
-from mlcls.data.base import DatasetFormatError, DatasetLayoutError
-from mlcls.data.wider import WIDERAttribute
+from mlcls.data.datasets.base import DatasetFormatError, DatasetLayoutError
+from mlcls.data.datasets.wider import WIDERAttribute
 
 
 def row(positive: list[int], negative: list[int]) -> list[float]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mlcls.data.transforms import build_transform
+from mlcls.data.pipeline.transforms import build_transform
 from mlcls.inference import InferenceError, build_eval_transform, preprocess_spec, spec_from_checkpoint
 from mlcls.inference.preprocess import input_size
 

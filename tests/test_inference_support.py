@@ -7,7 +7,8 @@ From its ``last.pt`` two checkpoint variants are written with literal, hand-chos
 * ``calibrated.pt`` -- with per-class ``thresholds`` and a ``preprocess`` spec of the *paper* transform,
   which differs from the run's dataset config (``light``), so a test can tell which one predict used.
 
-References are computed with timm and :mod:`mlcls.data.transforms` directly, never with mlcls.inference.
+References are computed with timm and :mod:`mlcls.data.pipeline.transforms` directly, never with
+mlcls.inference.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 from conftest import TINY, compose_config
 from PIL import Image
 
-from mlcls.data.synthetic import SyntheticMultiLabel
-from mlcls.data.transforms import build_transform
+from mlcls.data.datasets.synthetic import SyntheticMultiLabel
+from mlcls.data.pipeline.transforms import build_transform
 
 RUN_OVERRIDES = [
     *TINY,
@@ -84,7 +85,8 @@ def reference_model(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
 
 
 def reference_logits(checkpoint: Path, paths: list[Path], kind: str) -> torch.Tensor:
-    """Logits of ``paths`` through :func:`mlcls.data.transforms.build_transform` (``kind``, eval) and timm."""
+    """Logits of ``paths`` through :func:`mlcls.data.pipeline.transforms.build_transform` (``kind``, eval) and
+    timm."""
     model, _ = reference_model(checkpoint)
     transform = build_transform(kind, IMAGE_SIZE, train=False)
     images = torch.stack([transform(Image.open(p).convert("RGB")) for p in paths])

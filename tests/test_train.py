@@ -51,7 +51,7 @@ def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
     assert best["thresholds"].shape == (12,) and best["preprocess"]["image_size"] == 32
     assert best["classes"] == on_disk_classes(on_disk)
 
-    from mlcls.data.synthetic import SyntheticMultiLabel
+    from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 
     val_labels = SyntheticMultiLabel("val", val_size=75, image_size=32).labels.numpy()
     chance = chance_map_class(val_labels)

@@ -17,7 +17,7 @@ Pipelines, each over the same JPEG files, interleaved within every repeat (same 
 * ``shards``: the same shard loader plus the device stage (training from shards on the CPU, or on CUDA
   when available). The pack's own speed (images/s, ``--pack-workers`` processes) is reported beside it.
 
-``python -m mlcls.bench.pipeline_bench --images DIR [--n N] [--workers W] [--size 224]``; without
+``mlcls-bench pipeline --images DIR [--n N] [--workers W] [--size 224]``; without
 ``--images`` it generates 640x480 JPEGs in a temporary directory (:func:`make_jpegs`). Prints one JSON line.
 """
 
@@ -28,7 +28,6 @@ import itertools
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -41,12 +40,12 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
-from mlcls.data.base import MultiLabelDataset, Sample
-from mlcls.data.fast import AugmentedImage, DeviceStage, build_backend_transform, collate_batch
-from mlcls.data.pack import SUBSAMPLINGS, pack_split, write_sidecars
-from mlcls.data.shard_loader import ShardTrainLoader
-from mlcls.data.shards import open_shards
-from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from mlcls.data.datasets.base import MultiLabelDataset, Sample
+from mlcls.data.pipeline.fast import AugmentedImage, DeviceStage, build_backend_transform, collate_batch
+from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD
+from mlcls.data.shards.datasets import open_shards
+from mlcls.data.shards.loader import ShardTrainLoader
+from mlcls.data.shards.pack import SUBSAMPLINGS, pack_split, write_sidecars
 
 PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast", "decode_only", "shards_cpu_stage", "shards")
 JPEG_EXTENSIONS = (".jpg", ".jpeg", ".JPG", ".JPEG")
@@ -401,9 +400,3 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         pack_workers=args.pack_workers,
         subsampling=args.subsampling,
     )
-
-
-if __name__ == "__main__":
-    from mlcls.cli.bench import main
-
-    main(["pipeline", *sys.argv[1:]])

@@ -223,9 +223,3 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     # Anything the trainer prints goes to stderr: stdout holds the JSON line only.
     with contextlib.redirect_stdout(sys.stderr):
         return run(args.overrides, args.repeats, args.steps, args.warmup, args.loop)
-
-
-if __name__ == "__main__":
-    from mlcls.cli.bench import main
-
-    main(["step", *sys.argv[1:]])

@@ -34,10 +34,10 @@ from omegaconf.errors import OmegaConfBaseException
 from mlcls.cli.errors import one_line, plural
 from mlcls.cli.overrides import compose_config
 from mlcls.data import DatasetError, MultiLabelDataset, build_dataset
-from mlcls.data.labels import label_counts
-from mlcls.data.pack import pack_split, write_sidecars
-from mlcls.data.shard_verify import verify_pack
-from mlcls.data.stats import find_unreadable
+from mlcls.data.datasets.labels import label_counts
+from mlcls.data.datasets.stats import find_unreadable
+from mlcls.data.shards.pack import pack_split, write_sidecars
+from mlcls.data.shards.verify import verify_pack
 from mlcls.engine.validate import ConfigError
 
 TOP_CLASSES = 5

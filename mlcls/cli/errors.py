@@ -10,7 +10,7 @@ from hydra.errors import HydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mlcls.data.base import DatasetError
+from mlcls.data.datasets.base import DatasetError
 from mlcls.engine.checkpoint import CheckpointError
 from mlcls.engine.rundir import RunDirLocked
 from mlcls.engine.validate import ConfigError

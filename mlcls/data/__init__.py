@@ -3,7 +3,8 @@ is, the split added: ``hydra.utils.instantiate(cfg.dataset, split=cfg.dataset.tr
 
 Besides the class's own arguments (``root``, ``year``, ...), every dataset config holds the keys the rest of
 mlcls reads: ``name`` (short name), ``image_size`` (network input side), ``transform`` (a transform name of
-:mod:`mlcls.data.transforms`), ``train_split`` and ``val_split`` (the ``split`` values of training and
+:mod:`mlcls.data.pipeline.transforms`), ``train_split`` and ``val_split`` (the ``split`` values of training
+and
 evaluation). The base class :class:`MultiLabelDataset` takes them as arguments (each subclass passes them on
 with ``**config_keys``) and builds the named transform for its split. Chosen over the alternatives because
 it keeps every key path users type (``dataset.root``, ``dataset.image_size``, ...), keeps ``_target_``
@@ -12,7 +13,7 @@ still fails as an unexpected argument. (``_partial_`` would not remove the keys:
 the node to the target, partial or not.)
 
 :func:`build_dataset` adds what a config does not hold: the split (train or validation) and the transform of
-the input pipeline ``data.backend`` (:mod:`mlcls.data.fast`), which replaces the named one.
+the input pipeline ``data.backend`` (:mod:`mlcls.data.pipeline.fast`), which replaces the named one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from mlcls.data.base import (
+from mlcls.data.datasets.base import (
     BadImageError,
     DatasetConfigError,
     DatasetError,
@@ -32,17 +33,24 @@ from mlcls.data.base import (
     MultiLabelDataset,
     Sample,
 )
-from mlcls.data.fast import build_backend_transform
+from mlcls.data.pipeline.fast import build_backend_transform
 
 
 def _shards_source(key: str, fallback: Any, *, _parent_: DictConfig) -> Any:
-    from mlcls.data.shards import source_setting  # imported when a shards config is resolved
+    from mlcls.data.shards.datasets import source_setting  # imported when a shards config is resolved
 
     return source_setting(key, fallback, _parent_)
 
 
 # ``${shards_source:image_size,224}`` in configs/dataset/shards.yaml: the packed source's setting.
 OmegaConf.register_new_resolver("shards_source", _shards_source, replace=True)
+
+# The modules the dataset configs' ``_target_`` named before the datasets moved into mlcls.data.datasets
+# and the shards into mlcls.data.shards, as the dataset config of a checkpoint of that time holds them.
+_MOVED_DATASET_MODULES = {
+    f"mlcls.data.{name}": f"mlcls.data.datasets.{name}"
+    for name in ("coco", "csv_dataset", "openimages", "synthetic", "vaw", "vispr", "voc", "wider")
+} | {"mlcls.data.shards": "mlcls.data.shards.datasets"}
 
 __all__ = [
     "BadImageError",
@@ -53,14 +61,24 @@ __all__ = [
     "MultiLabelDataset",
     "Sample",
     "build_dataset",
+    "current_target",
 ]
+
+
+def current_target(target: str) -> str:
+    """A dataset config's ``_target_`` at its current module path: a checkpoint written before the data/
+    split names ``mlcls.data.coco.COCO`` for ``mlcls.data.datasets.coco.COCO`` and
+    ``mlcls.data.shards.open_shards`` for ``mlcls.data.shards.datasets.open_shards``; any other target is
+    returned unchanged."""
+    module, _, name = target.rpartition(".")
+    return f"{_MOVED_DATASET_MODULES[module]}.{name}" if module in _MOVED_DATASET_MODULES else target
 
 
 def build_dataset(
     cfg: DictConfig | dict[str, Any], train: bool, backend: str = "torchvision"
 ) -> MultiLabelDataset:
     """Instantiate the training (``train=True``) or validation split of the dataset config ``cfg``, with the
-    transform of the input pipeline ``backend`` (``data.backend``; see :mod:`mlcls.data.fast`)."""
+    transform of the input pipeline ``backend`` (``data.backend``; see :mod:`mlcls.data.pipeline.fast`)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if not isinstance(cfg, dict) else cfg
     cfg = OmegaConf.create(cfg)
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")

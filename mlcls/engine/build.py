@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from mlcls.data import MultiLabelDataset, build_dataset
-from mlcls.data.labels import label_counts
+from mlcls.data.datasets.labels import label_counts
 from mlcls.data.loader import build_eval_loader, build_train_loader
 from mlcls.engine.distributed import DistInfo
 from mlcls.engine.optim import build_optimizer, build_scheduler

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from mlcls.data.labels import label_counts
+from mlcls.data.datasets.labels import label_counts
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import RunData
 from mlcls.engine.state import TrainState

@@ -33,8 +33,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from mlcls.data.fast import AugmentedImage, DeviceStage
 from mlcls.data.loader import DevicePrefetcher
+from mlcls.data.pipeline.fast import AugmentedImage, DeviceStage
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import (
     build_data,

@@ -8,7 +8,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from mlcls.data.fast import BACKENDS
+from mlcls.data.pipeline.fast import BACKENDS
 from mlcls.engine.optim import GROUP_KEYS, build_scheduler, optimizer_factory
 from mlcls.engine.rundir import explicit_hydra_run_dir
 from mlcls.errors import ConfigError  # noqa: F401 - re-exported: raised by validate_config

@@ -22,7 +22,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from mlcls.data.base import BAD_IMAGE_ERRORS
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
 from mlcls.inference.errors import InferenceError

@@ -1,7 +1,7 @@
 """The evaluation preprocessing of a trained model, as a JSON-ready dict that travels with the checkpoint.
 
 A *preprocess spec* describes, without any dataset config, how an image must be turned into the network's
-input tensor -- exactly the evaluation transform of :mod:`mlcls.data.transforms`::
+input tensor -- exactly the evaluation transform of :mod:`mlcls.data.pipeline.transforms`::
 
     {"transform": "paper", "image_size": 224, "resize": 256, "crop": 224, "interpolation": "bilinear",
      "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
@@ -22,7 +22,7 @@ from typing import Any
 
 from torchvision import transforms as T
 
-from mlcls.data.transforms import IMAGENET_MEAN, IMAGENET_STD, TRANSFORM_KINDS, eval_resize
+from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, TRANSFORM_KINDS, eval_resize
 from mlcls.inference.errors import InferenceError
 
 SPEC_KEYS = ("transform", "image_size", "resize", "crop", "interpolation", "mean", "std")

@@ -11,7 +11,7 @@ from torch import Tensor
 from mlcls.losses.common import EntrywiseLoss
 
 if TYPE_CHECKING:
-    from mlcls.data.labels import LabelCounts
+    from mlcls.data.datasets.labels import LabelCounts
 
 POS_WEIGHTS = ("none", "freq")
 
@@ -52,7 +52,8 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
 
     def setup(self, train_labels: Tensor | LabelCounts) -> None:
         """Compute the class weights ``w_c`` (C,) from the training labels: a dense (N, C) matrix in
-        {1, 0, -1}, or their per-class counts (:class:`mlcls.data.labels.LabelCounts`, all the weights need).
+        {1, 0, -1}, or their per-class counts (:class:`mlcls.data.datasets.labels.LabelCounts`, all the
+        weights need).
 
         The weights take the device and dtype of the module's buffer (float32 unless moved).
         """

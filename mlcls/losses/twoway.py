@@ -49,8 +49,17 @@ class _SoftplusLogSumExp(torch.autograd.Function):
     several times faster on the CPU than ``torch.where`` on bool masks; a mask only multiplies finite
     values (temperatures, shifts, exponentials in [0, 1]), so ``v * 1 + w * 0`` selects ``v`` exactly.
     An unknown entry, in neither mask, gets an exponent clamped to [lowest finite, 0] whatever its logit
-    (even inf or NaN), and then weighs 0 in every sum and gradient. The (K, M, C) buffers are reused
-    in place: at most five per call (two masks, the scaled logits, a work buffer, the gradient).
+    (even inf or NaN), and then weighs 0 in every sum and gradient.
+
+    Memory: at most five (K, M, C) buffers per call, each reused in place once its content is no longer
+    read; ``forward`` names the buffer's new role at every reuse:
+
+    * ``positive``, ``negative``: the masks, read to the end;
+    * ``temperature`` -> ``scaled`` (x / T) -> in the last direction, the negatives' exponentials;
+    * ``masked`` (``scaled`` with -inf outside one set, for its line maxima) -> each direction's shifted
+      exponent and exponentials -> the positives' exponentials;
+    * the first direction's negatives' exponentials (a fresh buffer, or ``scaled``'s in the last
+      direction) -> the input gradient, into which later directions add theirs.
     """
 
     @staticmethod
@@ -67,21 +76,25 @@ class _SoftplusLogSumExp(torch.autograd.Function):
         positive = targets.clamp_min(0.0)  # 1 on P, 0 elsewhere
         negative = targets.abs().neg_().add_(1.0)  # 1 on N, 0 elsewhere
         temperature = (1.0 - positive).mul_(tn).add_(positive, alpha=-tp)  # T_N, and -T_P on P
-        scaled = torch.div(logits, temperature, out=temperature)  # x / T_N, and -x / T_P on P
+        # reuse: ``temperature``'s buffer becomes ``scaled``, x / T_N, and -x / T_P on P
+        scaled = torch.div(logits, temperature, out=temperature)
         # the line maxima of each set: a -inf fill, which ignores whatever lies outside the set
-        work = torch.where(negative.bool(), scaled, float("-inf"))
-        shifts_n = [line_max(work, dims) for dims in line_dims]
-        torch.where(positive.bool(), scaled, work.new_tensor(float("-inf")), out=work)
-        shifts_p = [line_max(work, dims) for dims in line_dims]
+        masked = torch.where(negative.bool(), scaled, float("-inf"))
+        shifts_n = [line_max(masked, dims) for dims in line_dims]
+        # reuse: ``masked`` now holds ``scaled`` on P, -inf elsewhere
+        torch.where(positive.bool(), scaled, masked.new_tensor(float("-inf")), out=masked)
+        shifts_p = [line_max(masked, dims) for dims in line_dims]
         tiny = torch.finfo(logits.dtype).tiny
         loss = logits.new_zeros(())
         grad = None
         for index, (dims, shift_n, shift_p) in enumerate(zip(line_dims, shifts_n, shifts_p, strict=True)):
-            exp = torch.addcmul(scaled, negative, shift_n, value=-1.0, out=work)
+            # reuse: ``masked``'s buffer becomes this direction's shifted exponent, then its exponentials
+            exp = torch.addcmul(scaled, negative, shift_n, value=-1.0, out=masked)
             exp.addcmul_(positive, shift_p, value=-1.0).clamp_max_(0.0).nan_to_num_(nan=0.0).exp_()
-            # the last direction no longer needs ``scaled``: its buffer takes the negatives' exponentials
+            # reuse: the last direction no longer needs ``scaled``: its buffer takes the negatives'
+            # exponentials (a fresh buffer in the earlier directions)
             exp_n = torch.mul(exp, negative, out=scaled if index == len(line_dims) - 1 else None)
-            exp_p = exp.mul_(positive)
+            exp_p = exp.mul_(positive)  # reuse: ``exp``'s buffer becomes the positives' exponentials
             total_n = exp_n.sum(dims, keepdim=True)
             total_p = exp_p.sum(dims, keepdim=True)  # >= 1 on a line with a positive, 0 on one without
             z = tn * log_total(total_n, shift_n) + tp * log_total(total_p, shift_p) + margin
@@ -91,6 +104,7 @@ class _SoftplusLogSumExp(torch.autograd.Function):
                 dz = torch.sigmoid(z) * weight  # 0 on invalid lines and on lines without negatives
                 coef_n, coef_p = dz / total_n.clamp_min(tiny), -dz / total_p.clamp_min(tiny)
                 if grad is None:
+                    # reuse: the first direction's ``exp_n`` buffer becomes the input gradient
                     grad = exp_n.mul_(coef_n).addcmul_(exp_p, coef_p)
                 else:
                     grad.addcmul_(exp_n, coef_n).addcmul_(exp_p, coef_p)

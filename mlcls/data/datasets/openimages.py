@@ -20,10 +20,12 @@ Layout (the official downloads, unrenamed, in ``root/<annotations>``; images nam
   classes outside the trainable list, conflicting pairs and images without a trainable label are left
   out and counted in ``ignored`` (a dict, also logged).
 
-Memory. The labels are kept sparse (:class:`mlcls.data.labels.SparseLabels`: the verified entries only, 5
+Memory. The labels are kept sparse (:class:`mlcls.data.datasets.labels.SparseLabels`: the verified entries
+only, 5
 bytes each plus 8 per image; the V6 training split's ~57 M verified labels of ~9 M images take about
 0.35 GB), and each target row is built from them on its own. Training reads only those rows and the label
-counts (:func:`mlcls.data.labels.label_counts`: loss weights, class statistics, results), so the full training
+counts (:func:`mlcls.data.datasets.labels.label_counts`: loss weights, class statistics, results), so the full
+training
 split trains from the CSVs or packs into shards without a dense matrix. The dense float32 ``labels`` (N, C)
 is built on first access for tools that read it, and only when it fits in ``dense_labels_gb``: validation
 (41,620 x 9,605: 1.6 GB) and test (125,436 images: 4.8 GB) do; the training split (~9 M x 9,605: ~350 GB)
@@ -44,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from mlcls.data.base import (
+from mlcls.data.datasets.base import (
     DatasetFormatError,
     LazySamples,
     MultiLabelDataset,
@@ -53,7 +55,7 @@ from mlcls.data.base import (
     require_files,
     resolve_path,
 )
-from mlcls.data.labels import SparseLabelled, SparseLabels
+from mlcls.data.datasets.labels import SparseLabelled, SparseLabels
 
 log = logging.getLogger("mlcls")
 

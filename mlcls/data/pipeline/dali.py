@@ -6,13 +6,15 @@ without CUDA, :func:`require_dali` raises a one-line :class:`DaliUnavailableErro
 Division of work, chosen so that the augmentation stays a function of each sample's seed:
 
 * DataLoader workers read the encoded bytes and draw the sample's random parameters under its seed
-  (:class:`mlcls.data.loader.SeededSamples`), with the calls of :class:`mlcls.data.fast.FastTrainTransform`
+  (:class:`mlcls.data.sampling.SeededSamples`), with the calls of
+  :class:`mlcls.data.pipeline.fast.FastTrainTransform`
   in the same order: RandomResizedCrop window, flip, ColorJitter order and factors, lighting alphas;
 * DALI (nvJPEG, ``decoders.image_slice``) decodes only the crop window on the GPU, resizes it to
   ``size`` x ``size`` (linear, antialiased) and flips it: uint8 (B, S, S, 3) on the GPU, handed on as a
   (B, 3, S, S) view. The same graph runs with CPU operators (``_build_pipeline(..., device="cpu")``), which
   is how the tests check it without a GPU;
-* :class:`mlcls.data.fast.DeviceStage` applies colour jitter, lighting and normalisation as for ``fast``.
+* :class:`mlcls.data.pipeline.fast.DeviceStage` applies colour jitter, lighting and normalisation as for
+  ``fast``.
 
 No DALI random operator is used, so a resumed run sees exactly the batches it would have seen. The workers
 read each file through the dataset's reading path, so ``dataset.on_bad_image`` applies as with the other
@@ -35,9 +37,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from mlcls.data.base import DatasetConfigError, MultiLabelDataset, crop_box
-from mlcls.data.fast import AugmentedImage, FastTrainTransform, jpeg_header
-from mlcls.data.loader import PREFETCH_FACTOR, ResumableSampler, SeededSamples
+from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, crop_box
+from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, jpeg_header
+from mlcls.data.sampling import PREFETCH_FACTOR, ResumableSampler, SeededSamples
 
 # DALI decoder device for each graph device: nvJPEG on the GPU ("mixed": CPU input, GPU output), or the CPU.
 DECODER_DEVICES = {"gpu": "mixed", "cpu": "cpu"}
@@ -96,8 +98,8 @@ class CropPlans(Dataset):
 
     Runs inside ``SeededSamples`` (per-sample seed); draws in the order of the fast pipeline. Files are read
     through the dataset's reading path (:meth:`MultiLabelDataset.read_sample`), so ``dataset.on_bad_image``
-    applies as with the other backends: ``error`` raises :class:`mlcls.data.base.BadImageError` naming the
-    file, ``skip`` serves the next readable sample (image and target) and records the bad one.
+    applies as with the other backends: ``error`` raises :class:`mlcls.data.datasets.base.BadImageError`
+    naming the file, ``skip`` serves the next readable sample (image and target) and records the bad one.
     """
 
     def __init__(self, dataset: MultiLabelDataset, transform: FastTrainTransform) -> None:

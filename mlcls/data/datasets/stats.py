@@ -1,10 +1,11 @@
-"""An image readability check of a dataset (label statistics: :func:`mlcls.data.labels.label_counts`)."""
+"""An image readability check of a dataset (label statistics:
+:func:`mlcls.data.datasets.labels.label_counts`)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from mlcls.data.base import BAD_IMAGE_ERRORS, MultiLabelDataset
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, MultiLabelDataset
 
 
 def find_unreadable(dataset: MultiLabelDataset, workers: int = 4) -> tuple[int, list[tuple[str, str]]]:

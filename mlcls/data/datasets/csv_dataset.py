@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mlcls.data.base import (
+from mlcls.data.datasets.base import (
     DatasetConfigError,
     DatasetFormatError,
     DatasetLayoutError,

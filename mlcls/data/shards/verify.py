@@ -1,17 +1,18 @@
-"""``mlcls-data verify DIR``: everything of a packed folder (:mod:`mlcls.data.pack`) checked against its
+"""``mlcls-data verify DIR``: everything of a packed folder (:mod:`mlcls.data.shards.pack`) checked against
+its
 manifest, reading every byte: each shard's size, sha256, sample count and label rows (against the split's
 labels sidecar), the sidecars' hashes and shapes. Opening the shards for training checks only what is cheap
-(:mod:`mlcls.data.shards`, "Checks")."""
+(:mod:`mlcls.data.shards.datasets`, "Checks")."""
 
 from __future__ import annotations
 
 import hashlib
 from typing import IO, Any
 
-from mlcls.data.base import DatasetError
-from mlcls.data.labels import SparseLabels
-from mlcls.data.pack import labels_file
-from mlcls.data.shards import ROLES, ShardIndex, open_url, stored_label_entries, stream_samples
+from mlcls.data.datasets.base import DatasetError
+from mlcls.data.datasets.labels import SparseLabels
+from mlcls.data.shards.pack import labels_file
+from mlcls.data.shards.reader import ROLES, ShardIndex, open_url, stored_label_entries, stream_samples
 
 
 class HashingReader:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from mlcls.data.base import MultiLabelDataset, Sample
+from mlcls.data.datasets.base import MultiLabelDataset, Sample
 
 SHAPES = ("circle", "square", "triangle", "cross")
 COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230)}

@@ -1,7 +1,8 @@
 """The fast training pipeline: the paper's augmentation with reduced-scale decoding and colour on the device.
 
 The same operations, in the same order and with the same parameter ranges, as ``build_transform("paper",
-size, train=True)`` of :mod:`mlcls.data.transforms` (RandomResizedCrop -> flip -> ColorJitter(0.4, 0.4,
+size, train=True)`` of :mod:`mlcls.data.pipeline.transforms` (RandomResizedCrop -> flip -> ColorJitter(0.4,
+0.4,
 0.4) -> tensor -> PCA lighting 0.1 -> ImageNet normalisation), split in two stages:
 
 * **CPU stage**, :class:`FastTrainTransform`, in the DataLoader worker: decode, crop-and-resize, flip; the
@@ -18,7 +19,7 @@ size, train=True)`` of :mod:`mlcls.data.transforms` (RandomResizedCrop -> flip -
   training on the CPU, it runs in the main process (0.5–1 ms per 224 px image, image by image).
 
 Seeding: every random number is drawn from torch's global RNG inside the dataset's ``__getitem__`` (which
-:class:`mlcls.data.loader.SeededSamples` seeds per sample), through the same torchvision calls and in the
+:class:`mlcls.data.sampling.SeededSamples` seeds per sample), through the same torchvision calls and in the
 same order as the plain pipeline: under one seed both pipelines pick the same crop, flip, jitter order and
 factors and lighting noise. The device stage draws nothing; it applies the parameters carried with the
 batch, so the augmentation of a sample is a function of its seed alone (exact resume, any worker count).
@@ -45,8 +46,8 @@ from torch import Tensor
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 from torchvision import transforms as T
 
-from mlcls.data.base import crop_box
-from mlcls.data.transforms import (
+from mlcls.data.datasets.base import crop_box
+from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_PCA_EIGVAL,
     IMAGENET_PCA_EIGVEC,
@@ -323,7 +324,8 @@ def colour_lighting_normalise(
     Returns float32 (B, 3, H, W). Each jitter step is torchvision's float blend
     ``clamp(f * x + (1 - f) * g, 0, 1)`` with g = 0 (brightness), the mean grey level of the image
     (contrast) or its grey image (saturation); then ``x + eigvec @ (alpha * eigval)`` (no clamp, as
-    :class:`mlcls.data.transforms.Lighting`) and ``(x - mean) / std``, fused into ``x * scale + shift``.
+    :class:`mlcls.data.pipeline.transforms.Lighting`) and ``(x - mean) / std``, fused into ``x * scale +
+    shift``.
 
     Batched, every step computes what any image needs and nothing is read back to the host (no sync on
     CUDA). One at a time (the CPU), each image stays in the CPU cache and each step computes only what its
@@ -407,7 +409,7 @@ class DeviceStage:
 def build_backend_transform(backend: str, kind: str, image_size: int, train: bool) -> Callable:
     """The dataset transform of ``data.backend``: the fast CPU stage for the paper's training augmentation
     with ``fast`` (and ``dali``, whose own loader replaces it for training JPEGs); the plain torchvision
-    transform of :func:`mlcls.data.transforms.build_transform` otherwise (evaluation, ``light``)."""
+    transform of :func:`mlcls.data.pipeline.transforms.build_transform` otherwise (evaluation, ``light``)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown data.backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend != "torchvision" and kind == "paper" and train:

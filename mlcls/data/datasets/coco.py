@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from pycocotools.coco import COCO as COCOApi
 
-from mlcls.data.base import (
+from mlcls.data.datasets.base import (
     DatasetFormatError,
     MultiLabelDataset,
     Sample,

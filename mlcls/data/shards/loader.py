@@ -1,13 +1,14 @@
 """Reading packed training shards: which samples each rank and DataLoader worker reads every epoch
 (:class:`ShardSchedule`), the worker-side stream (:class:`ShardStream`) and the loader the trainer iterates
-(:class:`ShardTrainLoader`). The shard files themselves and the datasets are in :mod:`mlcls.data.shards`.
+(:class:`ShardTrainLoader`). The shard files are read by :mod:`mlcls.data.shards.reader`; the datasets are
+in :mod:`mlcls.data.shards.datasets`.
 
-**The order of an epoch.** A rank's range of samples (:mod:`mlcls.data.shards`) is cut into ``streams``
-contiguous blocks of whole batches (``streams`` = ``trainer.workers``, the number asked for, at least 1; the
-first blocks one batch more when it does not divide). Each block is read front to back and shuffled in
-windows of ``shuffle_buffer`` samples, each window's order drawn from the seed, the epoch and the window's
-position in the epoch. The rank's batch ``i`` is batch ``i // streams`` of block ``i % streams``: the order
-is a function of ``(seed, epoch, rank, world_size, streams)``, whatever number of DataLoader workers the
+**The order of an epoch.** A rank's range of samples (:mod:`mlcls.data.shards.datasets`) is cut into
+``streams`` contiguous blocks of whole batches (``streams`` = ``trainer.workers``, the number asked for, at
+least 1; the first blocks one batch more when it does not divide). Each block is read front to back and
+shuffled in windows of ``shuffle_buffer`` samples, each window's order drawn from the seed, the epoch and the
+window's position in the epoch. The rank's batch ``i`` is batch ``i // streams`` of block ``i % streams``: the
+order is a function of ``(seed, epoch, rank, world_size, streams)``, whatever number of DataLoader workers the
 CPUs allow, so a job requeued on another allocation resumes exactly (``set_start``).
 
 **Workers.** A DataLoader over an iterable dataset asks its workers for batches in turn, worker 0 first at
@@ -29,9 +30,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mlcls.data.base import DatasetFormatError
-from mlcls.data.loader import sample_seed, training_loader_options
-from mlcls.data.shards import ShardTrainSet, iter_shard
+from mlcls.data.datasets.base import DatasetFormatError
+from mlcls.data.sampling import sample_seed, training_loader_options
+from mlcls.data.shards.datasets import ShardTrainSet
+from mlcls.data.shards.reader import iter_shard
 
 log = logging.getLogger("mlcls")
 
@@ -41,7 +43,7 @@ Sample = tuple[str, dict[str, bytes]]  # (key, {extension: bytes}) of a shard sa
 class ShardSchedule:
     """The ``sampler`` of :class:`ShardTrainLoader`: which samples of the shards each rank reads in an
     epoch, in which order (see the module docstring). ``set_epoch(e)`` and ``set_start(samples)`` as
-    :class:`mlcls.data.loader.ResumableSampler`; the state lives in shared memory, so that persistent
+    :class:`mlcls.data.sampling.ResumableSampler`; the state lives in shared memory, so that persistent
     DataLoader workers see it."""
 
     def __init__(
@@ -169,7 +171,7 @@ class ShardTrainLoader:
     """The training loader of a :class:`ShardTrainSet` (what ``build_train_loader`` returns for one):
     ``len()`` batches of ``batch_size`` per epoch, ``sampler`` a :class:`ShardSchedule` of ``workers``
     streams (``trainer.workers``, before the CPU cap); batches as the map-style loader's (collated by
-    :func:`mlcls.data.fast.collate_batch`)."""
+    :func:`mlcls.data.pipeline.fast.collate_batch`)."""
 
     def __init__(
         self,

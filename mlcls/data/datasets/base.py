@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from mlcls.data.transforms import build_transform
+from mlcls.data.pipeline.transforms import build_transform
 
 ON_BAD_IMAGE = ("error", "skip")
 # What PIL raises for a missing, unidentifiable, truncated or oversized image file.
@@ -162,7 +162,8 @@ class MultiLabelDataset(Dataset):
 
     Args:
         transform: applied to the PIL image; or the name of a transform of
-            :func:`mlcls.data.transforms.build_transform` (``dataset.transform``: ``paper``, ``light``), built
+            :func:`mlcls.data.pipeline.transforms.build_transform` (``dataset.transform``: ``paper``,
+            ``light``), built
             at ``image_size`` for training when ``split == train_split``, else for evaluation.
         on_bad_image: ``"error"`` or ``"skip"`` (see the module docstring).
         split: the split this dataset serves (checked by the subclass).

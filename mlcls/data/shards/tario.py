@@ -21,7 +21,7 @@ from typing import IO
 
 import numpy as np
 
-from mlcls.data.base import DatasetFormatError
+from mlcls.data.datasets.base import DatasetFormatError
 
 TAR_BLOCK = 512
 TAR_END = bytes(TAR_BLOCK)

@@ -1,6 +1,6 @@
 """Packing a dataset into WebDataset tar shards with pre-resized JPEGs (``mlcls-data pack``).
 
-Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards`):
+Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards.datasets`):
 
 * ``train-000000.tar``, ``train-000001.tar``, ... and ``val-000000.tar``, ...: plain POSIX tar files in the
   WebDataset layout, two members per sample, ``<key>.jpg`` (the image, RGB JPEG, long side at most
@@ -19,7 +19,8 @@ Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards`):
   labels sidecar's name, size and sha256, and the skipped images. Written last, atomically, as are
   ``classes.json`` and the labels sidecars: a folder with a manifest is complete.
 * ``train-labels.npz``, ``val-labels.npz``: the labels of the packed samples in shard order, stored sparse
-  (:meth:`mlcls.data.labels.SparseLabels.to_bytes`: the entries that differ from the split's most frequent
+  (:meth:`mlcls.data.datasets.labels.SparseLabels.to_bytes`: the entries that differ from the split's most
+  frequent
   value, 0 or -1), for the class statistics and loss weights without reading a shard; Open Images'
   training split takes ~0.3 GB there instead of ~86 GB as a dense int8 matrix.
 
@@ -52,9 +53,9 @@ import torch
 from PIL import Image, JpegImagePlugin
 from tqdm import tqdm
 
-from mlcls.data.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
-from mlcls.data.fast import DRAFT_REDUCTIONS, jpeg_header, load_reduced
-from mlcls.data.labels import sparse_labels_of
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
+from mlcls.data.datasets.labels import sparse_labels_of
+from mlcls.data.pipeline.fast import DRAFT_REDUCTIONS, jpeg_header, load_reduced
 from mlcls.io import atomic_write_bytes
 
 CLASSES_FILE, MANIFEST_FILE = "classes.json", "manifest.json"

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Subset
 
-from mlcls.data.base import LABEL_VALUES, DatasetConfigError
+from mlcls.data.datasets.base import LABEL_VALUES, DatasetConfigError
 
 
 @dataclass(frozen=True)

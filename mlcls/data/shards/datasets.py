@@ -1,0 +1,242 @@
+"""Training and evaluation from packed shards (``dataset=shards``), as ``mlcls-data pack`` writes them
+(layout: :mod:`mlcls.data.shards.pack`).
+
+Shards are read through ``webdataset``'s ``gopen``: local paths, ``http(s)://`` and ``pipe:`` commands
+(``pipe:aws s3 cp s3://bucket/train-000001.tar -``), each as one sequential stream.
+
+**Training** (:class:`ShardTrainSet`, loaded by :class:`mlcls.data.shards.loader.ShardTrainLoader`): every
+epoch the shards are put in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut
+into contiguous ranges of ``per_rank = floor(N / (world_size * batch)) * batch`` samples, one per rank
+(``DistributedSampler``'s ``drop_last`` count: every rank runs the same number of steps, no sample twice). A
+rank's range is read in blocks, each shuffled in windows of ``shuffle_buffer``, and served by the DataLoader
+workers in an order that does not depend on their number (:mod:`mlcls.data.shards.loader`); each sample's
+augmentation runs under ``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the
+workers. ``set_start(k)`` (resuming mid-epoch) skips exactly the first ``k`` samples the rank served and
+serves the rest in the order they would have come.
+
+**Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
+(the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
+trainer's evaluation (``ShardSampler``: every sample scored exactly once over the ranks) applies unchanged.
+
+**Checks.** Opening a split checks, cheaply, that the folder is of this layout's format, that
+``classes.json`` and the split's labels sidecar are the files the manifest records (sha256, the sidecar
+read whole anyway), that the sidecar has one row per packed sample and class, and, for local shards, that
+each file has the manifest's size; the validation shards' label rows are compared with their sidecar's.
+:func:`verify_pack` (``mlcls-data verify DIR``) reads everything: every shard's sha256, sample count and
+label rows against the manifest and the sidecars.
+
+``dataset=shards dataset.root=DIR`` reads every shard of ``DIR``'s manifest; ``dataset.image_size`` and
+``dataset.transform`` default to the packed source's (:func:`source_setting`, the config's
+``${shards_source:...}``).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from torch import Tensor
+
+from mlcls.data.datasets.base import (
+    BAD_IMAGE_ERRORS,
+    BadImageError,
+    DatasetConfigError,
+    DatasetError,
+    DatasetFormatError,
+    DatasetLayoutError,
+    MultiLabelDataset,
+    Sample,
+    check_choice,
+)
+from mlcls.data.datasets.labels import SparseLabelled, SparseLabels, dense_row
+from mlcls.data.pipeline.transforms import build_transform
+from mlcls.data.sampling import seeded_call
+from mlcls.data.shards.pack import IMAGE_EXT, MANIFEST_FILE, labels_file
+from mlcls.data.shards.reader import (
+    ROLES,
+    ShardIndex,
+    default_meta,
+    expand_urls,
+    iter_shard,
+    read_url,
+    stored_label_entries,
+)
+
+
+def decode_image(data: bytes, transform: Callable | None) -> Any:
+    """The transform's input for the image bytes ``data``: its ``decode_bytes`` result (the fast pipeline)
+    or the RGB PIL image."""
+    decode = getattr(transform, "decode_bytes", None)
+    if decode is not None:
+        return decode(data)
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
+
+
+def config_meta(root: str | None, urls: str | list[str] | None, meta: str | None) -> str:
+    """Where a ``dataset=shards`` config's sidecar files are: ``meta``, else ``root``, else the folder of
+    the first training shard."""
+    if meta or root:
+        return str(meta or root)
+    if not urls:
+        raise DatasetConfigError(
+            "dataset=shards needs dataset.root=DIR (the folder mlcls-data pack wrote) or dataset.urls, "
+            "e.g. DIR/train-{000000..000009}.tar"
+        )
+    return default_meta(expand_urls(urls)[0])
+
+
+@functools.lru_cache(maxsize=8)
+def source_settings(meta: str) -> dict[str, Any]:
+    """The packed source's dataset settings recorded in ``<meta>/manifest.json`` (``image_size``,
+    ``transform``); empty when the manifest cannot be read (opening the shards then says why)."""
+    try:
+        source = json.loads(read_url(f"{meta.rstrip('/')}/{MANIFEST_FILE}")).get("source")
+    except (DatasetError, OSError, ValueError, AttributeError):
+        return {}
+    return source if isinstance(source, dict) else {}
+
+
+def source_setting(key: str, fallback: Any, node: Any) -> Any:
+    """The resolver ``${shards_source:KEY,FALLBACK}`` of ``configs/dataset/shards.yaml``: the packed
+    source's dataset setting ``key`` (:func:`source_settings`), ``fallback`` when it has none; ``node``:
+    the dataset config (its ``root``, ``urls``, ``meta``)."""
+    try:
+        meta = config_meta(node.get("root"), node.get("urls"), node.get("meta"))
+    except DatasetError:
+        return fallback
+    return source_settings(meta).get(key, fallback)
+
+
+def open_shards(
+    split: str = "train",
+    urls: str | list[str] | None = None,
+    val_urls: str | list[str] | None = None,
+    meta: str | None = None,
+    root: str | None = None,
+    shuffle_buffer: int = 1000,
+    transform: Callable | str | None = None,
+    **config_keys: Any,
+) -> ShardTrainSet | ShardEvalSet:
+    """The ``split`` (``train`` or ``val``) of packed shards: a :class:`ShardTrainSet` for training, a
+    :class:`ShardEvalSet` for evaluation (``dataset=shards``; see ``configs/dataset/shards.yaml``).
+
+    Args:
+        urls: the training shards, a brace pattern or a list (any URL ``webdataset`` opens); None: every
+            training shard of ``root``'s manifest.
+        val_urls: the validation shards; None: every val shard of the manifest, at the place of ``urls``
+            (or in ``root``).
+        meta: folder or URL prefix of ``classes.json``, ``manifest.json``, ``*-labels.npz``; None: ``root``,
+            or the folder of the first training shard (required with ``pipe:`` URLs).
+        root: the folder ``mlcls-data pack`` wrote, read through its manifest.
+        shuffle_buffer: training samples a worker shuffles together (see the module docstring).
+        transform, **config_keys: as for :class:`MultiLabelDataset`.
+    """
+    check_choice("split", split, ROLES)
+    index = ShardIndex(config_meta(root, urls, meta))
+    place = f"{str(root).rstrip('/')}/" if root else ""
+    train_urls = (
+        expand_urls(urls) if urls else [place + entry["name"] for entry in index.split("train")["shards"]]
+    )
+    if split == "train":
+        return ShardTrainSet(index, train_urls, shuffle_buffer, transform, **config_keys)
+    if val_urls:
+        split_urls = expand_urls(val_urls)
+    elif urls:
+        split_urls = index.role_urls("val", train_urls[0])
+    else:
+        split_urls = [place + entry["name"] for entry in index.manifest.get("val", {}).get("shards", [])]
+    return ShardEvalSet(index, split_urls, transform, **config_keys)
+
+
+class ShardTrainSet(SparseLabelled):
+    """The training split of packed shards: classes, labels (the sidecar's, sparse: ``label_counts()``
+    without a dense matrix) and the shard URLs; iterated by :class:`ShardTrainLoader`
+    (``build_train_loader`` makes it). ``len()``: packed samples."""
+
+    def __init__(
+        self,
+        index: ShardIndex,
+        urls: list[str],
+        shuffle_buffer: int,
+        transform: Callable | str | None = None,
+        *,
+        name: str | None = None,
+        image_size: int = 224,
+        train_split: str = "train",
+        val_split: str = "val",
+    ) -> None:
+        self.name, self.image_size, self.split = name, int(image_size), "train"
+        self.train_split, self.val_split = train_split, val_split
+        self.transform = (
+            build_transform(transform, self.image_size, train=True)
+            if isinstance(transform, str)
+            else transform
+        )
+        self.urls, self.shuffle_buffer = urls, max(1, int(shuffle_buffer))
+        self.classes = index.classes
+        self.shard_sizes = index.shard_sizes("train", urls)
+        self.sparse_labels = index.labels("train").rows(index.rows_of("train", urls))
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def __len__(self) -> int:
+        return sum(self.shard_sizes)
+
+    def make_sample(self, key: str, fields: dict[str, bytes], seed: int) -> tuple[Any, Tensor]:
+        """``(image, target)`` of one shard sample, its augmentation run under ``seed``."""
+        try:
+            torch_only = self.transform is None or getattr(self.transform, "torch_random_only", False)
+            image = seeded_call(seed, self._augment, fields[IMAGE_EXT], torch_only=torch_only)
+        except BAD_IMAGE_ERRORS as exc:
+            raise BadImageError(f"cannot read the image of sample {key} of the shards: {exc}") from exc
+        pairs = stored_label_entries(fields, self.num_classes, f"sample {key} of the shards")
+        return image, dense_row(pairs[:, 0], pairs[:, 1], self.num_classes, self.sparse_labels.fill)
+
+    def _augment(self, data: bytes) -> Any:
+        image = decode_image(data, self.transform)
+        return image if self.transform is None else self.transform(image)
+
+
+class ShardEvalSet(SparseLabelled, MultiLabelDataset):
+    """The validation split of packed shards, read whole into memory (one byte buffer of the JPEGs and
+    their offsets: shared by forked DataLoader workers without copies; the labels sparse, as the shards
+    store them, checked against the sidecar's); a map-style dataset in shard order. ``samples`` name
+    ``<shard URL>#<key>``."""
+
+    def __init__(
+        self, index: ShardIndex, urls: list[str], transform: Callable | str | None = None, **config_keys: Any
+    ) -> None:
+        super().__init__(transform, split="val", **config_keys)
+        self.split = "val"
+        if not urls:
+            raise DatasetLayoutError(f"{index.meta}/{MANIFEST_FILE} lists no val shards; pack that split")
+        self.classes = index.classes
+        expected = index.labels("val").rows(index.rows_of("val", urls))
+        images, offsets, rows, samples = [], [0], [], []
+        for url in urls:
+            for key, fields in iter_shard(url):
+                images.append(fields[IMAGE_EXT])
+                offsets.append(offsets[-1] + len(fields[IMAGE_EXT]))
+                rows.append(stored_label_entries(fields, len(self.classes), f"sample {key} of {url}"))
+                samples.append(Sample(f"{url}#{key}"))
+        self.buffer = np.frombuffer(b"".join(images), dtype=np.uint8)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.sparse_labels = SparseLabels.from_stored_entries(rows, len(self.classes), expected.fill)
+        if self.sparse_labels != expected:
+            raise DatasetFormatError(
+                f"the labels in the val shards differ from {index.meta}/{labels_file('val')}; pack the "
+                "split again"
+            )
+        self.samples = samples
+
+    def load_image(self, index: int) -> Any:
+        data = self.buffer[self.offsets[index] : self.offsets[index + 1]].tobytes()
+        return decode_image(data, self.transform)

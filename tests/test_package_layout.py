@@ -1,0 +1,94 @@
+"""The package's shape: no import cycle between mlcls modules (imports inside functions included), no module
+over 450 lines, no folder holding more than 15 modules. Read from the source files with ``ast``; nothing is
+imported."""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+import mlcls
+
+PACKAGE_DIR = Path(mlcls.__file__).parent
+MAX_MODULE_LINES = 450
+MAX_FOLDER_MODULES = 15
+
+
+def module_files(package_dir: Path) -> dict[str, Path]:
+    """Dotted module name (a package by its ``__init__.py``) -> file, for every ``.py`` outside configs/."""
+    files = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(package_dir.parent).with_suffix("").parts
+        if "configs" in parts:
+            continue
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def imported_modules(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The mlcls modules that module ``name`` (file ``path``) imports, its own packages left out."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    candidates = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # ``from package import module`` imports the module; ``from module import name`` the module
+            candidates += [f"{base}.{alias.name}" for alias in node.names] + [base]
+    found = set()
+    for candidate in candidates:
+        while candidate and candidate not in modules:
+            candidate = candidate.rpartition(".")[0]
+        if candidate and candidate != name and not name.startswith(candidate + "."):
+            found.add(candidate)
+    return found
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of ``graph`` (module -> modules it imports) as ``[a, b, ..., a]``, or ``[]`` if none."""
+    state: dict[str, str] = {}  # "open" while on the path of the search, "done" once all it reaches is
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path, pending = [root], [iter(sorted(graph[root]))]
+        state[root] = "open"
+        while pending:
+            successor = next(pending[-1], None)
+            if successor is None:
+                state[path.pop()] = "done"
+                pending.pop()
+            elif state.get(successor) == "open":
+                return path[path.index(successor) :] + [successor]
+            elif successor not in state:
+                state[successor] = "open"
+                path.append(successor)
+                pending.append(iter(sorted(graph.get(successor, ()))))
+    return []
+
+
+def test_import_cycle_finds_a_cycle_and_only_a_cycle() -> None:
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_cycle_between_mlcls_modules() -> None:
+    files = module_files(PACKAGE_DIR)
+    graph = {name: imported_modules(name, path, set(files)) for name, path in files.items()}
+    assert graph["mlcls.data.loader"] >= {"mlcls.data.sampling", "mlcls.data.shards.loader"}  # read at all
+    assert import_cycle(graph) == []
+
+
+def test_no_module_over_450_lines() -> None:
+    lengths = {name: len(path.read_text().splitlines()) for name, path in module_files(PACKAGE_DIR).items()}
+    assert {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES} == {}
+
+
+def test_no_folder_over_15_modules() -> None:
+    modules = [path for path in module_files(PACKAGE_DIR).values() if path.name != "__init__.py"]
+    folders = Counter(path.parent for path in modules)
+    assert {str(folder): n for folder, n in folders.items() if n > MAX_FOLDER_MODULES} == {}
