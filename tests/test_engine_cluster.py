@@ -183,15 +183,16 @@ def _startup(rank: int, out: Path) -> dict:
         outcome = "started"
     except Exception as exc:  # noqa: BLE001
         outcome = f"{type(exc).__name__}: {exc}"
-    return {"outcome": outcome, "seconds": time.perf_counter() - start, "level_kept": level == logging.getLogger("mlcls").level}
+    seconds = time.perf_counter() - start
+    return {"outcome": outcome, "seconds": seconds, "level_kept": level == logging.getLogger("mlcls").level}
 
 
 def test_a_failing_rank0_start_up_ends_every_rank(tmp_path):
     """Rank 0's start-up work (config.yaml, TensorBoard, MLflow) fails: rank 1 must not go on to train and
     wait for it in DDP; both raise within seconds, and rank 1's logger keeps its level."""
     rank0, rank1 = _spawn("startup", tmp_path)
-    assert rank0["outcome"] == "ConnectionError: MLflow server http://tracking:5000 is down"
-    assert rank1["outcome"] == "RankFailed: rank 0 failed: ConnectionError: MLflow server http://tracking:5000 is down"
+    error = "ConnectionError: MLflow server http://tracking:5000 is down"
+    assert (rank0["outcome"], rank1["outcome"]) == (error, f"RankFailed: rank 0 failed: {error}")
     assert max(rank0["seconds"], rank1["seconds"]) < 60
     assert rank1["level_kept"]
 
@@ -225,12 +226,12 @@ def _resume(rank: int, out: Path) -> dict:
     )
     start = (resumed_trainer.start_epoch, resumed_trainer.start_step)
     resumed = resumed_trainer.fit()
-    final = {
-        name: load_checkpoint(out / name / "checkpoints" / "last.pt")["model"] for name in ("straight", "stopped")
-    }
+    straight_weights, resumed_weights = (
+        load_checkpoint(out / name / "checkpoints" / "last.pt")["model"] for name in ("straight", "stopped")
+    )
     return {
         "levels": (level_before, level_after),
-        "same_weights": all(torch.equal(final["straight"][k], final["stopped"][k]) for k in final["straight"]),
+        "same_weights": all(torch.equal(straight_weights[k], resumed_weights[k]) for k in straight_weights),
         "resumed_weights": resumed_trainer.model.state_dict(),
         "straight": straight["history"],
         "stopped": stopped,

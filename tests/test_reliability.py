@@ -272,4 +272,5 @@ def test_a_skipped_step_keeps_the_parameters_and_the_optimizer_state(make):
     assert ours_state.keys() == reference_state.keys()
     for index, state in ours_state.items():
         assert state.keys() == reference_state[index].keys()
-        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(reference_state[index][k])) for k, v in state.items())
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(reference_state[index][key])), key

@@ -250,7 +250,8 @@ class Trainer:
                 self.run_log.step(epoch, step, iteration, loss.item(), group_lrs(self.optimizer), bar)
             if self.signals.poll(step + 1):
                 elapsed += time.perf_counter() - start
-                self._checkpoint_mid_epoch(epoch, step + 1, EpochProgress(loss_sum.item(), seen, elapsed, int(skipped_steps.item())))
+                mine = EpochProgress(loss_sum.item(), seen, elapsed, int(skipped_steps.item()))
+                self._checkpoint_mid_epoch(epoch, step + 1, mine)
                 self._stop(epoch, step + 1)
         bar.close()
         self._nonfinite.check(epoch)
