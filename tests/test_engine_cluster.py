@@ -300,7 +300,7 @@ RMSPROP = ["optim._target_=torch.optim.RMSprop", "~optim.fused", "~optim.betas",
         [],  # AdamW, fused
         ["trainer.grad_clip=1.0", "trainer.ema_decay=0.99"],
         RMSPROP,  # not fused: its non-finite steps are skipped by restoring a copy
-        [*RMSPROP, "trainer.amp=fp16"],  # and the GradScaler's dynamic scale
+        pytest.param([*RMSPROP, "trainer.amp=fp16"], marks=pytest.mark.slow),  # with fp16's loss scale
     ],
 )
 def test_the_training_loop_reads_the_device_only_at_log_steps(tmp_path, monkeypatch, extra):
@@ -402,7 +402,7 @@ def test_mixed_precision_trains_on_the_cpu(tmp_path, amp, dtype):
     eval_amp=null) and a short run trains to finite losses and metrics."""
     cfg = compose_config(
         [*TINY, "trainer.device=cpu", f"trainer.amp={amp}", "trainer.epochs=1",
-         f"trainer.output_dir={tmp_path}"]
+         "trainer.limit_train_batches=3", "trainer.limit_val_batches=1", f"trainer.output_dir={tmp_path}"]
     )  # fmt: skip
     trainer = Trainer(cfg)
     assert trainer.eval_amp == amp and trainer.scaler.is_enabled() == (amp == "fp16")
