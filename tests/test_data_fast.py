@@ -17,6 +17,7 @@ from torch.utils.data import default_collate
 from torchvision import transforms as T
 
 from mlcls.bench.pipeline_bench import make_jpegs
+from mlcls.data.datasets.base import to_rgb
 from mlcls.data.loader import build_train_loader
 from mlcls.data.pipeline.fast import (
     AugmentedImage,
@@ -332,3 +333,26 @@ def test_config_rejects_an_unknown_backend_and_dali_without_the_paper_transform(
         validate_config(compose_config([*TINY, "data.backend=opencv"]))
     with pytest.raises(ConfigError, match="dataset.transform=paper"):
         validate_config(compose_config([*TINY, "data.backend=dali"]))  # the synthetic set uses ``light``
+
+
+def test_16_bit_greyscale_is_scaled_to_8_bits_by_both_decoders(tmp_path):
+    """A 16-bit greyscale PNG (PIL mode I;16) decodes to v >> 8 in every channel, by the plain dataset's
+    decode and by the fast pipeline's, where a plain convert("RGB") saturates nearly every pixel at 255;
+    a mode-I image with 16-bit values, and one with 8-bit values, are scaled by their range."""
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 2**16, size=(48, 64), dtype=np.uint16)
+    path = tmp_path / "depth16.png"
+    Image.fromarray(values).save(path)
+    expected = np.repeat((values >> 8).astype(np.uint8)[..., None], 3, axis=2)
+    with Image.open(path) as img:
+        assert img.mode == "I;16"
+    plain = PhotoFiles([path, path])  # sample 1: no crop box
+    np.testing.assert_array_equal(np.asarray(plain.load_image(1)), expected)
+    planned = FastTrainTransform(SIZE, draft=False).decode(str(path))
+    np.testing.assert_array_equal(planned.image.permute(1, 2, 0).numpy(), expected)
+
+    wide = Image.fromarray(values.astype(np.int32))  # mode I, 16-bit values
+    narrow = Image.fromarray((values >> 8).astype(np.int32))  # mode I, 8-bit values
+    assert wide.mode == narrow.mode == "I"
+    np.testing.assert_array_equal(np.asarray(to_rgb(wide)), expected)
+    np.testing.assert_array_equal(np.asarray(to_rgb(narrow)), expected)

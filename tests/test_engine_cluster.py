@@ -1,10 +1,11 @@
 """The cluster path of the trainer, on gloo processes and the CPU: SLURM start-up, failing ranks, resume
-under DDP, the non-finite guard with a skipping GradScaler, and a training step that reads nothing back
-from the device between log steps."""
+under DDP, mixed precision on the CPU with the non-finite guard, and a training step that reads nothing
+back from the device between log steps."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -16,6 +17,8 @@ import torch
 import torch.multiprocessing as mp
 from conftest import TINY, compose_config
 
+import mlcls.engine.checkpoint as checkpoint_module
+import mlcls.engine.logging as logging_module
 from mlcls.engine import preemption
 from mlcls.engine.build import warn_protocol
 from mlcls.engine.checkpoint import load_checkpoint
@@ -164,12 +167,44 @@ def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
     assert max(rank0["evaluate_s"], rank1["evaluate_s"], rank0["save_s"], rank1["save_s"]) < 20
 
 
+def _startup(rank: int, out: Path) -> dict:
+    """Rank 0 cannot open its run log (an MLflow server that is down) while rank 1 starts normally."""
+    if rank == 0:
+
+        class Unreachable:
+            def __init__(self, *args, **kwargs):
+                raise ConnectionError("MLflow server http://tracking:5000 is down")
+
+        logging_module.MlflowRun = Unreachable
+    level = logging.getLogger("mlcls").level
+    start = time.perf_counter()
+    try:
+        Trainer(compose_config([*TINY, *SMALL, "logger=mlflow", f"trainer.output_dir={out / 'run'}"]))
+        outcome = "started"
+    except Exception as exc:  # noqa: BLE001
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.perf_counter() - start
+    return {"outcome": outcome, "seconds": seconds, "level_kept": level == logging.getLogger("mlcls").level}
+
+
+def test_a_failing_rank0_start_up_ends_every_rank(tmp_path):
+    """Rank 0's start-up work (config.yaml, TensorBoard, MLflow) fails: rank 1 must not go on to train and
+    wait for it in DDP; both raise within seconds, and rank 1's logger keeps its level."""
+    rank0, rank1 = _spawn("startup", tmp_path)
+    error = "ConnectionError: MLflow server http://tracking:5000 is down"
+    assert (rank0["outcome"], rank1["outcome"]) == (error, f"RankFailed: rank 0 failed: {error}")
+    assert max(rank0["seconds"], rank1["seconds"]) < 60
+    assert rank1["level_kept"]
+
+
 # ---------------------------------------------------------------------------------- resume under DDP
 def _resume(rank: int, out: Path) -> dict:
     """An uninterrupted epoch; the same epoch stopped by a signal to rank 0 after step 2, then resumed
     while rank 1 sees no checkpoint of its own (as on a node whose file system lags)."""
     preemption.POLL_EVERY = 1
+    level_before = logging.getLogger("mlcls").level
     straight = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'straight'}"])).fit()
+    level_after = logging.getLogger("mlcls").level
 
     class SignalAfterStep2(Trainer):
         def train_step(self, images, targets):
@@ -184,16 +219,20 @@ def _resume(rank: int, out: Path) -> dict:
         stopped = "finished"
     except Exception as exc:  # noqa: BLE001
         stopped = type(exc).__name__
-    if rank == 1:
-        import mlcls.engine.trainer as trainer_module
-
-        trainer_module.resume_candidates = lambda directory: []
+    if rank == 1:  # what choose_resume_checkpoint lists: had rank 1 chosen for itself, it would start afresh
+        checkpoint_module.resume_candidates = lambda directory: []
     resumed_trainer = Trainer(
         compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}", "trainer.resume=auto"])
     )
     start = (resumed_trainer.start_epoch, resumed_trainer.start_step)
     resumed = resumed_trainer.fit()
+    straight_weights, resumed_weights = (
+        load_checkpoint(out / name / "checkpoints" / "last.pt")["model"] for name in ("straight", "stopped")
+    )
     return {
+        "levels": (level_before, level_after),
+        "same_weights": all(torch.equal(straight_weights[k], resumed_weights[k]) for k in straight_weights),
+        "resumed_weights": resumed_trainer.model.state_dict(),
         "straight": straight["history"],
         "stopped": stopped,
         "start": start,
@@ -214,9 +253,14 @@ def test_mid_epoch_resume_under_ddp_matches_the_uninterrupted_run(tmp_path):
         assert [h["loss"] for h in observed["resumed"]] == pytest.approx(
             [h["loss"] for h in observed["straight"]], rel=1e-6
         )
+        assert observed["same_weights"]  # the resumed run ends with the uninterrupted run's weights
+    weights0, weights1 = rank0["resumed_weights"], rank1["resumed_weights"]
+    assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)  # the ranks trained one model
+    # rank 1 logs warnings only while it trains, and gives the logger its level back at the end
+    assert rank1["levels"][0] == rank1["levels"][1] != logging.WARNING
 
 
-SCENARIOS = {"slurm": _slurm, "failures": _failures, "resume": _resume}
+SCENARIOS = {"slurm": _slurm, "failures": _failures, "startup": _startup, "resume": _resume}
 
 
 # ---------------------------------------------------------------------------------------------- one process
@@ -247,9 +291,21 @@ class _CountReads:
         return counted
 
 
-@pytest.mark.parametrize("extra", [[], ["trainer.grad_clip=1.0", "trainer.ema_decay=0.99"]])
+RMSPROP = ["optim._target_=torch.optim.RMSprop", "~optim.fused", "~optim.betas", "+optim.momentum=0.9"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # AdamW, fused
+        ["trainer.grad_clip=1.0", "trainer.ema_decay=0.99"],
+        RMSPROP,  # not fused: its non-finite steps are skipped by restoring a copy
+        pytest.param([*RMSPROP, "trainer.amp=fp16"], marks=pytest.mark.slow),  # with fp16's loss scale
+    ],
+)
 def test_the_training_loop_reads_the_device_only_at_log_steps(tmp_path, monkeypatch, extra):
-    """Steps between log steps cost no host read: an epoch of 8 steps reads as often as one of 2."""
+    """Steps between log steps cost no host read: an epoch of 8 steps reads as often as one of 2, with a
+    fused optimizer or not, with fp16's loss scale or not."""
 
     def reads(steps: int) -> list[str]:
         cfg = compose_config(
@@ -284,29 +340,33 @@ def test_no_synchronising_call_in_cuda_training_steps(tmp_path):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _nan_after(calls: int):
-    """A loss that is NaN from its ``calls``-th call on (a GradScaler sees an inf/NaN gradient)."""
-    count = {"n": 0}
+class _NanLoss:
+    """BCE of the logits, times NaN at the calls numbered in ``bad_calls`` (1-based), so that the step sees a
+    NaN gradient; the finite losses it returned are kept in ``finite``."""
 
-    def loss(logits, targets):
-        count["n"] += 1
-        value = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets.clamp(min=0))
-        return value * float("nan") if count["n"] >= calls else value
+    def __init__(self, bad_calls) -> None:
+        self.calls, self.bad_calls, self.finite = 0, bad_calls, []
 
-    return loss
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets.clamp(min=0))
+        if self.calls in self.bad_calls:
+            return loss * float("nan")
+        self.finite.append(loss.item())
+        return loss
 
 
-def test_fp16_skipped_steps_are_counted_and_abort(tmp_path):
-    """With fp16 the GradScaler skips a step with an inf/NaN gradient: the step must still be counted, the
-    EMA must not move, and a run that never recovers must stop with the usual message."""
+def test_fp16_on_the_cpu_skips_counts_and_aborts(tmp_path):
+    """trainer.amp=fp16 on the CPU, as the trainer sets it up: a step with an inf/NaN gradient is skipped
+    (parameters and EMA unchanged), the loss scale backs off, and a run that never recovers stops with the
+    usual message after trainer.max_nonfinite steps."""
     cfg = compose_config(
-        [*TINY, "trainer.ema_decay=0.9", "trainer.max_nonfinite=3", "trainer.log_every=1",
-         f"trainer.output_dir={tmp_path}"]
+        [*TINY, "trainer.device=cpu", "trainer.amp=fp16", "trainer.ema_decay=0.9", "trainer.max_nonfinite=3",
+         "trainer.log_every=1", f"trainer.output_dir={tmp_path}"]
     )  # fmt: skip
     trainer = Trainer(cfg)
-    trainer.amp = "fp16"  # autocast stays off on the CPU; the scaler's dynamic scale is what fp16 changes
-    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    trainer.criterion = _nan_after(2)
+    assert trainer.amp == "fp16" and trainer.scaler.is_enabled() and trainer.scaler.get_scale() == 2.0**16
+    trainer.criterion = _NanLoss(bad_calls=range(2, 10**6))
     batch = next(iter(trainer.train_loader))
     trainer.train_step(*batch)
     ema_before = {k: v.clone() for k, v in trainer.ema.module.state_dict().items()}
@@ -319,6 +379,46 @@ def test_fp16_skipped_steps_are_counted_and_abort(tmp_path):
     with pytest.raises(NonFiniteError, match="3 consecutive steps with a non-finite loss"):
         trainer.train_one_epoch(0)
     assert trainer._nonfinite.take_skipped() >= 3
+
+
+@pytest.mark.parametrize("amp", ["none", "fp16"])
+def test_the_epoch_loss_is_the_mean_of_the_applied_steps(tmp_path, amp):
+    """A skipped step counts in skipped_steps, not in the epoch's mean loss."""
+    cfg = compose_config(
+        [*TINY, "trainer.device=cpu", f"trainer.amp={amp}", "trainer.limit_train_batches=4",
+         f"trainer.output_dir={tmp_path}"]
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.criterion = _NanLoss(bad_calls={2})
+    record = trainer.train_one_epoch(0)
+    assert len(trainer.criterion.finite) == 3
+    assert record["loss"] == pytest.approx(sum(trainer.criterion.finite) / 3, rel=1e-6)
+    assert trainer.state.counts["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize(("amp", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_mixed_precision_trains_on_the_cpu(tmp_path, amp, dtype):
+    """trainer.amp=bf16|fp16 on the CPU: the forward runs under autocast in that dtype (evaluation too,
+    eval_amp=null) and a short run trains to finite losses and metrics."""
+    cfg = compose_config(
+        [*TINY, "trainer.device=cpu", f"trainer.amp={amp}", "trainer.epochs=1",
+         "trainer.limit_train_batches=3", "trainer.limit_val_batches=1", f"trainer.output_dir={tmp_path}"]
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    assert trainer.eval_amp == amp and trainer.scaler.is_enabled() == (amp == "fp16")
+    dtypes = []
+    trainer.model.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    results = trainer.fit()
+    assert dtypes and set(dtypes) == {dtype}
+    assert all(math.isfinite(record["loss"]) for record in results["history"])
+    assert math.isfinite(results["metrics"]["mAP_class"]) and results["metrics"]["mAP_class"] > 0
+    assert results["counts"]["skipped_steps"] == 0
+
+
+def test_amp_auto_is_float32_on_the_cpu(tmp_path):
+    """The default trainer.amp=auto keeps CPU runs in float32 (bf16 on CUDA) and needs no GradScaler."""
+    trainer = Trainer(compose_config([*TINY, "trainer.device=cpu", f"trainer.output_dir={tmp_path}"]))
+    assert (trainer.amp, trainer.eval_amp, trainer.scaler.is_enabled()) == ("none", "none", False)
 
 
 def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):

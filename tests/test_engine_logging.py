@@ -3,6 +3,7 @@ MLflow's own client."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,19 @@ def test_a_failed_run_is_marked_failed(tmp_path: Path) -> None:
 
 def _best(epoch: int) -> dict:
     return {"mAP_class": 45.0, "epoch": epoch, "weights": "raw"}
+
+
+def test_a_non_main_run_log_quiets_the_logger_until_it_closes(tmp_path: Path) -> None:
+    """Ranks other than 0 log warnings only while their run lasts; the level is theirs again afterwards (a
+    sweep's next run in the same process logs as configured)."""
+    logger = logging.getLogger("mlcls")
+    before = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        run_log = RunLog(tmp_path, False, epochs=1, iters_per_epoch=1)
+        assert logger.level == logging.WARNING
+        run_log.close()
+        assert logger.level == logging.DEBUG
+        assert not (tmp_path / "tb").exists()
+    finally:
+        logger.setLevel(before)

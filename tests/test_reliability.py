@@ -130,7 +130,7 @@ def _plain_batches(trainer: Trainer):
 @pytest.mark.parametrize(
     ("overrides", "world_size", "message"),
     [
-        (["trainer.amp=fp16", "trainer.device=cpu"], 1, "trainer.amp=fp16 needs CUDA"),
+        (["trainer.amp=fp32"], 1, "trainer.amp='fp32'; expected one of auto, none, bf16, fp16"),
         (["trainer.batch_size=32"], 3, "does not divide over 3 processes"),
         (["trainer.epochs=0"], 1, "trainer.epochs=0; expected a positive integer"),
         (["dataset.image_size=-8"], 1, "dataset.image_size=-8"),
@@ -152,15 +152,14 @@ def test_unknown_key_and_bad_value_fail_before_any_data_is_read(tmp_path):
             "mlcls-train",
             "dataset=coco",
             f"dataset.root={tmp_path / 'nowhere'}",
-            "trainer.amp=fp16",
-            "trainer.device=cpu",
+            "trainer.amp=fp32",
         ),
         cwd=tmp_path,
         timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "mlcls: error: trainer.amp=fp16 needs CUDA; on the CPU use trainer.amp=none"
+        "mlcls: error: trainer.amp='fp32'; expected one of auto, none, bf16, fp16"
     ]
 
     # A misspelt key: one line naming the option meant, and no run directory.
@@ -229,3 +228,49 @@ def test_gradient_norm_is_clip_grad_norms_total_norm():
     model[0].weight.grad[0, 0] = float("nan")
     assert not torch.isfinite(gradient_norm(model.parameters()))
     assert gradient_norm([torch.nn.Parameter(torch.zeros(2))]) == 0
+
+
+OPTIMIZERS = {
+    "SGD fused": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01, fused=True),
+    "SGD": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False),
+    "SGD without state": lambda params: torch.optim.SGD(params, lr=0.1, foreach=False),
+    "RMSprop": lambda params: torch.optim.RMSprop(params, lr=0.01, momentum=0.9, centered=True),
+    "AdamW foreach": lambda params: torch.optim.AdamW(params, lr=0.01, foreach=True),
+}
+
+
+@pytest.mark.parametrize("make", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
+def test_a_skipped_step_keeps_the_parameters_and_the_optimizer_state(make):
+    """step_if_finite against plain optimizers that take the applied steps only: a skipped step (the first
+    one, which would make the state, or a later one) changes neither the parameters nor the state."""
+    from mlcls.engine.guards import step_if_finite
+
+    torch.manual_seed(0)
+    start = [torch.randn(4, 3), torch.randn(3)]
+    grads = [[torch.randn_like(t) for t in start] for _ in range(4)]
+    nan = [torch.full_like(t, float("nan")) for t in start]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    reference = [torch.nn.Parameter(t.clone()) for t in start]
+    ours_opt, reference_opt = make(ours), make(reference)
+
+    def step(params, optimizer, step_grads, applied=None):
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        if applied is None:
+            optimizer.step()
+        else:
+            step_if_finite(optimizer, applied)
+
+    step(ours, ours_opt, nan, torch.tensor(False))  # a skipped first step leaves no state behind
+    assert all(torch.equal(p, t) for p, t in zip(ours, start, strict=True)) and not ours_opt.state
+    for k in range(4):
+        step(ours, ours_opt, grads[k], torch.tensor(True))
+        step(reference, reference_opt, grads[k])
+        step(ours, ours_opt, nan, torch.tensor(False))
+    assert all(torch.equal(p, r) for p, r in zip(ours, reference, strict=True))
+    ours_state, reference_state = ours_opt.state_dict()["state"], reference_opt.state_dict()["state"]
+    assert ours_state.keys() == reference_state.keys()
+    for index, state in ours_state.items():
+        assert state.keys() == reference_state[index].keys()
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(reference_state[index][key])), key

@@ -20,11 +20,12 @@ T = TypeVar("T")
 
 
 def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    """Autocast for ``amp`` in {bf16, fp16} on CUDA; a no-op otherwise (CPU runs in float32)."""
-    if device.type != "cuda" or amp == "none":
+    """Autocast to bfloat16 (``amp="bf16"``) or float16 (``"fp16"``) on ``device``'s type, CUDA or CPU; a
+    no-op for ``"none"`` (``"auto"`` is resolved before, see :func:`mlcls.engine.validate.resolve_amp`)."""
+    if amp == "none":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return torch.autocast(device_type="cuda", dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 @torch.no_grad()

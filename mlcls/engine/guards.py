@@ -1,4 +1,5 @@
-"""The non-finite guard: the gradient norm a step is judged by, and skipped steps counted on the device."""
+"""The non-finite guard: the gradient norm a step is judged by, the optimizer step skipped on the device
+when it is not finite, and skipped steps counted on the device."""
 
 from __future__ import annotations
 
@@ -18,6 +19,45 @@ def gradient_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     multi-tensor pass and without reading it back."""
     grads = [p.grad for p in parameters if p.grad is not None]
     return get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, applied: torch.Tensor) -> None:
+    """``optimizer.step()`` where ``applied`` (a 0-d bool tensor on the parameters' device) is True; where it
+    is False the parameters and the optimizer state stay as they were. Reads ``applied`` only at a
+    parameter's first step (below).
+
+    A fused optimizer skips in its own kernel, told by the ``found_inf`` flag GradScaler gives it too. Any
+    other optimizer steps, then its parameters and their state tensors get back, where ``applied`` is False,
+    the copy taken before the step: one copy of both per step in device memory, and no read. A state made
+    by this step (a parameter's first; fused SGD's momentum buffer is then uninitialised memory) has nothing
+    to go back to: that step reads ``applied`` and drops the new state when the step is skipped. A state
+    tensor kept on another device (the CPU step count of a non-capturable Adam on CUDA) is not put back: it
+    counts a skipped step too.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    stateless = [p for p in params if not optimizer.state.get(p)]
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.grad_scale, optimizer.found_inf = None, (~applied).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+    else:
+        kept = [
+            tensor
+            for p in params
+            for tensor in (p, *optimizer.state.get(p, {}).values())
+            if isinstance(tensor, torch.Tensor) and tensor.device == applied.device
+        ]
+        before = [tensor.detach().clone() for tensor in kept]
+        optimizer.step()
+        with torch.no_grad():
+            for tensor, saved in zip(kept, before, strict=True):
+                torch.where(applied, tensor, saved, out=tensor)
+    made = [p for p in stateless if optimizer.state.get(p)]  # none for a stateless optimizer (plain SGD)
+    if made and not applied.item():
+        for p in made:
+            del optimizer.state[p]
 
 
 class NonFiniteCounter:

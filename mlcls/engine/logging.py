@@ -13,6 +13,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from mlcls.engine.checkpoint import atomic_write
+from mlcls.engine.distributed import on_main
 from mlcls.errors import ConfigError
 
 log = logging.getLogger("mlcls")
@@ -83,7 +85,7 @@ class MlflowRun:
 
 class RunLog:
     """Log lines and TensorBoard scalars of rank 0, and its MLflow run when ``cfg.logger.name`` is
-    ``mlflow``; the other ranks log warnings only and write nothing.
+    ``mlflow``; the other ranks log warnings only (until :meth:`close`) and write nothing.
 
     ``cfg``: the run's config (the MLflow run's params and its ``logger`` settings); None: no MLflow.
     """
@@ -99,6 +101,7 @@ class RunLog:
         self.epochs, self.iters_per_epoch = epochs, iters_per_epoch
         self.writer = None
         self.mlflow: MlflowRun | None = None
+        self.level_before: int | None = None  # the "mlcls" logger's level, put back by close()
         if is_main:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -107,6 +110,7 @@ class RunLog:
             if logger_cfg.get("name") == "mlflow":
                 self.mlflow = MlflowRun(logger_cfg, run_dir, cfg)
         else:
+            self.level_before = log.level
             log.setLevel(logging.WARNING)
 
     def step(
@@ -158,9 +162,32 @@ class RunLog:
 
     def close(self) -> None:
         """Close the TensorBoard writer; upload the artifacts and end the MLflow run (``FAILED`` when called
-        while an exception propagates, in the trainer's ``finally``)."""
+        while an exception propagates, in the trainer's ``finally``); give the logger its level back."""
+        if self.level_before is not None:
+            log.setLevel(self.level_before)
+            self.level_before = None
         if self.writer is not None:
             self.writer.close()
         if self.mlflow is not None:
             self.mlflow.close(failed=sys.exc_info()[0] is not None)
             self.mlflow = None
+
+
+def open_run_log(
+    run_dir: Path,
+    is_main: bool,
+    epochs: int,
+    iters_per_epoch: int,
+    cfg: DictConfig,
+) -> RunLog:
+    """The run's :class:`RunLog`, once rank 0 has written ``<run_dir>/config.yaml`` (``cfg`` resolved) and
+    opened TensorBoard and MLflow. Every rank returns together; if rank 0 fails (a full disk, an MLflow
+    server that is down), every rank raises instead of waiting for it (:func:`on_main`)."""
+
+    def open_main() -> RunLog:
+        text = OmegaConf.to_yaml(cfg, resolve=True)
+        atomic_write(run_dir / "config.yaml", lambda f: f.write(text.encode()))
+        return RunLog(run_dir, True, epochs, iters_per_epoch, cfg=cfg)
+
+    run_log = on_main(open_main, is_main)
+    return run_log if run_log is not None else RunLog(run_dir, False, epochs, iters_per_epoch, cfg=cfg)

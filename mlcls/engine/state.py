@@ -46,9 +46,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class EpochProgress:
     """One rank's sums over the steps of the current epoch so far (restored by a mid-epoch resume)."""
 
-    loss_sum: float = 0.0
+    loss_sum: float = 0.0  # over the applied steps
     seen: int = 0
     time_s: float = 0.0
+    skipped_steps: int = 0  # non-finite steps skipped (absent from checkpoints of earlier versions: 0)
 
 
 @dataclass

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -47,15 +46,15 @@ from mlcls.engine.build import (
 from mlcls.engine.checkpoint import save_checkpoint, save_training_checkpoint, write_json
 from mlcls.engine.ema import ModelEma
 from mlcls.engine.evaluate import Evaluation, autocast_context, calibrate_on_main, evaluate_model
-from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm
-from mlcls.engine.logging import RunLog
+from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm, step_if_finite
+from mlcls.engine.logging import open_run_log
 from mlcls.engine.optim import group_lrs
 from mlcls.engine.preemption import StopSignals
 from mlcls.engine.results import record_skipped_images, run_results
 from mlcls.engine.resume import resume_run
 from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
 from mlcls.engine.state import EpochProgress, TrainState, rng_state, seed_everything
-from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.engine.validate import ConfigError, resolve_amp, validate_config
 from mlcls.errors import plural
 from mlcls.inference import preprocess_spec
 from mlcls.reporting.plots import write_plots
@@ -88,9 +87,9 @@ class Trainer:
             validate_config(cfg, world_size=self.dist.world_size)
             self.device = self.dist.device
             self.cuda = self.device.type == "cuda"
-            self.amp = tcfg.amp if self.cuda else "none"
+            self.amp = resolve_amp(tcfg.amp, self.device)
             eval_amp = tcfg.get("eval_amp")
-            self.eval_amp = (self.amp if eval_amp is None else eval_amp) if self.cuda else "none"
+            self.eval_amp = self.amp if eval_amp is None else resolve_amp(eval_amp, self.device)
             self.channels_last = bool(tcfg.channels_last) and self.cuda
             self.local_batch = tcfg.batch_size // self.dist.world_size
             if self.cuda:
@@ -111,11 +110,8 @@ class Trainer:
         self.iters_per_epoch = self.data.iters_per_epoch
         self.ema = ModelEma(self.model, tcfg.ema_decay, warmup=tcfg.ema_warmup) if tcfg.ema_decay else None
         self.optimizer, self.scheduler = build_optimization(cfg, self.model, self.iters_per_epoch)
-        # Always enabled: with a fused optimizer the scaler skips a non-finite step on the device. Its scale
-        # is dynamic for fp16 and fixed at 1 otherwise.
-        self.scaler = torch.amp.GradScaler(
-            self.device.type, init_scale=2.0**16 if self.amp == "fp16" else 1.0
-        )
+        # The dynamic loss scale of fp16 (disabled otherwise: scale 1); step_if_finite skips non-finite steps.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == "fp16")
         # Copies each batch to the device and finishes the fast pipeline there (colour, lighting, normalise).
         self.device_stage = DeviceStage(self.device, self.channels_last)
         self._nonfinite = NonFiniteCounter(self.device, tcfg.max_nonfinite)
@@ -133,9 +129,7 @@ class Trainer:
             self.ddp_model = torch.compile(self.ddp_model)
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
-        self.run_log = RunLog(self.run_dir, self.dist.is_main, tcfg.epochs, self.iters_per_epoch, cfg=cfg)
-        if self.dist.is_main:
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        self.run_log = open_run_log(self.run_dir, self.dist.is_main, tcfg.epochs, self.iters_per_epoch, cfg)
         warn_unscored_classes(self.data.val_set, self.classes)
 
     # ------------------------------------------------------------------ convenience views
@@ -227,6 +221,7 @@ class Trainer:
             sampler.set_start(first_step * self.local_batch)
         mine = self.state.progress_of(self.dist.rank) if first_step else EpochProgress()
         loss_sum = torch.tensor(mine.loss_sum, device=self.device)
+        skipped_steps = torch.tensor(mine.skipped_steps, device=self.device)
         seen, elapsed = mine.seen, mine.time_s
         bar = tqdm(
             total=self.iters_per_epoch,
@@ -242,6 +237,7 @@ class Trainer:
                 break
             loss, applied = self.train_step(images, targets)
             loss_sum += torch.where(applied, loss, 0.0)
+            skipped_steps += ~applied
             seen += targets.shape[0]
             iteration = epoch * self.iters_per_epoch + step + 1
             bar.update()
@@ -250,7 +246,8 @@ class Trainer:
                 self.run_log.step(epoch, step, iteration, loss.item(), group_lrs(self.optimizer), bar)
             if self.signals.poll(step + 1):
                 elapsed += time.perf_counter() - start
-                self._checkpoint_mid_epoch(epoch, step + 1, EpochProgress(loss_sum.item(), seen, elapsed))
+                mine = EpochProgress(loss_sum.item(), seen, elapsed, int(skipped_steps.item()))
+                self._checkpoint_mid_epoch(epoch, step + 1, mine)
                 self._stop(epoch, step + 1)
         bar.close()
         self._nonfinite.check(epoch)
@@ -262,8 +259,10 @@ class Trainer:
                 "epoch %d: %s with a non-finite loss or gradient skipped", epoch + 1, plural(skipped, "step")
             )
         self.state.counts["skipped_steps"] += skipped
-        steps_done = self.iters_per_epoch * self.dist.world_size
-        mean_loss = (dist_utils.all_reduce_sum(loss_sum) / steps_done).item()
+        # the mean over the applied steps of every rank (a skipped step's loss is not finite)
+        totals = dist_utils.all_reduce_sum(torch.stack([loss_sum, skipped_steps.to(loss_sum.dtype)])).tolist()
+        applied_steps = self.iters_per_epoch * self.dist.world_size - totals[1]
+        mean_loss = totals[0] / applied_steps if applied_steps else float("nan")
         images_per_s = seen * self.dist.world_size / max(elapsed, 1e-9)
         self.run_log.epoch(epoch, mean_loss, images_per_s)
         return {"loss": mean_loss, "images_per_s": images_per_s, "time_s": elapsed}
@@ -278,8 +277,8 @@ class Trainer:
         or as the loader gives it (moved and finished here).
 
         A step with a non-finite gradient norm (identical on every rank after DDP's all-reduce, so all
-        ranks agree) is skipped by the GradScaler: parameters, optimizer state and EMA stay as they were.
-        The schedule advances all the same, one value per iteration.
+        ranks agree) is skipped on the device (:func:`step_if_finite`): parameters, optimizer state and EMA
+        stay as they were. The schedule advances all the same, one value per iteration.
         """
         images = self.device_stage(images)
         targets = targets.to(self.device, non_blocking=True)
@@ -294,16 +293,12 @@ class Trainer:
         else:  # the norm alone (clip_grad_norm_ would also rescale every gradient by 1)
             grad_norm = gradient_norm(self.model.parameters())
         applied = torch.isfinite(grad_norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update(None if self.amp == "fp16" else 1.0)
+        step_if_finite(self.optimizer, applied)
+        self.scaler.update()  # fp16: backs off after an inf/NaN gradient, grows after a run of finite ones
         if self.ema is not None:
             self.ema.update(self.model, applied)
         self._nonfinite.record(applied)
-        with warnings.catch_warnings():
-            # a skipped first step still advances the schedule (one value per iteration); torch warns when
-            # the scheduler steps before the first applied optimizer step
-            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`", UserWarning)
-            self.scheduler.step()
+        self.scheduler.step()  # optimizer.step() ran (skipped on the device or not): torch does not warn
         return loss.detach(), applied
 
     # ------------------------------------------------------------------ evaluation

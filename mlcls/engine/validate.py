@@ -14,8 +14,16 @@ from mlcls.engine.rundir import explicit_hydra_run_dir
 from mlcls.errors import ConfigError  # noqa: F401 - re-exported: raised by validate_config
 from mlcls.losses.spec import loss_name
 
-AMP_MODES = ("none", "bf16", "fp16")
+AMP_MODES = ("auto", "none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_amp(amp: str, device: torch.device) -> str:
+    """The autocast of ``trainer.amp`` (or ``eval_amp``) on ``device``: ``auto`` is bf16 on CUDA and none
+    (float32) elsewhere; none, bf16 and fp16 are what they say on every device."""
+    if amp == "auto":
+        return "bf16" if device.type == "cuda" else "none"
+    return amp
 
 
 def _positive(value, key: str, integer: bool = False) -> None:
@@ -85,11 +93,8 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"trainer.eval_amp={t.eval_amp!r}; expected one of {', '.join(AMP_MODES)}, or null")
     if t.device not in DEVICES:
         raise ConfigError(f"trainer.device={t.device!r}; expected one of {', '.join(DEVICES)}")
-    on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
-    if t.amp == "fp16" and not on_cuda:
-        raise ConfigError("trainer.amp=fp16 needs CUDA; on the CPU use trainer.amp=none")
     if t.ema_decay is not None and not 0.0 < t.ema_decay < 1.0:
         raise ConfigError(
             f"trainer.ema_decay={t.ema_decay!r}; expected a number in (0, 1), or null for no EMA"

@@ -113,6 +113,23 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
     return value
 
 
+def to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` as 8-bit RGB. Greyscale of more than 8 bits (PIL modes ``I;16*``, 16-bit PNGs and TIFFs, and
+    ``I``, 32-bit integers) is scaled to 8 bits, ``v >> 8`` for 16-bit values, where PIL's own conversion
+    clips every value above 255 to white. Mode ``I`` holds 16-bit values in most files: its values are
+    taken as 8-bit when none exceeds 255, as 16-bit when none exceeds 65535, else as 31-bit (``v >> 23``);
+    negative values become 0."""
+    if image.mode.startswith("I;16"):
+        values = np.asarray(image).astype(np.uint16) >> 8
+    elif image.mode == "I":
+        values = np.clip(np.asarray(image), 0, None)
+        top = int(values.max(initial=0))
+        values = values >> (0 if top <= 255 else 8 if top <= 65535 else 23)
+    else:
+        return image.convert("RGB")  # a loaded copy, also of an RGB image
+    return Image.fromarray(values.astype(np.uint8)).convert("RGB")
+
+
 def crop_box(box: tuple[float, float, float, float], width: int, height: int) -> tuple[int, int, int, int]:
     """Pixel crop ``(left, top, right, bottom)`` of box ``(x, y, w, h)`` clamped to a ``width`` x ``height``
     image; the whole image when the clamped box is empty."""
@@ -235,7 +252,7 @@ class MultiLabelDataset(Dataset):
         if decode is not None:
             return decode(sample.path, sample.box)
         with Image.open(sample.path) as img:
-            img = img.convert("RGB")
+            img = to_rgb(img)
         if sample.box is not None:
             img = img.crop(crop_box(sample.box, img.width, img.height))
         return img

@@ -46,7 +46,7 @@ from torch import Tensor
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 from torchvision import transforms as T
 
-from mlcls.data.datasets.base import crop_box
+from mlcls.data.datasets.base import crop_box, to_rgb
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_PCA_EIGVAL,
@@ -111,7 +111,7 @@ def load_reduced(img: Image.Image, reduction: int) -> tuple[Image.Image, float, 
     if reduction > 1:
         img.draft("RGB", (width // reduction, height // reduction))
     img.load()
-    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    rgb = img if img.mode == "RGB" else to_rgb(img)
     if rgb.size == (width, height):
         return rgb, 1.0, 1.0
     if rgb.size == (math.ceil(width / reduction), math.ceil(height / reduction)):
@@ -148,7 +148,7 @@ def decode_jpeg(data: bytes) -> Tensor | None:
 
 def pil_to_pixels(image: Image.Image) -> Tensor:
     """RGB uint8 (3, H, W) view of a copy of the PIL image's pixels."""
-    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    rgb = image if image.mode == "RGB" else to_rgb(image)
     return torch.from_numpy(np.array(rgb)).permute(2, 0, 1)
 
 
