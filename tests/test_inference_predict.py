@@ -14,7 +14,7 @@ from conftest import cli, run_cli
 from test_inference_support import reference_logits, trained_run, write_images
 
 from mlcls.cli import predict as predict_cli
-from mlcls.inference.predictor import find_images, load_inference_model, predict_images
+from mlcls.inference.predictor import ImageFiles, find_images, load_inference_model, predict_images
 
 
 @pytest.fixture(scope="session")
@@ -194,3 +194,16 @@ def test_summary_names_the_classes_without_a_calibrated_threshold(
         f"calibrated, no positive validation label, never predicted: {classes[0]}, {classes[3]} "
         "(threshold= or top_k= score them)"
     ]
+
+
+def test_predict_reads_a_16_bit_png_as_training_does(tmp_path):
+    """mlcls-predict's reader scales 16-bit greyscale to 8 bits (v >> 8), as the training datasets do;
+    PIL's own convert("RGB") would saturate nearly every pixel at 255."""
+    from PIL import Image
+
+    values = np.random.default_rng(1).integers(0, 2**16, size=(20, 30), dtype=np.uint16)
+    Image.fromarray(values).save(tmp_path / "deep.png")
+    Image.fromarray((values >> 8).astype(np.uint8)).convert("RGB").save(tmp_path / "flat.png")
+    files = ImageFiles([tmp_path / "deep.png", tmp_path / "flat.png"], lambda image: np.asarray(image))
+    (_, deep, _), (_, flat, _) = files[0], files[1]
+    np.testing.assert_array_equal(deep, flat)

@@ -22,7 +22,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from mlcls.data.datasets.base import BAD_IMAGE_ERRORS
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, to_rgb
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
 from mlcls.inference.errors import InferenceError
@@ -167,7 +167,7 @@ class ImageFiles(Dataset):
     def __getitem__(self, index: int) -> tuple[int, torch.Tensor | None, str | None]:
         try:
             with Image.open(self.paths[index]) as img:
-                image = img.convert("RGB")
+                image = to_rgb(img)  # 16-bit greyscale scaled to 8 bits as in training
         except BAD_IMAGE_ERRORS as exc:
             return index, None, f"{type(exc).__name__}: {exc}"
         return index, self.transform(image), None
