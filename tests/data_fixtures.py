@@ -252,6 +252,56 @@ def write_vaw(root: Path) -> Path:
     return root
 
 
+# ------------------------------------------------------------------------------------------- NUS-WIDE
+# The release's Concepts81.txt, in its order.
+NUSWIDE_CONCEPTS = [
+    "airport", "animal", "beach", "bear", "birds", "boats", "book", "bridge", "buildings", "cars",
+    "castle", "cat", "cityscape", "clouds", "computer", "coral", "cow", "dancing", "dog", "earthquake",
+    "elk", "fire", "fish", "flags", "flowers", "food", "fox", "frost", "garden", "glacier", "grass",
+    "harbor", "horses", "house", "lake", "leaf", "map", "military", "moon", "mountain", "nighttime",
+    "ocean", "person", "plane", "plants", "police", "protest", "railroad", "rainbow", "reflection", "road",
+    "rocks", "running", "sand", "sign", "sky", "snow", "soccer", "sports", "statue", "street", "sun",
+    "sunset", "surf", "swimmers", "tattoo", "temple", "tiger", "tower", "town", "toy", "train", "tree",
+    "valley", "vehicle", "water", "waterfall", "wedding", "whales", "window", "zebra",
+]  # fmt: skip
+NUSWIDE_LISTS = {
+    "Train": {
+        "actor\\0001_2124494179.jpg": ["person", "sky"],
+        "animal\\0002_38457.jpg": ["animal", "dog"],
+        "beach\\0003_11.jpg": [],
+        "zebra\\0004_5.jpg": ["zebra", "grass", "animal"],
+    },
+    "Test": {"sky\\0005_77.jpg": ["sky", "clouds"], "water\\0006_8.jpg": ["water"]},
+}
+
+
+def write_nuswide(root: Path) -> Path:
+    """NUS-WIDE in the release's layout: all 81 concepts, CRLF line ends (the release's), Windows paths.
+
+    Train (list order): actor/0001_2124494179.jpg +person +sky; animal/0002_38457.jpg +animal +dog;
+    beach/0003_11.jpg no concept (dropped unless keep_empty); zebra/0004_5.jpg +zebra +grass +animal.
+    Test: sky/0005_77.jpg +sky +clouds; water/0006_8.jpg +water. Images are 24x16 grey JPEGs under Flickr/.
+    """
+    (root / "ConceptsList").mkdir(parents=True, exist_ok=True)
+    (root / "ConceptsList" / "Concepts81.txt").write_bytes(
+        "".join(f"{c}\r\n" for c in NUSWIDE_CONCEPTS).encode()
+    )
+    (root / "ImageList").mkdir(parents=True, exist_ok=True)
+    (root / "Groundtruth" / "TrainTestLabels").mkdir(parents=True, exist_ok=True)
+    for part, images in NUSWIDE_LISTS.items():
+        (root / "ImageList" / f"{part}Imagelist.txt").write_bytes(
+            "".join(f"{i}\r\n" for i in images).encode()
+        )
+        for concept in NUSWIDE_CONCEPTS:
+            column = "".join(f"{int(concept in positives)}\r\n" for positives in images.values())
+            (root / "Groundtruth" / "TrainTestLabels" / f"Labels_{concept}_{part}.txt").write_bytes(
+                column.encode()
+            )
+        for image in images:
+            write_jpeg(root / "Flickr" / image.replace("\\", "/"))
+    return root
+
+
 # ----------------------------------------------------------------------------------------------- CSV
 def write_csv(root: Path, text: str, name: str = "train.csv", images: list[str] | None = None) -> Path:
     """Write ``text`` to ``root / name`` and a JPEG for every image path in ``images``."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from data_fixtures import write_coco, write_csv, write_vaw, write_vispr, write_voc, write_wider
+from data_fixtures import write_coco, write_csv, write_nuswide, write_vaw, write_vispr, write_voc, write_wider
 from hydra import compose, initialize_config_dir
 
 from mlcls import config_dir
@@ -29,6 +29,7 @@ CASES: dict[str, tuple[Callable[[Path], Path], int, int, int]] = {
     "vispr": (write_vispr, 3, 2, 68),
     "wider": (write_wider, 3, 1, 14),
     "vaw": (write_vaw, 4, 1, 6),
+    "nuswide": (write_nuswide, 3, 2, 81),
     "csv": (csv_fixture, 3, 1, 2),  # val_fraction 0.1 of 4 rows rounds to 0: 0.25 below
 }
 

@@ -20,7 +20,10 @@ def photo(width: int, height: int) -> Image.Image:
     return Image.fromarray(pixels.numpy())
 
 
-@pytest.mark.parametrize(("kind", "size"), [("paper", 224), ("paper", 32), ("light", 64), ("light", 37)])
+@pytest.mark.parametrize(
+    ("kind", "size"),
+    [("paper", 224), ("paper", 32), ("light", 64), ("light", 37), ("strong", 64), ("strong", 37)],
+)
 def test_spec_transform_equals_the_dataset_eval_transform(kind, size):
     spec = preprocess_spec({"transform": kind, "image_size": size, "name": "x", "root": "/data"})
     assert json.loads(json.dumps(spec)) == spec  # JSON-ready: stored in checkpoints and export metadata
@@ -43,6 +46,8 @@ def test_spec_values_are_the_documented_ones():
     }
     light = preprocess_spec({"transform": "light", "image_size": 64})
     assert (light["resize"], light["crop"]) == ([64, 64], None)
+    strong = preprocess_spec({"transform": "strong", "image_size": 448})  # squash-resize, no crop
+    assert (strong["transform"], strong["resize"], strong["crop"]) == ("strong", [448, 448], None)
     # build_dataset's default transform is "paper"
     assert preprocess_spec({"image_size": 96})["transform"] == "paper"
 

@@ -22,7 +22,13 @@ from typing import Any
 
 from torchvision import transforms as T
 
-from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, TRANSFORM_KINDS, eval_resize
+from mlcls.data.pipeline.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    SQUASH_EVAL_KINDS,
+    TRANSFORM_KINDS,
+    eval_resize,
+)
 from mlcls.inference.errors import InferenceError
 
 SPEC_KEYS = ("transform", "image_size", "resize", "crop", "interpolation", "mean", "std")
@@ -44,7 +50,7 @@ def preprocess_spec(dataset_cfg: Mapping[str, Any]) -> dict[str, Any]:
     size = int(dataset_cfg["image_size"])
     if kind not in TRANSFORM_KINDS:
         raise InferenceError(f"unknown transform {kind!r}; expected one of {', '.join(TRANSFORM_KINDS)}")
-    if kind == "light":
+    if kind in SQUASH_EVAL_KINDS:  # light, strong: squash-resize to size x size, no crop
         resize, crop = [size, size], None
     else:
         resize, crop = eval_resize(size), size

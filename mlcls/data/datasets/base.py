@@ -180,7 +180,7 @@ class MultiLabelDataset(Dataset):
     Args:
         transform: applied to the PIL image; or the name of a transform of
             :func:`mlcls.data.pipeline.transforms.build_transform` (``dataset.transform``: ``paper``,
-            ``light``), built
+            ``light``, ``strong``), built
             at ``image_size`` for training when ``split == train_split``, else for evaluation.
         on_bad_image: ``"error"`` or ``"skip"`` (see the module docstring).
         split: the split this dataset serves (checked by the subclass).

@@ -409,7 +409,9 @@ class DeviceStage:
 def build_backend_transform(backend: str, kind: str, image_size: int, train: bool) -> Callable:
     """The dataset transform of ``data.backend``: the fast CPU stage for the paper's training augmentation
     with ``fast`` (and ``dali``, whose own loader replaces it for training JPEGs); the plain torchvision
-    transform of :func:`mlcls.data.pipeline.transforms.build_transform` otherwise (evaluation, ``light``)."""
+    transform of :func:`mlcls.data.pipeline.transforms.build_transform` otherwise (evaluation, ``light``,
+    ``strong``: with ``fast`` these run whole in the DataLoader workers, seeded per sample as on
+    ``torchvision``; ``dali`` trains the paper's augmentation only)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown data.backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend != "torchvision" and kind == "paper" and train:

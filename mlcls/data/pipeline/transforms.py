@@ -6,6 +6,18 @@ eval Resize(size / 0.875) -> CenterCrop(size) -> tensor -> normalisation (224 ->
 
 ``light``: resize to ``size`` x ``size`` and a horizontal flip for training; for small synthetic images
 whose objects a random crop would cut away.
+
+``strong`` (the ASL / ML-Decoder training recipe): train squash-resize to ``size`` x ``size`` (aspect ratio
+not kept) -> :class:`CutoutPIL` (one rectangle of random colour, ``cutout_factor`` 0.5) -> timm's RandAugment
+(:data:`STRONG_RANDAUGMENT`, :func:`strong_randaugment`) -> tensor -> ImageNet normalisation (the released
+recipe feeds [0, 1] pixels to its own backbones; timm's backbones here expect ImageNet normalisation).
+
+``light`` and ``strong`` evaluate on a squash-resize to ``size`` x ``size`` without crop
+(:data:`SQUASH_EVAL_KINDS`) -> tensor -> normalisation.
+
+Randomness: ``paper``, ``light`` and :class:`CutoutPIL` draw from torch's CPU generator, timm's RandAugment
+from Python's ``random`` and NumPy's global generator; :func:`mlcls.data.sampling.seeded_call` seeds all
+three per sample, so every transform here is a function of the sample's seed (exact resume).
 """
 
 from __future__ import annotations
@@ -13,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from PIL import Image
+from timm.data.auto_augment import rand_augment_transform
 from torchvision import transforms as T
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -28,7 +42,14 @@ IMAGENET_PCA_EIGVEC = torch.tensor(
     ]
 )
 
-TRANSFORM_KINDS = ("paper", "light")
+TRANSFORM_KINDS = ("paper", "light", "strong")
+# Transforms whose evaluation is a squash-resize to image_size x image_size, without crop.
+SQUASH_EVAL_KINDS = ("light", "strong")
+# timm's RandAugment config of the ``strong`` recipe: magnitude 9 (of 10), 2 operations per image, each
+# applied with probability 0.5 (timm's default), its magnitude drawn from N(9, 0.5) clipped to [0, 10].
+STRONG_RANDAUGMENT = "rand-m9-n2-mstd0.5"
+# Side of the ``strong`` recipe's cutout rectangle, as a fraction of the image's side.
+CUTOUT_FACTOR = 0.5
 
 
 class Lighting:
@@ -52,20 +73,66 @@ class Lighting:
         return f"{type(self).__name__}(std={self.std})"
 
 
+class CutoutPIL:
+    """Cutout on a PIL image: one rectangle filled with a single random colour.
+
+    The rectangle is ``round(cutout_factor * H)`` rows by ``round(cutout_factor * W)`` columns, centred on a
+    pixel ``(x, y)`` drawn uniformly from the image, and clipped to the image (smaller when the centre lies
+    near a border); its colour has each of R, G, B drawn uniformly from 0..255. Every draw is from torch's
+    CPU generator (the centre, then the colour). Returns a new image; the input is left unchanged.
+    """
+
+    def __init__(self, cutout_factor: float = CUTOUT_FACTOR) -> None:
+        if not 0.0 <= cutout_factor <= 1.0:
+            raise ValueError(f"cutout_factor {cutout_factor}; expected a fraction of the side in [0, 1]")
+        self.cutout_factor = cutout_factor
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        width, height = img.size
+        cut_width, cut_height = round(self.cutout_factor * width), round(self.cutout_factor * height)
+        x, y = int(torch.randint(width, (1,))), int(torch.randint(height, (1,)))
+        colour = tuple(torch.randint(256, (3,)).tolist())
+        x0, y0 = x - cut_width // 2, y - cut_height // 2  # the unclipped top-left corner
+        left, right = max(0, x0), min(width, x0 + cut_width)
+        top, bottom = max(0, y0), min(height, y0 + cut_height)
+        out = img.copy()
+        if right > left and bottom > top:
+            out.paste(colour, (left, top, right, bottom))
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cutout_factor={self.cutout_factor})"
+
+
+def strong_randaugment(image_size: int) -> Callable:
+    """timm's RandAugment (``rand_augment_transform``) with :data:`STRONG_RANDAUGMENT`, on PIL images of side
+    ``image_size``: translations up to 45 % of the side and the ImageNet mean colour filling what the
+    geometric operations uncover (timm's own settings for its training transforms), bilinear resampling."""
+    hparams = {
+        "translate_const": int(image_size * 0.45),
+        "img_mean": tuple(round(255 * channel) for channel in IMAGENET_MEAN),
+        "interpolation": Image.Resampling.BILINEAR,
+    }
+    return rand_augment_transform(STRONG_RANDAUGMENT, hparams)
+
+
 def eval_resize(size: int) -> int:
     """Shorter-side resize before the center crop: 224 -> 256."""
     return int(round(size / 0.875))
 
 
 def build_transform(kind: str, image_size: int, train: bool) -> Callable:
-    """Return the torchvision transform ``kind`` (one of ``TRANSFORM_KINDS``) for training or evaluation."""
+    """Return the torchvision transform ``kind`` (one of ``TRANSFORM_KINDS``) for training or evaluation:
+    PIL RGB image -> float32 (3, ``image_size``, ``image_size``), normalised."""
     if kind not in TRANSFORM_KINDS:
         raise ValueError(f"unknown transform {kind!r}; expected one of {', '.join(TRANSFORM_KINDS)}")
     normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
-    if kind == "light":
+    if kind in SQUASH_EVAL_KINDS:
         steps: list[Callable] = [T.Resize((image_size, image_size))]
-        if train:
+        if train and kind == "light":
             steps.append(T.RandomHorizontalFlip())
+        elif train:
+            steps += [CutoutPIL(CUTOUT_FACTOR), strong_randaugment(image_size)]
         return T.Compose([*steps, T.ToTensor(), normalize])
     if train:
         return T.Compose(

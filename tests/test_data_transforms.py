@@ -1,0 +1,118 @@
+"""The ``strong`` recipe: CutoutPIL's rectangle, timm's RandAugment as configured, a squash-resize for
+evaluation, and an augmentation that is a function of the sample's seed on the ``torchvision`` and ``fast``
+backends (exact resume); ``dali`` refuses it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from data_fixtures import PhotoFiles, write_photos
+from PIL import Image
+
+from mlcls.data import DatasetConfigError
+from mlcls.data.loader import build_train_loader
+from mlcls.data.pipeline.fast import build_backend_transform
+from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, CutoutPIL, build_transform
+from mlcls.data.sampling import seeded_call
+
+SIZE = 48
+GREY = (128, 128, 128)
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return write_photos(tmp_path_factory.mktemp("jpegs"), 4)
+
+
+def cut_region(image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """Mask (H, W) of the pixels that differ from the grey input, and its bounding box (l, t, r, b)."""
+    changed = (np.asarray(image) != GREY).any(axis=-1)
+    rows, cols = np.flatnonzero(changed.any(axis=1)), np.flatnonzero(changed.any(axis=0))
+    return changed, (int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1)
+
+
+def test_cutout_pastes_one_clipped_rectangle_of_one_colour() -> None:
+    """On a 40 x 20 grey image, factor 0.5: a filled 20 x 10 rectangle, smaller only where it meets a border;
+    its centre spreads over the whole image; the input is untouched."""
+    grey = Image.new("RGB", (40, 20), GREY)
+    cutout, centres, full_size = CutoutPIL(0.5), [], 0
+    for seed in range(200):
+        out = seeded_call(seed, cutout, grey)
+        changed, (left, top, right, bottom) = cut_region(out)
+        assert changed[top:bottom, left:right].all() and changed.sum() == (right - left) * (bottom - top)
+        colours = np.asarray(out)[top:bottom, left:right].reshape(-1, 3)
+        assert (colours == colours[0]).all()  # one colour
+        width, height = right - left, bottom - top
+        assert width <= 20 and height <= 10
+        assert width == 20 or left == 0 or right == 40
+        assert height == 10 or top == 0 or bottom == 20
+        full_size += (width, height) == (20, 10)
+        centres.append(((left + right) / 2, (top + bottom) / 2))
+    assert np.asarray(grey).tolist() == np.full((20, 40, 3), 128).tolist()
+    xs, ys = np.array(centres).T
+    assert xs.min() < 8 and xs.max() > 32 and ys.min() < 4 and ys.max() > 16
+    assert 10 < full_size < 190  # clipped at a border sometimes, not always
+    with pytest.raises(ValueError, match=r"cutout_factor 1.5; expected a fraction"):
+        CutoutPIL(1.5)
+
+
+def test_strong_train_steps_are_the_recipe() -> None:
+    steps = build_transform("strong", SIZE, train=True).transforms
+    assert [type(step).__name__ for step in steps] == [
+        "Resize",
+        "CutoutPIL",
+        "RandAugment",
+        "ToTensor",
+        "Normalize",
+    ]
+    assert steps[0].size == (SIZE, SIZE) and steps[1].cutout_factor == 0.5
+    randaugment = steps[2]
+    assert randaugment.num_layers == 2 and len(randaugment.ops) > 10
+    assert all((op.magnitude, op.magnitude_std, op.prob) == (9, 0.5, 0.5) for op in randaugment.ops)
+    assert tuple(steps[4].mean) == IMAGENET_MEAN and tuple(steps[4].std) == IMAGENET_STD
+
+
+def test_strong_evaluates_on_a_squash_resize_without_crop() -> None:
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (90, 150, 3), dtype=np.uint8))
+    out = build_transform("strong", SIZE, train=False)(image)
+    squashed = np.asarray(image.resize((SIZE, SIZE), Image.Resampling.BILINEAR), dtype=np.float32) / 255
+    reference = (torch.from_numpy(squashed).permute(2, 0, 1) - torch.tensor(IMAGENET_MEAN)[:, None, None]) / (
+        torch.tensor(IMAGENET_STD)[:, None, None]
+    )
+    assert out.shape == (3, SIZE, SIZE)
+    torch.testing.assert_close(out, reference)
+
+
+@pytest.mark.parametrize("backend", ["torchvision", "fast"])
+def test_strong_is_a_function_of_the_sample_seed(backend: str, jpegs: list[Path]) -> None:
+    """Same seed, same tensor (whatever the generators held before); another seed, another tensor; the
+    batches of a loader resumed mid-epoch are the tail of the uninterrupted epoch's."""
+    dataset = PhotoFiles(jpegs * 2, build_backend_transform(backend, "strong", SIZE, train=True))
+    first = seeded_call(7, dataset.__getitem__, 1)[0]
+    torch.manual_seed(123)  # what the generators held before the call does not matter
+    np.random.seed(123)
+    random.seed(123)
+    again = seeded_call(7, dataset.__getitem__, 1)[0]
+    assert first.shape == (3, SIZE, SIZE) and torch.equal(first, again)
+    others = [seeded_call(seed, dataset.__getitem__, 1)[0] for seed in (8, 9, 10)]
+    assert not any(torch.equal(first, other) for other in others)
+
+    def batches(start: int) -> list[torch.Tensor]:
+        loader = build_train_loader(dataset, 2, 0, 0, 1, 3, torch.device("cpu"), backend=backend)
+        loader.sampler.set_epoch(2)
+        loader.sampler.set_start(start)
+        return [images for images, _ in loader]
+
+    epoch, resumed = batches(0), batches(2)
+    assert len(epoch) == 4 and len(resumed) == 3
+    assert all(torch.equal(a, b) for a, b in zip(epoch[1:], resumed, strict=True))
+
+
+def test_dali_refuses_strong(jpegs: list[Path]) -> None:
+    dataset = PhotoFiles(jpegs, build_backend_transform("dali", "strong", SIZE, train=True))
+    with pytest.raises(DatasetConfigError, match="dali does the paper's augmentation only"):
+        build_train_loader(dataset, 2, 0, 0, 1, 3, torch.device("cpu"), backend="dali")
