@@ -215,3 +215,23 @@ def test_a_checkpoint_naming_its_dataset_by_the_path_before_the_data_split_still
     check_dataset_target(merged)  # a dataset of mlcls: accepted
     dataset = build_dataset({**merged, "val_size": 4, "transform": "light"}, train=False)
     assert isinstance(dataset, SyntheticMultiLabel) and len(dataset) == 4
+
+
+def test_eval_amp_runs_under_cpu_autocast(csv_run, monkeypatch, capsys, tmp_path):
+    """amp=bf16 on the CPU evaluates under CPU autocast (the network's output is bf16), as training does."""
+    checkpoint, _, _ = csv_run
+    monkeypatch.chdir(tmp_path)
+    dtypes = []
+    forward = torch.nn.Module.__call__
+
+    def recording_call(module, *args, **kwargs):
+        out = forward(module, *args, **kwargs)
+        if not dtypes and isinstance(out, torch.Tensor) and out.dim() == 2:
+            dtypes.append(out.dtype)  # the first 2-D output: the classifier's logits
+        return out
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", recording_call)
+    argv = [f"checkpoint={checkpoint}", "dataset.val_file=test.csv", "workers=0", "device=cpu", "amp=bf16"]
+    code, _, err = run_eval(argv, monkeypatch, capsys)
+    assert code == 0, err
+    assert dtypes == [torch.bfloat16]

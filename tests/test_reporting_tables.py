@@ -407,3 +407,22 @@ def test_a_table_no_run_can_be_placed_in_names_the_stand_ins(tmp_path, capsys, t
     ]
     assert tables_cli.main([*argv, "--csv"]) == 0
     assert float(csv_cells(capsys.readouterr().out)[("4", "mAP@class T_N=1")]["ours"]) == 30.0
+
+
+@pytest.mark.parametrize(
+    ("amp", "device", "deviates"),
+    [
+        ("auto", "cpu", True),
+        ("auto", "cuda", False),
+        ("auto", None, False),
+        ("none", "cuda", True),
+        ("fp16", "cpu", False),
+    ],
+)
+def test_amp_auto_off_cuda_is_no_mixed_precision(twoway_coco, amp, device, deviates):
+    """trainer.amp=auto is bf16 on CUDA and float32 elsewhere: the device in results.json decides."""
+    config = variant(twoway_coco, trainer__amp=amp)
+    results = {"epochs_completed": 40, "dataset": COCO_SIZES}
+    if device is not None:
+        results["provenance"] = {"device": {"type": device}}
+    assert ("no mixed precision (paper AMP)" in protocol_deviations(config, results)) == deviates

@@ -26,7 +26,7 @@ from mlcls.data.loader import build_eval_loader
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import evaluate_model
-from mlcls.engine.validate import ConfigError
+from mlcls.engine.validate import ConfigError, resolve_amp
 from mlcls.inference.predictor import load_inference_model
 
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"
@@ -110,7 +110,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
             f"differ from the model's ({len(inference.classes)}: {', '.join(inference.classes[:5])}, …)"
         )
     loader = build_eval_loader(dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device)
-    amp = cfg.amp if info.device.type == "cuda" else "none"
+    amp = resolve_amp(cfg.amp, info.device)
     metrics = evaluate_model(inference.model, loader, info.device, inference.classes, amp).metrics
     metrics["checkpoint"] = str(cfg.checkpoint)
     metrics["num_samples"] = len(dataset)

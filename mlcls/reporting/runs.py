@@ -175,7 +175,9 @@ def protocol_deviations(
         follows, ours = _follows(config, key, wanted)
         if not follows:
             deviations.append(f"{key}={yaml_text(ours)} (paper {yaml_text(wanted)})")
-    if config_value(config, "trainer.amp") == "none":
+    amp = config_value(config, "trainer.amp")
+    device = ((results.get("provenance") or {}).get("device") or {}).get("type")
+    if amp == "none" or (amp == "auto" and device not in (None, "cuda")):  # auto: float32 off CUDA
         deviations.append("no mixed precision (paper AMP)")
     completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
     if completed is not None and epochs is not None and completed < epochs:
