@@ -13,8 +13,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mlcls import config_dir
-from mlcls.engine.optim import build_optimizer, build_scheduler, group_lrs
+from mlcls.engine.optim import build_optimizer, build_scheduler, group_lrs, parameter_groups
 from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.models import create_model
 from tests.conftest import TINY, compose_config
 
 # resnet10t's normalisation layers, read off its parameter names: the deep stem's BatchNorms (conv1.1,
@@ -266,3 +267,19 @@ def test_onecycle_steps_like_torch_onecyclelr_per_group_and_resumes_exactly(resn
         scheduler.step()
         reference_optimizer.step()
         reference.step()
+
+
+def test_mldecoder_recipe_decays_exactly_the_parameters_its_release_decays():
+    """ML-Decoder's train.py decays every parameter but the 1-D ones (biases, norms; the head's
+    ``duplicate_pooling_bias`` too); the fixed queries are in no group."""
+    torch.manual_seed(0)
+    model = create_model("resnet10t", 5, pretrained=False, head="mldecoder", num_groups=3)
+    cfg = compose_config(["experiment=mldecoder_coco"]).optim
+    groups = parameter_groups(model, cfg)
+    decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(decay) == len(trainable) == len(list(model.parameters())) - 1  # all but the queries
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert decay[id(param)] == (0.0 if param.ndim == 1 else 1e-4), name
+    assert [g["name"] for g in groups] == ["head", "head_norm_bias", "backbone", "backbone_norm_bias"]

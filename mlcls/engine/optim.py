@@ -9,7 +9,7 @@ the project's parameter-group keys, :data:`GROUP_KEYS`:
 - ``lr_head``, ``lr_backbone``: learning rates of the classifier head (``model.get_classifier()``) and of
   the rest of the network (the paper's 0.01 and 0.001, Sec. 4.1);
 - ``weight_decay``: decay of the weights; ``norm_weight_decay``: of the parameters of normalisation layers;
-  ``bias_weight_decay``: of the other 1-D ``bias`` parameters (null: same as ``weight_decay``, the paper's
+  ``bias_weight_decay``: of the other 1-D ``*bias`` parameters (null: same as ``weight_decay``, the paper's
   protocol; 0.0 excludes them from decay, the convention of torchvision's ``--norm-weight-decay``).
 
 These keys are taken out of the config before it is instantiated, as they are not keyword arguments of
@@ -67,15 +67,16 @@ def is_norm_layer(module: nn.Module) -> bool:
 
 
 def parameter_kinds(model: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> kind``: "norm" (a normalisation layer's), "bias" (other 1-D parameters named
-    ``bias``) or "weight" (the rest)."""
+    """``id(parameter) -> kind``: "norm" (a normalisation layer's), "bias" (other 1-D parameters whose name
+    ends in ``bias``: ``bias``, ML-Decoder's ``duplicate_pooling_bias``, ViTs' ``q_bias``) or "weight" (the
+    rest)."""
     kinds: dict[int, str] = {}
     for module in model.modules():
         norm = is_norm_layer(module)
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in kinds:  # a shared parameter keeps the kind of its first owner
                 kinds[id(param)] = (
-                    "norm" if norm else "bias" if name == "bias" and param.ndim == 1 else "weight"
+                    "norm" if norm else "bias" if name.endswith("bias") and param.ndim == 1 else "weight"
                 )
     return kinds
 

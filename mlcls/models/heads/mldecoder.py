@@ -113,7 +113,8 @@ class MLDecoder(nn.Module):
                 raise ValueError(f"ML-Decoder {name}={value!r}; expected an integer >= 1")
         if embed_dim % num_attention_heads:
             raise ValueError(
-                f"ML-Decoder embed_dim={embed_dim} is not a multiple of its {num_attention_heads} attention heads"
+                f"ML-Decoder embed_dim={embed_dim}; expected a multiple of its {num_attention_heads} "
+                "attention heads"
             )
         self.decoder = GroupDecoder(
             in_features,
