@@ -129,3 +129,24 @@ def test_eval_without_samples_is_a_one_line_error(capsys):
         main(["eval", "--n", "0", "--c", "5"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "mlcls: error: --n and --c must be at least 1, got 0 and 5\n"
+
+
+def test_step_heads_times_each_head_relative_to_the_first(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["step", *TINY, "trainer.batch_size=4", "--heads", "linear,mldecoder,csra", "--classes", "30",
+          "--repeats", "1", "--steps", "1", "--warmup", "0"])  # fmt: skip
+    result = json_line(capsys)
+    assert result["classes"] == 30 and result["batch_size"] == 4 and result["image_size"] == 32
+    assert result["linear_relative"] == 1.0
+    for head in ("mldecoder", "csra"):
+        assert result[f"{head}_relative"] == pytest.approx(result[f"{head}_step_s"] / result["linear_step_s"])
+        assert result[f"{head}_images_per_s"] == pytest.approx(4 / result[f"{head}_step_s"])
+
+
+def test_step_heads_rejects_an_unknown_head_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["step", *TINY, "--heads", "linear,mlp"])
+    assert (
+        "--heads linear,mlp; expected a comma-separated list of linear, mldecoder, csra"
+        in capsys.readouterr().err
+    )

@@ -13,8 +13,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mlcls import config_dir
-from mlcls.engine.optim import build_optimizer, build_scheduler, group_lrs
+from mlcls.engine.optim import build_optimizer, build_scheduler, group_lrs, parameter_groups
 from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.models import create_model
 from tests.conftest import TINY, compose_config
 
 # resnet10t's normalisation layers, read off its parameter names: the deep stem's BatchNorms (conv1.1,
@@ -218,9 +219,67 @@ def test_demo_adamw_exempts_norm_and_bias_and_the_paper_keeps_one_decay():
         (["optim._target_=torch.nn.Identity", "~optim.betas"], "is not a torch optimizer class"),
         (["sched.warmup_iters=-3"], "warmup_iters=-3; expected an integer >= 0"),
         (["sched.min_lr_ratio=2"], "min_lr_ratio=2; expected a number in [0, 1]"),
+        (["sched=onecycle", "sched.pct_start=1.5"], "pct_start=1.5; expected a number in (0, 1)"),
     ],
 )
 def test_optimization_config_errors(overrides, message):
     cfg = compose_config([*TINY, *overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_config(cfg, world_size=1)
+
+
+def onecycle_config(**overrides) -> dict:
+    return {**OmegaConf.to_container(OmegaConf.load(config_dir() / "sched" / "onecycle.yaml")), **overrides}
+
+
+def test_onecycle_steps_like_torch_onecyclelr_per_group_and_resumes_exactly(resnet10t):
+    """The lrs of each group against torch's OneCycleLR on a plain two-group Adam, every iteration, and a
+    schedule rebuilt from a state dict halfway goes on with the same values."""
+    cfg = optim_config("adamw", lr_head=1e-3, lr_backbone=1e-4, fused=False)
+    optimizer = build_optimizer(cfg, resnet10t)
+    total = 30
+    scheduler = build_scheduler(onecycle_config(pct_start=0.2), optimizer, total)
+    reference_optimizer = torch.optim.AdamW(
+        [{"params": [torch.zeros(1, requires_grad=True)], "lr": lr} for lr in (1e-3, 1e-4)]
+    )
+    reference = torch.optim.lr_scheduler.OneCycleLR(
+        reference_optimizer, max_lr=[1e-3, 1e-4], total_steps=total, pct_start=0.2
+    )
+    peak = round(0.2 * total) - 1  # torch's end of the warm-up phase: float(pct_start * total) - 1
+    for iteration in range(total):
+        expected = [g["lr"] for g in reference_optimizer.param_groups]
+        lrs = group_lrs(optimizer)
+        assert math.isclose(lrs["head"], expected[0], rel_tol=1e-12)
+        assert math.isclose(lrs["backbone"], expected[1], rel_tol=1e-12)
+        if iteration == 0:
+            assert math.isclose(lrs["head"], 1e-3 / 25, rel_tol=1e-12)
+        if iteration == peak:
+            assert math.isclose(lrs["head"], 1e-3, rel_tol=1e-12)
+        if iteration == total - 1:
+            assert math.isclose(lrs["head"], 1e-3 / 25 / 1e4, rel_tol=1e-9)
+        if iteration == total // 2:
+            resumed = build_optimizer(cfg, resnet10t)  # built as the trainer does, then loaded
+            resumed_scheduler = build_scheduler(onecycle_config(pct_start=0.2), resumed, total)
+            resumed.load_state_dict(optimizer.state_dict())
+            resumed_scheduler.load_state_dict(scheduler.state_dict())
+            optimizer, scheduler = resumed, resumed_scheduler
+        optimizer.step()
+        scheduler.step()
+        reference_optimizer.step()
+        reference.step()
+
+
+def test_mldecoder_recipe_decays_exactly_the_parameters_its_release_decays():
+    """ML-Decoder's train.py decays every parameter but the 1-D ones (biases, norms; the head's
+    ``duplicate_pooling_bias`` too); the fixed queries are in no group."""
+    torch.manual_seed(0)
+    model = create_model("resnet10t", 5, pretrained=False, head="mldecoder", num_groups=3)
+    cfg = compose_config(["experiment=mldecoder_coco"]).optim
+    groups = parameter_groups(model, cfg)
+    decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(decay) == len(trainable) == len(list(model.parameters())) - 1  # all but the queries
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert decay[id(param)] == (0.0 if param.ndim == 1 else 1e-4), name
+    assert [g["name"] for g in groups] == ["head", "head_norm_bias", "backbone", "backbone_norm_bias"]

@@ -156,7 +156,8 @@ def test_unknown_table_is_one_line(capsys):
     assert reproduce.main(["table6"]) == 2
     assert capsys.readouterr().err == (
         "mlcls-reproduce: error: unknown table 'table6'; "
-        "expected one of table1, table2, table3, table4, table5, table7 or all\n"
+        "expected one of table1, table2, table3, table4, table5, table7 or all, "
+        "or a preset: mldecoder_coco, twoway_mldecoder_coco or presets\n"
     )
 
 

@@ -21,6 +21,10 @@ training step needs::
 The trainer adds gradient clipping or the gradient norm, the EMA, the non-finite counters and the
 scheduler. Timed blocks alternate between the two (order swapped every repeat).
 
+With ``--heads linear,mldecoder,csra`` it times instead the bare step of each classifier head
+(``model.head``) on the same backbone, with ``--classes`` outputs, each relative to the first head (the
+linear one) in the same run, timed blocks alternating between the heads; BCE is the loss of every head.
+
 ``mlcls-bench step [overrides ...] [--loop epoch|step] [--repeats 5] [--steps 3]``, e.g.
 ``model.name=resnet50 dataset.image_size=224 trainer.batch_size=32 trainer.amp=bf16 trainer.compile=true``.
 The dataset config only sets the image size and the class count (the default synthetic one needs no
@@ -38,15 +42,20 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from mlcls.cli.overrides import compose_config
 from mlcls.engine.build import build_loss, build_model, build_optimization
+from mlcls.engine.distributed import resolve_device
 from mlcls.engine.evaluate import autocast_context
 from mlcls.engine.trainer import Trainer
+from mlcls.errors import ConfigError
+from mlcls.models.heads import HEADS
 
 LOOPS = ("epoch", "step")
 
@@ -58,19 +67,33 @@ def _sync(device: torch.device) -> None:
 
 def bare_step_fn(cfg: DictConfig, trainer: Trainer) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A hand-written training step with a fresh model of the same architecture, optimizer and loss."""
-    device, amp = trainer.device, trainer.amp
+    device = trainer.device
     torch.manual_seed(cfg.trainer.seed)
     model = build_model(cfg.model, len(trainer.classes), device, trainer.channels_last)
     optimizer, _ = build_optimization(cfg, model, trainer.iters_per_epoch)
     criterion = build_loss(cfg.loss, trainer.data.train_set, device)
     forward = torch.compile(model) if cfg.trainer.get("compile", False) else model
     scaler = torch.amp.GradScaler(device.type, init_scale=trainer.scaler.get_scale())
+    return plain_step_fn(model, forward, optimizer, criterion, scaler, trainer.amp, trainer.channels_last)
+
+
+def plain_step_fn(
+    model: nn.Module,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    scaler: torch.amp.GradScaler,
+    amp: str,
+    channels_last: bool,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The bare step of the module docstring for ``model`` (called through ``forward``); returns the loss."""
+    device = next(model.parameters()).device
     model.train()
 
     def step(images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        if trainer.channels_last:
+        if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         with autocast_context(device, amp):
             logits = forward(images)
@@ -162,6 +185,84 @@ def _contenders(
     return {"trainer": epoch_block, "bare": bare_loop}
 
 
+def median_step_seconds(
+    contenders: dict[str, Callable[[], torch.Tensor]], device: torch.device, repeats: int, steps: int
+) -> dict[str, float]:
+    """Median seconds per step of each contender (a block of ``steps`` steps returning its last loss) over
+    ``repeats`` timed blocks, the order of the contenders reversed every other repeat."""
+    _sync(device)
+    seconds: dict[str, list[float]] = {name: [] for name in contenders}
+    for repeat in range(repeats):
+        order = list(contenders) if repeat % 2 == 0 else list(contenders)[::-1]
+        for name in order:
+            start = time.perf_counter()
+            loss = contenders[name]()
+            _sync(device)
+            seconds[name].append((time.perf_counter() - start) / steps)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"{name}: non-finite loss {loss.item()}; lower the learning rate")
+    return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def run_heads(
+    overrides: Sequence[str] = (),
+    heads: Sequence[str] = HEADS,
+    num_classes: int = 80,
+    repeats: int = 5,
+    steps: int = 3,
+    warmup: int = 2,
+) -> dict[str, Any]:
+    """Median seconds per bare training step of each of ``heads`` on the backbone of ``overrides``' config
+    (``model.name``, ``dataset.image_size``, ``trainer.batch_size``, ``trainer.amp``, ``optim``), with
+    ``num_classes`` outputs (``<head>_step_s``), as images/s, and relative to the first head's
+    (``<head>_relative``)."""
+    unknown = [head for head in heads if head not in HEADS]
+    if unknown or not heads:
+        raise ConfigError(f"--heads {','.join(heads)}; expected a comma-separated list of {', '.join(HEADS)}")
+    cfg = compose_config("train", list(overrides))
+    device = resolve_device(cfg.trainer.device)
+    amp = cfg.trainer.amp if device.type == "cuda" else "none"
+    channels_last = bool(cfg.trainer.channels_last) and device.type == "cuda"
+    batch = synthetic_batch(int(cfg.trainer.batch_size), int(cfg.dataset.image_size), num_classes)
+    contenders = {}
+    for head in heads:
+        torch.manual_seed(cfg.trainer.seed)
+        model = build_model(cfg.model, num_classes, device, channels_last, head=head, pretrained=False)
+        optimizer, _ = build_optimization(cfg, model, iters_per_epoch=1)
+        scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+        step = plain_step_fn(model, model, optimizer, nn.BCEWithLogitsLoss(), scaler, amp, channels_last)
+        contenders[head] = partial(_repeat_step, step, batch, steps)
+    for _ in range(warmup):
+        for block in contenders.values():
+            block()
+    step_s = median_step_seconds(contenders, device, repeats, steps)
+    first = step_s[heads[0]]
+    timings = {}
+    for head, seconds in step_s.items():
+        timings[f"{head}_step_s"] = seconds
+        timings[f"{head}_images_per_s"] = len(batch[0]) / seconds
+        timings[f"{head}_relative"] = seconds / first
+    return {
+        **timings,
+        "model": cfg.model.name,
+        "classes": num_classes,
+        "batch_size": len(batch[0]),
+        "image_size": int(cfg.dataset.image_size),
+        "amp": amp,
+        "device": str(device),
+        "repeats": repeats,
+        "steps": steps,
+        "torch_threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+    }
+
+
+def _repeat_step(step: Callable, batch: tuple[torch.Tensor, torch.Tensor], steps: int) -> torch.Tensor:
+    for _ in range(steps):
+        loss = step(*batch)
+    return loss
+
+
 def _measure(
     cfg: DictConfig, trainer: Trainer, repeats: int, steps: int, warmup: int, loop: str
 ) -> dict[str, Any]:
@@ -173,18 +274,7 @@ def _measure(
     for _ in range(warmup):  # compilation, allocator and cuDNN autotuning
         for block in contenders.values():
             block()
-    _sync(trainer.device)
-    seconds: dict[str, list[float]] = {name: [] for name in contenders}
-    for repeat in range(repeats):
-        order = list(contenders) if repeat % 2 == 0 else list(contenders)[::-1]
-        for name in order:
-            start = time.perf_counter()
-            loss = contenders[name]()
-            _sync(trainer.device)
-            seconds[name].append((time.perf_counter() - start) / steps)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"{name}: non-finite loss {loss.item()}; lower the learning rate")
-    step_s = {name: statistics.median(values) for name, values in seconds.items()}
+    step_s = median_step_seconds(contenders, trainer.device, repeats, steps)
     batch = trainer.local_batch
     return {
         "loop": loop,
@@ -217,9 +307,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed blocks per contender")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
     parser.add_argument("--warmup", type=int, default=2, help="untimed blocks per contender first")
+    parser.add_argument(
+        "--heads", help="compare the bare step of these model.head values instead, e.g. linear,mldecoder,csra"
+    )
+    parser.add_argument("--classes", type=int, default=80, help="outputs of the heads compared by --heads")
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     # Anything the trainer prints goes to stderr: stdout holds the JSON line only.
     with contextlib.redirect_stdout(sys.stderr):
+        if args.heads:
+            heads = args.heads.split(",")
+            return run_heads(args.overrides, heads, args.classes, args.repeats, args.steps, args.warmup)
         return run(args.overrides, args.repeats, args.steps, args.warmup, args.loop)

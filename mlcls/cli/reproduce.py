@@ -5,6 +5,7 @@ mlcls-reproduce table7 --data-root /data --dry-run       # print the 6 sweeps an
 mlcls-reproduce table5 --launcher torchrun --nproc-per-node 4 --data-root /data
 mlcls-reproduce table7 --data-root /data hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1
 mlcls-reproduce all --smoke                               # every table's smoke sweep, on the CPU
+mlcls-reproduce presets --data-root /data --dry-run       # the field's recipes (docs/models.md), cost
 
 Arguments after the table name that are not options are Hydra overrides appended to every sweep.
 Sweeps are written to ``<sweep-dir>/<table>/<dataset or smoke>/<job>``; the rendered table to
@@ -24,6 +25,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from mlcls import config_dir
 from mlcls.cli.tables import failure, parse_pairs
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import write_table
@@ -32,11 +36,41 @@ from mlcls.reporting.sweeps import (
     SMOKE_STAND_INS,
     TRAIN_IMAGES_PER_S,
     Sweep,
+    dataset_root,
     describe,
+    run_gpu_hours,
     sweep_gpu_hours,
     table_sweeps,
 )
 from mlcls.reporting.table_specs import TABLE_NAMES, fill_table, table_spec
+
+# The presets beside the paper's tables (configs/experiment/, docs/models.md): one MS-COCO run each, whose
+# results.json is the outcome (no paper table to render).
+PRESETS = {
+    "mldecoder_coco": "ML-Decoder's COCO recipe: TResNet-L 448 px, ML-Decoder head, ASL",
+    "twoway_mldecoder_coco": "ML-Decoder's COCO recipe with the two-way loss",
+}
+# Training cost of TResNet-L at 448 px relative to ResNet-50 at 224 px, the unit of run_gpu_hours: 720 against
+# 300 training images/s at 224 px on a V100 (MIIL's ImageNet-21K model zoo), times 4 for 448^2 pixels. The
+# ML-Decoder head at 80 classes adds little to it (docs/performance.md, "Heads").
+TRESNET_L_448_COST = 720 / 300 * 4
+
+
+def preset_sweep(preset: str, roots: dict[str, str], data_root: Path | None) -> Sweep:
+    """The one-run sweep of ``preset`` on MS-COCO, at ``roots["coco"]`` or under ``data_root``."""
+    overrides = [f"experiment={preset}"]
+    if "coco" in roots:
+        overrides.append(f"dataset.root={roots['coco']}")
+    elif data_root is not None:
+        overrides.append(f"dataset.root={dataset_root('coco', data_root)}")
+    return Sweep(preset, "coco", tuple(overrides), "coco")
+
+
+def preset_gpu_hours(gpu: str) -> float:
+    """GPU-hours of one preset run: :func:`run_gpu_hours` of ResNet-50 on MS-COCO over the recipe's epochs,
+    times :data:`TRESNET_L_448_COST`."""
+    epochs = OmegaConf.load(config_dir() / "experiment" / "mldecoder_recipe.yaml").trainer.epochs
+    return run_gpu_hours("coco", "resnet50", gpu, epochs=epochs) * TRESNET_L_448_COST
 
 
 class SweepFailed(RuntimeError):
@@ -149,7 +183,11 @@ def parser() -> argparse.ArgumentParser:
         description="Run the Hydra sweeps of a paper table and render it beside the paper's numbers.",
         epilog="Other arguments are Hydra overrides appended to every sweep (e.g. hydra/launcher=...).",
     )
-    p.add_argument("table", help=f"the paper table to reproduce: {', '.join(TABLE_NAMES)} or all")
+    p.add_argument(
+        "table",
+        help=f"the paper table to reproduce: {', '.join(TABLE_NAMES)} or all; or a preset: "
+        f"{', '.join(PRESETS)} or presets",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny CPU version: embedded data, 2 cells per table")
     p.add_argument("--dry-run", action="store_true", help="print the sweeps and their cost, run nothing")
     p.add_argument(
@@ -167,6 +205,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_presets(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: Path) -> int:
+    """Print the run of each preset of ``args.table`` with its cost, then (without ``--dry-run``) run it."""
+    if args.smoke:
+        raise ReportError("the presets have no smoke version; drop --smoke (or use --dry-run)")
+    presets = list(PRESETS) if args.table == "presets" else [args.table]
+    sweeps = []
+    for preset in presets:
+        sweep = preset_sweep(preset, parse_roots(args.root), args.data_root)
+        sweep = dataclasses.replace(
+            sweep, overrides=(*sweep.overrides, *overrides), directory=sweep_dir / preset
+        )
+        sweeps.append(sweep)
+        hours = preset_gpu_hours(args.gpu)
+        print(f"# {preset}: {PRESETS[preset]}; 1 run, about {hours:.0f} {args.gpu} GPU-hours")
+        for command in sweep_commands(sweep, args.launcher, args.nproc_per_node):
+            print(shlex.join(command))
+    if args.dry_run:
+        return 0
+    for sweep in sweeps:
+        run_sweep(sweep, args.launcher, args.nproc_per_node)
+    print(f"# results in {sweep_dir}/<preset>/0/results.json")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parser().parse_known_args(argv)
     if args.nproc_per_node is None:
@@ -177,9 +239,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     stamp = f"{datetime.now():%Y-%m-%d_%H-%M-%S}{'_smoke' if args.smoke else ''}"
     sweep_dir = (args.sweep_dir or Path("multirun/reproduce") / stamp).absolute()
     try:
+        if args.table in (*PRESETS, "presets"):
+            return run_presets(args, overrides, sweep_dir)
         if args.table not in (*TABLE_NAMES, "all"):
             names = ", ".join(TABLE_NAMES)
-            raise ReportError(f"unknown table {args.table!r}; expected one of {names} or all")
+            presets = ", ".join(PRESETS)
+            raise ReportError(
+                f"unknown table {args.table!r}; expected one of {names} or all, "
+                f"or a preset: {presets} or presets"
+            )
         tables = list(TABLE_NAMES) if args.table == "all" else [args.table]
         roots = parse_roots(args.root)
         sweeps = plan(

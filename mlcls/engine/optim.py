@@ -9,7 +9,7 @@ the project's parameter-group keys, :data:`GROUP_KEYS`:
 - ``lr_head``, ``lr_backbone``: learning rates of the classifier head (``model.get_classifier()``) and of
   the rest of the network (the paper's 0.01 and 0.001, Sec. 4.1);
 - ``weight_decay``: decay of the weights; ``norm_weight_decay``: of the parameters of normalisation layers;
-  ``bias_weight_decay``: of the other 1-D ``bias`` parameters (null: same as ``weight_decay``, the paper's
+  ``bias_weight_decay``: of the other 1-D ``*bias`` parameters (null: same as ``weight_decay``, the paper's
   protocol; 0.0 excludes them from decay, the convention of torchvision's ``--norm-weight-decay``).
 
 These keys are taken out of the config before it is instantiated, as they are not keyword arguments of
@@ -21,7 +21,7 @@ made, so with null norm/bias decays there are two groups, head then backbone, as
 
 ``configs/sched/*.yaml`` are ``_partial_`` configs of a function called as
 ``target(optimizer, total_iters=N, **keys)`` that returns an LRScheduler stepped every iteration, such as
-:func:`cosine_schedule`.
+:func:`cosine_schedule` and :func:`onecycle_schedule`.
 """
 
 from __future__ import annotations
@@ -67,15 +67,16 @@ def is_norm_layer(module: nn.Module) -> bool:
 
 
 def parameter_kinds(model: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> kind``: "norm" (a normalisation layer's), "bias" (other 1-D parameters named
-    ``bias``) or "weight" (the rest)."""
+    """``id(parameter) -> kind``: "norm" (a normalisation layer's), "bias" (other 1-D parameters whose name
+    ends in ``bias``: ``bias``, ML-Decoder's ``duplicate_pooling_bias``, ViTs' ``q_bias``) or "weight" (the
+    rest)."""
     kinds: dict[int, str] = {}
     for module in model.modules():
         norm = is_norm_layer(module)
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in kinds:  # a shared parameter keeps the kind of its first owner
                 kinds[id(param)] = (
-                    "norm" if norm else "bias" if name == "bias" and param.ndim == 1 else "weight"
+                    "norm" if norm else "bias" if name.endswith("bias") and param.ndim == 1 else "weight"
                 )
     return kinds
 
@@ -186,6 +187,37 @@ def cosine_schedule(
         raise ValueError(f"min_lr_ratio={min_lr_ratio!r}; expected a number in [0, 1]")
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda it: cosine_factor(it, total_iters, warmup_iters, min_lr_ratio)
+    )
+
+
+def onecycle_schedule(
+    optimizer: torch.optim.Optimizer,
+    total_iters: int,
+    pct_start: float = 0.3,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1.0e4,
+    anneal_strategy: str = "cos",
+    cycle_momentum: bool = True,
+) -> torch.optim.lr_scheduler.OneCycleLR:
+    """torch's ``OneCycleLR`` over ``total_iters`` iterations, stepped every iteration, peaking at each
+    group's lr (``lr_head``, ``lr_backbone``).
+
+    From ``lr / div_factor`` up to ``lr`` over the first ``pct_start`` of the iterations, then down to
+    ``lr / (div_factor x final_div_factor)`` (``anneal_strategy`` cos or linear); with ``cycle_momentum``
+    the momentum (Adam's beta1) moves the opposite way between 0.85 and 0.95, torch's defaults, as
+    ML-Decoder's recipe uses them.
+    """
+    if not isinstance(pct_start, (int, float)) or not 0.0 < pct_start < 1.0:
+        raise ValueError(f"pct_start={pct_start!r}; expected a number in (0, 1)")
+    return torch.optim.lr_scheduler.OneCycleLR(
+        optimizer,
+        max_lr=[group["lr"] for group in optimizer.param_groups],
+        total_steps=max(1, total_iters),
+        pct_start=pct_start,
+        div_factor=div_factor,
+        final_div_factor=final_div_factor,
+        anneal_strategy=anneal_strategy,
+        cycle_momentum=cycle_momentum,
     )
 
 

@@ -16,6 +16,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from torch import nn
 
 from mlcls.errors import ConfigError
+from mlcls.models.heads import HEADS, HeadedModel, create_head
 
 # Seconds the Hugging Face hub has to answer the one request that tells whether it can be reached.
 HUB_TIMEOUT = 10.0
@@ -29,8 +30,18 @@ def create_model(
     pretrained: bool = True,
     checkpoint_path: str | None = None,
     drop_rate: float = 0.0,
+    head: str = "linear",
+    num_groups: int = 100,
+    decoder_embedding: int = 768,
+    csra_heads: int = 1,
+    csra_lam: float = 0.1,
 ) -> nn.Module:
-    """Build timm model ``name`` with a freshly initialised ``num_classes``-way classifier.
+    """Build timm model ``name`` with a freshly initialised ``num_classes``-way classifier ``head``.
+
+    ``head="linear"`` is timm's own model (global pooling, dropout ``drop_rate``, fc). ``"mldecoder"``
+    (``num_groups`` queries, width ``decoder_embedding``) and ``"csra"`` (``csra_heads`` heads, ``csra_lam``)
+    sit on the backbone's unpooled features in a :class:`~mlcls.models.heads.HeadedModel`
+    (:mod:`mlcls.models.heads`); the other head's options are not used.
 
     With ``pretrained=True`` the ImageNet weights come from the local Hugging Face cache, else from the hub
     (:func:`pretrained_weights_file`); ``checkpoint_path`` loads a local weights file instead (for machines
@@ -38,6 +49,10 @@ def create_model(
     """
     if not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r}; see timm.list_models() for valid names")
+    if head not in HEADS:
+        raise ConfigError(f"model.head={head!r}; expected one of {', '.join(HEADS)}")
+    if drop_rate and head != "linear":
+        raise ConfigError(f"model.drop_rate={drop_rate} applies to the linear head only; set it to 0.0")
     kwargs: dict = {"num_classes": num_classes, "drop_rate": drop_rate}
     if checkpoint_path:
         path = Path(checkpoint_path).expanduser()
@@ -49,7 +64,16 @@ def create_model(
         weights = pretrained_weights_file(name)
         if weights is not None:
             kwargs["pretrained_cfg_overlay"] = {"file": weights}
-    return timm.create_model(name, pretrained=pretrained, **kwargs)
+    if head == "linear":
+        return timm.create_model(name, pretrained=pretrained, **kwargs)
+    options = (
+        {"num_groups": num_groups, "embed_dim": decoder_embedding}
+        if head == "mldecoder"
+        else {"num_heads": csra_heads, "lam": csra_lam}
+    )
+    kwargs.update(num_classes=0, global_pool="")
+    backbone = timm.create_model(name, pretrained=pretrained, **kwargs)
+    return HeadedModel(backbone, create_head(head, backbone.num_features, num_classes, **options))
 
 
 def pretrained_weights_file(name: str) -> str | None:

@@ -1,0 +1,62 @@
+"""Classifier heads on a timm backbone's features: ``linear`` (timm's global pooling + fc, the paper's),
+``mldecoder`` (:mod:`.mldecoder`) and ``csra`` (:mod:`.csra`).
+
+The non-linear heads take the backbone's unpooled output, a (B, D, H, W) map or (B, N, D) tokens, so the
+backbone is built without its classifier (``num_classes=0, global_pool=''``) and wrapped with the head in
+:class:`HeadedModel`, whose ``get_classifier()`` is the head (the optimizer's ``head`` parameter group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mlcls.models.heads.csra import CSRA
+from mlcls.models.heads.mldecoder import MLDecoder
+
+HEADS = ("linear", "mldecoder", "csra")
+
+
+def create_head(head: str, in_features: int, num_classes: int, **options: Any) -> nn.Module:
+    """The ``head`` module (``mldecoder`` or ``csra``) over ``in_features`` channels with its ``options``
+    (:class:`MLDecoder`'s ``num_groups``, ``embed_dim``; :class:`CSRA`'s ``num_heads``, ``lam``)."""
+    if head == "mldecoder":
+        return MLDecoder(in_features, num_classes, **options)
+    if head == "csra":
+        return CSRA(in_features, num_classes, **options)
+    raise ValueError(f"model.head={head!r}; expected one of {', '.join(HEADS)}")
+
+
+class HeadedModel(nn.Module):
+    """A timm backbone without classifier and a head: ``forward(images (B, 3, H, W)) -> logits (B, C)``."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        # timm models such as Swin give channels-last maps (B, H, W, D); the heads take (B, D, H, W)
+        self.channels_last_features = getattr(backbone, "output_fmt", "NCHW") == "NHWC"
+
+    @property
+    def pretrained_cfg(self) -> dict[str, Any]:
+        """The backbone's timm ``pretrained_cfg`` (input size, mean, std)."""
+        return self.backbone.pretrained_cfg
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """The backbone's unpooled features, (B, D, H', W') or tokens (B, N, D)."""
+        features = self.backbone.forward_features(images)
+        if self.channels_last_features and features.ndim == 4:
+            features = features.permute(0, 3, 1, 2)
+        return features
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.forward_features(images))
+
+    def get_classifier(self) -> nn.Module:
+        """The head module, whose ``state_dict()`` has the released module's keys."""
+        return self.head
+
+
+__all__ = ["CSRA", "HEADS", "HeadedModel", "MLDecoder", "create_head"]
