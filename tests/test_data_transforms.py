@@ -174,6 +174,7 @@ def test_datasets_normalise_with_their_config_keys() -> None:
         (IMAGENET_MEAN, [0.2, 0, 0.2], r"dataset.std=\[0.2, 0, 0.2\]; expected 3 numbers > 0 \(R, G, B\)$"),
         (IMAGENET_MEAN, [0.2, -1, 0.2], r"dataset.std=\[0.2, -1, 0.2\]; expected 3 numbers > 0"),
         (IMAGENET_MEAN, [1, 1, 1, 1], r"dataset.std=\[1, 1, 1, 1\]; expected 3 numbers > 0"),
+        (IMAGENET_MEAN, [1] * 10_000, r"dataset.std=\[(1, ){18}1,\.\.\.; expected 3 numbers > 0"),
     ],
 )
 def test_bad_mean_or_std_is_a_one_line_config_error_everywhere(mean, std, message) -> None:

@@ -139,7 +139,8 @@ def normalisation(
         )
         if not valid or (key == "std" and min(numbers) <= 0):
             expected = "3 numbers > 0 (R, G, B)" if key == "std" else "3 numbers (R, G, B)"
-            raise ConfigError(f"{owner}.{key}={value!r}; expected {expected}")
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."  # a file's value
+            raise ConfigError(f"{owner}.{key}={shown}; expected {expected}")
         checked.append(tuple(float(v) for v in numbers))
     return checked[0], checked[1]
 
