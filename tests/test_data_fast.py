@@ -40,6 +40,13 @@ from mlcls.data.pipeline.transforms import (
 from mlcls.data.pipeline.transforms import build_transform as plain_transform
 
 SIZE = 64
+# ``dataset.mean`` / ``dataset.std`` pairs: ImageNet's (the default), none ([0, 1] pixels, the ML-Decoder
+# presets') and one with a different value per channel.
+NORMALISATIONS = {
+    "imagenet": (IMAGENET_MEAN, IMAGENET_STD),
+    "none": ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0)),
+    "custom": ((0.5, 0.25, 0.0), (0.5, 0.25, 1.0)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,30 +59,43 @@ def ramp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_ramp(tmp_path_factory.mktemp("ramp"))
 
 
-def fast_output(transform: FastTrainTransform, path: Path, seed: int) -> tuple[torch.Tensor, PlannedCrop]:
-    """Fast pipeline under ``seed``: CPU stage (reduced-scale decoding), then the device stage on the CPU."""
+def fast_output(
+    transform: FastTrainTransform, path: Path, seed: int, stage: DeviceStage | None = None
+) -> tuple[torch.Tensor, PlannedCrop]:
+    """Fast pipeline under ``seed``: CPU stage (reduced-scale decoding), then the device stage on the CPU
+    (``stage``, default ImageNet's normalisation)."""
     torch.manual_seed(seed)
     planned = transform.decode(str(path))
     sample = transform(planned)
-    return DeviceStage("cpu")(collate_batch([sample]))[0], planned
+    stage = DeviceStage("cpu") if stage is None else stage
+    return stage(collate_batch([sample]))[0], planned
 
 
-def test_same_seed_gives_the_plain_pipelines_image_and_statistics(jpegs):
+@pytest.mark.parametrize("normalisation", ["imagenet", "custom"])
+def test_same_seed_gives_the_plain_pipelines_image_and_statistics(jpegs, normalisation):
     """Under one seed both pipelines draw the same crop, flip, jitter order and factors and lighting: the
     outputs differ only by PIL's uint8 rounding in ColorJitter and, for large crops, the DCT-scaled decode.
-    Hence per-channel means and standard deviations over all outputs agree closely."""
-    plain = plain_transform("paper", SIZE, train=True)
-    fast = FastTrainTransform(SIZE)
+    Hence per-channel means and standard deviations over all outputs agree closely. With the dataset's
+    ``mean`` and ``std`` given to both (``build_backend_transform`` and the trainer's ``DeviceStage``), the
+    device stage normalises as the plain transform does; the differences are compared in units of ImageNet's
+    normalised pixels, so that the tolerances below hold for any ``std``."""
+    mean, std = NORMALISATIONS[normalisation]
+    plain = build_backend_transform("torchvision", "paper", SIZE, train=True, mean=mean, std=std)
+    fast = build_backend_transform("fast", "paper", SIZE, train=True, mean=mean, std=std)
+    stage = DeviceStage("cpu", mean=mean, std=std)
     expected, got, reduced = [], [], 0
     for path, seed in itertools.product(jpegs, range(16)):
         torch.manual_seed(seed)
         with Image.open(path) as img:
             expected.append(plain(img.convert("RGB")))
-        output, planned = fast_output(fast, path, seed)
+        output, planned = fast_output(fast, path, seed, stage)
         got.append(output)
         reduced += isinstance(planned.image, Image.Image)
     assert reduced >= 4, "no sample exercised the reduced-scale decoding"
-    expected_stack, got_stack = torch.stack(expected), torch.stack(got)
+    # (x - mean) / std -> (x - ImageNet mean) / ImageNet std: an exact affine map, the same for both.
+    scale = (torch.tensor(std) / torch.tensor(IMAGENET_STD)).view(1, 3, 1, 1)
+    shift = ((torch.tensor(mean) - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)).view(1, 3, 1, 1)
+    expected_stack, got_stack = (torch.stack(images) * scale + shift for images in (expected, got))
     assert got_stack.shape == expected_stack.shape == (64, 3, SIZE, SIZE)
     # One uint8 level is 1 / (255 * 0.225) = 0.017 after normalisation; a different crop or flip gives > 0.3.
     per_image = (got_stack - expected_stack).abs().mean((1, 2, 3))
@@ -212,8 +232,11 @@ def test_draft_reduction_keeps_at_least_the_output_size():
     assert draft_reduction(5000, 5000, 224) == 8
 
 
-def _reference_device_stage(pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """torchvision functional ops, one image at a time, in each image's order."""
+def _reference_device_stage(
+    pixels: torch.Tensor, params: torch.Tensor, mean: tuple = IMAGENET_MEAN, std: tuple = IMAGENET_STD
+) -> torch.Tensor:
+    """torchvision functional ops, one image at a time, in each image's order, normalised by ``mean`` and
+    ``std``."""
     adjust = {0: TF.adjust_brightness, 1: TF.adjust_contrast, 2: TF.adjust_saturation}
     out = []
     for image, p in zip(pixels, params, strict=True):
@@ -221,12 +244,16 @@ def _reference_device_stage(pixels: torch.Tensor, params: torch.Tensor) -> torch
         for code in p[:3].long().tolist():  # the factors are stored as (brightness, contrast, saturation)
             x = adjust[code](x, p[3 + code].item())
         x = x + (IMAGENET_PCA_EIGVEC @ (p[6:9] * IMAGENET_PCA_EIGVAL))[:, None, None]
-        out.append(TF.normalize(x, IMAGENET_MEAN, IMAGENET_STD))
+        out.append(TF.normalize(x, mean, std))
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("normalisation", list(NORMALISATIONS))
 @pytest.mark.parametrize("batched", [True, False])
-def test_device_stage_equals_torchvision_functional_ops(batched):
+def test_device_stage_equals_torchvision_functional_ops(batched, normalisation):
+    """:func:`colour_lighting_normalise` with the constants of a ``DeviceStage`` of the dataset's mean and
+    std, against torchvision's functional ops and ``TF.normalize`` of the same mean and std."""
+    mean, std = NORMALISATIONS[normalisation]
     generator = torch.Generator().manual_seed(0)
     orders = list(itertools.permutations(range(3)))
     batch = 2 * len(orders)
@@ -240,9 +267,10 @@ def test_device_stage_equals_torchvision_functional_ops(batched):
         ],
         dim=1,
     )
-    got = colour_lighting_normalise(pixels, params, batched=batched)
+    constants = DeviceStage("cpu", mean=mean, std=std).constants
+    got = colour_lighting_normalise(pixels, params, constants, batched=batched)
     assert got.dtype == torch.float32 and got.shape == (batch, 3, 12, 10)
-    torch.testing.assert_close(got, _reference_device_stage(pixels, params), atol=2e-5, rtol=0)
+    torch.testing.assert_close(got, _reference_device_stage(pixels, params, mean, std), atol=2e-5, rtol=0)
 
 
 def test_device_stage_copies_plain_tensors_and_sets_the_memory_format():
@@ -256,6 +284,9 @@ def test_device_stage_copies_plain_tensors_and_sets_the_memory_format():
     assert contiguous.is_contiguous() and channels_last.is_contiguous(memory_format=torch.channels_last)
     expected = (-torch.tensor(IMAGENET_MEAN) / torch.tensor(IMAGENET_STD)).view(1, 3, 1, 1).expand(2, 3, 8, 8)
     torch.testing.assert_close(contiguous, expected)
+    # Black pixels, identity jitter, no lighting: (0 - mean) / std per channel, for the stage's mean and std.
+    custom = DeviceStage("cpu", mean=[0.5, 0.25, 0.0], std=[0.5, 0.125, 1.0])(batch)
+    assert torch.equal(custom, torch.tensor([-1.0, -2.0, 0.0]).view(1, 3, 1, 1).expand(2, 3, 8, 8))
 
 
 def test_build_backend_transform_chooses_per_backend():

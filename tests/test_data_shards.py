@@ -351,6 +351,14 @@ def test_order_and_resume_do_not_depend_on_the_workers_the_cpus_allow(packed: Pa
     assert keys_on(1, start=3 * 8) == full[3:]
 
 
+def test_shard_sets_normalise_with_the_config_mean_and_std(packed: Path) -> None:
+    """``dataset.mean`` and ``dataset.std`` reach the transform each split of the shards names."""
+    for split in ("train", "val"):
+        dataset = open_shards(split, root=str(packed), transform="light", mean=[0, 0, 0], std=[1, 2, 4])
+        normalize = dataset.transform.transforms[-1]
+        assert (list(normalize.mean), list(normalize.std)) == ([0.0, 0.0, 0.0], [1.0, 2.0, 4.0]), split
+
+
 def test_shard_urls_not_in_the_manifest_are_one_line(packed: Path) -> None:
     from mlcls.data import DatasetError
 

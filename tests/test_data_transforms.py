@@ -1,6 +1,7 @@
 """The ``strong`` recipe: CutoutPIL's rectangle, timm's RandAugment as configured, a squash-resize for
 evaluation, and an augmentation that is a function of the sample's seed on the ``torchvision`` and ``fast``
-backends (exact resume); ``dali`` refuses it."""
+backends (exact resume); ``dali`` refuses it. The normalisation of every transform: ``dataset.mean`` and
+``dataset.std``, checked."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import torch
 from data_fixtures import PhotoFiles, write_photos
 from PIL import Image
 
-from mlcls.data import DatasetConfigError
+from mlcls.data import DatasetConfigError, build_dataset
 from mlcls.data.loader import build_train_loader
-from mlcls.data.pipeline.fast import build_backend_transform
+from mlcls.data.pipeline.fast import DeviceStage, build_backend_transform
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, CutoutPIL, build_transform
 from mlcls.data.sampling import seeded_call
+from mlcls.errors import ConfigError
+from mlcls.inference import preprocess_spec
 
 SIZE = 48
 GREY = (128, 128, 128)
@@ -116,3 +119,81 @@ def test_dali_refuses_strong(jpegs: list[Path]) -> None:
     dataset = PhotoFiles(jpegs, build_backend_transform("dali", "strong", SIZE, train=True))
     with pytest.raises(DatasetConfigError, match="dali does the paper's augmentation only"):
         build_train_loader(dataset, 2, 0, 0, 1, 3, torch.device("cpu"), backend="dali")
+
+
+# The evaluation geometry of a 150 x 90 image at SIZE 48, from torchvision's documented rules: ``paper``
+# resizes the shorter side to round(48 / 0.875) = 55 (the longer to int(55 * 150 / 90) = 91), then crops
+# 48 x 48 at (round(43 / 2), round(7 / 2)) = (22, 4); ``light`` and ``strong`` squash to 48 x 48.
+EVAL_GEOMETRY = {
+    "paper": ((91, 55), (22, 4, 70, 52)),
+    "light": ((SIZE, SIZE), None),
+    "strong": ((SIZE, SIZE), None),
+}
+
+
+@pytest.mark.parametrize("kind", ["paper", "light", "strong"])
+def test_eval_transform_with_mean_0_and_std_1_gives_the_pixels_over_255(kind: str) -> None:
+    """``dataset.mean=[0,0,0] dataset.std=[1,1,1]`` (the ML-Decoder presets): the network sees the resized
+    pixels scaled to [0, 1], exactly, against PIL's resize and NumPy's division."""
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (90, 150, 3), dtype=np.uint8))
+    resized_size, crop = EVAL_GEOMETRY[kind]
+    resized = image.resize(resized_size, Image.Resampling.BILINEAR)
+    pixels = np.asarray(resized.crop(crop) if crop else resized, dtype=np.float32) / np.float32(255)
+    out = build_transform(kind, SIZE, train=False, mean=[0, 0, 0], std=[1, 1, 1])(image)
+    assert out.dtype == torch.float32 and out.shape == (3, SIZE, SIZE)
+    assert torch.equal(out, torch.from_numpy(pixels).permute(2, 0, 1))
+    assert float(out.min()) >= 0.0 and float(out.max()) <= 1.0
+
+
+def test_datasets_normalise_with_their_config_keys() -> None:
+    """``dataset.mean`` / ``dataset.std`` of a composed config reach the transform a plain ``instantiate``
+    builds (the base class) and the one ``build_dataset`` builds; a config without them (a checkpoint's of
+    before the keys) normalises as ImageNet."""
+    from conftest import compose_config
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    sizes = ["dataset.val_size=2", "dataset.train_size=2"]
+    cfg = compose_config(["dataset=synthetic", "dataset.mean=[0.5,0.25,0]", "dataset.std=[0.5,2,1]", *sizes])
+    cfg = cfg.dataset
+    for dataset in (instantiate(cfg, split="train"), build_dataset(cfg, train=False)):
+        normalize = dataset.transform.transforms[-1]
+        assert (list(normalize.mean), list(normalize.std)) == ([0.5, 0.25, 0.0], [0.5, 2.0, 1.0])
+    old = {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("mean", "std")}
+    normalize = build_dataset(old, train=False).transform.transforms[-1]
+    assert (tuple(normalize.mean), tuple(normalize.std)) == (IMAGENET_MEAN, IMAGENET_STD)
+
+
+@pytest.mark.parametrize(
+    ("mean", "std", "message"),
+    [
+        ([0.5, 0.5], IMAGENET_STD, r"dataset.mean=\[0.5, 0.5\]; expected 3 numbers \(R, G, B\)$"),
+        ("0.5", IMAGENET_STD, r"dataset.mean='0.5'; expected 3 numbers"),
+        ([0.5, "x", 0.5], IMAGENET_STD, r"dataset.mean=\[0.5, 'x', 0.5\]; expected 3 numbers"),
+        ([0.5, float("nan"), 0.5], IMAGENET_STD, r"dataset.mean=\[0.5, nan, 0.5\]; expected 3 numbers"),
+        (IMAGENET_MEAN, [0.2, 0, 0.2], r"dataset.std=\[0.2, 0, 0.2\]; expected 3 numbers > 0 \(R, G, B\)$"),
+        (IMAGENET_MEAN, [0.2, -1, 0.2], r"dataset.std=\[0.2, -1, 0.2\]; expected 3 numbers > 0"),
+        (IMAGENET_MEAN, [1, 1, 1, 1], r"dataset.std=\[1, 1, 1, 1\]; expected 3 numbers > 0"),
+        (IMAGENET_MEAN, [1] * 10_000, r"dataset.std=\[(1, ){18}1,\.\.\.; expected 3 numbers > 0"),
+    ],
+)
+def test_bad_mean_or_std_is_a_one_line_config_error_everywhere(mean, std, message) -> None:
+    """The torchvision transforms, the fast pipeline's device stage, ``build_dataset`` (before any image is
+    read) and the preprocess spec of predict and export all refuse it, with the same line."""
+    synthetic = {
+        "_target_": "mlcls.data.datasets.synthetic.SyntheticMultiLabel",
+        "image_size": 8,
+        "val_size": 1,
+        "mean": mean,
+        "std": std,
+    }
+    for build in (
+        lambda: build_transform("paper", SIZE, train=False, mean=mean, std=std),
+        lambda: build_backend_transform("fast", "paper", SIZE, train=True, mean=mean, std=std),
+        lambda: DeviceStage("cpu", mean=mean, std=std),
+        lambda: build_dataset(synthetic, train=False),
+        lambda: preprocess_spec({"image_size": SIZE, "mean": mean, "std": std}),
+    ):
+        with pytest.raises(ConfigError, match=message) as error:
+            build()
+        assert "\n" not in str(error.value)

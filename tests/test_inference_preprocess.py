@@ -6,9 +6,11 @@ import json
 
 import pytest
 import torch
+from conftest import compose_config
 from PIL import Image
 
-from mlcls.data.pipeline.transforms import build_transform
+from mlcls.data import build_dataset
+from mlcls.errors import ConfigError
 from mlcls.inference import InferenceError, build_eval_transform, preprocess_spec, spec_from_checkpoint
 from mlcls.inference.preprocess import input_size
 
@@ -20,14 +22,29 @@ def photo(width: int, height: int) -> Image.Image:
     return Image.fromarray(pixels.numpy())
 
 
+# Command-line overrides of the dataset's normalisation: none (ImageNet's) and a non-default one.
+NORMALISATIONS = {
+    "imagenet": ([], [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+    "custom": (["dataset.mean=[0.5,0.25,0]", "dataset.std=[0.25,0.5,1]"], [0.5, 0.25, 0.0], [0.25, 0.5, 1.0]),
+}
+
+
+@pytest.mark.parametrize("normalisation", list(NORMALISATIONS))
 @pytest.mark.parametrize(
     ("kind", "size"),
     [("paper", 224), ("paper", 32), ("light", 64), ("light", 37), ("strong", 64), ("strong", 37)],
 )
-def test_spec_transform_equals_the_dataset_eval_transform(kind, size):
-    spec = preprocess_spec({"transform": kind, "image_size": size, "name": "x", "root": "/data"})
+def test_spec_transform_equals_the_dataset_eval_transform(kind, size, normalisation):
+    """mlcls-predict's and the ONNX export's preprocessing (the spec the trainer stores, rebuilt by
+    ``build_eval_transform``) is the evaluation transform ``build_dataset`` gives the same dataset config,
+    its ``dataset.mean`` and ``dataset.std`` included."""
+    overrides, mean, std = NORMALISATIONS[normalisation]
+    size_keys = [f"dataset.transform={kind}", f"dataset.image_size={size}", "dataset.val_size=1"]
+    dataset_cfg = compose_config(["dataset=synthetic", *size_keys, *overrides]).dataset
+    spec = preprocess_spec(dataset_cfg)
     assert json.loads(json.dumps(spec)) == spec  # JSON-ready: stored in checkpoints and export metadata
-    rebuilt, reference = build_eval_transform(spec), build_transform(kind, size, train=False)
+    assert (spec["mean"], spec["std"]) == (mean, std)
+    rebuilt, reference = build_eval_transform(spec), build_dataset(dataset_cfg, train=False).transform
     for image in (photo(300, 200), photo(50, 90)):
         out = rebuilt(image)
         assert out.shape == (3, size, size) and input_size(spec) == (size, size)
@@ -68,3 +85,5 @@ def test_bad_specs_are_one_line_errors():
         spec_from_checkpoint({"model": {}})
     with pytest.raises(InferenceError, match="lacks crop"):
         build_eval_transform({k: v for k, v in preprocess_spec({"image_size": 32}).items() if k != "crop"})
+    with pytest.raises(ConfigError, match=r"^preprocess.std=\[1, 0, 1\]; expected 3 numbers > 0"):
+        build_eval_transform({**preprocess_spec({"image_size": 32}), "std": [1, 0, 1]})  # from a checkpoint

@@ -3,10 +3,11 @@ is, the split added: ``hydra.utils.instantiate(cfg.dataset, split=cfg.dataset.tr
 
 Besides the class's own arguments (``root``, ``year``, ...), every dataset config holds the keys the rest of
 mlcls reads: ``name`` (short name), ``image_size`` (network input side), ``transform`` (a transform name of
-:mod:`mlcls.data.pipeline.transforms`), ``train_split`` and ``val_split`` (the ``split`` values of training
-and
-evaluation). The base class :class:`MultiLabelDataset` takes them as arguments (each subclass passes them on
-with ``**config_keys``) and builds the named transform for its split. Chosen over the alternatives because
+:mod:`mlcls.data.pipeline.transforms`), ``mean`` and ``std`` (the input normalisation, 3 numbers each,
+ImageNet's in every config: absent, as in a checkpoint's config of before the keys, they default to it),
+``train_split`` and ``val_split`` (the ``split`` values of training and evaluation). The base class
+:class:`MultiLabelDataset` takes them as arguments (each subclass passes them on with ``**config_keys``)
+and builds the named transform for its split. Chosen over the alternatives because
 it keeps every key path users type (``dataset.root``, ``dataset.image_size``, ...), keeps ``_target_``
 pointing straight at the dataset class, and a plain ``instantiate`` gives a working dataset; a misspelt key
 still fails as an unexpected argument. (``_partial_`` would not remove the keys: Hydra passes every key of
@@ -82,7 +83,8 @@ def build_dataset(
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if not isinstance(cfg, dict) else cfg
     cfg = OmegaConf.create(cfg)
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
-    transform = build_backend_transform(backend, cfg.get("transform", "paper"), int(cfg.image_size), train)
+    kind, size = cfg.get("transform", "paper"), int(cfg.image_size)
+    transform = build_backend_transform(backend, kind, size, train, cfg.get("mean"), cfg.get("std"))
     try:
         return instantiate(cfg, split=split, transform=transform, _convert_="all")
     except InstantiationException as exc:

@@ -113,7 +113,9 @@ class Trainer:
         # The dynamic loss scale of fp16 (disabled otherwise: scale 1); step_if_finite skips non-finite steps.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == "fp16")
         # Copies each batch to the device and finishes the fast pipeline there (colour, lighting, normalise).
-        self.device_stage = DeviceStage(self.device, self.channels_last)
+        self.device_stage = DeviceStage(
+            self.device, self.channels_last, mean=self.preprocess["mean"], std=self.preprocess["std"]
+        )
         self._nonfinite = NonFiniteCounter(self.device, tcfg.max_nonfinite)
         self.signals = StopSignals(self.dist.distributed)
 

@@ -8,8 +8,9 @@ input tensor -- exactly the evaluation transform of :mod:`mlcls.data.pipeline.tr
 
 Applied in this order: decode as RGB -> ``Resize(resize)`` (an int resizes the shorter side keeping the
 aspect ratio, ``[h, w]`` resizes to exactly that size) -> ``CenterCrop(crop)`` unless ``crop`` is null ->
-scale pixels to [0, 1] -> subtract ``mean`` and divide by ``std`` per RGB channel. The network input is a
-float32 (B, 3, H, W) tensor with ``(H, W)`` = :func:`input_size`.
+scale pixels to [0, 1] -> subtract ``mean`` and divide by ``std`` per RGB channel (the dataset config's
+``dataset.mean`` and ``dataset.std``). The network input is a float32 (B, 3, H, W) tensor with ``(H, W)`` =
+:func:`input_size`.
 
 The trainer stores the spec in every checkpoint under ``"preprocess"``; checkpoints written before that are
 read through :func:`spec_from_checkpoint`, which derives it from the checkpoint's dataset config.
@@ -22,13 +23,7 @@ from typing import Any
 
 from torchvision import transforms as T
 
-from mlcls.data.pipeline.transforms import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    SQUASH_EVAL_KINDS,
-    TRANSFORM_KINDS,
-    eval_resize,
-)
+from mlcls.data.pipeline.transforms import SQUASH_EVAL_KINDS, TRANSFORM_KINDS, eval_resize, normalisation
 from mlcls.inference.errors import InferenceError
 
 SPEC_KEYS = ("transform", "image_size", "resize", "crop", "interpolation", "mean", "std")
@@ -39,7 +34,8 @@ def preprocess_spec(dataset_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
     Args:
         dataset_cfg: a dataset config (DictConfig or dict) with ``image_size`` and optionally ``transform``
-            (default ``"paper"``, as in :func:`mlcls.data.build_dataset`).
+            (default ``"paper"``, as in :func:`mlcls.data.build_dataset`), ``mean`` and ``std`` (default
+            ImageNet's; checked by :func:`mlcls.data.pipeline.transforms.normalisation`).
 
     Returns:
         A dict with the keys :data:`SPEC_KEYS` (lists, ints and strings only: JSON-ready).
@@ -54,14 +50,15 @@ def preprocess_spec(dataset_cfg: Mapping[str, Any]) -> dict[str, Any]:
         resize, crop = [size, size], None
     else:
         resize, crop = eval_resize(size), size
+    mean, std = normalisation(dataset_cfg.get("mean"), dataset_cfg.get("std"))
     return {
         "transform": kind,
         "image_size": size,
         "resize": resize,
         "crop": crop,
         "interpolation": "bilinear",
-        "mean": list(IMAGENET_MEAN),
-        "std": list(IMAGENET_STD),
+        "mean": list(mean),
+        "std": list(std),
     }
 
 
@@ -97,7 +94,7 @@ def build_eval_transform(spec: Mapping[str, Any]) -> Callable:
     steps: list[Callable] = [T.Resize(resize, interpolation=interpolation)]
     if spec["crop"] is not None:
         steps.append(T.CenterCrop(spec["crop"]))
-    steps += [T.ToTensor(), T.Normalize(spec["mean"], spec["std"])]
+    steps += [T.ToTensor(), T.Normalize(*normalisation(spec["mean"], spec["std"], owner="preprocess"))]
     return T.Compose(steps)
 
 

@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from mlcls.data.pipeline.transforms import build_transform
+from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform
 
 ON_BAD_IMAGE = ("error", "skip")
 # What PIL raises for a missing, unidentifiable, truncated or oversized image file.
@@ -181,12 +181,15 @@ class MultiLabelDataset(Dataset):
         transform: applied to the PIL image; or the name of a transform of
             :func:`mlcls.data.pipeline.transforms.build_transform` (``dataset.transform``: ``paper``,
             ``light``, ``strong``), built
-            at ``image_size`` for training when ``split == train_split``, else for evaluation.
+            at ``image_size`` for training when ``split == train_split``, else for evaluation, normalised
+            with ``mean`` and ``std``.
         on_bad_image: ``"error"`` or ``"skip"`` (see the module docstring).
         split: the split this dataset serves (checked by the subclass).
         name: the dataset's short name (``dataset.name``, in results and reports).
         image_size: the network's input side (``dataset.image_size``).
         train_split, val_split: the splits training and evaluation use (``dataset.train_split``, ...).
+        mean, std: the per-channel (R, G, B) normalisation ``(x - mean) / std`` of [0, 1] pixels
+            (``dataset.mean``, ``dataset.std``; ImageNet's by default), for a transform named here.
     """
 
     classes: list[str]
@@ -201,11 +204,13 @@ class MultiLabelDataset(Dataset):
         image_size: int = 224,
         train_split: str = "train",
         val_split: str = "val",
+        mean: Sequence[float] | None = IMAGENET_MEAN,
+        std: Sequence[float] | None = IMAGENET_STD,
     ) -> None:
         self.name, self.image_size = name, int(image_size)
         self.train_split, self.val_split = train_split, val_split
         if isinstance(transform, str):
-            transform = build_transform(transform, self.image_size, train=split == train_split)
+            transform = build_transform(transform, self.image_size, split == train_split, mean, std)
         self.transform = transform
         self.on_bad_image = check_choice("on_bad_image", on_bad_image, ON_BAD_IMAGE)
 

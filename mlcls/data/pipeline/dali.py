@@ -13,8 +13,8 @@ Division of work, chosen so that the augmentation stays a function of each sampl
   ``size`` x ``size`` (linear, antialiased) and flips it: uint8 (B, S, S, 3) on the GPU, handed on as a
   (B, 3, S, S) view. The same graph runs with CPU operators (``_build_pipeline(..., device="cpu")``), which
   is how the tests check it without a GPU;
-* :class:`mlcls.data.pipeline.fast.DeviceStage` applies colour jitter, lighting and normalisation as for
-  ``fast``.
+* :class:`mlcls.data.pipeline.fast.DeviceStage` applies colour jitter, lighting and normalisation (the
+  trainer's stage, with ``dataset.mean`` and ``dataset.std``) as for ``fast``.
 
 No DALI random operator is used, so a resumed run sees exactly the batches it would have seen. The workers
 read each file through the dataset's reading path, so ``dataset.on_bad_image`` applies as with the other

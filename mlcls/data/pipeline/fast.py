@@ -3,7 +3,8 @@
 The same operations, in the same order and with the same parameter ranges, as ``build_transform("paper",
 size, train=True)`` of :mod:`mlcls.data.pipeline.transforms` (RandomResizedCrop -> flip -> ColorJitter(0.4,
 0.4,
-0.4) -> tensor -> PCA lighting 0.1 -> ImageNet normalisation), split in two stages:
+0.4) -> tensor -> PCA lighting 0.1 -> normalisation with ``dataset.mean`` and ``dataset.std``), split in two
+stages:
 
 * **CPU stage**, :class:`FastTrainTransform`, in the DataLoader worker: decode, crop-and-resize, flip; the
   image stays uint8 (3, H, W). The crop is chosen from the file's header; when it is at least 2, 4 or 8
@@ -53,6 +54,7 @@ from mlcls.data.pipeline.transforms import (
     IMAGENET_PCA_EIGVEC,
     IMAGENET_STD,
     build_transform,
+    normalisation,
 )
 
 BACKENDS = ("torchvision", "fast", "dali")
@@ -385,15 +387,24 @@ class DeviceStage:
 
     A float tensor (the plain pipeline, the ``light`` transform) is only copied; an
     :class:`AugmentedImage` batch goes through :func:`colour_lighting_normalise` with the stage's
-    :class:`ColourConstants`, made on ``device`` once, here. The result is in channels_last layout when
+    :class:`ColourConstants`, made on ``device`` once, here, with ``mean`` and ``std`` (the dataset config's
+    ``dataset.mean`` and ``dataset.std``, checked by :func:`mlcls.data.pipeline.transforms.normalisation`;
+    ImageNet's by default). The result is in channels_last layout when
     ``channels_last`` is set, contiguous otherwise. Copies are ``non_blocking`` (asynchronous from pinned
     memory); on CUDA nothing is read back to the host.
     """
 
-    def __init__(self, device: torch.device | str, channels_last: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device | str,
+        channels_last: bool = False,
+        *,
+        mean: Sequence[float] | None = IMAGENET_MEAN,
+        std: Sequence[float] | None = IMAGENET_STD,
+    ) -> None:
         self.device = torch.device(device)
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.constants = ColourConstants.on(self.device)
+        self.constants = ColourConstants.on(self.device, *normalisation(mean, std))
 
     def __call__(self, images: Tensor | AugmentedImage) -> Tensor:
         """float32 (B, 3, H, W) on ``device``, normalised."""
@@ -406,14 +417,24 @@ class DeviceStage:
         return images.contiguous(memory_format=self.memory_format)
 
 
-def build_backend_transform(backend: str, kind: str, image_size: int, train: bool) -> Callable:
+def build_backend_transform(
+    backend: str,
+    kind: str,
+    image_size: int,
+    train: bool,
+    mean: Sequence[float] | None = IMAGENET_MEAN,
+    std: Sequence[float] | None = IMAGENET_STD,
+) -> Callable:
     """The dataset transform of ``data.backend``: the fast CPU stage for the paper's training augmentation
-    with ``fast`` (and ``dali``, whose own loader replaces it for training JPEGs); the plain torchvision
-    transform of :func:`mlcls.data.pipeline.transforms.build_transform` otherwise (evaluation, ``light``,
-    ``strong``: with ``fast`` these run whole in the DataLoader workers, seeded per sample as on
-    ``torchvision``; ``dali`` trains the paper's augmentation only)."""
+    with ``fast`` (and ``dali``, whose own loader replaces it for training JPEGs; the :class:`DeviceStage`
+    normalises those batches); the plain torchvision transform of
+    :func:`mlcls.data.pipeline.transforms.build_transform` otherwise (evaluation, ``light``, ``strong``:
+    with ``fast`` these run whole in the DataLoader workers, seeded per sample as on ``torchvision``;
+    ``dali`` trains the paper's augmentation only), normalised with ``mean`` and ``std``. Both are checked
+    whichever transform it returns."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown data.backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    mean, std = normalisation(mean, std)
     if backend != "torchvision" and kind == "paper" and train:
         return FastTrainTransform(image_size)
-    return build_transform(kind, image_size, train)
+    return build_transform(kind, image_size, train, mean, std)

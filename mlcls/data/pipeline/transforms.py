@@ -1,7 +1,7 @@
 """Image transforms: the paper's training augmentation and the usual evaluation resize/crop.
 
 ``paper`` (Sec. 4.1 and the authors' code): train RandomResizedCrop(size) -> horizontal flip ->
-ColorJitter(0.4, 0.4, 0.4) -> tensor -> PCA lighting noise (AlexNet, std 0.1) -> ImageNet normalisation;
+ColorJitter(0.4, 0.4, 0.4) -> tensor -> PCA lighting noise (AlexNet, std 0.1) -> normalisation;
 eval Resize(size / 0.875) -> CenterCrop(size) -> tensor -> normalisation (224 -> Resize 256 + CenterCrop 224).
 
 ``light``: resize to ``size`` x ``size`` and a horizontal flip for training; for small synthetic images
@@ -9,11 +9,15 @@ whose objects a random crop would cut away.
 
 ``strong`` (the ASL / ML-Decoder training recipe): train squash-resize to ``size`` x ``size`` (aspect ratio
 not kept) -> :class:`CutoutPIL` (one rectangle of random colour, ``cutout_factor`` 0.5) -> timm's RandAugment
-(:data:`STRONG_RANDAUGMENT`, :func:`strong_randaugment`) -> tensor -> ImageNet normalisation (the released
-recipe feeds [0, 1] pixels to its own backbones; timm's backbones here expect ImageNet normalisation).
+(:data:`STRONG_RANDAUGMENT`, :func:`strong_randaugment`) -> tensor -> normalisation (the ML-Decoder presets
+set mean 0 and std 1: the released recipe feeds TResNet [0, 1] pixels).
 
 ``light`` and ``strong`` evaluate on a squash-resize to ``size`` x ``size`` without crop
 (:data:`SQUASH_EVAL_KINDS`) -> tensor -> normalisation.
+
+Normalisation is ``(x - mean) / std`` per RGB channel on [0, 1] pixels, with the dataset config's
+``dataset.mean`` and ``dataset.std`` (:func:`normalisation` checks them), ImageNet's by default;
+``mean: [0, 0, 0]``, ``std: [1, 1, 1]`` leaves the pixels in [0, 1].
 
 Randomness: ``paper``, ``light`` and :class:`CutoutPIL` draw from torch's CPU generator, timm's RandAugment
 from Python's ``random`` and NumPy's global generator; :func:`mlcls.data.sampling.seeded_call` seeds all
@@ -22,12 +26,16 @@ three per sample, so every transform here is a function of the sample's seed (ex
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from PIL import Image
 from timm.data.auto_augment import rand_augment_transform
 from torchvision import transforms as T
+
+from mlcls.errors import ConfigError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -116,17 +124,45 @@ def strong_randaugment(image_size: int) -> Callable:
     return rand_augment_transform(STRONG_RANDAUGMENT, hparams)
 
 
+def normalisation(
+    mean: Any = IMAGENET_MEAN, std: Any = IMAGENET_STD, owner: str = "dataset"
+) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """``(mean, std)`` as tuples of 3 floats (R, G, B), checked: each 3 finite numbers, every std > 0; else
+    a one-line :class:`ConfigError` naming ``{owner}.mean`` or ``{owner}.std``. ``None`` (a config written
+    before the keys existed) stands for ImageNet's."""
+    checked = []
+    for key, value, default in (("mean", mean, IMAGENET_MEAN), ("std", std, IMAGENET_STD)):
+        value = default if value is None else value
+        numbers = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else []
+        valid = len(numbers) == 3 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers
+        )
+        if not valid or (key == "std" and min(numbers) <= 0):
+            expected = "3 numbers > 0 (R, G, B)" if key == "std" else "3 numbers (R, G, B)"
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."  # a file's value
+            raise ConfigError(f"{owner}.{key}={shown}; expected {expected}")
+        checked.append(tuple(float(v) for v in numbers))
+    return checked[0], checked[1]
+
+
 def eval_resize(size: int) -> int:
     """Shorter-side resize before the center crop: 224 -> 256."""
     return int(round(size / 0.875))
 
 
-def build_transform(kind: str, image_size: int, train: bool) -> Callable:
+def build_transform(
+    kind: str,
+    image_size: int,
+    train: bool,
+    mean: Sequence[float] | None = IMAGENET_MEAN,
+    std: Sequence[float] | None = IMAGENET_STD,
+) -> Callable:
     """Return the torchvision transform ``kind`` (one of ``TRANSFORM_KINDS``) for training or evaluation:
-    PIL RGB image -> float32 (3, ``image_size``, ``image_size``), normalised."""
+    PIL RGB image -> float32 (3, ``image_size``, ``image_size``), normalised with ``mean`` and ``std``
+    (``dataset.mean``, ``dataset.std``; checked by :func:`normalisation`)."""
     if kind not in TRANSFORM_KINDS:
         raise ValueError(f"unknown transform {kind!r}; expected one of {', '.join(TRANSFORM_KINDS)}")
-    normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    normalize = T.Normalize(*normalisation(mean, std))
     if kind in SQUASH_EVAL_KINDS:
         steps: list[Callable] = [T.Resize((image_size, image_size))]
         if train and kind == "light":

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,7 @@ from mlcls.data.datasets.base import (
     check_choice,
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels, dense_row
-from mlcls.data.pipeline.transforms import build_transform
+from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform
 from mlcls.data.sampling import seeded_call
 from mlcls.data.shards.pack import IMAGE_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.shards.reader import (
@@ -170,11 +170,13 @@ class ShardTrainSet(SparseLabelled):
         image_size: int = 224,
         train_split: str = "train",
         val_split: str = "val",
+        mean: Sequence[float] | None = IMAGENET_MEAN,
+        std: Sequence[float] | None = IMAGENET_STD,
     ) -> None:
         self.name, self.image_size, self.split = name, int(image_size), "train"
         self.train_split, self.val_split = train_split, val_split
         self.transform = (
-            build_transform(transform, self.image_size, train=True)
+            build_transform(transform, self.image_size, True, mean, std)
             if isinstance(transform, str)
             else transform
         )
