@@ -165,8 +165,10 @@ def _contenders(
 def _measure(
     cfg: DictConfig, trainer: Trainer, repeats: int, steps: int, warmup: int, loop: str
 ) -> dict[str, Any]:
-    images, targets = synthetic_batch(trainer.local_batch, int(cfg.dataset.image_size), len(trainer.classes))
-    if trainer.cuda:
+    images, targets = synthetic_batch(
+        trainer.data.local_batch, int(cfg.dataset.image_size), len(trainer.classes)
+    )
+    if trainer.device.type == "cuda":
         images, targets = images.pin_memory(), targets.pin_memory()
     contenders = _contenders(trainer, bare_step_fn(cfg, trainer), (images, targets), steps, loop)
     trainer.ddp_model.train()
@@ -185,7 +187,7 @@ def _measure(
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"{name}: non-finite loss {loss.item()}; lower the learning rate")
     step_s = {name: statistics.median(values) for name, values in seconds.items()}
-    batch = trainer.local_batch
+    batch = trainer.data.local_batch
     return {
         "loop": loop,
         "trainer_images_per_s": batch / step_s["trainer"],
