@@ -39,7 +39,7 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny):
     straight = run(compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'a'}"]))
 
     cfg = compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'b'}"])
-    with pytest.raises(Preempted, match="at epoch 2, step 1; .* resume=auto"):
+    with pytest.raises(Preempted, match="at epoch 2, step 1; .*trainer.resume=auto"):
         _SignalAtStep(cfg).fit()
     state = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
     assert (state["epoch"], state["step"]) == (1, 1)  # stopped after step 4 = epoch 2, step 1
