@@ -17,6 +17,7 @@ from mlcls.cli.eval import evaluate_checkpoint
 from mlcls.cli.predict import run as predict_run
 from mlcls.cli.train import run as train_run
 from mlcls.engine.checkpoint import UntrustedCheckpointError, load_checkpoint, resave_plain, save_checkpoint
+from mlcls.engine.rundir import LOCK_NAME
 from mlcls.engine.state import rng_state, set_rng_state
 from mlcls.engine.trainer import Trainer
 from mlcls.engine.validate import ConfigError
@@ -101,6 +102,8 @@ def test_a_pickle_that_runs_code_is_refused_everywhere_with_one_line(tmp_path, t
     with pytest.raises(UntrustedCheckpointError, match="last.pt holds a"):
         Trainer(compose_config([*TINY, *QUICK, f"trainer.output_dir={run_dir}", "trainer.resume=auto"]))
     assert not marker.exists()
+    # the failed start releases the run directory and keeps its checkpoint
+    assert not (run_dir / LOCK_NAME).exists() and (run_dir / "checkpoints" / "last.pt").is_file()
 
     load_checkpoint(evil, trust=True)  # trusting a file unpickles it as it is
     assert marker.exists()

@@ -13,7 +13,7 @@ from conftest import TINY, compose_config
 from torch.utils.data import Subset
 
 from mlcls.cli import train as train_cli
-from mlcls.engine.build import classes_without_positives
+from mlcls.engine.build import build_run, classes_without_positives
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.preemption import StopSignals
 from mlcls.engine.trainer import Preempted, Trainer
@@ -33,6 +33,31 @@ def test_classes_without_a_positive_are_named():
     # a capped validation set (trainer.limit_val_batches) is judged on the samples it keeps
     assert classes_without_positives(Subset(dataset, [0]), ["cat", "dog", "bird"]) == ["dog", "bird"]
     assert classes_without_positives(torch.utils.data.TensorDataset(torch.zeros(2)), ["a"]) == []
+
+
+def test_the_trainer_trains_the_built_run_and_checkpoints_the_position_the_loop_set(tmp_path):
+    overrides = ["dataset.train_size=96", "dataset.val_size=40", f"trainer.output_dir={tmp_path}"]
+    cfg = compose_config([*TINY, *overrides])
+    run = build_run(cfg)
+    assert run.data.local_batch == cfg.trainer.batch_size and run.data.iters_per_epoch == 3
+    assert (run.state.epoch, run.state.step) == (0, 0)
+    trainer = Trainer(run)
+    assert trainer.model is run.model and trainer.optimizer is run.optimizer and trainer.state is run.state
+    try:
+        trainer.state.epoch = 1  # what the loop sets after the first epoch
+        trainer.save(is_best=False)
+        assert (trainer.state.epoch, trainer.state.step) == (1, 0)  # writing moves nothing
+        saved = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+        assert (saved["epoch"], saved["step"]) == (1, 0)
+        assert (tmp_path / "checkpoints" / "iter_000000003.pt").is_file()  # 1 epoch of 3 steps
+        # one convention for where a stop happened: the state's position
+        with pytest.raises(Preempted, match="stopped by a signal at the end of epoch 1; "):
+            trainer._stop()
+        trainer.state.step = 2
+        with pytest.raises(Preempted, match="stopped by a signal at epoch 2, step 2; "):
+            trainer._stop()
+    finally:
+        trainer.run_log.close()
 
 
 def test_first_ctrl_c_asks_to_stop_the_second_quits():
@@ -62,7 +87,7 @@ def test_ctrl_c_mid_epoch_checkpoints_then_resumes(tmp_path, caplog):
     assert (state["epoch"], state["step"]) == (0, 2)
     with caplog.at_level(logging.INFO, logger="mlcls"):
         resumed = Trainer(compose_config([*overrides, "trainer.resume=auto"]))
-    assert (resumed.start_epoch, resumed.start_step) == (0, 2)
+    assert (resumed.state.epoch, resumed.state.step) == (0, 2)
     assert "continuing at epoch 1, step 3" in caplog.text  # what runs next, counted from 1
 
 

@@ -146,7 +146,7 @@ def _failures(rank: int, out: Path) -> dict:
         trainer._write_files = full_disk
     start = time.perf_counter()
     try:
-        trainer.save(1, is_best=False)
+        trainer.save(is_best=False)
         observed["save"] = "returned"
     except Exception as exc:  # noqa: BLE001
         observed["save"] = f"{type(exc).__name__}: {exc}"
@@ -224,7 +224,7 @@ def _resume(rank: int, out: Path) -> dict:
     resumed_trainer = Trainer(
         compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}", "trainer.resume=auto"])
     )
-    start = (resumed_trainer.start_epoch, resumed_trainer.start_step)
+    start = (resumed_trainer.state.epoch, resumed_trainer.state.step)
     resumed = resumed_trainer.fit()
     straight_weights, resumed_weights = (
         load_checkpoint(out / name / "checkpoints" / "last.pt")["model"] for name in ("straight", "stopped")
@@ -438,7 +438,7 @@ def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
             )
         )
     assert "trained with trainer.amp=fp16; continuing with trainer.amp=bf16 (fresh loss scale)" in caplog.text
-    assert trainer.start_epoch == 1 and trainer.scaler.get_scale() == 1.0
+    assert trainer.state.epoch == 1 and trainer.scaler.get_scale() == 1.0
 
 
 def test_paper_presets_on_one_process_warn_about_batchnorm(caplog):

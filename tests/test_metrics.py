@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -335,6 +338,16 @@ def test_bad_arguments_are_refused() -> None:
         threshold_predictions(scores, 1.5)
     with pytest.raises(ValueError, match="bool"):
         precision_recall_f1(torch.zeros(2, 2), labels)
+
+
+def test_ap_and_f1_take_their_checks_from_one_module_and_not_from_each_other() -> None:
+    """The evaluation walk runs one way: the package imports ap and f1, both import the shared checks."""
+    imports = {}
+    for name in ("ap", "f1"):
+        tree = ast.parse(Path(importlib.import_module(f"mlcls.metrics.{name}").__file__).read_text())
+        imports[name] = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "mlcls.metrics.checks" in imports["ap"] & imports["f1"]
+    assert "mlcls.metrics.ap" not in imports["f1"] and "mlcls.metrics.f1" not in imports["ap"]
 
 
 # --- collection in a single process (the 2-process case is in test_metrics_ddp.py) ---------------------

@@ -39,7 +39,7 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny):
     straight = run(compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'a'}"]))
 
     cfg = compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'b'}"])
-    with pytest.raises(Preempted, match="resume=auto"):
+    with pytest.raises(Preempted, match="at epoch 2, step 1; .*trainer.resume=auto"):
         _SignalAtStep(cfg).fit()
     state = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
     assert (state["epoch"], state["step"]) == (1, 1)  # stopped after step 4 = epoch 2, step 1
@@ -68,7 +68,7 @@ def test_truncated_last_checkpoint_falls_back_to_previous(tmp_path, tiny):
         load_checkpoint(last)
 
     trainer = Trainer(compose_config([*tiny, *SMALL, f"trainer.output_dir={run_dir}", "trainer.resume=auto"]))
-    assert (trainer.start_epoch, trainer.start_step) == (1, 0)  # epoch 1's checkpoint, the previous one
+    assert (trainer.state.epoch, trainer.state.step) == (1, 0)  # epoch 1's checkpoint, the previous one
 
 
 def test_non_finite_steps_are_skipped_then_abort(tmp_path, tiny):

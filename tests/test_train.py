@@ -65,9 +65,9 @@ def on_disk_classes(results: dict) -> list[str]:
 class _StopAfterFirstEpoch(Trainer):
     """A trainer that dies right after writing the checkpoint of epoch 1, as a killed job would."""
 
-    def save(self, epochs_done: int, is_best: bool) -> None:
-        super().save(epochs_done, is_best)
-        if epochs_done == 1:
+    def save(self, is_best: bool) -> None:
+        super().save(is_best)
+        if self.state.epoch == 1:
             raise KeyboardInterrupt
 
 

@@ -266,8 +266,10 @@ def _repeat_step(step: Callable, batch: tuple[torch.Tensor, torch.Tensor], steps
 def _measure(
     cfg: DictConfig, trainer: Trainer, repeats: int, steps: int, warmup: int, loop: str
 ) -> dict[str, Any]:
-    images, targets = synthetic_batch(trainer.local_batch, int(cfg.dataset.image_size), len(trainer.classes))
-    if trainer.cuda:
+    images, targets = synthetic_batch(
+        trainer.data.local_batch, int(cfg.dataset.image_size), len(trainer.classes)
+    )
+    if trainer.device.type == "cuda":
         images, targets = images.pin_memory(), targets.pin_memory()
     contenders = _contenders(trainer, bare_step_fn(cfg, trainer), (images, targets), steps, loop)
     trainer.ddp_model.train()
@@ -275,7 +277,7 @@ def _measure(
         for block in contenders.values():
             block()
     step_s = median_step_seconds(contenders, trainer.device, repeats, steps)
-    batch = trainer.local_batch
+    batch = trainer.data.local_batch
     return {
         "loop": loop,
         "trainer_images_per_s": batch / step_s["trainer"],

@@ -1,4 +1,5 @@
-"""Everything a run is made of, built from the composed config: data, model, loss, optimizer, schedule.
+"""Everything a run is made of, built from the composed config: data, model, loss, optimizer, schedule,
+and the whole training run (:func:`build_run`) that :class:`~mlcls.engine.trainer.Trainer` trains.
 
 Shared by the trainer, ``mlcls-eval`` and the benchmarks, so that each builds the same objects the same way.
 """
@@ -9,20 +10,29 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, Subset
 
 from mlcls.data import MultiLabelDataset, build_dataset
 from mlcls.data.datasets.labels import label_counts
 from mlcls.data.loader import build_eval_loader, build_train_loader
-from mlcls.engine.distributed import DistInfo
+from mlcls.data.pipeline.fast import DeviceStage
+from mlcls.engine.distributed import DistInfo, init_distributed
+from mlcls.engine.ema import ModelEma
+from mlcls.engine.logging import RunLog, open_run_log
 from mlcls.engine.optim import build_optimizer, build_scheduler
-from mlcls.engine.validate import ConfigError
+from mlcls.engine.resume import resume_run
+from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
+from mlcls.engine.state import TrainState, seed_everything
+from mlcls.engine.validate import ConfigError, resolve_amp, validate_config
+from mlcls.inference import preprocess_spec
 
 log = logging.getLogger("mlcls")
 
@@ -37,6 +47,7 @@ class RunData:
     val_loader: Any
     classes: list[str]
     iters_per_epoch: int
+    local_batch: int  # samples per step of this process: trainer.batch_size over the world size
 
 
 def pin_dataset_root(dataset_cfg: DictConfig) -> None:
@@ -80,6 +91,7 @@ def build_data(cfg: DictConfig, dist: DistInfo) -> RunData:
         val_loader=build_eval_loader(val_set, *args, dist.device),
         classes=list(train_set.classes),
         iters_per_epoch=iters,
+        local_batch=local_batch,
     )
 
 
@@ -147,3 +159,106 @@ def warn_protocol(cfg: DictConfig, world_size: int) -> None:
             "torchrun --nproc_per_node=4 (docs/reproduce.md)",
             cfg.trainer.batch_size,
         )
+
+
+@dataclass
+class Run:
+    """The parts of a training run, as :func:`build_run` makes them and the trainer trains them."""
+
+    cfg: DictConfig  # the composed configs/train.yaml, dataset.root made absolute
+    dist: DistInfo  # this process's rank, world size and device
+    amp: str  # the training step's autocast: "none", "bf16" or "fp16" (resolve_amp)
+    eval_amp: str  # the evaluation's
+    channels_last: bool  # NHWC images and weights (CUDA only)
+    data: RunData
+    preprocess: dict[str, Any]  # the evaluation transform, saved in checkpoints: predict needs no dataset
+    model: nn.Module  # the plain model: what checkpoints, EMA and evaluation use
+    criterion: nn.Module
+    run_dir: Path  # chosen by rank 0, created and locked (rundir.py)
+    ema: ModelEma | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # stepped every iteration
+    scaler: torch.amp.GradScaler  # fp16's dynamic loss scale (disabled otherwise: scale 1)
+    device_stage: DeviceStage  # copies a batch to the device and finishes the fast pipeline there
+    state: TrainState  # fresh, or restored by trainer.resume
+    ddp_model: nn.Module  # what the training step runs: the model, DDP-wrapped and compiled as configured
+    run_log: RunLog
+
+
+def build_run(cfg: DictConfig) -> Run:
+    """The training run of ``cfg`` (the composed ``configs/train.yaml``), built in the order its parts
+    depend on: process group -> config check -> seed -> data -> model and loss -> run directory -> EMA,
+    optimizer, schedule and loss scale -> resume, or a seed per rank -> DDP -> compile -> run log.
+
+    Every rank returns together or raises together. A failure before the run directory is chosen removes
+    Hydra's directory if it is empty; a later one releases the run directory's lock and removes what the
+    run wrote there unless it holds a checkpoint (:func:`close_run_dir`).
+    """
+    tcfg = cfg.trainer
+    hydra_dir = hydra_run_dir()
+    try:
+        # The process group first: under SLURM the world size exists only once it is set up.
+        dist = init_distributed(tcfg.device)
+        validate_config(cfg, world_size=dist.world_size)
+        device, cuda = dist.device, dist.device.type == "cuda"
+        amp = resolve_amp(tcfg.amp, device)
+        eval_amp = amp if tcfg.get("eval_amp") is None else resolve_amp(tcfg.eval_amp, device)
+        channels_last = bool(tcfg.channels_last) and cuda
+        if cuda:
+            torch.backends.cudnn.benchmark = not tcfg.deterministic
+        if tcfg.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        warn_protocol(cfg, dist.world_size)
+        seed_everything(tcfg.seed)
+        data = build_data(cfg, dist)
+        preprocess = preprocess_spec(cfg.dataset)
+        model = build_model(cfg.model, len(data.classes), device, channels_last)
+        criterion = build_loss(cfg.loss, data.train_set, device)
+    except BaseException:
+        discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
+        raise
+    run_dir = resolve_run_dir(tcfg.output_dir, hydra_dir, dist.is_main)
+    try:
+        ema = ModelEma(model, tcfg.ema_decay, warmup=tcfg.ema_warmup) if tcfg.ema_decay else None
+        optimizer, scheduler = build_optimization(cfg, model, data.iters_per_epoch)
+        scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+        # Copies each batch to the device and finishes the fast pipeline there (colour, lighting, normalise).
+        device_stage = DeviceStage(device, channels_last, mean=preprocess["mean"], std=preprocess["std"])
+        state = TrainState()
+        resumable = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        if ema is not None:
+            resumable["ema"] = ema
+        if not resume_run(cfg, run_dir, resumable, scaler, state, dist.rank):
+            seed_everything(tcfg.seed + dist.rank)
+        ddp_model = (
+            DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+            if dist.distributed
+            else model
+        )
+        if tcfg.compile:  # the training forward only; the plain model serves checkpoints, EMA and evaluation
+            ddp_model = torch.compile(ddp_model)
+        run_log = open_run_log(run_dir, dist.is_main, tcfg.epochs, data.iters_per_epoch, cfg)
+    except BaseException:
+        close_run_dir(run_dir, dist.is_main)
+        raise
+    warn_unscored_classes(data.val_set, data.classes)
+    return Run(
+        cfg=cfg,
+        dist=dist,
+        amp=amp,
+        eval_amp=eval_amp,
+        channels_last=channels_last,
+        data=data,
+        preprocess=preprocess,
+        model=model,
+        criterion=criterion,
+        run_dir=run_dir,
+        ema=ema,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        device_stage=device_stage,
+        state=state,
+        ddp_model=ddp_model,
+        run_log=run_log,
+    )

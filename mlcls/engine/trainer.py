@@ -1,4 +1,12 @@
-"""The training loop: ``Trainer(cfg).fit()`` builds the run, trains, evaluates and saves.
+"""The training loop: ``Trainer(cfg).fit()`` trains the run :func:`build_run` builds, evaluates and saves.
+
+A run's calls, top-down in this file::
+
+    fit -> train_one_epoch -> train_step          (each step of each epoch)
+        -> evaluate_and_select -> evaluate        (every trainer.eval_every epochs, and after the last)
+        -> save -> _write_checkpoint              (after each epoch; mid-epoch on a stop signal)
+
+Files of the run directory::
 
     <run_dir>/config.yaml                resolved config
     <run_dir>/results.json               last and best metrics, per-class AP, dataset facts, counts, history
@@ -10,6 +18,9 @@
 The run directory is ``trainer.output_dir``, else Hydra's ``hydra.run.dir`` (``hydra.sweep.dir``/subdir in
 a multirun), chosen by rank 0 for every process and locked for one run at a time (``<run_dir>/.lock``). A run
 that fails before its first checkpoint removes what it wrote there.
+
+Where training stands is ``state.epoch`` (complete epochs) and ``state.step`` (steps of the next one): the
+loop advances them itself, and a checkpoint records them as they are.
 
 SIGTERM or SIGUSR1 (what SLURM sends before preemption) or Ctrl-C finishes the current step, writes a
 checkpoint with all ranks in step and stops with :class:`Preempted`; relaunching the same command with
@@ -29,34 +40,22 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from mlcls.data.loader import DevicePrefetcher
-from mlcls.data.pipeline.fast import AugmentedImage, DeviceStage
+from mlcls.data.pipeline.fast import AugmentedImage
 from mlcls.engine import distributed as dist_utils
-from mlcls.engine.build import (
-    build_data,
-    build_loss,
-    build_model,
-    build_optimization,
-    warn_protocol,
-    warn_unscored_classes,
-)
+from mlcls.engine.build import Run, build_run
 from mlcls.engine.checkpoint import save_checkpoint, save_training_checkpoint, write_json
-from mlcls.engine.ema import ModelEma
 from mlcls.engine.evaluate import Evaluation, autocast_context, calibrate_on_main, evaluate_model
 from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm, step_if_finite
-from mlcls.engine.logging import open_run_log
 from mlcls.engine.optim import group_lrs
 from mlcls.engine.preemption import StopSignals
 from mlcls.engine.results import record_skipped_images, run_results
-from mlcls.engine.resume import resume_run
-from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
-from mlcls.engine.state import EpochProgress, TrainState, rng_state, seed_everything
-from mlcls.engine.validate import ConfigError, resolve_amp, validate_config
+from mlcls.engine.rundir import close_run_dir
+from mlcls.engine.state import EpochProgress, rng_state
+from mlcls.engine.validate import ConfigError
 from mlcls.errors import plural
-from mlcls.inference import preprocess_spec
 from mlcls.reporting.plots import write_plots
 
 log = logging.getLogger("mlcls")
@@ -75,87 +74,36 @@ class Preempted(Exception):
 
 
 class Trainer:
-    """Builds the run from ``cfg`` (the composed ``configs/train.yaml``) and trains it with :meth:`fit`."""
+    """Trains a built run with :meth:`fit`.
 
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
-        tcfg = cfg.trainer
-        hydra_dir = hydra_run_dir()
-        try:
-            # The process group first: under SLURM the world size exists only once it is set up.
-            self.dist = dist_utils.init_distributed(tcfg.device)
-            validate_config(cfg, world_size=self.dist.world_size)
-            self.device = self.dist.device
-            self.cuda = self.device.type == "cuda"
-            self.amp = resolve_amp(tcfg.amp, self.device)
-            eval_amp = tcfg.get("eval_amp")
-            self.eval_amp = self.amp if eval_amp is None else resolve_amp(eval_amp, self.device)
-            self.channels_last = bool(tcfg.channels_last) and self.cuda
-            self.local_batch = tcfg.batch_size // self.dist.world_size
-            if self.cuda:
-                torch.backends.cudnn.benchmark = not tcfg.deterministic
-            if tcfg.deterministic:
-                torch.use_deterministic_algorithms(True, warn_only=True)
-            warn_protocol(cfg, self.dist.world_size)
-            seed_everything(tcfg.seed)
-            self.data = build_data(cfg, self.dist)
-            self.classes = self.data.classes
-            self.preprocess = preprocess_spec(cfg.dataset)  # in checkpoints: predict needs no dataset
-            self.model = build_model(cfg.model, len(self.classes), self.device, self.channels_last)
-            self.criterion = build_loss(cfg.loss, self.data.train_set, self.device)
-        except BaseException:
-            discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
-            raise
-        self.run_dir = resolve_run_dir(tcfg.output_dir, hydra_dir, self.dist.is_main)
-        self.iters_per_epoch = self.data.iters_per_epoch
-        self.ema = ModelEma(self.model, tcfg.ema_decay, warmup=tcfg.ema_warmup) if tcfg.ema_decay else None
-        self.optimizer, self.scheduler = build_optimization(cfg, self.model, self.iters_per_epoch)
-        # The dynamic loss scale of fp16 (disabled otherwise: scale 1); step_if_finite skips non-finite steps.
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == "fp16")
-        # Copies each batch to the device and finishes the fast pipeline there (colour, lighting, normalise).
-        self.device_stage = DeviceStage(
-            self.device, self.channels_last, mean=self.preprocess["mean"], std=self.preprocess["std"]
-        )
-        self._nonfinite = NonFiniteCounter(self.device, tcfg.max_nonfinite)
+    ``Trainer(cfg)`` builds the run of ``cfg`` (the composed ``configs/train.yaml``) with :func:`build_run`
+    first; ``Trainer(run)`` trains the parts of a :class:`Run` built already.
+    """
+
+    def __init__(self, run: Run | DictConfig) -> None:
+        if isinstance(run, DictConfig):
+            run = build_run(run)
+        self.cfg, self.dist, self.device, self.run_dir = run.cfg, run.dist, run.dist.device, run.run_dir
+        self.amp, self.eval_amp, self.channels_last = run.amp, run.eval_amp, run.channels_last
+        self.data, self.classes, self.preprocess = run.data, run.data.classes, run.preprocess
+        self.iters_per_epoch = run.data.iters_per_epoch
+        self.model, self.ddp_model, self.ema = run.model, run.ddp_model, run.ema
+        self.criterion = run.criterion
+        self.optimizer, self.scheduler, self.scaler = run.optimizer, run.scheduler, run.scaler
+        self.device_stage, self.state, self.run_log = run.device_stage, run.state, run.run_log
+        self._nonfinite = NonFiniteCounter(self.device, self.cfg.trainer.max_nonfinite)
         self.signals = StopSignals(self.dist.distributed)
-
-        self.state = TrainState()
-        if not self._maybe_resume():
-            seed_everything(tcfg.seed + self.dist.rank)
-        self.ddp_model = (
-            DistributedDataParallel(self.model, device_ids=[self.device.index] if self.cuda else None)
-            if self.dist.distributed
-            else self.model
-        )
-        if tcfg.compile:  # training forward only; self.model (checkpoints, EMA, evaluation) stays plain
-            self.ddp_model = torch.compile(self.ddp_model)
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
-        self.run_log = open_run_log(self.run_dir, self.dist.is_main, tcfg.epochs, self.iters_per_epoch, cfg)
-        warn_unscored_classes(self.data.val_set, self.classes)
 
-    # ------------------------------------------------------------------ convenience views
     @property
     def train_loader(self):
         return self.data.train_loader
 
-    @property
-    def start_epoch(self) -> int:
-        return self.state.epoch
-
-    @property
-    def start_step(self) -> int:
-        return self.state.step
-
-    def _maybe_resume(self) -> bool:
-        """Load ``trainer.resume`` (see :func:`resume_run`); True if a state was loaded."""
-        parts = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
-        if self.ema is not None:
-            parts["ema"] = self.ema
-        return resume_run(self.cfg, self.run_dir, parts, self.scaler, self.state, self.dist.rank)
-
     # ------------------------------------------------------------------ training
     def fit(self) -> dict[str, Any]:
+        """Train from ``state.epoch`` (and ``state.step``) to ``trainer.epochs``; returns results.json's
+        content."""
         tcfg = self.cfg.trainer
         log.info(
             "run dir %s | %d train / %d val samples, %d classes | %s on %s x%d | batch %d (%d per process)",
@@ -167,23 +115,24 @@ class Trainer:
             self.device.type,
             self.dist.world_size,
             tcfg.batch_size,
-            self.local_batch,
+            self.data.local_batch,
         )
         try:
             with self.signals:
                 for epoch in range(self.state.epoch, tcfg.epochs):
                     record: dict[str, Any] = {"epoch": epoch + 1, **self.train_one_epoch(epoch)}
+                    self.state.epoch, self.state.step = epoch + 1, 0  # epoch + 1 epochs complete
                     is_best = False
                     if (epoch + 1) % tcfg.eval_every == 0 or epoch + 1 == tcfg.epochs:
                         is_best = self.evaluate_and_select(epoch + 1)
                         record.update({k: self.state.last_metrics[k] for k in ("mAP_class", "mAP_sample")})
                     record_skipped_images(self.state.counts, (self.data.train_set, self.data.val_set))
                     self.state.history.append(record)
-                    self.save(epoch + 1, is_best=is_best)
+                    self.save(is_best=is_best)
                     if self.state.last_metrics is not None:
                         self.write_results(epoch + 1)
                     if epoch + 1 < tcfg.epochs and self.signals.agree_now():
-                        self._stop(epoch + 1, 0)
+                        self._stop()
                 if self.val_outputs is not None:
                     dist_utils.on_main(
                         lambda: write_plots(
@@ -205,7 +154,10 @@ class Trainer:
             close_run_dir(self.run_dir, self.dist.is_main)
         return self.results(tcfg.epochs)
 
-    def _stop(self, epoch: int, step: int) -> None:
+    def _stop(self) -> None:
+        """Raise :class:`Preempted` naming where training stands (``state.epoch``, ``state.step``), which
+        the checkpoint just written holds."""
+        epoch, step = self.state.epoch, self.state.step
         where = f"epoch {epoch + 1}, step {step}" if step else f"the end of epoch {epoch}"
         raise Preempted(
             f"stopped by a signal at {where}; checkpoint in {self.run_dir / 'checkpoints'}; relaunch with "
@@ -214,17 +166,19 @@ class Trainer:
         )
 
     def train_one_epoch(self, epoch: int) -> dict[str, float]:
+        """Train epoch ``epoch`` (0-based): from ``state.step`` when training stands in that epoch (a
+        mid-epoch resume), else from its first step. Returns its mean loss, images/s and seconds."""
         tcfg = self.cfg.trainer
         self.ddp_model.train()
         sampler = self.train_loader.sampler
         sampler.set_epoch(epoch)
         first_step = self.state.step if epoch == self.state.epoch else 0
         if first_step:
-            sampler.set_start(first_step * self.local_batch)
-        mine = self.state.progress_of(self.dist.rank) if first_step else EpochProgress()
-        loss_sum = torch.tensor(mine.loss_sum, device=self.device)
-        skipped_steps = torch.tensor(mine.skipped_steps, device=self.device)
-        seen, elapsed = mine.seen, mine.time_s
+            sampler.set_start(first_step * self.data.local_batch)
+        progress = self.state.progress_of(self.dist.rank) if first_step else EpochProgress()
+        loss_sum = torch.tensor(progress.loss_sum, device=self.device)
+        skipped_steps = torch.tensor(progress.skipped_steps, device=self.device)
+        seen, elapsed = progress.seen, progress.time_s
         bar = tqdm(
             total=self.iters_per_epoch,
             initial=first_step,
@@ -247,10 +201,11 @@ class Trainer:
                 self._nonfinite.check(epoch)
                 self.run_log.step(epoch, step, iteration, loss.item(), group_lrs(self.optimizer), bar)
             if self.signals.poll(step + 1):
+                self.state.epoch, self.state.step = epoch, step + 1  # step + 1 steps of this epoch done
                 elapsed += time.perf_counter() - start
-                mine = EpochProgress(loss_sum.item(), seen, elapsed, int(skipped_steps.item()))
-                self._checkpoint_mid_epoch(epoch, step + 1, mine)
-                self._stop(epoch, step + 1)
+                progress = EpochProgress(loss_sum.item(), seen, elapsed, int(skipped_steps.item()))
+                self._checkpoint_mid_epoch(progress)
+                self._stop()
         bar.close()
         self._nonfinite.check(epoch)
         elapsed += time.perf_counter() - start
@@ -319,47 +274,45 @@ class Trainer:
         metrics = evaluations["raw"].metrics
         if "ema" in evaluations:
             metrics["ema"] = evaluations["ema"].metrics
-        kind, chosen = max(evaluations.items(), key=lambda item: item[1].metrics["mAP_class"])
-        is_best = self.state.best is None or chosen.metrics["mAP_class"] > self.state.best["mAP_class"]
+        top_weights, top = max(evaluations.items(), key=lambda item: item[1].metrics["mAP_class"])
+        is_best = self.state.best is None or top.metrics["mAP_class"] > self.state.best["mAP_class"]
         raw = evaluations["raw"]
         self.val_outputs = (raw.scores, raw.labels)  # for the plots: on rank 0, (None, None) elsewhere
         self.state.thresholds = calibrate_on_main(raw, self.classes)  # for last.pt's raw weights
         if is_best:
             self.best_thresholds = (
-                self.state.thresholds if kind == "raw" else calibrate_on_main(chosen, self.classes)
+                self.state.thresholds if top_weights == "raw" else calibrate_on_main(top, self.classes)
             )
             self.state.best = {
                 "epoch": epoch,
-                "mAP_class": chosen.metrics["mAP_class"],
-                "mAP_sample": chosen.metrics["mAP_sample"],
-                "weights": kind,  # "raw" or "ema": which weights best.pt holds
+                "mAP_class": top.metrics["mAP_class"],
+                "mAP_sample": top.metrics["mAP_sample"],
+                "weights": top_weights,  # "raw" or "ema": which weights best.pt holds
             }
         self.state.last_metrics = metrics
         self.run_log.evaluation(epoch, metrics, self.state.best)
         return is_best
 
     # ------------------------------------------------------------------ outputs
-    def _checkpoint_mid_epoch(self, epoch: int, step: int, mine: EpochProgress) -> None:
-        """Checkpoint after ``step`` steps of the incomplete epoch ``epoch`` (0-based), with every rank's
-        partial sums."""
+    def _checkpoint_mid_epoch(self, progress: EpochProgress) -> None:
+        """Checkpoint within an epoch (``state.step`` steps of it done), with every rank's ``progress``."""
         self.state.counts["skipped_steps"] += self._nonfinite.take_skipped()
-        self.state.partial = dist_utils.all_gather_object(mine)
-        self._write_checkpoint(epoch, step, is_best=False)
+        self.state.partial = dist_utils.all_gather_object(progress)
+        self._write_checkpoint(is_best=False)
 
-    def save(self, epochs_done: int, is_best: bool) -> None:
-        """Checkpoint after ``epochs_done`` complete epochs (and ``best.pt`` when ``is_best``)."""
+    def save(self, is_best: bool) -> None:
+        """Checkpoint after ``state.epoch`` complete epochs (and ``best.pt`` when ``is_best``)."""
         self.state.partial = []
-        self._write_checkpoint(epochs_done, 0, is_best)
+        self._write_checkpoint(is_best)
 
-    def _write_checkpoint(self, epoch: int, step: int, is_best: bool) -> None:
-        """Write the training state on rank 0 with every rank's RNG states; every rank returns together,
-        and if rank 0 fails to write, every rank raises its error."""
-        self.state.epoch, self.state.step = epoch, step
+    def _write_checkpoint(self, is_best: bool) -> None:
+        """Write the training state where it stands on rank 0, with every rank's RNG states; every rank
+        returns together, and if rank 0 fails to write, every rank raises its error."""
         self.state.rng = dist_utils.all_gather_object(rng_state())
         dist_utils.on_main(lambda: self._write_files(is_best), self.dist.is_main)
 
     def _write_files(self, is_best: bool) -> None:
-        state = {
+        checkpoint = {
             **self.state.state_dict(),
             "model": self.model.state_dict(),
             "ema": None if self.ema is None else self.ema.state_dict(),
@@ -372,15 +325,15 @@ class Trainer:
         }
         iteration = self.state.epoch * self.iters_per_epoch + self.state.step
         checkpoints = self.run_dir / "checkpoints"
-        save_training_checkpoint(state, checkpoints, iteration, self.cfg.trainer.keep_checkpoints)
+        save_training_checkpoint(checkpoint, checkpoints, iteration, self.cfg.trainer.keep_checkpoints)
         if is_best:
             best = self.state.best
-            source = self.model if best["weights"] == "raw" else self.ema.module
+            best_model = self.model if best["weights"] == "raw" else self.ema.module
             best_weights = {
-                "model": source.state_dict(),
+                "model": best_model.state_dict(),
                 "weights": best["weights"],
                 "thresholds": self.best_thresholds,
-                **{k: state[k] for k in ("epoch", "classes", "preprocess", "config", "best")},
+                **{k: checkpoint[k] for k in ("epoch", "classes", "preprocess", "config", "best")},
             }
             save_checkpoint(best_weights, checkpoints / "best.pt")
 

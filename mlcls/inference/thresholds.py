@@ -36,7 +36,8 @@ from collections.abc import Sequence
 import torch
 
 from mlcls.metrics import threshold_predictions, top_k_predictions
-from mlcls.metrics.ap import check_scores_labels, per_list_in_blocks, ranked_positives
+from mlcls.metrics.ap import per_list_in_blocks, ranked_positives
+from mlcls.metrics.checks import check_scores_labels
 
 log = logging.getLogger("mlcls")
 

@@ -2,7 +2,8 @@
 
 :func:`compute_metrics` is the single entry point of evaluation: every figure of ``results.json`` from
 the gathered logits and labels of the whole evaluation set (see :func:`gather_shards`). Definitions,
-edge cases and reductions are in :mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1` and docs/metrics.md.
+edge cases and reductions are in :mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1` and docs/metrics.md; the
+input checks both share are in :mod:`mlcls.metrics.checks`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from mlcls.metrics.ap import (
     _voc11_average_precision,
     average_precision,
     block_slices,
-    check_scores_labels,
     map_class,
     map_sample,
     mean_counted,
     voc11_average_precision,
 )
+from mlcls.metrics.checks import check_scores_labels
 from mlcls.metrics.f1 import (
     figures_of_counts,
     precision_recall_f1,

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from mlcls.metrics.ap import check_labels, check_scores, count_true
+from mlcls.metrics.checks import check_labels, check_scores, count_true
 
 
 def threshold_predictions(scores: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
