@@ -71,8 +71,18 @@ class _StopAfterFirstEpoch(Trainer):
             raise KeyboardInterrupt
 
 
-def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny):
-    tiny = [*tiny, "dataset.train_size=96", "dataset.val_size=40"]  # 3 steps per epoch
+@pytest.mark.parametrize(
+    "head",
+    [
+        [],
+        # the other heads (model.head), with EMA weights in the checkpoint too
+        ["model.head=mldecoder", "model.num_groups=5", "trainer.ema_decay=0.9"],
+        ["model.head=csra", "model.csra_heads=2", "trainer.ema_decay=0.9"],
+    ],
+    ids=["linear", "mldecoder", "csra"],
+)
+def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny, head):
+    tiny = [*tiny, *head, "dataset.train_size=96", "dataset.val_size=40"]  # 3 steps per epoch
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     straight = run(compose_config([*tiny, f"trainer.output_dir={straight_dir}"]))
 
@@ -93,11 +103,14 @@ def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny):
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny):
+@pytest.mark.parametrize(
+    "head", [[], ["model.head=mldecoder", "model.num_groups=5"]], ids=["linear", "mldecoder"]
+)
+def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny, head):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun, "torchrun must be installed next to the interpreter"
     run_dir = tmp_path / "ddp"
-    overrides = [o for o in tiny if not o.startswith("trainer.epochs")] + ["trainer.epochs=1"]
+    overrides = [o for o in tiny if not o.startswith("trainer.epochs")] + ["trainer.epochs=1", *head]
     proc = run_cli(
         [
             torchrun,
