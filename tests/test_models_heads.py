@@ -142,6 +142,7 @@ def test_mldecoder_initialisation_is_the_released_one():
     expected_std = math.sqrt(2.0 / (width * factor + groups * factor))
     assert abs(pooling.mean().item()) < 0.01 * expected_std  # 4 standard errors
     assert abs(pooling.std().item() / expected_std - 1.0) < 0.02  # 153,600 samples: std error 0.2 %
+    assert pooling.abs().max() > 3.5 * expected_std  # normal, not uniform (bounded by sqrt(3) std)
     assert torch.equal(decoder.duplicate_pooling_bias, torch.zeros(197))
     queries = decoder.query_embed.weight
     assert not queries.requires_grad and abs(queries.std().item() - 1.0) < 0.03
