@@ -100,18 +100,52 @@ def reference_mldecoder(head: MLDecoder, features: torch.Tensor) -> torch.Tensor
     return torch.stack(out)
 
 
-def test_mldecoder_matches_its_equations_for_maps_and_tokens():
+@pytest.mark.parametrize("training", [False, True])
+def test_mldecoder_matches_its_equations_for_maps_and_tokens(training):
+    """In eval mode (torch's fused attention without gradients), and in training mode with gradients (its
+    other code path) at dropout 0, where the reference needs no random masks."""
     torch.manual_seed(0)
-    head = MLDecoder(32, 23, num_groups=5).eval()  # K = 5: the last group's 2 surplus outputs are cut
+    # K = 5: the last group's 2 surplus outputs are cut
+    head = MLDecoder(32, 23, num_groups=5, dropout=0.0 if training else 0.1).train(training)
     with torch.no_grad():
         head.decoder.duplicate_pooling_bias.normal_()
     features = torch.randn(3, 32, 4, 5)
-    with torch.no_grad():
+    with torch.set_grad_enabled(training):
         logits = head(features)
         tokens = head(features.flatten(2).transpose(1, 2))
-    assert logits.shape == (3, 23)
-    torch.testing.assert_close(logits.double(), reference_mldecoder(head, features), atol=1e-5, rtol=1e-5)
+    assert logits.shape == (3, 23) and logits.requires_grad == training
+    torch.testing.assert_close(
+        logits.detach().double(), reference_mldecoder(head, features), atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(tokens, logits, atol=0, rtol=0)
+
+
+def test_mldecoder_dropout_acts_in_training_only():
+    torch.manual_seed(0)
+    head = MLDecoder(16, 6, num_groups=3)
+    features = torch.randn(2, 16, 3, 3)
+    with torch.no_grad():
+        evaluated = head.eval()(features)
+        trained = [head.train()(features) for _ in range(2)]
+    torch.testing.assert_close(head.eval()(features), evaluated, atol=0, rtol=0)
+    assert not torch.allclose(trained[0], trained[1]) and not torch.allclose(trained[0], evaluated)
+
+
+def test_mldecoder_initialisation_is_the_released_one():
+    """duplicate_pooling (G, E, K) ~ xavier_normal_: N(0, 2 / (fan_in + fan_out)), torch's fans of a 3-d
+    tensor being E K and G K; bias zero; fixed queries N(0, 1) (nn.Embedding's default)."""
+    torch.manual_seed(0)
+    groups, factor, width = 50, 4, 768
+    decoder = MLDecoder(8, 197, num_groups=groups).decoder  # K = ceil(197 / 50) = 4
+    pooling = decoder.duplicate_pooling
+    assert pooling.shape == (groups, width, factor)
+    expected_std = math.sqrt(2.0 / (width * factor + groups * factor))
+    assert abs(pooling.mean().item()) < 0.01 * expected_std  # 4 standard errors
+    assert abs(pooling.std().item() / expected_std - 1.0) < 0.02  # 153,600 samples: std error 0.2 %
+    assert pooling.abs().max() > 3.5 * expected_std  # normal, not uniform (bounded by sqrt(3) std)
+    assert torch.equal(decoder.duplicate_pooling_bias, torch.zeros(197))
+    queries = decoder.query_embed.weight
+    assert not queries.requires_grad and abs(queries.std().item() - 1.0) < 0.03
 
 
 def test_mldecoder_queries_stay_fixed_and_every_other_parameter_learns():
