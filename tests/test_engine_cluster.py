@@ -292,6 +292,8 @@ class _CountReads:
 
 
 RMSPROP = ["optim._target_=torch.optim.RMSprop", "~optim.fused", "~optim.betas", "+optim.momentum=0.9"]
+# CPU fp16 kernels are slow: the fp16 tests train on batches of 8 (the behaviour does not depend on the size)
+SMALL_BATCH = ["trainer.batch_size=8"]
 
 
 @pytest.mark.parametrize(
@@ -300,7 +302,9 @@ RMSPROP = ["optim._target_=torch.optim.RMSprop", "~optim.fused", "~optim.betas",
         [],  # AdamW, fused
         ["trainer.grad_clip=1.0", "trainer.ema_decay=0.99"],
         RMSPROP,  # not fused: its non-finite steps are skipped by restoring a copy
-        pytest.param([*RMSPROP, "trainer.amp=fp16"], marks=pytest.mark.slow),  # with fp16's loss scale
+        pytest.param(
+            [*RMSPROP, "trainer.amp=fp16", *SMALL_BATCH], marks=pytest.mark.slow
+        ),  # with fp16's loss scale
     ],
 )
 def test_the_training_loop_reads_the_device_only_at_log_steps(tmp_path, monkeypatch, extra):
@@ -362,7 +366,7 @@ def test_fp16_on_the_cpu_skips_counts_and_aborts(tmp_path):
     usual message after trainer.max_nonfinite steps."""
     cfg = compose_config(
         [*TINY, "trainer.device=cpu", "trainer.amp=fp16", "trainer.ema_decay=0.9", "trainer.max_nonfinite=3",
-         "trainer.log_every=1", f"trainer.output_dir={tmp_path}"]
+         "trainer.log_every=1", *SMALL_BATCH, f"trainer.output_dir={tmp_path}"]
     )  # fmt: skip
     trainer = Trainer(cfg)
     assert trainer.amp == "fp16" and trainer.scaler.is_enabled() and trainer.scaler.get_scale() == 2.0**16
@@ -385,7 +389,7 @@ def test_fp16_on_the_cpu_skips_counts_and_aborts(tmp_path):
 def test_the_epoch_loss_is_the_mean_of_the_applied_steps(tmp_path, amp):
     """A skipped step counts in skipped_steps, not in the epoch's mean loss."""
     cfg = compose_config(
-        [*TINY, "trainer.device=cpu", f"trainer.amp={amp}", "trainer.limit_train_batches=4",
+        [*TINY, "trainer.device=cpu", f"trainer.amp={amp}", "trainer.limit_train_batches=4", *SMALL_BATCH,
          f"trainer.output_dir={tmp_path}"]
     )  # fmt: skip
     trainer = Trainer(cfg)
