@@ -4,6 +4,7 @@ gradients, memory at Open Images' 9,605 classes, the timm integration, and train
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import timm
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY, compose_config
 
+import mlcls
 from mlcls.models import create_model, split_parameters
 from mlcls.models.heads import CSRA, MLDecoder
 
@@ -323,3 +325,32 @@ def test_trained_head_exports_to_onnx_equal_to_predict(head, tmp_path):
         )
     _, difference = export_checkpoint(checkpoint, "onnx", tmp_path / "m.onnx")
     assert difference is not None and difference < 1e-4
+
+
+LOSSES = sorted(path.stem for path in (Path(mlcls.__file__).parent / "configs" / "loss").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("head", ["mldecoder", "csra"])
+def test_every_loss_trains_every_head(head):
+    """Each loss config of the project on each head's logits: a finite loss whose gradient reaches the head
+    and the backbone (the heads give (B, C) logits like the linear one, so every loss applies)."""
+    from types import SimpleNamespace
+
+    from mlcls.engine.build import build_loss
+
+    assert len(LOSSES) == 10
+    torch.manual_seed(0)
+    labels = (torch.rand(8, 12) < 0.3).float()
+    labels[0, 0], labels[1, 0] = 1.0, 0.0  # every loss sees both kinds in some class
+    images = torch.randn(8, 3, 32, 32)
+    for name in LOSSES:
+        cfg = compose_config([*TINY, f"loss={name}"])
+        criterion = build_loss(cfg.loss, SimpleNamespace(labels=labels), torch.device("cpu"))
+        model = create_model("resnet10t", 12, pretrained=False, head=head, num_groups=5)
+        loss = criterion(model(images), labels)
+        loss.backward()
+        assert torch.isfinite(loss), name
+        head_grads = [p.grad for p in model.get_classifier().parameters() if p.requires_grad]
+        backbone_grads = [p.grad for n, p in model.named_parameters() if n.startswith("backbone.")]
+        assert all(g is not None for g in head_grads) and any(g.abs().sum() > 0 for g in head_grads), name
+        assert any(g is not None and g.abs().sum() > 0 for g in backbone_grads), name
