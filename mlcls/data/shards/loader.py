@@ -149,9 +149,9 @@ class ShardStream(IterableDataset):
         for shard, first, stop in reads:
             url = self.dataset.urls[shard]
             count = 0
-            # Read to the end even past ``stop``: a pipe: command closed early fails. Labels are checked
-            # where a sample is decoded.
-            for position, sample in enumerate(iter_shard(url)):
+            # Read to the end even past ``stop``: a pipe: command closed early fails. Each sample's labels
+            # are checked here, where an error can name the shard and the member.
+            for position, sample in enumerate(iter_shard(url, self.dataset.num_classes)):
                 if first <= position < stop:
                     window.append(sample)
                     count += 1
