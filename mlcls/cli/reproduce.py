@@ -205,6 +205,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def print_commands(sweep: Sweep, args: argparse.Namespace) -> None:
+    """The launch commands of ``sweep``, one line each."""
+    for command in sweep_commands(sweep, args.launcher, args.nproc_per_node):
+        print(shlex.join(command))
+
+
+def run_sweeps(sweeps: Sequence[Sweep], args: argparse.Namespace) -> bool:
+    """Run ``sweeps`` unless ``--dry-run``; True if they ran."""
+    if args.dry_run:
+        return False
+    for sweep in sweeps:
+        run_sweep(sweep, args.launcher, args.nproc_per_node)
+    return True
+
+
 def run_presets(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: Path) -> int:
     """Print the run of each preset of ``args.table`` with its cost, then (without ``--dry-run``) run it."""
     if args.smoke:
@@ -219,13 +234,9 @@ def run_presets(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: P
         sweeps.append(sweep)
         hours = preset_gpu_hours(args.gpu)
         print(f"# {preset}: {PRESETS[preset]}; 1 run, about {hours:.0f} {args.gpu} GPU-hours")
-        for command in sweep_commands(sweep, args.launcher, args.nproc_per_node):
-            print(shlex.join(command))
-    if args.dry_run:
-        return 0
-    for sweep in sweeps:
-        run_sweep(sweep, args.launcher, args.nproc_per_node)
-    print(f"# results in {sweep_dir}/<preset>/0/results.json")
+        print_commands(sweep, args)
+    if run_sweeps(sweeps, args):
+        print(f"# results in {sweep_dir}/<preset>/0/results.json")
     return 0
 
 
@@ -265,14 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             cost = "" if args.smoke else f", about {sweep_gpu_hours(own, args.gpu):.0f} {args.gpu} GPU-hours"
             print(f"# {table}: {describe(table)}; {len(own)} sweep(s), {runs} runs{cost}")
             for sweep in own:
-                for command in sweep_commands(sweep, args.launcher, args.nproc_per_node):
-                    print(shlex.join(command))
-        if args.dry_run:
-            return 0
-        for sweep in sweeps:
-            run_sweep(sweep, args.launcher, args.nproc_per_node)
-        print(render(tables, sweep_dir, args.smoke), end="")
-        print(f"# tables written to {sweep_dir}/<table>.md and .csv")
+                print_commands(sweep, args)
+        if run_sweeps(sweeps, args):
+            print(render(tables, sweep_dir, args.smoke), end="")
+            print(f"# tables written to {sweep_dir}/<table>.md and .csv")
     except SweepFailed as exc:
         return failure("mlcls-reproduce", exc, 1, f"the same command with --sweep-dir {sweep_dir} resumes")
     except ReportError as exc:
