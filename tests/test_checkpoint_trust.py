@@ -3,8 +3,13 @@ from files refused with one line, old files re-saved or trusted explicitly."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import random
+import shutil
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,10 +17,13 @@ import torch
 from conftest import TINY, compose_config
 from PIL import Image
 
+from mlcls.cli.data import main as data_main
 from mlcls.cli.errors import error_line
 from mlcls.cli.eval import evaluate_checkpoint
 from mlcls.cli.predict import run as predict_run
 from mlcls.cli.train import run as train_run
+from mlcls.data import DatasetConfigError, DatasetFormatError
+from mlcls.data.shards.datasets import open_shards
 from mlcls.engine.checkpoint import UntrustedCheckpointError, load_checkpoint, resave_plain, save_checkpoint
 from mlcls.engine.rundir import LOCK_NAME
 from mlcls.engine.state import rng_state, set_rng_state
@@ -150,7 +158,7 @@ def test_a_dataset_target_from_a_file_is_not_called_by_eval(tmp_path, trained):
     nested = {**stored, "transform": {"_target_": "test_checkpoint_trust.write_marker", "path": str(marker)}}
     path = _checkpoint_with_config(tmp_path / "nested.pt", trained, "dataset", nested)
     cfg = compose_config([f"checkpoint={path}", "device=cpu"], config_name="eval")
-    with pytest.raises(ConfigError, match="dataset.transform holds a _target_"):
+    with pytest.raises(ConfigError, match=r"dataset.transform._target_ is set"):
         evaluate_checkpoint(cfg)
     assert not marker.exists()
 
@@ -171,3 +179,202 @@ def test_an_old_checkpoint_is_refused_then_resaved_as_plain_data(tmp_path, train
         resaved["rng"][0]["numpy"][1], torch.from_numpy(np.random.get_state()[1].astype(np.int64))
     )
     assert all(torch.equal(v, state["model"][k]) for k, v in resaved["model"].items())
+
+
+# ----------------------------------------------------------------------------------- shard sources (issue 28)
+def _eval_with_dataset(tmp_path: Path, trained: Path, dataset: dict, *argv: str) -> Any:
+    path = _checkpoint_with_config(tmp_path / "shards.pt", trained, "dataset", dataset)
+    return evaluate_checkpoint(
+        compose_config([f"checkpoint={path}", "device=cpu", *argv], config_name="eval")
+    )
+
+
+def _shards_config(image_size: Any = 32, **keys: Any) -> dict:
+    """A stored ``dataset=shards`` config as a run trained on shards holds it (resolved)."""
+    return {
+        "_target_": "mlcls.data.shards.datasets.open_shards",
+        "name": "shards",
+        "root": None,
+        "urls": None,
+        "val_urls": None,
+        "meta": None,
+        "shuffle_buffer": 10,
+        "image_size": image_size,
+        "transform": "light",
+        "train_split": "train",
+        "val_split": "val",
+        **keys,
+    }
+
+
+class _CountingServer:
+    """An HTTP server on 127.0.0.1 that answers 404 and counts the requests it gets."""
+
+    def __init__(self) -> None:
+        counter = self
+        self.requests: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the http.server name
+                counter.requests.append(self.path)
+                self.send_error(404)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture()
+def server():
+    counting = _CountingServer()
+    yield counting
+    counting.close()
+
+
+@pytest.fixture(scope="module")
+def packed_synthetic(tmp_path_factory) -> Path:
+    """A packed synthetic dataset (the classes of the ``trained`` run): 40 train and 20 val samples."""
+    out = tmp_path_factory.mktemp("packed")
+    argv = [
+        "pack",
+        "dataset.train_size=40",
+        "dataset.val_size=20",
+        f"out={out}",
+        "shard_size=20",
+        "max_side=32",
+    ]
+    assert data_main(argv) == 0
+    return out
+
+
+def test_a_pipe_shard_source_in_a_checkpoint_is_refused_with_one_line(tmp_path, trained, packed_synthetic):
+    """Item 1: a checkpoint (plain data) whose dataset config reads shards through ``pipe:`` ran the command
+    in mlcls-eval; now a checkpoint's shard sources are local files only."""
+    marker = tmp_path / "marker"
+    for key, value in [("meta", f"pipe:touch {marker} #"), ("val_urls", f"pipe:touch {marker} #x.tar")]:
+        with pytest.raises(ConfigError, match=rf"dataset.{key} reads 'pipe:touch .*not a local file") as info:
+            _eval_with_dataset(tmp_path, trained, _shards_config(**{key: value}))
+        assert "\n" not in error_line(info.value)
+        assert not marker.exists()
+    # the user's own dataset.* on the command line is theirs to choose; so is a checkpoint's local folder
+    stored = _shards_config(meta=f"pipe:touch {marker} #")
+    metrics = _eval_with_dataset(tmp_path, trained, stored, f"++dataset.meta={packed_synthetic}")
+    assert metrics["num_samples"] == 20 and not marker.exists()
+    metrics = _eval_with_dataset(tmp_path, trained, _shards_config(root=str(packed_synthetic)))
+    assert metrics["num_samples"] == 20
+
+
+def test_a_stored_interpolation_is_refused_before_anything_resolves(tmp_path, trained, server, monkeypatch):
+    """Items 2 and 4: the refused ``os.system`` target was reported only after every value had been
+    resolved (running the ``pipe:`` meta, or sending ``${oc.env:…}`` to a server); now never resolved."""
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("MLCLS_TEST_SECRET", "s3cr3t")
+    hostile = [
+        {
+            "_target_": "os.system",
+            "image_size": "${shards_source:image_size,64}",
+            "meta": f"pipe:touch {marker} #",
+        },
+        _shards_config(meta=f"{server.url}/" + "${oc.env:MLCLS_TEST_SECRET}"),
+        _shards_config(image_size="${shards_source:image_size,32}", meta=f"{server.url}/m"),
+        _shards_config(transform={"kind": "${oc.env:MLCLS_TEST_SECRET}"}),
+    ]
+    for dataset in hostile:
+        with pytest.raises(
+            ConfigError, match=r"an interpolation; a config read from a file is never resolved"
+        ):
+            _eval_with_dataset(tmp_path, trained, dataset)
+    assert not marker.exists() and server.requests == []
+    with pytest.raises(ConfigError, match=r"dataset.meta reads 'http://127.0.0.1:\d+/m', not a local file"):
+        _eval_with_dataset(tmp_path, trained, _shards_config(meta=f"{server.url}/m"))
+    assert server.requests == []
+
+
+def test_the_checked_config_is_the_one_built(tmp_path, trained, server, monkeypatch):
+    """Item 3: the check and the build resolved the stored config separately (nine nested meta URLs overflowed
+    the resolver's cache, so a server could answer one thing to each); now one plain object, never resolved,
+    is checked and built."""
+    import mlcls.cli.eval as eval_module
+
+    seen: dict[str, Any] = {}
+    check, build = eval_module.check_dataset_target, eval_module.build_dataset
+    monkeypatch.setattr(
+        eval_module, "check_dataset_target", lambda cfg: (seen.setdefault("checked", cfg), check(cfg))
+    )
+    monkeypatch.setattr(
+        eval_module, "build_dataset", lambda cfg, train: (seen.setdefault("built", cfg), build(cfg, train))[1]
+    )
+    stored = torch.load(trained / "checkpoints" / "best.pt", weights_only=True)["config"]["dataset"]
+    _eval_with_dataset(tmp_path, trained, stored)
+    assert seen["built"] is seen["checked"] and isinstance(seen["built"], dict)
+
+    nested = "${shards_source:image_size,32}"
+    for _level in range(9):
+        nested = "${shards_source:image_size," + nested + "}"
+    with pytest.raises(ConfigError, match="an interpolation"):
+        _eval_with_dataset(tmp_path, trained, _shards_config(image_size=nested, meta=f"{server.url}/m"))
+    assert server.requests == []
+
+
+def _pack_with_names(packed: Path, out: Path, names: dict[str, str]) -> Path:
+    """A copy of ``packed`` whose shards ``names`` maps are renamed (file and manifest)."""
+    shutil.copytree(packed, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for role in ("train", "val"):
+        for entry in manifest[role]["shards"]:
+            if entry["name"] in names:
+                new = names[entry["name"]]
+                (out / entry["name"]).rename(out / new.replace("/", "_"))
+                entry["name"] = new
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_manifest_names_never_reach_a_command(tmp_path, packed_synthetic, monkeypatch):
+    """Item 5: a val shard named ``$(cmd)val-000000.tar`` ran ``cmd`` when the val URLs were made from the
+    user's ``pipe:cat …`` training URLs; names are now plain file names, never written into a command."""
+    monkeypatch.chdir(tmp_path)
+    name = "$(touch${IFS}pwned)val-000000.tar"  # what the old code ran: cat …/$(touch pwned)val-000000.tar
+    evil = _pack_with_names(packed_synthetic, tmp_path / "evil", {"val-000000.tar": name})
+    pipe = f"pipe:cat {evil}/train-{{000000..000001}}.tar"
+    with pytest.raises(DatasetFormatError, match=r"records the val shard name '\$\(touch.*expected a plain"):
+        open_shards("val", urls=pipe, meta=str(evil))
+    assert not (tmp_path / "pwned").exists()
+
+    # the user's own pipe: URLs work as documented; the val shards are given, not made from manifest names
+    pipe = f"pipe:cat {packed_synthetic}/train-{{000000..000001}}.tar"
+    with pytest.raises(DatasetConfigError, match=r"dataset.val_urls is needed with pipe: training shards"):
+        open_shards("val", urls=pipe, meta=str(packed_synthetic))
+    val = open_shards(
+        "val", urls=pipe, val_urls=f"pipe:cat {packed_synthetic}/val-000000.tar", meta=str(packed_synthetic)
+    )
+    train = open_shards("train", urls=pipe, meta=str(packed_synthetic))
+    assert len(val) == 20 and len(train) == 40
+
+
+def test_manifest_names_are_read_from_the_manifests_folder(tmp_path, packed_synthetic, monkeypatch):
+    """Item 6: with ``dataset.meta=DIR`` alone, names were opened as raw URLs (``pipe:cmd;#….tar`` ran) and an
+    honest pack was looked for in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    evil = _pack_with_names(
+        packed_synthetic, tmp_path / "evil", {"val-000000.tar": "pipe:touch${IFS}pwned;#.tar"}
+    )
+    with pytest.raises(DatasetFormatError, match=r"records the val shard name 'pipe:touch"):
+        open_shards("val", meta=str(evil))
+    assert not (tmp_path / "pwned").exists()
+    outside = _pack_with_names(
+        packed_synthetic, tmp_path / "outside", {"train-000000.tar": "../train-000000.tar"}
+    )
+    with pytest.raises(DatasetFormatError, match=r"records the train shard name '../train-000000.tar'"):
+        open_shards("train", meta=str(outside))
+
+    # an honest pack opened through meta alone, from another directory
+    assert len(open_shards("train", meta=str(packed_synthetic))) == 40
+    assert len(open_shards("val", meta=str(packed_synthetic))) == 20

@@ -213,7 +213,7 @@ def test_a_checkpoint_naming_its_dataset_by_the_path_before_the_data_split_still
     assert current_target("os.system") == "os.system"
     run = {"_target_": "mlcls.data.synthetic.SyntheticMultiLabel", "name": "synthetic", "image_size": 32}
     merged = evaluation_dataset_config(run, {}, ["x"])
-    assert merged._target_ == "mlcls.data.datasets.synthetic.SyntheticMultiLabel"
+    assert merged["_target_"] == "mlcls.data.datasets.synthetic.SyntheticMultiLabel"
     check_dataset_target(merged)  # a dataset of mlcls: accepted
     dataset = build_dataset({**merged, "val_size": 4, "transform": "light"}, train=False)
     assert isinstance(dataset, SyntheticMultiLabel) and len(dataset) == 4

@@ -16,13 +16,14 @@ import sys
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mlcls import config_dir
 from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import closest_keys, run_command
 from mlcls.data import build_dataset, current_target
 from mlcls.data.loader import build_eval_loader
+from mlcls.data.shards.reader import expand_urls, is_local
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import evaluate_model
@@ -32,19 +33,67 @@ from mlcls.inference.predictor import load_inference_model
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"
 
 
+# Keys of a dataset config that name where shards are read from (configs/dataset/shards.yaml).
+SOURCE_KEYS = ("urls", "val_urls", "meta", "root")
+# Nesting deeper than this in a stored config is refused (every shipped dataset config is 2 levels deep).
+MAX_DEPTH = 16
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 5]}…{text[-4:]}"
+
+
+def stored_plain(value: Any, where: str, depth: int = 0) -> Any:
+    """``value`` (a config read from a checkpoint, at key ``where``) as plain dicts, lists, strings,
+    numbers, booleans and None, never resolved (``OmegaConf.to_container(resolve=False)`` for a config
+    object).
+
+    Raises :class:`ConfigError` for anything else: an interpolation ``${…}`` (resolving it could read
+    environment variables or files, fetch URLs or call resolvers), a tensor or another object, a key that
+    is not a string, nesting deeper than :data:`MAX_DEPTH`.
+    """
+    if depth > MAX_DEPTH:
+        raise ConfigError(
+            f"the checkpoint's {where} is nested over {MAX_DEPTH} levels deep; not an mlcls config"
+        )
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=False)
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str) or "${" in key:
+                raise ConfigError(f"the checkpoint's {where} has the key {_shown(key)}; expected plain names")
+        return {key: stored_plain(item, f"{where}.{key}", depth + 1) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [stored_plain(item, f"{where}[{k}]", depth + 1) for k, item in enumerate(value)]
+    if isinstance(value, str) and "${" in value:
+        raise ConfigError(
+            f"the checkpoint's {where} is {_shown(value)}, an interpolation; a config read from a file is "
+            "never resolved (it could read your environment or files, or run commands)"
+        )
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    raise ConfigError(
+        f"the checkpoint's {where} holds a {type(value).__name__}; a stored config holds plain values only"
+    )
+
+
 def evaluation_dataset_config(
     run_dataset: DictConfig | dict, overrides: DictConfig | dict, classes: list[str]
-) -> DictConfig:
-    """The checkpoint's dataset config ``run_dataset`` with the keys of ``overrides`` replaced (a null
-    value keeps the checkpoint's).
+) -> dict[str, Any]:
+    """The checkpoint's dataset config ``run_dataset`` as plain containers (:func:`stored_plain`: never
+    resolved, an interpolation refused) with the keys of ``overrides`` (the user's own, resolved) replaced
+    (a null value keeps the checkpoint's).
 
     A key ``run_dataset`` lacks raises :class:`ConfigError` naming the closest keys. When the dataset config
     has a ``classes`` key (the CSV dataset) that is not overridden, it is set to the checkpoint's
     ``classes``: a test file is read in the order the model was trained with, and a name unknown to the
     model is an error rather than a new class.
     """
-    run_dataset = OmegaConf.create(run_dataset)
-    given = OmegaConf.to_container(OmegaConf.create(overrides))
+    run_dataset = stored_plain(run_dataset, "dataset")
+    if not isinstance(run_dataset, dict):
+        raise ConfigError(f"the checkpoint's dataset config is a {type(run_dataset).__name__}, not a mapping")
+    given = overrides if isinstance(overrides, dict) else OmegaConf.to_container(overrides, resolve=True)
     overrides = {key: value for key, value in given.items() if value is not None}
     name = run_dataset.get("name", "?")
     for key in overrides:
@@ -53,11 +102,11 @@ def evaluation_dataset_config(
                 f"unknown option dataset.{key} for the checkpoint's dataset ({name}): "
                 f"{closest_keys(str(key), [str(k) for k in run_dataset], 'dataset')}"
             )
-    merged = OmegaConf.merge(run_dataset, overrides)
-    if "_target_" in merged:  # a checkpoint written before the data/ split names the old module
-        merged._target_ = current_target(merged._target_)
+    merged = {**run_dataset, **overrides}
+    if isinstance(merged.get("_target_"), str):  # a checkpoint written before the data/ split
+        merged["_target_"] = current_target(merged["_target_"])
     if "classes" in merged and "classes" not in overrides:
-        merged.classes = list(classes)
+        merged["classes"] = list(classes)
     return merged
 
 
@@ -72,37 +121,68 @@ def packaged_dataset_targets() -> set[str]:
     return targets
 
 
-def _names_a_target(node: Any) -> bool:
-    """Whether a ``_target_`` key appears anywhere within ``node`` (a config value)."""
-    if OmegaConf.is_dict(node):
-        return "_target_" in node or any(_names_a_target(value) for value in node.values())
-    return OmegaConf.is_list(node) and any(_names_a_target(value) for value in node)
+def _hydra_keys(node: Any, where: str) -> list[str]:
+    """The places within ``node`` (plain containers) of a key Hydra acts on (``_target_``, ``_args_``,
+    ``_partial_``, ``_convert_``, ``_recursive_``, ...: any key in underscores)."""
+    if isinstance(node, dict):
+        found = [f"{where}.{key}" for key in node if key.startswith("_")]
+        return found + [
+            place for key, value in node.items() for place in _hydra_keys(value, f"{where}.{key}")
+        ]
+    if isinstance(node, list):
+        return [place for k, value in enumerate(node) for place in _hydra_keys(value, f"{where}[{k}]")]
+    return []
 
 
-def check_dataset_target(dataset_cfg: DictConfig) -> None:
-    """Raise :class:`ConfigError` unless ``dataset_cfg`` (read from a checkpoint) names one of mlcls's
-    dataset classes and no other ``_target_`` within: Hydra would call whatever a file names."""
+def check_dataset_target(dataset_cfg: dict[str, Any]) -> None:
+    """Raise :class:`ConfigError` unless ``dataset_cfg`` (read from a checkpoint, plain) names one of mlcls's
+    dataset classes and no other key Hydra acts on: Hydra would call whatever a file names."""
     known = packaged_dataset_targets()
     target = dataset_cfg.get("_target_")
-    nested = [key for key, value in dataset_cfg.items() if key != "_target_" and _names_a_target(value)]
+    nested = [place for place in _hydra_keys(dataset_cfg, "dataset") if place != "dataset._target_"]
     if target not in known or nested:
-        what = f"dataset.{nested[0]} holds a _target_" if nested else f"dataset._target_={target!r}"
+        what = f"{nested[0]} is set" if nested else f"dataset._target_={target!r}"
         raise ConfigError(
             f"the checkpoint's {what}; only mlcls's datasets are built from a file "
             f"({', '.join(sorted(known))}), unless trust_checkpoint=true"
         )
 
 
+def check_shard_sources(dataset_cfg: dict[str, Any], given: set[str]) -> None:
+    """Raise :class:`ConfigError` when a shard source the checkpoint names (``dataset.urls``, ``val_urls``,
+    ``meta``, ``root``; not one of the user's own keys ``given``) is not a local file: a ``pipe:`` command
+    would run on this machine, an ``http(s)://``, ``s3://``, ... URL would be fetched."""
+    for key in SOURCE_KEYS:
+        value = dataset_cfg.get(key)
+        if key in given or value in (None, ""):
+            continue
+        for url in expand_urls(value) if isinstance(value, (str, list)) else [value]:
+            if not isinstance(url, str) or not is_local(url):
+                raise ConfigError(
+                    f"the checkpoint's dataset.{key} reads {_shown(url)}, not a local file; shards named by "
+                    "a checkpoint are read from local files only (a pipe: command would run here, a URL "
+                    f"would be fetched): give dataset.{key}=… yourself, or trust_checkpoint=true for a file "
+                    "you wrote"
+                )
+
+
 def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
-    """Evaluate ``cfg.checkpoint``; every process returns the same figures."""
+    """Evaluate ``cfg.checkpoint``; every process returns the same figures.
+
+    The checkpoint's dataset config is made plain once, without resolving (:func:`stored_plain`), merged
+    with the user's ``dataset.*``, checked (:func:`check_dataset_target`, :func:`check_shard_sources`,
+    unless ``trust_checkpoint``) and that same object is built.
+    """
     require_keys(cfg, USAGE)
     info = dist_utils.init_distributed(cfg.device)
     inference = load_inference_model(cfg.checkpoint, info.device, trust=cfg.trust_checkpoint)
     if "dataset" not in inference.config:
         raise ConfigError(f"{cfg.checkpoint} holds no dataset config; is it an mlcls checkpoint?")
-    dataset_cfg = evaluation_dataset_config(inference.config["dataset"], cfg.dataset, inference.classes)
+    given = {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if v is not None}
+    dataset_cfg = evaluation_dataset_config(inference.config["dataset"], given, inference.classes)
     if not cfg.trust_checkpoint:
         check_dataset_target(dataset_cfg)
+        check_shard_sources(dataset_cfg, set(given))
     dataset = build_dataset(dataset_cfg, train=False)
     if list(dataset.classes) != inference.classes:
         raise ConfigError(

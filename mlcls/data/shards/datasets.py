@@ -1,8 +1,9 @@
 """Training and evaluation from packed shards (``dataset=shards``), as ``mlcls-data pack`` writes them
 (layout: :mod:`mlcls.data.shards.pack`).
 
-Shards are read through ``webdataset``'s ``gopen``: local paths, ``http(s)://`` and ``pipe:`` commands
-(``pipe:aws s3 cp s3://bucket/train-000001.tar -``), each as one sequential stream.
+Shards are read as :mod:`mlcls.data.shards.reader` opens them: local paths as files, the URLs a user gives
+(``http(s)://``, ``pipe:aws s3 cp s3://bucket/train-000001.tar -``) through ``webdataset``'s ``gopen``, each
+as one sequential stream. The shards a manifest lists are read from the manifest's folder.
 
 **Training** (:class:`ShardTrainSet`, loaded by :class:`mlcls.data.shards.loader.ShardTrainLoader`): every
 epoch the shards are put in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut
@@ -129,8 +130,9 @@ def open_shards(
     Args:
         urls: the training shards, a brace pattern or a list (any URL ``webdataset`` opens); None: every
             training shard of ``root``'s manifest.
-        val_urls: the validation shards; None: every val shard of the manifest, at the place of ``urls``
-            (or in ``root``).
+        val_urls: the validation shards; None: every val shard of the manifest, in the folder of ``urls``
+            (required with ``pipe:`` URLs: no name read from a manifest is written into a command), or in
+            the manifest's folder.
         meta: folder or URL prefix of ``classes.json``, ``manifest.json``, ``*-labels.npz``; None: ``root``,
             or the folder of the first training shard (required with ``pipe:`` URLs).
         root: the folder ``mlcls-data pack`` wrote, read through its manifest.
@@ -139,18 +141,15 @@ def open_shards(
     """
     check_choice("split", split, ROLES)
     index = ShardIndex(config_meta(root, urls, meta))
-    place = f"{str(root).rstrip('/')}/" if root else ""
-    train_urls = (
-        expand_urls(urls) if urls else [place + entry["name"] for entry in index.split("train")["shards"]]
-    )
     if split == "train":
+        train_urls = expand_urls(urls) if urls else index.shard_urls("train")
         return ShardTrainSet(index, train_urls, shuffle_buffer, transform, **config_keys)
     if val_urls:
         split_urls = expand_urls(val_urls)
     elif urls:
-        split_urls = index.role_urls("val", train_urls[0])
+        split_urls = index.role_urls("val", expand_urls(urls)[0])
     else:
-        split_urls = [place + entry["name"] for entry in index.manifest.get("val", {}).get("shards", [])]
+        split_urls = index.shard_urls("val")
     return ShardEvalSet(index, split_urls, transform, **config_keys)
 
 

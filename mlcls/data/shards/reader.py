@@ -2,8 +2,13 @@
 samples checked member by member, and :class:`ShardIndex`, a pack's manifest, classes and label sidecars,
 checked against what they record. The datasets built on them are in :mod:`mlcls.data.shards.datasets`.
 
-Shards are read through ``webdataset``'s ``gopen``: local paths, ``http(s)://`` and ``pipe:`` commands
-(``pipe:aws s3 cp s3://bucket/train-000001.tar -``), each as one sequential stream.
+Shards are read as one sequential stream each: local paths with ``open``, and the URLs a user gives
+(``http(s)://``, ``pipe:`` commands such as ``pipe:aws s3 cp s3://bucket/train-000001.tar -``) through
+``webdataset``'s ``gopen``.
+
+Names read from a manifest are data, never commands: each must be a plain file name (:data:`FILE_NAME`),
+it is read from the manifest's own folder (``meta``), and it is never written into a ``pipe:`` command (the
+validation shards of ``pipe:`` training URLs are given as ``dataset.val_urls``).
 """
 
 from __future__ import annotations
@@ -29,10 +34,21 @@ from mlcls.data.shards.tario import npy_array, tar_files
 
 ROLES = ("train", "val")
 SHARD_NAME = re.compile(r"[^/\s]+\.tar")
+# A file name a manifest may record: letters, digits, ``.``, ``_`` and ``-``, not starting with ``.`` or
+# ``-`` (no path, no URL scheme, no shell syntax, no option); shards end in ``.tar``.
+FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+# Shard URLs one pattern may expand to (Open Images at 1,000 images a shard takes about 9,000).
+MAX_SHARD_URLS = 1_000_000
 
 
 def open_url(url: str) -> IO[bytes]:
-    """A binary stream of ``url`` (a path, ``http(s)://``, ``pipe:`` command, ...) by ``webdataset``."""
+    """A binary stream of ``url``: a local path opened as a file, anything else (``http(s)://``, a ``pipe:``
+    command, ...) by ``webdataset``'s ``gopen``."""
+    if is_local(url):
+        try:
+            return open(url, "rb")
+        except OSError as exc:
+            raise DatasetLayoutError(f"cannot open {url}: {exc.strerror or exc}") from exc
     try:
         from webdataset.gopen import gopen
     except ImportError:
@@ -55,7 +71,20 @@ def expand_urls(urls: str | list[str]) -> list[str]:
     from braceexpand import braceexpand
 
     patterns = [urls] if isinstance(urls, str) else list(urls)
-    return [url for pattern in patterns for url in braceexpand(pattern)]
+    expanded: list[str] = []
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise DatasetConfigError(
+                f"a shard URL is {type(pattern).__name__} {pattern!r}; expected a string"
+            )
+        for url in braceexpand(pattern):
+            expanded.append(url)
+            if len(expanded) > MAX_SHARD_URLS:
+                raise DatasetConfigError(
+                    f"the shard URLs {patterns[0][:80]!r}… expand to over {MAX_SHARD_URLS:,} shards; "
+                    "expected one pattern (or a list) per split"
+                )
+    return expanded
 
 
 def shard_name_of(url: str) -> str:
@@ -142,6 +171,7 @@ class ShardIndex:
                 f"{self.meta}/{MANIFEST_FILE} is of pack format {found}, this mlcls reads format {FORMAT}; "
                 "pack the dataset again into a fresh folder"
             )
+        check_file_names(self.manifest, f"{self.meta}/{MANIFEST_FILE}")
         info = self.read_json(CLASSES_FILE, self.read_recorded(self.manifest.get("classes")))
         self.classes: list[str] = list(info["classes"])
         self.source: str = info.get("dataset") or "shards"
@@ -225,9 +255,52 @@ class ShardIndex:
         )
 
     def role_urls(self, role: str, like: str) -> list[str]:
-        """URLs of every ``role`` shard of the manifest, made from the URL ``like`` of another shard."""
-        name = shard_name_of(like)
-        return [like.replace(name, entry["name"]) for entry in self.manifest.get(role, {}).get("shards", [])]
+        """URLs of every ``role`` shard of the manifest, in the folder (or URL prefix) of the shard ``like``.
+        A ``pipe:`` command is not made from names a manifest holds: :class:`DatasetConfigError`."""
+        if like.startswith("pipe:"):
+            raise DatasetConfigError(
+                "dataset.val_urls is needed with pipe: training shards (mlcls writes no name read from "
+                f"{MANIFEST_FILE} into a command), e.g. "
+                'dataset.val_urls="pipe:… val-{000000..000004}.tar …"'
+            )
+        folder = like[: -len(shard_name_of(like))].rstrip("/") or "."
+        return [f"{folder}/{entry['name']}" for entry in self.manifest.get(role, {}).get("shards", [])]
+
+    def shard_urls(self, role: str) -> list[str]:
+        """URLs of every ``role`` shard of the manifest, in the manifest's own folder (``meta``)."""
+        return [f"{self.meta}/{entry['name']}" for entry in self.split(role)["shards"]]
+
+
+def check_file_names(manifest: dict[str, Any], where: str) -> None:
+    """Raise :class:`DatasetFormatError` unless every file name ``manifest`` records (its sidecars and each
+    split's shards) is a plain file name (:data:`FILE_NAME`; shards ``*.tar``), each shard listed once."""
+    entries = [("classes", manifest.get("classes"))]
+    for role in ROLES:
+        split = manifest.get(role, {})
+        if not isinstance(split, dict) or not isinstance(split.get("shards", []), list):
+            raise DatasetFormatError(
+                f"{where}: the {role} entry is not a split record; pack the dataset again"
+            )
+        entries += [(f"{role} labels", split.get("labels"))]
+        entries += [(f"{role} shard", shard) for shard in split.get("shards", [])]
+    seen: set[str] = set()
+    for what, entry in entries:
+        if entry is None and not what.endswith("shard"):
+            continue
+        name = entry.get("name") if isinstance(entry, dict) else None
+        shard = what.endswith("shard")
+        if (
+            not isinstance(name, str)
+            or not FILE_NAME.fullmatch(name)
+            or (shard and not name.endswith(".tar"))
+        ):
+            raise DatasetFormatError(
+                f"{where} records the {what} name {str(name)[:80]!r}; expected a plain file name "
+                f"([A-Za-z0-9._-]{'+.tar' if shard else '+'}, read from the manifest's folder); pack again"
+            )
+        if shard and name in seen:
+            raise DatasetFormatError(f"{where} lists the shard {name} twice; pack the dataset again")
+        seen.add(name)
 
 
 def is_local(url: str) -> bool:
