@@ -11,3 +11,9 @@ class ConfigError(ValueError):
 def plural(count: int, noun: str) -> str:
     """``"1 image"``, ``"3 images"``: ``count`` and ``noun``, plural unless ``count`` is 1."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a value read from a file, quoted in a one-line error."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

@@ -28,6 +28,7 @@ from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import evaluate_model
 from mlcls.engine.validate import ConfigError, resolve_amp
+from mlcls.errors import shown
 from mlcls.inference.predictor import load_inference_model
 
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"
@@ -37,11 +38,6 @@ USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.
 SOURCE_KEYS = ("urls", "val_urls", "meta", "root")
 # Nesting deeper than this in a stored config is refused (every shipped dataset config is 2 levels deep).
 MAX_DEPTH = 16
-
-
-def _shown(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 5]}…{text[-4:]}"
 
 
 def stored_plain(value: Any, where: str, depth: int = 0) -> Any:
@@ -62,13 +58,13 @@ def stored_plain(value: Any, where: str, depth: int = 0) -> Any:
     if isinstance(value, dict):
         for key in value:
             if not isinstance(key, str) or "${" in key:
-                raise ConfigError(f"the checkpoint's {where} has the key {_shown(key)}; expected plain names")
+                raise ConfigError(f"the checkpoint's {where} has the key {shown(key)}; expected plain names")
         return {key: stored_plain(item, f"{where}.{key}", depth + 1) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [stored_plain(item, f"{where}[{k}]", depth + 1) for k, item in enumerate(value)]
     if isinstance(value, str) and "${" in value:
         raise ConfigError(
-            f"the checkpoint's {where} is {_shown(value)}, an interpolation; a config read from a file is "
+            f"the checkpoint's {where} is {shown(value)}, an interpolation; a config read from a file is "
             "never resolved (it could read your environment or files, or run commands)"
         )
     if value is None or isinstance(value, (str, bool, int, float)):
@@ -159,7 +155,7 @@ def check_shard_sources(dataset_cfg: dict[str, Any], given: set[str]) -> None:
         for url in expand_urls(value) if isinstance(value, (str, list)) else [value]:
             if not isinstance(url, str) or not is_local(url):
                 raise ConfigError(
-                    f"the checkpoint's dataset.{key} reads {_shown(url)}, not a local file; shards named by "
+                    f"the checkpoint's dataset.{key} reads {shown(url)}, not a local file; shards named by "
                     "a checkpoint are read from local files only (a pipe: command would run here, a URL "
                     f"would be fetched): give dataset.{key}=… yourself, or trust_checkpoint=true for a file "
                     "you wrote"

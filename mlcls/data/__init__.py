@@ -35,6 +35,8 @@ from mlcls.data.datasets.base import (
     Sample,
 )
 from mlcls.data.pipeline.fast import build_backend_transform
+from mlcls.data.pipeline.transforms import TRANSFORM_KINDS
+from mlcls.errors import shown
 
 
 def _shards_source(key: str, fallback: Any, *, _parent_: DictConfig) -> Any:
@@ -75,6 +77,23 @@ def current_target(target: str) -> str:
     return f"{_MOVED_DATASET_MODULES[module]}.{name}" if module in _MOVED_DATASET_MODULES else target
 
 
+# The largest network input side a dataset config may ask for (the field's largest are 448-640 px).
+MAX_IMAGE_SIZE = 4096
+
+
+def check_input_settings(kind: Any, size: Any) -> None:
+    """Raise :class:`DatasetConfigError` unless ``kind`` (``dataset.transform``) names a transform and
+    ``size`` (``dataset.image_size``) is an integer in [1, :data:`MAX_IMAGE_SIZE`]."""
+    if not isinstance(kind, str) or kind not in TRANSFORM_KINDS:
+        raise DatasetConfigError(
+            f"dataset.transform={shown(kind)}; expected one of {', '.join(TRANSFORM_KINDS)}"
+        )
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_IMAGE_SIZE:
+        raise DatasetConfigError(
+            f"dataset.image_size={shown(size)}; expected an integer from 1 to {MAX_IMAGE_SIZE}"
+        )
+
+
 def build_dataset(
     cfg: DictConfig | dict[str, Any], train: bool, backend: str = "torchvision"
 ) -> MultiLabelDataset:
@@ -83,7 +102,8 @@ def build_dataset(
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if not isinstance(cfg, dict) else cfg
     cfg = OmegaConf.create(cfg)
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
-    kind, size = cfg.get("transform", "paper"), int(cfg.image_size)
+    kind, size = cfg.get("transform", "paper"), cfg.get("image_size")
+    check_input_settings(kind, size)
     transform = build_backend_transform(backend, kind, size, train, cfg.get("mean"), cfg.get("std"))
     try:
         return instantiate(cfg, split=split, transform=transform, _convert_="all")

@@ -1,0 +1,327 @@
+"""Fuzzing checkpoints: seeded mutations of a genuine checkpoint's plain fields (config values,
+interpolations, shard URLs, model options, weight shapes, class lists, preprocessing, thresholds), each
+read by ``mlcls-eval`` and ``mlcls-predict`` as a user runs them. Each must evaluate and predict, or stop
+with one of the errors the commands print as one line, within bounded time and memory, without running a
+command (a marker file) or reaching the network (a counting server on 127.0.0.1).
+
+The mutations run in a child process (this file run as a script) whose address space is limited, so that
+an allocation a crafted field asks for fails there at once instead of exhausting the machine; a
+``MemoryError`` anywhere in an error's chain counts as an escape, not as a one-line refusal.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import compose_config
+
+SEEDS = 40  # mutated checkpoints per run (each read by eval and by predict)
+MUTATIONS_PER_CHECKPOINT = (1, 3)
+SECONDS_PER_READ = 8.0  # a read (eval or predict) of one mutated checkpoint, on a loaded CI machine
+ADDRESS_SPACE_GB = 6.0  # the child's address-space limit above what it has mapped after its imports
+
+# The genuine run the mutations start from: a tiny timm network on the synthetic data, one short epoch.
+RUN = [
+    "dataset=synthetic",
+    "dataset.train_size=32",
+    "dataset.val_size=12",
+    "dataset.image_size=32",
+    "model.name=test_resnet",
+    "model.pretrained=false",
+    "trainer.epochs=1",
+    "trainer.batch_size=16",
+    "trainer.workers=0",
+    "trainer.device=cpu",
+    "trainer.eval_every=1",
+]
+
+
+def value_pool(marker: Path, server: str) -> list[Any]:
+    """Values a crafted file may hold in any field."""
+    return [
+        f"pipe:touch {marker} #",
+        f"pipe:touch {marker} #x.tar",
+        "${oc.env:HOME}",
+        "${shards_source:image_size,32}",
+        "${oc.decode:'{a: 1}'}",
+        "\\${oc.env:HOME}",
+        f"{server}/x",
+        f"{server}/train-{{000000..000003}}.tar",
+        "s3://bucket/train-000000.tar",
+        "file:///etc/hostname",
+        "/dev/zero",
+        "../../../../etc/hostname",
+        "train-{0..99999999}.tar",
+        "",
+        "x" * 5000,
+        "\x1b]0;title\x07\n| forged | row |",
+        0,
+        -1,
+        1.5,
+        2**31,
+        2**62,
+        40000,
+        float("nan"),
+        float("inf"),
+        True,
+        None,
+        [],
+        [0.5, 0.5],
+        ["a", 1, None],
+        {"_target_": "os.system", "command": f"touch {marker}"},
+        {"_target_": "builtins.open", "file": str(marker), "mode": "w"},
+        {"a": {"b": {"c": [1, {"d": "${oc.env:HOME}"}]}}},
+    ]
+
+
+def shards_config(marker: Path, server: str, rng: random.Random) -> dict[str, Any]:
+    """A stored ``dataset=shards`` config whose sources are hostile."""
+    source = rng.choice([f"pipe:touch {marker} #", f"{server}/m", "${oc.env:HOME}", "s3://b/m"])
+    return {
+        "_target_": "mlcls.data.shards.datasets.open_shards",
+        "name": "shards",
+        "root": None,
+        "urls": None,
+        "val_urls": None,
+        "meta": None,
+        rng.choice(["meta", "urls", "val_urls", "root"]): source,
+        "image_size": rng.choice([32, "${shards_source:image_size,32}"]),
+        "transform": "light",
+        "train_split": "train",
+        "val_split": "val",
+    }
+
+
+def mutate(state: dict[str, Any], rng: random.Random, marker: Path, server: str) -> list[str]:
+    """Apply 1-3 seeded mutations to ``state`` in place; returns what was done."""
+    pool = value_pool(marker, server)
+    done = []
+    for _ in range(rng.randint(*MUTATIONS_PER_CHECKPOINT)):
+        kind = rng.choice(
+            ["dataset", "dataset", "shards", "model", "classes", "preprocess", "weights", "other"]
+        )
+        config = state.get("config") if isinstance(state.get("config"), dict) else None
+        if kind == "dataset" and config is not None and isinstance(config.get("dataset"), dict):
+            key = rng.choice([*config["dataset"], "_target_", "val_size", "urls", "meta", "canvas_size"])
+            value = rng.choice([*pool, "mlcls.data.shards.datasets.open_shards", "os.system"])
+            config["dataset"][key] = value
+            done.append(f"config.dataset.{key}={value!r:.60}")
+        elif kind == "shards" and config is not None:
+            config["dataset"] = shards_config(marker, server, rng)
+            done.append(f"config.dataset=shards {config['dataset']!r:.120}")
+        elif kind == "model" and config is not None and isinstance(config.get("model"), dict):
+            key = rng.choice([*config["model"], "head", "decoder_embedding", "num_groups", "csra_heads"])
+            value = rng.choice([*pool, "mldecoder", "csra", "hf-hub:timm/resnet18", "local-dir:/tmp", 40000])
+            config["model"][key] = value
+            done.append(f"config.model.{key}={value!r:.60}")
+        elif kind == "classes":
+            classes = state.get("classes") or ["a"]
+            value = rng.choice(
+                [
+                    [],
+                    classes[:-1],
+                    [*classes, "extra"],
+                    [f"c{k}" for k in range(200_000)],
+                    list(range(len(classes))),
+                    [classes[0]] * len(classes),
+                    [*classes[:-1], "price_$5_to_$10\x1b[2J\n"],
+                    torch.arange(len(classes)),
+                    "a,b,c",
+                    None,
+                ]
+            )
+            state["classes"] = value
+            done.append(f"classes={value!r:.60}")
+        elif kind == "preprocess":
+            preprocess = state.get("preprocess")
+            if isinstance(preprocess, dict) and preprocess:
+                key = rng.choice(list(preprocess))
+                value = rng.choice([*pool, 40000, 0, [0.0, 0.0, 0.0]])
+                preprocess[key] = value
+                done.append(f"preprocess.{key}={value!r:.60}")
+            else:
+                state["preprocess"] = rng.choice(pool)
+                done.append(f"preprocess={state['preprocess']!r:.60}")
+        elif kind == "weights" and isinstance(state.get("model"), dict) and state["model"]:
+            key = rng.choice(sorted(state["model"]))
+            tensor = state["model"][key]
+            change = rng.choice(["shape", "nan", "dtype", "scalar", "missing"])
+            if change == "shape":
+                state["model"][key] = torch.zeros(*[d + 1 for d in tensor.shape] or [2])
+            elif change == "nan" and tensor.is_floating_point():
+                state["model"][key] = torch.full_like(tensor, math.nan)
+            elif change == "dtype":
+                state["model"][key] = tensor.to(torch.int64)
+            elif change == "scalar":
+                state["model"][key] = torch.tensor(1.0)
+            else:
+                del state["model"][key]
+            done.append(f"model[{key}] {change}")
+        else:
+            key = rng.choice(["config", "thresholds", "model", "classes"])
+            value = rng.choice(
+                [*pool, [math.nan] * 12, torch.full((12,), math.nan), torch.zeros(3), torch.zeros(12, 2)]
+            )
+            state[key] = value
+            done.append(f"{key}={value!r:.60}")
+    return done
+
+
+class _CountingServer:
+    """An HTTP server on 127.0.0.1 that counts its requests (none may arrive)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        counter = self
+        self.requests = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the http.server name
+                counter.requests += 1
+                self.send_error(404)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def _limit_address_space() -> None:
+    with open("/proc/self/status") as status:
+        mapped_kb = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+    limit = int(mapped_kb * 1024 + ADDRESS_SPACE_GB * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _timeout(signum: int, frame: Any) -> None:
+    raise TimeoutError(f"a read took over {SECONDS_PER_READ} s")
+
+
+def classify(exc: BaseException) -> str | None:
+    """None when ``exc`` is a refusal the commands print as one line; else why it is an escape."""
+    from hydra.errors import HydraException
+
+    from mlcls.cli.errors import USER_ERRORS, error_line
+
+    chain, seen = exc, set()
+    while chain is not None and id(chain) not in seen:
+        if isinstance(chain, (MemoryError, RecursionError, TimeoutError)):
+            return f"{type(chain).__name__}: {chain}"
+        seen.add(id(chain))
+        chain = chain.__cause__ or chain.__context__
+    if not isinstance(exc, (HydraException, *USER_ERRORS)):
+        return f"traceback {type(exc).__name__}: {str(exc)[:200]}"
+    if "\n" in error_line(exc):
+        return f"more than one line: {error_line(exc)[:200]!r}"
+    return None
+
+
+def fuzz(checkpoint: Path, images: Path, work: Path, seeds: range) -> dict[str, Any]:
+    """Read ``len(seeds)`` mutations of ``checkpoint`` with eval and predict; a report of what happened."""
+    from hydra import compose, initialize_config_dir
+
+    from mlcls import config_dir
+    from mlcls.cli.eval import evaluate_checkpoint
+    from mlcls.cli.predict import run as predict_run
+
+    server = _CountingServer()
+    marker = work / "marker"
+    _limit_address_space()
+    signal.signal(signal.SIGALRM, _timeout)
+    genuine = torch.load(checkpoint, weights_only=True)
+    path = work / "mutated.pt"
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        commands = [
+            (evaluate_checkpoint, compose("eval", [f"checkpoint={path}", "device=cpu", "workers=0"])),
+            (
+                predict_run,
+                compose(
+                    "predict",
+                    [f"checkpoint={path}", f"images={images}", "device=cpu", "workers=0", "top_k=2"],
+                ),
+            ),
+        ]
+    report: dict[str, Any] = {"escapes": [], "outcomes": {"ok": 0, "refused": 0}, "slowest": 0.0}
+    for seed in seeds:
+        rng = random.Random(seed)
+        state = copy.deepcopy(genuine)
+        done = mutate(state, rng, marker, server.url)
+        torch.save(state, path)
+        for read, cfg in commands:
+            command = read.__module__.rsplit(".", 1)[-1]
+            start = time.perf_counter()
+            signal.setitimer(signal.ITIMER_REAL, SECONDS_PER_READ)
+            try:
+                read(copy.deepcopy(cfg))
+                outcome = "ok"
+            except BaseException as exc:  # noqa: BLE001 - every escape is what the fuzzer reports
+                escape = classify(exc)
+                outcome = "refused" if escape is None else "escape"
+                if escape is not None:
+                    report["escapes"].append(
+                        {"seed": seed, "command": command, "mutations": done, "error": escape}
+                    )
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            report["outcomes"][outcome] = report["outcomes"].get(outcome, 0) + 1
+            report["slowest"] = max(report["slowest"], time.perf_counter() - start)
+    report["marker"] = marker.exists()
+    report["requests"] = server.requests
+    report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return report
+
+
+@pytest.fixture(scope="module")
+def genuine(tmp_path_factory) -> tuple[Path, Path]:
+    """A genuine checkpoint (a one-epoch run) and a folder of two images to predict."""
+    from mlcls.cli.train import run as train_run
+    from mlcls.data.datasets.synthetic import SyntheticMultiLabel
+
+    root = tmp_path_factory.mktemp("fuzz")
+    train_run(compose_config([*RUN, f"trainer.output_dir={root / 'run'}"]))
+    images = root / "images"
+    images.mkdir()
+    dataset = SyntheticMultiLabel("val", val_size=2)
+    for k in range(2):
+        dataset.load_image(k).save(images / f"{k}.png")
+    return root / "run" / "checkpoints" / "best.pt", images
+
+
+def test_mutated_checkpoints_load_or_fail_in_one_line(genuine, tmp_path):
+    checkpoint, images = genuine
+    command = [sys.executable, __file__, str(checkpoint), str(images), str(tmp_path), "0", str(SEEDS)]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=Path(__file__).parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    print(
+        f"{SEEDS} mutated checkpoints in {time.perf_counter() - started:.1f} s: {report['outcomes']}, "
+        f"slowest read {report['slowest']:.2f} s, peak RSS {report['peak_rss_mib']:.0f} MiB"
+    )
+    assert report["escapes"] == [], json.dumps(report["escapes"][:5], indent=1)
+    assert not report["marker"] and report["requests"] == 0
+    assert report["outcomes"]["ok"] > 0 and report["outcomes"]["refused"] > 0  # both kinds were reached
+    assert report["slowest"] < SECONDS_PER_READ and report["peak_rss_mib"] < 2048
+
+
+if __name__ == "__main__":
+    checkpoint, images, work, first, count = sys.argv[1:6]
+    sys.path.insert(0, str(Path(__file__).parent))
+    result = fuzz(Path(checkpoint), Path(images), Path(work), range(int(first), int(first) + int(count)))
+    print(json.dumps(result))
