@@ -195,8 +195,13 @@ def declared_size(data: bytes, name: str, size: int) -> bytes:
     (a header that lies: the member's stream holds more)."""
     end_record = data.rindex(b"PK\x05\x06")
     entry = int.from_bytes(data[end_record + 16 : end_record + 20], "little")  # the central directory's start
-    while data[entry + 46 : entry + 46 + int.from_bytes(data[entry + 28 : entry + 30], "little")] != name.encode():
-        entry += 46 + sum(int.from_bytes(data[entry + k : entry + k + 2], "little") for k in (28, 30, 32))
+    while True:
+        name_length, extra, comment = (
+            int.from_bytes(data[entry + k : entry + k + 2], "little") for k in (28, 30, 32)
+        )
+        if data[entry + 46 : entry + 46 + name_length] == name.encode():
+            break
+        entry += 46 + name_length + extra + comment
     return data[: entry + 24] + size.to_bytes(4, "little") + data[entry + 28 :]
 
 

@@ -106,7 +106,8 @@ def stream_samples(
             seen.add(key)
         if extension in fields:
             raise DatasetFormatError(
-                f"shard {url}, member {name!r}: a second {extension} member of sample {key}; pack the shard again"
+                f"shard {url}, member {name!r}: a second {extension} member of sample {key}; pack the shard "
+                "again"
             )
         fields[extension] = data
     if key is not None:
@@ -289,8 +290,8 @@ def check_manifest(manifest: dict[str, Any], where: str) -> None:
             check_record(entry, f"{role}.shards[{position}]", SHARD_RECORD)
             if entry["name"] in names:
                 raise DatasetFormatError(
-                    f"{where}: {role}.shards[{position}].name {entry['name']!r:.80} is listed twice; pack the "
-                    "dataset again"
+                    f"{where}: {role}.shards[{position}].name {entry['name']!r:.80} is listed twice; pack "
+                    "the dataset again"
                 )
             names.add(entry["name"])
 
