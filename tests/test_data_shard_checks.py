@@ -282,3 +282,15 @@ def test_labels_sidecar_arrays_of_floats_are_one_line(packed: Path, copy: Path) 
     record(copy, "train", labels.to_bytes())
     with pytest.raises(DatasetFormatError, match="train-labels.npz: row offsets, .* 1-D integer arrays"):
         open_shards("train", root=str(copy))
+
+
+def test_classes_json_without_a_list_of_names_is_one_line(copy: Path) -> None:
+    info = json.loads((copy / "classes.json").read_text())
+    info["classes"] = "".join(info["classes"])  # a string: list() of it made one class per character
+    data = json.dumps(info).encode()
+    (copy / "classes.json").write_bytes(data)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["classes"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatasetFormatError, match="classes.json holds no list of class names"):
+        open_shards("train", root=str(copy))
