@@ -344,7 +344,9 @@ def test_manifest_names_never_reach_a_command(tmp_path, packed_synthetic, monkey
     name = "$(touch${IFS}pwned)val-000000.tar"  # what the old code ran: cat …/$(touch pwned)val-000000.tar
     evil = _pack_with_names(packed_synthetic, tmp_path / "evil", {"val-000000.tar": name})
     pipe = f"pipe:cat {evil}/train-{{000000..000001}}.tar"
-    with pytest.raises(DatasetFormatError, match=r"records the val shard name '\$\(touch.*expected a plain"):
+    with pytest.raises(
+        DatasetFormatError, match=r"records the val.shards\[0\] name '\$\(touch.*expected a plain"
+    ):
         open_shards("val", urls=pipe, meta=str(evil))
     assert not (tmp_path / "pwned").exists()
 
@@ -366,13 +368,13 @@ def test_manifest_names_are_read_from_the_manifests_folder(tmp_path, packed_synt
     evil = _pack_with_names(
         packed_synthetic, tmp_path / "evil", {"val-000000.tar": "pipe:touch${IFS}pwned;#.tar"}
     )
-    with pytest.raises(DatasetFormatError, match=r"records the val shard name 'pipe:touch"):
+    with pytest.raises(DatasetFormatError, match=r"records the val.shards\[0\] name 'pipe:touch"):
         open_shards("val", meta=str(evil))
     assert not (tmp_path / "pwned").exists()
     outside = _pack_with_names(
         packed_synthetic, tmp_path / "outside", {"train-000000.tar": "../train-000000.tar"}
     )
-    with pytest.raises(DatasetFormatError, match=r"records the train shard name '../train-000000.tar'"):
+    with pytest.raises(DatasetFormatError, match=r"records the train.shards\[0\] name '../train-000000.tar'"):
         open_shards("train", meta=str(outside))
 
     # an honest pack opened through meta alone, from another directory

@@ -105,3 +105,15 @@ def test_bce_class_weights_from_counts_equal_those_from_the_matrix() -> None:
     expected = torch.where(positives > 0, negatives / positives.clamp(min=1), 1.0).float()
     torch.testing.assert_close(from_counts.class_weight, expected)
     torch.testing.assert_close(from_matrix.class_weight, expected)
+
+
+def test_from_bytes_reads_what_the_shape_allows_and_refuses_more() -> None:
+    full = SparseLabels.from_dense(np.ones((70, 50)))  # every entry stored: the most a (70, 50) shape holds
+    assert len(full.columns) == 70 * 50
+    assert SparseLabels.from_bytes(full.to_bytes(), (70, 50)) == full
+    # announced as 7 rows: its 3,500 stored classes (14 kB) are more than 7 x 50 entries take
+    with pytest.raises(ValueError, match=r"columns.npy declares 14128 bytes, more than 350 integers take"):
+        SparseLabels.from_bytes(full.to_bytes(), (7, 50))
+    floats = SparseLabels(full.offsets.astype(np.float64), full.columns, full.values, 50, full.fill)
+    with pytest.raises(ValueError, match="must be 1-D integer arrays, not 1-D float64, 1-D int32, 1-D int8"):
+        floats.check("test")

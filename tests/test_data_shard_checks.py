@@ -5,9 +5,13 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
+import tracemalloc
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -160,3 +164,133 @@ def test_pack_prints_a_train_command_with_the_sources_model(tmp_path: Path, caps
         f"train with: mlcls-train dataset=shards dataset.root={tmp_path / 'out'} model.name=resnet10t "
         "model.pretrained=false\n"
     ) in printed
+
+
+BOMB_ZEROS = 256  # MiB of zeros behind the bomb's columns.npy header (~0.25 MB deflated)
+
+
+@pytest.fixture(scope="module")
+def labels_bomb(packed: Path) -> bytes:  # noqa: F811
+    """The training labels sidecar with its ``columns`` array a deflate bomb: a valid ``.npy`` header of
+    64 M int32 entries and their 256 MiB of zeros, deflated; the other arrays as packed."""
+    buffer = io.BytesIO()
+    with (
+        zipfile.ZipFile(packed / "train-labels.npz") as source,
+        zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as bomb,
+    ):
+        for info in source.infolist():
+            if info.filename != "columns.npy":
+                bomb.writestr(info.filename, source.read(info))
+        with bomb.open("columns.npy", "w") as member:
+            header = {"descr": "<i4", "fortran_order": False, "shape": (BOMB_ZEROS << 18,)}
+            np.lib.format.write_array_header_1_0(member, header)
+            zeros = bytes(1 << 20)
+            for _ in range(BOMB_ZEROS):
+                member.write(zeros)
+    return buffer.getvalue()
+
+
+def declared_size(data: bytes, name: str, size: int) -> bytes:
+    """The zip ``data`` with the central directory's uncompressed size of member ``name`` set to ``size``
+    (a header that lies: the member's stream holds more)."""
+    end_record = data.rindex(b"PK\x05\x06")
+    entry = int.from_bytes(data[end_record + 16 : end_record + 20], "little")  # the central directory's start
+    while True:
+        name_length, extra, comment = (
+            int.from_bytes(data[entry + k : entry + k + 2], "little") for k in (28, 30, 32)
+        )
+        if data[entry + 46 : entry + 46 + name_length] == name.encode():
+            break
+        entry += 46 + name_length + extra + comment
+    return data[: entry + 24] + size.to_bytes(4, "little") + data[entry + 28 :]
+
+
+def peak_of(call) -> tuple[object, int]:
+    """``call()``'s result (or the exception it raised) and the peak of memory it allocated (tracemalloc)."""
+    tracemalloc.start()
+    try:
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 (returned, the caller asserts on it)
+            result = exc
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["declared", "lying-header"])
+def test_a_deflate_bomb_labels_sidecar_is_one_line_in_bounded_memory(
+    copy: Path, labels_bomb: bytes, lying: bool, capsys
+) -> None:
+    assert len(labels_bomb) < 2 << 20  # a bomb: 256 MiB of array in under 2 MB
+    bomb = declared_size(labels_bomb, "columns.npy", 1000) if lying else labels_bomb
+    record(copy, "train", bomb)  # the manifest consistent with it (bytes, sha256)
+    expected = "Bad CRC-32" if lying else r"columns.npy declares 268435584 bytes, more than 1080 integers"
+    error, peak = peak_of(lambda: open_shards("train", root=str(copy)))
+    assert peak < 64 << 20 and isinstance(error, DatasetFormatError), (peak, error)
+    assert re.search(f"cannot read the labels {copy}/train-labels.npz: .*{expected}", str(error))
+    assert "\n" not in str(error)
+    status, peak = peak_of(lambda: data_main(["verify", str(copy)]))
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 1 and peak < 64 << 20, (status, peak)
+    assert len(lines) == 1 and re.search(f"{copy}/train-labels.npz: .*{expected}", lines[0]), lines
+
+
+def set_field(manifest: dict, path: str, value: object) -> None:
+    """``manifest`` with the field at ``path`` (``train.shards.0.bytes``) set to ``value``."""
+    *parents, last = path.split(".")
+    node = manifest
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[int(last) if isinstance(node, list) else last] = value
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        ("train.samples", "90", "train.samples"),  # TypeError: sum() vs str
+        ("train.samples", -1, "train.samples"),
+        ("train.shards.0.bytes", None, r"train.shards\[0\].bytes"),
+        ("train.shards.1.samples", 2.5, r"train.shards\[1\].samples"),
+        ("train.shards.2.name", 7, r"train.shards\[2\].name"),
+        ("train.shards.3", "train-000003.tar", r"train.shards\[3\] is not an object"),
+        ("train.shards", {"name": "train-000000.tar"}, "train.shards is not a list"),
+        ("train.labels", "train-labels.npz", "train.labels is not an object"),
+        ("val.labels.sha256", None, "val.labels.sha256"),
+        ("val.label_fill", "0", "val.label_fill"),
+        ("val", [], "val is not an object"),
+        ("classes.name", ["classes.json"], "classes.name"),
+        ("val.shards.1.name", "val-000000.tar", r"val.shards\[1\].name 'val-000000.tar' is listed twice"),
+    ],
+)
+def test_manifest_fields_of_the_wrong_type_are_one_line_naming_the_field(
+    copy: Path, path: str, value: object, field: str, capsys
+) -> None:
+    manifest = json.loads((copy / "manifest.json").read_text())
+    set_field(manifest, path, value)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert data_main(["verify", str(copy)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and re.match(f"{copy}/manifest.json: {field}", lines[0]), lines
+    with pytest.raises(DatasetFormatError, match=f"manifest.json: {field}"):
+        open_shards("val", root=str(copy))
+
+
+def test_labels_sidecar_arrays_of_floats_are_one_line(packed: Path, copy: Path) -> None:  # noqa: F811
+    labels = SparseLabels.from_bytes((packed / "train-labels.npz").read_bytes())
+    labels.offsets = labels.offsets.astype(np.float64)  # the same row offsets, as floats
+    record(copy, "train", labels.to_bytes())
+    with pytest.raises(DatasetFormatError, match="train-labels.npz: row offsets, .* 1-D integer arrays"):
+        open_shards("train", root=str(copy))
+
+
+def test_classes_json_without_a_list_of_names_is_one_line(copy: Path) -> None:
+    info = json.loads((copy / "classes.json").read_text())
+    info["classes"] = "".join(info["classes"])  # a string: list() of it made one class per character
+    data = json.dumps(info).encode()
+    (copy / "classes.json").write_bytes(data)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["classes"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatasetFormatError, match="classes.json holds no list of class names"):
+        open_shards("train", root=str(copy))

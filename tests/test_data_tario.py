@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import random
+import re
 import tarfile
 import time
 import tracemalloc
@@ -17,6 +18,7 @@ import pytest
 
 from mlcls.cli.data import main as data_main
 from mlcls.data import DatasetFormatError
+from mlcls.data.sampling import sample_seed
 from mlcls.data.shards.pack import IMAGE_EXT, LABELS_EXT
 from mlcls.data.shards.reader import iter_shard
 from mlcls.data.shards.tario import TAR_BLOCK, npy_array, tar_files
@@ -64,10 +66,12 @@ def write_members(path: Path, members: list[tarfile.TarInfo | tuple[str, bytes]]
 
 
 def read_all(path: Path) -> list[tuple[str, dict[str, bytes]]]:
-    """What training reads of a shard: every sample, checked, its label row parsed."""
+    """What training reads of a shard: every sample, checked, its label row parsed, its key made the
+    number that seeds its augmentation."""
     samples = list(iter_shard(str(path), CLASSES))
-    for _, fields in samples:
+    for key, fields in samples:
         npy_array(fields[LABELS_EXT])
+        sample_seed(0, 0, int(key))
     return samples
 
 
@@ -114,6 +118,76 @@ def test_label_entries_outside_the_classes_name_the_member(tmp_path: Path, pairs
     write_members(path, truncated, tarfile.USTAR_FORMAT)
     with pytest.raises(DatasetFormatError, match=f"member 000000003.{LABELS_EXT} holds"):
         read_all(path)
+
+
+def npy_with_header(header: str, data: bytes = b"") -> bytes:
+    """``.npy`` (version 1) bytes of the header dict text ``header``, padded as np.save pads, then
+    ``data``."""
+    text = header.encode() + b" " * (-(10 + len(header) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
+
+
+@pytest.mark.parametrize(
+    ("descr", "shape", "expected"),
+    [
+        ("<i4", "(" + "-" * 9000 + "1, 2)", "nested too deeply"),  # was a MemoryError of Python's parser
+        ("|S0", "(1, 2)", "dtype |S0 has items of 0 bytes"),  # was a ValueError of np.frombuffer
+        ("<i4", f"(0, {2**62})", f"shape \\(0, {2**62}\\), beyond what numpy holds"),  # of reshape
+        ("<i4", str((1,) * 65), "beyond what numpy holds"),  # 65 dimensions: numpy holds 64
+    ],
+    ids=["unary-minuses", "S0", "2**62", "65-dimensions"],
+)
+def test_npy_headers_numpy_cannot_hold_name_the_member(
+    tmp_path: Path, descr: str, shape: str, expected: str
+) -> None:
+    labels = npy_with_header(f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}", bytes(8))
+    path = tmp_path / "train-000000.tar"
+    members = [("000000003.jpg", b"jpeg"), (f"000000003.{LABELS_EXT}", labels)]
+    write_members(path, members, tarfile.USTAR_FORMAT)
+    started = time.perf_counter()
+    with pytest.raises(DatasetFormatError, match=f"000000003.{LABELS_EXT} has no valid .npy header") as error:
+        read_all(path)
+    assert time.perf_counter() - started < 1
+    assert re.search(expected, str(error.value)) and str(path) in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+LABELS = npy(np.array([[3, 1]], np.int32))
+
+
+@pytest.mark.parametrize(
+    ("members", "expected"),
+    [
+        # int(key) in the training loader was a ValueError
+        ([("xxxxxxxxx.jpg", b"jpeg"), (f"xxxxxxxxx.{LABELS_EXT}", LABELS)], "'xxxxxxxxx.jpg': not named"),
+        # one sample of a/K and b/K: the image of one and the labels of the other
+        (
+            [("a/000000003.jpg", b"jpeg"), (f"b/000000003.{LABELS_EXT}", LABELS)],
+            "'a/000000003.jpg': not named",
+        ),
+        # the second image replaced the first
+        (
+            [("000000003.jpg", b"one"), (f"000000003.{LABELS_EXT}", LABELS), ("000000003.jpg", b"two")],
+            "'000000003.jpg': a second jpg member of sample 000000003",
+        ),
+        # sample 3 read twice, sample 4 between
+        (
+            [
+                member
+                for key in ("000000003", "000000004", "000000003")
+                for member in ((f"{key}.jpg", b"jpeg"), (f"{key}.{LABELS_EXT}", LABELS))
+            ],
+            "'000000003.jpg': sample 000000003 already came earlier",
+        ),
+    ],
+    ids=["not-a-number", "folders", "duplicate-member", "repeated-sample"],
+)
+def test_members_not_named_as_packed_name_the_member(tmp_path: Path, members: list, expected: str) -> None:
+    path = tmp_path / "train-000000.tar"
+    write_members(path, members, tarfile.USTAR_FORMAT)
+    with pytest.raises(DatasetFormatError, match=f"shard {path}, member {expected}") as error:
+        read_all(path)
+    assert "\n" not in str(error.value)
 
 
 def header_with(header: bytes, field: slice, value: bytes) -> bytes:
@@ -196,10 +270,10 @@ def test_valid_pax_records_apply_to_the_next_member(tmp_path: Path) -> None:
 
 
 def mutate(data: bytes, rng: random.Random) -> bytes:
-    """One seeded damage of ``data``: bytes flipped or overwritten (often in a header), a cut, or a splice
-    of one part of the file over another."""
+    """One seeded damage of ``data``: bytes flipped or overwritten (often in a header), a cut, a splice
+    of one part of the file over another, or a sample's members renamed."""
     buffer = bytearray(data)
-    kind = rng.randrange(5)
+    kind = rng.randrange(6)
     if kind == 0:  # random bit flips anywhere
         for _ in range(rng.randint(1, 8)):
             buffer[rng.randrange(len(buffer))] ^= 1 << rng.randrange(8)
@@ -216,9 +290,18 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
         length = rng.randint(1, 2 * TAR_BLOCK)
         source, target = rng.randrange(len(buffer)), rng.randrange(len(buffer))
         buffer[target : target + length] = buffer[source : source + length]
-    else:  # a run of random bytes
+    elif kind == 4:  # a run of random bytes
         start = rng.randrange(len(buffer))
         buffer[start : start + rng.randint(1, 64)] = rng.randbytes(rng.randint(1, 64))
+    else:  # a sample's members renamed, checksums right: to a word, into a folder, to another sample's key
+        names = [bytes(buffer[at : at + 100]).split(b"\0", 1)[0] for at in range(0, len(buffer), TAR_BLOCK)]
+        keys = sorted({name.split(b".")[0] for name in names if name.split(b".")[0].isdigit()})
+        key, other = rng.sample(keys, 2)
+        renamed = rng.choice([b"x" * len(key), b"a/" + key[2:], other])
+        for at in range(0, len(buffer) - TAR_BLOCK + 1, TAR_BLOCK):
+            if buffer[at : at + len(key) + 1] == key + b".":
+                block = bytes(buffer[at : at + TAR_BLOCK])
+                buffer[at : at + TAR_BLOCK] = header_with(block, slice(0, len(key)), renamed)
     return bytes(buffer)
 
 

@@ -10,6 +10,8 @@ matrix: the loss set-up, the class statistics, the classes-without-a-positive ch
 from __future__ import annotations
 
 import io
+import zipfile
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +20,10 @@ from torch import Tensor
 from torch.utils.data import Subset
 
 from mlcls.data.datasets.base import LABEL_VALUES, DatasetConfigError
+from mlcls.data.shards.tario import npy_array
+
+NPZ_ARRAYS = ("offsets", "columns", "values", "shape_fill")  # the members of SparseLabels.to_bytes
+NPY_HEADER_ROOM = 4096  # bytes an .npy member may take besides its data (np.save writes ~128)
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,12 @@ class SparseLabels:
     def check(self, where: str) -> SparseLabels:
         """Raise ``ValueError`` naming ``where`` unless the arrays form a valid matrix; return ``self``."""
         offsets, columns = self.offsets, self.columns
+        arrays = (offsets, columns, self.values)
+        if any(array.ndim != 1 or array.dtype.kind not in "iu" for array in arrays):
+            raise ValueError(
+                f"{where}: row offsets, classes and values must be 1-D integer arrays, not "
+                + ", ".join(f"{array.ndim}-D {array.dtype}" for array in arrays)
+            )
         if (
             len(offsets) == 0
             or offsets[0] != 0
@@ -197,14 +209,51 @@ class SparseLabels:
         return buffer.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> SparseLabels:
-        """The matrix of :meth:`to_bytes`'s ``.npz`` bytes."""
-        with np.load(io.BytesIO(data)) as arrays:
-            rows, classes, fill = (int(v) for v in arrays["shape_fill"])
-            labels = cls(arrays["offsets"], arrays["columns"], arrays["values"], classes, fill)
+    def from_bytes(cls, data: bytes, shape: tuple[int, int] | None = None) -> SparseLabels:
+        """The matrix of :meth:`to_bytes`'s ``.npz`` bytes (its members stored or deflated); ValueError for
+        any other bytes.
+
+        Given the ``shape`` (N, C) announced elsewhere, no member is decompressed past what an (N, C)
+        matrix can take (N + 1 offsets, N * C stored entries, integers of 8 bytes at most, the ``.npy``
+        headers): one that declares more is refused before it is read, and one that holds more than it
+        declares ends at its declared size (and fails its CRC). A deflate bomb ends in bounded memory.
+        """
+        entries = None if shape is None else shape[0] * shape[1]
+        limits = {
+            "offsets": None if shape is None else shape[0] + 1,
+            "columns": entries,
+            "values": entries,
+            "shape_fill": 3,
+        }
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                arrays = {name: _npz_array(archive, name, limits[name]) for name in NPZ_ARRAYS}
+        except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+            raise ValueError(f"not an .npz file of label arrays ({exc})") from None
+        shape_fill = arrays["shape_fill"]
+        if shape_fill.shape != (3,) or shape_fill.dtype.kind not in "iu":
+            raise ValueError(f"shape_fill is {shape_fill.shape} {shape_fill.dtype}, not 3 integers")
+        rows, classes, fill = (int(v) for v in shape_fill)
+        labels = cls(arrays["offsets"], arrays["columns"], arrays["values"], classes, fill)
         if len(labels) != rows:
             raise ValueError(f"{rows} rows announced, {len(labels)} stored")
         return labels
+
+
+def _npz_array(archive: zipfile.ZipFile, name: str, items: int | None) -> np.ndarray:
+    """The array ``name`` of an ``.npz`` ``archive`` (a writable copy), read only when its member declares
+    at most ``items`` integers of 8 bytes and a header (None: any size), and never past its declared size;
+    ValueError (KeyError for a missing member) otherwise."""
+    info = archive.getinfo(f"{name}.npy")
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
+        raise ValueError(f"{name}.npy is encrypted or compressed with method {info.compress_type}")
+    if items is not None and info.file_size > NPY_HEADER_ROOM + 8 * items:
+        raise ValueError(
+            f"{name}.npy declares {info.file_size} bytes, more than {items} integers take (the matrix's "
+            "shape allows no more)"
+        )
+    with archive.open(info) as member:
+        return npy_array(member.read(info.file_size), f"{name}.npy").copy()
 
 
 def dense_row(columns: np.ndarray, values: np.ndarray, num_classes: int, fill: int) -> Tensor:

@@ -39,6 +39,9 @@ SHARD_NAME = re.compile(r"[^/\s]+\.tar")
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 # Shard URLs one pattern may expand to (Open Images at 1,000 images a shard takes about 9,000).
 MAX_SHARD_URLS = 1_000_000
+SAMPLE_KEY = re.compile(r"[0-9]{1,18}")  # a packed sample's index in its source split: an int64
+FILE_RECORD = {"name": str, "bytes": int, "sha256": str}  # the manifest's record of a file (its types)
+SHARD_RECORD = {**FILE_RECORD, "samples": int}
 
 
 def open_url(url: str) -> IO[bytes]:
@@ -108,14 +111,33 @@ def stream_samples(
     stream: IO[bytes], url: str, num_classes: int | None = None
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """``(key, {extension: bytes})`` of each sample of the tar archive ``stream`` (of ``url``), in order,
-    checked by :func:`check_sample`."""
-    key, fields = None, {}
+    checked by :func:`check_sample`. Members are named ``<key>.<extension>`` as packing names them, the key
+    a sample number, in no folder, each sample's members together and each extension once:
+    :class:`DatasetFormatError` naming the shard and the member otherwise (a member in a folder, another
+    key, a repeated member or sample would be read as some other sample, or overwrite one)."""
+    key, fields, seen = None, {}, set()
     for name, data in tar_files(stream, url):
-        member_key, _, extension = name.rsplit("/", 1)[-1].partition(".")
+        member_key, _, extension = name.partition(".")
         if member_key != key:
             if key is not None:
                 yield key, check_sample(url, key, fields, num_classes)
+            if "/" in name or not SAMPLE_KEY.fullmatch(member_key):
+                raise DatasetFormatError(
+                    f"shard {url}, member {name!r}: not named <sample number>.<extension> in no folder, as "
+                    "packing names members; pack the shard again"
+                )
+            if member_key in seen:
+                raise DatasetFormatError(
+                    f"shard {url}, member {name!r}: sample {member_key} already came earlier in the shard "
+                    "(each sample's members are together); pack the shard again"
+                )
             key, fields = member_key, {}
+            seen.add(key)
+        if extension in fields:
+            raise DatasetFormatError(
+                f"shard {url}, member {name!r}: a second {extension} member of sample {key}; pack the shard "
+                "again"
+            )
         fields[extension] = data
     if key is not None:
         yield key, check_sample(url, key, fields, num_classes)
@@ -171,9 +193,12 @@ class ShardIndex:
                 f"{self.meta}/{MANIFEST_FILE} is of pack format {found}, this mlcls reads format {FORMAT}; "
                 "pack the dataset again into a fresh folder"
             )
-        check_file_names(self.manifest, f"{self.meta}/{MANIFEST_FILE}")
-        info = self.read_json(CLASSES_FILE, self.read_recorded(self.manifest.get("classes")))
-        self.classes: list[str] = list(info["classes"])
+        check_manifest(self.manifest, f"{self.meta}/{MANIFEST_FILE}")
+        info = self.read_json(CLASSES_FILE, self.read_recorded(self.manifest["classes"]))
+        classes = info.get("classes") if isinstance(info, dict) else None
+        if not isinstance(classes, list) or not all(isinstance(name, str) for name in classes):
+            raise DatasetFormatError(f"{self.meta}/{CLASSES_FILE} holds no list of class names; pack again")
+        self.classes: list[str] = classes
         self.source: str = info.get("dataset") or "shards"
 
     def read_json(self, name: str, data: bytes) -> Any:
@@ -182,11 +207,9 @@ class ShardIndex:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise DatasetFormatError(f"cannot parse {self.meta}/{name}: {exc}") from exc
 
-    def read_recorded(self, entry: Any) -> bytes:
+    def read_recorded(self, entry: dict[str, Any]) -> bytes:
         """The bytes of the sidecar file the manifest records as ``entry`` (name, bytes, sha256), checked
         against its sha256."""
-        if not isinstance(entry, dict) or not {"name", "sha256"} <= entry.keys():
-            raise DatasetFormatError(f"{self.meta}/{MANIFEST_FILE} is incomplete; pack the dataset again")
         url = f"{self.meta}/{entry['name']}"
         data = read_url(url)
         if hashlib.sha256(data).hexdigest() != entry["sha256"]:
@@ -206,14 +229,14 @@ class ShardIndex:
         """The labels of the packed samples of ``role``, in shard order (the sparse sidecar), checked: the
         file the manifest records, one row per packed sample, one column per class, its ``label_fill``."""
         split = self.split(role)
-        data = self.read_recorded(split.get("labels"))
+        data = self.read_recorded(split["labels"])
         url = f"{self.meta}/{labels_file(role)}"
-        try:
-            labels = SparseLabels.from_bytes(data).check(url)
-        except (OSError, ValueError, KeyError) as exc:
-            raise DatasetFormatError(f"cannot read the labels {url}: {exc}; pack the split again") from exc
         counted = sum(entry["samples"] for entry in split["shards"])
         expected = (split["samples"], len(self.classes))
+        try:  # read no more than the manifest's shape allows: a deflate bomb is refused unread
+            labels = SparseLabels.from_bytes(data, expected).check(url)
+        except (OSError, ValueError, KeyError) as exc:
+            raise DatasetFormatError(f"cannot read the labels {url}: {exc}; pack the split again") from exc
         if labels.shape != expected or counted != split["samples"] or labels.fill != split["label_fill"]:
             raise DatasetFormatError(
                 f"{url} holds {labels.shape[0]} x {labels.shape[1]} labels (fill {labels.fill}), "
@@ -271,36 +294,55 @@ class ShardIndex:
         return [f"{self.meta}/{entry['name']}" for entry in self.split(role)["shards"]]
 
 
-def check_file_names(manifest: dict[str, Any], where: str) -> None:
-    """Raise :class:`DatasetFormatError` unless every file name ``manifest`` records (its sidecars and each
-    split's shards) is a plain file name (:data:`FILE_NAME`; shards ``*.tar``), each shard listed once."""
-    entries = [("classes", manifest.get("classes"))]
-    for role in ROLES:
-        split = manifest.get(role, {})
-        if not isinstance(split, dict) or not isinstance(split.get("shards", []), list):
-            raise DatasetFormatError(
-                f"{where}: the {role} entry is not a split record; pack the dataset again"
-            )
-        entries += [(f"{role} labels", split.get("labels"))]
-        entries += [(f"{role} shard", shard) for shard in split.get("shards", [])]
-    seen: set[str] = set()
-    for what, entry in entries:
-        if entry is None and not what.endswith("shard"):
-            continue
-        name = entry.get("name") if isinstance(entry, dict) else None
-        shard = what.endswith("shard")
-        if (
-            not isinstance(name, str)
-            or not FILE_NAME.fullmatch(name)
-            or (shard and not name.endswith(".tar"))
+def check_manifest(manifest: dict[str, Any], where: str) -> None:
+    """:class:`DatasetFormatError` naming the field unless each field of ``manifest`` (read from ``where``)
+    that reading the pack uses has its type: the ``classes`` file record, and for each split it lists its
+    ``samples``, ``label_fill`` (1, 0 or -1), ``labels`` file record and ``shards`` records, shard names
+    unique. A file record: ``name`` and ``sha256`` strings, ``bytes`` (and a shard's ``samples``) counts;
+    every name a plain file name (:data:`FILE_NAME`, shards ``*.tar``)."""
+
+    def check_record(record: Any, field: str, types: dict[str, type]) -> None:
+        if not isinstance(record, dict):
+            raise DatasetFormatError(f"{where}: {field} is not an object; pack the dataset again")
+        for key, kind in types.items():
+            value = record.get(key)
+            # bool is an int to Python, not a count; a count is never negative
+            if type(value) is not kind or (kind is int and value < 0):
+                expected = "a count (an integer >= 0)" if kind is int else "a string"
+                raise DatasetFormatError(
+                    f"{where}: {field}.{key} is {value!r:.40}, not {expected}; pack the dataset again"
+                )
+        shard = types is SHARD_RECORD
+        if "name" in types and (
+            not FILE_NAME.fullmatch(record["name"]) or (shard and not record["name"].endswith(".tar"))
         ):
             raise DatasetFormatError(
-                f"{where} records the {what} name {str(name)[:80]!r}; expected a plain file name "
+                f"{where} records the {field} name {record['name']!r:.80}; expected a plain file name "
                 f"([A-Za-z0-9._-]{'+.tar' if shard else '+'}, read from the manifest's folder); pack again"
             )
-        if shard and name in seen:
-            raise DatasetFormatError(f"{where} lists the shard {name} twice; pack the dataset again")
-        seen.add(name)
+
+    check_record(manifest.get("classes"), "classes", FILE_RECORD)
+    for role in (role for role in ROLES if role in manifest):
+        split = manifest[role]
+        check_record(split, role, {"samples": int})
+        if type(split.get("label_fill")) is not int or split["label_fill"] not in LABEL_VALUES:
+            raise DatasetFormatError(
+                f"{where}: {role}.label_fill is {split.get('label_fill')!r:.40}, not 1, 0 or -1; pack the "
+                "dataset again"
+            )
+        check_record(split.get("labels"), f"{role}.labels", FILE_RECORD)
+        shards = split.get("shards")
+        if not isinstance(shards, list):
+            raise DatasetFormatError(f"{where}: {role}.shards is not a list; pack the dataset again")
+        names = set()
+        for position, entry in enumerate(shards):
+            check_record(entry, f"{role}.shards[{position}]", SHARD_RECORD)
+            if entry["name"] in names:
+                raise DatasetFormatError(
+                    f"{where}: {role}.shards[{position}].name {entry['name']!r:.80} is listed twice; pack "
+                    "the dataset again"
+                )
+            names.add(entry["name"])
 
 
 def is_local(url: str) -> bool:

@@ -32,6 +32,7 @@ TAR_SPARSE = b"S"
 READ_CHUNK = 1 << 20  # a member larger than this is read in pieces: memory follows the bytes that exist
 PAX_RECORD = re.compile(rb"([0-9]{1,19}) ")  # "<length> <key>=<value>\n", the length counting it all
 NPY_MAGIC = b"\x93NUMPY"
+NPY_MAX_DIMS = 64  # numpy's NPY_MAXDIMS
 NPY_HEADER_READERS = {
     b"\x01": np.lib.format.read_array_header_1_0,
     b"\x02": np.lib.format.read_array_header_2_0,
@@ -183,6 +184,8 @@ def npy_array(data: bytes, member: str = "the .npy file") -> np.ndarray:
         dtype, shape, order = _npy_layout(data[:end])
     except (ValueError, TypeError, SyntaxError, tokenize.TokenError) as exc:  # numpy's header parser's
         raise DatasetFormatError(f"{member} has no valid .npy header ({exc})") from None
+    except (MemoryError, RecursionError):  # Python's parser on thousands of nested unary minuses
+        raise DatasetFormatError(f"{member} has no valid .npy header (nested too deeply)") from None
     count = math.prod(shape)
     if len(data) - end < count * dtype.itemsize:
         raise DatasetFormatError(
@@ -200,6 +203,13 @@ def _npy_layout(header: bytes) -> tuple[np.dtype, tuple[int, ...], str]:
     shape, fortran_order, dtype = NPY_HEADER_READERS[header[6:7]](stream)
     if dtype.hasobject:
         raise ValueError("an object array")
-    if any(size < 0 for size in shape):
-        raise ValueError(f"shape {shape}")
+    if dtype.itemsize == 0:
+        raise ValueError(f"dtype {dtype} has items of 0 bytes")
+    # numpy's limits on an array's dimensions and size, zero-length dimensions aside: (0, 2**62) is none
+    if (
+        len(shape) > NPY_MAX_DIMS
+        or any(size < 0 for size in shape)
+        or math.prod(max(size, 1) for size in shape) * dtype.itemsize >= 2**63
+    ):
+        raise ValueError(f"shape {shape}, beyond what numpy holds")
     return dtype, shape, "F" if fortran_order else "C"
