@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from data_fixtures import write_coco
 
-from mlcls.data.datasets.base import DatasetConfigError, DatasetLayoutError
+from mlcls.data.datasets.base import DatasetConfigError, DatasetFormatError, DatasetLayoutError
 from mlcls.data.datasets.coco import COCO
 from mlcls.data.pipeline.transforms import build_transform
 
@@ -80,3 +82,107 @@ def test_bad_options_are_reported(tmp_path: Path) -> None:
         COCO("train", root=root, year="latest")
     with pytest.raises(DatasetConfigError, match="unknown COCO split 'test'"):
         COCO("test", root=root)
+
+
+# ------------------------------------------------------------------------------- ids, names, field types
+def _edited_coco(tmp_path: Path, edit) -> tuple[str, Path]:
+    """A fixture root whose train instances file was changed by ``edit(payload)``, and that file."""
+    root = write_coco(tmp_path)
+    path = root / "annotations" / "instances_train2014.json"
+    payload = json.loads(path.read_text())
+    edit(payload)
+    path.write_text(json.dumps(payload))
+    return str(root), path
+
+
+def _category(payload: dict, name: str) -> dict:
+    return next(c for c in payload["categories"] if c["name"] == name)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "shown"),
+    [
+        (lambda p: _category(p, "person").update(id=1.9), r"categories\[1\]\.id", "1.9"),
+        (lambda p: _category(p, "car").update(id="3"), r"categories\[3\]\.id", "'3'"),
+        (lambda p: _category(p, "car").update(id=True), r"categories\[3\]\.id", "True"),
+        (lambda p: p["images"][0].update(id=42.5), r"images\[0\]\.id", "42.5"),
+        (lambda p: p["images"][0].update(id=2.0**70), r"images\[0\]\.id", r"1\.18"),
+        (lambda p: p["annotations"][0].update(category_id=3.7), r"annotations\[0\]\.category_id", "3.7"),
+        (lambda p: p["annotations"][1].update(image_id=None), r"annotations\[1\]\.image_id", "None"),
+    ],
+    ids=["category-1.9", "category-str", "category-bool", "image-42.5", "image-2**70", "ann-3.7", "ann-null"],
+)
+def test_ids_that_are_not_integers_are_refused_not_truncated(tmp_path: Path, edit, field, shown) -> None:
+    """Old code: 1.9 -> 1, 42.5 -> 42 and 3.7 -> 3 silently (an image labelled with another category)."""
+    root, path = _edited_coco(tmp_path, edit)
+    with pytest.raises(DatasetFormatError) as info:
+        COCO("train", root=root)
+    message = str(info.value)
+    assert re.fullmatch(rf"{re.escape(str(path))}: {field} is {shown}.*; expected an integer id", message)
+
+
+def test_integral_float_ids_are_those_integers(tmp_path: Path) -> None:
+    """JSON has one number type: 1.0 is read as the id 1, 42.0 as 42 (the fixture's labels, unchanged)."""
+
+    def as_floats(payload: dict) -> None:
+        _category(payload, "person")["id"] = 1.0
+        next(i for i in payload["images"] if i["id"] == 42)["id"] = 42.0
+        for annotation in payload["annotations"]:
+            annotation["image_id"], annotation["category_id"] = (
+                float(annotation["image_id"]),
+                float(annotation["category_id"]),
+            )
+
+    root, _ = _edited_coco(tmp_path, as_floats)
+    dataset = COCO("train", root=root)
+    assert dataset.classes == CLASSES
+    assert dataset.labels.tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [0, 1, 0, 1]]
+    assert Path(dataset.samples[2].path).name == "COCO_train2014_000000000042.jpg"
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda p: _category(p, "car").update(name="dog"),
+            r"categories\[0\] and categories\[3\] have the same name 'dog'; expected distinct names",
+        ),
+        (
+            lambda p: _category(p, "car").update(id=18),
+            r"categories\[0\] and categories\[3\] have the same id 18; expected distinct ids",
+        ),
+        (
+            lambda p: p["images"][1].update(id=p["images"][0]["id"]),
+            r"images\[0\] and images\[1\] have the same id 42; expected distinct ids",
+        ),
+        (
+            lambda p: _category(p, "dog").update(name={"en": "dog"}),
+            r"categories\[0\]\.name is \{'en': 'dog'\}; expected a non-empty string",
+        ),
+        (lambda p: _category(p, "dog").update(name=""), r"categories\[0\]\.name is ''; expected a non-empty"),
+        (
+            lambda p: p["images"][2].update(file_name=["a.jpg"]),
+            r"images\[2\]\.file_name is \['a\.jpg'\]; expected a non-empty string",
+        ),
+        (lambda p: p["categories"].append("cat"), r"categories\[4\] is str 'cat'; expected an object"),
+        (lambda p: p.update(images={"id": 1}), r"'images' is dict; expected a list"),
+    ],
+    ids=[
+        "dup-name",
+        "dup-category-id",
+        "dup-image-id",
+        "dict-name",
+        "empty-name",
+        "list-file-name",
+        "str-category",
+        "dict-images",
+    ],
+)
+def test_duplicate_and_wrongly_typed_entries_are_one_line(tmp_path: Path, edit, expected) -> None:
+    """Old code: duplicate names and ids were accepted (one class twice, an image or category lost), a dict
+    name became a class, a list file name a TypeError traceback."""
+    root, path = _edited_coco(tmp_path, edit)
+    with pytest.raises(DatasetFormatError) as info:
+        COCO("train", root=root)
+    assert re.fullmatch(rf"{re.escape(str(path))}: {expected}.*", str(info.value))
+    assert "\n" not in str(info.value)

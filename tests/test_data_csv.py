@@ -166,6 +166,70 @@ def test_repeated_image_rows_are_merged_when_alike_and_refused_when_not(tmp_path
         CSVDataset("train", root=str(root), val_fraction=0.0)
 
 
+def _spellings(root: Path) -> list[str]:
+    """Other ways to write ``img/a.jpg`` in a file under ``root`` (whose image_dir is ``root`` itself)."""
+    return ["./img/a.jpg", "img//a.jpg", "img/./a.jpg", "other/../img/a.jpg", str(root / "img" / "a.jpg")]
+
+
+def test_one_image_written_differently_is_one_image(tmp_path: Path, caplog) -> None:
+    """Old code: each spelling was another sample (the image counted 6 times)."""
+    root = write_csv(tmp_path, "", images=["img/a.jpg", "img/b.jpg"])
+    rows = ["img/a.jpg,cat dog", "img/b.jpg,dog"] + [f"{image},dog cat" for image in _spellings(root)]
+    (root / "train.csv").write_text("image,labels\n" + "\n".join(rows) + "\n")
+    with caplog.at_level("WARNING", logger="mlcls"):
+        dataset = CSVDataset("train", root=str(root), val_fraction=0.0)
+    assert [s.path for s in dataset.samples] == [str(root / "img/a.jpg"), str(root / "img/b.jpg")]
+    assert dataset.labels.tolist() == [[1, 1], [0, 1]]
+    assert "5 repeated image rows listed more than once with the same labels" in caplog.text
+
+
+@pytest.mark.parametrize("spelling", range(5))
+def test_one_image_written_differently_with_other_labels_is_refused(tmp_path: Path, spelling: int) -> None:
+    """Old code: accepted, the image in training as both a dog and a cat."""
+    root = write_csv(tmp_path, "", images=["img/a.jpg", "img/b.jpg"])
+    other = _spellings(root)[spelling]
+    (root / "train.csv").write_text(f"image,labels\nimg/a.jpg,dog\nimg/b.jpg,dog\n{other},cat\n")
+    with pytest.raises(DatasetFormatError) as info:
+        CSVDataset("train", root=str(root), val_fraction=0.0)
+    assert str(info.value) == (
+        f"{root / 'train.csv'}, lines 2 and 4: image 'img/a.jpg' is listed twice (line 4 writes it "
+        f"{other!r}) with other labels; list each image once, with all its labels"
+    )
+
+
+def test_a_held_out_split_holds_each_image_on_one_side_whatever_its_spellings(tmp_path: Path) -> None:
+    """Old code: the two spellings were hashed apart, the image in training and in validation (a leak)."""
+    images = [f"img/{k}.jpg" for k in range(8)]
+    seed = next(s for s in range(1000) if held_out("img/0.jpg", 0.5, s) != held_out("./img/0.jpg", 0.5, s))
+    text = "image,labels\n" + "".join(f"{image},cat\n" for image in [*images, "./img/0.jpg"])
+    root = str(write_csv(tmp_path, text, images=images))
+    held = [held_out(image, 0.5, seed) for image in images]
+    assert any(held) and not all(held)  # both sides hold images of this fixture
+    for split, side in (("val", True), ("train", False)):
+        dataset = CSVDataset(split, root=root, val_fraction=0.5, seed=seed)
+        # img/0.jpg on the side of its first spelling only
+        assert [s.path for s in dataset.samples] == [
+            f"{root}/{image}" for image, h in zip(images, held, strict=True) if h == side
+        ]
+
+
+def test_an_image_in_both_the_training_and_the_validation_file_is_refused(tmp_path: Path) -> None:
+    """Old code: accepted, the image scored in validation after training on it."""
+    root = write_csv(tmp_path, "image,labels\nimg/a.jpg,cat\nimg/b.jpg,dog\n", images=IMAGES[:3])
+    write_csv(root, "image,labels\nimg/c.jpg,dog\n./img//b.jpg,dog\n", name="val.csv")
+    expected = (
+        f"{root / 'val.csv'}, line 3: image './img//b.jpg' is also in the training file "
+        f"{root / 'train.csv'}, line 3 (as 'img/b.jpg'); list each image in one of them"
+    )
+    for split, classes in (("train", None), ("val", None), ("train", ["cat", "dog"])):
+        with pytest.raises(DatasetFormatError) as info:
+            CSVDataset(split, root=str(root), val_file="val.csv", classes=classes)
+        assert str(info.value) == expected
+    # a test list evaluated with the model's classes is read alone; val_file = the training file is deliberate
+    assert len(CSVDataset("val", root=str(root), val_file="val.csv", classes=["cat", "dog"])) == 2
+    assert len(CSVDataset("val", root=str(root), val_file="train.csv")) == 2
+
+
 def test_class_names_differing_in_case_are_warned(tmp_path: Path, caplog) -> None:
     root = write_csv(tmp_path, "image,labels\nimg/a.jpg,Cat dog\nimg/b.jpg,cat\n", images=IMAGES[:2])
     with caplog.at_level("WARNING", logger="mlcls"):

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, to_rgb
+from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
 from mlcls.inference.errors import InferenceError
@@ -155,7 +156,10 @@ def load_inference_model(
 
 
 class ImageFiles(Dataset):
-    """``(index, tensor, None)`` for a readable image, ``(index, None, reason)`` for an unreadable one."""
+    """``(index, tensor, None)`` for a readable image, ``(index, None, reason)`` for an unreadable one: a
+    file PIL cannot decode, one the transform fails on, or one of a shape the datasets refuse (one side over
+    ``MAX_ASPECT_RATIO`` times the other; :func:`mlcls.data.pipeline.transforms.check_aspect_ratio`), checked
+    from its header before any pixel is decoded or resized."""
 
     def __init__(self, paths: Sequence[Path], transform: Any) -> None:
         self.paths = list(paths)
@@ -167,10 +171,11 @@ class ImageFiles(Dataset):
     def __getitem__(self, index: int) -> tuple[int, torch.Tensor | None, str | None]:
         try:
             with Image.open(self.paths[index]) as img:
+                check_aspect_ratio(*img.size)
                 image = to_rgb(img)  # 16-bit greyscale scaled to 8 bits as in training
+            return index, self.transform(image), None
         except BAD_IMAGE_ERRORS as exc:
             return index, None, f"{type(exc).__name__}: {exc}"
-        return index, self.transform(image), None
 
 
 def _collate(

@@ -9,7 +9,10 @@ Subclasses fill three attributes in ``__init__``:
 
 ``labels`` is available without decoding any image (class statistics, loss weighting, ``mlcls-data stats``).
 
-Unreadable images (missing, corrupt, truncated) are handled by ``on_bad_image``:
+Unreadable images (missing, corrupt, truncated, or of a shape the transforms refuse: one side over
+:data:`mlcls.data.pipeline.transforms.MAX_ASPECT_RATIO` times the other, checked from the file's header before
+its pixels are decoded), and images their transform fails on with one of :data:`BAD_IMAGE_ERRORS`, are
+handled by ``on_bad_image``:
 
 * ``"error"`` (default): raise :class:`BadImageError` naming the file. A silently altered training set is
   worse than a stopped run; ``mlcls-data stats --check`` lists every unreadable file beforehand.
@@ -32,10 +35,11 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform
+from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, check_aspect_ratio
 
 ON_BAD_IMAGE = ("error", "skip")
-# What PIL raises for a missing, unidentifiable, truncated or oversized image file.
+# What PIL raises for a missing, unidentifiable, truncated or oversized image file (and
+# :func:`check_aspect_ratio` for a too thin one).
 BAD_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 # In ``skip`` mode, give up after this many consecutive unreadable samples (a wrong folder, not bad luck).
 MAX_CONSECUTIVE_BAD = 16
@@ -62,7 +66,7 @@ class DatasetConfigError(DatasetError, ValueError):
 
 
 class BadImageError(DatasetError, OSError):
-    """An image file cannot be decoded (with ``on_bad_image=error``)."""
+    """An image file cannot be decoded or transformed (with ``on_bad_image=error``)."""
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,8 @@ class MultiLabelDataset(Dataset):
     def load_image(self, index: int) -> Image.Image:
         """Decode sample ``index`` as RGB, cropped to its box (clamped to the image) when it has one.
 
+        The image (or crop) is refused with a ``ValueError`` from its header, before its pixels are decoded,
+        when one side exceeds ``MAX_ASPECT_RATIO`` times the other (:func:`check_aspect_ratio`).
         A transform with a ``decode(path, box)`` method decodes the file itself and its result goes to the
         transform (the fast pipeline picks its random crop first, then decodes JPEGs at reduced scale).
         """
@@ -257,22 +263,24 @@ class MultiLabelDataset(Dataset):
         if decode is not None:
             return decode(sample.path, sample.box)
         with Image.open(sample.path) as img:
+            region = (0, 0, *img.size) if sample.box is None else crop_box(sample.box, *img.size)
+            check_aspect_ratio(region[2] - region[0], region[3] - region[1])
             img = to_rgb(img)
-        if sample.box is not None:
-            img = img.crop(crop_box(sample.box, img.width, img.height))
-        return img
+        return img if sample.box is None else img.crop(region)
 
-    def read_image(self, index: int) -> tuple[Image.Image, int]:
-        """``(image, index_served)``: sample ``index``, or in ``skip`` mode the next readable one."""
-        return self.read_sample(index, self.load_image)
+    def transformed_image(self, index: int) -> Any:
+        """The transform's output for sample ``index`` (:meth:`load_image`'s image without a transform)."""
+        image = self.load_image(index)
+        return image if self.transform is None else self.transform(image)
 
     def read_sample(self, index: int, read: Callable[[int], T]) -> tuple[T, int]:
         """``(read(i), i)`` for ``i = index``; when ``read`` raises a bad-image error (``OSError``, ...):
         :class:`BadImageError` naming the file (``on_bad_image="error"``), or the next ``i`` whose read
         succeeds, the bad file recorded for :meth:`pop_bad_images` (``"skip"``).
 
-        The reading path of every input pipeline: ``read`` is :meth:`load_image` here, the DALI backend's
-        header-and-bytes read there.
+        The reading path of every input pipeline: ``read`` is :meth:`transformed_image` here (so that an
+        image the transform fails on is handled like an unreadable one), the DALI backend's header-and-bytes
+        read there.
         """
         for attempt in range(min(MAX_CONSECUTIVE_BAD, len(self))):
             current = (index + attempt) % len(self)
@@ -306,7 +314,7 @@ class MultiLabelDataset(Dataset):
         return self.labels[index]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image, served = self.read_image(index)
-        if self.transform is not None:
-            image = self.transform(image)
+        """``(transformed image, target)`` of sample ``index``, or in ``skip`` mode of the next sample that
+        reads and transforms (:meth:`read_sample`)."""
+        image, served = self.read_sample(index, self.transformed_image)
         return image, self.target(served)

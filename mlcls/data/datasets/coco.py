@@ -10,6 +10,13 @@ Layout (as the official zips unpack)::
   (COCO has no unknown labels);
 * images without any annotation are dropped unless ``keep_empty`` (then their row is all 0).
   COCO-2014 gives 82,081 train / 40,137 val images (82,783 / 40,504 with ``keep_empty``).
+
+The file is checked before use (:func:`check_entries`): every id (image, category, an annotation's
+``image_id`` and ``category_id``) must be an integer -- a float of integral value such as ``1.0`` is taken as
+that integer (JSON has one number type and some exporters write every number as a float; nothing is lost),
+``1.9``, ``"1"`` or ``true`` is refused rather than truncated --, category names must be distinct non-empty
+strings, file names strings, and image and category ids distinct. Each fault is one
+:class:`DatasetFormatError` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,8 @@ from mlcls.data.datasets.base import (
 
 SPLITS = ("train", "val")
 YEARS = (2014, 2017)
+# Ids are stored as int64.
+ID_RANGE = (-(2**63), 2**63)
 
 
 class COCO(MultiLabelDataset):
@@ -79,11 +88,7 @@ class COCO(MultiLabelDataset):
 
         api = COCOApi()
         api.dataset = load_json(Path(root) / annotation_file)
-        if not isinstance(api.dataset, dict) or not {"images", "categories"} <= api.dataset.keys():
-            raise DatasetFormatError(
-                f"{Path(root) / annotation_file} is not a COCO instances file "
-                "(needs 'images' and 'categories')"
-            )
+        check_entries(api.dataset, Path(root) / annotation_file)
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress messages
                 api.createIndex()
@@ -112,13 +117,14 @@ def _multi_hot(api: COCOApi, image_ids: np.ndarray, category_ids: np.ndarray, so
     Both id arrays must be sorted; annotations of images not in ``image_ids`` are ignored.
     """
     annotations = api.dataset.get("annotations", [])
-    try:
-        ann_images = np.fromiter((a["image_id"] for a in annotations), dtype=np.int64, count=len(annotations))
-        ann_cats = np.fromiter(
-            (a["category_id"] for a in annotations), dtype=np.int64, count=len(annotations)
+    ann_images, ann_cats = (
+        np.fromiter(
+            (integer_field(a, field, f"annotations[{k}]", source) for k, a in enumerate(annotations)),
+            dtype=np.int64,
+            count=len(annotations),
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DatasetFormatError(f"{source}: an annotation lacks an integer image_id or category_id") from exc
+        for field in ("image_id", "category_id")
+    )
     labels = np.zeros((len(image_ids), len(category_ids)), dtype=np.float32)
     if len(annotations) == 0 or len(image_ids) == 0:
         return labels
@@ -133,3 +139,50 @@ def _multi_hot(api: COCOApi, image_ids: np.ndarray, category_ids: np.ndarray, so
     known_image = image_ids[rows] == ann_images
     labels[rows[known_image], cols[known_image]] = 1.0
     return labels
+
+
+def integer_field(entry: Any, field: str, where: str, source: Path) -> int:
+    """``entry[field]`` as an int: an integer, or a float of integral value (``1.0``), within int64; else a
+    :class:`DatasetFormatError` naming ``source`` and ``{where}.{field}`` (``1.9``, ``"1"``, ``true``, a
+    missing field, an entry that is not an object)."""
+    if not isinstance(entry, dict):
+        shown = f"{type(entry).__name__} {entry!r:.60}"
+        raise DatasetFormatError(f"{source}: {where} is {shown}; expected an object")
+    if field not in entry:
+        raise DatasetFormatError(f"{source}: {where} has no {field!r}")
+    value = entry[field]
+    if type(value) is int and ID_RANGE[0] <= value < ID_RANGE[1]:  # the common case, first
+        return value
+    if type(value) is float and value.is_integer() and ID_RANGE[0] <= value < ID_RANGE[1]:
+        return int(value)
+    raise DatasetFormatError(f"{source}: {where}.{field} is {value!r:.60}; expected an integer id")
+
+
+def check_entries(dataset: Any, source: Path) -> None:
+    """Check the instances file ``dataset`` (read from ``source``) before it is indexed, and store its image
+    and category ids as ints (``1.0`` -> ``1``): ``images`` and ``categories`` lists of objects with integer
+    ids (:func:`integer_field`), distinct within each list; category names distinct non-empty strings;
+    file names strings; ``annotations``, when present, a list. Each fault is one
+    :class:`DatasetFormatError` naming ``source`` and the field."""
+    if not isinstance(dataset, dict) or not {"images", "categories"} <= dataset.keys():
+        raise DatasetFormatError(f"{source} is not a COCO instances file (needs 'images' and 'categories')")
+    for key in ("images", "categories", "annotations"):
+        if not isinstance(dataset.get(key, []), list):
+            raise DatasetFormatError(f"{source}: '{key}' is {type(dataset[key]).__name__}; expected a list")
+    for key, text_field in (("images", "file_name"), ("categories", "name")):
+        first: dict[Hashable, int] = {}
+        for k, entry in enumerate(dataset[key]):
+            entry["id"] = integer_field(entry, "id", f"{key}[{k}]", source)
+            text = entry.get(text_field)
+            if not isinstance(text, str) or not text:
+                raise DatasetFormatError(
+                    f"{source}: {key}[{k}].{text_field} is {text!r:.60}; expected a non-empty string"
+                )
+            unique = [("id", entry["id"])] + ([("name", text)] if key == "categories" else [])
+            for field, value in unique:
+                if (field, value) in first:
+                    raise DatasetFormatError(
+                        f"{source}: {key}[{first[field, value]}] and {key}[{k}] have the same {field} "
+                        f"{value!r}; expected distinct {field}s"
+                    )
+                first[field, value] = k

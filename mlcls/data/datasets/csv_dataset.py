@@ -23,8 +23,12 @@ Image paths are relative to ``root / image_dir`` (or absolute). Validation data:
 ``val_fraction`` of the training file's images, each held out or not by a hash of its path as written in the
 file and ``seed`` (:func:`held_out`): the split is a function of each image alone, so appending rows to the
 file never moves an image between training and validation (a file so small that no image is held out gets
-one: the one of smallest hash). An image listed twice with the same labels counts once (with a warning);
-with other labels it is an error naming both lines. Class names that differ only in case are warned about.
+one: the one of smallest hash). An image is known by its path resolved against ``root / image_dir`` and
+normalised (:func:`image_key`: ``img/0.png``, ``./img/0.png``, ``img//0.png`` and the absolute path are one
+image): an image listed twice with the same labels counts once (with a warning), as written in its first
+row; with other labels it is an error naming both lines. An image in both the training and the validation
+file is an error (validation scores of seen images), unless both are one file (``val_file`` set to the
+training file on purpose). Class names that differ only in case are warned about.
 A held-out split that leaves a class fewer than ``MIN_VAL_POSITIVES`` positives is warned about, naming them.
 The file delimiter follows the extension (``.tsv``/``.tab`` -> tab, else comma) unless ``delimiter`` is set.
 """
@@ -90,6 +94,12 @@ def _column(header: list[str], name: str, path: Path) -> int:
     return header.index(name)
 
 
+def _cells(table: tuple[list[str], list[list[str]]], name: str, path: Path) -> list[str]:
+    """The cells of column ``name`` of the ``(header, rows)`` read from ``path``."""
+    column = _column(table[0], name, path)
+    return [row[column] for row in table[1]]
+
+
 class CSVDataset(MultiLabelDataset):
     """Images and labels listed in a CSV/TSV file (see the module docstring for the formats).
 
@@ -137,7 +147,8 @@ class CSVDataset(MultiLabelDataset):
         )
         source = "val" if split == "val" and val_file else "train"
         # A test list with the model's classes (mlcls-eval) is read alone: the training file may be gone.
-        needed = {source} if classes is not None else {"train", "val"} if val_file else {"train"}
+        # Training with a validation file reads both, to refuse an image listed in both.
+        needed = {"train", "val"} if val_file and (classes is None or split == "train") else {source}
         files = {"train": train_file, "val": val_file}
         require_files(root, [files[key] for key in sorted(needed)], layout)
         if not val_file and not 0.0 <= val_fraction < 1.0:
@@ -162,14 +173,17 @@ class CSVDataset(MultiLabelDataset):
             labels = _one_hot_labels(header, rows, self.classes, paths[source])
         else:
             labels = _named_labels(header, rows, labels_column, label_delimiter, self.classes, paths[source])
-        column = _column(header, image_column, paths[source])
-        kept = unique_rows([row[column] for row in rows], labels, paths[source])
-        rows, labels = [rows[i] for i in kept], labels[kept]
         image_root = str(resolve_path(root, image_dir))
-        images = [os.path.join(image_root, row[column]) for row in rows]  # an absolute path stays as it is
+        listed = {key: _cells(table, image_column, paths[key]) for key, table in tables.items()}
+        keys = {key: [image_key(image_root, image) for image in images] for key, images in listed.items()}
+        if len(listed) == 2 and not paths["train"].samefile(paths["val"]):  # one file: scores of seen images
+            check_disjoint(listed, keys, paths)
+        kept = unique_rows(listed[source], keys[source], labels, paths[source])
+        labels, written = labels[kept], [listed[source][i] for i in kept]
+        images = [os.path.join(image_root, image) for image in written]  # an absolute path stays as it is
 
         if not val_file:
-            chosen = self._holdout([row[column] for row in rows], val_fraction, seed, split)
+            chosen = self._holdout(written, val_fraction, seed, split)
             labels, images = labels[chosen], [images[i] for i in chosen]
             if split == "val":
                 warn_few_positives(labels, self.classes, val_fraction)
@@ -200,20 +214,29 @@ class CSVDataset(MultiLabelDataset):
         return np.flatnonzero(in_val if split == "val" else ~in_val)
 
 
-def unique_rows(images: Sequence[str], labels: np.ndarray, path: Path) -> np.ndarray:
-    """Indices of the rows to keep: the first of each image (its path as written), the repeats of an image
-    with the same labels dropped; an image listed again with other labels raises
-    :class:`DatasetFormatError` naming its lines (line 2 is the first row below the header)."""
+def image_key(image_root: str, image: str) -> str:
+    """The image a CSV cell names: ``image`` (as written) joined to ``image_root`` (an absolute path stays as
+    it is), made absolute and normalised (``.``, ``..`` and repeated separators removed; lexically, without
+    reading the file system: symbolic links are not followed)."""
+    return os.path.abspath(os.path.join(image_root, image))
+
+
+def unique_rows(images: Sequence[str], keys: Sequence[str], labels: np.ndarray, path: Path) -> np.ndarray:
+    """Indices of the rows to keep: the first of each image (its :func:`image_key` ``keys[i]``; ``images``
+    as written), the repeats of an image with the same labels dropped; an image listed again with other
+    labels raises :class:`DatasetFormatError` naming its lines (line 2 is the first row below the header)."""
     first: dict[str, int] = {}
     kept = []
-    for i, image in enumerate(images):
-        if image not in first:
-            first[image] = i
+    for i, key in enumerate(keys):
+        if key not in first:
+            first[key] = i
             kept.append(i)
-        elif not np.array_equal(labels[i], labels[first[image]]):
+        elif not np.array_equal(labels[i], labels[first[key]]):
+            j = first[key]
+            spelled = "" if images[i] == images[j] else f" (line {i + 2} writes it {images[i]!r})"
             raise DatasetFormatError(
-                f"{path}, lines {first[image] + 2} and {i + 2}: image {image!r} is listed twice with other "
-                "labels; list each image once, with all its labels"
+                f"{path}, lines {j + 2} and {i + 2}: image {images[j]!r} is listed twice{spelled} with "
+                "other labels; list each image once, with all its labels"
             )
     if len(kept) < len(images):
         log.warning(
@@ -222,6 +245,21 @@ def unique_rows(images: Sequence[str], labels: np.ndarray, path: Path) -> np.nda
             plural(len(images) - len(kept), "repeated image row"),
         )
     return np.array(kept, dtype=np.int64)
+
+
+def check_disjoint(listed: dict[str, list[str]], keys: dict[str, list[str]], paths: dict[str, Path]) -> None:
+    """Raise :class:`DatasetFormatError` naming both lines when an image is listed in both the training and
+    the validation file: ``listed`` holds each file's image cells as written, ``keys`` their
+    :func:`image_key`."""
+    train_lines = {key: line for line, key in enumerate(keys["train"], start=2)}
+    for line, (image, key) in enumerate(zip(listed["val"], keys["val"], strict=True), start=2):
+        if key in train_lines:
+            train_line = train_lines[key]
+            raise DatasetFormatError(
+                f"{paths['val']}, line {line}: image {image!r} is also in the training file "
+                f"{paths['train']}, line {train_line} (as {listed['train'][train_line - 2]!r}); list each "
+                "image in one of them"
+            )
 
 
 def warn_case_variants(classes: Sequence[str], path: Path) -> None:

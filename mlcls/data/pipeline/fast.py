@@ -54,6 +54,7 @@ from mlcls.data.pipeline.transforms import (
     IMAGENET_PCA_EIGVEC,
     IMAGENET_STD,
     build_transform,
+    check_aspect_ratio,
     normalisation,
 )
 
@@ -211,7 +212,9 @@ class FastTrainTransform:
     def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> PlannedCrop:
         """Read the image size, choose the random crop (inside ``box``, clamped as the dataset clamps it),
         then decode: at the largest reduction the crop allows (PIL's draft mode), else at full size
-        (libjpeg-turbo through simplejpeg for JPEGs; PIL for the rest and for damaged JPEGs)."""
+        (libjpeg-turbo through simplejpeg for JPEGs; PIL for the rest and for damaged JPEGs). An image (or
+        box) the datasets refuse for its shape (:func:`check_aspect_ratio`) is refused here alike, before
+        decoding."""
         with open(path, "rb") as f:
             return self.decode_bytes(f.read(), box)
 
@@ -224,6 +227,7 @@ class FastTrainTransform:
         else:
             width, height = jpeg_size
         left, top, right, bottom = (0, 0, width, height) if box is None else crop_box(box, width, height)
+        check_aspect_ratio(right - left, bottom - top)  # the image the datasets refuse, refused alike
         i, j, h, w = self.crop_params(right - left, bottom - top)
         reduction = draft_reduction(w, h, self.size) if self.draft else 1
         x0, y0 = left + j, top + i

@@ -15,6 +15,11 @@ set mean 0 and std 1: the released recipe feeds TResNet [0, 1] pixels).
 ``light`` and ``strong`` evaluate on a squash-resize to ``size`` x ``size`` without crop
 (:data:`SQUASH_EVAL_KINDS`) -> tensor -> normalisation.
 
+Image shape: an image (or crop) whose long side exceeds :data:`MAX_ASPECT_RATIO` times its short side is a
+bad image (:func:`check_aspect_ratio`, a ``ValueError``): the datasets refuse it from its header, before
+decoding it, and the ``paper`` evaluation transform, whose shorter-side resize would enlarge it without bound,
+checks it first (:class:`AspectRatioCheck`).
+
 Normalisation is ``(x - mean) / std`` per RGB channel on [0, 1] pixels, with the dataset config's
 ``dataset.mean`` and ``dataset.std`` (:func:`normalisation` checks them), ImageNet's by default;
 ``mean: [0, 0, 0]``, ``std: [1, 1, 1]`` leaves the pixels in [0, 1].
@@ -58,6 +63,33 @@ SQUASH_EVAL_KINDS = ("light", "strong")
 STRONG_RANDAUGMENT = "rand-m9-n2-mstd0.5"
 # Side of the ``strong`` recipe's cutout rectangle, as a fraction of the image's side.
 CUTOUT_FACTOR = 0.5
+# The longest an image's long side may be, in multiples of its short side. This bounds what the evaluation
+# resize of the shorter side to s pixels makes, s x 100 s pixels (256 x 25,600 RGB, 20 MB, at image_size
+# 224), where a 138-byte 1 x 30,000 PNG would become 256 x 7.68 M (5.9 GB). Photos, panoramas and banners
+# stay far below it.
+MAX_ASPECT_RATIO = 100
+
+
+def check_aspect_ratio(width: int, height: int) -> None:
+    """Raise ``ValueError`` (one of the bad-image errors the datasets' ``on_bad_image`` handles) when one
+    side of a ``width`` x ``height`` image exceeds :data:`MAX_ASPECT_RATIO` times the other."""
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise ValueError(
+            f"an image of {width} x {height} pixels: one side is over {MAX_ASPECT_RATIO} times the other "
+            "(too thin to resize)"
+        )
+
+
+class AspectRatioCheck:
+    """A transform step that passes a PIL image on unchanged after :func:`check_aspect_ratio`: put before a
+    resize that keeps the aspect ratio, it refuses an image before the resize allocates its output."""
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        check_aspect_ratio(*img.size)
+        return img
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_aspect_ratio={MAX_ASPECT_RATIO})"
 
 
 class Lighting:
@@ -181,4 +213,12 @@ def build_transform(
                 normalize,
             ]
         )
-    return T.Compose([T.Resize(eval_resize(image_size)), T.CenterCrop(image_size), T.ToTensor(), normalize])
+    return T.Compose(
+        [
+            AspectRatioCheck(),
+            T.Resize(eval_resize(image_size)),
+            T.CenterCrop(image_size),
+            T.ToTensor(),
+            normalize,
+        ]
+    )
