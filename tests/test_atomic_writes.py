@@ -21,7 +21,7 @@ import mlcls.io as io_module
 from mlcls.cli import predict as predict_cli
 from mlcls.cli import resave as resave_cli
 from mlcls.engine.checkpoint import choose_resume_checkpoint, load_checkpoint, save_checkpoint
-from mlcls.engine.rundir import LOCK_NAME, acquire_run_lock, release_run_lock
+from mlcls.engine.rundir import acquire_run_lock, release_run_lock
 from mlcls.engine.trainer import Trainer
 from mlcls.io import DiskFullError, atomic_write, atomic_write_bytes
 
@@ -72,8 +72,8 @@ def test_a_full_disk_under_torch_save_ends_training_with_one_line(tmp_path, monk
             f.write(b"partial")
             try:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            except OSError:
-                raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 1472 vs 1362")
+            except OSError:  # as torch raises it: the OSError only its __context__
+                raise RuntimeError("unexpected pos 1472 vs 1362")  # noqa: B904
         real_save(state, f, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint_module.torch, "save", save_until_epoch_two)
@@ -192,7 +192,9 @@ def test_a_kill_at_any_checkpoint_write_leaves_best_pt_of_the_best_the_run_recor
     resume_from = choose_resume_checkpoint("auto", checkpoints)
     best_recorded = None if resume_from is None else load_checkpoint(resume_from)["best"]
     if best_recorded is not None:
-        assert (checkpoints / "best.pt").is_file(), f"{resume_from} records best epoch {best_recorded['epoch']}"
+        assert (checkpoints / "best.pt").is_file(), (
+            f"{resume_from} records best epoch {best_recorded['epoch']}"
+        )
         assert load_checkpoint(checkpoints / "best.pt")["epoch"] == best_recorded["epoch"]
     assert (checkpoints / "best.pt").is_file() == (kill_at > 1)  # the first write of a run is its best.pt
 

@@ -157,7 +157,9 @@ def test_class_names_with_dollars_are_drawn_as_they_are_not_as_math(tmp_path):
             continue
         drawn[name] += 1
         # the same characters drawn with math text off: the label is the literal name, same width
-        reference = text.figure.text(0, 0, literal, fontproperties=text.get_fontproperties(), parse_math=False)
+        reference = text.figure.text(
+            0, 0, literal, fontproperties=text.get_fontproperties(), parse_math=False
+        )
         renderer = text.figure.canvas.get_renderer()
         assert text.get_window_extent(renderer).width == pytest.approx(
             reference.get_window_extent(renderer).width
