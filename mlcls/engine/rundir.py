@@ -1,6 +1,6 @@
 """Where a run writes: one directory for every process, created only once the run can start, held by one
-run at a time (a lock file naming its host and process), and removed again by a run that fails before its
-first checkpoint."""
+run at a time (a lock file naming its host and process), cleared of the temporary files a killed run's
+writes left in it, and removed again by a run that fails before its first checkpoint."""
 
 from __future__ import annotations
 
