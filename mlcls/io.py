@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +16,11 @@ from typing import IO
 
 # errno values of a full disk or an exhausted quota
 _FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+# The temporary files atomic writes make beside ``<name>``: ``.<name>.<random>.tmp`` (:func:`atomic_write`)
+# and ``.<name>.link.tmp`` (a link made atomically, mlcls.engine.checkpoint). A process killed mid-write
+# leaves one behind.
+_TEMPORARY_NAME = re.compile(r"\..+\.[A-Za-z0-9_]+\.tmp")
 
 
 class DiskFullError(RuntimeError):
@@ -23,16 +30,19 @@ class DiskFullError(RuntimeError):
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename it over ``path``.
 
-    A full disk raises :class:`DiskFullError` naming ``path`` and the free space, ``path`` unchanged.
+    The file keeps the permissions of the ``path`` it replaces; a new one gets those of the umask
+    (``0o666 & ~umask``), as ``open(path, "w")`` would give it. A full disk raises :class:`DiskFullError`
+    naming ``path`` and the free space, ``path`` unchanged.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = _mode_for(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are for the whole group to read
+        os.chmod(tmp, mode)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -40,14 +50,50 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
+def _mode_for(path: Path) -> int:
+    """The permission bits ``path`` has, or for a new file ``0o666`` less the process's umask."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)  # the only way to read it; set back at once
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def raise_if_disk_full(exc: BaseException, path: Path) -> None:
-    """Raise :class:`DiskFullError` for ``path`` if ``exc`` says the disk (or the quota) is full."""
-    if isinstance(exc, OSError) and exc.errno in _FULL_DISK_ERRNOS:
-        free = shutil.disk_usage(path.parent).free
-        raise DiskFullError(
-            f"cannot write {path}: no space left on the device ({free / 2**20:.1f} MiB free in "
-            f"{path.parent}); the previous {path.name}, if any, is unchanged",
-        ) from exc
+    """Raise :class:`DiskFullError` for ``path`` if ``exc``, or an error it was raised from or while
+    handling (its ``__cause__`` and ``__context__``, as torch's ``RuntimeError`` of a failed write carries
+    the ``OSError``), says the disk (or the quota) is full."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _FULL_DISK_ERRNOS:
+            free = shutil.disk_usage(path.parent).free
+            raise DiskFullError(
+                f"cannot write {path}: no space left on the device ({free / 2**20:.1f} MiB free in "
+                f"{path.parent}); the previous {path.name}, if any, is unchanged",
+            ) from exc
+        pending += [error.__cause__, error.__context__]
+
+
+def sweep_temporary_files(directory: Path) -> list[Path]:
+    """Remove from ``directory`` (not its subfolders) the temporary files of atomic writes that a killed
+    process left behind (``.<name>.<random>.tmp``, ``.<name>.link.tmp``); return the files removed.
+
+    Only for a directory no other process writes into at the same time: a live write's file would go too.
+    """
+    if not directory.is_dir():
+        return []
+    removed = []
+    for path in sorted(directory.iterdir()):
+        if _TEMPORARY_NAME.fullmatch(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -132,3 +132,36 @@ def test_without_matplotlib_one_line_and_nothing_written(tmp_path, monkeypatch, 
         "plots skipped: matplotlib is not installed (pip install mlcls[plots])"
     ]
     assert not (tmp_path / "plots").exists()
+
+
+def test_class_names_with_dollars_are_drawn_as_they_are_not_as_math(tmp_path):
+    scores, labels, names = problem(6)
+    names[0], names[2], names[3] = "price_$5_to_$10", "cost_$x^2$", "$"
+    written = plots.write_plots(tmp_path, HISTORY, scores, labels, names)
+    assert [path.name for path in written] == ["per_class_ap.png", "pr_curves.png", "training_curves.png"]
+
+    ap = torch.tensor([sklearn_ap(scores, labels).get(c, float("nan")) / 100 for c in range(6)])
+    figures = [
+        plots.per_class_ap_figure(ap, (labels == 1).sum(0), names),
+        plots.pr_curves_figure(scores, labels, ap, names),
+    ]
+    texts = list(figures[0].axes[0].get_yticklabels())
+    texts += [text for axes in figures[1].axes for text in axes.get_legend().get_texts()]
+    drawn = {name: 0 for name in names if "$" in name}
+    for figure in figures:
+        figure.canvas.draw()
+    for text in texts:
+        literal = text.get_text().replace(r"\$", "$")
+        name = next((n for n in drawn if literal.startswith(n + " ")), None)
+        if name is None:
+            continue
+        drawn[name] += 1
+        # the same characters drawn with math text off: the label is the literal name, same width
+        reference = text.figure.text(
+            0, 0, literal, fontproperties=text.get_fontproperties(), parse_math=False
+        )
+        renderer = text.figure.canvas.get_renderer()
+        assert text.get_window_extent(renderer).width == pytest.approx(
+            reference.get_window_extent(renderer).width
+        ), literal
+    assert all(drawn.values()), drawn  # each name appears as a tick label (and some in a legend)

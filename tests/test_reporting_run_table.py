@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
+import re
 import shutil
 
 import pytest
@@ -139,3 +141,85 @@ def test_differing_keys_name_a_rebuilt_group_once_and_skip_launch_keys():
     assert [s["loss"] for s in settings] == ["twoway", "twoway", "bce"]
     assert differing_keys(settings) == ["loss", "model.drop"]
     assert differing_keys(settings[:2]) == ["loss.tp", "model.drop"]
+
+
+HOSTILE = {
+    "a": '=HYPERLINK("http://x.invalid","y")',
+    "b": "two\nlines | forged | row",
+    "c": "<img src=x onerror=alert(1)> & <b>bold</b>",
+    "d": "+1\r-2",
+    "e": "@SUM(A1)",
+    "f": "\tcmd",
+}
+
+
+@pytest.fixture
+def others_runs(tmp_path):
+    """Runs written by others: a setting whose text is markup or a formula in each, one with a results.json
+    that is a JSON list, and one finished run whose numbers (a negative setting) must stay numbers."""
+    for name, text in HOSTILE.items():
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / "config.yaml").write_text(json.dumps({"trainer": {"epochs": 2}, "note": text}))
+    (tmp_path / "g").mkdir()
+    config = {"trainer": {"epochs": 2}, "note": "plain", "loss": {"gamma": -1}}
+    finished = {"metrics": {"mAP_class": 51.25}, "epochs_completed": 2, "provenance": {"config": config}}
+    (tmp_path / "g" / "results.json").write_text(json.dumps(finished))
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "results.json").write_text("[1, 2]")
+    return tmp_path
+
+
+def _markdown_cells(line: str) -> list[str]:
+    """The cells of a Markdown table row, split on the pipes that are not escaped, unescaped as a Markdown
+    renderer shows them."""
+    cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+    return [html.unescape(cell.strip(" ").replace("\\|", "|").replace("<br>", "\n")) for cell in cells]
+
+
+def test_markdown_of_others_runs_shows_their_text_without_markup(others_runs, capsys):
+    code, out, err = table(["--runs", str(others_runs)], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    rows = lines[header + 2 :]
+    assert len(rows) == len(HOSTILE) + 2  # one line per run: no row forged by a newline
+    columns = _markdown_cells(lines[header])
+    shown = {}
+    for line in rows:
+        cells = dict(zip(columns, _markdown_cells(line), strict=True))  # no cell forged by a pipe
+        shown[cells["run"]] = cells
+    for name, text in HOSTILE.items():
+        assert shown[str(others_runs / name)]["note"] == text.replace("\r", "\n")
+    without_breaks = out.replace("<br>", "")
+    assert "<" not in without_breaks and ">" not in without_breaks  # no raw HTML
+    assert shown[str(others_runs / "g")]["mAP_class"] == "51.25"
+
+
+def test_csv_of_others_runs_runs_no_formula_and_json_is_unchanged(others_runs, capsys):
+    code, out, err = table(["--runs", str(others_runs), "--csv"], capsys)
+    assert code == 0, err
+    rows = {row["run"]: row for row in csv.DictReader(io.StringIO(out))}
+    for name, text in HOSTILE.items():
+        formula = text[0] in "=+-@\t\r"  # OWASP's list of a formula's first characters
+        # shown as text by a spreadsheet; a lone CR as a line break the writer quotes
+        assert rows[str(others_runs / name)]["note"] == "'" * formula + text.replace("\r", "\n")
+    finished = rows[str(others_runs / "g")]
+    assert (finished["note"], finished["loss.gamma"], finished["mAP_class"]) == ("plain", "-1", "51.25")
+
+    code, out, err = table(["--runs", str(others_runs), "--json"], capsys)
+    runs = {run["run"]: run for run in json.loads(out)}
+    assert {name: runs[str(others_runs / name)]["note"] for name in HOSTILE} == HOSTILE
+    assert runs[str(others_runs / "g")]["loss.gamma"] == -1
+
+
+def test_a_results_json_that_is_not_an_object_is_listed_unreadable(others_runs, capsys):
+    code, out, err = table(["--runs", str(others_runs), "--json"], capsys)
+    assert code == 0 and err == ""
+    runs = {run["run"]: run for run in json.loads(out)}
+    where = others_runs / "h" / "results.json"
+    assert runs[str(others_runs / "h")]["status"] == f"unreadable: {where}: a JSON list; expected an object"
+    assert runs[str(others_runs / "g")]["status"] == "finished" and len(runs) == len(HOSTILE) + 2
+    code, out, err = table([str(others_runs / "h")], capsys)  # the paper tables need every run
+    assert (code, out) == (2, "")
+    assert err == f"mlcls-tables: error: {where}: a JSON list; expected an object\n"

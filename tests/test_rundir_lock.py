@@ -6,10 +6,13 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,6 +64,53 @@ def test_a_stale_lock_is_taken_over_and_released(tmp_path, caplog):
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no draft left
     release_run_lock(tmp_path)
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+class _SlowHandler(logging.Handler):
+    """A log handler that takes its time, as one writing to a busy file system does."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        time.sleep(0.005)
+
+
+def _contend(run_dirs: list[str], barrier, results) -> None:
+    """Try each run directory's lock at the moment the other contenders try it; report who got it."""
+    logging.getLogger("mlcls").addHandler(_SlowHandler())
+    for run_dir in run_dirs:
+        barrier.wait()
+        try:
+            acquire_run_lock(Path(run_dir))
+            held = True
+        except RunDirLocked:
+            held = False
+        barrier.wait()  # every contender has tried before the trial's results are read
+        results.put((run_dir, os.getpid(), held))
+
+
+def test_processes_taking_over_one_stale_lock_leave_exactly_one_holder(tmp_path):
+    contenders, trials = 4, 40
+    run_dirs = [tmp_path / f"run{trial}" for trial in range(trials)]
+    dead = _finished_pid()
+    for run_dir in run_dirs:
+        run_dir.mkdir()
+        (run_dir / LOCK_NAME).write_text(_lock_of(dead))
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(contenders, timeout=20), context.Queue()
+    processes = [
+        context.Process(target=_contend, args=([str(d) for d in run_dirs], barrier, results))
+        for _ in range(contenders)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = [results.get(timeout=30) for _ in range(contenders * trials)]
+    for process in processes:
+        process.join(timeout=10)
+        assert process.exitcode == 0
+    for run_dir in run_dirs:
+        holders = [pid for directory, pid, held in outcomes if directory == str(run_dir) and held]
+        assert len(holders) == 1, f"{run_dir.name}: held by {holders}"
+        assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == holders[0]
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME]  # no draft left
 
 
 def test_a_finished_run_releases_its_lock(tmp_path):

@@ -74,7 +74,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     for path, reason in unreadable:
         print(f"mlcls: warning: skipped unreadable image {path} ({reason})", file=sys.stderr)
     if cfg.out:
-        write_json_lines(predictions, cfg.out)
+        with user_errors():  # a full disk
+            write_json_lines(predictions, cfg.out)
     if not cfg.quiet:
         print(format_table(predictions))
     summary = f"mlcls: {plural(len(predictions), 'image')} labelled by {rule}"

@@ -1,10 +1,11 @@
 """Where a run writes: one directory for every process, created only once the run can start, held by one
-run at a time (a lock file naming its host and process), and removed again by a run that fails before its
-first checkpoint."""
+run at a time (a lock file naming its host and process), cleared of the temporary files a killed run's
+writes left in it, and removed again by a run that fails before its first checkpoint."""
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import logging
 import os
@@ -17,11 +18,15 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from mlcls.engine import distributed as dist_utils
+from mlcls.io import sweep_temporary_files
 
 log = logging.getLogger("mlcls")
 
 # The lock file of a live run in its run directory: JSON {"host", "pid", "started"}.
 LOCK_NAME = ".lock"
+
+# The folders of a run directory that mlcls writes files into atomically (besides the directory itself).
+WRITTEN_SUBDIRS = ("checkpoints", "plots")
 
 
 class RunDirLocked(RuntimeError):
@@ -78,13 +83,21 @@ def explicit_hydra_run_dir() -> bool:
     )
 
 
+def _parse_holder(content: bytes) -> dict[str, Any]:
+    """The ``{"host", "pid", "started"}`` of a lock file's ``content`` (empty when it is not one)."""
+    try:
+        holder = json.loads(content)
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
 def _lock_holder(lock: Path) -> dict[str, Any]:
     """The ``{"host", "pid", "started"}`` a lock file names (empty when it is unreadable)."""
     try:
-        holder = json.loads(lock.read_text())
-    except (OSError, ValueError):
+        return _parse_holder(lock.read_bytes())
+    except OSError:
         return {}
-    return holder if isinstance(holder, dict) else {}
 
 
 def _is_mine(holder: dict[str, Any]) -> bool:
@@ -109,11 +122,13 @@ def _holder_alive(holder: dict[str, Any]) -> bool:
 
 
 def acquire_run_lock(run_dir: Path) -> None:
-    """Take ``run_dir``'s lock for this process until :func:`release_run_lock` (or exit).
+    """Take ``run_dir``'s lock for this process until :func:`release_run_lock` (or exit), then remove the
+    temporary files that writes of a killed run left in it (:func:`sweep_temporary_files`).
 
     A lock of a live run raises :class:`RunDirLocked` naming its holder; a stale one (its process gone
     from this host) is taken over with a warning. The lock appears with its content in one step (a hard
-    link of a complete file), so no run reads a half-written one.
+    link of a complete file), so no run reads a half-written one. Processes taking over the same stale
+    lock at once take turns (:func:`_take_over_if_stale`): exactly one of them holds it.
     """
     lock = run_dir / LOCK_NAME
     holder = {
@@ -121,7 +136,7 @@ def acquire_run_lock(run_dir: Path) -> None:
         "pid": os.getpid(),
         "started": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
     }
-    draft = run_dir / f"{LOCK_NAME}.{os.getpid()}.tmp"
+    draft = run_dir / f"{LOCK_NAME}.{os.getpid()}.draft"
     draft.write_text(json.dumps(holder) + "\n")
     try:
         while True:
@@ -129,19 +144,53 @@ def acquire_run_lock(run_dir: Path) -> None:
                 os.link(draft, lock)
                 break
             except FileExistsError:
-                other = _lock_holder(lock)
-                if _holder_alive(other):
-                    raise RunDirLocked(
-                        f"run directory {run_dir} is in use by another run (pid {other.get('pid')} on "
-                        f"{other.get('host')}, started {other.get('started')}); wait for it to end, choose "
-                        f"another directory, or delete {lock} if that run is gone"
-                    ) from None
-                if not _is_mine(other):
-                    log.warning("taking over the stale lock %s of a run that is gone (%s)", lock, other)
-                lock.unlink(missing_ok=True)
+                if _take_over_if_stale(lock, draft):
+                    break
     finally:
         draft.unlink(missing_ok=True)
     atexit.register(release_run_lock, run_dir)
+    for directory in (run_dir, *(run_dir / sub for sub in WRITTEN_SUBDIRS)):
+        for debris in sweep_temporary_files(directory):
+            log.info("removed %s, left by a write that did not finish", debris)
+
+
+def _take_over_if_stale(lock: Path, draft: Path) -> bool:
+    """Replace the existing ``lock`` by ``draft`` if the run it names is gone; True once done, False when
+    ``lock`` changed meanwhile (released, or taken by another process: try again).
+
+    The lock file is locked (``flock``) while it is judged and replaced, and judged only if it is still the
+    file at ``lock`` once this process has it: of the processes that found the same stale lock, the first
+    replaces it and the others find the new one, alive. Raises :class:`RunDirLocked` for a live holder.
+    """
+    try:
+        file = open(lock, "rb")  # noqa: SIM115 - closed below, which releases the flock
+    except FileNotFoundError:
+        return False
+    with file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX)
+        except OSError as exc:  # a file system without flock
+            raise RunDirLocked(
+                f"cannot take over the lock {lock} safely ({exc.strerror}); delete it if its run is gone"
+            ) from None
+        try:
+            current = os.stat(lock)
+        except FileNotFoundError:
+            return False
+        opened = os.fstat(file.fileno())
+        if (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino):
+            return False
+        other = _parse_holder(file.read())
+        if _holder_alive(other):
+            raise RunDirLocked(
+                f"run directory {lock.parent} is in use by another run (pid {other.get('pid')} on "
+                f"{other.get('host')}, started {other.get('started')}); wait for it to end, choose "
+                f"another directory, or delete {lock} if that run is gone"
+            ) from None
+        if not _is_mine(other):
+            log.warning("taking over the stale lock %s of a run that is gone (%s)", lock, other)
+        os.replace(draft, lock)
+    return True
 
 
 def release_run_lock(run_dir: Path) -> None:

@@ -312,6 +312,12 @@ class Trainer:
         dist_utils.on_main(lambda: self._write_files(is_best), self.dist.is_main)
 
     def _write_files(self, is_best: bool) -> None:
+        """Write ``best.pt`` (when ``is_best``), then the training checkpoint that records it as the best.
+
+        In that order a kill at any point leaves a consistent pair: the newest training checkpoint names a
+        best epoch whose ``best.pt`` exists (a kill before it is written leaves the previous ``best.pt`` and
+        the previous training checkpoint, from which a resumed run reaches this epoch again).
+        """
         checkpoint = {
             **self.state.state_dict(),
             "model": self.model.state_dict(),
@@ -323,9 +329,7 @@ class Trainer:
             "preprocess": self.preprocess,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
-        iteration = self.state.epoch * self.iters_per_epoch + self.state.step
         checkpoints = self.run_dir / "checkpoints"
-        save_training_checkpoint(checkpoint, checkpoints, iteration, self.cfg.trainer.keep_checkpoints)
         if is_best:
             best = self.state.best
             best_model = self.model if best["weights"] == "raw" else self.ema.module
@@ -336,6 +340,8 @@ class Trainer:
                 **{k: checkpoint[k] for k in ("epoch", "classes", "preprocess", "config", "best")},
             }
             save_checkpoint(best_weights, checkpoints / "best.pt")
+        iteration = self.state.epoch * self.iters_per_epoch + self.state.step
+        save_training_checkpoint(checkpoint, checkpoints, iteration, self.cfg.trainer.keep_checkpoints)
 
     def results(self, epochs_completed: int) -> dict[str, Any]:
         """What results.json holds after ``epochs_completed`` epochs (see :func:`run_results`)."""

@@ -12,7 +12,8 @@
 
 matplotlib is an optional dependency (``pip install mlcls[plots]``); without it nothing is drawn and one
 log line says so. The figures are drawn with matplotlib's object API on the Agg canvas (no ``pyplot``
-state, no display needed), and every file is written atomically.
+state, no display needed), and every file is written atomically. Class names are drawn as they are
+(a ``$`` in one starts no math text).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ log = logging.getLogger("mlcls")
 MAX_BARS = 60
 PR_CLASSES = 5
 DPI = 110
+
+
+def _literal(text: str) -> str:
+    """``text`` as matplotlib draws it literally: a ``$`` escaped, which would otherwise start math text (a
+    class named ``price_$5_to_$10``)."""
+    return text.replace("$", r"\$")
 
 
 def _figure(width: float, height: float) -> Any:
@@ -63,7 +70,7 @@ def per_class_ap_figure(ap: torch.Tensor, positives: torch.Tensor, class_names: 
     figure = _figure(8.0, 1.4 + 0.26 * len(order))
     axes = figure.add_subplot()
     values = [100 * ap[c].item() for c in order]
-    names = [f"{class_names[c]} (n={int(positives[c])})" for c in order]
+    names = [f"{_literal(class_names[c])} (n={int(positives[c])})" for c in order]
     rows = np.arange(len(order))
     colours = matplotlib.colormaps["RdYlGn"](np.asarray(values) / 100 * 0.8 + 0.1)
     axes.barh(rows, values, color=colours, edgecolor="none")
@@ -114,7 +121,7 @@ def pr_curves_figure(
             precision, recall, _ = precision_recall_curve(
                 (labels[known, c] == 1).numpy(), scores[known, c].double().numpy()
             )
-            label = f"{class_names[c]}  AP {100 * ap[c].item():.1f}"
+            label = f"{_literal(class_names[c])}  AP {100 * ap[c].item():.1f}"
             axes.plot(recall, precision, drawstyle="steps-post", linewidth=1.6, label=label)
         axes.set_xlim(0, 1.01)
         axes.set_ylim(0, 1.03)

@@ -1,14 +1,37 @@
-"""A filled paper table as Markdown (the paper's layout) and CSV (one line per cell)."""
+"""A filled paper table as Markdown (the paper's layout) and CSV (one line per cell).
+
+Text from runs (paths, config values) is shown as it is, never as markup or formulas: in Markdown
+:func:`markdown_text` escapes it, in CSV :func:`spreadsheet_text` keeps a spreadsheet from running it.
+"""
 
 from __future__ import annotations
 
 import csv
+import html
 import io
 from pathlib import Path
 
 from mlcls.reporting.table_specs import FilledCell, FilledTable
 
+# The first characters that make a spreadsheet read a cell as a formula (OWASP's CSV injection list).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
 CSV_COLUMNS = ("table", "row", "column", "metric", "ours", "paper", "diff", "runs", "deviations", "run_dirs")
+
+
+def markdown_text(text: str) -> str:
+    """``text`` for a Markdown table cell or list item, shown as it is: ``&``, ``<`` and ``>`` as HTML
+    entities (no raw HTML), ``|`` escaped (no new cell), each line break as ``<br>`` (no new row)."""
+    escaped = html.escape(text, quote=False).replace("|", "\\|")
+    return "<br>".join(escaped.splitlines())
+
+
+def spreadsheet_text(text: str) -> str:
+    """``text`` for a CSV cell: with a ``'`` in front when it starts like a formula (:data:`FORMULA_STARTS`),
+    which a spreadsheet then shows as text instead of running it (OWASP's advice), and each line break as
+    ``\\n``, which the CSV writer quotes (a lone ``\\r`` it would leave bare, ending the row)."""
+    guarded = "'" + text if text.startswith(FORMULA_STARTS) else text
+    return guarded.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def write_table(table: FilledTable, out_dir: Path) -> tuple[Path, Path]:
@@ -61,7 +84,7 @@ def render_markdown(table: FilledTable) -> str:
             deviations[deviation] = deviations.get(deviation, 0) + 1
     if deviations:
         lines += ["", "\\* Off the paper's protocol:"]
-        lines += [f"- {text} ({count} cells)" for text, count in deviations.items()]
+        lines += [f"- {markdown_text(text)} ({count} cells)" for text, count in deviations.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -81,8 +104,8 @@ def render_csv(table: FilledTable) -> str:
                 "" if cell.paper is None else repr(cell.paper),
                 "" if cell.diff is None else repr(cell.diff),
                 len(cell.runs),
-                "; ".join(cell.deviations),
-                " ".join(str(run.path) for run in cell.runs),
+                spreadsheet_text("; ".join(cell.deviations)),
+                spreadsheet_text(" ".join(str(run.path) for run in cell.runs)),
             ]
         )
     return out.getvalue()

@@ -9,9 +9,16 @@ Columns, in order:
   column naming it (``loss``: twoway, bce) instead of its keys, which are not comparable;
 - ``status``: ``finished``; ``unfinished (k of n epochs)`` (stopped, preempted or still running);
   ``failed`` (a config.yaml but no results.json: stopped, or still running, before its first evaluation);
-  ``, resumed n×`` added when training continued from a checkpoint;
+  ``, resumed n×`` added when training continued from a checkpoint; ``unreadable: <why>`` for a run whose
+  results.json or config.yaml cannot be read (not JSON or YAML, or not an object): it is listed, without
+  settings or figures, and the other runs are compared;
 - ``mAP_class``, ``mAP_sample`` (%, the last evaluation), ``best_epoch`` (the epoch of the best mAP@class),
   ``epochs_completed``, ``wall_time_s`` (training time), ``run`` (the run directory).
+
+The runs may be anyone's: their text is shown as it is in every form. Markdown cells are escaped
+(:func:`mlcls.reporting.render.markdown_text`: no raw HTML, no new cell or row), CSV cells that start like
+a formula get a ``'`` in front (:func:`mlcls.reporting.render.spreadsheet_text`); JSON holds the values
+unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any
 from mlcls.errors import plural
 from mlcls.losses.spec import loss_name
 from mlcls.reporting.paper import ReportError
+from mlcls.reporting.render import markdown_text, spreadsheet_text
 from mlcls.reporting.runs import (
     built_name,
     find_run_dirs,
@@ -90,8 +98,8 @@ def run_status(config: Mapping[str, Any] | None, results: Mapping[str, Any] | No
     if results is None:
         return "failed"
     completed = results.get("epochs_completed")
-    planned = ((config or {}).get("trainer") or {}).get("epochs")
-    if completed is not None and planned is not None and completed < planned:
+    planned = _mapping((config or {}).get("trainer")).get("epochs")
+    if _is_number(completed) and _is_number(planned) and completed < planned:
         status = f"unfinished ({completed} of {planned} epochs)"
     else:
         status = "finished"
@@ -99,13 +107,24 @@ def run_status(config: Mapping[str, Any] | None, results: Mapping[str, Any] | No
     return f"{status}, resumed {resumes}×" if resumes else status
 
 
-def _figures(run_dir: Path, config: Mapping[str, Any] | None, results: Mapping[str, Any] | None) -> dict:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """``value`` if it is a mapping, else an empty one (a field of someone's results.json of another type)."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _figures(
+    run_dir: Path, config: Mapping[str, Any] | None, results: Mapping[str, Any] | None, status: str
+) -> dict:
     results_or_empty = results or {}
-    metrics = results_or_empty.get("metrics") or {}
-    best = results_or_empty.get("best") or {}
-    provenance = results_or_empty.get("provenance") or {}
+    metrics = _mapping(results_or_empty.get("metrics"))
+    best = _mapping(results_or_empty.get("best"))
+    provenance = _mapping(results_or_empty.get("provenance"))
     return {
-        "status": run_status(config, results),
+        "status": status,
         "mAP_class": metrics.get("mAP_class"),
         "mAP_sample": metrics.get("mAP_sample"),
         "best_epoch": best.get("epoch"),
@@ -134,10 +153,15 @@ def runs_table(paths: Iterable[Path | str], sort: str | None = None) -> RunsTabl
         raise ReportError(f"no run in {listed}: a run directory holds config.yaml or results.json")
     settings, figures = [], []
     for run_dir in run_dirs:
-        results = read_results(run_dir)
-        config = read_config(run_dir, results)
+        try:
+            results = read_results(run_dir)
+            config = read_config(run_dir, results)
+        except ReportError as exc:
+            settings.append({})
+            figures.append(_figures(run_dir, None, None, f"unreadable: {exc}"))
+            continue
         settings.append(flat_settings(config or {}))
-        figures.append(_figures(run_dir, config, results))
+        figures.append(_figures(run_dir, config, results, run_status(config, results)))
     keys = differing_keys(settings)
     columns = (*keys, *FIGURE_COLUMNS)
     pairs = zip(settings, figures, strict=True)
@@ -157,7 +181,7 @@ def sort_rows(rows: Sequence[dict[str, Any]], columns: Sequence[str], key: str) 
         value = row[key]
         if value is None:
             return (2, 0, "")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if _is_number(value):
             return (0, sign * value, "")
         return (1, 0, yaml_text(value))
 
@@ -165,14 +189,23 @@ def sort_rows(rows: Sequence[dict[str, Any]], columns: Sequence[str], key: str) 
 
 
 def _text(column: str, value: Any) -> str:
-    """A cell of the Markdown table: mAP to 2 decimals, seconds to 1, None empty, ``|`` escaped."""
+    """A cell of the Markdown table: mAP to 2 decimals, seconds to 1, None empty, text escaped
+    (:func:`markdown_text`)."""
     if value is None:
         return ""
-    if column in HIGHER_IS_BETTER:
+    if column in HIGHER_IS_BETTER and _is_number(value):
         return f"{value:.2f}"
-    if column == "wall_time_s":
+    if column == "wall_time_s" and _is_number(value):
         return f"{value:.1f}"
-    return yaml_text(value).replace("|", "\\|")
+    return markdown_text(yaml_text(value))
+
+
+def _csv_text(value: Any) -> str:
+    """A cell of the CSV table: numbers in full, None empty, text kept from running as a formula
+    (:func:`spreadsheet_text`)."""
+    if value is None:
+        return ""
+    return yaml_text(value) if _is_number(value) else spreadsheet_text(yaml_text(value))
 
 
 def render_runs_markdown(table: RunsTable) -> str:
@@ -183,7 +216,7 @@ def render_runs_markdown(table: RunsTable) -> str:
         "Columns: the settings that differ between the runs; mAP in % at the last evaluation; best_epoch: "
         "that of the best mAP_class.",
         "",
-        "| " + " | ".join(table.columns) + " |",
+        "| " + " | ".join(map(markdown_text, table.columns)) + " |",
         "|" + "|".join("---" for _ in table.columns) + "|",
     ]
     lines += ["| " + " | ".join(_text(c, row[c]) for c in table.columns) + " |" for row in table.rows]
@@ -194,9 +227,9 @@ def render_runs_csv(table: RunsTable) -> str:
     """One line per run under the column names; full-precision numbers, empty where a run has no value."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(table.columns)
+    writer.writerow([_csv_text(column) for column in table.columns])
     for row in table.rows:
-        writer.writerow(["" if row[c] is None else yaml_text(row[c]) for c in table.columns])
+        writer.writerow([_csv_text(row[c]) for c in table.columns])
     return out.getvalue()
 
 

@@ -208,20 +208,25 @@ def _weights_deviations(config: Mapping[str, Any], stand_ins: Mapping[str, str])
 
 
 def read_results(run_dir: Path) -> dict[str, Any] | None:
-    """``run_dir/results.json`` as a dict, None when the run wrote none (yet)."""
+    """``run_dir/results.json`` as a dict, None when the run wrote none (yet); :class:`ReportError` when it
+    is not valid JSON or not a JSON object."""
     results_path = Path(run_dir) / "results.json"
     try:
-        return json.loads(results_path.read_text())
+        results = json.loads(results_path.read_text())
     except FileNotFoundError:
         return None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ReportError(f"{results_path}: not valid JSON ({exc})") from None
+    if not isinstance(results, dict):
+        raise ReportError(f"{results_path}: a JSON {type(results).__name__}; expected an object")
+    return results
 
 
 def read_config(run_dir: Path, results: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The resolved config of a run: ``provenance.config`` of its results, else its ``config.yaml``; None
     when it has neither."""
-    config = ((results or {}).get("provenance") or {}).get("config")
+    provenance = (results or {}).get("provenance")
+    config = provenance.get("config") if isinstance(provenance, dict) else None
     config_path = Path(run_dir) / "config.yaml"
     if config is None and config_path.is_file():
         try:
