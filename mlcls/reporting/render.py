@@ -11,6 +11,7 @@ import html
 import io
 from pathlib import Path
 
+from mlcls.io import atomic_write_bytes
 from mlcls.reporting.table_specs import FilledCell, FilledTable
 
 # The first characters that make a spreadsheet read a cell as a formula (OWASP's CSV injection list).
@@ -21,8 +22,11 @@ CSV_COLUMNS = ("table", "row", "column", "metric", "ours", "paper", "diff", "run
 
 def markdown_text(text: str) -> str:
     """``text`` for a Markdown table cell or list item, shown as it is: ``&``, ``<`` and ``>`` as HTML
-    entities (no raw HTML), ``|`` escaped (no new cell), each line break as ``<br>`` (no new row)."""
-    escaped = html.escape(text, quote=False).replace("|", "\\|")
+    entities (no raw HTML), ``|`` escaped (no new cell), ``[`` and ``]`` escaped (no link or image; a
+    backslash too, so that none undoes an escape), each line break as ``<br>`` (no new row)."""
+    escaped = html.escape(text, quote=False)
+    for char in "\\|[]":
+        escaped = escaped.replace(char, "\\" + char)
     return "<br>".join(escaped.splitlines())
 
 
@@ -38,8 +42,8 @@ def write_table(table: FilledTable, out_dir: Path) -> tuple[Path, Path]:
     """Write ``<out_dir>/<table>.md`` and ``<table>.csv``; return their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     markdown, table_csv = out_dir / f"{table.spec.name}.md", out_dir / f"{table.spec.name}.csv"
-    markdown.write_text(render_markdown(table))
-    table_csv.write_text(render_csv(table))
+    atomic_write_bytes(markdown, render_markdown(table).encode())
+    atomic_write_bytes(table_csv, render_csv(table).encode())
     return markdown, table_csv
 
 

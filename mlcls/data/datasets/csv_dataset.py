@@ -176,7 +176,7 @@ class CSVDataset(MultiLabelDataset):
         image_root = str(resolve_path(root, image_dir))
         listed = {key: _cells(table, image_column, paths[key]) for key, table in tables.items()}
         keys = {key: [image_key(image_root, image) for image in images] for key, images in listed.items()}
-        if len(listed) == 2 and not paths["train"].samefile(paths["val"]):  # one file: scores of seen images
+        if len(listed) == 2 and not paths["train"].samefile(paths["val"]):  # one file: seen images on purpose
             check_disjoint(listed, keys, paths)
         kept = unique_rows(listed[source], keys[source], labels, paths[source])
         labels, written = labels[kept], [listed[source][i] for i in kept]
@@ -248,18 +248,29 @@ def unique_rows(images: Sequence[str], keys: Sequence[str], labels: np.ndarray, 
 
 
 def check_disjoint(listed: dict[str, list[str]], keys: dict[str, list[str]], paths: dict[str, Path]) -> None:
-    """Raise :class:`DatasetFormatError` naming both lines when an image is listed in both the training and
-    the validation file: ``listed`` holds each file's image cells as written, ``keys`` their
-    :func:`image_key`."""
+    """Warn once, naming the first pair of lines, when images are listed in both the training and the
+    validation file (however their paths are written): their validation scores are of images the model
+    trained on. A warning, not an error: scoring seen images can be deliberate (a sanity check).
+    ``listed`` holds each file's image cells as written, ``keys`` their :func:`image_key`."""
     train_lines = {key: line for line, key in enumerate(keys["train"], start=2)}
-    for line, (image, key) in enumerate(zip(listed["val"], keys["val"], strict=True), start=2):
-        if key in train_lines:
-            train_line = train_lines[key]
-            raise DatasetFormatError(
-                f"{paths['val']}, line {line}: image {image!r} is also in the training file "
-                f"{paths['train']}, line {train_line} (as {listed['train'][train_line - 2]!r}); list each "
-                "image in one of them"
-            )
+    shared = [
+        (line, image, train_lines[key])
+        for line, (image, key) in enumerate(zip(listed["val"], keys["val"], strict=True), start=2)
+        if key in train_lines
+    ]
+    if shared:
+        line, image, train_line = shared[0]
+        log.warning(
+            "%s: %s also in the training file %s, e.g. line %d %r (line %d there, as %r): validation "
+            "figures include images the model trained on",
+            paths["val"],
+            "1 image is" if len(shared) == 1 else f"{len(shared)} images are",
+            paths["train"],
+            line,
+            image,
+            train_line,
+            listed["train"][train_line - 2],
+        )
 
 
 def warn_case_variants(classes: Sequence[str], path: Path) -> None:
