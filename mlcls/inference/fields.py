@@ -34,8 +34,7 @@ def stored_classes(state: Mapping[str, Any], path: str | Path) -> list[str]:
     odd = next((name for name in classes if not isinstance(name, str)), None)
     if odd is not None:
         raise InferenceError(
-            f"{path}: 'classes' holds a {type(odd).__name__} ({str(odd)[:40]!r}); expected class names "
-            "(strings)"
+            f"{path}: 'classes' holds {repr(odd)[:40]} ({type(odd).__name__}); expected class names (strings)"
         )
     return list(classes)
 
