@@ -163,6 +163,12 @@ def test_crafted_sizes_are_one_line_before_any_model_is_built(genuine, image, tm
             "'config' is a str; expected the run's config as a mapping of sections (model, dataset, ...)",
         ),
         ({"model": ["fc.weight"]}, "'model' is a list; expected the state dict (names to tensors)"),
+        ({"model": {"fc.weight": "zeros"}}, "the weights 'fc.weight' are a str; expected a dense tensor"),
+        (
+            {"model": {"fc.bias": torch.zeros(12).to_sparse()}},
+            "the weights 'fc.bias' are a torch.sparse_coo tensor; expected a dense tensor",
+        ),
+        ({"model": {"fc.bias": torch.empty(12, device="meta")}}, "'fc.bias' are a meta tensor; expected"),
         ({"thresholds": "high"}, "'thresholds' is a str that is not a list of numbers"),
         ({"thresholds": torch.full((12,), torch.nan)}, "the stored thresholds hold NaN"),
         ({"preprocess": "paper"}, "the checkpoint's preprocess is a str; expected a mapping with keys"),

@@ -10,7 +10,7 @@ shape of a stored tensor, so it takes no more memory than the weights in the fil
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from mlcls.inference.errors import InferenceError
 def stored_classes(state: Mapping[str, Any], path: str | Path) -> list[str]:
     """The class names of checkpoint ``state`` (read from ``path``): a non-empty list of strings."""
     classes = state.get("classes")
-    if not isinstance(classes, (list, tuple)):
+    if not isinstance(classes, Sequence) or isinstance(classes, (str, bytes)):
         raise InferenceError(
             f"{path}: 'classes' is a {type(classes).__name__}; expected the list of class names "
             "(is it an mlcls checkpoint?)"
@@ -53,7 +53,8 @@ def stored_config(state: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
 
 
 def stored_weights(state: Mapping[str, Any], path: str | Path) -> dict[str, torch.Tensor]:
-    """The state dict of checkpoint ``state``: names to tensors, each backed by one stored value per element.
+    """The state dict of checkpoint ``state``: names to dense tensors, each backed by one stored value per
+    element (a sparse or a ``meta`` tensor is refused: neither holds the values it stands for).
 
     A tensor whose storage is smaller than its elements (a stride-0 expansion or an overlapping view, which
     ``torch.save`` keeps as such) would let a few stored bytes stand for a model of any size: refused.
@@ -64,10 +65,9 @@ def stored_weights(state: Mapping[str, Any], path: str | Path) -> dict[str, torc
             f"{path}: 'model' is a {type(weights).__name__}; expected the state dict (names to tensors)"
         )
     for name, tensor in weights.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise InferenceError(
-                f"{path}: the weights {name!r} are a {type(tensor).__name__}; expected a tensor"
-            )
+        kind = _not_dense(tensor)
+        if kind is not None:
+            raise InferenceError(f"{path}: the weights {name!r} are a {kind}; expected a dense tensor")
         stored = tensor.untyped_storage().nbytes()
         if tensor.numel() * tensor.element_size() > stored:
             raise InferenceError(
@@ -75,6 +75,15 @@ def stored_weights(state: Mapping[str, Any], path: str | Path) -> dict[str, torc
                 f"fewer than their {tensor.numel()} values need; expected one stored value per element"
             )
     return weights
+
+
+def _not_dense(value: Any) -> str | None:
+    """What ``value`` is when it is not a dense tensor holding its values (None when it is one)."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    if value.is_meta:
+        return "meta tensor"
+    return None if value.layout == torch.strided else f"{value.layout} tensor"
 
 
 def check_weights_fit(
