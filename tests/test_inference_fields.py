@@ -171,6 +171,10 @@ def test_crafted_sizes_are_one_line_before_any_model_is_built(genuine, image, tm
         ({"model": {"fc.bias": torch.empty(12, device="meta")}}, "'fc.bias' are a meta tensor; expected"),
         ({"thresholds": "high"}, "'thresholds' is a str that is not a list of numbers"),
         ({"thresholds": torch.full((12,), torch.nan)}, "the stored thresholds hold NaN"),
+        (
+            {"config": {"model": {"name": "resnet10t", "head": "mldecoder", "decoder_embedding": 10**12}}},
+            "cannot build the checkpoint's model: ",  # torch's own words: its sizes overflow
+        ),
         ({"preprocess": "paper"}, "the checkpoint's preprocess is a str; expected a mapping with keys"),
         ({"preprocess": {**PAPER_SPEC, "crop": 0}}, "preprocess.crop=0; expected a size of 1 to 4096 pixels"),
         ({"preprocess": {**PAPER_SPEC, "resize": [37, True]}}, "preprocess.resize=[37, True]; expected"),

@@ -116,8 +116,9 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
         return create_model(
             **{**fields, "num_classes": num_classes, "pretrained": False, "checkpoint_path": None}
         )
-    except (TypeError, ValueError) as exc:
-        raise InferenceError(f"cannot build the checkpoint's model: {exc}") from exc
+    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: sizes beyond torch's int64
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InferenceError(f"cannot build the checkpoint's model: {first_line}") from exc
 
 
 def load_inference_model(
