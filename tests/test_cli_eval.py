@@ -237,3 +237,19 @@ def test_eval_amp_runs_under_cpu_autocast(csv_run, monkeypatch, capsys, tmp_path
     code, _, err = run_eval(argv, monkeypatch, capsys)
     assert code == 0, err
     assert dtypes == [torch.bfloat16]
+
+
+def test_nan_weights_are_one_line(csv_run, monkeypatch, capsys, tmp_path):
+    """A classifier row of NaN: one line saying the scores are NaN, not the metrics' ValueError."""
+    checkpoint, _, _ = csv_run
+    state = torch.load(checkpoint, weights_only=False)
+    state["model"]["fc.weight"][5].fill_(torch.nan)
+    torch.save(state, tmp_path / "nan.pt")
+    monkeypatch.chdir(tmp_path)
+    argv = [f"checkpoint={tmp_path / 'nan.pt'}", "dataset.val_file=test.csv", "workers=0", "device=cpu"]
+    code, out, err = run_eval(argv, monkeypatch, capsys)
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines() == [
+        f"mlcls: error: the model's scores are NaN for {TEST_SIZE} of {TEST_SIZE} images: its weights hold "
+        "NaN or infinite values (a diverged run or a damaged checkpoint)"
+    ]

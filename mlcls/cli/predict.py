@@ -25,6 +25,7 @@ from mlcls.inference.predictor import (
     format_table,
     load_inference_model,
     predict_images,
+    printable,
 )
 from mlcls.inference.thresholds import describe_rule
 
@@ -72,13 +73,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     with user_errors():
         predictions, unreadable, rule = run(cfg)
     for path, reason in unreadable:
-        print(f"mlcls: warning: skipped unreadable image {path} ({reason})", file=sys.stderr)
+        print(f"mlcls: warning: skipped unreadable image {printable(f'{path} ({reason})')}", file=sys.stderr)
     if cfg.out:
         with user_errors():  # a full disk
             write_json_lines(predictions, cfg.out)
     if not cfg.quiet:
         print(format_table(predictions))
-    summary = f"mlcls: {plural(len(predictions), 'image')} labelled by {rule}"
+    summary = f"mlcls: {plural(len(predictions), 'image')} labelled by {printable(rule)}"
     if unreadable:
         summary += f"; {len(unreadable)} unreadable skipped"
     if cfg.out:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from mlcls.engine import distributed as dist_utils
-from mlcls.inference.thresholds import NEVER_PREDICTED, calibrate_thresholds
+from mlcls.inference.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.gather import gather_shards
 
@@ -112,10 +112,10 @@ def evaluate_outputs(
 ) -> Evaluation:
     """The rest of :func:`evaluate_model` after :func:`predict`: this rank's shard of ``total`` samples --
     logits (n_r, C) and int8 labels (n_r, C), rows ``rank::world`` -- gathered on rank 0, whose metrics
-    every rank returns."""
+    every rank returns (NaN scores: :func:`check_model_scores`'s one-line error on every rank)."""
     scores = gather_shards(scores, total, dst=0)
     labels = gather_shards(labels, total, dst=0)
-    metrics = on_main_for_all(lambda: compute_metrics(scores, labels, classes))
+    metrics = on_main_for_all(lambda: compute_metrics(check_model_scores(scores), labels, classes))
     return Evaluation(metrics, scores, labels)
 
 

@@ -27,6 +27,13 @@ from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
 from mlcls.inference.errors import InferenceError
+from mlcls.inference.fields import (
+    check_weights_fit,
+    stored_classes,
+    stored_config,
+    stored_thresholds,
+    stored_weights,
+)
 from mlcls.inference.preprocess import build_eval_transform, spec_from_checkpoint
 from mlcls.inference.thresholds import select_labels
 from mlcls.models import create_model
@@ -110,8 +117,9 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
         return create_model(
             **{**fields, "num_classes": num_classes, "pretrained": False, "checkpoint_path": None}
         )
-    except (TypeError, ValueError) as exc:
-        raise InferenceError(f"cannot build the checkpoint's model: {exc}") from exc
+    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: sizes beyond torch's int64
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InferenceError(f"cannot build the checkpoint's model: {first_line}") from exc
 
 
 def load_inference_model(
@@ -120,25 +128,26 @@ def load_inference_model(
     """Load ``path`` (``last.pt`` or ``best.pt``) in eval mode on ``device`` (auto: CUDA when available).
 
     The file is read as plain data unless ``trust`` (see :func:`mlcls.engine.checkpoint.load_checkpoint`).
+    Its class names, config, weights, preprocess spec and thresholds are checked first
+    (:mod:`mlcls.inference.fields`, :func:`~mlcls.inference.preprocess.check_spec`), then the model is
+    built on the ``meta`` device and its shapes compared with the weights: a class count or a head option
+    that the stored weights do not hold is an :class:`InferenceError` before any memory is allocated.
     """
     state = load_checkpoint(path, map_location="cpu", trust=trust)
-    classes = state.get("classes")
-    if not classes:
-        raise InferenceError(f"{path} has no class names ('classes'); is it an mlcls checkpoint?")
-    config = state.get("config") or {}
+    classes = stored_classes(state, path)
+    config = stored_config(state, path)
+    weights = stored_weights(state, path)
+    preprocess = spec_from_checkpoint(state)
+    thresholds = stored_thresholds(state, len(classes), path)
+    with torch.device("meta"):  # shapes only: checked against the weights before any memory is taken
+        skeleton = build_model(config, len(classes))
+    check_weights_fit(skeleton, weights, len(classes), path)
     model = build_model(config, len(classes))
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(weights)
     except RuntimeError as exc:
         first_line = str(exc).splitlines()[0]
         raise InferenceError(f"{path}: weights do not fit the config's model ({first_line})") from exc
-    thresholds = state.get("thresholds")
-    if thresholds is not None:
-        thresholds = torch.as_tensor(thresholds, dtype=torch.float64).flatten()
-        if thresholds.numel() != len(classes):
-            raise InferenceError(
-                f"{path}: {thresholds.numel()} thresholds stored, one per class expected ({len(classes)})"
-            )
     if not isinstance(device, torch.device):
         try:
             device = resolve_device(device)
@@ -147,7 +156,7 @@ def load_inference_model(
     return InferenceModel(
         model=model.eval().to(device),
         classes=list(classes),
-        preprocess=spec_from_checkpoint(state),
+        preprocess=preprocess,
         thresholds=thresholds,
         config=config,
         checkpoint=Path(path),
@@ -250,11 +259,23 @@ def predict_images(
     return predictions, unreadable
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable -- C0 and C1 controls (ESC, BEL, newlines, ...),
+    DEL, format and separator characters such as U+202E or U+2028 -- written as its Python escape
+    (``\\x1b``, ``\\n``, ``\\u202e``): a class name or a file name from someone else can neither drive the
+    terminal (titles, colours, cursor moves) nor start a forged row."""
+    return "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in text
+    )
+
+
 def format_table(predictions: Sequence[Prediction], max_path_width: int = 60) -> str:
-    """A plain-text table: one row per image, its labels with probabilities (``-`` when none)."""
-    width = min(max([len("image"), *(len(p.image) for p in predictions)]), max_path_width)
+    """A plain-text table: one row per image, its labels with probabilities (``-`` when none); image paths
+    and class names go through :func:`printable` (the JSON lines keep them exact)."""
+    images = [printable(p.image) for p in predictions]
+    width = min(max([len("image"), *(len(image) for image in images)]), max_path_width)
     rows = [f"{'image':<{width}}  labels (probability)"]
-    for prediction in predictions:
-        labels = "  ".join(f"{name} {score:.3f}" for name, score in prediction.labels) or "-"
-        rows.append(f"{prediction.image:<{width}}  {labels}")
+    for image, prediction in zip(images, predictions, strict=True):
+        labels = "  ".join(f"{printable(name)} {score:.3f}" for name, score in prediction.labels) or "-"
+        rows.append(f"{image:<{width}}  {labels}")
     return "\n".join(rows)

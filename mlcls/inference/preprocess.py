@@ -27,6 +27,8 @@ from mlcls.data.pipeline.transforms import SQUASH_EVAL_KINDS, TRANSFORM_KINDS, e
 from mlcls.inference.errors import InferenceError
 
 SPEC_KEYS = ("transform", "image_size", "resize", "crop", "interpolation", "mean", "std")
+# The largest side, in pixels, a spec may resize or crop to: a (3, 4096, 4096) float32 input is 200 MB.
+MAX_SIDE = 4096
 
 
 def preprocess_spec(dataset_cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -43,7 +45,7 @@ def preprocess_spec(dataset_cfg: Mapping[str, Any]) -> dict[str, Any]:
     if dataset_cfg.get("image_size") is None:
         raise InferenceError("the dataset config has no image_size; cannot tell the model's input size")
     kind = dataset_cfg.get("transform") or "paper"
-    size = int(dataset_cfg["image_size"])
+    size = _check_size(dataset_cfg["image_size"], "image_size", owner="dataset")
     if kind not in TRANSFORM_KINDS:
         raise InferenceError(f"unknown transform {kind!r}; expected one of {', '.join(TRANSFORM_KINDS)}")
     if kind in SQUASH_EVAL_KINDS:  # light, strong: squash-resize to size x size, no crop
@@ -63,12 +65,45 @@ def preprocess_spec(dataset_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_spec(spec: Mapping[str, Any]) -> None:
-    """Raise :class:`InferenceError` unless ``spec`` has every key of :data:`SPEC_KEYS`."""
+    """Raise :class:`InferenceError` unless ``spec`` has every key of :data:`SPEC_KEYS` with a value of its
+    range: a known transform, sizes (an int, or ``[h, w]`` for ``resize`` and ``crop``; ``crop`` may be
+    null) of 1 to :data:`MAX_SIDE` pixels, a torchvision interpolation mode; ``mean`` and ``std`` are
+    checked by :func:`~mlcls.data.pipeline.transforms.normalisation` (a :class:`ConfigError`)."""
     missing = [key for key in SPEC_KEYS if key not in spec]
     if missing:
         raise InferenceError(
             f"preprocess spec lacks {', '.join(missing)}; expected keys {', '.join(SPEC_KEYS)}"
         )
+    if spec["transform"] not in TRANSFORM_KINDS:
+        raise InferenceError(
+            f"preprocess.transform={_shown(spec['transform'])}; expected one of {', '.join(TRANSFORM_KINDS)}"
+        )
+    _check_size(spec["image_size"], "image_size")
+    _check_size(spec["resize"], "resize", pair=True)
+    if spec["crop"] is not None:
+        _check_size(spec["crop"], "crop", pair=True)
+    modes = tuple(mode.value for mode in T.InterpolationMode)
+    if spec["interpolation"] not in modes:
+        raise InferenceError(
+            f"preprocess.interpolation={_shown(spec['interpolation'])}; expected one of {', '.join(modes)}"
+        )
+    normalisation(spec["mean"], spec["std"], owner="preprocess")
+
+
+def _check_size(value: Any, key: str, pair: bool = False, owner: str = "preprocess") -> Any:
+    """``value`` if it is a side of 1 to :data:`MAX_SIDE` pixels (an int) or, with ``pair``, ``[h, w]`` of
+    such sides; else :class:`InferenceError` naming ``{owner}.{key}``."""
+    sides = list(value) if pair and isinstance(value, (list, tuple)) and len(value) == 2 else [value]
+    if not all(isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= MAX_SIDE for s in sides):
+        expected = f"a size of 1 to {MAX_SIDE} pixels" + (", or [h, w] of such sizes" if pair else "")
+        raise InferenceError(f"{owner}.{key}={_shown(value)}; expected {expected}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters (a value read from a file)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def input_size(spec: Mapping[str, Any]) -> tuple[int, int]:
@@ -87,10 +122,7 @@ def build_eval_transform(spec: Mapping[str, Any]) -> Callable:
     """The torchvision transform (PIL RGB image -> float32 (3, H, W) tensor) that ``spec`` describes."""
     check_spec(spec)
     resize = spec["resize"] if isinstance(spec["resize"], int) else tuple(spec["resize"])
-    try:
-        interpolation = T.InterpolationMode(spec["interpolation"])
-    except ValueError as exc:
-        raise InferenceError(f"unknown interpolation {spec['interpolation']!r} in preprocess spec") from exc
+    interpolation = T.InterpolationMode(spec["interpolation"])
     steps: list[Callable] = [T.Resize(resize, interpolation=interpolation)]
     if spec["crop"] is not None:
         steps.append(T.CenterCrop(spec["crop"]))
@@ -99,12 +131,20 @@ def build_eval_transform(spec: Mapping[str, Any]) -> Callable:
 
 
 def spec_from_checkpoint(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The checkpoint's ``"preprocess"`` spec, else (older checkpoints) the one of its dataset config."""
+    """The checkpoint's ``"preprocess"`` spec, else (older checkpoints) the one of its dataset config;
+    checked by :func:`check_spec`."""
     if state.get("preprocess") is not None:
+        if not isinstance(state["preprocess"], Mapping):
+            raise InferenceError(
+                f"the checkpoint's preprocess is a {type(state['preprocess']).__name__}; expected a mapping "
+                f"with keys {', '.join(SPEC_KEYS)}"
+            )
         spec = dict(state["preprocess"])
-        check_spec(spec)
-        return spec
-    dataset_cfg = (state.get("config") or {}).get("dataset")
-    if dataset_cfg is None:
-        raise InferenceError("the checkpoint holds neither a preprocess spec nor a dataset config")
-    return preprocess_spec(dataset_cfg)
+    else:
+        config = state.get("config")
+        dataset_cfg = config.get("dataset") if isinstance(config, Mapping) else None
+        if not isinstance(dataset_cfg, Mapping):
+            raise InferenceError("the checkpoint holds neither a preprocess spec nor a dataset config")
+        spec = preprocess_spec(dataset_cfg)
+    check_spec(spec)
+    return spec

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 
 import torch
 
+from mlcls.errors import plural
+from mlcls.inference.errors import InferenceError
 from mlcls.metrics import threshold_predictions, top_k_predictions
 from mlcls.metrics.ap import per_list_in_blocks, ranked_positives
 from mlcls.metrics.checks import check_scores_labels
@@ -128,7 +130,10 @@ def select_labels(
     3. ``thresholds`` (C,) given: ``score >= thresholds[c]``, the per-class logit thresholds of
        :func:`calibrate_thresholds`;
     4. otherwise ``sigmoid(score) >= 0.5``.
+
+    NaN scores are refused by :func:`check_model_scores` under every rule.
     """
+    check_model_scores(scores)
     if top_k is not None:
         chosen = top_k_predictions(scores, top_k)
         return chosen & threshold_predictions(scores, threshold) if threshold is not None else chosen
@@ -139,6 +144,19 @@ def select_labels(
             raise ValueError(f"{tuple(thresholds.shape)} thresholds for {scores.shape[1]} score columns")
         return scores.detach().to(torch.float64) >= thresholds.to(scores.device, torch.float64)
     return threshold_predictions(scores, 0.5)
+
+
+def check_model_scores(scores: torch.Tensor) -> torch.Tensor:
+    """``scores``, the (N, C) logits of a model, unchanged; :class:`InferenceError` naming how many images
+    have a NaN score when any has: the model's weights hold NaN or infinite values, and no rule can label
+    them (a NaN compares false with every threshold)."""
+    if scores.is_floating_point() and scores.numel() and torch.aminmax(scores).min.isnan():
+        rows = int(scores.isnan().any(dim=1).sum())
+        raise InferenceError(
+            f"the model's scores are NaN for {rows} of {plural(len(scores), 'image')}: its weights hold NaN "
+            "or infinite values (a diverged run or a damaged checkpoint)"
+        )
+    return scores
 
 
 def _no_positive_rule(no_positive: float) -> str:

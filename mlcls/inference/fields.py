@@ -1,0 +1,138 @@
+"""The fields of a checkpoint that build its model, checked before anything the size of the model is made.
+
+A checkpoint is data from someone else: its class count, its model options (``decoder_embedding``,
+``num_groups``, ...) and its preprocessing decide how much memory building and running the model takes.
+:func:`load_inference_model <mlcls.inference.predictor.load_inference_model>` therefore reads the fields
+here first, builds the model on the ``meta`` device (shapes only, no memory) and compares it with the stored
+weights by :func:`check_weights_fit`: the real model is built only when every parameter and buffer has the
+shape of a stored tensor, so it takes no more memory than the weights in the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mlcls.errors import plural
+from mlcls.inference.errors import InferenceError
+
+
+def stored_classes(state: Mapping[str, Any], path: str | Path) -> list[str]:
+    """The class names of checkpoint ``state`` (read from ``path``): a non-empty list of strings."""
+    classes = state.get("classes")
+    if not isinstance(classes, Sequence) or isinstance(classes, (str, bytes)):
+        raise InferenceError(
+            f"{path}: 'classes' is a {type(classes).__name__}; expected the list of class names "
+            "(is it an mlcls checkpoint?)"
+        )
+    if not classes:
+        raise InferenceError(f"{path} has no class names ('classes' is empty); is it an mlcls checkpoint?")
+    odd = next((name for name in classes if not isinstance(name, str)), None)
+    if odd is not None:
+        raise InferenceError(
+            f"{path}: 'classes' holds {repr(odd)[:40]} ({type(odd).__name__}); expected class names (strings)"
+        )
+    return list(classes)
+
+
+def stored_config(state: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
+    """The run config of checkpoint ``state``: a dict of sections (``{}`` when the file has none)."""
+    config = state.get("config")
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise InferenceError(
+            f"{path}: 'config' is a {type(config).__name__}; expected the run's config as a mapping of "
+            "sections (model, dataset, ...)"
+        )
+    return config
+
+
+def stored_weights(state: Mapping[str, Any], path: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict of checkpoint ``state``: names to dense tensors, each backed by one stored value per
+    element (a sparse or a ``meta`` tensor is refused: neither holds the values it stands for).
+
+    A tensor whose storage is smaller than its elements (a stride-0 expansion or an overlapping view, which
+    ``torch.save`` keeps as such) would let a few stored bytes stand for a model of any size: refused.
+    """
+    weights = state.get("model")
+    if not isinstance(weights, dict):
+        raise InferenceError(
+            f"{path}: 'model' is a {type(weights).__name__}; expected the state dict (names to tensors)"
+        )
+    for name, tensor in weights.items():
+        kind = _not_dense(tensor)
+        if kind is not None:
+            raise InferenceError(f"{path}: the weights {name!r} are a {kind}; expected a dense tensor")
+        stored = tensor.untyped_storage().nbytes()
+        if tensor.numel() * tensor.element_size() > stored:
+            raise InferenceError(
+                f"{path}: the weights {name} {tuple(tensor.shape)} are backed by {stored} stored bytes, "
+                f"fewer than their {tensor.numel()} values need; expected one stored value per element"
+            )
+    return weights
+
+
+def _not_dense(value: Any) -> str | None:
+    """What ``value`` is when it is not a dense tensor holding its values (None when it is one)."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    if value.is_meta:
+        return "meta tensor"
+    return None if value.layout == torch.strided else f"{value.layout} tensor"
+
+
+def check_weights_fit(
+    skeleton: nn.Module, weights: Mapping[str, torch.Tensor], num_classes: int, path: str | Path
+) -> None:
+    """Raise :class:`InferenceError` unless ``weights`` has exactly the keys and shapes of ``skeleton``'s
+    state dict (``load_state_dict(strict=True)``'s rule).
+
+    ``skeleton`` is the checkpoint's model built with ``num_classes`` outputs on the ``meta`` device: its
+    shapes cost no memory, so a class count or a head option larger than the stored weights is found
+    before any real tensor is allocated. The message names the first key that differs.
+    """
+    expected = skeleton.state_dict()
+    model = f"the model its config describes for {plural(num_classes, 'class name')}"
+    missing = [key for key in expected if key not in weights]
+    if missing:
+        raise InferenceError(
+            f"{path}: weights do not fit {model}: {missing[0]} is not in the file "
+            f"({plural(len(missing), 'tensor')} missing)"
+        )
+    unexpected = [key for key in weights if key not in expected]
+    if unexpected:
+        raise InferenceError(
+            f"{path}: weights do not fit {model}: the file has {unexpected[0]}, which it lacks"
+        )
+    for key, tensor in expected.items():
+        if weights[key].shape != tensor.shape:
+            raise InferenceError(
+                f"{path}: weights do not fit {model}: {key} is {tuple(weights[key].shape)} in the file, "
+                f"{tuple(tensor.shape)} in the model"
+            )
+
+
+def stored_thresholds(state: Mapping[str, Any], num_classes: int, path: str | Path) -> torch.Tensor | None:
+    """The calibrated per-class logit thresholds of checkpoint ``state`` as float64 (C,), or None when it
+    has none; one number per class, none of them NaN (``±inf``: always / never predicted)."""
+    thresholds = state.get("thresholds")
+    if thresholds is None:
+        return None
+    try:
+        thresholds = torch.as_tensor(thresholds, dtype=torch.float64).flatten()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InferenceError(
+            f"{path}: 'thresholds' is a {type(thresholds).__name__} that is not a list of numbers ({exc})"
+        ) from exc
+    if thresholds.numel() != num_classes:
+        raise InferenceError(
+            f"{path}: {thresholds.numel()} thresholds stored, one per class expected ({num_classes})"
+        )
+    if thresholds.isnan().any():
+        raise InferenceError(f"{path}: the stored thresholds hold NaN; expected a number per class")
+    return thresholds
