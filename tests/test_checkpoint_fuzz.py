@@ -72,7 +72,6 @@ def value_pool(marker: Path, server: str) -> list[Any]:
         1.5,
         2**31,
         2**62,
-        40000,
         float("nan"),
         float("inf"),
         True,
@@ -127,7 +126,9 @@ def mutate(state: dict[str, Any], rng: random.Random, marker: Path, server: str)
             config["model"][key] = value
             done.append(f"config.model.{key}={value!r:.60}")
         elif kind == "classes":
-            classes = state.get("classes") or ["a"]
+            classes = (
+                state["classes"] if isinstance(state.get("classes"), list) and state["classes"] else ["a"]
+            )
             value = rng.choice(
                 [
                     [],

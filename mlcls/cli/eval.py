@@ -136,7 +136,7 @@ def check_dataset_target(dataset_cfg: dict[str, Any]) -> None:
     known = packaged_dataset_targets()
     target = dataset_cfg.get("_target_")
     nested = [place for place in _hydra_keys(dataset_cfg, "dataset") if place != "dataset._target_"]
-    if target not in known or nested:
+    if not isinstance(target, str) or target not in known or nested:
         what = f"{nested[0]} is set" if nested else f"dataset._target_={target!r}"
         raise ConfigError(
             f"the checkpoint's {what}; only mlcls's datasets are built from a file "
@@ -180,6 +180,10 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
         check_dataset_target(dataset_cfg)
         check_shard_sources(dataset_cfg, set(given))
     dataset = build_dataset(dataset_cfg, train=False)
+    if len(dataset) == 0:
+        raise ConfigError(
+            f"the evaluation set of {cfg.checkpoint} holds no image; give dataset.<key>=… of one"
+        )
     if list(dataset.classes) != inference.classes:
         raise ConfigError(
             f"the evaluation set's classes ({len(dataset.classes)}: {', '.join(dataset.classes[:5])}, …) "

@@ -10,6 +10,7 @@ shape of a stored tensor, so it takes no more memory than the weights in the fil
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mlcls.errors import plural
+from mlcls.errors import plural, shown
 from mlcls.inference.errors import InferenceError
 
 
@@ -136,3 +137,33 @@ def stored_thresholds(state: Mapping[str, Any], num_classes: int, path: str | Pa
     if thresholds.isnan().any():
         raise InferenceError(f"{path}: the stored thresholds hold NaN; expected a number per class")
     return thresholds
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# What each option of mlcls.models.create_model may be when a checkpoint holds it: (check, expected).
+MODEL_FIELDS: dict[str, tuple[Any, str]] = {
+    "name": (lambda v: isinstance(v, str) and 0 < len(v) <= 200, "a timm model name"),
+    "pretrained": (lambda v: isinstance(v, bool), "true or false"),
+    "checkpoint_path": (lambda v: v is None or isinstance(v, str), "a path or null"),
+    "drop_rate": (lambda v: _is_number(v) and 0 <= v < 1, "a probability in [0, 1)"),
+    "head": (lambda v: isinstance(v, str), "a head name"),
+    "num_groups": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "decoder_embedding": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "an integer >= 1",
+    ),
+    "csra_heads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "csra_lam": (_is_number, "a finite number"),
+}
+
+
+def check_model_fields(fields: Mapping[str, Any]) -> None:
+    """Raise :class:`InferenceError` naming the first of a checkpoint's model ``fields`` whose value is not of
+    its kind (:data:`MODEL_FIELDS`); sizes are checked against the weights by :func:`check_weights_fit`."""
+    for key, value in fields.items():
+        check, expected = MODEL_FIELDS.get(key, (lambda v: True, ""))
+        if not check(value):
+            raise InferenceError(f"the checkpoint's model.{key} is {shown(value)}; expected {expected}")

@@ -28,6 +28,7 @@ from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
 from mlcls.inference.errors import InferenceError
 from mlcls.inference.fields import (
+    check_model_fields,
     check_weights_fit,
     stored_classes,
     stored_config,
@@ -113,6 +114,7 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
             f"the checkpoint's model config has {', '.join(unknown)}, which {MODEL_FACTORY} does not take "
             f"(it takes {', '.join(accepted)})"
         )
+    check_model_fields(fields)
     try:
         return create_model(
             **{**fields, "num_classes": num_classes, "pretrained": False, "checkpoint_path": None}

@@ -21,13 +21,15 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from mlcls.data.datasets.base import MultiLabelDataset, Sample
+from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, Sample
+from mlcls.errors import shown
 
 SHAPES = ("circle", "square", "triangle", "cross")
 COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230)}
 LABEL_COUNT_PROBS = (0.35, 0.30, 0.20, 0.15)
 PARTNER_PROB = 0.6
 _SPLIT_IDS = {"train": 0, "val": 1}
+MAX_SIZE = 1_000_000  # images a split may have (their labels are drawn and held up front)
 
 
 class SyntheticMultiLabel(MultiLabelDataset):
@@ -54,6 +56,16 @@ class SyntheticMultiLabel(MultiLabelDataset):
         seed: int = 0,
         **config_keys: Any,
     ) -> None:
+        for key, value, low, high in (
+            ("train_size", train_size, 0, MAX_SIZE),
+            ("val_size", val_size, 0, MAX_SIZE),
+            ("canvas_size", canvas_size, 8, 4096),
+            ("seed", seed, 0, 2**63 - 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise DatasetConfigError(
+                    f"dataset.{key}={shown(value)}; expected an integer from {low} to {high}"
+                )
         super().__init__(transform, split=split, **config_keys)
         if split not in _SPLIT_IDS:
             raise ValueError(f"unknown split {split!r} for the synthetic dataset; expected 'train' or 'val'")
