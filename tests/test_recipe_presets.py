@@ -169,3 +169,15 @@ def test_sync_bn_converts_batchnorm_on_cuda_processes_only(caplog):
         "trainer.sync_bn: SyncBatchNorm needs CUDA devices; on the cpu each of the 2 processes keeps "
         "BatchNorm over its own share of the batch"
     ]
+
+
+def test_loss_sum_scope_is_global_but_for_the_papers_asl_preset():
+    """A summed loss is scaled to the global batch (tests/test_loss_scale_ddp.py), except in ``paper_asl``,
+    which keeps the per-process sum of the paper's 4 GPUs; an unknown scope is a one-line error."""
+    assert compose_config([]).trainer.loss_sum_scope == "global"
+    paper_asl = compose_config(["experiment=paper_asl"])
+    assert (paper_asl.loss.reduction, paper_asl.trainer.loss_sum_scope) == ("sum", "process")
+    with pytest.raises(
+        ConfigError, match=r"^trainer.loss_sum_scope='rank'; expected one of global, process$"
+    ):
+        validate_config(compose_config(["trainer.loss_sum_scope=rank"]), world_size=1)
