@@ -114,17 +114,18 @@ def sync_batchnorm(model: nn.Module, dist: DistInfo) -> nn.Module:
     """``trainer.sync_bn``: ``model`` with its BatchNorm layers turned into SyncBatchNorm (the same
     parameters, buffers and state-dict keys), whose training statistics span the global batch, when several
     processes run on CUDA devices. One process: ``model`` as it is (BatchNorm sees the whole batch already).
-    Several on the CPU: ``model`` as it is, said in one line: torch's SyncBatchNorm refuses CPU tensors
-    (and DDP a CPU module holding it)."""
+    Several on the CPU: ``model`` as it is, said in one line (by rank 0): torch's SyncBatchNorm refuses CPU
+    tensors (and DDP a CPU module holding it)."""
     if not dist.distributed:
         return model
     if dist.device.type != "cuda":
-        log.info(
-            "trainer.sync_bn: SyncBatchNorm needs CUDA devices; on the %s each of the %d processes keeps "
-            "BatchNorm over its own share of the batch",
-            dist.device.type,
-            dist.world_size,
-        )
+        if dist.is_main:
+            log.info(
+                "trainer.sync_bn: SyncBatchNorm needs CUDA devices; on the %s each of the %d processes keeps "
+                "BatchNorm over its own share of the batch",
+                dist.device.type,
+                dist.world_size,
+            )
         return model
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 

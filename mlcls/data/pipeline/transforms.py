@@ -141,7 +141,7 @@ def package_randaugment() -> Callable:
     (Invert, Cutout, Sharpness, AutoContrast, Posterize, ShearX, TranslateX, TranslateY, ShearY, Rotate,
     Equalize, Contrast, Color, Solarize, Brightness), each with a magnitude drawn uniformly from 1..9 of 9
     and applied with probability 0.5; rotation turns one way only. It draws from Python's ``random`` and (its
-    Cutout) NumPy's global generator. Works on any size of PIL RGB image."""
+    Cutout) NumPy's global generator; on PIL RGB images."""
     return randaugment.RandAugment()
 
 
