@@ -1,4 +1,4 @@
-"""The ``strong`` recipe: CutoutPIL's rectangle, timm's RandAugment as configured, a squash-resize for
+"""The ``strong`` recipe: CutoutPIL's rectangle, the recipe's steps, a squash-resize for
 evaluation, and an augmentation that is a function of the sample's seed on the ``torchvision`` and ``fast``
 backends (exact resume); ``dali`` refuses it. The normalisation of every transform: ``dataset.mean`` and
 ``dataset.std``, checked."""
@@ -64,6 +64,7 @@ def test_cutout_pastes_one_clipped_rectangle_of_one_colour() -> None:
 
 
 def test_strong_train_steps_are_the_recipe() -> None:
+    """The order of the recipe's steps; its RandAugment is the package's (tests/test_recipe_presets.py)."""
     steps = build_transform("strong", SIZE, train=True).transforms
     assert [type(step).__name__ for step in steps] == [
         "Resize",
@@ -73,9 +74,7 @@ def test_strong_train_steps_are_the_recipe() -> None:
         "Normalize",
     ]
     assert steps[0].size == (SIZE, SIZE) and steps[1].cutout_factor == 0.5
-    randaugment = steps[2]
-    assert randaugment.num_layers == 2 and len(randaugment.ops) > 10
-    assert all((op.magnitude, op.magnitude_std, op.prob) == (9, 0.5, 0.5) for op in randaugment.ops)
+    assert type(steps[2]).__module__ == "randaugment.randaugment"
     assert tuple(steps[4].mean) == IMAGENET_MEAN and tuple(steps[4].std) == IMAGENET_STD
 
 

@@ -23,7 +23,7 @@ def test_preset_is_ml_decoders_coco_recipe(preset):
     assert (spec["resize"], spec["crop"]) == ([448, 448], None)
     assert (spec["mean"], spec["std"]) == ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
     assert (cfg.model.name, cfg.model.head, cfg.model.num_groups) == (
-        "tresnet_l.miil_in1k_448",
+        "tresnet_v2_l.miil_in21k",
         "mldecoder",
         100,
     )

@@ -110,12 +110,60 @@ def build_model(
     return model
 
 
-def build_loss(loss_cfg: DictConfig, train_set: Dataset, device: torch.device) -> nn.Module:
+def sync_batchnorm(model: nn.Module, dist: DistInfo) -> nn.Module:
+    """``trainer.sync_bn``: ``model`` with its BatchNorm layers turned into SyncBatchNorm (the same
+    parameters, buffers and state-dict keys), whose training statistics span the global batch, when several
+    processes run on CUDA devices. One process: ``model`` as it is (BatchNorm sees the whole batch already).
+    Several on the CPU: ``model`` as it is, said in one line (by rank 0): torch's SyncBatchNorm refuses CPU
+    tensors (and DDP a CPU module holding it)."""
+    if not dist.distributed:
+        return model
+    if dist.device.type != "cuda":
+        if dist.is_main:
+            log.info(
+                "trainer.sync_bn: SyncBatchNorm needs CUDA devices; on the %s each of the %d processes keeps "
+                "BatchNorm over its own share of the batch",
+                dist.device.type,
+                dist.world_size,
+            )
+        return model
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+class GlobalBatchSum(nn.Module):
+    """A loss that sums over the batch (``sums_over_batch``), times the number of processes.
+
+    DDP averages the parameter gradients over the ``world_size`` processes, each of which sums over its
+    share of the batch: without the factor a step would take ``1 / world_size`` of the gradient of the sum
+    over the global batch that one process with the whole batch takes (and the coupled L2 decay of Adam
+    would weigh ``world_size`` times more against it). With it the gradient is that of one process, and
+    the mean over processes of the logged loss is the sum over the global batch.
+    """
+
+    def __init__(self, loss: nn.Module, world_size: int) -> None:
+        super().__init__()
+        self.loss, self.world_size = loss, world_size
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(logits, targets) * self.world_size
+
+    def extra_repr(self) -> str:
+        return f"world_size={self.world_size}"
+
+
+def build_loss(
+    loss_cfg: DictConfig, train_set: Dataset, device: torch.device, world_size: int = 1
+) -> nn.Module:
     """The ``loss`` config's criterion on ``device``, set up with the training set's label counts where it
-    needs them (class-frequency weights)."""
+    needs them (class-frequency weights). A loss that sums over the batch (its ``sums_over_batch``, e.g.
+    ``reduction: sum``) is scaled by ``world_size`` (:class:`GlobalBatchSum`), so that ``world_size`` DDP
+    processes with a share of the batch each take the gradient of one process with all of it; a mean over
+    the batch needs no factor (DDP's average of the means of equal shares is the mean over the batch)."""
     criterion = instantiate(loss_cfg)
     if hasattr(criterion, "setup"):
         criterion.setup(label_counts(train_set))
+    if world_size > 1 and getattr(criterion, "sums_over_batch", False):
+        criterion = GlobalBatchSum(criterion, world_size)
     return criterion.to(device)
 
 
@@ -187,7 +235,8 @@ class Run:
 
 def build_run(cfg: DictConfig) -> Run:
     """The training run of ``cfg`` (the composed ``configs/train.yaml``), built in the order its parts
-    depend on: process group -> config check -> seed -> data -> model and loss -> run directory -> EMA,
+    depend on: process group -> config check -> seed -> data -> model (SyncBatchNorm under
+    ``trainer.sync_bn``) and loss (scaled for DDP where it sums over the batch) -> run directory -> EMA,
     optimizer, schedule and loss scale -> resume, or a seed per rank -> DDP -> compile -> run log.
 
     Every rank returns together or raises together. A failure before the run directory is chosen removes
@@ -213,7 +262,10 @@ def build_run(cfg: DictConfig) -> Run:
         data = build_data(cfg, dist)
         preprocess = preprocess_spec(cfg.dataset)
         model = build_model(cfg.model, len(data.classes), device, channels_last)
-        criterion = build_loss(cfg.loss, data.train_set, device)
+        if tcfg.get("sync_bn", False):
+            model = sync_batchnorm(model, dist)
+        summed_processes = dist.world_size if tcfg.get("loss_sum_scope", "global") == "global" else 1
+        criterion = build_loss(cfg.loss, data.train_set, device, summed_processes)
     except BaseException:
         discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
         raise

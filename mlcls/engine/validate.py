@@ -16,6 +16,8 @@ from mlcls.losses.spec import loss_name
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+# trainer.loss_sum_scope: what a loss summed over the batch sums over under DDP (engine.build.build_loss).
+LOSS_SUM_SCOPES = ("global", "process")
 
 
 def resolve_amp(amp: str, device: torch.device) -> str:
@@ -138,8 +140,13 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"data.backend={cfg.data.backend!r}; expected one of {', '.join(BACKENDS)}")
     if cfg.data.backend == "dali" and cfg.dataset.get("transform", "paper") != "paper":
         raise ConfigError("data.backend=dali does the paper's augmentation only; use dataset.transform=paper")
-    if not isinstance(t.compile, bool):
-        raise ConfigError(f"trainer.compile={t.compile!r}; expected true or false")
+    if t.get("loss_sum_scope", "global") not in LOSS_SUM_SCOPES:
+        raise ConfigError(
+            f"trainer.loss_sum_scope={t.loss_sum_scope!r}; expected one of {', '.join(LOSS_SUM_SCOPES)}"
+        )
+    for key in ("compile", "sync_bn"):
+        if not isinstance(t.get(key, False), bool):
+            raise ConfigError(f"trainer.{key}={t[key]!r}; expected true or false")
     _check_optimization(cfg)
 
     # The loss checks its own arguments (tp > 0, known ways, ...): building it costs nothing.

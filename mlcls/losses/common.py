@@ -185,6 +185,9 @@ class MultiLabelLoss(nn.Module):
     shapes can be checked without data, has none). ``name`` is the loss's short name (``loss=<name>``)."""
 
     name: ClassVar[str]
+    # True where the loss is a sum over the batch's samples (not a mean): under DDP the trainer multiplies
+    # it by the number of processes (mlcls.engine.build.GlobalBatchSum), since DDP averages the gradients.
+    sums_over_batch: ClassVar[bool] = False
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
         """logits (B, C), targets (B, C) in {1, 0, -1} -> scalar."""
@@ -259,8 +262,9 @@ class EntrywiseLoss(MultiLabelLoss):
       samples with at least one known entry.
 
     The batch is the one the loss is given: under DDP, the per-process batch, and DDP averages the
-    parameter gradients over the processes. Unknown entries are dropped with ``where``, so their value
-    and gradient never reach the result.
+    parameter gradients over the processes; for ``"sum"`` (:attr:`sums_over_batch`) the trainer multiplies
+    the loss by the number of processes, so that the gradient is that of the sum over the global batch.
+    Unknown entries are dropped with ``where``, so their value and gradient never reach the result.
     """
 
     def __init__(self, reduction: str = "mean") -> None:
@@ -270,6 +274,11 @@ class EntrywiseLoss(MultiLabelLoss):
                 f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}; got {reduction!r}"
             )
         self.reduction = reduction
+
+    @property
+    def sums_over_batch(self) -> bool:  # type: ignore[override]
+        """Whether the reduction is a sum over the batch (``"sum"``)."""
+        return self.reduction == "sum"
 
     def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         """logits, targets (B, C) -> ``l_ic`` (B, C); its values at unknown entries are discarded."""

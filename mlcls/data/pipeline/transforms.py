@@ -8,11 +8,15 @@ eval Resize(size / 0.875) -> CenterCrop(size) -> tensor -> normalisation (224 ->
 whose objects a random crop would cut away.
 
 ``strong`` (the ASL / ML-Decoder training recipe): train squash-resize to ``size`` x ``size`` (aspect ratio
-not kept) -> :class:`CutoutPIL` (one rectangle of random colour, ``cutout_factor`` 0.5) -> timm's RandAugment
-(:data:`STRONG_RANDAUGMENT`, :func:`strong_randaugment`) -> tensor -> normalisation (the ML-Decoder presets
-set mean 0 and std 1: the released recipe feeds TResNet [0, 1] pixels).
+not kept) -> :class:`CutoutPIL` (one rectangle of random colour, ``cutout_factor`` 0.5) -> RandAugment of
+the ``randaugment`` package (1.0.2, the one ML-Decoder's requirements name; :func:`package_randaugment`)
+-> tensor -> normalisation (the ML-Decoder presets set mean 0 and std 1: the released recipe feeds TResNet
+[0, 1] pixels).
 
-``light`` and ``strong`` evaluate on a squash-resize to ``size`` x ``size`` without crop
+``strong_timm``: ``strong`` with timm's RandAugment (:data:`TIMM_RANDAUGMENT`, :func:`timm_randaugment`) in
+place of the package's: another policy (other operations, magnitudes and fills), not the recipe's.
+
+``light``, ``strong`` and ``strong_timm`` evaluate on a squash-resize to ``size`` x ``size`` without crop
 (:data:`SQUASH_EVAL_KINDS`) -> tensor -> normalisation.
 
 Image shape: an image (or crop) whose long side exceeds :data:`MAX_ASPECT_RATIO` times its short side is a
@@ -24,17 +28,21 @@ Normalisation is ``(x - mean) / std`` per RGB channel on [0, 1] pixels, with the
 ``dataset.mean`` and ``dataset.std`` (:func:`normalisation` checks them), ImageNet's by default;
 ``mean: [0, 0, 0]``, ``std: [1, 1, 1]`` leaves the pixels in [0, 1].
 
-Randomness: ``paper``, ``light`` and :class:`CutoutPIL` draw from torch's CPU generator, timm's RandAugment
+Randomness: ``paper``, ``light`` and :class:`CutoutPIL` draw from torch's CPU generator, both RandAugments
 from Python's ``random`` and NumPy's global generator; :func:`mlcls.data.sampling.seeded_call` seeds all
-three per sample, so every transform here is a function of the sample's seed (exact resume).
+three per sample (none of these transforms claims ``torch_random_only``), so every transform here is a
+function of the sample's seed (exact resume).
 """
 
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+import randaugment.randaugment
 import torch
 from PIL import Image
 from timm.data.auto_augment import rand_augment_transform
@@ -55,12 +63,12 @@ IMAGENET_PCA_EIGVEC = torch.tensor(
     ]
 )
 
-TRANSFORM_KINDS = ("paper", "light", "strong")
+TRANSFORM_KINDS = ("paper", "light", "strong", "strong_timm")
 # Transforms whose evaluation is a squash-resize to image_size x image_size, without crop.
-SQUASH_EVAL_KINDS = ("light", "strong")
-# timm's RandAugment config of the ``strong`` recipe: magnitude 9 (of 10), 2 operations per image, each
-# applied with probability 0.5 (timm's default), its magnitude drawn from N(9, 0.5) clipped to [0, 10].
-STRONG_RANDAUGMENT = "rand-m9-n2-mstd0.5"
+SQUASH_EVAL_KINDS = ("light", "strong", "strong_timm")
+# timm's RandAugment config of ``strong_timm``: magnitude 9 (of 10), 2 operations per image, each applied
+# with probability 0.5 (timm's default), its magnitude drawn from N(9, 0.5) clipped to [0, 10].
+TIMM_RANDAUGMENT = "rand-m9-n2-mstd0.5"
 # Side of the ``strong`` recipe's cutout rectangle, as a fraction of the image's side.
 CUTOUT_FACTOR = 0.5
 # The longest an image's long side may be, in multiples of its short side. This bounds what the evaluation
@@ -144,8 +152,33 @@ class CutoutPIL:
         return f"{type(self).__name__}(cutout_factor={self.cutout_factor})"
 
 
-def strong_randaugment(image_size: int) -> Callable:
-    """timm's RandAugment (``rand_augment_transform``) with :data:`STRONG_RANDAUGMENT`, on PIL images of side
+class _NumpyWithInt(types.ModuleType):
+    """NumPy as the ``randaugment`` package's module sees it: every NumPy attribute, and ``int``, the alias of
+    the builtin that NumPy 1.24 removed and the package's ``SubPolicy`` still reads (``astype(np.int)``).
+    The builtin is what the alias was, so the package computes what it computed under older NumPy."""
+
+    int = int
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+
+if not hasattr(np, "int"):  # NumPy >= 1.24
+    randaugment.randaugment.np = _NumpyWithInt("numpy")
+
+
+def package_randaugment() -> Callable:
+    """RandAugment of the ``randaugment`` package, ``randaugment.RandAugment()``, as ML-Decoder's ``train.py``
+    builds it: per image, one of its 18,225 two-operation policies drawn uniformly, i.e. 2 operations of 15
+    (Invert, Cutout, Sharpness, AutoContrast, Posterize, ShearX, TranslateX, TranslateY, ShearY, Rotate,
+    Equalize, Contrast, Color, Solarize, Brightness), each with a magnitude drawn uniformly from 1..9 of 9
+    and applied with probability 0.5; rotation turns one way only. It draws from Python's ``random`` and (its
+    Cutout) NumPy's global generator; on PIL RGB images."""
+    return randaugment.RandAugment()
+
+
+def timm_randaugment(image_size: int) -> Callable:
+    """timm's RandAugment (``rand_augment_transform``) with :data:`TIMM_RANDAUGMENT`, on PIL images of side
     ``image_size``: translations up to 45 % of the side and the ImageNet mean colour filling what the
     geometric operations uncover (timm's own settings for its training transforms), bilinear resampling."""
     hparams = {
@@ -153,7 +186,7 @@ def strong_randaugment(image_size: int) -> Callable:
         "img_mean": tuple(round(255 * channel) for channel in IMAGENET_MEAN),
         "interpolation": Image.Resampling.BILINEAR,
     }
-    return rand_augment_transform(STRONG_RANDAUGMENT, hparams)
+    return rand_augment_transform(TIMM_RANDAUGMENT, hparams)
 
 
 def normalisation(
@@ -200,7 +233,8 @@ def build_transform(
         if train and kind == "light":
             steps.append(T.RandomHorizontalFlip())
         elif train:
-            steps += [CutoutPIL(CUTOUT_FACTOR), strong_randaugment(image_size)]
+            randaug = package_randaugment() if kind == "strong" else timm_randaugment(image_size)
+            steps += [CutoutPIL(CUTOUT_FACTOR), randaug]
         return T.Compose([*steps, T.ToTensor(), normalize])
     if train:
         return T.Compose(

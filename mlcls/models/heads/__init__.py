@@ -4,6 +4,8 @@
 The non-linear heads take the backbone's unpooled output, a (B, D, H, W) map or (B, N, D) tokens, so the
 backbone is built without its classifier (``num_classes=0, global_pool=''``) and wrapped with the head in
 :class:`HeadedModel`, whose ``get_classifier()`` is the head (the optimizer's ``head`` parameter group).
+A head whose ``patch_tokens_only`` is true (CSRA, as its released ViT model) gets a ViT's patch tokens only:
+the backbone's ``num_prefix_tokens`` leading tokens (class, distillation, register tokens) are dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class HeadedModel(nn.Module):
         self.head = head
         # timm models such as Swin give channels-last maps (B, H, W, D); the heads take (B, D, H, W)
         self.channels_last_features = getattr(backbone, "output_fmt", "NCHW") == "NHWC"
+        # tokens (B, N, D) that precede a ViT's patch tokens, dropped before a patch_tokens_only head
+        patch_tokens_only = getattr(head, "patch_tokens_only", False)
+        self.num_prefix_tokens = int(getattr(backbone, "num_prefix_tokens", 0)) if patch_tokens_only else 0
 
     @property
     def pretrained_cfg(self) -> dict[str, Any]:
@@ -52,7 +57,10 @@ class HeadedModel(nn.Module):
         return features
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.forward_features(images))
+        features = self.forward_features(images)
+        if self.num_prefix_tokens and features.ndim == 3:
+            features = features[:, self.num_prefix_tokens :]
+        return self.head(features)
 
     def get_classifier(self) -> nn.Module:
         """The head module, whose ``state_dict()`` has the released module's keys."""

@@ -55,8 +55,12 @@ class ResidualAttention(nn.Module):
 class CSRA(nn.Module):
     """Multi-head CSRA: the sum of ``num_heads`` :class:`ResidualAttention` heads (:data:`TEMPERATURES`).
 
-    ``forward(features (B, D, H, W) or tokens (B, N, D)) -> logits (B, C)``.
+    ``forward(features (B, D, H, W) or tokens (B, N, D)) -> logits (B, C)``. On a ViT it takes the patch
+    tokens only (``patch_tokens_only``): :class:`~mlcls.models.heads.HeadedModel` drops the class token and
+    any other prefix token first, as the authors' ViT-CSRA drops the class token.
     """
+
+    patch_tokens_only = True
 
     def __init__(self, in_features: int, num_classes: int, num_heads: int = 1, lam: float = 0.1) -> None:
         super().__init__()
