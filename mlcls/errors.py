@@ -8,6 +8,11 @@ class ConfigError(ValueError):
     """The resolved configuration is invalid; the message says which key and what is expected."""
 
 
+class InferenceError(ValueError):
+    """Bad input to prediction, evaluation or export: no image matched, an invalid threshold, an unusable
+    checkpoint or preprocessing spec, a model whose scores are NaN."""
+
+
 def plural(count: int, noun: str) -> str:
     """``"1 image"``, ``"3 images"``: ``count`` and ``noun``, plural unless ``count`` is 1."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

@@ -29,7 +29,7 @@ from mlcls.engine.rundir import LOCK_NAME
 from mlcls.engine.state import rng_state, set_rng_state
 from mlcls.engine.trainer import Trainer
 from mlcls.engine.validate import ConfigError
-from mlcls.inference.errors import InferenceError
+from mlcls.errors import InferenceError
 from mlcls.inference.export import export_checkpoint
 from mlcls.inference.predictor import load_inference_model
 

@@ -20,9 +20,9 @@ from mlcls.data.datasets.base import BadImageError
 from mlcls.data.datasets.csv_dataset import CSVDataset
 from mlcls.data.datasets.stats import find_unreadable
 from mlcls.data.pipeline.fast import FastTrainTransform
+from mlcls.data.pipeline.preprocess import build_eval_transform, preprocess_spec
 from mlcls.data.pipeline.transforms import build_transform
 from mlcls.inference.predictor import InferenceModel, predict_images
-from mlcls.inference.preprocess import build_eval_transform, preprocess_spec
 
 # What the tests let a call allocate beyond what the process holds already; the bomb needs 7.9 GB.
 MEMORY_HEADROOM = 768 * 2**20

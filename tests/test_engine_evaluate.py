@@ -12,8 +12,8 @@ import mlcls.engine.trainer as trainer_module
 from mlcls.engine.evaluate import Evaluation
 from mlcls.engine.state import TrainState
 from mlcls.engine.trainer import Trainer
-from mlcls.inference.thresholds import NEVER_PREDICTED, calibrate_thresholds
 from mlcls.metrics import compute_metrics
+from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds
 
 CLASSES = ["a", "b", "c"]
 

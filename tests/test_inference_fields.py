@@ -16,7 +16,7 @@ import torch
 from test_inference_support import PAPER_SPEC, trained_run, write_images
 
 from mlcls.cli import predict as predict_cli
-from mlcls.inference.errors import InferenceError
+from mlcls.errors import InferenceError
 from mlcls.inference.predictor import load_inference_model, predict_images
 from mlcls.models import create_model
 

@@ -10,9 +10,9 @@ from conftest import compose_config
 from PIL import Image
 
 from mlcls.data import build_dataset
+from mlcls.data.pipeline.preprocess import input_size
 from mlcls.errors import ConfigError
 from mlcls.inference import InferenceError, build_eval_transform, preprocess_spec, spec_from_checkpoint
-from mlcls.inference.preprocess import input_size
 
 
 def photo(width: int, height: int) -> Image.Image:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from sklearn.metrics import f1_score
 
-from mlcls.inference.thresholds import NEVER_PREDICTED, calibrate_thresholds, describe_rule, select_labels
 from mlcls.metrics import ap as ap_module
+from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, describe_rule, select_labels
 
 
 def brute_force_best_cut(scores: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:

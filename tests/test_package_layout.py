@@ -92,3 +92,39 @@ def test_no_folder_over_15_modules() -> None:
     modules = [path for path in module_files(PACKAGE_DIR).values() if path.name != "__init__.py"]
     folders = Counter(path.parent for path in modules)
     assert {str(folder): n for folder, n in folders.items() if n > MAX_FOLDER_MODULES} == {}
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` between modules folded onto mlcls's packages (``mlcls/<name>/``): package -> the other
+    packages its modules import. Modules at the top (``mlcls.io``, ``mlcls.errors``, ...) belong to none."""
+    packages = {path.name for path in PACKAGE_DIR.iterdir() if (path / "__init__.py").is_file()}
+
+    def package(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in packages else None
+
+    folded: dict[str, set[str]] = {name: set() for name in packages}
+    for module, imported in graph.items():
+        for other in imported:
+            a, b = package(module), package(other)
+            if a and b and a != b:
+                folded[a].add(b)
+    return folded
+
+
+def test_package_graph_folds_modules_onto_their_packages() -> None:
+    graph = {"mlcls.engine.a": {"mlcls.data.b", "mlcls.io"}, "mlcls.data.b": {"mlcls.engine.c"}}
+    folded = package_graph(graph)
+    assert folded["engine"] == {"data"} and folded["data"] == {"engine"}
+    assert import_cycle(folded) == ["data", "engine", "data"]
+
+
+def test_no_two_packages_import_each_other() -> None:
+    """The packages lean one way (cli on top; bench, reporting, inference above engine; engine above data,
+    models, losses, metrics): no cycle between packages, which also rules out any pair importing each
+    other."""
+    files = module_files(PACKAGE_DIR)
+    graph = {name: imported_modules(name, path, set(files)) for name, path in files.items()}
+    folded = package_graph(graph)
+    assert folded["cli"] >= {"engine", "data"} and "cli" not in folded["engine"]  # read at all
+    assert import_cycle(folded) == []

@@ -49,7 +49,6 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from mlcls.cli.overrides import compose_config
 from mlcls.engine.build import build_loss, build_model, build_optimization
 from mlcls.engine.distributed import resolve_device
 from mlcls.engine.evaluate import autocast_context
@@ -139,13 +138,15 @@ class RepeatedBatches:
 
 
 def run(
-    overrides: Sequence[str] = (), repeats: int = 5, steps: int = 3, warmup: int = 2, loop: str = "epoch"
+    cfg: DictConfig, repeats: int = 5, steps: int = 3, warmup: int = 2, loop: str = "epoch"
 ) -> dict[str, Any]:
-    """Median seconds per step of the trainer and the bare loop, as images/s, and their ratio."""
+    """Median seconds per step of the trainer and the bare loop, as images/s, and their ratio, for the
+    training config ``cfg`` (run in a temporary directory)."""
     if loop not in LOOPS:
         raise ValueError(f"--loop {loop!r}; expected one of {', '.join(LOOPS)}")
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = compose_config("train", [*overrides, f"trainer.output_dir={run_dir}"])
+        cfg = cfg.copy()
+        cfg.trainer.output_dir = run_dir
         trainer = Trainer(cfg)
         try:
             return _measure(cfg, trainer, repeats, steps, warmup, loop)
@@ -205,21 +206,20 @@ def median_step_seconds(
 
 
 def run_heads(
-    overrides: Sequence[str] = (),
+    cfg: DictConfig,
     heads: Sequence[str] = HEADS,
     num_classes: int = 80,
     repeats: int = 5,
     steps: int = 3,
     warmup: int = 2,
 ) -> dict[str, Any]:
-    """Median seconds per bare training step of each of ``heads`` on the backbone of ``overrides``' config
+    """Median seconds per bare training step of each of ``heads`` on the backbone of the training config
     (``model.name``, ``dataset.image_size``, ``trainer.batch_size``, ``trainer.amp``, ``optim``), with
     ``num_classes`` outputs (``<head>_step_s``), as images/s, and relative to the first head's
     (``<head>_relative``)."""
     unknown = [head for head in heads if head not in HEADS]
     if unknown or not heads:
         raise ConfigError(f"--heads {','.join(heads)}; expected a comma-separated list of {', '.join(HEADS)}")
-    cfg = compose_config("train", list(overrides))
     device = resolve_device(cfg.trainer.device)
     amp = cfg.trainer.amp if device.type == "cuda" else "none"
     channels_last = bool(cfg.trainer.channels_last) and device.type == "cuda"
@@ -315,10 +315,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--classes", type=int, default=80, help="outputs of the heads compared by --heads")
 
 
-def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+def run_from_args(args: argparse.Namespace, cfg: DictConfig) -> dict[str, Any]:
+    """The benchmark ``args`` ask for, on the training config ``cfg`` (composed from ``args.overrides``)."""
     # Anything the trainer prints goes to stderr: stdout holds the JSON line only.
     with contextlib.redirect_stdout(sys.stderr):
         if args.heads:
             heads = args.heads.split(",")
-            return run_heads(args.overrides, heads, args.classes, args.repeats, args.steps, args.warmup)
-        return run(args.overrides, args.repeats, args.steps, args.warmup, args.loop)
+            return run_heads(cfg, heads, args.classes, args.repeats, args.steps, args.warmup)
+        return run(cfg, args.repeats, args.steps, args.warmup, args.loop)

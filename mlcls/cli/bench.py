@@ -21,6 +21,7 @@ from typing import Any
 
 from mlcls.bench import pipeline_bench, step_bench
 from mlcls.cli.errors import user_errors
+from mlcls.cli.overrides import compose_config
 
 
 def add_rates(result: dict[str, Any]) -> dict[str, Any]:
@@ -67,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         "step", help="the trainer's epoch loop (or step) vs a bare PyTorch loop, images/s"
     )
     step_bench.add_arguments(step)
-    step.set_defaults(run=step_bench.run_from_args)
+    step.set_defaults(
+        run=lambda args: step_bench.run_from_args(args, compose_config("train", args.overrides))
+    )
     loss = commands.add_parser("loss", help="two-way loss vs masked logsumexp, forward + backward")
     loss.add_argument("--device", default="cpu")
     loss.add_argument("--repeats", type=int, default=100)

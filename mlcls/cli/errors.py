@@ -14,8 +14,10 @@ from mlcls.data.datasets.base import DatasetError
 from mlcls.engine.checkpoint import CheckpointError
 from mlcls.engine.rundir import RunDirLocked
 from mlcls.engine.validate import ConfigError
-from mlcls.errors import plural  # noqa: F401 - re-exported for the commands
-from mlcls.inference.errors import InferenceError
+from mlcls.errors import (
+    InferenceError,
+    plural,  # noqa: F401 - re-exported for the commands
+)
 from mlcls.io import DiskFullError
 
 USER_ERRORS = (

@@ -18,7 +18,7 @@ from mlcls import config_dir
 from mlcls.cli.errors import plural, require_keys, user_errors
 from mlcls.cli.overrides import run_command
 from mlcls.engine.checkpoint import atomic_write
-from mlcls.inference.errors import InferenceError
+from mlcls.errors import InferenceError
 from mlcls.inference.predictor import (
     Prediction,
     find_images,
@@ -27,7 +27,7 @@ from mlcls.inference.predictor import (
     predict_images,
     printable,
 )
-from mlcls.inference.thresholds import describe_rule
+from mlcls.metrics.thresholds import describe_rule
 
 USAGE = "mlcls-predict checkpoint=<run>/checkpoints/best.pt images=<file | folder | 'glob/*.jpg'>"
 

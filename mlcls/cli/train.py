@@ -19,6 +19,7 @@ from mlcls.cli.errors import user_errors
 from mlcls.cli.overrides import run_command
 from mlcls.engine.distributed import RankFailed
 from mlcls.engine.trainer import EXIT_PREEMPTED, NonFiniteError, Preempted, Trainer
+from mlcls.reporting.plots import plot_run
 
 # A shell's exit status for a process ended by Ctrl-C (128 + SIGINT).
 EXIT_INTERRUPTED = 128 + signal.SIGINT
@@ -29,7 +30,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     The process group (under torchrun) stays up for the next run of a sweep and is closed at exit.
     """
-    return Trainer(cfg).fit()
+    trainer = Trainer(cfg)
+    trainer.on_finish.append(plot_run)
+    return trainer.fit()
 
 
 def _run_cli(cfg: DictConfig) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from mlcls.data import MultiLabelDataset, build_dataset
 from mlcls.data.datasets.labels import label_counts
 from mlcls.data.loader import build_eval_loader, build_train_loader
 from mlcls.data.pipeline.fast import DeviceStage
+from mlcls.data.pipeline.preprocess import preprocess_spec
 from mlcls.engine.distributed import DistInfo, init_distributed
 from mlcls.engine.ema import ModelEma
 from mlcls.engine.logging import RunLog, open_run_log
@@ -32,7 +33,6 @@ from mlcls.engine.resume import resume_run
 from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
 from mlcls.engine.state import TrainState, seed_everything
 from mlcls.engine.validate import ConfigError, resolve_amp, validate_config
-from mlcls.inference import preprocess_spec
 
 log = logging.getLogger("mlcls")
 

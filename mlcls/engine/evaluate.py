@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from mlcls.engine import distributed as dist_utils
-from mlcls.inference.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.gather import gather_shards
+from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import RunData
 from mlcls.engine.state import TrainState
 from mlcls.errors import plural
-from mlcls.reporting.provenance import collect_provenance
+from mlcls.provenance import collect_provenance
 
 log = logging.getLogger("mlcls")
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -56,7 +58,6 @@ from mlcls.engine.rundir import close_run_dir
 from mlcls.engine.state import EpochProgress, rng_state
 from mlcls.engine.validate import ConfigError
 from mlcls.errors import plural
-from mlcls.reporting.plots import write_plots
 
 log = logging.getLogger("mlcls")
 
@@ -95,6 +96,9 @@ class Trainer:
         self.signals = StopSignals(self.dist.distributed)
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
+        # Called with the trainer on rank 0 once the last epoch is recorded (the CLI adds the plots): the
+        # engine knows nothing of what reports a run.
+        self.on_finish: list[Callable[[Trainer], None]] = []
 
     @property
     def train_loader(self):
@@ -133,17 +137,8 @@ class Trainer:
                         self.write_results(epoch + 1)
                     if epoch + 1 < tcfg.epochs and self.signals.agree_now():
                         self._stop()
-                if self.val_outputs is not None:
-                    dist_utils.on_main(
-                        lambda: write_plots(
-                            self.run_dir,
-                            self.state.history,
-                            *self.val_outputs,
-                            self.classes,
-                            writer=self.run_log.writer,
-                        ),
-                        self.dist.is_main,
-                    )
+                for finish in self.on_finish:
+                    dist_utils.on_main(partial(finish, self), self.dist.is_main)
         except Preempted:
             # A handler installed before ours (submitit's on SLURM) gets the signal too, once the checkpoint
             # exists: it requeues the job. Without one, the CLI exits with EXIT_PREEMPTED.
@@ -277,7 +272,7 @@ class Trainer:
         top_weights, top = max(evaluations.items(), key=lambda item: item[1].metrics["mAP_class"])
         is_best = self.state.best is None or top.metrics["mAP_class"] > self.state.best["mAP_class"]
         raw = evaluations["raw"]
-        self.val_outputs = (raw.scores, raw.labels)  # for the plots: on rank 0, (None, None) elsewhere
+        self.val_outputs = (raw.scores, raw.labels)  # for on_finish: on rank 0, (None, None) elsewhere
         self.state.thresholds = calibrate_on_main(raw, self.classes)  # for last.pt's raw weights
         if is_best:
             self.best_thresholds = (

@@ -8,9 +8,9 @@ checkpoint ──► load_inference_model ──► predict_images (files · fol
 export_checkpoint ──► TorchScript / ONNX with classes, preprocessing and thresholds as metadata
 """
 
-from mlcls.inference.errors import InferenceError
-from mlcls.inference.preprocess import build_eval_transform, preprocess_spec, spec_from_checkpoint
-from mlcls.inference.thresholds import calibrate_thresholds, select_labels
+from mlcls.data.pipeline.preprocess import build_eval_transform, preprocess_spec, spec_from_checkpoint
+from mlcls.errors import InferenceError
+from mlcls.metrics.thresholds import calibrate_thresholds, select_labels
 
 __all__ = [
     "InferenceError",

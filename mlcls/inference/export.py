@@ -1,7 +1,7 @@
 """Export a checkpoint's network to TorchScript or ONNX, with its class names and preprocessing inside.
 
 Both formats take ``images``, a float32 (B, 3, H, W) batch already preprocessed as the metadata's
-``preprocess`` spec says (resize, crop, scale to [0, 1], normalise; see :mod:`mlcls.inference.preprocess`),
+``preprocess`` spec says (resize, crop, scale to [0, 1], normalise; :mod:`mlcls.data.pipeline.preprocess`),
 any batch size B, and return ``logits`` (B, C). The metadata (:func:`export_metadata`) travels in the file:
 
 * TorchScript: the extra file ``mlcls.json`` (``torch.jit.load(path, _extra_files={"mlcls.json": ""})``);
@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from mlcls import __version__
-from mlcls.engine.checkpoint import atomic_write
-from mlcls.inference.errors import InferenceError
+from mlcls.data.pipeline.preprocess import input_size
+from mlcls.errors import InferenceError
 from mlcls.inference.predictor import InferenceModel, load_inference_model
-from mlcls.inference.preprocess import input_size
+from mlcls.io import atomic_write
 
 log = logging.getLogger("mlcls")
 

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mlcls.errors import plural, shown
-from mlcls.inference.errors import InferenceError
+from mlcls.errors import InferenceError, plural, shown
 
 
 def stored_classes(state: Mapping[str, Any], path: str | Path) -> list[str]:

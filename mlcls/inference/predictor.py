@@ -1,8 +1,8 @@
 """Labels for new images: load a checkpoint once, then score files, folders or globs in batches.
 
 The checkpoint (``last.pt`` or ``best.pt``) carries everything needed -- weights, class names, model config,
-preprocessing (:mod:`mlcls.inference.preprocess`) and, when the trainer calibrated them, per-class
-thresholds (:mod:`mlcls.inference.thresholds`) -- so no dataset config is read.
+preprocessing (:mod:`mlcls.data.pipeline.preprocess`) and, when the trainer calibrated them, per-class
+thresholds (:mod:`mlcls.metrics.thresholds`) -- so no dataset config is read.
 
 Images are decoded as RGB exactly as the datasets decode them (no EXIF rotation, like training). An
 unreadable file (missing, corrupt, not an image) is reported in the ``unreadable`` list and skipped.
@@ -23,10 +23,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, to_rgb
+from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_checkpoint
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
-from mlcls.inference.errors import InferenceError
+from mlcls.errors import InferenceError
 from mlcls.inference.fields import (
     check_model_fields,
     check_weights_fit,
@@ -35,8 +36,7 @@ from mlcls.inference.fields import (
     stored_thresholds,
     stored_weights,
 )
-from mlcls.inference.preprocess import build_eval_transform, spec_from_checkpoint
-from mlcls.inference.thresholds import select_labels
+from mlcls.metrics.thresholds import select_labels
 from mlcls.models import create_model
 
 # The only function that builds a checkpoint's model (the ``_target_`` of configs/model/*.yaml).
@@ -131,7 +131,7 @@ def load_inference_model(
 
     The file is read as plain data unless ``trust`` (see :func:`mlcls.engine.checkpoint.load_checkpoint`).
     Its class names, config, weights, preprocess spec and thresholds are checked first
-    (:mod:`mlcls.inference.fields`, :func:`~mlcls.inference.preprocess.check_spec`), then the model is
+    (:mod:`mlcls.inference.fields`, :func:`~mlcls.data.pipeline.preprocess.check_spec`), then the model is
     built on the ``meta`` device and its shapes compared with the weights: a class count or a head option
     that the stored weights do not hold is an :class:`InferenceError` before any memory is allocated.
     """
@@ -246,7 +246,7 @@ def predict_images(
 ) -> tuple[list[Prediction], list[tuple[Path, str]]]:
     """The :class:`Prediction` of every readable image of ``paths``, and the unreadable ``(path, reason)``.
 
-    Labels are chosen by :func:`mlcls.inference.thresholds.select_labels` (``top_k`` / ``threshold`` if
+    Labels are chosen by :func:`mlcls.metrics.thresholds.select_labels` (``top_k`` / ``threshold`` if
     given, else the checkpoint's calibrated thresholds, else probability 0.5); scores are
     ``sigmoid(logit)``.
     """

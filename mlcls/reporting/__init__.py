@@ -7,5 +7,5 @@
   attributes of each cell, the paper's numbers) and filled with runs.
 - :mod:`mlcls.reporting.render`: a filled table as Markdown and CSV.
 - :mod:`mlcls.reporting.sweeps`: the Hydra sweeps that reproduce each table, their smoke versions and cost.
-- :mod:`mlcls.reporting.provenance`: the ``provenance`` block of ``results.json``.
+- :mod:`mlcls.provenance`: the ``provenance`` block of ``results.json``.
 """

@@ -24,7 +24,7 @@ from typing import Any
 from torchvision import transforms as T
 
 from mlcls.data.pipeline.transforms import SQUASH_EVAL_KINDS, TRANSFORM_KINDS, eval_resize, normalisation
-from mlcls.inference.errors import InferenceError
+from mlcls.errors import InferenceError
 
 SPEC_KEYS = ("transform", "image_size", "resize", "crop", "interpolation", "mean", "std")
 # The largest side, in pixels, a spec may resize or crop to: a (3, 4096, 4096) float32 input is 200 MB.

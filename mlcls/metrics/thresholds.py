@@ -35,8 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mlcls.errors import plural
-from mlcls.inference.errors import InferenceError
+from mlcls.errors import InferenceError, plural
 from mlcls.metrics import threshold_predictions, top_k_predictions
 from mlcls.metrics.ap import per_list_in_blocks, ranked_positives
 from mlcls.metrics.checks import check_scores_labels
