@@ -102,9 +102,8 @@ class SPLCLoss(EpochDependentLoss):
         self.margin, self.gamma = float(margin), float(gamma)
 
     def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        corrected = targets == -1
-        if self.epoch >= self.change_epoch:
-            corrected = corrected & (torch.sigmoid(logits) > self.tau)
+        on = self.epoch >= self.change_epoch  # a Python bool: the trainer's epoch, not a tensor
+        corrected = (targets == -1) & (torch.sigmoid(logits) > self.tau) & on
         pseudo_positive = -_power(torch.sigmoid(-logits), self.gamma) * F.logsigmoid(logits)
         negative = -_power(torch.sigmoid(logits), self.gamma) * F.logsigmoid(-logits)
         unlabelled = torch.where(corrected, pseudo_positive, negative)
