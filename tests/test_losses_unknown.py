@@ -189,9 +189,9 @@ def ref_ll(mode: str, delta_rel: float, epoch: int, reduction: str = "mean") -> 
     def loss(x: Tensor, y: Tensor) -> Tensor:
         rows, classes = x.shape
         count = math.ceil(rows * classes * min(epoch * delta_rel, 1.0))
+        entries = [(i, c) for i in range(rows) for c in range(classes)]
         unknown_losses = sorted(
-            (float(-log_not_p(x[i, c]).detach()) for i in range(rows) for c in range(classes) if y[i, c] == -1),
-            reverse=True,
+            (float(-log_not_p(x[i, c]).detach()) for i, c in entries if y[i, c] == -1), reverse=True
         )
         threshold = unknown_losses[count - 1] if 0 < count <= len(unknown_losses) else -math.inf
         total = torch.zeros((), dtype=F64)
