@@ -338,13 +338,14 @@ def test_every_loss_trains_every_head(head):
 
     from mlcls.engine.build import build_loss
 
-    assert len(LOSSES) == 10
+    assert len(LOSSES) == 18
     torch.manual_seed(0)
     labels = (torch.rand(8, 12) < 0.3).float()
     labels[0, 0], labels[1, 0] = 1.0, 0.0  # every loss sees both kinds in some class
     images = torch.randn(8, 3, 32, 32)
     for name in LOSSES:
-        cfg = compose_config([*TINY, f"loss={name}"])
+        required = ["loss.expected_positives=2.9"] if name == "epr" else []  # epr has no default k
+        cfg = compose_config([*TINY, f"loss={name}", *required])
         criterion = build_loss(cfg.loss, SimpleNamespace(labels=labels), torch.device("cpu"))
         model = create_model("resnet10t", 12, pretrained=False, head=head, num_groups=5)
         loss = criterion(model(images), labels)

@@ -156,9 +156,14 @@ def _scale_batches() -> dict[int, tuple[Tensor, Tensor]]:
     }
 
 
+# The arguments a loss has no default for.
+SCALE_ARGUMENTS: dict[str, dict[str, float]] = {"epr": {"expected_positives": SCALE_POSITIVES}}
+
+
 def _criteria() -> dict[str, torch.nn.Module]:
-    """Every loss of :mod:`mlcls.losses` with its default arguments, by name."""
-    return {loss.name: loss() for loss in (getattr(losses, name) for name in losses.__all__)}
+    """Every loss of :mod:`mlcls.losses` with its default arguments (and ``SCALE_ARGUMENTS``), by name."""
+    classes = (getattr(losses, name) for name in losses.__all__)
+    return {loss.name: loss(**SCALE_ARGUMENTS.get(loss.name, {})) for loss in classes}
 
 
 def peak_memory() -> dict[str, float]:

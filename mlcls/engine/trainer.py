@@ -167,6 +167,9 @@ class Trainer:
         self.ddp_model.train()
         sampler = self.train_loader.sampler
         sampler.set_epoch(epoch)
+        for module in self.criterion.modules():  # a loss whose terms change with the epoch (ll, splc)
+            if hasattr(module, "set_epoch"):
+                module.set_epoch(epoch)
         first_step = self.state.step if epoch == self.state.epoch else 0
         if first_step:
             sampler.set_start(first_step * self.data.local_batch)

@@ -251,21 +251,26 @@ def reduce_lines(per_line: Tensor, valid: Tensor) -> Tensor:
 
 
 class EntrywiseLoss(MultiLabelLoss):
-    """Base of the losses defined per entry (i, c) of the logit matrix (bce, focal, asl).
+    """Base of the losses defined per entry (i, c) of the logit matrix (bce, focal, asl, and the losses for
+    unknown labels of :mod:`mlcls.losses.unknown`).
 
-    :meth:`entry_loss` gives ``l_ic`` (B, C); :meth:`compute` keeps the known entries (label 1 or 0) and
-    reduces them by ``reduction``:
+    :meth:`entry_loss` gives ``l_ic`` (B, C); :meth:`compute` keeps the counted entries and reduces them by
+    ``reduction``. The counted entries are the known ones (label 1 or 0), or every entry of the batch
+    where the class sets ``counts_unknown`` (a loss that gives unknown labels a term of their own):
 
-    * ``"mean"``: sum over the known entries divided by their number (0 when none is known);
-    * ``"sum"``: sum over the known entries of the batch;
-    * ``"sum_per_sample"``: each sample's sum over its known entries (classes), then the mean over the
-      samples with at least one known entry.
+    * ``"mean"``: sum over the counted entries divided by their number (0 when none is counted);
+    * ``"sum"``: sum over the counted entries of the batch;
+    * ``"sum_per_sample"``: each sample's sum over its counted entries (classes), then the mean over the
+      samples with at least one counted entry.
 
     The batch is the one the loss is given: under DDP, the per-process batch, and DDP averages the
     parameter gradients over the processes; for ``"sum"`` (:attr:`sums_over_batch`) the trainer multiplies
     the loss by the number of processes, so that the gradient is that of the sum over the global batch.
-    Unknown entries are dropped with ``where``, so their value and gradient never reach the result.
+    Entries not counted are dropped with ``where``, so their value and gradient never reach the result.
     """
+
+    # True where entry_loss gives unknown labels (-1) a term: every entry of the batch is then counted.
+    counts_unknown: ClassVar[bool] = False
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__()
@@ -285,13 +290,13 @@ class EntrywiseLoss(MultiLabelLoss):
         raise NotImplementedError
 
     def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
-        known = targets >= 0
-        total = torch.where(known, self.entry_loss(logits, targets), 0.0).sum()
+        counted = torch.ones_like(targets, dtype=torch.bool) if self.counts_unknown else targets >= 0
+        total = torch.where(counted, self.entry_loss(logits, targets), 0.0).sum()
         if self.reduction == "sum":
             return total
         if self.reduction == "sum_per_sample":
-            return total / known.any(1).sum().clamp(min=1)
-        return total / known.sum().clamp(min=1)
+            return total / counted.any(1).sum().clamp(min=1)
+        return total / counted.sum().clamp(min=1)
 
     def extra_repr(self) -> str:
         return f"reduction={self.reduction!r}"

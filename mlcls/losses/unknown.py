@@ -1,0 +1,208 @@
+"""Losses for unknown labels: the single-positive baselines of Cole et al. (CVPR 2021) and entropy
+maximisation (Zhou et al., ECCV 2022).
+
+Every other loss of :mod:`mlcls.losses` excludes an unknown label (-1). These losses give it a term of
+their own, as their papers do: assumed negative (``an``, ``an_ls``), assumed negative with a small weight
+(``wan``), left out of the entry terms but counted by a regulariser on the expected number of positives
+(``epr``), or pushed towards maximal uncertainty (``em``).
+
+Label mapping: the authors' code writes observed positives as 1, unobserved labels as 0 and (in partial
+labels) observed negatives as -1; mlcls writes 1, -1 and 0. Their 0 is our -1 and their -1 our 0.
+Under single-positive labels (no observed negative) every loss here equals the authors' on the mapped
+labels; an observed negative (0), which their single-positive losses never see, gets the plain BCE term
+``-log(1 - p)`` (in ``an_ls`` its smoothed form).
+
+Reduction (:class:`~mlcls.losses.common.EntrywiseLoss` with ``counts_unknown``): every entry of the
+batch counts, known or not. ``"mean"`` (default) is the authors' ``sum / (B * C)``; ``"sum"`` the sum
+over the batch; ``"sum_per_sample"`` the sum divided by B. ``p = sigmoid(x)`` throughout, and every
+``log p`` is a log-sigmoid: exact where the authors' code adds 1e-5 inside the log.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mlcls.losses.common import EntrywiseLoss
+
+
+class UnknownLabelLoss(EntrywiseLoss):
+    """Base of the entry-wise losses that give unknown labels (-1) a term: every entry is counted."""
+
+    counts_unknown = True
+
+
+class EpochDependentLoss(UnknownLabelLoss):
+    """Base of the losses whose terms change with the training epoch (``ll``, ``splc``).
+
+    The trainer calls :meth:`set_epoch` with the 0-based epoch before each epoch's first step, a resumed
+    epoch included, so a resumed run computes the same losses as an uninterrupted one. The epoch is a
+    Python int, not a buffer (reading a buffer on a GPU would wait for the device), and it is the
+    module's extra state: ``state_dict()`` holds it and ``load_state_dict`` restores it.
+    """
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__(reduction=reduction)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the terms of 0-based epoch ``epoch`` from the next call on."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self.epoch = int(epoch)
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"epoch": self.epoch}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.set_epoch(state["epoch"])
+
+
+def assumed_negative_bce(logits: Tensor, targets: Tensor) -> Tensor:
+    """BCE per entry with every label but a positive taken as a negative: ``-log p`` where the label is
+    1, ``-log(1 - p)`` where it is 0 or -1 (log-sigmoids: finite for any finite logit)."""
+    return F.binary_cross_entropy_with_logits(logits, (targets == 1).to(logits.dtype), reduction="none")
+
+
+class AssumeNegativeLoss(UnknownLabelLoss):
+    """AN, assume negative (Cole et al., eq. 4): BCE with every unknown label taken as a negative::
+
+        l_ic = -log p_ic  if y_ic = 1,   -log(1 - p_ic)  if y_ic in {0, -1}
+
+    Reduction: ``"mean"`` (default) the sum over all B x C entries divided by B x C, as the authors'
+    code; ``"sum"`` the sum; ``"sum_per_sample"`` the sum divided by B.
+    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    """
+
+    name = "an"
+
+    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return assumed_negative_bce(logits, targets)
+
+
+class LabelSmoothedAssumeNegativeLoss(UnknownLabelLoss):
+    """AN-LS, assume negative with label smoothing (Cole et al., Sec. 3.2)::
+
+        l_ic = -(1 - e) log p - e log(1 - p)   if y_ic = 1
+        l_ic = -(1 - e) log(1 - p) - e log p   if y_ic in {0, -1}
+
+    i.e. BCE against the smoothed targets ``1 - e`` and ``e``, with ``e = ls_coef`` (authors: 0.1).
+
+    Reduction: as :class:`AssumeNegativeLoss` (default: mean over all B x C entries).
+    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    """
+
+    name = "an_ls"
+
+    def __init__(self, ls_coef: float = 0.1, reduction: str = "mean") -> None:
+        super().__init__(reduction=reduction)
+        if not 0 <= ls_coef < 0.5:
+            raise ValueError(f"ls_coef must be in [0, 0.5), got {ls_coef}")
+        self.ls_coef = float(ls_coef)
+
+    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        smoothed = torch.where(
+            targets == 1, logits.new_tensor(1.0 - self.ls_coef), logits.new_tensor(self.ls_coef)
+        )
+        return F.binary_cross_entropy_with_logits(logits, smoothed, reduction="none")
+
+    def extra_repr(self) -> str:
+        return f"ls_coef={self.ls_coef}, " + super().extra_repr()
+
+
+class WeakAssumeNegativeLoss(UnknownLabelLoss):
+    """WAN, weak assume negative (Cole et al., eq. 5): the assumed negatives weigh ``1 / (C - 1)``::
+
+        l_ic = -log p  if y_ic = 1,   -log(1 - p)  if y_ic = 0,   -log(1 - p) / (C - 1)  if y_ic = -1
+
+    so that, with one positive per image, the C - 1 assumed negatives weigh as much in total as the
+    positive. An observed negative keeps the weight 1.
+
+    Reduction: as :class:`AssumeNegativeLoss` (default: mean over all B x C entries).
+    Shapes: logits (B, C) with C >= 2, targets (B, C) in {1, 0, -1}; scalar result.
+    """
+
+    name = "wan"
+
+    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        classes = logits.shape[1]
+        if classes < 2:
+            raise ValueError(
+                f"wan weighs assumed negatives by 1 / (C - 1): it needs C >= 2, got C = {classes}"
+            )
+        per_entry = assumed_negative_bce(logits, targets)
+        return torch.where(targets == -1, per_entry / (classes - 1), per_entry)
+
+
+class ExpectedPositiveLoss(UnknownLabelLoss):
+    """EPR, expected positive regulariser (Cole et al., eq. 6): BCE on the observed labels only, plus the
+    squared gap between the batch's mean number of predicted positives and ``k = expected_positives``::
+
+        loss = (1 / (B C)) sum_{(i,c) observed} l_ic + ((1 / B) sum_i sum_c p_ic - k)^2 / C^2
+
+    with ``l_ic = -log p`` on a positive and ``-log(1 - p)`` on an observed negative; an unknown label
+    enters only the regulariser. ``k`` is the expected number of positives per image, which the method
+    needs as outside knowledge; the authors' values are 1.5 (VOC 2012), 2.9 (MS-COCO 2014), 1.9
+    (NUS-WIDE) and 31.4 (CUB-200-2011). There is no default: without it the loss is refused.
+
+    Reduction: fixed, as written above (the entry terms' sum over B x C entries, the regulariser once
+    per batch). Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    """
+
+    name = "epr"
+
+    def __init__(self, expected_positives: float | None = None) -> None:
+        super().__init__(reduction="mean")
+        if expected_positives is None:
+            raise ValueError(
+                "epr needs loss.expected_positives, the expected number of positives per image "
+                "(the authors': 1.5 VOC 2012, 2.9 MS-COCO, 1.9 NUS-WIDE, 31.4 CUB)"
+            )
+        if not expected_positives > 0:
+            raise ValueError(f"expected_positives must be > 0, got {expected_positives}")
+        self.expected_positives = float(expected_positives)
+
+    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        per_entry = assumed_negative_bce(logits, targets)
+        return torch.where(targets == -1, 0.0, per_entry)
+
+    def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
+        gap = torch.sigmoid(logits).sum(1).mean() - self.expected_positives
+        return super().compute(logits, targets) + gap.square() / logits.shape[1] ** 2
+
+    def extra_repr(self) -> str:
+        return f"expected_positives={self.expected_positives}"
+
+
+class EntropyMaximisationLoss(UnknownLabelLoss):
+    """EM, entropy maximisation on unknown labels (Zhou et al., ECCV 2022, eq. 3)::
+
+        l_ic = -log p  if y_ic = 1,   -log(1 - p)  if y_ic = 0,   -alpha H(p)  if y_ic = -1,
+        H(p) = -p log p - (1 - p) log(1 - p)
+
+    An unknown label is neither pushed up nor down: its term is lowest at p = 1/2. The loss can be
+    negative. ``alpha`` is the authors' per-dataset weight: 0.2 (VOC 2012), 0.1 (MS-COCO, NUS-WIDE),
+    0.01 (CUB). Their asymmetric pseudo-labelling (APL) is not part of this loss: it relabels the
+    training set between epochs, which needs each sample's index in the batch (see docs/losses.md).
+
+    Reduction: as :class:`AssumeNegativeLoss` (default: mean over all B x C entries).
+    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    """
+
+    name = "em"
+
+    def __init__(self, alpha: float = 0.1, reduction: str = "mean") -> None:
+        super().__init__(reduction=reduction)
+        if not alpha >= 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        self.alpha = float(alpha)
+
+    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        log_p, log_not_p = F.logsigmoid(logits), F.logsigmoid(-logits)
+        negative_entropy = torch.sigmoid(logits) * log_p + torch.sigmoid(-logits) * log_not_p
+        known = torch.where(targets == 1, -log_p, -log_not_p)
+        return torch.where(targets == -1, self.alpha * negative_entropy, known)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, " + super().extra_repr()
