@@ -363,7 +363,14 @@ def test_trainer_tells_the_loss_the_epoch_and_a_resumed_run_matches(tmp_path, mo
     monkeypatch.setattr(
         LargeLossLoss, "set_epoch", lambda self, epoch: (seen.append(epoch), original(self, epoch))
     )
-    tiny = [*TINY, "dataset.train_size=96", "dataset.val_size=40", "loss=ll", "loss.delta_rel=0.5"]
+    tiny = [
+        *TINY,
+        "dataset.train_size=64",
+        "dataset.val_size=16",
+        "model.name=test_resnet",
+        "loss=ll",
+        "loss.delta_rel=0.5",
+    ]
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     straight = run(compose_config([*tiny, f"trainer.output_dir={straight_dir}"]))
     assert seen == [0, 1]
