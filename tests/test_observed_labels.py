@@ -123,6 +123,28 @@ def test_counts_are_those_of_the_targets(fill: int, regime: ObservedLabels) -> N
     assert counts.num_samples == 300
 
 
+@pytest.mark.parametrize(
+    "regime", [{"observed": "single_positive"}, {"observed": "partial", "observed_fraction": 0.5}]
+)
+def test_sparse_labels_draw_alike_without_a_dense_matrix(tmp_path: Path, regime: dict) -> None:
+    from openimages_fixture import write_generated_openimages
+
+    from mlcls.data.datasets.openimages import OpenImages
+
+    root, rows = write_generated_openimages(tmp_path)
+    train = OpenImages("train", root=str(root), dense_labels_gb=1e-12, observed_seed=8, **regime)
+    full = torch.tensor(rows["train"])
+    rule = ObservedLabels(regime["observed"], 8, regime.get("observed_fraction", 1.0))
+    shown = targets(train)
+    assert torch.equal(shown, torch.stack([rule.row(full[i], i) for i in range(len(full))]))
+    assert bool((shown[full == -1] == -1).all())  # an unverified pair stays unknown
+    counts, reference = label_counts(train), LabelCounts.of(shown)  # no (N, C) matrix is built
+    assert torch.equal(counts.positives, reference.positives)
+    assert torch.equal(counts.negatives, reference.negatives)
+    validation = OpenImages("validation", root=str(root), observed_seed=8, **regime)
+    assert torch.equal(targets(validation), torch.tensor(rows["validation"]))
+
+
 def _loader_targets(dataset, rank: int, world: int, workers: int, epoch: int, start: int = 0) -> list:
     loader = build_train_loader(dataset, 8, workers, rank, world, 5, torch.device("cpu"), "torchvision")
     loader.sampler.set_epoch(epoch)
@@ -181,6 +203,7 @@ def _gather_on_rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_draw_the_rows_of_one() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

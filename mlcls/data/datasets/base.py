@@ -8,6 +8,8 @@ Subclasses fill three attributes in ``__init__``:
 * ``samples``  -- list of :class:`Sample` (image path and optional crop box), one per row of ``labels``.
 
 ``labels`` is available without decoding any image (class statistics, loss weighting, ``mlcls-data stats``).
+It holds the full labels; the training split's targets (:meth:`MultiLabelDataset.target`) are its rows as
+the observed-label regime ``dataset.observed`` shows them (:mod:`mlcls.data.datasets.observed`).
 
 Unreadable images (missing, corrupt, truncated, or of a shape the transforms refuse: one side over
 :data:`mlcls.data.pipeline.transforms.MAX_ASPECT_RATIO` times the other, checked from the file's header before
