@@ -60,15 +60,27 @@ SOURCE_MODEL_KEYS = ("model.name", "model.pretrained")
 
 
 def describe(dataset: MultiLabelDataset, title: str) -> None:
-    """Print the size and label statistics of one split."""
+    """Print the size and label statistics of one split, as its observed-label regime shows the labels
+    (``dataset.observed``: the training split's), with the counts of each class under a regime that hides
+    labels."""
     stats = label_counts(dataset)
+    observed = dataset.observed
     print(f"\n{title}: {plural(stats.num_samples, 'sample')}")
+    if observed.hides_labels:
+        fraction = f", fraction {observed.fraction:g}" if observed.regime == "partial" else ""
+        print(f"  observed labels: {observed.regime} (seed {observed.seed}{fraction})")
     print(f"  positive labels per sample: {stats.positives_per_sample:.2f}")
     entries = stats.num_samples * stats.num_classes
     print(f"  unknown labels (-1): {100 * stats.unknown_share:.2f}% of the {entries} entries")
     for name, most in (("most frequent", True), ("least frequent", False)):
         ranked = stats.ranked(dataset.classes, TOP_CLASSES, most)
         print(f"  {name}: {', '.join(f'{cls} {count}' for cls, count in ranked)}")
+    if observed.hides_labels:
+        print("  observed per class: positives / negatives / unknown")
+        for name, positives, negatives in zip(
+            dataset.classes, stats.positives.tolist(), stats.negatives.tolist(), strict=True
+        ):
+            print(f"    {name}: {positives} / {negatives} / {stats.num_samples - positives - negatives}")
 
 
 def check(dataset: MultiLabelDataset, workers: int) -> int:

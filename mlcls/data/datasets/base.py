@@ -8,6 +8,8 @@ Subclasses fill three attributes in ``__init__``:
 * ``samples``  -- list of :class:`Sample` (image path and optional crop box), one per row of ``labels``.
 
 ``labels`` is available without decoding any image (class statistics, loss weighting, ``mlcls-data stats``).
+It holds the full labels; the training split's targets (:meth:`MultiLabelDataset.target`) are its rows as
+the observed-label regime ``dataset.observed`` shows them (:mod:`mlcls.data.datasets.observed`).
 
 Unreadable images (missing, corrupt, truncated, or of a shape the transforms refuse: one side over
 :data:`mlcls.data.pipeline.transforms.MAX_ASPECT_RATIO` times the other, checked from the file's header before
@@ -35,7 +37,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from mlcls.data.datasets.observed import ALL_LABELS, OBSERVED_REGIMES, ObservedLabels
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, check_aspect_ratio
+from mlcls.errors import shown
 
 ON_BAD_IMAGE = ("error", "skip")
 # What PIL raises for a missing, unidentifiable, truncated or oversized image file (and
@@ -117,6 +121,27 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
     return value
 
 
+def observed_labels(observed: str = "all", seed: int = 0, fraction: float = 1.0) -> ObservedLabels:
+    """The observed-label regime of the config keys ``dataset.observed``, ``dataset.observed_seed`` and
+    ``dataset.observed_fraction`` (:mod:`mlcls.data.datasets.observed`), checked: one
+    :class:`DatasetConfigError` line for a regime not in :data:`OBSERVED_REGIMES`, a seed that is not an
+    integer in [0, 2**63 - 1] or a fraction outside (0, 1]."""
+    if not isinstance(observed, str) or observed not in OBSERVED_REGIMES:
+        raise DatasetConfigError(
+            f"dataset.observed={shown(observed)}; expected one of {', '.join(OBSERVED_REGIMES)}"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**63 - 1:
+        raise DatasetConfigError(
+            f"dataset.observed_seed={shown(seed)}; expected an integer from 0 to {2**63 - 1}"
+        )
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+        raise DatasetConfigError(
+            f"dataset.observed_fraction={shown(fraction)}; expected a number in (0, 1], the share of the "
+            "training labels kept by dataset.observed=partial"
+        )
+    return ObservedLabels(observed, int(seed), float(fraction))
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """``image`` as 8-bit RGB. Greyscale of more than 8 bits (PIL modes ``I;16*``, 16-bit PNGs and TIFFs, and
     ``I``, 32-bit integers) is scaled to 8 bits, ``v >> 8`` for 16-bit values, where PIL's own conversion
@@ -194,9 +219,14 @@ class MultiLabelDataset(Dataset):
         train_split, val_split: the splits training and evaluation use (``dataset.train_split``, ...).
         mean, std: the per-channel (R, G, B) normalisation ``(x - mean) / std`` of [0, 1] pixels
             (``dataset.mean``, ``dataset.std``; ImageNet's by default), for a transform named here.
+        observed, observed_seed, observed_fraction: the observed-label regime of the training split
+            (:func:`observed_labels`; ``dataset.observed``, ...): ``observed`` holds it when ``split ==
+            train_split``, else (evaluation) every label. A regime that hides labels is refused when the
+            training split is also the evaluation split (``val_split``): evaluation reads full labels.
     """
 
     classes: list[str]
+    observed: ObservedLabels = ALL_LABELS
 
     def __init__(
         self,
@@ -210,9 +240,21 @@ class MultiLabelDataset(Dataset):
         val_split: str = "val",
         mean: Sequence[float] | None = IMAGENET_MEAN,
         std: Sequence[float] | None = IMAGENET_STD,
+        observed: str = "all",
+        observed_seed: int = 0,
+        observed_fraction: float = 1.0,
     ) -> None:
         self.name, self.image_size = name, int(image_size)
         self.train_split, self.val_split = train_split, val_split
+        regime = observed_labels(observed, observed_seed, observed_fraction)
+        if regime.hides_labels and train_split == val_split:
+            raise DatasetConfigError(
+                f"dataset.observed={observed} hides labels of the training split {train_split!r}, which is "
+                "also dataset.val_split, and evaluation reads the full labels; evaluate on another split or "
+                "set dataset.observed=all"
+            )
+        if split == train_split:
+            self.observed = regime
         if isinstance(transform, str):
             transform = build_transform(transform, self.image_size, split == train_split, mean, std)
         self.transform = transform
@@ -310,8 +352,9 @@ class MultiLabelDataset(Dataset):
         return sorted({self.samples[i].path for i in flagged})
 
     def target(self, index: int) -> torch.Tensor:
-        """float32 (C,): the labels of sample ``index`` (a row of ``labels``)."""
-        return self.labels[index]
+        """float32 (C,): the labels of sample ``index`` (a row of ``labels``) as the regime ``observed``
+        shows them."""
+        return self.observed.row(self.labels[index], index)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(transformed image, target)`` of sample ``index``, or in ``skip`` mode of the next sample that

@@ -20,10 +20,12 @@ from torch import Tensor
 from torch.utils.data import Subset
 
 from mlcls.data.datasets.base import LABEL_VALUES, DatasetConfigError
+from mlcls.data.datasets.observed import ALL_LABELS, ObservedLabels
 from mlcls.data.shards.tario import npy_array
 
 NPZ_ARRAYS = ("offsets", "columns", "values", "shape_fill")  # the members of SparseLabels.to_bytes
 NPY_HEADER_ROOM = 4096  # bytes an .npy member may take besides its data (np.save writes ~128)
+OBSERVED_CHUNK = 1 << 22  # label entries drawn at once when counting under a regime (observed_counts)
 
 
 @dataclass(frozen=True)
@@ -263,21 +265,61 @@ def dense_row(columns: np.ndarray, values: np.ndarray, num_classes: int, fill: i
     return row
 
 
+def observed_counts(
+    labels: SparseLabels, observed: ObservedLabels, samples: np.ndarray | None = None
+) -> LabelCounts:
+    """The :class:`LabelCounts` of ``labels`` as the regime ``observed`` shows them, row ``i`` being sample
+    ``samples[i]`` (``i`` when None): exactly the counts of the targets the regime gives.
+
+    Drawn :data:`OBSERVED_CHUNK` entries at a time, over the known entries only: the stored ones when the
+    unstored entries are unknown (``fill = -1``, Open Images: nothing else to draw), else each block of rows
+    made dense.
+    """
+    if not observed.hides_labels:
+        return labels.counts()
+    num_rows, num_classes = labels.shape
+    step = max(1, OBSERVED_CHUNK // (1 if labels.fill == -1 else num_classes))
+    positives, negatives = np.zeros(num_classes, np.int64), np.zeros(num_classes, np.int64)
+    for start in range(0, num_rows, step):
+        block = labels.rows(np.arange(start, min(start + step, num_rows)))
+        if labels.fill == -1:
+            rows = np.repeat(np.arange(len(block)), np.diff(block.offsets))
+            columns, values = block.columns, block.values
+        else:
+            dense = block.dense().numpy()
+            rows, columns = np.nonzero(dense != -1)
+            values = dense[rows, columns]
+        rows = rows + start
+        seen = observed.observe(rows if samples is None else samples[rows], columns, values)
+        positives += np.bincount(columns[seen == 1], minlength=num_classes)
+        negatives += np.bincount(columns[seen == 0], minlength=num_classes)
+    return LabelCounts(num_rows, torch.from_numpy(positives), torch.from_numpy(negatives))
+
+
 class SparseLabelled:
     """A dataset whose labels are a :class:`SparseLabels` (``sparse_labels``): each target row is built on its
     own (:meth:`target`), the counts come from the stored entries (:meth:`label_counts`), and the dense
-    ``labels`` (N, C) is built on first access only when it fits in ``dense_labels_gb``."""
+    ``labels`` (N, C) is built on first access only when it fits in ``dense_labels_gb``. Targets and counts
+    are those the observed-label regime ``observed`` shows (every label unless the dataset sets one)."""
 
     sparse_labels: SparseLabels
+    observed: ObservedLabels = ALL_LABELS
     dense_labels_gb: float = 8.0
     _dense_labels: Tensor | None = None
 
+    def sample_indices(self) -> np.ndarray | None:
+        """int64 (N,): the sample index each row of ``sparse_labels`` is drawn for under the regime; None:
+        row ``i`` is sample ``i``."""
+        return None
+
     def label_counts(self) -> LabelCounts:
-        return self.sparse_labels.counts()
+        if not self.observed.hides_labels:
+            return self.sparse_labels.counts()
+        return observed_counts(self.sparse_labels, self.observed, self.sample_indices())
 
     def target(self, index: int) -> Tensor:
-        """float32 (C,): the labels of sample ``index``."""
-        return self.sparse_labels.row(index)
+        """float32 (C,): the labels of sample ``index`` as the regime ``observed`` shows them."""
+        return self.observed.row(self.sparse_labels.row(index), index)
 
     @property
     def labels(self) -> Tensor:
@@ -305,16 +347,23 @@ def sparse_labels_of(dataset: object) -> SparseLabels:
 
 
 def label_counts(dataset: object) -> LabelCounts | None:
-    """The :class:`LabelCounts` of a dataset's labels: its ``label_counts()`` when it has one (sparse
-    labels), else counted from its dense ``labels``; a ``Subset`` counts its parent's rows. None for a
-    dataset without labels."""
+    """The :class:`LabelCounts` of a dataset's labels as its observed-label regime (``observed``) shows
+    them: its ``label_counts()`` when it has one (sparse labels), else counted from its dense ``labels``; a
+    ``Subset`` counts its parent's rows. None for a dataset without labels."""
     if isinstance(dataset, Subset):
         parent = dataset.dataset
         if getattr(parent, "sparse_labels", None) is None and getattr(parent, "labels", None) is None:
             return None
-        return sparse_labels_of(parent).rows(list(dataset.indices)).counts()
+        indices = np.asarray(list(dataset.indices), dtype=np.int64)
+        observed = getattr(parent, "observed", ALL_LABELS)
+        return observed_counts(sparse_labels_of(parent).rows(indices), observed, indices)
     counts = getattr(dataset, "label_counts", None)
     if counts is not None:
         return counts()
     labels = getattr(dataset, "labels", None)
-    return None if labels is None else LabelCounts.of(labels)
+    if labels is None:
+        return None
+    observed = getattr(dataset, "observed", ALL_LABELS)
+    if observed.hides_labels:
+        return observed_counts(SparseLabels.from_dense(labels), observed)
+    return LabelCounts.of(labels)

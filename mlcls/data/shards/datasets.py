@@ -13,7 +13,9 @@ rank's range is read in blocks, each shuffled in windows of ``shuffle_buffer``, 
 workers in an order that does not depend on their number (:mod:`mlcls.data.shards.loader`); each sample's
 augmentation runs under ``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the
 workers. ``set_start(k)`` (resuming mid-epoch) skips exactly the first ``k`` samples the rank served and
-serves the rest in the order they would have come.
+serves the rest in the order they would have come. The targets are those of the observed-label regime
+(``dataset.observed``, :mod:`mlcls.data.datasets.observed`), drawn for the sample's index in the source
+split (its key), as the source dataset draws them: the shards train on the labels the source would.
 
 **Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
 (the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
@@ -53,6 +55,7 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
+    observed_labels,
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels, dense_row
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform
@@ -171,8 +174,12 @@ class ShardTrainSet(SparseLabelled):
         val_split: str = "val",
         mean: Sequence[float] | None = IMAGENET_MEAN,
         std: Sequence[float] | None = IMAGENET_STD,
+        observed: str = "all",
+        observed_seed: int = 0,
+        observed_fraction: float = 1.0,
     ) -> None:
         self.name, self.image_size, self.split = name, int(image_size), "train"
+        self.observed = observed_labels(observed, observed_seed, observed_fraction)
         self.train_split, self.val_split = train_split, val_split
         self.transform = (
             build_transform(transform, self.image_size, True, mean, std)
@@ -191,15 +198,32 @@ class ShardTrainSet(SparseLabelled):
     def __len__(self) -> int:
         return sum(self.shard_sizes)
 
+    @functools.cached_property
+    def _keys(self) -> np.ndarray:
+        return np.fromiter((int(key) for url in self.urls for key, _ in iter_shard(url)), dtype=np.int64)
+
+    def sample_indices(self) -> np.ndarray:
+        """int64 (N,): the source-split index (the key) of each packed sample, in shard order, as the
+        regime draws for it; read from the shards once (one pass over them), and only for the label counts
+        under a regime that hides labels (``label_counts()``)."""
+        if len(self._keys) != len(self):
+            raise DatasetFormatError(
+                f"the training shards hold {len(self._keys)} samples, {MANIFEST_FILE} records {len(self)}; "
+                "pack the split again"
+            )
+        return self._keys
+
     def make_sample(self, key: str, fields: dict[str, bytes], seed: int) -> tuple[Any, Tensor]:
-        """``(image, target)`` of one shard sample, its augmentation run under ``seed``."""
+        """``(image, target)`` of one shard sample, its augmentation run under ``seed``, its target as the
+        regime ``observed`` shows the sample ``key`` (its index in the source split)."""
         try:
             torch_only = self.transform is None or getattr(self.transform, "torch_random_only", False)
             image = seeded_call(seed, self._augment, fields[IMAGE_EXT], torch_only=torch_only)
         except BAD_IMAGE_ERRORS as exc:
             raise BadImageError(f"cannot read the image of sample {key} of the shards: {exc}") from exc
         pairs = stored_label_entries(fields, self.num_classes, f"sample {key} of the shards")
-        return image, dense_row(pairs[:, 0], pairs[:, 1], self.num_classes, self.sparse_labels.fill)
+        labels = dense_row(pairs[:, 0], pairs[:, 1], self.num_classes, self.sparse_labels.fill)
+        return image, self.observed.row(labels, int(key))
 
     def _augment(self, data: bytes) -> Any:
         image = decode_image(data, self.transform)

@@ -1,0 +1,107 @@
+"""Observed-label regimes: which labels of the training split the model is shown (``dataset.observed``).
+
+* ``all`` (the default): every label, unchanged;
+* ``single_positive`` (Cole et al., CVPR 2021): one positive per image, drawn uniformly among the image's
+  positives; every other label becomes -1 (unknown). An image without a positive keeps no observed label
+  (a row of -1), as the authors' observation step leaves it;
+* ``partial``: each known label is kept with probability ``fraction``; the others become -1.
+
+Unknown labels (-1) stay unknown in every regime. The draw is a pure function of ``(seed, sample index,
+class)`` (a counter-based hash, :func:`mix64`), never of a random state: a sample's observed row is the same
+on every rank, in every DataLoader worker, after every resume, and whatever else was read before it. The
+regime applies to the training split only (:class:`mlcls.data.datasets.base.MultiLabelDataset` sets it
+there); evaluation always reads the full labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+OBSERVED_REGIMES = ("all", "single_positive", "partial")
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_STREAMS = {"single_positive": 1, "partial": 2}  # one hash stream per regime
+_UNIT_BITS = 53  # a hash's top 53 bits give a uniform float in [0, 1) exactly
+
+
+def mix64(values: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function of the uint64 array ``values``, element-wise (wrapping arithmetic): a
+    bijection of 64-bit integers whose outputs of consecutive inputs look independent and uniform."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(values, dtype=np.uint64) + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+        z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+        return z ^ (z >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class ObservedLabels:
+    """An observed-label regime (see the module docstring); the values are checked by
+    :func:`mlcls.data.datasets.base.observed_labels`.
+
+    Attributes:
+        regime: ``all``, ``single_positive`` or ``partial``.
+        seed: the draw's seed (``dataset.observed_seed``).
+        fraction: the share of labels ``partial`` keeps (``dataset.observed_fraction``), in (0, 1].
+    """
+
+    regime: str = "all"
+    seed: int = 0
+    fraction: float = 1.0
+
+    @property
+    def hides_labels(self) -> bool:
+        """Whether some labels become unknown (every regime but ``all``)."""
+        return self.regime != "all"
+
+    def sample_hashes(self, samples: np.ndarray) -> np.ndarray:
+        """uint64: one hash per sample index of ``samples``, from the seed and the regime."""
+        key = mix64(np.uint64(self.seed) ^ np.uint64(_STREAMS[self.regime]))
+        return mix64(key ^ np.asarray(samples, dtype=np.int64).astype(np.uint64))
+
+    def observe(self, samples: np.ndarray, columns: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """int8 (K,): the observed values of the label entries ``(samples[k], columns[k]) = values[k]``.
+
+        ``samples`` are the entries' sample indices, ``columns`` their classes, ``values`` 1 / 0 / -1; for
+        ``single_positive`` every positive entry of a sample must be given (the entries of several samples,
+        in any order, may be). Every entry not given is unknown and stays so.
+        """
+        values = np.asarray(values, dtype=np.int8)
+        if not self.hides_labels:
+            return values
+        samples, columns = np.asarray(samples, dtype=np.int64), np.asarray(columns, dtype=np.int64)
+        if self.regime == "partial":
+            hashes = mix64(self.sample_hashes(samples) ^ columns.astype(np.uint64))
+            kept = (hashes >> np.uint64(64 - _UNIT_BITS)).astype(np.float64) < self.fraction * 2.0**_UNIT_BITS
+            return np.where(kept, values, -1).astype(np.int8)
+        observed = np.full(len(values), -1, dtype=np.int8)
+        positives = np.flatnonzero(values == 1)
+        if len(positives) == 0:
+            return observed
+        # The positives sample by sample, classes ascending: the k-th positive of a sample is well defined.
+        positives = positives[np.lexsort((columns[positives], samples[positives]))]
+        owners = samples[positives]
+        starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+        counts = np.diff(np.r_[starts, len(positives)]).astype(np.uint64)
+        chosen = starts + (self.sample_hashes(owners[starts]) % counts).astype(np.int64)
+        observed[positives[chosen]] = 1
+        return observed
+
+    def row(self, labels: Tensor, index: int) -> Tensor:
+        """float32 (C,): the observed labels of sample ``index`` whose full labels are ``labels`` (C,);
+        ``labels`` itself under ``all``."""
+        if not self.hides_labels:
+            return labels
+        full = labels.numpy()
+        columns = np.flatnonzero(full != -1)
+        values = self.observe(np.full(len(columns), index), columns, full[columns])
+        observed = torch.full_like(labels, -1.0)
+        observed[torch.from_numpy(columns)] = torch.from_numpy(values).float()
+        return observed
+
+
+ALL_LABELS = ObservedLabels()
