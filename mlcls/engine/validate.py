@@ -135,6 +135,12 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             "loss.gather=true needs several processes (torchrun); without DDP it changes nothing"
         )
 
+    init_from = cfg.model.get("init_from")
+    if init_from is not None and (not isinstance(init_from, str) or not Path(init_from).is_file()):
+        raise ConfigError(
+            f"model.init_from={init_from!r}: no such checkpoint file; expected an mlcls checkpoint (a run's "
+            "last.pt or best.pt, or mlcls-import's output), or null"
+        )
     _positive(cfg.dataset.image_size, "dataset.image_size", integer=True)
     if cfg.data.backend not in BACKENDS:
         raise ConfigError(f"data.backend={cfg.data.backend!r}; expected one of {', '.join(BACKENDS)}")

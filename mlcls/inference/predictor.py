@@ -101,6 +101,7 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
     if not isinstance(config.get("model"), dict):
         raise InferenceError("the checkpoint's config has no model section; is it an mlcls checkpoint?")
     fields = dict(config["model"])
+    fields.pop("init_from", None)  # where training started from: the checkpoint's own weights replace them
     target = fields.pop("_target_", MODEL_FACTORY)
     if target != MODEL_FACTORY:
         raise InferenceError(

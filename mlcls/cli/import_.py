@@ -1,0 +1,109 @@
+"""``mlcls-import``: the authors' released ML-Decoder, ASL or CSRA checkpoint as an mlcls checkpoint.
+
+    mlcls-import mldecoder tresnet_l_COCO__448_90_0.pth out=mldecoder_l_coco.pt
+    mlcls-import asl Open_ImagesV6_TRresNet_L_448.pth out=asl_oi.pt classes=oi_classes.txt
+    mlcls-import csra resnet101_voc07_head1_lam0.1_94.7.pth out=csra_voc.pt
+
+The file is read as data (``torch.load(weights_only=True)``); what it holds and how each format maps onto
+mlcls's models: :mod:`mlcls.inference.released`. The checkpoint written to ``out`` is taken by
+``mlcls-eval``, ``mlcls-predict``, ``mlcls-export`` and ``mlcls-train model.init_from=OUT.pt``. Options:
+``classes=FILE`` (one class name a line, in the model's order: needed where the file holds neither names
+nor a known class count, e.g. Open Images' 9,605), ``image_size=N`` (the authors' by default) and
+``lam=X`` (CSRA's lambda: 0.1 for VOC, 0.5 for COCO by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mlcls.cli.errors import user_errors
+from mlcls.engine.checkpoint import save_checkpoint
+from mlcls.errors import ConfigError, plural, shown
+from mlcls.inference.released import FORMATS, import_released
+
+USAGE = "mlcls-import {mldecoder,asl,csra} FILE out=OUT.pt [classes=FILE] [image_size=N] [lam=X]"
+OPTIONS = ("out", "classes", "image_size", "lam")
+
+
+def parse_options(pairs: list[str]) -> dict[str, str]:
+    """``key=value`` arguments as a dict; :class:`ConfigError` for another form, an unknown key or no
+    ``out``."""
+    options: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in OPTIONS or not value:
+            raise ConfigError(
+                f"unexpected argument {shown(pair)}; expected one of {', '.join(OPTIONS)}=…; usage: {USAGE}"
+            )
+        options[key] = value
+    if "out" not in options:
+        raise ConfigError(f"missing out=… (required); usage: {USAGE}")
+    return options
+
+
+def _number(options: dict[str, str], key: str, kind: type) -> Any:
+    if key not in options:
+        return None
+    try:
+        value = kind(options[key])
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise ConfigError(f"{key}={shown(options[key])}; expected a positive {kind.__name__}")
+    return value
+
+
+def read_class_file(path: str) -> list[str]:
+    """The class names of ``path``, one a line (blank lines skipped)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"classes={path}: cannot be read ({exc})") from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """Convert the file the command line names and write the checkpoint; return a summary of it."""
+    parser = argparse.ArgumentParser(prog="mlcls-import", usage=USAGE, description=__doc__.splitlines()[0])
+    parser.add_argument("format", choices=sorted(FORMATS), help="the authors' code the file comes from")
+    parser.add_argument("file", help="the released checkpoint")
+    parser.add_argument("options", nargs="*", help="out=OUT.pt (required), classes=FILE, image_size=N, lam=X")
+    args = parser.parse_args(argv)
+    with user_errors():
+        options = parse_options(args.options)
+        classes = read_class_file(options["classes"]) if "classes" in options else None
+        checkpoint = import_released(
+            args.format,
+            args.file,
+            classes=classes,
+            image_size=_number(options, "image_size", int),
+            lam=_number(options, "lam", float),
+        )
+        save_checkpoint(checkpoint, options["out"])
+    model = checkpoint["config"]["model"]
+    return {
+        "path": options["out"],
+        "format": args.format,
+        "model": model["name"],
+        "head": model["head"],
+        "classes": len(checkpoint["classes"]),
+        "image_size": checkpoint["preprocess"]["image_size"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    summary = run(argv)
+    print(json.dumps(summary))
+    print(
+        f"mlcls: {summary['path']}: {summary['model']} with a {summary['head']} head, "
+        f"{plural(summary['classes'], 'class')}, {summary['image_size']} px input in [0, 1]",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

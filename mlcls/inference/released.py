@@ -1,0 +1,299 @@
+"""The authors' released checkpoints of ML-Decoder, ASL and CSRA as mlcls checkpoints (``mlcls-import``).
+
+A released file is read as data (``torch.load(weights_only=True)``): its state dict is the ``model`` entry
+(ML-Decoder, ASL), else ``state_dict``, else the file itself (CSRA), with any ``module.`` prefix of
+``nn.DataParallel`` dropped. Each :data:`FORMATS` entry says which networks it holds, how their names
+translate to mlcls's (:mod:`mlcls.models.released` for the TResNets), and how its authors evaluate:
+
+    format     network                                   classes                 authors' evaluation
+    mldecoder  TResNet-M / L (tresnet_v2_l) / XL          COCO 80, Open Images    Resize((s, s)), [0, 1]
+               (tresnet_v2_xl) + ML-Decoder                9,605                   pixels (no mean/std);
+    asl        TResNet-M / L / XL + linear head            COCO 80, Open Images    s = 224 / 448 / 640
+    csra       ResNet-101 + CSRA (1 to 8 heads)            VOC 2007 20, COCO 80    Resize((448, 448)),
+                                                                                   [0, 1] pixels
+
+(ML-Decoder's and ASL's ``validate.py`` and CSRA's ``val.py``: a squash-resize, ``ToTensor`` and, for CSRA,
+``Normalize(mean=[0, 0, 0], std=[1, 1, 1])``: none of them subtracts ImageNet's mean.) CSRA's ``lam`` is
+not in the file: 0.1 for VOC and 0.5 for COCO, as its authors evaluate them.
+
+Class names: ``classes`` (a list given by the user) first, else the file's ``idx_to_class`` (ML-Decoder's
+and ASL's files carry one), else COCO's 80 names in category-id order or VOC's 20; an Open Images model
+without ``idx_to_class`` needs its 9,605 names given, in the model's order.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from mlcls import config_dir
+from mlcls.data.datasets.voc import VOC_CLASSES
+from mlcls.data.pipeline.preprocess import preprocess_spec
+from mlcls.errors import InferenceError, plural, shown
+from mlcls.models import create_model
+from mlcls.models.released import tresnet_key, tresnet_value, tresnet_variant
+
+# MS-COCO's 80 categories in category-id order (the order of the COCO API and of every released COCO model)
+COCO_CLASSES = (
+    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
+    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
+    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
+    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
+    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
+    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
+    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "mouse", "remote", "keyboard",
+    "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock", "vase", "scissors",
+    "teddy bear", "hair drier", "toothbrush",
+)  # fmt: skip
+OPEN_IMAGES_CLASSES = 9605
+# The dataset config (configs/dataset/) an imported model of this many classes is evaluated on by default
+DATASETS = {80: "coco", 20: "voc2007", OPEN_IMAGES_CLASSES: "openimages"}
+# The released files' input size, per backbone (the figures of the authors' model zoos)
+TRESNET_SIZES = {
+    "tresnet_m": 224,
+    "tresnet_l": 448,
+    "tresnet_xl": 640,
+    "tresnet_v2_l": 448,
+    "tresnet_v2_xl": 640,
+}
+CSRA_LAM = {20: 0.1, 80: 0.5}  # VOC 2007: 1 head, lam 0.1; COCO: 4 or 6 heads, lam 0.5 (CSRA's README)
+
+
+@dataclass(frozen=True)
+class ReleasedFormat:
+    """What one format's files hold: the network, its released key names and the authors' training."""
+
+    description: str
+    head: str  # mlcls's model.head
+    prefixes: tuple[str, ...]  # every released key starts with one of them
+    classes_key: str  # the entry whose first dimension is the class count
+    backbones: tuple[str, ...]  # the timm names it may hold
+    transform: str  # dataset.transform of the authors' training augmentation (evaluated by a squash-resize)
+
+
+FORMATS = {
+    "mldecoder": ReleasedFormat(
+        "TResNet body.* + ML-Decoder head.decoder.*",
+        "mldecoder",
+        ("body.", "head.decoder."),
+        "head.decoder.duplicate_pooling_bias",
+        ("tresnet_m", "tresnet_v2_l", "tresnet_v2_xl"),
+        "strong",
+    ),
+    "asl": ReleasedFormat(
+        "TResNet body.* + linear head.fc.*",
+        "linear",
+        ("body.", "head.fc."),
+        "head.fc.weight",
+        ("tresnet_m", "tresnet_l", "tresnet_xl"),
+        "strong",
+    ),
+    "csra": ReleasedFormat(
+        "ResNet-101 conv1.*, bn1.*, layer1-4.* + CSRA classifier.multi_head.*",
+        "csra",
+        ("conv1.", "bn1.", "layer1.", "layer2.", "layer3.", "layer4.", "classifier.multi_head."),
+        "classifier.multi_head.0.head.weight",
+        ("resnet101",),
+        "light",
+    ),
+}
+
+
+def read_released(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The state dict of released file ``path`` (``module.`` prefixes dropped) and the file's other top-level
+    entries (``idx_to_class``, ...), read as data; :class:`InferenceError` for a file that is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise InferenceError(f"{path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InferenceError(
+            f"{path} cannot be read as data ({type(exc).__name__}: {first}); a released checkpoint holds "
+            "tensors, dicts and names only"
+        ) from None
+    if not isinstance(state, Mapping):
+        raise InferenceError(f"{path} holds a {type(state).__name__}; expected a state dict")
+    weights, meta = state, {}
+    for key in ("model", "state_dict"):
+        if isinstance(state.get(key), Mapping):
+            weights, meta = state[key], {k: v for k, v in state.items() if k != key}
+            break
+    tensors = {}
+    for key, value in weights.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise InferenceError(
+                f"{path}: the state dict entry {shown(key)} is a {type(value).__name__}; expected tensors"
+            )
+        tensors[key.removeprefix("module.")] = value
+    if not tensors:
+        raise InferenceError(f"{path} holds an empty state dict")
+    return tensors, meta
+
+
+def _misfit(fmt: str, detail: str) -> InferenceError:
+    return InferenceError(f"the file does not fit format {fmt} ({FORMATS[fmt].description}): {detail}")
+
+
+def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: float | None = None) -> dict:
+    """The ``model`` config (the fields of :func:`mlcls.models.create_model`) of the network that
+    ``weights`` (released names) hold under format ``fmt``; :class:`InferenceError` naming the first key
+    that does not fit the format. ``lam``: CSRA's, else :data:`CSRA_LAM` of the class count."""
+    if fmt not in FORMATS:
+        raise InferenceError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    spec = FORMATS[fmt]
+    foreign = next((key for key in weights if not key.startswith(spec.prefixes)), None)
+    if foreign is not None:
+        raise _misfit(fmt, f"its key {foreign!r} is none of those")
+    head = weights.get(spec.classes_key)
+    if head is None or head.ndim < 1 or head.shape[0] < 1:
+        raise _misfit(fmt, f"it has no {spec.classes_key} giving the class count")
+    fields: dict[str, Any] = {
+        "_target_": "mlcls.models.create_model",
+        "name": spec.backbones[0],
+        "pretrained": False,
+        "checkpoint_path": None,
+        "drop_rate": 0.0,
+        "head": spec.head,
+        "num_groups": 100,
+        "decoder_embedding": 768,
+        "csra_heads": 1,
+        "csra_lam": 0.1,
+    }
+    if fmt == "csra":
+        heads = sum(key.startswith("classifier.multi_head.") for key in weights)
+        fields.update(csra_heads=heads, csra_lam=CSRA_LAM.get(head.shape[0], 0.1) if lam is None else lam)
+        return fields
+    variant = tresnet_variant(weights)
+    if variant not in spec.backbones:
+        found = "no TResNet variant" if variant is None else variant
+        raise _misfit(
+            fmt,
+            f"body.conv1.0.weight and the blocks of body.layer1-4 make {found}; expected "
+            f"one of {', '.join(spec.backbones)}",
+        )
+    fields["name"] = variant
+    if fmt == "mldecoder":
+        queries = weights.get("head.decoder.query_embed.weight")
+        if queries is None or queries.ndim != 2:
+            raise _misfit(fmt, "head.decoder.query_embed.weight is not a (queries, width) tensor")
+        fields.update(num_groups=int(queries.shape[0]), decoder_embedding=int(queries.shape[1]))
+    return fields
+
+
+def mlcls_key(fmt: str, key: str) -> str:
+    """The name in mlcls's model of released key ``key`` of format ``fmt``."""
+    if fmt == "csra":
+        return (
+            "head." + key.removeprefix("classifier.") if key.startswith("classifier.") else "backbone." + key
+        )
+    if key.startswith("body."):
+        return ("backbone." if fmt == "mldecoder" else "") + tresnet_key(key)
+    return key
+
+
+def convert_weights(fmt: str, weights: Mapping[str, torch.Tensor], model_config: Mapping[str, Any]) -> dict:
+    """``weights`` (released names) as the state dict of mlcls's model of ``model_config``, every entry
+    checked against that model built on the ``meta`` device: :class:`InferenceError` names the first
+    released key the model has no place for, or of another shape, and the first entry the file lacks (a
+    BatchNorm's ``num_batches_tracked``, which InPlace-ABN files before its version 2 lack, is 0)."""
+    fields = {key: value for key, value in model_config.items() if key != "_target_"}
+    classes = int(weights[FORMATS[fmt].classes_key].shape[0])
+    with torch.device("meta"):
+        expected = create_model(**fields, num_classes=classes).state_dict()
+    converted = {}
+    for key, value in weights.items():
+        name = mlcls_key(fmt, key)
+        if name not in expected:
+            raise _misfit(
+                fmt, f"its key {key!r} has no place in {fields['name']} with a {fields['head']} head"
+            )
+        if value.shape != expected[name].shape:
+            raise _misfit(
+                fmt, f"{key} is {tuple(value.shape)}, {tuple(expected[name].shape)} in {fields['name']}"
+            )
+        converted[name] = tresnet_value(name, value) if fmt != "csra" else value
+    for name, tensor in expected.items():
+        if name not in converted:
+            if not name.endswith("num_batches_tracked"):
+                raise _misfit(
+                    fmt, f"it lacks the weights of {name} ({plural(len(expected), 'tensor')} expected)"
+                )
+            converted[name] = torch.zeros((), dtype=tensor.dtype)
+    return {name: converted[name] for name in expected}
+
+
+def released_classes(
+    count: int, given: Sequence[str] | None, meta: Mapping[str, Any], path: str | Path
+) -> list[str]:
+    """The ``count`` class names of a released file: ``given`` first, else the file's ``idx_to_class``
+    (index -> name), else COCO's or VOC's names for 80 or 20 classes; :class:`InferenceError` otherwise."""
+    if given is not None:
+        names = list(given)
+        source = "the class list given"
+    elif meta.get("idx_to_class") is not None:
+        table = meta["idx_to_class"]
+        if not isinstance(table, Mapping):
+            raise InferenceError(f"{path}: idx_to_class is a {type(table).__name__}; expected index -> name")
+        names = [table[index] for index in sorted(table)]
+        source = "its idx_to_class"
+    elif count in (len(COCO_CLASSES), len(VOC_CLASSES)):
+        return list(COCO_CLASSES if count == len(COCO_CLASSES) else VOC_CLASSES)
+    else:
+        what = " (Open Images)" if count == OPEN_IMAGES_CLASSES else ""
+        raise InferenceError(
+            f"{path} holds {count} classes{what} but not their names; give them with classes=<file of "
+            f"{count} names, one a line, in the model's order>"
+        )
+    if len(names) != count or not all(isinstance(name, str) and name for name in names):
+        raise InferenceError(
+            f"{path}: {source} has {len(names)} entries for the model's {count} classes; expected {count} "
+            "non-empty names"
+        )
+    return names
+
+
+def released_dataset_config(classes: Sequence[str], image_size: int, transform: str) -> dict[str, Any]:
+    """The dataset config an imported model is evaluated on: COCO's, VOC 2007's or Open Images' for 80, 20
+    or 9,605 classes, else the CSV dataset's with these ``classes``; at ``image_size`` with the authors'
+    squash-resize and [0, 1] pixels (mean 0, std 1)."""
+    name = DATASETS.get(len(classes), "csv")
+    config = OmegaConf.to_container(OmegaConf.load(config_dir() / "dataset" / f"{name}.yaml"))
+    config.update(image_size=image_size, transform=transform, mean=[0.0, 0.0, 0.0], std=[1.0, 1.0, 1.0])
+    if name == "csv":
+        config["classes"] = list(classes)
+    return config
+
+
+def import_released(
+    fmt: str,
+    path: str | Path,
+    classes: Sequence[str] | None = None,
+    image_size: int | None = None,
+    lam: float | None = None,
+) -> dict[str, Any]:
+    """The mlcls checkpoint (``model``, ``classes``, ``preprocess``, ``config`` with its ``model`` and
+    ``dataset`` sections, ``released``) of the authors' file ``path`` in format ``fmt`` (:data:`FORMATS`).
+
+    ``classes``, ``image_size`` and CSRA's ``lam`` replace what the format gives (:func:`released_classes`,
+    :data:`TRESNET_SIZES` or 448, :data:`CSRA_LAM`)."""
+    weights, meta = read_released(path)
+    model_config = released_model_config(fmt, weights, lam)
+    state_dict = convert_weights(fmt, weights, model_config)
+    names = released_classes(int(weights[FORMATS[fmt].classes_key].shape[0]), classes, meta, path)
+    size = image_size or TRESNET_SIZES.get(model_config["name"], 448)
+    dataset_config = released_dataset_config(names, size, FORMATS[fmt].transform)
+    return {
+        "model": state_dict,
+        "classes": names,
+        "preprocess": preprocess_spec(dataset_config),
+        "config": {"model": model_config, "dataset": dataset_config},
+        "released": {"format": fmt, "file": Path(path).name},
+    }

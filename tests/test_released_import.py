@@ -1,0 +1,237 @@
+"""mlcls-import: the authors' released checkpoints (ML-Decoder, ASL, CSRA) as mlcls checkpoints.
+
+No released file can be downloaded here: each test writes a state dict under the released key names and
+shapes (random values), converts it with the command, loads it strictly through mlcls.inference and
+compares its logits with an independent float64 reference: timm's TResNet loaded from the released keys by
+timm's own converter (``checkpoint_filter_fn``) or torchvision's ResNet-101 (CSRA's backbone class), and the
+heads from their equations (tests/test_models_heads.py)."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+import torchvision
+from test_models_heads import reference_csra, reference_mldecoder
+from timm.layers import ConvNormAct
+from timm.models.tresnet import checkpoint_filter_fn
+from torch import nn
+
+from mlcls.cli.import_ import main
+from mlcls.data.datasets.voc import VOC_CLASSES
+from mlcls.inference.predictor import load_inference_model
+from mlcls.inference.released import COCO_CLASSES, released_classes
+from mlcls.models.heads import MLDecoder
+from mlcls.models.released import TRESNETS, tresnet_variant
+
+SIZE = 64  # input side of the tests: TResNet and ResNet reduce it 32 times, to 2 x 2 positions
+
+
+def released_tresnet(name: str, num_classes: int = 0) -> dict[str, torch.Tensor]:
+    """The state dict of the authors' TResNet ``name`` (InPlace-ABN layout, ``body.*``), random values:
+    each of timm's ConvNormAct ``P`` is ``P.0`` (conv) and ``P.1`` (InPlace-ABN), or ``P.0.0`` and ``P.0.1``
+    where a blur follows; ABN scales of both signs (the layer applies ``|w| + eps``); the SE layers and the
+    linear head ``head.fc`` have the same names in both."""
+    with torch.device("meta"):
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+    released, paths = {}, []
+    for path, module in model.named_modules():
+        if not isinstance(module, ConvNormAct):
+            continue
+        paths.append(path)
+        nested = module.aa is not None and not isinstance(module.aa, nn.Identity)
+        conv, norm = (f"{path}.0.0", f"{path}.0.1") if nested else (f"{path}.0", f"{path}.1")
+        released[f"{conv}.weight"] = torch.randn(module.conv.weight.shape) * 0.05
+        channels = module.bn.weight.shape[0]
+        released[f"{norm}.weight"] = torch.randn(channels)
+        released[f"{norm}.bias"] = torch.randn(channels) * 0.1
+        released[f"{norm}.running_mean"] = torch.randn(channels) * 0.1
+        released[f"{norm}.running_var"] = torch.rand(channels) + 0.5
+        released[f"{norm}.num_batches_tracked"] = torch.tensor(7)
+    for key, value in model.state_dict().items():
+        if not any(key.startswith((f"{path}.conv.", f"{path}.bn.")) for path in paths):
+            released[key] = torch.randn(value.shape) * 0.05
+    assert len(released) == len(model.state_dict())
+    return released
+
+
+def timm_reference(name: str, released: dict, num_classes: int = 0) -> nn.Module:
+    """timm's ``name`` loaded strictly from ``released`` by timm's own converter, in float64, eval mode."""
+    model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+    model.load_state_dict(checkpoint_filter_fn(dict(released), model), strict=True)
+    return model.double().eval()
+
+
+def released_mldecoder_head(in_features: int, classes: int, groups: int) -> dict[str, torch.Tensor]:
+    """The released ML-Decoder's ``head.*`` entries (its structure: tests/test_models_heads.py), random."""
+    head = MLDecoder(in_features, classes, num_groups=groups)
+    return {f"head.{key}": torch.randn(value.shape) * 0.05 for key, value in head.state_dict().items()}
+
+
+def import_file(tmp_path, fmt: str, state: dict, *options: str):
+    """Save ``state`` as the released file, run ``mlcls-import fmt FILE out=...``; the loaded model."""
+    source, out = tmp_path / "released.pth", tmp_path / "imported.pt"
+    torch.save(state, source)
+    main([fmt, str(source), f"out={out}", *options])
+    return load_inference_model(out, "cpu")
+
+
+def test_mldecoder_tresnet_m_coco_matches_timm_and_the_head_equations(tmp_path):
+    torch.manual_seed(0)
+    weights = {**released_tresnet("tresnet_m"), **released_mldecoder_head(2048, 80, 100)}
+    inference = import_file(tmp_path, "mldecoder", {"model": weights, "epoch": 3})
+    assert inference.classes == list(COCO_CLASSES)
+    model = inference.config["model"]
+    assert (model["name"], model["head"], model["num_groups"], model["decoder_embedding"]) == (
+        "tresnet_m",
+        "mldecoder",
+        80,
+        768,
+    )
+    # the authors' evaluation: Resize((224, 224)), [0, 1] pixels
+    assert inference.preprocess["resize"] == [224, 224] and inference.preprocess["crop"] is None
+    assert inference.preprocess["mean"] == [0.0, 0.0, 0.0] and inference.preprocess["std"] == [1.0, 1.0, 1.0]
+    assert inference.config["dataset"]["name"] == "coco"
+    images = torch.rand(2, 3, SIZE, SIZE)
+    backbone = timm_reference("tresnet_m", {k: v for k, v in weights.items() if k.startswith("body.")})
+    head = MLDecoder(2048, 80, num_groups=100)
+    head.load_state_dict({k.removeprefix("head."): v for k, v in weights.items() if k.startswith("head.")})
+    with torch.no_grad():
+        expected = reference_mldecoder(head, backbone.forward_features(images.double()))
+        torch.testing.assert_close(inference.model(images).double(), expected, atol=2e-4, rtol=2e-4)
+
+
+def test_asl_tresnet_m_with_a_class_file_matches_timm(tmp_path):
+    torch.manual_seed(1)
+    full = released_tresnet("tresnet_m", num_classes=7)
+    # files of InPlace-ABN before its version 2 have no num_batches_tracked
+    weights = {key: value for key, value in full.items() if not key.endswith("num_batches_tracked")}
+    names = tmp_path / "names.txt"
+    names.write_text("".join(f"class {i}\n" for i in range(7)))
+    inference = import_file(tmp_path, "asl", {"state_dict": weights}, f"classes={names}", "image_size=448")
+    assert inference.classes == [f"class {i}" for i in range(7)]
+    assert inference.config["model"]["head"] == "linear" and inference.preprocess["resize"] == [448, 448]
+    assert inference.config["dataset"]["name"] == "csv"
+    reference = timm_reference("tresnet_m", full, num_classes=7)
+    images = torch.rand(2, 3, SIZE, SIZE)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            inference.model(images).double(), reference(images.double()), atol=2e-4, rtol=2e-4
+        )
+
+
+def released_csra(classes: int, heads: int) -> dict[str, torch.Tensor]:
+    """CSRA's ``ResNet_CSRA`` state dict: torchvision's ResNet-101 without ``fc`` and ``classifier.multi_head
+    .{i}.head.weight`` (C, 2048, 1, 1) per head; random values."""
+    with torch.device("meta"):
+        names = torchvision.models.resnet101().state_dict()
+    weights = {}
+    for key, value in names.items():
+        if key.startswith("fc."):
+            continue
+        if key.endswith("num_batches_tracked"):
+            weights[key] = torch.tensor(5)
+        elif key.endswith("running_var"):
+            weights[key] = torch.rand(value.shape) + 0.5
+        else:
+            weights[key] = torch.randn(value.shape) * (0.02 if value.ndim == 4 else 0.1)
+    for i in range(heads):
+        weights[f"classifier.multi_head.{i}.head.weight"] = torch.randn(classes, 2048, 1, 1)
+    return weights
+
+
+@pytest.mark.parametrize(("classes", "heads", "lam", "temperatures"), [(80, 4, 0.5, [1, 2, 4, None])])
+def test_csra_resnet101_matches_torchvision_and_the_head_equations(
+    tmp_path, classes, heads, lam, temperatures
+):
+    torch.manual_seed(classes)
+    weights = released_csra(classes, heads)
+    prefixed = {f"module.{key}": value for key, value in weights.items()}  # saved from nn.DataParallel
+    inference = import_file(tmp_path, "csra", prefixed)
+    model = inference.config["model"]
+    assert (model["name"], model["head"], model["csra_heads"], model["csra_lam"]) == (
+        "resnet101",
+        "csra",
+        heads,
+        lam,
+    )
+    assert inference.config["dataset"]["name"] == ("voc2007" if classes == 20 else "coco")
+    assert inference.preprocess["resize"] == [448, 448] and inference.preprocess["std"] == [1.0, 1.0, 1.0]
+    assert inference.classes[:2] == (["aeroplane", "bicycle"] if classes == 20 else ["person", "bicycle"])
+    resnet = torchvision.models.resnet101()
+    resnet.fc = nn.Identity()
+    resnet.load_state_dict({k: v for k, v in weights.items() if not k.startswith("classifier.")}, strict=True)
+    resnet = resnet.double().eval()
+    images = torch.rand(2, 3, SIZE, SIZE)
+    with torch.no_grad():
+        x = resnet.maxpool(resnet.relu(resnet.bn1(resnet.conv1(images.double()))))
+        features = resnet.layer4(resnet.layer3(resnet.layer2(resnet.layer1(x))))
+        head_weights = [weights[f"classifier.multi_head.{i}.head.weight"] for i in range(heads)]
+        expected = reference_csra(head_weights, temperatures, lam, features)
+        torch.testing.assert_close(inference.model(images).double(), expected, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("name", sorted(TRESNETS))
+def test_each_tresnet_variant_is_told_by_its_released_names(name):
+    """ML-Decoder's TResNet-L is timm's tresnet_v2_l and its XL the tresnet_v2_xl mlcls registers; ASL's are
+    tresnet_l and tresnet_xl."""
+    with torch.device("meta"):
+        assert tresnet_variant(released_tresnet_names(name)) == name
+
+
+def released_tresnet_names(name: str) -> dict[str, torch.Tensor]:
+    """Released keys and shapes (meta tensors) of TResNet ``name``: its stem and the blocks of each layer."""
+    with torch.device("meta"):
+        model = timm.create_model(name, pretrained=False, num_classes=0)
+    layers = TRESNETS[name][0]
+    assert [len(getattr(model.body, f"layer{i}")) for i in range(1, 5)] == list(layers)
+    keys = {"body.conv1.0.weight": model.body.conv1.conv.weight}
+    for i, count in enumerate(layers, 1):
+        for block in range(count):
+            keys[f"body.layer{i}.{block}.conv1.0.weight"] = torch.empty(1, device="meta")
+    if hasattr(model.body.layer1[0], "conv3"):
+        keys["body.layer1.0.conv3.0.weight"] = torch.empty(1, device="meta")
+    return keys
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_file_of_another_format_stops_at_its_first_key(tmp_path, capsys):
+    torch.manual_seed(0)
+    source = tmp_path / "csra.pth"
+    torch.save({"conv1.weight": torch.randn(64, 3, 7, 7), "bn1.weight": torch.randn(64)}, source)
+    err = one_line_error(capsys, ["mldecoder", str(source), f"out={tmp_path / 'o.pt'}"])
+    assert "does not fit format mldecoder" in err and "'conv1.weight'" in err
+    weights = {**released_tresnet("tresnet_m", num_classes=5)}
+    weights["body.layer1.0.se.extra.weight"] = torch.randn(3)
+    torch.save({"model": weights}, source)
+    err = one_line_error(capsys, ["asl", str(source), f"out={tmp_path / 'o.pt'}"])
+    assert "'body.layer1.0.se.extra.weight' has no place in tresnet_m" in err
+    del weights["body.layer1.0.se.extra.weight"]
+    weights["head.fc.bias"] = torch.randn(6)
+    torch.save({"model": weights}, source)
+    err = one_line_error(capsys, ["asl", str(source), f"out={tmp_path / 'o.pt'}"])
+    assert "head.fc.bias is (6,), (5,) in tresnet_m" in err
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_class_names_are_required_where_the_file_has_none(tmp_path, capsys):
+    with pytest.raises(
+        ValueError, match="holds 9605 classes \\(Open Images\\) but not their names; give them with classes="
+    ):
+        released_classes(9605, None, {}, "oi.pth")
+    assert released_classes(3, None, {"idx_to_class": {2: "c", 0: "a", 1: "b"}}, "f") == ["a", "b", "c"]
+    assert released_classes(20, None, {}, "f") == list(VOC_CLASSES)  # CSRA's voc_cls_id order
+    torch.manual_seed(0)
+    source = tmp_path / "asl.pth"
+    torch.save({"model": released_tresnet("tresnet_m", num_classes=5)}, source)
+    err = one_line_error(capsys, ["asl", str(source), f"out={tmp_path / 'o.pt'}"])
+    assert "holds 5 classes but not their names; give them with classes=" in err
+    err = one_line_error(capsys, ["asl", str(source), "classes.txt"])
+    assert "unexpected argument 'classes.txt'" in err
