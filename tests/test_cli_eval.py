@@ -176,8 +176,9 @@ def test_a_run_trained_with_a_relative_root_evaluates_from_another_directory(
     (data / "images").symlink_to(paths[0].parent)
     monkeypatch.chdir(tmp_path / "a")
     overrides = [
-        "dataset=csv", "dataset.root=data", "dataset.val_fraction=0.5", "dataset.image_size=32",
-        "dataset.transform=light", "model.name=resnet10t", "model.pretrained=false", "trainer.epochs=1",
+        "dataset=csv", "dataset.root=data", "dataset.val_fraction=0.5", "dataset.holdout=hashed",
+        "dataset.image_size=32", "dataset.transform=light", "model.name=resnet10t", "model.pretrained=false",
+        "trainer.epochs=1",
         "trainer.batch_size=4", "trainer.limit_train_batches=1", "trainer.workers=0", "trainer.device=cpu",
         f"trainer.output_dir={tmp_path / 'run'}",
     ]  # fmt: skip

@@ -80,8 +80,10 @@ def test_val_file_and_classes_from_both_files(tmp_path: Path) -> None:
     assert val.labels.tolist() == [[0, 1, 0, 1]]
 
 
-def _split_names(root: str, split: str, seed: int = 0, val_fraction: float = 0.25) -> list[str]:
-    dataset = CSVDataset(split, root=root, val_fraction=val_fraction, seed=seed)
+def _split_names(
+    root: str, split: str, seed: int = 0, val_fraction: float = 0.25, holdout: str = "hashed"
+) -> list[str]:
+    dataset = CSVDataset(split, root=root, val_fraction=val_fraction, seed=seed, holdout=holdout)
     return [Path(s.path).name for s in dataset.samples]
 
 
@@ -206,7 +208,7 @@ def test_a_held_out_split_holds_each_image_on_one_side_whatever_its_spellings(tm
     held = [held_out(image, 0.5, seed) for image in images]
     assert any(held) and not all(held)  # both sides hold images of this fixture
     for split, side in (("val", True), ("train", False)):
-        dataset = CSVDataset(split, root=root, val_fraction=0.5, seed=seed)
+        dataset = CSVDataset(split, root=root, val_fraction=0.5, seed=seed, holdout="hashed")
         # img/0.jpg on the side of its first spelling only
         assert [s.path for s in dataset.samples] == [
             f"{root}/{image}" for image, h in zip(images, held, strict=True) if h == side
@@ -251,14 +253,14 @@ def test_a_held_out_split_with_few_positives_of_a_class_names_them(tmp_path: Pat
     text = "image,labels\n" + "".join(f"{name},{tag}\n" for name, tag in zip(images, tags, strict=True))
     root = str(write_csv(tmp_path, text, images=images))
     with caplog.at_level("WARNING", logger="mlcls"):
-        CSVDataset("val", root=root, val_fraction=0.2)
+        CSVDataset("val", root=root, val_fraction=0.2, holdout="hashed")
     warnings = [r.getMessage() for r in caplog.records if "fewer than 5 positives" in r.getMessage()]
     assert len(warnings) == 1
     assert "of 1 class (rare 2)" in warnings[0]
     assert "dataset.val_fraction" in warnings[0] and "dataset.val_file" in warnings[0]
     caplog.clear()
     with caplog.at_level("WARNING", logger="mlcls"):
-        CSVDataset("train", root=root, val_fraction=0.2)
+        CSVDataset("train", root=root, val_fraction=0.2, holdout="hashed")
         CSVDataset("val", root=root, val_file="train.csv")  # a validation list: no warning
     assert "fewer than 5 positives" not in caplog.text
 
@@ -269,3 +271,57 @@ def test_a_test_list_with_given_classes_needs_no_training_file(tmp_path: Path) -
     assert dataset.labels.tolist() == [[1, 0], [1, 1]]
     with pytest.raises(DatasetLayoutError, match="train.csv"):
         CSVDataset("val", root=str(root), val_file="test.csv")  # classes to infer: the training file too
+
+
+def _rare_class_csv(tmp_path: Path) -> tuple[str, list[str], list[str]]:
+    """A 20-image CSV: every image ``common``, besides ``a``/``b`` alternately; ``rare`` on 2 images that the
+    hashed split at val_fraction 0.1, seed 0 keeps in training. Returns the root, the images and the
+    hashed split's validation images."""
+    images = [f"{i:02d}.jpg" for i in range(20)]
+    hashed_val = [name for name in images if held_out(name, 0.1, 0)]
+    rare = [name for name in images if name not in hashed_val][:2]
+    tags = [f"common {'ab'[i % 2]}" + (" rare" if name in rare else "") for i, name in enumerate(images)]
+    text = "image,labels\n" + "".join(f"{name},{tag}\n" for name, tag in zip(images, tags, strict=True))
+    return str(write_csv(tmp_path, text, images=images)), images, rare
+
+
+def test_the_stratified_holdout_gives_a_class_of_2_positives_one_in_validation(tmp_path: Path) -> None:
+    """The hashed split (the only one of the old code) held out none of the 2 positives of ``rare``."""
+    root, images, rare = _rare_class_csv(tmp_path)
+    hashed = _split_names(root, "val", val_fraction=0.1)
+    assert hashed and not set(rare) & set(hashed)  # the hashed split: no positive of rare held out
+    for seed in range(5):
+        val = _split_names(root, "val", seed, 0.1, "stratified")
+        train = _split_names(root, "train", seed, 0.1, "stratified")
+        assert sorted(train + val) == images and not set(train) & set(val)
+        assert len(set(rare) & set(val)) == 1 and len(set(rare) & set(train)) == 1
+        assert _split_names(root, "val", seed, 0.1, "stratified") == val  # deterministic for a seed
+    assert len({tuple(_split_names(root, "val", s, 0.1, "stratified")) for s in range(5)}) > 1
+
+
+def test_the_stratified_holdout_counts_unknown_labels_as_negatives(tmp_path: Path) -> None:
+    """One-hot columns with unknown (-1, empty) cells: each class with 2+ positives keeps one on each side."""
+    rows = [f"{i:02d}.jpg,1,{'' if i % 3 else 0},{1 if i in (4, 11) else -1}\n" for i in range(20)]
+    root = str(write_csv(tmp_path, "image,a,b,c\n" + "".join(rows), images=[r[:6] for r in rows]))
+    for seed in range(3):
+        val = CSVDataset(
+            "val", root=root, labels_column=None, val_fraction=0.1, seed=seed, holdout="stratified"
+        )
+        train = CSVDataset(
+            "train", root=root, labels_column=None, val_fraction=0.1, seed=seed, holdout="stratified"
+        )
+        assert len(val) + len(train) == 20
+        assert (val.labels[:, 2] == 1).sum() == 1 and (train.labels[:, 2] == 1).sum() == 1
+
+
+def test_the_csv_config_holds_out_by_stratification_and_refuses_other_holdouts(tmp_path: Path) -> None:
+    from mlcls.cli.overrides import compose_config
+
+    assert compose_config("train", ["dataset=csv"]).dataset.holdout == "stratified"
+    root, _, _ = _rare_class_csv(tmp_path)
+    with pytest.raises(
+        DatasetConfigError, match=r"unknown dataset.holdout 'random'; expected one of 'stratified', 'hashed'"
+    ):
+        CSVDataset("val", root=root, holdout="random")
+    with pytest.raises(DatasetConfigError, match=r"dataset.seed=-1; expected an integer >= 0"):
+        CSVDataset("val", root=root, holdout="stratified", seed=-1)
