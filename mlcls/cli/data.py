@@ -5,6 +5,7 @@
     mlcls-data stats dataset=csv dataset.root=/data/mine --split val
     mlcls-data pack dataset=coco dataset.root=/data/coco out=/data/coco320 shard_size=1000 max_side=320
     mlcls-data verify /data/coco320                                  # every shard against the manifest
+    mlcls-data audit dataset=csv dataset.root=/data/mine folds=5 out=audit   # suspected label errors
 
 Overrides are those of ``mlcls-train`` (the same Hydra config); ``pack`` also takes ``out=`` (required),
 ``shard_size=`` (samples per shard, default 1000), ``max_side=`` (default 320), ``quality=`` (JPEG quality of
@@ -13,8 +14,12 @@ own and takes 444 for other images; or 444, 422, 420),
 ``seed=`` (the training split's packing order, default 0), ``workers=`` (shards written at once, in
 processes; default 1) and ``overwrite=true`` (delete a split packed into ``out`` with other settings
 first; without it such a folder is refused). ``verify DIR`` reads every packed file and prints one line
-per problem. Exit status: 0, 1 when ``--check`` found unreadable images, ``pack`` skipped some or
-``verify`` found problems, 2 for a configuration or layout mistake (one line).
+per problem. ``audit`` trains the config ``folds=`` times (default 5), each time on all folds of the
+training split but one and scoring that one, ranks the given labels with cleanlab and writes ``audit.csv``
+and ``audit.html`` into ``out=`` (default ``audit``); ``seed=`` cuts the folds (default 0), ``top=`` is the
+length of the ranking written (default 1000); see :mod:`mlcls.reporting.audit`. Exit status: 0, 1 when
+``--check`` found unreadable images, ``pack`` skipped some or ``verify`` found problems, 2 for a
+configuration or layout mistake (one line).
 """
 
 from __future__ import annotations
@@ -29,16 +34,16 @@ from typing import Any
 
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from mlcls.cli.errors import one_line, plural
+from mlcls.cli.errors import USER_ERRORS, error_line, plural
 from mlcls.cli.overrides import compose_config
-from mlcls.data import DatasetError, MultiLabelDataset, build_dataset
+from mlcls.data import MultiLabelDataset, build_dataset
 from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.stats import find_unreadable
 from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.data.shards.verify import verify_pack
 from mlcls.engine.validate import ConfigError
+from mlcls.reporting.audit import audit
 
 TOP_CLASSES = 5
 PACK_OPTIONS = {
@@ -52,6 +57,7 @@ PACK_OPTIONS = {
     "overwrite": False,
 }
 TEXT_PACK_OPTIONS = ("out", "subsampling")  # the others are positive integers or booleans
+AUDIT_OPTIONS = {"folds": 5, "out": "audit", "seed": 0, "top": 1000}
 BOOLEANS = {"true": True, "false": False}
 # The source's settings that training from its shards takes as defaults (dataset=shards reads them from the
 # manifest), and those the pack's "train with:" line repeats where the source's config set them otherwise.
@@ -109,22 +115,31 @@ def stats(cfg: DictConfig, splits: Sequence[str], check_images: bool, workers: i
     return 1 if unreadable else 0
 
 
-def split_pack_options(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """``pack``'s own ``key=value`` options (:data:`PACK_OPTIONS`) and the remaining config overrides."""
-    options, rest = dict(PACK_OPTIONS), []
+def split_options(
+    overrides: Sequence[str], defaults: dict[str, Any], text_keys: Sequence[str]
+) -> tuple[dict[str, Any], list[str]]:
+    """A command's own ``key=value`` options (the keys of ``defaults``: booleans, the text of ``text_keys``,
+    else integers >= 0) and the remaining config overrides."""
+    options, rest = dict(defaults), []
     for override in overrides:
         key, sep, value = override.partition("=")
-        if sep and key in PACK_OPTIONS:
-            if isinstance(PACK_OPTIONS[key], bool):
+        if sep and key in defaults:
+            if isinstance(defaults[key], bool):
                 if value.lower() not in BOOLEANS:
                     raise ConfigError(f"{key}={value}; expected true or false")
                 options[key] = BOOLEANS[value.lower()]
-            elif key not in TEXT_PACK_OPTIONS and not value.isdigit():
+            elif key not in text_keys and not value.isdigit():
                 raise ConfigError(f"{key}={value}; expected a positive integer")
             else:
-                options[key] = value if key in TEXT_PACK_OPTIONS else int(value)
+                options[key] = value if key in text_keys else int(value)
         else:
             rest.append(override)
+    return options, rest
+
+
+def split_pack_options(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """``pack``'s own ``key=value`` options (:data:`PACK_OPTIONS`) and the remaining config overrides."""
+    options, rest = split_options(overrides, PACK_OPTIONS, TEXT_PACK_OPTIONS)
     if not options["out"]:
         raise ConfigError("pack needs out=DIR, the folder of the shards")
     return options, rest
@@ -201,9 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mlcls-data", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "command",
-        choices=["stats", "pack", "verify"],
+        choices=["stats", "pack", "verify", "audit"],
         help="stats: sizes, classes and label statistics; pack: write WebDataset shards; verify DIR: check "
-        "every packed file against the manifest",
+        "every packed file against the manifest; audit: rank the training labels likely wrong",
     )
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. dataset=coco dataset.root=/data")
     parser.add_argument(
@@ -223,10 +238,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "pack":
             options, overrides = split_pack_options(args.overrides)
             return pack(compose_config("train", overrides), splits, options, sys.stderr.isatty())
+        if args.command == "audit":
+            options, overrides = split_options(args.overrides, AUDIT_OPTIONS, ("out",))
+            cfg = compose_config("train", overrides)
+            audit(cfg, options["folds"], options["seed"], options["out"], options["top"])
+            return 0
         cfg = compose_config("train", args.overrides)
         return stats(cfg, splits, args.check, args.workers)
-    except (DatasetError, ConfigError, HydraException, OmegaConfBaseException) as exc:
-        print(f"mlcls-data: error: {one_line(exc)}", file=sys.stderr)
+    except (HydraException, *USER_ERRORS) as exc:
+        print(f"mlcls-data: error: {error_line(exc)}", file=sys.stderr)
         return 2
 
 

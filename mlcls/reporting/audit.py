@@ -1,0 +1,238 @@
+"""``mlcls-data audit``: suspected label errors of a training split, ranked by cleanlab from K-fold
+out-of-sample probabilities.
+
+The training split is cut into K folds (:mod:`mlcls.data.datasets.folds`). K runs of the given training
+config each train on K-1 folds and score the fold held out, so that every training image gets
+probabilities (the sigmoid of the last epoch's raw weights' logits) from a model that never saw it. Each
+fold's probabilities are written, atomically, to ``<out>/folds/fold_<k>.npz`` once its run ends; a rerun
+skips the folds written with the same settings (and a fold whose run was stopped resumes from its last
+checkpoint, ``<out>/folds/fold_<k>/``). cleanlab's multi-label scores
+(``cleanlab.multilabel_classification.rank.get_label_quality_scores_per_class``, self-confidence: the
+probability of the given label) rank every known (image, class) label, the least likely first; unknown
+labels (-1) are not ranked. The first ``top`` of the ranking go to ``<out>/audit.csv`` and
+``<out>/audit.html`` (:mod:`mlcls.reporting.audit_page`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from cleanlab.multilabel_classification.rank import get_label_quality_scores_per_class
+from omegaconf import DictConfig, OmegaConf
+
+from mlcls.data import MultiLabelDataset, build_dataset
+from mlcls.data.datasets.folds import fold_rows
+from mlcls.engine.build import pin_dataset_root
+from mlcls.engine.trainer import Trainer
+from mlcls.engine.validate import ConfigError
+from mlcls.errors import plural
+from mlcls.io import atomic_write, atomic_write_bytes
+from mlcls.reporting.audit_page import audit_page
+
+AUDIT_CSV, AUDIT_HTML = "audit.csv", "audit.html"
+CSV_COLUMNS = ("rank", "image", "class", "given_label", "probability", "score")
+SHOWN = 20  # suspects printed
+# The settings a fold's probabilities depend on: a saved fold is reused only when they are unchanged.
+FOLD_SETTINGS = ("dataset", "model", "loss", "optim", "sched", "data")
+FOLD_TRAINER_SETTINGS = ("epochs", "batch_size", "seed", "amp", "ema_decay", "grad_clip")
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """One ranked label: row ``row`` of the training split, class ``column``, its given label (1 or 0), the
+    out-of-sample probability of the class and cleanlab's label quality score (low: likely wrong)."""
+
+    rank: int
+    row: int
+    image: str
+    column: int
+    label: int
+    probability: float
+    score: float
+
+
+def image_name(dataset: MultiLabelDataset, row: int) -> str:
+    """The file of sample ``row``, with its box when the sample is a crop."""
+    sample = dataset.samples[row]
+    return (
+        sample.path
+        if sample.box is None
+        else f"{sample.path} (box {', '.join(f'{v:g}' for v in sample.box)})"
+    )
+
+
+def fold_config(cfg: DictConfig, folds: int, fold: int, seed: int, out: Path) -> DictConfig:
+    """The training config of fold ``fold``: ``cfg`` with its dataset replaced by the
+    :class:`~mlcls.data.datasets.folds.FoldSplit` of its training split (fold ``fold`` held out and
+    evaluated once, after the last epoch), run in ``out/folds/fold_<fold>`` and resumed from there."""
+    source = OmegaConf.to_container(cfg.dataset, resolve=True)
+    fold_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    fold_cfg.dataset = {
+        "_target_": "mlcls.data.datasets.folds.FoldSplit",
+        "_recursive_": False,  # source is a dataset config, instantiated by the fold split itself
+        **{key: source[key] for key in ("name", "image_size", "transform", "mean", "std") if key in source},
+        "train_split": "train",
+        "val_split": "heldout",
+        "source": source,
+        "folds": folds,
+        "fold": fold,
+        "seed": seed,
+    }
+    fold_cfg.trainer.output_dir = str(out / "folds" / f"fold_{fold}")
+    fold_cfg.trainer.resume = "auto"
+    fold_cfg.trainer.eval_every = fold_cfg.trainer.epochs
+    fold_cfg.trainer.limit_val_batches = None
+    return fold_cfg
+
+
+def fold_settings(cfg: DictConfig, folds: int, seed: int, num_rows: int) -> str:
+    """The settings of :data:`FOLD_SETTINGS` and :data:`FOLD_TRAINER_SETTINGS`, the cut and the split's size,
+    as JSON: what a saved fold is checked against."""
+    settings = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in FOLD_SETTINGS if key in cfg}
+    settings["trainer"] = {key: cfg.trainer.get(key) for key in FOLD_TRAINER_SETTINGS}
+    settings["cut"] = {"folds": folds, "seed": seed, "rows": num_rows}
+    return json.dumps(settings, sort_keys=True, default=str)
+
+
+def load_fold(path: Path, settings: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows and probabilities saved in ``path``, or None when there is no such file; one
+    :class:`ConfigError` line when it was written with other settings."""
+    if not path.exists():
+        return None
+    with np.load(path) as saved:
+        if str(saved["settings"]) != settings:
+            raise ConfigError(
+                f"{path} holds the probabilities of an audit with other settings; pass another out= or "
+                "delete the folder"
+            )
+        return saved["rows"], saved["probabilities"]
+
+
+def run_fold(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Train the fold config ``cfg`` (:func:`fold_config`); the held-out rows and their probabilities."""
+    trainer = Trainer(cfg)
+    trainer.fit()
+    scores = trainer.val_outputs[0] if trainer.val_outputs else None
+    if scores is None:  # resumed after its last epoch: the weights are trained, not yet scored
+        scores = trainer.evaluate().scores
+    return trainer.data.val_set.rows, torch.sigmoid(scores).numpy()
+
+
+def out_of_sample_probabilities(
+    cfg: DictConfig, num_rows: int, folds: int, seed: int, out: Path, say: Callable[[str], None]
+) -> np.ndarray:
+    """(N, C) float32: each training row's probabilities from the fold run that held it out; the folds
+    saved under ``out/folds`` with these settings are read, the others trained and saved."""
+    settings = fold_settings(cfg, folds, seed, num_rows)
+    probabilities: np.ndarray | None = None
+    for fold in range(folds):
+        path = out / "folds" / f"fold_{fold}.npz"
+        saved = load_fold(path, settings)
+        if saved is None:
+            start = time.perf_counter()
+            rows, probs = run_fold(fold_config(cfg, folds, fold, seed, out))
+            if not np.array_equal(rows, fold_rows(num_rows, folds, fold, seed)):
+                raise ConfigError(f"fold {fold}: the training split changed while the audit ran")
+            buffer = io.BytesIO()
+            np.savez(buffer, rows=rows, probabilities=probs, settings=np.array(settings))
+            atomic_write_bytes(path, buffer.getvalue())
+            say(f"fold {fold + 1}/{folds}: trained and scored in {time.perf_counter() - start:.0f} s, {path}")
+        else:
+            rows, probs = saved
+            say(f"fold {fold + 1}/{folds}: read from {path}")
+        if probabilities is None:
+            probabilities = np.full((num_rows, probs.shape[1]), np.nan, dtype=np.float32)
+        probabilities[rows] = probs
+    return probabilities
+
+
+def rank_labels(labels: np.ndarray, probabilities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cleanlab's per-class label quality scores (N, C) of ``labels`` (N, C: 1 / 0 / -1, unknown taken as
+    negative) under ``probabilities``, and the known entries as ``(row, column)`` pairs (K, 2), the lowest
+    score first (ties: row, then column)."""
+    given = [np.flatnonzero(row == 1).tolist() for row in labels]
+    scores = np.asarray(get_label_quality_scores_per_class(given, probabilities)).reshape(labels.shape)
+    known = np.argwhere(labels >= 0)
+    order = np.argsort(scores[known[:, 0], known[:, 1]], kind="stable")
+    return scores, known[order]
+
+
+def audit(cfg: DictConfig, folds: int, seed: int, out: str | Path, top: int) -> list[Suspect]:
+    """Audit the training split of ``cfg`` (the composed ``configs/train.yaml``) with ``folds`` folds cut
+    by ``seed``: prints the cost first, then each fold, the first :data:`SHOWN` suspects and the files;
+    writes the first ``top`` of the ranking to ``out/audit.csv`` and ``out/audit.html``; returns them."""
+    if folds < 2:
+        raise ConfigError(f"folds={folds}; expected an integer >= 2 (each fold is scored by the others)")
+    out = Path(out)
+    pin_dataset_root(cfg.dataset)
+    dataset = build_dataset(cfg.dataset, train=True)
+    if not isinstance(dataset, MultiLabelDataset):
+        raise ConfigError(
+            f"the training split of {cfg.dataset.get('name', 'this dataset')} is read in sequence (packed "
+            "shards), not by index; audit the dataset config the shards were packed from"
+        )
+    num_rows = len(dataset)
+    if num_rows < folds:
+        raise ConfigError(f"the training split has {plural(num_rows, 'sample')}, fewer than folds={folds}")
+    held = num_rows // folds
+    print(
+        f"audit of {cfg.dataset.get('name', '?')}: {folds} trainings of {cfg.model.name} for "
+        f"{plural(cfg.trainer.epochs, 'epoch')} each, on about {num_rows - held} of the {num_rows} training "
+        f"images, each scoring the other {held} or so; saved folds in {out / 'folds'} are reused",
+        flush=True,
+    )
+    probabilities = out_of_sample_probabilities(cfg, num_rows, folds, seed, out, print)
+    labels = dataset.labels.numpy()
+    scores, ranked = rank_labels(labels, probabilities)
+    suspects = [
+        Suspect(
+            rank + 1,
+            int(row),
+            image_name(dataset, int(row)),
+            int(column),
+            int(labels[row, column]),
+            float(probabilities[row, column]),
+            float(scores[row, column]),
+        )
+        for rank, (row, column) in enumerate(ranked[:top])
+    ]
+    write_csv(out / AUDIT_CSV, suspects, dataset.classes)
+    page = audit_page(suspects, dataset, labels, cfg.dataset.get("name", "?"), folds)
+    atomic_write_bytes(out / AUDIT_HTML, page.encode())
+    print(
+        f"\nfirst {min(SHOWN, len(suspects))} of {plural(len(ranked), 'ranked label')} (lowest score first):"
+    )
+    print(f"{'rank':>5}  {'given':>5}  {'prob':>6}  {'score':>6}  class  image")
+    for suspect in suspects[:SHOWN]:
+        print(
+            f"{suspect.rank:>5}  {suspect.label:>5}  {suspect.probability:6.3f}  {suspect.score:6.3f}  "
+            f"{dataset.classes[suspect.column]}  {suspect.image}"
+        )
+    print(f"\nwrote {out / AUDIT_CSV}\nwrote {out / AUDIT_HTML}")
+    return suspects
+
+
+def write_csv(path: Path, suspects: list[Suspect], classes: list[str]) -> None:
+    """``path``: one row per suspect, the columns :data:`CSV_COLUMNS`."""
+
+    def write(f: Any) -> None:
+        text = io.TextIOWrapper(f, encoding="utf-8", newline="")
+        writer = csv.writer(text)
+        writer.writerow(CSV_COLUMNS)
+        for s in suspects:
+            writer.writerow(
+                [s.rank, s.image, classes[s.column], s.label, f"{s.probability:.6f}", f"{s.score:.6f}"]
+            )
+        text.flush()
+        text.detach()
+
+    atomic_write(path, write)

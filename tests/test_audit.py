@@ -1,0 +1,149 @@
+"""``mlcls-data audit``: K-fold out-of-sample probabilities, cleanlab's ranking, its files, resuming."""
+
+from __future__ import annotations
+
+import csv
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mlcls.cli.data import main
+from mlcls.data.datasets.folds import fold_rows
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (40, 60, 230), "yellow": (230, 220, 30)}
+IMAGES, SIDE, PATCH = 240, 32, 14
+FLIPPED_SHARE = 0.1
+# The audit's precision at k (k = the labels flipped) must reach this; chance is k / (images x classes).
+PRECISION_FLOOR = 0.5
+
+
+def write_flipped_csv(root: Path, seed: int = 0) -> tuple[np.ndarray, set[tuple[int, int]]]:
+    """``root/train.csv`` (one column per colour) and ``root/images/NNN.png``: each image a grey noisy
+    square holding a patch of each of its colours (each present with probability 0.4, independently).
+    One label of 10 % of the images, drawn at random, is flipped in the CSV. Returns the true labels
+    (images, colours) and the flipped ``(row, column)`` entries."""
+    rng = np.random.default_rng(seed)
+    truth = (rng.random((IMAGES, len(COLOURS))) < 0.4).astype(int)
+    (root / "images").mkdir(parents=True)
+    for i, row in enumerate(truth):
+        pixels = np.clip(rng.normal(128, 20, (SIDE, SIDE, 3)), 0, 255).astype(np.uint8)
+        for column in np.flatnonzero(row):
+            x, y = rng.integers(0, SIDE - PATCH, 2)
+            pixels[y : y + PATCH, x : x + PATCH] = list(COLOURS.values())[column]
+        Image.fromarray(pixels).save(root / "images" / f"{i:03d}.png")
+    rows = rng.choice(IMAGES, int(FLIPPED_SHARE * IMAGES), replace=False)
+    flipped = {(int(row), int(rng.integers(len(COLOURS)))) for row in rows}
+    given = truth.copy()
+    for row, column in flipped:
+        given[row, column] = 1 - given[row, column]
+    lines = ["image," + ",".join(COLOURS)]
+    lines += [f"images/{i:03d}.png," + ",".join(map(str, row)) for i, row in enumerate(given)]
+    (root / "train.csv").write_text("\n".join(lines) + "\n")
+    return truth, flipped
+
+
+def audit_argv(root: Path, out: Path, *extra: str) -> list[str]:
+    """The audit of the whole CSV (no image held out for validation) with timm's test_resnet at 32 px."""
+    return [
+        "audit", "dataset=csv", f"dataset.root={root}", "dataset.labels_column=null",
+        "dataset.val_fraction=0", f"dataset.image_size={SIDE}", "dataset.transform=light",
+        "model.name=test_resnet",
+        "model.pretrained=false", "optim=adamw", "optim.lr_head=5e-3", "optim.lr_backbone=5e-3", "loss=bce",
+        "trainer.epochs=6", "trainer.batch_size=16", "trainer.workers=0", "trainer.device=cpu",
+        "folds=2", f"out={out}", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory):
+    """The flipped CSV audited once: its folder, the audit's folder, the flips, the output and wall time."""
+    root = tmp_path_factory.mktemp("flipped")
+    _, flipped = write_flipped_csv(root)
+    out = root / "audit"
+    start = time.perf_counter()
+    code = main(audit_argv(root, out))
+    return root, out, flipped, code, time.perf_counter() - start
+
+
+def read_ranking(out: Path) -> list[dict[str, str]]:
+    with open(out / "audit.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_audit_ranks_the_flipped_labels_first(audited, capsys) -> None:
+    root, out, flipped, code, wall = audited
+    assert code == 0
+    ranking = read_ranking(out)
+    k = len(flipped)
+    colours = list(COLOURS)
+    top = {(int(Path(row["image"]).stem), colours.index(row["class"])) for row in ranking[:k]}
+    precision, chance = len(top & flipped) / k, k / (IMAGES * len(COLOURS))
+    print(f"audit: precision at k={k} {precision:.3f} (chance {chance:.3f}), wall time {wall:.1f} s")
+    assert precision >= PRECISION_FLOOR > 10 * chance
+
+
+def test_the_audit_files_hold_the_ranking(audited) -> None:
+    root, out, flipped, _, _ = audited
+    ranking = read_ranking(out)
+    assert list(ranking[0]) == ["rank", "image", "class", "given_label", "probability", "score"]
+    assert [int(row["rank"]) for row in ranking] == list(range(1, len(ranking) + 1))
+    assert len(ranking) == IMAGES * len(COLOURS)  # every label known, fewer than top=1000
+    scores = [float(row["score"]) for row in ranking]
+    assert scores == sorted(scores)
+    given = np.loadtxt(root / "train.csv", delimiter=",", skiprows=1, usecols=range(1, 5), dtype=int)
+    for row in ranking[:50]:
+        i, c = int(Path(row["image"]).stem), list(COLOURS).index(row["class"])
+        assert int(row["given_label"]) == given[i, c]
+        p = float(row["probability"])  # self-confidence: the probability of the given label
+        assert float(row["score"]) == pytest.approx(p if given[i, c] == 1 else 1 - p, abs=2e-6)
+    page = (out / "audit.html").read_text()
+    assert page.count("<tr>") == len(ranking) + 1
+    assert len(re.findall(r'<img src="data:image/jpeg;base64,', page)) == len(ranking)
+    assert "http://" not in page and "https://" not in page  # self-contained
+    folds = sorted(p.name for p in (out / "folds").glob("*.npz"))
+    assert folds == ["fold_0.npz", "fold_1.npz"]
+    for fold in range(2):
+        with np.load(out / "folds" / f"fold_{fold}.npz") as saved:
+            assert saved["rows"].tolist() == fold_rows(IMAGES, 2, fold, 0).tolist()
+            assert saved["probabilities"].shape == (IMAGES // 2, len(COLOURS))
+
+
+def test_a_rerun_reads_the_saved_folds_and_states_its_cost(audited, capsys) -> None:
+    root, out, _, _, _ = audited
+    before = (out / "audit.csv").read_text()
+    start = time.perf_counter()
+    assert main(audit_argv(root, out)) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0] == (
+        f"audit of csv: 2 trainings of test_resnet for 6 epochs each, on about 120 of the 240 training "
+        f"images, each scoring the other 120 or so; saved folds in {out / 'folds'} are reused"
+    )
+    assert f"fold 1/2: read from {out / 'folds' / 'fold_0.npz'}" in printed
+    assert f"fold 2/2: read from {out / 'folds' / 'fold_1.npz'}" in printed
+    assert (out / "audit.csv").read_text() == before
+    assert time.perf_counter() - start < 20  # no training
+    lines = printed.splitlines()
+    first = lines.index(next(line for line in lines if line.startswith("first 20 of 960 ranked labels")))
+    assert len(lines[first + 2 : first + 22]) == 20 and lines[first + 22] == ""
+    assert lines[-2:] == [f"wrote {out / 'audit.csv'}", f"wrote {out / 'audit.html'}"]
+    # other settings: the saved folds are refused, not mixed in
+    assert main(audit_argv(root, out, "trainer.epochs=1")) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"mlcls-data: error: {out / 'folds' / 'fold_0.npz'} holds the probabilities of an audit with other "
+        "settings; pass another out= or delete the folder"
+    )
+
+
+def test_audit_mistakes_are_one_line(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "data"
+    write_flipped_csv(root)
+    for extra, message in (
+        (["folds=1"], "folds=1; expected an integer >= 2 (each fold is scored by the others)"),
+        (["folds=x"], "folds=x; expected a positive integer"),
+    ):
+        assert main(audit_argv(root, tmp_path / "out", *extra)) == 2
+        assert capsys.readouterr().err.strip() == f"mlcls-data: error: {message}"
