@@ -147,3 +147,16 @@ def test_audit_mistakes_are_one_line(tmp_path: Path, capsys) -> None:
     ):
         assert main(audit_argv(root, tmp_path / "out", *extra)) == 2
         assert capsys.readouterr().err.strip() == f"mlcls-data: error: {message}"
+
+
+def test_packed_shards_are_refused_naming_the_source_to_audit(tmp_path: Path, capsys) -> None:
+    """Shards are read in sequence: the audit, which reads the training split by index, says so."""
+    out = tmp_path / "packed"
+    synthetic = ["dataset=synthetic", "dataset.train_size=8", "dataset.val_size=4", "dataset.image_size=32"]
+    assert main(["pack", *synthetic, f"out={out}", "shard_size=4", "max_side=32"]) == 0
+    capsys.readouterr()
+    assert main(["audit", "dataset=shards", f"dataset.root={out}", "folds=2", f"out={tmp_path / 'a'}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "mlcls-data: error: the training split of shards is read in sequence (packed shards), not by index; "
+        "audit the dataset config the shards were packed from"
+    )

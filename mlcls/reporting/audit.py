@@ -29,8 +29,8 @@ import torch
 from cleanlab.multilabel_classification.rank import get_label_quality_scores_per_class
 from omegaconf import DictConfig, OmegaConf
 
-from mlcls.data import MultiLabelDataset, build_dataset
-from mlcls.data.datasets.folds import fold_rows
+from mlcls.data import MultiLabelDataset
+from mlcls.data.datasets.folds import fold_rows, indexed_training_split
 from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
 from mlcls.engine.validate import ConfigError
@@ -174,12 +174,7 @@ def audit(cfg: DictConfig, folds: int, seed: int, out: str | Path, top: int) -> 
         raise ConfigError(f"folds={folds}; expected an integer >= 2 (each fold is scored by the others)")
     out = Path(out)
     pin_dataset_root(cfg.dataset)
-    dataset = build_dataset(cfg.dataset, train=True)
-    if not isinstance(dataset, MultiLabelDataset):
-        raise ConfigError(
-            f"the training split of {cfg.dataset.get('name', 'this dataset')} is read in sequence (packed "
-            "shards), not by index; audit the dataset config the shards were packed from"
-        )
+    dataset = indexed_training_split(cfg.dataset)
     num_rows = len(dataset)
     if num_rows < folds:
         raise ConfigError(f"the training split has {plural(num_rows, 'sample')}, fewer than folds={folds}")

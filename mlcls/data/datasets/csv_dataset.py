@@ -252,9 +252,7 @@ def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np
     splitter = MultilabelStratifiedShuffleSplit(n_splits=1, test_size=val_fraction, random_state=state)
     # with a column of ones: the splitter takes two columns at least (a file of one class)
     targets = np.column_stack([positive, np.ones(len(labels), dtype=bool)])
-    _, val_rows = next(splitter.split(np.zeros(len(labels)), targets))
-    in_val = np.zeros(len(labels), dtype=bool)
-    in_val[val_rows] = True
+    in_val = np.isin(np.arange(len(labels)), next(splitter.split(np.zeros(len(labels)), targets))[1])
     order = state.permutation(len(labels))
     for c in np.argsort(positive.sum(axis=0), kind="stable"):
         if positive[:, c].sum() < 2 or positive[in_val, c].any():

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from mlcls.data import build_dataset
 from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, check_choice
@@ -28,6 +28,18 @@ def fold_rows(num_rows: int, folds: int, fold: int, seed: int) -> np.ndarray:
     permutation of ``range(num_rows)`` drawn from ``seed`` with ``p mod folds == fold``."""
     order = np.random.default_rng(seed).permutation(num_rows)
     return np.sort(order[fold::folds])
+
+
+def indexed_training_split(cfg: DictConfig) -> MultiLabelDataset:
+    """The training split of the dataset config ``cfg``, read by index; packed shards, read in sequence,
+    raise :class:`DatasetConfigError` naming the way out (the config they were packed from)."""
+    dataset = build_dataset(cfg, train=True)
+    if not isinstance(dataset, MultiLabelDataset):
+        raise DatasetConfigError(
+            f"the training split of {cfg.get('name', 'this dataset')} is read in sequence (packed shards), "
+            "not by index; audit the dataset config the shards were packed from"
+        )
+    return dataset
 
 
 class FoldSplit(MultiLabelDataset):
@@ -69,12 +81,7 @@ class FoldSplit(MultiLabelDataset):
         if isinstance(fold, bool) or not isinstance(fold, int) or not 0 <= fold < folds:
             raise DatasetConfigError(f"fold={fold!r}; expected an integer from 0 to {folds - 1}")
         source_cfg = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(source), resolve=True))
-        self.source = build_dataset(source_cfg, train=True)
-        if not isinstance(self.source, MultiLabelDataset):
-            raise DatasetConfigError(
-                f"the training split of {source_cfg.get('name', 'this dataset')} is read in sequence (packed "
-                "shards), not by index; audit the dataset config the shards were packed from"
-            )
+        self.source = indexed_training_split(source_cfg)
         self.source.transform = self.transform  # the source reads; this split's transform applies
         if len(self.source) < folds:
             raise DatasetConfigError(
