@@ -17,7 +17,7 @@ from mlcls.losses.spec import loss_name
         (["trainer.epoch=3"], "unknown option trainer.epoch: did you mean trainer.epochs?"),
         (["loss.tpp=4"], "unknown option loss.tpp: did you mean loss.tp?"),
         (["+trainer.epoch=3"], "unknown option +trainer.epoch: did you mean trainer.epochs? (nothing reads"),
-        (["sched.warmup=5"], "did you mean sched.warmup_iters?"),
+        (["sched.warmup=5"], "did you mean sched.warmup_iters or sched.warmup_epochs?"),
         (["trainer.foo=1"], "trainer has amp, batch_size, "),
         (
             ["foo=1"],

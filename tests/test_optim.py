@@ -178,6 +178,27 @@ def test_cosine_schedule_follows_the_per_iteration_formula(resnet10t, warmup, fl
         scheduler.step()
 
 
+@pytest.mark.parametrize(
+    ("warmup_iters", "warmup_epochs", "iters_per_epoch", "warmup"),
+    [(None, 1.5, 4, 6), (None, 0.3, 5, 2), (None, None, 4, 0), (3, 2, 4, 3), (0, 1, 4, 0)],
+)
+def test_warmup_epochs_count_in_iterations_unless_warmup_iters_is_set(
+    resnet10t, warmup_iters, warmup_epochs, iters_per_epoch, warmup
+):
+    optimizer = build_optimizer(optim_config("sgd"), resnet10t)
+    cfg = {**sched_config(warmup_iters=warmup_iters), "warmup_epochs": warmup_epochs}
+    if warmup_epochs is None:
+        del cfg["warmup_epochs"]
+    total = 40
+    scheduler = build_scheduler(cfg, optimizer, total, iters_per_epoch)
+    for iteration in range(total):
+        assert math.isclose(
+            group_lrs(optimizer)["head"], paper_cosine_lr(0.01, iteration, total, warmup, 0.0), rel_tol=1e-12
+        )
+        optimizer.step()
+        scheduler.step()
+
+
 def test_a_state_without_group_names_loads_and_keeps_them(resnet10t):
     optimizer = build_optimizer(optim_config("sgd"), resnet10t)
     state = optimizer.state_dict()

@@ -220,9 +220,10 @@ def build_loss(
 def build_optimization(
     cfg: DictConfig, model: nn.Module, iters_per_epoch: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The optimizer of ``cfg.optim`` over ``model`` and the per-iteration schedule of ``cfg.sched``."""
+    """The optimizer of ``cfg.optim`` over ``model`` and the per-iteration schedule of ``cfg.sched`` (its
+    warm-up in epochs counted in iterations of ``iters_per_epoch``)."""
     optimizer = build_optimizer(cfg.optim, model)
-    scheduler = build_scheduler(cfg.sched, optimizer, cfg.trainer.epochs * iters_per_epoch)
+    scheduler = build_scheduler(cfg.sched, optimizer, cfg.trainer.epochs * iters_per_epoch, iters_per_epoch)
     return optimizer, scheduler
 
 

@@ -21,7 +21,9 @@ made, so with null norm/bias decays there are two groups, head then backbone, as
 
 ``configs/sched/*.yaml`` are ``_partial_`` configs of a function called as
 ``target(optimizer, total_iters=N, **keys)`` that returns an LRScheduler stepped every iteration, such as
-:func:`cosine_schedule` and :func:`onecycle_schedule`.
+:func:`cosine_schedule` and :func:`onecycle_schedule`. Two keys are read before the call
+(:func:`build_scheduler`): ``warmup_epochs`` becomes ``warmup_iters`` where that is null, and
+``head_warmup_epochs``, the table of each head's default ``warmup_epochs``, is left out.
 """
 
 from __future__ import annotations
@@ -221,8 +223,28 @@ def onecycle_schedule(
     )
 
 
+def warmup_iterations(warmup_epochs: float, iters_per_epoch: int) -> int:
+    """``warmup_epochs`` (a number >= 0, fractions allowed) in iterations, rounded to the nearest."""
+    if not isinstance(warmup_epochs, (int, float)) or isinstance(warmup_epochs, bool) or warmup_epochs < 0:
+        raise ValueError(f"warmup_epochs={warmup_epochs!r}; expected a number >= 0")
+    return round(warmup_epochs * iters_per_epoch)
+
+
 def build_scheduler(
-    cfg: Mapping[str, Any], optimizer: torch.optim.Optimizer, total_iters: int
+    cfg: Mapping[str, Any], optimizer: torch.optim.Optimizer, total_iters: int, iters_per_epoch: int = 1
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """The schedule of ``cfg`` (a ``_partial_`` config) over ``total_iters`` iterations of ``optimizer``."""
-    return instantiate(_settings(cfg), _convert_="all")(optimizer, total_iters=total_iters)
+    """The schedule of ``cfg`` (a ``_partial_`` config) over ``total_iters`` iterations of ``optimizer``.
+
+    ``warmup_epochs`` and ``head_warmup_epochs`` are not passed to the schedule: where ``warmup_iters`` is
+    null (or absent) and ``warmup_epochs`` is set, the schedule gets ``warmup_iters`` = ``warmup_epochs`` x
+    ``iters_per_epoch`` (:func:`warmup_iterations`); a ``warmup_iters`` that is set wins. A null
+    ``warmup_iters`` with no ``warmup_epochs`` is left out, so the schedule's own default applies.
+    """
+    settings = _settings(cfg)
+    epochs = settings.pop("warmup_epochs", None)
+    settings.pop("head_warmup_epochs", None)
+    if settings.get("warmup_iters") is None:
+        settings.pop("warmup_iters", None)
+        if epochs is not None:
+            settings["warmup_iters"] = warmup_iterations(epochs, iters_per_epoch)
+    return instantiate(settings, _convert_="all")(optimizer, total_iters=total_iters)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from mlcls.data.pipeline.fast import BACKENDS
 from mlcls.engine.optim import GROUP_KEYS, build_scheduler, optimizer_factory
@@ -56,12 +56,26 @@ def _check_optimization(cfg: DictConfig) -> None:
         raise ConfigError(f"optim._target_={cfg.optim.get('_target_')}: {_first_line(exc)}") from None
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optim._target_={cfg.optim._target_} is not a torch optimizer class")
+    _check_head_warmup(cfg)
     try:
         scheduler = build_scheduler(cfg.sched, optimizer, total_iters=1)
     except Exception as exc:
         raise ConfigError(f"sched._target_={cfg.sched.get('_target_')}: {_first_line(exc)}") from None
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         raise ConfigError(f"sched._target_={cfg.sched._target_} does not return a learning-rate scheduler")
+
+
+def _check_head_warmup(cfg: DictConfig) -> None:
+    """``sched.warmup_epochs`` read from ``sched.head_warmup_epochs`` (configs/sched/cosine.yaml) needs an
+    entry for ``model.head``."""
+    table = cfg.sched.get("head_warmup_epochs")
+    head = cfg.model.get("head")
+    if table is None or not OmegaConf.is_interpolation(cfg.sched, "warmup_epochs") or head in table:
+        return
+    raise ConfigError(
+        f"model.head={head!r}; expected one of {', '.join(table)} (the heads of sched.head_warmup_epochs), "
+        "or set sched.warmup_epochs"
+    )
 
 
 def _first_line(exc: Exception) -> str:
