@@ -9,15 +9,15 @@ import re
 
 import pytest
 import torch
+from conftest import cli, compose_config, run_cli
 from omegaconf import OmegaConf
+from test_optim import paper_cosine_lr
 
 from mlcls.engine.build import build_optimization
 from mlcls.engine.optim import group_lrs
 from mlcls.engine.trainer import Trainer
 from mlcls.engine.validate import ConfigError, validate_config
 from mlcls.models import create_model
-from tests.conftest import cli, compose_config, run_cli
-from tests.test_optim import paper_cosine_lr
 
 # docs/models.md: ML-Decoder collapses when AdamW 2e-3 starts at the first step; a warm-up epoch fixes it.
 HEAD_WARMUP_EPOCHS = {"linear": 0, "mldecoder": 1, "csra": 0}

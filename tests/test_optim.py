@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import timm
 import torch
+from conftest import TINY, compose_config
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -16,7 +17,6 @@ from mlcls import config_dir
 from mlcls.engine.optim import build_optimizer, build_scheduler, group_lrs, parameter_groups
 from mlcls.engine.validate import ConfigError, validate_config
 from mlcls.models import create_model
-from tests.conftest import TINY, compose_config
 
 # resnet10t's normalisation layers, read off its parameter names: the deep stem's BatchNorms (conv1.1,
 # conv1.4), bn1, each block's bn1/bn2 and the BatchNorm of each downsample branch (downsample.2).

@@ -426,3 +426,14 @@ def test_amp_auto_off_cuda_is_no_mixed_precision(twoway_coco, amp, device, devia
     if device is not None:
         results["provenance"] = {"device": {"type": device}}
     assert ("no mixed precision (paper AMP)" in protocol_deviations(config, results)) == deviates
+
+
+def test_a_warm_up_in_epochs_is_read_where_warmup_iters_is_null():
+    """The per-head default leaves ``sched.warmup_iters`` null and counts the warm-up in epochs: a linear
+    head's 0 epochs follows the paper's no warm-up, ML-Decoder's 1 epoch does not."""
+    from mlcls.reporting.runs import _follows
+
+    assert _follows({"sched": {"warmup_iters": None, "warmup_epochs": 0}}, "sched.warmup_iters", 0)[0]
+    follows, shown = _follows({"sched": {"warmup_iters": None, "warmup_epochs": 1}}, "sched.warmup_iters", 0)
+    assert not follows and shown == "null (warmup_epochs=1)"
+    assert not _follows({"sched": {"warmup_iters": 31, "warmup_epochs": 0}}, "sched.warmup_iters", 0)[0]

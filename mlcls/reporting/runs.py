@@ -154,6 +154,9 @@ def _follows(config: Mapping[str, Any], key: str, wanted: Any) -> tuple[bool, An
         name = built_name(config.get(key) or {})
         return name is not None and any(part.startswith(wanted) for part in name.split("_")), name
     ours = config_value(config, key)
+    if key == "sched.warmup_iters" and ours is None:  # warm-up set in epochs (the per-head default)
+        epochs = config_value(config, "sched.warmup_epochs")
+        return same_setting(epochs or 0, wanted), f"null (warmup_epochs={epochs})"
     return same_setting(ours, wanted), ours
 
 
