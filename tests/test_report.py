@@ -24,6 +24,7 @@ from sklearn.metrics import average_precision_score
 from mlcls.cli.report import main as report_main
 from mlcls.cli.train import run
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
+from mlcls.engine.validate import ConfigError, validate_config
 from mlcls.reporting import report
 from mlcls.reporting.report_data import ValPredictions, label_issues, load_val_predictions
 
@@ -193,6 +194,11 @@ def test_report_lists_the_settings_that_differ_from_the_defaults(run_dir):
         if str(defaults[section][name]).lower() != value.lower():
             expected.add(key)
     assert keys == expected and "trainer.output_dir" not in settings
+
+
+def test_trainer_report_must_be_a_boolean():
+    with pytest.raises(ConfigError, match=r"trainer.report='maybe'; expected true or false"):
+        validate_config(compose_config([*TINY, "trainer.report=maybe"]), world_size=1)
 
 
 def test_report_cli_errors_in_one_line(tmp_path, capsys):

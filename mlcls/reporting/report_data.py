@@ -116,8 +116,8 @@ def load_val_predictions(run_dir: Path) -> ValPredictions:
     path = Path(run_dir) / PREDICTIONS_FILE
     if not path.is_file():
         raise ReportError(
-            f"{run_dir} has no {PREDICTIONS_FILE}; mlcls-train writes it at the end of a run "
-            "(trainer.report=true); train the run again, or evaluate it into a new run"
+            f"{run_dir} has no {PREDICTIONS_FILE}, the validation predictions mlcls-train saves at the end "
+            "of a run with trainer.report=true (the default); a run without them has no report"
         )
     try:
         with np.load(path, allow_pickle=False) as npz:
