@@ -20,18 +20,23 @@ from mlcls.cli.overrides import run_command
 from mlcls.engine.distributed import RankFailed
 from mlcls.engine.trainer import EXIT_PREEMPTED, NonFiniteError, Preempted, Trainer
 from mlcls.reporting.plots import plot_run
+from mlcls.reporting.report import report_run
 
 # A shell's exit status for a process ended by Ctrl-C (128 + SIGINT).
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train the run described by ``cfg``; return the results written to results.json.
+    """Train the run described by ``cfg``; return the results written to results.json. At the end rank 0
+    draws the plots and, with ``trainer.report=true``, saves the validation predictions and writes
+    ``report.html`` (:mod:`mlcls.reporting.report`).
 
     The process group (under torchrun) stays up for the next run of a sweep and is closed at exit.
     """
     trainer = Trainer(cfg)
     trainer.on_finish.append(plot_run)
+    if cfg.trainer.get("report", False):
+        trainer.on_finish.append(report_run)
     return trainer.fit()
 
 

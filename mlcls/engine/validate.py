@@ -164,7 +164,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
         raise ConfigError(
             f"trainer.loss_sum_scope={t.loss_sum_scope!r}; expected one of {', '.join(LOSS_SUM_SCOPES)}"
         )
-    for key in ("compile", "sync_bn"):
+    for key in ("compile", "sync_bn", "report"):
         if not isinstance(t.get(key, False), bool):
             raise ConfigError(f"trainer.{key}={t[key]!r}; expected true or false")
     _check_optimization(cfg)

@@ -1,0 +1,70 @@
+"""``mlcls-report``: a run's report page, ``RUN_DIR/report.html`` (:mod:`mlcls.reporting.report`).
+
+mlcls-report outputs/2026-01-01/12-00-00          # writes outputs/2026-01-01/12-00-00/report.html
+
+``mlcls-train`` writes the report at the end of a run (``trainer.report=true``); this writes it again, from
+the run's ``val_predictions.npz`` and its validation set rebuilt from the run's dataset config (only
+mlcls's datasets, and shards from local files: see :func:`mlcls.cli.eval.check_dataset_target`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from mlcls.cli.errors import user_errors
+from mlcls.cli.eval import check_dataset_target, check_shard_sources, evaluation_dataset_config
+from mlcls.data import build_dataset
+from mlcls.reporting.paper import ReportError
+from mlcls.reporting.report import write_report
+from mlcls.reporting.report_data import load_val_predictions
+from mlcls.reporting.runs import read_config, read_results
+
+
+def validation_set(run_dir: Path):
+    """The validation split of the run in ``run_dir``, built from its stored dataset config (never
+    resolved; checked as a checkpoint's would be) with the class order of its predictions."""
+    config = read_config(run_dir, read_results(run_dir))
+    if config is None or not isinstance(config.get("dataset"), dict):
+        raise ReportError(f"{run_dir}: no config.yaml with a dataset config; is it an mlcls run directory?")
+    classes = load_val_predictions(run_dir).classes
+    dataset_cfg = evaluation_dataset_config(config["dataset"], {}, classes)
+    check_dataset_target(dataset_cfg)
+    check_shard_sources(dataset_cfg, set())
+    dataset = build_dataset(dataset_cfg, train=False)
+    if list(dataset.classes) != classes:
+        raise ReportError(
+            f"the validation set's classes ({len(dataset.classes)}) differ from the run's predictions' "
+            f"({len(classes)})"
+        )
+    return dataset
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlcls-report",
+        description="Write RUN_DIR/report.html: the run's figures, per-class table and curves, its most "
+        "confident errors and the suspected label errors of its validation set, with thumbnails.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run directory of mlcls-train")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    with user_errors():
+        try:
+            start = time.perf_counter()
+            path = write_report(args.run_dir, validation_set(args.run_dir))
+        except ReportError as exc:
+            print(f"mlcls: error: {exc}", file=sys.stderr)
+            return 2
+    print(f"{path} ({path.stat().st_size:,} bytes, {time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""``<run_dir>/report.html``: where a run's model fails, on which images, and which labels look wrong.
+
+:func:`write_report` builds one self-contained page (:mod:`mlcls.reporting.report_html`: no server, no
+network) from the run directory -- ``results.json``, the resolved config and ``val_predictions.npz``
+(:mod:`mlcls.reporting.report_data`) -- and the validation set, whose images become the thumbnails:
+
+* the run: dataset, model, loss, the settings that differ from ``mlcls-train``'s defaults, the last and best
+  figures, the training loss and validation mAP per epoch;
+* the per-class table, worst AP first, sortable: AP, validation positives, calibrated threshold (as a
+  probability), precision and recall at it, false positive and negative counts;
+* the most confident false positives and false negatives, of all classes and of each class;
+* the validation images cleanlab suspects of label errors;
+* each class's precision-recall curve, its threshold ringed, with its own errors (at most
+  :data:`MAX_CLASS_DETAILS` classes, the worst).
+
+A validation set of over :data:`MAX_GALLERY_IMAGES` images is sampled (seeded) for the galleries and the
+label-error search, and the page says so; the table and curves use every image. ``mlcls-train`` writes the
+report at the end of a run (:func:`report_run`, ``trainer.report=true``); ``mlcls-report RUN_DIR`` writes it
+again.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS
+from mlcls.errors import plural
+from mlcls.io import atomic_write
+from mlcls.losses.spec import loss_name
+from mlcls.reporting import report_html as ui
+from mlcls.reporting.paper import ReportError
+from mlcls.reporting.report_data import (
+    ErrorCase,
+    ValPredictions,
+    changed_settings,
+    class_rows,
+    confident_errors,
+    default_settings,
+    gallery_rows,
+    label_issues,
+    load_val_predictions,
+    pr_curve,
+    probabilities,
+    save_val_predictions,
+)
+from mlcls.reporting.runs import read_config, read_results
+
+if TYPE_CHECKING:
+    from mlcls.engine.trainer import Trainer
+
+log = logging.getLogger("mlcls")
+
+REPORT_FILE = "report.html"
+OVERALL_CARDS = 16
+PER_CLASS_CARDS = 4
+ISSUE_CARDS = 20
+MAX_GALLERY_IMAGES = 10_000
+MAX_CLASS_DETAILS = 100
+THUMB_SIDE = 160
+PREDICTED_SHOWN = 3
+
+
+class Thumbnails:
+    """JPEG thumbnails (at most :data:`THUMB_SIDE` pixels a side) of validation rows as ``data:`` URIs, each
+    made once; an unreadable image has none."""
+
+    def __init__(self, dataset: Any, predictions: ValPredictions) -> None:
+        self.dataset, self.predictions = dataset, predictions
+        self.uris: dict[str, str] = {}
+        self._keys: dict[int, str | None] = {}
+
+    def key(self, row: int) -> str | None:
+        if row not in self._keys:
+            self._keys[row] = self._make(row)
+        return self._keys[row]
+
+    def _make(self, row: int) -> str | None:
+        index = int(self.predictions.indices[row])
+        expected = self.predictions.ids[row]
+        found = str(self.dataset.samples[index].path) if index < len(self.dataset) else None
+        if found != expected:
+            raise ReportError(
+                f"the validation set no longer matches the run's predictions: image {index} is "
+                f"{found!r}, the run scored {expected!r}"
+            )
+        try:
+            image = self.dataset.load_image(index)
+        except BAD_IMAGE_ERRORS as exc:
+            log.warning("report: no thumbnail of %s (%s)", expected, exc)
+            return None
+        image.thumbnail((THUMB_SIDE, THUMB_SIDE))
+        buffer = io.BytesIO()
+        image.convert("RGB").save(buffer, format="JPEG", quality=85)
+        key = f"t{len(self.uris)}"
+        self.uris[key] = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+        return key
+
+
+class _Cards:
+    """The gallery cards of one report: each image's given labels and predicted scores."""
+
+    def __init__(self, predictions: ValPredictions, thumbnails: Thumbnails) -> None:
+        self.p, self.thumbnails = predictions, thumbnails
+        self.probs = probabilities(predictions.scores)
+        self.thresholds = probabilities(predictions.thresholds)
+
+    def _lines(self, row: int) -> tuple[str, ...]:
+        names = self.p.classes
+        given = [names[c] for c in np.flatnonzero(self.p.labels[row] == 1)]
+        predicted = np.flatnonzero(self.p.scores[row].astype(np.float64) >= self.p.thresholds)
+        predicted = sorted(predicted, key=lambda c: -self.probs[row, c])
+        shown = ", ".join(f"{names[c]} {self.probs[row, c]:.2f}" for c in predicted[:PREDICTED_SHOWN])
+        more = f" +{len(predicted) - PREDICTED_SHOWN}" if len(predicted) > PREDICTED_SHOWN else ""
+        return (f"given: {', '.join(given) or 'none'}", f"predicted: {shown or 'none'}{more}")
+
+    def _card(self, row: int, cls: int, what: str, first: str) -> ui.Card:
+        line = f"{first}; score {self.probs[row, cls]:.2f}, threshold {self.thresholds[cls]:.2f}"
+        return ui.Card(
+            self.thumbnails.key(row),
+            self.p.ids[row],
+            f"{self.p.classes[cls]} {what}",
+            (line, *self._lines(row)),
+        )
+
+    def error(self, case: ErrorCase, kind: str) -> ui.Card:
+        if kind == "fp":
+            return self._card(case.row, case.cls, "predicted", "not given")
+        return self._card(case.row, case.cls, "missed", "given")
+
+    def issue(self, row: int, cls: int, quality: float, flagged: bool) -> ui.Card:
+        given = self.p.labels[row, cls] == 1
+        first = f"label quality {quality:.3f}" + (", flagged" if flagged else "")
+        return self._card(row, cls, "given: wrong?" if given else "not given: missing?", first)
+
+
+def _run_summary(results: Mapping[str, Any], config: Mapping[str, Any], epoch: int) -> tuple[str, str]:
+    """The page's subtitle and the headline figures block."""
+    data = results.get("dataset") or {}
+    metrics, best = results.get("metrics") or {}, results.get("best") or {}
+    subtitle = " · ".join(
+        [
+            f"dataset {data.get('name', config['dataset'].get('name'))}",
+            f"model {config['model'].get('name')}",
+            f"loss {loss_name(config['loss'])}",
+            f"{results.get('epochs_completed', '?')} epochs",
+            f"{data.get('train_size', '?')} training / {data.get('val_size', '?')} validation images",
+        ]
+    )
+    figures = [(ui.number(metrics.get("mAP_class", float("nan"))), f"mAP@class, epoch {epoch}")]
+    if best:
+        figures.append(
+            (ui.number(best["mAP_class"]), f"best mAP@class, epoch {best['epoch']} ({best['weights']})")
+        )
+    for key in ("mAP_sample", "CF1", "OF1"):
+        if key in metrics:
+            figures.append((ui.number(metrics[key]), key.replace("_", "@")))
+    wall = (results.get("provenance") or {}).get("wall_time_s")
+    if wall is not None:
+        figures.append((f"{wall:.0f} s", "training time"))
+    return subtitle, ui.figures_block(figures)
+
+
+def _curves(history: Sequence[Mapping[str, Any]]) -> str:
+    trained = [h for h in history if h.get("loss") is not None]
+    evaluated = [h for h in history if h.get("mAP_class") is not None]
+    epochs = [h["epoch"] for h in history] or [1]
+    x_range = (min(epochs), max(epochs))
+    losses = [h["loss"] for h in trained] or [0.0]
+    maps = [h[k] for h in evaluated for k in ("mAP_class", "mAP_sample") if h.get(k) is not None] or [0.0]
+    loss = ui.line_chart(
+        [("loss", [h["epoch"] for h in trained], [h["loss"] for h in trained])],
+        "Training loss",
+        "epoch",
+        "mean loss of the epoch",
+        x_range,
+        (min(losses), max(losses)),
+        whole_x=True,
+    )
+    series = [
+        (label, [h["epoch"] for h in evaluated], [h[key] for h in evaluated])
+        for key, label in (("mAP_class", "mAP@class"), ("mAP_sample", "mAP@sample"))
+    ]
+    validation = ui.line_chart(
+        series, "Validation mAP", "epoch", "mAP (%)", x_range, (min(maps) - 1, max(maps) + 1), whole_x=True
+    )
+    return f'<div class="charts">{loss}{validation}</div>'
+
+
+def _class_detail(row: Mapping[str, Any], predictions: ValPredictions, cards: _Cards, errors: Mapping) -> str:
+    c = row["cls"]
+    recall, precision = pr_curve(predictions, c)
+    marks = (
+        []
+        if np.isnan(row["precision"]) or np.isnan(row["recall"])
+        else [(row["recall"] / 100, row["precision"] / 100)]
+    )
+    chart = (
+        ui.line_chart(
+            [("PR", recall, precision)],
+            f"{row['name']}: precision-recall",
+            "recall",
+            "precision",
+            (0.0, 1.0),
+            (0.0, 1.0),
+            steps=True,
+            marks=marks,
+            width=360,
+            height=250,
+        )
+        if len(recall)
+        else '<p class="note">No positive in the validation set: no curve.</p>'
+    )
+    fp = ui.gallery([cards.error(case, "fp") for case in errors["fp"][c]], "No false positive.")
+    fn = ui.gallery([cards.error(case, "fn") for case in errors["fn"][c]], "No false negative.")
+    summary = f"{ui.escape(row['name'])} — AP {ui.number(row['ap'])}, {row['positives']} positives"
+    return (
+        f'<details id="class-{c}"><summary>{summary}</summary><div class="detail">{chart}<div>'
+        f"<h3>Most confident false positives</h3>{fp}<h3>Most confident false negatives</h3>{fn}</div></div>"
+        "</details>"
+    )
+
+
+def write_report(run_dir: str | Path, dataset: Any) -> Path:
+    """Write ``run_dir/report.html`` (atomically) for the run in ``run_dir`` whose validation split is
+    ``dataset`` (the thumbnails' source); return its path. :class:`ReportError` for a run directory without
+    results, config or predictions, or a dataset that no longer matches the predictions."""
+    run_dir = Path(run_dir)
+    results = read_results(run_dir)
+    config = read_config(run_dir, results)
+    if results is None or config is None:
+        raise ReportError(f"{run_dir}: no results.json and config.yaml; is it an mlcls run directory?")
+    predictions = load_val_predictions(run_dir)
+    thumbnails = Thumbnails(dataset, predictions)
+    cards = _Cards(predictions, thumbnails)
+    num_rows = len(predictions.ids)
+    rows = gallery_rows(num_rows, MAX_GALLERY_IMAGES)
+    overall, per_class = confident_errors(predictions, rows, PER_CLASS_CARDS, OVERALL_CARDS)
+    issues, flagged = label_issues(predictions, rows, ISSUE_CARDS)
+    table = class_rows(predictions)
+    detailed = table[:MAX_CLASS_DETAILS]
+    sampled = (
+        f"The galleries and the label-error search draw from a random sample of {len(rows):,} of the "
+        f"{num_rows:,} validation images (seed 0); the table and the curves use them all."
+        if len(rows) < num_rows
+        else f"From all {num_rows:,} validation images."
+    )
+    subtitle, figures = _run_summary(results, config, predictions.epoch)
+    error_html = (
+        f'<p class="note">{ui.escape(sampled)} Decisions follow the calibrated thresholds; the most '
+        "confident errors lie furthest past them.</p>"
+        f"<h3>False positives: predicted, not given</h3>"
+        f"{ui.gallery([cards.error(c, 'fp') for c in overall['fp']], 'No false positive.')}"
+        f"<h3>False negatives: given, missed</h3>"
+        f"{ui.gallery([cards.error(c, 'fn') for c in overall['fn']], 'No false negative.')}"
+    )
+    flag_note = (
+        f"cleanlab's filter flags {plural(flagged, 'image')}, shown first"
+        if flagged >= 0
+        else "cleanlab's filter was skipped (too many image-class cells); ranked by label quality"
+    )
+    issue_html = (
+        '<p class="note">Ranked by cleanlab (multi-label, label quality lowest first) from the '
+        f"out-of-sample validation predictions of epoch {predictions.epoch}; {ui.escape(flag_note)}. "
+        f"{ui.escape(sampled)}</p>"
+        + ui.gallery([cards.issue(i.row, i.cls, i.quality, i.flagged) for i in issues], "No image to show.")
+    )
+    hidden = len(table) - len(detailed)
+    details = "".join(_class_detail(row, predictions, cards, per_class) for row in detailed)
+    if hidden:
+        details += (
+            f'<p class="note">The other {plural(hidden, "class")} (better AP) are in the table only.</p>'
+        )
+    settings = changed_settings(config, default_settings())
+    sections = [
+        ("overview", "", figures + _curves(results.get("history") or [])),
+        ("settings", "Settings that differ from the defaults", ui.settings_table(settings)),
+        (
+            "per-class",
+            "Per-class results",
+            '<p class="note">Worst AP first; click a header to sort. Threshold: the calibrated one (best F1 '
+            "per class) as a probability; precision and recall at it; scores of epoch "
+            f"{predictions.epoch}.</p>" + ui.class_table(table, {row["cls"] for row in detailed}),
+        ),
+        ("errors", "Most confident errors", error_html),
+        ("label-issues", "Suspected label errors", issue_html),
+        ("classes-detail", "Each class", details),
+    ]
+    written = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    footer = f"mlcls-report · {run_dir.resolve()} · written {written}"
+    text = ui.page(f"Run report: {run_dir.resolve().name}", subtitle, sections, thumbnails.uris, footer)
+    path = run_dir / REPORT_FILE
+    data = text.encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
+    return path
+
+
+def report_run(trainer: Trainer) -> Path | None:
+    """Save the last validation predictions of a finished run and write its report (a
+    :attr:`Trainer.on_finish` hook, on rank 0); nothing without predictions."""
+    if trainer.val_outputs is None or trainer.val_outputs[0] is None:
+        return None
+    scores, labels = trainer.val_outputs
+    epoch = max(h["epoch"] for h in trainer.state.history if h.get("mAP_class") is not None)
+    val_set = trainer.data.val_set
+    save_val_predictions(
+        trainer.run_dir, scores, labels, trainer.state.thresholds, trainer.classes, val_set, epoch
+    )
+    start = time.perf_counter()
+    path = write_report(trainer.run_dir, getattr(val_set, "dataset", val_set))
+    log.info("report written to %s (%.1f s)", path, time.perf_counter() - start)
+    return path

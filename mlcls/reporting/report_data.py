@@ -1,0 +1,286 @@
+"""What the run report (:mod:`mlcls.reporting.report`) shows, computed from a run's saved validation
+predictions: the per-class table, precision-recall curves, the most confident errors and the suspected label
+errors.
+
+``<run_dir>/val_predictions.npz`` (:func:`save_val_predictions`, written by ``mlcls-train`` at the end of a
+run) holds the last evaluation of the run's raw weights: ``scores`` (N, C) float32 logits, ``labels`` (N, C)
+int8 in {1, 0, -1}, ``thresholds`` (C,) float64 calibrated logit thresholds (those of ``last.pt``),
+``classes`` (C,), ``ids`` (N,) (each image's file, ``Sample.path``), ``indices`` (N,) (each row's index in
+the validation split, which differs from the row under ``trainer.limit_val_batches``) and ``epoch``.
+
+Decisions follow the calibrated thresholds: class ``c`` is predicted for image ``i`` when ``scores[i, c] >=
+thresholds[c]``. An error's *confidence* is how far its logit lies past the threshold: ``score - threshold``
+for a false positive (a predicted negative), ``threshold - score`` for a false negative (a missed positive).
+Labels of -1 (unknown) are neither.
+
+The label-error search gives cleanlab (``cleanlab.multilabel_classification``) the validation images'
+probabilities centred at each class's threshold, ``sigmoid(score - threshold)``: 0.5 is each class's
+decision point whatever the loss (the two-way loss's logits are shift-invariant, not probabilities centred on
+0.5). Validation images are never trained on, so these predictions are out-of-sample, as cleanlab requires.
+Unknown labels count as not given.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.special import expit
+from sklearn.metrics import precision_recall_curve
+
+from mlcls.io import atomic_write
+from mlcls.metrics import average_precision
+from mlcls.metrics.f1 import prediction_counts
+from mlcls.reporting.paper import ReportError
+from mlcls.reporting.run_table import differing_keys, flat_settings
+
+PREDICTIONS_FILE = "val_predictions.npz"
+# Columns of the score matrix handled at once when the errors are ranked (bounded memory at 9,605 classes).
+COLUMN_BLOCK = 256
+# Above this many (image, class) cells cleanlab's filter (about 3 microseconds a cell) is skipped; the
+# ranking by label quality, which is vectorised, still covers every image.
+MAX_FILTER_CELLS = 20_000_000
+# PR curves are drawn with at most this many points.
+MAX_CURVE_POINTS = 200
+
+
+@dataclass(frozen=True)
+class ValPredictions:
+    """The contents of ``val_predictions.npz`` (see the module docstring)."""
+
+    scores: np.ndarray
+    labels: np.ndarray
+    thresholds: np.ndarray
+    classes: list[str]
+    ids: list[str]
+    indices: np.ndarray
+    epoch: int
+
+
+@dataclass(frozen=True)
+class ErrorCase:
+    """A confident error: validation row ``row`` wrong on class ``cls`` by ``margin`` logits."""
+
+    row: int
+    cls: int
+    margin: float
+
+
+@dataclass(frozen=True)
+class LabelIssue:
+    """A suspected label error: row ``row``, its cleanlab label quality ``quality`` (low = suspect), whether
+    cleanlab's filter flagged it, and ``cls``, the class whose given label the model disputes most."""
+
+    row: int
+    quality: float
+    flagged: bool
+    cls: int
+
+
+def save_val_predictions(
+    run_dir: Path,
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    thresholds: torch.Tensor,
+    classes: Sequence[str],
+    dataset: Any,
+    epoch: int,
+) -> Path:
+    """Write ``run_dir/val_predictions.npz`` atomically; ``dataset``: the validation set the rows come from
+    (a ``Subset`` of the split under ``trainer.limit_val_batches``). Returns the file's path."""
+    indices = np.asarray(getattr(dataset, "indices", range(len(dataset))), dtype=np.int64)
+    base = getattr(dataset, "dataset", dataset)
+    arrays = {
+        "scores": scores.detach().float().cpu().numpy(),
+        "labels": labels.detach().cpu().to(torch.int8).numpy(),
+        "thresholds": thresholds.detach().double().cpu().numpy(),
+        "classes": np.asarray([str(name) for name in classes]),
+        "ids": np.asarray([str(base.samples[int(i)].path) for i in indices]),
+        "indices": indices,
+        "epoch": np.asarray(epoch, dtype=np.int64),
+    }
+    path = Path(run_dir) / PREDICTIONS_FILE
+    atomic_write(path, lambda f: np.savez(f, **arrays))
+    return path
+
+
+def load_val_predictions(run_dir: Path) -> ValPredictions:
+    """Read ``run_dir/val_predictions.npz`` (never unpickling); :class:`ReportError` when it is missing or
+    does not hold consistent arrays."""
+    path = Path(run_dir) / PREDICTIONS_FILE
+    if not path.is_file():
+        raise ReportError(
+            f"{run_dir} has no {PREDICTIONS_FILE}, the validation predictions mlcls-train saves at the end "
+            "of a run with trainer.report=true (the default); a run without them has no report"
+        )
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            data = {key: npz[key] for key in npz.files}
+        scores, labels, thresholds = data["scores"], data["labels"], data["thresholds"]
+        rows, cols = scores.shape
+        expected = {"labels": (rows, cols), "thresholds": (cols,), "classes": (cols,), "ids": (rows,)}
+        for key, shape in {**expected, "indices": (rows,)}.items():
+            if data[key].shape != shape:
+                raise ValueError(f"{key} has shape {data[key].shape}, expected {shape}")
+        return ValPredictions(
+            scores=scores.astype(np.float32),
+            labels=labels.astype(np.int8),
+            thresholds=thresholds.astype(np.float64),
+            classes=[str(name) for name in data["classes"]],
+            ids=[str(name) for name in data["ids"]],
+            indices=data["indices"].astype(np.int64),
+            epoch=int(data["epoch"]),
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ReportError(f"{path}: not a readable predictions file ({exc})") from None
+
+
+def probabilities(scores: np.ndarray) -> np.ndarray:
+    """``sigmoid(scores)``, the scores mlcls-predict shows (float64)."""
+    return expit(scores.astype(np.float64))
+
+
+def centred_probabilities(scores: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """``sigmoid(score - threshold)`` of every cell (float64): 0.5 at each class's decision point, 0 for a
+    class never predicted (threshold +inf), 1 for one always predicted (-inf)."""
+    return expit(scores.astype(np.float64) - thresholds[None, :])
+
+
+def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
+    """One dict per class, worst AP first (classes without a positive, AP undefined, last): ``cls``,
+    ``name``, ``ap`` (%), ``positives``, ``threshold`` (as a probability), ``precision`` and ``recall`` (%) at
+    the threshold (NaN when nothing is predicted, or no positive), ``fp`` and ``fn`` counts."""
+    scores, labels = torch.from_numpy(predictions.scores), torch.from_numpy(predictions.labels)
+    ap = average_precision(scores, labels, dim=0).tolist()
+    predicted = scores.double() >= torch.from_numpy(predictions.thresholds)[None, :]
+    true_positives, predicted_known, positives = prediction_counts(predicted, labels).tolist()
+    rows = []
+    for c, name in enumerate(predictions.classes):
+        tp, npred, pos = true_positives[c], predicted_known[c], positives[c]
+        rows.append(
+            {
+                "cls": c,
+                "name": name,
+                "ap": 100 * ap[c],
+                "positives": pos,
+                "threshold": float(expit(predictions.thresholds[c])),
+                "precision": 100 * tp / npred if npred else math.nan,
+                "recall": 100 * tp / pos if pos else math.nan,
+                "fp": npred - tp,
+                "fn": pos - tp,
+            }
+        )
+    return sorted(rows, key=lambda row: (math.isnan(row["ap"]), row["ap"], row["cls"]))
+
+
+def pr_curve(predictions: ValPredictions, cls: int) -> tuple[np.ndarray, np.ndarray]:
+    """(recall, precision) of class ``cls``'s precision-recall curve on its known labels, at most
+    :data:`MAX_CURVE_POINTS` points; empty for a class without a positive."""
+    known = predictions.labels[:, cls] >= 0
+    truth = predictions.labels[known, cls] == 1
+    if not truth.any():
+        return np.empty(0), np.empty(0)
+    precision, recall, _ = precision_recall_curve(truth, predictions.scores[known, cls].astype(np.float64))
+    if len(recall) > MAX_CURVE_POINTS:
+        keep = np.unique(np.linspace(0, len(recall) - 1, MAX_CURVE_POINTS).round().astype(int))
+        recall, precision = recall[keep], precision[keep]
+    return recall, precision
+
+
+def confident_errors(
+    predictions: ValPredictions, rows: np.ndarray, per_class: int, overall: int
+) -> tuple[dict[str, list[ErrorCase]], dict[str, dict[int, list[ErrorCase]]]]:
+    """The most confident false positives (``"fp"``) and false negatives (``"fn"``) among the validation
+    rows ``rows``: the ``overall`` largest margins of all classes, and the ``per_class`` largest of each
+    class (``{kind: {cls: cases}}``). Ties are broken by row, then class."""
+    scores, labels, thresholds = predictions.scores, predictions.labels, predictions.thresholds
+    tops: dict[str, dict[int, list[ErrorCase]]] = {"fp": {}, "fn": {}}
+    keep = max(per_class, overall)
+    for start in range(0, scores.shape[1], COLUMN_BLOCK):
+        block = slice(start, start + COLUMN_BLOCK)
+        margin = scores[rows, block].astype(np.float64) - thresholds[None, block]
+        block_labels = labels[rows, block]
+        for kind, wrong, key in (
+            ("fp", (block_labels == 0) & (margin >= 0), margin),
+            ("fn", (block_labels == 1) & (margin < 0), -margin),
+        ):
+            key = np.where(wrong, key, -1.0)  # every error's key is >= 0
+            order = np.argsort(-key, axis=0, kind="stable")[:keep]
+            for j in range(key.shape[1]):
+                cases = [ErrorCase(int(rows[r]), start + j, float(key[r, j])) for r in order[:, j]]
+                tops[kind][start + j] = [case for case in cases if case.margin >= 0]
+    overall_cases = {
+        kind: sorted((case for cases in by_class.values() for case in cases), key=_error_order)[:overall]
+        for kind, by_class in tops.items()
+    }
+    per_class_cases = {
+        kind: {c: cases[:per_class] for c, cases in by_class.items()} for kind, by_class in tops.items()
+    }
+    return overall_cases, per_class_cases
+
+
+def _error_order(case: ErrorCase) -> tuple[float, int, int]:
+    return (-case.margin, case.row, case.cls)
+
+
+def label_issues(predictions: ValPredictions, rows: np.ndarray, count: int) -> tuple[list[LabelIssue], int]:
+    """The ``count`` validation rows (of ``rows``) whose given labels cleanlab finds least likely, lowest
+    label quality first (``get_label_quality_scores``), the rows its filter flags (``find_label_issues``)
+    before the others; and how many it flags (-1 when the filter was skipped: over
+    :data:`MAX_FILTER_CELLS` cells)."""
+    from cleanlab.multilabel_classification import filter as cleanlab_filter
+    from cleanlab.multilabel_classification import rank
+
+    probs = centred_probabilities(predictions.scores[rows], predictions.thresholds)
+    given = predictions.labels[rows] == 1
+    labels = [np.flatnonzero(row).tolist() for row in given]
+    flagged = np.zeros(len(rows), dtype=bool)
+    filtered = probs.size <= MAX_FILTER_CELLS
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "too few examples in class ..." for each rare class
+        quality = rank.get_label_quality_scores(labels, probs)
+        if filtered:
+            flagged[cleanlab_filter.find_label_issues(labels, probs, n_jobs=1)] = True
+    order = np.lexsort((np.arange(len(rows)), quality, ~flagged))[:count]
+    disputed = np.where(given, probs, 1.0 - probs).argmin(axis=1)
+    issues = [LabelIssue(int(rows[k]), float(quality[k]), bool(flagged[k]), int(disputed[k])) for k in order]
+    return issues, int(flagged.sum()) if filtered else -1
+
+
+def gallery_rows(num_rows: int, limit: int, seed: int = 0) -> np.ndarray:
+    """The validation rows the galleries and the label-error search draw from: all of them, or a random
+    ``limit`` of them (seeded, in row order) for a larger validation set."""
+    if num_rows <= limit:
+        return np.arange(num_rows)
+    return np.sort(np.random.default_rng(seed).choice(num_rows, size=limit, replace=False))
+
+
+def default_settings() -> dict[str, Any]:
+    """The resolved config ``mlcls-train`` runs without arguments (``configs/train.yaml``'s defaults)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from mlcls import config_dir
+
+    if GlobalHydra.instance().is_initialized():  # inside mlcls-train: Hydra holds the same configs
+        cfg = compose(config_name="train")
+    else:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose(config_name="train")
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def changed_settings(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, run's value, default)`` of every setting of ``config`` that differs from ``defaults`` (dotted
+    keys, :func:`mlcls.reporting.run_table.differing_keys`: a group that builds another class is one row
+    naming it; where and how the run was launched, ``trainer.output_dir`` and ``trainer.resume``, is left
+    out); absent = None."""
+    ours, theirs = flat_settings(config), flat_settings(defaults)
+    return [(key, ours.get(key), theirs.get(key)) for key in differing_keys([ours, theirs])]

@@ -1,0 +1,326 @@
+"""The run report's HTML: one self-contained page (inline CSS, JavaScript, SVG; thumbnails as ``data:``
+URIs), which a Content-Security-Policy keeps off the network.
+
+Text from the run (class names, file names, config values) is escaped everywhere (:func:`html.escape`);
+the thumbnails travel in one JSON block (each image once, however many galleries show it), which the page's
+script sets as the ``src`` of every ``<img data-thumb>``. Once every image has loaded (or failed), the script
+records on ``<body>``: ``data-images-total``, ``data-images-loaded`` (images with pixels),
+``data-page-height`` and ``data-end-bottom`` (the bottom of the page's last element, ``#report-end``), for a
+browser test to read back.
+
+The per-class table (``#classes``) sorts by any column on a click on its header (again: the other way), the
+undefined values (an AP without positives) last; ``#sort=<key>[,<key>...]`` in the URL clicks the headers of
+those columns in turn once the page has loaded (``report.html#sort=name``).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+COLOURS = ("#1f6fb2", "#d1495b", "#2e933c", "#edae49", "#7b4b94")
+
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1d2430;background:#f4f6f9}
+header{background:#1d2b3a;color:#fff;padding:18px 28px}header h1{margin:0;font-size:22px}
+header p{margin:4px 0 0;color:#c4d0dd}main{padding:8px 28px 24px;max-width:1400px}
+h2{font-size:18px;margin:26px 0 8px;border-bottom:1px solid #d5dbe3;padding-bottom:4px}
+.figures{display:flex;flex-wrap:wrap;gap:10px;margin-top:16px}
+.figure{background:#fff;border:1px solid #d5dbe3;border-radius:6px;padding:8px 14px;min-width:110px}
+.figure b{display:block;font-size:22px}.figure span{color:#5a6778;font-size:12px}
+.charts{display:flex;flex-wrap:wrap;gap:12px;margin-top:12px}
+.chart{background:#fff;border:1px solid #d5dbe3;border-radius:6px}
+table{border-collapse:collapse;background:#fff;font-size:13px}th,td{border:1px solid #dfe4ea;padding:3px 8px}
+th{background:#e9eef4;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
+#classes th{cursor:pointer;user-select:none}#classes th[aria-sort=ascending]::after{content:" \\25B2"}
+#classes th[aria-sort=descending]::after{content:" \\25BC"}
+.note{color:#5a6778;font-size:12.5px;margin:4px 0}
+.gallery{display:flex;flex-wrap:wrap;gap:8px}
+figure.card{margin:0;width:150px;background:#fff;border:1px solid #d5dbe3;border-radius:6px;overflow:hidden}
+figure.card img,.missing{display:block;width:150px;height:112px;object-fit:contain;background:#222}
+.missing{color:#eee;font-size:12px;text-align:center;line-height:112px}
+figcaption{padding:4px 6px;font-size:11.5px;word-wrap:break-word}figcaption .w{color:#b3261e;font-weight:600}
+figcaption .id{color:#5a6778}details{background:#fff;border:1px solid #d5dbe3;border-radius:6px;margin:6px 0}
+summary{padding:6px 10px;cursor:pointer;font-weight:600}
+.detail{display:flex;flex-wrap:wrap;gap:14px;padding:0 10px 10px}
+footer#report-end{background:#1d2b3a;color:#c4d0dd;padding:10px 28px;font-size:12px}
+"""
+
+SCRIPT = """
+(function () {
+  const body = document.body;
+  const thumbs = JSON.parse(document.getElementById('thumbs').textContent);
+  const images = Array.from(document.querySelectorAll('img[data-thumb]'));
+  const loaded = images.map(img => new Promise(done => {
+    img.addEventListener('load', done); img.addEventListener('error', done);
+    img.src = thumbs[img.dataset.thumb];
+  }));
+  function cell(row, index) { return row.cells[index].dataset.v; }
+  function sortBy(th) {
+    const table = th.closest('table'), rows = Array.from(table.tBodies[0].rows);
+    const index = Array.from(th.parentNode.children).indexOf(th);
+    const down = th.getAttribute('aria-sort') === 'ascending';
+    table.querySelectorAll('th').forEach(h => h.removeAttribute('aria-sort'));
+    th.setAttribute('aria-sort', down ? 'descending' : 'ascending');
+    const sign = down ? -1 : 1;
+    rows.sort((a, b) => {
+      let x = cell(a, index), y = cell(b, index);
+      if (th.dataset.type === 'number') {
+        x = parseFloat(x); y = parseFloat(y);
+        if (isNaN(x) || isNaN(y)) return isNaN(x) - isNaN(y);
+        return sign * (x - y);
+      }
+      return sign * (x < y ? -1 : x > y ? 1 : 0);
+    });
+    rows.forEach(row => table.tBodies[0].appendChild(row));
+  }
+  document.querySelectorAll('#classes th[data-key]').forEach(th => {
+    th.addEventListener('click', () => sortBy(th));
+  });
+  const asked = /^#sort=([\\w,]+)$/.exec(location.hash);
+  if (asked) asked[1].split(',').forEach(key => {
+    const th = document.querySelector('#classes th[data-key="' + key + '"]');
+    if (th) th.click();
+  });
+  function openTarget() {
+    const target = location.hash.length > 1 ? document.getElementById(location.hash.slice(1)) : null;
+    if (target && target.tagName === 'DETAILS') target.open = true;
+  }
+  window.addEventListener('hashchange', openTarget); openTarget();
+  Promise.all(loaded).then(() => {
+    body.dataset.imagesTotal = images.length;
+    body.dataset.imagesLoaded = images.filter(img => img.complete && img.naturalWidth > 0).length;
+    body.dataset.pageHeight = document.documentElement.scrollHeight;
+    const end = document.getElementById('report-end').getBoundingClientRect();
+    body.dataset.endBottom = Math.ceil(end.bottom + window.scrollY);
+  });
+})();
+"""
+
+
+@dataclass(frozen=True)
+class Card:
+    """A gallery card: the thumbnail ``thumb`` (a key of the page's thumbnails, or None: unreadable image),
+    ``image`` (the file, shown short, in full on hover), the error line ``headline`` and text ``lines``."""
+
+    thumb: str | None
+    image: str
+    headline: str
+    lines: tuple[str, ...]
+
+
+def escape(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def number(value: float, digits: int = 1) -> str:
+    """``value`` with ``digits`` decimals; a dash for NaN."""
+    return "–" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _ticks(low: float, high: float, count: int = 5) -> list[float]:
+    return [low + (high - low) * k / (count - 1) for k in range(count)]
+
+
+def line_chart(
+    series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
+    title: str,
+    x_label: str,
+    y_label: str,
+    x_range: tuple[float, float],
+    y_range: tuple[float, float],
+    steps: bool = False,
+    marks: Sequence[tuple[float, float]] = (),
+    whole_x: bool = False,
+    width: int = 440,
+    height: int = 270,
+) -> str:
+    """An SVG line chart of ``series`` (``(name, xs, ys)``, one colour each, with a legend when there are
+    several): markers on the points (``steps``: a step line without markers, as a PR curve), a ring on each
+    of ``marks``; ``whole_x``: ticks on whole numbers of x only (epochs)."""
+    left, right, top, bottom = 52, 12, 30, 42
+    (x0, x1), (y0, y1) = x_range, y_range
+    if x1 <= x0:
+        x0, x1 = x0 - 0.5, x1 + 0.5
+    if y1 <= y0:
+        y0, y1 = y0 - 1.0, y1 + 1.0
+
+    def sx(x: float) -> float:
+        return left + (x - x0) / (x1 - x0) * (width - left - right)
+
+    def sy(y: float) -> float:
+        return height - bottom - (y - y0) / (y1 - y0) * (height - top - bottom)
+
+    parts = [
+        f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
+        f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="13" font-weight="600">'
+        f"{escape(title)}</text>",
+    ]
+    for tick in _ticks(y0, y1):
+        parts.append(
+            f'<line x1="{left}" x2="{width - right}" y1="{sy(tick):.1f}" y2="{sy(tick):.1f}" '
+            'stroke="#e3e7ec"/>'
+            f'<text x="{left - 5}" y="{sy(tick) + 4:.1f}" text-anchor="end" font-size="10">{tick:.3g}</text>'
+        )
+    x_ticks = _ticks(x0, x1)
+    if whole_x:
+        x_ticks = sorted({float(round(tick)) for tick in x_ticks if x0 <= round(tick) <= x1})
+    for tick in x_ticks:
+        parts.append(
+            f'<text x="{sx(tick):.1f}" y="{height - bottom + 14}" text-anchor="middle" font-size="10">'
+            f"{tick:.3g}</text>"
+        )
+    parts.append(
+        f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{height - top - bottom}" '
+        'fill="none" stroke="#9aa5b1"/>'
+        f'<text x="{(left + width - right) / 2}" y="{height - 8}" text-anchor="middle" font-size="11">'
+        f"{escape(x_label)}</text>"
+        f'<text transform="translate(13 {(top + height - bottom) / 2}) rotate(-90)" text-anchor="middle" '
+        f'font-size="11">{escape(y_label)}</text>'
+    )
+    for k, (name, xs, ys) in enumerate(series):
+        colour = COLOURS[k % len(COLOURS)]
+        points = [(sx(x), sy(y)) for x, y in zip(xs, ys, strict=True)]
+        if steps:  # a precision-recall curve: precision holds until the next recall
+            points = [
+                p for a, b in zip(points, points[1:], strict=False) for p in (a, (b[0], a[1]))
+            ] + points[-1:]
+        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="1.8"/>')
+        if not steps:
+            parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"/>' for x, y in points]
+        if len(series) > 1:
+            y = top + 14 + 15 * k
+            parts.append(
+                f'<line x1="{width - right - 110}" x2="{width - right - 94}" y1="{y - 4}" y2="{y - 4}" '
+                f'stroke="{colour}" stroke-width="2"/><text x="{width - right - 90}" y="{y}" font-size="11">'
+                f"{escape(name)}</text>"
+            )
+    for x, y in marks:
+        parts.append(
+            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="none" stroke="#111" stroke-width="1.5"/>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def figures_block(figures: Sequence[tuple[str, str]]) -> str:
+    """The row of headline figures, ``(value, label)`` each."""
+    cells = "".join(
+        f'<div class="figure"><b>{escape(v)}</b><span>{escape(k)}</span></div>' for v, k in figures
+    )
+    return f'<div class="figures">{cells}</div>'
+
+
+def settings_table(settings: Sequence[tuple[str, object, object]]) -> str:
+    """The settings that differ from the defaults: key, this run's value, the default."""
+    if not settings:
+        return '<p class="note">Every setting is the default of <code>mlcls-train</code>.</p>'
+    rows = "".join(
+        f"<tr><td><code>{escape(k)}</code></td><td>{escape(_yaml(v))}</td><td>{escape(_yaml(d))}</td></tr>"
+        for k, v, d in settings
+    )
+    head = "<tr><th>setting</th><th>this run</th><th>default</th></tr>"
+    return f"<table><thead>{head}</thead><tbody>{rows}</tbody></table>"
+
+
+def _yaml(value: object) -> str:
+    if value is None:
+        return "null"
+    return (
+        str(value).lower()
+        if isinstance(value, bool)
+        else json.dumps(value)
+        if isinstance(value, list)
+        else str(value)
+    )
+
+
+CLASS_COLUMNS = (
+    ("name", "class", "text"),
+    ("ap", "AP %", "number"),
+    ("positives", "val. positives", "number"),
+    ("threshold", "threshold", "number"),
+    ("precision", "precision %", "number"),
+    ("recall", "recall %", "number"),
+    ("fp", "false pos.", "number"),
+    ("fn", "false neg.", "number"),
+)
+
+
+def class_table(rows: Sequence[Mapping[str, object]], detailed: set[int]) -> str:
+    """The sortable per-class table (``id="classes"``), in the order of ``rows``; each class of
+    ``detailed`` links to its details."""
+    head = "".join(
+        f'<th data-key="{key}" data-type="{kind}"{" aria-sort=ascending" if key == "ap" else ""}>{label}</th>'
+        for key, label, kind in CLASS_COLUMNS
+    )
+    body = []
+    for row in rows:
+        name = escape(row["name"])
+        link = f'<a href="#class-{row["cls"]}">{name}</a>' if row["cls"] in detailed else name
+        cells = [f'<td data-v="{name}">{link}</td>']
+        for key, _, _ in CLASS_COLUMNS[1:]:
+            value = float(row[key])
+            shown = (
+                number(value, 3 if key == "threshold" else 1)
+                if key not in ("positives", "fp", "fn")
+                else str(int(value))
+            )
+            cells.append(f'<td class="n" data-v="{value!r}">{shown}</td>')
+        body.append(f"<tr>{''.join(cells)}</tr>")
+    return f'<table id="classes"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def gallery(cards: Sequence[Card], empty: str) -> str:
+    """A row of cards, or the note ``empty`` when there is none."""
+    if not cards:
+        return f'<p class="note">{escape(empty)}</p>'
+    return f'<div class="gallery">{"".join(_card(card) for card in cards)}</div>'
+
+
+def _card(card: Card) -> str:
+    short = card.image.rsplit("/", 1)[-1]
+    image = (
+        f'<img data-thumb="{escape(card.thumb)}" alt="{escape(short)}" title="{escape(card.image)}">'
+        if card.thumb is not None
+        else '<div class="missing">unreadable image</div>'
+    )
+    lines = "".join(f"<br>{escape(line)}" for line in card.lines)
+    return (
+        f'<figure class="card" data-image="{escape(card.image)}">{image}<figcaption>'
+        f'<span class="w">{escape(card.headline)}</span>{lines}<br>'
+        f'<span class="id" title="{escape(card.image)}">{escape(short)}</span></figcaption></figure>'
+    )
+
+
+def page(
+    title: str,
+    subtitle: str,
+    sections: Sequence[tuple[str, str, str]],
+    thumbs: Mapping[str, str],
+    footer: str,
+) -> str:
+    """The whole page: a header, ``sections`` (``(id, heading, inner HTML)``; no heading: no ``<h2>``), the
+    thumbnails' JSON block, the script and the footer ``#report-end``."""
+    body = "".join(
+        f'<section id="{escape(sid)}">{f"<h2>{escape(heading)}</h2>" if heading else ""}{inner}</section>'
+        for sid, heading, inner in sections
+    )
+    thumbs_json = json.dumps(dict(thumbs)).replace("</", "<\\/")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"
+        f"<header><h1>{escape(title)}</h1><p>{escape(subtitle)}</p></header><main>{body}</main>"
+        f'<footer id="report-end">{escape(footer)}</footer>'
+        f'<script type="application/json" id="thumbs">{thumbs_json}</script>'
+        f"<script>{SCRIPT}</script></body></html>\n"
+    )
