@@ -37,6 +37,8 @@ wheels:
 	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
 	    --abi cp312 $(addprefix --platform ,$(PLATFORMS)) --find-links $(GPU_WHEELS) -d $(GPU_WHEELS) \
 	    -r scripts/gpu_requirements.txt pip
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --abi cp312 $(addprefix --platform ,$(PLATFORMS)) -d $(GPU_WHEELS) -r scripts/gpu_requirements_nodeps.txt
 	rm -f $(GPU_WHEELS)/numpy-*.whl
 	@mib=$$(du -sm $(GPU_WHEELS) | cut -f1); \
 	    echo "$(GPU_WHEELS): $$(ls $(GPU_WHEELS) | wc -l) wheels, $$mib MiB (limit $(GPU_WHEELS_MAX_MIB) MiB)"; \

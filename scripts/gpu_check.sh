@@ -99,6 +99,7 @@ install() {
         pip=("$venv/bin/python" "${wheel[0]}/pip")  # a pip wheel runs as a zip application
     fi
     "${pip[@]}" install --no-index --find-links "$wheels" -r scripts/gpu_requirements.txt >&2
+    "${pip[@]}" install --no-index --no-deps --find-links "$wheels" -r scripts/gpu_requirements_nodeps.txt >&2
     "${pip[@]}" install --no-index --no-deps --no-build-isolation -e . >&2
     "$venv/bin/python" scripts/gpu_check.py deps
     "$venv/bin/mlcls-bench" --help >/dev/null
