@@ -160,3 +160,25 @@ def test_packed_shards_are_refused_naming_the_source_to_audit(tmp_path: Path, ca
         "mlcls-data: error: the training split of shards is read in sequence (packed shards), not by index; "
         "audit the dataset config the shards were packed from"
     )
+
+
+def test_the_audit_page_in_chromium_loads_every_image_and_sorts(audited, tmp_path) -> None:
+    """audit.html in headless Chromium: no console message, every thumbnail decoded, a click on a header
+    (through ``#sort=``) sorts by that column, and a screenshot that is not blank."""
+    from test_report import body_data, open_page
+
+    _, out, *_ = audited
+    page = out / "audit.html"
+    ranking = {int(row["rank"]): float(row["probability"]) for row in read_ranking(out)}
+    dom, console = open_page(page, "--dump-dom", fragment="#sort=probability")
+    assert console == []
+    data = body_data(dom)
+    assert int(data["images-total"]) > 0 and data["images-loaded"] == data["images-total"]
+    ranks = [int(rank) for rank in re.findall(r"<tr><td[^>]*>(\d+)</td>", dom)]  # rank column, as shown
+    assert ranks and ranks != sorted(ranks)  # the page was reordered ...
+    shown = [ranking[rank] for rank in ranks]
+    assert shown == sorted(shown)  # ... by the probability column
+    shot = tmp_path / "audit.png"
+    open_page(page, f"--screenshot={shot}")
+    pixels = np.asarray(Image.open(shot).convert("RGB"))
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 200  # thumbnails and text: not blank

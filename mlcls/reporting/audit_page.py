@@ -43,6 +43,19 @@ document.querySelectorAll("th").forEach(function (th, column) {
     rows.forEach(function (row) { body.appendChild(row); });
   });
 });
+// Once loaded: the images shown, on the body (data-images-total, data-images-loaded), and #sort=HEADER
+// in the address sorts by that column, as a click does.
+window.addEventListener("load", function () {
+  var images = Array.from(document.images);
+  document.body.dataset.imagesTotal = images.length;
+  document.body.dataset.imagesLoaded = images.filter(function (i) {
+    return i.complete && i.naturalWidth > 0;
+  }).length;
+  if (location.hash.indexOf("#sort=") === 0) {
+    var wanted = decodeURIComponent(location.hash.slice(6));
+    document.querySelectorAll("th").forEach(function (th) { if (th.textContent === wanted) th.click(); });
+  }
+});
 """
 
 
