@@ -56,8 +56,8 @@ def test_preset_composes_to_the_released_protocol(method, dataset):
     assert optim._target_ == "torch.optim.Adam" and optim.weight_decay == 0.0
     assert optim.lr_head == optim.lr_backbone == RELEASED["lr"]
     assert cfg.sched.warmup_iters == 0
-    total = 100
-    assert {cosine_factor(it, total, cfg.sched.warmup_iters, cfg.sched.min_lr_ratio) for it in range(total)} == {1.0}
+    factors = {cosine_factor(it, 100, cfg.sched.warmup_iters, cfg.sched.min_lr_ratio) for it in range(100)}
+    assert factors == {1.0}  # a constant learning rate
     loss = instantiate(cfg.loss)
     assert type(loss).__name__ == TARGETS[method]
     if method == "epr":
@@ -76,14 +76,15 @@ def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
     sizes = {"voc2012": (5717, 5823), "coco": (82081, 40137), "nuswide": (161789, 107859)}
     hours = {name: 11 * 10 * (tr + te / 3) * 4 / 1200 / 3600 for name, (tr, te) in sizes.items()}
     assert lines[0] == (
-        "# spml: single-positive benchmark, methods x datasets; 3 sweep(s), 33 runs, "
+        "# spml: single-positive benchmark; 3 sweep(s), 33 runs, "
         f"about {sum(hours.values()):.0f} v100 GPU-hours"
     )
     experiments = ", ".join(f"spml_{method}" for method in spml.SPML_METHODS)
     for number, name in enumerate(sizes):
         header, command = lines[1 + 2 * number], lines[2 + 2 * number]
         assert header == f"# {name}: {experiments} ({hours[name]:.0f} v100 GPU-hours)"
-        assert command.startswith(f"mlcls-train -m dataset={name} experiment={experiments.replace(', ', ',')} ")
+        swept = experiments.replace(", ", ",")
+        assert command.startswith(f"mlcls-train -m dataset={name} experiment={swept} ")
         assert f"hydra.sweep.dir={tmp_path / 's' / 'spml' / name}" in command
     assert len(lines) == 7 and not (tmp_path / "s").exists()
 
@@ -103,12 +104,12 @@ def test_published_numbers_carry_their_source():
 
 
 def test_published_number_lands_in_its_cell(monkeypatch):
-    entry = {"paper": "P", "table": "Table 1", "row": "EPR", "method": "epr", "dataset": "nuswide", "value": 45.5}
+    entry = {"paper": "P", "table": "T1", "row": "EPR", "method": "epr", "dataset": "nuswide", "value": 45.5}
     monkeypatch.setattr(spml, "load_published", lambda: (entry,))
     spec = spml.spml_spec()
     assert spec.paper[(("EPR",), "NUS")] == 45.5
     assert [key for key, value in spec.paper.items() if value is not None] == [(("EPR",), "NUS")]
-    assert "P Table 1" in spec.note
+    assert "P T1" in spec.note
 
 
 def test_smoke_sweep_fills_its_rows(tmp_path, capsys):
@@ -118,15 +119,25 @@ def test_smoke_sweep_fills_its_rows(tmp_path, capsys):
     assert len(runs) == 2
     ours = {}
     for path in runs:
-        config = json.loads(path.read_text())["provenance"]["config"]
+        results = json.loads(path.read_text())
+        config = results["provenance"]["config"]
         assert config["dataset"]["observed"] == "single_positive"
-        ours[config["loss"]["_target_"].rsplit(".", 1)[-1]] = json.loads(path.read_text())["metrics"]["mAP_class"]
+        ours[config["loss"]["_target_"].rsplit(".", 1)[-1]] = results["metrics"]["mAP_class"]
     cells = {(row["row"], row["column"]): row for row in csv.DictReader((tmp_path / "spml.csv").open())}
     assert len(cells) == len(spml.SPML_METHODS) * 3
     filled = {key: float(row["ours"]) for key, row in cells.items() if row["ours"]}
-    assert filled == pytest.approx({("AN", "COCO"): ours["AssumeNegativeLoss"], ("Two-way", "COCO"): ours["TwoWayLoss"]})
+    expected = {("AN", "COCO"): ours["AssumeNegativeLoss"], ("Two-way", "COCO"): ours["TwoWayLoss"]}
+    assert filled == pytest.approx(expected)
     assert "synthetic stands in for coco" in cells[("AN", "COCO")]["deviations"]
     assert "model.name=resnet10t (benchmark resnet50.tv_in1k)" in cells[("AN", "COCO")]["deviations"]
     # mlcls-tables renders the same table from the same runs.
     text = tables.report([tmp_path / "spml"], ["spml"], stand_ins={"synthetic": "coco"})
     assert text == (tmp_path / "spml.md").read_text()
+
+
+def test_tables_without_a_benchmark_run_is_one_line(tmp_path, capsys):
+    assert tables.main([str(tmp_path), "--table", "spml"]) == 2
+    assert capsys.readouterr().err == (
+        f"mlcls-tables: error: no run under {tmp_path} is a row of the single-positive benchmark "
+        "(experiment=spml_<method>; docs/reproduce.md)\n"
+    )

@@ -255,14 +255,15 @@ def run_spml(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: Path
     ]
     runs = sum(len(sweep.runs()) for sweep in sweeps)
     cost = "" if args.smoke else f", about {spml_gpu_hours(sweeps, args.gpu):.0f} {args.gpu} GPU-hours"
-    print(f"# {SPML_TABLE}: single-positive benchmark, methods x datasets; {len(sweeps)} sweep(s), {runs} runs{cost}")
+    print(f"# {SPML_TABLE}: single-positive benchmark; {len(sweeps)} sweep(s), {runs} runs{cost}")
     for sweep in sweeps:
         hours = "" if args.smoke else f" ({spml_gpu_hours([sweep], args.gpu):.0f} {args.gpu} GPU-hours)"
         print(f"# {sweep.name}: {', '.join(job_values(job)['experiment'] for job in sweep.runs())}{hours}")
         print_commands(sweep, args)
     if run_sweeps(sweeps, args):
         stand_ins = SMOKE_STAND_INS if args.smoke else None
-        markdown, _ = write_table(fill_spml(collect_spml_runs([sweep_dir / SPML_TABLE], stand_ins)), sweep_dir)
+        filled = fill_spml(collect_spml_runs([sweep_dir / SPML_TABLE], stand_ins))
+        markdown, _ = write_table(filled, sweep_dir)
         print(markdown.read_text(), end="")
         print(f"# table written to {sweep_dir}/{SPML_TABLE}.md and .csv")
     return 0

@@ -134,7 +134,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run or sweep directories")
     p.add_argument(
-        "--table", action="append", help=f"table to render, repeatable: {', '.join(TABLE_NAMES)}, {SPML_TABLE}"
+        "--table",
+        action="append",
+        help=f"table to render, repeatable: {', '.join(TABLE_NAMES)}, {SPML_TABLE}",
     )
     p.add_argument("--out", type=Path, help="write <table>.md and <table>.csv into this directory")
     p.add_argument(

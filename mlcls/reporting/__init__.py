@@ -7,5 +7,7 @@
   attributes of each cell, the paper's numbers) and filled with runs.
 - :mod:`mlcls.reporting.render`: a filled table as Markdown and CSV.
 - :mod:`mlcls.reporting.sweeps`: the Hydra sweeps that reproduce each table, their smoke versions and cost.
+- :mod:`mlcls.reporting.spml`: the single-positive benchmark (Cole et al. 2021): its sweep, cost, and table
+  beside the published numbers of ``spml_published.yaml``.
 - :mod:`mlcls.provenance`: the ``provenance`` block of ``results.json``.
 """

@@ -33,7 +33,7 @@ from mlcls.reporting.runs import (
     same_setting,
     yaml_text,
 )
-from mlcls.reporting.sweeps import SMOKE_OVERRIDES, TRAIN_IMAGES_PER_S, Sweep, grid_overrides, dataset_root
+from mlcls.reporting.sweeps import SMOKE_OVERRIDES, TRAIN_IMAGES_PER_S, Sweep, dataset_root, grid_overrides
 from mlcls.reporting.table_specs import Axis, FilledCell, FilledTable, TableSpec
 
 SPML_TABLE = "spml"
@@ -146,7 +146,9 @@ def check_published(document: Any) -> tuple[dict[str, Any], ...]:
             raise ReportError(f"{where} is a {type(entry).__name__}; expected a mapping")
         missing = [field for field in PUBLISHED_FIELDS if entry.get(field) in (None, "")]
         if missing:
-            raise ReportError(f"{where} lacks {', '.join(missing)}; every number needs {', '.join(PUBLISHED_FIELDS)}")
+            raise ReportError(
+                f"{where} lacks {', '.join(missing)}; every number needs {', '.join(PUBLISHED_FIELDS)}"
+            )
         if entry["method"] not in SPML_METHODS or entry["dataset"] not in SPML_DATASETS:
             raise ReportError(
                 f"{where}: method {entry['method']!r} / dataset {entry['dataset']!r}; expected one of "
@@ -192,7 +194,9 @@ def protocol_deviations(config: Mapping[str, Any], results: Mapping[str, Any]) -
     return deviations
 
 
-def collect_spml_runs(paths: Sequence[Path | str], stand_ins: Mapping[str, str] | None = None) -> list[RunRecord]:
+def collect_spml_runs(
+    paths: Sequence[Path | str], stand_ins: Mapping[str, str] | None = None
+) -> list[RunRecord]:
     """Every run under ``paths`` that is a row of the benchmark, with ``method`` among its attributes and
     its deviations from ``spml.yaml``. ``stand_ins`` renames datasets (``synthetic`` -> ``coco``)."""
     runs = []
