@@ -33,7 +33,14 @@ from mlcls.reporting.runs import (
     same_setting,
     yaml_text,
 )
-from mlcls.reporting.sweeps import SMOKE_OVERRIDES, TRAIN_IMAGES_PER_S, Sweep, dataset_root, grid_overrides
+from mlcls.reporting.sweeps import (
+    EVAL_SPEEDUP,
+    SMOKE_OVERRIDES,
+    TRAIN_IMAGES_PER_S,
+    Sweep,
+    dataset_root,
+    grid_overrides,
+)
 from mlcls.reporting.table_specs import Axis, FilledCell, FilledTable, TableSpec
 
 SPML_TABLE = "spml"
@@ -63,7 +70,6 @@ SPML_METRIC = "mAP_class"
 SMOKE_METHODS = ("an", "twoway")
 # Cost: ResNet-50 images/s of :data:`TRAIN_IMAGES_PER_S` are at 224 px; 448 px has 4 times the pixels.
 PIXELS_448 = 4.0
-EVAL_SPEEDUP = 3.0
 PUBLISHED_FIELDS = ("paper", "table", "row", "method", "dataset", "value")
 # Settings of spml.yaml checked in every run (what places it on the benchmark's protocol).
 PROTOCOL_KEYS = (
@@ -106,17 +112,16 @@ def spml_sweeps(
     return sweeps
 
 
-def protocol() -> dict[str, Any]:
-    """The benchmark's settings of ``spml.yaml`` (its ``protocol`` block, resolved, and the epochs)."""
-    preset = OmegaConf.load(config_dir() / "experiment" / "spml.yaml")
-    return {"epochs": int(preset.trainer.epochs), **OmegaConf.to_container(preset.protocol)}
+def protocol_epochs() -> int:
+    """The benchmark's epochs, as ``spml.yaml`` sets them."""
+    return int(OmegaConf.load(config_dir() / "experiment" / "spml.yaml").trainer.epochs)
 
 
 def run_gpu_hours(dataset: str, gpu: str = "v100") -> float:
     """Estimated GPU-hours of one run of the benchmark on ``dataset``: ``epochs x (train + test /
     EVAL_SPEEDUP) x PIXELS_448 / TRAIN_IMAGES_PER_S[gpu]`` (ResNet-50, evaluation every epoch)."""
     _, train, test = SPML_DATASETS[dataset]
-    images = protocol()["epochs"] * (train + test / EVAL_SPEEDUP)
+    images = protocol_epochs() * (train + test / EVAL_SPEEDUP)
     return images * PIXELS_448 / TRAIN_IMAGES_PER_S[gpu] / 3600.0
 
 
