@@ -157,7 +157,7 @@ def test_unknown_table_is_one_line(capsys):
     assert capsys.readouterr().err == (
         "mlcls-reproduce: error: unknown table 'table6'; "
         "expected one of table1, table2, table3, table4, table5, table7 or all, "
-        "or a preset: mldecoder_coco, twoway_mldecoder_coco or presets\n"
+        "or a preset: mldecoder_coco, twoway_mldecoder_coco or presets, or spml\n"
     )
 
 

@@ -6,6 +6,7 @@ mlcls-reproduce table5 --launcher torchrun --nproc-per-node 4 --data-root /data
 mlcls-reproduce table7 --data-root /data hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1
 mlcls-reproduce all --smoke                               # every table's smoke sweep, on the CPU
 mlcls-reproduce presets --data-root /data --dry-run       # the field's recipes (docs/models.md), cost
+mlcls-reproduce spml --data-root /data --dry-run          # the single-positive benchmark (docs/reproduce.md)
 
 Arguments after the table name that are not options are Hydra overrides appended to every sweep.
 Sweeps are written to ``<sweep-dir>/<table>/<dataset or smoke>/<job>``; the rendered table to
@@ -32,12 +33,15 @@ from mlcls.cli.tables import failure, parse_pairs
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import write_table
 from mlcls.reporting.runs import collect_runs
+from mlcls.reporting.spml import SPML_TABLE, collect_spml_runs, fill_spml, spml_sweeps
+from mlcls.reporting.spml import sweep_gpu_hours as spml_gpu_hours
 from mlcls.reporting.sweeps import (
     SMOKE_STAND_INS,
     TRAIN_IMAGES_PER_S,
     Sweep,
     dataset_root,
     describe,
+    job_values,
     run_gpu_hours,
     sweep_gpu_hours,
     table_sweeps,
@@ -186,7 +190,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "table",
         help=f"the paper table to reproduce: {', '.join(TABLE_NAMES)} or all; or a preset: "
-        f"{', '.join(PRESETS)} or presets",
+        f"{', '.join(PRESETS)} or presets; or {SPML_TABLE} (the single-positive benchmark)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny CPU version: embedded data, 2 cells per table")
     p.add_argument("--dry-run", action="store_true", help="print the sweeps and their cost, run nothing")
@@ -240,6 +244,31 @@ def run_presets(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: P
     return 0
 
 
+def run_spml(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: Path) -> int:
+    """Print the single-positive benchmark's sweeps (one per dataset, every method) with their cost, then
+    (without ``--dry-run``) run them and render the benchmark's table beside the published numbers."""
+    sweeps = [
+        dataclasses.replace(
+            sweep, overrides=(*sweep.overrides, *overrides), directory=sweep_dir / SPML_TABLE / sweep.name
+        )
+        for sweep in spml_sweeps(args.smoke, parse_roots(args.root), args.data_root)
+    ]
+    runs = sum(len(sweep.runs()) for sweep in sweeps)
+    cost = "" if args.smoke else f", about {spml_gpu_hours(sweeps, args.gpu):.0f} {args.gpu} GPU-hours"
+    print(f"# {SPML_TABLE}: single-positive benchmark; {len(sweeps)} sweep(s), {runs} runs{cost}")
+    for sweep in sweeps:
+        hours = "" if args.smoke else f" ({spml_gpu_hours([sweep], args.gpu):.0f} {args.gpu} GPU-hours)"
+        print(f"# {sweep.name}: {', '.join(job_values(job)['experiment'] for job in sweep.runs())}{hours}")
+        print_commands(sweep, args)
+    if run_sweeps(sweeps, args):
+        stand_ins = SMOKE_STAND_INS if args.smoke else None
+        filled = fill_spml(collect_spml_runs([sweep_dir / SPML_TABLE], stand_ins))
+        markdown, _ = write_table(filled, sweep_dir)
+        print(markdown.read_text(), end="")
+        print(f"# table written to {sweep_dir}/{SPML_TABLE}.md and .csv")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parser().parse_known_args(argv)
     if args.nproc_per_node is None:
@@ -252,12 +281,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.table in (*PRESETS, "presets"):
             return run_presets(args, overrides, sweep_dir)
+        if args.table == SPML_TABLE:
+            return run_spml(args, overrides, sweep_dir)
         if args.table not in (*TABLE_NAMES, "all"):
             names = ", ".join(TABLE_NAMES)
             presets = ", ".join(PRESETS)
             raise ReportError(
                 f"unknown table {args.table!r}; expected one of {names} or all, "
-                f"or a preset: {presets} or presets"
+                f"or a preset: {presets} or presets, or {SPML_TABLE}"
             )
         tables = list(TABLE_NAMES) if args.table == "all" else [args.table]
         roots = parse_roots(args.root)

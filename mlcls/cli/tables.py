@@ -3,6 +3,7 @@
 mlcls-tables multirun/reproduce/2026-11-22_10-00-00     # every table that has a run
 mlcls-tables RUN_DIR... --table table7 --out reports/    # writes reports/table7.md and table7.csv
 mlcls-tables multirun/... --smoke                         # smoke runs: synthetic, resnet10t as coco, resnet50
+mlcls-tables multirun/reproduce/.../spml --table spml     # the single-positive benchmark beside its papers
 mlcls-tables --runs multirun/2026-11-22/10-00-00         # any runs side by side: what differs, what scored
 mlcls-tables --runs runs/ --sort mAP_class --csv          # best first, as CSV (--json: a JSON list)
 """
@@ -18,6 +19,7 @@ from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import render_csv, render_markdown, write_table
 from mlcls.reporting.run_table import render_runs_csv, render_runs_json, render_runs_markdown, runs_table
 from mlcls.reporting.runs import RunRecord, collect_runs
+from mlcls.reporting.spml import SPML_TABLE, collect_spml_runs, fill_spml
 from mlcls.reporting.sweeps import SMOKE_STAND_INS
 from mlcls.reporting.table_specs import (
     TABLE_NAMES,
@@ -80,20 +82,39 @@ def report(
     stand_ins: dict[str, str] | None = None,
     as_csv: bool = False,
 ) -> str:
-    """Read the runs under ``paths``, fill the tables, write them to ``out_dir`` if given; return the text."""
-    for name in names or ():
+    """Read the runs under ``paths``, fill the tables, write them to ``out_dir`` if given; return the text.
+
+    ``spml`` among ``names`` is the single-positive benchmark (:mod:`mlcls.reporting.spml`), filled from the
+    runs that are rows of it; the other names are the paper's tables."""
+    paper_names = [name for name in names or () if name != SPML_TABLE]
+    for name in paper_names:
         table_spec(name)  # an unknown name fails before any run is read
+    tables = []
+    if names and SPML_TABLE in names:
+        tables.append(fill_spml(collect_spml_runs(paths, stand_ins)))
+        if not tables[0].filled:
+            raise ReportError(
+                f"no run under {', '.join(map(str, paths))} is a row of the single-positive benchmark "
+                "(experiment=spml_<method>; docs/reproduce.md)"
+            )
+    if names and not paper_names:
+        return _write_and_render(tables, out_dir, as_csv)
     runs = collect_runs(paths, stand_ins)
-    tables = build_tables(runs, names, stand_ins)
-    if out_dir is not None:
-        for table in tables:
-            write_table(table, out_dir)
-    unplaced = unplaced_runs(runs, [table.spec for table in tables])
+    tables += build_tables(runs, paper_names or None, stand_ins)
+    unplaced = unplaced_runs(runs, [table.spec for table in tables if table.spec.name != SPML_TABLE])
     if unplaced:
         listed = ", ".join(str(run.path) for run in unplaced[:5]) + (" ..." if len(unplaced) > 5 else "")
         print(
             f"mlcls-tables: {len(unplaced)} of {len(runs)} runs fill no cell shown: {listed}", file=sys.stderr
         )
+    return _write_and_render(tables, out_dir, as_csv)
+
+
+def _write_and_render(tables: Sequence[FilledTable], out_dir: Path | None, as_csv: bool) -> str:
+    """Write each table to ``out_dir`` if given; return them as Markdown (or CSV) text."""
+    if out_dir is not None:
+        for table in tables:
+            write_table(table, out_dir)
     render = render_csv if as_csv else render_markdown
     return "\n".join(render(table) for table in tables)
 
@@ -112,7 +133,11 @@ def parser() -> argparse.ArgumentParser:
         "with --runs, one table of any runs side by side.",
     )
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run or sweep directories")
-    p.add_argument("--table", action="append", help=f"table to render, repeatable: {', '.join(TABLE_NAMES)}")
+    p.add_argument(
+        "--table",
+        action="append",
+        help=f"table to render, repeatable: {', '.join(TABLE_NAMES)}, {SPML_TABLE}",
+    )
     p.add_argument("--out", type=Path, help="write <table>.md and <table>.csv into this directory")
     p.add_argument(
         "--runs",

@@ -12,5 +12,7 @@ errors an audit finds.
 - :mod:`mlcls.reporting.report`, ``report_data``, ``report_html``: ``report.html``, the run report page
   (``mlcls-report``; written at the end of a run with ``trainer.report=true``).
 - :mod:`mlcls.reporting.audit`, ``audit_page``: ``mlcls-data audit``, K-fold out-of-sample label errors.
+- :mod:`mlcls.reporting.spml`: the single-positive benchmark (Cole et al. 2021): its sweep, cost, and table
+  beside the published numbers of ``spml_published.yaml``.
 The ``provenance`` block of ``results.json`` is :mod:`mlcls.provenance`'s, below the engine.
 """

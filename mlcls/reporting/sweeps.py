@@ -141,7 +141,7 @@ def _value(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _grid_overrides(experiments: Sequence[str], grid: Mapping[str, Sequence[object]]) -> list[str]:
+def grid_overrides(experiments: Sequence[str], grid: Mapping[str, Sequence[object]]) -> list[str]:
     """Hydra overrides of a grid.
 
     Before it expands a sweep, Hydra composes the config without the swept overrides; when the presets
@@ -183,14 +183,14 @@ def table_sweeps(
     spec = grids[table]
     extra = ["loss.gather=true"] if spec.gather_under_ddp and nproc_per_node > 1 else []
     if smoke:
-        overrides = [*SMOKE_OVERRIDES, *_grid_overrides(spec.smoke_experiments, spec.smoke_grid)]
+        overrides = [*SMOKE_OVERRIDES, *grid_overrides(spec.smoke_experiments, spec.smoke_grid)]
         if "protocol.bucket_size" not in spec.smoke_grid:
             bucket = load_paper()["protocol"]["bucket_size"] // SMOKE_SCALE
             overrides.append(f"++protocol.bucket_size={bucket}")
         return [Sweep(table, "smoke", (*overrides, *extra), None)]
     sweeps = []
     for dataset in spec.datasets:
-        overrides = [f"dataset={dataset}", *_grid_overrides(spec.experiments, spec.grid), *extra]
+        overrides = [f"dataset={dataset}", *grid_overrides(spec.experiments, spec.grid), *extra]
         if roots and dataset in roots:
             overrides.append(f"dataset.root={roots[dataset]}")
         elif data_root is not None:

@@ -1,0 +1,277 @@
+"""The single-positive benchmark (Cole et al., CVPR 2021): its sweep, cost and table beside the published
+numbers.
+
+The presets are ``configs/experiment/spml_<method>.yaml`` on top of ``spml.yaml`` (the released protocol),
+run on VOC 2012, MS-COCO 2014 and NUS-WIDE with ``dataset=<name>``: one Hydra multirun per dataset over the
+methods. The table has one row per method and one column per dataset, mAP@class as the benchmark reports
+it; the published numbers are data in ``spml_published.yaml``, each with its paper, table and row.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+
+from mlcls import config_dir
+from mlcls.reporting.paper import ReportError
+from mlcls.reporting.runs import (
+    METRICS,
+    RunRecord,
+    architecture,
+    config_value,
+    find_run_dirs,
+    read_config,
+    read_results,
+    run_attributes,
+    same_setting,
+    yaml_text,
+)
+from mlcls.reporting.sweeps import (
+    EVAL_SPEEDUP,
+    SMOKE_OVERRIDES,
+    TRAIN_IMAGES_PER_S,
+    Sweep,
+    dataset_root,
+    grid_overrides,
+)
+from mlcls.reporting.table_specs import Axis, FilledCell, FilledTable, TableSpec
+
+SPML_TABLE = "spml"
+# Method (spml_<method>.yaml) -> the row's label.
+SPML_METHODS = {
+    "full": "Full labels (BCE)",
+    "an": "AN",
+    "an_ls": "AN-LS",
+    "wan": "WAN",
+    "epr": "EPR",
+    "em": "EM",
+    "ll_r": "LL-R",
+    "ll_ct": "LL-Ct",
+    "hill": "Hill",
+    "splc": "SPLC",
+    "twoway": "Two-way",
+}
+# Dataset -> column label, and the training / evaluation images mlcls uses (the whole official train split;
+# NUS-WIDE: the images listed, docs/datasets.md).
+SPML_DATASETS = {
+    "voc2012": ("VOC12", 5717, 5823),
+    "coco": ("COCO", 82081, 40137),
+    "nuswide": ("NUS", 161789, 107859),
+}
+SPML_METRIC = "mAP_class"
+# The smoke sweep: two methods on the embedded dataset (its AN and two-way rows).
+SMOKE_METHODS = ("an", "twoway")
+# Cost: ResNet-50 images/s of :data:`TRAIN_IMAGES_PER_S` are at 224 px; 448 px has 4 times the pixels.
+PIXELS_448 = 4.0
+PUBLISHED_FIELDS = ("paper", "table", "row", "method", "dataset", "value")
+# Settings of spml.yaml checked in every run (what places it on the benchmark's protocol).
+PROTOCOL_KEYS = (
+    "trainer.epochs",
+    "trainer.batch_size",
+    "optim._target_",
+    "optim.lr_head",
+    "optim.lr_backbone",
+    "optim.weight_decay",
+    "sched.min_lr_ratio",
+    "dataset.image_size",
+    "dataset.transform",
+    "model.name",
+    "model.pretrained",
+)
+
+
+def _experiment(method: str) -> str:
+    return f"spml_{method}"
+
+
+def spml_sweeps(
+    smoke: bool = False, roots: Mapping[str, str] | None = None, data_root: Path | None = None
+) -> list[Sweep]:
+    """One sweep per dataset over every method (``experiment=spml_an,spml_an_ls,...``); in smoke mode one
+    sweep of :data:`SMOKE_METHODS` on the embedded dataset. ``roots`` / ``data_root`` as in
+    :func:`mlcls.reporting.sweeps.table_sweeps`."""
+    if smoke:
+        experiments = [_experiment(method) for method in SMOKE_METHODS]
+        overrides = [*SMOKE_OVERRIDES, *grid_overrides(experiments, {})]
+        return [Sweep(SPML_TABLE, "smoke", tuple(overrides), None)]
+    sweeps = []
+    for dataset in SPML_DATASETS:
+        overrides = [f"dataset={dataset}", *grid_overrides([_experiment(m) for m in SPML_METHODS], {})]
+        if roots and dataset in roots:
+            overrides.append(f"dataset.root={roots[dataset]}")
+        elif data_root is not None:
+            overrides.append(f"dataset.root={dataset_root(dataset, data_root)}")
+        sweeps.append(Sweep(SPML_TABLE, dataset, tuple(overrides), dataset))
+    return sweeps
+
+
+def protocol_epochs() -> int:
+    """The benchmark's epochs, as ``spml.yaml`` sets them."""
+    return int(OmegaConf.load(config_dir() / "experiment" / "spml.yaml").trainer.epochs)
+
+
+def run_gpu_hours(dataset: str, gpu: str = "v100") -> float:
+    """Estimated GPU-hours of one run of the benchmark on ``dataset``: ``epochs x (train + test /
+    EVAL_SPEEDUP) x PIXELS_448 / TRAIN_IMAGES_PER_S[gpu]`` (ResNet-50, evaluation every epoch)."""
+    _, train, test = SPML_DATASETS[dataset]
+    images = protocol_epochs() * (train + test / EVAL_SPEEDUP)
+    return images * PIXELS_448 / TRAIN_IMAGES_PER_S[gpu] / 3600.0
+
+
+def sweep_gpu_hours(sweeps: Sequence[Sweep], gpu: str = "v100") -> float:
+    """Sum of :func:`run_gpu_hours` over every job of ``sweeps``."""
+    return sum(run_gpu_hours(sweep.dataset, gpu) * len(sweep.runs()) for sweep in sweeps if sweep.dataset)
+
+
+@cache
+def load_published() -> tuple[dict[str, Any], ...]:
+    """The published numbers of ``spml_published.yaml`` (:func:`check_published`)."""
+    text = resources.files("mlcls.reporting").joinpath("spml_published.yaml").read_text()
+    return check_published(yaml.safe_load(text))
+
+
+def check_published(document: Any) -> tuple[dict[str, Any], ...]:
+    """The entries of a published-numbers document, each checked: every field of
+    :data:`PUBLISHED_FIELDS` present, a known method and dataset, a number for ``value``, and no two entries
+    for one cell. :class:`ReportError` names the first entry that fails."""
+    entries = (document or {}).get("published") if isinstance(document, dict) else None
+    if not isinstance(entries, list):
+        raise ReportError("spml_published.yaml: expected a mapping with a list under 'published'")
+    seen = set()
+    for number, entry in enumerate(entries):
+        where = f"spml_published.yaml: entry {number}"
+        if not isinstance(entry, dict):
+            raise ReportError(f"{where} is a {type(entry).__name__}; expected a mapping")
+        missing = [field for field in PUBLISHED_FIELDS if entry.get(field) in (None, "")]
+        if missing:
+            raise ReportError(
+                f"{where} lacks {', '.join(missing)}; every number needs {', '.join(PUBLISHED_FIELDS)}"
+            )
+        if entry["method"] not in SPML_METHODS or entry["dataset"] not in SPML_DATASETS:
+            raise ReportError(
+                f"{where}: method {entry['method']!r} / dataset {entry['dataset']!r}; expected one of "
+                f"{', '.join(SPML_METHODS)} / {', '.join(SPML_DATASETS)}"
+            )
+        value = entry["value"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+            raise ReportError(f"{where}: value {value!r}; expected a mAP in % (a number in [0, 100])")
+        cell = (entry["method"], entry["dataset"])
+        if cell in seen:
+            raise ReportError(f"{where}: a second number for {cell[0]} on {cell[1]}")
+        seen.add(cell)
+    return tuple(entries)
+
+
+def _method_of(config: Mapping[str, Any], attributes: Mapping[str, Any]) -> str | None:
+    """The benchmark row of a run: ``full`` for BCE on all labels, else the loss (``ll`` by its mode);
+    None for a run that is no row of the table."""
+    observed = config_value(config, "dataset.observed") or "all"
+    loss = attributes["loss"]
+    if observed == "all":
+        return "full" if loss == "bce" else None
+    if observed != "single_positive":
+        return None
+    method = f"ll_{attributes.get('loss.mode')}" if loss == "ll" else loss
+    return method if method in SPML_METHODS and method != "full" else None
+
+
+def protocol_deviations(config: Mapping[str, Any], results: Mapping[str, Any]) -> list[str]:
+    """How a run departs from ``spml.yaml`` on :data:`PROTOCOL_KEYS` and its epochs, one phrase each."""
+    preset = OmegaConf.load(config_dir() / "experiment" / "spml.yaml")
+    deviations = []
+    for key in PROTOCOL_KEYS:
+        wanted = OmegaConf.select(preset, key)
+        if wanted is None:
+            continue
+        ours = config_value(config, key)
+        if not same_setting(ours, wanted):
+            deviations.append(f"{key}={yaml_text(ours)} (benchmark {yaml_text(wanted)})")
+    completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
+    if completed is not None and epochs is not None and completed < epochs:
+        deviations.append(f"unfinished: {completed} of {epochs} epochs")
+    return deviations
+
+
+def collect_spml_runs(
+    paths: Sequence[Path | str], stand_ins: Mapping[str, str] | None = None
+) -> list[RunRecord]:
+    """Every run under ``paths`` that is a row of the benchmark, with ``method`` among its attributes and
+    its deviations from ``spml.yaml``. ``stand_ins`` renames datasets (``synthetic`` -> ``coco``)."""
+    runs = []
+    for path in map(Path, paths):
+        for run_dir in find_run_dirs(path):
+            results = read_results(run_dir) or {}
+            config = read_config(run_dir, results)
+            if config is None:
+                continue
+            provenance = results.get("provenance") or {}
+            attributes = run_attributes(config, int(provenance.get("world_size", 1)))
+            method = _method_of(config, attributes)
+            if method is None:
+                continue
+            dataset = attributes["dataset"]
+            attributes.update(method=method, dataset=(stand_ins or {}).get(dataset, dataset))
+            deviations = protocol_deviations(config, results)
+            if dataset != attributes["dataset"]:
+                deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
+            if architecture(config) != "resnet50":
+                deviations.append(f"backbone {architecture(config)} (benchmark resnet50)")
+            metrics = results.get("metrics") or {}
+            runs.append(
+                RunRecord(
+                    path=run_dir,
+                    attributes=attributes,
+                    metrics={k: float(metrics[k]) for k in METRICS if metrics.get(k) is not None},
+                    deviations=tuple(deviations),
+                )
+            )
+    return runs
+
+
+def spml_spec() -> TableSpec:
+    """The benchmark's table: a row per method, a column per dataset, the published numbers in the cells."""
+    published = {(entry["method"], entry["dataset"]): float(entry["value"]) for entry in load_published()}
+    rows = tuple(Axis((label,), {"method": method}, SPML_METRIC) for method, label in SPML_METHODS.items())
+    columns = tuple(Axis(label, {"dataset": dataset}) for dataset, (label, _, _) in SPML_DATASETS.items())
+    paper = {
+        (row.label, column.label): published.get((row.match["method"], column.match["dataset"]))
+        for row in rows
+        for column in columns
+    }
+    sources = sorted({f"{entry['paper']} {entry['table']}" for entry in load_published()})
+    return TableSpec(
+        name=SPML_TABLE,
+        caption="Single-positive benchmark, end-to-end ResNet-50 at 448 px: mAP@class (%)",
+        row_header=("Method",),
+        rows=rows,
+        columns=columns,
+        fixed={},
+        paper=paper,
+        note=f"Published numbers: {'; '.join(sources) if sources else 'none entered yet'} "
+        "(mlcls/reporting/spml_published.yaml).",
+    )
+
+
+def fill_spml(runs: Sequence[RunRecord]) -> FilledTable:
+    """The benchmark's table with each cell the mean of its runs' last evaluation."""
+    spec = spml_spec()
+    cells = []
+    for row in spec.rows:
+        for column in spec.columns:
+            wanted = spec.cell_match(row, column)
+            hits = tuple(
+                run
+                for run in runs
+                if SPML_METRIC in run.metrics and all(run.attributes.get(k) == v for k, v in wanted.items())
+            )
+            ours = statistics.fmean(run.metrics[SPML_METRIC] for run in hits) if hits else None
+            paper = spec.paper[(row.label, column.label)]
+            cells.append(FilledCell(tuple(row.label), column.label, SPML_METRIC, ours, paper, hits))
+    return FilledTable(spec, tuple(cells))

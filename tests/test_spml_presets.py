@@ -1,0 +1,143 @@
+"""The single-positive benchmark's presets (configs/experiment/spml*.yaml): what each composes to on each
+dataset, ``mlcls-reproduce spml``'s sweeps and cost, the published numbers' sources, and the smoke table."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from conftest import compose_config
+from hydra.utils import instantiate
+
+from mlcls.cli import reproduce, tables
+from mlcls.engine.optim import cosine_factor
+from mlcls.engine.validate import validate_config
+from mlcls.reporting import spml
+from mlcls.reporting.paper import ReportError
+
+# The released protocol, typed from Cole et al.'s train.py / datasets.py (not read from spml.yaml).
+RELEASED = {"epochs": 10, "batch": 16, "lr": 1e-4, "size": 448}
+EXPECTED_POSITIVES = {"voc2012": 1.5, "coco": 2.9, "nuswide": 1.9}
+EM_ALPHA = {"voc2012": 0.2, "coco": 0.1, "nuswide": 0.1}
+TARGETS = {
+    "full": "BinaryCrossEntropyLoss",
+    "an": "AssumeNegativeLoss",
+    "an_ls": "LabelSmoothedAssumeNegativeLoss",
+    "wan": "WeakAssumeNegativeLoss",
+    "epr": "ExpectedPositiveLoss",
+    "em": "EntropyMaximisationLoss",
+    "ll_r": "LargeLossLoss",
+    "ll_ct": "LargeLossLoss",
+    "hill": "HillLoss",
+    "splc": "SPLCLoss",
+    "twoway": "TwoWayLoss",
+}
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiment"
+
+
+def test_every_preset_file_is_a_method_of_the_table():
+    files = {path.stem for path in CONFIGS.glob("spml_*.yaml")}
+    assert files == {f"spml_{method}" for method in TARGETS} == {f"spml_{m}" for m in spml.SPML_METHODS}
+
+
+@pytest.mark.parametrize("dataset", ["voc2012", "coco", "nuswide"])
+@pytest.mark.parametrize("method", sorted(TARGETS))
+def test_preset_composes_to_the_released_protocol(method, dataset):
+    cfg = compose_config([f"experiment=spml_{method}", f"dataset={dataset}"])
+    validate_config(cfg, world_size=1)
+    assert cfg.dataset.name == dataset
+    assert (cfg.model.name, cfg.model.pretrained) == ("resnet50.tv_in1k", True)
+    assert (cfg.dataset.image_size, cfg.dataset.transform) == (RELEASED["size"], "light")
+    assert cfg.dataset.observed == ("all" if method == "full" else "single_positive")
+    assert (cfg.trainer.epochs, cfg.trainer.batch_size) == (RELEASED["epochs"], RELEASED["batch"])
+    optim = cfg.optim
+    assert optim._target_ == "torch.optim.Adam" and optim.weight_decay == 0.0
+    assert optim.lr_head == optim.lr_backbone == RELEASED["lr"]
+    assert cfg.sched.warmup_iters == 0
+    factors = {cosine_factor(it, 100, cfg.sched.warmup_iters, cfg.sched.min_lr_ratio) for it in range(100)}
+    assert factors == {1.0}  # a constant learning rate
+    loss = instantiate(cfg.loss)
+    assert type(loss).__name__ == TARGETS[method]
+    if method == "epr":
+        assert cfg.loss.expected_positives == EXPECTED_POSITIVES[dataset]
+    if method == "em":
+        assert cfg.loss.alpha == EM_ALPHA[dataset]
+    if method.startswith("ll_"):
+        assert cfg.loss.mode == method[3:]
+
+
+def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
+    argv = ["spml", "--dry-run", "--data-root", "/data", "--sweep-dir", str(tmp_path / "s")]
+    assert reproduce.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # 10 epochs x (train + val / 3) images x 4 (448 px) at 1200 ResNet-50 images/s per V100, 11 presets.
+    sizes = {"voc2012": (5717, 5823), "coco": (82081, 40137), "nuswide": (161789, 107859)}
+    hours = {name: 11 * 10 * (tr + te / 3) * 4 / 1200 / 3600 for name, (tr, te) in sizes.items()}
+    assert lines[0] == (
+        "# spml: single-positive benchmark; 3 sweep(s), 33 runs, "
+        f"about {sum(hours.values()):.0f} v100 GPU-hours"
+    )
+    experiments = ", ".join(f"spml_{method}" for method in spml.SPML_METHODS)
+    for number, name in enumerate(sizes):
+        header, command = lines[1 + 2 * number], lines[2 + 2 * number]
+        assert header == f"# {name}: {experiments} ({hours[name]:.0f} v100 GPU-hours)"
+        swept = experiments.replace(", ", ",")
+        assert command.startswith(f"mlcls-train -m dataset={name} experiment={swept} ")
+        assert f"hydra.sweep.dir={tmp_path / 's' / 'spml' / name}" in command
+    assert len(lines) == 7 and not (tmp_path / "s").exists()
+
+
+def test_published_numbers_carry_their_source():
+    for entry in spml.load_published():
+        assert all(entry[field] not in (None, "") for field in ("paper", "table", "row"))
+    entry = {"paper": "P", "table": "Table 1", "row": "AN", "method": "an", "dataset": "coco", "value": 60.0}
+    assert spml.check_published({"published": [entry]}) == (entry,)
+    for field in ("paper", "table", "row", "value"):
+        with pytest.raises(ReportError, match=f"entry 0 lacks {field}"):
+            spml.check_published({"published": [{**entry, field: None}]})
+    with pytest.raises(ReportError, match="a second number for an on coco"):
+        spml.check_published({"published": [entry, entry]})
+    with pytest.raises(ReportError, match="expected a mAP in %"):
+        spml.check_published({"published": [{**entry, "value": 0.6e3}]})
+
+
+def test_published_number_lands_in_its_cell(monkeypatch):
+    entry = {"paper": "P", "table": "T1", "row": "EPR", "method": "epr", "dataset": "nuswide", "value": 45.5}
+    monkeypatch.setattr(spml, "load_published", lambda: (entry,))
+    spec = spml.spml_spec()
+    assert spec.paper[(("EPR",), "NUS")] == 45.5
+    assert [key for key, value in spec.paper.items() if value is not None] == [(("EPR",), "NUS")]
+    assert "P T1" in spec.note
+
+
+def test_smoke_sweep_fills_its_rows(tmp_path, capsys):
+    assert reproduce.main(["spml", "--smoke", "--sweep-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    runs = sorted((tmp_path / "spml" / "smoke").glob("*/results.json"))
+    assert len(runs) == 2
+    ours = {}
+    for path in runs:
+        results = json.loads(path.read_text())
+        config = results["provenance"]["config"]
+        assert config["dataset"]["observed"] == "single_positive"
+        ours[config["loss"]["_target_"].rsplit(".", 1)[-1]] = results["metrics"]["mAP_class"]
+    cells = {(row["row"], row["column"]): row for row in csv.DictReader((tmp_path / "spml.csv").open())}
+    assert len(cells) == len(spml.SPML_METHODS) * 3
+    filled = {key: float(row["ours"]) for key, row in cells.items() if row["ours"]}
+    expected = {("AN", "COCO"): ours["AssumeNegativeLoss"], ("Two-way", "COCO"): ours["TwoWayLoss"]}
+    assert filled == pytest.approx(expected)
+    assert "synthetic stands in for coco" in cells[("AN", "COCO")]["deviations"]
+    assert "model.name=resnet10t (benchmark resnet50.tv_in1k)" in cells[("AN", "COCO")]["deviations"]
+    # mlcls-tables renders the same table from the same runs.
+    text = tables.report([tmp_path / "spml"], ["spml"], stand_ins={"synthetic": "coco"})
+    assert text == (tmp_path / "spml.md").read_text()
+
+
+def test_tables_without_a_benchmark_run_is_one_line(tmp_path, capsys):
+    assert tables.main([str(tmp_path), "--table", "spml"]) == 2
+    assert capsys.readouterr().err == (
+        f"mlcls-tables: error: no run under {tmp_path} is a row of the single-positive benchmark "
+        "(experiment=spml_<method>; docs/reproduce.md)\n"
+    )
