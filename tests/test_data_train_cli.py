@@ -30,7 +30,7 @@ CASES: dict[str, tuple[Callable[[Path], Path], int, int, int]] = {
     "wider": (write_wider, 3, 1, 14),
     "vaw": (write_vaw, 4, 1, 6),
     "nuswide": (write_nuswide, 3, 2, 81),
-    "csv": (csv_fixture, 3, 1, 2),  # val_fraction 0.1 of 4 rows rounds to 0: 0.25 below
+    "csv": (csv_fixture, 2, 2, 2),  # val_fraction 0.25 (below) of 4 rows, and cat (2 positives) one in val
 }
 
 

@@ -262,11 +262,12 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
         f"<h3>False negatives: given, missed</h3>"
         f"{ui.gallery([cards.error(c, 'fn') for c in overall['fn']], 'No false negative.')}"
     )
-    flag_note = (
-        f"cleanlab's filter flags {plural(flagged, 'image')}, shown first"
-        if flagged >= 0
-        else "cleanlab's filter was skipped (too many image-class cells); ranked by label quality"
-    )
+    if isinstance(flagged, str):
+        flag_note = f"cleanlab cannot rank these labels ({flagged})"
+    elif flagged >= 0:
+        flag_note = f"cleanlab's filter flags {plural(flagged, 'image')}, shown first"
+    else:
+        flag_note = "cleanlab's filter was skipped (too many image-class cells); ranked by label quality"
     issue_html = (
         '<p class="note">Ranked by cleanlab (multi-label, label quality lowest first) from the '
         f"out-of-sample validation predictions of epoch {predictions.epoch}; {ui.escape(flag_note)}. "

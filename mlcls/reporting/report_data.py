@@ -229,11 +229,14 @@ def _error_order(case: ErrorCase) -> tuple[float, int, int]:
     return (-case.margin, case.row, case.cls)
 
 
-def label_issues(predictions: ValPredictions, rows: np.ndarray, count: int) -> tuple[list[LabelIssue], int]:
+def label_issues(
+    predictions: ValPredictions, rows: np.ndarray, count: int
+) -> tuple[list[LabelIssue], int | str]:
     """The ``count`` validation rows (of ``rows``) whose given labels cleanlab finds least likely, lowest
     label quality first (``get_label_quality_scores``), the rows its filter flags (``find_label_issues``)
     before the others; and how many it flags (-1 when the filter was skipped: over
-    :data:`MAX_FILTER_CELLS` cells)."""
+    :data:`MAX_FILTER_CELLS` cells). Where cleanlab cannot rank these labels at all (it needs at least two
+    classes among the given labels: a tiny validation set), no issue and cleanlab's reason."""
     from cleanlab.multilabel_classification import filter as cleanlab_filter
     from cleanlab.multilabel_classification import rank
 
@@ -244,9 +247,12 @@ def label_issues(predictions: ValPredictions, rows: np.ndarray, count: int) -> t
     filtered = probs.size <= MAX_FILTER_CELLS
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "too few examples in class ..." for each rare class
-        quality = rank.get_label_quality_scores(labels, probs)
-        if filtered:
-            flagged[cleanlab_filter.find_label_issues(labels, probs, n_jobs=1)] = True
+        try:
+            quality = rank.get_label_quality_scores(labels, probs)
+            if filtered:
+                flagged[cleanlab_filter.find_label_issues(labels, probs, n_jobs=1)] = True
+        except ValueError as exc:  # cleanlab's checks of its input, e.g. "at least 2 classes"
+            return [], str(exc)
     order = np.lexsort((np.arange(len(rows)), quality, ~flagged))[:count]
     disputed = np.where(given, probs, 1.0 - probs).argmin(axis=1)
     issues = [LabelIssue(int(rows[k]), float(quality[k]), bool(flagged[k]), int(disputed[k])) for k in order]
