@@ -167,7 +167,11 @@ class Trainer:
         self.ddp_model.train()
         sampler = self.train_loader.sampler
         sampler.set_epoch(epoch)
-        for module in self.criterion.modules():  # a loss whose terms change with the epoch (ll, splc)
+        # a loss whose terms change with the epoch (ll, splc), wrapped or not; a plain callable has none
+        modules = (
+            self.criterion.modules() if isinstance(self.criterion, torch.nn.Module) else [self.criterion]
+        )
+        for module in modules:
             if hasattr(module, "set_epoch"):
                 module.set_epoch(epoch)
         first_step = self.state.step if epoch == self.state.epoch else 0
