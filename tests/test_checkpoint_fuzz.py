@@ -180,7 +180,7 @@ def mutate(state: dict[str, Any], rng: random.Random, marker: Path, server: str)
     return done
 
 
-class _CountingServer:
+class CountingServer:
     """An HTTP server on 127.0.0.1 that counts its requests (none may arrive)."""
 
     def __init__(self) -> None:
@@ -201,6 +201,10 @@ class _CountingServer:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def _limit_address_space() -> None:
@@ -241,7 +245,7 @@ def fuzz(checkpoint: Path, images: Path, work: Path, seeds: range) -> dict[str, 
     from mlcls.cli.eval import evaluate_checkpoint
     from mlcls.cli.predict import run as predict_run
 
-    server = _CountingServer()
+    server = CountingServer()
     marker = work / "marker"
     _limit_address_space()
     signal.signal(signal.SIGALRM, _timeout)

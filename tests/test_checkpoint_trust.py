@@ -3,11 +3,9 @@ from files refused with one line, old files re-saved or trusted explicitly."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import random
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import pytest
 import torch
 from conftest import TINY, compose_config
 from PIL import Image
+from test_checkpoint_fuzz import CountingServer
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.errors import error_line
@@ -207,33 +206,9 @@ def _shards_config(image_size: Any = 32, **keys: Any) -> dict:
     }
 
 
-class _CountingServer:
-    """An HTTP server on 127.0.0.1 that answers 404 and counts the requests it gets."""
-
-    def __init__(self) -> None:
-        counter = self
-        self.requests: list[str] = []
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the http.server name
-                counter.requests.append(self.path)
-                self.send_error(404)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture()
 def server():
-    counting = _CountingServer()
+    counting = CountingServer()
     yield counting
     counting.close()
 
@@ -291,10 +266,10 @@ def test_a_stored_interpolation_is_refused_before_anything_resolves(tmp_path, tr
             ConfigError, match=r"an interpolation; a config read from a file is never resolved"
         ):
             _eval_with_dataset(tmp_path, trained, dataset)
-    assert not marker.exists() and server.requests == []
+    assert not marker.exists() and server.requests == 0
     with pytest.raises(ConfigError, match=r"dataset.meta reads 'http://127.0.0.1:\d+/m', not a local file"):
         _eval_with_dataset(tmp_path, trained, _shards_config(meta=f"{server.url}/m"))
-    assert server.requests == []
+    assert server.requests == 0
 
 
 def test_the_checked_config_is_the_one_built(tmp_path, trained, server, monkeypatch):
@@ -320,7 +295,7 @@ def test_the_checked_config_is_the_one_built(tmp_path, trained, server, monkeypa
         nested = "${shards_source:image_size," + nested + "}"
     with pytest.raises(ConfigError, match="an interpolation"):
         _eval_with_dataset(tmp_path, trained, _shards_config(image_size=nested, meta=f"{server.url}/m"))
-    assert server.requests == []
+    assert server.requests == 0
 
 
 def _pack_with_names(packed: Path, out: Path, names: dict[str, str]) -> Path:
