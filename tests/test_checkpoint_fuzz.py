@@ -85,9 +85,8 @@ def value_pool(marker: Path, server: str) -> list[Any]:
     ]
 
 
-def shards_config(marker: Path, server: str, rng: random.Random) -> dict[str, Any]:
-    """A stored ``dataset=shards`` config whose sources are hostile."""
-    source = rng.choice([f"pipe:touch {marker} #", f"{server}/m", "${oc.env:HOME}", "s3://b/m"])
+def stored_shards_config(image_size: Any = 32, **keys: Any) -> dict[str, Any]:
+    """A stored ``dataset=shards`` config as a run trained on shards holds it (resolved); ``keys`` set."""
     return {
         "_target_": "mlcls.data.shards.datasets.open_shards",
         "name": "shards",
@@ -95,12 +94,21 @@ def shards_config(marker: Path, server: str, rng: random.Random) -> dict[str, An
         "urls": None,
         "val_urls": None,
         "meta": None,
-        rng.choice(["meta", "urls", "val_urls", "root"]): source,
-        "image_size": rng.choice([32, "${shards_source:image_size,32}"]),
+        "shuffle_buffer": 10,
+        "image_size": image_size,
         "transform": "light",
         "train_split": "train",
         "val_split": "val",
+        **keys,
     }
+
+
+def shards_config(marker: Path, server: str, rng: random.Random) -> dict[str, Any]:
+    """A stored ``dataset=shards`` config whose sources are hostile."""
+    source = rng.choice([f"pipe:touch {marker} #", f"{server}/m", "${oc.env:HOME}", "s3://b/m"])
+    key = rng.choice(["meta", "urls", "val_urls", "root"])
+    image_size = rng.choice([32, "${shards_source:image_size,32}"])
+    return stored_shards_config(image_size, **{key: source})
 
 
 def mutate(state: dict[str, Any], rng: random.Random, marker: Path, server: str) -> list[str]:

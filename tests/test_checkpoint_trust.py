@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import TINY, compose_config
 from PIL import Image
-from test_checkpoint_fuzz import CountingServer
+from test_checkpoint_fuzz import CountingServer, stored_shards_config
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.errors import error_line
@@ -188,24 +188,6 @@ def _eval_with_dataset(tmp_path: Path, trained: Path, dataset: dict, *argv: str)
     )
 
 
-def _shards_config(image_size: Any = 32, **keys: Any) -> dict:
-    """A stored ``dataset=shards`` config as a run trained on shards holds it (resolved)."""
-    return {
-        "_target_": "mlcls.data.shards.datasets.open_shards",
-        "name": "shards",
-        "root": None,
-        "urls": None,
-        "val_urls": None,
-        "meta": None,
-        "shuffle_buffer": 10,
-        "image_size": image_size,
-        "transform": "light",
-        "train_split": "train",
-        "val_split": "val",
-        **keys,
-    }
-
-
 @pytest.fixture()
 def server():
     counting = CountingServer()
@@ -235,14 +217,14 @@ def test_a_pipe_shard_source_in_a_checkpoint_is_refused_with_one_line(tmp_path, 
     marker = tmp_path / "marker"
     for key, value in [("meta", f"pipe:touch {marker} #"), ("val_urls", f"pipe:touch {marker} #x.tar")]:
         with pytest.raises(ConfigError, match=rf"dataset.{key} reads 'pipe:touch .*not a local file") as info:
-            _eval_with_dataset(tmp_path, trained, _shards_config(**{key: value}))
+            _eval_with_dataset(tmp_path, trained, stored_shards_config(**{key: value}))
         assert "\n" not in error_line(info.value)
         assert not marker.exists()
     # the user's own dataset.* on the command line is theirs to choose; so is a checkpoint's local folder
-    stored = _shards_config(meta=f"pipe:touch {marker} #")
+    stored = stored_shards_config(meta=f"pipe:touch {marker} #")
     metrics = _eval_with_dataset(tmp_path, trained, stored, f"++dataset.meta={packed_synthetic}")
     assert metrics["num_samples"] == 20 and not marker.exists()
-    metrics = _eval_with_dataset(tmp_path, trained, _shards_config(root=str(packed_synthetic)))
+    metrics = _eval_with_dataset(tmp_path, trained, stored_shards_config(root=str(packed_synthetic)))
     assert metrics["num_samples"] == 20
 
 
@@ -257,9 +239,9 @@ def test_a_stored_interpolation_is_refused_before_anything_resolves(tmp_path, tr
             "image_size": "${shards_source:image_size,64}",
             "meta": f"pipe:touch {marker} #",
         },
-        _shards_config(meta=f"{server.url}/" + "${oc.env:MLCLS_TEST_SECRET}"),
-        _shards_config(image_size="${shards_source:image_size,32}", meta=f"{server.url}/m"),
-        _shards_config(transform={"kind": "${oc.env:MLCLS_TEST_SECRET}"}),
+        stored_shards_config(meta=f"{server.url}/" + "${oc.env:MLCLS_TEST_SECRET}"),
+        stored_shards_config(image_size="${shards_source:image_size,32}", meta=f"{server.url}/m"),
+        stored_shards_config(transform={"kind": "${oc.env:MLCLS_TEST_SECRET}"}),
     ]
     for dataset in hostile:
         with pytest.raises(
@@ -268,7 +250,7 @@ def test_a_stored_interpolation_is_refused_before_anything_resolves(tmp_path, tr
             _eval_with_dataset(tmp_path, trained, dataset)
     assert not marker.exists() and server.requests == 0
     with pytest.raises(ConfigError, match=r"dataset.meta reads 'http://127.0.0.1:\d+/m', not a local file"):
-        _eval_with_dataset(tmp_path, trained, _shards_config(meta=f"{server.url}/m"))
+        _eval_with_dataset(tmp_path, trained, stored_shards_config(meta=f"{server.url}/m"))
     assert server.requests == 0
 
 
@@ -294,7 +276,7 @@ def test_the_checked_config_is_the_one_built(tmp_path, trained, server, monkeypa
     for _level in range(9):
         nested = "${shards_source:image_size," + nested + "}"
     with pytest.raises(ConfigError, match="an interpolation"):
-        _eval_with_dataset(tmp_path, trained, _shards_config(image_size=nested, meta=f"{server.url}/m"))
+        _eval_with_dataset(tmp_path, trained, stored_shards_config(image_size=nested, meta=f"{server.url}/m"))
     assert server.requests == 0
 
 

@@ -38,8 +38,8 @@ from mlcls.reporting.sweeps import (
     SMOKE_OVERRIDES,
     TRAIN_IMAGES_PER_S,
     Sweep,
-    dataset_root,
     grid_overrides,
+    per_dataset_sweeps,
 )
 from mlcls.reporting.table_specs import Axis, FilledCell, FilledTable, TableSpec
 
@@ -101,15 +101,8 @@ def spml_sweeps(
         experiments = [_experiment(method) for method in SMOKE_METHODS]
         overrides = [*SMOKE_OVERRIDES, *grid_overrides(experiments, {})]
         return [Sweep(SPML_TABLE, "smoke", tuple(overrides), None)]
-    sweeps = []
-    for dataset in SPML_DATASETS:
-        overrides = [f"dataset={dataset}", *grid_overrides([_experiment(m) for m in SPML_METHODS], {})]
-        if roots and dataset in roots:
-            overrides.append(f"dataset.root={roots[dataset]}")
-        elif data_root is not None:
-            overrides.append(f"dataset.root={dataset_root(dataset, data_root)}")
-        sweeps.append(Sweep(SPML_TABLE, dataset, tuple(overrides), dataset))
-    return sweeps
+    shared = grid_overrides([_experiment(m) for m in SPML_METHODS], {})
+    return per_dataset_sweeps(SPML_TABLE, SPML_DATASETS, shared, roots, data_root)
 
 
 def protocol_epochs() -> int:

@@ -188,9 +188,22 @@ def table_sweeps(
             bucket = load_paper()["protocol"]["bucket_size"] // SMOKE_SCALE
             overrides.append(f"++protocol.bucket_size={bucket}")
         return [Sweep(table, "smoke", (*overrides, *extra), None)]
+    shared = [*grid_overrides(spec.experiments, spec.grid), *extra]
+    return per_dataset_sweeps(table, spec.datasets, shared, roots, data_root)
+
+
+def per_dataset_sweeps(
+    table: str,
+    datasets: Sequence[str],
+    shared: Sequence[str],
+    roots: Mapping[str, str] | None,
+    data_root: Path | None,
+) -> list[Sweep]:
+    """One sweep of ``table`` per dataset: ``dataset=<name>``, the ``shared`` overrides, and its
+    ``dataset.root`` from ``roots``, else under ``data_root`` (:func:`dataset_root`), else the config's."""
     sweeps = []
-    for dataset in spec.datasets:
-        overrides = [f"dataset={dataset}", *grid_overrides(spec.experiments, spec.grid), *extra]
+    for dataset in datasets:
+        overrides = [f"dataset={dataset}", *shared]
         if roots and dataset in roots:
             overrides.append(f"dataset.root={roots[dataset]}")
         elif data_root is not None:

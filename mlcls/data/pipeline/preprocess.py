@@ -24,7 +24,7 @@ from typing import Any
 from torchvision import transforms as T
 
 from mlcls.data.pipeline.transforms import SQUASH_EVAL_KINDS, TRANSFORM_KINDS, eval_resize, normalisation
-from mlcls.errors import InferenceError
+from mlcls.errors import InferenceError, shown
 
 SPEC_KEYS = ("transform", "image_size", "resize", "crop", "interpolation", "mean", "std")
 # The largest side, in pixels, a spec may resize or crop to: a (3, 4096, 4096) float32 input is 200 MB.
@@ -76,7 +76,7 @@ def check_spec(spec: Mapping[str, Any]) -> None:
         )
     if spec["transform"] not in TRANSFORM_KINDS:
         raise InferenceError(
-            f"preprocess.transform={_shown(spec['transform'])}; expected one of {', '.join(TRANSFORM_KINDS)}"
+            f"preprocess.transform={shown(spec['transform'])}; expected one of {', '.join(TRANSFORM_KINDS)}"
         )
     _check_size(spec["image_size"], "image_size")
     _check_size(spec["resize"], "resize", pair=True)
@@ -85,7 +85,7 @@ def check_spec(spec: Mapping[str, Any]) -> None:
     modes = tuple(mode.value for mode in T.InterpolationMode)
     if spec["interpolation"] not in modes:
         raise InferenceError(
-            f"preprocess.interpolation={_shown(spec['interpolation'])}; expected one of {', '.join(modes)}"
+            f"preprocess.interpolation={shown(spec['interpolation'])}; expected one of {', '.join(modes)}"
         )
     normalisation(spec["mean"], spec["std"], owner="preprocess")
 
@@ -96,14 +96,8 @@ def _check_size(value: Any, key: str, pair: bool = False, owner: str = "preproce
     sides = list(value) if pair and isinstance(value, (list, tuple)) and len(value) == 2 else [value]
     if not all(isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= MAX_SIDE for s in sides):
         expected = f"a size of 1 to {MAX_SIDE} pixels" + (", or [h, w] of such sizes" if pair else "")
-        raise InferenceError(f"{owner}.{key}={_shown(value)}; expected {expected}")
+        raise InferenceError(f"{owner}.{key}={shown(value)}; expected {expected}")
     return value
-
-
-def _shown(value: Any) -> str:
-    """``repr(value)``, cut to 60 characters (a value read from a file)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def input_size(spec: Mapping[str, Any]) -> tuple[int, int]:

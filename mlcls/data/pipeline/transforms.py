@@ -48,7 +48,7 @@ from PIL import Image
 from timm.data.auto_augment import rand_augment_transform
 from torchvision import transforms as T
 
-from mlcls.errors import ConfigError
+from mlcls.errors import ConfigError, shown
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -204,8 +204,7 @@ def normalisation(
         )
         if not valid or (key == "std" and min(numbers) <= 0):
             expected = "3 numbers > 0 (R, G, B)" if key == "std" else "3 numbers (R, G, B)"
-            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."  # a file's value
-            raise ConfigError(f"{owner}.{key}={shown}; expected {expected}")
+            raise ConfigError(f"{owner}.{key}={shown(value)}; expected {expected}")  # a file's value, cut
         checked.append(tuple(float(v) for v in numbers))
     return checked[0], checked[1]
 
