@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -55,3 +56,38 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 300, **kwargs) -> subproc
 @pytest.fixture
 def tiny() -> list[str]:
     return list(TINY)
+
+
+# Tensor methods that read a value back to the host: on a GPU each one waits for the queued kernels.
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+# Functions that copy a value from the host into a new tensor: on a GPU, a copy from pageable memory that
+# waits for the queued kernels (what ``torch.cuda.set_sync_debug_mode`` reports).
+HOST_COPIES = {torch: ("tensor", "as_tensor"), torch.Tensor: ("new_tensor",)}
+
+
+@pytest.fixture
+def host_reads(monkeypatch) -> list[str]:
+    """The names of the host-reading Tensor methods and host-copying functions called while the fixture
+    is active, in call order."""
+    calls: list[str] = []
+
+    def counted(owner, name: str) -> None:
+        original = getattr(owner, name)
+
+        def counting(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
+
+    for method in HOST_READS:
+        counted(torch.Tensor, method)
+    for owner, names in HOST_COPIES.items():
+        for name in names:
+            counted(owner, name)
+    monkeypatch.setattr(torch, "nonzero", lambda *args, **kwargs: calls.append("torch.nonzero"))
+    torch.ones(1).item()  # the counter itself works
+    torch.ones(1).new_tensor(2.0)
+    assert calls == ["item", "new_tensor"]
+    calls.clear()
+    return calls

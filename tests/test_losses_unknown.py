@@ -460,26 +460,18 @@ def test_wan_needs_two_classes_and_epochs_are_non_negative():
         LargeLossLoss().set_epoch(-1)
 
 
-def test_training_step_reads_nothing_back_from_the_device(monkeypatch):
+def test_training_step_reads_nothing_back_from_the_device(host_reads):
     """Forward + backward on the meta device (a stand-in for a GPU holding no data), with the epoch
-    terms on: no ``.item()``, ``bool()``, ``.tolist()`` or ``nonzero`` on a tensor."""
+    terms on: no ``.item()``, ``bool()``, ``.tolist()`` or ``nonzero`` on a tensor, no copy from the host."""
     x, y = random_batch(seed=11)
-    calls: list[str] = []
-    for method in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"):
-        original = getattr(torch.Tensor, method)
-
-        def counting(self, *args, _original=original, _method=method, **kwargs):
-            calls.append(_method)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, method, counting)
+    host_reads.clear()  # making the batch reads values
     for name, cls in UNKNOWN_CLASSES.items():
         loss = cls(**REQUIRED.get(name, {})).to("meta")
         if hasattr(loss, "set_epoch"):
             loss.set_epoch(3)
         logits = x.float().to("meta").requires_grad_(True)
         loss(logits, y.float().to("meta")).backward()
-        assert calls == [] and logits.grad.shape == x.shape, name
+        assert host_reads == [] and logits.grad.shape == x.shape, name
 
 
 def test_loss_benchmark_builds_every_loss():

@@ -82,7 +82,7 @@ class _SoftplusLogSumExp(torch.autograd.Function):
         masked = torch.where(negative.bool(), scaled, float("-inf"))
         shifts_n = [line_max(masked, dims) for dims in line_dims]
         # reuse: ``masked`` now holds ``scaled`` on P, -inf elsewhere
-        torch.where(positive.bool(), scaled, masked.new_tensor(float("-inf")), out=masked)
+        masked.copy_(scaled).masked_fill_(~positive.bool(), float("-inf"))  # no host-to-device copy
         shifts_p = [line_max(masked, dims) for dims in line_dims]
         tiny = torch.finfo(logits.dtype).tiny
         loss = logits.new_zeros(())

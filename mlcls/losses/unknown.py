@@ -102,9 +102,7 @@ class LabelSmoothedAssumeNegativeLoss(UnknownLabelLoss):
         self.ls_coef = float(ls_coef)
 
     def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        smoothed = torch.where(
-            targets == 1, logits.new_tensor(1.0 - self.ls_coef), logits.new_tensor(self.ls_coef)
-        )
+        smoothed = torch.where(targets == 1, 1.0 - self.ls_coef, self.ls_coef).to(logits.dtype)
         return F.binary_cross_entropy_with_logits(logits, smoothed, reduction="none")
 
     def extra_repr(self) -> str:
