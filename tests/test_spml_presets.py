@@ -16,6 +16,8 @@ from mlcls.engine.optim import cosine_factor
 from mlcls.engine.validate import validate_config
 from mlcls.reporting import spml
 from mlcls.reporting.paper import ReportError
+from mlcls.reporting.render import render_markdown
+from mlcls.reporting.runs import RunRecord
 
 # The released protocol, typed from Cole et al.'s train.py / datasets.py (not read from spml.yaml).
 RELEASED = {"epochs": 10, "batch": 16, "lr": 1e-4, "size": 448}
@@ -34,12 +36,24 @@ TARGETS = {
     "splc": "SPLCLoss",
     "twoway": "TwoWayLoss",
 }
+# Rows of the table without a preset yet: their published numbers are shown, our cells stay empty.
+UNPRESET = ("em_apl", "role", "ll_cp")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiment"
+# The rows read from the results table of VLPL's README (mvrl/VLPL at ed09b592, "Main results on the
+# single-positive label setting"): VOC | COCO | NUS, typed from it, not read from spml_published.yaml.
+VLPL_README = {
+    "an": (85.89, 64.92, 42.27),
+    "em": (89.09, 70.70, 47.15),
+    "em_apl": (89.19, 70.87, 47.59),
+    "ll_r": (89.2, 71.0, 47.4),
+}
 
 
 def test_every_preset_file_is_a_method_of_the_table():
     files = {path.stem for path in CONFIGS.glob("spml_*.yaml")}
-    assert files == {f"spml_{method}" for method in TARGETS} == {f"spml_{m}" for m in spml.SPML_METHODS}
+    assert files == {f"spml_{method}" for method in TARGETS}
+    assert set(spml.SPML_METHODS) == set(TARGETS) | set(UNPRESET)
+    assert spml.preset_methods() == tuple(method for method in spml.SPML_METHODS if method in TARGETS)
 
 
 @pytest.mark.parametrize("dataset", ["voc2012", "coco", "nuswide"])
@@ -79,7 +93,7 @@ def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
         "# spml: single-positive benchmark; 3 sweep(s), 33 runs, "
         f"about {sum(hours.values()):.0f} v100 GPU-hours"
     )
-    experiments = ", ".join(f"spml_{method}" for method in spml.SPML_METHODS)
+    experiments = ", ".join(f"spml_{method}" for method in spml.SPML_METHODS if method in TARGETS)
     for number, name in enumerate(sizes):
         header, command = lines[1 + 2 * number], lines[2 + 2 * number]
         assert header == f"# {name}: {experiments} ({hours[name]:.0f} v100 GPU-hours)"
@@ -92,9 +106,11 @@ def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
 def test_published_numbers_carry_their_source():
     for entry in spml.load_published():
         assert all(entry[field] not in (None, "") for field in ("paper", "table", "row"))
+        assert entry["source"].startswith("https://")
     entry = {"paper": "P", "table": "Table 1", "row": "AN", "method": "an", "dataset": "coco", "value": 60.0}
+    entry["source"] = "https://example.org/paper"
     assert spml.check_published({"published": [entry]}) == (entry,)
-    for field in ("paper", "table", "row", "value"):
+    for field in ("paper", "table", "row", "value", "source"):
         with pytest.raises(ReportError, match=f"entry 0 lacks {field}"):
             spml.check_published({"published": [{**entry, field: None}]})
     with pytest.raises(ReportError, match="a second number for an on coco"):
@@ -105,11 +121,45 @@ def test_published_numbers_carry_their_source():
 
 def test_published_number_lands_in_its_cell(monkeypatch):
     entry = {"paper": "P", "table": "T1", "row": "EPR", "method": "epr", "dataset": "nuswide", "value": 45.5}
+    entry["source"] = "https://example.org/t1"
     monkeypatch.setattr(spml, "load_published", lambda: (entry,))
     spec = spml.spml_spec()
     assert spec.paper[(("EPR",), "NUS")] == 45.5
     assert [key for key, value in spec.paper.items() if value is not None] == [(("EPR",), "NUS")]
-    assert "P T1" in spec.note
+    assert "P T1 (https://example.org/t1)" in spec.note
+
+
+def test_published_numbers_are_the_vlpl_readme_rows():
+    entries = spml.load_published()
+    read = {(entry["method"], entry["dataset"]): entry["value"] for entry in entries}
+    typed = {
+        (m, d): v
+        for m, values in VLPL_README.items()
+        for d, v in zip(("voc2012", "coco", "nuswide"), values, strict=True)
+    }
+    assert read == typed
+    assert {entry["row"] for entry in entries} == {"AN Loss", "EM", "EM+APL", "LL-R"}
+    assert {entry["source"] for entry in entries} == {
+        "https://github.com/mvrl/VLPL/blob/ed09b592bbde3c1e2995f818261cd4cfbce97fca/README.md"
+    }
+
+
+def test_rendered_table_shows_the_published_numbers_beside_our_runs():
+    run = RunRecord(
+        path=Path("run"),
+        attributes={"method": "an", "dataset": "coco"},
+        metrics={"mAP_class": 60.0},
+        deviations=(),
+    )
+    text = render_markdown(spml.fill_spml([run]))
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    an, em_apl = VLPL_README["an"], VLPL_README["em_apl"]
+    coco = f"60.00 / {an[1]:.2f} ({60.0 - an[1]:+.2f})"
+    assert rows["AN"] == f"| AN | missing / {an[0]:.2f} | {coco} | missing / {an[2]:.2f} |"
+    # EM+APL has no preset: its published numbers stand beside no run of ours.
+    assert rows["EM+APL"] == "| EM+APL | " + " | ".join(f"missing / {v:.2f}" for v in em_apl) + " |"
+    assert rows["ROLE"] == "| ROLE | missing / n/a | missing / n/a | missing / n/a |"
+    assert "mvrl/VLPL" in text
 
 
 def test_smoke_sweep_fills_its_rows(tmp_path, capsys):

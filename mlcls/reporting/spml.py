@@ -4,7 +4,7 @@ numbers.
 The presets are ``configs/experiment/spml_<method>.yaml`` on top of ``spml.yaml`` (the released protocol),
 run on VOC 2012, MS-COCO 2014 and NUS-WIDE with ``dataset=<name>``: one Hydra multirun per dataset over the
 methods. The table has one row per method and one column per dataset, mAP@class as the benchmark reports
-it; the published numbers are data in ``spml_published.yaml``, each with its paper, table and row.
+it; the published numbers are data in ``spml_published.yaml``, each with its paper, table, row and source.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from mlcls.reporting.sweeps import (
 from mlcls.reporting.table_specs import Axis, FilledCell, FilledTable, TableSpec
 
 SPML_TABLE = "spml"
-# Method (spml_<method>.yaml) -> the row's label.
+# Method (spml_<method>.yaml) -> the row's label. A method without its preset yet is a row of the table (its
+# published numbers, our cells n/a) but no run of the sweep (:func:`preset_methods`).
 SPML_METHODS = {
     "full": "Full labels (BCE)",
     "an": "AN",
@@ -52,8 +53,11 @@ SPML_METHODS = {
     "wan": "WAN",
     "epr": "EPR",
     "em": "EM",
+    "em_apl": "EM+APL",
+    "role": "ROLE",
     "ll_r": "LL-R",
     "ll_ct": "LL-Ct",
+    "ll_cp": "LL-Cp",
     "hill": "Hill",
     "splc": "SPLC",
     "twoway": "Two-way",
@@ -70,7 +74,7 @@ SPML_METRIC = "mAP_class"
 SMOKE_METHODS = ("an", "twoway")
 # Cost: ResNet-50 images/s of :data:`TRAIN_IMAGES_PER_S` are at 224 px; 448 px has 4 times the pixels.
 PIXELS_448 = 4.0
-PUBLISHED_FIELDS = ("paper", "table", "row", "method", "dataset", "value")
+PUBLISHED_FIELDS = ("paper", "table", "row", "method", "dataset", "value", "source")
 # Settings of spml.yaml checked in every run (what places it on the benchmark's protocol).
 PROTOCOL_KEYS = (
     "trainer.epochs",
@@ -91,17 +95,25 @@ def _experiment(method: str) -> str:
     return f"spml_{method}"
 
 
+def preset_methods() -> tuple[str, ...]:
+    """The methods of :data:`SPML_METHODS` that have their preset ``configs/experiment/spml_<method>.yaml``,
+    in the table's order: the runs of the sweep."""
+    experiments = config_dir() / "experiment"
+    return tuple(method for method in SPML_METHODS if (experiments / f"{_experiment(method)}.yaml").is_file())
+
+
 def spml_sweeps(
     smoke: bool = False, roots: Mapping[str, str] | None = None, data_root: Path | None = None
 ) -> list[Sweep]:
-    """One sweep per dataset over every method (``experiment=spml_an,spml_an_ls,...``); in smoke mode one
+    """One sweep per dataset over every method with a preset (:func:`preset_methods`:
+    ``experiment=spml_an,spml_an_ls,...``); in smoke mode one
     sweep of :data:`SMOKE_METHODS` on the embedded dataset. ``roots`` / ``data_root`` as in
     :func:`mlcls.reporting.sweeps.table_sweeps`."""
     if smoke:
         experiments = [_experiment(method) for method in SMOKE_METHODS]
         overrides = [*SMOKE_OVERRIDES, *grid_overrides(experiments, {})]
         return [Sweep(SPML_TABLE, "smoke", tuple(overrides), None)]
-    shared = grid_overrides([_experiment(m) for m in SPML_METHODS], {})
+    shared = grid_overrides([_experiment(m) for m in preset_methods()], {})
     return per_dataset_sweeps(SPML_TABLE, SPML_DATASETS, shared, roots, data_root)
 
 
@@ -132,8 +144,9 @@ def load_published() -> tuple[dict[str, Any], ...]:
 
 def check_published(document: Any) -> tuple[dict[str, Any], ...]:
     """The entries of a published-numbers document, each checked: every field of
-    :data:`PUBLISHED_FIELDS` present, a known method and dataset, a number for ``value``, and no two entries
-    for one cell. :class:`ReportError` names the first entry that fails."""
+    :data:`PUBLISHED_FIELDS` present (``source``: the address the number was read from), a known method and
+    dataset, a number for ``value``, and no two entries for one cell. :class:`ReportError` names the first
+    entry that fails."""
     entries = (document or {}).get("published") if isinstance(document, dict) else None
     if not isinstance(entries, list):
         raise ReportError("spml_published.yaml: expected a mapping with a list under 'published'")
@@ -238,7 +251,7 @@ def spml_spec() -> TableSpec:
         for row in rows
         for column in columns
     }
-    sources = sorted({f"{entry['paper']} {entry['table']}" for entry in load_published()})
+    sources = sorted({f"{entry['paper']} {entry['table']} ({entry['source']})" for entry in load_published()})
     return TableSpec(
         name=SPML_TABLE,
         caption="Single-positive benchmark, end-to-end ResNet-50 at 448 px: mAP@class (%)",
