@@ -102,7 +102,7 @@ class LabelSmoothedAssumeNegativeLoss(UnknownLabelLoss):
         self.ls_coef = float(ls_coef)
 
     def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        smoothed = torch.where(targets == 1, 1.0 - self.ls_coef, self.ls_coef).to(logits.dtype)
+        smoothed = torch.full_like(logits, self.ls_coef).masked_fill_(targets == 1, 1.0 - self.ls_coef)
         return F.binary_cross_entropy_with_logits(logits, smoothed, reduction="none")
 
     def extra_repr(self) -> str:
