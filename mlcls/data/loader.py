@@ -47,8 +47,9 @@ class ShardSampler(Sampler[int]):
 
 
 class TrainBatches(Protocol):
-    """What :func:`build_train_loader` returns: an iterable of ``(images, targets)`` batches with a length
-    and a ``sampler`` with ``set_epoch(epoch)`` and ``set_start(samples)`` (a :class:`ResumableSampler`, or
+    """What :func:`build_train_loader` returns: an iterable of ``(images, targets)`` batches (``(images,
+    targets, indices)`` when built ``with_index``) with a length and a ``sampler`` with ``set_epoch(epoch)``
+    and ``set_start(samples)`` (a :class:`ResumableSampler`, or
     the ``ShardSchedule`` of packed shards)."""
 
     sampler: Any
@@ -68,6 +69,7 @@ def build_train_loader(
     device: torch.device,
     backend: str,
     dali_prefetch: int = 2,
+    with_index: bool = False,
 ) -> TrainBatches:
     """The training loader of ``data.backend``: ``batch_size`` samples per process, shuffled by a
     :class:`ResumableSampler` (``loader.sampler.set_epoch(epoch)`` every epoch, ``set_start(samples)`` to
@@ -82,9 +84,18 @@ def build_train_loader(
 
     A :class:`mlcls.data.shards.datasets.ShardTrainSet` (``dataset=shards``; with ``dali`` the fast CPU stage
     decodes) gets its :class:`mlcls.data.shards.loader.ShardTrainLoader`: the same interface, its ``sampler``
-    a
-    ``ShardSchedule``.
+    a ``ShardSchedule``.
+
+    ``with_index``: each batch also holds the int64 (B,) positions of its samples in ``dataset``, as its
+    third element (the ``fast`` and ``torchvision`` backends over a map-style dataset; the shard and DALI
+    loaders are refused with one line).
     """
+    if with_index and (isinstance(dataset, ShardTrainSet) or backend == "dali"):
+        where = "dataset=shards" if isinstance(dataset, ShardTrainSet) else "data.backend=dali"
+        raise DatasetConfigError(
+            f"this loss keeps a row per training sample and needs each sample's index in the batch, which "
+            f"{where} does not give; train it with data.backend=fast or torchvision on a map-style dataset"
+        )
     if isinstance(dataset, ShardTrainSet):
         return ShardTrainLoader(dataset, batch_size, workers, rank, world_size, seed, device)
     sampler = ResumableSampler(dataset, world_size, rank, seed)
@@ -98,7 +109,7 @@ def build_train_loader(
             dataset, batch_size, loader_workers(workers), sampler, transform, device, dali_prefetch
         )
     return DataLoader(
-        SeededSamples(dataset),
+        SeededSamples(dataset, with_index),
         batch_size=batch_size,
         sampler=sampler,
         drop_last=True,
@@ -125,7 +136,8 @@ def build_eval_loader(
 
 class DevicePrefetcher:
     """Iterates ``loader`` and yields ``(images, targets)`` on ``device``, ready for the model: images
-    through ``device_stage`` (float32 (B, 3, H, W), normalised), targets float32 (B, C).
+    through ``device_stage`` (float32 (B, 3, H, W), normalised), targets float32 (B, C); a batch's further
+    tensors (the sample indices of a loader built ``with_index``) are moved as they are.
 
     On CUDA batch *i + 1* is fetched, copied and finished on a side stream while the caller's step *i* runs
     on the current stream (the current stream waits for the side stream's work before it receives a batch,
@@ -146,11 +158,12 @@ class DevicePrefetcher:
     def sampler(self) -> Any:
         return self.loader.sampler
 
-    def _finish(self, batch: tuple[Tensor | AugmentedImage, Tensor]) -> tuple[Tensor, Tensor]:
-        images, targets = batch
-        return self.device_stage(images), targets.to(self.device, non_blocking=True)
+    def _finish(self, batch: tuple[Any, ...]) -> tuple[Tensor, ...]:
+        """``(images, targets, ...)`` of the loader -> the same on the device, images finished."""
+        images, *rest = batch
+        return self.device_stage(images), *(tensor.to(self.device, non_blocking=True) for tensor in rest)
 
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         if self.device.type != "cuda":
             yield from map(self._finish, self.loader)
             return
@@ -158,7 +171,7 @@ class DevicePrefetcher:
         current = torch.cuda.current_stream(self.device)
         batches = iter(self.loader)
 
-        def next_on_side_stream() -> tuple[Tensor, Tensor] | None:
+        def next_on_side_stream() -> tuple[Tensor, ...] | None:
             # Fetched under the side stream too: the DALI loader copies its output on the current stream.
             with torch.cuda.stream(side):
                 batch = next(batches, None)

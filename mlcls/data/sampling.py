@@ -68,17 +68,22 @@ class ResumableSampler(DistributedSampler):
 
 class SeededSamples(Dataset):
     """Wraps a dataset so that ``ds[(index, seed)]`` runs ``ds.dataset[index]`` with torch/numpy/random seeded
-    by ``seed``; the caller's random state is restored afterwards (it also runs in the main process)."""
+    by ``seed``; the caller's random state is restored afterwards (it also runs in the main process).
 
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
+    ``with_index``: each sample ``(image, target)`` comes as ``(image, target, index)``, ``index`` its
+    position in the dataset (what a loss with a row per training sample needs, e.g. ROLE's label table).
+    """
+
+    def __init__(self, dataset: Dataset, with_index: bool = False) -> None:
+        self.dataset, self.with_index = dataset, with_index
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         index, seed = key
-        return seeded_call(seed, self.dataset.__getitem__, index)
+        sample = seeded_call(seed, self.dataset.__getitem__, index)
+        return (*sample, index) if self.with_index else sample
 
 
 def seeded_call(seed: int, function: Callable[..., T], *args: Any, torch_only: bool = False) -> T:

@@ -61,9 +61,10 @@ def pin_dataset_root(dataset_cfg: DictConfig) -> None:
         dataset_cfg.root = os.path.abspath(os.path.expanduser(root))
 
 
-def build_data(cfg: DictConfig, dist: DistInfo) -> RunData:
+def build_data(cfg: DictConfig, dist: DistInfo, with_index: bool = False) -> RunData:
     """Both splits of ``cfg.dataset`` with the ``data.backend`` pipeline, and this rank's loaders;
-    ``cfg.dataset.root`` made absolute first (:func:`pin_dataset_root`), before the run saves its config."""
+    ``cfg.dataset.root`` made absolute first (:func:`pin_dataset_root`), before the run saves its config.
+    ``with_index``: training batches also hold their samples' indices (a loss with a row per sample)."""
     pin_dataset_root(cfg.dataset)
     tcfg, backend = cfg.trainer, cfg.data.backend
     local_batch = tcfg.batch_size // dist.world_size
@@ -73,7 +74,7 @@ def build_data(cfg: DictConfig, dist: DistInfo) -> RunData:
         keep = min(len(val_set), tcfg.limit_val_batches * local_batch * dist.world_size)
         val_set = Subset(val_set, range(keep))
     args = (local_batch, tcfg.workers, dist.rank, dist.world_size)
-    loader = build_train_loader(train_set, *args, tcfg.seed, dist.device, backend)
+    loader = build_train_loader(train_set, *args, tcfg.seed, dist.device, backend, with_index=with_index)
     iters = len(loader)
     if tcfg.limit_train_batches:
         iters = min(iters, tcfg.limit_train_batches)
@@ -194,35 +195,41 @@ class GlobalBatchSum(nn.Module):
         super().__init__()
         self.loss, self.world_size = loss, world_size
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss(logits, targets) * self.world_size
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        return self.loss(logits, targets, *extra) * self.world_size
 
     def extra_repr(self) -> str:
         return f"world_size={self.world_size}"
 
 
 def build_loss(
-    loss_cfg: DictConfig, train_set: Dataset, device: torch.device, world_size: int = 1
+    loss_cfg: DictConfig | nn.Module, train_set: Dataset, device: torch.device, world_size: int = 1
 ) -> nn.Module:
-    """The ``loss`` config's criterion on ``device``, set up with the training set's label counts where it
-    needs them (class-frequency weights). A loss that sums over the batch (its ``sums_over_batch``, e.g.
-    ``reduction: sum``) is scaled by ``world_size`` (:class:`GlobalBatchSum`), so that ``world_size`` DDP
-    processes with a share of the batch each take the gradient of one process with all of it; a mean over
-    the batch needs no factor (DDP's average of the means of equal shares is the mean over the batch)."""
-    criterion = instantiate(loss_cfg)
+    """The ``loss`` config's criterion (or a criterion instantiated already) on ``device``, set up with the
+    training set's label counts where it needs them (class-frequency weights, the size of a per-sample
+    table). A loss that sums over the batch (its ``sums_over_batch``, e.g. ``reduction: sum``) is scaled
+    by ``world_size`` (:class:`GlobalBatchSum`), so that ``world_size`` DDP processes with a share of the
+    batch each take the gradient of one process with all of it; a mean over the batch needs no factor
+    (DDP's average of the means of equal shares is the mean over the batch)."""
+    criterion = loss_cfg if isinstance(loss_cfg, nn.Module) else instantiate(loss_cfg)
     if hasattr(criterion, "setup"):
-        criterion.setup(label_counts(train_set))
+        try:
+            criterion.setup(label_counts(train_set))
+        except ValueError as exc:  # e.g. a per-sample table over its size limit: one line, before training
+            raise ConfigError(f"loss={getattr(criterion, 'name', type(criterion).__name__)}: {exc}") from None
     if world_size > 1 and getattr(criterion, "sums_over_batch", False):
         criterion = GlobalBatchSum(criterion, world_size)
     return criterion.to(device)
 
 
 def build_optimization(
-    cfg: DictConfig, model: nn.Module, iters_per_epoch: int
+    cfg: DictConfig, model: nn.Module, iters_per_epoch: int, criterion: nn.Module | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The optimizer of ``cfg.optim`` over ``model`` and the per-iteration schedule of ``cfg.sched`` (its
-    warm-up in epochs counted in iterations of ``iters_per_epoch``)."""
-    optimizer = build_optimizer(cfg.optim, model)
+    """The optimizer of ``cfg.optim`` over ``model`` (and the learnable state of ``criterion``, e.g. ROLE's
+    label table: its ``parameter_groups()``) and the per-iteration schedule of ``cfg.sched`` (its warm-up
+    in epochs counted in iterations of ``iters_per_epoch``)."""
+    loss_groups = criterion.parameter_groups() if hasattr(criterion, "parameter_groups") else []
+    optimizer = build_optimizer(cfg.optim, model, loss_groups)
     scheduler = build_scheduler(cfg.sched, optimizer, cfg.trainer.epochs * iters_per_epoch, iters_per_epoch)
     return optimizer, scheduler
 
@@ -310,7 +317,8 @@ def build_run(cfg: DictConfig) -> Run:
             torch.use_deterministic_algorithms(True, warn_only=True)
         warn_protocol(cfg, dist.world_size)
         seed_everything(tcfg.seed)
-        data = build_data(cfg, dist)
+        loss = instantiate(cfg.loss)  # before the data: a loss with a row per sample needs their indices
+        data = build_data(cfg, dist, with_index=bool(getattr(loss, "needs_sample_index", False)))
         preprocess = preprocess_spec(cfg.dataset)
         init_from = cfg.model.get("init_from")
         # starting from a checkpoint, the hub's pretrained weights would be replaced: none are fetched
@@ -321,19 +329,19 @@ def build_run(cfg: DictConfig) -> Run:
         if tcfg.get("sync_bn", False):
             model = sync_batchnorm(model, dist)
         summed_processes = dist.world_size if tcfg.get("loss_sum_scope", "global") == "global" else 1
-        criterion = build_loss(cfg.loss, data.train_set, device, summed_processes)
+        criterion = build_loss(loss, data.train_set, device, summed_processes)
     except BaseException:
         discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
         raise
     run_dir = resolve_run_dir(tcfg.output_dir, hydra_dir, dist.is_main)
     try:
         ema = ModelEma(model, tcfg.ema_decay, warmup=tcfg.ema_warmup) if tcfg.ema_decay else None
-        optimizer, scheduler = build_optimization(cfg, model, data.iters_per_epoch)
+        optimizer, scheduler = build_optimization(cfg, model, data.iters_per_epoch, criterion)
         scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
         # Copies each batch to the device and finishes the fast pipeline there (colour, lighting, normalise).
         device_stage = DeviceStage(device, channels_last, mean=preprocess["mean"], std=preprocess["std"])
         state = TrainState()
-        resumable = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        resumable = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loss": criterion}
         if ema is not None:
             resumable["ema"] = ema
         if not resume_run(cfg, run_dir, resumable, scaler, state, dist.rank):

@@ -29,7 +29,7 @@ made, so with null norm/bias decays there are two groups, head then backbone, as
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -122,14 +122,24 @@ def optimizer_factory(cfg: Mapping[str, Any]) -> Callable[[list[dict[str, Any]]]
     return instantiate(settings, _convert_="all")
 
 
-def build_optimizer(cfg: Mapping[str, Any], model: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer of ``cfg`` (a ``_partial_`` config of a torch optimizer) over :func:`parameter_groups`.
+def build_optimizer(
+    cfg: Mapping[str, Any], model: nn.Module, loss_groups: Sequence[Mapping[str, Any]] = ()
+) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg`` (a ``_partial_`` config of a torch optimizer) over :func:`parameter_groups`,
+    then the ``loss_groups`` of a loss with learnable state (e.g. ROLE's label table): each a dict of
+    ``params``, ``name`` (one word) and ``lr_scale``, trained at ``lr_scale * lr_head`` without weight decay.
 
     Group 0 is the head at ``lr_head``; :func:`group_lrs` reads the learning rates by part. Loading a state
     dict checks that its groups are this optimizer's (same names and sizes) and keeps the names when it has
     none (checkpoints written before groups were named).
     """
-    optimizer = optimizer_factory(cfg)(parameter_groups(model, cfg))
+    settings = _settings(cfg)
+    extra = [
+        {"params": list(g["params"]), "lr": g["lr_scale"] * settings["lr_head"], "weight_decay": 0.0,
+         "name": g["name"]}
+        for g in loss_groups
+    ]  # fmt: skip
+    optimizer = optimizer_factory(cfg)(parameter_groups(model, cfg) + extra)
     optimizer.register_load_state_dict_pre_hook(_match_saved_groups)
     return optimizer
 

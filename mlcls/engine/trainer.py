@@ -190,10 +190,10 @@ class Trainer:
         start = time.perf_counter()
         # Batches arrive on the device, finished; on CUDA the next one is prepared during this step.
         batches = DevicePrefetcher(self.train_loader, self.device_stage, self.device)
-        for step, (images, targets) in enumerate(batches, start=first_step):
+        for step, (images, targets, *indices) in enumerate(batches, start=first_step):
             if step >= self.iters_per_epoch:
                 break
-            loss, applied = self.train_step(images, targets)
+            loss, applied = self.train_step(images, targets, *indices)
             loss_sum += torch.where(applied, loss, 0.0)
             skipped_steps += ~applied
             seen += targets.shape[0]
@@ -227,13 +227,14 @@ class Trainer:
         return {"loss": mean_loss, "images_per_s": images_per_s, "time_s": elapsed}
 
     def train_step(
-        self, images: torch.Tensor | AugmentedImage, targets: torch.Tensor
+        self, images: torch.Tensor | AugmentedImage, targets: torch.Tensor, *indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimisation step; returns the detached loss and whether the update was applied, both as
         device tensors (reading them would wait for the device).
 
         ``images``, ``targets``: a batch from :class:`DevicePrefetcher` (already on the device, finished),
-        or as the loader gives it (moved and finished here).
+        or as the loader gives it (moved and finished here); ``indices``: the batch's sample indices, for a
+        loss with a row per training sample (its ``needs_sample_index``), passed to it as a third argument.
 
         A step with a non-finite gradient norm (identical on every rank after DDP's all-reduce, so all
         ranks agree) is skipped on the device (:func:`step_if_finite`): parameters, optimizer state and EMA
@@ -241,9 +242,10 @@ class Trainer:
         """
         images = self.device_stage(images)
         targets = targets.to(self.device, non_blocking=True)
+        indices = tuple(tensor.to(self.device, non_blocking=True) for tensor in indices)
         with autocast_context(self.device, self.amp):
             logits = self.ddp_model(images)
-        loss = self.criterion(logits.float(), targets)
+        loss = self.criterion(logits.float(), targets, *indices)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
@@ -323,6 +325,7 @@ class Trainer:
         checkpoint = {
             **self.state.state_dict(),
             "model": self.model.state_dict(),
+            "loss": self.criterion.state_dict() if isinstance(self.criterion, nn.Module) else None,
             "ema": None if self.ema is None else self.ema.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),

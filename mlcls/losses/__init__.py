@@ -33,12 +33,14 @@ em                 :class:`EntropyMaximisationLoss`           Zhou et al. 2022, 
 ll                 :class:`LargeLossLoss`                     Kim et al. 2022, eqs. 3-5
 hill               :class:`HillLoss`                          Zhang et al. 2021, eq. 9
 splc               :class:`SPLCLoss`                          Zhang et al. 2021, eq. 7
+role               :class:`RoleLoss`                          Cole et al. 2021, Sec. 3.3
 =================  =========================================  ==========================
 
-The first ten exclude unknown labels; the last eight, losses for missing and single-positive labels,
+The first ten exclude unknown labels; the last nine, losses for missing and single-positive labels,
 give them a term of their own (docs/losses.md lists what each loss does with -1). A loss whose terms
 change with the epoch (``ll``, ``splc``) defines ``set_epoch(epoch)``, which the trainer calls before
-each epoch.
+each epoch. A loss with a row of state per training sample (``role``; ``ll`` with ``mode=cp``) sets
+``needs_sample_index`` and is called ``loss(logits, targets, indices)`` (:mod:`mlcls.losses.role`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from mlcls.losses.focal import AsymmetricLoss, FocalLoss
 from mlcls.losses.large_loss import LargeLossLoss
 from mlcls.losses.multisim import MultiSimilarityLoss, ZLPRLoss
 from mlcls.losses.robust import HillLoss, SPLCLoss
+from mlcls.losses.role import RoleLoss
 from mlcls.losses.softmax import SoftmaxLoss, SphericalSoftmaxLoss, TaylorSoftmaxLoss
 from mlcls.losses.twoway import JointLoss, TwoWayLoss
 from mlcls.losses.unknown import (
@@ -70,6 +73,7 @@ __all__ = [
     "LabelSmoothedAssumeNegativeLoss",
     "LargeLossLoss",
     "MultiSimilarityLoss",
+    "RoleLoss",
     "SPLCLoss",
     "SoftmaxLoss",
     "SphericalSoftmaxLoss",

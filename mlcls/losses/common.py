@@ -150,6 +150,13 @@ class _GatherRows(torch.autograd.Function):
         return grad[start:end]
 
 
+def all_gather_rows(rows: Tensor) -> Tensor:
+    """Every rank's ``rows`` (same shape on each), concatenated along dim 0 in rank order; no gradient."""
+    parts = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, rows.contiguous())
+    return torch.cat(parts)
+
+
 def gather_batch(logits: Tensor, targets: Tensor, check_sizes: bool = True) -> tuple[Tensor, Tensor]:
     """Concatenate every rank's rows, in rank order; gradients flow back to each rank's ``logits``.
 
@@ -174,9 +181,7 @@ def gather_batch(logits: Tensor, targets: Tensor, check_sizes: bool = True) -> t
         rows = torch.cat(sizes).tolist()
         if len(set(rows)) > 1:
             raise ValueError(f"gather=True needs the same batch size on every rank; got {rows}")
-    target_parts = [torch.empty_like(targets) for _ in range(world)]
-    dist.all_gather(target_parts, targets.contiguous())
-    return _GatherRows.apply(logits.contiguous()), torch.cat(target_parts)
+    return _GatherRows.apply(logits.contiguous()), all_gather_rows(targets)
 
 
 class MultiLabelLoss(nn.Module):

@@ -56,7 +56,11 @@ class EpochDependentLoss(UnknownLabelLoss):
         return {"epoch": self.epoch}
 
     def set_extra_state(self, state: dict[str, int]) -> None:
-        self.set_epoch(state["epoch"])
+        if not (isinstance(state, dict) and isinstance(state.get("epoch"), int) and state["epoch"] >= 0):
+            raise ValueError(
+                f"a loss's saved state must be {{'epoch': an integer >= 0}}, got a {type(state).__name__}"
+            )
+        self.epoch = state["epoch"]
 
 
 def assumed_negative_bce(logits: Tensor, targets: Tensor) -> Tensor:
