@@ -205,7 +205,9 @@ class RoleLoss(SampleStateLoss):
     def observe(self, targets: Tensor, indices: Tensor) -> None:
         """Write the observed labels into the rows of samples seen for the first time (no host read)."""
         rows = self.label_logits[indices]
-        observed = torch.where(targets == 1, OBSERVED_POSITIVE_LOGIT, OBSERVED_NEGATIVE_LOGIT).to(rows.dtype)
+        observed = torch.full_like(rows, OBSERVED_NEGATIVE_LOGIT).masked_fill_(
+            targets == 1, OBSERVED_POSITIVE_LOGIT
+        )
         first = (~self.seen[indices]).unsqueeze(1) & (targets >= 0)
         self.label_logits[indices] = torch.where(first, observed, rows)
         self.seen[indices] = True
