@@ -11,7 +11,9 @@ What is checked, on every rank:
 * ``gather=False`` with ``bucket_size=None`` is the paper's setting (one bucket per GPU): after DDP's
   averaging the parameter gradients equal those of one process with ``bucket_size`` = per-rank batch.
 * ranks with different batch sizes get a clear error rather than a hang, from a check that reads the
-  sizes back to the host on the first step only.
+  sizes back to the host on the first step only;
+* ROLE (a table row per training sample) trained under DDP: the table is the same on both ranks, bit for
+  bit, and model and table equal one process's training on the global batches.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mlcls.losses import SoftmaxLoss, TwoWayLoss
+from mlcls.data.datasets.labels import LabelCounts
+from mlcls.losses import RoleLoss, SoftmaxLoss, TwoWayLoss
 
 WORLD = 2
 ROWS = 6  # per rank
@@ -128,6 +131,57 @@ def _check_sizes_compared_on_the_first_step_only(rank: int) -> None:
     assert reads_per_step == [1, 0, 0], reads
 
 
+ROLE_STEPS = 3
+ROLE_SAMPLES = ROLE_STEPS * WORLD * ROWS
+
+
+def _role_setup() -> tuple[nn.Module, RoleLoss, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same model, ROLE loss (float64 table), inputs, single-positive labels and sample order on
+    every rank and in the parent process."""
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randn(ROLE_SAMPLES, 4, generator=generator, dtype=torch.float64)
+    targets = torch.full((ROLE_SAMPLES, CLASSES), -1.0, dtype=torch.float64)
+    targets[torch.arange(ROLE_SAMPLES), torch.randint(CLASSES, (ROLE_SAMPLES,), generator=generator)] = 1.0
+    order = torch.randperm(ROLE_SAMPLES, generator=generator)
+    torch.manual_seed(0)
+    model = nn.Linear(4, CLASSES).double()
+    loss = RoleLoss(expected_positives=1.5)
+    loss.setup(LabelCounts(ROLE_SAMPLES, torch.zeros(CLASSES), torch.zeros(CLASSES)))
+    return model, loss.double(), inputs, targets, order
+
+
+def _train_role(model: nn.Module, loss: RoleLoss, inputs, targets, order, rows: slice) -> None:
+    """ROLE_STEPS Adam steps on the global batches of ``order``, each process on its ``rows`` of them."""
+    optimizer = torch.optim.Adam(
+        [{"params": list(model.parameters()), "lr": 0.05}, {"params": [loss.label_logits], "lr": 0.5}]
+    )
+    for step in range(ROLE_STEPS):
+        batch = order[step * WORLD * ROWS : (step + 1) * WORLD * ROWS][rows]
+        optimizer.zero_grad()
+        loss(model(inputs[batch]), targets[batch], batch).backward()
+        optimizer.step()
+
+
+def _role_reference(path: str) -> None:
+    model, loss, *data = _role_setup()
+    _train_role(model, loss, *data, rows=slice(None))
+    torch.save({"model": model.state_dict(), "table": loss.label_logits.detach()}, path)
+
+
+def _check_role_under_ddp(rank: int, reference_path: str) -> None:
+    model, loss, *data = _role_setup()
+    _train_role(DistributedDataParallel(model), loss, *data, rows=slice(rank * ROWS, (rank + 1) * ROWS))
+    table = loss.label_logits.detach()
+    tables = [torch.empty_like(table) for _ in range(WORLD)]
+    dist.all_gather(tables, table)
+    assert all(torch.equal(other, table) for other in tables)
+    reference = torch.load(reference_path, weights_only=True)
+    assert not torch.equal(table, _role_setup()[1].label_logits.detach())  # it trained
+    assert torch.allclose(table, reference["table"], rtol=1e-10, atol=1e-12)
+    for name, value in model.state_dict().items():
+        assert torch.allclose(value, reference["model"][name], rtol=1e-10, atol=1e-12), name
+
+
 def _worker(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -136,11 +190,13 @@ def _worker(rank: int, init_file: str) -> None:
         _check_ddp_parameter_grads(rank)
         _check_unequal_batches(rank)
         _check_sizes_compared_on_the_first_step_only(rank)
+        _check_role_under_ddp(rank, init_file + ".role.pt")
     finally:
         dist.destroy_process_group()
 
 
 def test_gather_in_two_gloo_processes(tmp_path):
+    _role_reference(str(tmp_path / "store.role.pt"))  # one process, before the group exists
     # forkserver: the ranks fork from one server that imported torch and torch._dynamo (which DDP
     # imports, seconds of CPU) once, instead of two spawned interpreters importing them side by side.
     mp.set_forkserver_preload(["torch._dynamo", __name__])
