@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import re
 import statistics
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlcls import losses
+from mlcls.data.datasets.labels import LabelCounts
 from mlcls.losses import TwoWayLoss
 
 # (name, classes, positive labels per sample) after Table 6 of the paper; batch 512, buckets of 128.
@@ -157,13 +159,25 @@ def _scale_batches() -> dict[int, tuple[Tensor, Tensor]]:
 
 
 # The arguments a loss has no default for.
-SCALE_ARGUMENTS: dict[str, dict[str, float]] = {"epr": {"expected_positives": SCALE_POSITIVES}}
+SCALE_ARGUMENTS: dict[str, dict[str, float]] = {
+    "epr": {"expected_positives": SCALE_POSITIVES},
+    "role": {"expected_positives": SCALE_POSITIVES},
+}
 
 
-def _criteria() -> dict[str, torch.nn.Module]:
-    """Every loss of :mod:`mlcls.losses` with its default arguments (and ``SCALE_ARGUMENTS``), by name."""
-    classes = (getattr(losses, name) for name in losses.__all__)
-    return {loss.name: loss(**SCALE_ARGUMENTS.get(loss.name, {})) for loss in classes}
+def _criteria(classes: int = SCALE_CLASSES[0]) -> dict[str, Callable[[Tensor, Tensor], Tensor]]:
+    """Every loss of :mod:`mlcls.losses` with its default arguments (and ``SCALE_ARGUMENTS``), by name, as
+    a function of (logits, targets) for batches of ``classes`` classes. A loss with a row per training
+    sample (ROLE) is set up for a training set of one batch, and called with its indices."""
+    result: dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
+    for loss in (getattr(losses, name) for name in losses.__all__):
+        criterion = loss(**SCALE_ARGUMENTS.get(loss.name, {}))
+        if getattr(criterion, "needs_sample_index", False):
+            counts = LabelCounts(SCALE_BATCH, torch.zeros(classes), torch.zeros(classes))
+            criterion.setup(counts)
+            criterion = functools.partial(criterion, indices=torch.arange(SCALE_BATCH))
+        result[loss.name] = criterion
+    return result
 
 
 def peak_memory() -> dict[str, float]:
@@ -176,7 +190,7 @@ def peak_memory() -> dict[str, float]:
     ctypes.CDLL("libc.so.6").mallopt(-3, 4096)  # M_MMAP_THRESHOLD = 4 KiB, before any tensor exists
     result = {}
     for classes, (logits, targets) in _scale_batches().items():
-        for name, criterion in _criteria().items():
+        for name, criterion in _criteria(classes).items():
             _time_ms(criterion, logits, targets, "cpu")  # first call: lazy initialisations
             peak = _peak_bytes(lambda c=criterion, x=logits, y=targets: _time_ms(c, x, y, "cpu"))
             result[f"{name}_c{classes}_peak_mib"] = peak / 2**20
@@ -201,9 +215,9 @@ def _scale_figures(repeats: int, warmup: int) -> dict[str, float]:
     from mlcls.bench.metrics_bench import make_scores
     from mlcls.metrics import map_class, map_sample
 
-    criteria = _criteria()
     result: dict[str, float] = {}
     for classes, (logits, targets) in _scale_batches().items():
+        criteria = _criteria(classes)
         times: dict[str, list[float]] = {name: [] for name in criteria}
         for step in range(warmup + repeats):
             for name, criterion in criteria.items():
