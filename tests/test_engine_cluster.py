@@ -326,11 +326,20 @@ def test_the_training_loop_reads_the_device_only_at_log_steps(tmp_path, monkeypa
     assert len(eight) == len(two), "\n".join(eight)
 
 
+# Losses whose steps must not synchronise either: the default, and those with a row per training sample
+# (their batches carry sample indices, their tables are read and written on the device).
+SYNC_FREE_LOSSES = {
+    "default": [],
+    "role": ["loss=role", "loss.expected_positives=2", "dataset.observed=single_positive"],
+}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_synchronising_call_in_cuda_training_steps(tmp_path):
+@pytest.mark.parametrize("loss", sorted(SYNC_FREE_LOSSES))
+def test_no_synchronising_call_in_cuda_training_steps(tmp_path, loss):
     cfg = compose_config(
         [*TINY, "trainer.device=cuda", "trainer.log_every=1000", "trainer.limit_train_batches=6",
-         f"trainer.output_dir={tmp_path}"]
+         f"trainer.output_dir={tmp_path}", *SYNC_FREE_LOSSES[loss]]
     )  # fmt: skip
     trainer = Trainer(cfg)
     trainer.train_one_epoch(0)  # warm-up: cuDNN autotuning, allocator, first optimizer state
@@ -338,8 +347,8 @@ def test_no_synchronising_call_in_cuda_training_steps(tmp_path):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for images, targets in batches:
-            trainer.train_step(images, targets)
+        for batch in batches:
+            trainer.train_step(*batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
