@@ -209,8 +209,8 @@ class RoleLoss(SampleStateLoss):
             targets == 1, OBSERVED_POSITIVE_LOGIT
         )
         first = (~self.seen[indices]).unsqueeze(1) & (targets >= 0)
-        self.label_logits[indices] = torch.where(first, observed, rows)
-        self.seen[indices] = True
+        self.label_logits.index_copy_(0, indices, torch.where(first, observed, rows))
+        self.seen.index_fill_(0, indices, True)  # not ``seen[indices] = True``: a host-to-device copy on CUDA
 
     def compute_rows(self, logits: Tensor, targets: Tensor, indices: Tensor) -> Tensor:
         if self.label_logits.shape[0] == 0:
