@@ -23,6 +23,9 @@ from mlcls.reporting.runs import RunRecord
 RELEASED = {"epochs": 10, "batch": 16, "lr": 1e-4, "size": 448}
 EXPECTED_POSITIVES = {"voc2012": 1.5, "coco": 2.9, "nuswide": 1.9}
 EM_ALPHA = {"voc2012": 0.2, "coco": 0.1, "nuswide": 0.1}
+# APL's beta and warm-up epochs, typed from Zhou et al.'s train.py (not read from spml.yaml).
+APL_BETA = {"voc2012": 0.02, "coco": 0.9, "nuswide": 0.2}
+APL_WARMUP = {"voc2012": 5, "coco": 5, "nuswide": 4}
 TARGETS = {
     "full": "BinaryCrossEntropyLoss",
     "an": "AssumeNegativeLoss",
@@ -30,6 +33,7 @@ TARGETS = {
     "wan": "WeakAssumeNegativeLoss",
     "epr": "ExpectedPositiveLoss",
     "em": "EntropyMaximisationLoss",
+    "em_apl": "EntropyMaximisationLoss",
     "ll_r": "LargeLossLoss",
     "ll_ct": "LargeLossLoss",
     "hill": "HillLoss",
@@ -38,7 +42,7 @@ TARGETS = {
     "role": "RoleLoss",
 }
 # Rows of the table without a preset yet: their published numbers are shown, our cells stay empty.
-UNPRESET = ("em_apl", "ll_cp")
+UNPRESET = ("ll_cp",)
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiment"
 # The rows read from the results table of VLPL's README (mvrl/VLPL at ed09b592, "Main results on the
 # single-positive label setting"): VOC | COCO | NUS, typed from it, not read from spml_published.yaml.
@@ -77,8 +81,12 @@ def test_preset_composes_to_the_released_protocol(method, dataset):
     assert type(loss).__name__ == TARGETS[method]
     if method == "epr":
         assert cfg.loss.expected_positives == EXPECTED_POSITIVES[dataset]
-    if method == "em":
+    if method in ("em", "em_apl"):
         assert cfg.loss.alpha == EM_ALPHA[dataset]
+        assert loss.apl == (method == "em_apl") and loss.needs_sample_index == loss.apl
+    if method == "em_apl":
+        assert (loss.beta, loss.warmup_epochs) == (APL_BETA[dataset], APL_WARMUP[dataset])
+        assert (loss.neg_proportion, loss.epochs) == (0.9, RELEASED["epochs"])
     if method.startswith("ll_"):
         assert cfg.loss.mode == method[3:]
 
@@ -87,11 +95,15 @@ def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
     argv = ["spml", "--dry-run", "--data-root", "/data", "--sweep-dir", str(tmp_path / "s")]
     assert reproduce.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    # 10 epochs x (train + val / 3) images x 4 (448 px) at 1200 ResNet-50 images/s per V100, 12 presets.
+    # 10 epochs x (train + val / 3) images x 4 (448 px) at 1200 ResNet-50 images/s per V100, 13 presets;
+    # EM+APL adds a forward pass over the training set (train / 3) after epochs warm-up .. 9.
     sizes = {"voc2012": (5717, 5823), "coco": (82081, 40137), "nuswide": (161789, 107859)}
-    hours = {name: 12 * 10 * (tr + te / 3) * 4 / 1200 / 3600 for name, (tr, te) in sizes.items()}
+    hours = {
+        name: (13 * 10 * (tr + te / 3) + (10 - APL_WARMUP[name]) * tr / 3) * 4 / 1200 / 3600
+        for name, (tr, te) in sizes.items()
+    }
     assert lines[0] == (
-        "# spml: single-positive benchmark; 3 sweep(s), 36 runs, "
+        "# spml: single-positive benchmark; 3 sweep(s), 39 runs, "
         f"about {sum(hours.values()):.0f} v100 GPU-hours"
     )
     experiments = ", ".join(f"spml_{method}" for method in spml.SPML_METHODS if method in TARGETS)
@@ -157,10 +169,17 @@ def test_rendered_table_shows_the_published_numbers_beside_our_runs():
     an, em_apl = VLPL_README["an"], VLPL_README["em_apl"]
     coco = f"60.00 / {an[1]:.2f} ({60.0 - an[1]:+.2f})"
     assert rows["AN"] == f"| AN | missing / {an[0]:.2f} | {coco} | missing / {an[2]:.2f} |"
-    # EM+APL has no preset: its published numbers stand beside no run of ours.
+    # No EM+APL run here: its published numbers stand beside an empty cell.
     assert rows["EM+APL"] == "| EM+APL | " + " | ".join(f"missing / {v:.2f}" for v in em_apl) + " |"
     assert rows["ROLE"] == "| ROLE | missing / n/a | missing / n/a | missing / n/a |"
     assert "mvrl/VLPL" in text
+
+
+@pytest.mark.parametrize(("apl", "method"), [(True, "em_apl"), (False, "em"), (None, "em")])
+def test_an_em_run_with_apl_is_the_em_apl_row(apl, method):
+    loss = {"_target_": "mlcls.losses.EntropyMaximisationLoss", **({} if apl is None else {"apl": apl})}
+    config = {"dataset": {"observed": "single_positive"}, "loss": loss}
+    assert spml._method_of(config, {"loss": "em"}) == method
 
 
 def test_smoke_sweep_fills_its_rows(tmp_path, capsys):

@@ -1,9 +1,12 @@
-"""Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds."""
+"""Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds;
+and the training set's predictions for a loss that relabels it between epochs
+(:func:`predict_training_set`)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -12,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from mlcls.engine import distributed as dist_utils
+from mlcls.losses.common import all_gather_rows
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.gather import gather_shards
 from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores
@@ -80,6 +84,43 @@ def on_main_for_all(work: Callable[[], T]) -> T:
     return dist_utils.broadcast_object(dist_utils.on_main(work, is_main_process()))
 
 
+def broadcast_buffers(model: nn.Module) -> None:
+    """Under DDP, rank 0's buffers (BatchNorm running statistics) on every rank; a no-op otherwise."""
+    if dist_utils.initialized():
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+
+@torch.no_grad()
+def predict_training_set(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, ...]], steps: int, amp: str = "none"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sample indices (int64 (n,)), sigmoid probabilities (float32 (n, C)) and targets (int8 (n, C))
+    of the first ``steps`` batches ``(images, targets, indices)`` of ``batches`` (a training loader built
+    ``with_index`` behind a :class:`~mlcls.data.loader.DevicePrefetcher`: on the device, finished), of every
+    rank, concatenated in rank order on the device: identical on every rank.
+
+    ``model`` runs in eval mode without gradients, under ``amp``'s autocast as in evaluation, with rank 0's
+    buffers (as :func:`evaluate_model`). Every rank holds n = steps x global batch rows at the end (what
+    an APL step reads, :meth:`mlcls.losses.EntropyMaximisationLoss.pseudo_label`).
+    """
+    broadcast_buffers(model)
+    model.eval()
+    columns: list[list[torch.Tensor]] = [[], [], []]
+    with dist_utils.all_or_none():
+        for images, targets, indices in itertools.islice(batches, steps):
+            with autocast_context(images.device, amp):
+                logits = model(images)
+            for column, part in zip(
+                columns, (indices.long(), torch.sigmoid(logits.float()), targets.to(torch.int8)), strict=True
+            ):
+                column.append(part)
+    indices, probabilities, targets = (torch.cat(column) for column in columns)
+    if dist_utils.initialized():
+        indices, probabilities, targets = map(all_gather_rows, (indices, probabilities, targets))
+    return indices, probabilities, targets
+
+
 def evaluate_model(
     model: nn.Module,
     loader: DataLoader,
@@ -99,9 +140,7 @@ def evaluate_model(
     first: every shard is scored by exactly the saved model. A rank that fails on its shard (an unreadable
     image) ends every rank with its error instead of leaving them waiting in the gather.
     """
-    if dist_utils.initialized():
-        for buffer in model.buffers():
-            torch.distributed.broadcast(buffer, src=0)
+    broadcast_buffers(model)
     with dist_utils.all_or_none():
         scores, labels = predict(model, loader, device, amp, channels_last)
     return evaluate_outputs(scores, labels, len(loader.dataset), classes)

@@ -3,6 +3,7 @@
 A run's calls, top-down in this file::
 
     fit -> train_one_epoch -> train_step          (each step of each epoch)
+        -> relabel_training_set                   (after an epoch, for a loss that asks: EM's APL)
         -> evaluate_and_select -> evaluate        (every trainer.eval_every epochs, and after the last)
         -> save -> _write_checkpoint              (after each epoch; mid-epoch on a stop signal)
 
@@ -49,7 +50,13 @@ from mlcls.data.pipeline.fast import AugmentedImage
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import Run, build_run
 from mlcls.engine.checkpoint import save_checkpoint, save_training_checkpoint, write_json
-from mlcls.engine.evaluate import Evaluation, autocast_context, calibrate_on_main, evaluate_model
+from mlcls.engine.evaluate import (
+    Evaluation,
+    autocast_context,
+    calibrate_on_main,
+    evaluate_model,
+    predict_training_set,
+)
 from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm, step_if_finite
 from mlcls.engine.optim import group_lrs
 from mlcls.engine.preemption import StopSignals
@@ -126,6 +133,7 @@ class Trainer:
                 for epoch in range(self.state.epoch, tcfg.epochs):
                     record: dict[str, Any] = {"epoch": epoch + 1, **self.train_one_epoch(epoch)}
                     self.state.epoch, self.state.step = epoch + 1, 0  # epoch + 1 epochs complete
+                    self.relabel_training_set(epoch)
                     is_best = False
                     if (epoch + 1) % tcfg.eval_every == 0 or epoch + 1 == tcfg.epochs:
                         is_best = self.evaluate_and_select(epoch + 1)
@@ -167,11 +175,8 @@ class Trainer:
         self.ddp_model.train()
         sampler = self.train_loader.sampler
         sampler.set_epoch(epoch)
-        # a loss whose terms change with the epoch (ll, splc), wrapped or not; a plain callable has none
-        modules = (
-            self.criterion.modules() if isinstance(self.criterion, torch.nn.Module) else [self.criterion]
-        )
-        for module in modules:
+        # a loss whose terms change with the epoch (ll, splc), wrapped or not
+        for module in self.loss_modules():
             if hasattr(module, "set_epoch"):
                 module.set_epoch(epoch)
         first_step = self.state.step if epoch == self.state.epoch else 0
@@ -261,6 +266,36 @@ class Trainer:
         self._nonfinite.record(applied)
         self.scheduler.step()  # optimizer.step() ran (skipped on the device or not): torch does not warn
         return loss.detach(), applied
+
+    def loss_modules(self) -> list[Any]:
+        """The criterion and its submodules (a wrapped loss included); a plain callable alone."""
+        return list(self.criterion.modules()) if isinstance(self.criterion, nn.Module) else [self.criterion]
+
+    def relabel_training_set(self, epoch: int) -> None:
+        """After epoch ``epoch`` (0-based), for a loss that asks for it (``wants_train_predictions``, EM's
+        APL): score the training set with the raw weights (:func:`predict_training_set`, over this epoch's
+        batches again: ``set_epoch`` gives its order and augmentation from the first step, whatever a
+        resume skipped) and hand the predictions of every rank to its ``pseudo_label``, identically on
+        every rank. The checkpoint written after the epoch holds the result."""
+        relabelling = [
+            module
+            for module in self.loss_modules()
+            if hasattr(module, "wants_train_predictions") and module.wants_train_predictions(epoch + 1)
+        ]
+        if not relabelling:
+            return
+        self.train_loader.sampler.set_epoch(epoch)
+        batches = DevicePrefetcher(self.train_loader, self.device_stage, self.device)
+        start = time.perf_counter()
+        predictions = predict_training_set(self.model, batches, self.iters_per_epoch, self.amp)
+        added = sum(int(module.pseudo_label(*predictions).item()) for module in relabelling)
+        log.info(
+            "epoch %d: %s after scoring %d training images in %.1f s",
+            epoch + 1,
+            plural(added, "new pseudo-label"),
+            len(predictions[0]),
+            time.perf_counter() - start,
+        )
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, model: nn.Module | None = None) -> Evaluation:

@@ -16,7 +16,7 @@ Conventions used throughout :mod:`mlcls.losses`:
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import ClassVar
 
 import torch
@@ -29,6 +29,14 @@ WAYS = ("both", "sample", "class")
 WAY_DIMS: dict[str, tuple[int, ...]] = {"sample": (2,), "class": (1,), "both": (2, 1)}
 
 LineDims = int | tuple[int, ...]
+
+
+def autocast_disabled(device_type: str) -> AbstractContextManager:
+    """A context with autocast disabled on ``device_type``; a no-op on a device without autocast (the meta
+    device, on which shapes can be checked without data)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return nullcontext()
 
 
 def check_positive(**values: float) -> None:
@@ -196,13 +204,7 @@ class MultiLabelLoss(nn.Module):
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
         """logits (B, C), targets (B, C) in {1, 0, -1} -> scalar."""
-        device = logits.device.type
-        no_autocast = (
-            torch.autocast(device_type=device, enabled=False)
-            if torch.amp.is_autocast_available(device)
-            else nullcontext()
-        )
-        with no_autocast:
+        with autocast_disabled(logits.device.type):
             return self.compute(*prepare(logits, targets))
 
     def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -295,8 +297,12 @@ class EntrywiseLoss(MultiLabelLoss):
         raise NotImplementedError
 
     def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return self.reduce(self.entry_loss(logits, targets), targets)
+
+    def reduce(self, per_entry: Tensor, targets: Tensor) -> Tensor:
+        """``per_entry`` (B, C) -> scalar: its counted entries reduced by ``reduction``."""
         counted = torch.ones_like(targets, dtype=torch.bool) if self.counts_unknown else targets >= 0
-        total = torch.where(counted, self.entry_loss(logits, targets), 0.0).sum()
+        total = torch.where(counted, per_entry, 0.0).sum()
         if self.reduction == "sum":
             return total
         if self.reduction == "sum_per_sample":

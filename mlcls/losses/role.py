@@ -17,7 +17,6 @@ of the bucketed losses).
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -25,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mlcls.losses.common import MultiLabelLoss, all_gather_rows, gather_batch, prepare
+from mlcls.losses.common import MultiLabelLoss, all_gather_rows, autocast_disabled, gather_batch, prepare
 
 # A table of 10^9 entries holds 4 GB of float32 per process (12 GB with Adam's two moments); Open Images'
 # 9 M images x 9,605 classes are 86 times that.
@@ -118,13 +117,7 @@ class SampleStateLoss(MultiLabelLoss):
             )
         logits, targets = prepare(logits, targets)
         check_indices(indices, logits.shape[0])
-        device = logits.device.type
-        no_autocast = (
-            torch.autocast(device_type=device, enabled=False)
-            if torch.amp.is_autocast_available(device)
-            else nullcontext()
-        )
-        with no_autocast:
+        with autocast_disabled(logits.device.type):
             logits, targets, indices = global_batch(logits, targets, indices, not self.sizes_checked)
             self.sizes_checked = True
             return self.compute_rows(logits, targets, indices.long())

@@ -16,15 +16,24 @@ Reduction (:class:`~mlcls.losses.common.EntrywiseLoss` with ``counts_unknown``):
 batch counts, known or not. ``"mean"`` (default) is the authors' ``sum / (B * C)``; ``"sum"`` the sum
 over the batch; ``"sum_per_sample"`` the sum divided by B. ``p = sigmoid(x)`` throughout, and every
 ``log p`` is a log-sigmoid: exact where the authors' code adds 1e-5 inside the log.
+
+``em`` with ``apl=True`` also keeps a pseudo-label per training sample and class, set between epochs
+(see :class:`EntropyMaximisationLoss`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlcls.losses.common import EntrywiseLoss
+from mlcls.losses.common import EntrywiseLoss, autocast_disabled, prepare
+from mlcls.losses.role import MAX_TABLE_ENTRIES, check_indices, check_table_size
+
+if TYPE_CHECKING:
+    from mlcls.data.datasets.labels import LabelCounts
 
 
 class UnknownLabelLoss(EntrywiseLoss):
@@ -178,27 +187,97 @@ class ExpectedPositiveLoss(UnknownLabelLoss):
 
 
 class EntropyMaximisationLoss(UnknownLabelLoss):
-    """EM, entropy maximisation on unknown labels (Zhou et al., ECCV 2022, eq. 3)::
+    """EM, entropy maximisation on unknown labels (Zhou et al., ECCV 2022, eq. 3), with their asymmetric
+    pseudo-labelling (APL, Sec. 3.3) as an option::
 
         l_ic = -log p  if y_ic = 1,   -log(1 - p)  if y_ic = 0,   -alpha H(p)  if y_ic = -1,
         H(p) = -p log p - (1 - p) log(1 - p)
+        with apl: l_ic = beta (-s_ic log p - (1 - s_ic) log(1 - p))  if y_ic = -1 and pseudo-labelled
 
     An unknown label is neither pushed up nor down: its term is lowest at p = 1/2. The loss can be
     negative. ``alpha`` is the authors' per-dataset weight: 0.2 (VOC 2012), 0.1 (MS-COCO, NUS-WIDE),
-    0.01 (CUB). Their asymmetric pseudo-labelling (APL) is not part of this loss: it relabels the
-    training set between epochs, which needs each sample's index in the batch (see docs/losses.md).
+    0.01 (CUB).
+
+    APL (``apl=True``): after each training epoch e (1-based) with ``warmup_epochs <= e < epochs``, the
+    trainer scores the training set (:meth:`wants_train_predictions`,
+    :func:`mlcls.engine.evaluate.predict_training_set`) and calls :meth:`pseudo_label`. Per class c, among
+    the entries still unknown (label -1, not pseudo-labelled yet), the
+    ``n_c = int(neg_proportion * U_c / (epochs - warmup_epochs))`` with the lowest predictions become
+    pseudo-negatives whose soft target ``s_ic`` is that prediction, fixed from then on (``U_c``: the
+    unknown labels of class c in the training set). Only negatives are pseudo-labelled (the asymmetry);
+    by the last epoch ``neg_proportion`` of each class's unknown labels are. The authors' values:
+    ``beta`` 0.02 (VOC 2012), 0.9 (MS-COCO), 0.2 (NUS-WIDE), 0.4 (CUB); ``warmup_epochs`` 5, 5, 4, 3;
+    ``neg_proportion`` 0.9. ``epochs`` is the run's ``trainer.epochs``.
+
+    The pseudo-labels are a buffer ``pseudo_labels`` (N, C) float32, NaN where there is none: part of
+    ``state_dict()``, so a checkpoint holds them and a resumed run continues with them exactly. Then the
+    loss needs each sample's index (``needs_sample_index``) and is called ``loss(logits, targets,
+    indices)``; its table is refused above ``max_table_entries`` (4 bytes per entry; an APL step briefly
+    holds about 20 more per entry). docs/losses.md lists what differs from the authors' code.
 
     Reduction: as :class:`AssumeNegativeLoss` (default: mean over all B x C entries).
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}, with apl indices int (B,); scalar result.
     """
 
     name = "em"
 
-    def __init__(self, alpha: float = 0.1, reduction: str = "mean") -> None:
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        reduction: str = "mean",
+        apl: bool = False,
+        beta: float = 0.2,
+        warmup_epochs: int = 5,
+        neg_proportion: float = 0.9,
+        epochs: int | None = None,
+        max_table_entries: int = MAX_TABLE_ENTRIES,
+    ) -> None:
         super().__init__(reduction=reduction)
         if not alpha >= 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
-        self.alpha = float(alpha)
+        if not beta >= 0:
+            raise ValueError(f"beta must be >= 0, got {beta}")
+        if not 0 < neg_proportion <= 1:
+            raise ValueError(f"neg_proportion must be in (0, 1], got {neg_proportion}")
+        if not max_table_entries >= 1:
+            raise ValueError(f"max_table_entries must be >= 1, got {max_table_entries}")
+        self.alpha, self.beta, self.neg_proportion = float(alpha), float(beta), float(neg_proportion)
+        self.apl, self.max_table_entries = bool(apl), int(max_table_entries)
+        self.warmup_epochs, self.epochs = warmup_epochs, epochs
+        self.needs_sample_index = self.apl
+        if self.apl:
+            if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 1:
+                raise ValueError(f"warmup_epochs must be an integer >= 1, got {warmup_epochs}")
+            if epochs is None:
+                raise ValueError("apl needs loss.epochs, the run's trainer.epochs (e.g. loss.epochs=10)")
+            if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= warmup_epochs:
+                raise ValueError(
+                    f"apl pseudo-labels after epochs warmup_epochs..epochs-1: epochs must be an integer > "
+                    f"warmup_epochs={warmup_epochs}, got {epochs}"
+                )
+            self.register_buffer("pseudo_labels", torch.zeros(0, 0))
+            self.register_buffer("quota", torch.zeros(0, dtype=torch.long), persistent=False)
+
+    def setup(self, counts: LabelCounts | None) -> None:
+        """With apl: allocate the pseudo-label table for the training set of label counts ``counts`` and
+        each class's quota ``n_c`` per APL step, or refuse a table over ``max_table_entries``."""
+        if not self.apl:
+            return
+        if counts is None:
+            raise ValueError(
+                "em with apl=true needs the training set's size; this dataset gives no label counts"
+            )
+        num_samples, num_classes = int(counts.num_samples), int(counts.num_classes)
+        check_table_size("em with apl=true", num_samples, num_classes, self.max_table_entries, 4)
+        unknown = num_samples - counts.positives - counts.negatives
+        steps = self.epochs - self.warmup_epochs
+        self.pseudo_labels = torch.full((num_samples, num_classes), float("nan"))
+        self.quota = torch.tensor([int(self.neg_proportion * u / steps) for u in unknown.tolist()])
+
+    def wants_train_predictions(self, epoch: int) -> bool:
+        """Whether APL runs after ``epoch`` (1-based) complete epochs: the trainer then calls
+        :meth:`pseudo_label` with the training set's predictions."""
+        return self.apl and self.warmup_epochs <= epoch < self.epochs
 
     def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         log_p, log_not_p = F.logsigmoid(logits), F.logsigmoid(-logits)
@@ -206,5 +285,54 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
         known = torch.where(targets == 1, -log_p, -log_not_p)
         return torch.where(targets == -1, self.alpha * negative_entropy, known)
 
+    def forward(self, logits: Tensor, targets: Tensor, indices: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        """logits (B, C), targets (B, C) in {1, 0, -1}, with apl indices int (B,) -> scalar."""
+        if not self.apl:
+            return super().forward(logits, targets)
+        if indices is None:
+            raise ValueError(
+                "em with apl=true reads the batch's pseudo-labels: call it as loss(logits, targets, indices)"
+            )
+        if self.pseudo_labels.shape[0] == 0:
+            raise ValueError("em's pseudo-label table is not allocated: call setup(label counts) first")
+        with autocast_disabled(logits.device.type):
+            logits, targets = prepare(logits, targets)
+            check_indices(indices, logits.shape[0])
+            soft = self.pseudo_labels[indices.long()].to(logits.dtype)
+            pseudo = (targets == -1) & ~soft.isnan()
+            soft_bce = F.binary_cross_entropy_with_logits(logits, soft.nan_to_num(0.0), reduction="none")
+            return self.reduce(
+                torch.where(pseudo, self.beta * soft_bce, self.entry_loss(logits, targets)), targets
+            )
+
+    @torch.no_grad()
+    def pseudo_label(self, indices: Tensor, probabilities: Tensor, targets: Tensor) -> Tensor:
+        """One APL step from the training set's predictions: ``indices`` int (n,), ``probabilities`` (n, C)
+        (sigmoid of the logits) and ``targets`` (n, C) of the samples scored, in any order; a sample
+        scored twice counts once (its first row in index order). Per class, the quota's lowest
+        predictions among the still-unknown entries become pseudo-negatives (ties: the lower sample
+        index first). Returns the number of new pseudo-labels (a device tensor)."""
+        device = self.pseudo_labels.device
+        indices, order = torch.sort(indices.to(device).long(), stable=True)
+        first = torch.ones_like(indices, dtype=torch.bool)
+        first[1:] = indices[1:] != indices[:-1]
+        indices = indices[first]
+        probabilities = probabilities.to(device, torch.float32)[order[first]]
+        current = self.pseudo_labels[indices]
+        candidate = (targets.to(device)[order[first]] == -1) & current.isnan()
+        ranking = torch.argsort(torch.where(candidate, probabilities, torch.inf), dim=0, stable=True)
+        take = torch.minimum(self.quota, candidate.sum(0))
+        rank = torch.arange(len(indices), device=device).unsqueeze(1)
+        chosen = torch.zeros_like(candidate).scatter_(0, ranking, rank < take)
+        self.pseudo_labels[indices] = torch.where(chosen, probabilities, current)
+        return chosen.sum()
+
     def extra_repr(self) -> str:
-        return f"alpha={self.alpha}, " + super().extra_repr()
+        apl = ""
+        if self.apl:
+            apl = (
+                f"apl=True, beta={self.beta}, warmup_epochs={self.warmup_epochs}, "
+                f"neg_proportion={self.neg_proportion}, epochs={self.epochs}, "
+                f"table={tuple(self.pseudo_labels.shape)}, "
+            )
+        return f"alpha={self.alpha}, " + apl + super().extra_repr()

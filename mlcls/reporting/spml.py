@@ -39,6 +39,7 @@ from mlcls.reporting.sweeps import (
     TRAIN_IMAGES_PER_S,
     Sweep,
     grid_overrides,
+    job_values,
     per_dataset_sweeps,
 )
 from mlcls.reporting.table_specs import Axis, FilledCell, FilledTable, TableSpec
@@ -122,17 +123,32 @@ def protocol_epochs() -> int:
     return int(OmegaConf.load(config_dir() / "experiment" / "spml.yaml").trainer.epochs)
 
 
-def run_gpu_hours(dataset: str, gpu: str = "v100") -> float:
+def apl_passes(dataset: str) -> int:
+    """The passes over the training set of an ``em_apl`` run on ``dataset``: one after each epoch from
+    its warm-up (``spml.yaml``'s ``protocol.em_apl_warmup``) to the last but one."""
+    warmup = OmegaConf.load(config_dir() / "experiment" / "spml.yaml").protocol.em_apl_warmup[dataset]
+    return protocol_epochs() - int(warmup)
+
+
+def run_gpu_hours(dataset: str, gpu: str = "v100", method: str | None = None) -> float:
     """Estimated GPU-hours of one run of the benchmark on ``dataset``: ``epochs x (train + test /
-    EVAL_SPEEDUP) x PIXELS_448 / TRAIN_IMAGES_PER_S[gpu]`` (ResNet-50, evaluation every epoch)."""
+    EVAL_SPEEDUP) x PIXELS_448 / TRAIN_IMAGES_PER_S[gpu]`` (ResNet-50, evaluation every epoch); ``em_apl``
+    adds its :func:`apl_passes` forward passes over the training set, at the evaluation's speed."""
     _, train, test = SPML_DATASETS[dataset]
     images = protocol_epochs() * (train + test / EVAL_SPEEDUP)
+    if method == "em_apl":
+        images += apl_passes(dataset) * train / EVAL_SPEEDUP
     return images * PIXELS_448 / TRAIN_IMAGES_PER_S[gpu] / 3600.0
 
 
 def sweep_gpu_hours(sweeps: Sequence[Sweep], gpu: str = "v100") -> float:
     """Sum of :func:`run_gpu_hours` over every job of ``sweeps``."""
-    return sum(run_gpu_hours(sweep.dataset, gpu) * len(sweep.runs()) for sweep in sweeps if sweep.dataset)
+    return sum(
+        run_gpu_hours(sweep.dataset, gpu, job_values(job)["experiment"].removeprefix("spml_"))
+        for sweep in sweeps
+        if sweep.dataset
+        for job in sweep.runs()
+    )
 
 
 @cache
@@ -176,7 +192,8 @@ def check_published(document: Any) -> tuple[dict[str, Any], ...]:
 
 
 def _method_of(config: Mapping[str, Any], attributes: Mapping[str, Any]) -> str | None:
-    """The benchmark row of a run: ``full`` for BCE on all labels, else the loss (``ll`` by its mode);
+    """The benchmark row of a run: ``full`` for BCE on all labels, else the loss (``ll`` by its mode,
+    ``em`` with ``loss.apl`` as ``em_apl``);
     None for a run that is no row of the table."""
     observed = config_value(config, "dataset.observed") or "all"
     loss = attributes["loss"]
@@ -185,6 +202,8 @@ def _method_of(config: Mapping[str, Any], attributes: Mapping[str, Any]) -> str 
     if observed != "single_positive":
         return None
     method = f"ll_{attributes.get('loss.mode')}" if loss == "ll" else loss
+    if loss == "em" and config_value(config, "loss.apl"):
+        method = "em_apl"
     return method if method in SPML_METHODS and method != "full" else None
 
 
