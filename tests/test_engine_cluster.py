@@ -331,7 +331,9 @@ def test_the_training_loop_reads_the_device_only_at_log_steps(tmp_path, monkeypa
 SYNC_FREE_LOSSES = {
     "default": [],
     "role": ["loss=role", "loss.expected_positives=2", "dataset.observed=single_positive"],
-}
+    "em_apl": ["loss=em", "loss.apl=true", "loss.epochs=2", "loss.warmup_epochs=1",
+               "dataset.observed=single_positive"],
+}  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
