@@ -91,3 +91,19 @@ def test_a_single_process_nccl_group_evaluates_as_without_a_group(tmp_path):
     torch.testing.assert_close(grouped.scores, alone.scores, rtol=1e-3, atol=1e-3)
     assert torch.equal(grouped.labels, alone.labels)
     assert total.tolist() == [0.0, 1.0, 2.0] and gathered == [{"rank": 0}]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_apl_pass_over_the_training_set_on_cuda(tmp_path):
+    """EM's APL on CUDA: the pass after each epoch scores every training sample (the prefetched batches,
+    their indices on the device) and pseudo-labels as many entries per class as the schedule says."""
+    from test_losses_apl import APL_RUN
+
+    trainer = _trainer(tmp_path, *APL_RUN[len(TINY) :])
+    labels = torch.stack([trainer.data.train_set[i][1] for i in range(len(trainer.data.train_set))])
+    trainer.fit()
+    table = trainer.criterion.pseudo_labels
+    assert table.device.type == "cuda"
+    unknown = (labels == -1).sum(0)
+    expected = torch.tensor([2 * int(0.9 * u / 2) for u in unknown.tolist()])
+    assert torch.equal((~table.isnan()).sum(0).cpu(), expected) and int(expected.sum()) > 0
