@@ -295,8 +295,12 @@ class EntrywiseLoss(MultiLabelLoss):
         raise NotImplementedError
 
     def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return self.reduce(self.entry_loss(logits, targets), targets)
+
+    def reduce(self, per_entry: Tensor, targets: Tensor) -> Tensor:
+        """The ``reduction`` of the counted entries of ``per_entry`` (B, C), given the batch's targets."""
         counted = torch.ones_like(targets, dtype=torch.bool) if self.counts_unknown else targets >= 0
-        total = torch.where(counted, self.entry_loss(logits, targets), 0.0).sum()
+        total = torch.where(counted, per_entry, 0.0).sum()
         if self.reduction == "sum":
             return total
         if self.reduction == "sum_per_sample":
