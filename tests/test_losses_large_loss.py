@@ -389,3 +389,19 @@ def test_cp_without_sample_indices_is_refused_in_one_line(loader, tmp_path):
     message = str(error.value)
     assert f"needs each sample's index in the batch, which {where} does not give" in message
     assert "\n" not in message
+
+
+def test_cp_step_reads_nothing_back_from_the_device(host_reads):
+    """Forward (the table applied, the corrections written) and backward on the meta device, a stand-in
+    for a GPU holding no data: no ``.item()``, ``bool()``, ``.tolist()`` or ``nonzero``, no host copy."""
+    labels = observed_labels("partial").float().to("meta")
+    steps = schedule()
+    host_reads.clear()  # making the batches reads values
+    loss = cp_loss(0.1).to("meta")
+    loss.set_epoch(1)
+    for _, samples, x in steps[:2]:
+        samples = samples.to("meta")
+        logits = x.float().to("meta").requires_grad_(True)
+        loss(logits, labels[samples], samples).backward()
+        assert logits.grad.shape == x.shape
+    assert host_reads == []
