@@ -61,7 +61,9 @@ def schedule(seed: int = 1) -> list[tuple[int, Tensor, Tensor]]:
     for epoch in range(EPOCHS):
         order = torch.randperm(SAMPLES, generator=generator)
         for batch in order.split(ROWS):
-            steps.append((epoch, batch, 10.0 * torch.rand(ROWS, CLASSES, generator=generator, dtype=F64) - 5.0))
+            steps.append(
+                (epoch, batch, 10.0 * torch.rand(ROWS, CLASSES, generator=generator, dtype=F64) - 5.0)
+            )
     return steps
 
 
@@ -87,13 +89,17 @@ def ref_cp_step(
     rows, classes = x.shape
     p = [[1.0 / (1.0 + torch.exp(-x[i, c])) for c in range(classes)] for i in range(rows)]
     label = [
-        [1.0 if (int(samples[i]), c) in corrected and y[i, c] == -1 else float(y[i, c]) for c in range(classes)]
+        [
+            1.0 if (int(samples[i]), c) in corrected and y[i, c] == -1 else float(y[i, c])
+            for c in range(classes)
+        ]
         for i in range(rows)
     ]
     negative = [[-torch.log(1.0 - p[i][c]) for c in range(classes)] for i in range(rows)]
     k = math.ceil(rows * classes * Fraction(str(delta_rel))) if epoch >= 1 else 0
     unknown = sorted(
-        (negative[i][c].item() for i in range(rows) for c in range(classes) if label[i][c] == -1), reverse=True
+        (negative[i][c].item() for i in range(rows) for c in range(classes) if label[i][c] == -1),
+        reverse=True,
     )
     threshold = (unknown[k - 1] if k <= len(unknown) else -math.inf) if k else math.inf
     total = torch.zeros((), dtype=F64)
@@ -151,7 +157,9 @@ def test_cp_corrections_are_positives_of_later_calls_and_the_rest_is_ct():
 # parity with the released code
 
 
-def kim_cp_step(logits: Tensor, label_matrix: Tensor, samples: Tensor, llr_rel: float, delta_rel: float) -> Tensor:
+def kim_cp_step(
+    logits: Tensor, label_matrix: Tensor, samples: Tensor, llr_rel: float, delta_rel: float
+) -> Tensor:
     """Kim et al., snucml/LargeLossMatters at ac475fec0ba2dcc8b7a691873b18cb57f11f7052: losses.py
     ``compute_batch_loss`` with ``perm_mod = 1``, ``llr_rel_mod = 1`` on the batch's rows of the training
     labels ``label_matrix`` (1 / 0 unobserved / -1), then train.py's permanent correction
@@ -177,8 +185,13 @@ def kim_cp_step(logits: Tensor, label_matrix: Tensor, samples: Tensor, llr_rel: 
 # observed labels; mlcls never does, see test_cp_equals_its_equations_over_epochs)
 @pytest.mark.parametrize(
     ("regime", "delta_rel"),
-    [("partial", 0.002), ("partial", 0.1), ("single_positive", 0.002), ("single_positive", 0.1),
-     ("single_positive", 0.2)],
+    [
+        ("partial", 0.002),
+        ("partial", 0.1),
+        ("single_positive", 0.002),
+        ("single_positive", 0.1),
+        ("single_positive", 0.2),
+    ],
 )
 def test_cp_equals_the_released_code_with_its_relabelling(regime, delta_rel):
     """Value and gradient at every step to float64 precision, and the released relabelled training labels
@@ -347,7 +360,9 @@ def test_cp_table_over_its_limit_stops_the_cli_before_training_in_one_line(tmp_p
     from conftest import cli, run_cli
 
     args = [*TINY, "trainer.device=cpu", "trainer.amp=none", f"trainer.output_dir={tmp_path / 'run'}"]
-    result = run_cli(cli("mlcls-train", *args, "loss=ll", "loss.mode=cp", "loss.max_table_entries=10"), tmp_path)
+    result = run_cli(
+        cli("mlcls-train", *args, "loss=ll", "loss.mode=cp", "loss.max_table_entries=10"), tmp_path
+    )
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert lines == [
