@@ -53,7 +53,7 @@ CLASSES: dict[str, type[torch.nn.Module]] = {
 }
 NAMES = tuple(CLASSES)
 # the losses that give unknown labels a term of their own: tested in test_losses_unknown.py
-UNKNOWN_LABEL_NAMES = ("an", "an_ls", "wan", "epr", "em", "ll", "hill", "splc")
+UNKNOWN_LABEL_NAMES = ("an", "an_ls", "wan", "epr", "em", "ll", "hill", "splc", "role")
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 F64 = torch.float64
 NEG_INF = float("-inf")

@@ -243,3 +243,16 @@ def test_a_run_trains_the_table_and_checkpoints_it(tmp_path):
     assert group[0]["initial_lr"] == pytest.approx(10 * cfg.optim.lr_head)
     moments = checkpoint["optimizer"]["state"][group[0]["params"][0]]
     assert moments["exp_avg"].shape == (64, 12) and moments["exp_avg_sq"].abs().sum() > 0
+
+
+def test_config_lists_every_argument_with_its_default():
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from mlcls import config_dir
+
+    cfg = OmegaConf.load(config_dir() / "loss" / "role.yaml")
+    assert cfg._target_ == "mlcls.losses.RoleLoss"
+    params = inspect.signature(RoleLoss).parameters
+    assert {k: v for k, v in cfg.items() if k != "_target_"} == {k: p.default for k, p in params.items()}

@@ -435,7 +435,7 @@ def test_config_lists_every_argument_with_its_default(name):
     [
         (["loss=epr"], "loss=epr: epr needs loss.expected_positives, the expected number of positives"),
         (["loss=epr", "loss.expected_positives=0"], "loss=epr: expected_positives must be > 0, got 0"),
-        (["loss=ll", "loss.mode=cp"], "loss=ll: mode must be one of 'r', 'ct'; got 'cp' (LL-Cp's"),
+        (["loss=ll", "loss.mode=c"], "loss=ll: mode must be one of 'r', 'ct', 'cp'; got 'c'"),
         (["loss=ll", "loss.delta_rel=2"], "loss=ll: delta_rel must be in [0, 1], got 2"),
         (["loss=splc", "loss.tau=1.0"], "loss=splc: tau must be in (0, 1), got 1.0"),
         (["loss=an_ls", "loss.ls_coef=0.5"], "loss=an_ls: ls_coef must be in [0, 0.5), got 0.5"),

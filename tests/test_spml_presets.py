@@ -36,13 +36,14 @@ TARGETS = {
     "em_apl": "EntropyMaximisationLoss",
     "ll_r": "LargeLossLoss",
     "ll_ct": "LargeLossLoss",
+    "ll_cp": "LargeLossLoss",
     "hill": "HillLoss",
     "splc": "SPLCLoss",
     "twoway": "TwoWayLoss",
     "role": "RoleLoss",
 }
 # Rows of the table without a preset yet: their published numbers are shown, our cells stay empty.
-UNPRESET = ("ll_cp",)
+UNPRESET: tuple[str, ...] = ()
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiment"
 # The rows read from the results table of VLPL's README (mvrl/VLPL at ed09b592, "Main results on the
 # single-positive label setting"): VOC | COCO | NUS, typed from it, not read from spml_published.yaml.
@@ -95,15 +96,15 @@ def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
     argv = ["spml", "--dry-run", "--data-root", "/data", "--sweep-dir", str(tmp_path / "s")]
     assert reproduce.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    # 10 epochs x (train + val / 3) images x 4 (448 px) at 1200 ResNet-50 images/s per V100, 13 presets;
+    # 10 epochs x (train + val / 3) images x 4 (448 px) at 1200 ResNet-50 images/s per V100, 14 presets;
     # EM+APL adds a forward pass over the training set (train / 3) after epochs warm-up .. 9.
     sizes = {"voc2012": (5717, 5823), "coco": (82081, 40137), "nuswide": (161789, 107859)}
     hours = {
-        name: (13 * 10 * (tr + te / 3) + (10 - APL_WARMUP[name]) * tr / 3) * 4 / 1200 / 3600
+        name: (14 * 10 * (tr + te / 3) + (10 - APL_WARMUP[name]) * tr / 3) * 4 / 1200 / 3600
         for name, (tr, te) in sizes.items()
     }
     assert lines[0] == (
-        "# spml: single-positive benchmark; 3 sweep(s), 39 runs, "
+        "# spml: single-positive benchmark; 3 sweep(s), 42 runs, "
         f"about {sum(hours.values()):.0f} v100 GPU-hours"
     )
     experiments = ", ".join(f"spml_{method}" for method in spml.SPML_METHODS if method in TARGETS)
@@ -211,3 +212,10 @@ def test_tables_without_a_benchmark_run_is_one_line(tmp_path, capsys):
         f"mlcls-tables: error: no run under {tmp_path} is a row of the single-positive benchmark "
         "(experiment=spml_<method>; docs/reproduce.md)\n"
     )
+
+
+@pytest.mark.parametrize("mode", ["r", "ct", "cp"])
+def test_an_ll_run_is_the_row_of_its_mode(mode):
+    config = {"dataset": {"observed": "single_positive"}}
+    assert spml._method_of(config, {"loss": "ll", "loss.mode": mode}) == f"ll_{mode}"
+    assert spml.SPML_METHODS[f"ll_{mode}"] == f"LL-{mode.capitalize()}"

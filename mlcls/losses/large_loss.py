@@ -1,79 +1,145 @@
 """Large-loss rejection and correction (Kim et al., CVPR 2022, "Large loss matters in weakly supervised
-multi-label classification"): LL-R and LL-Ct."""
+multi-label classification"): LL-R, LL-Ct and LL-Cp."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mlcls.losses.common import MultiLabelLoss
+from mlcls.losses.role import MAX_TABLE_ENTRIES, SampleStateLoss
 from mlcls.losses.unknown import EpochDependentLoss, assumed_negative_bce
 
-LL_MODES = ("r", "ct")
+LL_MODES = ("r", "ct", "cp")
 
 
-class LargeLossLoss(EpochDependentLoss):
+class LargeLossLoss(SampleStateLoss, EpochDependentLoss):
     """Assume negative, except for the unknown labels with the largest losses of the batch (eqs. 3-5)::
 
         l_ic = -log p                  if y_ic = 1
         l_ic = -log(1 - p)             if y_ic = 0, or y_ic = -1 and (i, c) not among the largest
         l_ic = 0         (mode "r")    if y_ic = -1 and (i, c) among the largest  (LL-R: rejected)
-        l_ic = -log p    (mode "ct")   if y_ic = -1 and (i, c) among the largest  (LL-Ct: taken as positive)
+        l_ic = -log p    (modes "ct", "cp")   if y_ic = -1 and (i, c) among the largest  (corrected)
 
     "The largest" are the unknown labels whose assumed-negative loss ``-log(1 - p)`` is at least the
-    k-th largest such loss in the batch, ``k = ceil(B C R)``, with the rejection rate
-    ``R = min(epoch * delta_rel, 1)`` growing by ``delta_rel`` per (0-based) epoch: the first epoch is
+    k-th largest such loss in the batch, ``k = ceil(B C R)``. For LL-R and LL-Ct the rate
+    ``R = min(epoch * delta_rel, 1)`` grows by ``delta_rel`` per (0-based) epoch: the first epoch is
     plain assume-negative. As in the authors' code, k counts all B x C entries of the batch (not only the
     unknown ones) and only unknown labels are ever rejected or corrected; ties at the k-th loss are all
     taken. The choice is made on the detached loss: no gradient flows through it.
+
+    LL-Cp (``mode="cp"``, permanent correction): from the second epoch on, a constant ``R = delta_rel``
+    (the authors' ``k = ceil(B C delta_rel)``). The unknown labels whose loss is strictly above the k-th
+    largest are then written into a per-sample table of corrections, ``corrected`` (N, C) bool, and from
+    the next call on the loss takes them as positives (``y_ic := 1``, no longer candidates), as the
+    authors' ``train.py`` writes 1 into its training labels. The k-th entry itself is corrected for the
+    step only (unless others tie with it). This needs each sample's index: in mode cp the loss sets
+    ``needs_sample_index``, is called ``loss(logits, targets, indices)``, computes on the global batch
+    under DDP (so every rank writes the same corrections) and sizes its table in ``setup`` (refused above
+    ``max_table_entries``; 1 byte per entry, 80 MB per million samples at C = 80). The table is a buffer
+    of ``state_dict()``: a checkpoint holds it and a resumed run continues with it exactly. Where mlcls
+    differs from the released code: an observed label (1 or 0) is never corrected, nor rejected, even
+    where k exceeds the batch's unknown labels; k is the exact ``ceil`` of the decimal product (the
+    released float product may round one above an integer); a correction is written at the loss's call,
+    also for a step the trainer skips for a non-finite gradient, and is seen by any later batch (the
+    released loader's workers read it from the next epoch; a sample comes once per epoch, so the two
+    agree outside DDP's padding, where a sample may come twice in one epoch).
 
     The trainer sets the epoch through :meth:`set_epoch`, before each epoch (a resumed one included); the
     epoch is the module's extra state in ``state_dict()``. ``delta_rel`` is a fraction: the authors'
     command-line 0.2 (percent) is ``delta_rel=0.002``.
 
-    LL-Cp (permanent correction) is not offered: it writes its corrections into the training labels,
-    which needs each sample's index in the batch (see docs/losses.md).
-
     Reduction: ``"mean"`` (default) the sum over all B x C entries divided by B x C, as the authors'
     code (a rejected entry counts with 0); ``"sum"`` the sum; ``"sum_per_sample"`` the sum divided by B.
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}, indices (B,) in mode cp (else unused); scalar.
     """
 
     name = "ll"
+    table_bytes_per_entry = 1
 
-    def __init__(self, mode: str = "r", delta_rel: float = 0.002, reduction: str = "mean") -> None:
-        super().__init__(reduction=reduction)
+    def __init__(
+        self,
+        mode: str = "r",
+        delta_rel: float = 0.002,
+        reduction: str = "mean",
+        max_table_entries: int = MAX_TABLE_ENTRIES,
+    ) -> None:
+        super().__init__(max_table_entries=max_table_entries, reduction=reduction)
         if mode not in LL_MODES:
-            hint = (
-                " (LL-Cp's permanent corrections need each sample's index in the batch, which the "
-                "training batches do not carry)"
-                if mode == "cp"
-                else ""
-            )
-            raise ValueError(f"mode must be one of {', '.join(map(repr, LL_MODES))}; got {mode!r}{hint}")
+            raise ValueError(f"mode must be one of {', '.join(map(repr, LL_MODES))}; got {mode!r}")
         if not 0 <= delta_rel <= 1:
             raise ValueError(f"delta_rel must be in [0, 1], got {delta_rel}")
         self.mode, self.delta_rel = mode, float(delta_rel)
+        if mode == "cp":  # LL-R and LL-Ct keep no table (and their state_dict stays the epoch alone)
+            self.register_buffer("corrected", torch.zeros(0, 0, dtype=torch.bool))
+
+    @property
+    def needs_sample_index(self) -> bool:  # type: ignore[override]
+        """Whether the training batches must carry the sample indices: in mode cp only."""
+        return self.mode == "cp"
+
+    @property
+    def sums_over_batch(self) -> bool:  # type: ignore[override]
+        """A sum over the (local) batch: ``"sum"`` in modes r and ct; mode cp takes the global batch."""
+        return self.reduction == "sum" and self.mode != "cp"
 
     @property
     def rejection_rate(self) -> float:
         """The fraction R of the batch's entries rejected or corrected in the current epoch."""
-        return min(self.epoch * self.delta_rel, 1.0)
+        rate = min(self.epoch * self.delta_rel, 1.0)
+        return min(rate, self.delta_rel) if self.mode == "cp" else rate
 
-    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+    def setup(self, counts: Any) -> None:
+        """Mode cp: allocate the table of corrections for the training set (see
+        :meth:`SampleStateLoss.setup`); the other modes keep no table."""
+        if self.mode == "cp":
+            super().setup(counts)
+
+    def allocate(self, num_samples: int, num_classes: int, counts: Any) -> None:
+        self.corrected = torch.zeros(num_samples, num_classes, dtype=torch.bool)
+
+    def forward(self, logits: Tensor, targets: Tensor, indices: Tensor | None = None) -> Tensor:
+        """logits (B, C), targets (B, C) in {1, 0, -1}, indices int (B,) in mode cp -> scalar."""
+        if self.mode == "cp":
+            return super().forward(logits, targets, indices)
+        return MultiLabelLoss.forward(self, logits, targets)
+
+    def select(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The entry terms ``l_ic`` (B, C), and the unknown labels strictly above the k-th largest loss
+        (B, C) bool, or None where k = 0 (nothing rejected or corrected)."""
         assumed = assumed_negative_bce(logits, targets)
         # the tolerance keeps k from growing by one where B C R is an integer up to rounding
         k = min(math.ceil(assumed.numel() * self.rejection_rate - 1e-9), assumed.numel())
         if k <= 0:
-            return assumed
+            return assumed, None
         unknown = targets == -1
         candidates = torch.where(unknown, assumed.detach(), float("-inf"))
         threshold = candidates.flatten().topk(k).values[-1]
         large = unknown & (candidates >= threshold)
         replacement = torch.zeros_like(assumed) if self.mode == "r" else -F.logsigmoid(logits)
-        return torch.where(large, replacement, assumed)
+        return torch.where(large, replacement, assumed), unknown & (candidates > threshold)
+
+    def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return self.select(logits, targets)[0]
+
+    def compute_rows(self, logits: Tensor, targets: Tensor, indices: Tensor) -> Tensor:
+        """Mode cp: the loss on the targets with the table's corrections, then the new ones recorded."""
+        if self.corrected.shape[0] == 0:
+            raise ValueError("ll's table of corrections is not allocated: call setup(label counts) first")
+        targets = torch.where(self.corrected[indices] & (targets == -1), 1.0, targets)
+        per_entry, above = self.select(logits, targets)
+        if above is not None:
+            # accumulate: a sample twice in the batch (DDP's padding) keeps the corrections of both rows
+            self.corrected.index_put_((indices,), above, accumulate=True)
+        return self.reduce(per_entry, targets)
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, delta_rel={self.delta_rel}, epoch={self.epoch}, " + super().extra_repr()
+        table = f", table={tuple(self.corrected.shape)}" if self.mode == "cp" else ""
+        return (
+            f"mode={self.mode!r}, delta_rel={self.delta_rel}, epoch={self.epoch}{table}, "
+            + super().extra_repr()
+        )

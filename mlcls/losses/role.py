@@ -87,8 +87,8 @@ class SampleStateLoss(MultiLabelLoss):
     needs_sample_index: ClassVar[bool] = True
     table_bytes_per_entry: ClassVar[int] = 4
 
-    def __init__(self, max_table_entries: int = MAX_TABLE_ENTRIES) -> None:
-        super().__init__()
+    def __init__(self, max_table_entries: int = MAX_TABLE_ENTRIES, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # a subclass's other bases (ll: the epoch and the reduction)
         if not max_table_entries >= 1:
             raise ValueError(f"max_table_entries must be >= 1, got {max_table_entries}")
         self.max_table_entries = int(max_table_entries)
