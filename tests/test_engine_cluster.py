@@ -333,6 +333,7 @@ SYNC_FREE_LOSSES = {
     "role": ["loss=role", "loss.expected_positives=2", "dataset.observed=single_positive"],
     "em_apl": ["loss=em", "loss.apl=true", "loss.epochs=2", "loss.warmup_epochs=1",
                "dataset.observed=single_positive"],
+    "ll_cp": ["loss=ll", "loss.mode=cp", "loss.delta_rel=0.05", "dataset.observed=single_positive"],
 }  # fmt: skip
 
 
