@@ -346,6 +346,9 @@ def test_no_synchronising_call_in_cuda_training_steps(tmp_path, loss):
     )  # fmt: skip
     trainer = Trainer(cfg)
     trainer.train_one_epoch(0)  # warm-up: cuDNN autotuning, allocator, first optimizer state
+    for module in trainer.loss_modules():  # terms of a later epoch: LL-Cp corrects from epoch 1 on
+        if hasattr(module, "set_epoch"):
+            module.set_epoch(1)
     batches = [next(iter(trainer.train_loader)) for _ in range(3)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
