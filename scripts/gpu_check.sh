@@ -118,7 +118,7 @@ if [[ $cuda != 1 ]]; then
         skip $name "no CUDA"
     done
 else
-    PYTHONPATH=scripts step cuda_tests 120 "$work/cuda_tests.xml" "${select_tests[@]}" \
+    PYTHONPATH=scripts step cuda_tests 180 "$work/cuda_tests.xml" "${select_tests[@]}" \
         --junitxml="$work/cuda_tests.xml"
     step bench_step 90 - "$bin/mlcls-bench" step "${resnet50[@]}" --repeats 5 --steps 10
     step bench_pipeline 90 - "$bin/mlcls-bench" pipeline --n 256 --repeats 3
