@@ -165,18 +165,30 @@ SCALE_ARGUMENTS: dict[str, dict[str, float]] = {
 }
 
 
+# Variants of a loss measured beside it: its per-sample modes (LL-Cp at its second epoch, when it corrects;
+# EM with APL's pseudo-label table), by the name the bench reports them under.
+SCALE_VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "ll_cp": ("ll", {"mode": "cp"}, 1),
+    "em_apl": ("em", {"apl": True, "epochs": 10, "warmup_epochs": 5}, 0),
+}
+
+
 def _criteria(classes: int = SCALE_CLASSES[0]) -> dict[str, Callable[[Tensor, Tensor], Tensor]]:
-    """Every loss of :mod:`mlcls.losses` with its default arguments (and ``SCALE_ARGUMENTS``), by name, as
-    a function of (logits, targets) for batches of ``classes`` classes. A loss with a row per training
-    sample (ROLE) is set up for a training set of one batch, and called with its indices."""
+    """Every loss of :mod:`mlcls.losses` with its default arguments (and ``SCALE_ARGUMENTS``), and the
+    ``SCALE_VARIANTS``, by name, as a function of (logits, targets) for batches of ``classes`` classes. A
+    loss with a row per training sample is set up for a training set of one batch and called with its
+    indices."""
+    classes_by_name = {cls.name: cls for cls in (getattr(losses, name) for name in losses.__all__)}
+    settings = {name: (name, {}, 0) for name in classes_by_name} | SCALE_VARIANTS
     result: dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
-    for loss in (getattr(losses, name) for name in losses.__all__):
-        criterion = loss(**SCALE_ARGUMENTS.get(loss.name, {}))
+    for name, (loss_name, arguments, epoch) in settings.items():
+        criterion = classes_by_name[loss_name](**SCALE_ARGUMENTS.get(loss_name, {}), **arguments)
+        if epoch:
+            criterion.set_epoch(epoch)
         if getattr(criterion, "needs_sample_index", False):
-            counts = LabelCounts(SCALE_BATCH, torch.zeros(classes), torch.zeros(classes))
-            criterion.setup(counts)
+            criterion.setup(LabelCounts(SCALE_BATCH, torch.zeros(classes), torch.zeros(classes)))
             criterion = functools.partial(criterion, indices=torch.arange(SCALE_BATCH))
-        result[loss.name] = criterion
+        result[name] = criterion
     return result
 
 
