@@ -338,17 +338,19 @@ def test_every_loss_trains_every_head(head):
 
     from mlcls.engine.build import build_loss
 
-    assert len(LOSSES) == 18
+    assert len(LOSSES) == 19
     torch.manual_seed(0)
     labels = (torch.rand(8, 12) < 0.3).float()
     labels[0, 0], labels[1, 0] = 1.0, 0.0  # every loss sees both kinds in some class
     images = torch.randn(8, 3, 32, 32)
     for name in LOSSES:
-        required = ["loss.expected_positives=2.9"] if name == "epr" else []  # epr has no default k
+        # epr and role have no default k
+        required = ["loss.expected_positives=2.9"] if name in ("epr", "role") else []
         cfg = compose_config([*TINY, f"loss={name}", *required])
         criterion = build_loss(cfg.loss, SimpleNamespace(labels=labels), torch.device("cpu"))
         model = create_model("resnet10t", 12, pretrained=False, head=head, num_groups=5)
-        loss = criterion(model(images), labels)
+        indices = (torch.arange(8),) if getattr(criterion, "needs_sample_index", False) else ()
+        loss = criterion(model(images), labels, *indices)
         loss.backward()
         assert torch.isfinite(loss), name
         head_grads = [p.grad for p in model.get_classifier().parameters() if p.requires_grad]
