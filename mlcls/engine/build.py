@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, Subset
 
 from mlcls.data import MultiLabelDataset, build_dataset
-from mlcls.data.datasets.holdout import split_holdout
+from mlcls.data.datasets.folds import split_holdout
 from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.observed import NO_HOLDOUT
 from mlcls.data.loader import build_eval_loader, build_train_loader

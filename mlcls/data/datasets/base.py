@@ -251,10 +251,15 @@ class MultiLabelDataset(Dataset):
             (:func:`observed_labels`; ``dataset.observed``, ...): ``observed`` holds it when ``split ==
             train_split``, else (evaluation) every label. A regime that hides labels is refused when the
             training split is also the evaluation split (``val_split``): evaluation reads full labels.
+        holdout_fraction, holdout_labels, holdout_seed: the share of the training split held out to select
+            the best epoch (:func:`holdout_split`; ``dataset.holdout_fraction``, ...), held in
+            ``selection_split`` when ``split == train_split``; :func:`mlcls.data.datasets.folds.split_holdout`
+            cuts it.
     """
 
     classes: list[str]
     observed: ObservedLabels = ALL_LABELS
+    selection_split: HoldoutSplit = NO_HOLDOUT
 
     def __init__(
         self,

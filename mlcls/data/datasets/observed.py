@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 OBSERVED_REGIMES = ("all", "single_positive", "partial")
-HOLDOUT_LABELS = ("clean", "observed")  # dataset.holdout_labels: the held-out samples' full or observed labels
+# dataset.holdout_labels: the held-out samples' full labels, or their labels as the regime shows them
+HOLDOUT_LABELS = ("clean", "observed")
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 _STREAMS = {"single_positive": 1, "partial": 2, "holdout": 3}  # one hash stream per draw
