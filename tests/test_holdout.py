@@ -96,9 +96,8 @@ def test_clean_and_observed_held_out_labels() -> None:
     assert torch.equal(train_rows, targets(clean_source, train.rows))
     counts, reference = label_counts(train), LabelCounts.of(train_rows)
     assert counts.num_samples == len(train)
-    assert torch.equal(counts.positives, reference.positives) and torch.equal(
-        counts.unknown, reference.unknown
-    )
+    assert torch.equal(counts.positives, reference.positives)
+    assert torch.equal(counts.negatives, reference.negatives)
 
 
 def test_the_held_out_view_reads_with_the_evaluation_transform() -> None:
