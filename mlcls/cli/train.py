@@ -58,7 +58,11 @@ def _run_cli(cfg: DictConfig) -> dict[str, Any]:
 def _hydra_main(cfg: DictConfig) -> float | None:
     with user_errors():
         results = _run_cli(cfg)
-    # Returned for Hydra sweepers (e.g. Optuna) that optimise a value.
+    # Returned for Hydra sweepers (e.g. Optuna) that optimise a value: the held-out split's best mAP@class
+    # when the run has one (the test split chooses nothing), else the last validation mAP@class.
+    best = results.get("best") or {}
+    if best.get("selected_on") == "holdout":
+        return best["selection"]["mAP_class"]
     return results.get("metrics", {}).get("mAP_class")
 
 

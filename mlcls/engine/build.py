@@ -21,7 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, Subset
 
 from mlcls.data import MultiLabelDataset, build_dataset
+from mlcls.data.datasets.folds import split_holdout
 from mlcls.data.datasets.labels import label_counts
+from mlcls.data.datasets.observed import NO_HOLDOUT
 from mlcls.data.loader import build_eval_loader, build_train_loader
 from mlcls.data.pipeline.fast import DeviceStage
 from mlcls.data.pipeline.preprocess import preprocess_spec
@@ -40,15 +42,19 @@ log = logging.getLogger("mlcls")
 
 @dataclass
 class RunData:
-    """The two splits of a run and their loaders for this process."""
+    """The splits of a run and their loaders for this process."""
 
-    train_set: MultiLabelDataset
+    train_set: MultiLabelDataset  # what trains: the training split, less the held-out share if any
     val_set: Dataset  # the validation split, or its first samples under trainer.limit_val_batches
     train_loader: Any  # a DataLoader, or the DALI loader; both have len() and .sampler
     val_loader: Any
     classes: list[str]
     iters_per_epoch: int
     local_batch: int  # samples per step of this process: trainer.batch_size over the world size
+    # dataset.holdout_fraction > 0: the held-out share of the training split that selects the best epoch
+    # (under trainer.limit_val_batches its first samples), and its evaluation loader; else None
+    holdout_set: Dataset | None = None
+    holdout_loader: Any = None
 
 
 def pin_dataset_root(dataset_cfg: DictConfig) -> None:
@@ -64,15 +70,22 @@ def pin_dataset_root(dataset_cfg: DictConfig) -> None:
 def build_data(cfg: DictConfig, dist: DistInfo, with_index: bool = False) -> RunData:
     """Both splits of ``cfg.dataset`` with the ``data.backend`` pipeline, and this rank's loaders;
     ``cfg.dataset.root`` made absolute first (:func:`pin_dataset_root`), before the run saves its config.
-    ``with_index``: training batches also hold their samples' indices (a loss with a row per sample)."""
+    ``with_index``: training batches also hold their samples' indices (a loss with a row per sample).
+    With ``dataset.holdout_fraction`` > 0 the training split is cut (:func:`split_holdout`): the rest trains,
+    the held-out share is evaluated like the validation split (read with its transform)."""
     pin_dataset_root(cfg.dataset)
     tcfg, backend = cfg.trainer, cfg.data.backend
     local_batch = tcfg.batch_size // dist.world_size
     train_set = build_dataset(cfg.dataset, train=True, backend=backend)
     val_set: Dataset = build_dataset(cfg.dataset, train=False, backend=backend)
-    if tcfg.limit_val_batches:
-        keep = min(len(val_set), tcfg.limit_val_batches * local_batch * dist.world_size)
-        val_set = Subset(val_set, range(keep))
+    holdout_set: Dataset | None = None
+    if getattr(train_set, "selection_split", NO_HOLDOUT).fraction:
+        train_set, holdout_set = split_holdout(train_set, val_set.transform)
+    if tcfg.limit_val_batches:  # the first batches of the evaluated sets only
+        keep = tcfg.limit_val_batches * local_batch * dist.world_size
+        val_set = Subset(val_set, range(min(len(val_set), keep)))
+        if holdout_set is not None:
+            holdout_set = Subset(holdout_set, range(min(len(holdout_set), keep)))
     args = (local_batch, tcfg.workers, dist.rank, dist.world_size)
     loader = build_train_loader(train_set, *args, tcfg.seed, dist.device, backend, with_index=with_index)
     iters = len(loader)
@@ -94,6 +107,8 @@ def build_data(cfg: DictConfig, dist: DistInfo, with_index: bool = False) -> Run
         classes=list(train_set.classes),
         iters_per_epoch=iters,
         local_batch=local_batch,
+        holdout_set=holdout_set,
+        holdout_loader=None if holdout_set is None else build_eval_loader(holdout_set, *args, dist.device),
     )
 
 

@@ -74,6 +74,11 @@ class Evaluation:
     labels: torch.Tensor | None  # (N, C) int8 in {1, 0, -1}
 
 
+def headline(metrics: dict[str, Any]) -> dict[str, float]:
+    """The mAP@class and mAP@sample of ``metrics`` (what ``history``, ``best`` and a selection record)."""
+    return {key: metrics[key] for key in ("mAP_class", "mAP_sample")}
+
+
 def is_main_process() -> bool:
     return not dist_utils.initialized() or torch.distributed.get_rank() == 0
 

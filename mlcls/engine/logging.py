@@ -128,22 +128,27 @@ class RunLog:
         log.info("epoch %d/%d  loss %.4f  %.1f images/s", epoch + 1, self.epochs, loss, images_per_s)
 
     def evaluation(self, epoch: int, metrics: dict[str, Any], best: dict[str, Any]) -> None:
-        """The metrics of the raw weights (and of the EMA under ``metrics["ema"]``) and the best so far."""
+        """The metrics of the raw weights (and of the EMA under ``metrics["ema"]``, the held-out split's
+        under ``metrics["selection"]``) and the best so far."""
         self.scalars("val", metrics, epoch)
-        ema_note = ""
+        notes = ""
+        if "selection" in metrics:
+            self.scalars("holdout", metrics["selection"], epoch)
+            notes += f"  held-out mAP@class {metrics['selection']['mAP_class']:.2f}"
         if "ema" in metrics:
             self.scalars("val_ema", metrics["ema"], epoch)
-            ema_note = f"  EMA mAP@class {metrics['ema']['mAP_class']:.2f}"
+            notes += f"  EMA mAP@class {metrics['ema']['mAP_class']:.2f}"
         log.info(
-            "epoch %d/%d  mAP@class %.2f  mAP@sample %.2f%s  (best mAP@class %.2f at epoch %d, %s weights)",
+            "epoch %d/%d  mAP@class %.2f  mAP@sample %.2f%s  (best mAP@class %.2f at epoch %d, %s weights%s)",
             epoch,
             self.epochs,
             metrics["mAP_class"],
             metrics["mAP_sample"],
-            ema_note,
+            notes,
             best["mAP_class"],
             best["epoch"],
             best["weights"],
+            ", selected on the held-out split" if best.get("selected_on") == "holdout" else "",
         )
 
     def scalars(self, prefix: str, values: dict[str, Any], step: int) -> None:

@@ -30,7 +30,11 @@ def run_results(
     """The content of results.json: ``metrics`` (the last evaluation, without per-class AP), ``best``,
     ``per_class_ap``, ``dataset`` facts, ``epochs_completed``, ``counts`` (skipped steps and images, ignored
     labels), ``history`` (one record per epoch), ``resumes`` (times continued from a checkpoint),
-    ``world_size`` and ``provenance``."""
+    ``world_size`` and ``provenance``.
+
+    The metrics are the validation split's. A run with a held-out split (``dataset.holdout_fraction``) adds
+    the held-out mAP@class and mAP@sample as ``selection`` in ``metrics``, ``best`` and each evaluated
+    epoch of ``history``, ``best["selected_on"] = "holdout"`` and ``dataset["holdout_size"]``."""
     metrics = state.last_metrics or {}
     counts, history = state.counts, state.history
     return {
@@ -42,6 +46,7 @@ def run_results(
             "num_classes": len(data.classes),
             "train_size": len(data.train_set),
             "val_size": len(data.val_set),
+            **({} if data.holdout_set is None else {"holdout_size": len(data.holdout_set)}),
         },
         "epochs_completed": epochs_completed,
         "counts": {

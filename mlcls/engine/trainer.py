@@ -13,7 +13,8 @@ Files of the run directory::
     <run_dir>/results.json               last and best metrics, per-class AP, dataset facts, counts, history
     <run_dir>/checkpoints/last.pt        newest full training state (what resume=auto loads first)
     <run_dir>/checkpoints/iter_*.pt      the newest trainer.keep_checkpoints full states (fallbacks)
-    <run_dir>/checkpoints/best.pt        the weights of the best mAP@class evaluation
+    <run_dir>/checkpoints/best.pt        the weights of the best mAP@class evaluation (on the held-out
+                                         share of the training split under dataset.holdout_fraction)
     <run_dir>/tb/                        TensorBoard scalars
 
 The run directory is ``trainer.output_dir``, else Hydra's ``hydra.run.dir`` (``hydra.sweep.dir``/subdir in
@@ -55,6 +56,7 @@ from mlcls.engine.evaluate import (
     autocast_context,
     calibrate_on_main,
     evaluate_model,
+    headline,
     predict_training_set,
 )
 from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm, step_if_finite
@@ -71,6 +73,12 @@ log = logging.getLogger("mlcls")
 EXIT_PREEMPTED = 75
 
 __all__ = ["EXIT_PREEMPTED", "ConfigError", "Evaluation", "NonFiniteError", "Preempted", "Trainer"]
+
+
+def selection_score(record: dict[str, Any]) -> float:
+    """The mAP@class that selects the best epoch in a metrics record or ``best``: its held-out split's
+    (``record["selection"]``) when the run has one, else its own (the validation split's)."""
+    return record.get("selection", record)["mAP_class"]
 
 
 class Preempted(Exception):
@@ -137,8 +145,12 @@ class Trainer:
                     is_best = False
                     if (epoch + 1) % tcfg.eval_every == 0 or epoch + 1 == tcfg.epochs:
                         is_best = self.evaluate_and_select(epoch + 1)
-                        record.update({k: self.state.last_metrics[k] for k in ("mAP_class", "mAP_sample")})
-                    record_skipped_images(self.state.counts, (self.data.train_set, self.data.val_set))
+                        metrics = self.state.last_metrics
+                        record.update(headline(metrics))
+                        if "selection" in metrics:
+                            record["selection"] = metrics["selection"]
+                    datasets = (self.data.train_set, self.data.val_set, self.data.holdout_set)
+                    record_skipped_images(self.state.counts, [d for d in datasets if d is not None])
                     self.state.history.append(record)
                     self.save(is_best=is_best)
                     if self.state.last_metrics is not None:
@@ -298,24 +310,36 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, model: nn.Module | None = None) -> Evaluation:
-        """``model`` (default: the raw weights) on the whole validation set (see :func:`evaluate_model`)."""
+    def evaluate(self, model: nn.Module | None = None, loader: Any = None) -> Evaluation:
+        """``model`` (default: the raw weights) on the whole of ``loader``'s set (default: the validation
+        set; see :func:`evaluate_model`)."""
         model = self.model if model is None else model
-        loader = self.data.val_loader
+        loader = self.data.val_loader if loader is None else loader
         return evaluate_model(model, loader, self.device, self.classes, self.eval_amp, self.channels_last)
 
     def evaluate_and_select(self, epoch: int) -> bool:
-        """Evaluate the raw (and EMA) weights, log them, update ``best``; True for a new best epoch.
-        Thresholds are calibrated once per set of weights: the raw ones (last.pt), EMA's for a new best."""
-        evaluations = {"raw": self.evaluate()}
-        if self.ema is not None:
-            evaluations["ema"] = self.evaluate(self.ema.module)
+        """Evaluate the raw (and EMA) weights on the validation split, and on the held-out split when the
+        run has one; log them, update ``best``; True for a new best epoch.
+
+        The best epoch and weights are those of the highest mAP@class on the held-out split (their metrics
+        under ``best["selection"]``, ``best["selected_on"] = "holdout"``), else on the validation split;
+        ``best``'s own metrics are the validation split's. The held-out metrics of the raw (EMA) weights
+        are ``metrics["selection"]`` (``metrics["ema"]["selection"]``). Thresholds are calibrated on the
+        validation split once per set of weights: the raw ones (last.pt), the best ones for a new best."""
+        weights = {"raw": self.model} | ({} if self.ema is None else {"ema": self.ema.module})
+        evaluations = {name: self.evaluate(model) for name, model in weights.items()}
+        held_out = self.data.holdout_loader is not None
+        if held_out:
+            for name, model in weights.items():
+                selection = self.evaluate(model, self.data.holdout_loader)
+                evaluations[name].metrics["selection"] = headline(selection.metrics)
         metrics = evaluations["raw"].metrics
         if "ema" in evaluations:
             metrics["ema"] = evaluations["ema"].metrics
-        top_weights, top = max(evaluations.items(), key=lambda item: item[1].metrics["mAP_class"])
-        is_best = self.state.best is None or top.metrics["mAP_class"] > self.state.best["mAP_class"]
-        raw = evaluations["raw"]
+        top_weights = max(evaluations, key=lambda name: selection_score(evaluations[name].metrics))
+        best = self.state.best
+        is_best = best is None or selection_score(evaluations[top_weights].metrics) > selection_score(best)
+        raw, top = evaluations["raw"], evaluations[top_weights]
         self.val_outputs = (raw.scores, raw.labels)  # for on_finish: on rank 0, (None, None) elsewhere
         self.state.thresholds = calibrate_on_main(raw, self.classes)  # for last.pt's raw weights
         if is_best:
@@ -324,10 +348,11 @@ class Trainer:
             )
             self.state.best = {
                 "epoch": epoch,
-                "mAP_class": top.metrics["mAP_class"],
-                "mAP_sample": top.metrics["mAP_sample"],
+                **headline(top.metrics),
                 "weights": top_weights,  # "raw" or "ema": which weights best.pt holds
             }
+            if held_out:
+                self.state.best.update(selected_on="holdout", selection=top.metrics["selection"])
         self.state.last_metrics = metrics
         self.run_log.evaluation(epoch, metrics, self.state.best)
         return is_best

@@ -11,6 +11,9 @@ class)`` (a counter-based hash, :func:`mix64`), never of a random state: a sampl
 on every rank, in every DataLoader worker, after every resume, and whatever else was read before it. The
 regime applies to the training split only (:class:`mlcls.data.datasets.base.MultiLabelDataset` sets it
 there); evaluation always reads the full labels.
+
+The held-out selection split (``dataset.holdout_fraction``, :class:`HoldoutSplit`) is drawn the same way,
+from its own seed and hash stream: which samples it holds out does not depend on the regime.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import torch
 from torch import Tensor
 
 OBSERVED_REGIMES = ("all", "single_positive", "partial")
+# dataset.holdout_labels: the held-out samples' full labels, or their labels as the regime shows them
+HOLDOUT_LABELS = ("clean", "observed")
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
-_STREAMS = {"single_positive": 1, "partial": 2}  # one hash stream per regime
+_STREAMS = {"single_positive": 1, "partial": 2, "holdout": 3}  # one hash stream per draw
 _UNIT_BITS = 53  # a hash's top 53 bits give a uniform float in [0, 1) exactly
 
 
@@ -105,3 +110,33 @@ class ObservedLabels:
 
 
 ALL_LABELS = ObservedLabels()
+
+
+@dataclass(frozen=True)
+class HoldoutSplit:
+    """The share of the training split held out to select the best epoch (``dataset.holdout_fraction``,
+    ...); the values are checked by :func:`mlcls.data.datasets.base.holdout_split`.
+
+    Sample ``i`` is held out when the top 53 bits of a hash of ``(seed, i)`` (:func:`mix64`, a stream of its
+    own) fall below ``fraction``: each sample independently with probability ``fraction``, the same on
+    every rank and after every resume.
+
+    Attributes:
+        fraction: the share held out, in [0, 1); 0: none, the whole split trains.
+        labels: ``clean`` (the held-out samples' full labels) or ``observed`` (as the training split's
+            observed-label regime shows them).
+        seed: the draw's seed (``dataset.holdout_seed``).
+    """
+
+    fraction: float = 0.0
+    labels: str = "clean"
+    seed: int = 0
+
+    def held_out(self, samples: np.ndarray) -> np.ndarray:
+        """bool (K,): whether each sample index of ``samples`` is held out."""
+        key = mix64(np.uint64(self.seed) ^ np.uint64(_STREAMS["holdout"]))
+        hashes = mix64(key ^ np.asarray(samples, dtype=np.int64).astype(np.uint64))
+        return (hashes >> np.uint64(64 - _UNIT_BITS)).astype(np.float64) < self.fraction * 2.0**_UNIT_BITS
+
+
+NO_HOLDOUT = HoldoutSplit()

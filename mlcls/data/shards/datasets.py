@@ -55,6 +55,7 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
+    holdout_split,
     observed_labels,
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels, dense_row
@@ -125,6 +126,9 @@ def open_shards(
     root: str | None = None,
     shuffle_buffer: int = 1000,
     transform: Callable | str | None = None,
+    holdout_fraction: float = 0.0,
+    holdout_labels: str = "clean",
+    holdout_seed: int = 0,
     **config_keys: Any,
 ) -> ShardTrainSet | ShardEvalSet:
     """The ``split`` (``train`` or ``val``) of packed shards: a :class:`ShardTrainSet` for training, a
@@ -141,8 +145,17 @@ def open_shards(
         root: the folder ``mlcls-data pack`` wrote, read through its manifest.
         shuffle_buffer: training samples a worker shuffles together (see the module docstring).
         transform, **config_keys: as for :class:`MultiLabelDataset`.
+        holdout_fraction, holdout_labels, holdout_seed: checked (:func:`holdout_split`); a held-out
+            selection split is refused with one line: the training shards are read in sequence, not by
+            sample index.
     """
     check_choice("split", split, ROLES)
+    if holdout_split(holdout_fraction, holdout_labels, holdout_seed).fraction:
+        raise DatasetConfigError(
+            f"dataset.holdout_fraction={holdout_fraction}: packed shards are read in sequence, not by sample "
+            "index, so no share of them can be held out; train on the dataset config the shards were packed "
+            "from, or set dataset.holdout_fraction=0"
+        )
     index = ShardIndex(config_meta(root, urls, meta))
     if split == "train":
         train_urls = expand_urls(urls) if urls else index.shard_urls("train")

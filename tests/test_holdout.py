@@ -1,0 +1,212 @@
+"""The held-out selection split (dataset.holdout_fraction): the cut, its labels, the epoch it selects, and
+its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, compose_config
+from torchvision.transforms.functional import pil_to_tensor
+
+from mlcls.cli.data import main as data_main
+from mlcls.data import DatasetConfigError, build_dataset
+from mlcls.data.datasets.folds import SplitRows, split_holdout
+from mlcls.data.datasets.labels import LabelCounts, label_counts
+from mlcls.data.datasets.observed import HoldoutSplit
+from mlcls.data.datasets.synthetic import SyntheticMultiLabel
+from mlcls.data.shards.datasets import open_shards
+from mlcls.engine import trainer as trainer_module
+from mlcls.engine.trainer import Trainer
+
+MASK = 2**64 - 1
+
+
+def splitmix(value: int) -> int:
+    """SplitMix64's output function in Python integers: the reference of the documented draw."""
+    z = (value + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def reference_held_out(fraction: float, seed: int, index: int) -> bool:
+    """Sample ``index`` is held out when the top 53 bits of the hash of (seed, index), stream 3, fall below
+    ``fraction``."""
+    return (splitmix(splitmix(seed ^ 3) ^ index) >> 11) < fraction * 2**53
+
+
+def synthetic(size: int = 200, **keys) -> SyntheticMultiLabel:
+    return SyntheticMultiLabel("train", train_size=size, val_size=8, **keys)
+
+
+def targets(dataset, indices) -> torch.Tensor:
+    return torch.stack([dataset.target(int(i)) for i in indices])
+
+
+def test_the_cut_is_a_pure_function_of_seed_and_index() -> None:
+    n, fraction = 20000, 0.2
+    held = HoldoutSplit(fraction, "clean", 5).held_out(np.arange(n))
+    assert [bool(h) for h in held[:300]] == [reference_held_out(fraction, 5, i) for i in range(300)]
+    # about the fraction: within 4 standard deviations of the binomial
+    assert abs(held.sum() - fraction * n) < 4 * np.sqrt(n * fraction * (1 - fraction))
+    # each index alone, in any order: the same answer; another seed: another cut
+    order = np.random.default_rng(0).permutation(n)[:500]
+    assert np.array_equal(HoldoutSplit(fraction, "clean", 5).held_out(order), held[order])
+    assert not np.array_equal(HoldoutSplit(fraction, "clean", 6).held_out(np.arange(n)), held)
+    # another process (another rank) draws the same cut
+    code = (
+        "import numpy as np; from mlcls.data.datasets.observed import HoldoutSplit; "
+        f"print(np.flatnonzero(HoldoutSplit({fraction}, 'clean', 5).held_out(np.arange({n}))).tolist())"
+    )
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(other.stdout) == np.flatnonzero(held).tolist()
+
+
+@pytest.mark.parametrize("observed", ["all", "single_positive"])
+def test_the_views_are_disjoint_and_do_not_depend_on_the_regime(observed: str) -> None:
+    source = synthetic(observed=observed, holdout_fraction=0.25, holdout_seed=2)
+    train, held = split_holdout(source, None)
+    expected = np.array([reference_held_out(0.25, 2, i) for i in range(len(source))])
+    assert np.array_equal(held.rows, np.flatnonzero(expected))
+    assert np.array_equal(train.rows, np.flatnonzero(~expected))
+    assert len(train) + len(held) == len(source) and not set(train.rows) & set(held.rows)
+
+
+def test_clean_and_observed_held_out_labels() -> None:
+    keys = {"observed": "single_positive", "observed_seed": 4, "holdout_fraction": 0.3}
+    clean_source = synthetic(**keys, holdout_labels="clean")
+    observed_source = synthetic(**keys, holdout_labels="observed")
+    train, clean = split_holdout(clean_source, None)
+    _, observed = split_holdout(observed_source, None)
+    assert np.array_equal(clean.rows, observed.rows)
+    # clean: the full labels of the held-out rows; observed: the regime's rows for those samples
+    assert torch.equal(targets(clean, range(len(clean))), clean_source.labels[clean.rows])
+    regime_rows = targets(observed_source, observed.rows)
+    assert torch.equal(targets(observed, range(len(observed))), regime_rows)
+    assert ((regime_rows == 1).sum(1) == 1).all() and not torch.equal(
+        regime_rows, clean_source.labels[clean.rows]
+    )
+    # the training view: the regime's rows as without the cut, and their counts
+    train_rows = targets(train, range(len(train)))
+    assert torch.equal(train_rows, targets(clean_source, train.rows))
+    counts, reference = label_counts(train), LabelCounts.of(train_rows)
+    assert counts.num_samples == len(train)
+    assert torch.equal(counts.positives, reference.positives)
+    assert torch.equal(counts.negatives, reference.negatives)
+
+
+def test_the_held_out_view_reads_with_the_evaluation_transform() -> None:
+    source = synthetic(transform=lambda image: ("train", pil_to_tensor(image)), holdout_fraction=0.25)
+    train, held = split_holdout(source, pil_to_tensor)
+    image, target = held[3]
+    assert torch.equal(image, pil_to_tensor(source.load_image(int(held.rows[3]))))
+    assert torch.equal(target, source.labels[held.rows[3]])
+    assert train[0][0][0] == "train" and source.transform is train.transform  # the source keeps its own
+
+
+def scripted_evaluation(val: list[float], held: list[float], calls: list[tuple[str, int]]):
+    """evaluate_model with its mAP@class replaced by ``val[e]`` / ``held[e]`` at the e-th evaluation of
+    the validation / held-out set (the rows evaluated recorded in ``calls``)."""
+    real = trainer_module.evaluate_model
+
+    def evaluate(model, loader, *args, **kwargs):
+        evaluation = real(model, loader, *args, **kwargs)
+        which = "holdout" if isinstance(loader.dataset, SplitRows) else "val"
+        count = sum(1 for name, _ in calls if name == which)
+        calls.append((which, len(evaluation.scores)))
+        evaluation.metrics["mAP_class"] = (held if which == "holdout" else val)[count]
+        return evaluation
+
+    return evaluate
+
+
+def test_the_held_out_split_selects_the_epoch(tmp_path, monkeypatch) -> None:
+    calls: list[tuple[str, int]] = []
+    # the validation split would pick epoch 3, the held-out split picks epoch 2
+    monkeypatch.setattr(
+        trainer_module, "evaluate_model", scripted_evaluation([10, 20, 30], [50, 60, 40], calls)
+    )
+    cfg = compose_config(
+        [*TINY, "trainer.epochs=3", "dataset.holdout_fraction=0.25", f"trainer.output_dir={tmp_path}"]
+    )
+    trainer = Trainer(cfg)
+    results = trainer.fit()
+    held = np.array([reference_held_out(0.25, 0, i) for i in range(192)])
+    assert len(trainer.data.train_set) == (~held).sum() and len(trainer.data.holdout_set) == held.sum()
+    assert calls == [("val", 75), ("holdout", held.sum())] * 3
+    assert json.loads((tmp_path / "results.json").read_text())["best"] == results["best"]
+    best = results["best"]
+    assert (best["epoch"], best["mAP_class"], best["selected_on"]) == (2, 20, "holdout")
+    assert best["selection"]["mAP_class"] == 60 and trainer.state.best == best
+    assert [record["mAP_class"] for record in results["history"]] == [10, 20, 30]
+    assert [record["selection"]["mAP_class"] for record in results["history"]] == [50, 60, 40]
+    assert results["metrics"]["mAP_class"] == 30 and results["metrics"]["selection"]["mAP_class"] == 40
+    assert (
+        results["dataset"]["train_size"] == (~held).sum() and results["dataset"]["holdout_size"] == held.sum()
+    )
+    best_pt = torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)
+    last_pt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert best_pt["epoch"] == 2 and best_pt["best"] == best
+    assert any(not torch.equal(best_pt["model"][k], last_pt["model"][k]) for k in last_pt["model"])
+
+
+def test_without_a_held_out_split_results_keep_their_format(tmp_path) -> None:
+    cfg = compose_config([*TINY, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"])
+    results = Trainer(cfg).fit()
+    assert set(results["best"]) == {"epoch", "mAP_class", "mAP_sample", "weights"}
+    assert "selection" not in results["metrics"] and "selection" not in results["history"][0]
+    assert set(results["dataset"]) == {"name", "num_classes", "train_size", "val_size"}
+    assert results["dataset"]["train_size"] == 192
+
+
+def test_a_per_sample_loss_trains_on_the_rest(tmp_path) -> None:
+    cfg = compose_config([*TINY, "loss=role", "loss.expected_positives=2", "trainer.epochs=1",
+                          "dataset.observed=single_positive", "dataset.holdout_fraction=0.25",
+                          f"trainer.output_dir={tmp_path}"])  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.fit()
+    rest = int(sum(not reference_held_out(0.25, 0, i) for i in range(192)))
+    assert trainer.criterion.label_logits.shape == (rest, 12)
+    assert int(trainer.criterion.seen.sum()) == trainer.iters_per_epoch * 32
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("dataset.holdout_fraction=1", "dataset.holdout_fraction=1; expected a number in [0, 1)"),
+        ("dataset.holdout_fraction=-0.1", "dataset.holdout_fraction=-0.1; expected a number in [0, 1)"),
+        ("dataset.holdout_labels=full", "dataset.holdout_labels='full'; expected one of clean, observed"),
+        ("dataset.holdout_seed=-1", "dataset.holdout_seed=-1; expected an integer from 0"),
+    ],
+)
+def test_bad_settings_are_one_line(override: str, message: str, capsys) -> None:
+    cfg = compose_config(["dataset=synthetic", "dataset.train_size=8", "dataset.val_size=8", override])
+    with pytest.raises(DatasetConfigError) as error:
+        build_dataset(cfg.dataset, train=False)  # refused on every split, before training
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert data_main(["stats", "dataset=synthetic", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_a_cut_with_an_empty_side_stops_before_training(tmp_path) -> None:
+    size = 40
+    assert not any(reference_held_out(0.001, 0, i) for i in range(size))
+    cfg = compose_config([*TINY, f"dataset.train_size={size}", "trainer.batch_size=8",
+                          "dataset.holdout_fraction=0.001", f"trainer.output_dir={tmp_path}"])  # fmt: skip
+    with pytest.raises(DatasetConfigError, match="holds out 0 of the 40 training samples") as error:
+        Trainer(cfg)
+    assert "\n" not in str(error.value)
+
+
+def test_shards_refuse_a_held_out_split() -> None:
+    with pytest.raises(DatasetConfigError, match="packed shards are read in sequence") as error:
+        open_shards("train", root="/nowhere", holdout_fraction=0.2)
+    assert "\n" not in str(error.value)
+    with pytest.raises(DatasetConfigError, match="holdout_labels"):
+        open_shards("train", root="/nowhere", holdout_labels="full")
