@@ -143,13 +143,13 @@ def test_layout_and_format_errors(root: Path) -> None:
     rewrite(root / "CUB_200_2011/train_test_split.txt", "3 2\n", "")
     with pytest.raises(DatasetFormatError, match=r"train_test_split\.txt: image_id 3 has no line"):
         CUB("train", root=str(root))
-    rewrite(root / "attributes.txt", "312 ", "313 ")
-    with pytest.raises(DatasetFormatError, match=r"attributes\.txt: 312 attributes; expected the 312 .* ids"):
-        CUB("train", root=str(root))
     rewrite(root / "CUB_200_2011/images.txt", "3 002", "1 002")
     with pytest.raises(
         DatasetFormatError, match=r"images\.txt: image_id 1 is listed twice; expected one line"
     ):
+        CUB("train", root=str(root))
+    rewrite(root / "attributes.txt", "312 ", "313 ")
+    with pytest.raises(DatasetFormatError, match=r"attributes\.txt: 312 attributes; expected the 312 .* ids"):
         CUB("train", root=str(root))
     (root / "attributes.txt").unlink()
     with pytest.raises(DatasetLayoutError, match=r"missing .*cub/attributes\.txt; expected layout"):
