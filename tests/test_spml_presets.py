@@ -24,11 +24,11 @@ from mlcls.reporting.runs import RunRecord
 # The epoch is selected on a held-out 20 % of the training split, scored on full labels (its default, the
 # "clean" validation variant).
 RELEASED = {"epochs": 10, "batch": 16, "lr": 1e-4, "size": 448, "holdout": 0.2, "holdout_labels": "clean"}
-EXPECTED_POSITIVES = {"voc2012": 1.5, "coco": 2.9, "nuswide": 1.9}
-EM_ALPHA = {"voc2012": 0.2, "coco": 0.1, "nuswide": 0.1}
+EXPECTED_POSITIVES = {"voc2012": 1.5, "coco": 2.9, "nuswide": 1.9, "cub": 31.4}
+EM_ALPHA = {"voc2012": 0.2, "coco": 0.1, "nuswide": 0.1, "cub": 0.01}
 # APL's beta and warm-up epochs, typed from Zhou et al.'s train.py (not read from spml.yaml).
-APL_BETA = {"voc2012": 0.02, "coco": 0.9, "nuswide": 0.2}
-APL_WARMUP = {"voc2012": 5, "coco": 5, "nuswide": 4}
+APL_BETA = {"voc2012": 0.02, "coco": 0.9, "nuswide": 0.2, "cub": 0.4}
+APL_WARMUP = {"voc2012": 5, "coco": 5, "nuswide": 4, "cub": 3}
 TARGETS = {
     "full": "BinaryCrossEntropyLoss",
     "an": "AssumeNegativeLoss",
@@ -49,12 +49,12 @@ TARGETS = {
 UNPRESET: tuple[str, ...] = ()
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiment"
 # The rows read from the results table of VLPL's README (mvrl/VLPL at ed09b592, "Main results on the
-# single-positive label setting"): VOC | COCO | NUS, typed from it, not read from spml_published.yaml.
+# single-positive label setting"): VOC | COCO | NUS | CUB, typed from it, not read from spml_published.yaml.
 VLPL_README = {
-    "an": (85.89, 64.92, 42.27),
-    "em": (89.09, 70.70, 47.15),
-    "em_apl": (89.19, 70.87, 47.59),
-    "ll_r": (89.2, 71.0, 47.4),
+    "an": (85.89, 64.92, 42.27, 18.31),
+    "em": (89.09, 70.70, 47.15, 20.85),
+    "em_apl": (89.19, 70.87, 47.59, 21.84),
+    "ll_r": (89.2, 71.0, 47.4, 19.5),
 }
 
 
@@ -65,7 +65,7 @@ def test_every_preset_file_is_a_method_of_the_table():
     assert spml.preset_methods() == tuple(method for method in spml.SPML_METHODS if method in TARGETS)
 
 
-@pytest.mark.parametrize("dataset", ["voc2012", "coco", "nuswide"])
+@pytest.mark.parametrize("dataset", ["voc2012", "coco", "nuswide", "cub"])
 @pytest.mark.parametrize("method", sorted(TARGETS))
 def test_preset_composes_to_the_released_protocol(method, dataset):
     cfg = compose_config([f"experiment=spml_{method}", f"dataset={dataset}"])
@@ -104,7 +104,13 @@ def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
     # 10 epochs x (80 % of train + (val + 20 % of train) / 3) images x 4 (448 px) at 1200 ResNet-50
     # images/s per V100, 14 presets: the held-out 20 % is evaluated each epoch, not trained on; EM+APL adds
     # a forward pass over the trained images (80 % of train, / 3) after epochs warm-up .. 9.
-    sizes = {"voc2012": (5717, 5823), "coco": (82081, 40137), "nuswide": (161789, 107859)}
+    # CUB: the official train_test_split.txt flags (5,994 train / 5,794 test)
+    sizes = {
+        "voc2012": (5717, 5823),
+        "coco": (82081, 40137),
+        "nuswide": (161789, 107859),
+        "cub": (5994, 5794),
+    }
     hours_per_image = 4 / 1200 / 3600
     hours = {
         name: (14 * 10 * (0.8 * tr + (te + 0.2 * tr) / 3) + (10 - APL_WARMUP[name]) * 0.8 * tr / 3)
@@ -112,7 +118,7 @@ def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
         for name, (tr, te) in sizes.items()
     }
     assert lines[0] == (
-        "# spml: single-positive benchmark; 3 sweep(s), 42 runs, "
+        "# spml: single-positive benchmark; 4 sweep(s), 56 runs, "
         f"about {sum(hours.values()):.0f} v100 GPU-hours"
     )
     experiments = ", ".join(f"spml_{method}" for method in spml.SPML_METHODS if method in TARGETS)
@@ -122,7 +128,7 @@ def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
         swept = experiments.replace(", ", ",")
         assert command.startswith(f"mlcls-train -m dataset={name} experiment={swept} ")
         assert f"hydra.sweep.dir={tmp_path / 's' / 'spml' / name}" in command
-    assert len(lines) == 7 and not (tmp_path / "s").exists()
+    assert len(lines) == 9 and not (tmp_path / "s").exists()
 
 
 def test_published_numbers_carry_their_source():
@@ -157,7 +163,7 @@ def test_published_numbers_are_the_vlpl_readme_rows():
     typed = {
         (m, d): v
         for m, values in VLPL_README.items()
-        for d, v in zip(("voc2012", "coco", "nuswide"), values, strict=True)
+        for d, v in zip(("voc2012", "coco", "nuswide", "cub"), values, strict=True)
     }
     assert read == typed
     assert {entry["row"] for entry in entries} == {"AN Loss", "EM", "EM+APL", "LL-R"}
@@ -177,10 +183,13 @@ def test_rendered_table_shows_the_published_numbers_beside_our_runs():
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
     an, em_apl = VLPL_README["an"], VLPL_README["em_apl"]
     coco = f"60.00 / {an[1]:.2f} ({60.0 - an[1]:+.2f})"
-    assert rows["AN"] == f"| AN | missing / {an[0]:.2f} | {coco} | missing / {an[2]:.2f} |"
+    assert (
+        rows["AN"]
+        == f"| AN | missing / {an[0]:.2f} | {coco} | missing / {an[2]:.2f} | missing / {an[3]:.2f} |"
+    )
     # No EM+APL run here: its published numbers stand beside an empty cell.
     assert rows["EM+APL"] == "| EM+APL | " + " | ".join(f"missing / {v:.2f}" for v in em_apl) + " |"
-    assert rows["ROLE"] == "| ROLE | missing / n/a | missing / n/a | missing / n/a |"
+    assert rows["ROLE"] == "| ROLE |" + " missing / n/a |" * 4
     assert "mvrl/VLPL" in text
 
 
@@ -204,7 +213,7 @@ def test_smoke_sweep_fills_its_rows(tmp_path, capsys):
         assert results["best"]["selected_on"] == "holdout" and results["dataset"]["holdout_size"] > 0
         ours[config["loss"]["_target_"].rsplit(".", 1)[-1]] = results["best"]["mAP_class"]
     cells = {(row["row"], row["column"]): row for row in csv.DictReader((tmp_path / "spml.csv").open())}
-    assert len(cells) == len(spml.SPML_METHODS) * 3
+    assert len(cells) == len(spml.SPML_METHODS) * 4  # VOC12, COCO, NUS, CUB
     filled = {key: float(row["ours"]) for key, row in cells.items() if row["ours"]}
     expected = {("AN", "COCO"): ours["AssumeNegativeLoss"], ("Two-way", "COCO"): ours["TwoWayLoss"]}
     assert filled == pytest.approx(expected)

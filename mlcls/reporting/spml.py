@@ -2,9 +2,10 @@
 numbers.
 
 The presets are ``configs/experiment/spml_<method>.yaml`` on top of ``spml.yaml`` (the released protocol),
-run on VOC 2012, MS-COCO 2014 and NUS-WIDE with ``dataset=<name>``: one Hydra multirun per dataset over the
-methods. The table has one row per method and one column per dataset, mAP@class as the benchmark reports
-it; the published numbers are data in ``spml_published.yaml``, each with its paper, table, row and source.
+run on VOC 2012, MS-COCO 2014, NUS-WIDE and CUB-200-2011's 312 attributes with ``dataset=<name>``: one Hydra
+multirun per dataset over the methods. The table has one row per method and one column per dataset,
+mAP@class as the benchmark reports it; the published numbers are data in ``spml_published.yaml``, each with
+its paper, table, row and source.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ SPML_DATASETS = {
     "voc2012": ("VOC12", 5717, 5823),
     "coco": ("COCO", 82081, 40137),
     "nuswide": ("NUS", 161789, 107859),
+    "cub": ("CUB", 5994, 5794),
 }
 SPML_METRIC = "mAP_class"
 # The smoke sweep: two methods on the embedded dataset (its AN and two-way rows).
