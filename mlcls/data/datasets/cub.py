@@ -168,7 +168,8 @@ class CUB(MultiLabelDataset):
     Args:
         split: ``"train"`` or ``"test"``.
         transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
-        root: folder holding ``attributes.txt`` and ``CUB_200_2011/``.
+        root: folder holding ``attributes.txt`` and ``CUB_200_2011/`` (in Cole et al.'s layout,
+            ``data/cub/CUB_200_2011``).
     """
 
     def __init__(
