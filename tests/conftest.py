@@ -91,3 +91,19 @@ def host_reads(monkeypatch) -> list[str]:
     assert calls == ["item", "new_tensor"]
     calls.clear()
     return calls
+
+
+def assert_dataset_setting_refused(override: str, message: str, capsys: pytest.CaptureFixture) -> None:
+    """The synthetic dataset with ``override`` is refused in one line holding ``message``: by
+    ``build_dataset`` on the validation split (so on every split, before training) and by
+    ``mlcls-data stats`` (exit status 2, one line on stderr)."""
+    from mlcls.cli.data import main as data_main
+    from mlcls.data import DatasetConfigError, build_dataset
+
+    cfg = compose_config(["dataset=synthetic", "dataset.train_size=8", "dataset.val_size=8", override])
+    with pytest.raises(DatasetConfigError) as error:
+        build_dataset(cfg.dataset, train=False)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert data_main(["stats", "dataset=synthetic", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err

@@ -10,11 +10,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, compose_config
+from conftest import TINY, assert_dataset_setting_refused, compose_config
 from torchvision.transforms.functional import pil_to_tensor
 
-from mlcls.cli.data import main as data_main
-from mlcls.data import DatasetConfigError, build_dataset
+from mlcls.data import DatasetConfigError
 from mlcls.data.datasets.folds import SplitRows, split_holdout
 from mlcls.data.datasets.labels import LabelCounts, label_counts
 from mlcls.data.datasets.observed import HoldoutSplit
@@ -185,13 +184,7 @@ def test_a_per_sample_loss_trains_on_the_rest(tmp_path) -> None:
     ],
 )
 def test_bad_settings_are_one_line(override: str, message: str, capsys) -> None:
-    cfg = compose_config(["dataset=synthetic", "dataset.train_size=8", "dataset.val_size=8", override])
-    with pytest.raises(DatasetConfigError) as error:
-        build_dataset(cfg.dataset, train=False)  # refused on every split, before training
-    assert message in str(error.value) and "\n" not in str(error.value)
-    assert data_main(["stats", "dataset=synthetic", override]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and message in err
+    assert_dataset_setting_refused(override, message, capsys)
 
 
 def test_a_cut_with_an_empty_side_stops_before_training(tmp_path) -> None:

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import compose_config
+from conftest import assert_dataset_setting_refused, compose_config
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
-from mlcls.data import DatasetConfigError, build_dataset
+from mlcls.data import DatasetConfigError
 from mlcls.data.datasets.labels import LabelCounts, SparseLabels, label_counts, observed_counts
 from mlcls.data.datasets.observed import ObservedLabels
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
@@ -231,13 +231,7 @@ def test_two_gloo_processes_draw_the_rows_of_one() -> None:
     ],
 )
 def test_bad_settings_are_one_line(override: str, message: str, capsys) -> None:
-    cfg = compose_config(["dataset=synthetic", "dataset.train_size=8", "dataset.val_size=8", override])
-    with pytest.raises(DatasetConfigError) as error:
-        build_dataset(cfg.dataset, train=False)  # refused on every split, before training
-    assert message in str(error.value) and "\n" not in str(error.value)
-    assert data_main(["stats", "dataset=synthetic", override]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and message in err
+    assert_dataset_setting_refused(override, message, capsys)
 
 
 def test_stats_reports_the_observed_counts_per_class(capsys) -> None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlcls.losses.common import MultiLabelLoss
-from mlcls.losses.role import MAX_TABLE_ENTRIES, SampleStateLoss
+from mlcls.losses.role import MAX_TABLE_ENTRIES, SampleStateLoss, check_allocated
 from mlcls.losses.unknown import EpochDependentLoss, assumed_negative_bce
 
 LL_MODES = ("r", "ct", "cp")
@@ -128,8 +128,7 @@ class LargeLossLoss(SampleStateLoss, EpochDependentLoss):
 
     def compute_rows(self, logits: Tensor, targets: Tensor, indices: Tensor) -> Tensor:
         """Mode cp: the loss on the targets with the table's corrections, then the new ones recorded."""
-        if self.corrected.shape[0] == 0:
-            raise ValueError("ll's table of corrections is not allocated: call setup(label counts) first")
+        check_allocated(self.corrected, "ll's table of corrections")
         targets = torch.where(self.corrected[indices] & (targets == -1), 1.0, targets)
         per_entry, above = self.select(logits, targets)
         if above is not None:

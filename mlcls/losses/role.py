@@ -41,11 +41,13 @@ OBSERVED_NEGATIVE_LOGIT = _logit(0.005)
 UNKNOWN_LOGIT_BOUND = _logit(0.6)  # unknown entries: uniform in [-bound, bound]
 
 
-def check_table_size(
-    loss: str, num_samples: int, num_classes: int, max_entries: int, bytes_per_entry: int
-) -> None:
-    """Raise ``ValueError`` (one line) when a table of ``num_samples x num_classes`` entries is over
-    ``max_entries``, naming its size in GB per process."""
+def table_shape(loss: str, counts: Any, max_entries: int, bytes_per_entry: int) -> tuple[int, int]:
+    """``(N, C)`` of a per-sample table for the training set of label counts ``counts`` (a
+    :class:`~mlcls.data.datasets.labels.LabelCounts`); ``ValueError`` (one line) when the dataset gives no
+    counts, or when the table is over ``max_entries``, naming its size in GB per process."""
+    if counts is None:
+        raise ValueError(f"{loss} needs the training set's size; this dataset gives no label counts")
+    num_samples, num_classes = int(counts.num_samples), int(counts.num_classes)
     entries = num_samples * num_classes
     if entries > max_entries:
         raise ValueError(
@@ -54,15 +56,25 @@ def check_table_size(
             f"loss.max_table_entries={max_entries:,}; train on fewer samples or classes, or raise the limit "
             "if every process has the memory"
         )
+    return num_samples, num_classes
 
 
-def check_indices(indices: Tensor, rows: int) -> None:
-    """Raise ``ValueError`` unless ``indices`` is an integer (B,) tensor for a batch of ``rows`` rows."""
+def check_indices(loss: str, indices: Tensor | None, rows: int) -> Tensor:
+    """``indices``, checked: an integer (B,) tensor for a batch of ``rows`` rows, else ``ValueError``."""
+    if indices is None:
+        raise ValueError(f"{loss} keeps a row per training sample: call it as loss(logits, targets, indices)")
     if indices.ndim != 1 or indices.shape[0] != rows or indices.is_floating_point():
         raise ValueError(
             f"a loss with a row per training sample needs the batch's sample indices, an integer tensor of "
             f"shape ({rows},); got {indices.dtype} {tuple(indices.shape)}"
         )
+    return indices
+
+
+def check_allocated(table: Tensor, what: str) -> None:
+    """``ValueError`` unless the per-sample ``table`` (named ``what``) has been sized by ``setup``."""
+    if table.shape[0] == 0:
+        raise ValueError(f"{what} is not allocated: call setup(label counts) first")
 
 
 def global_batch(
@@ -98,25 +110,16 @@ class SampleStateLoss(MultiLabelLoss):
         """Allocate the tables for the training set of label counts ``counts`` (a
         :class:`~mlcls.data.datasets.labels.LabelCounts`: N = ``counts.num_samples``, C =
         ``counts.num_classes``), or refuse them in one line."""
-        if counts is None:
-            raise ValueError(f"{self.name} needs the training set's size; this dataset gives no label counts")
-        num_samples, num_classes = int(counts.num_samples), int(counts.num_classes)
-        check_table_size(
-            self.name, num_samples, num_classes, self.max_table_entries, self.table_bytes_per_entry
-        )
-        self.allocate(num_samples, num_classes, counts)
+        shape = table_shape(self.name, counts, self.max_table_entries, self.table_bytes_per_entry)
+        self.allocate(*shape, counts)
 
     def allocate(self, num_samples: int, num_classes: int, counts: Any) -> None:
         raise NotImplementedError
 
     def forward(self, logits: Tensor, targets: Tensor, indices: Tensor | None = None) -> Tensor:  # type: ignore[override]
         """logits (B, C), targets (B, C) in {1, 0, -1}, indices int (B,) -> scalar."""
-        if indices is None:
-            raise ValueError(
-                f"{self.name} keeps a row per training sample: call it as loss(logits, targets, indices)"
-            )
         logits, targets = prepare(logits, targets)
-        check_indices(indices, logits.shape[0])
+        indices = check_indices(self.name, indices, logits.shape[0])
         with autocast_disabled(logits.device.type):
             logits, targets, indices = global_batch(logits, targets, indices, not self.sizes_checked)
             self.sizes_checked = True
@@ -206,8 +209,7 @@ class RoleLoss(SampleStateLoss):
         self.seen.index_fill_(0, indices, True)  # not ``seen[indices] = True``: a host-to-device copy on CUDA
 
     def compute_rows(self, logits: Tensor, targets: Tensor, indices: Tensor) -> Tensor:
-        if self.label_logits.shape[0] == 0:
-            raise ValueError("role's label table is not allocated: call setup(label counts) first")
+        check_allocated(self.label_logits, "role's label table")
         self.observe(targets, indices)
         estimates = self.label_logits[indices].to(logits.dtype)
         p, q = torch.sigmoid(logits), torch.sigmoid(estimates)

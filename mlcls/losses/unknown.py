@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlcls.losses.common import EntrywiseLoss, autocast_disabled, prepare
-from mlcls.losses.role import MAX_TABLE_ENTRIES, check_indices, check_table_size
+from mlcls.losses.role import MAX_TABLE_ENTRIES, check_allocated, check_indices, table_shape
 
 if TYPE_CHECKING:
     from mlcls.data.datasets.labels import LabelCounts
@@ -263,12 +263,7 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
         each class's quota ``n_c`` per APL step, or refuse a table over ``max_table_entries``."""
         if not self.apl:
             return
-        if counts is None:
-            raise ValueError(
-                "em with apl=true needs the training set's size; this dataset gives no label counts"
-            )
-        num_samples, num_classes = int(counts.num_samples), int(counts.num_classes)
-        check_table_size("em with apl=true", num_samples, num_classes, self.max_table_entries, 4)
+        num_samples, num_classes = table_shape("em with apl=true", counts, self.max_table_entries, 4)
         unknown = num_samples - counts.positives - counts.negatives
         steps = self.epochs - self.warmup_epochs
         self.pseudo_labels = torch.full((num_samples, num_classes), float("nan"))
@@ -289,15 +284,10 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
         """logits (B, C), targets (B, C) in {1, 0, -1}, with apl indices int (B,) -> scalar."""
         if not self.apl:
             return super().forward(logits, targets)
-        if indices is None:
-            raise ValueError(
-                "em with apl=true reads the batch's pseudo-labels: call it as loss(logits, targets, indices)"
-            )
-        if self.pseudo_labels.shape[0] == 0:
-            raise ValueError("em's pseudo-label table is not allocated: call setup(label counts) first")
         with autocast_disabled(logits.device.type):
             logits, targets = prepare(logits, targets)
-            check_indices(indices, logits.shape[0])
+            indices = check_indices("em with apl=true", indices, logits.shape[0])
+            check_allocated(self.pseudo_labels, "em's pseudo-label table")
             soft = self.pseudo_labels[indices.long()].to(logits.dtype)
             pseudo = (targets == -1) & ~soft.isnan()
             soft_bce = F.binary_cross_entropy_with_logits(logits, soft.nan_to_num(0.0), reduction="none")
