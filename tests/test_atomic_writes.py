@@ -87,8 +87,8 @@ def test_a_full_disk_under_torch_save_ends_training_with_one_line(tmp_path, monk
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["epoch"] == 1
 
 
-def test_predict_out_on_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
-    run_dir = trained_run(tmp_path / "inference")
+def test_predict_out_on_a_full_disk_is_one_line(tmp_path, tmp_path_factory, monkeypatch, capsys):
+    run_dir = trained_run(tmp_path_factory)
     folder = tmp_path / "photos"
     write_images(folder, count=2)
     out = tmp_path / "predictions.jsonl"

@@ -28,7 +28,7 @@ TEST_SIZE = 24
 def csv_run(tmp_path_factory):
     """A checkpoint of the tiny run whose dataset config is a CSV folder (light transform, 32 px, classes
     inferred, validation held out of train.csv), the folder's test.csv, its image paths and labels."""
-    run_dir = trained_run(tmp_path_factory.mktemp("inference"))
+    run_dir = trained_run(tmp_path_factory)
     root = tmp_path_factory.mktemp("mine")
     source = SyntheticMultiLabel("val", val_size=TEST_SIZE, image_size=IMAGE_SIZE, seed=7)
     rows, paths = [], []

@@ -18,7 +18,7 @@ from mlcls.inference.export import export_checkpoint, read_metadata
 
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory) -> Path:
-    return trained_run(tmp_path_factory.mktemp("inference"))
+    return trained_run(tmp_path_factory)
 
 
 def random_batch(batch_size: int = 5) -> torch.Tensor:

@@ -52,7 +52,7 @@ for checkpoint in sys.argv[3:]:
 def genuine(tmp_path_factory) -> dict:
     """The fields of the tiny run's calibrated checkpoint that prediction reads (resnet10t, linear head, 12
     classes)."""
-    run_dir = trained_run(tmp_path_factory.mktemp("inference"))
+    run_dir = trained_run(tmp_path_factory)
     state = torch.load(run_dir / "calibrated.pt", weights_only=False)
     return {key: state[key] for key in ("model", "classes", "config", "preprocess", "thresholds")}
 

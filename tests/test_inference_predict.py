@@ -19,7 +19,7 @@ from mlcls.inference.predictor import ImageFiles, find_images, load_inference_mo
 
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory) -> Path:
-    return trained_run(tmp_path_factory.mktemp("inference"))
+    return trained_run(tmp_path_factory)
 
 
 @pytest.fixture

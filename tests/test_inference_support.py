@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import timm
 import torch
 from conftest import TINY, compose_config
@@ -43,12 +44,13 @@ PAPER_SPEC = {
 _CACHE: dict[str, Path] = {}
 
 
-def trained_run(root: Path) -> Path:
-    """Directory of a one-epoch tiny run, trained on the first call of the session only."""
+def trained_run(factory: pytest.TempPathFactory) -> Path:
+    """Directory of a one-epoch tiny run, trained on the first call of the session only, in a folder of the
+    session's (a test's own ``tmp_path`` is removed when the test passes)."""
     if "run" not in _CACHE:
         from mlcls.cli.train import run
 
-        run_dir = root / "run"
+        run_dir = factory.mktemp("inference") / "run"
         run(compose_config([*RUN_OVERRIDES, f"trainer.output_dir={run_dir}"]))
         state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
         plain = {k: v for k, v in state.items() if k not in ("preprocess", "thresholds")}

@@ -54,8 +54,10 @@ def test_the_table_escapes_class_and_file_names():
     assert lines[2] == "photos/plain.jpg      -"
 
 
-def test_mlcls_predict_table_is_escaped_and_its_json_lines_exact(tmp_path, monkeypatch, capsys):
-    run_dir = trained_run(tmp_path / "inference")
+def test_mlcls_predict_table_is_escaped_and_its_json_lines_exact(
+    tmp_path, tmp_path_factory, monkeypatch, capsys
+):
+    run_dir = trained_run(tmp_path_factory)
     state = torch.load(run_dir / "calibrated.pt", weights_only=False)
     classes = list(HOSTILE)[:7] + state["classes"][7:]
     thresholds = torch.full((len(classes),), -math.inf, dtype=torch.float64)  # every class: always

@@ -204,14 +204,13 @@ def _gather_on_rank(rank: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_draw_the_rows_of_one() -> None:
+def test_two_gloo_processes_draw_the_rows_of_one(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"observed-ddp-{os.getpid()}.pt"
+    out = tmp_path / "gathered.pt"
     mp.spawn(_gather_on_rank, args=(port, str(out)), nprocs=2, join=True)
     gathered = torch.load(out)
-    out.unlink()
     dataset = regime_dataset()
     single = targets(dataset)
     assert all(torch.equal(every, single) for every in gathered["every"])

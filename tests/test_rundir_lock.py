@@ -24,7 +24,13 @@ import mlcls.engine.checkpoint as checkpoint_module
 from mlcls.cli.errors import user_errors
 from mlcls.data import BadImageError
 from mlcls.engine.checkpoint import load_checkpoint
-from mlcls.engine.rundir import LOCK_NAME, RunDirLocked, acquire_run_lock, release_run_lock
+from mlcls.engine.rundir import (
+    LOCK_NAME,
+    RunDirLocked,
+    acquire_run_lock,
+    process_identity,
+    release_run_lock,
+)
 from mlcls.engine.trainer import Trainer
 from mlcls.engine.validate import ConfigError, validate_config
 from mlcls.io import DiskFullError
@@ -64,6 +70,28 @@ def test_a_stale_lock_is_taken_over_and_released(tmp_path, caplog):
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no draft left
     release_run_lock(tmp_path)
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_lock_whose_pid_is_now_another_process_is_stale(tmp_path, caplog):
+    """A container restarted or a host rebooted reuses process ids: the lock names the process that wrote
+    it (boot id and start time), so a live process that took its id over does not hold the directory."""
+    other = os.getppid()  # alive, and not this process
+    identity = process_identity(other)
+    assert identity is not None and identity == process_identity(other)  # read twice, the same
+    boot_id, start = identity.rsplit(":", 1)
+    reused = {**json.loads(_lock_of(other)), "process": f"{boot_id}:{int(start) + 1}"}
+    (tmp_path / LOCK_NAME).write_text(json.dumps(reused))
+    with caplog.at_level(logging.WARNING, logger="mlcls"):
+        acquire_run_lock(tmp_path)
+    assert "taking over the stale lock" in caplog.text
+    holder = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert (holder["pid"], holder["process"]) == (os.getpid(), process_identity(os.getpid()))
+    release_run_lock(tmp_path)
+
+    # The same live process under the identity it has: the directory stays its.
+    (tmp_path / LOCK_NAME).write_text(json.dumps({**reused, "process": identity}))
+    with pytest.raises(RunDirLocked, match=f"in use by another run \\(pid {other} on "):
+        acquire_run_lock(tmp_path)
 
 
 class _SlowHandler(logging.Handler):

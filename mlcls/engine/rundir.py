@@ -22,7 +22,7 @@ from mlcls.io import sweep_temporary_files
 
 log = logging.getLogger("mlcls")
 
-# The lock file of a live run in its run directory: JSON {"host", "pid", "started"}.
+# The lock file of a live run in its run directory: JSON {"host", "pid", "started", "process"}.
 LOCK_NAME = ".lock"
 
 # The folders of a run directory that mlcls writes files into atomically (besides the directory itself).
@@ -84,7 +84,7 @@ def explicit_hydra_run_dir() -> bool:
 
 
 def _parse_holder(content: bytes) -> dict[str, Any]:
-    """The ``{"host", "pid", "started"}`` of a lock file's ``content`` (empty when it is not one)."""
+    """The holder a lock file's ``content`` names (empty when it is not one)."""
     try:
         holder = json.loads(content)
     except ValueError:
@@ -93,7 +93,7 @@ def _parse_holder(content: bytes) -> dict[str, Any]:
 
 
 def _lock_holder(lock: Path) -> dict[str, Any]:
-    """The ``{"host", "pid", "started"}`` a lock file names (empty when it is unreadable)."""
+    """The ``{"host", "pid", "started", "process"}`` a lock file names (empty when it is unreadable)."""
     try:
         return _parse_holder(lock.read_bytes())
     except OSError:
@@ -104,21 +104,37 @@ def _is_mine(holder: dict[str, Any]) -> bool:
     return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
 
 
+def process_identity(pid: int) -> str | None:
+    """``"<boot id>:<start time>"`` of process ``pid`` on this host (Linux ``/proc``), None where it cannot
+    be read. A process id is reused once its process is gone (a container restarted, a host rebooted, many
+    processes later); the pair names one process for as long as the host exists."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22 of proc(5)'s stat, counted after the command name, which may hold spaces and parentheses.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return f"{boot_id}:{fields[19]}" if len(fields) > 19 else None
+
+
 def _holder_alive(holder: dict[str, Any]) -> bool:
-    """Whether the run a lock names may still be running: its process exists, or it runs on another host
-    (which this one cannot check). This process's own lock (a run of it that did not finish) is not."""
+    """Whether the run a lock names may still be running: its process exists and is the one that wrote the
+    lock (``process``, where both were read), or it runs on another host (which this one cannot check).
+    This process's own lock (a run of it that did not finish) is not."""
     if holder.get("host") != socket.gethostname():
         return bool(holder)
     pid = holder.get("pid")
-    if not isinstance(pid, int) or pid == os.getpid():
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # a process of another user
-        return True
-    return True
+        pass
+    written, now = holder.get("process"), process_identity(pid)
+    return not (isinstance(written, str) and now is not None and written != now)
 
 
 def acquire_run_lock(run_dir: Path) -> None:
@@ -126,7 +142,8 @@ def acquire_run_lock(run_dir: Path) -> None:
     temporary files that writes of a killed run left in it (:func:`sweep_temporary_files`).
 
     A lock of a live run raises :class:`RunDirLocked` naming its holder; a stale one (its process gone
-    from this host) is taken over with a warning. The lock appears with its content in one step (a hard
+    from this host, or its process id now another process's: :func:`process_identity`) is taken over with a
+    warning. The lock appears with its content in one step (a hard
     link of a complete file), so no run reads a half-written one. Processes taking over the same stale
     lock at once take turns (:func:`_take_over_if_stale`): exactly one of them holds it.
     """
@@ -135,6 +152,7 @@ def acquire_run_lock(run_dir: Path) -> None:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "started": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
+        "process": process_identity(os.getpid()),
     }
     draft = run_dir / f"{LOCK_NAME}.{os.getpid()}.draft"
     draft.write_text(json.dumps(holder) + "\n")

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from sklearn.metrics import precision_recall_curve
 
 from mlcls.io import atomic_write
 from mlcls.metrics import average_precision
@@ -112,6 +111,9 @@ def pr_curves_figure(
 
     Samples labelled -1 are left out of a class's curve, as they are of its AP.
     """
+    # Imported when used: scikit-learn takes a second to import, which every command start would pay.
+    from sklearn.metrics import precision_recall_curve
+
     counted = [c for c in range(len(class_names)) if not math.isnan(ap[c].item())]
     counted.sort(key=lambda c: -ap[c].item())
     k = max(1, min(PR_CLASSES, len(counted) // 2))

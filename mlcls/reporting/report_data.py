@@ -31,8 +31,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy.special import expit
-from sklearn.metrics import precision_recall_curve
 
 from mlcls.io import atomic_write
 from mlcls.metrics import average_precision
@@ -143,13 +141,21 @@ def load_val_predictions(run_dir: Path) -> ValPredictions:
 
 def probabilities(scores: np.ndarray) -> np.ndarray:
     """``sigmoid(scores)``, the scores mlcls-predict shows (float64)."""
-    return expit(scores.astype(np.float64))
+    return _sigmoid(scores.astype(np.float64))
 
 
 def centred_probabilities(scores: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
     """``sigmoid(score - threshold)`` of every cell (float64): 0.5 at each class's decision point, 0 for a
     class never predicted (threshold +inf), 1 for one always predicted (-inf)."""
-    return expit(scores.astype(np.float64) - thresholds[None, :])
+    return _sigmoid(scores.astype(np.float64) - thresholds[None, :])
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # scipy.special.expit, imported here: scipy and scikit-learn take a second to import, which every start
+    # of a command that imports this module (mlcls-train among them) would otherwise pay.
+    from scipy.special import expit
+
+    return expit(x)
 
 
 def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
@@ -169,7 +175,7 @@ def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
                 "name": name,
                 "ap": 100 * ap[c],
                 "positives": pos,
-                "threshold": float(expit(predictions.thresholds[c])),
+                "threshold": float(_sigmoid(predictions.thresholds[c])),
                 "precision": 100 * tp / npred if npred else math.nan,
                 "recall": 100 * tp / pos if pos else math.nan,
                 "fp": npred - tp,
@@ -186,6 +192,8 @@ def pr_curve(predictions: ValPredictions, cls: int) -> tuple[np.ndarray, np.ndar
     truth = predictions.labels[known, cls] == 1
     if not truth.any():
         return np.empty(0), np.empty(0)
+    from sklearn.metrics import precision_recall_curve  # imported when used, as in _sigmoid
+
     precision, recall, _ = precision_recall_curve(truth, predictions.scores[known, cls].astype(np.float64))
     if len(recall) > MAX_CURVE_POINTS:
         keep = np.unique(np.linspace(0, len(recall) - 1, MAX_CURVE_POINTS).round().astype(int))
