@@ -21,6 +21,8 @@ from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.data.shards.datasets import open_shards
 from mlcls.engine import trainer as trainer_module
 from mlcls.engine.trainer import Trainer
+from mlcls.inference.predictor import load_inference_model
+from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, describe_rule
 
 MASK = 2**64 - 1
 
@@ -152,6 +154,56 @@ def test_the_held_out_split_selects_the_epoch(tmp_path, monkeypatch) -> None:
     last_pt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert best_pt["epoch"] == 2 and best_pt["best"] == best
     assert any(not torch.equal(best_pt["model"][k], last_pt["model"][k]) for k in last_pt["model"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "split"),
+    [
+        (["dataset.holdout_fraction=0.25"], "holdout"),
+        (["dataset.holdout_fraction=0.25", "dataset.observed=single_positive"], "holdout"),  # clean labels
+        (
+            [
+                "dataset.holdout_fraction=0.25",
+                "dataset.observed=partial",
+                "dataset.observed_fraction=0.5",
+                "dataset.holdout_labels=observed",
+            ],
+            "validation",
+        ),  # fmt: skip
+        ([], "validation"),
+    ],
+)
+def test_thresholds_are_calibrated_on_the_held_out_split_when_its_labels_are_the_datasets(
+    tmp_path, monkeypatch, overrides: list[str], split: str
+) -> None:
+    """The deployed thresholds are not fitted on the split the run reports when a held-out split with the
+    dataset's own labels exists; with observed labels only (few known negatives) they stay on validation."""
+    real, seen = trainer_module.evaluate_model, {}
+
+    def evaluate(model, loader, *args, **kwargs):
+        evaluation = real(model, loader, *args, **kwargs)
+        seen["holdout" if isinstance(loader.dataset, SplitRows) else "validation"] = evaluation
+        return evaluation
+
+    monkeypatch.setattr(trainer_module, "evaluate_model", evaluate)
+    cfg = compose_config([*TINY, "trainer.epochs=1", *overrides, f"trainer.output_dir={tmp_path}"])
+    Trainer(cfg).fit()
+    assert sorted(seen) == (["holdout", "validation"] if overrides else ["validation"])
+    expected = {
+        name: calibrate_thresholds(e.scores, e.labels, no_positive=NEVER_PREDICTED)
+        for name, e in seen.items()
+    }
+    for name in ("last.pt", "best.pt"):  # one epoch: the raw weights of epoch 1 are the best
+        stored = torch.load(tmp_path / "checkpoints" / name, weights_only=True)
+        assert stored["thresholds_split"] == split
+        assert torch.equal(stored["thresholds"], expected[split])
+    if len(expected) == 2:
+        assert not torch.equal(expected["holdout"], expected["validation"])
+    inference = load_inference_model(tmp_path / "checkpoints" / "best.pt", device="cpu")
+    assert inference.thresholds_split == split
+    where = "held-out share of the training set" if split == "holdout" else "validation set"
+    rule = describe_rule(inference.thresholds, None, None, inference.classes, inference.thresholds_split)
+    assert rule.startswith(f"per-class thresholds calibrated on the {where} (max F1)")
 
 
 def test_without_a_held_out_split_results_keep_their_format(tmp_path) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from sklearn.metrics import f1_score
 
+from mlcls.inference.fields import InferenceError, stored_thresholds_split
 from mlcls.metrics import ap as ap_module
 from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, describe_rule, select_labels
 
@@ -162,6 +163,24 @@ def test_describe_rule_names_the_classes_without_a_calibrated_threshold():
     )
     assert describe_rule(thresholds[[0, 2]], None, None, ["cat", "bird"]).endswith("(max F1)")
     assert describe_rule(thresholds, None, 2, ["cat", "dog", "bird"]) == "top 2"
+
+
+def test_describe_rule_names_the_held_out_split():
+    thresholds = torch.tensor([0.5, math.inf], dtype=torch.float64)
+    assert describe_rule(thresholds, None, None, ["cat", "dog"], "holdout") == (
+        "per-class thresholds calibrated on the held-out share of the training set (max F1); not calibrated, "
+        "no positive held-out label, never predicted: dog (threshold= or top_k= score them)"
+    )
+
+
+@pytest.mark.parametrize("value", ["test", 1, None, ["holdout"]])
+def test_a_bad_thresholds_split_in_a_checkpoint_is_one_line(value):
+    with pytest.raises(InferenceError) as caught:
+        stored_thresholds_split({"thresholds_split": value}, "x.pt")
+    assert str(caught.value) == (
+        f"x.pt: 'thresholds_split' is {value!r}; expected one of validation, holdout"
+    )
+    assert stored_thresholds_split({}, "x.pt") == "validation"  # written before the key existed
 
 
 def test_a_best_cut_keeping_every_sample_is_minus_inf_even_above_infinite_scores():

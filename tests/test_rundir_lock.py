@@ -21,6 +21,7 @@ from data_fixtures import truncate, write_csv
 from hydra.core.hydra_config import HydraConfig
 
 import mlcls.engine.checkpoint as checkpoint_module
+import mlcls.engine.rundir as rundir_module
 from mlcls.cli.errors import user_errors
 from mlcls.data import BadImageError
 from mlcls.engine.checkpoint import load_checkpoint
@@ -92,6 +93,25 @@ def test_a_lock_whose_pid_is_now_another_process_is_stale(tmp_path, caplog):
     (tmp_path / LOCK_NAME).write_text(json.dumps({**reused, "process": identity}))
     with pytest.raises(RunDirLocked, match=f"in use by another run \\(pid {other} on "):
         acquire_run_lock(tmp_path)
+
+
+def test_an_unreadable_lock_is_one_line(tmp_path, monkeypatch):
+    """Another user's lock (mode 0600): simulated, as the suite may run as root, who reads any file."""
+    (tmp_path / LOCK_NAME).write_text(_lock_of(_finished_pid()))
+
+    def refused(path, *args, **kwargs):
+        if Path(path).name == LOCK_NAME:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(rundir_module, "open", refused, raising=False)
+    with pytest.raises(RunDirLocked) as caught:
+        acquire_run_lock(tmp_path)
+    assert str(caught.value) == (
+        f"cannot read the lock {tmp_path / LOCK_NAME} (Permission denied); another run may hold the "
+        "directory: choose another one, or delete the lock if its run is gone"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no draft left
 
 
 class _SlowHandler(logging.Handler):

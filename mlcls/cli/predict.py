@@ -58,7 +58,9 @@ def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]
         raise InferenceError(
             f"none of the {plural(len(paths), 'matched file')} is a readable image, e.g. {paths[0]}"
         )
-    rule = describe_rule(inference.thresholds, cfg.threshold, cfg.top_k, inference.classes)
+    rule = describe_rule(
+        inference.thresholds, cfg.threshold, cfg.top_k, inference.classes, inference.thresholds_split
+    )
     return predictions, unreadable, rule
 
 

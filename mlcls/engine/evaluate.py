@@ -163,12 +163,26 @@ def evaluate_outputs(
     return Evaluation(metrics, scores, labels)
 
 
-def calibrate_on_main(evaluation: Evaluation, classes: list[str]) -> torch.Tensor:
+def thresholds_split(dataset_cfg: Any, held_out: bool) -> str:
+    """Where a run calibrates its thresholds: ``"holdout"``, the held-out share of the training split, when
+    the run has one that shows the dataset's own labels (``dataset.holdout_labels=clean``, or no
+    observed-label regime), so that the thresholds are not fitted on the split the run reports; else
+    ``"validation"``. A held-out split of single-positive or partial labels has too few known negatives to
+    place a threshold (with none, every threshold has precision 1 and the lowest has the best F1)."""
+    if not held_out:
+        return "validation"
+    shows_own = (
+        dataset_cfg.get("holdout_labels", "clean") == "clean" or dataset_cfg.get("observed", "all") == "all"
+    )
+    return "holdout" if shows_own else "validation"
+
+
+def calibrate_on_main(evaluation: Evaluation, classes: list[str], split: str = "validation") -> torch.Tensor:
     """The per-class logit thresholds (float64 (C,), :func:`calibrate_thresholds` with classes without a
     positive :data:`NEVER_PREDICTED`) of ``evaluation``'s scores, computed on rank 0 and equal on every
     rank."""
     return on_main_for_all(
         lambda: calibrate_thresholds(
-            evaluation.scores, evaluation.labels, no_positive=NEVER_PREDICTED, classes=classes
+            evaluation.scores, evaluation.labels, no_positive=NEVER_PREDICTED, classes=classes, split=split
         )
     )

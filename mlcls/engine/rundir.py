@@ -184,6 +184,11 @@ def _take_over_if_stale(lock: Path, draft: Path) -> bool:
         file = open(lock, "rb")  # noqa: SIM115 - closed below, which releases the flock
     except FileNotFoundError:
         return False
+    except OSError as exc:  # another user's lock, say: its run cannot be judged from here
+        raise RunDirLocked(
+            f"cannot read the lock {lock} ({exc.strerror}); another run may hold the directory: choose "
+            "another one, or delete the lock if its run is gone"
+        ) from None
     with file:
         try:
             fcntl.flock(file, fcntl.LOCK_EX)

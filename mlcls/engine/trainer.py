@@ -58,6 +58,7 @@ from mlcls.engine.evaluate import (
     evaluate_model,
     headline,
     predict_training_set,
+    thresholds_split,
 )
 from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm, step_if_finite
 from mlcls.engine.optim import group_lrs
@@ -111,6 +112,7 @@ class Trainer:
         self.signals = StopSignals(self.dist.distributed)
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
+        self.thresholds_split = thresholds_split(self.cfg.dataset, self.data.holdout_loader is not None)
         # Called with the trainer on rank 0 once the last epoch is recorded (the CLI adds the plots): the
         # engine knows nothing of what reports a run.
         self.on_finish: list[Callable[[Trainer], None]] = []
@@ -324,15 +326,22 @@ class Trainer:
         The best epoch and weights are those of the highest mAP@class on the held-out split (their metrics
         under ``best["selection"]``, ``best["selected_on"] = "holdout"``), else on the validation split;
         ``best``'s own metrics are the validation split's. The held-out metrics of the raw (EMA) weights
-        are ``metrics["selection"]`` (``metrics["ema"]["selection"]``). Thresholds are calibrated on the
-        validation split once per set of weights: the raw ones (last.pt), the best ones for a new best."""
+        are ``metrics["selection"]`` (``metrics["ema"]["selection"]``). Thresholds are calibrated once per
+        set of weights -- the raw ones (last.pt), the best ones for a new best -- on the split
+        :func:`thresholds_split` names."""
         weights = {"raw": self.model} | ({} if self.ema is None else {"ema": self.ema.module})
         evaluations = {name: self.evaluate(model) for name, model in weights.items()}
         held_out = self.data.holdout_loader is not None
+        calibration = evaluations
         if held_out:
-            for name, model in weights.items():
-                selection = self.evaluate(model, self.data.holdout_loader)
+            calibration = {
+                name: self.evaluate(model, self.data.holdout_loader) for name, model in weights.items()
+            }
+            for name, selection in calibration.items():
                 evaluations[name].metrics["selection"] = headline(selection.metrics)
+            if self.thresholds_split == "validation":
+                calibration = evaluations
+        split = self.thresholds_split
         metrics = evaluations["raw"].metrics
         if "ema" in evaluations:
             metrics["ema"] = evaluations["ema"].metrics
@@ -341,10 +350,13 @@ class Trainer:
         is_best = best is None or selection_score(evaluations[top_weights].metrics) > selection_score(best)
         raw, top = evaluations["raw"], evaluations[top_weights]
         self.val_outputs = (raw.scores, raw.labels)  # for on_finish: on rank 0, (None, None) elsewhere
-        self.state.thresholds = calibrate_on_main(raw, self.classes)  # for last.pt's raw weights
+        # last.pt's raw weights, then best.pt's
+        self.state.thresholds = calibrate_on_main(calibration["raw"], self.classes, split)
         if is_best:
             self.best_thresholds = (
-                self.state.thresholds if top_weights == "raw" else calibrate_on_main(top, self.classes)
+                self.state.thresholds
+                if top_weights == "raw"
+                else calibrate_on_main(calibration[top_weights], self.classes, split)
             )
             self.state.best = {
                 "epoch": epoch,
@@ -393,6 +405,7 @@ class Trainer:
             "classes": self.classes,
             "preprocess": self.preprocess,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "thresholds_split": self.thresholds_split,
         }
         checkpoints = self.run_dir / "checkpoints"
         if is_best:
@@ -402,7 +415,10 @@ class Trainer:
                 "model": best_model.state_dict(),
                 "weights": best["weights"],
                 "thresholds": self.best_thresholds,
-                **{k: checkpoint[k] for k in ("epoch", "classes", "preprocess", "config", "best")},
+                **{
+                    k: checkpoint[k]
+                    for k in ("epoch", "classes", "preprocess", "config", "best", "thresholds_split")
+                },
             }
             save_checkpoint(best_weights, checkpoints / "best.pt")
         iteration = self.state.epoch * self.iters_per_epoch + self.state.step

@@ -62,6 +62,7 @@ def export_metadata(inference: InferenceModel) -> dict[str, Any]:
         "classes": inference.classes,
         "preprocess": inference.preprocess,
         "thresholds": thresholds,
+        "thresholds_split": inference.thresholds_split,
         "input": {
             "name": INPUT_NAME,
             "shape": ["batch", 3, height, width],

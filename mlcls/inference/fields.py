@@ -138,6 +138,21 @@ def stored_thresholds(state: Mapping[str, Any], num_classes: int, path: str | Pa
     return thresholds
 
 
+# Where the trainer calibrated a checkpoint's thresholds (mlcls.engine.evaluate.thresholds_split).
+THRESHOLDS_SPLITS = ("validation", "holdout")
+
+
+def stored_thresholds_split(state: Mapping[str, Any], path: str | Path) -> str:
+    """The split checkpoint ``state``'s thresholds were calibrated on, one of :data:`THRESHOLDS_SPLITS`;
+    ``"validation"`` for a checkpoint written before the key existed."""
+    split = state.get("thresholds_split", "validation")
+    if not isinstance(split, str) or split not in THRESHOLDS_SPLITS:
+        raise InferenceError(
+            f"{path}: 'thresholds_split' is {shown(split)}; expected one of {', '.join(THRESHOLDS_SPLITS)}"
+        )
+    return split
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

@@ -34,6 +34,7 @@ from mlcls.inference.fields import (
     stored_classes,
     stored_config,
     stored_thresholds,
+    stored_thresholds_split,
     stored_weights,
 )
 from mlcls.metrics.thresholds import select_labels
@@ -78,7 +79,8 @@ class InferenceModel:
     """A trained model ready to score images, with what it needs to interpret them.
 
     ``thresholds`` is the (C,) float64 tensor of calibrated per-class logit thresholds, or None when the
-    checkpoint has none.
+    checkpoint has none; ``thresholds_split`` the split they were calibrated on (``"validation"`` or
+    ``"holdout"``, the held-out share of the training split).
     """
 
     model: nn.Module
@@ -88,6 +90,7 @@ class InferenceModel:
     config: dict[str, Any]
     checkpoint: Path
     device: torch.device
+    thresholds_split: str = "validation"
 
 
 def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
@@ -142,6 +145,7 @@ def load_inference_model(
     weights = stored_weights(state, path)
     preprocess = spec_from_checkpoint(state)
     thresholds = stored_thresholds(state, len(classes), path)
+    split = stored_thresholds_split(state, path)
     with torch.device("meta"):  # shapes only: checked against the weights before any memory is taken
         skeleton = build_model(config, len(classes))
     check_weights_fit(skeleton, weights, len(classes), path)
@@ -164,6 +168,7 @@ def load_inference_model(
         config=config,
         checkpoint=Path(path),
         device=device,
+        thresholds_split=split,
     )
 
 

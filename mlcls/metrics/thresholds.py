@@ -48,11 +48,19 @@ NEVER_PREDICTED = math.inf
 _reported_without_positive: set[tuple[str, ...]] = set()
 
 
+# How calibrate_thresholds and describe_rule name the split calibrated thresholds come from, and its labels.
+SPLIT_NAMES = {
+    "validation": ("validation set", "validation"),
+    "holdout": ("held-out share of the training set", "held-out"),
+}
+
+
 def calibrate_thresholds(
     scores: torch.Tensor,
     labels: torch.Tensor,
     no_positive: float = 0.0,
     classes: Sequence[str] | None = None,
+    split: str = "validation",
 ) -> torch.Tensor:
     """Per-class logit thresholds maximising each class's F1 on ``scores`` (see the module docstring).
 
@@ -62,6 +70,7 @@ def calibrate_thresholds(
         no_positive: the threshold of a class without any positive label (:data:`NEVER_PREDICTED`: never
             predicted).
         classes: the C class names, for the log line naming the classes without a positive (else indices).
+        split: the split ``scores`` are of (a key of :data:`SPLIT_NAMES`), for that log line.
 
     Returns:
         float64 tensor (C,) on ``scores.device``; entries may be ``-inf`` (class always predicted).
@@ -79,7 +88,7 @@ def calibrate_thresholds(
             _reported_without_positive.add(names)
             shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
             rule = _no_positive_rule(no_positive)
-            log.info("thresholds: no positive validation label, %s: %s", rule, shown)
+            log.info("thresholds: no positive %s label, %s: %s", SPLIT_NAMES[split][1], rule, shown)
     return torch.where(has_positive, threshold, float(no_positive))
 
 
@@ -170,21 +179,24 @@ def describe_rule(
     threshold: float | None,
     top_k: int | None,
     classes: Sequence[str] | None = None,
+    split: str = "validation",
 ) -> str:
     """One line naming the rule :func:`select_labels` applies for these arguments; with calibrated
-    ``thresholds``, also the ``classes`` without a calibrated threshold (:data:`NEVER_PREDICTED`)."""
+    ``thresholds``, also the split they were calibrated on (a key of :data:`SPLIT_NAMES`) and the
+    ``classes`` without a calibrated threshold (:data:`NEVER_PREDICTED`)."""
     if top_k is not None:
         return f"top {top_k}" + (f" with probability >= {threshold}" if threshold is not None else "")
     if threshold is not None:
         return f"probability >= {threshold} for every class"
     if thresholds is None:
         return "probability >= 0.5 (the checkpoint has no calibrated thresholds)"
-    rule = "per-class thresholds calibrated on the validation set (max F1)"
+    where, label = SPLIT_NAMES[split]
+    rule = f"per-class thresholds calibrated on the {where} (max F1)"
     never = torch.nonzero(thresholds == NEVER_PREDICTED).flatten().tolist()
     if never:
         names = ", ".join(str(classes[c]) if classes is not None else str(c) for c in never)
         rule += (
-            f"; not calibrated, no positive validation label, never predicted: {names} "
+            f"; not calibrated, no positive {label} label, never predicted: {names} "
             "(threshold= or top_k= score them)"
         )
     return rule
