@@ -1,6 +1,6 @@
 """Files written atomically: a crash mid-write leaves the previous complete file in place, never a
-truncated one. Low level (no other mlcls import), for the engine's checkpoints and results and the data
-tools' sidecar files alike."""
+truncated one; and data files read only when they are regular files (:func:`open_regular`). Low level (no
+other mlcls import), for the engine's checkpoints and results and the data tools' files alike."""
 
 from __future__ import annotations
 
@@ -25,6 +25,51 @@ _TEMPORARY_NAME = re.compile(r"\..+\.[A-Za-z0-9_]+\.tmp")
 
 class DiskFullError(RuntimeError):
     """A file cannot be written for lack of space; the previous version of the file is intact."""
+
+
+class NotRegularFileError(OSError):
+    """A path read as a data file names something else: a folder, a pipe, a device or a socket."""
+
+
+# What a path that is not a regular file names, for the message of NotRegularFileError.
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def open_regular(path: str | Path, mode: str = "rb", **kwargs) -> IO:
+    """``open(path, mode, **kwargs)`` for reading, refused with :class:`NotRegularFileError` unless ``path``
+    (after symbolic links) is a regular file.
+
+    A dataset's lists and annotations, a CSV or a local shard are named by a config -- or by a checkpoint
+    from someone else, read by ``mlcls-eval``. A pipe, a terminal or a device there (``/dev/stdin``,
+    ``/dev/zero``) would block the reader or never end. The path is opened without blocking (a pipe with no
+    writer opens at once), its type read from the open file, and only a regular file is read on.
+    A missing path raises :class:`FileNotFoundError`, as ``open`` does.
+    """
+    if any(flag in mode for flag in "wax+"):
+        raise ValueError(f"open_regular reads files; mode {mode!r} writes")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        kind = os.fstat(fd).st_mode
+        if not stat.S_ISREG(kind):
+            named = next((name for test, name in _KINDS if test(kind)), "not a regular file")
+            raise NotRegularFileError(f"{path} is {named}; expected a regular file")
+        os.set_blocking(fd, True)
+        return open(fd, mode, **kwargs)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular_bytes(path: str | Path) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`)."""
+    with open_regular(path) as f:
+        return f.read()
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:

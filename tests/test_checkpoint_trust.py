@@ -3,9 +3,12 @@ from files refused with one line, old files re-saved or trusted explicitly."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY, compose_config
+from hydra.errors import InstantiationException
+from omegaconf import OmegaConf
 from PIL import Image
 from test_checkpoint_fuzz import CountingServer, stored_shards_config
 
@@ -21,7 +26,8 @@ from mlcls.cli.errors import error_line
 from mlcls.cli.eval import evaluate_checkpoint
 from mlcls.cli.predict import run as predict_run
 from mlcls.cli.train import run as train_run
-from mlcls.data import DatasetConfigError, DatasetFormatError
+from mlcls.data import DatasetConfigError, DatasetFormatError, DatasetLayoutError
+from mlcls.data.datasets.base import load_json
 from mlcls.data.shards.datasets import open_shards
 from mlcls.engine.checkpoint import UntrustedCheckpointError, load_checkpoint, resave_plain, save_checkpoint
 from mlcls.engine.rundir import LOCK_NAME
@@ -31,6 +37,7 @@ from mlcls.engine.validate import ConfigError
 from mlcls.errors import InferenceError
 from mlcls.inference.export import export_checkpoint
 from mlcls.inference.predictor import load_inference_model
+from mlcls.io import NotRegularFileError, open_regular, read_regular_bytes
 
 # 64 training images in batches of 32, one epoch: a checkpoint in a few seconds.
 QUICK = ["dataset.train_size=64", "dataset.val_size=20", "trainer.epochs=1"]
@@ -226,6 +233,55 @@ def test_a_pipe_shard_source_in_a_checkpoint_is_refused_with_one_line(tmp_path, 
     assert metrics["num_samples"] == 20 and not marker.exists()
     metrics = _eval_with_dataset(tmp_path, trained, stored_shards_config(root=str(packed_synthetic)))
     assert metrics["num_samples"] == 20
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Fail, instead of hanging the suite, if the block takes longer than ``seconds``."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_device_or_pipe_named_as_a_data_file_is_one_line_at_once(tmp_path, trained):
+    """A checkpoint's dataset config naming /dev/zero (never ends), a pipe or /dev/stdin (blocks) where a
+    CSV, a manifest or an annotation file is read: one line, at once, for mlcls-eval."""
+    fifo = tmp_path / "labels.csv"
+    os.mkfifo(fifo)
+    csv_config = OmegaConf.to_container(compose_config(["dataset=csv"]).dataset)
+    for path, kind in [("/dev/zero", "a character device"), (str(fifo), "a pipe (FIFO)")]:
+        with within(20), pytest.raises(InstantiationException) as info:  # the dataset's constructor raised
+            _eval_with_dataset(tmp_path, trained, {**csv_config, "root": str(tmp_path), "train_file": path})
+        assert isinstance(info.value.__cause__, NotRegularFileError)
+        assert error_line(info.value) == f"{path} is {kind}; expected a regular file"
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    os.mkfifo(packed / "manifest.json")
+    with within(20), pytest.raises(DatasetLayoutError) as info:  # read while the source is checked
+        _eval_with_dataset(tmp_path, trained, stored_shards_config(root=str(packed)))
+    assert error_line(info.value) == f"{packed}/manifest.json is a pipe (FIFO); expected a regular file"
+    with within(20), pytest.raises(NotRegularFileError, match="is a folder; expected a regular file"):
+        load_json(tmp_path)
+
+
+def test_open_regular_reads_files_and_links_to_them(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"x\r\ny")
+    (tmp_path / "link").symlink_to(tmp_path / "a.txt")
+    assert read_regular_bytes(tmp_path / "link") == b"x\r\ny"
+    with open_regular(tmp_path / "a.txt", "r", newline="") as f:
+        assert f.read() == "x\r\ny"
+    with pytest.raises(FileNotFoundError):
+        open_regular(tmp_path / "missing")
+    with pytest.raises(ValueError, match="open_regular reads files; mode 'w' writes"):
+        open_regular(tmp_path / "a.txt", "w")
 
 
 def test_a_stored_interpolation_is_refused_before_anything_resolves(tmp_path, trained, server, monkeypatch):

@@ -18,7 +18,7 @@ from mlcls.errors import (
     InferenceError,
     plural,  # noqa: F401 - re-exported for the commands
 )
-from mlcls.io import DiskFullError
+from mlcls.io import DiskFullError, NotRegularFileError
 
 USER_ERRORS = (
     DatasetError,
@@ -27,6 +27,7 @@ USER_ERRORS = (
     InferenceError,
     OmegaConfBaseException,
     DiskFullError,
+    NotRegularFileError,
     RunDirLocked,
 )
 

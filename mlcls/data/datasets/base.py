@@ -47,6 +47,7 @@ from mlcls.data.datasets.observed import (
 )
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, check_aspect_ratio
 from mlcls.errors import shown
+from mlcls.io import open_regular
 
 ON_BAD_IMAGE = ("error", "skip")
 # What PIL raises for a missing, unidentifiable, truncated or oversized image file (and
@@ -113,7 +114,7 @@ def resolve_path(root: str | Path, path: str | Path) -> Path:
 def load_json(path: str | Path) -> Any:
     """Parse the JSON file ``path``; a missing or malformed file raises a one-line dataset error."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, "r", encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError as exc:
         raise DatasetLayoutError(f"missing {path}") from exc

@@ -68,6 +68,7 @@ from mlcls.data.datasets.base import (
     resolve_path,
 )
 from mlcls.errors import plural
+from mlcls.io import open_regular
 
 SPLITS = ("train", "val")
 HOLDOUTS = ("stratified", "hashed")  # dataset.holdout: how val_fraction of the training file is held out
@@ -82,7 +83,7 @@ def read_table(path: Path, delimiter: str | None) -> tuple[list[str], list[list[
     if delimiter is None:
         delimiter = "\t" if path.suffix.lower() in (".tsv", ".tab") else ","
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
+        with open_regular(path, "r", newline="", encoding="utf-8-sig") as f:
             rows = [row for row in csv.reader(f, delimiter=delimiter) if any(cell.strip() for cell in row)]
     except FileNotFoundError as exc:
         raise DatasetLayoutError(f"missing {path}") from exc

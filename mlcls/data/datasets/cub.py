@@ -52,6 +52,7 @@ from mlcls.data.datasets.base import (
     check_choice,
     require_files,
 )
+from mlcls.io import open_regular, read_regular_bytes
 
 SPLITS = {"train": 1, "test": 0}  # the split's flag in train_test_split.txt
 NUM_ATTRIBUTES = 312
@@ -68,7 +69,8 @@ def read_id_table(path: Path) -> tuple[list[int], list[str]]:
     order; blank lines are skipped, a line without an integer id and a value is a one-line dataset error."""
     ids: list[int] = []
     values: list[str] = []
-    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+    text = read_regular_bytes(path).decode("utf-8", errors="replace")
+    for number, line in enumerate(text.splitlines(), start=1):
         fields = line.split(maxsplit=1)
         if not fields:
             continue
@@ -133,7 +135,7 @@ def read_attribute_labels(path: Path, image_ids: list[int]) -> np.ndarray:
     row_of = {image_id: row for row, image_id in enumerate(image_ids)}
     labels = np.zeros((len(image_ids), NUM_ATTRIBUTES), dtype=np.float32)
     seen = np.zeros((len(image_ids), NUM_ATTRIBUTES), dtype=bool)
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open_regular(path, "r", encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, start=1):
             fields = line.split(maxsplit=3)
             if not fields:

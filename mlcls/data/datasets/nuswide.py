@@ -39,6 +39,7 @@ from mlcls.data.datasets.base import (
     require_files,
     resolve_path,
 )
+from mlcls.io import read_regular_bytes
 
 SPLITS = {"train": "Train", "test": "Test"}
 NUM_CONCEPTS = 81
@@ -51,7 +52,7 @@ def read_concepts(root: Path, layout: str) -> list[str]:
     found = [root / name for name in CONCEPT_LISTS if (root / name).is_file()]
     if not found:
         raise DatasetLayoutError(f"missing {root / CONCEPT_LISTS[0]}; expected layout: {layout}")
-    concepts = found[0].read_text(encoding="utf-8", errors="replace").split()
+    concepts = read_regular_bytes(found[0]).decode("utf-8", errors="replace").split()
     if len(concepts) != NUM_CONCEPTS or len(set(concepts)) != NUM_CONCEPTS:
         raise DatasetFormatError(
             f"{found[0]}: {len(concepts)} names ({len(set(concepts))} distinct); expected the "
@@ -71,7 +72,7 @@ def read_binary_column(path: Path, count: int) -> np.ndarray:
     """uint8 (``count``,) of a label file holding one 0 or 1 a line; a missing file, another value or another
     number of lines is a one-line dataset error."""
     try:
-        tokens = path.read_bytes().split()
+        tokens = read_regular_bytes(path).split()
     except FileNotFoundError as exc:
         raise DatasetLayoutError(f"missing {path}; expected one label file per concept and split") from exc
     values = np.frombuffer(b"".join(tokens), dtype=np.uint8) - ord("0")
@@ -117,7 +118,7 @@ class NUSWIDE(MultiLabelDataset):
         require_files(root, [list_file], layout)
         root_path = Path(root)
         self.classes = read_concepts(root_path, layout)
-        lines = (root_path / list_file).read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = read_regular_bytes(root_path / list_file).decode("utf-8", errors="replace").splitlines()
         paths = [image_path(line) for line in lines if line.strip()]
         labels = np.stack(
             [

@@ -56,6 +56,7 @@ from mlcls.data.datasets.base import (
     resolve_path,
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels
+from mlcls.io import open_regular, read_regular_bytes
 
 log = logging.getLogger("mlcls")
 
@@ -153,7 +154,7 @@ class OpenImages(SparseLabelled, MultiLabelDataset):
 
 def _read_trainable(path: Path) -> list[str]:
     """The LabelNames of the trainable-classes file, in file order; blank lines skipped."""
-    names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    names = [line.strip() for line in read_regular_bytes(path).decode("utf-8").splitlines() if line.strip()]
     if not names:
         raise DatasetFormatError(f"{path} lists no class; expected one LabelName (e.g. /m/01g317) per line")
     repeated = [name for name, count in Counter(names).items() if count > 1]
@@ -164,7 +165,7 @@ def _read_trainable(path: Path) -> list[str]:
 
 def _open_csv(path: Path, columns: Sequence[str]) -> tuple[Any, Any, dict[str, int]]:
     """``(file, reader, column index)`` of a CSV with a header row holding ``columns``."""
-    handle = open(path, newline="", encoding="utf-8")  # noqa: SIM115 -- closed by the caller
+    handle = open_regular(path, "r", newline="", encoding="utf-8")  # closed by the caller
     reader = csv.reader(handle)
     header = next(reader, [])
     missing = [c for c in columns if c not in header]

@@ -33,6 +33,7 @@ from mlcls.data.datasets.base import (
     load_json,
     require_files,
 )
+from mlcls.io import open_regular, read_regular_bytes
 
 SPLIT_LISTS = {
     "train": ("train2017", "val2017"),
@@ -45,7 +46,7 @@ SPLIT_LISTS = {
 
 def read_attributes(path: Path) -> list[str]:
     """Attribute ids of a VISPR ``attributes.tsv``, ordered by its ``idx`` column (which must be 0..C-1)."""
-    with open(path, newline="", encoding="utf-8") as f:
+    with open_regular(path, "r", newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     if not rows or not {"idx", "attribute_id"} <= rows[0].keys():
         raise DatasetFormatError(f"{path}: expected tab-separated columns 'idx' and 'attribute_id'")
@@ -91,7 +92,9 @@ class VISPR(MultiLabelDataset):
         self.classes = read_attributes(root_path / "attributes.tsv")
         class_index = {name: i for i, name in enumerate(self.classes)}
         annotation_paths = [
-            line.strip() for name in lists for line in (root_path / name).read_text().splitlines()
+            line.strip()
+            for name in lists
+            for line in read_regular_bytes(root_path / name).decode("utf-8").splitlines()
         ]
         annotation_paths = [p for p in annotation_paths if p]
         if annotation_paths:

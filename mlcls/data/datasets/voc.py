@@ -35,6 +35,7 @@ from mlcls.data.datasets.base import (
     check_choice,
     require_files,
 )
+from mlcls.io import read_regular_bytes
 
 VOC_CLASSES = (
     "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "diningtable",
@@ -79,7 +80,7 @@ class VOC(MultiLabelDataset):
         )
         voc_dir = Path(root) / base
 
-        image_ids = (voc_dir / "ImageSets/Main" / f"{split}.txt").read_text().split()
+        image_ids = read_regular_bytes(voc_dir / "ImageSets/Main" / f"{split}.txt").decode().split()
         class_index = {name: i for i, name in enumerate(VOC_CLASSES)}
         rows: list[int] = []
         cols: list[int] = []

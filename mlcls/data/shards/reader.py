@@ -31,6 +31,7 @@ from mlcls.data.datasets.base import (
 from mlcls.data.datasets.labels import SparseLabels
 from mlcls.data.shards.pack import CLASSES_FILE, FORMAT, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.shards.tario import npy_array, tar_files
+from mlcls.io import NotRegularFileError, open_regular
 
 ROLES = ("train", "val")
 SHARD_NAME = re.compile(r"[^/\s]+\.tar")
@@ -49,7 +50,9 @@ def open_url(url: str) -> IO[bytes]:
     command, ...) by ``webdataset``'s ``gopen``."""
     if is_local(url):
         try:
-            return open(url, "rb")
+            return open_regular(url)
+        except NotRegularFileError as exc:
+            raise DatasetLayoutError(str(exc)) from exc
         except OSError as exc:
             raise DatasetLayoutError(f"cannot open {url}: {exc.strerror or exc}") from exc
     try:
