@@ -134,7 +134,18 @@ def pr_curves_figure(
         axes.set_ylabel("precision")
         axes.set_title(f"{which.capitalize()} {len(classes)} classes by AP", fontsize=11)
         axes.grid(alpha=0.3)
-        axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
+        # The curves and labels passed explicitly: matplotlib leaves a label starting with "_" out of a
+        # legend it collects itself, and a class may be named "_background".
+        curves = axes.get_lines()
+        axes.legend(
+            curves,
+            [curve.get_label() for curve in curves],
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.14),
+            ncol=2,
+            fontsize=8,
+            frameon=False,
+        )
     figure.suptitle("Precision-recall curves on the validation set", fontsize=12)
     return figure
 
