@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import TINY, compose_config
 
-from mlcls.engine.build import init_from_checkpoint
 from mlcls.engine.checkpoint import save_checkpoint
+from mlcls.engine.resume import init_from_checkpoint
 from mlcls.engine.validate import validate_config
 from mlcls.errors import ConfigError
 from mlcls.inference.predictor import load_inference_model

@@ -27,15 +27,15 @@ from mlcls.data.datasets.observed import NO_HOLDOUT
 from mlcls.data.loader import build_eval_loader, build_train_loader
 from mlcls.data.pipeline.fast import DeviceStage
 from mlcls.data.pipeline.preprocess import preprocess_spec
-from mlcls.engine.checkpoint import CheckpointError, load_checkpoint
 from mlcls.engine.distributed import DistInfo, init_distributed
 from mlcls.engine.ema import ModelEma
 from mlcls.engine.logging import RunLog, open_run_log
 from mlcls.engine.optim import build_optimizer, build_scheduler
-from mlcls.engine.resume import resume_run
+from mlcls.engine.resume import carry_loss_state, init_from_checkpoint, resume_run
 from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
 from mlcls.engine.state import TrainState, seed_everything
 from mlcls.engine.validate import ConfigError, resolve_amp, validate_config
+from mlcls.models.factory import TRAINING_KEYS, freeze_backbone
 
 log = logging.getLogger("mlcls")
 
@@ -122,58 +122,11 @@ def build_model(
     """The ``model`` config's network with ``num_classes`` outputs on ``device`` (``overrides`` replace
     config keys, e.g. ``pretrained=False`` when a checkpoint's weights are loaded afterwards). The
     starting weights ``init_from`` are not the network's: :func:`init_from_checkpoint` loads them."""
-    fields = {key: value for key, value in model_cfg.items() if key != "init_from"}
+    fields = {key: value for key, value in model_cfg.items() if key not in TRAINING_KEYS}
     model: nn.Module = instantiate(fields, num_classes=num_classes, **overrides).to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
-
-
-def init_from_checkpoint(model: nn.Module, path: str, classes: list[str], trust: bool = False) -> None:
-    """``model.init_from``: load into ``model`` the weights of the mlcls checkpoint ``path`` (a run's, or
-    one ``mlcls-import`` wrote), read as data unless ``trust`` (:func:`load_checkpoint`).
-
-    With the same class names in the same order, every weight is loaded. Otherwise the classifier
-    (``model.get_classifier()``: the linear layer or the ML-Decoder / CSRA head) keeps its fresh
-    initialisation, said in one log line, and every other weight is loaded. A weight of ``model`` the file
-    lacks, holds in another shape, or a weight the file has that ``model`` lacks is a :class:`ConfigError`
-    naming it and the network the file holds.
-    """
-    state = load_checkpoint(path, trust=trust)
-    weights = state["model"]
-    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise CheckpointError(f"model.init_from={path}: 'model' is not a state dict (names to tensors)")
-    same_classes = state.get("classes") == list(classes)
-    classifier = model.get_classifier()
-    head = next(name for name, module in model.named_modules() if module is classifier) + "."
-    expected = {k: v for k, v in model.state_dict().items() if same_classes or not k.startswith(head)}
-    loaded = {k: v for k, v in weights.items() if same_classes or not k.startswith(head)}
-    config = state.get("config") if isinstance(state.get("config"), dict) else {}
-    stored = config.get("model") if isinstance(config.get("model"), dict) else {}
-    held = f"the file holds {stored.get('name', 'a model')} with a {stored.get('head', 'linear')} head"
-    for key, tensor in expected.items():
-        if key not in loaded or loaded[key].shape != tensor.shape:
-            found = (
-                "is not in the file" if key not in loaded else f"is {tuple(loaded[key].shape)} in the file"
-            )
-            raise ConfigError(
-                f"model.init_from={path}: {key} {tuple(tensor.shape)} of this run's model {found}; {held} "
-                "(set model.name, model.head and the head's options to it)"
-            )
-    extra = next((key for key in loaded if key not in expected), None)
-    if extra is not None:
-        raise ConfigError(
-            f"model.init_from={path}: the file has {extra}, which this run's model lacks; {held}"
-        )
-    model.load_state_dict(loaded, strict=same_classes)
-    if not same_classes:
-        log.info(
-            "model.init_from=%s: its classes (%d) are not this dataset's (%d): the head is re-initialised, "
-            "the rest of the network loaded",
-            path,
-            len(state.get("classes") or []),
-            len(classes),
-        )
 
 
 def sync_batchnorm(model: nn.Module, dist: DistInfo) -> nn.Module:
@@ -339,12 +292,21 @@ def build_run(cfg: DictConfig) -> Run:
         # starting from a checkpoint, the hub's pretrained weights would be replaced: none are fetched
         fresh = {"pretrained": False, "checkpoint_path": None} if init_from else {}
         model = build_model(cfg.model, len(data.classes), device, channels_last, **fresh)
+        started_from = None
         if init_from:
-            init_from_checkpoint(model, init_from, data.classes, bool(tcfg.get("trust_checkpoint")))
+            trust = bool(tcfg.get("trust_checkpoint"))
+            started_from = init_from_checkpoint(model, init_from, data.classes, trust)
+        if cfg.model.get("freeze_backbone"):
+            frozen = freeze_backbone(model)
+            log.info(
+                "model.freeze_backbone: %s backbone parameters frozen, the head trains alone", f"{frozen:,}"
+            )
         if tcfg.get("sync_bn", False):
             model = sync_batchnorm(model, dist)
         summed_processes = dist.world_size if tcfg.get("loss_sum_scope", "global") == "global" else 1
         criterion = build_loss(loss, data.train_set, device, summed_processes)
+        if started_from is not None:
+            carry_loss_state(criterion, started_from, init_from, cfg.loss.get("_target_"))
     except BaseException:
         discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
         raise

@@ -1,4 +1,5 @@
-"""Resuming a run: rank 0 chooses the checkpoint, every rank restores the same one."""
+"""Starting a run from saved state: resuming it (rank 0 chooses the checkpoint, every rank restores the same
+one), or starting a new run from another run's weights and loss state (``model.init_from``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import CheckpointError, choose_resume_checkpoint, load_checkpoint
 from mlcls.engine.state import TrainState, set_rng_state
+from mlcls.engine.validate import ConfigError
 
 log = logging.getLogger("mlcls")
 
@@ -88,3 +91,90 @@ def restore(
     set_rng_state(state.rng[min(rank, len(state.rng) - 1)])
     where = f"epoch {state.epoch + 1}" + (f", step {state.step + 1}" if state.step else "")
     log.info("resumed from %s: continuing at %s", path, where)
+
+
+def init_from_checkpoint(
+    model: nn.Module, path: str, classes: list[str], trust: bool = False
+) -> dict[str, Any]:
+    """``model.init_from``: load into ``model`` the weights of the mlcls checkpoint ``path`` (a run's, or
+    one ``mlcls-import`` wrote), read as data unless ``trust`` (:func:`load_checkpoint`).
+
+    With the same class names in the same order, every weight is loaded. Otherwise the classifier
+    (``model.get_classifier()``: the linear layer or the ML-Decoder / CSRA head) keeps its fresh
+    initialisation, said in one log line, and every other weight is loaded. A weight of ``model`` the file
+    lacks, holds in another shape, or a weight the file has that ``model`` lacks is a :class:`ConfigError`
+    naming it and the network the file holds. Returns the file's contents (for :func:`carry_loss_state`).
+    """
+    state = load_checkpoint(path, trust=trust)
+    weights = state["model"]
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise CheckpointError(f"model.init_from={path}: 'model' is not a state dict (names to tensors)")
+    same_classes = state.get("classes") == list(classes)
+    classifier = model.get_classifier()
+    head = next(name for name, module in model.named_modules() if module is classifier) + "."
+    expected = {k: v for k, v in model.state_dict().items() if same_classes or not k.startswith(head)}
+    loaded = {k: v for k, v in weights.items() if same_classes or not k.startswith(head)}
+    config = state.get("config") if isinstance(state.get("config"), dict) else {}
+    stored = config.get("model") if isinstance(config.get("model"), dict) else {}
+    held = f"the file holds {stored.get('name', 'a model')} with a {stored.get('head', 'linear')} head"
+    for key, tensor in expected.items():
+        if key not in loaded or loaded[key].shape != tensor.shape:
+            found = (
+                "is not in the file" if key not in loaded else f"is {tuple(loaded[key].shape)} in the file"
+            )
+            raise ConfigError(
+                f"model.init_from={path}: {key} {tuple(tensor.shape)} of this run's model {found}; {held} "
+                "(set model.name, model.head and the head's options to it)"
+            )
+    extra = next((key for key in loaded if key not in expected), None)
+    if extra is not None:
+        raise ConfigError(
+            f"model.init_from={path}: the file has {extra}, which this run's model lacks; {held}"
+        )
+    model.load_state_dict(loaded, strict=same_classes)
+    if not same_classes:
+        log.info(
+            "model.init_from=%s: its classes (%d) are not this dataset's (%d): the head is re-initialised, "
+            "the rest of the network loaded",
+            path,
+            len(state.get("classes") or []),
+            len(classes),
+        )
+    return state
+
+
+def carry_loss_state(criterion: Any, state: dict[str, Any], path: str, loss_target: str) -> None:
+    """``model.init_from`` for a loss with state (ROLE's label estimates, LL-Cp's corrected entries,
+    EM + APL's pseudo-labels): the state continues from the checkpoint ``state`` (best.pt and the training
+    checkpoints hold it under ``loss``) when the file was trained with the same loss (``_target_``) and its
+    tensors have this run's names, shapes and dtypes -- one row per training sample, so the same training
+    set. Otherwise the loss starts afresh, said in one log line. This is the second phase of Cole et al.'s
+    LinearInit: the end-to-end run continues from the linear phase's classifier and label estimates."""
+    current = criterion.state_dict() if isinstance(criterion, nn.Module) else {}
+    if not current:
+        return
+    stored = state.get("loss")
+    config = state.get("config") if isinstance(state.get("config"), dict) else {}
+    stored_target = (
+        (config.get("loss") or {}).get("_target_") if isinstance(config.get("loss"), dict) else None
+    )
+    fits = (
+        isinstance(stored, dict)
+        and stored_target == loss_target
+        and stored.keys() == current.keys()
+        and all(
+            isinstance(stored[k], torch.Tensor) and stored[k].shape == v.shape and stored[k].dtype == v.dtype
+            for k, v in current.items()
+        )
+    )
+    if fits:
+        criterion.load_state_dict(stored)
+        log.info(
+            "model.init_from=%s: the loss's state (%s) continues from the file", path, ", ".join(current)
+        )
+    else:
+        log.info(
+            "model.init_from=%s: the loss's state starts afresh (the file holds none of this loss for this "
+            "training set)",
+            path,
+        )

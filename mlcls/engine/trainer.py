@@ -68,6 +68,7 @@ from mlcls.engine.rundir import close_run_dir
 from mlcls.engine.state import EpochProgress, rng_state
 from mlcls.engine.validate import ConfigError
 from mlcls.errors import plural
+from mlcls.models.factory import backbone_in_eval
 
 log = logging.getLogger("mlcls")
 
@@ -187,6 +188,8 @@ class Trainer:
         mid-epoch resume), else from its first step. Returns its mean loss, images/s and seconds."""
         tcfg = self.cfg.trainer
         self.ddp_model.train()
+        if self.cfg.model.get("freeze_backbone"):
+            backbone_in_eval(self.model)
         sampler = self.train_loader.sampler
         sampler.set_epoch(epoch)
         # a loss whose terms change with the epoch (ll, splc), wrapped or not
@@ -415,6 +418,7 @@ class Trainer:
                 "model": best_model.state_dict(),
                 "weights": best["weights"],
                 "thresholds": self.best_thresholds,
+                "loss": checkpoint["loss"],  # the loss's state at this epoch (model.init_from carries it)
                 **{
                     k: checkpoint[k]
                     for k in ("epoch", "classes", "preprocess", "config", "best", "thresholds_split")

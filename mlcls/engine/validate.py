@@ -155,6 +155,9 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             f"model.init_from={init_from!r}: no such checkpoint file; expected an mlcls checkpoint (a run's "
             "last.pt or best.pt, or mlcls-import's output), or null"
         )
+    freeze = cfg.model.get("freeze_backbone", False)
+    if not isinstance(freeze, bool):
+        raise ConfigError(f"model.freeze_backbone={freeze!r}; expected true (train the head alone) or false")
     _positive(cfg.dataset.image_size, "dataset.image_size", integer=True)
     if cfg.data.backend not in BACKENDS:
         raise ConfigError(f"data.backend={cfg.data.backend!r}; expected one of {', '.join(BACKENDS)}")

@@ -39,6 +39,7 @@ from mlcls.inference.fields import (
 )
 from mlcls.metrics.thresholds import select_labels
 from mlcls.models import create_model
+from mlcls.models.factory import TRAINING_KEYS
 
 # The only function that builds a checkpoint's model (the ``_target_`` of configs/model/*.yaml).
 MODEL_FACTORY = "mlcls.models.create_model"
@@ -104,7 +105,8 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
     if not isinstance(config.get("model"), dict):
         raise InferenceError("the checkpoint's config has no model section; is it an mlcls checkpoint?")
     fields = dict(config["model"])
-    fields.pop("init_from", None)  # where training started from: the checkpoint's own weights replace them
+    for key in TRAINING_KEYS:  # how training started and what it updated: the network is the same
+        fields.pop(key, None)
     target = fields.pop("_target_", MODEL_FACTORY)
     if target != MODEL_FACTORY:
         raise InferenceError(

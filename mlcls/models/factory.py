@@ -125,3 +125,33 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
     if not head:
         raise ValueError(f"{type(model).__name__} exposes no classifier parameters through get_classifier()")
     return head, backbone
+
+
+# Keys of the model config that say how training starts or what it updates, not what the network is: the
+# network is built without them (model.init_from: the starting weights; model.freeze_backbone).
+TRAINING_KEYS = ("init_from", "freeze_backbone")
+
+
+def freeze_backbone(model: nn.Module) -> int:
+    """Train the head alone (``model.freeze_backbone``, linear probing): every parameter outside timm's
+    ``get_classifier()`` stops requiring gradients, so the optimizer, DDP's gradient reduction and the
+    backward pass leave it out. Returns the number of parameters frozen. Call :func:`backbone_in_eval`
+    after each ``model.train()``, so that the backbone's normalisation statistics stay as they are too."""
+    head = {id(p) for p in model.get_classifier().parameters()}
+    frozen = 0
+    for param in model.parameters():
+        if id(param) not in head:
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen
+
+
+def backbone_in_eval(model: nn.Module) -> None:
+    """Put every submodule outside the head in eval mode, the head (and ``model`` itself, whose own dropout
+    before the classifier belongs to the head) left as they are: batch-norm statistics are not updated and
+    the backbone's dropout and drop-path are off, as when features are extracted once and a classifier is
+    trained on them."""
+    head = {id(module) for module in model.get_classifier().modules()}
+    for module in model.modules():
+        if module is not model and id(module) not in head:
+            module.training = False
