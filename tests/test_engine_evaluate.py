@@ -40,6 +40,7 @@ def fake_trainer(raw: Evaluation, ema: Evaluation | None, best: dict | None) -> 
         classes=CLASSES,
         run_log=SimpleNamespace(evaluation=lambda *args: None),
         best_thresholds=None,
+        thresholds_split="validation",
     )
 
 
