@@ -29,6 +29,8 @@ EM_ALPHA = {"voc2012": 0.2, "coco": 0.1, "nuswide": 0.1, "cub": 0.01}
 # APL's beta and warm-up epochs, typed from Zhou et al.'s train.py (not read from spml.yaml).
 APL_BETA = {"voc2012": 0.02, "coco": 0.9, "nuswide": 0.2, "cub": 0.4}
 APL_WARMUP = {"voc2012": 5, "coco": 5, "nuswide": 4, "cub": 3}
+# EM's and EM+APL's batch size and lr, typed from Zhou et al.'s main.py (commit 9f960bc), per dataset.
+EM_BATCH_LR = {"voc2012": (8, 1e-5), "coco": (16, 1e-5), "nuswide": (16, 1e-5), "cub": (8, 1e-4)}
 TARGETS = {
     "full": "BinaryCrossEntropyLoss",
     "an": "AssumeNegativeLoss",
@@ -74,12 +76,13 @@ def test_preset_composes_to_the_released_protocol(method, dataset):
     assert (cfg.model.name, cfg.model.pretrained) == ("resnet50.tv_in1k", True)
     assert (cfg.dataset.image_size, cfg.dataset.transform) == (RELEASED["size"], "light")
     assert cfg.dataset.observed == ("all" if method == "full" else "single_positive")
-    assert (cfg.trainer.epochs, cfg.trainer.batch_size) == (RELEASED["epochs"], RELEASED["batch"])
+    batch, lr = EM_BATCH_LR[dataset] if method in ("em", "em_apl") else (RELEASED["batch"], RELEASED["lr"])
+    assert (cfg.trainer.epochs, cfg.trainer.batch_size) == (RELEASED["epochs"], batch)
     holdout = (cfg.dataset.holdout_fraction, cfg.dataset.holdout_labels)
     assert holdout == (RELEASED["holdout"], RELEASED["holdout_labels"])
     optim = cfg.optim
     assert optim._target_ == "torch.optim.Adam" and optim.weight_decay == 0.0
-    assert optim.lr_head == optim.lr_backbone == RELEASED["lr"]
+    assert optim.lr_head == optim.lr_backbone == lr
     assert cfg.sched.warmup_iters == 0
     factors = {cosine_factor(it, 100, cfg.sched.warmup_iters, cfg.sched.min_lr_ratio) for it in range(100)}
     assert factors == {1.0}  # a constant learning rate
@@ -241,6 +244,29 @@ def test_a_cell_reports_the_epoch_the_held_out_split_selected(held_out, tmp_path
     # the validation split at the selected epoch; a run without a held-out split: its last evaluation
     assert run.metrics == ({"mAP_class": 20.0, "mAP_sample": 25.0} if held_out else results["metrics"])
     assert run.attributes["method"] == "an" and run.deviations == ()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "deviations"),
+    [
+        ([], ()),  # Zhou et al.'s batch 8 and lr 1e-5 on VOC 2012: no departure
+        (
+            ["trainer.batch_size=16", "optim.lr_head=0.0001", "optim.lr_backbone=0.0001"],
+            (
+                "trainer.batch_size=16 (benchmark 8)",
+                "optim.lr_head=0.0001 (benchmark 1e-05)",
+                "optim.lr_backbone=0.0001 (benchmark 1e-05)",
+            ),
+        ),
+    ],
+)
+def test_em_cells_are_held_to_their_authors_batch_and_lr(tmp_path, overrides, deviations):
+    cfg = compose_config(["experiment=spml_em_apl", "dataset=voc2012", *overrides])
+    config = OmegaConf.to_container(cfg, resolve=True)
+    results = {"metrics": {"mAP_class": 30.0}, "epochs_completed": 10, "provenance": {"config": config}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    (run,) = spml.collect_spml_runs([tmp_path])
+    assert run.attributes["method"] == "em_apl" and run.deviations == deviations
 
 
 def test_tables_without_a_benchmark_run_is_one_line(tmp_path, capsys):

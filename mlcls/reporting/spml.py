@@ -220,9 +220,21 @@ def _method_of(config: Mapping[str, Any], attributes: Mapping[str, Any]) -> str 
     return method if method in SPML_METHODS and method != "full" else None
 
 
-def protocol_deviations(config: Mapping[str, Any], results: Mapping[str, Any]) -> list[str]:
-    """How a run departs from ``spml.yaml`` on :data:`PROTOCOL_KEYS` and its epochs, one phrase each."""
+# The methods whose preset takes the batch size and lr of its authors' code (spml.yaml's em_batch_size,
+# em_lr) instead of the benchmark's.
+OWN_BATCH_AND_LR = ("em", "em_apl")
+
+
+def protocol_deviations(
+    config: Mapping[str, Any], results: Mapping[str, Any], method: str | None = None
+) -> list[str]:
+    """How a run departs from ``spml.yaml`` on :data:`PROTOCOL_KEYS` and its epochs, one phrase each; for a
+    ``method`` of :data:`OWN_BATCH_AND_LR`, from its preset's batch size and lr for the run's dataset."""
     preset = OmegaConf.load(config_dir() / "experiment" / "spml.yaml")
+    dataset = config_value(config, "dataset.name")
+    if method in OWN_BATCH_AND_LR and dataset in preset.protocol.em_lr:
+        preset.protocol.batch_size = preset.protocol.em_batch_size[dataset]
+        preset.protocol.lr = preset.protocol.em_lr[dataset]
     deviations = []
     for key in PROTOCOL_KEYS:
         wanted = OmegaConf.select(preset, key)
@@ -264,7 +276,7 @@ def collect_spml_runs(
                 continue
             dataset = attributes["dataset"]
             attributes.update(method=method, dataset=(stand_ins or {}).get(dataset, dataset))
-            deviations = protocol_deviations(config, results)
+            deviations = protocol_deviations(config, results, method)
             if dataset != attributes["dataset"]:
                 deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
             if architecture(config) != "resnet50":
