@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from mlcls.data import build_dataset
+from mlcls.data.datasets import cub as cub_module
 from mlcls.data.datasets.base import DatasetConfigError, DatasetFormatError, DatasetLayoutError
 from mlcls.data.datasets.cub import CUB
 
@@ -108,6 +109,22 @@ def rewrite(path: Path, old: str, new: str) -> None:
     text = path.read_text()
     assert old in text
     path.write_text(text.replace(old, new, 1))
+
+
+def test_the_fast_reader_and_the_line_reader_agree(root: Path, monkeypatch) -> None:
+    """A valid file (extra fields on the release's malformed lines, blank lines) is read by NumPy alone;
+    both readers give :func:`truth`'s labels."""
+    labels = root / "CUB_200_2011/attributes/image_attribute_labels.txt"
+    labels.write_text("\n" + labels.read_text().replace("\n1 9 ", "\n\n1 9 ") + "\n\n")
+    ids = sorted(IMAGES)
+    expected = np.stack([truth()[i] for i in ids])
+    assert np.array_equal(cub_module.read_labels_by_line(labels, ids), expected)
+
+    def refuse(*args):
+        raise AssertionError("the line reader ran")
+
+    monkeypatch.setattr(cub_module, "read_labels_by_line", refuse)
+    assert np.array_equal(cub_module.read_attribute_labels(labels, ids), expected)
 
 
 def test_layout_and_format_errors(root: Path) -> None:
