@@ -107,3 +107,23 @@ def assert_dataset_setting_refused(override: str, message: str, capsys: pytest.C
     assert data_main(["stats", "dataset=synthetic", override]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def error_on_a_full_disk(main, argv: list[str], monkeypatch, capsys) -> str:
+    """The one stderr line of console entry point ``main`` run with ``argv`` (``argv[0]`` its name) while
+    every ``fsync`` of mlcls's atomic writes fails as on a full disk; it must exit with status 2."""
+    import errno
+
+    import mlcls.io as io_module
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(io_module.os, "fsync", full_disk)
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]

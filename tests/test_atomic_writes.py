@@ -13,11 +13,10 @@ import textwrap
 
 import pytest
 import torch
-from conftest import TINY, compose_config
+from conftest import TINY, compose_config, error_on_a_full_disk
 from test_inference_support import trained_run, write_images
 
 import mlcls.engine.checkpoint as checkpoint_module
-import mlcls.io as io_module
 from mlcls.cli import predict as predict_cli
 from mlcls.cli import resave as resave_cli
 from mlcls.engine.checkpoint import choose_resume_checkpoint, load_checkpoint, save_checkpoint
@@ -92,19 +91,16 @@ def test_predict_out_on_a_full_disk_is_one_line(tmp_path, tmp_path_factory, monk
     folder = tmp_path / "photos"
     write_images(folder, count=2)
     out = tmp_path / "predictions.jsonl"
-
-    def full_disk(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(io_module.os, "fsync", full_disk)
     monkeypatch.chdir(tmp_path)
-    argv = [f"checkpoint={run_dir / 'plain.pt'}", f"images={folder}", f"out={out}", "workers=0"]
-    monkeypatch.setattr(sys, "argv", ["mlcls-predict", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        predict_cli.main()
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"mlcls: error: cannot write {out}: no space left on the")
+    argv = [
+        "mlcls-predict",
+        f"checkpoint={run_dir / 'plain.pt'}",
+        f"images={folder}",
+        f"out={out}",
+        "workers=0",
+    ]
+    line = error_on_a_full_disk(predict_cli.main, argv, monkeypatch, capsys)
+    assert line.startswith(f"mlcls: error: cannot write {out}: no space left on the")
     assert not out.exists()
     assert list(tmp_path.glob(".predictions.jsonl.*")) == []
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import sys
 from pathlib import Path
@@ -10,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import cli, run_cli
+from conftest import cli, error_on_a_full_disk, run_cli
 from test_inference_support import PAPER_SPEC, reference_model, trained_run
 
-import mlcls.io as io_module
 from mlcls.cli import export as export_cli
 from mlcls.inference.export import export_checkpoint, read_metadata
 
@@ -85,19 +83,11 @@ def test_cli_exports_beside_the_checkpoint(run_dir, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
 def test_cli_on_a_full_disk_is_one_line_and_leaves_no_file(run_dir, tmp_path, monkeypatch, capsys, fmt):
-    def full_disk(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(io_module.os, "fsync", full_disk)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "deploy" / f"model.{fmt}"
-    argv = [f"checkpoint={run_dir / 'plain.pt'}", f"format={fmt}", f"out={out}"]
-    monkeypatch.setattr(sys, "argv", ["mlcls-export", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        export_cli.main()
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"mlcls: error: cannot write {out}: no space left on the")
+    argv = ["mlcls-export", f"checkpoint={run_dir / 'plain.pt'}", f"format={fmt}", f"out={out}"]
+    line = error_on_a_full_disk(export_cli.main, argv, monkeypatch, capsys)
+    assert line.startswith(f"mlcls: error: cannot write {out}: no space left on the")
     assert list(out.parent.iterdir()) == []  # neither the file nor a temporary one
 
 
