@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import html
 import io
+import re
 from pathlib import Path
 
 from mlcls.io import atomic_write_bytes
@@ -17,16 +18,25 @@ from mlcls.reporting.table_specs import FilledCell, FilledTable
 # The first characters that make a spreadsheet read a cell as a formula (OWASP's CSV injection list).
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
+# The characters markdown_text escapes with a backslash (the backslash first: it escapes the others).
+MARKDOWN_ESCAPED = "\\|[]*~`"
+# An underscore that may open or close emphasis: not between two letters or digits (CommonMark never
+# reads one within a word as emphasis, so batch_size and mAP_class stay as they are).
+EMPHASIS_UNDERSCORE = re.compile(r"(?<![^\W_])_|_(?![^\W_])")
+
 CSV_COLUMNS = ("table", "row", "column", "metric", "ours", "paper", "diff", "runs", "deviations", "run_dirs")
 
 
 def markdown_text(text: str) -> str:
     """``text`` for a Markdown table cell or list item, shown as it is: ``&``, ``<`` and ``>`` as HTML
-    entities (no raw HTML), ``|`` escaped (no new cell), ``[`` and ``]`` escaped (no link or image; a
-    backslash too, so that none undoes an escape), each line break as ``<br>`` (no new row)."""
+    entities (no raw HTML), ``|`` escaped (no new cell), ``[`` and ``]`` escaped (no link or image),
+    ``*``, ``~``, backticks and the underscores of :data:`EMPHASIS_UNDERSCORE` escaped (no emphasis,
+    strike-through or code span: ``_target_`` stays ``_target_``), a backslash too, so that none undoes an
+    escape; each line break as ``<br>`` (no new row)."""
     escaped = html.escape(text, quote=False)
-    for char in "\\|[]":
+    for char in MARKDOWN_ESCAPED:
         escaped = escaped.replace(char, "\\" + char)
+    escaped = EMPHASIS_UNDERSCORE.sub(r"\\_", escaped)
     return "<br>".join(escaped.splitlines())
 
 
