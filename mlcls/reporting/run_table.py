@@ -17,9 +17,8 @@ Columns, in order:
 
 The runs may be anyone's: their text is shown as it is in every form. Markdown cells are escaped
 (:func:`mlcls.reporting.render.markdown_text`: no raw HTML, link, emphasis, new cell or row), CSV cells that
-start like
-a formula get a ``'`` in front (:func:`mlcls.reporting.render.spreadsheet_text`); JSON holds the values
-unchanged.
+start like a formula get a ``'`` in front (:func:`mlcls.reporting.render.spreadsheet_text`); JSON holds the
+values unchanged.
 """
 
 from __future__ import annotations
