@@ -154,10 +154,9 @@ def carry_loss_state(criterion: Any, state: dict[str, Any], path: str, loss_targ
     if not current:
         return
     stored = state.get("loss")
-    config = state.get("config") if isinstance(state.get("config"), dict) else {}
-    stored_target = (
-        (config.get("loss") or {}).get("_target_") if isinstance(config.get("loss"), dict) else None
-    )
+    config = state.get("config")
+    stored_loss = config.get("loss") if isinstance(config, dict) else None
+    stored_target = stored_loss.get("_target_") if isinstance(stored_loss, dict) else None
     fits = (
         isinstance(stored, dict)
         and stored_target == loss_target

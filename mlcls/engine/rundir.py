@@ -143,8 +143,8 @@ def acquire_run_lock(run_dir: Path) -> None:
 
     A lock of a live run raises :class:`RunDirLocked` naming its holder; a stale one (its process gone
     from this host, or its process id now another process's: :func:`process_identity`) is taken over with a
-    warning. The lock appears with its content in one step (a hard
-    link of a complete file), so no run reads a half-written one. Processes taking over the same stale
+    warning. The lock appears with its content in one step (a hard link of a complete file), so no run reads
+    a half-written one. Processes taking over the same stale
     lock at once take turns (:func:`_take_over_if_stale`): exactly one of them holds it.
     """
     lock = run_dir / LOCK_NAME

@@ -335,16 +335,13 @@ class Trainer:
         weights = {"raw": self.model} | ({} if self.ema is None else {"ema": self.ema.module})
         evaluations = {name: self.evaluate(model) for name, model in weights.items()}
         held_out = self.data.holdout_loader is not None
-        calibration = evaluations
+        selections = {}
         if held_out:
-            calibration = {
-                name: self.evaluate(model, self.data.holdout_loader) for name, model in weights.items()
-            }
-            for name, selection in calibration.items():
+            selections = {name: self.evaluate(m, self.data.holdout_loader) for name, m in weights.items()}
+            for name, selection in selections.items():
                 evaluations[name].metrics["selection"] = headline(selection.metrics)
-            if self.thresholds_split == "validation":
-                calibration = evaluations
         split = self.thresholds_split
+        calibration = selections if split == "holdout" else evaluations
         metrics = evaluations["raw"].metrics
         if "ema" in evaluations:
             metrics["ema"] = evaluations["ema"].metrics

@@ -137,13 +137,10 @@ def freeze_backbone(model: nn.Module) -> int:
     ``get_classifier()`` stops requiring gradients, so the optimizer, DDP's gradient reduction and the
     backward pass leave it out. Returns the number of parameters frozen. Call :func:`backbone_in_eval`
     after each ``model.train()``, so that the backbone's normalisation statistics stay as they are too."""
-    head = {id(p) for p in model.get_classifier().parameters()}
-    frozen = 0
-    for param in model.parameters():
-        if id(param) not in head:
-            param.requires_grad_(False)
-            frozen += param.numel()
-    return frozen
+    _, backbone = split_parameters(model)
+    for param in backbone:
+        param.requires_grad_(False)
+    return sum(param.numel() for param in backbone)
 
 
 def backbone_in_eval(model: nn.Module) -> None:
