@@ -5,14 +5,18 @@ other mlcls import), for the engine's checkpoints and results and the data tools
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
 import stat
 import tempfile
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import yaml
 
 # errno values of a full disk or an exhausted quota
 _FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -41,24 +45,61 @@ _KINDS = (
 )
 
 
-def open_regular(path: str | Path, mode: str = "rb", **kwargs) -> IO:
-    """``open(path, mode, **kwargs)`` for reading, refused with :class:`NotRegularFileError` unless ``path``
-    (after symbolic links) is a regular file.
+class FileTooLargeError(ValueError):
+    """A file is larger than the cap for what it holds; nothing of it was read."""
 
-    A dataset's lists and annotations, a CSV or a local shard are named by a config -- or by a checkpoint
-    from someone else, read by ``mlcls-eval``. A pipe, a terminal or a device there (``/dev/stdin``,
-    ``/dev/zero``) would block the reader or never end. The path is opened without blocking (a pipe with no
-    writer opens at once), its type read from the open file, and only a regular file is read on.
-    A missing path raises :class:`FileNotFoundError`, as ``open`` does.
+
+class UnsafeFileError(ValueError):
+    """A file's structure asks for more than it holds (a YAML alias, a compressed checkpoint member)."""
+
+
+MiB = 2**20
+GiB = 2**30
+
+# Caps for files whose content mlcls reads whole. A legitimate file of each kind is far below its cap.
+CAPS = {
+    "config": 4 * MiB,  # a run's config.yaml, a dataset YAML
+    "results": 64 * MiB,  # results.json (per-class AP, the history)
+    "lock": 64 * 1024,  # a run directory's .lock (host, pid, start time)
+    "class list": 64 * MiB,  # a file of class names, one a line
+    "manifest": 256 * MiB,  # a pack's manifest.json and classes.json
+    "image": 256 * MiB,  # one encoded image
+    "label file": 8 * GiB,  # a dataset's annotation JSON, CSV or list
+    "predictions": 4 * GiB,  # val_predictions.npz
+    "checkpoint": 64 * GiB,  # a checkpoint or a released weights file
+}
+
+
+def _describe(size: int) -> str:
+    return f"{size / MiB:.1f} MiB" if size >= MiB else f"{size} bytes"
+
+
+def open_regular(
+    path: str | Path, mode: str = "rb", *, max_bytes: int | None = None, what: str = "file", **kwargs
+) -> IO:
+    """``open(path, mode, **kwargs)`` for reading: the one way mlcls opens a file it did not write in this
+    process. Refused with :class:`NotRegularFileError` unless ``path`` (after symbolic links) is a regular
+    file, and with :class:`FileTooLargeError` when ``max_bytes`` is given and the file is larger.
+
+    A dataset's lists and annotations, a CSV, an image, a checkpoint or a run directory's files are named by
+    a config -- or by a file from someone else. A pipe, a terminal or a device there (``/dev/stdin``,
+    ``/dev/zero``) would block the reader or never end. The path is opened once, without blocking (a pipe
+    with no writer opens at once), and its type and size are read from that open descriptor, so a symbolic
+    link flipped between a check and the open cannot slip a pipe in. A missing path raises
+    :class:`FileNotFoundError`, as ``open`` does.
     """
     if any(flag in mode for flag in "wax+"):
         raise ValueError(f"open_regular reads files; mode {mode!r} writes")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        kind = os.fstat(fd).st_mode
-        if not stat.S_ISREG(kind):
-            named = next((name for test, name in _KINDS if test(kind)), "not a regular file")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            named = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
             raise NotRegularFileError(f"{path} is {named}; expected a regular file")
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise FileTooLargeError(
+                f"{path} is {_describe(info.st_size)}; a {what} of at most {_describe(max_bytes)} expected"
+            )
         os.set_blocking(fd, True)
         return open(fd, mode, **kwargs)
     except BaseException:
@@ -66,10 +107,99 @@ def open_regular(path: str | Path, mode: str = "rb", **kwargs) -> IO:
         raise
 
 
-def read_regular_bytes(path: str | Path) -> bytes:
-    """The bytes of the regular file ``path`` (:func:`open_regular`)."""
-    with open_regular(path) as f:
-        return f.read()
+def read_regular_bytes(path: str | Path, max_bytes: int | None = None, what: str = "file") -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``max_bytes`` of them: a file
+    that grows past the cap while it is read is refused too."""
+    with open_regular(path, max_bytes=max_bytes, what=what) as f:
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise FileTooLargeError(f"{path} grew past {_describe(max_bytes)} while read; a {what} expected")
+    return data
+
+
+def read_text(path: str | Path, what: str, max_bytes: int | None = None, errors: str = "strict") -> str:
+    """The UTF-8 text of the regular file ``path``, capped at ``max_bytes`` (default: ``CAPS[what]``)."""
+    cap = CAPS[what] if max_bytes is None else max_bytes
+    return read_regular_bytes(path, cap, what).decode("utf-8", errors=errors)
+
+
+def read_json(path: str | Path, what: str, max_bytes: int | None = None) -> Any:
+    """The JSON content of the regular file ``path``, capped as :func:`read_text`. JSON has no
+    references, so what it builds is bounded by a small multiple of its text; nesting deeper than Python's
+    recursion limit is refused as :class:`ValueError`, never a ``RecursionError``."""
+    text = read_text(path, what, max_bytes)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{path} nests deeper than a {what} can") from None
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with aliases refused: an alias lets a few kilobytes of YAML expand into
+    gigabytes (a "billion laughs"), and no file mlcls writes uses one."""
+
+    def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise UnsafeFileError(
+                f"YAML alias *{event.anchor} at line {event.start_mark.line + 1}; aliases are not read"
+            )
+        return super().compose_node(parent, index)
+
+
+def load_yaml_text(text: str, source: str = "YAML") -> Any:
+    """YAML ``text`` read as plain data, aliases refused (:class:`UnsafeFileError`)."""
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader
+    except UnsafeFileError as exc:
+        raise UnsafeFileError(f"{source}: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{source} nests too deep") from None
+
+
+def read_yaml(path: str | Path, what: str = "config", max_bytes: int | None = None) -> Any:
+    """The YAML content of the regular file ``path`` as plain data: capped as :func:`read_text`, aliases
+    refused, so what it builds is bounded by a small multiple of its size."""
+    return load_yaml_text(read_text(path, what, max_bytes), str(path))
+
+
+def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
+    """The regular file ``path`` opened for ``torch.load``, once its zip members have been checked.
+
+    ``torch.save`` writes a zip archive whose members are stored, not compressed. A member that is
+    deflated, or whose declared size differs from the bytes it occupies, lets a file of a few megabytes
+    unpack into gigabytes: it is refused (:class:`UnsafeFileError`), as is an archive whose members
+    declare more bytes in all than the file holds (members that overlap). What ``torch.load`` then builds
+    is bounded by the file's size; a tensor whose shape asks for more than its stored bytes is refused by
+    ``torch.load`` itself. A file that is not a zip archive (the format of torch before 1.6) is refused.
+    """
+    file = open_regular(path, "rb", max_bytes=CAPS["checkpoint"], what=what)
+    try:
+        size = os.fstat(file.fileno()).st_size
+        try:
+            with zipfile.ZipFile(file) as archive:  # a file object passed in is left open
+                members = archive.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+            raise UnsafeFileError(
+                f"{path} is not a {what} written by torch.save (not a zip archive: {exc})"
+            ) from None
+        declared = 0
+        for member in members:
+            if member.compress_type != zipfile.ZIP_STORED or member.file_size != member.compress_size:
+                raise UnsafeFileError(
+                    f"{path}: member {member.filename!r} is compressed ({_describe(member.compress_size)} "
+                    f"declaring {_describe(member.file_size)}); torch.save stores members uncompressed"
+                )
+            declared += member.file_size
+        if declared > size:
+            raise UnsafeFileError(
+                f"{path}: its members declare {_describe(declared)} in a file of {_describe(size)}"
+            )
+        file.seek(0)
+        return file
+    except BaseException:
+        file.close()
+        raise
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:

@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # re-exported: checkpoints, results and plots use them
-from mlcls.io import atomic_write, raise_if_disk_full
+from mlcls.io import atomic_write, open_checkpoint, raise_if_disk_full
 
 log = logging.getLogger("mlcls")
 
@@ -77,10 +77,15 @@ def load_checkpoint(
     :class:`CheckpointError` for a missing or unreadable one.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=not trust)
+        file = open_checkpoint(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except (OSError, ValueError) as exc:  # not a regular file, too large, compressed members
+        raise CheckpointError(f"checkpoint {exc}" if str(exc).startswith(str(path)) else str(exc)) from None
+    try:
+        with file:
+            state = torch.load(file, map_location=map_location, weights_only=not trust)
     except Exception as exc:  # truncated zip, wrong file type, pickling error
         needed = re.search(r"GLOBAL ([\w.]+)", str(exc))
         if not trust and needed:
