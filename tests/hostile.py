@@ -37,8 +37,9 @@ class Outcome:
     @property
     def escaped(self) -> bool:
         """The read exhausted its memory or time, or crashed: not a clean refusal."""
-        return self.error in {"MemoryError", "Timeout", "Killed", "RecursionError"} or (
-            "MemoryError" in self.trace
+        exhausted = ("MemoryError", "bad_alloc", "can't allocate memory", "RecursionError")
+        return self.error in {"MemoryError", "Timeout", "Killed", "RecursionError"} or any(
+            sign in self.trace or sign in self.message for sign in exhausted
         )
 
 
