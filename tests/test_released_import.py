@@ -272,6 +272,8 @@ def test_csra_lam_is_its_authors_for_each_released_file_and_asked_for_otherwise(
         message = str(error.value)
         assert "none of its authors' released files" in message and "give lam=X" in message
         assert len(message.splitlines()) == 1
+    with pytest.raises(InferenceError, match=r"it has 5 heads; CSRA's code builds \[1, 2, 4, 6, 8\]"):
+        released_model_config("csra", csra_heads(80, 5), lam=0.3)  # old: a ValueError traceback
 
 
 KEYS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]

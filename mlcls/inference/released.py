@@ -43,6 +43,7 @@ from mlcls.data.pipeline.preprocess import preprocess_spec
 from mlcls.errors import InferenceError, plural, shown
 from mlcls.io import FileTooLargeError, NotRegularFileError, UnsafeFileError, open_checkpoint
 from mlcls.models import create_model
+from mlcls.models.heads.csra import TEMPERATURES
 from mlcls.models.released import tresnet_key, tresnet_value, tresnet_variant
 
 # MS-COCO's 80 categories in category-id order (the order of the COCO API and of every released COCO model)
@@ -184,6 +185,8 @@ def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: fl
     }
     if fmt == "csra":
         heads, classes = sum(key.startswith("classifier.multi_head.") for key in weights), int(head.shape[0])
+        if heads not in TEMPERATURES:
+            raise _misfit(fmt, f"it has {plural(heads, 'head')}; CSRA's code builds {sorted(TEMPERATURES)}")
         if lam is None and (heads, classes) not in CSRA_LAM:
             known = ", ".join(f"{h} for {c}" for h, c in CSRA_LAM)
             raise InferenceError(
