@@ -1,7 +1,7 @@
-"""The ``strong`` recipe: CutoutPIL's rectangle, the recipe's steps, a squash-resize for
-evaluation, and an augmentation that is a function of the sample's seed on the ``torchvision`` and ``fast``
-backends (exact resume); ``dali`` refuses it. The normalisation of every transform: ``dataset.mean`` and
-``dataset.std``, checked."""
+"""The ``strong`` recipe: CutoutPIL's rectangle (the authors', pixel for pixel), the recipe's steps, a
+squash-resize for evaluation, and an augmentation that is a function of the sample's seed on the
+``torchvision`` and ``fast`` backends (exact resume); ``dali`` refuses it. The normalisation of every
+transform: ``dataset.mean`` and ``dataset.std``, checked."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from data_fixtures import PhotoFiles, write_photos
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from mlcls.data import DatasetConfigError, build_dataset
 from mlcls.data.loader import build_train_loader
@@ -38,9 +38,47 @@ def cut_region(image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int, int
     return changed, (int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1)
 
 
+def authors_cutout(image: Image.Image, cutout_factor: float) -> Image.Image:
+    """The reference: ML-Decoder's ``CutoutPIL`` drawn as the authors draw it, ``ImageDraw.rectangle`` from
+    ``c - k // 2`` to ``c + k // 2`` (both ends painted), ``k = int(f * side + 0.5)``, ends clipped to
+    ``[0, side]``; the centre (column, row) and the colour taken from torch's generator in mlcls's order."""
+    width, height = image.size
+    k_columns, k_rows = int(cutout_factor * width + 0.5), int(cutout_factor * height + 0.5)
+    x, y = int(torch.randint(width, (1,))), int(torch.randint(height, (1,)))
+    colour = tuple(torch.randint(256, (3,)).tolist())
+    box = [
+        np.clip(x - k_columns // 2, 0, width),
+        np.clip(y - k_rows // 2, 0, height),
+        np.clip(x + k_columns // 2, 0, width),
+        np.clip(y + k_rows // 2, 0, height),
+    ]
+    out = image.copy()
+    ImageDraw.Draw(out).rectangle(box, fill=colour)
+    return out
+
+
+def test_cutout_paints_the_authors_rectangle() -> None:
+    """At 448 px under ``torch.manual_seed(0)`` the centre is (172, 367) and the authors paint columns
+    60-284 (225 columns, both ends of ``172 -+ 112``); over 200 draws at 448 px and at odd sizes and factors
+    every painted image equals the authors' ``ImageDraw.rectangle`` (the old box, half-open and
+    ``round(f * side)`` wide, differed in 383 of 400)."""
+    grey = Image.new("RGB", (448, 448), GREY)
+    torch.manual_seed(0)
+    _, (left, top, right, bottom) = cut_region(CutoutPIL(0.5)(grey))
+    assert (left, right - 1) == (60, 284) and (top, bottom - 1) == (367 - 112, 447)
+    cases = [(448, 448, 0.5)] * 200 + [(45, 45, 0.3), (31, 31, 0.25), (9, 9, 1.0), (9, 9, 0.0)] * 25
+    for seed, (width, height, factor) in enumerate(cases):
+        image = Image.new("RGB", (width, height), GREY)
+        torch.manual_seed(seed)
+        ours = CutoutPIL(factor)(image)
+        torch.manual_seed(seed)
+        assert ours.tobytes() == authors_cutout(image, factor).tobytes(), (seed, factor)
+
+
 def test_cutout_pastes_one_clipped_rectangle_of_one_colour() -> None:
-    """On a 40 x 20 grey image, factor 0.5: a filled 20 x 10 rectangle, smaller only where it meets a border;
-    its centre spreads over the whole image; the input is untouched."""
+    """On a 40 x 20 grey image, factor 0.5: a filled 21 x 11 rectangle (both ends of ``c -+ k // 2``),
+    smaller only where it meets a border; its centre spreads over the whole image; the input is
+    untouched."""
     grey = Image.new("RGB", (40, 20), GREY)
     cutout, centres, full_size = CutoutPIL(0.5), [], 0
     for seed in range(200):
@@ -50,10 +88,10 @@ def test_cutout_pastes_one_clipped_rectangle_of_one_colour() -> None:
         colours = np.asarray(out)[top:bottom, left:right].reshape(-1, 3)
         assert (colours == colours[0]).all()  # one colour
         width, height = right - left, bottom - top
-        assert width <= 20 and height <= 10
-        assert width == 20 or left == 0 or right == 40
-        assert height == 10 or top == 0 or bottom == 20
-        full_size += (width, height) == (20, 10)
+        assert width <= 21 and height <= 11
+        assert width == 21 or left == 0 or right == 40
+        assert height == 11 or top == 0 or bottom == 20
+        full_size += (width, height) == (21, 11)
         centres.append(((left + right) / 2, (top + bottom) / 2))
     assert np.asarray(grey).tolist() == np.full((20, 40, 3), 128).tolist()
     xs, ys = np.array(centres).T

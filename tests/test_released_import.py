@@ -8,10 +8,16 @@ heads from their equations (tests/test_models_heads.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import zipfile
+
 import pytest
 import timm
 import torch
 import torchvision
+from hostile import bounded
 from test_models_heads import reference_csra, reference_mldecoder
 from timm.layers import ConvNormAct
 from timm.models.tresnet import checkpoint_filter_fn
@@ -19,8 +25,9 @@ from torch import nn
 
 from mlcls.cli.import_ import main
 from mlcls.data.datasets.voc import VOC_CLASSES
+from mlcls.errors import InferenceError
 from mlcls.inference.predictor import load_inference_model
-from mlcls.inference.released import COCO_CLASSES, released_classes
+from mlcls.inference.released import COCO_CLASSES, convert_weights, released_classes, released_model_config
 from mlcls.models.heads import MLDecoder
 from mlcls.models.released import TRESNETS, tresnet_variant
 
@@ -101,7 +108,7 @@ def test_mldecoder_tresnet_m_coco_matches_timm_and_the_head_equations(tmp_path):
         torch.testing.assert_close(inference.model(images).double(), expected, atol=2e-4, rtol=2e-4)
 
 
-def test_asl_tresnet_m_with_a_class_file_matches_timm(tmp_path):
+def test_asl_tresnet_m_with_a_class_file_matches_timm(tmp_path, capsys):
     torch.manual_seed(1)
     full = released_tresnet("tresnet_m", num_classes=7)
     # files of InPlace-ABN before its version 2 have no num_batches_tracked
@@ -112,6 +119,9 @@ def test_asl_tresnet_m_with_a_class_file_matches_timm(tmp_path):
     assert inference.classes == [f"class {i}" for i in range(7)]
     assert inference.config["model"]["head"] == "linear" and inference.preprocess["resize"] == [448, 448]
     assert inference.config["dataset"]["name"] == "csv"
+    assert (
+        ": tresnet_m with a linear head, 7 classes, 448 px input" in capsys.readouterr().err
+    )  # not "classs"
     reference = timm_reference("tresnet_m", full, num_classes=7)
     images = torch.rand(2, 3, SIZE, SIZE)
     with torch.no_grad():
@@ -226,7 +236,6 @@ def test_class_names_are_required_where_the_file_has_none(tmp_path, capsys):
         ValueError, match="holds 9605 classes \\(Open Images\\) but not their names; give them with classes="
     ):
         released_classes(9605, None, {}, "oi.pth")
-    assert released_classes(3, None, {"idx_to_class": {2: "c", 0: "a", 1: "b"}}, "f") == ["a", "b", "c"]
     assert released_classes(20, None, {}, "f") == list(VOC_CLASSES)  # CSRA's voc_cls_id order
     torch.manual_seed(0)
     source = tmp_path / "asl.pth"
@@ -235,3 +244,112 @@ def test_class_names_are_required_where_the_file_has_none(tmp_path, capsys):
     assert "holds 5 classes but not their names; give them with classes=" in err
     err = one_line_error(capsys, ["asl", str(source), "classes.txt"])
     assert "unexpected argument 'classes.txt'" in err
+
+
+# CSRA's lambda per released file, by (heads, classes), typed from CSRA's README (Kevinz-code/CSRA at
+# c8480d1): VOC 2007 1 head at 0.1; COCO ResNet-101 4 heads at 0.5; COCO ResNet-cut (CutMix) 6 heads at 0.4.
+CSRA_README_LAM = {(1, 20): 0.1, (4, 80): 0.5, (6, 80): 0.4}
+
+
+def csra_heads(classes: int, heads: int) -> dict[str, torch.Tensor]:
+    """The head entries of a CSRA file (meta tensors): what its lambda is told by."""
+    with torch.device("meta"):
+        return {
+            f"classifier.multi_head.{i}.head.weight": torch.empty(classes, 2048, 1, 1) for i in range(heads)
+        }
+
+
+def test_csra_lam_is_its_authors_for_each_released_file_and_asked_for_otherwise():
+    """The 6-head COCO file was trained at lam 0.4, not the 0.5 of the 4-head one (old: 0.5 for every
+    80-class file); a file of other heads or classes stops with one line asking for lam=."""
+    for (heads, classes), lam in CSRA_README_LAM.items():
+        config = released_model_config("csra", csra_heads(classes, heads))
+        assert (config["csra_heads"], config["csra_lam"]) == (heads, lam)
+    assert released_model_config("csra", csra_heads(80, 6), lam=0.25)["csra_lam"] == 0.25
+    for heads, classes in [(2, 80), (1, 80), (4, 20), (1, 14)]:
+        with pytest.raises(InferenceError) as error:
+            released_model_config("csra", csra_heads(classes, heads))
+        message = str(error.value)
+        assert "none of its authors' released files" in message and "give lam=X" in message
+        assert len(message.splitlines()) == 1
+    with pytest.raises(InferenceError, match=r"it has 5 heads; CSRA's code builds \[1, 2, 4, 6, 8\]"):
+        released_model_config("csra", csra_heads(80, 5), lam=0.3)  # old: a ValueError traceback
+
+
+KEYS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("key_type", [int, str])
+def test_idx_to_class_is_taken_in_the_files_order(key_type):
+    """The authors' infer.py names output i by the i-th of ``idx_to_class.values()``. For the string keys
+    "0".."11", sorting (old) gives "0", "1", "10", "11", "2", ...: the names differ from index 2 on."""
+    table = {key_type(index): f"name {index}" for index in KEYS}
+    assert released_classes(12, None, {"idx_to_class": table}, "f") == [f"name {index}" for index in KEYS]
+
+
+def test_duplicate_class_names_are_refused_in_one_line():
+    for given, meta in [(["a", "b", "a"], {}), (None, {"idx_to_class": {0: "cat", 1: "cat", 2: "dog"}})]:
+        with pytest.raises(
+            InferenceError, match="names '(a|cat)' twice \\(entries 0 and (2|1)\\); expected distinct"
+        ):
+            released_classes(3, given, meta, "f")
+
+
+def test_a_non_numeric_block_key_stops_in_one_line():
+    """Old: ``ValueError: invalid literal for int() with base 10: 'x'``, a traceback."""
+    with torch.device("meta"):
+        weights = released_tresnet("tresnet_m", num_classes=3)
+    weights["body.layer2.x.conv1.0.weight"] = weights["body.conv1.0.weight"]
+    config = released_model_config("asl", weights)
+    with pytest.raises(
+        InferenceError, match="its key 'body.layer2.x.conv1.0.weight' has no place in tresnet_m"
+    ):
+        convert_weights("asl", weights, config)
+
+
+def import_outcome(argv: list[str]) -> tuple[int, str]:
+    """``mlcls-import argv`` in this process: its exit status and what it wrote to stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit as exit_info:
+            return int(exit_info.code), err.getvalue()
+    return 0, err.getvalue()
+
+
+def assert_one_line(outcome, *expected: str) -> None:
+    assert not outcome.escaped and outcome.error is None, (outcome.error, outcome.message, outcome.trace)
+    code, err = outcome.value
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("mlcls: error: "), err
+    assert all(text in err for text in expected), err
+
+
+def test_a_released_file_with_a_deflated_member_is_refused_before_it_is_unpacked(tmp_path):
+    """64 MiB of weights deflated into a file of about 64 kB: refused in one line under a cap of 32 MiB
+    (old: unpacked by torch.load, +300 MB RSS for a 0.29 MB file)."""
+    torch.save({"conv1.weight": torch.zeros(16 * 2**20)}, tmp_path / "stored.pth")
+    source = tmp_path / "deflated.pth"
+    with zipfile.ZipFile(tmp_path / "stored.pth") as stored, zipfile.ZipFile(source, "w") as deflated:
+        for info in stored.infolist():
+            deflated.writestr(info.filename, stored.read(info.filename), compress_type=zipfile.ZIP_DEFLATED)
+    assert source.stat().st_size < 2**20
+    outcome = bounded(
+        import_outcome, ["csra", str(source), f"out={tmp_path / 'o.pt'}"], memory_mb=32, seconds=20
+    )
+    assert_one_line(outcome, "is compressed", "torch.save stores members uncompressed")
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_a_device_or_a_pipe_is_refused_at_once(tmp_path):
+    """``/dev/zero`` as the released file, and a FIFO without a writer as ``classes=`` (old: blocked for
+    good), each stop with one line naming what the path is."""
+    outcome = bounded(
+        import_outcome, ["csra", "/dev/zero", f"out={tmp_path / 'o.pt'}"], memory_mb=64, seconds=10
+    )
+    assert_one_line(outcome, "/dev/zero is a character device; expected a regular file")
+    fifo = tmp_path / "classes.fifo"
+    os.mkfifo(fifo)
+    argv = ["asl", "/dev/null", f"out={tmp_path / 'o.pt'}", f"classes={fifo}"]
+    outcome = bounded(import_outcome, argv, memory_mb=64, seconds=10)
+    assert_one_line(outcome, f"classes={fifo}", "is a pipe (FIFO); expected a regular file")

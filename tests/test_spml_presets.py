@@ -31,6 +31,9 @@ APL_BETA = {"voc2012": 0.02, "coco": 0.9, "nuswide": 0.2, "cub": 0.4}
 APL_WARMUP = {"voc2012": 5, "coco": 5, "nuswide": 4, "cub": 3}
 # EM's and EM+APL's batch size and lr, typed from Zhou et al.'s main.py (commit 9f960bc), per dataset.
 EM_BATCH_LR = {"voc2012": (8, 1e-5), "coco": (16, 1e-5), "nuswide": (16, 1e-5), "cub": (8, 1e-4)}
+# LL's batch size and (backbone, classifier) lr, typed from Kim et al.'s config.py and train.py (5025d16):
+# bsize 16, lr 1e-5, the classifier at lr_mult 10 times it, for every dataset.
+LL_BATCH_LR = (16, (1e-5, 1e-4))
 TARGETS = {
     "full": "BinaryCrossEntropyLoss",
     "an": "AssumeNegativeLoss",
@@ -76,13 +79,18 @@ def test_preset_composes_to_the_released_protocol(method, dataset):
     assert (cfg.model.name, cfg.model.pretrained) == ("resnet50.tv_in1k", True)
     assert (cfg.dataset.image_size, cfg.dataset.transform) == (RELEASED["size"], "light")
     assert cfg.dataset.observed == ("all" if method == "full" else "single_positive")
-    batch, lr = EM_BATCH_LR[dataset] if method in ("em", "em_apl") else (RELEASED["batch"], RELEASED["lr"])
+    batch, lrs = RELEASED["batch"], (RELEASED["lr"], RELEASED["lr"])
+    if method in ("em", "em_apl"):
+        batch, lr = EM_BATCH_LR[dataset]
+        lrs = (lr, lr)
+    if method.startswith("ll_"):
+        batch, lrs = LL_BATCH_LR
     assert (cfg.trainer.epochs, cfg.trainer.batch_size) == (RELEASED["epochs"], batch)
     holdout = (cfg.dataset.holdout_fraction, cfg.dataset.holdout_labels)
     assert holdout == (RELEASED["holdout"], RELEASED["holdout_labels"])
     optim = cfg.optim
     assert optim._target_ == "torch.optim.Adam" and optim.weight_decay == 0.0
-    assert optim.lr_head == optim.lr_backbone == lr
+    assert (optim.lr_backbone, optim.lr_head) == lrs
     assert cfg.sched.warmup_iters == 0
     factors = {cosine_factor(it, 100, cfg.sched.warmup_iters, cfg.sched.min_lr_ratio) for it in range(100)}
     assert factors == {1.0}  # a constant learning rate
@@ -247,10 +255,11 @@ def test_a_cell_reports_the_epoch_the_held_out_split_selected(held_out, tmp_path
 
 
 @pytest.mark.parametrize(
-    ("overrides", "deviations"),
+    ("preset", "overrides", "deviations"),
     [
-        ([], ()),  # Zhou et al.'s batch 8 and lr 1e-5 on VOC 2012: no departure
+        ("spml_em_apl", [], ()),  # Zhou et al.'s batch 8 and lr 1e-5 on VOC 2012: no departure
         (
+            "spml_em_apl",
             ["trainer.batch_size=16", "optim.lr_head=0.0001", "optim.lr_backbone=0.0001"],
             (
                 "trainer.batch_size=16 (benchmark 8)",
@@ -258,15 +267,21 @@ def test_a_cell_reports_the_epoch_the_held_out_split_selected(held_out, tmp_path
                 "optim.lr_backbone=0.0001 (benchmark 1e-05)",
             ),
         ),
+        ("spml_ll_ct", [], ()),  # Kim et al.'s lr 1e-5, the classifier at 1e-4: no departure
+        (
+            "spml_ll_r",
+            ["optim.lr_head=0.0001", "optim.lr_backbone=0.0001"],
+            ("optim.lr_backbone=0.0001 (benchmark 1e-05)",),
+        ),
     ],
 )
-def test_em_cells_are_held_to_their_authors_batch_and_lr(tmp_path, overrides, deviations):
-    cfg = compose_config(["experiment=spml_em_apl", "dataset=voc2012", *overrides])
+def test_em_and_ll_cells_are_held_to_their_authors_batch_and_lr(tmp_path, preset, overrides, deviations):
+    cfg = compose_config([f"experiment={preset}", "dataset=voc2012", *overrides])
     config = OmegaConf.to_container(cfg, resolve=True)
     results = {"metrics": {"mAP_class": 30.0}, "epochs_completed": 10, "provenance": {"config": config}}
     (tmp_path / "results.json").write_text(json.dumps(results))
     (run,) = spml.collect_spml_runs([tmp_path])
-    assert run.attributes["method"] == "em_apl" and run.deviations == deviations
+    assert run.attributes["method"] == preset.removeprefix("spml_") and run.deviations == deviations
 
 
 def test_tables_without_a_benchmark_run_is_one_line(tmp_path, capsys):

@@ -9,7 +9,8 @@ mlcls's models: :mod:`mlcls.inference.released`. The checkpoint written to ``out
 ``mlcls-eval``, ``mlcls-predict``, ``mlcls-export`` and ``mlcls-train model.init_from=OUT.pt``. Options:
 ``classes=FILE`` (one class name a line, in the model's order: needed where the file holds neither names
 nor a known class count, e.g. Open Images' 9,605), ``image_size=N`` (the authors' by default) and
-``lam=X`` (CSRA's lambda: 0.1 for VOC, 0.5 for COCO by default).
+``lam=X`` (CSRA's lambda: by default its authors' for their released files, 0.1 for VOC's 1 head, 0.5 for
+COCO's 4 heads, 0.4 for COCO's 6; required for any other file).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from mlcls.cli.errors import user_errors
 from mlcls.engine.checkpoint import save_checkpoint
-from mlcls.errors import ConfigError, plural, shown
+from mlcls.errors import ConfigError, shown
 from mlcls.inference.released import FORMATS, import_released
+from mlcls.io import FileTooLargeError, read_text
 
 USAGE = "mlcls-import {mldecoder,asl,csra} FILE out=OUT.pt [classes=FILE] [image_size=N] [lam=X]"
 OPTIONS = ("out", "classes", "image_size", "lam")
@@ -58,10 +59,12 @@ def _number(options: dict[str, str], key: str, kind: type) -> Any:
 
 
 def read_class_file(path: str) -> list[str]:
-    """The class names of ``path``, one a line (blank lines skipped)."""
+    """The class names of ``path``, one a line (blank lines skipped): a regular file of UTF-8 text of at
+    most ``CAPS["class list"]`` bytes (:func:`mlcls.io.read_text`), so a pipe or a device is refused at once
+    and the list is bounded by the file."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_text(path, "class list")
+    except (OSError, UnicodeDecodeError, FileTooLargeError) as exc:
         raise ConfigError(f"classes={path}: cannot be read ({exc})") from None
     return [line.strip() for line in text.splitlines() if line.strip()]
 
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(summary))
     print(
         f"mlcls: {summary['path']}: {summary['model']} with a {summary['head']} head, "
-        f"{plural(summary['classes'], 'class')}, {summary['image_size']} px input in [0, 1]",
+        f"{summary['classes']} {'class' if summary['classes'] == 1 else 'classes'}, "
+        f"{summary['image_size']} px input in [0, 1]",
         file=sys.stderr,
     )
 

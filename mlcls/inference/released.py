@@ -14,11 +14,16 @@ translate to mlcls's (:mod:`mlcls.models.released` for the TResNets), and how it
 
 (ML-Decoder's and ASL's ``validate.py`` and CSRA's ``val.py``: a squash-resize, ``ToTensor`` and, for CSRA,
 ``Normalize(mean=[0, 0, 0], std=[1, 1, 1])``: none of them subtracts ImageNet's mean.) CSRA's ``lam`` is
-not in the file: 0.1 for VOC and 0.5 for COCO, as its authors evaluate them.
+not in the file: it is taken from the file's heads and classes where these are those of a file its authors
+released (:data:`CSRA_LAM`), else it must be given.
 
 Class names: ``classes`` (a list given by the user) first, else the file's ``idx_to_class`` (ML-Decoder's
-and ASL's files carry one), else COCO's 80 names in category-id order or VOC's 20; an Open Images model
-without ``idx_to_class`` needs its 9,605 names given, in the model's order.
+and ASL's files carry one) in its own order, as the authors' ``infer.py`` takes its ``values()``, else
+COCO's 80 names in category-id order or VOC's 20; an Open Images model without ``idx_to_class`` needs its
+9,605 names given, in the model's order. Names are distinct.
+
+The file is opened once through :func:`mlcls.io.open_checkpoint` (a regular file, its zip members stored,
+not compressed), so what ``torch.load`` builds from it is bounded by its size.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from mlcls import config_dir
 from mlcls.data.datasets.voc import VOC_CLASSES
 from mlcls.data.pipeline.preprocess import preprocess_spec
 from mlcls.errors import InferenceError, plural, shown
+from mlcls.io import FileTooLargeError, NotRegularFileError, UnsafeFileError, open_checkpoint
 from mlcls.models import create_model
+from mlcls.models.heads.csra import TEMPERATURES
 from mlcls.models.released import tresnet_key, tresnet_value, tresnet_variant
 
 # MS-COCO's 80 categories in category-id order (the order of the COCO API and of every released COCO model)
@@ -62,7 +69,10 @@ TRESNET_SIZES = {
     "tresnet_v2_l": 448,
     "tresnet_v2_xl": 640,
 }
-CSRA_LAM = {20: 0.1, 80: 0.5}  # VOC 2007: 1 head, lam 0.1; COCO: 4 or 6 heads, lam 0.5 (CSRA's README)
+# CSRA's lam per released ResNet-101 file, by (heads, classes), as its README trains and evaluates them:
+# VOC 2007's files (ResNet-101, ResNet-cut, extra data) 1 head and lam 0.1; COCO's ResNet-101 4 heads and 0.5;
+# COCO's ResNet-cut (CutMix pre-training) 6 heads and 0.4.
+CSRA_LAM = {(1, 20): 0.1, (4, 80): 0.5, (6, 80): 0.4}
 
 
 @dataclass(frozen=True)
@@ -109,10 +119,15 @@ def read_released(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     """The state dict of released file ``path`` (``module.`` prefixes dropped) and the file's other top-level
     entries (``idx_to_class``, ...), read as data; :class:`InferenceError` for a file that is not one."""
     path = Path(path)
-    if not path.is_file():
-        raise InferenceError(f"{path} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        file = open_checkpoint(path, what="released file")
+    except FileNotFoundError:
+        raise InferenceError(f"{path} does not exist") from None
+    except (NotRegularFileError, FileTooLargeError, UnsafeFileError) as exc:
+        raise InferenceError(str(exc)) from None
+    try:
+        with file:
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InferenceError(
@@ -145,7 +160,8 @@ def _misfit(fmt: str, detail: str) -> InferenceError:
 def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: float | None = None) -> dict:
     """The ``model`` config (the fields of :func:`mlcls.models.create_model`) of the network that
     ``weights`` (released names) hold under format ``fmt``; :class:`InferenceError` naming the first key
-    that does not fit the format. ``lam``: CSRA's, else :data:`CSRA_LAM` of the class count."""
+    that does not fit the format. ``lam``: CSRA's, else :data:`CSRA_LAM` of the file's heads and classes
+    (a file of other heads or classes needs it given)."""
     if fmt not in FORMATS:
         raise InferenceError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
     spec = FORMATS[fmt]
@@ -168,8 +184,16 @@ def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: fl
         "csra_lam": 0.1,
     }
     if fmt == "csra":
-        heads = sum(key.startswith("classifier.multi_head.") for key in weights)
-        fields.update(csra_heads=heads, csra_lam=CSRA_LAM.get(head.shape[0], 0.1) if lam is None else lam)
+        heads, classes = sum(key.startswith("classifier.multi_head.") for key in weights), int(head.shape[0])
+        if heads not in TEMPERATURES:
+            raise _misfit(fmt, f"it has {plural(heads, 'head')}; CSRA's code builds {sorted(TEMPERATURES)}")
+        if lam is None and (heads, classes) not in CSRA_LAM:
+            known = ", ".join(f"{h} for {c}" for h, c in CSRA_LAM)
+            raise InferenceError(
+                f"the CSRA file has {plural(heads, 'head')} for {classes} classes, none of its authors' "
+                f"released files (heads for classes: {known}); give lam=X, the lambda it was trained with"
+            )
+        fields.update(csra_heads=heads, csra_lam=CSRA_LAM[heads, classes] if lam is None else lam)
         return fields
     variant = tresnet_variant(weights)
     if variant not in spec.backbones:
@@ -233,8 +257,10 @@ def convert_weights(fmt: str, weights: Mapping[str, torch.Tensor], model_config:
 def released_classes(
     count: int, given: Sequence[str] | None, meta: Mapping[str, Any], path: str | Path
 ) -> list[str]:
-    """The ``count`` class names of a released file: ``given`` first, else the file's ``idx_to_class``
-    (index -> name), else COCO's or VOC's names for 80 or 20 classes; :class:`InferenceError` otherwise."""
+    """The ``count`` distinct class names of a released file: ``given`` first, else the file's
+    ``idx_to_class`` (index -> name) in its own order (the authors' ``infer.py`` takes its ``values()``; for
+    keys "0", "1", "10", "2"... sorting would not give the model's order), else COCO's or VOC's names for 80
+    or 20 classes; :class:`InferenceError` otherwise."""
     if given is not None:
         names = list(given)
         source = "the class list given"
@@ -242,7 +268,7 @@ def released_classes(
         table = meta["idx_to_class"]
         if not isinstance(table, Mapping):
             raise InferenceError(f"{path}: idx_to_class is a {type(table).__name__}; expected index -> name")
-        names = [table[index] for index in sorted(table)]
+        names = list(table.values())
         source = "its idx_to_class"
     elif count in (len(COCO_CLASSES), len(VOC_CLASSES)):
         return list(COCO_CLASSES if count == len(COCO_CLASSES) else VOC_CLASSES)
@@ -257,6 +283,14 @@ def released_classes(
             f"{path}: {source} has {len(names)} entries for the model's {count} classes; expected {count} "
             "non-empty names"
         )
+    first_seen: dict[str, int] = {}
+    for index, name in enumerate(names):
+        if name in first_seen:
+            raise InferenceError(
+                f"{path}: {source} names {shown(name)} twice (entries {first_seen[name]} and {index}); "
+                "expected distinct class names"
+            )
+        first_seen[name] = index
     return names
 
 

@@ -69,17 +69,19 @@ if not timm.is_model("tresnet_v2_xl"):
 
 def tresnet_variant(weights: Mapping[str, torch.Tensor], prefix: str = "body.") -> str | None:
     """The :data:`TRESNETS` name whose stem width and block counts ``weights`` (released names, the body's
-    keys under ``prefix``) have; None when they are no variant's."""
+    keys under ``prefix``) have; None when they are no variant's. A key whose block is not a number of at
+    most 6 digits (``layer1.x.conv1``) counts no block: it is left to the caller, which finds no place for
+    it."""
     stem = weights.get(f"{prefix}conv1.0.weight")
     if not isinstance(stem, torch.Tensor) or stem.ndim != 4:
         return None
     blocks = []
     for layer in range(1, 5):
-        found = {
-            int(key[len(f"{prefix}layer{layer}.") :].split(".", 1)[0])
-            for key in weights
-            if key.startswith(f"{prefix}layer{layer}.")
-        }
+        layer_prefix = f"{prefix}layer{layer}."
+        indices = [
+            key[len(layer_prefix) :].split(".", 1)[0] for key in weights if key.startswith(layer_prefix)
+        ]
+        found = {int(index) for index in indices if index.isascii() and index.isdigit() and len(index) <= 6}
         blocks.append(max(found) + 1 if found else 0)
     bottleneck = f"{prefix}layer1.0.conv3.0.weight" in weights
     for name, spec in TRESNETS.items():

@@ -220,21 +220,25 @@ def _method_of(config: Mapping[str, Any], attributes: Mapping[str, Any]) -> str 
     return method if method in SPML_METHODS and method != "full" else None
 
 
-# The methods whose preset takes the batch size and lr of its authors' code (spml.yaml's em_batch_size,
-# em_lr) instead of the benchmark's.
-OWN_BATCH_AND_LR = ("em", "em_apl")
+# The methods whose preset takes the batch size and lr of its authors' code instead of the benchmark's: EM
+# and EM+APL per dataset (spml.yaml's em_batch_size, em_lr), LL with its classifier at 10x (ll_lr,
+# ll_lr_head).
+OWN_BATCH_AND_LR = ("em", "em_apl", "ll_r", "ll_ct", "ll_cp")
 
 
 def protocol_deviations(
     config: Mapping[str, Any], results: Mapping[str, Any], method: str | None = None
 ) -> list[str]:
     """How a run departs from ``spml.yaml`` on :data:`PROTOCOL_KEYS` and its epochs, one phrase each; for a
-    ``method`` of :data:`OWN_BATCH_AND_LR`, from its preset's batch size and lr for the run's dataset."""
+    ``method`` of :data:`OWN_BATCH_AND_LR`, from its preset's batch size and lr (for the run's dataset)."""
     preset = OmegaConf.load(config_dir() / "experiment" / "spml.yaml")
     dataset = config_value(config, "dataset.name")
-    if method in OWN_BATCH_AND_LR and dataset in preset.protocol.em_lr:
+    if method in ("em", "em_apl") and dataset in preset.protocol.em_lr:
         preset.protocol.batch_size = preset.protocol.em_batch_size[dataset]
         preset.protocol.lr = preset.protocol.em_lr[dataset]
+    elif method in ("ll_r", "ll_ct", "ll_cp"):
+        preset.protocol.lr = preset.protocol.ll_lr
+        preset.optim.lr_head = preset.protocol.ll_lr_head
     deviations = []
     for key in PROTOCOL_KEYS:
         wanted = OmegaConf.select(preset, key)

@@ -122,12 +122,17 @@ class Lighting:
 
 
 class CutoutPIL:
-    """Cutout on a PIL image: one rectangle filled with a single random colour.
+    """Cutout on a PIL image: one rectangle filled with a single random colour, as ML-Decoder's and ASL's
+    ``CutoutPIL`` paints it.
 
-    The rectangle is ``round(cutout_factor * H)`` rows by ``round(cutout_factor * W)`` columns, centred on a
-    pixel ``(x, y)`` drawn uniformly from the image, and clipped to the image (smaller when the centre lies
-    near a border); its colour has each of R, G, B drawn uniformly from 0..255. Every draw is from torch's
-    CPU generator (the centre, then the colour). Returns a new image; the input is left unchanged.
+    With ``k = int(cutout_factor * W + 0.5)``, the rectangle spans columns ``x - k // 2`` to ``x + k // 2``,
+    both ends included (the authors' ``ImageDraw.rectangle``), so ``2 * (k // 2) + 1`` columns: 225 at 448 px
+    and factor 0.5, one when the factor is 0. Rows likewise with the height and centre ``y``. The centre
+    ``(x, y)`` is a pixel drawn uniformly from the image, and the rectangle is clipped to the image (smaller
+    when the centre lies near a border); its colour has each of R, G, B drawn uniformly from 0..255. Every
+    draw is from torch's CPU generator (the column ``x``, the row ``y``, then the colour). The authors take
+    the width for the rows and the height for the columns; on the square images their recipe gives it
+    (a squash-resize comes first) the two agree. Returns a new image; the input is left unchanged.
     """
 
     def __init__(self, cutout_factor: float = CUTOUT_FACTOR) -> None:
@@ -137,15 +142,15 @@ class CutoutPIL:
 
     def __call__(self, img: Image.Image) -> Image.Image:
         width, height = img.size
-        cut_width, cut_height = round(self.cutout_factor * width), round(self.cutout_factor * height)
+        half_width = int(self.cutout_factor * width + 0.5) // 2
+        half_height = int(self.cutout_factor * height + 0.5) // 2
         x, y = int(torch.randint(width, (1,))), int(torch.randint(height, (1,)))
         colour = tuple(torch.randint(256, (3,)).tolist())
-        x0, y0 = x - cut_width // 2, y - cut_height // 2  # the unclipped top-left corner
-        left, right = max(0, x0), min(width, x0 + cut_width)
-        top, bottom = max(0, y0), min(height, y0 + cut_height)
+        # PIL's box is half-open: one past the last column and row painted
+        left, right = max(0, x - half_width), min(width, x + half_width + 1)
+        top, bottom = max(0, y - half_height), min(height, y + half_height + 1)
         out = img.copy()
-        if right > left and bottom > top:
-            out.paste(colour, (left, top, right, bottom))
+        out.paste(colour, (left, top, right, bottom))
         return out
 
     def __repr__(self) -> str:
