@@ -14,9 +14,10 @@ from omegaconf import OmegaConf
 from test_optim import paper_cosine_lr
 
 from mlcls.engine.build import build_optimization
+from mlcls.engine.config_checks import check_config
 from mlcls.engine.optim import group_lrs
 from mlcls.engine.trainer import Trainer
-from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.errors import ConfigError
 from mlcls.models import create_model
 
 # docs/models.md: ML-Decoder collapses when AdamW 2e-3 starts at the first step; a warm-up epoch fixes it.
@@ -33,7 +34,7 @@ def test_the_composed_config_reads_each_heads_warmup_from_the_table(head, epochs
     assert as_shown["warmup_epochs"] == "${.head_warmup_epochs.${model.head}}"
     assert as_shown["head_warmup_epochs"] == HEAD_WARMUP_EPOCHS and as_shown["warmup_iters"] is None
     assert OmegaConf.to_container(cfg, resolve=True)["sched"]["warmup_epochs"] == epochs
-    validate_config(cfg, world_size=1)
+    check_config(cfg, world_size=1)
 
 
 def test_cfg_job_shows_the_heads_warmup(tmp_path):
@@ -101,7 +102,7 @@ def test_what_the_user_sets_wins_over_the_heads_default(overrides, warmup_iters)
 def test_onecycle_warms_up_every_head_by_its_own_rise():
     cfg = compose_config(["sched=onecycle", "model.head=mldecoder"])
     assert "warmup_epochs" not in cfg.sched and "head_warmup_epochs" not in cfg.sched
-    validate_config(cfg, world_size=1)
+    check_config(cfg, world_size=1)
     lrs = head_lrs(["sched=onecycle", "model.head=mldecoder"], 3)
     assert math.isclose(lrs[0], DEMO_LR / 25) and lrs[0] < lrs[1] < lrs[2]
 
@@ -120,7 +121,7 @@ def test_onecycle_warms_up_every_head_by_its_own_rise():
 )
 def test_a_bad_warmup_setting_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_config(compose_config(overrides), world_size=1)
+        check_config(compose_config(overrides), world_size=1)
 
 
 # The demo on 640 training and 200 validation images: 4 epochs of 10 steps, a quarter of its cost, the

@@ -10,8 +10,8 @@ import torch
 from conftest import TINY, compose_config
 
 from mlcls.engine.checkpoint import save_checkpoint
+from mlcls.engine.config_checks import check_config
 from mlcls.engine.resume import init_from_checkpoint
-from mlcls.engine.validate import validate_config
 from mlcls.errors import ConfigError
 from mlcls.inference.predictor import load_inference_model
 from mlcls.models import create_model
@@ -64,10 +64,10 @@ def test_a_checkpoint_of_another_network_is_refused_naming_the_weight(tmp_path):
         init_from_checkpoint(model, str(path), ["a", "b"])
 
 
-def test_validate_config_refuses_a_missing_file():
+def test_check_config_refuses_a_missing_file():
     cfg = compose_config([*TINY, "model.init_from=/no/such/file.pt"])
     with pytest.raises(ConfigError, match="model.init_from='/no/such/file.pt': no such checkpoint file"):
-        validate_config(cfg, world_size=1)
+        check_config(cfg, world_size=1)
 
 
 def test_training_starts_from_an_imported_checkpoint_and_its_checkpoint_predicts(tmp_path):

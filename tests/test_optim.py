@@ -14,8 +14,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mlcls import config_dir
+from mlcls.engine.config_checks import check_config
 from mlcls.engine.optim import build_optimizer, build_scheduler, group_lrs, parameter_groups
-from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.errors import ConfigError
 from mlcls.models import create_model
 
 # resnet10t's normalisation layers, read off its parameter names: the deep stem's BatchNorms (conv1.1,
@@ -225,7 +226,7 @@ def test_demo_adamw_exempts_norm_and_bias_and_the_paper_keeps_one_decay():
     assert paper.optim._target_ == "torch.optim.SGD"
     assert (paper.optim.norm_weight_decay, paper.optim.bias_weight_decay) == (None, None)
     with_adamw = compose_config(["experiment=paper", "dataset=coco", "optim=adamw", "trainer.amp=none"])
-    validate_config(with_adamw, world_size=1)  # the paper's block carries no SGD-only keyword
+    check_config(with_adamw, world_size=1)  # the paper's block carries no SGD-only keyword
 
 
 @pytest.mark.parametrize(
@@ -246,7 +247,7 @@ def test_demo_adamw_exempts_norm_and_bias_and_the_paper_keeps_one_decay():
 def test_optimization_config_errors(overrides, message):
     cfg = compose_config([*TINY, *overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_config(cfg, world_size=1)
+        check_config(cfg, world_size=1)
 
 
 def onecycle_config(**overrides) -> dict:

@@ -7,14 +7,14 @@ import pytest
 from conftest import compose_config
 
 from mlcls.cli import reproduce
-from mlcls.engine.validate import validate_config
+from mlcls.engine.config_checks import check_config
 from mlcls.inference import preprocess_spec
 
 
 @pytest.mark.parametrize("preset", ["mldecoder_coco", "twoway_mldecoder_coco"])
 def test_preset_is_ml_decoders_coco_recipe(preset):
     cfg = compose_config([f"experiment={preset}", "trainer.amp=none"])  # fp16 needs CUDA
-    validate_config(cfg, world_size=1)
+    check_config(cfg, world_size=1)
     assert cfg.dataset.name == "coco" and cfg.dataset.image_size == 448
     # The recipe's augmentation, and its [0, 1] inputs: no mean/std normalisation, in predict and export too.
     assert cfg.dataset.transform == "strong"
