@@ -22,10 +22,11 @@ def test_preset_is_ml_decoders_coco_recipe(preset):
     spec = preprocess_spec(cfg.dataset)
     assert (spec["resize"], spec["crop"]) == ([448, 448], None)
     assert (spec["mean"], spec["std"]) == ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
-    assert (cfg.model.name, cfg.model.head, cfg.model.num_groups) == (
+    assert (cfg.model.name, cfg.model.head.name, cfg.model.head.num_groups, cfg.model.head.embed_dim) == (
         "tresnet_v2_l.miil_in21k",
         "mldecoder",
         100,
+        768,
     )
     optim = cfg.optim
     assert optim._target_ == "torch.optim.Adam"

@@ -116,7 +116,7 @@ def test_csra_on_a_vit_sees_the_patch_tokens_only(num_heads):
     """On timm's ``test_vit`` (random weights) the head is given N - num_prefix_tokens tokens, and the
     model's logits equal a float64 CSRA of the patch tokens of the backbone's output."""
     torch.manual_seed(0)
-    model = create_model("test_vit", 3, pretrained=False, head="csra", csra_heads=num_heads, csra_lam=0.3)
+    model = create_model("test_vit", 3, pretrained=False, head="csra", num_heads=num_heads, lam=0.3)
     prefix = model.backbone.num_prefix_tokens
     assert prefix >= 1
     size = model.backbone.pretrained_cfg["input_size"][1]

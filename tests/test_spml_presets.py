@@ -83,8 +83,8 @@ def test_preset_composes_to_the_released_protocol(method, dataset):
     optim = cfg.optim
     assert optim._target_ == "torch.optim.Adam" and optim.weight_decay == 0.0
     assert optim.lr_head == optim.lr_backbone == lr
-    assert cfg.sched.warmup_iters == 0
-    factors = {cosine_factor(it, 100, cfg.sched.warmup_iters, cfg.sched.min_lr_ratio) for it in range(100)}
+    assert cfg.sched.warmup_epochs == 0
+    factors = {cosine_factor(it, 100, cfg.sched.warmup_epochs, cfg.sched.min_lr_ratio) for it in range(100)}
     assert factors == {1.0}  # a constant learning rate
     loss = instantiate(cfg.loss)
     assert type(loss).__name__ == TARGETS[method]
