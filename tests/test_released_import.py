@@ -82,7 +82,8 @@ def test_mldecoder_tresnet_m_coco_matches_timm_and_the_head_equations(tmp_path):
     inference = import_file(tmp_path, "mldecoder", {"model": weights, "epoch": 3})
     assert inference.classes == list(COCO_CLASSES)
     model = inference.config["model"]
-    assert (model["name"], model["head"], model["num_groups"], model["decoder_embedding"]) == (
+    head = model["head"]
+    assert (model["name"], head["name"], head["num_groups"], head["embed_dim"]) == (
         "tresnet_m",
         "mldecoder",
         80,
@@ -110,7 +111,8 @@ def test_asl_tresnet_m_with_a_class_file_matches_timm(tmp_path):
     names.write_text("".join(f"class {i}\n" for i in range(7)))
     inference = import_file(tmp_path, "asl", {"state_dict": weights}, f"classes={names}", "image_size=448")
     assert inference.classes == [f"class {i}" for i in range(7)]
-    assert inference.config["model"]["head"] == "linear" and inference.preprocess["resize"] == [448, 448]
+    assert inference.config["model"]["head"]["name"] == "linear"
+    assert inference.preprocess["resize"] == [448, 448]
     assert inference.config["dataset"]["name"] == "csv"
     reference = timm_reference("tresnet_m", full, num_classes=7)
     images = torch.rand(2, 3, SIZE, SIZE)
@@ -149,7 +151,8 @@ def test_csra_resnet101_matches_torchvision_and_the_head_equations(
     prefixed = {f"module.{key}": value for key, value in weights.items()}  # saved from nn.DataParallel
     inference = import_file(tmp_path, "csra", prefixed)
     model = inference.config["model"]
-    assert (model["name"], model["head"], model["csra_heads"], model["csra_lam"]) == (
+    head = model["head"]
+    assert (model["name"], head["name"], head["num_heads"], head["lam"]) == (
         "resnet101",
         "csra",
         heads,
