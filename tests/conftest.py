@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from mlcls import config_dir
+from mlcls.cli.overrides import group_choices
 
 # A run of a few seconds on the CPU: small synthetic images, the smallest ResNet, two epochs.
 TINY = [
@@ -35,7 +36,7 @@ TINY = [
 def compose_config(overrides: list[str], config_name: str = "train") -> DictConfig:
     """The config ``mlcls-train <overrides>`` would run, composed in-process."""
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides)
+        return compose(config_name=config_name, overrides=group_choices(overrides))
 
 
 def cli(*args: str) -> list[str]:

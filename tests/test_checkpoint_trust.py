@@ -33,8 +33,7 @@ from mlcls.engine.checkpoint import UntrustedCheckpointError, load_checkpoint, r
 from mlcls.engine.rundir import LOCK_NAME
 from mlcls.engine.state import rng_state, set_rng_state
 from mlcls.engine.trainer import Trainer
-from mlcls.engine.validate import ConfigError
-from mlcls.errors import InferenceError
+from mlcls.errors import ConfigError, InferenceError
 from mlcls.inference.export import export_checkpoint
 from mlcls.inference.predictor import load_inference_model
 from mlcls.io import NotRegularFileError, open_regular, read_regular_bytes

@@ -17,7 +17,7 @@ from mlcls.cli import overrides
 from mlcls.cli import predict as predict_cli
 from mlcls.cli import train as train_cli
 from mlcls.cli.errors import error_line, plural, require_keys
-from mlcls.engine.validate import ConfigError
+from mlcls.errors import ConfigError
 
 LOSSES = ", ".join(sorted(path.stem for path in (config_dir() / "loss").glob("*.yaml")))  # Hydra's listing
 

@@ -19,7 +19,7 @@ from mlcls.cli.eval import check_dataset_target, evaluation_dataset_config, pack
 from mlcls.data import build_dataset, current_target
 from mlcls.data.datasets.csv_dataset import held_out
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
-from mlcls.engine.validate import ConfigError
+from mlcls.errors import ConfigError
 
 TEST_SIZE = 24
 

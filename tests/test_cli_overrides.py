@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
 
-from mlcls.cli.overrides import check_overrides, command_line_overrides, compose_config, run_command
-from mlcls.engine.validate import ConfigError
+from mlcls.cli import overrides as overrides_module
+from mlcls.cli.overrides import (
+    check_command_line,
+    check_overrides,
+    command_line_overrides,
+    compose_config,
+    run_command,
+)
+from mlcls.errors import ConfigError
 from mlcls.losses.spec import loss_name
+from mlcls.models import create_model
 
 
 @pytest.mark.parametrize(
@@ -17,7 +26,7 @@ from mlcls.losses.spec import loss_name
         (["trainer.epoch=3"], "unknown option trainer.epoch: did you mean trainer.epochs?"),
         (["loss.tpp=4"], "unknown option loss.tpp: did you mean loss.tp?"),
         (["+trainer.epoch=3"], "unknown option +trainer.epoch: did you mean trainer.epochs? (nothing reads"),
-        (["sched.warmup=5"], "did you mean sched.warmup_iters or sched.warmup_epochs?"),
+        (["sched.warmup=5"], "unknown option sched.warmup: did you mean sched.warmup_epochs?"),
         (["trainer.foo=1"], "trainer has amp, batch_size, "),
         (
             ["foo=1"],
@@ -93,3 +102,65 @@ def test_compose_config_checks_then_composes():
     assert cfg.trainer.epochs == 3 and loss_name(cfg.loss) == "bce"
     with pytest.raises(ConfigError, match="did you mean trainer.epochs"):
         compose_config("train", ["trainer.epoch=3"])
+
+
+@pytest.mark.parametrize(
+    ("arg", "new"),
+    [
+        ("sched.warmup_iters=5", "sched.warmup_epochs"),
+        ("+sched.head_warmup_epochs.csra=1", "model.head.warmup_epochs"),
+        ("++model.num_groups=4", "model.head.num_groups"),
+        ("model.decoder_embedding=512", "model.head.embed_dim"),
+        ("model.csra_heads=2", "model.head.num_heads"),
+        ("model.csra_lam=0.3", "model.head.lam"),
+        ("model.drop_rate=0.1", "model.head.drop_rate"),
+    ],
+)
+def test_an_old_key_stops_with_one_line_naming_the_new(arg, new, capsys):
+    # old: model.num_groups=4 (the old name) was read; after the rename an old key would be "unknown" or,
+    # with ++, silently added and read by nothing
+    key = arg.partition("=")[0].lstrip("+").removesuffix(".csra")
+    with pytest.raises(SystemExit) as info:
+        check_command_line("train", ["trainer.epochs=1", arg])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        f'mlcls: error: {key} was renamed to {new} (see README, "Renamed keys")\n'
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)} was renamed to {re.escape(new)} "):
+        compose_config("train", [arg])
+
+
+@pytest.mark.parametrize("written", ["model.head=csra", "model/head=csra"])
+def test_model_head_selects_the_head_config_group(written):
+    assert check_command_line("train", [written]) == ["model/head=csra"]
+    cfg = compose_config("train", [written, "model.head.num_heads=2"])
+    assert dict(cfg.model.head) == {"name": "csra", "num_heads": 2, "lam": 0.1, "warmup_epochs": 0}
+
+
+def test_a_heads_key_on_another_head_is_refused():
+    # old: model.head=linear model.num_groups=4 trained a linear head, num_groups read by nothing
+    with pytest.raises(
+        ConfigError,
+        match=r"^unknown option model\.head\.num_groups: model\.head has drop_rate, name, warmup_epochs$",
+    ):
+        check_overrides("train", ["model.head=linear", "model.head.num_groups=4"])
+    with pytest.raises(ConfigError, match=r"^unknown option \+model\.head\.num_groups: "):
+        compose_config("train", ["model.head=csra", "+model.head.num_groups=4"])
+    # ++ adds it all the same: the factory refuses an option the head does not take
+    cfg = compose_config("train", ["model.head=csra", "++model.head.num_groups=4"])
+    with pytest.raises(ConfigError, match=r"^model\.head\.num_groups is not an option of the csra head; "):
+        create_model("resnet10t", 3, pretrained=False, head=cfg.model.head)
+
+
+def test_a_sweep_composes_one_config_per_option_not_per_combination(monkeypatch):
+    composed = []
+
+    def counting(config_name, overrides):
+        composed.append(list(overrides))
+        return real(config_name=config_name, overrides=overrides)
+
+    real = overrides_module.compose
+    monkeypatch.setattr(overrides_module, "compose", counting)
+    check_overrides("train", ["loss=bce,asl,twoway", "optim=sgd,adamw", "loss.gamma_neg=2"])
+    # old: 3 x 2 = 6 compositions; now the first choices, then each other option alone: 1 + 2 + 1
+    assert len(composed) == 4

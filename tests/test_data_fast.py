@@ -358,12 +358,13 @@ def test_trainer_trains_on_jpegs_with_the_fast_pipeline_compiled(tmp_path, monke
 def test_config_rejects_an_unknown_backend_and_dali_without_the_paper_transform():
     from conftest import TINY, compose_config
 
-    from mlcls.engine.validate import ConfigError, validate_config
+    from mlcls.engine.config_checks import check_config
+    from mlcls.errors import ConfigError
 
     with pytest.raises(ConfigError, match="data.backend='opencv'; expected one of torchvision, fast, dali"):
-        validate_config(compose_config([*TINY, "data.backend=opencv"]))
+        check_config(compose_config([*TINY, "data.backend=opencv"]))
     with pytest.raises(ConfigError, match="dataset.transform=paper"):
-        validate_config(compose_config([*TINY, "data.backend=dali"]))  # the synthetic set uses ``light``
+        check_config(compose_config([*TINY, "data.backend=dali"]))  # the synthetic set uses ``light``
 
 
 def test_16_bit_greyscale_is_scaled_to_8_bits_by_both_decoders(tmp_path):

@@ -1,4 +1,4 @@
-"""Each head's default warm-up (configs/sched/cosine.yaml, ``head_warmup_epochs``): what the composed config
+"""Each head's default warm-up (configs/model/head/*.yaml, ``warmup_epochs``): what the composed config
 shows, the schedule it gives over the first iterations, a user's own setting winning, and each head at least
 the linear head's mAP@class on a reduced demo."""
 
@@ -13,10 +13,12 @@ from conftest import cli, compose_config, run_cli
 from omegaconf import OmegaConf
 from test_optim import paper_cosine_lr
 
+from mlcls.cli.overrides import compose_config as compose_config_checked
 from mlcls.engine.build import build_optimization
+from mlcls.engine.config_checks import check_config
 from mlcls.engine.optim import group_lrs
 from mlcls.engine.trainer import Trainer
-from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.errors import ConfigError
 from mlcls.models import create_model
 
 # docs/models.md: ML-Decoder collapses when AdamW 2e-3 starts at the first step; a warm-up epoch fixes it.
@@ -27,20 +29,27 @@ DEMO_EPOCHS = 5
 
 
 @pytest.mark.parametrize(("head", "epochs"), HEAD_WARMUP_EPOCHS.items())
-def test_the_composed_config_reads_each_heads_warmup_from_the_table(head, epochs):
+def test_the_composed_config_takes_each_heads_warmup_from_the_heads_config(head, epochs):
     cfg = compose_config([f"model.head={head}"])
-    as_shown = OmegaConf.to_container(cfg.sched)  # what --cfg job prints
-    assert as_shown["warmup_epochs"] == "${.head_warmup_epochs.${model.head}}"
-    assert as_shown["head_warmup_epochs"] == HEAD_WARMUP_EPOCHS and as_shown["warmup_iters"] is None
-    assert OmegaConf.to_container(cfg, resolve=True)["sched"]["warmup_epochs"] == epochs
-    validate_config(cfg, world_size=1)
+    assert OmegaConf.to_container(cfg.sched) == {  # the one warm-up key, null: the head's default
+        "_target_": "mlcls.engine.optim.cosine_schedule",
+        "_partial_": True,
+        "warmup_epochs": None,
+        "min_lr_ratio": 0.0,
+    }
+    assert (cfg.model.head.name, cfg.model.head.warmup_epochs) == (head, epochs)
+    check_config(cfg, world_size=1)
 
 
 def test_cfg_job_shows_the_heads_warmup(tmp_path):
     shown = run_cli(cli("mlcls-train", "model.head=mldecoder", "--cfg", "job", "--resolve"), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
-    sched = OmegaConf.create(shown.stdout).sched
-    assert (sched.warmup_iters, sched.warmup_epochs, sched.head_warmup_epochs.mldecoder) == (None, 1, 1)
+    cfg = OmegaConf.create(shown.stdout)
+    assert (cfg.sched.warmup_epochs, cfg.model.head.name, cfg.model.head.warmup_epochs) == (
+        None,
+        "mldecoder",
+        1,
+    )
 
 
 def head_lrs(overrides: list[str], iterations: int) -> list[float]:
@@ -76,12 +85,10 @@ def test_the_schedule_warms_up_mldecoder_for_one_epoch_and_the_others_not(head):
     ("overrides", "warmup_iters"),
     [
         (["model.head=mldecoder", "sched.warmup_epochs=0"], 0),
-        (["model.head=mldecoder", "sched.warmup_iters=0"], 0),
-        (["model.head=mldecoder", "sched.warmup_iters=5"], 5),  # over the table's epoch
+        (["model.head=mldecoder", "sched.warmup_epochs=0.17"], 5),  # 5.27 iterations, over the head's epoch
         (["model.head=linear", "sched.warmup_epochs=2"], 62),
-        (["model.head=csra", "sched.head_warmup_epochs.csra=0.5"], 16),  # 15.5 iterations, rounded
-        (["model.head=mldecoder", "sched.warmup_epochs=2", "sched.warmup_iters=10"], 10),
-        # the paper preset's explicit warmup_iters: 0 holds for every head
+        (["model.head=csra", "model.head.warmup_epochs=0.5"], 16),  # 15.5 iterations, rounded
+        # the paper preset's explicit warmup_epochs: 0 holds for every head
         (
             [
                 "experiment=paper",
@@ -100,8 +107,8 @@ def test_what_the_user_sets_wins_over_the_heads_default(overrides, warmup_iters)
 
 def test_onecycle_warms_up_every_head_by_its_own_rise():
     cfg = compose_config(["sched=onecycle", "model.head=mldecoder"])
-    assert "warmup_epochs" not in cfg.sched and "head_warmup_epochs" not in cfg.sched
-    validate_config(cfg, world_size=1)
+    assert "warmup_epochs" not in cfg.sched
+    check_config(cfg, world_size=1)
     lrs = head_lrs(["sched=onecycle", "model.head=mldecoder"], 3)
     assert math.isclose(lrs[0], DEMO_LR / 25) and lrs[0] < lrs[1] < lrs[2]
 
@@ -109,18 +116,21 @@ def test_onecycle_warms_up_every_head_by_its_own_rise():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (
-            ["model.head=mldecodr"],
-            "model.head='mldecodr'; expected one of linear, mldecoder, csra (the heads of "
-            "sched.head_warmup_epochs), or set sched.warmup_epochs",
-        ),
-        (["sched.warmup_epochs=-1"], "warmup_epochs=-1; expected a number >= 0"),
-        (["sched.warmup_epochs=true"], "warmup_epochs=True; expected a number >= 0"),
+        (["sched.warmup_epochs=-1"], "sched.warmup_epochs=-1; expected a number >= 0"),
+        (["sched.warmup_epochs=true"], "sched.warmup_epochs=True; expected a number >= 0"),
+        (["model.head.warmup_epochs=-2"], "sched.warmup_epochs=-2; expected a number >= 0"),
     ],
 )
 def test_a_bad_warmup_setting_is_refused_in_one_line(overrides, message):
+    cfg = compose_config(overrides)
+    model = create_model("resnet10t", 12, pretrained=False)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_config(compose_config(overrides), world_size=1)
+        build_optimization(cfg, model, DEMO_ITERS_PER_EPOCH)
+
+
+def test_an_unknown_head_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^Could not find 'model/head/mldecodr'\. Available options in "):
+        compose_config_checked("train", ["model.head=mldecodr"])
 
 
 # The demo on 640 training and 200 validation images: 4 epochs of 10 steps, a quarter of its cost, the

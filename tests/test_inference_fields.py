@@ -79,7 +79,7 @@ def decoder_weights(embedding: int, device: str = "cpu") -> dict[str, torch.Tens
     """The state dict of the tiny run's network with a 4-query ML-Decoder of width ``embedding``."""
     with torch.device(device):
         model = create_model(
-            "resnet10t", 12, pretrained=False, head="mldecoder", decoder_embedding=embedding, num_groups=4
+            "resnet10t", 12, pretrained=False, head="mldecoder", embed_dim=embedding, num_groups=4
         )
     return {key: value.detach() for key, value in model.state_dict().items()}
 

@@ -807,10 +807,11 @@ def test_loss_name_of_old_and_broken_configs():
 def test_config_validation_names_the_loss(overrides, message):
     from conftest import compose_config
 
-    from mlcls.engine.validate import ConfigError, validate_config
+    from mlcls.engine.config_checks import check_config
+    from mlcls.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")) as error:
-        validate_config(compose_config(["trainer.device=cpu", "trainer.amp=none", *overrides]), world_size=1)
+        check_config(compose_config(["trainer.device=cpu", "trainer.amp=none", *overrides]), world_size=1)
     assert "\n" not in str(error.value)
 
 

@@ -392,18 +392,20 @@ def test_two_gloo_processes_give_the_table_of_one(tmp_path):
     ],
 )
 def test_bad_apl_settings_stop_before_training_in_one_line(overrides, message):
-    from mlcls.engine.validate import ConfigError, validate_config
+    from mlcls.engine.config_checks import check_config
+    from mlcls.errors import ConfigError
 
     cfg = compose_config(
         ["trainer.device=cpu", "trainer.amp=none", "loss=em", "loss.apl=true", "loss.epochs=10", *overrides]
     )
     with pytest.raises(ConfigError, match=re.escape(message)) as error:
-        validate_config(cfg, world_size=1)
+        check_config(cfg, world_size=1)
     assert "\n" not in str(error.value)
 
 
 def test_a_table_over_its_limit_stops_before_training_in_one_line(tmp_path):
-    from mlcls.engine.trainer import ConfigError, Trainer
+    from mlcls.engine.trainer import Trainer
+    from mlcls.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:
         Trainer(compose_config([*APL_RUN, "loss.max_table_entries=100", f"trainer.output_dir={tmp_path}"]))

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from mlcls.data import DatasetConfigError
 from mlcls.engine.checkpoint import load_checkpoint
-from mlcls.engine.validate import ConfigError
+from mlcls.errors import ConfigError
 from mlcls.losses import LargeLossLoss
 
 F64 = torch.float64

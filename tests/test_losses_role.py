@@ -212,7 +212,7 @@ def test_open_images_size_is_refused_in_one_line():
 
 def test_a_run_over_the_limit_stops_before_training_in_one_line(tmp_path):
     from mlcls.engine.trainer import Trainer
-    from mlcls.engine.validate import ConfigError
+    from mlcls.errors import ConfigError
 
     run_dir = tmp_path / "run"
     cfg = compose_config([*TINY, "loss=role", "loss.expected_positives=2", "loss.max_table_entries=100",

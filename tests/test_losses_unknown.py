@@ -444,11 +444,12 @@ def test_config_lists_every_argument_with_its_default(name):
     ],
 )
 def test_bad_settings_stop_before_training_in_one_line(overrides, message):
-    from mlcls.engine.validate import ConfigError, validate_config
+    from mlcls.engine.config_checks import check_config
+    from mlcls.errors import ConfigError
 
     cfg = compose_config(["trainer.device=cpu", "trainer.amp=none", *overrides])
     with pytest.raises(ConfigError, match=re.escape(message)) as error:
-        validate_config(cfg, world_size=1)
+        check_config(cfg, world_size=1)
     assert "\n" not in str(error.value)
 
 

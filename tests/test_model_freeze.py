@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import TINY, compose_config
 
+from mlcls.engine.config_checks import check_config
 from mlcls.engine.trainer import Trainer
-from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.errors import ConfigError
 from mlcls.inference.predictor import load_inference_model
 from mlcls.models.factory import backbone_in_eval
 
@@ -70,7 +71,7 @@ def test_a_bad_value_is_one_line(value: str, shown: str) -> None:
     message = f"model.freeze_backbone={shown}; expected true (train the head alone) or false"
     cfg = compose_config([*TINY, f"model.freeze_backbone={value}"])
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_config(cfg, world_size=1)
+        check_config(cfg, world_size=1)
 
 
 ROLE = [

@@ -12,7 +12,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from mlcls.engine.validate import ConfigError
+from mlcls.errors import ConfigError
 from mlcls.models import factory
 from mlcls.models.factory import create_model
 

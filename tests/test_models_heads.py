@@ -257,7 +257,8 @@ def test_csra_rejects_an_unreleased_head_count():
 )
 def test_create_model_puts_the_head_on_the_backbone_features(name, head):
     torch.manual_seed(0)
-    model = create_model(name, 5, pretrained=False, head=head, num_groups=3, csra_heads=2)
+    options = {"num_groups": 3} if head == "mldecoder" else {"num_heads": 2}
+    model = create_model(name, 5, pretrained=False, head=head, **options)
     backbone = timm.create_model(name, pretrained=False, num_classes=0, global_pool="")
     assert isinstance(model.get_classifier(), MLDecoder if head == "mldecoder" else CSRA)
     size = backbone.pretrained_cfg["input_size"][1] if name == "test_vit" else 64
@@ -286,11 +287,15 @@ def test_linear_head_is_timms_model_unchanged():
         torch.testing.assert_close(value, ref_value, atol=0, rtol=0)
 
 
-def test_unknown_head_and_dropout_outside_linear_fail_in_one_line():
+def test_unknown_head_and_another_heads_option_fail_in_one_line():
     with pytest.raises(ValueError, match="model.head='mlp'; expected one of linear, mldecoder, csra"):
         create_model("resnet10t", 5, pretrained=False, head="mlp")
-    with pytest.raises(ValueError, match="model.drop_rate=0.2 applies to the linear head only"):
-        create_model("resnet10t", 5, pretrained=False, head="csra", drop_rate=0.2)
+    with pytest.raises(
+        ValueError, match="^model.head.drop_rate is not an option of the csra head; it takes num_heads, lam"
+    ):
+        create_model("resnet10t", 5, pretrained=False, head={"name": "csra", "drop_rate": 0.2})
+    with pytest.raises(ValueError, match="^model.head.num_heads is not an option of the mldecoder head; "):
+        create_model("resnet10t", 5, pretrained=False, head="mldecoder", num_heads=2)
 
 
 @pytest.mark.slow
@@ -309,14 +314,13 @@ def test_trained_head_exports_to_onnx_equal_to_predict(head, tmp_path):
         "dataset.val_size=32",
         f"model.head={head}",
     ]
-    overrides += ["model.num_groups=4", "model.csra_heads=2", "trainer.ema_decay=0.9"]
+    options = {"num_groups": 4} if head == "mldecoder" else {"num_heads": 2}
+    overrides += [f"model.head.{key}={value}" for key, value in options.items()] + ["trainer.ema_decay=0.9"]
     run(compose_config([*overrides, f"trainer.output_dir={tmp_path}"]))
     checkpoint = tmp_path / "checkpoints" / "last.pt"
     state = torch.load(checkpoint, weights_only=False)
     assert any(key.startswith("head.") for key in state["model"])
-    reference = create_model(
-        "resnet10t", len(state["classes"]), pretrained=False, head=head, num_groups=4, csra_heads=2
-    )
+    reference = create_model("resnet10t", len(state["classes"]), pretrained=False, head=head, **options)
     reference.load_state_dict(state["model"])
     images = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
@@ -348,7 +352,9 @@ def test_every_loss_trains_every_head(head):
         required = ["loss.expected_positives=2.9"] if name in ("epr", "role") else []
         cfg = compose_config([*TINY, f"loss={name}", *required])
         criterion = build_loss(cfg.loss, SimpleNamespace(labels=labels), torch.device("cpu"))
-        model = create_model("resnet10t", 12, pretrained=False, head=head, num_groups=5)
+        model = create_model(
+            "resnet10t", 12, pretrained=False, head=head, **({"num_groups": 5} if head == "mldecoder" else {})
+        )
         indices = (torch.arange(8),) if getattr(criterion, "needs_sample_index", False) else ()
         loss = criterion(model(images), labels, *indices)
         loss.backward()

@@ -14,8 +14,10 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mlcls import config_dir
+from mlcls.engine.build import build_optimization
+from mlcls.engine.config_checks import check_config
 from mlcls.engine.optim import build_optimizer, build_scheduler, group_lrs, parameter_groups
-from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.errors import ConfigError
 from mlcls.models import create_model
 
 # resnet10t's normalisation layers, read off its parameter names: the deep stem's BatchNorms (conv1.1,
@@ -166,7 +168,10 @@ def paper_cosine_lr(base_lr: float, iteration: int, total: int, warmup: int, flo
 def test_cosine_schedule_follows_the_per_iteration_formula(resnet10t, warmup, floor):
     optimizer = build_optimizer(optim_config("sgd", norm_weight_decay=0.0), resnet10t)
     total = 40
-    scheduler = build_scheduler(sched_config(warmup_iters=warmup, min_lr_ratio=floor), optimizer, total)
+    cfg = sched_config(
+        warmup_epochs=warmup, min_lr_ratio=floor
+    )  # one iteration per epoch: epochs = iterations
+    scheduler = build_scheduler(cfg, optimizer, total)
     for iteration in range(total + 3):  # past the end the lr stays at the floor
         lrs = group_lrs(optimizer)
         for part, base in (("head", 0.01), ("backbone", 0.001)):
@@ -179,18 +184,16 @@ def test_cosine_schedule_follows_the_per_iteration_formula(resnet10t, warmup, fl
 
 
 @pytest.mark.parametrize(
-    ("warmup_iters", "warmup_epochs", "iters_per_epoch", "warmup"),
-    [(None, 1.5, 4, 6), (None, 0.3, 5, 2), (None, None, 4, 0), (3, 2, 4, 3), (0, 1, 4, 0)],
+    ("warmup_epochs", "head_warmup_epochs", "iters_per_epoch", "warmup"),
+    [(1.5, 0, 4, 6), (0.3, 1, 5, 2), (None, 0, 4, 0), (None, 1, 4, 4), (None, 0.5, 5, 2), (0, 1, 4, 0)],
 )
-def test_warmup_epochs_count_in_iterations_unless_warmup_iters_is_set(
-    resnet10t, warmup_iters, warmup_epochs, iters_per_epoch, warmup
+def test_warmup_epochs_count_in_iterations_the_heads_where_null(
+    resnet10t, warmup_epochs, head_warmup_epochs, iters_per_epoch, warmup
 ):
     optimizer = build_optimizer(optim_config("sgd"), resnet10t)
-    cfg = {**sched_config(warmup_iters=warmup_iters), "warmup_epochs": warmup_epochs}
-    if warmup_epochs is None:
-        del cfg["warmup_epochs"]
+    cfg = sched_config(warmup_epochs=warmup_epochs)
     total = 40
-    scheduler = build_scheduler(cfg, optimizer, total, iters_per_epoch)
+    scheduler = build_scheduler(cfg, optimizer, total, iters_per_epoch, head_warmup_epochs)
     for iteration in range(total):
         assert math.isclose(
             group_lrs(optimizer)["head"], paper_cosine_lr(0.01, iteration, total, warmup, 0.0), rel_tol=1e-12
@@ -225,7 +228,7 @@ def test_demo_adamw_exempts_norm_and_bias_and_the_paper_keeps_one_decay():
     assert paper.optim._target_ == "torch.optim.SGD"
     assert (paper.optim.norm_weight_decay, paper.optim.bias_weight_decay) == (None, None)
     with_adamw = compose_config(["experiment=paper", "dataset=coco", "optim=adamw", "trainer.amp=none"])
-    validate_config(with_adamw, world_size=1)  # the paper's block carries no SGD-only keyword
+    check_config(with_adamw, world_size=1)  # the paper's block carries no SGD-only keyword
 
 
 @pytest.mark.parametrize(
@@ -238,15 +241,18 @@ def test_demo_adamw_exempts_norm_and_bias_and_the_paper_keeps_one_decay():
         (["++optim.momentum=0.9"], "AdamW.__init__() got an unexpected keyword argument 'momentum'"),
         (["optim.betas.1=1.5"], "Invalid beta parameter at index 1: 1.5"),
         (["optim._target_=torch.nn.Identity", "~optim.betas"], "is not a torch optimizer class"),
-        (["sched.warmup_iters=-3"], "warmup_iters=-3; expected an integer >= 0"),
+        (["sched.warmup_epochs=-3"], "sched.warmup_epochs=-3; expected a number >= 0"),
         (["sched.min_lr_ratio=2"], "min_lr_ratio=2; expected a number in [0, 1]"),
         (["sched=onecycle", "sched.pct_start=1.5"], "pct_start=1.5; expected a number in (0, 1)"),
     ],
 )
-def test_optimization_config_errors(overrides, message):
+def test_optimization_config_errors(overrides, message, resnet10t):
+    """Checked where the optimizer and the schedule are built (old: on a dummy parameter in the config check,
+    then again on the model)."""
     cfg = compose_config([*TINY, *overrides])
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_config(cfg, world_size=1)
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        build_optimization(cfg, resnet10t, 4)
+    assert "\n" not in str(error.value)
 
 
 def onecycle_config(**overrides) -> dict:

@@ -7,14 +7,14 @@ import pytest
 from conftest import compose_config
 
 from mlcls.cli import reproduce
-from mlcls.engine.validate import validate_config
+from mlcls.engine.config_checks import check_config
 from mlcls.inference import preprocess_spec
 
 
 @pytest.mark.parametrize("preset", ["mldecoder_coco", "twoway_mldecoder_coco"])
 def test_preset_is_ml_decoders_coco_recipe(preset):
     cfg = compose_config([f"experiment={preset}", "trainer.amp=none"])  # fp16 needs CUDA
-    validate_config(cfg, world_size=1)
+    check_config(cfg, world_size=1)
     assert cfg.dataset.name == "coco" and cfg.dataset.image_size == 448
     # The recipe's augmentation, and its [0, 1] inputs: no mean/std normalisation, in predict and export too.
     assert cfg.dataset.transform == "strong"
@@ -22,10 +22,11 @@ def test_preset_is_ml_decoders_coco_recipe(preset):
     spec = preprocess_spec(cfg.dataset)
     assert (spec["resize"], spec["crop"]) == ([448, 448], None)
     assert (spec["mean"], spec["std"]) == ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
-    assert (cfg.model.name, cfg.model.head, cfg.model.num_groups) == (
+    assert (cfg.model.name, cfg.model.head.name, cfg.model.head.num_groups, cfg.model.head.embed_dim) == (
         "tresnet_v2_l.miil_in21k",
         "mldecoder",
         100,
+        768,
     )
     optim = cfg.optim
     assert optim._target_ == "torch.optim.Adam"

@@ -22,8 +22,9 @@ from torch import nn
 from mlcls.data.pipeline.transforms import SQUASH_EVAL_KINDS, TRANSFORM_KINDS, build_transform
 from mlcls.data.sampling import seeded_call
 from mlcls.engine.build import sync_batchnorm
+from mlcls.engine.config_checks import check_config
 from mlcls.engine.distributed import DistInfo
-from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.errors import ConfigError
 from mlcls.models import create_model
 
 PRESETS = ["mldecoder_coco", "twoway_mldecoder_coco"]
@@ -49,11 +50,11 @@ def test_preset_is_ml_decoders_tresnet_l_with_the_in21k_weights(preset):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_turns_sync_bn_on_and_the_default_is_off(preset):
     cfg = compose_config([f"experiment={preset}", "trainer.amp=none"])
-    validate_config(cfg, world_size=4)
+    check_config(cfg, world_size=4)
     assert cfg.trainer.sync_bn is True and cfg.trainer.loss_sum_scope == "global"
     assert compose_config([]).trainer.sync_bn is False
     with pytest.raises(ConfigError, match=r"^trainer.sync_bn='yes'; expected true or false$"):
-        validate_config(compose_config(["trainer.sync_bn=yes"]), world_size=1)
+        check_config(compose_config(["trainer.sync_bn=yes"]), world_size=1)
 
 
 def test_strong_randaugment_is_the_packages_byte_for_byte():
@@ -115,7 +116,7 @@ def test_csra_on_a_vit_sees_the_patch_tokens_only(num_heads):
     """On timm's ``test_vit`` (random weights) the head is given N - num_prefix_tokens tokens, and the
     model's logits equal a float64 CSRA of the patch tokens of the backbone's output."""
     torch.manual_seed(0)
-    model = create_model("test_vit", 3, pretrained=False, head="csra", csra_heads=num_heads, csra_lam=0.3)
+    model = create_model("test_vit", 3, pretrained=False, head="csra", num_heads=num_heads, lam=0.3)
     prefix = model.backbone.num_prefix_tokens
     assert prefix >= 1
     size = model.backbone.pretrained_cfg["input_size"][1]
@@ -186,4 +187,4 @@ def test_loss_sum_scope_is_global_but_for_the_papers_asl_preset():
     with pytest.raises(
         ConfigError, match=r"^trainer.loss_sum_scope='rank'; expected one of global, process$"
     ):
-        validate_config(compose_config(["trainer.loss_sum_scope=rank"]), world_size=1)
+        check_config(compose_config(["trainer.loss_sum_scope=rank"]), world_size=1)

@@ -89,7 +89,8 @@ def test_mldecoder_tresnet_m_coco_matches_timm_and_the_head_equations(tmp_path):
     inference = import_file(tmp_path, "mldecoder", {"model": weights, "epoch": 3})
     assert inference.classes == list(COCO_CLASSES)
     model = inference.config["model"]
-    assert (model["name"], model["head"], model["num_groups"], model["decoder_embedding"]) == (
+    head = model["head"]
+    assert (model["name"], head["name"], head["num_groups"], head["embed_dim"]) == (
         "tresnet_m",
         "mldecoder",
         80,
@@ -117,7 +118,8 @@ def test_asl_tresnet_m_with_a_class_file_matches_timm(tmp_path, capsys):
     names.write_text("".join(f"class {i}\n" for i in range(7)))
     inference = import_file(tmp_path, "asl", {"state_dict": weights}, f"classes={names}", "image_size=448")
     assert inference.classes == [f"class {i}" for i in range(7)]
-    assert inference.config["model"]["head"] == "linear" and inference.preprocess["resize"] == [448, 448]
+    assert inference.config["model"]["head"]["name"] == "linear"
+    assert inference.preprocess["resize"] == [448, 448]
     assert inference.config["dataset"]["name"] == "csv"
     assert (
         ": tresnet_m with a linear head, 7 classes, 448 px input" in capsys.readouterr().err
@@ -159,7 +161,8 @@ def test_csra_resnet101_matches_torchvision_and_the_head_equations(
     prefixed = {f"module.{key}": value for key, value in weights.items()}  # saved from nn.DataParallel
     inference = import_file(tmp_path, "csra", prefixed)
     model = inference.config["model"]
-    assert (model["name"], model["head"], model["csra_heads"], model["csra_lam"]) == (
+    head = model["head"]
+    assert (model["name"], head["name"], head["num_heads"], head["lam"]) == (
         "resnet101",
         "csra",
         heads,
@@ -264,8 +267,8 @@ def test_csra_lam_is_its_authors_for_each_released_file_and_asked_for_otherwise(
     80-class file); a file of other heads or classes stops with one line asking for lam=."""
     for (heads, classes), lam in CSRA_README_LAM.items():
         config = released_model_config("csra", csra_heads(classes, heads))
-        assert (config["csra_heads"], config["csra_lam"]) == (heads, lam)
-    assert released_model_config("csra", csra_heads(80, 6), lam=0.25)["csra_lam"] == 0.25
+        assert (config["head"]["num_heads"], config["head"]["lam"]) == (heads, lam)
+    assert released_model_config("csra", csra_heads(80, 6), lam=0.25)["head"]["lam"] == 0.25
     for heads, classes in [(2, 80), (1, 80), (4, 20), (1, 14)]:
         with pytest.raises(InferenceError) as error:
             released_model_config("csra", csra_heads(classes, heads))

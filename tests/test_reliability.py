@@ -12,8 +12,9 @@ from conftest import cli, compose_config, run_cli
 
 from mlcls.cli.train import run
 from mlcls.engine.checkpoint import CheckpointError, load_checkpoint
+from mlcls.engine.config_checks import check_config
 from mlcls.engine.trainer import NonFiniteError, Preempted, Trainer
-from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.errors import ConfigError
 
 # 96 training images in batches of 32: 3 steps per epoch, 2 epochs; 2 DataLoader workers.
 SMALL = ["dataset.train_size=96", "dataset.val_size=40", "trainer.workers=2"]
@@ -142,7 +143,7 @@ def _plain_batches(trainer: Trainer):
 def test_config_validation_messages(tiny, overrides, world_size, message):
     cfg = compose_config([*tiny, *overrides])
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
-        validate_config(cfg, world_size=world_size)
+        check_config(cfg, world_size=world_size)
 
 
 def test_unknown_key_and_bad_value_fail_before_any_data_is_read(tmp_path):

@@ -24,7 +24,8 @@ from sklearn.metrics import average_precision_score
 from mlcls.cli.report import main as report_main
 from mlcls.cli.train import run
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
-from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.engine.config_checks import check_config
+from mlcls.errors import ConfigError
 from mlcls.reporting import report
 from mlcls.reporting.report_data import ValPredictions, label_issues, load_val_predictions
 
@@ -198,7 +199,7 @@ def test_report_lists_the_settings_that_differ_from_the_defaults(run_dir):
 
 def test_trainer_report_must_be_a_boolean():
     with pytest.raises(ConfigError, match=r"trainer.report='maybe'; expected true or false"):
-        validate_config(compose_config([*TINY, "trainer.report=maybe"]), world_size=1)
+        check_config(compose_config([*TINY, "trainer.report=maybe"]), world_size=1)
 
 
 def test_report_cli_errors_in_one_line(tmp_path, capsys):

@@ -25,6 +25,7 @@ import mlcls.engine.rundir as rundir_module
 from mlcls.cli.errors import user_errors
 from mlcls.data import BadImageError
 from mlcls.engine.checkpoint import load_checkpoint
+from mlcls.engine.config_checks import check_config
 from mlcls.engine.rundir import (
     LOCK_NAME,
     RunDirLocked,
@@ -33,7 +34,7 @@ from mlcls.engine.rundir import (
     release_run_lock,
 )
 from mlcls.engine.trainer import Trainer
-from mlcls.engine.validate import ConfigError, validate_config
+from mlcls.errors import ConfigError
 from mlcls.io import DiskFullError
 
 QUICK = ["dataset.train_size=64", "dataset.val_size=20"]
@@ -230,7 +231,7 @@ def test_a_bad_image_in_the_first_epoch_leaves_no_run_directory(tmp_path):
 def test_resume_auto_accepts_an_explicit_hydra_run_dir(tmp_path):
     cfg = compose_config([*TINY, "trainer.resume=auto"])
     with pytest.raises(ConfigError, match="needs trainer.output_dir=<run dir> \\(or hydra.run.dir"):
-        validate_config(cfg, world_size=1)
+        check_config(cfg, world_size=1)
     from hydra import compose, initialize_config_dir
 
     from mlcls import config_dir
@@ -239,7 +240,7 @@ def test_resume_auto_accepts_an_explicit_hydra_run_dir(tmp_path):
         with_hydra = compose("train", [*TINY, "trainer.resume=auto", f"hydra.run.dir={tmp_path}"], True)
     HydraConfig.instance().set_config(with_hydra)
     try:
-        validate_config(cfg, world_size=1)
+        check_config(cfg, world_size=1)
     finally:
         HydraConfig.instance().cfg = None
 

@@ -13,8 +13,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from mlcls.cli import reproduce, tables
+from mlcls.engine.config_checks import check_config
 from mlcls.engine.optim import cosine_factor
-from mlcls.engine.validate import validate_config
 from mlcls.reporting import spml
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import render_markdown
@@ -74,7 +74,7 @@ def test_every_preset_file_is_a_method_of_the_table():
 @pytest.mark.parametrize("method", sorted(TARGETS))
 def test_preset_composes_to_the_released_protocol(method, dataset):
     cfg = compose_config([f"experiment=spml_{method}", f"dataset={dataset}"])
-    validate_config(cfg, world_size=1)
+    check_config(cfg, world_size=1)
     assert cfg.dataset.name == dataset
     assert (cfg.model.name, cfg.model.pretrained) == ("resnet50.tv_in1k", True)
     assert (cfg.dataset.image_size, cfg.dataset.transform) == (RELEASED["size"], "light")
@@ -91,8 +91,8 @@ def test_preset_composes_to_the_released_protocol(method, dataset):
     optim = cfg.optim
     assert optim._target_ == "torch.optim.Adam" and optim.weight_decay == 0.0
     assert (optim.lr_backbone, optim.lr_head) == lrs
-    assert cfg.sched.warmup_iters == 0
-    factors = {cosine_factor(it, 100, cfg.sched.warmup_iters, cfg.sched.min_lr_ratio) for it in range(100)}
+    assert cfg.sched.warmup_epochs == 0
+    factors = {cosine_factor(it, 100, cfg.sched.warmup_epochs, cfg.sched.min_lr_ratio) for it in range(100)}
     assert factors == {1.0}  # a constant learning rate
     loss = instantiate(cfg.loss)
     assert type(loss).__name__ == TARGETS[method]

@@ -76,8 +76,8 @@ class _StopAfterFirstEpoch(Trainer):
     [
         [],
         # the other heads (model.head), with EMA weights in the checkpoint too
-        ["model.head=mldecoder", "model.num_groups=5", "trainer.ema_decay=0.9"],
-        ["model.head=csra", "model.csra_heads=2", "trainer.ema_decay=0.9"],
+        ["model.head=mldecoder", "model.head.num_groups=5", "trainer.ema_decay=0.9"],
+        ["model.head=csra", "model.head.num_heads=2", "trainer.ema_decay=0.9"],
     ],
     ids=["linear", "mldecoder", "csra"],
 )
@@ -104,7 +104,7 @@ def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny, head):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "head", [[], ["model.head=mldecoder", "model.num_groups=5"]], ids=["linear", "mldecoder"]
+    "head", [[], ["model.head=mldecoder", "model.head.num_groups=5"]], ids=["linear", "mldecoder"]
 )
 def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny, head):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))

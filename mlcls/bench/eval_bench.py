@@ -26,7 +26,7 @@ import torch
 
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import calibrate_on_main, evaluate_outputs
-from mlcls.engine.validate import ConfigError
+from mlcls.errors import ConfigError
 
 POSITIVES_PER_ROW = 5
 NEGATIVES_PER_ROW = 5

@@ -42,7 +42,7 @@ from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.stats import find_unreadable
 from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.data.shards.verify import verify_pack
-from mlcls.engine.validate import ConfigError
+from mlcls.errors import ConfigError
 from mlcls.reporting.audit import audit
 
 TOP_CLASSES = 5

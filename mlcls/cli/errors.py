@@ -13,8 +13,8 @@ from omegaconf.errors import OmegaConfBaseException
 from mlcls.data.datasets.base import DatasetError
 from mlcls.engine.checkpoint import CheckpointError
 from mlcls.engine.rundir import RunDirLocked
-from mlcls.engine.validate import ConfigError
 from mlcls.errors import (
+    ConfigError,
     InferenceError,
     plural,  # noqa: F401 - re-exported for the commands
 )

@@ -26,9 +26,9 @@ from mlcls.data.loader import build_eval_loader
 from mlcls.data.shards.reader import expand_urls, is_local
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import write_json
+from mlcls.engine.config_checks import resolve_amp
 from mlcls.engine.evaluate import evaluate_model
-from mlcls.engine.validate import ConfigError, resolve_amp
-from mlcls.errors import shown
+from mlcls.errors import ConfigError, shown
 from mlcls.inference.predictor import load_inference_model
 
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"

@@ -92,7 +92,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         "path": options["out"],
         "format": args.format,
         "model": model["name"],
-        "head": model["head"],
+        "head": model["head"]["name"],
         "classes": len(checkpoint["classes"]),
         "image_size": checkpoint["preprocess"]["image_size"],
     }

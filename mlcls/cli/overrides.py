@@ -9,23 +9,26 @@ naming the valid options. Only then is the config composed a second time, to fin
 correct command line costs no composition.
 
 Where Hydra reports nothing, the command line is checked before Hydra runs (:func:`check_command_line`):
-``+key=value`` for a key the config lacks is accepted by Hydra and read by nothing (``+trainer.epoch=3``
-trains the default number of epochs), so it is refused. ``++key=value`` (Hydra's explicit "add or
-replace") is left alone, as are deletions (``~key``) and ``hydra.*`` settings.
+a key renamed on purpose (:data:`mlcls.renamed.RENAMED_KEYS`) stops with one line naming the new one, with
+or without ``+``; ``+key=value`` for a key the config lacks is accepted by Hydra and read by nothing
+(``+trainer.epoch=3`` trains the default number of epochs), so it is refused. ``++key=value`` (Hydra's
+explicit "add or replace") is left alone, as are deletions (``~key``) and ``hydra.*`` settings. A choice
+in a nested config group may be written with a dot, ``model.head=csra`` for Hydra's ``model/head=csra``
+(:func:`group_choices`).
+
+The command line is split into Hydra's flags and the overrides here (:func:`split_command_line`), with
+the flags of ``@hydra.main`` documented by ``--hydra-help``, not through Hydra's private parser.
 """
 
 from __future__ import annotations
 
 import difflib
-import itertools
-import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from hydra import compose, initialize_config_dir
-from hydra._internal.utils import get_args_parser  # the parser of @hydra.main's own command line
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
@@ -35,10 +38,17 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mlcls import config_dir
 from mlcls.cli.errors import one_line, user_errors
-from mlcls.engine.validate import ConfigError
+from mlcls.errors import ConfigError
+from mlcls.renamed import renamed_key_message
 
 # Configs composed per command at most for swept config groups (e.g. experiment=a,b,c); beyond, no check.
 MAX_COMPOSITIONS = 64
+# @hydra.main's flags that take a value (``--hydra-help``), and those that select another config.
+VALUE_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c")
+VALUE_FLAGS += ("--package", "-p", "--experimental-rerun")
+CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+# --info takes an optional value, one of these
+INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
 def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
@@ -50,6 +60,7 @@ def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
     With ``HYDRA_FULL_ERROR=1`` set by the user, Hydra's own report is kept.
     """
     overrides = check_command_line(config_name)
+    sys.argv[1:] = [_group_choice(arg) for arg in sys.argv[1:]]
     user_setting = os.environ.get("HYDRA_FULL_ERROR")
     if user_setting == "1":
         hydra_main()
@@ -71,37 +82,78 @@ def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
 
 def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> list[str] | None:
     """Check a ``mlcls-*`` command line (default ``sys.argv[1:]``) before Hydra runs; return its overrides
-    (:func:`command_line_overrides`).
+    (:func:`command_line_overrides`), group choices as Hydra writes them (:func:`group_choices`).
 
-    A positional argument, or ``+key=…`` for a key the config lacks, ends the process with one line and
-    exit status 2. The config is composed only when a ``+key=…`` override is given.
+    A positional argument, a renamed key or ``+key=…`` for a key the config lacks ends the process with one
+    line and exit status 2. The config is composed only when a ``+key=…`` override is given.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     with user_errors():
-        for arg in get_args_parser().parse_args(argv).overrides:
+        arguments, other_config = split_command_line(argv)
+        for arg in arguments:
             if "=" not in arg and not arg.startswith("~"):
                 raise ConfigError(
                     f"unexpected argument {arg!r}: mlcls-{config_name} takes key=value overrides; "
                     f"mlcls-{config_name} --help lists the keys"
                 )
-        overrides = command_line_overrides(argv)
-        if overrides is not None:
-            _check_added_keys(config_name, overrides)
+            message = renamed_key_message(arg.partition("=")[0].lstrip("+~"))
+            if message is not None:
+                raise ConfigError(message)
+        if other_config:
+            return None
+        overrides = group_choices([arg for arg in arguments if "=" in arg])
+        _check_added_keys(config_name, overrides)
     return overrides
+
+
+def split_command_line(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """The overrides (and stray positional arguments) of a ``@hydra.main`` command line, Hydra's flags and
+    their values left out, and whether a flag selects another config (:data:`CONFIG_FLAGS`)."""
+    arguments, other_config, index = [], False, 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg.startswith("-"):
+            flag, equals, _ = arg.partition("=")
+            other_config |= flag in CONFIG_FLAGS
+            takes_next = flag in VALUE_FLAGS or (
+                flag in ("--info", "-i") and index + 1 < len(argv) and argv[index + 1] in INFO_CHOICES
+            )
+            index += 1 if equals or not takes_next else 2
+            continue
+        arguments.append(arg)
+        index += 1
+    return arguments, other_config
 
 
 def command_line_overrides(argv: Sequence[str]) -> list[str] | None:
     """The ``key=value`` overrides among a Hydra command line's arguments; ``None`` when it selects another
     config (``--config-name``, ``--config-dir``, ``--config-path``), which this module does not check."""
-    args = get_args_parser().parse_args(list(argv))
-    if args.config_name or args.config_path or args.config_dir:
-        return None
-    return [arg for arg in args.overrides if "=" in arg]
+    arguments, other_config = split_command_line(argv)
+    return None if other_config else [arg for arg in arguments if "=" in arg]
+
+
+def group_choices(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with each choice in a nested config group written with dots (``model.head=csra``) in
+    Hydra's form (``model/head=csra``); the others as they are."""
+    return [_group_choice(arg) for arg in overrides]
+
+
+def _group_choice(arg: str) -> str:
+    key, equals, value = arg.partition("=")
+    name = key.lstrip("+~")
+    if not equals or "." not in name or not (config_dir() / name.replace(".", "/")).is_dir():
+        return arg
+    return f"{key[: len(key) - len(name)]}{name.replace('.', '/')}={value}"
 
 
 def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
     """The config ``config_name`` of ``mlcls/configs`` with ``overrides`` applied; a mistake in
     ``overrides`` raises :class:`ConfigError` with the message of :func:`explain_error`."""
+    overrides = group_choices(overrides)
+    for override in overrides:
+        message = renamed_key_message(override.partition("=")[0].lstrip("+~"))
+        if message is not None:
+            raise ConfigError(message)
     _check_added_keys(config_name, overrides)
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
@@ -133,8 +185,10 @@ def explain_error(config_name: str, overrides: Sequence[str] | None, exc: Except
 def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
     """Raise :class:`ConfigError` for an override of a key the composed config does not have.
 
-    The config is composed with the config group choices of ``overrides`` (each value of a swept group in
-    turn); a key counts as known if any of those configs has it. Overrides Hydra cannot parse, and choices
+    The config is composed with the config group choices of ``overrides``: the first value of each swept
+    group, then each other value of one group with the others' first (``experiment=a,b loss=c,d`` composes
+    three configs, not four: a key comes with the option that holds it); a key counts as known if any of
+    those configs has it. Overrides Hydra cannot parse, and choices
     it cannot compose, are left for Hydra to report.
     """
     parsed = _parse(overrides)
@@ -146,12 +200,16 @@ def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
         if not keys:
             return
         choices = [[f"{o.get_key_element()}={value}" for value in _values(o)] for o in groups]
-        if math.prod(len(values) for values in choices) > MAX_COMPOSITIONS:
+        first = [values[0] for values in choices]
+        combos = [first] + [
+            [*first[:i], value, *first[i + 1 :]] for i, values in enumerate(choices) for value in values[1:]
+        ]
+        if len(combos) > MAX_COMPOSITIONS:
             return
         try:
             trees = [
-                OmegaConf.to_container(compose(config_name=config_name, overrides=list(combo)), resolve=False)
-                for combo in itertools.product(*choices)
+                OmegaConf.to_container(compose(config_name=config_name, overrides=combo), resolve=False)
+                for combo in combos
             ]
         except HydraException:
             return

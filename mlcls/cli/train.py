@@ -35,7 +35,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """
     trainer = Trainer(cfg)
     trainer.on_finish.append(plot_run)
-    if cfg.trainer.get("report", False):
+    if cfg.trainer.report:
         trainer.on_finish.append(report_run)
     return trainer.fit()
 

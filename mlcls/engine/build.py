@@ -27,6 +27,7 @@ from mlcls.data.datasets.observed import NO_HOLDOUT
 from mlcls.data.loader import build_eval_loader, build_train_loader
 from mlcls.data.pipeline.fast import DeviceStage
 from mlcls.data.pipeline.preprocess import preprocess_spec
+from mlcls.engine.config_checks import check_config, resolve_amp
 from mlcls.engine.distributed import DistInfo, init_distributed
 from mlcls.engine.ema import ModelEma
 from mlcls.engine.logging import RunLog, open_run_log
@@ -34,7 +35,7 @@ from mlcls.engine.optim import build_optimizer, build_scheduler
 from mlcls.engine.resume import carry_loss_state, init_from_checkpoint, resume_run
 from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
 from mlcls.engine.state import TrainState, seed_everything
-from mlcls.engine.validate import ConfigError, resolve_amp, validate_config
+from mlcls.errors import ConfigError
 from mlcls.models.factory import TRAINING_KEYS, freeze_backbone
 
 log = logging.getLogger("mlcls")
@@ -195,10 +196,11 @@ def build_optimization(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The optimizer of ``cfg.optim`` over ``model`` (and the learnable state of ``criterion``, e.g. ROLE's
     label table: its ``parameter_groups()``) and the per-iteration schedule of ``cfg.sched`` (its warm-up
-    in epochs counted in iterations of ``iters_per_epoch``)."""
+    in epochs counted in iterations of ``iters_per_epoch``, by default the head's ``warmup_epochs``)."""
     loss_groups = criterion.parameter_groups() if hasattr(criterion, "parameter_groups") else []
     optimizer = build_optimizer(cfg.optim, model, loss_groups)
-    scheduler = build_scheduler(cfg.sched, optimizer, cfg.trainer.epochs * iters_per_epoch, iters_per_epoch)
+    total_iters, head_warmup = cfg.trainer.epochs * iters_per_epoch, cfg.model.head.warmup_epochs
+    scheduler = build_scheduler(cfg.sched, optimizer, total_iters, iters_per_epoch, head_warmup)
     return optimizer, scheduler
 
 
@@ -274,7 +276,7 @@ def build_run(cfg: DictConfig) -> Run:
     try:
         # The process group first: under SLURM the world size exists only once it is set up.
         dist = init_distributed(tcfg.device)
-        validate_config(cfg, world_size=dist.world_size)
+        check_config(cfg, world_size=dist.world_size)
         device, cuda = dist.device, dist.device.type == "cuda"
         amp = resolve_amp(tcfg.amp, device)
         eval_amp = amp if tcfg.get("eval_amp") is None else resolve_amp(tcfg.eval_amp, device)

@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
     """Autocast to bfloat16 (``amp="bf16"``) or float16 (``"fp16"``) on ``device``'s type, CUDA or CPU; a
-    no-op for ``"none"`` (``"auto"`` is resolved before, see :func:`mlcls.engine.validate.resolve_amp`)."""
+    no-op for ``"none"`` (``"auto"`` is resolved before: :func:`mlcls.engine.config_checks.resolve_amp`)."""
     if amp == "none":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if amp == "bf16" else torch.float16

@@ -21,9 +21,12 @@ made, so with null norm/bias decays there are two groups, head then backbone, as
 
 ``configs/sched/*.yaml`` are ``_partial_`` configs of a function called as
 ``target(optimizer, total_iters=N, **keys)`` that returns an LRScheduler stepped every iteration, such as
-:func:`cosine_schedule` and :func:`onecycle_schedule`. Two keys are read before the call
-(:func:`build_scheduler`): ``warmup_epochs`` becomes ``warmup_iters`` where that is null, and
-``head_warmup_epochs``, the table of each head's default ``warmup_epochs``, is left out.
+:func:`cosine_schedule` and :func:`onecycle_schedule`. One key is read before the call
+(:func:`build_scheduler`): ``warmup_epochs``, passed as ``warmup_iters``; null there means the head's own
+default, ``model.head.warmup_epochs`` (configs/model/head/*.yaml).
+
+The optimizer's and the schedule's keys are checked here, where they are used: a group key out of range,
+an unknown keyword or a value the class refuses is a one-line :class:`~mlcls.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from mlcls.errors import ConfigError
 from mlcls.models import split_parameters
 
 GROUP_KEYS = ("lr_head", "lr_backbone", "weight_decay", "norm_weight_decay", "bias_weight_decay")
@@ -115,11 +119,35 @@ def parameter_groups(model: nn.Module, cfg: Mapping[str, Any]) -> list[dict[str,
 
 
 def optimizer_factory(cfg: Mapping[str, Any]) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
-    """The optimizer class of ``cfg`` with its own keywords bound, ``cfg`` without :data:`GROUP_KEYS`."""
+    """The optimizer class of ``cfg`` with its own keywords bound, ``cfg`` without :data:`GROUP_KEYS`;
+    :class:`ConfigError` for a group key that is not a number >= 0 (the ``*_weight_decay`` ones may be
+    null) or a config that is not ``_partial_``."""
     settings = _settings(cfg)
     for key in GROUP_KEYS:
-        settings.pop(key, None)
-    return instantiate(settings, _convert_="all")
+        value = settings.pop(key, None)
+        if value is None and key in ("norm_weight_decay", "bias_weight_decay"):
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            kind = "a number >= 0, or null for weight_decay's" if "_weight_decay" in key else "a number >= 0"
+            raise ConfigError(f"optim.{key}={value!r}; expected {kind}")
+    return _partial("optim", settings)
+
+
+def _partial(group: str, settings: dict[str, Any]) -> Callable[..., Any]:
+    """The ``_partial_`` config ``settings`` of ``group`` (optim, sched) instantiated; its error, the first
+    line of the innermost one (Hydra wraps the target's in a few lines of its own), as a ConfigError."""
+    if settings.get("_partial_") is not True:
+        raise ConfigError(f"{group}._partial_ must be true: {group}._target_ is called by the trainer")
+    try:
+        return instantiate(settings, _convert_="all")
+    except Exception as exc:
+        raise ConfigError(f"{group}._target_={settings.get('_target_')}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def build_optimizer(
@@ -139,7 +167,14 @@ def build_optimizer(
          "name": g["name"]}
         for g in loss_groups
     ]  # fmt: skip
-    optimizer = optimizer_factory(cfg)(parameter_groups(model, cfg) + extra)
+    try:
+        optimizer = optimizer_factory(cfg)(parameter_groups(model, cfg) + extra)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the class's own check of its keywords (momentum out of range, ...)
+        raise ConfigError(f"optim._target_={settings.get('_target_')}: {_first_line(exc)}") from None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optim._target_={settings.get('_target_')} is not a torch optimizer class")
     optimizer.register_load_state_dict_pre_hook(_match_saved_groups)
     return optimizer
 
@@ -241,20 +276,32 @@ def warmup_iterations(warmup_epochs: float, iters_per_epoch: int) -> int:
 
 
 def build_scheduler(
-    cfg: Mapping[str, Any], optimizer: torch.optim.Optimizer, total_iters: int, iters_per_epoch: int = 1
+    cfg: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+    total_iters: int,
+    iters_per_epoch: int = 1,
+    head_warmup_epochs: float = 0,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The schedule of ``cfg`` (a ``_partial_`` config) over ``total_iters`` iterations of ``optimizer``.
 
-    ``warmup_epochs`` and ``head_warmup_epochs`` are not passed to the schedule: where ``warmup_iters`` is
-    null (or absent) and ``warmup_epochs`` is set, the schedule gets ``warmup_iters`` = ``warmup_epochs`` x
-    ``iters_per_epoch`` (:func:`warmup_iterations`); a ``warmup_iters`` that is set wins. A null
-    ``warmup_iters`` with no ``warmup_epochs`` is left out, so the schedule's own default applies.
+    A schedule with a ``warmup_epochs`` key gets ``warmup_iters`` = ``warmup_epochs`` x ``iters_per_epoch``
+    (:func:`warmup_iterations`), ``head_warmup_epochs`` (the head's ``model.head.warmup_epochs``) where the
+    key is null. A mistake is a one-line :class:`ConfigError` naming the key.
     """
     settings = _settings(cfg)
-    epochs = settings.pop("warmup_epochs", None)
-    settings.pop("head_warmup_epochs", None)
-    if settings.get("warmup_iters") is None:
-        settings.pop("warmup_iters", None)
-        if epochs is not None:
+    if "warmup_epochs" in settings:
+        epochs = settings.pop("warmup_epochs")
+        epochs = head_warmup_epochs if epochs is None else epochs
+        try:
             settings["warmup_iters"] = warmup_iterations(epochs, iters_per_epoch)
-    return instantiate(settings, _convert_="all")(optimizer, total_iters=total_iters)
+        except ValueError as exc:
+            raise ConfigError(f"sched.{exc}") from None
+    schedule = _partial("sched", settings)
+    try:
+        scheduler = schedule(optimizer, total_iters=total_iters)
+    except Exception as exc:
+        raise ConfigError(f"sched._target_={settings.get('_target_')}: {_first_line(exc)}") from None
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        target = settings.get("_target_")
+        raise ConfigError(f"sched._target_={target} does not return a learning-rate scheduler")
+    return scheduler

@@ -14,7 +14,7 @@ from torch import nn
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import CheckpointError, choose_resume_checkpoint, load_checkpoint
 from mlcls.engine.state import TrainState, set_rng_state
-from mlcls.engine.validate import ConfigError
+from mlcls.errors import ConfigError
 
 log = logging.getLogger("mlcls")
 

@@ -66,7 +66,6 @@ from mlcls.engine.preemption import StopSignals
 from mlcls.engine.results import record_skipped_images, run_results
 from mlcls.engine.rundir import close_run_dir
 from mlcls.engine.state import EpochProgress, rng_state
-from mlcls.engine.validate import ConfigError
 from mlcls.errors import plural
 from mlcls.models.factory import backbone_in_eval
 
@@ -74,7 +73,7 @@ log = logging.getLogger("mlcls")
 
 EXIT_PREEMPTED = 75
 
-__all__ = ["EXIT_PREEMPTED", "ConfigError", "Evaluation", "NonFiniteError", "Preempted", "Trainer"]
+__all__ = ["EXIT_PREEMPTED", "Evaluation", "NonFiniteError", "Preempted", "Trainer"]
 
 
 def selection_score(record: dict[str, Any]) -> float:

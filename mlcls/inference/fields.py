@@ -162,15 +162,12 @@ MODEL_FIELDS: dict[str, tuple[Any, str]] = {
     "name": (lambda v: isinstance(v, str) and 0 < len(v) <= 200, "a timm model name"),
     "pretrained": (lambda v: isinstance(v, bool), "true or false"),
     "checkpoint_path": (lambda v: v is None or isinstance(v, str), "a path or null"),
+    # the head's options (model.head, configs/model/head/*.yaml), checked beside the model's
     "drop_rate": (lambda v: _is_number(v) and 0 <= v < 1, "a probability in [0, 1)"),
-    "head": (lambda v: isinstance(v, str), "a head name"),
     "num_groups": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "decoder_embedding": (
-        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-        "an integer >= 1",
-    ),
-    "csra_heads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "csra_lam": (_is_number, "a finite number"),
+    "embed_dim": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "num_heads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "lam": (_is_number, "a finite number"),
 }
 
 

@@ -27,7 +27,7 @@ from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_check
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
-from mlcls.errors import InferenceError
+from mlcls.errors import InferenceError, shown
 from mlcls.inference.fields import (
     check_model_fields,
     check_weights_fit,
@@ -40,6 +40,7 @@ from mlcls.inference.fields import (
 from mlcls.metrics.thresholds import select_labels
 from mlcls.models import create_model
 from mlcls.models.factory import TRAINING_KEYS
+from mlcls.renamed import upgrade_config
 
 # The only function that builds a checkpoint's model (the ``_target_`` of configs/model/*.yaml).
 MODEL_FACTORY = "mlcls.models.create_model"
@@ -104,6 +105,7 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
     """
     if not isinstance(config.get("model"), dict):
         raise InferenceError("the checkpoint's config has no model section; is it an mlcls checkpoint?")
+    config = upgrade_config(config)  # written before a rename (README, "Renamed keys")
     fields = dict(config["model"])
     for key in TRAINING_KEYS:  # how training started and what it updated: the network is the same
         fields.pop(key, None)
@@ -113,19 +115,23 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
             f"the checkpoint's model._target_ is {target!r}; a checkpoint's model is built by "
             f"{MODEL_FACTORY} only (a _target_ read from a file is never called)"
         )
-    accepted = sorted(set(inspect.signature(create_model).parameters) - {"num_classes"})
+    accepted = sorted(set(inspect.signature(create_model).parameters) - {"num_classes", "head_options"})
     unknown = sorted(str(key) for key in fields if key not in accepted)
     if unknown:
         raise InferenceError(
             f"the checkpoint's model config has {', '.join(unknown)}, which {MODEL_FACTORY} does not take "
             f"(it takes {', '.join(accepted)})"
         )
-    check_model_fields(fields)
+    head = fields.get("head", "linear")
+    if not isinstance(head, dict) or not isinstance(head.get("name"), str):
+        raise InferenceError(f"the checkpoint's model.head is {shown(head)}; expected a head's config")
+    check_model_fields({**fields, **head})
     try:
         return create_model(
             **{**fields, "num_classes": num_classes, "pretrained": False, "checkpoint_path": None}
         )
     except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: sizes beyond torch's int64
+        # ValueError includes ConfigError: an option the head does not take
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InferenceError(f"cannot build the checkpoint's model: {first_line}") from exc
 

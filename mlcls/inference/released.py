@@ -176,12 +176,10 @@ def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: fl
         "name": spec.backbones[0],
         "pretrained": False,
         "checkpoint_path": None,
-        "drop_rate": 0.0,
-        "head": spec.head,
-        "num_groups": 100,
-        "decoder_embedding": 768,
-        "csra_heads": 1,
-        "csra_lam": 0.1,
+        "head": {
+            "name": spec.head,
+            "warmup_epochs": 1 if spec.head == "mldecoder" else 0,
+        },  # model/head/*.yaml
     }
     if fmt == "csra":
         heads, classes = sum(key.startswith("classifier.multi_head.") for key in weights), int(head.shape[0])
@@ -193,8 +191,10 @@ def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: fl
                 f"the CSRA file has {plural(heads, 'head')} for {classes} classes, none of its authors' "
                 f"released files (heads for classes: {known}); give lam=X, the lambda it was trained with"
             )
-        fields.update(csra_heads=heads, csra_lam=CSRA_LAM[heads, classes] if lam is None else lam)
+        fields["head"].update(num_heads=heads, lam=CSRA_LAM[heads, classes] if lam is None else lam)
         return fields
+    if spec.head == "linear":
+        fields["head"]["drop_rate"] = 0.0
     variant = tresnet_variant(weights)
     if variant not in spec.backbones:
         found = "no TResNet variant" if variant is None else variant
@@ -208,7 +208,7 @@ def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: fl
         queries = weights.get("head.decoder.query_embed.weight")
         if queries is None or queries.ndim != 2:
             raise _misfit(fmt, "head.decoder.query_embed.weight is not a (queries, width) tensor")
-        fields.update(num_groups=int(queries.shape[0]), decoder_embedding=int(queries.shape[1]))
+        fields["head"].update(num_groups=int(queries.shape[0]), embed_dim=int(queries.shape[1]))
     return fields
 
 

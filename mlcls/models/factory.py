@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import timm
 from huggingface_hub import (
@@ -16,7 +18,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from torch import nn
 
 from mlcls.errors import ConfigError
-from mlcls.models.heads import HEADS, HeadedModel, create_head
+from mlcls.models.heads import HeadedModel, create_head
 
 # Seconds the Hugging Face hub has to answer the one request that tells whether it can be reached.
 HUB_TIMEOUT = 10.0
@@ -24,24 +26,32 @@ HUB_TIMEOUT = 10.0
 HUB_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
+# Each head's options, as its config (configs/model/head/<head>.yaml) names them; ``warmup_epochs`` there is
+# the schedule's default (mlcls.engine.optim.build_scheduler), not the network's.
+HEAD_OPTIONS = {
+    "linear": ("drop_rate",),
+    "mldecoder": ("num_groups", "embed_dim"),
+    "csra": ("num_heads", "lam"),
+}
+HEAD_SCHEDULE_KEYS = ("warmup_epochs",)
+
+
 def create_model(
     name: str,
     num_classes: int,
     pretrained: bool = True,
     checkpoint_path: str | None = None,
-    drop_rate: float = 0.0,
-    head: str = "linear",
-    num_groups: int = 100,
-    decoder_embedding: int = 768,
-    csra_heads: int = 1,
-    csra_lam: float = 0.1,
+    head: str | Mapping[str, Any] = "linear",
+    **head_options: Any,
 ) -> nn.Module:
     """Build timm model ``name`` with a freshly initialised ``num_classes``-way classifier ``head``.
 
-    ``head="linear"`` is timm's own model (global pooling, dropout ``drop_rate``, fc). ``"mldecoder"``
-    (``num_groups`` queries, width ``decoder_embedding``) and ``"csra"`` (``csra_heads`` heads, ``csra_lam``)
-    sit on the backbone's unpooled features in a :class:`~mlcls.models.heads.HeadedModel`
-    (:mod:`mlcls.models.heads`); the other head's options are not used.
+    ``head`` is the head's config (``model.head``: its ``name`` and options, configs/model/head/*.yaml) or
+    its name, the options then given as ``head_options``. ``linear`` is timm's own model (global pooling,
+    dropout ``drop_rate``, fc). ``mldecoder`` (``num_groups`` queries, width ``embed_dim``) and ``csra``
+    (``num_heads`` heads, ``lam``) sit on the backbone's unpooled features in a
+    :class:`~mlcls.models.heads.HeadedModel` (:mod:`mlcls.models.heads`). An option of another head is a
+    :class:`ConfigError`: no option is silently unused.
 
     With ``pretrained=True`` the ImageNet weights come from the local Hugging Face cache, else from the hub
     (:func:`pretrained_weights_file`); ``checkpoint_path`` loads a local weights file instead (for machines
@@ -49,11 +59,8 @@ def create_model(
     """
     if not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r}; see timm.list_models() for valid names")
-    if head not in HEADS:
-        raise ConfigError(f"model.head={head!r}; expected one of {', '.join(HEADS)}")
-    if drop_rate and head != "linear":
-        raise ConfigError(f"model.drop_rate={drop_rate} applies to the linear head only; set it to 0.0")
-    kwargs: dict = {"num_classes": num_classes, "drop_rate": drop_rate}
+    head_name, options = head_config(head, head_options)
+    kwargs: dict = {"num_classes": num_classes, "drop_rate": options.pop("drop_rate", 0.0)}
     if checkpoint_path:
         path = Path(checkpoint_path).expanduser()
         if not path.is_file():
@@ -64,16 +71,30 @@ def create_model(
         weights = pretrained_weights_file(name)
         if weights is not None:
             kwargs["pretrained_cfg_overlay"] = {"file": weights}
-    if head == "linear":
+    if head_name == "linear":
         return timm.create_model(name, pretrained=pretrained, **kwargs)
-    options = (
-        {"num_groups": num_groups, "embed_dim": decoder_embedding}
-        if head == "mldecoder"
-        else {"num_heads": csra_heads, "lam": csra_lam}
-    )
     kwargs.update(num_classes=0, global_pool="")
     backbone = timm.create_model(name, pretrained=pretrained, **kwargs)
-    return HeadedModel(backbone, create_head(head, backbone.num_features, num_classes, **options))
+    return HeadedModel(backbone, create_head(head_name, backbone.num_features, num_classes, **options))
+
+
+def head_config(head: str | Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The head's name and network options from ``head`` (a name, or a config with ``name``) and
+    ``options``; :class:`ConfigError` for an unknown head or an option that is not the head's."""
+    given = {"name": head} if isinstance(head, str) else dict(head)
+    given.update(options)
+    head_name = given.pop("name", "linear")
+    if head_name not in HEAD_OPTIONS:
+        raise ConfigError(f"model.head={head_name!r}; expected one of {', '.join(HEAD_OPTIONS)}")
+    for key in HEAD_SCHEDULE_KEYS:
+        given.pop(key, None)
+    foreign = [key for key in given if key not in HEAD_OPTIONS[head_name]]
+    if foreign:
+        raise ConfigError(
+            f"model.head.{foreign[0]} is not an option of the {head_name} head; it takes "
+            f"{', '.join(HEAD_OPTIONS[head_name])} (configs/model/head/{head_name}.yaml)"
+        )
+    return head_name, given
 
 
 def pretrained_weights_file(name: str) -> str | None:

@@ -33,8 +33,7 @@ from mlcls.data import MultiLabelDataset
 from mlcls.data.datasets.folds import fold_rows, indexed_training_split
 from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
-from mlcls.engine.validate import ConfigError
-from mlcls.errors import plural
+from mlcls.errors import ConfigError, plural
 from mlcls.io import atomic_write, atomic_write_bytes
 from mlcls.reporting.audit_page import audit_page
 

@@ -1,0 +1,140 @@
+"""Checks of the resolved training config, run before any data is read or any process group is joined.
+
+Each key is checked once. The keys below are the trainer's, the model's starting point and those whose
+validity depends on another group (the batch over the world size, the loss's buckets, the backend's
+transform). The others are checked where they are used: the optimizer's and the schedule's keys when
+they are built (:mod:`mlcls.engine.optim`), a head's keys by the head (:mod:`mlcls.models.heads`), the
+dataset's by the data package, and the loss's by the loss, built here because it costs nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from mlcls.data.pipeline.fast import BACKENDS
+from mlcls.engine.rundir import explicit_hydra_run_dir
+from mlcls.errors import ConfigError
+from mlcls.losses.spec import loss_name
+
+AMP_MODES = ("auto", "none", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+# trainer.loss_sum_scope: what a loss summed over the batch sums over under DDP (engine.build.build_loss).
+LOSS_SUM_SCOPES = ("global", "process")
+
+# trainer.<key>: (its check, what is expected); a null is refused unless the key is in NULLABLE.
+TRAINER_KEYS = {
+    **{
+        key: (lambda v: _integer(v) and v > 0, "a positive integer")
+        for key in ("epochs", "batch_size", "eval_every", "log_every", "keep_checkpoints", "max_nonfinite")
+    },
+    **{key: (lambda v: _integer(v) and v > 0, "a positive integer, or null") for key in (
+        "limit_train_batches", "limit_val_batches")},
+    "workers": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    "amp": (lambda v: v in AMP_MODES, f"one of {', '.join(AMP_MODES)}"),
+    "eval_amp": (lambda v: v in AMP_MODES, f"one of {', '.join(AMP_MODES)}, or null"),
+    "device": (lambda v: v in DEVICES, f"one of {', '.join(DEVICES)}"),
+    "ema_decay": (lambda v: _number(v) and 0.0 < v < 1.0, "a number in (0, 1), or null for no EMA"),
+    "grad_clip": (lambda v: _number(v) and v > 0, "a positive number, or null"),
+    "loss_sum_scope": (lambda v: v in LOSS_SUM_SCOPES, f"one of {', '.join(LOSS_SUM_SCOPES)}"),
+    **{
+        key: (lambda v: isinstance(v, bool), "true or false")
+        for key in ("trust_checkpoint", "compile", "sync_bn", "report", "deterministic", "ema_warmup")
+    },
+}  # fmt: skip
+NULLABLE = ("limit_train_batches", "limit_val_batches", "eval_amp", "ema_decay", "grad_clip")
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def resolve_amp(amp: str, device: torch.device) -> str:
+    """The autocast of ``trainer.amp`` (or ``eval_amp``) on ``device``: ``auto`` is bf16 on CUDA and none
+    (float32) elsewhere; none, bf16 and fp16 are what they say on every device."""
+    if amp == "auto":
+        return "bf16" if device.type == "cuda" else "none"
+    return amp
+
+
+def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` with a one-line message for the first invalid setting.
+
+    ``world_size`` defaults to the number of processes torchrun, or SLURM through submitit, starts (1
+    without either); the trainer passes the size of the process group it joined.
+    """
+    if world_size is None:
+        from mlcls.engine.distributed import world_size_from_environment
+
+        world_size = world_size_from_environment()
+    t = cfg.trainer
+    for key, (check, expected) in TRAINER_KEYS.items():
+        value = t[key]
+        if not (value is None and key in NULLABLE) and not check(value):
+            raise ConfigError(f"trainer.{key}={value!r}; expected {expected}")
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+    if t.resume not in (None, "auto") and not Path(t.resume).is_file():
+        raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint file (or use trainer.resume=auto)")
+    if t.resume == "auto" and not t.output_dir and not explicit_hydra_run_dir():
+        raise ConfigError(
+            "trainer.resume=auto needs trainer.output_dir=<run dir> (or hydra.run.dir=<run dir>) to know "
+            "which run to resume"
+        )
+    if t.batch_size % world_size:
+        raise ConfigError(
+            f"trainer.batch_size={t.batch_size} does not divide over {world_size} processes; "
+            "use a multiple of the world size"
+        )
+    _check_buckets(cfg, world_size)
+
+    init_from = cfg.model.init_from
+    if init_from is not None and (not isinstance(init_from, str) or not Path(init_from).is_file()):
+        raise ConfigError(
+            f"model.init_from={init_from!r}: no such checkpoint file; expected an mlcls checkpoint (a run's "
+            "last.pt or best.pt, or mlcls-import's output), or null"
+        )
+    freeze = cfg.model.freeze_backbone
+    if not isinstance(freeze, bool):
+        raise ConfigError(f"model.freeze_backbone={freeze!r}; expected true (train the head alone) or false")
+    if cfg.data.backend not in BACKENDS:
+        raise ConfigError(f"data.backend={cfg.data.backend!r}; expected one of {', '.join(BACKENDS)}")
+    if cfg.data.backend == "dali" and cfg.dataset.get("transform", "paper") != "paper":
+        raise ConfigError("data.backend=dali does the paper's augmentation only; use dataset.transform=paper")
+
+    # The loss checks its own arguments (tp > 0, known ways, ...): building it costs nothing.
+    try:
+        instantiate(cfg.loss)
+    except Exception as exc:
+        cause = " ".join(str(exc.__cause__ or exc).split())  # Hydra's import errors span several lines
+        raise ConfigError(f"loss={loss_name(cfg.loss)}: {cause}") from None
+
+
+def _check_buckets(cfg: DictConfig, world_size: int) -> None:
+    """``loss.bucket_size`` divides the batch it splits: the per-process batch, or the global batch when
+    the loss gathers it from all processes (``loss.gather``, which needs several)."""
+    gathered = bool(cfg.loss.get("gather"))
+    if gathered and world_size == 1:
+        raise ConfigError(
+            "loss.gather=true needs several processes (torchrun); without DDP it changes nothing"
+        )
+    batch = cfg.trainer.batch_size
+    split_batch = batch if gathered else batch // world_size
+    bucket = cfg.loss.get("bucket_size")
+    if bucket is None:
+        return
+    if not _integer(bucket) or bucket <= 0:
+        raise ConfigError(f"loss.bucket_size={bucket!r}; expected a positive integer")
+    if split_batch % bucket:
+        what = "global batch" if gathered else "per-process batch"
+        raise ConfigError(
+            f"loss.bucket_size={bucket} does not divide the {what} {split_batch} "
+            f"(trainer.batch_size={batch} over {world_size} processes)"
+        )
