@@ -186,12 +186,14 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
                 raise CheckpointError(f"{field} names parameter {param_id} twice; expected distinct ids")
             params[param_id] = (index, live["params"][position])
         _check_hyperparameters(group, live, field)
+    kinds: dict[int, dict[str, str]] = {}  # per group, probed once
     for param_id, state in per_param.items():
         if param_id not in params:
             raise refuse("optimizer state key", param_id, "one of the parameter ids of param_groups")
         index, param = params[param_id]
-        kinds = _probe_state(optimizer, groups[index], f"optimizer param_groups[{index}]")
-        _check_param_state(state, kinds, param, f"optimizer state[{param_id}]")
+        if index not in kinds:
+            kinds[index] = _probe_state(optimizer, groups[index], f"optimizer param_groups[{index}]")
+        _check_param_state(state, kinds[index], param, f"optimizer state[{param_id}]")
 
 
 def _check_hyperparameters(group: dict[str, Any], live: dict[str, Any], field: str) -> None:
