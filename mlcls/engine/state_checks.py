@@ -8,22 +8,13 @@ compares every field a resume loads with what this run's objects hold -- shapes,
 and counters' ranges -- before any ``load_state_dict``, and stops at the first mismatch with one
 :class:`CheckpointError` line naming the field, what it holds and what was expected.
 
-What each check bounds, and why:
-
-- model, loss state and EMA weights: the same names, shapes and dtypes as the live ``state_dict()``;
-- optimizer: the same number of parameter groups and of parameters in each; hyperparameters of the live
-  group's types; every per-parameter state holds the keys this optimizer class makes (found by one step
-  of a probe optimizer over a two-element parameter with the stored group's settings), each a dense
-  floating tensor of the parameter's shape, or a finite scalar ``step`` -- so no fused kernel ever sees
-  a tensor of another size;
-- scheduler and loss scale: the same structure and types as the live ``state_dict()``; iteration
-  counters in [0, total iterations], every other integer and string equal to the live one;
-- progress (:class:`~mlcls.engine.state.TrainState`): ``epoch`` in [0, trainer.epochs], ``step`` within
-  the epoch, the other counters non-negative and bounded, records of the documented types;
-- random states: each is first set on a private generator (Python's, NumPy's, torch's), whose own check
-  refuses it, so a wrong state never reaches the process's generators.
-
-The checks read each stored value once and allocate only the probe's two-element tensors.
+What is checked: model, loss state and EMA weights have the live names, shapes and dtypes; the optimizer
+has the live number of groups and of parameters in each, hyperparameters of the live types, and every
+per-parameter state the keys one step of a probe optimizer (two elements, the stored group's settings)
+makes, each a dense floating tensor of the parameter's shape or a finite scalar ``step``; scheduler and
+loss scale have the live structure, iteration counters in [0, total iterations]; ``epoch`` lies in
+[0, trainer.epochs], ``step`` within the epoch, other counters are non-negative and bounded; random
+states are first set on private generators, whose own checks refuse them. Only the probe allocates.
 """
 
 from __future__ import annotations
