@@ -323,7 +323,10 @@ def build_run(cfg: DictConfig) -> Run:
         resumable = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loss": criterion}
         if ema is not None:
             resumable["ema"] = ema
-        if not resume_run(cfg, run_dir, resumable, scaler, state, dist.rank):
+        resumed = resume_run(
+            cfg, run_dir, resumable, scaler, state, dist.rank, data.iters_per_epoch, len(data.classes)
+        )
+        if not resumed:
             seed_everything(tcfg.seed + dist.rank)
         ddp_model = (
             DistributedDataParallel(model, device_ids=[device.index] if cuda else None)

@@ -14,6 +14,7 @@ from torch import nn
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import CheckpointError, choose_resume_checkpoint, load_checkpoint
 from mlcls.engine.state import TrainState, set_rng_state
+from mlcls.engine.state_checks import RunBounds, check_resume_state
 from mlcls.errors import ConfigError
 
 log = logging.getLogger("mlcls")
@@ -26,6 +27,8 @@ def resume_run(
     scaler: torch.amp.GradScaler,
     state: TrainState,
     rank: int,
+    iters_per_epoch: int | None = None,
+    num_classes: int | None = None,
 ) -> bool:
     """Restore ``trainer.resume`` (a file, or ``auto``: the newest readable checkpoint of ``run_dir``) into
     ``parts`` (name -> object with ``load_state_dict``: model, optimizer, scheduler, ema), ``scaler`` and
@@ -34,7 +37,9 @@ def resume_run(
     Checkpoints are read as plain data (:func:`load_checkpoint`) unless ``trainer.trust_checkpoint``.
     Rank 0 chooses the file and every rank loads that one (ranks that chose for themselves could load
     different files when one is being written or a node's file system lags). A checkpoint written with
-    another ``trainer.amp`` is resumed with a warning and a fresh loss scale.
+    another ``trainer.amp`` is resumed with a warning and a fresh loss scale. Every stored field is
+    checked against the live objects, ``trainer.epochs``, ``iters_per_epoch`` and ``num_classes`` first
+    (:func:`check_resume_state`).
     """
     resume = cfg.trainer.resume
     if not resume:
@@ -47,7 +52,9 @@ def resume_run(
         log.info("trainer.resume=auto: no readable checkpoint in %s, starting from scratch", run_dir)
         return False
     with dist_utils.all_or_none():
-        restore(load_checkpoint(path, trust=trust), Path(path), parts, scaler, state, cfg.trainer.amp, rank)
+        bounds = RunBounds(int(cfg.trainer.epochs), iters_per_epoch, num_classes)
+        checkpoint = load_checkpoint(path, trust=trust)
+        restore(checkpoint, Path(path), parts, scaler, state, cfg.trainer.amp, rank, bounds)
     return True
 
 
@@ -59,14 +66,24 @@ def restore(
     state: TrainState,
     amp: str,
     rank: int,
+    bounds: RunBounds | None = None,
 ) -> None:
-    """Load a full training checkpoint (``last.pt``, ``iter_*.pt``) into the run's objects."""
+    """Load a full training checkpoint (``last.pt``, ``iter_*.pt``) into the run's objects, once every
+    field it loads is checked against them and ``bounds`` (None: no upper bounds from the run's length):
+    a field that does not fit is a one-line :class:`CheckpointError` and nothing is loaded."""
     if "optimizer" not in checkpoint:
         raise CheckpointError(f"{path} holds weights only (best.pt?); resume needs last.pt or iter_*.pt")
+    config = checkpoint.get("config")
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    saved_amp = trainer.get("amp", amp) if isinstance(trainer, dict) else amp
+    load_scaler = saved_amp == amp and bool(checkpoint.get("scaler"))
+    try:
+        check_resume_state(checkpoint, parts, scaler, load_scaler, bounds or RunBounds())
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc} (a damaged or crafted checkpoint; resume another)") from None
     for name, part in parts.items():
         if checkpoint.get(name) is not None:
             part.load_state_dict(checkpoint[name])
-    saved_amp = checkpoint.get("config", {}).get("trainer", {}).get("amp", amp)
     if saved_amp != amp:
         log.warning(
             "%s was trained with trainer.amp=%s; continuing with trainer.amp=%s (fresh loss scale)",
@@ -74,7 +91,7 @@ def restore(
             saved_amp,
             amp,
         )
-    elif checkpoint.get("scaler"):
+    elif load_scaler:
         scaler.load_state_dict(checkpoint["scaler"])
     state.load_state_dict(checkpoint)
     state.resumes += 1

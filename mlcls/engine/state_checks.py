@@ -1,0 +1,459 @@
+"""Checks of a training checkpoint's stored state against the live objects it is about to be loaded into.
+
+A resumed ``last.pt`` is plain data (:func:`mlcls.engine.checkpoint.load_checkpoint`), but plain data can
+still hold a state no run wrote: an optimizer moment of one element for a 3 x 3 weight (which a fused
+SGD or AdamW kernel reads and writes out of bounds: a segmentation fault or a corrupted heap), a negative
+epoch (training that never ends), a random-number state of the wrong length. :func:`check_resume_state`
+compares every field a resume loads with what this run's objects hold -- shapes, dtypes, counts, types
+and counters' ranges -- before any ``load_state_dict``, and stops at the first mismatch with one
+:class:`CheckpointError` line naming the field, what it holds and what was expected.
+
+What is checked: model, loss state and EMA weights have the live names, shapes and dtypes; the optimizer
+has the live number of groups and of parameters in each, hyperparameters of the live types, and every
+per-parameter state the keys one step of a probe optimizer (two elements, the stored group's settings)
+makes, each a dense floating tensor of the parameter's shape or a finite scalar ``step``; scheduler and
+loss scale have the live structure, iteration counters in [0, total iterations]; ``epoch`` lies in
+[0, trainer.epochs], ``step`` within the epoch, other counters are non-negative and bounded; random
+states are first set on private generators, whose own checks refuse them. Only the probe allocates.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mlcls.engine.checkpoint import CheckpointError
+from mlcls.engine.ema import ModelEma
+from mlcls.engine.state import EpochProgress
+
+COUNT_MAX = 2**62  # a counter no run reaches: epochs, steps, images, seconds when no tighter bound is known
+RANKS_MAX = 2**16  # processes a checkpoint may have been written by
+SCHEDULER_COUNTERS = ("last_epoch", "_step_count")  # torch LRScheduler's iteration counters
+SCALER_COUNTERS = ("_growth_tracker",)  # GradScaler's finite steps since the last growth
+
+
+@dataclass(frozen=True)
+class RunBounds:
+    """What this run allows a resumed state to hold: ``epochs`` (trainer.epochs), and where known the
+    training steps of one epoch and the number of classes (None: unbounded but for :data:`COUNT_MAX`)."""
+
+    epochs: int | None = None
+    iters_per_epoch: int | None = None
+    num_classes: int | None = None
+
+    @property
+    def total_iters(self) -> int:
+        """The run's training iterations, or :data:`COUNT_MAX` when not known."""
+        if self.epochs is None or self.iters_per_epoch is None:
+            return COUNT_MAX
+        return self.epochs * self.iters_per_epoch
+
+
+def describe(value: Any) -> str:
+    """A short account of ``value`` for an error line (a tensor's dtype and shape, a number's value)."""
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**15:
+        return f"{'-' if value < 0 else ''}an integer of {value.bit_length()} bits"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else f"a string of {len(value)} characters"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+def refuse(field: str, value: Any, expected: str) -> CheckpointError:
+    """The one-line error: ``field`` holds ``value``; ``expected``."""
+    return CheckpointError(f"{field} holds {describe(value)}; expected {expected}")
+
+
+def check_int(value: Any, field: str, low: int, high: int) -> int:
+    """``value`` if it is an integer (not a bool) in [low, high]."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise refuse(field, value, f"an integer from {low} to {high}")
+    return value
+
+
+def check_number(value: Any, field: str, low: float = -math.inf, high: float = math.inf) -> float:
+    """``value`` if it is a finite int or float (not a bool) in [low, high]."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not low <= value <= high:
+        raise refuse(field, value, f"a finite number in [{low}, {high}]")
+    return value
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """A strided tensor whose elements fill its extent once each (contiguous in some dimension order, as
+    channels-last is): what kernels that walk the memory directly assume."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        return False
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_tensor(
+    value: Any, field: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``value`` if it is a dense tensor of ``shape`` and ``dtype`` (None: any floating dtype)."""
+    kind = "floating" if dtype is None else str(dtype).removeprefix("torch.")
+    expected = f"a dense {kind} tensor of shape {tuple(shape)}"
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape) or not _dense(value):
+        raise refuse(field, value, expected)
+    if (dtype is None and not value.dtype.is_floating_point) or (dtype is not None and value.dtype != dtype):
+        raise refuse(field, value, expected)
+    return value
+
+
+def check_state_dict(stored: Any, live: dict[str, torch.Tensor], field: str) -> None:
+    """``stored`` names exactly ``live``'s tensors, each of the same shape and dtype."""
+    if not isinstance(stored, dict):
+        raise refuse(field, stored, f"a state dict of {len(live)} tensors")
+    for key, tensor in live.items():
+        if key not in stored:
+            raise CheckpointError(f"{field} lacks {key}; expected this run's {len(live)} tensors")
+        check_tensor(stored[key], f"{field}[{key!r}]", tuple(tensor.shape), tensor.dtype)
+    extra = next((key for key in stored if key not in live), None)
+    if extra is not None:
+        raise CheckpointError(f"{field} holds {describe(extra)}, which this run lacks")
+
+
+def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], name: str = "") -> None:
+    """``stored`` has ``live``'s structure: the same keys and lengths, leaves of the same types; an integer
+    whose key ``name`` is in ``counters`` in [0, counters[name]], every other integer, bool, string and
+    None equal to the live one; floats finite; tensors of the live shape and dtype."""
+    if isinstance(live, dict):
+        if not isinstance(stored, dict) or stored.keys() != live.keys():
+            raise refuse(field, stored, f"a dict with keys {', '.join(map(str, live)) or 'none'}")
+        for key, value in live.items():
+            check_like(stored[key], value, f"{field}[{key!r}]", counters, str(key))
+    elif isinstance(live, (list, tuple)):
+        if not isinstance(stored, (list, tuple)) or len(stored) != len(live):
+            raise refuse(field, stored, f"a list of {len(live)} items")
+        for index, (item, reference) in enumerate(zip(stored, live, strict=True)):
+            check_like(item, reference, f"{field}[{index}]", counters)
+    elif isinstance(live, torch.Tensor):
+        check_tensor(stored, field, tuple(live.shape), live.dtype)
+    elif isinstance(live, float):
+        check_number(stored, field)
+    elif name in counters and type(live) is int:
+        check_int(stored, field, 0, counters[name])
+    elif type(stored) is not type(live) or stored != live:
+        raise refuse(field, stored, f"{describe(live)}, this run's")
+
+
+def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
+    """The stored optimizer state fits ``optimizer`` (see the module's docstring)."""
+    live_groups = optimizer.param_groups
+    if not isinstance(stored, dict) or not isinstance(stored.get("param_groups"), list):
+        raise refuse("optimizer", stored, "a dict of state and param_groups")
+    groups, per_param = stored["param_groups"], stored.get("state")
+    if len(groups) != len(live_groups):
+        raise refuse("optimizer param_groups", groups, f"{len(live_groups)} groups, this run's")
+    if not isinstance(per_param, dict):
+        raise refuse("optimizer state", per_param, "a dict of parameter ids to states")
+    params: dict[int, tuple[int, torch.Tensor]] = {}  # stored id -> (group, live parameter)
+    for index, (group, live) in enumerate(zip(groups, live_groups, strict=True)):
+        field = f"optimizer param_groups[{index}]"
+        if not isinstance(group, dict):
+            raise refuse(field, group, "a dict")
+        ids = group.get("params")
+        if not isinstance(ids, list) or len(ids) != len(live["params"]):
+            raise refuse(f"{field}['params']", ids, f"a list of {len(live['params'])} parameter ids")
+        for position, param_id in enumerate(ids):
+            check_int(param_id, f"{field}['params'][{position}]", 0, COUNT_MAX)
+            if param_id in params:
+                raise CheckpointError(f"{field} names parameter {param_id} twice; expected distinct ids")
+            params[param_id] = (index, live["params"][position])
+        _check_hyperparameters(group, live, field)
+    kinds: dict[int, dict[str, str]] = {}  # per group, probed once
+    for param_id, state in per_param.items():
+        if param_id not in params:
+            raise refuse("optimizer state key", param_id, "one of the parameter ids of param_groups")
+        index, param = params[param_id]
+        if index not in kinds:
+            kinds[index] = _probe_state(optimizer, groups[index], f"optimizer param_groups[{index}]")
+        _check_param_state(state, kinds[index], param, f"optimizer state[{param_id}]")
+
+
+def _check_hyperparameters(group: dict[str, Any], live: dict[str, Any], field: str) -> None:
+    """The stored group has the live group's keys (its ``name`` and ``param_names`` may be absent), each
+    of the live value's type; numbers finite."""
+    optional = {"params", "name", "param_names"}
+    missing = next((key for key in live if key not in optional and key not in group), None)
+    extra = next((key for key in group if key not in optional and key not in live), None)
+    if missing is not None or extra is not None:
+        what = f"lacks {missing}" if missing is not None else f"holds {extra}, which this optimizer lacks"
+        raise CheckpointError(
+            f"{field} {what}; expected the keys {', '.join(k for k in live if k != 'params')}"
+        )
+    for key, reference in live.items():
+        if key in optional:
+            continue
+        value, where = group[key], f"{field}[{key!r}]"
+        if reference is None or isinstance(reference, bool):  # a switch: foreach, fused, nesterov, ...
+            if value is not None and not isinstance(value, bool):
+                raise refuse(where, value, "True, False or None")
+        elif isinstance(reference, (int, float)):
+            check_number(value, where)
+        elif isinstance(reference, (list, tuple)):  # betas
+            if not isinstance(value, (list, tuple)) or len(value) != len(reference):
+                raise refuse(where, value, f"{len(reference)} numbers")
+            for position, item in enumerate(value):
+                check_number(item, f"{where}[{position}]")
+        elif type(value) is not type(reference):
+            raise refuse(where, value, f"a {type(reference).__name__}")
+
+
+def _probe_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], field: str) -> dict[str, str]:
+    """What one step of ``optimizer``'s class with the stored ``group``'s settings puts in a parameter's
+    state: key -> "param" (a tensor of the parameter's shape), "scalar" (a 0-d tensor or number) or
+    "none". Run on a two-element parameter, on the live parameters' device."""
+    device = optimizer.param_groups[0]["params"][0].device
+    settings = {k: v for k, v in group.items() if k not in ("params", "name", "param_names")}
+    probe_param = torch.zeros(2, device=device, requires_grad=True)
+    probe_param.grad = torch.zeros(2, device=device)
+    try:
+        probe = type(optimizer)([{"params": [probe_param], **settings}])
+        probe.step()
+    except Exception as exc:  # noqa: BLE001 - the optimizer's own refusal of the stored settings
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(
+            f"{field}'s settings are refused by {type(optimizer).__name__} ({line}); expected this run's"
+        ) from None
+    kinds = {}
+    for key, value in probe.state[probe_param].items():
+        if value is None:
+            kinds[key] = "none"
+        elif isinstance(value, torch.Tensor) and value.dim() > 0:
+            kinds[key] = "param"
+        else:
+            kinds[key] = "scalar"
+    return kinds
+
+
+def _check_param_state(state: Any, kinds: dict[str, str], param: torch.Tensor, field: str) -> None:
+    """One parameter's stored state holds exactly the keys ``kinds`` names, each of its kind."""
+    if not isinstance(state, dict) or set(state) != set(kinds):
+        raise refuse(field, state, f"a dict with keys {', '.join(kinds) or 'none'}")
+    for key, kind in kinds.items():
+        value = state[key]
+        if kind == "scalar":
+            number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            if isinstance(value, torch.Tensor) and (value.dim() != 0 or value.is_complex()):
+                raise refuse(f"{field}[{key!r}]", value, "a 0-d tensor or a number")
+            check_number(number, f"{field}[{key!r}]", 0.0)
+        elif not (kind == "none" and value is None):
+            check_tensor(value, f"{field}[{key!r}]", tuple(param.shape))
+
+
+def check_ema(stored: Any, ema: ModelEma, total_iters: int) -> None:
+    """The stored EMA (``module`` and ``updates``, or torch AveragedModel's ``module.*`` and
+    ``n_averaged``) holds the averaged model's tensors and a count of updates in [0, total_iters]."""
+    live = ema.module.state_dict()
+    if isinstance(stored, dict) and "n_averaged" in stored:
+        weights = {k.removeprefix("module."): v for k, v in stored.items() if k != "n_averaged"}
+        updates = stored["n_averaged"]
+        if isinstance(updates, torch.Tensor) and updates.numel() == 1 and not updates.is_floating_point():
+            updates = int(updates.item())
+    elif isinstance(stored, dict) and stored.keys() == {"module", "updates"}:
+        weights, updates = stored["module"], stored["updates"]
+    else:
+        raise refuse("ema", stored, "a dict of module and updates")
+    check_state_dict(weights, live, "ema module")
+    check_int(updates, "ema updates", 0, total_iters)
+
+
+def check_rng(states: Any) -> None:
+    """Every rank's generator states, each tried on a private generator first."""
+    if not isinstance(states, list) or not 1 <= len(states) <= RANKS_MAX:
+        raise refuse("rng", states, f"a list of 1 to {RANKS_MAX} ranks' generator states")
+    live = torch.get_rng_state()
+    for rank, state in enumerate(states):
+        field = f"rng[{rank}]"
+        if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= state.keys():
+            raise refuse(field, state, "a dict with python, numpy and torch")
+        check_tensor(state["torch"], f"{field}['torch']", tuple(live.shape), live.dtype)
+        _try_state(lambda s=state: torch.Generator().set_state(s["torch"]), f"{field}['torch']")
+        _check_python_rng(state["python"], f"{field}['python']")
+        _check_numpy_rng(state["numpy"], f"{field}['numpy']")
+        if "cuda" in state:
+            _check_cuda_rng(state["cuda"], f"{field}['cuda']")
+
+
+def _try_state(set_state: Any, field: str) -> None:
+    try:
+        set_state()
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"{field} is not a generator state ({line})") from None
+
+
+def _check_python_rng(state: Any, field: str) -> None:
+    """``random.getstate()``: (3, 625 integers below 2**32, None or a float)."""
+    internal = state[1] if isinstance(state, (tuple, list)) and len(state) == 3 else None
+    if (
+        not isinstance(internal, (tuple, list))
+        or len(internal) != 625
+        or not all(type(x) is int and 0 <= x < 2**32 for x in internal)
+    ):
+        raise refuse(field, state, "Python's (3, 625 integers below 2**32, gauss) state")
+    state = (state[0], tuple(internal), state[2])
+    _try_state(lambda: random.Random().setstate(state), field)
+
+
+def _check_numpy_rng(state: Any, field: str) -> None:
+    """``np.random.get_state()``: ('MT19937', 624 keys below 2**32 as a tensor or array, position,
+    has_gauss, cached_gaussian)."""
+    keys = state[1] if isinstance(state, (tuple, list)) and len(state) == 5 else None
+    if isinstance(keys, torch.Tensor) and keys.dtype == torch.int64 and keys.shape == (624,):
+        keys = keys.numpy()
+    if (
+        not isinstance(keys, np.ndarray)
+        or keys.shape != (624,)
+        or keys.dtype.kind not in "iu"
+        or int(keys.min()) < 0
+        or int(keys.max()) >= 2**32
+    ):
+        raise refuse(field, state, "NumPy's ('MT19937', 624 keys below 2**32, pos, has_gauss, gauss) state")
+    restored = (state[0], keys.astype(np.uint32), *state[2:])
+    _try_state(lambda: np.random.RandomState().set_state(restored), field)
+
+
+def _check_cuda_rng(states: Any, field: str) -> None:
+    """One uint8 state per CUDA device, at most as many as this process sees, each of its length."""
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else RANKS_MAX
+    if not isinstance(states, list) or len(states) > devices:
+        raise refuse(field, states, f"a list of at most {devices} CUDA generator states")
+    for index, state in enumerate(states):
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+            raise refuse(f"{field}[{index}]", state, "a 1-d uint8 tensor")
+        if torch.cuda.is_available():
+            live = torch.cuda.get_rng_state(index)
+            check_tensor(state, f"{field}[{index}]", tuple(live.shape), torch.uint8)
+
+
+def check_progress(checkpoint: dict[str, Any], bounds: RunBounds) -> None:
+    """The :class:`~mlcls.engine.state.TrainState` fields of ``checkpoint``: where training stands within
+    this run's epochs and steps, counters non-negative and bounded, records of their documented types."""
+    epochs = COUNT_MAX if bounds.epochs is None else bounds.epochs
+    steps = COUNT_MAX if bounds.iters_per_epoch is None else bounds.iters_per_epoch - 1
+    epoch = check_int(checkpoint.get("epoch", 0), "epoch", 0, epochs)
+    if epoch == epochs:  # training complete: no step of a further epoch
+        steps = 0
+    check_int(checkpoint.get("step", 0), "step", 0, steps)
+    names = {f.name: f.type for f in fields(EpochProgress)}
+    partial = checkpoint.get("partial", [])
+    if not isinstance(partial, list) or len(partial) > RANKS_MAX:
+        raise refuse("partial", partial, f"a list of at most {RANKS_MAX} ranks' progress")
+    old = checkpoint.get("epoch_partial")
+    for index, progress in enumerate([*partial, *([old] if old else [])]):
+        field = f"partial[{index}]" if index < len(partial) else "epoch_partial"
+        if not isinstance(progress, dict) or not progress.keys() <= names.keys():
+            raise refuse(field, progress, f"a dict of {', '.join(names)}")
+        for key, value in progress.items():
+            if names[key] == "int":
+                check_int(value, f"{field}[{key!r}]", 0, COUNT_MAX)
+            else:
+                check_number(value, f"{field}[{key!r}]", -math.inf if key == "loss_sum" else 0.0)
+    history = checkpoint.get("history", [])
+    if not isinstance(history, list) or len(history) > epoch:
+        raise refuse("history", history, f"a list of at most {epoch} records (one per epoch done)")
+    for index, record in enumerate(history):
+        if not isinstance(record, dict):
+            raise refuse(f"history[{index}]", record, "a dict")
+        check_int(record.get("epoch"), f"history[{index}]['epoch']", 1, epoch)
+        check_number(record.get("images_per_s"), f"history[{index}]['images_per_s']", 0.0)
+        _check_plain(record, f"history[{index}]")
+    best = checkpoint.get("best")
+    if best is not None:
+        if not isinstance(best, dict) or best.get("weights") not in ("raw", "ema"):
+            raise refuse("best", best, "None or a dict with weights 'raw' or 'ema'")
+        check_int(best.get("epoch"), "best['epoch']", 1, max(epoch, 1))
+        selection = best.get("selection", best)
+        check_number(selection.get("mAP_class") if isinstance(selection, dict) else None, "best mAP_class")
+        _check_plain(best, "best")
+    for key in ("last_metrics", "last_figures"):
+        metrics = checkpoint.get(key)
+        if metrics is not None and not isinstance(metrics, dict):
+            raise refuse(key, metrics, "None or a dict of metrics")
+        _check_plain(metrics, key)
+    thresholds = checkpoint.get("thresholds")
+    if thresholds is not None:
+        classes = bounds.num_classes
+        if classes is None and isinstance(thresholds, torch.Tensor) and thresholds.dim() == 1:
+            classes = len(thresholds)  # a run of unknown classes: any length
+        if classes is None:
+            raise refuse("thresholds", thresholds, "None or a floating tensor of one threshold per class")
+        check_tensor(thresholds, "thresholds", (classes,))
+    counts = checkpoint.get("counts", {"skipped_steps": 0, "skipped_images": []})
+    if not isinstance(counts, dict) or not isinstance(counts.get("skipped_images"), list):
+        raise refuse("counts", counts, "a dict of skipped_steps and skipped_images")
+    check_int(counts.get("skipped_steps"), "counts['skipped_steps']", 0, COUNT_MAX)
+    if not all(isinstance(name, str) for name in counts["skipped_images"]):
+        raise refuse("counts['skipped_images']", counts["skipped_images"], "a list of file names")
+    check_number(checkpoint.get("wall_time_s", 0.0), "wall_time_s", 0.0)
+    check_int(checkpoint.get("resumes", 0), "resumes", 0, COUNT_MAX)
+    check_rng(checkpoint.get("rng"))
+
+
+def _check_plain(value: Any, field: str, depth: int = 0) -> None:
+    """JSON-like data (what results.json and the run log write): None, bools, numbers, strings, lists
+    and dicts with string keys, nested at most 8 deep."""
+    if depth > 8:
+        raise refuse(field, value, "records nested at most 8 deep")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise refuse(f"{field} key", key, "a string")
+            _check_plain(item, f"{field}[{key!r}]", depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{field}[{index}]", depth + 1)
+    elif value is not None and not isinstance(value, (bool, int, float, str)):
+        raise refuse(field, value, "a number, a string or None")
+
+
+def check_resume_state(
+    checkpoint: dict[str, Any],
+    parts: dict[str, Any],
+    scaler: torch.amp.GradScaler,
+    load_scaler: bool,
+    bounds: RunBounds,
+) -> None:
+    """Raise :class:`CheckpointError` (one line) at the first field of ``checkpoint`` that does not fit
+    the live ``parts`` (name -> model, optimizer, scheduler, loss or EMA), ``scaler`` (when
+    ``load_scaler``) and ``bounds``; nothing is loaded."""
+    total = bounds.total_iters
+    for name, part in parts.items():
+        stored = checkpoint.get(name)
+        if stored is None:
+            continue
+        if isinstance(part, torch.optim.Optimizer):
+            check_optimizer(stored, part)
+        elif isinstance(part, torch.optim.lr_scheduler.LRScheduler):
+            counters = dict.fromkeys(SCHEDULER_COUNTERS, total if total == COUNT_MAX else total + 1)
+            check_like(stored, part.state_dict(), name, counters)
+        elif isinstance(part, ModelEma):
+            check_ema(stored, part, total)
+        elif isinstance(part, nn.Module):  # the model, the loss's state
+            check_state_dict(stored, part.state_dict(), name)
+        else:
+            raise TypeError(f"resume part {name}: {type(part).__name__} has no state check")
+    live_scaler = scaler.state_dict()
+    if load_scaler and live_scaler:
+        counters = dict.fromkeys(SCALER_COUNTERS, COUNT_MAX)
+        check_like(checkpoint["scaler"], live_scaler, "scaler", counters)
+        check_number(checkpoint["scaler"]["scale"], "scaler['scale']", 2.0**-126, 2.0**127)
+    check_progress(checkpoint, bounds)
