@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, to_rgb
+from mlcls.data.images import read_image
 from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_checkpoint
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
@@ -189,7 +189,7 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index: int) -> tuple[int, torch.Tensor | None, str | None]:
         try:
-            with Image.open(self.paths[index]) as img:
+            with read_image(self.paths[index]) as img:
                 check_aspect_ratio(*img.size)
                 image = to_rgb(img)  # 16-bit greyscale scaled to 8 bits as in training
             return index, self.transform(image), None

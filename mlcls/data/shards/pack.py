@@ -55,6 +55,7 @@ from tqdm import tqdm
 
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
 from mlcls.data.datasets.labels import sparse_labels_of
+from mlcls.data.images import check_pixels, open_image, read_image_bytes
 from mlcls.data.pipeline.fast import DRAFT_REDUCTIONS, jpeg_header, load_reduced
 from mlcls.io import atomic_write_bytes
 
@@ -136,12 +137,13 @@ def packed_image(
         image = dataset.load_image(index)
         subsampling = source_subsampling(image, subsampling)
     else:
-        with open(sample.path, "rb") as f:
-            data = f.read()
+        data = read_image_bytes(sample.path)
         header = jpeg_header(data)
+        if header is not None:
+            check_pixels(*header)
         if sample.box is None and header is not None and max(header) <= max_side:
             return data
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data) as img:
             subsampling = source_subsampling(img, subsampling)
             width, height = img.size
             left, top, right, bottom = (
