@@ -27,7 +27,7 @@ from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_check
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
-from mlcls.errors import InferenceError
+from mlcls.errors import InferenceError, printable
 from mlcls.inference.fields import (
     check_model_fields,
     check_weights_fit,
@@ -267,16 +267,6 @@ def predict_images(
         labels = [(inference.classes[c], probs[c].item()) for c in columns]
         predictions.append(Prediction(str(path), labels))
     return predictions, unreadable
-
-
-def printable(text: str) -> str:
-    """``text`` with every character that is not printable -- C0 and C1 controls (ESC, BEL, newlines, ...),
-    DEL, format and separator characters such as U+202E or U+2028 -- written as its Python escape
-    (``\\x1b``, ``\\n``, ``\\u202e``): a class name or a file name from someone else can neither drive the
-    terminal (titles, colours, cursor moves) nor start a forged row."""
-    return "".join(
-        char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in text
-    )
 
 
 def format_table(predictions: Sequence[Prediction], max_path_width: int = 60) -> str:

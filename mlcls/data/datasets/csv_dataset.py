@@ -71,7 +71,7 @@ from mlcls.data.datasets.base import (
     require_files,
     resolve_path,
 )
-from mlcls.errors import plural
+from mlcls.errors import plural, printable
 from mlcls.io import FileTooLargeError, read_text
 
 SPLITS = ("train", "val")
@@ -368,7 +368,9 @@ def warn_few_positives(labels: np.ndarray, classes: Sequence[str], val_fraction:
         if 0 < count < MIN_VAL_POSITIVES
     ]
     if few:
-        listed = ", ".join(f"{name} {count}" for name, count in few[:20]) + (", ..." if len(few) > 20 else "")
+        listed = ", ".join(f"{printable(name)} {count}" for name, count in few[:20]) + (
+            ", ..." if len(few) > 20 else ""
+        )
         log.warning(
             "the validation split held out of the training file (dataset.val_fraction=%g, %s) has fewer "
             "than %d positives of %s (%s): their AP and per-class thresholds are noise; hold out more with "
