@@ -18,6 +18,16 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable -- C0 and C1 controls (ESC, BEL, newlines, ...),
+    DEL, format and separator characters such as U+202E or U+2028 -- written as its Python escape
+    (``\\x1b``, ``\\n``, ``\\u202e``): a class name or a file name from someone else can neither drive the
+    terminal (titles, colours, cursor moves) nor start a forged row."""
+    return "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in text
+    )
+
+
 def shown(value: object, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters: a value read from a file, quoted in a one-line error."""
     text = repr(value)

@@ -111,7 +111,14 @@ def read_regular_bytes(path: str | Path, max_bytes: int | None = None, what: str
     """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``max_bytes`` of them: a file
     that grows past the cap while it is read is refused too."""
     with open_regular(path, max_bytes=max_bytes, what=what) as f:
-        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        if max_bytes is None:
+            data = f.read()
+        else:  # in blocks: ``f.read(max_bytes + 1)`` would allocate the whole cap at once
+            data, left = bytearray(), max_bytes + 1
+            while left and (block := f.read(min(left, 1 << 24))):
+                data += block
+                left -= len(block)
+            data = bytes(data)
     if max_bytes is not None and len(data) > max_bytes:
         raise FileTooLargeError(f"{path} grew past {_describe(max_bytes)} while read; a {what} expected")
     return data

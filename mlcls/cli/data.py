@@ -42,7 +42,7 @@ from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.stats import find_unreadable
 from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.data.shards.verify import verify_pack
-from mlcls.errors import ConfigError
+from mlcls.errors import ConfigError, printable
 from mlcls.reporting.audit import audit
 
 TOP_CLASSES = 5
@@ -80,13 +80,14 @@ def describe(dataset: MultiLabelDataset, title: str) -> None:
     print(f"  unknown labels (-1): {100 * stats.unknown_share:.2f}% of the {entries} entries")
     for name, most in (("most frequent", True), ("least frequent", False)):
         ranked = stats.ranked(dataset.classes, TOP_CLASSES, most)
-        print(f"  {name}: {', '.join(f'{cls} {count}' for cls, count in ranked)}")
+        print(f"  {name}: {', '.join(f'{printable(cls)} {count}' for cls, count in ranked)}")
     if observed.hides_labels:
         print("  observed per class: positives / negatives / unknown")
         for name, positives, negatives in zip(
             dataset.classes, stats.positives.tolist(), stats.negatives.tolist(), strict=True
         ):
-            print(f"    {name}: {positives} / {negatives} / {stats.num_samples - positives - negatives}")
+            unknown = stats.num_samples - positives - negatives
+            print(f"    {printable(name)}: {positives} / {negatives} / {unknown}")
 
 
 def check(dataset: MultiLabelDataset, workers: int) -> int:
@@ -94,7 +95,7 @@ def check(dataset: MultiLabelDataset, workers: int) -> int:
     checked, unreadable = find_unreadable(dataset, workers)
     print(f"  images checked: {checked}, unreadable: {len(unreadable)}")
     for path, error in unreadable:
-        print(f"    {path}: {error}")
+        print(f"    {printable(path)}: {printable(error)}")
     return len(unreadable)
 
 
@@ -106,7 +107,10 @@ def stats(cfg: DictConfig, splits: Sequence[str], check_images: bool, workers: i
         dataset = build_dataset(cfg.dataset, train=split == "train")
         if i == 0:
             names = textwrap.fill(
-                ", ".join(dataset.classes), width=100, initial_indent="  ", subsequent_indent="  "
+                ", ".join(map(printable, dataset.classes)),
+                width=100,
+                initial_indent="  ",
+                subsequent_indent="  ",
             )
             print(f"classes ({len(dataset.classes)}), in label order:\n{names}")
         describe(dataset, f"{split} split ({cfg.dataset.get(f'{split}_split', split)})")

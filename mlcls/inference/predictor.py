@@ -18,16 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, to_rgb
+from mlcls.data.images import read_image
 from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_checkpoint
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
-from mlcls.errors import InferenceError, shown
+from mlcls.errors import InferenceError, printable, shown
 from mlcls.inference.fields import (
     check_model_fields,
     check_weights_fit,
@@ -195,7 +195,7 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index: int) -> tuple[int, torch.Tensor | None, str | None]:
         try:
-            with Image.open(self.paths[index]) as img:
+            with read_image(self.paths[index]) as img:
                 check_aspect_ratio(*img.size)
                 image = to_rgb(img)  # 16-bit greyscale scaled to 8 bits as in training
             return index, self.transform(image), None
@@ -273,16 +273,6 @@ def predict_images(
         labels = [(inference.classes[c], probs[c].item()) for c in columns]
         predictions.append(Prediction(str(path), labels))
     return predictions, unreadable
-
-
-def printable(text: str) -> str:
-    """``text`` with every character that is not printable -- C0 and C1 controls (ESC, BEL, newlines, ...),
-    DEL, format and separator characters such as U+202E or U+2028 -- written as its Python escape
-    (``\\x1b``, ``\\n``, ``\\u202e``): a class name or a file name from someone else can neither drive the
-    terminal (titles, colours, cursor moves) nor start a forged row."""
-    return "".join(
-        char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in text
-    )
 
 
 def format_table(predictions: Sequence[Prediction], max_path_width: int = 60) -> str:

@@ -27,6 +27,7 @@ handled by ``on_bad_image``:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +46,10 @@ from mlcls.data.datasets.observed import (
     HoldoutSplit,
     ObservedLabels,
 )
+from mlcls.data.images import read_image
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, check_aspect_ratio
 from mlcls.errors import shown
-from mlcls.io import open_regular
+from mlcls.io import read_json
 
 ON_BAD_IMAGE = ("error", "skip")
 # What PIL raises for a missing, unidentifiable, truncated or oversized image file (and
@@ -57,6 +59,10 @@ BAD_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombErr
 MAX_CONSECUTIVE_BAD = 16
 # Label values: positive, negative, unknown.
 LABEL_VALUES = (1.0, 0.0, -1.0)
+# A dense label table built from annotation files takes at most this many times their size, or the floor
+# (:func:`label_table`).
+LABEL_TABLE_RATIO = 256
+LABEL_TABLE_FLOOR = 256 * 2**20
 
 T = TypeVar("T")
 
@@ -112,14 +118,63 @@ def resolve_path(root: str | Path, path: str | Path) -> Path:
 
 
 def load_json(path: str | Path) -> Any:
-    """Parse the JSON file ``path``; a missing or malformed file raises a one-line dataset error."""
+    """Parse the JSON file ``path``, a regular file of at most ``CAPS["label file"]`` bytes
+    (:func:`read_json`); a missing or malformed file raises a one-line dataset error."""
     try:
-        with open_regular(path, "r", encoding="utf-8") as f:
-            return json.load(f)
+        return read_json(path, "label file")
     except FileNotFoundError as exc:
         raise DatasetLayoutError(f"missing {path}") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DatasetFormatError(f"cannot parse {path}: {exc}") from exc
+    except ValueError as exc:  # too large, or nested too deep
+        raise DatasetFormatError(str(exc)) from exc
+
+
+def file_bytes(*paths: str | Path) -> int:
+    """The size in bytes of the files ``paths`` together (those a label table is built from)."""
+    return sum(os.stat(path).st_size for path in paths)
+
+
+def label_table(
+    rows: int, classes: int, source_bytes: int, source: str | Path, fill: float = 0.0
+) -> np.ndarray:
+    """float32 (rows, classes) filled with ``fill``, allocated only when it takes at most
+    ``LABEL_TABLE_RATIO`` times the ``source_bytes`` of the annotation files it is built from, or
+    ``LABEL_TABLE_FLOOR``; else one :class:`DatasetFormatError` line naming ``source``, before allocating.
+
+    The rows and classes are counted from those files, so a small file listing many distinct images and
+    many distinct class names (each used once) would otherwise ask for rows x classes x 4 bytes: a
+    0.7 MB CSV for 5 GB. A real annotation file states much of its table: COCO's 82,081 x 80 table is 26 MB
+    from a 450 MB JSON; a CSV naming each image's classes on its row reaches the bound only past 64 classes
+    per byte of a row (3,200 classes for rows of 50 bytes); a CSV of one column per class never does."""
+    allowed = max(LABEL_TABLE_FLOOR, LABEL_TABLE_RATIO * source_bytes)
+    needed = 4 * rows * classes
+    if needed > allowed:
+        raise DatasetFormatError(
+            f"{source}: {rows} samples x {classes} classes would take {needed / 2**20:.0f} MiB as a label "
+            f"table, more than {LABEL_TABLE_RATIO} times the {source_bytes / 2**20:.2f} MiB of the annotation"
+            f" files (or {LABEL_TABLE_FLOOR // 2**20} MiB); expected a table the annotations describe"
+        )
+    return np.full((rows, classes), fill, dtype=np.float32)
+
+
+def check_class_names(classes: Sequence[object], source: str | Path) -> list[str]:
+    """``classes`` as a list, refused with one :class:`DatasetFormatError` line naming ``source`` when a name
+    is not a non-empty string or appears twice: two columns of one name would split its labels, the first
+    left all negative."""
+    seen: dict[str, int] = {}
+    for position, name in enumerate(classes):
+        if not isinstance(name, str) or not name:
+            raise DatasetFormatError(
+                f"{source}: class {position} is {shown(name)}; expected a non-empty class name"
+            )
+        if name in seen:
+            raise DatasetFormatError(
+                f"{source}: class name {shown(name)} is given twice (classes {seen[name]} and {position}); "
+                "expected distinct class names"
+            )
+        seen[name] = position
+    return list(classes)
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
@@ -258,7 +313,6 @@ class MultiLabelDataset(Dataset):
             cuts it.
     """
 
-    classes: list[str]
     observed: ObservedLabels = ALL_LABELS
     selection_split: HoldoutSplit = NO_HOLDOUT
 
@@ -299,6 +353,21 @@ class MultiLabelDataset(Dataset):
         self.on_bad_image = check_choice("on_bad_image", on_bad_image, ON_BAD_IMAGE)
 
     @property
+    def classes(self) -> list[str]:
+        """The class names, in label order; checked by :func:`check_class_names` when set (distinct
+        non-empty strings)."""
+        return self._classes
+
+    @classes.setter
+    def classes(self, classes: Sequence[str]) -> None:
+        self._classes = check_class_names(classes, self.described())
+
+    def described(self) -> str:
+        """The dataset's class and split, for its messages: ``"CSVDataset (train split)"``."""
+        split = getattr(self, "split", None)
+        return type(self).__name__ + (f" ({split} split)" if split else "")
+
+    @property
     def labels(self) -> torch.Tensor:
         """float32 (N, C): 1 positive, 0 negative, -1 unknown; checked by :func:`check_labels` when set
         (set ``classes`` first)."""
@@ -306,9 +375,7 @@ class MultiLabelDataset(Dataset):
 
     @labels.setter
     def labels(self, labels: torch.Tensor) -> None:
-        split = getattr(self, "split", None)
-        described = type(self).__name__ + (f" ({split} split)" if split else "")
-        self._labels = check_labels(labels, self.classes, described)
+        self._labels = check_labels(labels, self.classes, self.described())
 
     @property
     def samples(self) -> list[Sample]:
@@ -342,7 +409,7 @@ class MultiLabelDataset(Dataset):
         decode = getattr(self.transform, "decode", None)
         if decode is not None:
             return decode(sample.path, sample.box)
-        with Image.open(sample.path) as img:
+        with read_image(sample.path) as img:
             region = (0, 0, *img.size) if sample.box is None else crop_box(sample.box, *img.size)
             check_aspect_ratio(region[2] - region[0], region[3] - region[1])
             img = to_rgb(img)

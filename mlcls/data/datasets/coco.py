@@ -37,6 +37,8 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
+    file_bytes,
+    label_table,
     load_json,
     require_files,
     resolve_path,
@@ -114,7 +116,8 @@ class COCO(MultiLabelDataset):
 def _multi_hot(api: COCOApi, image_ids: np.ndarray, category_ids: np.ndarray, source: Path) -> np.ndarray:
     """(images, categories) float32 matrix: 1 where the image has an annotation of the category.
 
-    Both id arrays must be sorted; annotations of images not in ``image_ids`` are ignored.
+    Both id arrays must be sorted; annotations of images not in ``image_ids`` are ignored. The matrix is
+    refused before it is allocated when larger than :func:`label_table` allows for ``source``'s size.
     """
     annotations = api.dataset.get("annotations", [])
     ann_images, ann_cats = (
@@ -125,7 +128,7 @@ def _multi_hot(api: COCOApi, image_ids: np.ndarray, category_ids: np.ndarray, so
         )
         for field in ("image_id", "category_id")
     )
-    labels = np.zeros((len(image_ids), len(category_ids)), dtype=np.float32)
+    labels = label_table(len(image_ids), len(category_ids), file_bytes(source), source)
     if len(annotations) == 0 or len(image_ids) == 0:
         return labels
     rows = np.searchsorted(image_ids, ann_images).clip(max=len(image_ids) - 1)

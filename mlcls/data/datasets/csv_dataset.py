@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -64,11 +65,14 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
+    check_class_names,
+    file_bytes,
+    label_table,
     require_files,
     resolve_path,
 )
-from mlcls.errors import plural
-from mlcls.io import open_regular
+from mlcls.errors import plural, printable
+from mlcls.io import FileTooLargeError, read_text
 
 SPLITS = ("train", "val")
 HOLDOUTS = ("stratified", "hashed")  # dataset.holdout: how val_fraction of the training file is held out
@@ -79,16 +83,20 @@ log = logging.getLogger("mlcls")
 
 
 def read_table(path: Path, delimiter: str | None) -> tuple[list[str], list[list[str]]]:
-    """Header and rows (blank lines skipped) of a delimited text file."""
+    """Header and rows (blank lines skipped) of a delimited text file (a regular file of at most
+    ``CAPS["label file"]`` bytes)."""
     if delimiter is None:
         delimiter = "\t" if path.suffix.lower() in (".tsv", ".tab") else ","
     try:
-        with open_regular(path, "r", newline="", encoding="utf-8-sig") as f:
-            rows = [row for row in csv.reader(f, delimiter=delimiter) if any(cell.strip() for cell in row)]
+        text = read_text(path, "label file").removeprefix("\ufeff")
+        lines = io.StringIO(text, newline="")
+        rows = [row for row in csv.reader(lines, delimiter=delimiter) if any(cell.strip() for cell in row)]
     except FileNotFoundError as exc:
         raise DatasetLayoutError(f"missing {path}") from exc
     except (csv.Error, UnicodeDecodeError) as exc:
         raise DatasetFormatError(f"cannot parse {path}: {exc}") from exc
+    except FileTooLargeError as exc:
+        raise DatasetFormatError(str(exc)) from exc
     if not rows:
         raise DatasetFormatError(f"{path} is empty; expected a header line and one line per image")
     header = [cell.strip() for cell in rows[0]]
@@ -175,10 +183,11 @@ class CSVDataset(MultiLabelDataset):
         tables = {key: read_table(path, delimiter) for key, path in paths.items()}
 
         if classes is not None:
-            self.classes = list(classes)
+            self.classes = check_class_names(list(classes), "dataset.classes")
         else:
             if labels_column is None:
-                self.classes = [name for name in tables["train"][0] if name != image_column]
+                header = [name for name in tables["train"][0] if name != image_column]
+                self.classes = check_class_names(header, f"{paths['train']} (its header)")
             else:
                 self.classes = _infer_names(tables, paths, labels_column, label_delimiter)
             warn_case_variants(self.classes, paths["train"])
@@ -189,7 +198,15 @@ class CSVDataset(MultiLabelDataset):
         if labels_column is None:
             labels = _one_hot_labels(header, rows, self.classes, paths[source])
         else:
-            labels = _named_labels(header, rows, labels_column, label_delimiter, self.classes, paths[source])
+            labels = _named_labels(
+                header,
+                rows,
+                labels_column,
+                label_delimiter,
+                self.classes,
+                paths[source],
+                file_bytes(*paths.values()),
+            )
         image_root = str(resolve_path(root, image_dir))
         listed = {key: _cells(table, image_column, paths[key]) for key, table in tables.items()}
         keys = {key: [image_key(image_root, image) for image in images] for key, images in listed.items()}
@@ -351,7 +368,9 @@ def warn_few_positives(labels: np.ndarray, classes: Sequence[str], val_fraction:
         if 0 < count < MIN_VAL_POSITIVES
     ]
     if few:
-        listed = ", ".join(f"{name} {count}" for name, count in few[:20]) + (", ..." if len(few) > 20 else "")
+        listed = ", ".join(f"{printable(name)} {count}" for name, count in few[:20]) + (
+            ", ..." if len(few) > 20 else ""
+        )
         log.warning(
             "the validation split held out of the training file (dataset.val_fraction=%g, %s) has fewer "
             "than %d positives of %s (%s): their AP and per-class thresholds are noise; hold out more with "
@@ -402,8 +421,10 @@ def _named_labels(
     label_delimiter: str,
     classes: list[str],
     path: Path,
+    source_bytes: int,
 ) -> np.ndarray:
-    """(rows, C) float32: 1 for the names listed in ``labels_column``, 0 elsewhere."""
+    """(rows, C) float32: 1 for the names listed in ``labels_column``, 0 elsewhere; refused before it is
+    allocated when it would take more than :func:`label_table` allows for the ``source_bytes`` read."""
     column = _column(header, labels_column, path)
     class_index = {name: i for i, name in enumerate(classes)}
     row_ids: list[int] = []
@@ -416,7 +437,7 @@ def _named_labels(
                 )
             row_ids.append(i)
             col_ids.append(class_index[name])
-    labels = np.zeros((len(rows), len(classes)), dtype=np.float32)
+    labels = label_table(len(rows), len(classes), source_bytes, path)
     labels[np.array(row_ids, int), np.array(col_ids, int)] = 1.0
     return labels
 

@@ -53,7 +53,7 @@ from mlcls.data.datasets.base import (
     check_choice,
     require_files,
 )
-from mlcls.io import open_regular, read_regular_bytes
+from mlcls.io import CAPS, open_regular, read_text
 
 SPLITS = {"train": 1, "test": 0}  # the split's flag in train_test_split.txt
 NUM_ATTRIBUTES = 312
@@ -63,6 +63,7 @@ IMAGE_LIST = f"{FOLDER}/images.txt"
 SPLIT_LIST = f"{FOLDER}/train_test_split.txt"
 LABEL_FILE = f"{FOLDER}/attributes/image_attribute_labels.txt"
 LABEL_FORMAT = "'<image_id> <attribute_id> <is_present> <certainty_id> <time>'"
+MIN_LABEL_LINE = len("1 1 0\n")  # the shortest line of image_attribute_labels.txt, in bytes
 
 
 def read_id_table(path: Path) -> tuple[list[int], list[str]]:
@@ -70,7 +71,7 @@ def read_id_table(path: Path) -> tuple[list[int], list[str]]:
     order; blank lines are skipped, a line without an integer id and a value is a one-line dataset error."""
     ids: list[int] = []
     values: list[str] = []
-    text = read_regular_bytes(path).decode("utf-8", errors="replace")
+    text = read_text(path, "label file", errors="replace")
     for number, line in enumerate(text.splitlines(), start=1):
         fields = line.split(maxsplit=1)
         if not fields:
@@ -138,7 +139,10 @@ def read_attribute_labels(path: Path, image_ids: list[int]) -> np.ndarray:
     refuses, or whose values break a rule, is read again line by line (:func:`read_labels_by_line`, ten
     times slower), which names the first line at fault."""
     try:
-        with open_regular(path, "r", encoding="utf-8") as f, warnings.catch_warnings():
+        with (
+            open_regular(path, "r", max_bytes=CAPS["label file"], encoding="utf-8") as f,
+            warnings.catch_warnings(),
+        ):
             warnings.simplefilter("ignore", UserWarning)  # an empty file: the line reader says so
             table = np.loadtxt(f, dtype=np.int64, usecols=(0, 1, 2), comments=None, ndmin=2)
     except (ValueError, UnicodeDecodeError):
@@ -172,7 +176,7 @@ def read_labels_by_line(path: Path, image_ids: list[int]) -> np.ndarray:
     row_of = {image_id: row for row, image_id in enumerate(image_ids)}
     labels = np.zeros((len(image_ids), NUM_ATTRIBUTES), dtype=np.float32)
     seen = np.zeros((len(image_ids), NUM_ATTRIBUTES), dtype=bool)
-    with open_regular(path, "r", encoding="utf-8", errors="replace") as f:
+    with open_regular(path, "r", max_bytes=CAPS["label file"], encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, start=1):
             fields = line.split(maxsplit=3)
             if not fields:
@@ -196,6 +200,32 @@ def read_labels_by_line(path: Path, image_ids: list[int]) -> np.ndarray:
             f"per image of images.txt and attribute ({len(image_ids)} x {NUM_ATTRIBUTES})"
         )
     return labels
+
+
+def check_distinct(image_ids: list[int], path: Path) -> None:
+    """One :class:`DatasetFormatError` line naming the first image id of ``path`` listed twice (in one pass:
+    time linear in the number of lines)."""
+    seen: set[int] = set()
+    for image_id in image_ids:
+        if image_id in seen:
+            raise DatasetFormatError(
+                f"{path}: image_id {image_id} is listed twice; expected one line per image"
+            )
+        seen.add(image_id)
+
+
+def check_label_file_size(path: Path, images: int) -> None:
+    """Refuse, before any label table is sized, an ``image_attribute_labels.txt`` too small to hold a line
+    per image and attribute: each line takes at least :data:`MIN_LABEL_LINE` bytes (``"1 1 0\n"``), so the
+    tables of :func:`read_attribute_labels` (about 60 bytes per image and attribute, with NumPy's table of
+    the lines) stay within about ten times the label file's size, whatever ``images.txt`` lists."""
+    size = os.stat(path).st_size
+    needed = images * NUM_ATTRIBUTES * MIN_LABEL_LINE - 1  # the last line may lack its newline
+    if size < needed:
+        raise DatasetFormatError(
+            f"{path} is {size} bytes; {images} images x {NUM_ATTRIBUTES} attributes need at least {needed} "
+            f"(one line of {LABEL_FORMAT} each)"
+        )
 
 
 class CUB(MultiLabelDataset):
@@ -229,11 +259,8 @@ class CUB(MultiLabelDataset):
         root_path = Path(root)
         self.classes = read_attribute_names(root_path, layout)
         image_ids, paths = read_id_table(root_path / IMAGE_LIST)
-        if len(set(image_ids)) != len(image_ids):
-            twice = next(i for i in image_ids if image_ids.count(i) > 1)
-            raise DatasetFormatError(
-                f"{root_path / IMAGE_LIST}: image_id {twice} is listed twice; expected one line per image"
-            )
+        check_distinct(image_ids, root_path / IMAGE_LIST)
+        check_label_file_size(root_path / LABEL_FILE, len(image_ids))
         keep = read_split_flags(root_path / SPLIT_LIST, image_ids) == SPLITS[split]
         labels = read_attribute_labels(root_path / LABEL_FILE, image_ids)
         self.labels = torch.from_numpy(labels[keep])

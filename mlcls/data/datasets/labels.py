@@ -25,6 +25,10 @@ from mlcls.data.shards.tario import npy_array
 
 NPZ_ARRAYS = ("offsets", "columns", "values", "shape_fill")  # the members of SparseLabels.to_bytes
 NPY_HEADER_ROOM = 4096  # bytes an .npy member may take besides its data (np.save writes ~128)
+# A deflated sidecar member may declare at most this many times its compressed bytes, plus
+# NPY_HEADER_ROOM: its arrays then take at most that times the file's size, whatever a manifest announces.
+# (mlcls stores the members; np.savez_compressed of label arrays gains far less than this.)
+MAX_DEFLATE_RATIO = 32
 OBSERVED_CHUNK = 1 << 22  # label entries drawn at once when counting under a regime (observed_counts)
 
 
@@ -215,10 +219,12 @@ class SparseLabels:
         """The matrix of :meth:`to_bytes`'s ``.npz`` bytes (its members stored or deflated); ValueError for
         any other bytes.
 
-        Given the ``shape`` (N, C) announced elsewhere, no member is decompressed past what an (N, C)
-        matrix can take (N + 1 offsets, N * C stored entries, integers of 8 bytes at most, the ``.npy``
-        headers): one that declares more is refused before it is read, and one that holds more than it
-        declares ends at its declared size (and fails its CRC). A deflate bomb ends in bounded memory.
+        No member is decompressed past :data:`MAX_DEFLATE_RATIO` times its compressed size (which is at most
+        ``len(data)``), so the arrays take at most that multiple of the file's size, whatever any count says;
+        and given the ``shape`` (N, C) announced elsewhere, past what an (N, C) matrix can take (N + 1
+        offsets, N * C stored entries, integers of 8 bytes at most, the ``.npy`` headers). A member that
+        declares more is refused before it is read, and one that holds more than it declares ends at its
+        declared size (and fails its CRC). A deflate bomb ends in bounded memory.
         """
         entries = None if shape is None else shape[0] * shape[1]
         limits = {
@@ -229,7 +235,7 @@ class SparseLabels:
         }
         try:
             with zipfile.ZipFile(io.BytesIO(data)) as archive:
-                arrays = {name: _npz_array(archive, name, limits[name]) for name in NPZ_ARRAYS}
+                arrays = {name: _npz_array(archive, name, limits[name], len(data)) for name in NPZ_ARRAYS}
         except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
             raise ValueError(f"not an .npz file of label arrays ({exc})") from None
         shape_fill = arrays["shape_fill"]
@@ -242,10 +248,11 @@ class SparseLabels:
         return labels
 
 
-def _npz_array(archive: zipfile.ZipFile, name: str, items: int | None) -> np.ndarray:
-    """The array ``name`` of an ``.npz`` ``archive`` (a writable copy), read only when its member declares
-    at most ``items`` integers of 8 bytes and a header (None: any size), and never past its declared size;
-    ValueError (KeyError for a missing member) otherwise."""
+def _npz_array(archive: zipfile.ZipFile, name: str, items: int | None, file_size: int) -> np.ndarray:
+    """The array ``name`` of an ``.npz`` ``archive`` of ``file_size`` bytes (a writable copy), read only
+    when its member takes at most ``file_size`` bytes, declares at most :data:`MAX_DEFLATE_RATIO` times
+    those (plus a header) and at most ``items`` integers of 8 bytes and a header (None: any number), and
+    never past its declared size; ValueError (KeyError for a missing member) otherwise."""
     info = archive.getinfo(f"{name}.npy")
     if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
         raise ValueError(f"{name}.npy is encrypted or compressed with method {info.compress_type}")
@@ -253,6 +260,17 @@ def _npz_array(archive: zipfile.ZipFile, name: str, items: int | None) -> np.nda
         raise ValueError(
             f"{name}.npy declares {info.file_size} bytes, more than {items} integers take (the matrix's "
             "shape allows no more)"
+        )
+    stored = info.compress_type == zipfile.ZIP_STORED
+    if info.compress_size > file_size or (stored and info.file_size != info.compress_size):
+        raise ValueError(
+            f"{name}.npy declares {info.compress_size} bytes stored, {info.file_size} unpacked, in a file of "
+            f"{file_size} bytes"
+        )
+    if info.file_size > MAX_DEFLATE_RATIO * info.compress_size + NPY_HEADER_ROOM:
+        raise ValueError(
+            f"{name}.npy declares {info.file_size} bytes from {info.compress_size} compressed, more than "
+            f"{MAX_DEFLATE_RATIO} times; expected label arrays, not a deflate bomb"
         )
     with archive.open(info) as member:
         return npy_array(member.read(info.file_size), f"{name}.npy").copy()

@@ -27,17 +27,16 @@ overlaps the training step.
 from __future__ import annotations
 
 import contextlib
-import io
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, crop_box
+from mlcls.data.images import check_pixels, open_image, read_image_bytes
 from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, jpeg_header
 from mlcls.data.sampling import PREFETCH_FACTOR, ResumableSampler, SeededSamples
 
@@ -75,8 +74,9 @@ def encoded_image_size(data: bytes) -> tuple[int, int]:
     """
     jpeg_size = jpeg_header(data)
     if jpeg_size is None:
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data) as img:
             return img.size
+    check_pixels(*jpeg_size)
     if data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda"):
         raise OSError("JPEG file is truncated (no end-of-image marker after its last scan)")
     return jpeg_size
@@ -111,8 +111,7 @@ class CropPlans(Dataset):
     def plan(self, index: int) -> CropPlan:
         """The plan of sample ``index`` itself; ``OSError`` when its file cannot be read."""
         sample = self.dataset.samples[index]
-        with open(sample.path, "rb") as f:
-            data = f.read()
+        data = read_image_bytes(sample.path)
         width, height = encoded_image_size(data)
         whole = (0, 0, width, height)
         left, top, right, bottom = whole if sample.box is None else crop_box(sample.box, width, height)

@@ -32,7 +32,6 @@ decoding needs the crop before the pixels).
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_
 from torchvision import transforms as T
 
 from mlcls.data.datasets.base import crop_box, to_rgb
+from mlcls.data.images import check_pixels, open_image, read_image_bytes
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_PCA_EIGVAL,
@@ -215,17 +215,17 @@ class FastTrainTransform:
         (libjpeg-turbo through simplejpeg for JPEGs; PIL for the rest and for damaged JPEGs). An image (or
         box) the datasets refuse for its shape (:func:`check_aspect_ratio`) is refused here alike, before
         decoding."""
-        with open(path, "rb") as f:
-            return self.decode_bytes(f.read(), box)
+        return self.decode_bytes(read_image_bytes(path), box)
 
     def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> PlannedCrop:
         """:meth:`decode` of an image file's bytes (a sample read from a shard)."""
         jpeg_size = jpeg_header(data)
         if jpeg_size is None:
-            with Image.open(io.BytesIO(data)) as img:
+            with open_image(data) as img:
                 width, height = img.size
         else:
             width, height = jpeg_size
+            check_pixels(width, height)
         left, top, right, bottom = (0, 0, width, height) if box is None else crop_box(box, width, height)
         check_aspect_ratio(right - left, bottom - top)  # the image the datasets refuse, refused alike
         i, j, h, w = self.crop_params(right - left, bottom - top)
@@ -235,7 +235,7 @@ class FastTrainTransform:
             pixels = decode_jpeg(data)
             if pixels is not None:
                 return PlannedCrop(pixels, (x0, y0, x0 + w, y0 + h))
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data) as img:
             image, scale_x, scale_y = load_reduced(img, reduction)  # PIL raises OSError on a bad file
         if scale_x == scale_y == 1.0:  # full size: the same resize as a JPEG's, whatever the file format
             return PlannedCrop(pil_to_pixels(image), (x0, y0, x0 + w, y0 + h))

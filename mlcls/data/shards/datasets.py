@@ -36,13 +36,11 @@ label rows against the manifest and the sidecars.
 from __future__ import annotations
 
 import functools
-import io
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from PIL import Image
 from torch import Tensor
 
 from mlcls.data.datasets.base import (
@@ -59,6 +57,7 @@ from mlcls.data.datasets.base import (
     observed_labels,
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels, dense_row
+from mlcls.data.images import open_image
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform
 from mlcls.data.sampling import seeded_call
 from mlcls.data.shards.pack import IMAGE_EXT, MANIFEST_FILE, labels_file
@@ -79,7 +78,7 @@ def decode_image(data: bytes, transform: Callable | None) -> Any:
     decode = getattr(transform, "decode_bytes", None)
     if decode is not None:
         return decode(data)
-    with Image.open(io.BytesIO(data)) as img:
+    with open_image(data) as img:
         return img.convert("RGB")
 
 

@@ -26,10 +26,11 @@ Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards.datase
 
 Resumable: each shard is written under a temporary name and renamed when complete; its entry is then
 appended to ``.<split>-progress.jsonl``. A restarted pack keeps the shards whose entry and file exist
-(same settings; a torn last line, the entry being written when the pack died, is dropped) and writes the
-others. A folder holding a split packed with other settings is refused, unless ``overwrite`` clears that
-split's files first. The tar files are written with :mod:`tarfile` (``ustar`` format, what ``webdataset``
-reads); the ``webdataset`` library is needed only to read them.
+(same settings; a torn last line, the entry being written when the pack died, is dropped) and whose
+samples' label rows are those the entry records (their sha256): a shard of labels corrected since is
+written again. It writes the others. A folder holding a split packed with other settings is refused,
+unless ``overwrite`` clears that split's files first. The tar files are written with :mod:`tarfile`
+(``ustar`` format, what ``webdataset`` reads); the ``webdataset`` library is needed only to read them.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ from PIL import Image, JpegImagePlugin
 from tqdm import tqdm
 
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
-from mlcls.data.datasets.labels import sparse_labels_of
+from mlcls.data.datasets.labels import SparseLabels, sparse_labels_of
+from mlcls.data.images import check_pixels, open_image, read_image_bytes
 from mlcls.data.pipeline.fast import DRAFT_REDUCTIONS, jpeg_header, load_reduced
-from mlcls.io import atomic_write_bytes
+from mlcls.io import atomic_write_bytes, read_json, read_text
 
 CLASSES_FILE, MANIFEST_FILE = "classes.json", "manifest.json"
 # Version of the layout; 1 (no "format" key) stored a dense int8 label row per sample.
@@ -136,12 +138,13 @@ def packed_image(
         image = dataset.load_image(index)
         subsampling = source_subsampling(image, subsampling)
     else:
-        with open(sample.path, "rb") as f:
-            data = f.read()
+        data = read_image_bytes(sample.path)
         header = jpeg_header(data)
+        if header is not None:
+            check_pixels(*header)
         if sample.box is None and header is not None and max(header) <= max_side:
             return data
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data) as img:
             subsampling = source_subsampling(img, subsampling)
             width, height = img.size
             left, top, right, bottom = (
@@ -264,11 +267,17 @@ def pack_split(
         shard_name(role, k): order[first : first + shard_size]
         for k, first in enumerate(range(0, len(order), shard_size))
     }
-    entries = {name: done[name] for name in chunks if name in done}
+    # A shard is kept only when its samples' label rows are still those it holds (labels corrected since
+    # are packed again), not only its settings.
+    entries = {
+        name: done[name]
+        for name in chunks
+        if name in done and done[name].get("labels_sha256") == label_digest(labels, chunks[name])
+    }
     report.kept = len(entries)
     bar = tqdm(total=len(order), desc=f"pack {role}", unit="img", disable=not progress)
     bar.update(sum(len(chunks[name]) for name in entries))
-    pending = [name for name in chunks if name not in done]
+    pending = [name for name in chunks if name not in entries]
     with (
         ProcessPoolExecutor(workers, mp_context=get_context("fork")) if workers > 1 else nullcontext() as pool
     ):
@@ -291,6 +300,16 @@ def pack_split(
     atomic_write_bytes(out / labels_file(role), sidecar)
     report.labels = file_entry(labels_file(role), sidecar)
     return report
+
+
+def label_digest(labels: SparseLabels, indices: Sequence[int]) -> str:
+    """sha256 of the label rows ``indices`` of ``labels`` (their stored entries and fill): what a shard of
+    those samples holds, recorded in its progress entry to tell a source whose labels changed."""
+    rows = labels.rows(np.asarray(indices, dtype=np.int64))
+    digest = hashlib.sha256(np.asarray([*rows.shape, rows.fill], dtype=np.int64).tobytes())
+    for array in (rows.offsets, rows.columns, rows.values):
+        digest.update(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes())
+    return digest.hexdigest()
 
 
 def progress_path(out: Path, role: str) -> Path:
@@ -319,7 +338,7 @@ def read_progress(
     """
     progress_file, entries = progress_path(out, role), []
     if progress_file.exists():
-        for line in progress_file.read_text(encoding="utf-8", errors="replace").splitlines():
+        for line in read_text(progress_file, "manifest", errors="replace").splitlines():
             try:
                 entries.append(json.loads(line))
             except json.JSONDecodeError:
@@ -363,7 +382,8 @@ def write_shard(
     subsampling: str,
 ) -> dict[str, Any]:
     """Write the samples ``indices`` of ``dataset`` to the shard ``path`` (through ``path.tmp``, renamed
-    when complete); returns its progress entry: name, samples, sha256, bytes, dataset indices, skipped.
+    when complete); returns its progress entry: name, samples, sha256, bytes, dataset indices, skipped and
+    the :func:`label_digest` of the samples' label rows.
     The label rows are those of :func:`sparse_labels_of`, as in the split's sidecar (the same ``fill``)."""
     labels = sparse_labels_of(dataset)
     temporary = path.with_name(path.name + ".tmp")
@@ -387,6 +407,7 @@ def write_shard(
         "bytes": path.stat().st_size,
         "indices": kept,
         "skipped": skipped,
+        "labels_sha256": label_digest(labels, indices),
     }
 
 
@@ -415,7 +436,7 @@ def write_sidecars(
     classes_bytes = (json.dumps(classes, indent=1) + "\n").encode()
     atomic_write_bytes(out / CLASSES_FILE, classes_bytes)
     manifest_path = out / MANIFEST_FILE
-    earlier = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.exists() else {}
+    earlier = read_json(manifest_path, "manifest") if manifest_path.exists() else {}
     manifest = {
         "format": FORMAT,
         "classes": file_entry(CLASSES_FILE, classes_bytes),
