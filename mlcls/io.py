@@ -226,9 +226,12 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 
 def _mode_for(path: Path) -> int:
-    """The permission bits ``path`` has, or for a new file ``0o666`` less the process's umask."""
+    """The permission bits (``0o777``) ``path`` has, or for a new file ``0o666`` less the process's umask.
+
+    Never the special bits (setuid, setgid, sticky): ``path`` may be a symlink to a file another user
+    owns, and the file written in its place belongs to this process."""
     try:
-        return stat.S_IMODE(path.stat().st_mode)
+        return path.stat().st_mode & 0o777
     except FileNotFoundError:
         umask = os.umask(0)  # the only way to read it; set back at once
         os.umask(umask)
