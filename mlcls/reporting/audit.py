@@ -51,8 +51,8 @@ from mlcls.reporting.render import spreadsheet_text
 AUDIT_CSV, AUDIT_HTML = "audit.csv", "audit.html"
 CSV_COLUMNS = ("rank", "image", "class", "given_label", "probability", "score")
 SHOWN = 20  # suspects printed
-# The out-of-fold mAP@class (percent) below which the folds' models rank the wrong labels little better than
-# chance: measured in docs/report.md ("How good the folds' models must be").
+# The out-of-fold mAP@class (percent) below which fewer than half of the audit's first suspects are wrong
+# labels: measured in docs/report.md ("The label audit: how good the folds' models must be").
 HELPFUL_MAP = 70.0
 # The settings a fold's probabilities depend on: a saved fold is reused only when they are unchanged.
 FOLD_SETTINGS = ("dataset", "model", "loss", "optim", "sched", "data")
@@ -225,8 +225,9 @@ def audit(cfg: DictConfig, folds: int, seed: int, out: str | Path, top: int) -> 
     if not mean_ap >= HELPFUL_MAP:  # NaN (no positive at all) warns too
         print(
             f"mlcls-data: warning: the folds' models reach an out-of-fold mAP@class of {mean_ap:.1f}%, below "
-            f"{HELPFUL_MAP:g}%: their ranking of wrong labels is little better than chance (docs/report.md); "
-            "train them longer or from pretrained weights",
+            f"{HELPFUL_MAP:g}%: fewer than half of the first suspects are likely wrong labels "
+            "(docs/report.md); train them longer or start from trained weights (model.pretrained, "
+            "model.init_from)",
             file=sys.stderr,
         )
     print_ranking(suspects, dataset.classes, len(ranked))
