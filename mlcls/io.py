@@ -235,8 +235,8 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 def _mode_for(path: Path) -> int:
     """The permission bits (``0o777``) ``path`` has, or for a new file ``0o666`` less the process's umask.
 
-    Never the special bits (setuid, setgid, sticky): ``path`` may be a symlink to a file someone else
-    owns, and the new file written in its place belongs to this process."""
+    Never the special bits (setuid, setgid, sticky): ``path`` may be a symlink to a file another user
+    owns, and the file written in its place belongs to this process."""
     try:
         return path.stat().st_mode & 0o777
     except FileNotFoundError:

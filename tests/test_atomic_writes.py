@@ -228,3 +228,22 @@ def test_resave_keeps_a_private_checkpoint_private(tmp_path):
     path.chmod(0o600)
     resave_cli.main([str(path)])
     assert _mode(path) == 0o600 and torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("special", [0o6000, 0o4000, 0o2000, 0o1000])
+@pytest.mark.parametrize("through_a_symlink", [True, False])
+def test_a_replaced_file_keeps_its_permission_bits_never_the_special_ones(
+    tmp_path, special, through_a_symlink
+):
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"old")
+    target.chmod(special | 0o755)
+    assert _mode(target) == special | 0o755  # the file system took the special bits
+    path = tmp_path / "results.json"
+    if through_a_symlink:
+        path.symlink_to(target)
+    else:
+        path = target
+    atomic_write_bytes(path, b"new")
+    assert not path.is_symlink() and path.read_bytes() == b"new"
+    assert _mode(path) == 0o755  # setuid, setgid and sticky dropped; rwxr-xr-x kept

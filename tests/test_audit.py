@@ -182,3 +182,84 @@ def test_the_audit_page_in_chromium_loads_every_image_and_sorts(audited, tmp_pat
     open_page(page, f"--screenshot={shot}")
     pixels = np.asarray(Image.open(shot).convert("RGB"))
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 200  # thumbnails and text: not blank
+
+
+# ----------------------------------------------------------------------- output for others, without training
+HOSTILE_IMAGES = ("=HYPERLINK(0).png", "+1.png", "-2.png", "@SUM(1).png", "\x1b[2Jwiped.png", "plain.png")
+HOSTILE_CLASSES = ("=cmd", "-minus", "\x1b]0;title\x07bell", "plain")
+
+
+def write_hostile_csv(root: Path) -> np.ndarray:
+    """``root/train.csv``: images named and classes named by someone else (formulas, terminal escapes);
+    returns the given labels (images, classes)."""
+    root.mkdir(parents=True)
+    labels = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 1], [0, 1, 1, 0]])
+    for name in HOSTILE_IMAGES:
+        Image.new("RGB", (8, 8), (90, 120, 200)).save(root / name, format="PNG")
+    with open(root / "train.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["image", *HOSTILE_CLASSES])
+        writer.writerows([name, *row] for name, row in zip(HOSTILE_IMAGES, labels.tolist(), strict=True))
+    return labels
+
+
+def audit_with(monkeypatch, tmp_path: Path, probabilities) -> Path:
+    """The audit of :func:`write_hostile_csv`'s CSV with the folds' probabilities ``probabilities(labels)``
+    given instead of trained; returns its output folder."""
+    import mlcls.reporting.audit as audit_module
+
+    labels = write_hostile_csv(tmp_path / "data")
+    given = probabilities(labels).astype(np.float32)
+    monkeypatch.setattr(audit_module, "out_of_sample_probabilities", lambda *args: given)
+    out = tmp_path / "audit"
+    assert main(audit_argv(tmp_path / "data", out)) == 0
+    return out
+
+
+def test_audit_csv_keeps_formulas_from_running(monkeypatch, tmp_path: Path, capsys) -> None:
+    """Every text cell of audit.csv that would start like a formula (=, +, -, @) starts with a ' instead:
+    what a spreadsheet then shows as text (OWASP's CSV injection advice)."""
+    out = audit_with(monkeypatch, tmp_path, lambda labels: np.full(labels.shape, 0.5))
+    ranking = read_ranking(out)
+    assert len(ranking) == len(HOSTILE_IMAGES) * len(HOSTILE_CLASSES)
+    for row in ranking:
+        for cell in row.values():
+            assert not cell.startswith(("=", "+", "@")) and (not cell.startswith("-") or float(cell) >= 0)
+        original = next(name for name in HOSTILE_CLASSES if row["class"].endswith(name))
+        assert row["class"] == ("'" if original[0] in "=+-@" else "") + original
+        assert Path(row["image"]).name in HOSTILE_IMAGES  # a path under the pinned root: '/...'
+    assert sum(row["class"].startswith("'") for row in ranking) == 2 * len(HOSTILE_IMAGES)
+
+
+def test_the_printed_suspects_carry_no_terminal_escape(monkeypatch, tmp_path: Path, capsys) -> None:
+    audit_with(monkeypatch, tmp_path, lambda labels: np.full(labels.shape, 0.5))
+    printed = capsys.readouterr().out
+    assert "\x1b" not in printed and "\x07" not in printed
+    assert "\\x1b[2Jwiped.png" in printed and "\\x1b]0;title\\x07bell" in printed  # shown, escaped
+
+
+def test_the_audit_states_the_out_of_fold_map_and_warns_below_the_helpful_level(
+    monkeypatch, tmp_path: Path, capsys
+) -> None:
+    from sklearn.metrics import average_precision_score
+
+    from mlcls.reporting.audit import HELPFUL_MAP
+
+    good = audit_with(monkeypatch, tmp_path / "good", lambda labels: 0.1 + 0.8 * labels)
+    printed = capsys.readouterr()
+    assert "out-of-fold mAP@class 100.0% (classes with a positive: 4 of 4)" in printed.out.splitlines()
+    assert printed.err == ""
+    assert "out-of-fold mAP@class 100.0%" in (good / "audit.html").read_text()
+
+    # probabilities that rank each class's positives below its negatives, but for one
+    reversed_order = np.random.default_rng(0).random((6, 4)) * 0.01
+    audit_with(monkeypatch, tmp_path / "bad", lambda labels: 0.9 - 0.8 * labels + reversed_order)
+    printed = capsys.readouterr()
+    labels = write_hostile_csv(tmp_path / "reference")
+    expected = 100 * average_precision_score(labels, 0.9 - 0.8 * labels + reversed_order, average="macro")
+    assert expected < HELPFUL_MAP
+    assert f"out-of-fold mAP@class {expected:.1f}% (classes with a positive: 4 of 4)" in printed.out
+    assert printed.err.count("\n") == 1 and printed.err.startswith(
+        f"mlcls-data: warning: the folds' models reach an out-of-fold mAP@class of {expected:.1f}%, below "
+        f"{HELPFUL_MAP:g}%"
+    )

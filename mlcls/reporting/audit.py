@@ -11,6 +11,12 @@ checkpoint, ``<out>/folds/fold_<k>/``). cleanlab's multi-label scores
 probability of the given label) rank every known (image, class) label, the least likely first; unknown
 labels (-1) are not ranked. The first ``top`` of the ranking go to ``<out>/audit.csv`` and
 ``<out>/audit.html`` (:mod:`mlcls.reporting.audit_page`).
+
+The ranking is only as good as the folds' models: the out-of-fold mAP@class (the probabilities against the
+given labels) is printed and shown on the page, with a warning below :data:`HELPFUL_MAP` (docs/report.md).
+The file names and class names come from the dataset's owner: in ``audit.csv`` a cell that starts like a
+formula is kept from running (:func:`mlcls.reporting.render.spreadsheet_text`), on the terminal a control
+character is written as its escape (:func:`mlcls.inference.predictor.printable`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,13 +40,18 @@ from mlcls.data import MultiLabelDataset
 from mlcls.data.datasets.folds import fold_rows, indexed_training_split
 from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
-from mlcls.errors import ConfigError, plural
+from mlcls.errors import ConfigError, plural, printable
 from mlcls.io import atomic_write, atomic_write_bytes
+from mlcls.metrics.ap import map_class
 from mlcls.reporting.audit_page import audit_page
+from mlcls.reporting.render import spreadsheet_text
 
 AUDIT_CSV, AUDIT_HTML = "audit.csv", "audit.html"
 CSV_COLUMNS = ("rank", "image", "class", "given_label", "probability", "score")
 SHOWN = 20  # suspects printed
+# The out-of-fold mAP@class (percent) below which fewer than half of the audit's first suspects are wrong
+# labels: measured in docs/report.md ("The label audit: how good the folds' models must be").
+HELPFUL_MAP = 70.0
 # The settings a fold's probabilities depend on: a saved fold is reused only when they are unchanged.
 FOLD_SETTINGS = ("dataset", "model", "loss", "optim", "sched", "data")
 FOLD_TRAINER_SETTINGS = ("epochs", "batch_size", "seed", "amp", "ema_decay", "grad_clip")
@@ -178,14 +190,16 @@ def audit(cfg: DictConfig, folds: int, seed: int, out: str | Path, top: int) -> 
     if num_rows < folds:
         raise ConfigError(f"the training split has {plural(num_rows, 'sample')}, fewer than folds={folds}")
     held = num_rows // folds
+    name = str(cfg.dataset.get("name", "?"))
     print(
-        f"audit of {cfg.dataset.get('name', '?')}: {folds} trainings of {cfg.model.name} for "
+        f"audit of {printable(name)}: {folds} trainings of {cfg.model.name} for "
         f"{plural(cfg.trainer.epochs, 'epoch')} each, on about {num_rows - held} of the {num_rows} training "
         f"images, each scoring the other {held} or so; saved folds in {out / 'folds'} are reused",
         flush=True,
     )
     probabilities = out_of_sample_probabilities(cfg, num_rows, folds, seed, out, print)
     labels = dataset.labels.numpy()
+    mean_ap, counted = map_class(torch.from_numpy(probabilities), dataset.labels)
     scores, ranked = rank_labels(labels, probabilities)
     suspects = [
         Suspect(
@@ -200,23 +214,40 @@ def audit(cfg: DictConfig, folds: int, seed: int, out: str | Path, top: int) -> 
         for rank, (row, column) in enumerate(ranked[:top])
     ]
     write_csv(out / AUDIT_CSV, suspects, dataset.classes)
-    page = audit_page(suspects, dataset, labels, cfg.dataset.get("name", "?"), folds)
-    atomic_write_bytes(out / AUDIT_HTML, page.encode())
-    print(
-        f"\nfirst {min(SHOWN, len(suspects))} of {plural(len(ranked), 'ranked label')} (lowest score first):"
+    quality = (
+        f"out-of-fold mAP@class {mean_ap:.1f}% (classes with a positive: {counted} of {labels.shape[1]})"
     )
-    print(f"{'rank':>5}  {'given':>5}  {'prob':>6}  {'score':>6}  class  image")
-    for suspect in suspects[:SHOWN]:
+    page = audit_page(suspects, dataset, labels, name, folds, quality)
+    atomic_write_bytes(out / AUDIT_HTML, page.encode())
+    print(f"\n{quality}")
+    if not mean_ap >= HELPFUL_MAP:  # NaN (no positive at all) warns too
         print(
-            f"{suspect.rank:>5}  {suspect.label:>5}  {suspect.probability:6.3f}  {suspect.score:6.3f}  "
-            f"{dataset.classes[suspect.column]}  {suspect.image}"
+            f"mlcls-data: warning: the folds' models reach an out-of-fold mAP@class of {mean_ap:.1f}%, below "
+            f"{HELPFUL_MAP:g}%: fewer than half of the first suspects are likely wrong labels "
+            "(docs/report.md); train them longer or start from trained weights (model.pretrained, "
+            "model.init_from)",
+            file=sys.stderr,
         )
+    print_ranking(suspects, dataset.classes, len(ranked))
     print(f"\nwrote {out / AUDIT_CSV}\nwrote {out / AUDIT_HTML}")
     return suspects
 
 
+def print_ranking(suspects: list[Suspect], classes: list[str], total: int) -> None:
+    """Print the first :data:`SHOWN` of ``suspects`` (of ``total`` ranked labels), one line each, the class
+    and image names through :func:`printable`: the dataset's names cannot drive the terminal."""
+    print(f"\nfirst {min(SHOWN, len(suspects))} of {plural(total, 'ranked label')} (lowest score first):")
+    print(f"{'rank':>5}  {'given':>5}  {'prob':>6}  {'score':>6}  class  image")
+    for suspect in suspects[:SHOWN]:
+        print(
+            f"{suspect.rank:>5}  {suspect.label:>5}  {suspect.probability:6.3f}  {suspect.score:6.3f}  "
+            f"{printable(classes[suspect.column])}  {printable(suspect.image)}"
+        )
+
+
 def write_csv(path: Path, suspects: list[Suspect], classes: list[str]) -> None:
-    """``path``: one row per suspect, the columns :data:`CSV_COLUMNS`."""
+    """``path``: one row per suspect, the columns :data:`CSV_COLUMNS`; the image and class names through
+    :func:`spreadsheet_text` (a name such as ``=HYPERLINK(...)`` is shown, not run)."""
 
     def write(f: Any) -> None:
         text = io.TextIOWrapper(f, encoding="utf-8", newline="")
@@ -224,7 +255,14 @@ def write_csv(path: Path, suspects: list[Suspect], classes: list[str]) -> None:
         writer.writerow(CSV_COLUMNS)
         for s in suspects:
             writer.writerow(
-                [s.rank, s.image, classes[s.column], s.label, f"{s.probability:.6f}", f"{s.score:.6f}"]
+                [
+                    s.rank,
+                    spreadsheet_text(s.image),
+                    spreadsheet_text(classes[s.column]),
+                    s.label,
+                    f"{s.probability:.6f}",
+                    f"{s.score:.6f}",
+                ]
             )
         text.flush()
         text.detach()

@@ -84,10 +84,12 @@ def audit_page(
     labels: np.ndarray,
     name: str,
     folds: int,
+    quality: str,
 ) -> str:
     """The HTML of the ranking ``suspects`` (:class:`mlcls.reporting.audit.Suspect`) of ``dataset``'s
     training split: rank, thumbnail, image, class, given label, probability, score and the image's given
-    positive classes; ``labels`` are the split's (N, C)."""
+    positive classes; ``labels`` are the split's (N, C); ``quality`` says how good the folds' models are
+    (their out-of-fold mAP)."""
     thumbnails: dict[int, str] = {}
     rows = []
     for s in suspects:
@@ -117,7 +119,7 @@ def audit_page(
         f"<p>{len(suspects)} labels of the training split ({len(labels)} images, {len(dataset.classes)} "
         f"classes), the least likely first: cleanlab's label quality score of each given label under "
         f"out-of-sample probabilities from {folds} folds (each image scored by a model trained on the "
-        "other folds). Click a column to sort.</p>"
+        f"other folds; {html.escape(quality)}). Click a column to sort.</p>"
         "<table><thead><tr>"
         + "".join(f"<th>{html.escape(h)}</th>" for h in headers)
         + "</tr></thead><tbody>"
