@@ -14,8 +14,11 @@ class InferenceError(ValueError):
 
 
 def plural(count: int, noun: str) -> str:
-    """``"1 image"``, ``"3 images"``: ``count`` and ``noun``, plural unless ``count`` is 1."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+    """``"1 image"``, ``"3 images"``, ``"2 classes"``: ``count`` and ``noun``, plural unless ``count`` is 1
+    (``-es`` after a sibilant: s, x, z, ch, sh)."""
+    if count == 1:
+        return f"{count} {noun}"
+    return f"{count} {noun}es" if noun.endswith(("s", "x", "z", "ch", "sh")) else f"{count} {noun}s"
 
 
 def printable(text: str) -> str:

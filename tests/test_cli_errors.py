@@ -135,3 +135,33 @@ def test_require_keys_and_plural():
     with pytest.raises(ConfigError, match=r"^missing checkpoint=… \(required\); usage: mlcls-x a=1$"):
         require_keys(OmegaConf.create({"checkpoint": "???", "out": None}), "mlcls-x a=1")
     assert [plural(n, "image") for n in (0, 1, 2)] == ["0 images", "1 image", "2 images"]
+
+
+@pytest.mark.parametrize(
+    ("count", "noun", "expected"),
+    [
+        (1, "class", "1 class"),
+        (12, "class", "12 classes"),
+        (0, "image", "0 images"),
+        (2, "box", "2 boxes"),
+        (3, "batch", "3 batches"),
+        (2, "head", "2 heads"),
+    ],
+)
+def test_plural_writes_english_plurals(count, noun, expected):
+    """Old: "12 classs" in mlcls-import's summary and the report's "The other N classs"."""
+    assert plural(count, noun) == expected
+
+
+def test_oversized_and_unsafe_files_are_one_line_user_errors(tmp_path, capsys):
+    from mlcls.cli.errors import user_errors
+    from mlcls.io import read_yaml
+
+    bomb = tmp_path / "config.yaml"
+    bomb.write_text("a: &a [x, x]\nb: [*a, *a]\n")
+    for path, kwargs in ((bomb, {}), (bomb, {"max_bytes": 4})):
+        with pytest.raises(SystemExit) as exit_info, user_errors():
+            read_yaml(path, **kwargs)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("mlcls: error: ") and str(path) in err

@@ -18,7 +18,7 @@ from mlcls.errors import (
     InferenceError,
     plural,  # noqa: F401 - re-exported for the commands
 )
-from mlcls.io import DiskFullError, NotRegularFileError
+from mlcls.io import DiskFullError, FileTooLargeError, NotRegularFileError, UnsafeFileError
 
 USER_ERRORS = (
     DatasetError,
@@ -28,6 +28,8 @@ USER_ERRORS = (
     OmegaConfBaseException,
     DiskFullError,
     NotRegularFileError,
+    FileTooLargeError,
+    UnsafeFileError,
     RunDirLocked,
 )
 
