@@ -35,7 +35,7 @@ from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
 from mlcls.engine.validate import ConfigError
 from mlcls.errors import plural
-from mlcls.io import atomic_write, atomic_write_bytes
+from mlcls.io import CAPS, atomic_write, atomic_write_bytes, open_regular
 from mlcls.reporting.audit_page import audit_page
 
 AUDIT_CSV, AUDIT_HTML = "audit.csv", "audit.html"
@@ -108,7 +108,7 @@ def load_fold(path: Path, settings: str) -> tuple[np.ndarray, np.ndarray] | None
     :class:`ConfigError` line when it was written with other settings."""
     if not path.exists():
         return None
-    with np.load(path) as saved:
+    with open_regular(path, max_bytes=CAPS["predictions"], what="fold") as file, np.load(file) as saved:
         if str(saved["settings"]) != settings:
             raise ConfigError(
                 f"{path} holds the probabilities of an audit with other settings; pass another out= or "
