@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import time
 import zipfile
 from pathlib import Path
 
@@ -261,7 +262,12 @@ def test_a_validation_image_that_is_a_fifo_gets_no_thumbnail(tmp_path):
         epoch=1,
     )
     thumbnails = Thumbnails(dataset, predictions)
+    start = time.monotonic()
     outcome = bounded(lambda: [thumbnails.key(row) for row in range(rows)], memory_mb=512, seconds=SECONDS)
+    took = time.monotonic() - start
+    assert took < SECONDS / 3, (
+        f"{took:.1f} s: the pipe was waited on (the alarm's TimeoutError is an OSError)"
+    )
     escaped, error, keys = outcome.escaped, outcome.error, outcome.value
     assert not escaped and error is None, (error, outcome.message)
     fifo_row = [str(sample.path) for sample in dataset.samples].index(str(root / "b.jpg"))
