@@ -100,12 +100,14 @@ def test_an_unreadable_lock_is_one_line(tmp_path, monkeypatch):
     """Another user's lock (mode 0600): simulated, as the suite may run as root, who reads any file."""
     (tmp_path / LOCK_NAME).write_text(_lock_of(_finished_pid()))
 
+    opened = rundir_module.open_regular
+
     def refused(path, *args, **kwargs):
         if Path(path).name == LOCK_NAME:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-        return open(path, *args, **kwargs)
+        return opened(path, *args, **kwargs)
 
-    monkeypatch.setattr(rundir_module, "open", refused, raising=False)
+    monkeypatch.setattr(rundir_module, "open_regular", refused)
     with pytest.raises(RunDirLocked) as caught:
         acquire_run_lock(tmp_path)
     assert str(caught.value) == (

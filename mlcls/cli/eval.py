@@ -30,6 +30,7 @@ from mlcls.engine.config_checks import resolve_amp
 from mlcls.engine.evaluate import evaluate_model
 from mlcls.errors import ConfigError, shown
 from mlcls.inference.predictor import load_inference_model
+from mlcls.io import read_yaml
 
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"
 
@@ -110,7 +111,7 @@ def packaged_dataset_targets() -> set[str]:
     """The ``_target_`` of every dataset config mlcls ships (``configs/dataset/*.yaml``)."""
     targets = set()
     for path in (config_dir() / "dataset").glob("*.yaml"):
-        node = OmegaConf.load(path)
+        node = OmegaConf.create(read_yaml(path, "config"))  # through the door: regular, capped, no alias
         target = OmegaConf.select(node, "dataset._target_") or node.get("_target_")
         if target:
             targets.add(str(target))

@@ -27,10 +27,11 @@ from mlcls.reporting.runs import read_config, read_results
 def validation_set(run_dir: Path):
     """The validation split of the run in ``run_dir``, built from its stored dataset config (never
     resolved; checked as a checkpoint's would be) with the class order of its predictions."""
-    config = read_config(run_dir, read_results(run_dir))
+    results = read_results(run_dir)
+    config = read_config(run_dir, results)
     if config is None or not isinstance(config.get("dataset"), dict):
         raise ReportError(f"{run_dir}: no config.yaml with a dataset config; is it an mlcls run directory?")
-    classes = load_val_predictions(run_dir).classes
+    classes = load_val_predictions(run_dir, (results or {}).get("dataset")).classes
     dataset_cfg = evaluation_dataset_config(config["dataset"], {}, classes)
     check_dataset_target(dataset_cfg)
     check_shard_sources(dataset_cfg, set())

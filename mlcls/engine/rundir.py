@@ -18,7 +18,14 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from mlcls.engine import distributed as dist_utils
-from mlcls.io import sweep_temporary_files
+from mlcls.io import (
+    CAPS,
+    FileTooLargeError,
+    NotRegularFileError,
+    open_regular,
+    read_regular_bytes,
+    sweep_temporary_files,
+)
 
 log = logging.getLogger("mlcls")
 
@@ -84,19 +91,21 @@ def explicit_hydra_run_dir() -> bool:
 
 
 def _parse_holder(content: bytes) -> dict[str, Any]:
-    """The holder a lock file's ``content`` names (empty when it is not one)."""
+    """The holder a lock file's ``content`` names (empty when it is not one: not JSON, not an object, or
+    nested deeper than the parser's recursion limit)."""
     try:
         holder = json.loads(content)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return holder if isinstance(holder, dict) else {}
 
 
 def _lock_holder(lock: Path) -> dict[str, Any]:
-    """The ``{"host", "pid", "started", "process"}`` a lock file names (empty when it is unreadable)."""
+    """The ``{"host", "pid", "started", "process"}`` a lock file names (empty when it is unreadable, not a
+    regular file or over ``CAPS["lock"]`` bytes: read through :func:`mlcls.io.read_regular_bytes`)."""
     try:
-        return _parse_holder(lock.read_bytes())
-    except OSError:
+        return _parse_holder(read_regular_bytes(lock, CAPS["lock"], "lock"))
+    except (OSError, FileTooLargeError):
         return {}
 
 
@@ -181,9 +190,15 @@ def _take_over_if_stale(lock: Path, draft: Path) -> bool:
     replaces it and the others find the new one, alive. Raises :class:`RunDirLocked` for a live holder.
     """
     try:
-        file = open(lock, "rb")  # noqa: SIM115 - closed below, which releases the flock
+        # one open, without blocking; a pipe, a device or a folder there is refused, and a file over
+        # CAPS["lock"] bytes: neither is a lock this module writes
+        file = open_regular(lock, "rb", max_bytes=CAPS["lock"], what="lock")
     except FileNotFoundError:
         return False
+    except (NotRegularFileError, FileTooLargeError) as exc:
+        raise RunDirLocked(
+            f"{exc} (the lock of run directory {lock.parent}); delete it if no run holds the directory"
+        ) from None
     except OSError as exc:  # another user's lock, say: its run cannot be judged from here
         raise RunDirLocked(
             f"cannot read the lock {lock} ({exc.strerror}); another run may hold the directory: choose "
@@ -203,7 +218,7 @@ def _take_over_if_stale(lock: Path, draft: Path) -> bool:
         opened = os.fstat(file.fileno())
         if (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino):
             return False
-        other = _parse_holder(file.read())
+        other = _parse_holder(file.read(CAPS["lock"]))
         if _holder_alive(other):
             raise RunDirLocked(
                 f"run directory {lock.parent} is in use by another run (pid {other.get('pid')} on "

@@ -41,7 +41,7 @@ from mlcls.data.datasets.folds import fold_rows, indexed_training_split
 from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError, plural, printable
-from mlcls.io import atomic_write, atomic_write_bytes
+from mlcls.io import CAPS, atomic_write, atomic_write_bytes, open_regular
 from mlcls.metrics.ap import map_class
 from mlcls.reporting.audit_page import audit_page
 from mlcls.reporting.render import spreadsheet_text
@@ -119,7 +119,7 @@ def load_fold(path: Path, settings: str) -> tuple[np.ndarray, np.ndarray] | None
     :class:`ConfigError` line when it was written with other settings."""
     if not path.exists():
         return None
-    with np.load(path) as saved:
+    with open_regular(path, max_bytes=CAPS["predictions"], what="fold") as file, np.load(file) as saved:
         if str(saved["settings"]) != settings:
             raise ConfigError(
                 f"{path} holds the probabilities of an audit with other settings; pass another out= or "

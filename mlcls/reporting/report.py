@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
@@ -31,10 +32,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from PIL import Image
 
-from mlcls.data.datasets.base import BAD_IMAGE_ERRORS
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, MultiLabelDataset, crop_box, to_rgb
+from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.errors import plural
-from mlcls.io import atomic_write
+from mlcls.io import CAPS, atomic_write, read_regular_bytes
 from mlcls.losses.spec import loss_name
 from mlcls.reporting import report_html as ui
 from mlcls.reporting.paper import ReportError
@@ -52,7 +55,7 @@ from mlcls.reporting.report_data import (
     probabilities,
     save_val_predictions,
 )
-from mlcls.reporting.runs import read_config, read_results
+from mlcls.reporting.runs import config_groups, is_number, read_config, read_results
 
 if TYPE_CHECKING:
     from mlcls.engine.trainer import Trainer
@@ -93,7 +96,7 @@ class Thumbnails:
                 f"{found!r}, the run scored {expected!r}"
             )
         try:
-            image = self.dataset.load_image(index)
+            image = self._image(index)
         except BAD_IMAGE_ERRORS as exc:
             log.warning("report: no thumbnail of %s (%s)", expected, exc)
             return None
@@ -103,6 +106,21 @@ class Thumbnails:
         key = f"t{len(self.uris)}"
         self.uris[key] = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
         return key
+
+    def _image(self, index: int) -> Image.Image:
+        """Validation image ``index`` as RGB, cropped to its box. An image file is read through
+        :func:`mlcls.io.read_regular_bytes` (a regular file of at most ``CAPS["image"]`` bytes: a pipe or a
+        device there is refused, never waited on) and decoded from those bytes as the dataset decodes it;
+        an image a dataset makes or holds in memory (synthetic, shards) comes from the dataset."""
+        if type(self.dataset).load_image is not MultiLabelDataset.load_image:
+            return self.dataset.load_image(index)
+        sample = self.dataset.samples[index]
+        data = read_regular_bytes(sample.path, CAPS["image"], "image")
+        with Image.open(io.BytesIO(data)) as img:
+            region = (0, 0, *img.size) if sample.box is None else crop_box(sample.box, *img.size)
+            check_aspect_ratio(region[2] - region[0], region[3] - region[1])
+            img = to_rgb(img)
+        return img if sample.box is None else img.crop(region)
 
 
 class _Cards:
@@ -155,13 +173,12 @@ def _run_summary(results: Mapping[str, Any], config: Mapping[str, Any], epoch: i
             f"{data.get('train_size', '?')} training / {data.get('val_size', '?')} validation images",
         ]
     )
-    figures = [(ui.number(metrics.get("mAP_class", float("nan"))), f"mAP@class, epoch {epoch}")]
+    figures = [(_figure(metrics.get("mAP_class")), f"mAP@class, epoch {epoch}")]
     if best:
-        figures.append(
-            (ui.number(best["mAP_class"]), f"best mAP@class, epoch {best['epoch']} ({best['weights']})")
-        )
+        where = f"epoch {best.get('epoch', '?')} ({best.get('weights', '?')})"
+        figures.append((_figure(best.get("mAP_class")), f"best mAP@class, {where}"))
     for key in ("mAP_sample", "CF1", "OF1"):
-        if key in metrics:
+        if metrics.get(key) is not None:
             figures.append((ui.number(metrics[key]), key.replace("_", "@")))
     wall = (results.get("provenance") or {}).get("wall_time_s")
     if wall is not None:
@@ -169,13 +186,26 @@ def _run_summary(results: Mapping[str, Any], config: Mapping[str, Any], epoch: i
     return subtitle, ui.figures_block(figures)
 
 
+def _figure(value: float | None) -> str:
+    """A figure of results.json (a number, checked by :func:`mlcls.reporting.runs.check_results`, or
+    absent: a dash)."""
+    return ui.number(float("nan") if value is None else value)
+
+
 def _curves(history: Sequence[Mapping[str, Any]]) -> str:
-    trained = [h for h in history if h.get("loss") is not None]
-    evaluated = [h for h in history if h.get("mAP_class") is not None]
+    """The training loss and validation mAP per epoch (finite values only; the history's types are checked
+    by :func:`mlcls.reporting.runs.check_results`)."""
+
+    def finite(entry: Mapping[str, Any], key: str) -> bool:
+        return is_number(entry.get(key)) and math.isfinite(entry[key])
+
+    history = [h for h in history if "epoch" in h]
+    trained = [h for h in history if finite(h, "loss")]
+    evaluated = [h for h in history if finite(h, "mAP_class")]
     epochs = [h["epoch"] for h in history] or [1]
     x_range = (min(epochs), max(epochs))
     losses = [h["loss"] for h in trained] or [0.0]
-    maps = [h[k] for h in evaluated for k in ("mAP_class", "mAP_sample") if h.get(k) is not None] or [0.0]
+    maps = [h[k] for h in evaluated for k in ("mAP_class", "mAP_sample") if finite(h, k)] or [0.0]
     loss = ui.line_chart(
         [("loss", [h["epoch"] for h in trained], [h["loss"] for h in trained])],
         "Training loss",
@@ -186,7 +216,11 @@ def _curves(history: Sequence[Mapping[str, Any]]) -> str:
         whole_x=True,
     )
     series = [
-        (label, [h["epoch"] for h in evaluated], [h[key] for h in evaluated])
+        (
+            label,
+            [h["epoch"] for h in evaluated if finite(h, key)],
+            [h[key] for h in evaluated if finite(h, key)],
+        )
         for key, label in (("mAP_class", "mAP@class"), ("mAP_sample", "mAP@sample"))
     ]
     validation = ui.line_chart(
@@ -238,7 +272,8 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
     config = read_config(run_dir, results)
     if results is None or config is None:
         raise ReportError(f"{run_dir}: no results.json and config.yaml; is it an mlcls run directory?")
-    predictions = load_val_predictions(run_dir)
+    config_groups(config, run_dir, ("dataset", "model", "loss"))
+    predictions = load_val_predictions(run_dir, results.get("dataset"))
     thumbnails = Thumbnails(dataset, predictions)
     cards = _Cards(predictions, thumbnails)
     num_rows = len(predictions.ids)
@@ -278,7 +313,8 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
     details = "".join(_class_detail(row, predictions, cards, per_class) for row in detailed)
     if hidden:
         details += (
-            f'<p class="note">The other {plural(hidden, "class")} (better AP) are in the table only.</p>'
+            f'<p class="note">The other {hidden} {"class" if hidden == 1 else "classes"} (better AP) are in '
+            "the table only.</p>"
         )
     settings = changed_settings(config, default_settings())
     sections = [

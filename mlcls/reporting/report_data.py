@@ -23,7 +23,9 @@ Unknown labels count as not given.
 from __future__ import annotations
 
 import math
+import os
 import warnings
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mlcls.io import atomic_write
+from mlcls.io import CAPS, atomic_write, open_regular
 from mlcls.metrics import average_precision
 from mlcls.metrics.f1 import prediction_counts
 from mlcls.reporting.paper import ReportError
@@ -108,35 +110,135 @@ def save_val_predictions(
     return path
 
 
-def load_val_predictions(run_dir: Path) -> ValPredictions:
-    """Read ``run_dir/val_predictions.npz`` (never unpickling); :class:`ReportError` when it is missing or
-    does not hold consistent arrays."""
+def load_val_predictions(run_dir: Path, expected: Mapping[str, Any] | None = None) -> ValPredictions:
+    """Read ``run_dir/val_predictions.npz`` (never unpickling); :class:`ReportError` in one line when it is
+    missing, is not a regular file of at most ``CAPS["predictions"]`` bytes, its members ask for more
+    memory than the file allows (:func:`check_npz_members`), or its arrays are inconsistent.
+
+    ``expected``: the run's ``results.json`` ``dataset`` figures; when they give ``num_classes`` or
+    ``val_size``, the predictions must hold that many classes and at most that many rows."""
     path = Path(run_dir) / PREDICTIONS_FILE
-    if not path.is_file():
+    try:
+        file = open_regular(path, "rb", max_bytes=CAPS["predictions"], what="predictions file")
+    except FileNotFoundError:
         raise ReportError(
             f"{run_dir} has no {PREDICTIONS_FILE}, the validation predictions mlcls-train saves at the end "
             "of a run with trainer.report=true (the default); a run without them has no report"
-        )
+        ) from None
+    except (OSError, ValueError) as exc:  # not a regular file, too large
+        raise ReportError(f"{path}: not a readable predictions file ({exc})") from None
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            data = {key: npz[key] for key in npz.files}
-        scores, labels, thresholds = data["scores"], data["labels"], data["thresholds"]
-        rows, cols = scores.shape
-        expected = {"labels": (rows, cols), "thresholds": (cols,), "classes": (cols,), "ids": (rows,)}
-        for key, shape in {**expected, "indices": (rows,)}.items():
-            if data[key].shape != shape:
-                raise ValueError(f"{key} has shape {data[key].shape}, expected {shape}")
+        with file:
+            shapes = check_npz_members(file, path)
+            _check_counts(shapes, expected or {})
+            file.seek(0)
+            with np.load(file, allow_pickle=False) as npz:
+                data = {key: npz[key] for key in PREDICTION_KINDS}
         return ValPredictions(
-            scores=scores.astype(np.float32),
-            labels=labels.astype(np.int8),
-            thresholds=thresholds.astype(np.float64),
+            scores=data["scores"].astype(np.float32),
+            labels=data["labels"].astype(np.int8),
+            thresholds=data["thresholds"].astype(np.float64),
             classes=[str(name) for name in data["classes"]],
             ids=[str(name) for name in data["ids"]],
             indices=data["indices"].astype(np.int64),
             epoch=int(data["epoch"]),
         )
-    except (OSError, ValueError, KeyError) as exc:
-        raise ReportError(f"{path}: not a readable predictions file ({exc})") from None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        raise ReportError(f"{path}: not a readable predictions file ({_line(exc)})") from None
+
+
+# The arrays of val_predictions.npz: the kinds of dtype each may have (numpy's ``dtype.kind``) and its shape,
+# in N (rows) and C (classes); () is a scalar.
+PREDICTION_KINDS = {
+    "scores": ("fiu", ("N", "C")),
+    "labels": ("iu", ("N", "C")),
+    "thresholds": ("fiu", ("C",)),
+    "classes": ("U", ("C",)),
+    "ids": ("U", ("N",)),
+    "indices": ("iu", ("N",)),
+    "epoch": ("iu", ()),
+}
+# The members of the archive together may declare at most this many times the file's size: ``np.savez``
+# (mlcls-train) stores members uncompressed (1x); ``np.savez_compressed`` of real predictions shrinks them
+# about 1.1-2x, their scores being random floats.
+MAX_EXPANSION = 8
+# The most bytes a .npy header may hold (numpy's own default limit), and its readers by format version.
+MAX_HEADER_BYTES = 10_000
+HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def check_npz_members(file: Any, path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of each array of the ``.npz`` archive ``file`` (open, seekable), checked before any array
+    is read, so that what :func:`numpy.load` allocates is bounded by :data:`MAX_EXPANSION` times the file's
+    size, whatever the file declares:
+
+    * each of :data:`PREDICTION_KINDS` is a member, stored or deflated;
+    * a stored member's declared size equals the bytes it occupies; all members together declare at most
+      :data:`MAX_EXPANSION` times the file's size (a deflated member may declare 1,000 times its bytes);
+    * each member's ``.npy`` header (at most :data:`MAX_HEADER_BYTES`) names a dtype of its kind, without
+      Python objects, and a shape whose bytes (elements x item size) are exactly those the member declares
+      after its header: numpy allocates an array from its header's shape before reading its data;
+    * the shapes agree with each other (:data:`PREDICTION_KINDS`).
+
+    Raises :class:`ValueError` naming the first member that does not.
+    """
+    size = os.fstat(file.fileno()).st_size
+    with zipfile.ZipFile(file) as archive:
+        members = {info.filename: info for info in archive.infolist()}
+        total = 0
+        for info in members.values():
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise ValueError(f"member {info.filename!r} is compressed with method {info.compress_type}")
+            if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+                raise ValueError(
+                    f"member {info.filename!r} is stored in {info.compress_size:,} bytes but declares "
+                    f"{info.file_size:,}"
+                )
+            total += info.file_size
+        if total > MAX_EXPANSION * size:
+            raise ValueError(f"its members declare {total:,} bytes in a file of {size:,}")
+        shapes, sizes = {}, {}
+        for key, (kinds, dims) in PREDICTION_KINDS.items():
+            info = members.get(f"{key}.npy")
+            if info is None:
+                raise ValueError(f"no array {key!r}")
+            with archive.open(info) as stream:
+                version = np.lib.format.read_magic(stream)
+                read_header = HEADER_READERS.get(version)
+                if read_header is None:
+                    raise ValueError(f"{key} is a .npy file of version {version}; 1.0 or 2.0 expected")
+                shape, _, dtype = read_header(stream, max_header_size=MAX_HEADER_BYTES)
+                header = stream.tell()
+            if dtype.hasobject or dtype.kind not in kinds or len(shape) != len(dims):
+                raise ValueError(
+                    f"{key} is a {len(shape)}-d {dtype} array; a {len(dims)}-d one of kind {kinds} expected"
+                )
+            need = math.prod(shape) * dtype.itemsize
+            if need != info.file_size - header:
+                raise ValueError(
+                    f"{key}'s header declares shape {shape} ({need:,} bytes) in a member of "
+                    f"{info.file_size - header:,} bytes of data"
+                )
+            shapes[key] = shape
+            for dim, length in zip(dims, shape, strict=True):
+                if sizes.setdefault(dim, length) != length:
+                    raise ValueError(f"{key} has shape {shape}; {dim} is {sizes[dim]} in the other arrays")
+    return shapes
+
+
+def _check_counts(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, Any]) -> None:
+    """The predictions' classes (C) and rows (N) against the run's ``results.json`` (``num_classes``,
+    ``val_size``; each where given)."""
+    rows, classes = shapes["scores"]
+    num_classes, val_size = expected.get("num_classes"), expected.get("val_size")
+    if isinstance(num_classes, int) and classes != num_classes:
+        raise ValueError(f"{classes} classes; the run's results.json counts {num_classes}")
+    if isinstance(val_size, int) and rows > val_size:
+        raise ValueError(f"{rows} rows; the run's results.json counts {val_size} validation images")
+
+
+def _line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def probabilities(scores: np.ndarray) -> np.ndarray:
