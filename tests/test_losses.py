@@ -826,3 +826,17 @@ def test_benchmark_baseline_is_eq_17_and_prints_one_json_line(capsys, monkeypatc
     result = json.loads(line)
     assert "\n" not in line and set(result) == {"twoway_256x80_ms", "masked_lse_256x80_ms", "ratio"}
     assert all(math.isfinite(v) and v > 0 for v in result.values())
+
+
+def test_loss_name_imports_only_mlcls_losses(tmp_path, monkeypatch):
+    """A run directory from someone else names its loss's ``_target_``: a module beside it is never
+    imported (old: ``importlib.import_module`` of any target ran the planted module)."""
+    marker = tmp_path / "ran"
+    (tmp_path / "planted_loss.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nclass L:\n    name = 'x'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert loss_name({"_target_": "planted_loss.L"}) == "L"
+    assert loss_name({"_target_": "os.system"}) == "system"
+    assert not marker.exists()
+    assert loss_name({"_target_": "mlcls.losses.TwoWayLoss"}) == "twoway"

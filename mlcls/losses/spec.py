@@ -4,6 +4,7 @@ buckets see. Used by provenance and the paper tables, which read the resolved co
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,11 @@ def loss_name(loss: Mapping[str, Any]) -> str:
     with a ``name`` key, which is used when present. A class without ``name`` gives its class name, and a
     ``_target_`` that cannot be imported (a misspelt path, a module not installed) the last component of
     the path, so that an error message or a table of old runs can still say which loss it was.
+
+    Only mlcls's own loss modules are imported to read the class: a run directory or a checkpoint from
+    someone else names its ``_target_``, and importing an arbitrary module runs its code (a ``.py`` file
+    planted beside the run, a package's import-time side effects). Any other target gives the last
+    component of its path, without an import.
     """
     if loss.get("name"):
         return str(loss["name"])
@@ -22,6 +28,8 @@ def loss_name(loss: Mapping[str, Any]) -> str:
     if not target:
         raise ValueError("a loss config needs _target_ (the loss class, e.g. mlcls.losses.TwoWayLoss)")
     module_path, _, class_name = str(target).rpartition(".")
+    if not re.fullmatch(r"mlcls\.losses(\.[a-z_][a-z0-9_]*)?", module_path):
+        return class_name
     try:
         cls = getattr(importlib.import_module(module_path), class_name)
     except (ImportError, AttributeError, ValueError):
