@@ -128,3 +128,17 @@ def test_no_two_packages_import_each_other() -> None:
     folded = package_graph(graph)
     assert folded["cli"] >= {"engine", "data"} and "cli" not in folded["engine"]  # read at all
     assert import_cycle(folded) == []
+
+
+# Concerns that once had several homes (issue 36): each name is defined once in the whole package.
+ONE_HOME = ("gpu_hours", "run_gpu_hours", "sweep_gpu_hours", "protocol_deviations")
+
+
+def test_each_concern_is_defined_once() -> None:
+    defined = Counter(
+        node.name
+        for path in module_files(PACKAGE_DIR).values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    )
+    assert {name: defined[name] for name in ONE_HOME} == dict.fromkeys(ONE_HOME, 1)

@@ -161,30 +161,46 @@ def _follows(config: Mapping[str, Any], key: str, wanted: Any) -> tuple[bool, An
 
 
 def protocol_deviations(
+    config: Mapping[str, Any],
+    results: Mapping[str, Any],
+    checks: Mapping[str, Any],
+    reference: str = "paper",
+) -> list[str]:
+    """How a run departs from a protocol, one short phrase each (empty: it follows it): every key of
+    ``checks`` whose value ``config`` does not hold (:func:`_follows`), named beside the ``reference``'s
+    value, and the epochs it left unfinished."""
+    deviations = []
+    for key, wanted in checks.items():
+        follows, ours = _follows(config, key, wanted)
+        if not follows:
+            deviations.append(f"{key}={yaml_text(ours)} ({reference} {yaml_text(wanted)})")
+    completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
+    if completed is not None and epochs is not None and completed < epochs:
+        deviations.append(f"unfinished: {completed} of {epochs} epochs")
+    return deviations
+
+
+def paper_deviations(
     config: Mapping[str, Any], results: Mapping[str, Any], stand_ins: Mapping[str, str] | None = None
 ) -> list[str]:
     """How a run departs from the paper's protocol, one short phrase each (empty: it follows it).
 
-    Checks the optimiser, schedule, epochs (configured and completed), batch size, augmentation and image
-    size, mixed precision, the backbone's ImageNet weights, the dataset sizes of Table 6, and names the
-    stand-ins (a dataset or backbone counted as another, e.g. in smoke runs).
+    Names the stand-ins (a dataset or backbone counted as another, e.g. in smoke runs), then checks
+    :func:`protocol_checks` (the optimiser, schedule, epochs configured and completed, batch size,
+    augmentation and image size), mixed precision, the backbone's ImageNet weights and the dataset sizes of
+    Table 6.
     """
     stand_ins = stand_ins or {}
-    deviations = []
-    for name, replacement in stand_ins.items():
-        if name in (config["dataset"]["name"], architecture(config)):
-            deviations.append(f"{name} stands in for {replacement}")
-    for key, wanted in protocol_checks().items():
-        follows, ours = _follows(config, key, wanted)
-        if not follows:
-            deviations.append(f"{key}={yaml_text(ours)} (paper {yaml_text(wanted)})")
+    deviations = [
+        f"{name} stands in for {replacement}"
+        for name, replacement in stand_ins.items()
+        if name in (config["dataset"]["name"], architecture(config))
+    ]
+    deviations += protocol_deviations(config, results, protocol_checks())
     amp = config_value(config, "trainer.amp")
     device = ((results.get("provenance") or {}).get("device") or {}).get("type")
     if amp == "none" or (amp == "auto" and device not in (None, "cuda")):  # auto: float32 off CUDA
         deviations.append("no mixed precision (paper AMP)")
-    completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
-    if completed is not None and epochs is not None and completed < epochs:
-        deviations.append(f"unfinished: {completed} of {epochs} epochs")
     deviations += _weights_deviations(config, stand_ins)
     name = config["dataset"]["name"]
     sizes = load_paper()["table6_datasets"].get(stand_ins.get(name, name))
@@ -260,7 +276,7 @@ def load_run(run_dir: Path, stand_ins: Mapping[str, str] | None = None) -> RunRe
         path=run_dir,
         attributes=attributes,
         metrics={k: float(metrics[k]) for k in METRICS if metrics.get(k) is not None},
-        deviations=tuple(protocol_deviations(config, results, stand_ins)),
+        deviations=tuple(paper_deviations(config, results, stand_ins)),
     )
 
 
