@@ -131,7 +131,7 @@ def test_no_two_packages_import_each_other() -> None:
 
 
 # Concerns that once had several homes (issue 36): each name is defined once in the whole package.
-ONE_HOME = ("gpu_hours", "run_gpu_hours", "sweep_gpu_hours", "protocol_deviations")
+ONE_HOME = ("gpu_hours", "run_gpu_hours", "sweep_gpu_hours", "protocol_deviations", "flatten_config")
 
 
 def test_each_concern_is_defined_once() -> None:
