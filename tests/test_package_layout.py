@@ -131,7 +131,14 @@ def test_no_two_packages_import_each_other() -> None:
 
 
 # Concerns that once had several homes (issue 36): each name is defined once in the whole package.
-ONE_HOME = ("gpu_hours", "run_gpu_hours", "sweep_gpu_hours", "protocol_deviations", "flatten_config")
+ONE_HOME = (
+    "gpu_hours",
+    "run_gpu_hours",
+    "sweep_gpu_hours",
+    "protocol_deviations",
+    "flatten_config",
+    "is_main",
+)
 
 
 def test_each_concern_is_defined_once() -> None:
@@ -142,3 +149,19 @@ def test_each_concern_is_defined_once() -> None:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
     )
     assert {name: defined[name] for name in ONE_HOME} == dict.fromkeys(ONE_HOME, 1)
+
+
+# torch.distributed's collectives: called from mlcls/distributed.py only (plus the process group's set-up).
+COLLECTIVES = {"all_gather", "all_gather_object", "all_reduce", "broadcast", "broadcast_object_list"}
+COLLECTIVES |= {"gather", "barrier", "reduce_scatter", "all_to_all", "scatter"}
+
+
+def test_collectives_have_one_home() -> None:
+    callers = set()
+    for name, path in module_files(PACKAGE_DIR).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
+                owner = ast.unparse(node.value)
+                if owner in ("dist", "torch.distributed"):
+                    callers.add(name)
+    assert callers == {"mlcls.distributed"}

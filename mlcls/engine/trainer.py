@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from mlcls.data.loader import DevicePrefetcher
 from mlcls.data.pipeline.fast import AugmentedImage
+from mlcls.distributed import all_gather_object, all_reduce_sum
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import Run, build_run
 from mlcls.engine.checkpoint import save_checkpoint, save_training_checkpoint, write_json
@@ -241,7 +242,7 @@ class Trainer:
             )
         self.state.counts["skipped_steps"] += skipped
         # the mean over the applied steps of every rank (a skipped step's loss is not finite)
-        totals = dist_utils.all_reduce_sum(torch.stack([loss_sum, skipped_steps.to(loss_sum.dtype)])).tolist()
+        totals = all_reduce_sum(torch.stack([loss_sum, skipped_steps.to(loss_sum.dtype)])).tolist()
         applied_steps = self.iters_per_epoch * self.dist.world_size - totals[1]
         mean_loss = totals[0] / applied_steps if applied_steps else float("nan")
         images_per_s = seen * self.dist.world_size / max(elapsed, 1e-9)
@@ -373,7 +374,7 @@ class Trainer:
     def _checkpoint_mid_epoch(self, progress: EpochProgress) -> None:
         """Checkpoint within an epoch (``state.step`` steps of it done), with every rank's ``progress``."""
         self.state.counts["skipped_steps"] += self._nonfinite.take_skipped()
-        self.state.partial = dist_utils.all_gather_object(progress)
+        self.state.partial = all_gather_object(progress)
         self._write_checkpoint(is_best=False)
 
     def save(self, is_best: bool) -> None:
@@ -384,7 +385,7 @@ class Trainer:
     def _write_checkpoint(self, is_best: bool) -> None:
         """Write the training state where it stands on rank 0, with every rank's RNG states; every rank
         returns together, and if rank 0 fails to write, every rank raises its error."""
-        self.state.rng = dist_utils.all_gather_object(rng_state())
+        self.state.rng = all_gather_object(rng_state())
         dist_utils.on_main(lambda: self._write_files(is_best), self.dist.is_main)
 
     def _write_files(self, is_best: bool) -> None:
