@@ -5,6 +5,7 @@ imported."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -165,3 +166,19 @@ def test_collectives_have_one_home() -> None:
                 if owner in ("dist", "torch.distributed"):
                     callers.add(name)
     assert callers == {"mlcls.distributed"}
+
+
+def test_every_test_the_package_cites_exists() -> None:
+    """A ``test_*`` cited in the package's text (in double backquotes) is a test function or module of
+    tests/ (old: data/shards/loader.py cited ``test_data_shard_loader``, which never existed)."""
+    tests_dir = Path(__file__).parent
+    defined = {path.stem for path in tests_dir.glob("test_*.py")}
+    for path in tests_dir.glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        defined |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    cited = {
+        name
+        for path in module_files(PACKAGE_DIR).values()
+        for name in re.findall(r"``(test_\w+)``", path.read_text())
+    }
+    assert cited - defined == set()
