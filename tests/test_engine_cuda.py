@@ -79,11 +79,11 @@ def _free_port() -> int:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a NCCL group needs CUDA")
 def test_a_single_process_nccl_group_evaluates_as_without_a_group(tmp_path):
     trainer = _trainer(tmp_path, "trainer.amp=none")
-    alone = trainer.evaluate()
+    alone = trainer.measure()
     address = f"tcp://127.0.0.1:{_free_port()}"
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=address, rank=0, world_size=1)
     try:
-        grouped = trainer.evaluate()
+        grouped = trainer.measure()
         total = collectives.all_reduce_sum(torch.arange(3.0, device="cuda"))
         gathered = collectives.all_gather_object({"rank": 0})
     finally:

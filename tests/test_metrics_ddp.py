@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from mlcls.data.loader import build_eval_loader
 from mlcls.distributed import gather_rank_parts
-from mlcls.engine.evaluate import calibrate_on_main, evaluate_model
+from mlcls.engine.evaluate import calibrate_on_main, evaluate
 from mlcls.metrics import compute_metrics
 
 WORLD = 2
@@ -61,11 +61,11 @@ def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
         loader = build_eval_loader(one_sample, 4, 0, rank, WORLD, torch.device("cpu"))
         torch.manual_seed(0)
         model = torch.nn.Linear(3, len(CLASS_NAMES))
-        evaluation = evaluate_model(model, loader, torch.device("cpu"), CLASS_NAMES)
+        evaluation = evaluate(model, loader, torch.device("cpu"), CLASS_NAMES)
         # the trainer's evaluation of the whole set: a model whose outputs are the logits of its samples
         whole = torch.utils.data.TensorDataset(torch.arange(SIZE), labels)
         loader = build_eval_loader(whole, 64, 0, rank, WORLD, torch.device("cpu"))
-        full = evaluate_model(LookUp(logits), loader, torch.device("cpu"), CLASS_NAMES)
+        full = evaluate(LookUp(logits), loader, torch.device("cpu"), CLASS_NAMES)
         on_rank0 = gather_rank_parts(logits[rank::WORLD], SIZE, dst=0)
         padded = list(range(SIZE)) + [0]  # DistributedSampler pads to a multiple of the world size
         try:
@@ -98,7 +98,7 @@ def test_two_gloo_processes_give_the_single_process_figures(tmp_path: Path) -> N
     expected = compute_metrics(logits.float(), labels, CLASS_NAMES, voc11=True)
     loader = build_eval_loader(torch.utils.data.TensorDataset(torch.arange(SIZE), labels), 64, 0, 0, 1,
                                torch.device("cpu"))  # fmt: skip
-    alone = evaluate_model(LookUp(logits), loader, torch.device("cpu"), CLASS_NAMES)
+    alone = evaluate(LookUp(logits), loader, torch.device("cpu"), CLASS_NAMES)
     alone_thresholds = calibrate_on_main(alone, CLASS_NAMES)
     assert alone.labels.dtype == torch.int8 and torch.equal(alone.labels, labels.to(torch.int8))
     assert expected["classes_counted"] == len(CLASS_NAMES) - 1

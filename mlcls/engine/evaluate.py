@@ -40,7 +40,7 @@ def predict(
     channels_last: bool = False,
     max_batches: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (float32) and targets (int8: 1, 0, -1) of this process's shard on the CPU, in shard order.
+    """Logits (float32) and targets (int8: 1, 0, -1) of this process's rank part on the CPU, in its order.
 
     Targets travel as int8 (every dataset checks its labels when it is built): at Open Images' 41,620 x
     9,605 validation labels the all-gather then moves 0.4 GB instead of 1.6 GB through each GPU."""
@@ -94,7 +94,7 @@ def predict_training_set(
     rank, concatenated in rank order on the device: identical on every rank.
 
     ``model`` runs in eval mode without gradients, under ``amp``'s autocast as in evaluation, with rank 0's
-    buffers (as :func:`evaluate_model`). Every rank holds n = steps x global batch rows at the end (what
+    buffers (as :func:`evaluate`). Every rank holds n = steps x global batch rows at the end (what
     an APL step reads, :meth:`mlcls.losses.EntropyMaximisationLoss.pseudo_label`).
     """
     collectives.broadcast_buffers(model)
@@ -114,7 +114,7 @@ def predict_training_set(
     return indices, probabilities, targets
 
 
-def evaluate_model(
+def evaluate(
     model: nn.Module,
     loader: DataLoader,
     device: torch.device,
@@ -122,27 +122,27 @@ def evaluate_model(
     amp: str = "none",
     channels_last: bool = False,
 ) -> Evaluation:
-    """``model`` on the whole dataset behind ``loader`` (ShardSampler shards), each sample scored once.
+    """``model`` on the whole dataset behind ``loader`` (ShardSampler's rank parts), each sample scored once.
 
-    The shards are gathered on rank 0, which alone computes the metrics and broadcasts them: every rank
+    The rank parts are gathered on rank 0, which alone computes the metrics and broadcasts them: every rank
     gets the same figures, and only rank 0 holds the whole set (labels in int8, 0.4 GB instead of 1.6 GB
     at Open Images' 41,620 x 9,605 validation labels).
 
     Under DDP each process's BatchNorm running statistics drift from rank 0's during an epoch (DDP
     broadcasts them only at the next forward), so rank 0's buffers, the ones checkpointed, are broadcast
-    first: every shard is scored by exactly the saved model. A rank that fails on its shard (an unreadable
+    first: every part is scored by exactly the saved model. A rank that fails on its part (an unreadable
     image) ends every rank with its error instead of leaving them waiting in the gather.
     """
     collectives.broadcast_buffers(model)
     with dist_utils.all_or_none():
         scores, labels = predict(model, loader, device, amp, channels_last)
-    return evaluate_outputs(scores, labels, len(loader.dataset), classes)
+    return measure_rank_parts(scores, labels, len(loader.dataset), classes)
 
 
-def evaluate_outputs(
+def measure_rank_parts(
     scores: torch.Tensor, labels: torch.Tensor, total: int, classes: list[str]
 ) -> Evaluation:
-    """The rest of :func:`evaluate_model` after :func:`predict`: this rank's shard of ``total`` samples --
+    """The rest of :func:`evaluate` after :func:`predict`: this rank's part of ``total`` samples --
     logits (n_r, C) and int8 labels (n_r, C), rows ``rank::world`` -- gathered on rank 0, whose metrics
     every rank returns (NaN scores: :func:`check_model_scores`'s one-line error on every rank)."""
     scores = collectives.gather_rank_parts(scores, total, dst=0)
