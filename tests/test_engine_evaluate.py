@@ -31,7 +31,7 @@ def fake_trainer(raw: Evaluation, ema: Evaluation | None, best: dict | None) -> 
     state = TrainState(best=best)
     ema_weights = None if ema is None else SimpleNamespace(module="ema weights")
     return SimpleNamespace(
-        evaluate=lambda model=None, loader=None: raw if model in (None, "raw weights") else ema,
+        measure=lambda model=None, loader=None: raw if model in (None, "raw weights") else ema,
         model="raw weights",
         data=SimpleNamespace(holdout_loader=None),
         ema=ema_weights,
