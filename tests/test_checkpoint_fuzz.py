@@ -250,7 +250,7 @@ def fuzz(checkpoint: Path, images: Path, work: Path, seeds: range) -> dict[str, 
     from hydra import compose, initialize_config_dir
 
     from mlcls import config_dir
-    from mlcls.cli.eval import evaluate_checkpoint
+    from mlcls.cli.eval import checkpoint_metrics
     from mlcls.cli.predict import run as predict_run
 
     server = CountingServer()
@@ -261,7 +261,7 @@ def fuzz(checkpoint: Path, images: Path, work: Path, seeds: range) -> dict[str, 
     path = work / "mutated.pt"
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         commands = [
-            (evaluate_checkpoint, compose("eval", [f"checkpoint={path}", "device=cpu", "workers=0"])),
+            (checkpoint_metrics, compose("eval", [f"checkpoint={path}", "device=cpu", "workers=0"])),
             (
                 predict_run,
                 compose(

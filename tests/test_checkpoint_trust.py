@@ -23,7 +23,7 @@ from test_checkpoint_fuzz import CountingServer, stored_shards_config
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.errors import error_line
-from mlcls.cli.eval import evaluate_checkpoint
+from mlcls.cli.eval import checkpoint_metrics
 from mlcls.cli.predict import run as predict_run
 from mlcls.cli.train import run as train_run
 from mlcls.data import DatasetConfigError, DatasetFormatError, DatasetLayoutError
@@ -101,7 +101,7 @@ def test_a_pickle_that_runs_code_is_refused_everywhere_with_one_line(tmp_path, t
     eval_cfg = compose_config([f"checkpoint={evil}", "device=cpu"], config_name="eval")
     for attempt in (
         lambda: predict_run(predict_cfg),
-        lambda: evaluate_checkpoint(eval_cfg),
+        lambda: checkpoint_metrics(eval_cfg),
         lambda: export_checkpoint(evil, "torchscript", tmp_path / "out.pt"),
     ):
         with pytest.raises(UntrustedCheckpointError, match="evil.pt holds a"):
@@ -157,14 +157,14 @@ def test_a_dataset_target_from_a_file_is_not_called_by_eval(tmp_path, trained):
     path = _checkpoint_with_config(tmp_path / "target.pt", trained, "dataset", hostile)
     cfg = compose_config([f"checkpoint={path}", "device=cpu"], config_name="eval")
     with pytest.raises(ConfigError, match="dataset._target_='test_checkpoint_trust.write_marker'"):
-        evaluate_checkpoint(cfg)
+        checkpoint_metrics(cfg)
     assert not marker.exists()
 
     nested = {**stored, "transform": {"_target_": "test_checkpoint_trust.write_marker", "path": str(marker)}}
     path = _checkpoint_with_config(tmp_path / "nested.pt", trained, "dataset", nested)
     cfg = compose_config([f"checkpoint={path}", "device=cpu"], config_name="eval")
     with pytest.raises(ConfigError, match=r"dataset.transform._target_ is set"):
-        evaluate_checkpoint(cfg)
+        checkpoint_metrics(cfg)
     assert not marker.exists()
 
 
@@ -189,9 +189,7 @@ def test_an_old_checkpoint_is_refused_then_resaved_as_plain_data(tmp_path, train
 # ----------------------------------------------------------------------------------- shard sources (issue 28)
 def _eval_with_dataset(tmp_path: Path, trained: Path, dataset: dict, *argv: str) -> Any:
     path = _checkpoint_with_config(tmp_path / "shards.pt", trained, "dataset", dataset)
-    return evaluate_checkpoint(
-        compose_config([f"checkpoint={path}", "device=cpu", *argv], config_name="eval")
-    )
+    return checkpoint_metrics(compose_config([f"checkpoint={path}", "device=cpu", *argv], config_name="eval"))
 
 
 @pytest.fixture()

@@ -414,7 +414,7 @@ def test_shards_train_on_two_processes_and_evaluate_alike_on_one(pack: str, tmp_
 
     from omegaconf import OmegaConf
 
-    from mlcls.cli.eval import evaluate_checkpoint
+    from mlcls.cli.eval import checkpoint_metrics
 
     fixture, urls, _, val_size = PACKS[pack]
     packed = request.getfixturevalue(fixture)
@@ -434,7 +434,7 @@ def test_shards_train_on_two_processes_and_evaluate_alike_on_one(pack: str, tmp_
         },
     )
     cfg.pop("defaults"), cfg.pop("hydra")
-    single = evaluate_checkpoint(cfg)
+    single = checkpoint_metrics(cfg)
     assert single["num_samples"] == val_size
     assert single["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"], abs=1e-6)
     assert single["mAP_sample"] == pytest.approx(results["metrics"]["mAP_sample"], abs=1e-6)
@@ -467,7 +467,7 @@ def fixed_model(classes: int) -> torch.nn.Module:
 
 def evaluate_shards(packed: Path, urls: str, rank: int, world: int) -> dict:
     from mlcls.data import build_dataset
-    from mlcls.engine.evaluate import evaluate_model
+    from mlcls.engine.evaluate import evaluate
 
     cfg = {
         "_target_": "mlcls.data.shards.datasets.open_shards",
@@ -477,9 +477,7 @@ def evaluate_shards(packed: Path, urls: str, rank: int, world: int) -> dict:
     }
     val_set = build_dataset(cfg, train=False)
     loader = build_eval_loader(val_set, 4, 1, rank, world, torch.device("cpu"))
-    evaluation = evaluate_model(
-        fixed_model(len(val_set.classes)), loader, torch.device("cpu"), val_set.classes
-    )
+    evaluation = evaluate(fixed_model(len(val_set.classes)), loader, torch.device("cpu"), val_set.classes)
     return {"metrics": evaluation.metrics, "scores": evaluation.scores, "labels": evaluation.labels}
 
 

@@ -132,7 +132,7 @@ def _failures(rank: int, out: Path) -> dict:
         evaluate_module.predict = broken
     start = time.perf_counter()
     try:
-        trainer.evaluate()
+        trainer.measure()
         observed["evaluate"] = "returned"
     except Exception as exc:  # noqa: BLE001
         observed["evaluate"] = f"{type(exc).__name__}: {exc}"

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from conftest import TINY, compose_config
 
-from mlcls.engine import distributed as dist_utils
+from mlcls import distributed as collectives
 from mlcls.engine.trainer import Trainer
 
 
@@ -79,13 +79,13 @@ def _free_port() -> int:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a NCCL group needs CUDA")
 def test_a_single_process_nccl_group_evaluates_as_without_a_group(tmp_path):
     trainer = _trainer(tmp_path, "trainer.amp=none")
-    alone = trainer.evaluate()
+    alone = trainer.measure()
     address = f"tcp://127.0.0.1:{_free_port()}"
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=address, rank=0, world_size=1)
     try:
-        grouped = trainer.evaluate()
-        total = dist_utils.all_reduce_sum(torch.arange(3.0, device="cuda"))
-        gathered = dist_utils.all_gather_object({"rank": 0})
+        grouped = trainer.measure()
+        total = collectives.all_reduce_sum(torch.arange(3.0, device="cuda"))
+        gathered = collectives.all_gather_object({"rank": 0})
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(grouped.scores, alone.scores, rtol=1e-3, atol=1e-3)

@@ -27,11 +27,11 @@ def evaluation(seed: int) -> Evaluation:
 
 
 def fake_trainer(raw: Evaluation, ema: Evaluation | None, best: dict | None) -> SimpleNamespace:
-    """What :meth:`Trainer.evaluate_and_select` reads of a trainer, with evaluations given in advance."""
+    """What :meth:`Trainer.select_best` reads of a trainer, with evaluations given in advance."""
     state = TrainState(best=best)
     ema_weights = None if ema is None else SimpleNamespace(module="ema weights")
     return SimpleNamespace(
-        evaluate=lambda model=None, loader=None: raw if model in (None, "raw weights") else ema,
+        measure=lambda model=None, loader=None: raw if model in (None, "raw weights") else ema,
         model="raw weights",
         data=SimpleNamespace(holdout_loader=None),
         ema=ema_weights,
@@ -70,7 +70,7 @@ def test_raw_weights_new_best_are_calibrated_once(calibrated, with_ema: bool) ->
         ema = evaluation(1)
         ema.metrics["mAP_class"] = raw.metrics["mAP_class"] - 1
     trainer = fake_trainer(raw, ema, best=None)
-    assert Trainer.evaluate_and_select(trainer, 1)
+    assert Trainer.select_best(trainer, 1)
     assert [scores is raw.scores for scores in calibrated] == [True]
     assert torch.equal(trainer.best_thresholds, best_of(raw))
     assert trainer.state.thresholds is trainer.best_thresholds
@@ -81,7 +81,7 @@ def test_ema_new_best_calibrates_both_sets_of_weights(calibrated) -> None:
     raw, ema = evaluation(0), evaluation(1)
     ema.metrics["mAP_class"] = raw.metrics["mAP_class"] + 1
     trainer = fake_trainer(raw, ema, best=None)
-    assert Trainer.evaluate_and_select(trainer, 1)
+    assert Trainer.select_best(trainer, 1)
     assert [scores is raw.scores for scores in calibrated] == [True, False]
     assert torch.equal(trainer.state.thresholds, best_of(raw))
     assert torch.equal(trainer.best_thresholds, best_of(ema))
@@ -91,6 +91,6 @@ def test_ema_new_best_calibrates_both_sets_of_weights(calibrated) -> None:
 def test_no_new_best_calibrates_the_raw_weights_only(calibrated) -> None:
     raw = evaluation(0)
     trainer = fake_trainer(raw, None, best={"mAP_class": 101.0})
-    assert not Trainer.evaluate_and_select(trainer, 2)
+    assert not Trainer.select_best(trainer, 2)
     assert len(calibrated) == 1 and trainer.best_thresholds is None
     assert torch.equal(trainer.state.thresholds, best_of(raw))

@@ -111,9 +111,9 @@ def test_the_held_out_view_reads_with_the_evaluation_transform() -> None:
 
 
 def scripted_evaluation(val: list[float], held: list[float], calls: list[tuple[str, int]]):
-    """evaluate_model with its mAP@class replaced by ``val[e]`` / ``held[e]`` at the e-th evaluation of
+    """evaluate with its mAP@class replaced by ``val[e]`` / ``held[e]`` at the e-th evaluation of
     the validation / held-out set (the rows evaluated recorded in ``calls``)."""
-    real = trainer_module.evaluate_model
+    real = trainer_module.evaluate
 
     def evaluate(model, loader, *args, **kwargs):
         evaluation = real(model, loader, *args, **kwargs)
@@ -129,9 +129,7 @@ def scripted_evaluation(val: list[float], held: list[float], calls: list[tuple[s
 def test_the_held_out_split_selects_the_epoch(tmp_path, monkeypatch) -> None:
     calls: list[tuple[str, int]] = []
     # the validation split would pick epoch 3, the held-out split picks epoch 2
-    monkeypatch.setattr(
-        trainer_module, "evaluate_model", scripted_evaluation([10, 20, 30], [50, 60, 40], calls)
-    )
+    monkeypatch.setattr(trainer_module, "evaluate", scripted_evaluation([10, 20, 30], [50, 60, 40], calls))
     cfg = compose_config(
         [*TINY, "trainer.epochs=3", "dataset.holdout_fraction=0.25", f"trainer.output_dir={tmp_path}"]
     )
@@ -178,14 +176,14 @@ def test_thresholds_are_calibrated_on_the_held_out_split_when_its_labels_are_the
 ) -> None:
     """The deployed thresholds are not fitted on the split the run reports when a held-out split with the
     dataset's own labels exists; with observed labels only (few known negatives) they stay on validation."""
-    real, seen = trainer_module.evaluate_model, {}
+    real, seen = trainer_module.evaluate, {}
 
     def evaluate(model, loader, *args, **kwargs):
         evaluation = real(model, loader, *args, **kwargs)
         seen["holdout" if isinstance(loader.dataset, SplitRows) else "validation"] = evaluation
         return evaluation
 
-    monkeypatch.setattr(trainer_module, "evaluate_model", evaluate)
+    monkeypatch.setattr(trainer_module, "evaluate", evaluate)
     cfg = compose_config([*TINY, "trainer.epochs=1", *overrides, f"trainer.output_dir={tmp_path}"])
     Trainer(cfg).fit()
     assert sorted(seen) == (["holdout", "validation"] if overrides else ["validation"])

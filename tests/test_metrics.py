@@ -14,11 +14,11 @@ import pytest
 import torch
 from sklearn.metrics import average_precision_score, precision_score, recall_score
 
+from mlcls.distributed import communication_device, gather_rank_parts
 from mlcls.metrics import ap as ap_module
 from mlcls.metrics import (
     average_precision,
     compute_metrics,
-    gather_shards,
     map_class,
     map_sample,
     precision_recall_f1,
@@ -353,15 +353,15 @@ def test_ap_and_f1_take_their_checks_from_one_module_and_not_from_each_other() -
 # --- collection in a single process (the 2-process case is in test_metrics_ddp.py) ---------------------
 
 
-def test_gather_shards_single_process_converts_to_float32() -> None:
+def test_gather_rank_parts_single_process_converts_to_float32() -> None:
     logits = torch.randn(5, 3).to(torch.bfloat16)
-    gathered = gather_shards(logits, 5)
+    gathered = gather_rank_parts(logits, 5)
     assert gathered.dtype == torch.float32 and gathered.device.type == "cpu"
     assert torch.equal(gathered, logits.float())
     labels = torch.tensor([[1, 0, -1]] * 5)
-    assert torch.equal(gather_shards(labels, 5), labels)
+    assert torch.equal(gather_rank_parts(labels, 5), labels)
     with pytest.raises(ValueError, match="6 rows but total=5"):
-        gather_shards(torch.zeros(6, 3), 5)
+        gather_rank_parts(torch.zeros(6, 3), 5)
 
 
 @pytest.mark.parametrize(
@@ -370,8 +370,6 @@ def test_gather_shards_single_process_converts_to_float32() -> None:
 )
 def test_gather_communicates_on_cuda_where_the_group_has_nccl_for_it(backend, device, monkeypatch) -> None:
     """The trainer's CUDA group is "cpu:gloo,cuda:nccl": its scores must cross over NCCL, not gloo/TCP."""
-    from mlcls.metrics.gather import communication_device
-
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     expected = torch.device("cuda", 3) if device == "cuda" else torch.device("cpu")
     assert communication_device(backend) == expected

@@ -12,8 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mlcls.data.loader import build_eval_loader
-from mlcls.engine.evaluate import calibrate_on_main, evaluate_model
-from mlcls.metrics import compute_metrics, gather_shards
+from mlcls.distributed import gather_rank_parts
+from mlcls.engine.evaluate import calibrate_on_main, evaluate
+from mlcls.metrics import compute_metrics
 
 WORLD = 2
 SIZE = 1001  # odd: shards of 501 and 500 rows
@@ -50,25 +51,25 @@ def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
     )  # fmt: skip
     try:
         logits, labels = make_dataset()
-        scores = gather_shards(logits[rank::WORLD], SIZE)  # the rows ShardSampler gives this rank
-        targets = gather_shards(labels[rank::WORLD], SIZE)
+        scores = gather_rank_parts(logits[rank::WORLD], SIZE)  # the rows ShardSampler gives this rank
+        targets = gather_rank_parts(labels[rank::WORLD], SIZE)
         metrics = compute_metrics(scores, targets, CLASS_NAMES, voc11=True)
         # a set smaller than the world: rank 1 has no row, and predict() returns torch.empty(0) for it
-        one_row = gather_shards(logits[:1] if rank == 0 else torch.empty(0), 1)
+        one_row = gather_rank_parts(logits[:1] if rank == 0 else torch.empty(0), 1)
         # the same through the trainer's evaluation: rank 1 scores nothing, its empty labels are int8 too
         one_sample = torch.utils.data.TensorDataset(torch.ones(1, 3), labels[:1].float())
         loader = build_eval_loader(one_sample, 4, 0, rank, WORLD, torch.device("cpu"))
         torch.manual_seed(0)
         model = torch.nn.Linear(3, len(CLASS_NAMES))
-        evaluation = evaluate_model(model, loader, torch.device("cpu"), CLASS_NAMES)
+        evaluation = evaluate(model, loader, torch.device("cpu"), CLASS_NAMES)
         # the trainer's evaluation of the whole set: a model whose outputs are the logits of its samples
         whole = torch.utils.data.TensorDataset(torch.arange(SIZE), labels)
         loader = build_eval_loader(whole, 64, 0, rank, WORLD, torch.device("cpu"))
-        full = evaluate_model(LookUp(logits), loader, torch.device("cpu"), CLASS_NAMES)
-        on_rank0 = gather_shards(logits[rank::WORLD], SIZE, dst=0)
+        full = evaluate(LookUp(logits), loader, torch.device("cpu"), CLASS_NAMES)
+        on_rank0 = gather_rank_parts(logits[rank::WORLD], SIZE, dst=0)
         padded = list(range(SIZE)) + [0]  # DistributedSampler pads to a multiple of the world size
         try:
-            gather_shards(logits[padded[rank::WORLD]], SIZE)
+            gather_rank_parts(logits[padded[rank::WORLD]], SIZE)
             refused = ""
         except ValueError as error:
             refused = str(error)
@@ -97,7 +98,7 @@ def test_two_gloo_processes_give_the_single_process_figures(tmp_path: Path) -> N
     expected = compute_metrics(logits.float(), labels, CLASS_NAMES, voc11=True)
     loader = build_eval_loader(torch.utils.data.TensorDataset(torch.arange(SIZE), labels), 64, 0, 0, 1,
                                torch.device("cpu"))  # fmt: skip
-    alone = evaluate_model(LookUp(logits), loader, torch.device("cpu"), CLASS_NAMES)
+    alone = evaluate(LookUp(logits), loader, torch.device("cpu"), CLASS_NAMES)
     alone_thresholds = calibrate_on_main(alone, CLASS_NAMES)
     assert alone.labels.dtype == torch.int8 and torch.equal(alone.labels, labels.to(torch.int8))
     assert expected["classes_counted"] == len(CLASS_NAMES) - 1
@@ -121,4 +122,4 @@ def test_two_gloo_processes_give_the_single_process_figures(tmp_path: Path) -> N
             assert torch.equal(full["scores"], logits.float()) and torch.equal(full["labels"], alone.labels)
         else:
             assert full["scores"] is None and full["labels"] is None
-        assert "shard lengths [501, 501]" in result["refused"]
+        assert "part lengths [501, 501]" in result["refused"]

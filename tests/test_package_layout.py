@@ -5,6 +5,7 @@ imported."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -128,3 +129,56 @@ def test_no_two_packages_import_each_other() -> None:
     folded = package_graph(graph)
     assert folded["cli"] >= {"engine", "data"} and "cli" not in folded["engine"]  # read at all
     assert import_cycle(folded) == []
+
+
+# Concerns that once had several homes (issue 36): each name is defined once in the whole package.
+ONE_HOME = (
+    "gpu_hours",
+    "run_gpu_hours",
+    "sweep_gpu_hours",
+    "protocol_deviations",
+    "flatten_config",
+    "is_main",
+)
+
+
+def test_each_concern_is_defined_once() -> None:
+    defined = Counter(
+        node.name
+        for path in module_files(PACKAGE_DIR).values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    )
+    assert {name: defined[name] for name in ONE_HOME} == dict.fromkeys(ONE_HOME, 1)
+
+
+# torch.distributed's collectives: called from mlcls/distributed.py only (plus the process group's set-up).
+COLLECTIVES = {"all_gather", "all_gather_object", "all_reduce", "broadcast", "broadcast_object_list"}
+COLLECTIVES |= {"gather", "barrier", "reduce_scatter", "all_to_all", "scatter"}
+
+
+def test_collectives_have_one_home() -> None:
+    callers = set()
+    for name, path in module_files(PACKAGE_DIR).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
+                owner = ast.unparse(node.value)
+                if owner in ("dist", "torch.distributed"):
+                    callers.add(name)
+    assert callers == {"mlcls.distributed"}
+
+
+def test_every_test_the_package_cites_exists() -> None:
+    """A ``test_*`` cited in the package's text (in double backquotes) is a test function or module of
+    tests/ (old: data/shards/loader.py cited ``test_data_shard_loader``, which never existed)."""
+    tests_dir = Path(__file__).parent
+    defined = {path.stem for path in tests_dir.glob("test_*.py")}
+    for path in tests_dir.glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        defined |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    cited = {
+        name
+        for path in module_files(PACKAGE_DIR).values()
+        for name in re.findall(r"``(test_\w+)``", path.read_text())
+    }
+    assert cited - defined == set()

@@ -20,6 +20,7 @@ from mlcls.reporting.sweeps import (
     SMOKE_STAND_INS,
     dataset_root,
     expand,
+    gpu_hours,
     job_values,
     run_gpu_hours,
     sweep_gpu_hours,
@@ -72,7 +73,7 @@ def test_paper_preset_is_the_protocol_of_section_4_1():
         "nesterov": True,
     }
     assert cfg.sched._target_ == "mlcls.engine.optim.cosine_schedule"
-    assert cfg.sched.warmup_iters == 0 and cfg.sched.min_lr_ratio == 0.0
+    assert cfg.sched.warmup_epochs == 0 and cfg.sched.min_lr_ratio == 0.0
     assert (cfg.trainer.epochs, cfg.trainer.batch_size, cfg.trainer.amp) == (40, 512, "fp16")
     assert (cfg.dataset.transform, cfg.dataset.image_size) == ("paper", 224)
     # The preset also overrides what the synthetic dataset config sets for itself (AdamW, 8 epochs).
@@ -198,6 +199,17 @@ def test_gpu_hours_follow_the_stated_cost_model():
     assert run_gpu_hours("coco", "resnet50", "v100") == pytest.approx(coco)
     assert run_gpu_hours("coco", "regnety_320", "v100") == pytest.approx(7 * coco)
     assert sweep_gpu_hours(table_sweeps("table1")) == pytest.approx(20 * coco)
+
+
+def test_one_cost_formula_with_the_protocol_as_parameters():
+    # An hour of V100 training is 1,200 x 3,600 images, of evaluation 3 times as many; a100 trains 2,600/s.
+    assert gpu_hours(1200 * 3600, 0) == pytest.approx(1.0)
+    assert gpu_hours(0, 3 * 1200 * 3600, "v100", cost=4.0) == pytest.approx(4.0)
+    assert gpu_hours(2600 * 3600, 3 * 2600 * 3600, "a100") == pytest.approx(2.0)
+    # A sweep's jobs are costed by the function it is given (a benchmark with its own protocol).
+    seen = []
+    assert sweep_gpu_hours(table_sweeps("table1"), "a100", lambda job, gpu: seen.append(gpu) or 0.5) == 10.0
+    assert seen == ["a100"] * 20
 
 
 def test_unknown_table():

@@ -18,7 +18,7 @@ from mlcls.cli import tables as tables_cli
 from mlcls.losses.spec import effective_bucket_size
 from mlcls.reporting.paper import ReportError, load_paper
 from mlcls.reporting.render import render_csv, render_markdown
-from mlcls.reporting.runs import built_name, collect_runs, protocol_deviations
+from mlcls.reporting.runs import built_name, collect_runs, paper_deviations
 from mlcls.reporting.table_specs import HARD_MIN_TP, fill_table, table_spec, unplaced_runs
 
 SHARED_TABLES = Path("/work/shared/paper/tables.yaml")
@@ -293,7 +293,7 @@ def with_groups(config: dict, optim_target: str, sched_target: str) -> dict:
 
 
 def deviations(config: dict) -> list[str]:
-    return protocol_deviations(config, {"epochs_completed": 40, "dataset": COCO_SIZES})
+    return paper_deviations(config, {"epochs_completed": 40, "dataset": COCO_SIZES})
 
 
 @pytest.mark.parametrize(
@@ -425,15 +425,18 @@ def test_amp_auto_off_cuda_is_no_mixed_precision(twoway_coco, amp, device, devia
     results = {"epochs_completed": 40, "dataset": COCO_SIZES}
     if device is not None:
         results["provenance"] = {"device": {"type": device}}
-    assert ("no mixed precision (paper AMP)" in protocol_deviations(config, results)) == deviates
+    assert ("no mixed precision (paper AMP)" in paper_deviations(config, results)) == deviates
 
 
-def test_a_warm_up_in_epochs_is_read_where_warmup_iters_is_null():
-    """The per-head default leaves ``sched.warmup_iters`` null and counts the warm-up in epochs: a linear
+def test_a_warm_up_left_to_the_head_is_read_from_the_head():
+    """``sched.warmup_epochs`` null takes the head's own warm-up (``model.head.warmup_epochs``): a linear
     head's 0 epochs follows the paper's no warm-up, ML-Decoder's 1 epoch does not."""
     from mlcls.reporting.runs import _follows
 
-    assert _follows({"sched": {"warmup_iters": None, "warmup_epochs": 0}}, "sched.warmup_iters", 0)[0]
-    follows, shown = _follows({"sched": {"warmup_iters": None, "warmup_epochs": 1}}, "sched.warmup_iters", 0)
-    assert not follows and shown == "null (warmup_epochs=1)"
-    assert not _follows({"sched": {"warmup_iters": 31, "warmup_epochs": 0}}, "sched.warmup_iters", 0)[0]
+    def config(sched: int | None, head: int) -> dict:
+        return {"sched": {"warmup_epochs": sched}, "model": {"head": {"warmup_epochs": head}}}
+
+    assert _follows(config(None, 0), "sched.warmup_epochs", 0)[0]
+    follows, shown = _follows(config(None, 1), "sched.warmup_epochs", 0)
+    assert not follows and shown == "null (model.head.warmup_epochs=1)"
+    assert not _follows(config(2, 0), "sched.warmup_epochs", 0)[0]

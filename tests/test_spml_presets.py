@@ -108,6 +108,17 @@ def test_preset_composes_to_the_released_protocol(method, dataset):
         assert cfg.loss.mode == method[3:]
 
 
+def test_job_gpu_hours_follow_the_benchmark_protocol():
+    # 10 epochs of COCO at 448 px (4 x ResNet-50 at 224 px, 1,200 images/s per V100): 80 % of 82,081 trained,
+    # 40,137 test + 20 % held out evaluated (3 x faster); EM+APL adds a pass over the trained images per
+    # epoch from its warm-up to the last but one.
+    trained, evaluated = 0.8 * 82081, 40137 + 0.2 * 82081
+    plain = 10 * (trained + evaluated / 3) * 4 / 1200 / 3600
+    apl = plain + (10 - APL_WARMUP["coco"]) * trained / 3 * 4 / 1200 / 3600
+    assert spml.job_gpu_hours({"dataset": "coco", "experiment": "spml_an"}) == pytest.approx(plain)
+    assert spml.job_gpu_hours({"dataset": "coco", "experiment": "spml_em_apl"}) == pytest.approx(apl)
+
+
 def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
     argv = ["spml", "--dry-run", "--data-root", "/data", "--sweep-dir", str(tmp_path / "s")]
     assert reproduce.main(argv) == 0

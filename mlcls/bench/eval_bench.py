@@ -1,7 +1,7 @@
 """Benchmark: the trainer's evaluation after the forward passes, on generated Open Images-sized outputs.
 
 ``mlcls-bench eval --n 41620 --c 9605`` generates float32 logits (N, C) and int8 labels (N, C) and runs
-what the trainer runs on them at each evaluation: :func:`evaluate_outputs` (the gather on rank 0 and
+what the trainer runs on them at each evaluation: :func:`measure_rank_parts` (the gather on rank 0 and
 every metric of results.json), :func:`calibrate_on_main` (the per-class thresholds) and the JSON writing
 of the figures. It prints one JSON line: the seconds of each phase and the process's peak resident memory
 (``ru_maxrss``) after generating the inputs and at the end, so the evaluation's own share is visible.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mlcls.engine.checkpoint import write_json
-from mlcls.engine.evaluate import calibrate_on_main, evaluate_outputs
+from mlcls.engine.evaluate import calibrate_on_main, measure_rank_parts
 from mlcls.errors import ConfigError
 
 POSITIVES_PER_ROW = 5
@@ -64,7 +64,7 @@ def run(n: int = 41620, c: int = 9605, seed: int = 0) -> dict[str, Any]:
     classes = [f"class_{j}" for j in range(c)]
 
     start = time.perf_counter()
-    evaluation = evaluate_outputs(scores, labels, n, classes)
+    evaluation = measure_rank_parts(scores, labels, n, classes)
     metrics_s = time.perf_counter() - start
     del scores, labels  # the evaluation holds them now, as the trainer's evaluation does
     start = time.perf_counter()

@@ -27,7 +27,7 @@ from mlcls.data.shards.reader import expand_urls, is_local
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.config_checks import resolve_amp
-from mlcls.engine.evaluate import evaluate_model
+from mlcls.engine.evaluate import evaluate
 from mlcls.errors import ConfigError, shown
 from mlcls.inference.predictor import load_inference_model
 from mlcls.io import read_yaml
@@ -163,7 +163,7 @@ def check_shard_sources(dataset_cfg: dict[str, Any], given: set[str]) -> None:
                 )
 
 
-def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
+def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate ``cfg.checkpoint``; every process returns the same figures.
 
     The checkpoint's dataset config is made plain once, without resolving (:func:`stored_plain`), merged
@@ -192,7 +192,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
         )
     loader = build_eval_loader(dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device)
     amp = resolve_amp(cfg.amp, info.device)
-    metrics = evaluate_model(inference.model, loader, info.device, inference.classes, amp).metrics
+    metrics = evaluate(inference.model, loader, info.device, inference.classes, amp).metrics
     metrics["checkpoint"] = str(cfg.checkpoint)
     metrics["num_samples"] = len(dataset)
     return metrics
@@ -202,7 +202,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict[str, Any]:
 def _hydra_main(cfg: DictConfig) -> None:
     with user_errors():
         try:
-            metrics = evaluate_checkpoint(cfg)
+            metrics = checkpoint_metrics(cfg)
         finally:
             dist_utils.cleanup()
     if int(os.environ.get("RANK", "0")) == 0:

@@ -33,8 +33,7 @@ from mlcls.cli.tables import failure, parse_pairs
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import write_table
 from mlcls.reporting.runs import collect_runs
-from mlcls.reporting.spml import SPML_TABLE, collect_spml_runs, fill_spml, spml_sweeps
-from mlcls.reporting.spml import sweep_gpu_hours as spml_gpu_hours
+from mlcls.reporting.spml import SPML_TABLE, collect_spml_runs, fill_spml, job_gpu_hours, spml_sweeps
 from mlcls.reporting.sweeps import (
     SMOKE_STAND_INS,
     TRAIN_IMAGES_PER_S,
@@ -254,10 +253,11 @@ def run_spml(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: Path
         for sweep in spml_sweeps(args.smoke, parse_roots(args.root), args.data_root)
     ]
     runs = sum(len(sweep.runs()) for sweep in sweeps)
-    cost = "" if args.smoke else f", about {spml_gpu_hours(sweeps, args.gpu):.0f} {args.gpu} GPU-hours"
+    hours_of = {} if args.smoke else {s.name: sweep_gpu_hours([s], args.gpu, job_gpu_hours) for s in sweeps}
+    cost = "" if args.smoke else f", about {sum(hours_of.values()):.0f} {args.gpu} GPU-hours"
     print(f"# {SPML_TABLE}: single-positive benchmark; {len(sweeps)} sweep(s), {runs} runs{cost}")
     for sweep in sweeps:
-        hours = "" if args.smoke else f" ({spml_gpu_hours([sweep], args.gpu):.0f} {args.gpu} GPU-hours)"
+        hours = "" if args.smoke else f" ({hours_of[sweep.name]:.0f} {args.gpu} GPU-hours)"
         print(f"# {sweep.name}: {', '.join(job_values(job)['experiment'] for job in sweep.runs())}{hours}")
         print_commands(sweep, args)
     if run_sweeps(sweeps, args):

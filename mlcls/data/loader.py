@@ -33,7 +33,7 @@ class ShardSampler(Sampler[int]):
     """Evaluation sampler: rank ``r`` of ``W`` takes indices ``r, r + W, r + 2W, ...``, without padding.
 
     Unlike ``DistributedSampler`` it never repeats a sample, so shards differ in length by at most one and
-    :func:`mlcls.metrics.gather.gather_shards` restores dataset order exactly.
+    :func:`mlcls.distributed.gather_rank_parts` restores dataset order exactly.
     """
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1) -> None:

@@ -1,4 +1,5 @@
-"""Process-group set-up under torchrun or SLURM, and the few collectives the trainer needs.
+"""Process-group set-up under torchrun or SLURM, and the agreement of every rank on a failure (the
+collectives themselves are :mod:`mlcls.distributed`'s).
 
 The process group has two backends: NCCL for CUDA tensors (gradients, logits) and gloo for CPU tensors
 (control messages: the stop flag, the status of a rank's work, objects). Control messages therefore never
@@ -18,6 +19,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from mlcls.distributed import all_gather_object, initialized
 
 log = logging.getLogger("mlcls")
 
@@ -118,41 +121,6 @@ def init_distributed(device_preference: str = "auto", timeout_s: float | None = 
     elif device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-
-
-def initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Return rank ``src``'s ``obj`` on every rank (identity without a process group)."""
-    if not initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
-    if not initialized():
-        return [obj]
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj)
-    return parts
-
-
-def barrier() -> None:
-    if initialized():
-        dist.barrier()
-
-
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """Sum of ``value`` over ranks (identity without a process group)."""
-    if initialized():
-        value = value.clone()
-        dist.all_reduce(value)
-    return value
 
 
 def agree(error: BaseException | None) -> None:

@@ -14,10 +14,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from mlcls import distributed as collectives
 from mlcls.engine import distributed as dist_utils
-from mlcls.losses.common import all_gather_rows
 from mlcls.metrics import compute_metrics
-from mlcls.metrics.gather import gather_shards
 from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores
 
 T = TypeVar("T")
@@ -41,7 +40,7 @@ def predict(
     channels_last: bool = False,
     max_batches: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (float32) and targets (int8: 1, 0, -1) of this process's shard on the CPU, in shard order.
+    """Logits (float32) and targets (int8: 1, 0, -1) of this process's rank part on the CPU, in its order.
 
     Targets travel as int8 (every dataset checks its labels when it is built): at Open Images' 41,620 x
     9,605 validation labels the all-gather then moves 0.4 GB instead of 1.6 GB through each GPU."""
@@ -79,21 +78,10 @@ def headline(metrics: dict[str, Any]) -> dict[str, float]:
     return {key: metrics[key] for key in ("mAP_class", "mAP_sample")}
 
 
-def is_main_process() -> bool:
-    return not dist_utils.initialized() or torch.distributed.get_rank() == 0
-
-
 def on_main_for_all(work: Callable[[], T]) -> T:
     """``work()`` on rank 0, its result broadcast to every rank (a small object: metrics, thresholds); if
     it raises, every rank raises."""
-    return dist_utils.broadcast_object(dist_utils.on_main(work, is_main_process()))
-
-
-def broadcast_buffers(model: nn.Module) -> None:
-    """Under DDP, rank 0's buffers (BatchNorm running statistics) on every rank; a no-op otherwise."""
-    if dist_utils.initialized():
-        for buffer in model.buffers():
-            torch.distributed.broadcast(buffer, src=0)
+    return collectives.broadcast_object(dist_utils.on_main(work, collectives.rank() == 0))
 
 
 @torch.no_grad()
@@ -106,10 +94,10 @@ def predict_training_set(
     rank, concatenated in rank order on the device: identical on every rank.
 
     ``model`` runs in eval mode without gradients, under ``amp``'s autocast as in evaluation, with rank 0's
-    buffers (as :func:`evaluate_model`). Every rank holds n = steps x global batch rows at the end (what
+    buffers (as :func:`evaluate`). Every rank holds n = steps x global batch rows at the end (what
     an APL step reads, :meth:`mlcls.losses.EntropyMaximisationLoss.pseudo_label`).
     """
-    broadcast_buffers(model)
+    collectives.broadcast_buffers(model)
     model.eval()
     columns: list[list[torch.Tensor]] = [[], [], []]
     with dist_utils.all_or_none():
@@ -121,12 +109,12 @@ def predict_training_set(
             ):
                 column.append(part)
     indices, probabilities, targets = (torch.cat(column) for column in columns)
-    if dist_utils.initialized():
-        indices, probabilities, targets = map(all_gather_rows, (indices, probabilities, targets))
+    if collectives.initialized():
+        indices, probabilities, targets = map(collectives.all_gather_rows, (indices, probabilities, targets))
     return indices, probabilities, targets
 
 
-def evaluate_model(
+def evaluate(
     model: nn.Module,
     loader: DataLoader,
     device: torch.device,
@@ -134,31 +122,31 @@ def evaluate_model(
     amp: str = "none",
     channels_last: bool = False,
 ) -> Evaluation:
-    """``model`` on the whole dataset behind ``loader`` (ShardSampler shards), each sample scored once.
+    """``model`` on the whole dataset behind ``loader`` (ShardSampler's rank parts), each sample scored once.
 
-    The shards are gathered on rank 0, which alone computes the metrics and broadcasts them: every rank
+    The rank parts are gathered on rank 0, which alone computes the metrics and broadcasts them: every rank
     gets the same figures, and only rank 0 holds the whole set (labels in int8, 0.4 GB instead of 1.6 GB
     at Open Images' 41,620 x 9,605 validation labels).
 
     Under DDP each process's BatchNorm running statistics drift from rank 0's during an epoch (DDP
     broadcasts them only at the next forward), so rank 0's buffers, the ones checkpointed, are broadcast
-    first: every shard is scored by exactly the saved model. A rank that fails on its shard (an unreadable
+    first: every part is scored by exactly the saved model. A rank that fails on its part (an unreadable
     image) ends every rank with its error instead of leaving them waiting in the gather.
     """
-    broadcast_buffers(model)
+    collectives.broadcast_buffers(model)
     with dist_utils.all_or_none():
         scores, labels = predict(model, loader, device, amp, channels_last)
-    return evaluate_outputs(scores, labels, len(loader.dataset), classes)
+    return measure_rank_parts(scores, labels, len(loader.dataset), classes)
 
 
-def evaluate_outputs(
+def measure_rank_parts(
     scores: torch.Tensor, labels: torch.Tensor, total: int, classes: list[str]
 ) -> Evaluation:
-    """The rest of :func:`evaluate_model` after :func:`predict`: this rank's shard of ``total`` samples --
+    """The rest of :func:`evaluate` after :func:`predict`: this rank's part of ``total`` samples --
     logits (n_r, C) and int8 labels (n_r, C), rows ``rank::world`` -- gathered on rank 0, whose metrics
     every rank returns (NaN scores: :func:`check_model_scores`'s one-line error on every rank)."""
-    scores = gather_shards(scores, total, dst=0)
-    labels = gather_shards(labels, total, dst=0)
+    scores = collectives.gather_rank_parts(scores, total, dst=0)
+    labels = collectives.gather_rank_parts(labels, total, dst=0)
     metrics = on_main_for_all(lambda: compute_metrics(check_model_scores(scores), labels, classes))
     return Evaluation(metrics, scores, labels)
 

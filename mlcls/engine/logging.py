@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from mlcls.config_tree import flatten_config
 from mlcls.engine.checkpoint import atomic_write
 from mlcls.engine.distributed import on_main
 from mlcls.errors import ConfigError
@@ -21,19 +22,6 @@ log = logging.getLogger("mlcls")
 # What MlflowRun uploads at the end, relative to the run directory, when it exists.
 MLFLOW_ARTIFACTS = ("plots", "results.json", "config.yaml")
 BEST_CHECKPOINT = "checkpoints/best.pt"
-
-
-def flat_params(cfg: Mapping[str, Any] | DictConfig, prefix: str = "") -> dict[str, str]:
-    """``{"optim.lr_head": "0.002", ...}``: the leaves of a (resolved) config as dotted keys and strings."""
-    if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    flat: dict[str, str] = {}
-    for key, value in cfg.items():
-        if isinstance(value, Mapping):
-            flat.update(flat_params(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = str(value)
-    return flat
 
 
 class MlflowRun:
@@ -63,7 +51,10 @@ class MlflowRun:
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment(logger_cfg.get("experiment") or "mlcls")
         self.run = mlflow.start_run(run_name=logger_cfg.get("run_name") or run_dir.name)
-        mlflow.log_params({k: v[:500] for k, v in flat_params(params).items() if not k.startswith("hydra.")})
+        if isinstance(params, DictConfig):
+            params = OmegaConf.to_container(params, resolve=True)
+        flat = flatten_config(params)
+        mlflow.log_params({k: str(v)[:500] for k, v in flat.items() if not k.startswith("hydra.")})
 
     def metrics(self, values: dict[str, float], step: int) -> None:
         self.mlflow.log_metrics(values, step=step)

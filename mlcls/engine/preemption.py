@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mlcls.distributed import all_reduce_max
+
 log = logging.getLogger("mlcls")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -77,7 +79,7 @@ class StopSignals:
             work.wait()  # started POLL_EVERY steps ago: long done
             stop = bool(flag.item())  # a CPU tensor: no device synchronisation
         flag = torch.tensor([float(self.received is not None)])
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        self._pending = (all_reduce_max(flag, async_op=True), flag)
         return stop
 
     def agree_now(self) -> bool:
@@ -88,7 +90,7 @@ class StopSignals:
         if not self.distributed:
             return self.received is not None
         flag = torch.tensor([float(self.received is not None)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_reduce_max(flag)
         return bool(flag.item())
 
     def hand_over(self) -> None:

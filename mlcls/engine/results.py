@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from mlcls import distributed as collectives
 from mlcls.data.datasets.labels import label_counts
-from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import RunData
 from mlcls.engine.state import TrainState
 from mlcls.errors import plural
@@ -79,7 +79,7 @@ def record_skipped_images(counts: dict[str, Any], datasets: Iterable[Any]) -> No
         if hasattr(dataset, "pop_bad_images"):
             mine.extend(dataset.pop_bad_images())
     skipped = counts["skipped_images"]
-    new = sorted({p for part in dist_utils.all_gather_object(mine) for p in part} - set(skipped))
+    new = sorted({p for part in collectives.all_gather_object(mine) for p in part} - set(skipped))
     if new:
         log.warning("skipped %s, e.g. %s", plural(len(new), "unreadable image"), new[0])
         skipped.extend(new)

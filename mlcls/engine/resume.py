@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from mlcls import distributed as collectives
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import CheckpointError, choose_resume_checkpoint, load_checkpoint
 from mlcls.engine.state import TrainState, set_rng_state
@@ -47,7 +48,7 @@ def resume_run(
     checkpoints = run_dir / "checkpoints"
     trust = bool(cfg.trainer.get("trust_checkpoint", False))
     path = dist_utils.on_main(lambda: choose_resume_checkpoint(resume, checkpoints, trust), rank == 0)
-    path = dist_utils.broadcast_object(path)
+    path = collectives.broadcast_object(path)
     if path is None:
         log.info("trainer.resume=auto: no readable checkpoint in %s, starting from scratch", run_dir)
         return False
@@ -95,7 +96,7 @@ def restore(
         scaler.load_state_dict(checkpoint["scaler"])
     state.load_state_dict(checkpoint)
     state.resumes += 1
-    world_size = torch.distributed.get_world_size() if dist_utils.initialized() else 1
+    world_size = torch.distributed.get_world_size() if collectives.initialized() else 1
     if len(state.rng) != world_size and rank == 0:
         log.warning(
             "%s was written by %d processes and resumes on %d: rank r continues the random streams of rank "

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from mlcls import distributed as collectives
 from mlcls.engine import distributed as dist_utils
 from mlcls.io import (
     CAPS,
@@ -61,7 +62,7 @@ def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: boo
     directory Hydra made that is not the run's is removed again when empty.
     """
     chosen = output_dir or hydra_dir or f"outputs/{datetime.now():%Y-%m-%d/%H-%M-%S}"
-    run_dir = Path(dist_utils.broadcast_object(str(chosen))).absolute()
+    run_dir = Path(collectives.broadcast_object(str(chosen))).absolute()
     if hydra_dir is not None and hydra_dir.absolute() != run_dir:
         discard_if_empty(hydra_dir)
 

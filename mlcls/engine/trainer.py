@@ -4,7 +4,7 @@ A run's calls, top-down in this file::
 
     fit -> train_one_epoch -> train_step          (each step of each epoch)
         -> relabel_training_set                   (after an epoch, for a loss that asks: EM's APL)
-        -> evaluate_and_select -> evaluate        (every trainer.eval_every epochs, and after the last)
+        -> select_best -> measure -> evaluate      (every trainer.eval_every epochs, and after the last)
         -> save -> _write_checkpoint              (after each epoch; mid-epoch on a stop signal)
 
 Files of the run directory::
@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from mlcls.data.loader import DevicePrefetcher
 from mlcls.data.pipeline.fast import AugmentedImage
+from mlcls.distributed import all_gather_object, all_reduce_sum
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import Run, build_run
 from mlcls.engine.checkpoint import save_checkpoint, save_training_checkpoint, write_json
@@ -55,7 +56,7 @@ from mlcls.engine.evaluate import (
     Evaluation,
     autocast_context,
     calibrate_on_main,
-    evaluate_model,
+    evaluate,
     headline,
     predict_training_set,
     thresholds_split,
@@ -146,7 +147,7 @@ class Trainer:
                     self.relabel_training_set(epoch)
                     is_best = False
                     if (epoch + 1) % tcfg.eval_every == 0 or epoch + 1 == tcfg.epochs:
-                        is_best = self.evaluate_and_select(epoch + 1)
+                        is_best = self.select_best(epoch + 1)
                         metrics = self.state.last_metrics
                         record.update(headline(metrics))
                         if "selection" in metrics:
@@ -240,7 +241,7 @@ class Trainer:
             )
         self.state.counts["skipped_steps"] += skipped
         # the mean over the applied steps of every rank (a skipped step's loss is not finite)
-        totals = dist_utils.all_reduce_sum(torch.stack([loss_sum, skipped_steps.to(loss_sum.dtype)])).tolist()
+        totals = all_reduce_sum(torch.stack([loss_sum, skipped_steps.to(loss_sum.dtype)])).tolist()
         applied_steps = self.iters_per_epoch * self.dist.world_size - totals[1]
         mean_loss = totals[0] / applied_steps if applied_steps else float("nan")
         images_per_s = seen * self.dist.world_size / max(elapsed, 1e-9)
@@ -314,14 +315,14 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, model: nn.Module | None = None, loader: Any = None) -> Evaluation:
+    def measure(self, model: nn.Module | None = None, loader: Any = None) -> Evaluation:
         """``model`` (default: the raw weights) on the whole of ``loader``'s set (default: the validation
-        set; see :func:`evaluate_model`)."""
+        set; see :func:`evaluate`)."""
         model = self.model if model is None else model
         loader = self.data.val_loader if loader is None else loader
-        return evaluate_model(model, loader, self.device, self.classes, self.eval_amp, self.channels_last)
+        return evaluate(model, loader, self.device, self.classes, self.eval_amp, self.channels_last)
 
-    def evaluate_and_select(self, epoch: int) -> bool:
+    def select_best(self, epoch: int) -> bool:
         """Evaluate the raw (and EMA) weights on the validation split, and on the held-out split when the
         run has one; log them, update ``best``; True for a new best epoch.
 
@@ -332,11 +333,11 @@ class Trainer:
         set of weights -- the raw ones (last.pt), the best ones for a new best -- on the split
         :func:`thresholds_split` names."""
         weights = {"raw": self.model} | ({} if self.ema is None else {"ema": self.ema.module})
-        evaluations = {name: self.evaluate(model) for name, model in weights.items()}
+        evaluations = {name: self.measure(model) for name, model in weights.items()}
         held_out = self.data.holdout_loader is not None
         selections = {}
         if held_out:
-            selections = {name: self.evaluate(m, self.data.holdout_loader) for name, m in weights.items()}
+            selections = {name: self.measure(m, self.data.holdout_loader) for name, m in weights.items()}
             for name, selection in selections.items():
                 evaluations[name].metrics["selection"] = headline(selection.metrics)
         split = self.thresholds_split
@@ -372,7 +373,7 @@ class Trainer:
     def _checkpoint_mid_epoch(self, progress: EpochProgress) -> None:
         """Checkpoint within an epoch (``state.step`` steps of it done), with every rank's ``progress``."""
         self.state.counts["skipped_steps"] += self._nonfinite.take_skipped()
-        self.state.partial = dist_utils.all_gather_object(progress)
+        self.state.partial = all_gather_object(progress)
         self._write_checkpoint(is_best=False)
 
     def save(self, is_best: bool) -> None:
@@ -383,7 +384,7 @@ class Trainer:
     def _write_checkpoint(self, is_best: bool) -> None:
         """Write the training state where it stands on rank 0, with every rank's RNG states; every rank
         returns together, and if rank 0 fails to write, every rank raises its error."""
-        self.state.rng = dist_utils.all_gather_object(rng_state())
+        self.state.rng = all_gather_object(rng_state())
         dist_utils.on_main(lambda: self._write_files(is_best), self.dist.is_main)
 
     def _write_files(self, is_best: bool) -> None:

@@ -1,5 +1,5 @@
-"""Pieces shared by the losses: input checks, base classes, reductions, masked log-sum-exp, buckets, the
-DDP gather.
+"""Pieces shared by the losses: input checks, base classes, reductions, masked log-sum-exp, buckets (the
+DDP gather of a global batch is :func:`gather_batch`).
 
 Conventions used throughout :mod:`mlcls.losses`:
 
@@ -20,8 +20,9 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
+
+from mlcls.distributed import gather_batch
 
 REDUCTIONS = ("mean", "sum", "sum_per_sample")
 WAYS = ("both", "sample", "class")
@@ -137,59 +138,6 @@ def split_buckets(tensor: Tensor, bucket_size: int | None) -> Tensor:
     if rows % size != 0:
         raise ValueError(f"bucket_size={size} must divide the batch size {rows}")
     return tensor.view(rows // size, size, classes)
-
-
-class _GatherRows(torch.autograd.Function):
-    """All ranks' (B, C) rows concatenated in rank order; the backward sums, over the ranks, the gradients
-    sent to this rank's rows (all-reduce, then this rank's slice: gloo has no reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, rows: Tensor) -> Tensor:
-        parts = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, rows)
-        ctx.span = (dist.get_rank() * rows.shape[0], (dist.get_rank() + 1) * rows.shape[0])
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
-        grad = grad.clone(memory_format=torch.contiguous_format)  # the incoming gradient may be shared
-        dist.all_reduce(grad)
-        start, end = ctx.span
-        return grad[start:end]
-
-
-def all_gather_rows(rows: Tensor) -> Tensor:
-    """Every rank's ``rows`` (same shape on each), concatenated along dim 0 in rank order; no gradient."""
-    parts = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, rows.contiguous())
-    return torch.cat(parts)
-
-
-def gather_batch(logits: Tensor, targets: Tensor, check_sizes: bool = True) -> tuple[Tensor, Tensor]:
-    """Concatenate every rank's rows, in rank order; gradients flow back to each rank's ``logits``.
-
-    The backward *sums* the gradients that all ranks send to a rank's slice. Every rank computes the same
-    loss on the same global batch, so that sum is ``world_size`` times the gradient of the global loss,
-    and DDP's averaging over ranks divides it back: the parameter gradient equals that of one process
-    training on the concatenated batch.
-
-    Every rank must hold the same number of rows. ``check_sizes`` compares them (one all-gather and a
-    read back to the host) and raises ``ValueError`` on a mismatch; every rank must pass the same value,
-    since the check is a collective. :class:`BucketedLoss` checks on its first call only: the training
-    loaders drop the last incomplete batch, so the sizes cannot change afterwards.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("gather=True needs torch.distributed initialised (run under torchrun)")
-    world = dist.get_world_size()
-    if world == 1:
-        return logits, targets
-    if check_sizes:
-        sizes = [torch.zeros(1, dtype=torch.long, device=logits.device) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([logits.shape[0]], device=logits.device))
-        rows = torch.cat(sizes).tolist()
-        if len(set(rows)) > 1:
-            raise ValueError(f"gather=True needs the same batch size on every rank; got {rows}")
-    return _GatherRows.apply(logits.contiguous()), all_gather_rows(targets)
 
 
 class MultiLabelLoss(nn.Module):

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mlcls.losses.common import MultiLabelLoss, all_gather_rows, autocast_disabled, gather_batch, prepare
+from mlcls.distributed import all_gather_rows, gather_batch
+from mlcls.losses.common import MultiLabelLoss, autocast_disabled, prepare
 
 # A table of 10^9 entries holds 4 GB of float32 per process (12 GB with Adam's two moments); Open Images'
 # 9 M images x 9,605 classes are 86 times that.

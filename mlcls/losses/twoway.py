@@ -167,7 +167,7 @@ class TwoWayLoss(SoftplusLogSumExpLoss):
             one process with batch 512 and ``bucket_size=128`` reproduces the paper's four buckets.
         margin: logit bias eps added inside the softplus (Table 2).
         gather: under DDP, compute the loss on the global batch (Table 5's M = 512 on 4 GPUs); see
-            :func:`mlcls.losses.common.gather_batch` for the gradient relation with DDP.
+            :func:`mlcls.distributed.gather_batch` for the gradient relation with DDP.
 
     Shapes: logits (B, C) any float dtype, targets (B, C) in {1, 0, -1}; returns a float32 scalar.
     """

@@ -1,9 +1,10 @@
 """Evaluation metrics: pure functions of score and label tensors.
 
 :func:`compute_metrics` is the single entry point of evaluation: every figure of ``results.json`` from
-the gathered logits and labels of the whole evaluation set (see :func:`gather_shards`). Definitions,
-edge cases and reductions are in :mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1` and docs/metrics.md; the
-input checks both share are in :mod:`mlcls.metrics.checks`.
+the gathered logits and labels of the whole evaluation set (see
+:func:`mlcls.distributed.gather_rank_parts`). Definitions, edge cases and reductions are in
+:mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1` and docs/metrics.md; the input checks both share are in
+:mod:`mlcls.metrics.checks`.
 """
 
 from __future__ import annotations
@@ -31,12 +32,10 @@ from mlcls.metrics.f1 import (
     threshold_predictions,
     top_k_predictions,
 )
-from mlcls.metrics.gather import gather_shards
 
 __all__ = [
     "average_precision",
     "compute_metrics",
-    "gather_shards",
     "map_class",
     "map_sample",
     "precision_recall_f1",

@@ -134,7 +134,7 @@ def run_fold(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
     trainer.fit()
     scores = trainer.val_outputs[0] if trainer.val_outputs else None
     if scores is None:  # resumed after its last epoch: the weights are trained, not yet scored
-        scores = trainer.evaluate().scores
+        scores = trainer.measure().scores
     return trainer.data.val_set.rows, torch.sigmoid(scores).numpy()
 
 

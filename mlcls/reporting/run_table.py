@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlcls.config_tree import flatten_config
 from mlcls.errors import plural
 from mlcls.losses.spec import loss_name
 from mlcls.reporting.paper import ReportError
@@ -60,19 +61,17 @@ class RunsTable:
     rows: tuple[dict[str, Any], ...]
 
 
-def flat_settings(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Every leaf of ``config`` under its dotted key (a list is one value); each group that names the class
-    it builds (``_target_``) also appears under its own key with that class's short name."""
-    settings: dict[str, Any] = {}
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            if value.get(BUILT):
-                settings[dotted] = loss_name(value) if dotted == "loss" else built_name(value)
-            settings.update(flat_settings(value, f"{dotted}."))
-        else:
-            settings[dotted] = value
-    return settings
+def flat_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Every leaf of ``config`` under its dotted key (:func:`mlcls.config_tree.flatten_config`); each group
+    that names the class it builds (``_target_``) also appears under its own key with that class's short
+    name."""
+    return flatten_config(config, _built_class)
+
+
+def _built_class(dotted: str, group: Mapping[str, Any]) -> str | None:
+    if not group.get(BUILT):
+        return None
+    return loss_name(group) if dotted == "loss" else built_name(group)
 
 
 def differing_keys(settings: Sequence[Mapping[str, Any]]) -> list[str]:

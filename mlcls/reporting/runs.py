@@ -133,7 +133,7 @@ def protocol_checks() -> dict[str, Any]:
         "optim.norm_weight_decay": None,  # null: the same weight decay on every parameter
         "optim.bias_weight_decay": None,
         "sched": "cosine",
-        "sched.warmup_iters": 0,
+        "sched.warmup_epochs": 0,
         "sched.min_lr_ratio": 0.0,
         "dataset.image_size": protocol["image_size"]["train"],
         "dataset.transform": "paper",
@@ -155,37 +155,53 @@ def _follows(config: Mapping[str, Any], key: str, wanted: Any) -> tuple[bool, An
         name = built_name(config.get(key) or {})
         return name is not None and any(part.startswith(wanted) for part in name.split("_")), name
     ours = config_value(config, key)
-    if key == "sched.warmup_iters" and ours is None:  # warm-up set in epochs (the per-head default)
-        epochs = config_value(config, "sched.warmup_epochs")
-        return same_setting(epochs or 0, wanted), f"null (warmup_epochs={epochs})"
+    if key == "sched.warmup_epochs" and ours is None:  # null: the head's own default
+        epochs = config_value(config, "model.head.warmup_epochs")
+        return same_setting(epochs or 0, wanted), f"null (model.head.warmup_epochs={epochs})"
     return same_setting(ours, wanted), ours
 
 
 def protocol_deviations(
+    config: Mapping[str, Any],
+    results: Mapping[str, Any],
+    checks: Mapping[str, Any],
+    reference: str = "paper",
+) -> list[str]:
+    """How a run departs from a protocol, one short phrase each (empty: it follows it): every key of
+    ``checks`` whose value ``config`` does not hold (:func:`_follows`), named beside the ``reference``'s
+    value, and the epochs it left unfinished."""
+    deviations = []
+    for key, wanted in checks.items():
+        follows, ours = _follows(config, key, wanted)
+        if not follows:
+            deviations.append(f"{key}={yaml_text(ours)} ({reference} {yaml_text(wanted)})")
+    completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
+    if completed is not None and epochs is not None and completed < epochs:
+        deviations.append(f"unfinished: {completed} of {epochs} epochs")
+    return deviations
+
+
+def paper_deviations(
     config: Mapping[str, Any], results: Mapping[str, Any], stand_ins: Mapping[str, str] | None = None
 ) -> list[str]:
     """How a run departs from the paper's protocol, one short phrase each (empty: it follows it).
 
-    Checks the optimiser, schedule, epochs (configured and completed), batch size, augmentation and image
-    size, mixed precision, the backbone's ImageNet weights, the dataset sizes of Table 6, and names the
-    stand-ins (a dataset or backbone counted as another, e.g. in smoke runs).
+    Names the stand-ins (a dataset or backbone counted as another, e.g. in smoke runs), then checks
+    :func:`protocol_checks` (the optimiser, schedule, epochs configured and completed, batch size,
+    augmentation and image size), mixed precision, the backbone's ImageNet weights and the dataset sizes of
+    Table 6.
     """
     stand_ins = stand_ins or {}
-    deviations = []
-    for name, replacement in stand_ins.items():
-        if name in (config["dataset"]["name"], architecture(config)):
-            deviations.append(f"{name} stands in for {replacement}")
-    for key, wanted in protocol_checks().items():
-        follows, ours = _follows(config, key, wanted)
-        if not follows:
-            deviations.append(f"{key}={yaml_text(ours)} (paper {yaml_text(wanted)})")
+    deviations = [
+        f"{name} stands in for {replacement}"
+        for name, replacement in stand_ins.items()
+        if name in (config["dataset"]["name"], architecture(config))
+    ]
+    deviations += protocol_deviations(config, results, protocol_checks())
     amp = config_value(config, "trainer.amp")
     device = ((results.get("provenance") or {}).get("device") or {}).get("type")
     if amp == "none" or (amp == "auto" and device not in (None, "cuda")):  # auto: float32 off CUDA
         deviations.append("no mixed precision (paper AMP)")
-    completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
-    if completed is not None and epochs is not None and completed < epochs:
-        deviations.append(f"unfinished: {completed} of {epochs} epochs")
     deviations += _weights_deviations(config, stand_ins)
     name = config["dataset"]["name"]
     sizes = load_paper()["table6_datasets"].get(stand_ins.get(name, name))
@@ -423,7 +439,7 @@ def load_run(run_dir: Path, stand_ins: Mapping[str, str] | None = None) -> RunRe
     world_size = provenance.get("world_size") or results.get("world_size") or 1
     try:
         attributes = run_attributes(config, world_size)
-        deviations = tuple(protocol_deviations(config, results, stand_ins))
+        deviations = tuple(paper_deviations(config, results, stand_ins))
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
         # a config that is a mapping of groups, with a value of another type or missing inside one
         raise ReportError(

@@ -28,19 +28,16 @@ from mlcls.reporting.runs import (
     architecture,
     config_value,
     find_run_dirs,
+    protocol_deviations,
     read_config,
     read_results,
     run_attributes,
-    same_setting,
-    yaml_text,
 )
 from mlcls.reporting.sweeps import (
-    EVAL_SPEEDUP,
     SMOKE_OVERRIDES,
-    TRAIN_IMAGES_PER_S,
     Sweep,
+    gpu_hours,
     grid_overrides,
-    job_values,
     per_dataset_sweeps,
 )
 from mlcls.reporting.table_specs import Axis, FilledCell, FilledTable, TableSpec
@@ -76,7 +73,8 @@ SPML_DATASETS = {
 SPML_METRIC = "mAP_class"
 # The smoke sweep: two methods on the embedded dataset (its AN and two-way rows).
 SMOKE_METHODS = ("an", "twoway")
-# Cost: ResNet-50 images/s of :data:`TRAIN_IMAGES_PER_S` are at 224 px; 448 px has 4 times the pixels.
+# Cost: ResNet-50's images/s of the cost model (:data:`mlcls.reporting.sweeps.TRAIN_IMAGES_PER_S`) are at
+# 224 px; 448 px has 4 times the pixels.
 PIXELS_448 = 4.0
 PUBLISHED_FIELDS = ("paper", "table", "row", "method", "dataset", "value", "source")
 # Settings of spml.yaml checked in every run (what places it on the benchmark's protocol).
@@ -140,28 +138,19 @@ def protocol_holdout() -> float:
     return float(OmegaConf.load(config_dir() / "experiment" / "spml.yaml").dataset.holdout_fraction)
 
 
-def run_gpu_hours(dataset: str, gpu: str = "v100", method: str | None = None) -> float:
-    """Estimated GPU-hours of one run of the benchmark on ``dataset``: ``epochs x (trained + (test +
-    held out) / EVAL_SPEEDUP) x PIXELS_448 / TRAIN_IMAGES_PER_S[gpu]`` (ResNet-50, both evaluated every
-    epoch; :func:`protocol_holdout` of the training split held out, the rest trained); ``em_apl`` adds its
-    :func:`apl_passes` forward passes over the trained images, at the evaluation's speed."""
+def job_gpu_hours(job: Mapping[str, str], gpu: str = "v100") -> float:
+    """Estimated GPU-hours of one job of the benchmark's sweep (:func:`mlcls.reporting.sweeps.job_values`),
+    :func:`mlcls.reporting.sweeps.gpu_hours` at ResNet-50's cost times :data:`PIXELS_448`: each of
+    :func:`protocol_epochs` trains the training split less its :func:`protocol_holdout` share and evaluates
+    the test split and the held-out share; ``em_apl`` adds its :func:`apl_passes` forward passes over the
+    trained images."""
+    dataset, method = job["dataset"], job["experiment"].removeprefix("spml_")
     _, train, test = SPML_DATASETS[dataset]
     held_out = protocol_holdout() * train
     trained = train - held_out
-    images = protocol_epochs() * (trained + (test + held_out) / EVAL_SPEEDUP)
-    if method == "em_apl":
-        images += apl_passes(dataset) * trained / EVAL_SPEEDUP
-    return images * PIXELS_448 / TRAIN_IMAGES_PER_S[gpu] / 3600.0
-
-
-def sweep_gpu_hours(sweeps: Sequence[Sweep], gpu: str = "v100") -> float:
-    """Sum of :func:`run_gpu_hours` over every job of ``sweeps``."""
-    return sum(
-        run_gpu_hours(sweep.dataset, gpu, job_values(job)["experiment"].removeprefix("spml_"))
-        for sweep in sweeps
-        if sweep.dataset
-        for job in sweep.runs()
-    )
+    epochs = protocol_epochs()
+    evaluated = epochs * (test + held_out) + (apl_passes(dataset) * trained if method == "em_apl" else 0.0)
+    return gpu_hours(epochs * trained, evaluated, gpu, PIXELS_448)
 
 
 @cache
@@ -226,11 +215,10 @@ def _method_of(config: Mapping[str, Any], attributes: Mapping[str, Any]) -> str 
 OWN_BATCH_AND_LR = ("em", "em_apl", "ll_r", "ll_ct", "ll_cp")
 
 
-def protocol_deviations(
-    config: Mapping[str, Any], results: Mapping[str, Any], method: str | None = None
-) -> list[str]:
-    """How a run departs from ``spml.yaml`` on :data:`PROTOCOL_KEYS` and its epochs, one phrase each; for a
-    ``method`` of :data:`OWN_BATCH_AND_LR`, from its preset's batch size and lr (for the run's dataset)."""
+def benchmark_checks(config: Mapping[str, Any], method: str | None) -> dict[str, Any]:
+    """The values ``spml.yaml`` gives :data:`PROTOCOL_KEYS` (those it sets), for
+    :func:`mlcls.reporting.runs.protocol_deviations`; for a ``method`` of :data:`OWN_BATCH_AND_LR`, its
+    preset's batch size and lr (for the run's dataset)."""
     preset = OmegaConf.load(config_dir() / "experiment" / "spml.yaml")
     dataset = config_value(config, "dataset.name")
     if method in ("em", "em_apl") and dataset in preset.protocol.em_lr:
@@ -239,18 +227,8 @@ def protocol_deviations(
     elif method in ("ll_r", "ll_ct", "ll_cp"):
         preset.protocol.lr = preset.protocol.ll_lr
         preset.optim.lr_head = preset.protocol.ll_lr_head
-    deviations = []
-    for key in PROTOCOL_KEYS:
-        wanted = OmegaConf.select(preset, key)
-        if wanted is None:
-            continue
-        ours = config_value(config, key)
-        if not same_setting(ours, wanted):
-            deviations.append(f"{key}={yaml_text(ours)} (benchmark {yaml_text(wanted)})")
-    completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
-    if completed is not None and epochs is not None and completed < epochs:
-        deviations.append(f"unfinished: {completed} of {epochs} epochs")
-    return deviations
+    wanted = {key: OmegaConf.select(preset, key) for key in PROTOCOL_KEYS}
+    return {key: value for key, value in wanted.items() if value is not None}
 
 
 def reported_metrics(results: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -280,7 +258,7 @@ def collect_spml_runs(
                 continue
             dataset = attributes["dataset"]
             attributes.update(method=method, dataset=(stand_ins or {}).get(dataset, dataset))
-            deviations = protocol_deviations(config, results, method)
+            deviations = protocol_deviations(config, results, benchmark_checks(config, method), "benchmark")
             if dataset != attributes["dataset"]:
                 deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
             if architecture(config) != "resnet50":

@@ -11,7 +11,7 @@ iterations and two cells of the grid; its batch is 1/32 of the paper's, so bucke
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,24 +256,39 @@ def job_values(job: Sequence[str]) -> dict[str, str]:
     return {key.lstrip("+~"): value for key, _, value in (override.partition("=") for override in job)}
 
 
-def run_gpu_hours(dataset: str, architecture: str, gpu: str = "v100", epochs: int | None = None) -> float:
-    """Estimated GPU-hours of one run of the paper's protocol (evaluation every epoch) on one ``gpu``.
+def gpu_hours(trained_images: float, evaluated_images: float, gpu: str = "v100", cost: float = 1.0) -> float:
+    """The cost model's one formula: GPU-hours on one ``gpu`` of ``trained_images`` training passes and
+    ``evaluated_images`` forward passes (each image counted once per pass, over the whole run),
+    ``(trained_images + evaluated_images / EVAL_SPEEDUP) x cost / TRAIN_IMAGES_PER_S[gpu] / 3600``.
 
-    ``epochs x (train + test / EVAL_SPEEDUP) x BACKBONE_COST / TRAIN_IMAGES_PER_S``, with the dataset sizes
-    of Table 6. Multi-GPU runs take about the same GPU-hours, spread over the GPUs.
+    ``cost`` is the backbone's and resolution's cost relative to ResNet-50 at 224 px (:data:`BACKBONE_COST`;
+    4 for 448 px). Multi-GPU runs take about the same GPU-hours, spread over the GPUs.
     """
+    return (trained_images + evaluated_images / EVAL_SPEEDUP) * cost / TRAIN_IMAGES_PER_S[gpu] / 3600.0
+
+
+def run_gpu_hours(dataset: str, architecture: str, gpu: str = "v100", epochs: int | None = None) -> float:
+    """Estimated GPU-hours of one run of the paper's protocol on one ``gpu``: :func:`gpu_hours` of the
+    training split of Table 6 trained and its test split evaluated every epoch, at the backbone's
+    :data:`BACKBONE_COST`."""
     paper = load_paper()
     sizes = paper["table6_datasets"][dataset]
     epochs = paper["protocol"]["epochs"] if epochs is None else epochs
-    images = epochs * (sizes["train"] + sizes["test"] / EVAL_SPEEDUP)
-    return images * BACKBONE_COST[architecture] / TRAIN_IMAGES_PER_S[gpu] / 3600.0
+    return gpu_hours(epochs * sizes["train"], epochs * sizes["test"], gpu, BACKBONE_COST[architecture])
 
 
-def sweep_gpu_hours(sweeps: Sequence[Sweep], gpu: str = "v100") -> float:
-    """Sum of :func:`run_gpu_hours` over every job of ``sweeps`` (ResNet-50 unless ``model.name`` says)."""
-    total = 0.0
-    for sweep in sweeps:
-        for job in map(job_values, sweep.runs()):
-            architecture = job.get("model.name", PAPER_WEIGHTS["resnet50"]).split(".")[0]
-            total += run_gpu_hours(job["dataset"], architecture, gpu)
-    return total
+def paper_job_gpu_hours(job: Mapping[str, str], gpu: str = "v100") -> float:
+    """:func:`run_gpu_hours` of one job of a paper table's sweep (:func:`job_values`), ResNet-50 unless
+    ``model.name`` says."""
+    architecture = job.get("model.name", PAPER_WEIGHTS["resnet50"]).split(".")[0]
+    return run_gpu_hours(job["dataset"], architecture, gpu)
+
+
+def sweep_gpu_hours(
+    sweeps: Sequence[Sweep],
+    gpu: str = "v100",
+    job_hours: Callable[[Mapping[str, str], str], float] = paper_job_gpu_hours,
+) -> float:
+    """Sum of ``job_hours(job, gpu)`` over every job of ``sweeps`` (:func:`job_values` of each); a
+    benchmark with its own protocol passes its own ``job_hours``."""
+    return sum(job_hours(job_values(job), gpu) for sweep in sweeps for job in sweep.runs())

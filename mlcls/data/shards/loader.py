@@ -12,7 +12,8 @@ order is a function of ``(seed, epoch, rank, world_size, streams)``, whatever nu
 CPUs allow, so a job requeued on another allocation resumes exactly (``set_start``).
 
 **Workers.** A DataLoader over an iterable dataset asks its workers for batches in turn, worker 0 first at
-every iteration (torch's ``_MultiProcessingDataLoaderIter``; ``test_data_shard_loader`` pins it): worker
+every iteration (torch's ``_MultiProcessingDataLoaderIter``; pinned by ``tests/test_data_shards.py``'s
+``test_order_and_resume_do_not_depend_on_the_workers_the_cpus_allow``, with 3 worker processes): worker
 ``w`` of ``W`` serves the rank's batches ``start + w``, ``start + w + W``, ... and reads the blocks they
 come from. When ``W`` divides ``streams`` (the usual ``W = streams``), each block is read by one worker
 only; otherwise workers read more blocks than they serve from (logged once).
