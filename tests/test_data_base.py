@@ -149,3 +149,11 @@ def test_dataset_configs_instantiate_as_they_are(tmp_path: Path) -> None:
     typo = {**OmegaConf.to_container(cfg), "image_sise": 48}
     with pytest.raises(InstantiationException, match="image_sise"):
         instantiate(typo, split="test")
+
+
+@pytest.mark.parametrize("size", ["-8", "0", "4097"])
+def test_an_image_size_out_of_range_is_refused_where_the_dataset_is_built(size, capsys):
+    """Checked once, by the data package, before any data is read (the config check no longer repeats it)."""
+    from conftest import assert_dataset_setting_refused
+
+    assert_dataset_setting_refused(f"dataset.image_size={size}", f"dataset.image_size={size}", capsys)

@@ -234,6 +234,7 @@ def test_demo_adamw_exempts_norm_and_bias_and_the_paper_keeps_one_decay():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
+        (["optim.lr_head=-1"], "optim.lr_head=-1; expected a number >= 0"),
         (["optim.norm_weight_decay=-1"], "optim.norm_weight_decay=-1; expected a number >= 0, or null"),
         (["optim.weight_decay=null"], "optim.weight_decay=None; expected a number >= 0"),
         (["optim._partial_=false"], "optim._partial_ must be true"),

@@ -134,10 +134,8 @@ def _plain_batches(trainer: Trainer):
         (["trainer.amp=fp32"], 1, "trainer.amp='fp32'; expected one of auto, none, bf16, fp16"),
         (["trainer.batch_size=32"], 3, "does not divide over 3 processes"),
         (["trainer.epochs=0"], 1, "trainer.epochs=0; expected a positive integer"),
-        (["dataset.image_size=-8"], 1, "dataset.image_size=-8"),
         (["trainer.resume=auto"], 1, "needs trainer.output_dir"),
         (["trainer.ema_decay=1.5"], 1, "trainer.ema_decay=1.5"),
-        (["optim.lr_head=-1"], 1, "optim.lr_head=-1"),
     ],
 )
 def test_config_validation_messages(tiny, overrides, world_size, message):
