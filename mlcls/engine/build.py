@@ -312,7 +312,7 @@ def build_run(cfg: DictConfig) -> Run:
     except BaseException:
         discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
         raise
-    run_dir = resolve_run_dir(tcfg.output_dir, hydra_dir, dist.is_main)
+    run_dir = resolve_run_dir(tcfg.output_dir, hydra_dir, dist.is_main, cfg)
     try:
         ema = ModelEma(model, tcfg.ema_decay, warmup=tcfg.ema_warmup) if tcfg.ema_decay else None
         optimizer, scheduler = build_optimization(cfg, model, data.iters_per_epoch, criterion)
