@@ -185,8 +185,8 @@ def test_a_kill_at_any_checkpoint_write_leaves_best_pt_of_the_best_the_run_recor
         trainer.fit()
     monkeypatch.undo()
     checkpoints = tmp_path / "checkpoints"
-    resume_from = choose_resume_checkpoint("auto", checkpoints)
-    best_recorded = None if resume_from is None else load_checkpoint(resume_from)["best"]
+    resume_from, chosen = choose_resume_checkpoint("auto", checkpoints)
+    best_recorded = None if chosen is None else chosen["best"]
     if best_recorded is not None:
         assert (checkpoints / "best.pt").is_file(), (
             f"{resume_from} records best epoch {best_recorded['epoch']}"

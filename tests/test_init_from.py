@@ -10,8 +10,8 @@ import torch
 from conftest import TINY, compose_config
 
 from mlcls.engine.checkpoint import save_checkpoint
+from mlcls.engine.checkpointer import init_from_checkpoint
 from mlcls.engine.config_checks import check_config
-from mlcls.engine.resume import init_from_checkpoint
 from mlcls.errors import ConfigError
 from mlcls.inference.predictor import load_inference_model
 from mlcls.models import create_model

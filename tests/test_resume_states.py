@@ -20,10 +20,9 @@ from hydra.utils import instantiate
 from mlcls.cli.train import run
 from mlcls.data import build_dataset
 from mlcls.engine.build import build_loss, build_model, build_optimization
-from mlcls.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from mlcls.engine.checkpoint import CheckpointError, TrainState, load_checkpoint, save_checkpoint
+from mlcls.engine.checkpointer import restore
 from mlcls.engine.ema import ModelEma
-from mlcls.engine.resume import restore
-from mlcls.engine.state import TrainState
 from mlcls.engine.state_checks import RunBounds
 from mlcls.engine.trainer import Trainer
 

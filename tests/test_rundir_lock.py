@@ -4,6 +4,7 @@ fails before its first checkpoint leaving nothing, resume=auto in an explicit hy
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import multiprocessing
@@ -18,6 +19,7 @@ import pytest
 import torch
 from conftest import TINY, cli, compose_config, run_cli
 from data_fixtures import truncate, write_csv
+from hostile import bounded
 from hydra.core.hydra_config import HydraConfig
 
 import mlcls.engine.checkpoint as checkpoint_module
@@ -114,6 +116,19 @@ def test_an_unreadable_lock_is_one_line(tmp_path, monkeypatch):
         f"cannot read the lock {tmp_path / LOCK_NAME} (Permission denied); another run may hold the "
         "directory: choose another one, or delete the lock if its run is gone"
     )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no draft left
+
+
+def test_a_lock_held_by_a_process_that_never_lets_go_is_one_line_in_bounded_time(tmp_path, monkeypatch):
+    """The lock is judged under filelock, waited for at most JUDGE_TIMEOUT_S. Old: fcntl.flock waited
+    without end (the bounded call ran past its 5 s)."""
+    (tmp_path / LOCK_NAME).write_text(_lock_of(_finished_pid()))
+    monkeypatch.setattr(rundir_module, "JUDGE_TIMEOUT_S", 0.3)
+    with (tmp_path / LOCK_NAME).open("rb") as held:  # another open file: flock refuses this process too
+        fcntl.flock(held, fcntl.LOCK_EX)
+        outcome = bounded(acquire_run_lock, tmp_path, memory_mb=256, seconds=5)
+    assert not outcome.escaped and outcome.error == "RunDirLocked", (outcome.error, outcome.message)
+    assert "\n" not in outcome.message and f"the lock {tmp_path / LOCK_NAME} stayed held" in outcome.message
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no draft left
 
 

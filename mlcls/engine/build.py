@@ -27,14 +27,14 @@ from mlcls.data.datasets.observed import NO_HOLDOUT
 from mlcls.data.loader import build_eval_loader, build_train_loader
 from mlcls.data.pipeline.fast import DeviceStage
 from mlcls.data.pipeline.preprocess import preprocess_spec
+from mlcls.engine.checkpoint import TrainState, seed_everything
+from mlcls.engine.checkpointer import Checkpointer, carry_loss_state, init_from_checkpoint
 from mlcls.engine.config_checks import check_config, resolve_amp
 from mlcls.engine.distributed import DistInfo, init_distributed
 from mlcls.engine.ema import ModelEma
 from mlcls.engine.logging import RunLog, open_run_log
 from mlcls.engine.optim import build_optimizer, build_scheduler
-from mlcls.engine.resume import carry_loss_state, init_from_checkpoint, resume_run
 from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
-from mlcls.engine.state import TrainState, seed_everything
 from mlcls.errors import ConfigError
 from mlcls.models.factory import TRAINING_KEYS, freeze_backbone
 
@@ -257,6 +257,7 @@ class Run:
     scaler: torch.amp.GradScaler  # fp16's dynamic loss scale (disabled otherwise: scale 1)
     device_stage: DeviceStage  # copies a batch to the device and finishes the fast pipeline there
     state: TrainState  # fresh, or restored by trainer.resume
+    checkpointer: Checkpointer  # writes the state of the parts above, and restored it
     ddp_model: nn.Module  # what the training step runs: the model, DDP-wrapped and compiled as configured
     run_log: RunLog
 
@@ -312,7 +313,7 @@ def build_run(cfg: DictConfig) -> Run:
     except BaseException:
         discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
         raise
-    run_dir = resolve_run_dir(tcfg.output_dir, hydra_dir, dist.is_main)
+    run_dir = resolve_run_dir(tcfg.output_dir, hydra_dir, dist.is_main, cfg)
     try:
         ema = ModelEma(model, tcfg.ema_decay, warmup=tcfg.ema_warmup) if tcfg.ema_decay else None
         optimizer, scheduler = build_optimization(cfg, model, data.iters_per_epoch, criterion)
@@ -323,10 +324,10 @@ def build_run(cfg: DictConfig) -> Run:
         resumable = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loss": criterion}
         if ema is not None:
             resumable["ema"] = ema
-        resumed = resume_run(
-            cfg, run_dir, resumable, scaler, state, dist.rank, data.iters_per_epoch, len(data.classes)
+        checkpointer = Checkpointer(
+            cfg, run_dir, resumable, scaler, state, dist, data.classes, preprocess, data.iters_per_epoch
         )
-        if not resumed:
+        if not checkpointer.resume():
             seed_everything(tcfg.seed + dist.rank)
         ddp_model = (
             DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
@@ -357,6 +358,7 @@ def build_run(cfg: DictConfig) -> Run:
         scaler=scaler,
         device_stage=device_stage,
         state=state,
+        checkpointer=checkpointer,
         ddp_model=ddp_model,
         run_log=run_log,
     )

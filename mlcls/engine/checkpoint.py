@@ -1,4 +1,5 @@
-"""Atomic checkpoint and result files, read without running code from them.
+"""Atomic checkpoint and result files, read without running code from them, and what a checkpoint holds
+besides the weights: one ``format`` number, upgraded in one place, and the run's :class:`TrainState`.
 
 Every file is written to a temporary file in the same directory, flushed to disk and renamed over the
 target, so a crash mid-write (or a full disk) leaves the previous complete file in place, never a truncated
@@ -8,6 +9,9 @@ Checkpoints hold plain data only -- tensors, dicts, lists, tuples, strings, numb
 are read with ``torch.load(weights_only=True)``: a pickle in a file from someone else cannot run code. A
 file that needs more (one written before checkpoints held plain data, or a crafted one) is refused unless
 the caller trusts it explicitly (``trust_checkpoint=true``), or once re-saved by :func:`resave_plain`.
+
+Every checkpoint written holds ``format`` (:data:`FORMAT`); every reader goes through :func:`load_checkpoint`,
+which upgrades what it read (:func:`upgrade_checkpoint`) and refuses a newer format in one line.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import shutil
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +33,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # re-exported: checkpoints, results and plots use them
 from mlcls.io import atomic_write, open_checkpoint, raise_if_disk_full
+from mlcls.renamed import upgrade_config
 
 log = logging.getLogger("mlcls")
+
+# The layout of the checkpoints this version writes. A change a reader must know of raises it by one and
+# adds its step to upgrade_checkpoint; a file without the number predates it and has the layout of 1.
+FORMAT = 1
 
 
 # How the one-line errors tell a user to trust a checkpoint they wrote themselves, or to re-save it.
@@ -63,8 +74,25 @@ def plain(data: Any) -> Any:
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
-    """``torch.save(state)`` to ``path`` atomically."""
-    atomic_write(Path(path), lambda f: torch.save(state, f))
+    """``torch.save(state)`` to ``path`` atomically, with ``format`` :data:`FORMAT`."""
+    atomic_write(Path(path), lambda f: torch.save({**state, "format": FORMAT}, f))
+
+
+def upgrade_checkpoint(state: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """``state`` (a checkpoint as read) in the layout of :data:`FORMAT`: the stored config's renamed keys
+    under their new names (:func:`mlcls.renamed.upgrade_config`). A ``format`` that is not an integer in
+    [1, FORMAT] (a file of a newer mlcls) is a one-line :class:`CheckpointError`."""
+    stored = state.get("format", 1)
+    if not isinstance(stored, int) or isinstance(stored, bool) or not 1 <= stored <= FORMAT:
+        shown = repr(stored)[:40]
+        raise CheckpointError(
+            f"checkpoint {path} has format {shown}; this mlcls reads formats 1 to {FORMAT} (a newer mlcls "
+            "wrote it: upgrade mlcls)"
+        )
+    if isinstance(state.get("config"), dict):
+        state["config"] = upgrade_config(state["config"])
+    state["format"] = FORMAT
+    return state
 
 
 def load_checkpoint(
@@ -100,7 +128,7 @@ def load_checkpoint(
         ) from exc
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not an mlcls checkpoint (no 'model' entry)")
-    return state
+    return upgrade_checkpoint(state, path)
 
 
 def resave_plain(path: str | Path) -> None:
@@ -164,19 +192,103 @@ def resume_candidates(directory: str | Path) -> list[Path]:
     return candidates + sorted(directory.glob("iter_*.pt"), reverse=True)
 
 
-def choose_resume_checkpoint(resume: str, directory: str | Path, trust: bool = False) -> str | None:
-    """The checkpoint ``trainer.resume`` names: a file as given, or for ``auto`` the newest readable one in
-    ``directory`` (an unreadable one, e.g. truncated by a crash, is reported and the previous one tried;
-    an untrusted one ends the search with :class:`UntrustedCheckpointError`); None when there is none."""
+def choose_resume_checkpoint(
+    resume: str, directory: str | Path, trust: bool = False
+) -> tuple[str | None, dict[str, Any] | None]:
+    """The checkpoint ``trainer.resume`` names and its contents: a file as given (not read yet: None), or
+    for ``auto`` the newest readable one in ``directory``, read once (an unreadable one, e.g. truncated by a
+    crash, is reported and the previous one tried; an untrusted one ends the search with
+    :class:`UntrustedCheckpointError`); ``(None, None)`` when there is none."""
     if resume != "auto":
-        return str(resume)
+        return str(resume), None
     for path in resume_candidates(directory):
         try:
-            load_checkpoint(path, trust=trust)
+            return str(path), load_checkpoint(path, trust=trust)
         except UntrustedCheckpointError:
             raise
         except CheckpointError as exc:
             log.warning("%s; trying the previous checkpoint", exc)
-            continue
-        return str(path)
-    return None
+    return None, None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's Python, NumPy, torch (and CUDA) generator states, as plain data (NumPy's key array
+    as an int64 tensor) that a checkpoint loads without unpickling code."""
+    state = {
+        "python": random.getstate(),
+        "numpy": plain(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`."""
+    random.setstate(state["python"])
+    algorithm, keys, *position = state["numpy"]
+    np.random.set_state((algorithm, np.asarray(keys, dtype=np.uint32), *position))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class EpochProgress:
+    """One rank's sums over the steps of the current epoch so far (restored by a mid-epoch resume)."""
+
+    loss_sum: float = 0.0  # over the applied steps
+    seen: int = 0
+    time_s: float = 0.0
+    skipped_steps: int = 0  # non-finite steps skipped
+
+
+@dataclass
+class TrainState:
+    """Where training stands: ``epoch`` epochs complete plus ``step`` steps of the next one.
+
+    ``partial`` holds every rank's :class:`EpochProgress` of that incomplete epoch (empty when ``step`` is
+    0), ``history`` one record per finished epoch, ``best`` the best evaluation so far (epoch, mAP@class,
+    mAP@sample and which ``weights``: "raw" or "ema"), ``last_metrics`` the newest evaluation's metrics,
+    ``thresholds`` the per-class thresholds calibrated for the raw weights, ``counts`` the skipped steps
+    and unreadable images, ``rng`` every rank's generator states, ``resumes`` how many times training
+    continued from a checkpoint.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    partial: list[EpochProgress] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best: dict[str, Any] | None = None
+    last_metrics: dict[str, Any] | None = None
+    thresholds: torch.Tensor | None = None
+    counts: dict[str, Any] = field(default_factory=lambda: {"skipped_steps": 0, "skipped_images": []})
+    wall_time_s: float = 0.0
+    rng: list[dict[str, Any]] = field(default_factory=list)
+    resumes: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        state = asdict(self)
+        state["partial"] = [asdict(p) for p in self.partial]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (a checkpoint holds it beside the weights)."""
+        names = {f.name for f in fields(self)}
+        for key, value in state.items():
+            if key in names:
+                setattr(self, key, value)
+        self.partial = [EpochProgress(**p) for p in state.get("partial", [])]
+
+    def progress_of(self, rank: int) -> EpochProgress:
+        """``rank``'s sums of the incomplete epoch (zeros when it has none)."""
+        if not self.step or rank >= len(self.partial):
+            return EpochProgress()
+        return self.partial[rank]

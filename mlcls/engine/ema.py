@@ -88,18 +88,10 @@ class ModelEma:
         return {"module": self.module.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output, or the state of torch's ``AveragedModel`` (keys ``module.*``
-        and ``n_averaged``, the EMA of checkpoints before warm-up; its count of updates carries over)."""
-        if "module" in state and "updates" in state:
-            weights, updates = state["module"], state["updates"]
-        elif "n_averaged" in state:
-            prefix = "module."
-            weights = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
-            updates = state["n_averaged"]
-        else:
+        """Restore :meth:`state_dict`'s output."""
+        if "module" not in state or "updates" not in state:
             raise ValueError(
-                f"not an EMA state (keys {', '.join(sorted(state)[:4])}, ...); expected module and updates, "
-                "or torch AveragedModel's module.* and n_averaged"
+                f"not an EMA state (keys {', '.join(sorted(state)[:4])}, ...); expected module and updates"
             )
-        self.module.load_state_dict(weights)
-        self._updates.fill_(int(updates))
+        self.module.load_state_dict(state["module"])
+        self._updates.fill_(int(state["updates"]))

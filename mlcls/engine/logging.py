@@ -14,7 +14,6 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from mlcls.config_tree import flatten_config
-from mlcls.engine.checkpoint import atomic_write
 from mlcls.engine.distributed import on_main
 from mlcls.errors import ConfigError
 
@@ -176,14 +175,8 @@ def open_run_log(
     iters_per_epoch: int,
     cfg: DictConfig,
 ) -> RunLog:
-    """The run's :class:`RunLog`, once rank 0 has written ``<run_dir>/config.yaml`` (``cfg`` resolved) and
-    opened TensorBoard and MLflow. Every rank returns together; if rank 0 fails (a full disk, an MLflow
-    server that is down), every rank raises instead of waiting for it (:func:`on_main`)."""
-
-    def open_main() -> RunLog:
-        text = OmegaConf.to_yaml(cfg, resolve=True)
-        atomic_write(run_dir / "config.yaml", lambda f: f.write(text.encode()))
-        return RunLog(run_dir, True, epochs, iters_per_epoch, cfg=cfg)
-
-    run_log = on_main(open_main, is_main)
+    """The run's :class:`RunLog`, once rank 0 has opened TensorBoard and MLflow. Every rank returns
+    together; if rank 0 fails (an MLflow server that is down), every rank raises instead of waiting for it
+    (:func:`on_main`)."""
+    run_log = on_main(lambda: RunLog(run_dir, True, epochs, iters_per_epoch, cfg=cfg), is_main)
     return run_log if run_log is not None else RunLog(run_dir, False, epochs, iters_per_epoch, cfg=cfg)

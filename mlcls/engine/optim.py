@@ -158,8 +158,7 @@ def build_optimizer(
     ``params``, ``name`` (one word) and ``lr_scale``, trained at ``lr_scale * lr_head`` without weight decay.
 
     Group 0 is the head at ``lr_head``; :func:`group_lrs` reads the learning rates by part. Loading a state
-    dict checks that its groups are this optimizer's (same names and sizes) and keeps the names when it has
-    none (checkpoints written before groups were named).
+    dict checks that its groups are this optimizer's (same names and sizes).
     """
     settings = _settings(cfg)
     extra = [
@@ -184,11 +183,11 @@ def _group_layout(groups: list[dict[str, Any]]) -> str:
 
 
 def _match_saved_groups(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """Load-state pre-hook: one clear error when the saved groups differ; names added to unnamed ones."""
+    """Load-state pre-hook: one clear error when the saved groups differ."""
     saved = state["param_groups"]
     ours = optimizer.param_groups
     same = len(saved) == len(ours) and all(
-        len(s["params"]) == len(o["params"]) and s.get("name", o["name"]) == o["name"]
+        len(s["params"]) == len(o["params"]) and s.get("name") == o["name"]
         for s, o in zip(saved, ours, strict=True)
     )
     if not same:
@@ -196,7 +195,6 @@ def _match_saved_groups(optimizer: torch.optim.Optimizer, state: dict[str, Any])
             f"the saved optimizer state has parameter groups ({_group_layout(saved)}) where this config "
             f"makes ({_group_layout(ours)}): resume with the run's model and optim.*_weight_decay settings"
         )
-    state["param_groups"] = [{**s, "name": o["name"]} for s, o in zip(saved, ours, strict=True)]
     return state
 
 

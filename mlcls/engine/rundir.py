@@ -1,11 +1,11 @@
 """Where a run writes: one directory for every process, created only once the run can start, held by one
-run at a time (a lock file naming its host and process), cleared of the temporary files a killed run's
-writes left in it, and removed again by a run that fails before its first checkpoint."""
+run at a time (a lock file naming its host and process, judged under :class:`filelock.FileLock`), with the
+run's resolved ``config.yaml``, cleared of the temporary files a killed run's writes left in it, and
+removed again by a run that fails before its first checkpoint."""
 
 from __future__ import annotations
 
 import atexit
-import fcntl
 import json
 import logging
 import os
@@ -15,7 +15,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from filelock import FileLock, Timeout
+from omegaconf import DictConfig, OmegaConf
 
 from mlcls import distributed as collectives
 from mlcls.engine import distributed as dist_utils
@@ -23,6 +24,7 @@ from mlcls.io import (
     CAPS,
     FileTooLargeError,
     NotRegularFileError,
+    atomic_write,
     open_regular,
     read_regular_bytes,
     sweep_temporary_files,
@@ -32,6 +34,9 @@ log = logging.getLogger("mlcls")
 
 # The lock file of a live run in its run directory: JSON {"host", "pid", "started", "process"}.
 LOCK_NAME = ".lock"
+# How long a process waits for another one judging the same lock (a judgement takes milliseconds): a
+# process that holds it longer (stopped, or not mlcls) makes the directory one the run cannot take.
+JUDGE_TIMEOUT_S = 10.0
 
 # The folders of a run directory that mlcls writes files into atomically (besides the directory itself).
 WRITTEN_SUBDIRS = ("checkpoints", "plots")
@@ -54,9 +59,9 @@ def hydra_run_dir() -> Path | None:
     return Path(output_dir) if output_dir else None
 
 
-def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: bool) -> Path:
+def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: bool, cfg: DictConfig) -> Path:
     """``output_dir`` (``trainer.output_dir``), else Hydra's job directory, else ``outputs/<date>/<time>``;
-    with ``checkpoints/`` in it.
+    locked, with ``checkpoints/`` and ``config.yaml`` (``cfg`` resolved) in it.
 
     Rank 0 decides for every process: each rank's Hydra resolves ``${now:...}`` on its own clock, and a
     directory Hydra made that is not the run's is removed again when empty.
@@ -70,6 +75,8 @@ def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: boo
         run_dir.mkdir(parents=True, exist_ok=True)
         acquire_run_lock(run_dir)
         (run_dir / "checkpoints").mkdir(exist_ok=True)
+        text = OmegaConf.to_yaml(cfg, resolve=True)
+        atomic_write(run_dir / "config.yaml", lambda f: f.write(text.encode()))
 
     dist_utils.on_main(create_and_lock, is_main)  # a refused lock raises on every rank
     return run_dir
@@ -186,9 +193,10 @@ def _take_over_if_stale(lock: Path, draft: Path) -> bool:
     """Replace the existing ``lock`` by ``draft`` if the run it names is gone; True once done, False when
     ``lock`` changed meanwhile (released, or taken by another process: try again).
 
-    The lock file is locked (``flock``) while it is judged and replaced, and judged only if it is still the
-    file at ``lock`` once this process has it: of the processes that found the same stale lock, the first
-    replaces it and the others find the new one, alive. Raises :class:`RunDirLocked` for a live holder.
+    The lock file is held (:class:`filelock.FileLock`, at most :data:`JUDGE_TIMEOUT_S`) while it is judged
+    and replaced, and judged only if it is still the file this process opened: of the processes that found
+    the same stale lock, the first replaces it and the others find the new one, alive. Raises
+    :class:`RunDirLocked` for a live holder.
     """
     try:
         # one open, without blocking; a pipe, a device or a folder there is refused, and a file over
@@ -205,31 +213,44 @@ def _take_over_if_stale(lock: Path, draft: Path) -> bool:
             f"cannot read the lock {lock} ({exc.strerror}); another run may hold the directory: choose "
             "another one, or delete the lock if its run is gone"
         ) from None
+    # the lock file stays where it is on release, and no soft lock stands in where flock is missing
+    judging = FileLock(lock, timeout=JUDGE_TIMEOUT_S, preserve_lock_file=True, fallback_to_soft=False)
     with file:
         try:
-            fcntl.flock(file, fcntl.LOCK_EX)
-        except OSError as exc:  # a file system without flock
+            judging.acquire()
+        except Timeout:
+            raise RunDirLocked(
+                f"the lock {lock} stayed held by another process for {JUDGE_TIMEOUT_S:.0f} s; choose another "
+                "run directory, or delete the lock if no run holds it"
+            ) from None
+        except OSError as exc:  # a file system without flock; the lock replaced by a link or a folder
             raise RunDirLocked(
                 f"cannot take over the lock {lock} safely ({exc.strerror}); delete it if its run is gone"
             ) from None
         try:
-            current = os.stat(lock)
-        except FileNotFoundError:
-            return False
-        opened = os.fstat(file.fileno())
-        if (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino):
-            return False
-        other = _parse_holder(file.read(CAPS["lock"]))
-        if _holder_alive(other):
-            raise RunDirLocked(
-                f"run directory {lock.parent} is in use by another run (pid {other.get('pid')} on "
-                f"{other.get('host')}, started {other.get('started')}); wait for it to end, choose "
-                f"another directory, or delete {lock} if that run is gone"
-            ) from None
-        if not _is_mine(other):
-            log.warning("taking over the stale lock %s of a run that is gone (%s)", lock, other)
-        os.replace(draft, lock)
+            if not _still_at(lock, file.fileno()):
+                return False
+            other = _parse_holder(file.read(CAPS["lock"]))
+            if _holder_alive(other):
+                raise RunDirLocked(
+                    f"run directory {lock.parent} is in use by another run (pid {other.get('pid')} on "
+                    f"{other.get('host')}, started {other.get('started')}); wait for it to end, choose "
+                    f"another directory, or delete {lock} if that run is gone"
+                )
+            if not _is_mine(other):
+                log.warning("taking over the stale lock %s of a run that is gone (%s)", lock, other)
+            os.replace(draft, lock)
+        finally:
+            judging.release()
     return True
+
+
+def _still_at(path: Path, fd: int) -> bool:
+    """Whether the file open as ``fd`` is still the one at ``path``."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(fd))
+    except FileNotFoundError:
+        return False
 
 
 def release_run_lock(run_dir: Path) -> None:

@@ -28,9 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mlcls.engine.checkpoint import CheckpointError
+from mlcls.engine.checkpoint import CheckpointError, EpochProgress
 from mlcls.engine.ema import ModelEma
-from mlcls.engine.state import EpochProgress
 
 COUNT_MAX = 2**62  # a counter no run reaches: epochs, steps, images, seconds when no tighter bound is known
 RANKS_MAX = 2**16  # processes a checkpoint may have been written by
@@ -259,20 +258,12 @@ def _check_param_state(state: Any, kinds: dict[str, str], param: torch.Tensor, f
 
 
 def check_ema(stored: Any, ema: ModelEma, total_iters: int) -> None:
-    """The stored EMA (``module`` and ``updates``, or torch AveragedModel's ``module.*`` and
-    ``n_averaged``) holds the averaged model's tensors and a count of updates in [0, total_iters]."""
-    live = ema.module.state_dict()
-    if isinstance(stored, dict) and "n_averaged" in stored:
-        weights = {k.removeprefix("module."): v for k, v in stored.items() if k != "n_averaged"}
-        updates = stored["n_averaged"]
-        if isinstance(updates, torch.Tensor) and updates.numel() == 1 and not updates.is_floating_point():
-            updates = int(updates.item())
-    elif isinstance(stored, dict) and stored.keys() == {"module", "updates"}:
-        weights, updates = stored["module"], stored["updates"]
-    else:
+    """The stored EMA (``module`` and ``updates``) holds the averaged model's tensors and a count of updates
+    in [0, total_iters]."""
+    if not isinstance(stored, dict) or stored.keys() != {"module", "updates"}:
         raise refuse("ema", stored, "a dict of module and updates")
-    check_state_dict(weights, live, "ema module")
-    check_int(updates, "ema updates", 0, total_iters)
+    check_state_dict(stored["module"], ema.module.state_dict(), "ema module")
+    check_int(stored["updates"], "ema updates", 0, total_iters)
 
 
 def check_rng(states: Any) -> None:
@@ -345,7 +336,7 @@ def _check_cuda_rng(states: Any, field: str) -> None:
 
 
 def check_progress(checkpoint: dict[str, Any], bounds: RunBounds) -> None:
-    """The :class:`~mlcls.engine.state.TrainState` fields of ``checkpoint``: where training stands within
+    """The :class:`~mlcls.engine.checkpoint.TrainState` fields of ``checkpoint``: where training stands within
     this run's epochs and steps, counters non-negative and bounded, records of their documented types."""
     epochs = COUNT_MAX if bounds.epochs is None else bounds.epochs
     steps = COUNT_MAX if bounds.iters_per_epoch is None else bounds.iters_per_epoch - 1
@@ -357,9 +348,8 @@ def check_progress(checkpoint: dict[str, Any], bounds: RunBounds) -> None:
     partial = checkpoint.get("partial", [])
     if not isinstance(partial, list) or len(partial) > RANKS_MAX:
         raise refuse("partial", partial, f"a list of at most {RANKS_MAX} ranks' progress")
-    old = checkpoint.get("epoch_partial")
-    for index, progress in enumerate([*partial, *([old] if old else [])]):
-        field = f"partial[{index}]" if index < len(partial) else "epoch_partial"
+    for index, progress in enumerate(partial):
+        field = f"partial[{index}]"
         if not isinstance(progress, dict) or not progress.keys() <= names.keys():
             raise refuse(field, progress, f"a dict of {', '.join(names)}")
         for key, value in progress.items():

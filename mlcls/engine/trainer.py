@@ -5,7 +5,7 @@ A run's calls, top-down in this file::
     fit -> train_one_epoch -> train_step          (each step of each epoch)
         -> relabel_training_set                   (after an epoch, for a loss that asks: EM's APL)
         -> select_best -> measure -> evaluate      (every trainer.eval_every epochs, and after the last)
-        -> save -> _write_checkpoint              (after each epoch; mid-epoch on a stop signal)
+        -> Checkpointer.save                      (after each epoch; mid-epoch on a stop signal)
 
 Files of the run directory::
 
@@ -42,16 +42,16 @@ from functools import partial
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from tqdm import tqdm
 
 from mlcls.data.loader import DevicePrefetcher
 from mlcls.data.pipeline.fast import AugmentedImage
-from mlcls.distributed import all_gather_object, all_reduce_sum
+from mlcls.distributed import all_reduce_sum
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import Run, build_run
-from mlcls.engine.checkpoint import save_checkpoint, save_training_checkpoint, write_json
+from mlcls.engine.checkpoint import EpochProgress, write_json
 from mlcls.engine.evaluate import (
     Evaluation,
     autocast_context,
@@ -66,7 +66,6 @@ from mlcls.engine.optim import group_lrs
 from mlcls.engine.preemption import StopSignals
 from mlcls.engine.results import record_skipped_images, run_results
 from mlcls.engine.rundir import close_run_dir
-from mlcls.engine.state import EpochProgress, rng_state
 from mlcls.errors import plural
 from mlcls.models.factory import backbone_in_eval
 
@@ -109,6 +108,7 @@ class Trainer:
         self.criterion = run.criterion
         self.optimizer, self.scheduler, self.scaler = run.optimizer, run.scheduler, run.scaler
         self.device_stage, self.state, self.run_log = run.device_stage, run.state, run.run_log
+        self.checkpointer = run.checkpointer
         self._nonfinite = NonFiniteCounter(self.device, self.cfg.trainer.max_nonfinite)
         self.signals = StopSignals(self.dist.distributed)
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
@@ -155,7 +155,7 @@ class Trainer:
                     datasets = (self.data.train_set, self.data.val_set, self.data.holdout_set)
                     record_skipped_images(self.state.counts, [d for d in datasets if d is not None])
                     self.state.history.append(record)
-                    self.save(is_best=is_best)
+                    self.save(is_best)
                     if self.state.last_metrics is not None:
                         self.write_results(epoch + 1)
                     if epoch + 1 < tcfg.epochs and self.signals.agree_now():
@@ -228,7 +228,8 @@ class Trainer:
                 self.state.epoch, self.state.step = epoch, step + 1  # step + 1 steps of this epoch done
                 elapsed += time.perf_counter() - start
                 progress = EpochProgress(loss_sum.item(), seen, elapsed, int(skipped_steps.item()))
-                self._checkpoint_mid_epoch(progress)
+                self.state.counts["skipped_steps"] += self._nonfinite.take_skipped()
+                self.save(False, progress)
                 self._stop()
         bar.close()
         self._nonfinite.check(epoch)
@@ -370,60 +371,9 @@ class Trainer:
         return is_best
 
     # ------------------------------------------------------------------ outputs
-    def _checkpoint_mid_epoch(self, progress: EpochProgress) -> None:
-        """Checkpoint within an epoch (``state.step`` steps of it done), with every rank's ``progress``."""
-        self.state.counts["skipped_steps"] += self._nonfinite.take_skipped()
-        self.state.partial = all_gather_object(progress)
-        self._write_checkpoint(is_best=False)
-
-    def save(self, is_best: bool) -> None:
-        """Checkpoint after ``state.epoch`` complete epochs (and ``best.pt`` when ``is_best``)."""
-        self.state.partial = []
-        self._write_checkpoint(is_best)
-
-    def _write_checkpoint(self, is_best: bool) -> None:
-        """Write the training state where it stands on rank 0, with every rank's RNG states; every rank
-        returns together, and if rank 0 fails to write, every rank raises its error."""
-        self.state.rng = all_gather_object(rng_state())
-        dist_utils.on_main(lambda: self._write_files(is_best), self.dist.is_main)
-
-    def _write_files(self, is_best: bool) -> None:
-        """Write ``best.pt`` (when ``is_best``), then the training checkpoint that records it as the best.
-
-        In that order a kill at any point leaves a consistent pair: the newest training checkpoint names a
-        best epoch whose ``best.pt`` exists (a kill before it is written leaves the previous ``best.pt`` and
-        the previous training checkpoint, from which a resumed run reaches this epoch again).
-        """
-        checkpoint = {
-            **self.state.state_dict(),
-            "model": self.model.state_dict(),
-            "loss": self.criterion.state_dict() if isinstance(self.criterion, nn.Module) else None,
-            "ema": None if self.ema is None else self.ema.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "classes": self.classes,
-            "preprocess": self.preprocess,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
-            "thresholds_split": self.thresholds_split,
-        }
-        checkpoints = self.run_dir / "checkpoints"
-        if is_best:
-            best = self.state.best
-            best_model = self.model if best["weights"] == "raw" else self.ema.module
-            best_weights = {
-                "model": best_model.state_dict(),
-                "weights": best["weights"],
-                "thresholds": self.best_thresholds,
-                "loss": checkpoint["loss"],  # the loss's state at this epoch (model.init_from carries it)
-                **{
-                    k: checkpoint[k]
-                    for k in ("epoch", "classes", "preprocess", "config", "best", "thresholds_split")
-                },
-            }
-            save_checkpoint(best_weights, checkpoints / "best.pt")
-        iteration = self.state.epoch * self.iters_per_epoch + self.state.step
-        save_training_checkpoint(checkpoint, checkpoints, iteration, self.cfg.trainer.keep_checkpoints)
+    def save(self, is_best: bool, progress: EpochProgress | None = None) -> None:
+        """Checkpoint where training stands (see :meth:`Checkpointer.save`), ``best.pt`` when ``is_best``."""
+        self.checkpointer.save(is_best, progress, self.best_thresholds, self.thresholds_split)
 
     def results(self, epochs_completed: int) -> dict[str, Any]:
         """What results.json holds after ``epochs_completed`` epochs (see :func:`run_results`)."""

@@ -40,7 +40,6 @@ from mlcls.inference.fields import (
 from mlcls.metrics.thresholds import select_labels
 from mlcls.models import create_model
 from mlcls.models.factory import TRAINING_KEYS
-from mlcls.renamed import upgrade_config
 
 # The only function that builds a checkpoint's model (the ``_target_`` of configs/model/*.yaml).
 MODEL_FACTORY = "mlcls.models.create_model"
@@ -105,7 +104,6 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
     """
     if not isinstance(config.get("model"), dict):
         raise InferenceError("the checkpoint's config has no model section; is it an mlcls checkpoint?")
-    config = upgrade_config(config)  # written before a rename (README, "Renamed keys")
     fields = dict(config["model"])
     for key in TRAINING_KEYS:  # how training started and what it updated: the network is the same
         fields.pop(key, None)

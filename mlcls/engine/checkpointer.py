@@ -1,5 +1,6 @@
-"""Starting a run from saved state: resuming it (rank 0 chooses the checkpoint, every rank restores the same
-one), or starting a new run from another run's weights and loss state (``model.init_from``)."""
+"""The checkpointer: one object that writes a run's checkpoints (``last.pt``, ``iter_*.pt``, ``best.pt``),
+chooses the one to resume, loads it once and restores the run from it; and starting a new run from another
+run's weights and loss state (``model.init_from``)."""
 
 from __future__ import annotations
 
@@ -8,55 +9,157 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from mlcls import distributed as collectives
 from mlcls.engine import distributed as dist_utils
-from mlcls.engine.checkpoint import CheckpointError, choose_resume_checkpoint, load_checkpoint
-from mlcls.engine.state import TrainState, set_rng_state
+from mlcls.engine.checkpoint import (
+    CheckpointError,
+    EpochProgress,
+    TrainState,
+    choose_resume_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    save_training_checkpoint,
+    set_rng_state,
+)
+from mlcls.engine.distributed import DistInfo
 from mlcls.engine.state_checks import RunBounds, check_resume_state
 from mlcls.errors import ConfigError
 
 log = logging.getLogger("mlcls")
 
 
-def resume_run(
-    cfg: DictConfig,
-    run_dir: Path,
-    parts: dict[str, Any],
-    scaler: torch.amp.GradScaler,
-    state: TrainState,
-    rank: int,
-    iters_per_epoch: int | None = None,
-    num_classes: int | None = None,
-) -> bool:
-    """Restore ``trainer.resume`` (a file, or ``auto``: the newest readable checkpoint of ``run_dir``) into
-    ``parts`` (name -> object with ``load_state_dict``: model, optimizer, scheduler, ema), ``scaler`` and
-    ``state``; True if a checkpoint was loaded.
+class Checkpointer:
+    """Keeps a run's state: gathers it from its parts, writes it (rank 0), and resumes the run from it.
 
-    Checkpoints are read as plain data (:func:`load_checkpoint`) unless ``trainer.trust_checkpoint``.
-    Rank 0 chooses the file and every rank loads that one (ranks that chose for themselves could load
-    different files when one is being written or a node's file system lags). A checkpoint written with
-    another ``trainer.amp`` is resumed with a warning and a fresh loss scale. Every stored field is
-    checked against the live objects, ``trainer.epochs``, ``iters_per_epoch`` and ``num_classes`` first
-    (:func:`check_resume_state`).
+    Args:
+        cfg: the run's config (``trainer.resume``, ``trust_checkpoint``, ``keep_checkpoints``, ``amp``).
+        run_dir: the run directory; checkpoints live in ``<run_dir>/checkpoints``.
+        parts: name -> object with ``state_dict`` / ``load_state_dict``: model, optimizer, scheduler, loss,
+            and ema when the run has one.
+        scaler, state, dist: the loss scale, the :class:`TrainState` and the processes of the run.
+        classes, preprocess, iters_per_epoch: what a checkpoint records of the data, and its epoch length.
     """
-    resume = cfg.trainer.resume
-    if not resume:
-        return False
-    checkpoints = run_dir / "checkpoints"
-    trust = bool(cfg.trainer.get("trust_checkpoint", False))
-    path = dist_utils.on_main(lambda: choose_resume_checkpoint(resume, checkpoints, trust), rank == 0)
-    path = collectives.broadcast_object(path)
-    if path is None:
-        log.info("trainer.resume=auto: no readable checkpoint in %s, starting from scratch", run_dir)
-        return False
-    with dist_utils.all_or_none():
-        bounds = RunBounds(int(cfg.trainer.epochs), iters_per_epoch, num_classes)
-        checkpoint = load_checkpoint(path, trust=trust)
-        restore(checkpoint, Path(path), parts, scaler, state, cfg.trainer.amp, rank, bounds)
-    return True
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        run_dir: Path,
+        parts: dict[str, Any],
+        scaler: torch.amp.GradScaler,
+        state: TrainState,
+        dist: DistInfo,
+        classes: list[str],
+        preprocess: dict[str, Any],
+        iters_per_epoch: int,
+    ) -> None:
+        self.cfg, self.directory, self.parts, self.scaler, self.state = (
+            cfg,
+            run_dir / "checkpoints",
+            parts,
+            scaler,
+            state,
+        )
+        self.dist, self.classes, self.preprocess, self.iters_per_epoch = (
+            dist,
+            classes,
+            preprocess,
+            iters_per_epoch,
+        )
+
+    def resume(self) -> bool:
+        """Restore ``trainer.resume`` (a file, or ``auto``: the newest readable checkpoint of the run
+        directory) into the parts, the scaler and the state; True if a checkpoint was loaded.
+
+        Checkpoints are read as plain data (:func:`load_checkpoint`) unless ``trainer.trust_checkpoint``,
+        and each file once: rank 0 chooses by loading and restores from what it loaded; the other ranks
+        load the path it chose (ranks that chose for themselves could load different files when one is
+        being written or a node's file system lags). A checkpoint written with another ``trainer.amp`` is
+        resumed with a warning and a fresh loss scale. Every stored field is checked against the live
+        objects, ``trainer.epochs``, the epoch's length and the number of classes first
+        (:func:`check_resume_state`).
+        """
+        resume = self.cfg.trainer.resume
+        if not resume:
+            return False
+        trust = bool(self.cfg.trainer.get("trust_checkpoint", False))
+        chosen = dist_utils.on_main(
+            lambda: choose_resume_checkpoint(resume, self.directory, trust), self.dist.is_main
+        )
+        path = collectives.broadcast_object(chosen[0] if chosen is not None else None)
+        if path is None:
+            log.info(
+                "trainer.resume=auto: no readable checkpoint in %s, starting from scratch", self.directory
+            )
+            return False
+        with dist_utils.all_or_none():
+            checkpoint = chosen[1] if chosen is not None and chosen[1] is not None else None
+            if checkpoint is None:
+                checkpoint = load_checkpoint(path, trust=trust)
+            bounds = RunBounds(int(self.cfg.trainer.epochs), self.iters_per_epoch, len(self.classes))
+            restore(
+                checkpoint, Path(path), self.parts, self.scaler, self.state, self.cfg.trainer.amp,
+                self.dist.rank, bounds,
+            )  # fmt: skip
+        return True
+
+    def save(
+        self,
+        is_best: bool = False,
+        progress: EpochProgress | None = None,
+        best_thresholds: torch.Tensor | None = None,
+        thresholds_split: str = "validation",
+    ) -> None:
+        """Checkpoint where training stands: after ``state.epoch`` complete epochs (``progress`` None; with
+        ``best.pt`` when ``is_best``, holding ``best_thresholds``), or within an epoch with every rank's
+        ``progress``. Every rank's RNG states are gathered; rank 0 writes, every rank returns together,
+        and if rank 0 fails to write, every rank raises its error."""
+        self.state.partial = [] if progress is None else collectives.all_gather_object(progress)
+        self.state.rng = collectives.all_gather_object(rng_state())
+        write = lambda: self._write_files(is_best, best_thresholds, thresholds_split)  # noqa: E731
+        dist_utils.on_main(write, self.dist.is_main)
+
+    def _write_files(
+        self, is_best: bool, best_thresholds: torch.Tensor | None, thresholds_split: str
+    ) -> None:
+        """Write ``best.pt`` (when ``is_best``), then the training checkpoint that records it as the best.
+
+        In that order a kill at any point leaves a consistent pair: the newest training checkpoint names a
+        best epoch whose ``best.pt`` exists (a kill before it is written leaves the previous ``best.pt`` and
+        the previous training checkpoint, from which a resumed run reaches this epoch again).
+        """
+        parts = self.parts
+        loss = parts["loss"]
+        checkpoint = {
+            **self.state.state_dict(),
+            **{name: parts[name].state_dict() for name in ("model", "optimizer", "scheduler")},
+            "loss": loss.state_dict() if isinstance(loss, nn.Module) else None,
+            "ema": parts["ema"].state_dict() if "ema" in parts else None,
+            "scaler": self.scaler.state_dict(),
+            "classes": self.classes,
+            "preprocess": self.preprocess,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "thresholds_split": thresholds_split,
+        }
+        if is_best:
+            best = self.state.best
+            best_model = parts["model"] if best["weights"] == "raw" else parts["ema"].module
+            best_weights = {
+                "model": best_model.state_dict(),
+                "weights": best["weights"],
+                "thresholds": best_thresholds,
+                "loss": checkpoint["loss"],  # the loss's state at this epoch (model.init_from carries it)
+                **{
+                    k: checkpoint[k]
+                    for k in ("epoch", "classes", "preprocess", "config", "best", "thresholds_split")
+                },
+            }
+            save_checkpoint(best_weights, self.directory / "best.pt")
+        iteration = self.state.epoch * self.iters_per_epoch + self.state.step
+        save_training_checkpoint(checkpoint, self.directory, iteration, self.cfg.trainer.keep_checkpoints)
 
 
 def restore(
@@ -134,7 +237,8 @@ def init_from_checkpoint(
     loaded = {k: v for k, v in weights.items() if same_classes or not k.startswith(head)}
     config = state.get("config") if isinstance(state.get("config"), dict) else {}
     stored = config.get("model") if isinstance(config.get("model"), dict) else {}
-    held = f"the file holds {stored.get('name', 'a model')} with a {stored.get('head', 'linear')} head"
+    head_cfg = stored.get("head") if isinstance(stored.get("head"), dict) else {}  # upgraded: a group
+    held = f"the file holds {stored.get('name', 'a model')} with a {head_cfg.get('name', 'linear')} head"
     for key, tensor in expected.items():
         if key not in loaded or loaded[key].shape != tensor.shape:
             found = (
