@@ -31,7 +31,7 @@ from mlcls.engine.rundir import LOCK_NAME, RunDirLocked, acquire_run_lock, relea
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.report import Thumbnails
 from mlcls.reporting.report_data import ValPredictions, load_val_predictions
-from mlcls.reporting.runs import read_config, read_results
+from mlcls.reporting.run_files import read_config, read_results
 
 SECONDS = 15
 

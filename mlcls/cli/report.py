@@ -21,7 +21,7 @@ from mlcls.data import build_dataset
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.report import write_report
 from mlcls.reporting.report_data import load_val_predictions
-from mlcls.reporting.runs import read_config, read_results
+from mlcls.reporting.run_files import read_config, read_results
 
 
 def validation_set(run_dir: Path):

@@ -55,7 +55,7 @@ from mlcls.reporting.report_data import (
     probabilities,
     save_val_predictions,
 )
-from mlcls.reporting.runs import config_groups, is_number, read_config, read_results
+from mlcls.reporting.run_files import config_groups, is_number, read_config, read_results
 
 if TYPE_CHECKING:
     from mlcls.engine.trainer import Trainer
@@ -187,14 +187,14 @@ def _run_summary(results: Mapping[str, Any], config: Mapping[str, Any], epoch: i
 
 
 def _figure(value: float | None) -> str:
-    """A figure of results.json (a number, checked by :func:`mlcls.reporting.runs.check_results`, or
+    """A figure of results.json (a number, checked by :func:`mlcls.reporting.run_files.check_results`, or
     absent: a dash)."""
     return ui.number(float("nan") if value is None else value)
 
 
 def _curves(history: Sequence[Mapping[str, Any]]) -> str:
     """The training loss and validation mAP per epoch (finite values only; the history's types are checked
-    by :func:`mlcls.reporting.runs.check_results`)."""
+    by :func:`mlcls.reporting.run_files.check_results`)."""
 
     def finite(entry: Mapping[str, Any], key: str) -> bool:
         return is_number(entry.get(key)) and math.isfinite(entry[key])

@@ -36,14 +36,8 @@ from mlcls.errors import plural
 from mlcls.losses.spec import loss_name
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import markdown_text, spreadsheet_text
-from mlcls.reporting.runs import (
-    built_name,
-    find_run_dirs,
-    natural_order,
-    read_config,
-    read_results,
-    yaml_text,
-)
+from mlcls.reporting.run_files import read_config, read_results
+from mlcls.reporting.runs import built_name, find_run_dirs, natural_order, yaml_text
 
 FIGURE_COLUMNS = ("status", "mAP_class", "mAP_sample", "best_epoch", "epochs_completed", "wall_time_s", "run")
 # Sorted highest first by --sort; every other column lowest (or alphabetically) first.

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from mlcls import config_dir
 from mlcls.reporting.paper import ReportError
+from mlcls.reporting.run_files import read_config, read_results
 from mlcls.reporting.runs import (
     METRICS,
     RunRecord,
@@ -29,8 +30,6 @@ from mlcls.reporting.runs import (
     config_value,
     find_run_dirs,
     protocol_deviations,
-    read_config,
-    read_results,
     run_attributes,
 )
 from mlcls.reporting.sweeps import (
