@@ -15,10 +15,10 @@ class InferenceError(ValueError):
 
 def plural(count: int, noun: str) -> str:
     """``"1 image"``, ``"3 images"``, ``"2 classes"``: ``count`` and ``noun``, plural unless ``count`` is 1
-    (``-es`` after a sibilant: s, x, z, ch, sh)."""
+    (``-es`` after a sibilant: s, x, z, sh, tch; "epochs", not "epoches")."""
     if count == 1:
         return f"{count} {noun}"
-    return f"{count} {noun}es" if noun.endswith(("s", "x", "z", "ch", "sh")) else f"{count} {noun}s"
+    return f"{count} {noun}es" if noun.endswith(("s", "x", "z", "sh", "tch")) else f"{count} {noun}s"
 
 
 def printable(text: str) -> str:

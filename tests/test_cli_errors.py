@@ -145,6 +145,7 @@ def test_require_keys_and_plural():
         (0, "image", "0 images"),
         (2, "box", "2 boxes"),
         (3, "batch", "3 batches"),
+        (2, "epoch", "2 epochs"),
         (2, "head", "2 heads"),
     ],
 )
