@@ -48,13 +48,6 @@ def _shards_source(key: str, fallback: Any, *, _parent_: DictConfig) -> Any:
 # ``${shards_source:image_size,224}`` in configs/dataset/shards.yaml: the packed source's setting.
 OmegaConf.register_new_resolver("shards_source", _shards_source, replace=True)
 
-# The modules the dataset configs' ``_target_`` named before the datasets moved into mlcls.data.datasets
-# and the shards into mlcls.data.shards, as the dataset config of a checkpoint of that time holds them.
-_MOVED_DATASET_MODULES = {
-    f"mlcls.data.{name}": f"mlcls.data.datasets.{name}"
-    for name in ("coco", "csv_dataset", "openimages", "synthetic", "vaw", "vispr", "voc", "wider")
-} | {"mlcls.data.shards": "mlcls.data.shards.datasets"}
-
 __all__ = [
     "BadImageError",
     "DatasetConfigError",
@@ -64,17 +57,7 @@ __all__ = [
     "MultiLabelDataset",
     "Sample",
     "build_dataset",
-    "current_target",
 ]
-
-
-def current_target(target: str) -> str:
-    """A dataset config's ``_target_`` at its current module path: a checkpoint written before the data/
-    split names ``mlcls.data.coco.COCO`` for ``mlcls.data.datasets.coco.COCO`` and
-    ``mlcls.data.shards.open_shards`` for ``mlcls.data.shards.datasets.open_shards``; any other target is
-    returned unchanged."""
-    module, _, name = target.rpartition(".")
-    return f"{_MOVED_DATASET_MODULES[module]}.{name}" if module in _MOVED_DATASET_MODULES else target
 
 
 # The largest network input side a dataset config may ask for (the field's largest are 448-640 px).

@@ -20,18 +20,17 @@ Classes: ``classes`` given (that order; any other name is an error), or inferred
 the training and validation files (labels column), or the class columns in header order (one-hot).
 
 Image paths are relative to ``root / image_dir`` (or absolute). Validation data: ``val_file``, or else about
-``val_fraction`` of the training file's images, held out as ``holdout`` says:
+``val_fraction`` of the training file's images, held out as ``val_by`` says:
 
-* ``stratified`` (the config's default): by iterative stratification of the labels (the
-  ``iterative-stratification`` package's ``MultilabelStratifiedShuffleSplit``, seeded by ``seed``; unknown
+* ``stratified`` (the default): by iterative stratification of the labels (the
+  ``iterative-stratification`` package's ``MultilabelStratifiedShuffleSplit``, seeded by ``val_seed``; unknown
   labels count as negatives), so that each class keeps about its share of positives on each side; then each
   class with at least 2 positives and none held out gets one (:func:`stratified_holdout`). The split depends
   on every row: appending rows can move images between training and validation;
-* ``hashed``: each image held out or not by a hash of its path as written in the file and ``seed``
+* ``hashed``: each image held out or not by a hash of its path as written in the file and ``val_seed``
   (:func:`held_out`): the split is a function of each image alone, so appending rows to the file never moves
   an image between training and validation (a file so small that no image is held out gets one: the one of
-  smallest hash); a rare class may have no positive held out. A config without ``holdout`` (a checkpoint
-  of before the key) means this split.
+  smallest hash); a rare class may have no positive held out.
 
 An image is known by its path resolved against ``root / image_dir`` and normalised (:func:`image_key`:
 ``img/0.png``, ``./img/0.png``, ``img//0.png`` and the absolute path are one image): an image listed twice
@@ -75,7 +74,7 @@ from mlcls.errors import plural, printable
 from mlcls.io import FileTooLargeError, read_text
 
 SPLITS = ("train", "val")
-HOLDOUTS = ("stratified", "hashed")  # dataset.holdout: how val_fraction of the training file is held out
+VAL_BY = ("stratified", "hashed")  # dataset.val_by: how val_fraction of the training file is held out
 # A class with fewer validation positives than this in a held-out split is named in a warning.
 MIN_VAL_POSITIVES = 5
 
@@ -134,9 +133,8 @@ class CSVDataset(MultiLabelDataset):
         train_file: the training list (relative to ``root`` or absolute).
         val_file: the validation list; ``None`` to hold out ``val_fraction`` of ``train_file``.
         val_fraction: share of ``train_file`` held out for validation when there is no ``val_file``.
-        holdout: ``"stratified"`` or ``"hashed"``, how that share is chosen (see the module docstring);
-            the default is the split of a config written before the key, the config's is stratified.
-        seed: seed of that hold-out (another seed, another split).
+        val_by: ``"stratified"`` or ``"hashed"``, how that share is chosen (see the module docstring).
+        val_seed: seed of that share (another seed, another split).
         image_column: column holding the image paths.
         labels_column: column of delimited class names; ``None`` for one column per class.
         label_delimiter: separator of the names in ``labels_column``.
@@ -153,8 +151,8 @@ class CSVDataset(MultiLabelDataset):
         train_file: str = "train.csv",
         val_file: str | None = None,
         val_fraction: float = 0.1,
-        holdout: str = "hashed",
-        seed: int = 0,
+        val_by: str = "stratified",
+        val_seed: int = 0,
         image_column: str = "image",
         labels_column: str | None = "labels",
         label_delimiter: str = " ",
@@ -177,7 +175,7 @@ class CSVDataset(MultiLabelDataset):
         require_files(root, [files[key] for key in sorted(needed)], layout)
         if not val_file and not 0.0 <= val_fraction < 1.0:
             raise DatasetConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        check_choice("dataset.holdout", holdout, HOLDOUTS)
+        check_choice("dataset.val_by", val_by, VAL_BY)
 
         paths = {key: resolve_path(root, files[key]) for key in sorted(needed)}
         tables = {key: read_table(path, delimiter) for key, path in paths.items()}
@@ -217,7 +215,7 @@ class CSVDataset(MultiLabelDataset):
         images = [os.path.join(image_root, image) for image in written]  # an absolute path stays as it is
 
         if not val_file:
-            chosen = self._holdout(written, labels, val_fraction, holdout, seed, split)
+            chosen = self._val_rows(written, labels, val_fraction, val_by, val_seed, split)
             labels, images = labels[chosen], [images[i] for i in chosen]
             if split == "val":
                 warn_few_positives(labels, self.classes, val_fraction)
@@ -231,11 +229,11 @@ class CSVDataset(MultiLabelDataset):
         self.samples = [Sample(path) for path in images]
 
     @staticmethod
-    def _holdout(
-        images: list[str], labels: np.ndarray, val_fraction: float, holdout: str, seed: int, split: str
+    def _val_rows(
+        images: list[str], labels: np.ndarray, val_fraction: float, val_by: str, seed: int, split: str
     ) -> np.ndarray:
         """Indices of the rows of ``split``: those held out for validation (``val``) or not (``train``), by
-        :func:`stratified_holdout` of ``labels`` or by :func:`held_out` of each image path (``holdout``).
+        :func:`stratified_holdout` of ``labels`` or by :func:`held_out` of each image path (``val_by``).
         When the hash holds out no image (a file of a few rows), the image of smallest :func:`image_hash`
         is, so that validation is never empty."""
         if val_fraction == 0:
@@ -244,7 +242,7 @@ class CSVDataset(MultiLabelDataset):
                     "the csv dataset has no validation data: set dataset.val_file or dataset.val_fraction > 0"
                 )
             return np.arange(len(images))
-        if holdout == "stratified":
+        if val_by == "stratified":
             in_val = stratified_holdout(labels, val_fraction, seed)
         else:
             hashes = [image_hash(image, seed) for image in images]
@@ -262,7 +260,7 @@ def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np
     least 2 positives and none held out gets one: the first of its training rows (in the seeded order)
     whose other classes keep a training positive. A file of one row is held out whole."""
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise DatasetConfigError(f"dataset.seed={seed!r}; expected an integer >= 0")
+        raise DatasetConfigError(f"dataset.val_seed={seed!r}; expected an integer >= 0")
     positive = labels == 1
     if len(labels) < 2:
         return np.ones(len(labels), dtype=bool)
