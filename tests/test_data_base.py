@@ -129,7 +129,12 @@ def test_dataset_configs_instantiate_as_they_are(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
     root = write_voc(tmp_path, 2007)
-    cfg = compose_config(["dataset=voc2007", f"dataset.root={root}", "dataset.image_size=48"]).dataset
+    from mlcls.data import POLICY_KEYS
+
+    composed = compose_config(["dataset=voc2007", f"dataset.root={root}", "dataset.image_size=48"]).dataset
+    # the training policies are build_dataset's, not the dataset's: the rest instantiates as it is
+    plain = OmegaConf.to_container(composed)
+    cfg = OmegaConf.create({k: v for k, v in plain.items() if k not in POLICY_KEYS})
     train = instantiate(cfg, split=cfg.train_split)
     test = instantiate(cfg, split=cfg.val_split)
     assert (train.name, train.image_size, train.train_split, train.val_split) == (
@@ -141,7 +146,7 @@ def test_dataset_configs_instantiate_as_they_are(tmp_path: Path) -> None:
     assert repr(train.transform) == repr(build_transform("paper", 48, train=True))
     assert repr(test.transform) == repr(build_transform("paper", 48, train=False))
     assert len(train) == 3 and len(test) == 2
-    built = build_dataset(cfg, train=True, backend="fast")
+    built = build_dataset(composed, train=True, backend="fast")
     assert (
         type(built.transform).__name__ == "FastTrainTransform"
         and built.labels.tolist() == train.labels.tolist()

@@ -336,7 +336,7 @@ def test_the_csv_validation_split_keys_are_val_keys_and_an_old_one_names_its_new
     dataset = compose_config("train", ["dataset=csv", "dataset.val_by=hashed", "dataset.val_seed=3"]).dataset
     assert (dataset.val_by, dataset.val_seed) == ("hashed", 3)
     assert "holdout" not in dataset and "seed" not in dataset
-    with pytest.raises(ConfigError, match=r'^dataset.holdout was renamed to dataset.val_by \(see README, "Ren'):
+    with pytest.raises(ConfigError, match=r"^dataset.holdout was renamed to dataset.val_by \(see README"):
         compose_config("train", ["dataset=csv", "dataset.holdout=hashed"])
     with pytest.raises(ConfigError, match=r"^unknown option dataset.seed: did you mean dataset.val_seed"):
         compose_config("train", ["dataset=csv", "dataset.seed=3"])
