@@ -154,3 +154,52 @@ def test_dataset_configs_instantiate_as_they_are(tmp_path: Path) -> None:
     typo = {**OmegaConf.to_container(cfg), "image_sise": 48}
     with pytest.raises(InstantiationException, match="image_sise"):
         instantiate(typo, split="test")
+
+
+# Keys whose Python default means "none given" and whose config value is the user's to set: a dataset built
+# in Python gets no transform (the PIL image) and reads its folder from the caller.
+USER_KEYS = {"transform", "root", "split"}
+# The keys each config sets for its own dataset, which MultiLabelDataset takes with a generic default.
+PER_DATASET_KEYS = {"name", "image_size", "train_split", "val_split"}
+
+
+def test_python_defaults_equal_the_dataset_configs_defaults() -> None:
+    """For every key a dataset config and its class (or function, and the classes it passes the keys to)
+    both have, the default is one value. old: CSVDataset defaulted to holdout="hashed", its config to
+    stratified."""
+    import inspect
+
+    from conftest import compose_config
+    from hydra.utils import get_method
+    from omegaconf import OmegaConf
+
+    from mlcls import config_dir
+    from mlcls.data.shards.datasets import ShardTrainSet
+
+    compared, nodes = 0, {}
+    for path in sorted((config_dir() / "dataset").glob("*.yaml")):
+        if path.stem != "base":
+            node = compose_config([f"dataset={path.stem}"]).dataset
+            nodes[path] = OmegaConf.to_container(node, resolve=True)
+    for path, node in nodes.items():
+        # a key in which two configs of one class differ (VOC's year) chooses between them: no default
+        chosen = {
+            key
+            for other in nodes.values()
+            if other["_target_"] == node["_target_"]
+            for key in node
+            if other.get(key) != node[key]
+        }
+        target = get_method(node["_target_"])
+        owners = [*inspect.getmro(target)] if inspect.isclass(target) else [target, ShardTrainSet]
+        defaults: dict = {}
+        for owner in reversed([*owners, MultiLabelDataset]):
+            function = owner.__init__ if inspect.isclass(owner) else owner
+            for name, parameter in inspect.signature(function).parameters.items():
+                if parameter.default is not inspect.Parameter.empty:
+                    defaults[name] = parameter.default
+        for key in sorted(set(node) & set(defaults) - USER_KEYS - PER_DATASET_KEYS - chosen):
+            expected = list(defaults[key]) if isinstance(defaults[key], tuple) else defaults[key]
+            assert node[key] == expected, f"{path.name}: {key}={node[key]!r}, Python default {expected!r}"
+            compared += 1
+    assert compared > 30

@@ -45,7 +45,6 @@ The file delimiter follows the extension (``.tsv``/``.tab`` -> tab, else comma) 
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import logging
 import os
@@ -55,7 +54,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from iterstrat.ml_stratifiers import MultilabelStratifiedShuffleSplit
 
 from mlcls.data.datasets.base import (
     DatasetConfigError,
@@ -70,6 +68,7 @@ from mlcls.data.datasets.base import (
     require_files,
     resolve_path,
 )
+from mlcls.data.datasets.folds import held_out, image_hash, stratified_holdout
 from mlcls.errors import plural, printable
 from mlcls.io import FileTooLargeError, read_text
 
@@ -252,35 +251,6 @@ class CSVDataset(MultiLabelDataset):
         return np.flatnonzero(in_val if split == "val" else ~in_val)
 
 
-def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask (N,) of the rows of ``labels`` (N, C; 1 / 0 / -1, unknown counted as negative) held
-    out for validation: ``ceil(val_fraction * N)`` rows chosen by iterative stratification
-    (``MultilabelStratifiedShuffleSplit`` seeded by ``seed``, any integer >= 0), each class's positives
-    shared between the sides in about the ratio ``val_fraction``. Then, rarest class first, a class with at
-    least 2 positives and none held out gets one: the first of its training rows (in the seeded order)
-    whose other classes keep a training positive. A file of one row is held out whole."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise DatasetConfigError(f"dataset.val_seed={seed!r}; expected an integer >= 0")
-    positive = labels == 1
-    if len(labels) < 2:
-        return np.ones(len(labels), dtype=bool)
-    state = np.random.RandomState(np.random.SeedSequence(seed).generate_state(4))
-    splitter = MultilabelStratifiedShuffleSplit(n_splits=1, test_size=val_fraction, random_state=state)
-    # with a column of ones: the splitter takes two columns at least (a file of one class)
-    targets = np.column_stack([positive, np.ones(len(labels), dtype=bool)])
-    in_val = np.isin(np.arange(len(labels)), next(splitter.split(np.zeros(len(labels)), targets))[1])
-    order = state.permutation(len(labels))
-    for c in np.argsort(positive.sum(axis=0), kind="stable"):
-        if positive[:, c].sum() < 2 or positive[in_val, c].any():
-            continue
-        train_positives = positive[~in_val].sum(axis=0)
-        for row in order:
-            if positive[row, c] and not in_val[row] and (train_positives[positive[row]] >= 2).all():
-                in_val[row] = True
-                break
-    return in_val
-
-
 def image_key(image_root: str, image: str) -> str:
     """The image a CSV cell names: ``image`` (as written) joined to ``image_root`` (an absolute path stays as
     it is), made absolute and normalised (``.``, ``..`` and repeated separators removed; lexically, without
@@ -379,18 +349,6 @@ def warn_few_positives(labels: np.ndarray, classes: Sequence[str], val_fraction:
             f"{len(few)} class{'es' if len(few) > 1 else ''}",
             listed,
         )
-
-
-def image_hash(image: str, seed: int) -> int:
-    """The first 8 bytes of SHA-1(``"<seed>:<image>"``): a uniform 64-bit integer per (seed, image path)."""
-    return int.from_bytes(hashlib.sha1(f"{seed}:{image}".encode()).digest()[:8], "big")
-
-
-def held_out(image: str, val_fraction: float, seed: int) -> bool:
-    """Whether ``image`` (its path as written in the CSV file) is held out for validation:
-    ``image_hash(image, seed) < val_fraction * 2**64``. Each image is held out with probability
-    ``val_fraction``, independently of every other row of the file."""
-    return image_hash(image, seed) < val_fraction * 2**64
 
 
 def _split_names(cell: str, label_delimiter: str) -> list[str]:
