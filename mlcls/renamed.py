@@ -21,6 +21,7 @@ RENAMED_KEYS: dict[str, str] = {
     "model.csra_lam": "model.head.lam",
     "sched.head_warmup_epochs": "model.head.warmup_epochs",
     "sched.warmup_iters": "sched.warmup_epochs",
+    "dataset.holdout": "dataset.val_by",
 }
 
 # The head each old flat model key belonged to: a stored config holds every head's keys, the chosen one's

@@ -16,7 +16,7 @@ from test_inference_support import IMAGE_SIZE, reference_logits, trained_run
 
 from mlcls.cli import eval as eval_cli
 from mlcls.cli.eval import check_dataset_target, evaluation_dataset_config, packaged_dataset_targets
-from mlcls.data import build_dataset, current_target
+from mlcls.data import build_dataset
 from mlcls.data.datasets.csv_dataset import held_out
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.errors import ConfigError
@@ -176,7 +176,7 @@ def test_a_run_trained_with_a_relative_root_evaluates_from_another_directory(
     (data / "images").symlink_to(paths[0].parent)
     monkeypatch.chdir(tmp_path / "a")
     overrides = [
-        "dataset=csv", "dataset.root=data", "dataset.val_fraction=0.5", "dataset.holdout=hashed",
+        "dataset=csv", "dataset.root=data", "dataset.val_fraction=0.5", "dataset.val_by=hashed",
         "dataset.image_size=32", "dataset.transform=light", "model.name=resnet10t", "model.pretrained=false",
         "trainer.epochs=1",
         "trainer.batch_size=4", "trainer.limit_train_batches=1", "trainer.workers=0", "trainer.device=cpu",
@@ -194,27 +194,15 @@ def test_a_run_trained_with_a_relative_root_evaluates_from_another_directory(
     assert json.loads(out.strip().splitlines()[-1])["num_samples"] == len(held)
 
 
-def test_a_checkpoint_naming_its_dataset_by_the_path_before_the_data_split_still_evaluates():
-    """The ``_target_`` of every dataset config as checkpoints written before data/ was split hold it."""
-    before_split = {
-        "mlcls.data.coco.COCO",
-        "mlcls.data.csv_dataset.CSVDataset",
-        "mlcls.data.openimages.OpenImages",
-        "mlcls.data.shards.open_shards",
-        "mlcls.data.synthetic.SyntheticMultiLabel",
-        "mlcls.data.vaw.VAW",
-        "mlcls.data.vispr.VISPR",
-        "mlcls.data.voc.VOC",
-        "mlcls.data.wider.WIDERAttribute",
-    }
-    # every dataset of that time maps to its config's target now (datasets added since have no old path)
-    assert {current_target(target) for target in before_split} <= packaged_dataset_targets()
-    assert all(current_target(target) != target for target in before_split)
-    assert current_target("mlcls.data.datasets.voc.VOC") == "mlcls.data.datasets.voc.VOC"
-    assert current_target("os.system") == "os.system"
-    run = {"_target_": "mlcls.data.synthetic.SyntheticMultiLabel", "name": "synthetic", "image_size": 32}
+def test_a_dataset_target_of_no_released_format_is_refused_and_the_current_one_evaluates():
+    """Every checkpoint comes from this version: a ``_target_`` at a module path mlcls never released (the
+    old code mapped ``mlcls.data.synthetic...`` to its current module) is refused with one line."""
+    old = {"_target_": "mlcls.data.synthetic.SyntheticMultiLabel", "name": "synthetic", "image_size": 32}
+    with pytest.raises(ConfigError, match=r"^the checkpoint's dataset._target_='mlcls.data.synthetic.Synth"):
+        check_dataset_target(evaluation_dataset_config(old, {}, ["x"]))
+    run = {**old, "_target_": "mlcls.data.datasets.synthetic.SyntheticMultiLabel"}
     merged = evaluation_dataset_config(run, {}, ["x"])
-    assert merged["_target_"] == "mlcls.data.datasets.synthetic.SyntheticMultiLabel"
+    assert merged["_target_"] in packaged_dataset_targets()
     check_dataset_target(merged)  # a dataset of mlcls: accepted
     dataset = build_dataset({**merged, "val_size": 4, "transform": "light"}, train=False)
     assert isinstance(dataset, SyntheticMultiLabel) and len(dataset) == 4

@@ -129,7 +129,12 @@ def test_dataset_configs_instantiate_as_they_are(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
     root = write_voc(tmp_path, 2007)
-    cfg = compose_config(["dataset=voc2007", f"dataset.root={root}", "dataset.image_size=48"]).dataset
+    from mlcls.data import POLICY_KEYS
+
+    composed = compose_config(["dataset=voc2007", f"dataset.root={root}", "dataset.image_size=48"]).dataset
+    # the training policies are build_dataset's, not the dataset's: the rest instantiates as it is
+    plain = OmegaConf.to_container(composed)
+    cfg = OmegaConf.create({k: v for k, v in plain.items() if k not in POLICY_KEYS})
     train = instantiate(cfg, split=cfg.train_split)
     test = instantiate(cfg, split=cfg.val_split)
     assert (train.name, train.image_size, train.train_split, train.val_split) == (
@@ -141,7 +146,7 @@ def test_dataset_configs_instantiate_as_they_are(tmp_path: Path) -> None:
     assert repr(train.transform) == repr(build_transform("paper", 48, train=True))
     assert repr(test.transform) == repr(build_transform("paper", 48, train=False))
     assert len(train) == 3 and len(test) == 2
-    built = build_dataset(cfg, train=True, backend="fast")
+    built = build_dataset(composed, train=True, backend="fast")
     assert (
         type(built.transform).__name__ == "FastTrainTransform"
         and built.labels.tolist() == train.labels.tolist()
@@ -157,3 +162,52 @@ def test_an_image_size_out_of_range_is_refused_where_the_dataset_is_built(size, 
     from conftest import assert_dataset_setting_refused
 
     assert_dataset_setting_refused(f"dataset.image_size={size}", f"dataset.image_size={size}", capsys)
+
+
+# Keys whose Python default means "none given" and whose config value is the user's to set: a dataset built
+# in Python gets no transform (the PIL image) and reads its folder from the caller.
+USER_KEYS = {"transform", "root", "split"}
+# The keys each config sets for its own dataset, which MultiLabelDataset takes with a generic default.
+PER_DATASET_KEYS = {"name", "image_size", "train_split", "val_split"}
+
+
+def test_python_defaults_equal_the_dataset_configs_defaults() -> None:
+    """For every key a dataset config and its class (or function, and the classes it passes the keys to)
+    both have, the default is one value. old: CSVDataset defaulted to holdout="hashed", its config to
+    stratified."""
+    import inspect
+
+    from conftest import compose_config
+    from hydra.utils import get_method
+    from omegaconf import OmegaConf
+
+    from mlcls import config_dir
+    from mlcls.data.shards.datasets import ShardTrainSet
+
+    compared, nodes = 0, {}
+    for path in sorted((config_dir() / "dataset").glob("*.yaml")):
+        if path.stem != "base":
+            node = compose_config([f"dataset={path.stem}"]).dataset
+            nodes[path] = OmegaConf.to_container(node, resolve=True)
+    for path, node in nodes.items():
+        # a key in which two configs of one class differ (VOC's year) chooses between them: no default
+        chosen = {
+            key
+            for other in nodes.values()
+            if other["_target_"] == node["_target_"]
+            for key in node
+            if other.get(key) != node[key]
+        }
+        target = get_method(node["_target_"])
+        owners = [*inspect.getmro(target)] if inspect.isclass(target) else [target, ShardTrainSet]
+        defaults: dict = {}
+        for owner in reversed([*owners, MultiLabelDataset]):
+            function = owner.__init__ if inspect.isclass(owner) else owner
+            for name, parameter in inspect.signature(function).parameters.items():
+                if parameter.default is not inspect.Parameter.empty:
+                    defaults[name] = parameter.default
+        for key in sorted(set(node) & set(defaults) - USER_KEYS - PER_DATASET_KEYS - chosen):
+            expected = list(defaults[key]) if isinstance(defaults[key], tuple) else defaults[key]
+            assert node[key] == expected, f"{path.name}: {key}={node[key]!r}, Python default {expected!r}"
+            compared += 1
+    assert compared > 30

@@ -81,9 +81,9 @@ def test_val_file_and_classes_from_both_files(tmp_path: Path) -> None:
 
 
 def _split_names(
-    root: str, split: str, seed: int = 0, val_fraction: float = 0.25, holdout: str = "hashed"
+    root: str, split: str, seed: int = 0, val_fraction: float = 0.25, val_by: str = "hashed"
 ) -> list[str]:
-    dataset = CSVDataset(split, root=root, val_fraction=val_fraction, seed=seed, holdout=holdout)
+    dataset = CSVDataset(split, root=root, val_fraction=val_fraction, val_seed=seed, val_by=val_by)
     return [Path(s.path).name for s in dataset.samples]
 
 
@@ -208,7 +208,7 @@ def test_a_held_out_split_holds_each_image_on_one_side_whatever_its_spellings(tm
     held = [held_out(image, 0.5, seed) for image in images]
     assert any(held) and not all(held)  # both sides hold images of this fixture
     for split, side in (("val", True), ("train", False)):
-        dataset = CSVDataset(split, root=root, val_fraction=0.5, seed=seed, holdout="hashed")
+        dataset = CSVDataset(split, root=root, val_fraction=0.5, val_seed=seed, val_by="hashed")
         # img/0.jpg on the side of its first spelling only
         assert [s.path for s in dataset.samples] == [
             f"{root}/{image}" for image, h in zip(images, held, strict=True) if h == side
@@ -253,14 +253,14 @@ def test_a_held_out_split_with_few_positives_of_a_class_names_them(tmp_path: Pat
     text = "image,labels\n" + "".join(f"{name},{tag}\n" for name, tag in zip(images, tags, strict=True))
     root = str(write_csv(tmp_path, text, images=images))
     with caplog.at_level("WARNING", logger="mlcls"):
-        CSVDataset("val", root=root, val_fraction=0.2, holdout="hashed")
+        CSVDataset("val", root=root, val_fraction=0.2, val_by="hashed")
     warnings = [r.getMessage() for r in caplog.records if "fewer than 5 positives" in r.getMessage()]
     assert len(warnings) == 1
     assert "of 1 class (rare 2)" in warnings[0]
     assert "dataset.val_fraction" in warnings[0] and "dataset.val_file" in warnings[0]
     caplog.clear()
     with caplog.at_level("WARNING", logger="mlcls"):
-        CSVDataset("train", root=root, val_fraction=0.2, holdout="hashed")
+        CSVDataset("train", root=root, val_fraction=0.2, val_by="hashed")
         CSVDataset("val", root=root, val_file="train.csv")  # a validation list: no warning
     assert "fewer than 5 positives" not in caplog.text
 
@@ -305,10 +305,10 @@ def test_the_stratified_holdout_counts_unknown_labels_as_negatives(tmp_path: Pat
     root = str(write_csv(tmp_path, "image,a,b,c\n" + "".join(rows), images=[r[:6] for r in rows]))
     for seed in range(3):
         val = CSVDataset(
-            "val", root=root, labels_column=None, val_fraction=0.1, seed=seed, holdout="stratified"
+            "val", root=root, labels_column=None, val_fraction=0.1, val_seed=seed, val_by="stratified"
         )
         train = CSVDataset(
-            "train", root=root, labels_column=None, val_fraction=0.1, seed=seed, holdout="stratified"
+            "train", root=root, labels_column=None, val_fraction=0.1, val_seed=seed, val_by="stratified"
         )
         assert len(val) + len(train) == 20
         assert (val.labels[:, 2] == 1).sum() == 1 and (train.labels[:, 2] == 1).sum() == 1
@@ -317,11 +317,26 @@ def test_the_stratified_holdout_counts_unknown_labels_as_negatives(tmp_path: Pat
 def test_the_csv_config_holds_out_by_stratification_and_refuses_other_holdouts(tmp_path: Path) -> None:
     from mlcls.cli.overrides import compose_config
 
-    assert compose_config("train", ["dataset=csv"]).dataset.holdout == "stratified"
+    assert compose_config("train", ["dataset=csv"]).dataset.val_by == "stratified"
     root, _, _ = _rare_class_csv(tmp_path)
     with pytest.raises(
-        DatasetConfigError, match=r"unknown dataset.holdout 'random'; expected one of 'stratified', 'hashed'"
+        DatasetConfigError, match=r"unknown dataset.val_by 'random'; expected one of 'stratified', 'hashed'"
     ):
-        CSVDataset("val", root=root, holdout="random")
-    with pytest.raises(DatasetConfigError, match=r"dataset.seed=-1; expected an integer >= 0"):
-        CSVDataset("val", root=root, holdout="stratified", seed=-1)
+        CSVDataset("val", root=root, val_by="random")
+    with pytest.raises(DatasetConfigError, match=r"dataset.val_seed=-1; expected an integer >= 0"):
+        CSVDataset("val", root=root, val_by="stratified", val_seed=-1)
+
+
+def test_the_csv_validation_split_keys_are_val_keys_and_an_old_one_names_its_new_name():
+    """old: ``dataset.holdout`` / ``dataset.seed`` chose the validation split beside the ``holdout_*`` keys
+    of the selection split; ``dataset.holdout=hashed`` was read."""
+    from mlcls.cli.overrides import compose_config
+    from mlcls.errors import ConfigError
+
+    dataset = compose_config("train", ["dataset=csv", "dataset.val_by=hashed", "dataset.val_seed=3"]).dataset
+    assert (dataset.val_by, dataset.val_seed) == ("hashed", 3)
+    assert "holdout" not in dataset and "seed" not in dataset
+    with pytest.raises(ConfigError, match=r"^dataset.holdout was renamed to dataset.val_by \(see README"):
+        compose_config("train", ["dataset=csv", "dataset.holdout=hashed"])
+    with pytest.raises(ConfigError, match=r"^unknown option dataset.seed: did you mean dataset.val_seed"):
+        compose_config("train", ["dataset=csv", "dataset.seed=3"])

@@ -13,12 +13,12 @@ import torch
 from conftest import TINY, assert_dataset_setting_refused, compose_config
 from torchvision.transforms.functional import pil_to_tensor
 
-from mlcls.data import DatasetConfigError
+from mlcls.data import POLICY_KEYS, DatasetConfigError, apply_training_policies
 from mlcls.data.datasets.folds import SplitRows, split_holdout
 from mlcls.data.datasets.labels import LabelCounts, label_counts
 from mlcls.data.datasets.observed import HoldoutSplit
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
-from mlcls.data.shards.datasets import open_shards
+from mlcls.data.shards.datasets import ShardTrainSet
 from mlcls.engine import trainer as trainer_module
 from mlcls.engine.trainer import Trainer
 from mlcls.inference.predictor import load_inference_model
@@ -42,7 +42,10 @@ def reference_held_out(fraction: float, seed: int, index: int) -> bool:
 
 
 def synthetic(size: int = 200, **keys) -> SyntheticMultiLabel:
-    return SyntheticMultiLabel("train", train_size=size, val_size=8, **keys)
+    """The synthetic training split, the policies among ``keys`` applied as ``build_dataset`` applies them."""
+    policies = {key: keys.pop(key) for key in POLICY_KEYS if key in keys}
+    dataset = SyntheticMultiLabel("train", train_size=size, val_size=8, **keys)
+    return apply_training_policies(dataset, **policies)
 
 
 def targets(dataset, indices) -> torch.Tensor:
@@ -248,8 +251,10 @@ def test_a_cut_with_an_empty_side_stops_before_training(tmp_path) -> None:
 
 
 def test_shards_refuse_a_held_out_split() -> None:
+    shards = ShardTrainSet.__new__(ShardTrainSet)  # what open_shards gives, no file read
+    shards.train_split, shards.val_split = "train", "val"
     with pytest.raises(DatasetConfigError, match="packed shards are read in sequence") as error:
-        open_shards("train", root="/nowhere", holdout_fraction=0.2)
+        apply_training_policies(shards, holdout_fraction=0.2)
     assert "\n" not in str(error.value)
     with pytest.raises(DatasetConfigError, match="holdout_labels"):
-        open_shards("train", root="/nowhere", holdout_labels="full")
+        apply_training_policies(shards, holdout_labels="full")

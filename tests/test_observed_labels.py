@@ -17,7 +17,7 @@ from conftest import assert_dataset_setting_refused, compose_config
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
-from mlcls.data import DatasetConfigError
+from mlcls.data import DatasetConfigError, apply_training_policies, training_policies
 from mlcls.data.datasets.labels import LabelCounts, SparseLabels, label_counts, observed_counts
 from mlcls.data.datasets.observed import ObservedLabels
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
@@ -27,7 +27,13 @@ SIZE = 400
 
 
 def synthetic(split: str = "train", size: int = SIZE, **observed) -> SyntheticMultiLabel:
-    return SyntheticMultiLabel(split, train_size=size, val_size=size, **observed)
+    """The ``split`` of the synthetic dataset, the regime of the keys ``observed`` on its training split (as
+    ``build_dataset`` puts it)."""
+    dataset = SyntheticMultiLabel(split, train_size=size, val_size=size)
+    if split == dataset.train_split:
+        return apply_training_policies(dataset, **observed)
+    training_policies(**observed)
+    return dataset
 
 
 def targets(dataset, indices=None) -> torch.Tensor:
@@ -101,7 +107,8 @@ def test_evaluation_reads_the_full_labels() -> None:
     val = synthetic("val", observed="single_positive")
     assert torch.equal(targets(val), val.labels) and not val.observed.hides_labels
     with pytest.raises(DatasetConfigError, match="also dataset.val_split") as error:
-        SyntheticMultiLabel("train", observed="partial", observed_fraction=0.5, val_split="train")
+        dataset = SyntheticMultiLabel("train", val_split="train")
+        apply_training_policies(dataset, observed="partial", observed_fraction=0.5)
     assert "\n" not in str(error.value)
 
 
@@ -132,7 +139,8 @@ def test_sparse_labels_draw_alike_without_a_dense_matrix(tmp_path: Path, regime:
     from mlcls.data.datasets.openimages import OpenImages
 
     root, rows = write_generated_openimages(tmp_path)
-    train = OpenImages("train", root=str(root), dense_labels_gb=1e-12, observed_seed=8, **regime)
+    train = OpenImages("train", root=str(root), dense_labels_gb=1e-12)
+    apply_training_policies(train, observed_seed=8, **regime)
     full = torch.tensor(rows["train"])
     rule = ObservedLabels(regime["observed"], 8, regime.get("observed_fraction", 1.0))
     shown = targets(train)
@@ -141,7 +149,7 @@ def test_sparse_labels_draw_alike_without_a_dense_matrix(tmp_path: Path, regime:
     counts, reference = label_counts(train), LabelCounts.of(shown)  # no (N, C) matrix is built
     assert torch.equal(counts.positives, reference.positives)
     assert torch.equal(counts.negatives, reference.negatives)
-    validation = OpenImages("validation", root=str(root), observed_seed=8, **regime)
+    validation = OpenImages("validation", root=str(root))
     assert torch.equal(targets(validation), torch.tensor(rows["validation"]))
 
 
@@ -153,15 +161,8 @@ def _loader_targets(dataset, rank: int, world: int, workers: int, epoch: int, st
 
 
 def regime_dataset() -> SyntheticMultiLabel:
-    return SyntheticMultiLabel(
-        "train",
-        transform="light",
-        image_size=16,
-        canvas_size=16,
-        train_size=64,
-        observed="single_positive",
-        observed_seed=1,
-    )
+    dataset = SyntheticMultiLabel("train", transform="light", image_size=16, canvas_size=16, train_size=64)
+    return apply_training_policies(dataset, observed="single_positive", observed_seed=1)
 
 
 def test_workers_and_resume_serve_the_same_targets() -> None:
@@ -279,7 +280,8 @@ def test_shards_draw_the_source_rows_by_key(packed: Path) -> None:
     from mlcls.data.shards.reader import iter_shard
 
     regime = {"observed": "single_positive", "observed_seed": 4}
-    shards = open_shards("train", str(packed / URLS), transform=None, image_size=48, **regime)
+    shards = open_shards("train", str(packed / URLS), transform=None, image_size=48)
+    apply_training_policies(shards, **regime)
     source = synthetic(size=90, **regime)
     shown = []
     for url in shards.urls:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from mlcls import config_dir
 from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import closest_keys, run_command
-from mlcls.data import build_dataset, current_target
+from mlcls.data import build_dataset
 from mlcls.data.loader import build_eval_loader
 from mlcls.data.shards.reader import expand_urls, is_local
 from mlcls.engine import distributed as dist_utils
@@ -100,8 +100,6 @@ def evaluation_dataset_config(
                 f"{closest_keys(str(key), [str(k) for k in run_dataset], 'dataset')}"
             )
     merged = {**run_dataset, **overrides}
-    if isinstance(merged.get("_target_"), str):  # a checkpoint written before the data/ split
-        merged["_target_"] = current_target(merged["_target_"])
     if "classes" in merged and "classes" not in overrides:
         merged["classes"] = list(classes)
     return merged

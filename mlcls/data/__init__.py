@@ -1,5 +1,8 @@
-"""Datasets. Each config in ``configs/dataset/`` names its class with ``_target_`` and is instantiated as it
-is, the split added: ``hydra.utils.instantiate(cfg.dataset, split=cfg.dataset.train_split)``.
+"""Datasets. Each config in ``configs/dataset/`` names its class with ``_target_``; its keys but the training
+policies (:data:`POLICY_KEYS`, shared through ``configs/dataset/base.yaml``) instantiate it as they are, the
+split added: ``hydra.utils.instantiate(cfg, split=cfg.train_split)``. :func:`build_dataset` applies the
+policies, the observed-label regime and the held-out selection split, to the training split in one place
+(:func:`apply_training_policies`).
 
 Besides the class's own arguments (``root``, ``year``, ...), every dataset config holds the keys the rest of
 mlcls reads: ``name`` (short name), ``image_size`` (network input side), ``transform`` (a transform name of
@@ -34,6 +37,7 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
 )
+from mlcls.data.datasets.observed import HOLDOUT_LABELS, OBSERVED_REGIMES, HoldoutSplit, ObservedLabels
 from mlcls.data.pipeline.fast import build_backend_transform
 from mlcls.data.pipeline.transforms import TRANSFORM_KINDS
 from mlcls.errors import shown
@@ -48,13 +52,6 @@ def _shards_source(key: str, fallback: Any, *, _parent_: DictConfig) -> Any:
 # ``${shards_source:image_size,224}`` in configs/dataset/shards.yaml: the packed source's setting.
 OmegaConf.register_new_resolver("shards_source", _shards_source, replace=True)
 
-# The modules the dataset configs' ``_target_`` named before the datasets moved into mlcls.data.datasets
-# and the shards into mlcls.data.shards, as the dataset config of a checkpoint of that time holds them.
-_MOVED_DATASET_MODULES = {
-    f"mlcls.data.{name}": f"mlcls.data.datasets.{name}"
-    for name in ("coco", "csv_dataset", "openimages", "synthetic", "vaw", "vispr", "voc", "wider")
-} | {"mlcls.data.shards": "mlcls.data.shards.datasets"}
-
 __all__ = [
     "BadImageError",
     "DatasetConfigError",
@@ -63,18 +60,20 @@ __all__ = [
     "DatasetLayoutError",
     "MultiLabelDataset",
     "Sample",
+    "apply_training_policies",
     "build_dataset",
-    "current_target",
+    "training_policies",
 ]
-
-
-def current_target(target: str) -> str:
-    """A dataset config's ``_target_`` at its current module path: a checkpoint written before the data/
-    split names ``mlcls.data.coco.COCO`` for ``mlcls.data.datasets.coco.COCO`` and
-    ``mlcls.data.shards.open_shards`` for ``mlcls.data.shards.datasets.open_shards``; any other target is
-    returned unchanged."""
-    module, _, name = target.rpartition(".")
-    return f"{_MOVED_DATASET_MODULES[module]}.{name}" if module in _MOVED_DATASET_MODULES else target
+# The keys of a dataset config that choose training policies (:func:`apply_training_policies`), not data.
+POLICY_KEYS = (
+    "observed",
+    "observed_seed",
+    "observed_fraction",
+    "holdout_fraction",
+    "holdout_labels",
+    "holdout_seed",
+)
+MAX_SEED = 2**63 - 1
 
 
 # The largest network input side a dataset config may ask for (the field's largest are 448-640 px).
@@ -94,21 +93,100 @@ def check_input_settings(kind: Any, size: Any) -> None:
         )
 
 
+def _check_seed(key: str, seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise DatasetConfigError(f"dataset.{key}={shown(seed)}; expected an integer from 0 to {MAX_SEED}")
+    return seed
+
+
+def training_policies(
+    observed: str = "all",
+    observed_seed: int = 0,
+    observed_fraction: float = 1.0,
+    holdout_fraction: float = 0.0,
+    holdout_labels: str = "clean",
+    holdout_seed: int = 0,
+) -> tuple[ObservedLabels, HoldoutSplit]:
+    """The observed-label regime and the held-out selection split of the config keys :data:`POLICY_KEYS`,
+    each checked here, once: one :class:`DatasetConfigError` line for a regime not in
+    :data:`OBSERVED_REGIMES`, a fraction outside (0, 1] (observed) or [0, 1) (held out), labels not in
+    :data:`HOLDOUT_LABELS`, a seed not in [0, 2**63 - 1]."""
+    if not isinstance(observed, str) or observed not in OBSERVED_REGIMES:
+        raise DatasetConfigError(
+            f"dataset.observed={shown(observed)}; expected one of {', '.join(OBSERVED_REGIMES)}"
+        )
+    fraction = observed_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+        raise DatasetConfigError(
+            f"dataset.observed_fraction={shown(fraction)}; expected a number in (0, 1], the share of the "
+            "training labels kept by dataset.observed=partial"
+        )
+    regime = ObservedLabels(observed, _check_seed("observed_seed", observed_seed), float(fraction))
+    fraction = holdout_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction < 1:
+        raise DatasetConfigError(
+            f"dataset.holdout_fraction={shown(fraction)}; expected a number in [0, 1), the share of the "
+            "training split held out to select the best epoch (0: none)"
+        )
+    if not isinstance(holdout_labels, str) or holdout_labels not in HOLDOUT_LABELS:
+        raise DatasetConfigError(
+            f"dataset.holdout_labels={shown(holdout_labels)}; expected one of {', '.join(HOLDOUT_LABELS)}"
+        )
+    selection = HoldoutSplit(float(fraction), holdout_labels, _check_seed("holdout_seed", holdout_seed))
+    return regime, selection
+
+
+def apply_training_policies(dataset: Any, **policy_keys: Any) -> Any:
+    """``dataset``, the training split of its config, with the training policies of ``policy_keys`` (keys
+    of :data:`POLICY_KEYS`, :func:`training_policies`) set on it: the observed-label regime its ``target``
+    shows (``observed``) and the held-out selection split (``selection_split``;
+    :func:`mlcls.data.datasets.folds.split_holdout` cuts it). One :class:`DatasetConfigError` line for a
+    regime that hides labels when the training split is also ``dataset.val_split`` (evaluation reads full
+    labels), or a held-out split of a dataset not read by index (packed shards)."""
+    regime, selection = training_policies(**policy_keys)
+    if regime.hides_labels and dataset.train_split == dataset.val_split:
+        raise DatasetConfigError(
+            f"dataset.observed={regime.regime} hides labels of the training split {dataset.train_split!r}, "
+            "which is also dataset.val_split, and evaluation reads the full labels; evaluate on another "
+            "split or set dataset.observed=all"
+        )
+    if selection.fraction and not isinstance(dataset, MultiLabelDataset):
+        raise DatasetConfigError(
+            f"dataset.holdout_fraction={selection.fraction:g}: packed shards are read in sequence, not by "
+            "sample index, so no share of them can be held out; train on the dataset config the shards were "
+            "packed from, or set dataset.holdout_fraction=0"
+        )
+    dataset.observed = regime
+    if selection.fraction:
+        dataset.selection_split = selection
+    return dataset
+
+
 def build_dataset(
     cfg: DictConfig | dict[str, Any], train: bool, backend: str = "torchvision"
 ) -> MultiLabelDataset:
     """Instantiate the training (``train=True``) or validation split of the dataset config ``cfg``, with the
-    transform of the input pipeline ``backend`` (``data.backend``; see :mod:`mlcls.data.pipeline.fast`)."""
+    transform of the input pipeline ``backend`` (``data.backend``; see :mod:`mlcls.data.pipeline.fast`) and,
+    for training, the policies of its keys :data:`POLICY_KEYS` (:func:`apply_training_policies`, the one
+    place they are applied; checked for the validation split too)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if not isinstance(cfg, dict) else cfg
     cfg = OmegaConf.create(cfg)
+    if "_target_" not in cfg:
+        raise DatasetConfigError(
+            f"the dataset config {cfg.get('name', '')!r} names no _target_ (dataset=base holds the keys "
+            "every dataset config shares, it is no dataset); expected a dataset of configs/dataset/"
+        )
+    policies = {key: cfg.pop(key) for key in POLICY_KEYS if key in cfg}
+    training_policies(**policies)  # checked for either split, before any file is read
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
     kind, size = cfg.get("transform", "paper"), cfg.get("image_size")
     check_input_settings(kind, size)
     transform = build_backend_transform(backend, kind, size, train, cfg.get("mean"), cfg.get("std"))
     try:
-        return instantiate(cfg, split=split, transform=transform, _convert_="all")
+        dataset = instantiate(cfg, split=split, transform=transform, _convert_="all")
     except InstantiationException as exc:
         # Hydra wraps whatever the constructor raises; a dataset error is the user's one-line message.
         if isinstance(exc.__cause__, DatasetError):
             raise exc.__cause__ from None
         raise
+    return apply_training_policies(dataset, **policies) if train else dataset

@@ -9,7 +9,9 @@ Subclasses fill three attributes in ``__init__``:
 
 ``labels`` is available without decoding any image (class statistics, loss weighting, ``mlcls-data stats``).
 It holds the full labels; the training split's targets (:meth:`MultiLabelDataset.target`) are its rows as
-the observed-label regime ``dataset.observed`` shows them (:mod:`mlcls.data.datasets.observed`).
+the observed-label regime ``observed`` shows them (:mod:`mlcls.data.datasets.observed`). The regime and the
+held-out selection split are training policies, not dataset arguments: :func:`mlcls.data.build_dataset`
+puts them on the training split (:func:`mlcls.data.apply_training_policies`).
 
 Unreadable images (missing, corrupt, truncated, or of a shape the transforms refuse: one side over
 :data:`mlcls.data.pipeline.transforms.MAX_ASPECT_RATIO` times the other, checked from the file's header before
@@ -38,14 +40,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from mlcls.data.datasets.observed import (
-    ALL_LABELS,
-    HOLDOUT_LABELS,
-    NO_HOLDOUT,
-    OBSERVED_REGIMES,
-    HoldoutSplit,
-    ObservedLabels,
-)
+from mlcls.data.datasets.observed import ALL_LABELS, NO_HOLDOUT, HoldoutSplit, ObservedLabels
 from mlcls.data.images import read_image
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, check_aspect_ratio
 from mlcls.errors import shown
@@ -184,48 +179,6 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
     return value
 
 
-def observed_labels(observed: str = "all", seed: int = 0, fraction: float = 1.0) -> ObservedLabels:
-    """The observed-label regime of the config keys ``dataset.observed``, ``dataset.observed_seed`` and
-    ``dataset.observed_fraction`` (:mod:`mlcls.data.datasets.observed`), checked: one
-    :class:`DatasetConfigError` line for a regime not in :data:`OBSERVED_REGIMES`, a seed that is not an
-    integer in [0, 2**63 - 1] or a fraction outside (0, 1]."""
-    if not isinstance(observed, str) or observed not in OBSERVED_REGIMES:
-        raise DatasetConfigError(
-            f"dataset.observed={shown(observed)}; expected one of {', '.join(OBSERVED_REGIMES)}"
-        )
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**63 - 1:
-        raise DatasetConfigError(
-            f"dataset.observed_seed={shown(seed)}; expected an integer from 0 to {2**63 - 1}"
-        )
-    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
-        raise DatasetConfigError(
-            f"dataset.observed_fraction={shown(fraction)}; expected a number in (0, 1], the share of the "
-            "training labels kept by dataset.observed=partial"
-        )
-    return ObservedLabels(observed, int(seed), float(fraction))
-
-
-def holdout_split(fraction: float = 0.0, labels: str = "clean", seed: int = 0) -> HoldoutSplit:
-    """The held-out selection split of the config keys ``dataset.holdout_fraction``,
-    ``dataset.holdout_labels`` and ``dataset.holdout_seed`` (:class:`HoldoutSplit`), checked: one
-    :class:`DatasetConfigError` line for a fraction outside [0, 1), labels not in :data:`HOLDOUT_LABELS` or
-    a seed that is not an integer in [0, 2**63 - 1]."""
-    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction < 1:
-        raise DatasetConfigError(
-            f"dataset.holdout_fraction={shown(fraction)}; expected a number in [0, 1), the share of the "
-            "training split held out to select the best epoch (0: none)"
-        )
-    if not isinstance(labels, str) or labels not in HOLDOUT_LABELS:
-        raise DatasetConfigError(
-            f"dataset.holdout_labels={shown(labels)}; expected one of {', '.join(HOLDOUT_LABELS)}"
-        )
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**63 - 1:
-        raise DatasetConfigError(
-            f"dataset.holdout_seed={shown(seed)}; expected an integer from 0 to {2**63 - 1}"
-        )
-    return HoldoutSplit(float(fraction), labels, int(seed))
-
-
 def to_rgb(image: Image.Image) -> Image.Image:
     """``image`` as 8-bit RGB. Greyscale of more than 8 bits (PIL modes ``I;16*``, 16-bit PNGs and TIFFs, and
     ``I``, 32-bit integers) is scaled to 8 bits, ``v >> 8`` for 16-bit values, where PIL's own conversion
@@ -303,14 +256,12 @@ class MultiLabelDataset(Dataset):
         train_split, val_split: the splits training and evaluation use (``dataset.train_split``, ...).
         mean, std: the per-channel (R, G, B) normalisation ``(x - mean) / std`` of [0, 1] pixels
             (``dataset.mean``, ``dataset.std``; ImageNet's by default), for a transform named here.
-        observed, observed_seed, observed_fraction: the observed-label regime of the training split
-            (:func:`observed_labels`; ``dataset.observed``, ...): ``observed`` holds it when ``split ==
-            train_split``, else (evaluation) every label. A regime that hides labels is refused when the
-            training split is also the evaluation split (``val_split``): evaluation reads full labels.
-        holdout_fraction, holdout_labels, holdout_seed: the share of the training split held out to select
-            the best epoch (:func:`holdout_split`; ``dataset.holdout_fraction``, ...), held in
-            ``selection_split`` when ``split == train_split``; :func:`mlcls.data.datasets.folds.split_holdout`
-            cuts it.
+
+    Attributes:
+        observed: the observed-label regime :meth:`target` shows (every label unless
+            :func:`mlcls.data.apply_training_policies` sets the training split's).
+        selection_split: the share of the training split held out to select the best epoch (none unless
+            that function sets one); :func:`mlcls.data.datasets.folds.split_holdout` cuts it.
     """
 
     observed: ObservedLabels = ALL_LABELS
@@ -328,25 +279,9 @@ class MultiLabelDataset(Dataset):
         val_split: str = "val",
         mean: Sequence[float] | None = IMAGENET_MEAN,
         std: Sequence[float] | None = IMAGENET_STD,
-        observed: str = "all",
-        observed_seed: int = 0,
-        observed_fraction: float = 1.0,
-        holdout_fraction: float = 0.0,
-        holdout_labels: str = "clean",
-        holdout_seed: int = 0,
     ) -> None:
         self.name, self.image_size = name, int(image_size)
         self.train_split, self.val_split = train_split, val_split
-        regime = observed_labels(observed, observed_seed, observed_fraction)
-        selection = holdout_split(holdout_fraction, holdout_labels, holdout_seed)
-        if regime.hides_labels and train_split == val_split:
-            raise DatasetConfigError(
-                f"dataset.observed={observed} hides labels of the training split {train_split!r}, which is "
-                "also dataset.val_split, and evaluation reads the full labels; evaluate on another split or "
-                "set dataset.observed=all"
-            )
-        if split == train_split:
-            self.observed, self.selection_split = regime, selection
         if isinstance(transform, str):
             transform = build_transform(transform, self.image_size, split == train_split, mean, std)
         self.transform = transform

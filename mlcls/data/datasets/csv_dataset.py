@@ -20,18 +20,17 @@ Classes: ``classes`` given (that order; any other name is an error), or inferred
 the training and validation files (labels column), or the class columns in header order (one-hot).
 
 Image paths are relative to ``root / image_dir`` (or absolute). Validation data: ``val_file``, or else about
-``val_fraction`` of the training file's images, held out as ``holdout`` says:
+``val_fraction`` of the training file's images, held out as ``val_by`` says:
 
-* ``stratified`` (the config's default): by iterative stratification of the labels (the
-  ``iterative-stratification`` package's ``MultilabelStratifiedShuffleSplit``, seeded by ``seed``; unknown
+* ``stratified`` (the default): by iterative stratification of the labels (the
+  ``iterative-stratification`` package's ``MultilabelStratifiedShuffleSplit``, seeded by ``val_seed``; unknown
   labels count as negatives), so that each class keeps about its share of positives on each side; then each
   class with at least 2 positives and none held out gets one (:func:`stratified_holdout`). The split depends
   on every row: appending rows can move images between training and validation;
-* ``hashed``: each image held out or not by a hash of its path as written in the file and ``seed``
+* ``hashed``: each image held out or not by a hash of its path as written in the file and ``val_seed``
   (:func:`held_out`): the split is a function of each image alone, so appending rows to the file never moves
   an image between training and validation (a file so small that no image is held out gets one: the one of
-  smallest hash); a rare class may have no positive held out. A config without ``holdout`` (a checkpoint
-  of before the key) means this split.
+  smallest hash); a rare class may have no positive held out.
 
 An image is known by its path resolved against ``root / image_dir`` and normalised (:func:`image_key`:
 ``img/0.png``, ``./img/0.png``, ``img//0.png`` and the absolute path are one image): an image listed twice
@@ -46,7 +45,6 @@ The file delimiter follows the extension (``.tsv``/``.tab`` -> tab, else comma) 
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import logging
 import os
@@ -56,7 +54,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from iterstrat.ml_stratifiers import MultilabelStratifiedShuffleSplit
 
 from mlcls.data.datasets.base import (
     DatasetConfigError,
@@ -71,11 +68,12 @@ from mlcls.data.datasets.base import (
     require_files,
     resolve_path,
 )
+from mlcls.data.datasets.folds import held_out, image_hash, stratified_holdout
 from mlcls.errors import plural, printable
 from mlcls.io import FileTooLargeError, read_text
 
 SPLITS = ("train", "val")
-HOLDOUTS = ("stratified", "hashed")  # dataset.holdout: how val_fraction of the training file is held out
+VAL_BY = ("stratified", "hashed")  # dataset.val_by: how val_fraction of the training file is held out
 # A class with fewer validation positives than this in a held-out split is named in a warning.
 MIN_VAL_POSITIVES = 5
 
@@ -134,9 +132,8 @@ class CSVDataset(MultiLabelDataset):
         train_file: the training list (relative to ``root`` or absolute).
         val_file: the validation list; ``None`` to hold out ``val_fraction`` of ``train_file``.
         val_fraction: share of ``train_file`` held out for validation when there is no ``val_file``.
-        holdout: ``"stratified"`` or ``"hashed"``, how that share is chosen (see the module docstring);
-            the default is the split of a config written before the key, the config's is stratified.
-        seed: seed of that hold-out (another seed, another split).
+        val_by: ``"stratified"`` or ``"hashed"``, how that share is chosen (see the module docstring).
+        val_seed: seed of that share (another seed, another split).
         image_column: column holding the image paths.
         labels_column: column of delimited class names; ``None`` for one column per class.
         label_delimiter: separator of the names in ``labels_column``.
@@ -153,8 +150,8 @@ class CSVDataset(MultiLabelDataset):
         train_file: str = "train.csv",
         val_file: str | None = None,
         val_fraction: float = 0.1,
-        holdout: str = "hashed",
-        seed: int = 0,
+        val_by: str = "stratified",
+        val_seed: int = 0,
         image_column: str = "image",
         labels_column: str | None = "labels",
         label_delimiter: str = " ",
@@ -177,7 +174,7 @@ class CSVDataset(MultiLabelDataset):
         require_files(root, [files[key] for key in sorted(needed)], layout)
         if not val_file and not 0.0 <= val_fraction < 1.0:
             raise DatasetConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        check_choice("dataset.holdout", holdout, HOLDOUTS)
+        check_choice("dataset.val_by", val_by, VAL_BY)
 
         paths = {key: resolve_path(root, files[key]) for key in sorted(needed)}
         tables = {key: read_table(path, delimiter) for key, path in paths.items()}
@@ -217,7 +214,7 @@ class CSVDataset(MultiLabelDataset):
         images = [os.path.join(image_root, image) for image in written]  # an absolute path stays as it is
 
         if not val_file:
-            chosen = self._holdout(written, labels, val_fraction, holdout, seed, split)
+            chosen = self._val_rows(written, labels, val_fraction, val_by, val_seed, split)
             labels, images = labels[chosen], [images[i] for i in chosen]
             if split == "val":
                 warn_few_positives(labels, self.classes, val_fraction)
@@ -231,11 +228,11 @@ class CSVDataset(MultiLabelDataset):
         self.samples = [Sample(path) for path in images]
 
     @staticmethod
-    def _holdout(
-        images: list[str], labels: np.ndarray, val_fraction: float, holdout: str, seed: int, split: str
+    def _val_rows(
+        images: list[str], labels: np.ndarray, val_fraction: float, val_by: str, seed: int, split: str
     ) -> np.ndarray:
         """Indices of the rows of ``split``: those held out for validation (``val``) or not (``train``), by
-        :func:`stratified_holdout` of ``labels`` or by :func:`held_out` of each image path (``holdout``).
+        :func:`stratified_holdout` of ``labels`` or by :func:`held_out` of each image path (``val_by``).
         When the hash holds out no image (a file of a few rows), the image of smallest :func:`image_hash`
         is, so that validation is never empty."""
         if val_fraction == 0:
@@ -244,7 +241,7 @@ class CSVDataset(MultiLabelDataset):
                     "the csv dataset has no validation data: set dataset.val_file or dataset.val_fraction > 0"
                 )
             return np.arange(len(images))
-        if holdout == "stratified":
+        if val_by == "stratified":
             in_val = stratified_holdout(labels, val_fraction, seed)
         else:
             hashes = [image_hash(image, seed) for image in images]
@@ -252,35 +249,6 @@ class CSVDataset(MultiLabelDataset):
             if not in_val.any():
                 in_val = np.array(hashes) == min(hashes)
         return np.flatnonzero(in_val if split == "val" else ~in_val)
-
-
-def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask (N,) of the rows of ``labels`` (N, C; 1 / 0 / -1, unknown counted as negative) held
-    out for validation: ``ceil(val_fraction * N)`` rows chosen by iterative stratification
-    (``MultilabelStratifiedShuffleSplit`` seeded by ``seed``, any integer >= 0), each class's positives
-    shared between the sides in about the ratio ``val_fraction``. Then, rarest class first, a class with at
-    least 2 positives and none held out gets one: the first of its training rows (in the seeded order)
-    whose other classes keep a training positive. A file of one row is held out whole."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise DatasetConfigError(f"dataset.seed={seed!r}; expected an integer >= 0")
-    positive = labels == 1
-    if len(labels) < 2:
-        return np.ones(len(labels), dtype=bool)
-    state = np.random.RandomState(np.random.SeedSequence(seed).generate_state(4))
-    splitter = MultilabelStratifiedShuffleSplit(n_splits=1, test_size=val_fraction, random_state=state)
-    # with a column of ones: the splitter takes two columns at least (a file of one class)
-    targets = np.column_stack([positive, np.ones(len(labels), dtype=bool)])
-    in_val = np.isin(np.arange(len(labels)), next(splitter.split(np.zeros(len(labels)), targets))[1])
-    order = state.permutation(len(labels))
-    for c in np.argsort(positive.sum(axis=0), kind="stable"):
-        if positive[:, c].sum() < 2 or positive[in_val, c].any():
-            continue
-        train_positives = positive[~in_val].sum(axis=0)
-        for row in order:
-            if positive[row, c] and not in_val[row] and (train_positives[positive[row]] >= 2).all():
-                in_val[row] = True
-                break
-    return in_val
 
 
 def image_key(image_root: str, image: str) -> str:
@@ -381,18 +349,6 @@ def warn_few_positives(labels: np.ndarray, classes: Sequence[str], val_fraction:
             f"{len(few)} class{'es' if len(few) > 1 else ''}",
             listed,
         )
-
-
-def image_hash(image: str, seed: int) -> int:
-    """The first 8 bytes of SHA-1(``"<seed>:<image>"``): a uniform 64-bit integer per (seed, image path)."""
-    return int.from_bytes(hashlib.sha1(f"{seed}:{image}".encode()).digest()[:8], "big")
-
-
-def held_out(image: str, val_fraction: float, seed: int) -> bool:
-    """Whether ``image`` (its path as written in the CSV file) is held out for validation:
-    ``image_hash(image, seed) < val_fraction * 2**64``. Each image is held out with probability
-    ``val_fraction``, independently of every other row of the file."""
-    return image_hash(image, seed) < val_fraction * 2**64
 
 
 def _split_names(cell: str, label_delimiter: str) -> list[str]:

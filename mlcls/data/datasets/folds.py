@@ -1,5 +1,7 @@
-"""Cuts of a dataset's training split: one fold of a K-fold cut (``mlcls-data audit``), and the held-out
-selection split (``dataset.holdout_fraction``).
+"""Cuts of a dataset's training split: one fold of a K-fold cut (``mlcls-data audit``), the held-out
+selection split (``dataset.holdout_fraction``), and the CSV dataset's validation split of its training
+file (``dataset.val_by``: :func:`stratified_holdout` or :func:`held_out`; see
+:mod:`mlcls.data.datasets.csv_dataset`).
 
 The training split of the dataset config ``source`` is cut into ``folds`` folds by a seeded permutation of
 its rows (:func:`fold_rows`: row ``i`` of the permutation goes to fold ``i mod folds``, so that fold sizes
@@ -22,11 +24,13 @@ labels (``observed``, unknown entries -1, which the metrics leave out).
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from iterstrat.ml_stratifiers import MultilabelStratifiedShuffleSplit
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from torch.utils.data import Subset
@@ -195,3 +199,44 @@ def split_holdout(
     if selection.labels == "clean":
         reader.observed = ALL_LABELS
     return SplitRows(train_set, np.flatnonzero(~held)), SplitRows(reader, np.flatnonzero(held))
+
+
+def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
+    """Boolean mask (N,) of the rows of ``labels`` (N, C; 1 / 0 / -1, unknown counted as negative) held
+    out for validation: ``ceil(val_fraction * N)`` rows chosen by iterative stratification
+    (``MultilabelStratifiedShuffleSplit`` seeded by ``seed``, any integer >= 0), each class's positives
+    shared between the sides in about the ratio ``val_fraction``. Then, rarest class first, a class with at
+    least 2 positives and none held out gets one: the first of its training rows (in the seeded order)
+    whose other classes keep a training positive. A file of one row is held out whole."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise DatasetConfigError(f"dataset.val_seed={seed!r}; expected an integer >= 0")
+    positive = labels == 1
+    if len(labels) < 2:
+        return np.ones(len(labels), dtype=bool)
+    state = np.random.RandomState(np.random.SeedSequence(seed).generate_state(4))
+    splitter = MultilabelStratifiedShuffleSplit(n_splits=1, test_size=val_fraction, random_state=state)
+    # with a column of ones: the splitter takes two columns at least (a file of one class)
+    targets = np.column_stack([positive, np.ones(len(labels), dtype=bool)])
+    in_val = np.isin(np.arange(len(labels)), next(splitter.split(np.zeros(len(labels)), targets))[1])
+    order = state.permutation(len(labels))
+    for c in np.argsort(positive.sum(axis=0), kind="stable"):
+        if positive[:, c].sum() < 2 or positive[in_val, c].any():
+            continue
+        train_positives = positive[~in_val].sum(axis=0)
+        for row in order:
+            if positive[row, c] and not in_val[row] and (train_positives[positive[row]] >= 2).all():
+                in_val[row] = True
+                break
+    return in_val
+
+
+def image_hash(image: str, seed: int) -> int:
+    """The first 8 bytes of SHA-1(``"<seed>:<image>"``): a uniform 64-bit integer per (seed, image path)."""
+    return int.from_bytes(hashlib.sha1(f"{seed}:{image}".encode()).digest()[:8], "big")
+
+
+def held_out(image: str, val_fraction: float, seed: int) -> bool:
+    """Whether ``image`` (its path as written in the CSV file) is held out for validation:
+    ``image_hash(image, seed) < val_fraction * 2**64``. Each image is held out with probability
+    ``val_fraction``, independently of every other row of the file."""
+    return image_hash(image, seed) < val_fraction * 2**64

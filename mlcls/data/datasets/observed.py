@@ -9,7 +9,7 @@
 Unknown labels (-1) stay unknown in every regime. The draw is a pure function of ``(seed, sample index,
 class)`` (a counter-based hash, :func:`mix64`), never of a random state: a sample's observed row is the same
 on every rank, in every DataLoader worker, after every resume, and whatever else was read before it. The
-regime applies to the training split only (:class:`mlcls.data.datasets.base.MultiLabelDataset` sets it
+regime applies to the training split only (:func:`mlcls.data.apply_training_policies` sets it
 there); evaluation always reads the full labels.
 
 The held-out selection split (``dataset.holdout_fraction``, :class:`HoldoutSplit`) is drawn the same way,
@@ -46,7 +46,7 @@ def mix64(values: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class ObservedLabels:
     """An observed-label regime (see the module docstring); the values are checked by
-    :func:`mlcls.data.datasets.base.observed_labels`.
+    :func:`mlcls.data.training_policies`.
 
     Attributes:
         regime: ``all``, ``single_positive`` or ``partial``.
@@ -115,7 +115,7 @@ ALL_LABELS = ObservedLabels()
 @dataclass(frozen=True)
 class HoldoutSplit:
     """The share of the training split held out to select the best epoch (``dataset.holdout_fraction``,
-    ...); the values are checked by :func:`mlcls.data.datasets.base.holdout_split`.
+    ...); the values are checked by :func:`mlcls.data.training_policies`.
 
     Sample ``i`` is held out when the top 53 bits of a hash of ``(seed, i)`` (:func:`mix64`, a stream of its
     own) fall below ``fraction``: each sample independently with probability ``fraction``, the same on

@@ -53,8 +53,6 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
-    holdout_split,
-    observed_labels,
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels, dense_row
 from mlcls.data.images import open_image
@@ -125,9 +123,6 @@ def open_shards(
     root: str | None = None,
     shuffle_buffer: int = 1000,
     transform: Callable | str | None = None,
-    holdout_fraction: float = 0.0,
-    holdout_labels: str = "clean",
-    holdout_seed: int = 0,
     **config_keys: Any,
 ) -> ShardTrainSet | ShardEvalSet:
     """The ``split`` (``train`` or ``val``) of packed shards: a :class:`ShardTrainSet` for training, a
@@ -143,18 +138,11 @@ def open_shards(
             or the folder of the first training shard (required with ``pipe:`` URLs).
         root: the folder ``mlcls-data pack`` wrote, read through its manifest.
         shuffle_buffer: training samples a worker shuffles together (see the module docstring).
-        transform, **config_keys: as for :class:`MultiLabelDataset`.
-        holdout_fraction, holdout_labels, holdout_seed: checked (:func:`holdout_split`); a held-out
-            selection split is refused with one line: the training shards are read in sequence, not by
-            sample index.
+        transform, **config_keys: as for :class:`MultiLabelDataset`. The observed-label regime is set on
+            the training split by :func:`mlcls.data.apply_training_policies`, which refuses a held-out
+            selection split: the training shards are read in sequence, not by sample index.
     """
     check_choice("split", split, ROLES)
-    if holdout_split(holdout_fraction, holdout_labels, holdout_seed).fraction:
-        raise DatasetConfigError(
-            f"dataset.holdout_fraction={holdout_fraction}: packed shards are read in sequence, not by sample "
-            "index, so no share of them can be held out; train on the dataset config the shards were packed "
-            "from, or set dataset.holdout_fraction=0"
-        )
     index = ShardIndex(config_meta(root, urls, meta))
     if split == "train":
         train_urls = expand_urls(urls) if urls else index.shard_urls("train")
@@ -186,12 +174,8 @@ class ShardTrainSet(SparseLabelled):
         val_split: str = "val",
         mean: Sequence[float] | None = IMAGENET_MEAN,
         std: Sequence[float] | None = IMAGENET_STD,
-        observed: str = "all",
-        observed_seed: int = 0,
-        observed_fraction: float = 1.0,
     ) -> None:
         self.name, self.image_size, self.split = name, int(image_size), "train"
-        self.observed = observed_labels(observed, observed_seed, observed_fraction)
         self.train_split, self.val_split = train_split, val_split
         self.transform = (
             build_transform(transform, self.image_size, True, mean, std)
