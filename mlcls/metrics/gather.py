@@ -1,7 +1,7 @@
 """Exact distributed collection of evaluation outputs.
 
 Evaluation shards the validation set without padding (rank ``r`` takes indices ``r, r + W, r + 2W, ...``;
-see :class:`mlcls.data.loader.ShardSampler`), so shards may differ in length by one, and a rank may hold
+see :class:`mlcls.data.loader.RankSampler`), so shards may differ in length by one, and a rank may hold
 no row at all when the set is smaller than the world. :func:`gather_shards` brings every rank's rows to
 every rank, or to one rank ``dst`` only, each sample exactly once and in dataset order, so 1 and N
 processes evaluate identical tensors. Floating-point rows are converted to float32 first, whatever the AMP
