@@ -131,3 +131,27 @@ def test_prefetcher_on_cuda_gives_the_cpu_batches_without_syncs(photos):
         assert images.device == cuda and targets.device == cuda
         torch.testing.assert_close(images.cpu(), want_images, atol=1e-4, rtol=0)
         assert torch.equal(targets.cpu(), want_targets)
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_the_device_stage_once_per_batch(tmp_path, monkeypatch):
+    """An epoch of 3 steps of the fast pipeline calls the device stage 3 times, in the prefetcher only (the
+    step used to call it again on the finished batch: 6 calls, half of them no-ops)."""
+    from conftest import TINY, compose_config
+
+    from mlcls.engine.trainer import Trainer
+
+    calls = []
+    finish_images = DeviceStage.__call__
+    monkeypatch.setattr(
+        DeviceStage, "__call__", lambda stage, images: calls.append(1) or finish_images(stage, images)
+    )
+    overrides = [
+        *TINY,
+        "data.backend=fast",
+        "trainer.limit_train_batches=3",
+        f"trainer.output_dir={tmp_path}",
+    ]
+    trainer = Trainer(compose_config(overrides))
+    trainer.train_one_epoch(0)
+    assert len(calls) == 3
