@@ -135,8 +135,8 @@ def test_prefetcher_on_cuda_gives_the_cpu_batches_without_syncs(photos):
 
 @pytest.mark.slow
 def test_the_trainer_runs_the_device_stage_once_per_batch(tmp_path, monkeypatch):
-    """An epoch of 3 steps of the fast pipeline calls the device stage 3 times, in the prefetcher only (the
-    step used to call it again on the finished batch: 6 calls, half of them no-ops)."""
+    """An epoch of 3 steps (96 images, batches of 32) of the fast pipeline calls the device stage 3 times, in
+    the prefetcher only (the step used to call it again on the finished batch: 6 calls, half no-ops)."""
     from conftest import TINY, compose_config
 
     from mlcls.engine.trainer import Trainer
@@ -149,7 +149,7 @@ def test_the_trainer_runs_the_device_stage_once_per_batch(tmp_path, monkeypatch)
     overrides = [
         *TINY,
         "data.backend=fast",
-        "trainer.limit_train_batches=3",
+        "dataset.train_size=96",
         f"trainer.output_dir={tmp_path}",
     ]
     trainer = Trainer(compose_config(overrides))
