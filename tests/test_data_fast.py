@@ -18,14 +18,12 @@ from torchvision import transforms as T
 
 from mlcls.bench.pipeline_bench import make_jpegs
 from mlcls.data.datasets.base import to_rgb
-from mlcls.data.loader import build_train_loader
+from mlcls.data.loader import DeviceStage, build_train_loader, collate_batch
 from mlcls.data.pipeline.fast import (
     AugmentedImage,
-    DeviceStage,
     FastTrainTransform,
     PlannedCrop,
     build_backend_transform,
-    collate_batch,
     colour_lighting_normalise,
     decode_jpeg,
     draft_reduction,

@@ -12,11 +12,18 @@ import pytest
 import torch
 from data_fixtures import PhotoFiles, write_photos
 
-from mlcls.data import sampling
-from mlcls.data.loader import DevicePrefetcher, ShardSampler, build_eval_loader, build_train_loader
-from mlcls.data.pipeline.fast import AugmentedImage, DeviceStage, FastTrainTransform
+from mlcls.data import loader as batches
+from mlcls.data.loader import (
+    DevicePrefetcher,
+    DeviceStage,
+    RankSampler,
+    ResumableSampler,
+    available_cpus,
+    build_eval_loader,
+    build_train_loader,
+)
+from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform
 from mlcls.data.pipeline.transforms import build_transform
-from mlcls.data.sampling import ResumableSampler, available_cpus
 
 SIZE = 32
 CPU = torch.device("cpu")
@@ -31,7 +38,7 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def two_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process may run on 2 CPUs; the once-per-process log record is reset."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    sampling._log_worker_cap.cache_clear()
+    batches._log_worker_cap.cache_clear()
 
 
 def test_builders_pin_memory_and_keep_workers_on_cuda(photos):
@@ -41,7 +48,7 @@ def test_builders_pin_memory_and_keep_workers_on_cuda(photos):
     evaluation = build_eval_loader(dataset, 4, 1, 0, 1, device=cuda)
     for loader in (train, evaluation):
         assert loader.pin_memory and loader.persistent_workers and loader.num_workers == 1
-    assert isinstance(train.sampler, ResumableSampler) and isinstance(evaluation.sampler, ShardSampler)
+    assert isinstance(train.sampler, ResumableSampler) and isinstance(evaluation.sampler, RankSampler)
     assert train.drop_last and len(train) == 2
     on_cpu = build_train_loader(dataset, 3, 0, 0, 1, seed=0, device=CPU, backend="torchvision")
     assert not on_cpu.pin_memory and not on_cpu.persistent_workers and len(on_cpu) == 2
@@ -88,7 +95,7 @@ def test_prefetcher_on_the_cpu_gives_exactly_the_batches_of_the_stage(photos):
     loader.sampler.set_epoch(2)
     expected = [(stage(images), targets) for images, targets in loader]
     assert isinstance(next(iter(loader))[0], AugmentedImage)
-    prefetcher = DevicePrefetcher(loader, stage, CPU)
+    prefetcher = DevicePrefetcher(loader, stage)
     assert len(prefetcher) == 4 and prefetcher.sampler is loader.sampler
     prefetcher.sampler.set_epoch(2)
     prefetcher.sampler.set_start(3)  # resume after one batch
@@ -114,7 +121,7 @@ def test_prefetcher_on_cuda_gives_the_cpu_batches_without_syncs(photos):
     got = []
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for images, targets in DevicePrefetcher(loader, stage, cuda):
+        for images, targets in DevicePrefetcher(loader, stage):
             got.append((images * 1.0, targets.clone()))  # work on the compute stream, as a step would
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -124,3 +131,27 @@ def test_prefetcher_on_cuda_gives_the_cpu_batches_without_syncs(photos):
         assert images.device == cuda and targets.device == cuda
         torch.testing.assert_close(images.cpu(), want_images, atol=1e-4, rtol=0)
         assert torch.equal(targets.cpu(), want_targets)
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_the_device_stage_once_per_batch(tmp_path, monkeypatch):
+    """An epoch of 3 steps (96 images, batches of 32) of the fast pipeline calls the device stage 3 times, in
+    the prefetcher only (the step used to call it again on the finished batch: 6 calls, half no-ops)."""
+    from conftest import TINY, compose_config
+
+    from mlcls.engine.trainer import Trainer
+
+    calls = []
+    finish_images = DeviceStage.__call__
+    monkeypatch.setattr(
+        DeviceStage, "__call__", lambda stage, images: calls.append(1) or finish_images(stage, images)
+    )
+    overrides = [
+        *TINY,
+        "data.backend=fast",
+        "dataset.train_size=96",
+        f"trainer.output_dir={tmp_path}",
+    ]
+    trainer = Trainer(compose_config(overrides))
+    trainer.train_one_epoch(0)
+    assert len(calls) == 3

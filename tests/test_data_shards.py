@@ -28,11 +28,11 @@ from mlcls.data import DatasetConfigError, DatasetFormatError
 from mlcls.data.datasets.base import MultiLabelDataset, Sample
 from mlcls.data.datasets.labels import SparseLabels
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
-from mlcls.data.loader import build_eval_loader
+from mlcls.data.loader import ShardTrainLoader, build_eval_loader
 from mlcls.data.shards import pack as pack_module
 from mlcls.data.shards.datasets import ShardTrainSet, open_shards
 from mlcls.data.shards.encode import encode_jpeg, packed_image
-from mlcls.data.shards.loader import ShardSchedule, ShardStream, ShardTrainLoader
+from mlcls.data.shards.loader import ShardSchedule, ShardStream
 from mlcls.data.shards.pack import labels_file, pack_split
 from mlcls.data.shards.reader import iter_shard
 from mlcls.data.shards.tario import npy_array, tar_files
@@ -335,10 +335,10 @@ def test_order_and_resume_do_not_depend_on_the_workers_the_cpus_allow(packed: Pa
     """trainer.workers=3 (three read blocks): 3 worker processes serve the batches in the order of the
     schedule read in one process; a requeued run capped at 2 or 1 CPUs resumes with exactly the remaining
     batches, in the same order (no sample repeated or skipped)."""
-    from mlcls.data import sampling
+    from mlcls.data import loader
 
     def keys_on(cpus: int, start: int = 0) -> list[list[int]]:
-        monkeypatch.setattr(sampling, "available_cpus", lambda: cpus)
+        monkeypatch.setattr(loader, "available_cpus", lambda: cpus)
         return shard_keys(packed, 1, 2, 3, epoch=4, start=start)
 
     dataset = open_shards("train", str(packed / URLS), transform=None)

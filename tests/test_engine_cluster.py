@@ -353,8 +353,8 @@ def test_no_synchronising_call_in_cuda_training_steps(tmp_path, loss):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for batch in batches:
-            trainer.train_step(*batch)
+        for batch in batches:  # the device stage (the prefetcher's) and the step
+            trainer.train_step(*trainer.device_stage.finish(batch))
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -386,7 +386,7 @@ def test_fp16_on_the_cpu_skips_counts_and_aborts(tmp_path):
     trainer = Trainer(cfg)
     assert trainer.amp == "fp16" and trainer.scaler.is_enabled() and trainer.scaler.get_scale() == 2.0**16
     trainer.criterion = _NanLoss(bad_calls=range(2, 10**6))
-    batch = next(iter(trainer.train_loader))
+    batch = trainer.device_stage.finish(next(iter(trainer.train_loader)))
     trainer.train_step(*batch)
     ema_before = {k: v.clone() for k, v in trainer.ema.module.state_dict().items()}
     params_before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}

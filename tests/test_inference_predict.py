@@ -82,7 +82,7 @@ def test_calibrated_checkpoint_uses_its_thresholds_and_preprocessing(run_dir, im
             assert score == pytest.approx(row[inference.classes.index(name)].item(), abs=1e-5)
 
 
-def test_old_checkpoint_falls_back_to_dataset_transform_half_probability_global_threshold_top_k(
+def test_checkpoint_without_thresholds_uses_its_transform_half_probability_global_threshold_top_k(
     run_dir, images
 ):
     folder, readable, _ = images

@@ -69,11 +69,17 @@ def test_spec_values_are_the_documented_ones():
     assert preprocess_spec({"image_size": 96})["transform"] == "paper"
 
 
-def test_checkpoint_spec_wins_over_its_dataset_config_and_is_derived_for_old_checkpoints():
+def test_checkpoint_spec_wins_over_its_dataset_config_and_is_required():
+    """The stored spec is read as stored; a checkpoint without one is refused in one line (its dataset config
+    is no longer read in its place: no released checkpoint lacks the spec)."""
     stored = preprocess_spec({"transform": "paper", "image_size": 48})
     config = {"dataset": {"transform": "light", "image_size": 32}}
     assert spec_from_checkpoint({"preprocess": stored, "config": config}) == stored
-    assert spec_from_checkpoint({"config": config}) == preprocess_spec(config["dataset"])
+    with pytest.raises(
+        InferenceError,
+        match=r"^the checkpoint holds no preprocess spec; expected a mapping with keys transform, ",
+    ):
+        spec_from_checkpoint({"config": config})
 
 
 def test_bad_specs_are_one_line_errors():
@@ -81,7 +87,7 @@ def test_bad_specs_are_one_line_errors():
         preprocess_spec({"transform": "fancy", "image_size": 32})
     with pytest.raises(InferenceError, match="image_size"):
         preprocess_spec({"transform": "light"})
-    with pytest.raises(InferenceError, match="neither a preprocess spec nor a dataset config"):
+    with pytest.raises(InferenceError, match="holds no preprocess spec"):
         spec_from_checkpoint({"model": {}})
     with pytest.raises(InferenceError, match="lacks crop"):
         build_eval_transform({k: v for k, v in preprocess_spec({"image_size": 32}).items() if k != "crop"})

@@ -3,7 +3,7 @@
 The trained run is made once per pytest process (module-level cache), whichever test module asks first.
 From its ``last.pt`` two checkpoint variants are written with literal, hand-chosen contents:
 
-* ``plain.pt`` -- as written before the trainer stored ``preprocess``/``thresholds`` (fallback paths);
+* ``plain.pt`` -- without per-class ``thresholds`` (the half-probability fallback), its own ``preprocess``;
 * ``calibrated.pt`` -- with per-class ``thresholds`` and a ``preprocess`` spec of the *paper* transform,
   which differs from the run's dataset config (``light``), so a test can tell which one predict used.
 
@@ -53,7 +53,7 @@ def trained_run(factory: pytest.TempPathFactory) -> Path:
         run_dir = factory.mktemp("inference") / "run"
         run(compose_config([*RUN_OVERRIDES, f"trainer.output_dir={run_dir}"]))
         state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
-        plain = {k: v for k, v in state.items() if k not in ("preprocess", "thresholds")}
+        plain = {k: v for k, v in state.items() if k != "thresholds"}
         torch.save(plain, run_dir / "plain.pt")
         thresholds = torch.linspace(-1.5, 0.5, len(state["classes"]), dtype=torch.float64)
         torch.save({**plain, "preprocess": PAPER_SPEC, "thresholds": thresholds}, run_dir / "calibrated.pt")

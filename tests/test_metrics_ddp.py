@@ -51,7 +51,7 @@ def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
     )  # fmt: skip
     try:
         logits, labels = make_dataset()
-        scores = gather_rank_parts(logits[rank::WORLD], SIZE)  # the rows ShardSampler gives this rank
+        scores = gather_rank_parts(logits[rank::WORLD], SIZE)  # the rows RankSampler gives this rank
         targets = gather_rank_parts(labels[rank::WORLD], SIZE)
         metrics = compute_metrics(scores, targets, CLASS_NAMES, voc11=True)
         # a set smaller than the world: rank 1 has no row, and predict() returns torch.empty(0) for it

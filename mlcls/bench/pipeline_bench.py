@@ -41,10 +41,10 @@ from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
 from mlcls.data.datasets.base import MultiLabelDataset, Sample
-from mlcls.data.pipeline.fast import AugmentedImage, DeviceStage, build_backend_transform, collate_batch
+from mlcls.data.loader import DeviceStage, ShardTrainLoader, collate_batch
+from mlcls.data.pipeline.fast import AugmentedImage, build_backend_transform
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD
 from mlcls.data.shards.datasets import open_shards
-from mlcls.data.shards.loader import ShardTrainLoader
 from mlcls.data.shards.pack import SUBSAMPLINGS, pack_split, write_sidecars
 
 PIPELINES = ("torchvision", "plain", "fast_cpu_stage", "fast", "decode_only", "shards_cpu_stage", "shards")

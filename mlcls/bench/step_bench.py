@@ -161,8 +161,8 @@ def _contenders(
     if loop == "step":
 
         def trainer_block() -> torch.Tensor:
-            for _ in range(steps):
-                loss, _ = trainer.train_step(*batch)
+            for _ in range(steps):  # the batch moved as the bare step moves it
+                loss, _ = trainer.train_step(*trainer.device_stage.finish(batch))
             return loss
 
         def bare_block() -> torch.Tensor:

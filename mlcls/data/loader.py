@@ -1,39 +1,112 @@
-"""The loaders of training and (distributed) evaluation, and the device prefetcher: where a batch comes
-from and how it reaches the device.
+"""Where a batch is made, from the sampler to the device: the one module of the batch path.
 
-The trainer and ``mlcls-eval`` build their loaders with :func:`build_train_loader` and
-:func:`build_eval_loader` (the ``fast``/``torchvision`` DataLoader, the DALI loader or the shard loader,
-workers capped at the CPUs this process may use, pinned memory and persistent workers on CUDA), and iterate
-the training loader through :class:`DevicePrefetcher`, which hands each batch over on the device, finished
-by the :class:`mlcls.data.pipeline.fast.DeviceStage`, its copy overlapped with the previous step on CUDA.
+* **Samplers.** :class:`ResumableSampler` shuffles the training set (``(seed, epoch)``, resumable
+  mid-epoch) and hands each index with its :func:`mlcls.data.sampling.sample_seed`; :class:`SeededSamples`
+  runs the dataset's ``__getitem__`` under that seed. :class:`RankSampler` gives each rank its share of an
+  evaluation set, without padding.
+* **DataLoaders.** :func:`build_train_loader` (the ``fast``/``torchvision`` DataLoader, the DALI loader of
+  :mod:`mlcls.data.pipeline.dali`, or :class:`ShardTrainLoader` over packed tar shards) and
+  :func:`build_eval_loader`, with the options of :func:`training_loader_options`: batches collated by
+  :func:`collate_batch`, workers capped at the CPUs this process may use (:func:`loader_workers`), pinned
+  memory and persistent workers on CUDA.
+* **Device.** :class:`DevicePrefetcher` hands each training batch over on the device, finished by the
+  :class:`DeviceStage` (the fast pipeline's colour work, :func:`~mlcls.data.pipeline.fast.
+  colour_lighting_normalise`), its copy overlapped with the previous step on CUDA. The stage runs here
+  only: the trainer's step receives finished batches.
 
-The imports run one way: this module chooses among the loaders; they share the samplers, the per-sample
-seeds and the DataLoader options of :mod:`mlcls.data.sampling` (training randomness is a function of
-``(seed, epoch, sample index)`` only, see there) and import nothing from here.
+What a sample is (the per-sample CPU transform, the batched colour math) lives in :mod:`mlcls.data.pipeline`;
+which samples a rank reads from tar shards in :mod:`mlcls.data.shards.loader`. The imports run one way:
+those import nothing from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from mlcls.data.datasets.base import DatasetConfigError
-from mlcls.data.pipeline.dali import DaliTrainLoader
-from mlcls.data.pipeline.fast import AugmentedImage, DeviceStage, FastTrainTransform
-from mlcls.data.sampling import ResumableSampler, SeededSamples, loader_workers, training_loader_options
+from mlcls.data.pipeline.dali import CropPlans, DaliTrainLoader, collate_plans
+from mlcls.data.pipeline.fast import (
+    AugmentedImage,
+    ColourConstants,
+    FastTrainTransform,
+    colour_lighting_normalise,
+)
+from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, normalisation
+from mlcls.data.sampling import sample_seed, seeded_call
 from mlcls.data.shards.datasets import ShardTrainSet
-from mlcls.data.shards.loader import ShardTrainLoader
+from mlcls.data.shards.loader import ShardSchedule, ShardStream
+
+log = logging.getLogger("mlcls")
+
+# Batches each DataLoader worker keeps ready (torch's default is 2): decoding times vary from image to image.
+PREFETCH_FACTOR = 4
 
 
-class ShardSampler(Sampler[int]):
+# ------------------------------------------------------------------ samplers
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` (shuffled, ``drop_last``) yielding ``(index, sample_seed)`` pairs.
+
+    Works for a single process too (``num_replicas=1``). ``set_epoch`` as usual; ``set_start(k)`` skips the
+    first ``k`` samples of this process's share of the current epoch (resuming mid-epoch), until the next
+    ``set_epoch``.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.start = 0
+
+    def set_start(self, start: int) -> None:
+        self.start = start
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        indices = list(super().__iter__())[self.start :]
+        return iter([(i, sample_seed(self.seed, self.epoch, i)) for i in indices])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+class SeededSamples(Dataset):
+    """Wraps a dataset so that ``ds[(index, seed)]`` runs ``ds.dataset[index]`` under
+    :func:`mlcls.data.sampling.seeded_call` (the caller's random state is restored afterwards: it also runs
+    in the main process).
+
+    ``with_index``: each sample ``(image, target)`` comes as ``(image, target, index)``, ``index`` its
+    position in the dataset (what a loss with a row per training sample needs, e.g. ROLE's label table).
+    """
+
+    def __init__(self, dataset: Dataset, with_index: bool = False) -> None:
+        self.dataset, self.with_index = dataset, with_index
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        sample = seeded_call(seed, self.dataset.__getitem__, index)
+        return (*sample, index) if self.with_index else sample
+
+
+class RankSampler(Sampler[int]):
     """Evaluation sampler: rank ``r`` of ``W`` takes indices ``r, r + W, r + 2W, ...``, without padding.
 
-    Unlike ``DistributedSampler`` it never repeats a sample, so shards differ in length by at most one and
-    :func:`mlcls.distributed.gather_rank_parts` restores dataset order exactly.
+    Unlike ``DistributedSampler`` it never repeats a sample, so the ranks' shares differ in length by at most
+    one and :func:`mlcls.distributed.gather_rank_parts` restores dataset order exactly.
     """
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1) -> None:
@@ -46,17 +119,99 @@ class ShardSampler(Sampler[int]):
         return len(range(self.rank, self.num_samples, self.world_size))
 
 
+# ------------------------------------------------------------------ DataLoaders
+def available_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (what a SLURM or cgroup allocation sets), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def loader_workers(requested: int) -> int:
+    """``requested`` DataLoader workers (``trainer.workers``), at most :func:`available_cpus`.
+
+    More workers than CPUs only compete for them (torch warns about it for every loader); the cap is
+    logged once per process.
+    """
+    cpus = available_cpus()
+    if requested <= cpus:
+        return requested
+    _log_worker_cap(requested, cpus)
+    return cpus
+
+
+def _collate_augmented(batch: list[AugmentedImage], *, collate_fn_map: dict | None = None) -> AugmentedImage:
+    pixels = collate_tensor_fn([image.pixels.permute(1, 2, 0) for image in batch]).permute(0, 3, 1, 2)
+    return AugmentedImage(pixels, collate_tensor_fn([image.params for image in batch]))
+
+
+_COLLATE_FNS = {**default_collate_fn_map, AugmentedImage: _collate_augmented}
+
+
+def collate_batch(batch: list[Any]) -> Any:
+    """``torch.utils.data.default_collate`` that stacks :class:`AugmentedImage` pixels in their
+    channels-last memory: (B, 3, H, W) viewing (B, H, W, 3) memory. ``default_collate`` would transpose
+    every image into (3, H, W) memory on the way, ~10x slower than the plain stack (and into shared memory
+    in a DataLoader worker, as ``default_collate``)."""
+    return collate(batch, collate_fn_map=_COLLATE_FNS)
+
+
+def training_loader_options(workers: int, device: torch.device) -> dict[str, Any]:
+    """The DataLoader options of a training loader of ``workers`` capped processes (:func:`loader_workers`)
+    feeding ``device``: batches collated by :func:`collate_batch`, pinned memory on CUDA, persistent workers
+    each keeping :data:`PREFETCH_FACTOR` batches ready."""
+    workers = loader_workers(workers)
+    return {
+        "num_workers": workers,
+        "pin_memory": device.type == "cuda",
+        "collate_fn": collate_batch,
+        "persistent_workers": workers > 0,
+        "prefetch_factor": PREFETCH_FACTOR if workers > 0 else None,
+    }
+
+
 class TrainBatches(Protocol):
     """What :func:`build_train_loader` returns: an iterable of ``(images, targets)`` batches (``(images,
     targets, indices)`` when built ``with_index``) with a length and a ``sampler`` with ``set_epoch(epoch)``
-    and ``set_start(samples)`` (a :class:`ResumableSampler`, or
-    the ``ShardSchedule`` of packed shards)."""
+    and ``set_start(samples)`` (a :class:`ResumableSampler`, or the ``ShardSchedule`` of packed shards)."""
 
     sampler: Any
 
     def __iter__(self) -> Iterator[tuple[Tensor | AugmentedImage, Tensor]]: ...
 
     def __len__(self) -> int: ...
+
+
+class ShardTrainLoader:
+    """The training loader of a :class:`ShardTrainSet` (what :func:`build_train_loader` returns for one):
+    ``len()`` batches of ``batch_size`` per epoch, ``sampler`` a :class:`mlcls.data.shards.loader.
+    ShardSchedule` of ``workers`` streams (``trainer.workers``, before the CPU cap); a DataLoader over its
+    :class:`~mlcls.data.shards.loader.ShardStream` with :func:`training_loader_options`, so its batches are
+    the map-style loader's."""
+
+    def __init__(
+        self,
+        dataset: ShardTrainSet,
+        batch_size: int,
+        workers: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        device: torch.device,
+    ) -> None:
+        self.batch_size = batch_size
+        self.sampler = ShardSchedule(dataset.shard_sizes, batch_size, rank, world_size, seed, streams=workers)
+        options = training_loader_options(workers, device)
+        if options["num_workers"] and self.sampler.streams % options["num_workers"]:
+            _log_uneven_streams(options["num_workers"], self.sampler.streams)
+        self.loader = DataLoader(ShardStream(dataset, self.sampler), batch_size=batch_size, **options)
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
 
 
 def build_train_loader(
@@ -75,16 +230,15 @@ def build_train_loader(
     :class:`ResumableSampler` (``loader.sampler.set_epoch(epoch)`` every epoch, ``set_start(samples)`` to
     resume mid-epoch), the incomplete last batch dropped; ``len(loader)`` batches per epoch.
 
-    ``backend`` ``"fast"`` or ``"torchvision"``: a DataLoader over the dataset's own transform, workers
-    capped by :func:`loader_workers`, persistent and prefetching, pinned memory when ``device`` is CUDA.
-    ``"dali"``: a :class:`mlcls.data.pipeline.dali.DaliTrainLoader` (the dataset's transform must be the
-    :class:`FastTrainTransform` that ``build_dataset(..., backend="dali")`` gives with
-    ``dataset.transform=paper``), keeping ``dali_prefetch`` batches decoded ahead on the GPU.
-    Batches come on the host (DALI: pixels on the GPU); :class:`DevicePrefetcher` finishes them.
+    ``backend`` ``"fast"`` or ``"torchvision"``: a DataLoader over the dataset's own transform, with
+    :func:`training_loader_options`. ``"dali"``: a :class:`mlcls.data.pipeline.dali.DaliTrainLoader` (the
+    dataset's transform must be the :class:`FastTrainTransform` that ``build_dataset(..., backend="dali")``
+    gives with ``dataset.transform=paper``) over a DataLoader of crop plans, keeping ``dali_prefetch``
+    batches decoded ahead on the GPU. Batches come on the host (DALI: pixels on the GPU);
+    :class:`DevicePrefetcher` finishes them.
 
-    A :class:`mlcls.data.shards.datasets.ShardTrainSet` (``dataset=shards``; with ``dali`` the fast CPU stage
-    decodes) gets its :class:`mlcls.data.shards.loader.ShardTrainLoader`: the same interface, its ``sampler``
-    a ``ShardSchedule``.
+    A :class:`ShardTrainSet` (``dataset=shards``; with ``dali`` the fast CPU stage decodes) gets its
+    :class:`ShardTrainLoader`: the same interface, its ``sampler`` a ``ShardSchedule``.
 
     ``with_index``: each batch also holds the int64 (B,) positions of its samples in ``dataset``, as its
     third element (the ``fast`` and ``torchvision`` backends over a map-style dataset; the shard and DALI
@@ -99,45 +253,85 @@ def build_train_loader(
     if isinstance(dataset, ShardTrainSet):
         return ShardTrainLoader(dataset, batch_size, workers, rank, world_size, seed, device)
     sampler = ResumableSampler(dataset, world_size, rank, seed)
+    options = training_loader_options(workers, device)
     if backend == "dali":
         transform = getattr(dataset, "transform", None)
         if not isinstance(transform, FastTrainTransform):
             raise DatasetConfigError(
                 "data.backend=dali does the paper's augmentation only; use dataset.transform=paper"
             )
-        return DaliTrainLoader(
-            dataset, batch_size, loader_workers(workers), sampler, transform, device, dali_prefetch
-        )
+        plans = SeededSamples(CropPlans(dataset, transform))
+        options.update(pin_memory=False, collate_fn=collate_plans)  # the graph reads the plans on the host
+        plan_loader = DataLoader(plans, batch_size=batch_size, sampler=sampler, drop_last=True, **options)
+        return DaliTrainLoader(plan_loader, transform.size, device, dali_prefetch)
     return DataLoader(
-        SeededSamples(dataset, with_index),
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=True,
-        **training_loader_options(workers, device),
+        SeededSamples(dataset, with_index), batch_size=batch_size, sampler=sampler, drop_last=True, **options
     )
 
 
 def build_eval_loader(
     dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, device: torch.device
 ) -> DataLoader:
-    """Ordered loader over this process's shard (see :class:`ShardSampler`), workers capped by
+    """Ordered loader over this rank's share (see :class:`RankSampler`), workers capped by
     :func:`loader_workers` and persistent (evaluation runs every ``trainer.eval_every`` epochs), pinned
     memory when ``device`` is CUDA."""
     workers = loader_workers(workers)
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=ShardSampler(len(dataset), rank, world_size),
+        sampler=RankSampler(len(dataset), rank, world_size),
         num_workers=workers,
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
     )
 
 
+# ------------------------------------------------------------------ device
+class DeviceStage:
+    """Moves a training batch to ``device`` and finishes it there (what :class:`DevicePrefetcher` applies to
+    every batch).
+
+    A float tensor (the plain pipeline, the ``light`` transform) is only copied; an
+    :class:`AugmentedImage` batch goes through :func:`colour_lighting_normalise` with the stage's
+    :class:`ColourConstants`, made on ``device`` once, here, with ``mean`` and ``std`` (the dataset config's
+    ``dataset.mean`` and ``dataset.std``, checked by :func:`mlcls.data.pipeline.transforms.normalisation`;
+    ImageNet's by default). The result is in channels_last layout when ``channels_last`` is set, contiguous
+    otherwise. Copies are ``non_blocking`` (asynchronous from pinned memory); on CUDA nothing is read back
+    to the host.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        channels_last: bool = False,
+        *,
+        mean: Sequence[float] | None = IMAGENET_MEAN,
+        std: Sequence[float] | None = IMAGENET_STD,
+    ) -> None:
+        self.device = torch.device(device)
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.constants = ColourConstants.on(self.device, *normalisation(mean, std))
+
+    def __call__(self, images: Tensor | AugmentedImage) -> Tensor:
+        """float32 (B, 3, H, W) on ``device``, normalised."""
+        if isinstance(images, AugmentedImage):
+            pixels = images.pixels.to(self.device, non_blocking=True)
+            params = images.params.to(self.device, non_blocking=True)
+            images = colour_lighting_normalise(pixels, params, self.constants)
+        else:
+            images = images.to(self.device, non_blocking=True)
+        return images.contiguous(memory_format=self.memory_format)
+
+    def finish(self, batch: Sequence[Any]) -> tuple[Tensor, ...]:
+        """``(images, targets, ...)`` of a loader -> the same on the device, images finished, the further
+        tensors (targets, the sample indices of a loader built ``with_index``) moved as they are."""
+        images, *rest = batch
+        return self(images), *(tensor.to(self.device, non_blocking=True) for tensor in rest)
+
+
 class DevicePrefetcher:
-    """Iterates ``loader`` and yields ``(images, targets)`` on ``device``, ready for the model: images
-    through ``device_stage`` (float32 (B, 3, H, W), normalised), targets float32 (B, C); a batch's further
-    tensors (the sample indices of a loader built ``with_index``) are moved as they are.
+    """Iterates ``loader`` and yields its batches finished by ``stage`` (:meth:`DeviceStage.finish`) on
+    ``stage.device``, ready for the model: images float32 (B, 3, H, W), normalised, targets float32 (B, C).
 
     On CUDA batch *i + 1* is fetched, copied and finished on a side stream while the caller's step *i* runs
     on the current stream (the current stream waits for the side stream's work before it receives a batch,
@@ -148,8 +342,8 @@ class DevicePrefetcher:
     replaces the loop over the loader.
     """
 
-    def __init__(self, loader: Iterable, device_stage: DeviceStage, device: torch.device | str) -> None:
-        self.loader, self.device_stage, self.device = loader, device_stage, torch.device(device)
+    def __init__(self, loader: Iterable, stage: DeviceStage) -> None:
+        self.loader, self.stage, self.device = loader, stage, stage.device
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -158,14 +352,9 @@ class DevicePrefetcher:
     def sampler(self) -> Any:
         return self.loader.sampler
 
-    def _finish(self, batch: tuple[Any, ...]) -> tuple[Tensor, ...]:
-        """``(images, targets, ...)`` of the loader -> the same on the device, images finished."""
-        images, *rest = batch
-        return self.device_stage(images), *(tensor.to(self.device, non_blocking=True) for tensor in rest)
-
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         if self.device.type != "cuda":
-            yield from map(self._finish, self.loader)
+            yield from map(self.stage.finish, self.loader)
             return
         side = torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
@@ -175,7 +364,7 @@ class DevicePrefetcher:
             # Fetched under the side stream too: the DALI loader copies its output on the current stream.
             with torch.cuda.stream(side):
                 batch = next(batches, None)
-                return None if batch is None else self._finish(batch)
+                return None if batch is None else self.stage.finish(batch)
 
         ready = next_on_side_stream()
         while ready is not None:
@@ -185,3 +374,18 @@ class DevicePrefetcher:
             upcoming = next_on_side_stream()  # enqueued before the caller's step: the two overlap
             yield ready
             ready = upcoming
+
+
+@functools.cache
+def _log_worker_cap(requested: int, cpus: int) -> None:
+    log.info("DataLoader workers capped at the %d CPUs this process may use (%d requested)", cpus, requested)
+
+
+@functools.cache
+def _log_uneven_streams(workers: int, streams: int) -> None:
+    log.info(
+        "dataset=shards: %d DataLoader workers share %d read streams (trainer.workers); each reads the "
+        "shards of several streams (the sample order is the same)",
+        workers,
+        streams,
+    )

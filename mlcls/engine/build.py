@@ -24,8 +24,7 @@ from mlcls.data import MultiLabelDataset, build_dataset
 from mlcls.data.datasets.folds import split_holdout
 from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.observed import NO_HOLDOUT
-from mlcls.data.loader import build_eval_loader, build_train_loader
-from mlcls.data.pipeline.fast import DeviceStage
+from mlcls.data.loader import DeviceStage, build_eval_loader, build_train_loader
 from mlcls.data.pipeline.preprocess import preprocess_spec
 from mlcls.engine.checkpoint import TrainState, seed_everything
 from mlcls.engine.checkpointer import Checkpointer, carry_loss_state, init_from_checkpoint

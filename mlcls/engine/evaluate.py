@@ -122,7 +122,7 @@ def evaluate(
     amp: str = "none",
     channels_last: bool = False,
 ) -> Evaluation:
-    """``model`` on the whole dataset behind ``loader`` (ShardSampler's rank parts), each sample scored once.
+    """``model`` on the whole dataset behind ``loader`` (RankSampler's shares), each sample scored once.
 
     The rank parts are gathered on rank 0, which alone computes the metrics and broadcasts them: every rank
     gets the same figures, and only rank 0 holds the whole set (labels in int8, 0.4 GB instead of 1.6 GB

@@ -47,7 +47,6 @@ from torch import nn
 from tqdm import tqdm
 
 from mlcls.data.loader import DevicePrefetcher
-from mlcls.data.pipeline.fast import AugmentedImage
 from mlcls.distributed import all_reduce_sum
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import Run, build_run
@@ -211,7 +210,7 @@ class Trainer:
         )
         start = time.perf_counter()
         # Batches arrive on the device, finished; on CUDA the next one is prepared during this step.
-        batches = DevicePrefetcher(self.train_loader, self.device_stage, self.device)
+        batches = DevicePrefetcher(self.train_loader, self.device_stage)
         for step, (images, targets, *indices) in enumerate(batches, start=first_step):
             if step >= self.iters_per_epoch:
                 break
@@ -250,22 +249,19 @@ class Trainer:
         return {"loss": mean_loss, "images_per_s": images_per_s, "time_s": elapsed}
 
     def train_step(
-        self, images: torch.Tensor | AugmentedImage, targets: torch.Tensor, *indices: torch.Tensor
+        self, images: torch.Tensor, targets: torch.Tensor, *indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimisation step; returns the detached loss and whether the update was applied, both as
         device tensors (reading them would wait for the device).
 
-        ``images``, ``targets``: a batch from :class:`DevicePrefetcher` (already on the device, finished),
-        or as the loader gives it (moved and finished here); ``indices``: the batch's sample indices, for a
-        loss with a row per training sample (its ``needs_sample_index``), passed to it as a third argument.
+        ``images``, ``targets``: a batch as :class:`DevicePrefetcher` gives it (on the device, finished by
+        the device stage, which runs there only); ``indices``: the batch's sample indices, for a loss with a
+        row per training sample (its ``needs_sample_index``), passed to it as a third argument.
 
         A step with a non-finite gradient norm (identical on every rank after DDP's all-reduce, so all
         ranks agree) is skipped on the device (:func:`step_if_finite`): parameters, optimizer state and EMA
         stay as they were. The schedule advances all the same, one value per iteration.
         """
-        images = self.device_stage(images)
-        targets = targets.to(self.device, non_blocking=True)
-        indices = tuple(tensor.to(self.device, non_blocking=True) for tensor in indices)
         with autocast_context(self.device, self.amp):
             logits = self.ddp_model(images)
         loss = self.criterion(logits.float(), targets, *indices)
@@ -303,7 +299,7 @@ class Trainer:
         if not relabelling:
             return
         self.train_loader.sampler.set_epoch(epoch)
-        batches = DevicePrefetcher(self.train_loader, self.device_stage, self.device)
+        batches = DevicePrefetcher(self.train_loader, self.device_stage)
         start = time.perf_counter()
         predictions = predict_training_set(self.model, batches, self.iters_per_epoch, self.amp)
         added = sum(int(module.pseudo_label(*predictions).item()) for module in relabelling)

@@ -6,14 +6,14 @@ without CUDA, :func:`require_dali` raises a one-line :class:`DaliUnavailableErro
 Division of work, chosen so that the augmentation stays a function of each sample's seed:
 
 * DataLoader workers read the encoded bytes and draw the sample's random parameters under its seed
-  (:class:`mlcls.data.sampling.SeededSamples`), with the calls of
+  (:class:`mlcls.data.loader.SeededSamples`), with the calls of
   :class:`mlcls.data.pipeline.fast.FastTrainTransform`
   in the same order: RandomResizedCrop window, flip, ColorJitter order and factors, lighting alphas;
 * DALI (nvJPEG, ``decoders.image_slice``) decodes only the crop window on the GPU, resizes it to
   ``size`` x ``size`` (linear, antialiased) and flips it: uint8 (B, S, S, 3) on the GPU, handed on as a
   (B, 3, S, S) view. The same graph runs with CPU operators (``_build_pipeline(..., device="cpu")``), which
   is how the tests check it without a GPU;
-* :class:`mlcls.data.pipeline.fast.DeviceStage` applies colour jitter, lighting and normalisation (the
+* :class:`mlcls.data.loader.DeviceStage` applies colour jitter, lighting and normalisation (the
   trainer's stage, with ``dataset.mean`` and ``dataset.std``) as for ``fast``.
 
 No DALI random operator is used, so a resumed run sees exactly the batches it would have seen. The workers
@@ -38,7 +38,6 @@ from torch.utils.data import DataLoader, Dataset
 from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, crop_box
 from mlcls.data.images import check_pixels, open_image, read_image_bytes
 from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, jpeg_header
-from mlcls.data.sampling import PREFETCH_FACTOR, ResumableSampler, SeededSamples
 
 # DALI decoder device for each graph device: nvJPEG on the GPU ("mixed": CPU input, GPU output), or the CPU.
 DECODER_DEVICES = {"gpu": "mixed", "cpu": "cpu"}
@@ -151,50 +150,32 @@ def collate_plans(plans: list[CropPlan]) -> PlanBatch:
 
 class DaliTrainLoader:
     """Training batches ``(AugmentedImage on the GPU, targets)``, the ``dali`` case of
-    :func:`mlcls.data.loader.build_train_loader` (which builds it).
+    :func:`mlcls.data.loader.build_train_loader`, which builds ``plans``: the DataLoader of
+    :class:`PlanBatch` es (``SeededSamples(CropPlans(...))`` collated by :func:`collate_plans`, drawn by its
+    resumable sampler, which is this loader's ``sampler``: ``set_epoch``, ``set_start`` for exact resume).
 
-    ``sampler`` is the given :class:`ResumableSampler` (``set_epoch``, ``set_start`` for exact resume).
     DataLoader workers read the files and draw the plans; the DALI graph keeps ``prefetch_depth`` batches
     scheduled ahead of the one handed out, so GPU decoding overlaps the training step. Each batch's copy
-    into torch runs on the current CUDA stream (the side stream of the :class:`DevicePrefetcher`).
+    into torch runs on the current CUDA stream (the side stream of the ``DevicePrefetcher``).
     """
 
-    def __init__(
-        self,
-        dataset: MultiLabelDataset,
-        batch_size: int,
-        workers: int,
-        sampler: ResumableSampler,
-        transform: FastTrainTransform,
-        device: torch.device,
-        prefetch_depth: int = 2,
-    ) -> None:
+    def __init__(self, plans: DataLoader, size: int, device: torch.device, prefetch_depth: int = 2) -> None:
         dali = require_dali()
         if prefetch_depth < 1:
             raise DatasetConfigError(f"the DALI prefetch depth must be at least 1, got {prefetch_depth}")
-        self.batch_size, self.size = batch_size, transform.size
+        self.batch_size, self.size = plans.batch_size, size
         self.device = torch.device(
             "cuda", torch.cuda.current_device() if device.index is None else device.index
         )
-        self.sampler = sampler
-        self.plans = DataLoader(
-            SeededSamples(CropPlans(dataset, transform)),
-            batch_size=batch_size,
-            sampler=sampler,
-            num_workers=workers,
-            drop_last=True,
-            collate_fn=collate_plans,
-            persistent_workers=workers > 0,
-            prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
-        )
+        self.plans, self.sampler = plans, plans.sampler
         # The graph pulls the epoch's plan batches through this iterator; their params and targets wait in
         # ``_scheduled`` (oldest first) until the graph hands out the batch's pixels.
         self._epoch_plans: Iterator[PlanBatch] = iter(())
         self._scheduled: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+        threads = max(1, plans.num_workers)
         self.pipeline = _build_pipeline(
-            dali, batch_size, self.size, self._next_plans, max(1, workers), "gpu", self.device.index,
-            prefetch_depth,
-        )  # fmt: skip
+            dali, self.batch_size, size, self._next_plans, threads, "gpu", self.device.index, prefetch_depth
+        )
         self.pipeline.build()
 
     def __len__(self) -> int:

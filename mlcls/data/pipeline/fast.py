@@ -2,9 +2,8 @@
 
 The same operations, in the same order and with the same parameter ranges, as ``build_transform("paper",
 size, train=True)`` of :mod:`mlcls.data.pipeline.transforms` (RandomResizedCrop -> flip -> ColorJitter(0.4,
-0.4,
-0.4) -> tensor -> PCA lighting 0.1 -> normalisation with ``dataset.mean`` and ``dataset.std``), split in two
-stages:
+0.4, 0.4) -> tensor -> PCA lighting 0.1 -> normalisation with ``dataset.mean`` and ``dataset.std``), split
+in two stages; this module holds what each stage computes, :mod:`mlcls.data.loader` runs them on batches:
 
 * **CPU stage**, :class:`FastTrainTransform`, in the DataLoader worker: decode, crop-and-resize, flip; the
   image stays uint8 (3, H, W). The crop is chosen from the file's header; when it is at least 2, 4 or 8
@@ -14,13 +13,13 @@ stages:
   array and torch's antialiased bilinear uint8 kernel (PIL's filter, vectorised) resizes the crop. The
   sample's colour parameters (ColorJitter's random order and three factors, the lighting noise alpha) are
   drawn here too and travel with the image as a (9,) tensor.
-* **device stage**, :class:`DeviceStage`, on the batch after its copy to the training device:
-  uint8 -> [0, 1] float, each sample's ColorJitter in its own order, lighting, normalisation
+* **device stage**, :class:`mlcls.data.loader.DeviceStage`, on the batch after its copy to the training
+  device: uint8 -> [0, 1] float, each sample's ColorJitter in its own order, lighting, normalisation
   (:func:`colour_lighting_normalise`). On CUDA the colour work leaves the CPU and the copy is 4x smaller;
   training on the CPU, it runs in the main process (0.5–1 ms per 224 px image, image by image).
 
 Seeding: every random number is drawn from torch's global RNG inside the dataset's ``__getitem__`` (which
-:class:`mlcls.data.sampling.SeededSamples` seeds per sample), through the same torchvision calls and in the
+:class:`mlcls.data.loader.SeededSamples` seeds per sample), through the same torchvision calls and in the
 same order as the plain pipeline: under one seed both pipelines pick the same crop, flip, jitter order and
 factors and lighting noise. The device stage draws nothing; it applies the parameters carried with the
 batch, so the augmentation of a sample is a function of its seed alone (exact resume, any worker count).
@@ -35,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import simplejpeg
@@ -43,7 +42,6 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
-from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 from torchvision import transforms as T
 
 from mlcls.data.datasets.base import crop_box, to_rgb
@@ -72,7 +70,7 @@ PARAMS_ORDER, PARAMS_FACTORS, PARAMS_ALPHA = slice(0, 3), slice(3, 6), slice(6, 
 
 
 class AugmentedImage(NamedTuple):
-    """Output of the CPU stage; :func:`collate_batch` stacks each field.
+    """Output of the CPU stage; :func:`mlcls.data.loader.collate_batch` stacks each field.
 
     ``pixels``: uint8 (3, H, W), or (B, 3, H, W) for a batch, cropped, resized and flipped, in channels-last
     memory (a view of (H, W, 3) or (B, H, W, 3) memory: what decoders and the resize produce; the
@@ -269,27 +267,11 @@ class FastTrainTransform:
         )
 
 
-def _collate_augmented(batch: list[AugmentedImage], *, collate_fn_map: dict | None = None) -> AugmentedImage:
-    pixels = collate_tensor_fn([image.pixels.permute(1, 2, 0) for image in batch]).permute(0, 3, 1, 2)
-    return AugmentedImage(pixels, collate_tensor_fn([image.params for image in batch]))
-
-
-_COLLATE_FNS = {**default_collate_fn_map, AugmentedImage: _collate_augmented}
-
-
-def collate_batch(batch: list[Any]) -> Any:
-    """``torch.utils.data.default_collate`` that stacks :class:`AugmentedImage` pixels in their
-    channels-last memory: (B, 3, H, W) viewing (B, H, W, 3) memory. ``default_collate`` would transpose
-    every image into (3, H, W) memory on the way, ~10x slower than the plain stack (and into shared memory
-    in a DataLoader worker, as ``default_collate``)."""
-    return collate(batch, collate_fn_map=_COLLATE_FNS)
-
-
 @dataclass(frozen=True)
 class ColourConstants:
     """The constant tensors of the device stage, on one device: the PCA lighting basis ``eigval`` (3,) and
     ``eigvec`` (3, 3), the normalisation ``mean`` (3,) and ``inv_std`` (1, 3, 1, 1), and the luma weights
-    ``gray_weight`` (1, 3, 1, 1) (:data:`GRAY_WEIGHTS`). Made once per :class:`DeviceStage`, so that no
+    ``gray_weight`` (1, 3, 1, 1) (:data:`GRAY_WEIGHTS`). Made once per ``DeviceStage``, so that no
     step copies them from the host (a blocking copy on CUDA)."""
 
     eigval: Tensor
@@ -323,7 +305,7 @@ def colour_lighting_normalise(
     Args:
         pixels: uint8 (B, 3, H, W).
         params: float (B, 9), as in :class:`AugmentedImage`.
-        constants: on ``pixels``' device (:class:`DeviceStage` keeps them); default: made for this call,
+        constants: on ``pixels``' device (``DeviceStage`` keeps them); default: made for this call,
             with ImageNet's mean and standard deviation.
         batched: all images at once (default on CUDA), or one at a time (default on the CPU).
 
@@ -385,42 +367,6 @@ def _colour_jitter(x: Tensor, params: Tensor, gray_weight: Tensor, known_codes: 
     return x
 
 
-class DeviceStage:
-    """Moves a training batch to ``device`` and finishes it there (what :class:`mlcls.data.loader.
-    DevicePrefetcher` applies to every batch).
-
-    A float tensor (the plain pipeline, the ``light`` transform) is only copied; an
-    :class:`AugmentedImage` batch goes through :func:`colour_lighting_normalise` with the stage's
-    :class:`ColourConstants`, made on ``device`` once, here, with ``mean`` and ``std`` (the dataset config's
-    ``dataset.mean`` and ``dataset.std``, checked by :func:`mlcls.data.pipeline.transforms.normalisation`;
-    ImageNet's by default). The result is in channels_last layout when
-    ``channels_last`` is set, contiguous otherwise. Copies are ``non_blocking`` (asynchronous from pinned
-    memory); on CUDA nothing is read back to the host.
-    """
-
-    def __init__(
-        self,
-        device: torch.device | str,
-        channels_last: bool = False,
-        *,
-        mean: Sequence[float] | None = IMAGENET_MEAN,
-        std: Sequence[float] | None = IMAGENET_STD,
-    ) -> None:
-        self.device = torch.device(device)
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.constants = ColourConstants.on(self.device, *normalisation(mean, std))
-
-    def __call__(self, images: Tensor | AugmentedImage) -> Tensor:
-        """float32 (B, 3, H, W) on ``device``, normalised."""
-        if isinstance(images, AugmentedImage):
-            pixels = images.pixels.to(self.device, non_blocking=True)
-            params = images.params.to(self.device, non_blocking=True)
-            images = colour_lighting_normalise(pixels, params, self.constants)
-        else:
-            images = images.to(self.device, non_blocking=True)
-        return images.contiguous(memory_format=self.memory_format)
-
-
 def build_backend_transform(
     backend: str,
     kind: str,
@@ -430,7 +376,7 @@ def build_backend_transform(
     std: Sequence[float] | None = IMAGENET_STD,
 ) -> Callable:
     """The dataset transform of ``data.backend``: the fast CPU stage for the paper's training augmentation
-    with ``fast`` (and ``dali``, whose own loader replaces it for training JPEGs; the :class:`DeviceStage`
+    with ``fast`` (and ``dali``, whose own loader replaces it for training JPEGs; the ``DeviceStage``
     normalises those batches); the plain torchvision transform of
     :func:`mlcls.data.pipeline.transforms.build_transform` otherwise (evaluation, ``light``, ``strong``:
     with ``fast`` these run whole in the DataLoader workers, seeded per sample as on ``torchvision``;

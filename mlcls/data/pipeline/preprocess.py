@@ -12,8 +12,8 @@ scale pixels to [0, 1] -> subtract ``mean`` and divide by ``std`` per RGB channe
 ``dataset.mean`` and ``dataset.std``). The network input is a float32 (B, 3, H, W) tensor with ``(H, W)`` =
 :func:`input_size`.
 
-The trainer stores the spec in every checkpoint under ``"preprocess"``; checkpoints written before that are
-read through :func:`spec_from_checkpoint`, which derives it from the checkpoint's dataset config.
+The trainer stores the spec in every checkpoint under ``"preprocess"``; :func:`spec_from_checkpoint` reads
+it back.
 """
 
 from __future__ import annotations
@@ -125,20 +125,13 @@ def build_eval_transform(spec: Mapping[str, Any]) -> Callable:
 
 
 def spec_from_checkpoint(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The checkpoint's ``"preprocess"`` spec, else (older checkpoints) the one of its dataset config;
-    checked by :func:`check_spec`."""
-    if state.get("preprocess") is not None:
-        if not isinstance(state["preprocess"], Mapping):
-            raise InferenceError(
-                f"the checkpoint's preprocess is a {type(state['preprocess']).__name__}; expected a mapping "
-                f"with keys {', '.join(SPEC_KEYS)}"
-            )
-        spec = dict(state["preprocess"])
-    else:
-        config = state.get("config")
-        dataset_cfg = config.get("dataset") if isinstance(config, Mapping) else None
-        if not isinstance(dataset_cfg, Mapping):
-            raise InferenceError("the checkpoint holds neither a preprocess spec nor a dataset config")
-        spec = preprocess_spec(dataset_cfg)
+    """The checkpoint's ``"preprocess"`` spec, checked by :func:`check_spec`."""
+    spec = state.get("preprocess")
+    if not isinstance(spec, Mapping):
+        found = " holds no preprocess spec" if spec is None else f"'s preprocess is a {type(spec).__name__}"
+        raise InferenceError(
+            f"the checkpoint{found}; expected a mapping with keys {', '.join(SPEC_KEYS)} (as every "
+            "checkpoint of mlcls-train and mlcls-import holds)"
+        )
     check_spec(spec)
-    return spec
+    return dict(spec)

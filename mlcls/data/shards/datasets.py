@@ -5,7 +5,7 @@ Shards are read as :mod:`mlcls.data.shards.reader` opens them: local paths as fi
 (``http(s)://``, ``pipe:aws s3 cp s3://bucket/train-000001.tar -``) through ``webdataset``'s ``gopen``, each
 as one sequential stream. The shards a manifest lists are read from the manifest's folder.
 
-**Training** (:class:`ShardTrainSet`, loaded by :class:`mlcls.data.shards.loader.ShardTrainLoader`): every
+**Training** (:class:`ShardTrainSet`, loaded by :class:`mlcls.data.loader.ShardTrainLoader`): every
 epoch the shards are put in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut
 into contiguous ranges of ``per_rank = floor(N / (world_size * batch)) * batch`` samples, one per rank
 (``DistributedSampler``'s ``drop_last`` count: every rank runs the same number of steps, no sample twice). A
@@ -19,7 +19,7 @@ split (its key), as the source dataset draws them: the shards train on the label
 
 **Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
 (the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
-trainer's evaluation (``ShardSampler``: every sample scored exactly once over the ranks) applies unchanged.
+trainer's evaluation (``RankSampler``: every sample scored exactly once over the ranks) applies unchanged.
 
 **Checks.** Opening a split checks, cheaply, that the folder is of this layout's format, that
 ``classes.json`` and the split's labels sidecar are the files the manifest records (sha256, the sidecar
@@ -158,7 +158,7 @@ def open_shards(
 
 class ShardTrainSet(SparseLabelled):
     """The training split of packed shards: classes, labels (the sidecar's, sparse: ``label_counts()``
-    without a dense matrix) and the shard URLs; iterated by :class:`ShardTrainLoader`
+    without a dense matrix) and the shard URLs; iterated by ``ShardTrainLoader``
     (``build_train_loader`` makes it). ``len()``: packed samples."""
 
     def __init__(

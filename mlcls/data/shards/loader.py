@@ -1,7 +1,8 @@
 """Reading packed training shards: which samples each rank and DataLoader worker reads every epoch
-(:class:`ShardSchedule`), the worker-side stream (:class:`ShardStream`) and the loader the trainer iterates
-(:class:`ShardTrainLoader`). The shard files are read by :mod:`mlcls.data.shards.reader`; the datasets are
-in :mod:`mlcls.data.shards.datasets`.
+(:class:`ShardSchedule`) and the worker-side stream (:class:`ShardStream`). The DataLoader over the
+stream, with the collate and options of every training loader, is :class:`mlcls.data.loader.ShardTrainLoader`;
+the shard files are read by :mod:`mlcls.data.shards.reader`; the datasets are in
+:mod:`mlcls.data.shards.datasets`.
 
 **The order of an epoch.** A rank's range of samples (:mod:`mlcls.data.shards.datasets`) is cut into
 ``streams`` contiguous blocks of whole batches (``streams`` = ``trainer.workers``, the number asked for, at
@@ -16,36 +17,32 @@ every iteration (torch's ``_MultiProcessingDataLoaderIter``; pinned by ``tests/t
 ``test_order_and_resume_do_not_depend_on_the_workers_the_cpus_allow``, with 3 worker processes): worker
 ``w`` of ``W`` serves the rank's batches ``start + w``, ``start + w + W``, ... and reads the blocks they
 come from. When ``W`` divides ``streams`` (the usual ``W = streams``), each block is read by one worker
-only; otherwise workers read more blocks than they serve from (logged once).
+only; otherwise workers read more blocks than they serve from (the loader logs it once).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from mlcls.data.datasets.base import DatasetFormatError
-from mlcls.data.sampling import sample_seed, training_loader_options
+from mlcls.data.sampling import sample_seed
 from mlcls.data.shards.datasets import ShardTrainSet
 from mlcls.data.shards.reader import iter_shard
-
-log = logging.getLogger("mlcls")
 
 Sample = tuple[str, dict[str, bytes]]  # (key, {extension: bytes}) of a shard sample
 
 
 class ShardSchedule:
-    """The ``sampler`` of :class:`ShardTrainLoader`: which samples of the shards each rank reads in an
-    epoch, in which order (see the module docstring). ``set_epoch(e)`` and ``set_start(samples)`` as
-    :class:`mlcls.data.sampling.ResumableSampler`; the state lives in shared memory, so that persistent
-    DataLoader workers see it."""
+    """The ``sampler`` of :class:`mlcls.data.loader.ShardTrainLoader`: which samples of the shards each
+    rank reads in an epoch, in which order (see the module docstring). ``set_epoch(e)`` and
+    ``set_start(samples)`` as :class:`mlcls.data.loader.ResumableSampler`; the state lives in shared memory,
+    so that persistent DataLoader workers see it."""
 
     def __init__(
         self, shard_sizes: list[int], batch_size: int, rank: int, world_size: int, seed: int, streams: int = 1
@@ -166,43 +163,3 @@ class ShardStream(IterableDataset):
                 )
         if window:
             yield window
-
-
-class ShardTrainLoader:
-    """The training loader of a :class:`ShardTrainSet` (what ``build_train_loader`` returns for one):
-    ``len()`` batches of ``batch_size`` per epoch, ``sampler`` a :class:`ShardSchedule` of ``workers``
-    streams (``trainer.workers``, before the CPU cap); batches as the map-style loader's (collated by
-    :func:`mlcls.data.pipeline.fast.collate_batch`)."""
-
-    def __init__(
-        self,
-        dataset: ShardTrainSet,
-        batch_size: int,
-        workers: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        device: torch.device,
-    ) -> None:
-        self.batch_size = batch_size
-        self.sampler = ShardSchedule(dataset.shard_sizes, batch_size, rank, world_size, seed, streams=workers)
-        options = training_loader_options(workers, device)
-        if options["num_workers"] and self.sampler.streams % options["num_workers"]:
-            _log_uneven_streams(options["num_workers"], self.sampler.streams)
-        self.loader = DataLoader(ShardStream(dataset, self.sampler), batch_size=batch_size, **options)
-
-    def __len__(self) -> int:
-        return len(self.sampler) // self.batch_size
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-
-@functools.cache
-def _log_uneven_streams(workers: int, streams: int) -> None:
-    log.info(
-        "dataset=shards: %d DataLoader workers share %d read streams (trainer.workers); each reads the "
-        "shards of several streams (the sample order is the same)",
-        workers,
-        streams,
-    )

@@ -149,7 +149,8 @@ def pack_split(
 
     Unreadable images (``OSError``, ... from PIL) are left out and listed in the report, whatever
     ``dataset.on_bad_image`` says: packing is where they are found. ``workers`` > 1 writes that many
-    shards at once in worker processes. ``quality`` and ``subsampling``: :func:`mlcls.data.shards.encode.encode_jpeg`'s.
+    shards at once in worker processes. ``quality`` and ``subsampling``: those of
+    :func:`mlcls.data.shards.encode.encode_jpeg`.
     """
     if shard_size < 1 or max_side < 1 or not 1 <= quality <= 100 or subsampling not in SUBSAMPLINGS:
         raise DatasetConfigError(
