@@ -128,3 +128,27 @@ def error_on_a_full_disk(main, argv: list[str], monkeypatch, capsys) -> str:
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
     return lines[0]
+
+
+# An unmarked test (not ``slow``) may take at most this long, setup included, or the run fails naming it: the
+# fast suite (``make test-fast``) stays fast as the project grows. Tests that train, spawn processes or
+# start a subprocess are marked ``slow``.
+UNMARKED_LIMIT_S = float(os.environ.get("MLCLS_UNMARKED_LIMIT_S", "5"))
+_SETUP_S = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "setup":
+        item.stash[_SETUP_S] = call.duration
+    if call.when != "call" or not report.passed or item.get_closest_marker("slow"):
+        return
+    took = item.stash.get(_SETUP_S, 0.0) + call.duration
+    if took > UNMARKED_LIMIT_S:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {took:.1f} s (setup included) without the slow marker; the limit for an "
+            f"unmarked test is {UNMARKED_LIMIT_S:g} s: mark it @pytest.mark.slow or make it faster"
+        )

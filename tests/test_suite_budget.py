@@ -1,0 +1,43 @@
+"""The suite's own budget: an unmarked test over the limit fails the run with its name (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+pytest_plugins = ["pytester"]
+
+CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
+
+
+def test_an_unmarked_slow_test_fails_with_its_name_and_a_marked_one_passes(pytester, monkeypatch):
+    monkeypatch.setenv("MLCLS_UNMARKED_LIMIT_S", "0.2")
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers = slow: marked\n")
+    pytester.makepyfile(
+        test_inner="""
+import time
+import pytest
+
+def test_quick():
+    pass
+
+def test_sleepy():
+    time.sleep(0.4)
+
+@pytest.mark.slow
+def test_sleepy_but_marked():
+    time.sleep(0.4)
+
+@pytest.fixture
+def slow_setup():
+    time.sleep(0.4)
+
+def test_slow_setup(slow_setup):
+    pass
+"""
+    )
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=2)
+    text = result.stdout.str()
+    assert "test_inner.py::test_sleepy took" in text and "without the slow marker" in text
+    assert "test_inner.py::test_slow_setup took" in text and "setup included" in text
