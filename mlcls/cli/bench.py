@@ -38,12 +38,19 @@ def add_rates(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# `mlcls-bench loss`'s timed calls per loss: at C = 80 (two losses), and under --scale (every loss, up to
+# C = 9,605), where each call costs far more.
+LOSS_REPEATS, SCALE_REPEATS = 100, 20
+
+
 def _loss(args: argparse.Namespace) -> dict[str, Any]:
     from mlcls.bench import loss_bench
 
     if args.scale:
-        return add_rates(loss_bench.run_scale(repeats=args.repeats, threads=args.threads))
-    return add_rates(loss_bench.run(device=args.device, repeats=args.repeats))
+        repeats = SCALE_REPEATS if args.repeats is None else args.repeats
+        return add_rates(loss_bench.run_scale(repeats=repeats, threads=args.threads))
+    repeats = LOSS_REPEATS if args.repeats is None else args.repeats
+    return add_rates(loss_bench.run(device=args.device, repeats=repeats))
 
 
 def _metrics(args: argparse.Namespace) -> dict[str, Any]:
@@ -73,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     loss = commands.add_parser("loss", help="two-way loss vs masked logsumexp, forward + backward")
     loss.add_argument("--device", default="cpu")
-    loss.add_argument("--repeats", type=int, default=100)
+    loss.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"timed calls per loss ({LOSS_REPEATS}; --scale: {SCALE_REPEATS})",
+    )
     loss.add_argument("--scale", action="store_true", help="every loss at C = 80 and 9,605, batch 128 (CPU)")
     loss.add_argument("--threads", type=int, default=1, help="torch intra-op threads for --scale")
     loss.set_defaults(run=_loss)
