@@ -8,13 +8,8 @@ compares every field a resume loads with what this run's objects hold -- shapes,
 and counters' ranges -- before any ``load_state_dict``, and stops at the first mismatch with one
 :class:`CheckpointError` line naming the field, what it holds and what was expected.
 
-What is checked: model, loss state and EMA weights have the live names, shapes and dtypes; the optimizer
-has the live number of groups and of parameters in each, hyperparameters of the live types, and every
-per-parameter state the keys one step of a probe optimizer (two elements, the stored group's settings)
-makes, each a dense floating tensor of the parameter's shape or a finite scalar ``step``; scheduler and
-loss scale have the live structure, iteration counters in [0, total iterations]; ``epoch`` lies in
-[0, trainer.epochs], ``step`` within the epoch, other counters are non-negative and bounded; random
-states are first set on private generators, whose own checks refuse them. Only the probe allocates.
+Each check's docstring says what it holds the field to; only the optimizer's probe (one step of two
+elements at the stored group's settings, for the state keys it makes) allocates.
 """
 
 from __future__ import annotations
@@ -115,14 +110,20 @@ def check_tensor(
     return value
 
 
-def check_state_dict(stored: Any, live: dict[str, torch.Tensor], field: str) -> None:
-    """``stored`` names exactly ``live``'s tensors, each of the same shape and dtype."""
+def check_state_dict(
+    stored: Any, live: dict[str, Any], field: str, counters: dict[str, int] | None = None
+) -> None:
+    """``stored`` names exactly ``live``'s entries: tensors of the same shape and dtype; a module's extra
+    state (a loss's ``{"epoch": n}``) of the same structure, ``counters`` in range (:func:`check_like`)."""
     if not isinstance(stored, dict):
         raise refuse(field, stored, f"a state dict of {len(live)} tensors")
-    for key, tensor in live.items():
+    for key, value in live.items():
         if key not in stored:
             raise CheckpointError(f"{field} lacks {key}; expected this run's {len(live)} tensors")
-        check_tensor(stored[key], f"{field}[{key!r}]", tuple(tensor.shape), tensor.dtype)
+        if isinstance(value, torch.Tensor):
+            check_tensor(stored[key], f"{field}[{key!r}]", tuple(value.shape), value.dtype)
+        else:
+            check_like(stored[key], value, f"{field}[{key!r}]", counters or {}, str(key))
     extra = next((key for key in stored if key not in live), None)
     if extra is not None:
         raise CheckpointError(f"{field} holds {describe(extra)}, which this run lacks")
@@ -153,7 +154,8 @@ def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], nam
 
 
 def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
-    """The stored optimizer state fits ``optimizer`` (see the module's docstring)."""
+    """The live number of groups and of parameters in each, hyperparameters of the live types, and every
+    state a probe step makes: a dense floating tensor of the parameter's shape, or a finite ``step`` >= 0."""
     live_groups = optimizer.param_groups
     if not isinstance(stored, dict) or not isinstance(stored.get("param_groups"), list):
         raise refuse("optimizer", stored, "a dict of state and param_groups")
@@ -258,8 +260,7 @@ def _check_param_state(state: Any, kinds: dict[str, str], param: torch.Tensor, f
 
 
 def check_ema(stored: Any, ema: ModelEma, total_iters: int) -> None:
-    """The stored EMA (``module`` and ``updates``) holds the averaged model's tensors and a count of updates
-    in [0, total_iters]."""
+    """The stored EMA holds the averaged model's tensors (``module``) and ``updates`` in [0, total_iters]."""
     if not isinstance(stored, dict) or stored.keys() != {"module", "updates"}:
         raise refuse("ema", stored, "a dict of module and updates")
     check_state_dict(stored["module"], ema.module.state_dict(), "ema module")
@@ -437,8 +438,8 @@ def check_resume_state(
             check_like(stored, part.state_dict(), name, counters)
         elif isinstance(part, ModelEma):
             check_ema(stored, part, total)
-        elif isinstance(part, nn.Module):  # the model, the loss's state
-            check_state_dict(stored, part.state_dict(), name)
+        elif isinstance(part, nn.Module):  # the model, the loss's state (and its epoch)
+            check_state_dict(stored, part.state_dict(), name, {"epoch": bounds.epochs or COUNT_MAX})
         else:
             raise TypeError(f"resume part {name}: {type(part).__name__} has no state check")
     live_scaler = scaler.state_dict()
