@@ -54,7 +54,7 @@ def csv_run(tmp_path_factory):
         "train_file": "train.csv",
         "val_file": None,
         "val_fraction": 0.5,
-        "seed": 0,
+        "val_seed": 0,
         "image_column": "image",
         "labels_column": "labels",
         "label_delimiter": " ",

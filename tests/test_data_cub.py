@@ -85,12 +85,10 @@ def test_attribute_names_under_attributes_folder(root: Path) -> None:
 
 
 def test_config_builds_both_splits_with_every_dataset_key(root: Path) -> None:
-    from omegaconf import OmegaConf
+    from conftest import compose_config
 
-    from mlcls import config_dir
-
-    cfg = OmegaConf.load(Path(config_dir()) / "dataset" / "cub.yaml")
-    voc = OmegaConf.load(Path(config_dir()) / "dataset" / "voc2012.yaml")
+    cfg = compose_config(["dataset=cub"]).dataset
+    voc = compose_config(["dataset=voc2012"]).dataset
     assert set(voc) - {"year", "difficult"} <= set(cfg)
     cfg.root, cfg.image_size, cfg.observed = str(root), 16, "single_positive"
     train, test = build_dataset(cfg, train=True), build_dataset(cfg, train=False)

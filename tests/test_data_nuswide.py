@@ -45,11 +45,9 @@ def test_splits_labels_and_paths(root: Path) -> None:
 
 
 def test_config_builds_train_and_test_with_the_strong_recipe(root: Path) -> None:
-    from omegaconf import OmegaConf
+    from conftest import compose_config
 
-    from mlcls import config_dir
-
-    cfg = OmegaConf.load(Path(config_dir()) / "dataset" / "nuswide.yaml")
+    cfg = compose_config(["dataset=nuswide"]).dataset
     cfg.root, cfg.image_size, cfg.transform = str(root), 32, "strong"
     train, test = build_dataset(cfg, train=True, backend="fast"), build_dataset(cfg, train=False)
     assert (len(train), len(test), train.num_classes) == (3, 2, 81)

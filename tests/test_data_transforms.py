@@ -190,10 +190,13 @@ def test_datasets_normalise_with_their_config_keys() -> None:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
+    from mlcls.data import POLICY_KEYS
+
     sizes = ["dataset.val_size=2", "dataset.train_size=2"]
     cfg = compose_config(["dataset=synthetic", "dataset.mean=[0.5,0.25,0]", "dataset.std=[0.5,2,1]", *sizes])
     cfg = cfg.dataset
-    for dataset in (instantiate(cfg, split="train"), build_dataset(cfg, train=False)):
+    data_keys = {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in POLICY_KEYS}
+    for dataset in (instantiate(data_keys, split="train"), build_dataset(cfg, train=False)):
         normalize = dataset.transform.transforms[-1]
         assert (list(normalize.mean), list(normalize.std)) == ([0.5, 0.25, 0.0], [0.5, 2.0, 1.0])
     old = {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("mean", "std")}

@@ -140,10 +140,10 @@ def _failures(rank: int, out: Path) -> dict:
 
     if rank == 0:  # the disk fills while rank 0 writes the checkpoint
 
-        def full_disk(is_best):
+        def full_disk(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
-        trainer._write_files = full_disk
+        trainer.checkpointer._write_files = full_disk
     start = time.perf_counter()
     try:
         trainer.save(is_best=False)

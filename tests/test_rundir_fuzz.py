@@ -433,8 +433,16 @@ def mutate(run_dir: Path, rng: random.Random) -> str:
     return f"val_predictions.npz {how}"
 
 
+def _exit_code(main, argv: list[str]) -> int:
+    """``main(argv)``'s return value, or the status it exits with (a user error: one line, status 2)."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
 def _report_then_tables(run_dir: str) -> tuple[int, int]:
-    return report_main([run_dir]), tables_main(["--runs", run_dir])
+    return _exit_code(report_main, [run_dir]), _exit_code(tables_main, ["--runs", run_dir])
 
 
 @pytest.mark.slow

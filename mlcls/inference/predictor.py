@@ -123,7 +123,9 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
     head = fields.get("head", "linear")
     if not isinstance(head, dict) or not isinstance(head.get("name"), str):
         raise InferenceError(f"the checkpoint's model.head is {shown(head)}; expected a head's config")
-    check_model_fields({**fields, **head})
+    # the model's fields and the head's options apart: both have a "name"
+    check_model_fields({key: value for key, value in fields.items() if key != "head"})
+    check_model_fields({key: value for key, value in head.items() if key != "name"})
     try:
         return create_model(
             **{**fields, "num_classes": num_classes, "pretrained": False, "checkpoint_path": None}
