@@ -60,6 +60,7 @@ def test_an_error_without_a_full_disk_in_its_chain_is_raised_as_it_is(tmp_path):
     assert caught.value is wrapper
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_torch_save_ends_training_with_one_line(tmp_path, monkeypatch, capsys):
     from mlcls.cli.errors import user_errors
 
@@ -86,6 +87,7 @@ def test_a_full_disk_under_torch_save_ends_training_with_one_line(tmp_path, monk
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["epoch"] == 1
 
 
+@pytest.mark.slow
 def test_predict_out_on_a_full_disk_is_one_line(tmp_path, tmp_path_factory, monkeypatch, capsys):
     run_dir = trained_run(tmp_path_factory)
     folder = tmp_path / "photos"

@@ -74,6 +74,7 @@ def read_ranking(out: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_the_audit_ranks_the_flipped_labels_first(audited, capsys) -> None:
     root, out, flipped, code, wall = audited
     assert code == 0

@@ -63,6 +63,7 @@ def test_a_genuine_checkpoint_loads_through_the_door(tmp_path):
         assert {info.compress_type for info in archive.infolist()} == {zipfile.ZIP_STORED}
 
 
+@pytest.mark.slow
 def test_deflated_members_are_refused_in_bounded_memory(tmp_path):
     """256 MB of zeros deflated to about 0.26 MB: refused before torch.load, within 64 MB of memory."""
     path = tmp_path / "last.pt"

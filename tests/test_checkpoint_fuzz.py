@@ -316,6 +316,7 @@ def genuine(tmp_path_factory) -> tuple[Path, Path]:
     return root / "run" / "checkpoints" / "best.pt", images
 
 
+@pytest.mark.slow
 def test_mutated_checkpoints_load_or_fail_in_one_line(genuine, tmp_path):
     checkpoint, images = genuine
     command = [sys.executable, __file__, str(checkpoint), str(images), str(tmp_path), "0", str(SEEDS)]

@@ -71,6 +71,7 @@ def trained(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_training_checkpoints_hold_plain_data_only(trained):
     for name in ("last.pt", "best.pt"):
         state = torch.load(trained / "checkpoints" / name, weights_only=True)  # raises on any pickled object
@@ -313,6 +314,7 @@ def test_a_stored_interpolation_is_refused_before_anything_resolves(tmp_path, tr
     assert server.requests == 0
 
 
+@pytest.mark.slow
 def test_the_checked_config_is_the_one_built(tmp_path, trained, server, monkeypatch):
     """Item 3: the check and the build resolved the stored config separately (nine nested meta URLs overflowed
     the resolver's cache, so a server could answer one thing to each); now one plain object, never resolved,

@@ -162,6 +162,7 @@ def test_a_test_csv_is_evaluated_without_the_training_csv(csv_run, monkeypatch, 
     assert json.loads(out.strip().splitlines()[-1])["num_samples"] == TEST_SIZE
 
 
+@pytest.mark.slow
 def test_a_run_trained_with_a_relative_root_evaluates_from_another_directory(
     csv_run, monkeypatch, capsys, tmp_path
 ):

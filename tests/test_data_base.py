@@ -171,6 +171,7 @@ USER_KEYS = {"transform", "root", "split"}
 PER_DATASET_KEYS = {"name", "image_size", "train_split", "val_split"}
 
 
+@pytest.mark.slow
 def test_python_defaults_equal_the_dataset_configs_defaults() -> None:
     """For every key a dataset config and its class (or function, and the classes it passes the keys to)
     both have, the default is one value. old: CSVDataset defaulted to holdout="hashed", its config to

@@ -68,6 +68,7 @@ def test_user_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "Could not find 'dataset/imagenet'" in err and "voc2007" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_module_entry_point_exit_status(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "mlcls.cli.data", "stats", "dataset=coco", f"dataset.root={tmp_path}"],

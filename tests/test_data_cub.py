@@ -171,6 +171,7 @@ def test_layout_and_format_errors(root: Path) -> None:
         CUB("train", root=str(root))
 
 
+@pytest.mark.slow
 def test_trains_one_epoch_single_positive(root: Path, tmp_path: Path, tiny: list[str]) -> None:
     from conftest import compose_config
 

@@ -320,6 +320,7 @@ def test_batches_are_a_function_of_the_sample_seeds(jpegs):
     assert not torch.equal(first[0][0].pixels, first[1][0].pixels)
 
 
+@pytest.mark.slow
 def test_trainer_trains_on_jpegs_with_the_fast_pipeline_compiled(tmp_path, monkeypatch):
     """``data.backend=fast`` end to end: uint8 batches finished by the device stage, ``trainer.compile``,
     checkpoints holding the plain module's weights (torch.compile with the quick eager backend here)."""

@@ -385,6 +385,7 @@ def shard_training(packed: Path, urls: str, out: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.slow
 def test_pack_train_evaluate_on_the_shards(pack: str, tmp_path: Path, request) -> None:
     fixture, urls, classes, val_size = PACKS[pack]
     packed = request.getfixturevalue(fixture)
@@ -441,6 +442,7 @@ def test_shards_train_on_two_processes_and_evaluate_alike_on_one(pack: str, tmp_
     assert single["mAP_sample"] == pytest.approx(results["metrics"]["mAP_sample"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_openimages_trains_from_the_csvs_without_a_dense_label_matrix(generated_openimages, tmp_path) -> None:
     root, rows = generated_openimages
     overrides = [o for o in TINY if not o.startswith("dataset")] + [
@@ -491,6 +493,7 @@ def _evaluate_on_rank(rank: int, packed: str, urls: str, port: int, out: str) ->
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_evaluation_is_equal_on_one_and_two_processes(packed: Path, tmp_path: Path) -> None:
     """Scores and labels, not only the figures (test_shards_train_on_two_processes_... compares those)."""
     import socket

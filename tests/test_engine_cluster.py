@@ -99,6 +99,7 @@ def _slurm(rank: int, out: Path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_slurm_tasks_are_validated_as_the_whole_job(tmp_path):
     """Under Hydra's submitit launcher the world size exists only after submitit's environment export:
     the config must be checked against it (loss.gather=true is refused for a single process)."""
@@ -154,6 +155,7 @@ def _failures(rank: int, out: Path) -> dict:
     return observed
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
     """A rank failing in evaluation, or rank 0 failing to write a checkpoint, must not leave the others
     waiting in a collective until the timeout: every rank stops within seconds, naming the failure."""
@@ -187,6 +189,7 @@ def _startup(rank: int, out: Path) -> dict:
     return {"outcome": outcome, "seconds": seconds, "level_kept": level == logging.getLogger("mlcls").level}
 
 
+@pytest.mark.slow
 def test_a_failing_rank0_start_up_ends_every_rank(tmp_path):
     """Rank 0's start-up work (config.yaml, TensorBoard, MLflow) fails: rank 1 must not go on to train and
     wait for it in DDP; both raise within seconds, and rank 1's logger keeps its level."""
@@ -240,6 +243,7 @@ def _resume(rank: int, out: Path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_under_ddp_matches_the_uninterrupted_run(tmp_path):
     """Rank 0 chooses the checkpoint for every rank, and every rank's partial loss sum is restored."""
     rank0, rank1 = _spawn("resume", tmp_path)
@@ -375,6 +379,7 @@ class _NanLoss:
         return loss
 
 
+@pytest.mark.slow
 def test_fp16_on_the_cpu_skips_counts_and_aborts(tmp_path):
     """trainer.amp=fp16 on the CPU, as the trainer sets it up: a step with an inf/NaN gradient is skipped
     (parameters and EMA unchanged), the loss scale backs off, and a run that never recovers stops with the
@@ -401,6 +406,7 @@ def test_fp16_on_the_cpu_skips_counts_and_aborts(tmp_path):
 
 
 @pytest.mark.parametrize("amp", ["none", "fp16"])
+@pytest.mark.slow
 def test_the_epoch_loss_is_the_mean_of_the_applied_steps(tmp_path, amp):
     """A skipped step counts in skipped_steps, not in the epoch's mean loss."""
     cfg = compose_config(
@@ -416,6 +422,7 @@ def test_the_epoch_loss_is_the_mean_of_the_applied_steps(tmp_path, amp):
 
 
 @pytest.mark.parametrize(("amp", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+@pytest.mark.slow
 def test_mixed_precision_trains_on_the_cpu(tmp_path, amp, dtype):
     """trainer.amp=bf16|fp16 on the CPU: the forward runs under autocast in that dtype (evaluation too,
     eval_amp=null) and a short run trains to finite losses and metrics."""
@@ -440,6 +447,7 @@ def test_amp_auto_is_float32_on_the_cpu(tmp_path):
     assert (trainer.amp, trainer.eval_amp, trainer.scaler.is_enabled()) == ("none", "none", False)
 
 
+@pytest.mark.slow
 def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
     run_dir = tmp_path / "run"
     Trainer(
@@ -478,6 +486,7 @@ def test_paper_presets_on_one_process_warn_about_batchnorm(caplog):
         ("trainer.max_nonfinite=0", "trainer.max_nonfinite=0; expected a positive integer"),  # config check
     ],
 )
+@pytest.mark.slow
 def test_failed_checks_leave_no_run_directory(tmp_path, mistake, message):
     from conftest import cli, run_cli
 
@@ -487,6 +496,7 @@ def test_failed_checks_leave_no_run_directory(tmp_path, mistake, message):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_hydra_run_dir_is_the_run_directory(tmp_path):
     from conftest import cli, run_cli
 

@@ -41,6 +41,7 @@ def test_the_composed_config_takes_each_heads_warmup_from_the_heads_config(head,
     check_config(cfg, world_size=1)
 
 
+@pytest.mark.slow
 def test_cfg_job_shows_the_heads_warmup(tmp_path):
     shown = run_cli(cli("mlcls-train", "model.head=mldecoder", "--cfg", "job", "--resolve"), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr

@@ -52,6 +52,7 @@ def targets(dataset, indices) -> torch.Tensor:
     return torch.stack([dataset.target(int(i)) for i in indices])
 
 
+@pytest.mark.slow
 def test_the_cut_is_a_pure_function_of_seed_and_index() -> None:
     n, fraction = 20000, 0.2
     held = HoldoutSplit(fraction, "clean", 5).held_out(np.arange(n))
@@ -129,6 +130,7 @@ def scripted_evaluation(val: list[float], held: list[float], calls: list[tuple[s
     return evaluate
 
 
+@pytest.mark.slow
 def test_the_held_out_split_selects_the_epoch(tmp_path, monkeypatch) -> None:
     calls: list[tuple[str, int]] = []
     # the validation split would pick epoch 3, the held-out split picks epoch 2
@@ -174,6 +176,7 @@ def test_the_held_out_split_selects_the_epoch(tmp_path, monkeypatch) -> None:
         ([], "validation"),
     ],
 )
+@pytest.mark.slow
 def test_thresholds_are_calibrated_on_the_held_out_split_when_its_labels_are_the_datasets(
     tmp_path, monkeypatch, overrides: list[str], split: str
 ) -> None:
@@ -207,6 +210,7 @@ def test_thresholds_are_calibrated_on_the_held_out_split_when_its_labels_are_the
     assert rule.startswith(f"per-class thresholds calibrated on the {where} (max F1)")
 
 
+@pytest.mark.slow
 def test_without_a_held_out_split_results_keep_their_format(tmp_path) -> None:
     cfg = compose_config([*TINY, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"])
     results = Trainer(cfg).fit()

@@ -84,6 +84,7 @@ def decoder_weights(embedding: int, device: str = "cpu") -> dict[str, torch.Tens
     return {key: value.detach() for key, value in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_crafted_sizes_are_one_line_before_any_model_is_built(genuine, image, tmp_path):
     """The issue's checkpoints: a wide decoder over a narrow one's weights, the same decoder's weights as
     stride-0 expansions of a single stored value (shapes that fit, 19 GB of memory they do not hold), a

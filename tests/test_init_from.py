@@ -80,6 +80,7 @@ def test_check_config_refuses_a_missing_file():
         check_config(cfg, world_size=1)
 
 
+@pytest.mark.slow
 def test_training_starts_from_an_imported_checkpoint_and_its_checkpoint_predicts(tmp_path):
     """mlcls-train model.init_from=...: the synthetic dataset's classes are not the file's, so the head
     starts afresh; the run's checkpoint (whose config names init_from) loads for prediction."""

@@ -78,6 +78,7 @@ def _worker(rank: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_summed_and_mean_losses_give_the_one_process_gradient_in_two_gloo_processes(tmp_path):
     mp.set_forkserver_preload(["torch._dynamo", __name__])
     context = mp.start_processes(

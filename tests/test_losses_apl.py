@@ -270,6 +270,7 @@ APL_RUN = [
 ]
 
 
+@pytest.mark.slow
 def test_training_pseudo_labels_and_resumes_bit_exactly_mid_run(tmp_path):
     from mlcls.engine.checkpoint import load_checkpoint
     from mlcls.engine.trainer import Preempted, Trainer
@@ -345,6 +346,7 @@ def _apl_on_rank(rank: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_give_the_table_of_one(tmp_path):
     from mlcls.engine.evaluate import predict_training_set
 

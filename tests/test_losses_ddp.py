@@ -195,6 +195,7 @@ def _worker(rank: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_gather_in_two_gloo_processes(tmp_path):
     _role_reference(str(tmp_path / "store.role.pt"))  # one process, before the group exists
     # forkserver: the ranks fork from one server that imported torch and torch._dynamo (which DDP

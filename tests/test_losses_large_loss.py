@@ -323,6 +323,7 @@ def _ddp_schedule() -> list[tuple[int, Tensor, Tensor]]:
     return steps
 
 
+@pytest.mark.slow
 def test_cp_under_ddp_keeps_the_same_table_on_every_rank(tmp_path):
     mp.set_forkserver_preload([__name__])
     context = mp.start_processes(
@@ -356,6 +357,7 @@ def test_cp_under_ddp_keeps_the_same_table_on_every_rank(tmp_path):
 # refusals, before training, in one line
 
 
+@pytest.mark.slow
 def test_cp_table_over_its_limit_stops_the_cli_before_training_in_one_line(tmp_path):
     from conftest import cli, run_cli
 

@@ -352,6 +352,7 @@ def test_ll_epoch_state_round_trips_mid_run():
     assert fresh.epoch == 3 and torch.equal(fresh(*batches[0]), splc(*batches[0]))
 
 
+@pytest.mark.slow
 def test_trainer_tells_the_loss_the_epoch_and_a_resumed_run_matches(tmp_path, monkeypatch):
     """``set_epoch`` is called before every epoch, the resumed one included; resuming after the first
     epoch gives the uninterrupted run's weights."""

@@ -7,6 +7,7 @@ import datetime
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -92,6 +93,7 @@ def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_give_the_single_process_figures(tmp_path: Path) -> None:
     mp.spawn(_evaluate_on_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
     logits, labels = make_dataset()

@@ -25,6 +25,7 @@ def head_names(model: torch.nn.Module) -> set[str]:
 
 
 @pytest.mark.parametrize("head", ["linear", "csra"])
+@pytest.mark.slow
 def test_the_backbone_stays_bit_for_bit_and_the_head_learns(tmp_path, head: str) -> None:
     cfg = compose_config(
         [*TINY, f"model.head={head}", "model.freeze_backbone=true", f"trainer.output_dir={tmp_path}"]

@@ -335,6 +335,7 @@ LOSSES = sorted(path.stem for path in (Path(mlcls.__file__).parent / "configs" /
 
 
 @pytest.mark.parametrize("head", ["mldecoder", "csra"])
+@pytest.mark.slow
 def test_every_loss_trains_every_head(head):
     """Each loss config of the project on each head's logits: a finite loss whose gradient reaches the head
     and the backbone (the heads give (B, C) logits like the linear one, so every loss applies)."""

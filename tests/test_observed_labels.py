@@ -293,6 +293,7 @@ def test_shards_draw_the_source_rows_by_key(packed: Path) -> None:
     assert torch.equal(counts.positives, reference.positives) and int(counts.negatives.sum()) == 0
 
 
+@pytest.mark.slow
 def test_shards_train_under_single_positive(packed: Path, tmp_path: Path) -> None:
     from test_data_shards import URLS, shard_training
 

@@ -66,6 +66,7 @@ def test_write_plots_files_and_tensorboard_images(tmp_path):
     assert not list((tmp_path / "plots").glob(".*tmp"))  # atomic writes leave no temporary file
 
 
+@pytest.mark.slow
 def test_real_summary_writer_receives_the_figures(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter

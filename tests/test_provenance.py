@@ -36,6 +36,7 @@ def make_checkout(root: Path) -> Path:
     return package
 
 
+@pytest.mark.slow
 def test_provenance_does_not_import_the_tables():
     """The trainer imports provenance; the table specs and their renderer stay out of it."""
     code = "import sys, mlcls.provenance; print(*sorted(m for m in sys.modules if 'reporting' in m))"

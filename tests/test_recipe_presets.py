@@ -57,6 +57,7 @@ def test_preset_turns_sync_bn_on_and_the_default_is_off(preset):
         check_config(compose_config(["trainer.sync_bn=yes"]), world_size=1)
 
 
+@pytest.mark.slow
 def test_strong_randaugment_is_the_packages_byte_for_byte():
     """The RandAugment step of ``strong`` is the package's class, and under the per-sample seeding
     (``seeded_call``) it gives, image after image, the bytes the package's RandAugment gives when called

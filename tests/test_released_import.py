@@ -83,6 +83,7 @@ def import_file(tmp_path, fmt: str, state: dict, *options: str):
     return load_inference_model(out, "cpu")
 
 
+@pytest.mark.slow
 def test_mldecoder_tresnet_m_coco_matches_timm_and_the_head_equations(tmp_path):
     torch.manual_seed(0)
     weights = {**released_tresnet("tresnet_m"), **released_mldecoder_head(2048, 80, 100)}
@@ -109,6 +110,7 @@ def test_mldecoder_tresnet_m_coco_matches_timm_and_the_head_equations(tmp_path):
         torch.testing.assert_close(inference.model(images).double(), expected, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.slow
 def test_asl_tresnet_m_with_a_class_file_matches_timm(tmp_path, capsys):
     torch.manual_seed(1)
     full = released_tresnet("tresnet_m", num_classes=7)
@@ -153,6 +155,7 @@ def released_csra(classes: int, heads: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("classes", "heads", "lam", "temperatures"), [(80, 4, 0.5, [1, 2, 4, None])])
+@pytest.mark.slow
 def test_csra_resnet101_matches_torchvision_and_the_head_equations(
     tmp_path, classes, heads, lam, temperatures
 ):

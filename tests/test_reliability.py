@@ -36,6 +36,7 @@ class _SignalAtStep(Trainer):
         return super().train_step(images, targets)
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny):
     straight = run(compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'a'}"]))
 
@@ -54,6 +55,7 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny):
     assert [h["loss"] for h in resumed["history"]] == pytest.approx([h["loss"] for h in straight["history"]])
 
 
+@pytest.mark.slow
 def test_truncated_last_checkpoint_falls_back_to_previous(tmp_path, tiny):
     run_dir = tmp_path / "run"
     run(compose_config([*tiny, *SMALL, f"trainer.output_dir={run_dir}"]))
@@ -144,6 +146,7 @@ def test_config_validation_messages(tiny, overrides, world_size, message):
         check_config(cfg, world_size=world_size)
 
 
+@pytest.mark.slow
 def test_unknown_key_and_bad_value_fail_before_any_data_is_read(tmp_path):
     # The dataset root does not exist: a config error must be reported first, as one line.
     proc = run_cli(

@@ -115,6 +115,7 @@ def shown_errors(cards: list[list[str | None]], kind: str) -> list[tuple[str, st
     return [(image, headline[: -len(word)]) for image, headline, _ in cards if headline.endswith(word)]
 
 
+@pytest.mark.slow
 def test_train_writes_the_report_whose_galleries_hold_the_wrong_images(run_dir):
     page = Page((run_dir / "report.html").read_text())
     p = load_val_predictions(run_dir)

@@ -56,6 +56,7 @@ def results(run_dir) -> dict:
     return json.loads((run_dir / "results.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_sweep_is_one_table_with_the_swept_key_as_a_column(sweep, capsys):
     code, out, err = table(["--runs", str(sweep), "--csv"], capsys)
     assert code == 0, err

@@ -370,6 +370,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("mlcls-tables: error: unknown table 'table8'") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_console_script(tmp_path, twoway_coco):
     write_run(tmp_path / "run", twoway_coco, mac=74.5, mas=86.0)
     done = run_cli(

@@ -75,6 +75,7 @@ def cell_position(table: str, row: str, column: str, metric: str) -> tuple[str, 
 
 
 @pytest.mark.parametrize("table", sorted(FILLED))
+@pytest.mark.slow
 def test_smoke_table_has_our_runs_beside_the_paper(smoke, table):
     runs = sorted((smoke / table / "smoke").glob("*/results.json"))
     assert len(runs) == 2
@@ -161,6 +162,7 @@ def test_unknown_table_is_one_line(capsys):
     )
 
 
+@pytest.mark.slow
 def test_table_script_runs_the_command(tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     script = REPO / "scripts" / "reproduce" / "table4.sh"
@@ -180,6 +182,7 @@ def test_table_script_runs_the_command(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_same_command_resumes_and_skips_finished_runs(smoke):
     runs = sorted((smoke / "table2" / "smoke").glob("*/checkpoints/last.pt"))
     before = [(p.stat().st_mtime_ns, (p.parents[1] / "results.json").read_text()) for p in runs]

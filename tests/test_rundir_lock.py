@@ -153,6 +153,7 @@ def _contend(run_dirs: list[str], barrier, results) -> None:
         results.put((run_dir, os.getpid(), held))
 
 
+@pytest.mark.slow
 def test_processes_taking_over_one_stale_lock_leave_exactly_one_holder(tmp_path):
     contenders, trials = 4, 40
     run_dirs = [tmp_path / f"run{trial}" for trial in range(trials)]

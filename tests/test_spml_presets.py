@@ -222,6 +222,7 @@ def test_an_em_run_with_apl_is_the_em_apl_row(apl, method):
     assert spml._method_of(config, {"loss": "em"}) == method
 
 
+@pytest.mark.slow
 def test_smoke_sweep_fills_its_rows(tmp_path, capsys):
     assert reproduce.main(["spml", "--smoke", "--sweep-dir", str(tmp_path)]) == 0
     capsys.readouterr()

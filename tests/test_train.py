@@ -29,6 +29,7 @@ def chance_map_class(labels: np.ndarray, draws: int = 20, seed: int = 0) -> floa
     return 100.0 * float(np.mean(values))
 
 
+@pytest.mark.slow
 def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
     cfg = compose_config([*tiny, f"trainer.output_dir={tmp_path}"])
     results = run(cfg)
@@ -81,6 +82,7 @@ class _StopAfterFirstEpoch(Trainer):
     ],
     ids=["linear", "mldecoder", "csra"],
 )
+@pytest.mark.slow
 def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny, head):
     tiny = [*tiny, *head, "dataset.train_size=96", "dataset.val_size=40"]  # 3 steps per epoch
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
@@ -140,6 +142,7 @@ def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny,
     assert single["mAP_sample"] == pytest.approx(results["metrics"]["mAP_sample"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_unknown_option_lists_valid_ones(tmp_path):
     proc = run_cli(cli("mlcls-train", "loss=nope"), cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
@@ -147,6 +150,7 @@ def test_unknown_option_lists_valid_ones(tmp_path):
     assert "Available options in 'loss'" in proc.stderr and "bce" in proc.stderr
 
 
+@pytest.mark.slow
 def test_missing_dataset_root_is_one_line(tmp_path):
     missing = tmp_path / "no-such-coco"
     proc = run_cli(cli("mlcls-train", "dataset=coco", f"dataset.root={missing}"), cwd=tmp_path, timeout=120)
