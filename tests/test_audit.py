@@ -87,6 +87,7 @@ def test_the_audit_ranks_the_flipped_labels_first(audited, capsys) -> None:
     assert precision >= PRECISION_FLOOR > 10 * chance
 
 
+@pytest.mark.slow
 def test_the_audit_files_hold_the_ranking(audited) -> None:
     root, out, flipped, _, _ = audited
     ranking = read_ranking(out)
@@ -113,6 +114,7 @@ def test_the_audit_files_hold_the_ranking(audited) -> None:
             assert saved["probabilities"].shape == (IMAGES // 2, len(COLOURS))
 
 
+@pytest.mark.slow
 def test_a_rerun_reads_the_saved_folds_and_states_its_cost(audited, capsys) -> None:
     root, out, _, _, _ = audited
     before = (out / "audit.csv").read_text()
@@ -163,6 +165,7 @@ def test_packed_shards_are_refused_naming_the_source_to_audit(tmp_path: Path, ca
     )
 
 
+@pytest.mark.slow
 def test_the_audit_page_in_chromium_loads_every_image_and_sorts(audited, tmp_path) -> None:
     """audit.html in headless Chromium: no console message, every thumbnail decoded, a click on a header
     (through ``#sort=``) sorts by that column, and a screenshot that is not blank."""

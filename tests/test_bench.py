@@ -75,6 +75,7 @@ def test_step(capsys, tmp_path, monkeypatch, loop):
     assert result["trainer_images_per_s"] > 0 and result["bare_images_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_loss(capsys):
     main(["loss", "--repeats", "1"])
     result = json_line(capsys)

@@ -95,6 +95,7 @@ def _evil_checkpoint(path: Path, marker: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_pickle_that_runs_code_is_refused_everywhere_with_one_line(tmp_path, trained):
     marker = tmp_path / "marker"
     evil = _evil_checkpoint(tmp_path / "evil.pt", marker)

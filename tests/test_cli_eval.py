@@ -79,6 +79,7 @@ def run_eval(argv, monkeypatch, capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+@pytest.mark.slow
 def test_eval_on_a_test_csv_is_one_override(csv_run, monkeypatch, capsys, tmp_path):
     checkpoint, paths, labels = csv_run
     monkeypatch.chdir(tmp_path)

@@ -35,6 +35,7 @@ def check_metadata(metadata: dict, state: dict) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
+@pytest.mark.slow
 def test_torchscript_matches_eager_model_and_carries_metadata(run_dir, tmp_path):
     path, difference = export_checkpoint(
         run_dir / "calibrated.pt", "torchscript", tmp_path / "m.torchscript.pt"
@@ -50,6 +51,7 @@ def test_torchscript_matches_eager_model_and_carries_metadata(run_dir, tmp_path)
     check_metadata(json.loads(extra["mlcls.json"]), state)
 
 
+@pytest.mark.slow
 def test_onnx_matches_eager_model_and_carries_metadata(run_dir, tmp_path):
     onnxruntime = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
@@ -82,6 +84,7 @@ def test_cli_exports_beside_the_checkpoint(run_dir, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
+@pytest.mark.slow
 def test_cli_on_a_full_disk_is_one_line_and_leaves_no_file(run_dir, tmp_path, monkeypatch, capsys, fmt):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "deploy" / f"model.{fmt}"
@@ -91,6 +94,7 @@ def test_cli_on_a_full_disk_is_one_line_and_leaves_no_file(run_dir, tmp_path, mo
     assert list(out.parent.iterdir()) == []  # neither the file nor a temporary one
 
 
+@pytest.mark.slow
 def test_cli_rejects_unknown_format_in_one_line(run_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["mlcls-export", f"checkpoint={run_dir / 'plain.pt'}", "format=tflite"])

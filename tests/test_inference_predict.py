@@ -58,6 +58,7 @@ def test_find_images_files_folders_globs(tmp_path):
     assert find_images(str(tmp_path / "nothing*.png")) == []
 
 
+@pytest.mark.slow
 def test_calibrated_checkpoint_uses_its_thresholds_and_preprocessing(run_dir, images):
     folder, readable, corrupt = images
     inference = load_inference_model(run_dir / "calibrated.pt", device="cpu")
@@ -82,6 +83,7 @@ def test_calibrated_checkpoint_uses_its_thresholds_and_preprocessing(run_dir, im
             assert score == pytest.approx(row[inference.classes.index(name)].item(), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_checkpoint_without_thresholds_uses_its_transform_half_probability_global_threshold_top_k(
     run_dir, images
 ):
@@ -156,6 +158,7 @@ def test_cli_writes_table_and_json_lines_and_skips_unreadable(run_dir, images, t
         (["checkpoint=missing.pt"], "mlcls: error: checkpoint missing.pt does not exist"),
     ],
 )
+@pytest.mark.slow
 def test_cli_user_errors_are_one_line_with_status_2(
     run_dir, images, tmp_path, monkeypatch, capsys, args, message
 ):
@@ -170,6 +173,7 @@ def test_cli_user_errors_are_one_line_with_status_2(
     assert capsys.readouterr().err.strip().splitlines() == [message]
 
 
+@pytest.mark.slow
 def test_summary_names_the_classes_without_a_calibrated_threshold(
     run_dir, images, tmp_path, monkeypatch, capsys
 ):

@@ -815,6 +815,7 @@ def test_config_validation_names_the_loss(overrides, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_benchmark_baseline_is_eq_17_and_prints_one_json_line(capsys, monkeypatch):
     x, y = random_batch(rows=8, seed=22, p_unknown=0.0)
     expected = TwoWayLoss(bucket_size=4)(x, y)

@@ -223,6 +223,7 @@ def test_a_run_over_the_limit_stops_before_training_in_one_line(tmp_path):
     assert "\n" not in str(error.value) and not (run_dir / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_a_run_trains_the_table_and_checkpoints_it(tmp_path):
     """Through the trainer: batches carry their indices, the table has its optimizer group and moves, and
     last.pt holds the table, its flags and its Adam moments."""

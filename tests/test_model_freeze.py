@@ -84,6 +84,7 @@ ROLE = [
 ]
 
 
+@pytest.mark.slow
 def test_linear_init_carries_the_classifier_and_the_label_estimates(tmp_path, caplog) -> None:
     """Cole et al.'s LinearInit in two runs: the head alone on a frozen backbone, then end to end from its
     best.pt, ROLE's label estimates (and which samples were seen) continuing from that epoch's."""

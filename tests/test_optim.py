@@ -110,6 +110,7 @@ def test_timm_norm_layers_and_biases_are_recognised():
     }
 
 
+@pytest.mark.slow
 def test_null_decays_step_like_torch_sgd_with_two_groups(resnet10t):
     reference = timm.create_model("resnet10t", pretrained=False, num_classes=5)
     reference.load_state_dict(resnet10t.state_dict())

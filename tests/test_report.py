@@ -169,6 +169,7 @@ def test_label_issues_rank_the_flipped_labels_first():
     assert {i.row for i in issues if i.flagged} <= set(flipped.tolist()) and flagged >= 5
 
 
+@pytest.mark.slow
 def test_report_cli_writes_the_page_again_and_samples_large_validation_sets(run_dir, monkeypatch, capsys):
     monkeypatch.setattr(report, "MAX_GALLERY_IMAGES", 30)
     (run_dir / "report.html").rename(run_dir / "report_full.html")
@@ -184,6 +185,7 @@ def test_report_cli_writes_the_page_again_and_samples_large_validation_sets(run_
     assert 0 < len(shown) <= 30
 
 
+@pytest.mark.slow
 def test_report_lists_the_settings_that_differ_from_the_defaults(run_dir):
     text = (run_dir / "report.html").read_text()
     settings = re.search(r'<section id="settings">(.*?)</section>', text).group(1)
@@ -254,6 +256,7 @@ def test_browser_check_sees_console_errors_and_broken_images(tmp_path):
     assert body_data(dom)["w"] == "0" and any("undefinedFunction" in line for line in console)
 
 
+@pytest.mark.slow
 def test_report_in_chromium_loads_every_image_sorts_and_screenshots(run_dir, tmp_path):
     page = run_dir / "report.html"
     text = page.read_text()

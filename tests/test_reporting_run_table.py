@@ -76,6 +76,7 @@ def test_a_sweep_is_one_table_with_the_swept_key_as_a_column(sweep, capsys):
     assert rows[2]["status"] == "failed" and rows[2]["mAP_class"] == ""
 
 
+@pytest.mark.slow
 def test_markdown_and_json_hold_the_same_runs(sweep, capsys):
     code, out, _ = table(["--runs", str(sweep)], capsys)
     assert code == 0
@@ -91,6 +92,7 @@ def test_markdown_and_json_hold_the_same_runs(sweep, capsys):
     assert runs[1]["mAP_sample"] == results(sweep / "1")["metrics"]["mAP_sample"]
 
 
+@pytest.mark.slow
 def test_sort_puts_the_best_mAP_first(sweep, capsys):
     code, out, _ = table(["--runs", str(sweep), "--json", "--sort", "mAP_class"], capsys)
     scores = {job: results(sweep / job)["metrics"]["mAP_class"] for job in ("0", "1")}
@@ -119,6 +121,7 @@ def test_status_of_unfinished_and_resumed_runs():
     assert run_status(config, None) == "failed"
 
 
+@pytest.mark.slow
 def test_resuming_counts_in_the_state_and_results(sweep):
     checkpoint = torch.load(sweep / "0" / "checkpoints" / "last.pt", weights_only=False)
     assert checkpoint.get("resumes", 0) == 0 and results(sweep / "0")["resumes"] == 0

@@ -105,6 +105,7 @@ def test_smoke_table_has_our_runs_beside_the_paper(smoke, table):
     assert f"{len(filled)} of {len(rows)} cells filled." in markdown
 
 
+@pytest.mark.slow
 def test_smoke_markdown_cell(smoke):
     run = next(
         p.parent

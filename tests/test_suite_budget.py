@@ -18,19 +18,24 @@ def test_an_unmarked_slow_test_fails_with_its_name_and_a_marked_one_passes(pytes
 import time
 import pytest
 
+def busy(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
 def test_quick():
-    pass
+    time.sleep(0.4)  # waiting is not working: wall time alone does not count
 
 def test_sleepy():
-    time.sleep(0.4)
+    busy(0.4)
 
 @pytest.mark.slow
 def test_sleepy_but_marked():
-    time.sleep(0.4)
+    busy(0.4)
 
 @pytest.fixture
 def slow_setup():
-    time.sleep(0.4)
+    busy(0.4)
 
 def test_slow_setup(slow_setup):
     pass
