@@ -31,6 +31,9 @@ SEEDS = 40  # mutated checkpoints per run (each read by eval and by predict)
 MUTATIONS_PER_CHECKPOINT = (1, 3)
 SECONDS_PER_READ = 8.0  # a read (eval or predict) of one mutated checkpoint, on a loaded CI machine
 ADDRESS_SPACE_GB = 6.0  # the child's address-space limit above what it has mapped after its imports
+# The child's peak RSS over the 80 reads: 1,295 MiB measured alone, 2,054-2,134 MiB in the whole suite on a
+# loaded 2-core machine (torch.load reads from the open file, which copies each record once).
+PEAK_RSS_MIB = 3072
 
 # The genuine run the mutations start from: a tiny timm network on the synthetic data, one short epoch.
 RUN = [
@@ -331,7 +334,7 @@ def test_mutated_checkpoints_load_or_fail_in_one_line(genuine, tmp_path):
     assert report["escapes"] == [], json.dumps(report["escapes"][:5], indent=1)
     assert not report["marker"] and report["requests"] == 0
     assert report["outcomes"]["ok"] > 0 and report["outcomes"]["refused"] > 0  # both kinds were reached
-    assert report["slowest"] < SECONDS_PER_READ and report["peak_rss_mib"] < 2048
+    assert report["slowest"] < SECONDS_PER_READ and report["peak_rss_mib"] < PEAK_RSS_MIB
 
 
 if __name__ == "__main__":

@@ -311,6 +311,7 @@ SMALL_BATCH = ["trainer.batch_size=8"]
         ),  # with fp16's loss scale
     ],
 )
+@pytest.mark.slow
 def test_the_training_loop_reads_the_device_only_at_log_steps(tmp_path, monkeypatch, extra):
     """Steps between log steps cost no host read: an epoch of 8 steps reads as often as one of 2, with a
     fused optimizer or not, with fp16's loss scale or not."""

@@ -187,6 +187,7 @@ def test_a_finished_run_releases_its_lock(tmp_path):
     assert not (tmp_path / LOCK_NAME).exists() and (tmp_path / "checkpoints" / "last.pt").is_file()
 
 
+@pytest.mark.slow
 def test_a_full_disk_ends_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     trainer = Trainer(compose_config([*TINY, *QUICK, f"trainer.output_dir={tmp_path}"]))
     real_save = torch.save
