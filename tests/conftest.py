@@ -131,13 +131,14 @@ def error_on_a_full_disk(main, argv: list[str], monkeypatch, capsys) -> str:
     return lines[0]
 
 
-# An unmarked test (not ``slow``) may take at most this long, setup included, or the run fails naming it: the
-# fast suite (``make test-fast``) stays fast as the project grows. Tests that train, spawn processes or
-# start a subprocess are marked ``slow``. A test's time is the lesser of its wall time and its process's
-# CPU time, so that waiting for a core (parallel workers on a loaded machine) does not count, nor do extra
+# An unmarked test (not ``slow``) may take at most this long, or the run fails naming it: the fast suite
+# (``make test-fast``) stays fast as the project grows. Tests that train, spawn processes or start a
+# subprocess are marked ``slow``. A test's time is its call's (a module's shared fixture is set up by
+# whichever test asks first, so setup is not counted), the lesser of its wall time and its process's CPU
+# time, so that waiting for a core (parallel workers on a loaded machine) does not count, nor do extra
 # threads on an idle one.
 UNMARKED_LIMIT_S = float(os.environ.get("MLCLS_UNMARKED_LIMIT_S", "5"))
-_SPENT = pytest.StashKey[list]()  # [wall seconds, CPU seconds] of the test's setup and call
+_SPENT = pytest.StashKey[list]()  # [wall seconds, CPU seconds] of the test's call
 
 
 def _spend(item: pytest.Item):
@@ -146,11 +147,6 @@ def _spend(item: pytest.Item):
     spent = item.stash.setdefault(_SPENT, [0.0, 0.0])
     spent[0] += time.perf_counter() - wall
     spent[1] += time.process_time() - cpu
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item: pytest.Item):
-    yield from _spend(item)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -168,6 +164,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if took > UNMARKED_LIMIT_S:
         report.outcome = "failed"
         report.longrepr = (
-            f"{item.nodeid} took {took:.1f} s (setup included) without the slow marker; the limit for an "
+            f"{item.nodeid} took {took:.1f} s without the slow marker; the limit for an "
             f"unmarked test is {UNMARKED_LIMIT_S:g} s: mark it @pytest.mark.slow or make it faster"
         )
