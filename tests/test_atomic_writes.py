@@ -167,6 +167,7 @@ class _Killed(BaseException):
 
 
 @pytest.mark.parametrize("kill_at", [1, 2, 3])
+@pytest.mark.slow
 def test_a_kill_at_any_checkpoint_write_leaves_best_pt_of_the_best_the_run_records(
     tmp_path, monkeypatch, kill_at
 ):

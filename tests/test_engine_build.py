@@ -35,6 +35,7 @@ def test_classes_without_a_positive_are_named():
     assert classes_without_positives(torch.utils.data.TensorDataset(torch.zeros(2)), ["a"]) == []
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_the_built_run_and_checkpoints_the_position_the_loop_set(tmp_path):
     overrides = ["dataset.train_size=96", "dataset.val_size=40", f"trainer.output_dir={tmp_path}"]
     cfg = compose_config([*TINY, *overrides])
@@ -71,6 +72,7 @@ def test_first_ctrl_c_asks_to_stop_the_second_quits():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_epoch_checkpoints_then_resumes(tmp_path, caplog):
     class _CtrlCAtStep2(Trainer):
         def train_step(self, images, targets):
@@ -99,6 +101,7 @@ def test_ctrl_c_mid_epoch_checkpoints_then_resumes(tmp_path, caplog):
         (KeyboardInterrupt(), 130),
     ],
 )
+@pytest.mark.slow
 def test_stops_exit_with_the_shells_statuses(monkeypatch, capsys, raised, status):
     def stopped(cfg):
         raise raised

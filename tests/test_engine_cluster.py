@@ -344,6 +344,7 @@ SYNC_FREE_LOSSES = {
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("loss", sorted(SYNC_FREE_LOSSES))
+@pytest.mark.slow
 def test_no_synchronising_call_in_cuda_training_steps(tmp_path, loss):
     cfg = compose_config(
         [*TINY, "trainer.device=cuda", "trainer.log_every=1000", "trainer.limit_train_batches=6",
@@ -442,6 +443,7 @@ def test_mixed_precision_trains_on_the_cpu(tmp_path, amp, dtype):
     assert results["counts"]["skipped_steps"] == 0
 
 
+@pytest.mark.slow
 def test_amp_auto_is_float32_on_the_cpu(tmp_path):
     """The default trainer.amp=auto keeps CPU runs in float32 (bf16 on CUDA) and needs no GradScaler."""
     trainer = Trainer(compose_config([*TINY, "trainer.device=cpu", f"trainer.output_dir={tmp_path}"]))
@@ -469,6 +471,7 @@ def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
     assert trainer.state.epoch == 1 and trainer.scaler.get_scale() == 1.0
 
 
+@pytest.mark.slow
 def test_paper_presets_on_one_process_warn_about_batchnorm(caplog):
     cfg = compose_config(["experiment=paper_twoway"])
     assert cfg.trainer.eval_amp == "none"  # the authors evaluate in float32

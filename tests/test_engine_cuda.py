@@ -94,6 +94,7 @@ def test_a_single_process_nccl_group_evaluates_as_without_a_group(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.slow
 def test_apl_pass_over_the_training_set_on_cuda(tmp_path):
     """EM's APL on CUDA: the pass after each epoch scores every training sample (the prefetched batches,
     their indices on the device) and pseudo-labels as many entries per class as the schedule says."""

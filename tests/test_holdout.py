@@ -220,6 +220,7 @@ def test_without_a_held_out_split_results_keep_their_format(tmp_path) -> None:
     assert results["dataset"]["train_size"] == 192
 
 
+@pytest.mark.slow
 def test_a_per_sample_loss_trains_on_the_rest(tmp_path) -> None:
     cfg = compose_config([*TINY, "loss=role", "loss.expected_positives=2", "trainer.epochs=1",
                           "dataset.observed=single_positive", "dataset.holdout_fraction=0.25",
@@ -244,6 +245,7 @@ def test_bad_settings_are_one_line(override: str, message: str, capsys) -> None:
     assert_dataset_setting_refused(override, message, capsys)
 
 
+@pytest.mark.slow
 def test_a_cut_with_an_empty_side_stops_before_training(tmp_path) -> None:
     size = 40
     assert not any(reference_held_out(0.001, 0, i) for i in range(size))

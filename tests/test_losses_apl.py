@@ -405,6 +405,7 @@ def test_bad_apl_settings_stop_before_training_in_one_line(overrides, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_a_table_over_its_limit_stops_before_training_in_one_line(tmp_path):
     from mlcls.engine.trainer import Trainer
     from mlcls.errors import ConfigError

@@ -210,6 +210,7 @@ def test_open_images_size_is_refused_in_one_line():
     assert loss.label_logits.numel() == 0
 
 
+@pytest.mark.slow
 def test_a_run_over_the_limit_stops_before_training_in_one_line(tmp_path):
     from mlcls.engine.trainer import Trainer
     from mlcls.errors import ConfigError

@@ -394,6 +394,7 @@ def test_trainer_tells_the_loss_the_epoch_and_a_resumed_run_matches(tmp_path, mo
 
 
 @pytest.mark.parametrize("name", sorted(UNKNOWN_CLASSES))
+@pytest.mark.slow
 def test_every_new_loss_config_trains_a_step_through_the_trainer(name, tmp_path):
     from mlcls.engine.trainer import Trainer
 

@@ -52,6 +52,7 @@ def test_the_backbone_stays_bit_for_bit_and_the_head_learns(tmp_path, head: str)
     assert torch.equal(inference.model.state_dict()[backbone[0]], before[backbone[0]])
 
 
+@pytest.mark.slow
 def test_backbone_in_eval_leaves_the_head_and_the_root_training() -> None:
     cfg = compose_config([*TINY, "model.head=mldecoder", "model.freeze_backbone=true"])
     model = Trainer(cfg).model.train()
@@ -61,6 +62,7 @@ def test_backbone_in_eval_leaves_the_head_and_the_root_training() -> None:
     assert not any(m.training for m in model.modules() if m is not model and id(m) not in head)
 
 
+@pytest.mark.slow
 def test_without_it_every_parameter_trains(tmp_path) -> None:
     trainer = Trainer(compose_config([*TINY, f"trainer.output_dir={tmp_path}"]))
     optimized = sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"])

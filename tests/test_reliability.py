@@ -74,6 +74,7 @@ def test_truncated_last_checkpoint_falls_back_to_previous(tmp_path, tiny):
     assert (trainer.state.epoch, trainer.state.step) == (1, 0)  # epoch 1's checkpoint, the previous one
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_abort(tmp_path, tiny):
     class _NaNLoss(torch.nn.Module):
         def __init__(self, bad_calls):
@@ -113,6 +114,7 @@ def test_non_finite_steps_are_skipped_then_abort(tmp_path, tiny):
         trainer.fit()
 
 
+@pytest.mark.slow
 def test_skipped_first_step_advances_the_schedule_without_warning(tmp_path, tiny):
     trainer = Trainer(compose_config([*tiny, *SMALL, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"]))
     trainer.criterion = lambda logits, targets: logits.sum() * float("nan")
@@ -176,6 +178,7 @@ def test_unknown_key_and_bad_value_fail_before_any_data_is_read(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_usr1_checkpoints_then_hands_over_to_previous_handler(tmp_path, tiny):
     """Under submitit a handler is already installed for USR1; it must run after the checkpoint exists."""
     calls = []

@@ -143,6 +143,7 @@ def test_each_cell_has_exactly_one_run(table, job_configs):
     assert (len(runs), len(cells)) == expected.get(table, (20, 40))
 
 
+@pytest.mark.slow
 def test_table5_under_torchrun_gathers(job_configs):
     (sweep,) = table_sweeps("table5", nproc_per_node=4)
     spec = table_spec("table5")

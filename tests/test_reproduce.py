@@ -133,6 +133,7 @@ def test_dry_run_prints_sweeps_and_cost(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_dry_run_torchrun_starts_one_process_group_per_run(tmp_path, capsys):
     argv = ["table2", "--dry-run", "--launcher", "torchrun", "--sweep-dir", str(tmp_path), "trainer.seed=3"]
     assert reproduce.main(argv) == 0

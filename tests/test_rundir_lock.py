@@ -52,6 +52,7 @@ def _finished_pid() -> int:
     return process.pid
 
 
+@pytest.mark.slow
 def test_a_live_runs_lock_refuses_a_second_run_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -180,6 +181,7 @@ def test_processes_taking_over_one_stale_lock_leave_exactly_one_holder(tmp_path)
         assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME]  # no draft left
 
 
+@pytest.mark.slow
 def test_a_finished_run_releases_its_lock(tmp_path):
     trainer = Trainer(compose_config([*TINY, *QUICK, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"]))
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
@@ -221,6 +223,7 @@ def test_disk_full_error_names_path_and_free_space(tmp_path):
     assert (tmp_path / "results.json").read_text() == "previous"
 
 
+@pytest.mark.slow
 def test_a_bad_image_in_the_first_epoch_leaves_no_run_directory(tmp_path):
     images = [f"{i}.jpg" for i in range(8)]
     rows = "".join(f"{name},{'a' if i % 2 else 'b'}\n" for i, name in enumerate(images))
