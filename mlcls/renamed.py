@@ -79,4 +79,7 @@ def upgrade_config(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     if isinstance(sched, dict):
         sched.pop("head_warmup_epochs", None)
         sched.pop("warmup_iters", None)
+    dataset = cfg.get("dataset")
+    if isinstance(dataset, dict) and "holdout" in dataset and "val_by" not in dataset:
+        dataset["val_by"] = dataset.pop("holdout")  # the CSV dataset's validation split
     return cfg

@@ -10,8 +10,9 @@ are read with ``torch.load(weights_only=True)``: a pickle in a file from someone
 file that needs more (one written before checkpoints held plain data, or a crafted one) is refused unless
 the caller trusts it explicitly (``trust_checkpoint=true``), or once re-saved by :func:`resave_plain`.
 
-Every checkpoint written holds ``format`` (:data:`FORMAT`); every reader goes through :func:`load_checkpoint`,
-which upgrades what it read (:func:`upgrade_checkpoint`) and refuses a newer format in one line.
+Every checkpoint written holds ``format`` (:data:`mlcls.formats.FORMAT`); every reader goes through
+:func:`load_checkpoint`, which upgrades what it read (:func:`mlcls.formats.upgrade`) and refuses a newer
+format in one line.
 """
 
 from __future__ import annotations
@@ -31,15 +32,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from mlcls.formats import FORMAT, upgrade
+
 # re-exported: checkpoints, results and plots use them
 from mlcls.io import atomic_write, open_checkpoint, raise_if_disk_full
-from mlcls.renamed import upgrade_config
 
 log = logging.getLogger("mlcls")
-
-# The layout of the checkpoints this version writes. A change a reader must know of raises it by one and
-# adds its step to upgrade_checkpoint; a file without the number predates it and has the layout of 1.
-FORMAT = 1
 
 
 # How the one-line errors tell a user to trust a checkpoint they wrote themselves, or to re-save it.
@@ -78,23 +76,6 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
     atomic_write(Path(path), lambda f: torch.save({**state, "format": FORMAT}, f))
 
 
-def upgrade_checkpoint(state: dict[str, Any], path: str | Path) -> dict[str, Any]:
-    """``state`` (a checkpoint as read) in the layout of :data:`FORMAT`: the stored config's renamed keys
-    under their new names (:func:`mlcls.renamed.upgrade_config`). A ``format`` that is not an integer in
-    [1, FORMAT] (a file of a newer mlcls) is a one-line :class:`CheckpointError`."""
-    stored = state.get("format", 1)
-    if not isinstance(stored, int) or isinstance(stored, bool) or not 1 <= stored <= FORMAT:
-        shown = repr(stored)[:40]
-        raise CheckpointError(
-            f"checkpoint {path} has format {shown}; this mlcls reads formats 1 to {FORMAT} (a newer mlcls "
-            "wrote it: upgrade mlcls)"
-        )
-    if isinstance(state.get("config"), dict):
-        state["config"] = upgrade_config(state["config"])
-    state["format"] = FORMAT
-    return state
-
-
 def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", trust: bool = False
 ) -> dict[str, Any]:
@@ -128,7 +109,7 @@ def load_checkpoint(
         ) from exc
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not an mlcls checkpoint (no 'model' entry)")
-    return upgrade_checkpoint(state, path)
+    return upgrade(state, "checkpoint", f"checkpoint {path}", CheckpointError)
 
 
 def resave_plain(path: str | Path) -> None:

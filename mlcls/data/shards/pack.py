@@ -55,11 +55,10 @@ from tqdm import tqdm
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset
 from mlcls.data.datasets.labels import SparseLabels, sparse_labels_of
 from mlcls.data.shards.encode import SUBSAMPLINGS, packed_image
+from mlcls.formats import FORMAT
 from mlcls.io import atomic_write_bytes, read_json, read_text
 
 CLASSES_FILE, MANIFEST_FILE = "classes.json", "manifest.json"
-# Version of the layout; 1 (no "format" key) stored a dense int8 label row per sample.
-FORMAT = 2
 KEY_DIGITS, SHARD_DIGITS = 9, 6
 IMAGE_EXT, LABELS_EXT = "jpg", "labels.sparse.npy"
 

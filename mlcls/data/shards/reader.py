@@ -29,8 +29,9 @@ from mlcls.data.datasets.base import (
     DatasetLayoutError,
 )
 from mlcls.data.datasets.labels import SparseLabels
-from mlcls.data.shards.pack import CLASSES_FILE, FORMAT, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
+from mlcls.data.shards.pack import CLASSES_FILE, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.shards.tario import npy_array, tar_files
+from mlcls.formats import upgrade
 from mlcls.io import NotRegularFileError, open_regular
 
 ROLES = ("train", "val")
@@ -190,12 +191,9 @@ class ShardIndex:
         self.manifest: dict[str, Any] = self.read_json(
             MANIFEST_FILE, read_url(f"{self.meta}/{MANIFEST_FILE}")
         )
-        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
-            found = self.manifest.get("format", 1) if isinstance(self.manifest, dict) else "unknown"
-            raise DatasetFormatError(
-                f"{self.meta}/{MANIFEST_FILE} is of pack format {found}, this mlcls reads format {FORMAT}; "
-                "pack the dataset again into a fresh folder"
-            )
+        if not isinstance(self.manifest, dict):
+            raise DatasetFormatError(f"{self.meta}/{MANIFEST_FILE} holds no mapping; pack the dataset again")
+        upgrade(self.manifest, "pack", f"{self.meta}/{MANIFEST_FILE}", DatasetFormatError)
         check_manifest(self.manifest, f"{self.meta}/{MANIFEST_FILE}")
         info = self.read_json(CLASSES_FILE, self.read_recorded(self.manifest["classes"]))
         classes = info.get("classes") if isinstance(info, dict) else None
