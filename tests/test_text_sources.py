@@ -1,0 +1,172 @@
+"""The text sources that read a local file or model: ``text=vectors`` (a GloVe / fastText word-vector file),
+``text=sentence`` (a sentence-transformers folder) and ``text=clip`` (open_clip's text tower and a local
+checkpoint).
+
+Each gives the embeddings of an independent reference: for ``vectors`` a float64 sum of the vectors parsed
+here from the file the test writes; for ``sentence`` and ``clip`` the library's own encode call on a tiny
+randomly initialised model the test writes. A word-vector file is someone else's data: every bad one (missing
+words, ragged dims, a huge line, a pipe, a non-finite value) is read under a memory cap and a time limit
+(tests/hostile.py) and gives one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hostile import bounded
+from omegaconf import OmegaConf
+
+from mlcls import config_dir
+from mlcls.errors import ConfigError
+from mlcls.text import class_embeddings
+from mlcls.text.vectors import MAX_LINE_BYTES, WordVectorsEncoder
+
+NAMES = ["Blue_triangle", "traffic light", "t-shirt", "red_blue-cat"]
+WORDS = ["blue", "triangle", "traffic", "light", "t", "shirt", "red", "cat", "dog", "Blue"]
+
+
+def text_config(name: str, **options) -> dict:
+    """configs/text/<name>.yaml with ``options`` set, as a plain dict."""
+    cfg = OmegaConf.load(config_dir() / "text" / f"{name}.yaml")
+    return OmegaConf.to_container(OmegaConf.merge(cfg, options))
+
+
+def unit_rows(rows: np.ndarray) -> np.ndarray:
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+# ---------------------------------------------------------------------------------------------- vectors
+
+
+def write_vectors(path: Path, dim: int = 5, header: bool = False, seed: int = 0) -> Path:
+    """A word-vector file of :data:`WORDS` (``dog`` twice, ``Blue`` upper-cased after ``blue``) and a word
+    holding spaces, GloVe's format or fastText's (a header, a space ending each line)."""
+    rng = np.random.default_rng(seed)
+    lines = [f"{len(WORDS) + 1} {dim}"] if header else []
+    for word in [*WORDS[:3], ". . .", *WORDS[3:]]:
+        values = " ".join(f"{value:.6f}" for value in rng.standard_normal(dim))
+        lines.append(f"{word} {values}" + (" " if header else ""))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def reference_vectors(path: Path, names: list[str]) -> np.ndarray:
+    """float64 (C, D): each name's lower-cased words' vectors summed, parsed here from the file (the first
+    line of a word listed twice), L2-normalised."""
+    table: dict[str, np.ndarray] = {}
+    lines = [line.rstrip(" ").split(" ") for line in path.read_text(encoding="utf-8").splitlines()]
+    if len(lines[0]) == 2:  # fastText's header
+        lines = lines[1:]
+    dim = len(lines[0]) - 1
+    for word, *values in lines:
+        if len(values) == dim:  # not the word holding spaces
+            table.setdefault(word, np.array([float(value) for value in values], dtype=np.float64))
+    rows = [sum(table[w] for w in re.split(r"[_\-\s]+", name.lower()) if w) for name in names]
+    return unit_rows(np.stack(rows))
+
+
+@pytest.mark.parametrize("header", [False, True], ids=["glove", "fasttext"])
+def test_vectors_equal_a_float64_reference(tmp_path, header):
+    path = write_vectors(tmp_path / "vectors.txt", header=header)
+    expected = reference_vectors(path, NAMES)
+    raw = WordVectorsEncoder(path).encode(NAMES)
+    assert raw.dtype == torch.float64
+    np.testing.assert_allclose(unit_rows(raw.numpy()), expected, rtol=0, atol=1e-12)
+    embeddings = class_embeddings(text_config("vectors", path=str(path)), NAMES)
+    assert embeddings.shape == (len(NAMES), 5)
+    np.testing.assert_allclose(embeddings.numpy(), expected, rtol=0, atol=1e-6)
+
+
+def encode_message(path: Path | str, names: list[str]) -> str:
+    """What :meth:`WordVectorsEncoder.encode` says of ``path``: ``"ok"`` or its error's message."""
+    try:
+        WordVectorsEncoder(path).encode(names)
+    except (ConfigError, OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def assert_one_line(path: Path | str, names: list[str], *expected: str, memory_mb: int = 128) -> str:
+    """The read of ``path`` under a memory cap and a time limit is one line holding each of ``expected``."""
+    outcome = bounded(encode_message, path, names, memory_mb=memory_mb, seconds=10)
+    assert not outcome.escaped and outcome.error is None, outcome
+    message = outcome.value
+    assert message != "ok" and "\n" not in message and "\x1b" not in message, message
+    for part in expected:
+        assert part in message, message
+    return message
+
+
+def test_missing_words_are_one_line_naming_them_all(tmp_path):
+    path = write_vectors(tmp_path / "vectors.txt")
+    assert_one_line(
+        path, ["blue_zebra", "okapi-cat", "zebra"], "has no vector for 2 words", "'zebra', 'okapi'", str(path)
+    )
+    many = [f"word{i}" for i in range(25)]
+    message = assert_one_line(path, many, "has no vector for 25 words", "'word19' and 5 more")
+    assert "'word20'" not in message
+
+
+def test_a_word_vector_file_of_control_characters_is_quoted_escaped(tmp_path):
+    path = tmp_path / "vectors.txt"
+    path.write_text("blue 1 2 3\nred\x1b[2J\x07 1 2\n", encoding="utf-8")
+    assert_one_line(path, ["red"], "line 2 ('red\\x1b[2J\\x07') has 2 values; expected 3")
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("blue 1 2 3\nred 1 2\n", "line 2 ('red') has 2 values; expected 3"),
+        ("blue 1 2 3\nred 1 2 3 4\n", "line 2 ('red') has 4 values; expected 3"),
+        ("2 4\nblue 1 2 3 4 \nred 1 2 3 \n", "line 3 ('red') has 3 values; expected 4"),
+        ("blue 1 2 3\nred 1 nan 3\n", "line 2 ('red') holds 'nan'; expected finite numbers"),
+        ("blue 1 2 3\nred 1 -inf 3\n", "expected finite numbers"),
+        ("blue 1 2 3\nred 1 2 3x\n", "holds '3x'; expected numbers"),
+        ("blue\n", "expected a word and 1 to 4096 values a line"),
+    ],
+    ids=["short", "long", "header", "nan", "inf", "not-a-number", "no-values"],
+)
+def test_a_malformed_word_vector_file_is_one_line(tmp_path, content, expected):
+    path = tmp_path / "vectors.txt"
+    path.write_text(content, encoding="utf-8")
+    assert_one_line(path, ["blue", "red"], expected)
+
+
+@pytest.mark.parametrize("line", [1, 2])
+def test_a_huge_line_is_refused_without_reading_it_whole(tmp_path, line):
+    """A line of 64 MiB without a newline, under a 32 MiB memory cap."""
+    path = tmp_path / "vectors.txt"
+    with path.open("wb") as file:
+        if line == 2:
+            file.write(b"blue 1 2 3\n")
+        file.truncate(file.tell() + 64 * MAX_LINE_BYTES)  # zero bytes, sparse: cheap to write
+    assert_one_line(path, ["red"], f"line {line} is over 1 MiB", memory_mb=32)
+
+
+def test_a_pipe_a_device_a_missing_or_oversized_file_are_one_line(tmp_path):
+    fifo = tmp_path / "vectors.txt"
+    os.mkfifo(fifo)
+    assert_one_line(fifo, ["blue"], "is a pipe (FIFO); expected a regular file")
+    assert_one_line("/dev/zero", ["blue"], "is a character device; expected a regular file")
+    assert_one_line(tmp_path / "absent.txt", ["blue"], "no file", "absent.txt")
+    huge = tmp_path / "huge.txt"
+    with huge.open("wb") as file:
+        file.truncate(9 * 2**30)  # sparse
+    assert_one_line(huge, ["blue"], "a word-vector file of at most 8192.0 MiB expected")
+
+
+def test_memory_is_bounded_by_the_class_list_not_the_file(tmp_path):
+    """A 40 MB file of 200,000 words, the one word asked for last, read under a 16 MiB memory cap."""
+    values = " ".join(["0.123456"] * 24)
+    path = tmp_path / "vectors.txt"
+    lines = [f"w{i} {values}" for i in range(200_000)] + [f"cat {' '.join(['1.5'] * 24)}"]
+    path.write_text("\n".join(lines) + "\n")
+    assert path.stat().st_size > 40 * 10**6
+    outcome = bounded(lambda: WordVectorsEncoder(path).encode(["cat"]).tolist(), memory_mb=16, seconds=10)
+    assert not outcome.escaped and outcome.error is None, outcome
+    assert outcome.value == [[1.5 * 1] * 24]
