@@ -11,7 +11,9 @@ words, ragged dims, a huge line, a pipe, a non-finite value) is read under a mem
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import re
 from pathlib import Path
 
@@ -170,3 +172,180 @@ def test_memory_is_bounded_by_the_class_list_not_the_file(tmp_path):
     outcome = bounded(lambda: WordVectorsEncoder(path).encode(["cat"]).tolist(), memory_mb=16, seconds=10)
     assert not outcome.escaped and outcome.error is None, outcome
     assert outcome.value == [[1.5 * 1] * 24]
+
+
+# --------------------------------------------------------------------------------------------- sentence
+
+VOCABULARY = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "blue", "triangle", "traffic", "light", "t", "-"]
+
+
+@pytest.fixture(scope="module")
+def sentence_folder(tmp_path_factory) -> Path:
+    """A tiny randomly initialised BERT (1 layer, width 16) with a WordPiece tokenizer and mean pooling,
+    saved as a sentence-transformers folder (safetensors weights)."""
+    library = pytest.importorskip("sentence_transformers", reason="text=sentence needs mlcls[sentence]")
+    transformers = pytest.importorskip("transformers")
+    base = tmp_path_factory.mktemp("bert")
+    (base / "vocab.txt").write_text("\n".join(VOCABULARY) + "\n")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=len(VOCABULARY),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    transformers.BertModel(config).save_pretrained(base)
+    transformers.BertTokenizerFast(vocab_file=str(base / "vocab.txt")).save_pretrained(base)
+    modules = library.sentence_transformer.modules
+    word = modules.Transformer(str(base))
+    model = library.SentenceTransformer(
+        modules=[word, modules.Pooling(word.get_embedding_dimension(), "mean")]
+    )
+    folder = tmp_path_factory.mktemp("sentence") / "model"
+    model.save(str(folder))
+    return folder
+
+
+def test_sentence_equals_the_library_s_own_encode(sentence_folder, monkeypatch):
+    library = pytest.importorskip("sentence_transformers")
+    reference = library.SentenceTransformer(str(sentence_folder), device="cpu").encode(
+        ["Blue triangle", "traffic light", "t-shirt"], convert_to_numpy=True
+    )
+    expected = unit_rows(reference.astype(np.float64))
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a text source reached the network")
+
+    monkeypatch.setattr("socket.socket.connect", no_network)
+    embeddings = class_embeddings(text_config("sentence", path=str(sentence_folder)), NAMES[:3])
+    assert embeddings.shape == (3, 16)
+    np.testing.assert_allclose(embeddings.numpy(), expected, rtol=0, atol=1e-6)
+
+
+def sentence_message(path: Path | str) -> str:
+    """What ``text=sentence`` says of the folder ``path``: ``"ok"`` or its error's message."""
+    from mlcls.text.sentence import SentenceEncoder
+
+    try:
+        SentenceEncoder(path).encode(["blue"])
+    except ConfigError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_sentence_refuses_a_hub_name_pickles_foreign_code_and_pipes(tmp_path):
+    """Each refused before the library is imported: one line, under a memory cap and a time limit."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    cases = [
+        ("sentence-transformers/all-MiniLM-L6-v2", None, "is not a local folder"),
+        (folder, ("pytorch_model.bin", b"\x80\x04."), "holds the pickle file 'pytorch_model.bin'"),
+        (
+            folder,
+            ("modules.json", b'[{"path": "", "type": "evil.Module"}]'),
+            "names the module 'evil.Module'",
+        ),
+        (folder, ("modules.json", b'[{"path": "../x", "type": "sentence_transformers.X"}]'), "'../x'"),
+        (folder, ("tokenizer.json", None), "'tokenizer.json' is not a regular file"),
+    ]
+    for path, extra, expected in cases:
+        if extra is not None:
+            for stale in folder.iterdir():
+                if stale.name != "model.safetensors":
+                    stale.unlink()
+            if extra[1] is None:
+                os.mkfifo(folder / extra[0])
+            else:
+                (folder / extra[0]).write_bytes(extra[1])
+        outcome = bounded(sentence_message, path, memory_mb=256, seconds=10)
+        assert not outcome.escaped and outcome.error is None, outcome
+        assert expected in outcome.value and "\n" not in outcome.value, outcome.value
+    (folder / "model.safetensors").unlink()
+    (folder / "tokenizer.json").unlink()
+    assert "holds no .safetensors file" in sentence_message(folder)
+
+
+# ------------------------------------------------------------------------------------------------- clip
+
+TINY_CLIP = "mlcls-tiny-clip"
+
+
+@pytest.fixture(scope="module")
+def clip_model(tmp_path_factory):
+    """A tiny randomly initialised open_clip CLIP (text tower: 1 layer, width 16, 16 tokens; embeddings 8
+    wide), registered under :data:`TINY_CLIP`; the model and its tokenizer."""
+    open_clip = pytest.importorskip("open_clip", reason="text=clip needs mlcls[clip]")
+    configs = tmp_path_factory.mktemp("clip_configs")
+    config = {
+        "embed_dim": 8,
+        "vision_cfg": {"image_size": 16, "layers": 1, "width": 16, "head_width": 8, "patch_size": 8},
+        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1},
+    }
+    (configs / f"{TINY_CLIP}.json").write_text(json.dumps(config))
+    open_clip.add_model_config(configs / f"{TINY_CLIP}.json")
+    torch.manual_seed(0)
+    model = open_clip.create_model(TINY_CLIP, pretrained=None).eval()
+    return model, open_clip.get_tokenizer(TINY_CLIP)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_clip_equals_the_library_s_own_encode_text(clip_model, tmp_path, suffix, monkeypatch):
+    model, tokenizer = clip_model
+    path = tmp_path / f"open_clip_model{suffix}"
+    if suffix == ".pt":  # as open_clip's training saves it: wrapped, DistributedDataParallel's prefix
+        torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(model.state_dict(), path)
+    prompts = ["a photo of a Blue triangle", "a photo of a traffic light", "a photo of a t-shirt"]
+    with torch.no_grad():
+        expected = unit_rows(model.encode_text(tokenizer(prompts)).double().numpy())
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a text source reached the network")
+
+    monkeypatch.setattr("socket.socket.connect", no_network)
+    cfg = text_config("clip", path=str(path), model=TINY_CLIP)
+    embeddings = class_embeddings(cfg, NAMES[:3])
+    assert embeddings.shape == (3, 8)
+    np.testing.assert_allclose(embeddings.numpy(), expected, rtol=0, atol=1e-6)
+
+
+def clip_message(path: Path, model: str) -> str:
+    """What ``text=clip`` says of the checkpoint ``path`` for ``model``: ``"ok"`` or its error's message."""
+    from mlcls.text.clip import ClipEncoder
+
+    try:
+        ClipEncoder(path, model).encode(["blue"])
+    except (ConfigError, OSError, ValueError) as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_clip_refuses_a_foreign_checkpoint_a_pickle_and_a_remote_name_in_one_line(clip_model, tmp_path):
+    from mlcls.text.clip import ClipEncoder
+
+    model, _ = clip_model
+    text_only = {k: v for k, v in model.state_dict().items() if k != "ln_final.weight"}
+    torch.save({**text_only, "extra.weight": torch.zeros(1)}, tmp_path / "foreign.pt")
+    (tmp_path / "pickled.pt").write_bytes(pickle.dumps({"w": 1}))
+    torch.save([torch.zeros(2)], tmp_path / "list.pt")
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 64)
+    cases = [
+        ("foreign.pt", TINY_CLIP, "lacks 'ln_final.weight'"),
+        ("pickled.pt", TINY_CLIP, "not a zip archive"),
+        ("list.pt", TINY_CLIP, "holds no state dict"),
+        ("bad.safetensors", TINY_CLIP, "cannot be read as weights"),
+        ("absent.pt", TINY_CLIP, "no file"),
+        ("foreign.pt", "no-such-model", "is not an open_clip model"),
+    ]
+    for name, model_name, expected in cases:
+        outcome = bounded(clip_message, tmp_path / name, model_name, memory_mb=512, seconds=20)
+        assert not outcome.escaped and outcome.error is None, outcome
+        assert expected in outcome.value and "\n" not in outcome.value, outcome.value
+    with pytest.raises(ConfigError, match="hf-hub: and local-dir: names are not read"):
+        ClipEncoder("x.pt", "hf-hub:timm/ViT-B-32")
