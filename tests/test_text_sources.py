@@ -349,3 +349,29 @@ def test_clip_refuses_a_foreign_checkpoint_a_pickle_and_a_remote_name_in_one_lin
         assert expected in outcome.value and "\n" not in outcome.value, outcome.value
     with pytest.raises(ConfigError, match="hf-hub: and local-dir: names are not read"):
         ClipEncoder("x.pt", "hf-hub:timm/ViT-B-32")
+
+
+# ------------------------------------------------------------------------------------------------ local
+
+
+def test_a_missing_extra_is_one_line_naming_it():
+    from mlcls.text.local import require
+
+    with pytest.raises(ConfigError, match=r"pip install 'mlcls\[clip\]'") as caught:
+        require("mlcls_no_such_package", "clip", "clip")
+    assert "\n" not in str(caught.value)
+
+
+def test_offline_holds_the_hub_offline_then_restores_it(monkeypatch):
+    from mlcls.text.local import OFFLINE_VARIABLES, offline
+
+    for name in OFFLINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    constants = pytest.importorskip("huggingface_hub.constants")
+    before = constants.HF_HUB_OFFLINE
+    with offline():
+        assert all(os.environ[name] == "1" for name in OFFLINE_VARIABLES)
+        assert constants.HF_HUB_OFFLINE is True
+    assert os.environ["HF_HUB_OFFLINE"] == "0" and "TRANSFORMERS_OFFLINE" not in os.environ
+    assert constants.HF_HUB_OFFLINE is before
