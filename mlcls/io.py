@@ -67,6 +67,7 @@ CAPS = {
     "label file": 8 * GiB,  # a dataset's annotation JSON, CSV or list
     "predictions": 4 * GiB,  # val_predictions.npz
     "checkpoint": 64 * GiB,  # a checkpoint or a released weights file
+    "word vectors": 8 * GiB,  # a GloVe / fastText text file, streamed (glove.840B.300d.txt is 5.6 GB)
 }
 
 

@@ -1,0 +1,146 @@
+"""``text=clip``: class embeddings from open_clip's text tower (``text.model``, an open_clip model name such
+as ``ViT-B-32``) with the weights of a local checkpoint file (``text.path``), and the optional extra
+``pip install 'mlcls[clip]'``.
+
+A class name is read as a phrase (``traffic_light`` -> ``traffic light``, :func:`mlcls.text.local.phrase`)
+put in ``text.template`` (``"a photo of a {}"``: CLIP's zero-shot prompt), tokenised by the model's own
+tokenizer and embedded by ``model.encode_text``.
+
+Nothing is downloaded: the model is built from open_clip's own config with no pretrained weights (no
+``hf-hub:`` or ``local-dir:`` name), with the Hugging Face Hub offline, and the weights are read by mlcls
+itself through its door (:func:`load_weights`): a ``.safetensors`` file, or a ``torch.save`` file through
+:func:`mlcls.io.open_checkpoint` and ``torch.load(weights_only=True)`` -- never an OpenAI TorchScript
+archive, which is code. The text tower's weights must all be in the file (the image tower's are not used).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from mlcls.errors import ConfigError, printable, shown
+from mlcls.io import (
+    CAPS,
+    FileTooLargeError,
+    NotRegularFileError,
+    UnsafeFileError,
+    open_checkpoint,
+    read_regular_bytes,
+)
+from mlcls.text.local import offline, phrase, require
+
+# open_clip model names that fetch a config or weights from elsewhere.
+REMOTE_SCHEMAS = ("hf-hub:", "local-dir:")
+# The keys of a checkpoint a one-line error names before it counts the rest.
+MAX_NAMED_KEYS = 5
+
+
+class ClipEncoder:
+    """open_clip's text tower ``model`` with the weights of the file ``path``, run on the CPU in
+    :meth:`encode` over ``template`` filled with each class name, ``batch_size`` prompts at a time."""
+
+    def __init__(
+        self, path: str | os.PathLike, model: str, template: str = "a photo of a {}", batch_size: int = 256
+    ) -> None:
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ConfigError(f"text.path={path!r}; expected the path of an open_clip checkpoint file")
+        if not isinstance(model, str) or not model or model.startswith(REMOTE_SCHEMAS):
+            raise ConfigError(
+                f"text.model={model!r}; expected an open_clip model name such as ViT-B-32 (open_clip's "
+                "list_models(); hf-hub: and local-dir: names are not read)"
+            )
+        if not isinstance(template, str) or template.count("{}") != 1:
+            raise ConfigError(f"text.template={template!r}; expected a prompt holding {{}} once")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ConfigError(f"text.batch_size={batch_size!r}; expected a positive integer")
+        self.path, self.model, self.template, self.batch_size = Path(path), model, template, batch_size
+        self.source = f"clip({model}, {os.path.abspath(self.path)}, template={template!r})"
+
+    def encode(self, names: list[str]) -> torch.Tensor:
+        """float32 (C, D): ``encode_text`` of each name's prompt (before normalisation)."""
+        library = require("open_clip", "clip", "clip")
+        with offline():
+            if library.get_model_config(self.model) is None:
+                raise ConfigError(
+                    f"text.model={self.model!r} is not an open_clip model; expected one of open_clip's "
+                    "list_models(), e.g. ViT-B-32"
+                )
+            state = load_weights(self.path)
+            try:
+                model = library.create_model(
+                    self.model, pretrained=None, pretrained_image=False, pretrained_text=False, device="cpu"
+                )
+                tokenizer = library.get_tokenizer(self.model)
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise ConfigError(
+                    f"text.model={self.model!r} cannot be built offline ({_first_line(exc)})"
+                ) from None
+        _load_text_tower(model, state, self.path, self.model)
+        prompts = [self.template.replace("{}", phrase(name)) for name in names]
+        model.eval()
+        with torch.inference_mode():
+            rows = [
+                model.encode_text(tokenizer(prompts[start : start + self.batch_size])).float()
+                for start in range(0, len(prompts), self.batch_size)
+            ]
+        return torch.cat(rows)
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The state dict of the checkpoint file ``path``: a ``.safetensors`` file (read whole through
+    :func:`mlcls.io.read_regular_bytes`, at most ``CAPS["checkpoint"]``), or a ``torch.save`` file through
+    :func:`mlcls.io.open_checkpoint` with ``weights_only=True``; a ``{"state_dict": ...}`` wrapper and
+    DistributedDataParallel's ``module.`` prefix removed. Anything else: a one-line :class:`ConfigError`."""
+    where = printable(str(path))
+    try:
+        if path.suffix == ".safetensors":
+            state = load_safetensors(read_regular_bytes(path, CAPS["checkpoint"], "CLIP checkpoint"))
+        else:
+            with open_checkpoint(path, "CLIP checkpoint") as file:
+                state = torch.load(file, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"text.path: no file {where}; expected an open_clip checkpoint file") from None
+    except (NotRegularFileError, FileTooLargeError, UnsafeFileError):
+        raise
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError, SafetensorError) as exc:
+        raise ConfigError(
+            f"text.path {where} cannot be read as weights ({_first_line(exc)}); expected a .safetensors file "
+            "or a state dict saved by torch.save (not a TorchScript archive)"
+        ) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(
+        isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items()
+    ):
+        raise ConfigError(f"text.path {where} holds no state dict; expected tensors by parameter name")
+    return {key.removeprefix("module."): value for key, value in state.items()}
+
+
+def _load_text_tower(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path, name: str) -> None:
+    """``state`` loaded into ``model``: every parameter and buffer of the text tower (all but ``visual.``)
+    present with its shape, no key the model lacks; else a one-line :class:`ConfigError`."""
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"text.path {printable(str(path))} does not fit text.model={name!r} ({_first_line(exc)})"
+        ) from None
+    missing = [key for key in result.missing_keys if not key.startswith("visual.")]
+    for keys, what in ((missing, "lacks"), (result.unexpected_keys, "has keys the model lacks:")):
+        if keys:
+            named = ", ".join(shown(key) for key in keys[:MAX_NAMED_KEYS])
+            more = f" and {len(keys) - MAX_NAMED_KEYS} more" if len(keys) > MAX_NAMED_KEYS else ""
+            raise ConfigError(
+                f"text.path {printable(str(path))} {what} {named}{more}; expected the weights of the "
+                f"open_clip model {name!r}"
+            )
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return printable(lines[0]) if lines else type(exc).__name__

@@ -1,0 +1,177 @@
+"""``text=vectors``: class embeddings from a local word-vector file in the GloVe or fastText text format.
+
+The format: one word a line followed by its vector, fields separated by single spaces (fastText's ``.vec``
+ends each line with a space; GloVe's ``.txt`` does not). A fastText file starts with a header line
+``<count> <dim>``; a GloVe file starts with its first word. A class name is split into words as ``text=words``
+splits it (:func:`mlcls.text.words.split_words`: on ``_``, ``-`` and white space, lower-cased), and its vector
+is the sum of its words' vectors (``traffic_light`` = traffic + light). The field (ML-Decoder's and LESA's
+zero-shot queries) averages them; once :func:`mlcls.text.class_embeddings` has L2-normalised each row, the
+sum and the mean are the same vector.
+
+The file is someone else's data, read through :func:`mlcls.io.open_regular` (a regular file of at most
+``CAPS["word vectors"]`` = 8 GiB: not a pipe or a device) and streamed one line at a time:
+
+* only the vectors of the class names' words are kept, so memory is bounded by the class list (distinct
+  words x D x 8 bytes), never by the file; the reading stops once every word has been found;
+* a line is read :data:`MAX_LINE_BYTES` at most: a longer one is refused without being read whole;
+* every line read has the same number of values (the header's ``dim``, or the first line's), each a finite
+  number; a value of a kept word that is not is refused, naming the line;
+* a word of the file never reaches a terminal unescaped: errors quote it with ``repr``.
+
+Every fault is one line (:class:`ConfigError`, or :mod:`mlcls.io`'s errors for a path that is not a regular
+file or is over the cap): words missing from the file are named all in one line (the first
+:data:`MAX_NAMED_MISSING` of them, then how many more).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+import torch
+
+from mlcls.errors import ConfigError, plural, printable, shown
+from mlcls.io import CAPS, MiB, open_regular
+from mlcls.text import MAX_DIM
+from mlcls.text.words import split_words
+
+# The longest line read: a 300-d GloVe or fastText line is about 3 KB, a 4096-d one at full float precision
+# about 60 KB; a longer line is not a word vector, and reading it whole could take all memory.
+MAX_LINE_BYTES = MiB
+# The missing words a one-line error names before it counts the rest.
+MAX_NAMED_MISSING = 20
+
+
+class WordVectorsEncoder:
+    """The sum of a class name's word vectors, read from the word-vector file ``path`` (GloVe or fastText
+    text format). The file is read in :meth:`encode`, not when the encoder is built."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ConfigError(f"text.path={path!r}; expected the path of a GloVe or fastText vector file")
+        self.path = Path(path)
+        self.source = f"vectors({os.path.abspath(self.path)})"
+
+    def encode(self, names: list[str]) -> torch.Tensor:
+        """float64 (C, D): row ``c`` the sum of the vectors of the words of ``names[c]``. A name without a
+        word, or words the file lacks, are a one-line :class:`ConfigError`."""
+        words_of = []
+        for name in names:
+            words = split_words(name)
+            if not words:
+                raise ConfigError(f"class name {shown(name)} has no word; expected letters or digits")
+            words_of.append(words)
+        needed = list(dict.fromkeys(word for words in words_of for word in words))  # first appearance
+        vectors = read_word_vectors(self.path, set(needed))
+        missing = [word for word in needed if word not in vectors]
+        if missing:
+            named = ", ".join(shown(word) for word in missing[:MAX_NAMED_MISSING])
+            more = f" and {len(missing) - MAX_NAMED_MISSING} more" if len(missing) > MAX_NAMED_MISSING else ""
+            raise ConfigError(
+                f"word-vector file {printable(str(self.path))} has no vector for "
+                f"{plural(len(missing), 'word')} of the class names: {named}{more}; expected every word "
+                "(lower-cased) in the file"
+            )
+        rows = [np.sum([vectors[word] for word in words], axis=0) for words in words_of]
+        return torch.from_numpy(np.stack(rows))
+
+
+def read_word_vectors(path: str | os.PathLike, words: set[str]) -> dict[str, np.ndarray]:
+    """The float64 (D,) vectors of those of ``words`` that the word-vector file ``path`` holds (the first
+    line of a word listed twice), read as the module says: a one-line error for a file that is not a
+    regular file of at most ``CAPS["word vectors"]`` bytes, a line over :data:`MAX_LINE_BYTES`, a line
+    whose number of values differs from the others', or a kept value that is not a finite number."""
+    shown_path = printable(str(path))
+    wanted = {word.encode("utf-8"): word for word in words}
+    found: dict[str, np.ndarray] = {}
+    try:
+        file = open_regular(path, "rb", max_bytes=CAPS["word vectors"], what="word-vector file")
+    except FileNotFoundError:
+        raise ConfigError(f"text.path: no file {shown_path}; expected a word-vector file") from None
+    with file:
+        dim = None
+        for number, line in _lines(file, shown_path):
+            if dim is None:
+                dim, is_header = _dimension(line, number, shown_path)
+                if is_header:
+                    continue
+            if len(found) == len(wanted):
+                break
+            spaces = line.count(b" ")
+            if spaces != dim:
+                head = line.rsplit(b" ", dim)[0]
+                if spaces < dim or _is_number(head.rpartition(b" ")[2]):
+                    raise ConfigError(
+                        f"word-vector file {shown_path}: line {number} ({_word(line.split(b' ')[0])}) has "
+                        f"{spaces} values; expected {dim}, as the lines before it"
+                    )
+                continue  # a word holding spaces (GloVe 840B has a few): never a word of a class name
+            word = line[: line.index(b" ")]
+            if word in wanted and wanted[word] not in found:
+                found[wanted[word]] = _vector(line[len(word) + 1 :], number, word, shown_path)
+    return found
+
+
+def _lines(file: IO[bytes], shown_path: str) -> Iterator[tuple[int, bytes]]:
+    """The non-blank lines of ``file`` with their numbers (from 1), trailing white space removed, each read
+    :data:`MAX_LINE_BYTES` at most."""
+    number = 0
+    while raw := file.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise ConfigError(
+                f"word-vector file {shown_path}: line {number} is over {MAX_LINE_BYTES // MiB} MiB; expected "
+                "one word and its vector a line"
+            )
+        line = raw.rstrip(b" \t\r\n")
+        if line:
+            yield number, line
+
+
+def _dimension(line: bytes, number: int, shown_path: str) -> tuple[int, bool]:
+    """The vector width the first line sets, and whether that line is a fastText header ``<count> <dim>``."""
+    fields = line.split(b" ")
+    is_header = number == 1 and len(fields) == 2 and all(field.isdigit() for field in fields)
+    dim = int(fields[1]) if is_header else len(fields) - 1
+    if not 1 <= dim <= MAX_DIM:
+        raise ConfigError(
+            f"word-vector file {shown_path}: line {number} gives vectors of {dim} values; expected a word "
+            f"and 1 to {MAX_DIM} values a line (GloVe), after a '<count> <dim>' header line (fastText)"
+        )
+    return dim, is_header
+
+
+def _vector(values: bytes, number: int, word: bytes, shown_path: str) -> np.ndarray:
+    """The float64 vector of a line's ``values`` field, each a finite number."""
+    try:
+        vector = np.array([float(value) for value in values.split(b" ")])
+    except ValueError:
+        bad = next(value for value in values.split(b" ") if not _is_number(value))
+        raise ConfigError(
+            f"word-vector file {shown_path}: line {number} ({_word(word)}) holds {_word(bad)}; expected "
+            "numbers"
+        ) from None
+    if not np.isfinite(vector).all():
+        bad = values.split(b" ")[int(np.flatnonzero(~np.isfinite(vector))[0])]
+        raise ConfigError(
+            f"word-vector file {shown_path}: line {number} ({_word(word)}) holds {_word(bad)}; expected "
+            "finite numbers"
+        )
+    return vector
+
+
+def _is_number(field: bytes) -> bool:
+    try:
+        float(field)
+    except ValueError:
+        return False
+    return True
+
+
+def _word(field: bytes) -> str:
+    """A field of the file for an error message: decoded, quoted with ``repr`` (control characters escaped),
+    cut short."""
+    return shown(field.decode("utf-8", errors="backslashreplace"))
