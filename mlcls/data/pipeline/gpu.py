@@ -294,6 +294,16 @@ class GpuEvalTransform:
         )
 
 
+def input_stage_bytes(batch_size: int, size: int, decode_pixels: int = DECODE_PIXELS) -> int:
+    """A bound of the GPU memory the input stage allocates for one training batch of ``batch_size`` images
+    of ``size`` x ``size`` (torch's allocations; nvJPEG's own buffers come on top): per decode chunk of at
+    most ``decode_pixels`` decoded (and padded window) pixels, 16 bytes a pixel -- the decoded images and
+    their concatenation (3 + 3), or the concatenation, the int32 gather index, the uint8 and float16
+    windows (3 + 4 + 3 + 6) --, plus 16 bytes per output value (uint8 copies while assembling the batch, the
+    colour stage's float32 image and temporaries)."""
+    return 16 * decode_pixels + 16 * batch_size * 3 * size * size
+
+
 def resize_weights(
     in_size: Tensor, grid: Tensor, offset: Tensor, taps: int, size: int, dtype: torch.dtype
 ) -> Tensor:
