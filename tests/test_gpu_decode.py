@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from data_fixtures import PhotoFiles, decode_rgb, write_photos
+from hostile import bounded
 from PIL import Image
 from torchvision import transforms as T
 
@@ -231,6 +232,18 @@ def test_build_backend_transform_gives_the_gpu_transforms():
     assert (evaluation.mean, evaluation.std) == ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
     light = build_backend_transform("gpu", "light", 32, train=True)  # runs whole in the workers
     assert repr(light) == repr(build_transform("light", 32, True))
+
+
+@pytest.mark.slow
+def test_the_header_walk_of_a_jpeg_padded_with_fill_bytes_is_bounded(photos):
+    """A JPEG with 32 MiB of 0xFF fill bytes after its start marker (libjpeg skips them: a valid file): the
+    workers' walk to its frame marker stops after MAX_HEADER_MARKERS markers, within 5 s and 512 MB, and
+    leaves the file to the CPU path (walking the whole fill took 9.9 s here)."""
+    crafted = b"\xff\xd8" + b"\xff" * 2**25 + photos[0].read_bytes()[2:]
+    outcome = bounded(gpu.device_jpeg_size, crafted, memory_mb=512, seconds=5)
+    assert not outcome.escaped, outcome
+    assert outcome.error is None and outcome.value is None
+    assert gpu.device_jpeg_size(photos[0].read_bytes()) == (320, 240)
 
 
 @pytest.mark.slow

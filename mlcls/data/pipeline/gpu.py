@@ -59,7 +59,7 @@ warnings.filterwarnings(
 
 # Decoded pixels one decode call holds at most (a chunk of the batch; an image alone may reach
 # MAX_DEVICE_PIXELS): 64 Mi pixels, 192 MiB as RGB. The input stage's GPU memory is bounded by it
-# (docs/performance.md: at most ~12 bytes per chunk pixel, plus the batch's output).
+# (:func:`input_stage_bytes`: 16 bytes per chunk pixel, plus the batch's output).
 DECODE_PIXELS = 2**26
 # Larger JPEGs go through the CPU path (reduced-scale decoding there makes them cheap): 16 Mi pixels.
 MAX_DEVICE_PIXELS = 2**24
@@ -68,6 +68,9 @@ DEVICE_SUBSAMPLINGS = ("444", "422", "420", "440", "411")
 # JPEG start-of-frame markers (SOF0-SOF15 less DHT, JPG and DAC); only SOF0, baseline, goes to the device.
 FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 BASELINE = 0xC0
+# Markers read before the frame header at most (a photo has a handful; an ICC profile adds one per 64 kB):
+# a crafted file of fill bytes or empty segments goes to the CPU path instead of holding a worker.
+MAX_HEADER_MARKERS = 1024
 # Columns of a sample's geometry (int64): the image's size; the window (left, top, width, height) in its
 # pixels; the grid the window is resized to and the offset of the S x S output in it; the flip; S.
 IMAGE_W, IMAGE_H, LEFT, TOP, WIDTH, HEIGHT, GRID_W, GRID_H, OFFSET_X, OFFSET_Y, FLIP, SIZE = range(12)
@@ -115,13 +118,13 @@ class PlannedJpeg(NamedTuple):
 
 def frame_marker(data: bytes) -> int | None:
     """The start-of-frame marker of a JPEG (0xC0 baseline, 0xC2 progressive, ...), read by walking its
-    segments up to the frame header (a few dozen at most in a photo); None when there is none before the
-    first scan or the file is no JPEG."""
+    segments up to the frame header; None when there is none before the first scan, within
+    :data:`MAX_HEADER_MARKERS` markers, or the file is no JPEG."""
     if data[:2] != b"\xff\xd8":
         return None
     position, end = 2, len(data) - 3
-    while position < end:
-        if data[position] != 0xFF:
+    for _ in range(MAX_HEADER_MARKERS):
+        if position >= end or data[position] != 0xFF:
             return None
         marker = data[position + 1]
         if marker == 0xFF:  # fill byte
