@@ -191,20 +191,29 @@ def test_a_jpeg_only_the_decoder_finds_damaged_is_decoded_by_pil(photos, monkeyp
 
 
 def test_chunks_bound_the_decoded_and_padded_pixels_and_keep_the_batch_order(photos, monkeypatch):
-    """Every chunk of more than one image stays within the budget (decoded pixels, and count x tallest x
-    widest window); chunks cover each sample once; a batch decoded in chunks of one or two images equals
-    the batch decoded at once."""
+    """Every chunk of more than one image stays within the budget (decoded pixels, count x tallest x widest
+    window, twice its resize weights); chunks cover each sample once; a batch decoded in chunks of one or
+    two images equals the batch decoded at once."""
     generator = np.random.default_rng(0)
     geometry = np.zeros((50, 12), dtype=np.int64)
     geometry[:, 0], geometry[:, 1] = generator.integers(50, 400, 50), generator.integers(50, 400, 50)
-    geometry[:, WIDTH], geometry[:, HEIGHT] = geometry[:, 0] // 2, geometry[:, 1] // 2
+    geometry[:, WIDTH], geometry[:, HEIGHT], geometry[:, gpu.SIZE] = (
+        geometry[:, 0] // 2,
+        geometry[:, 1] // 2,
+        64,
+    )
     budget = 200_000
     parts = chunks(geometry, budget)
     assert sorted(np.concatenate(parts).tolist()) == list(range(50)) and len(parts) > 3
     for part in parts:
         rows = geometry[part]
-        padded = len(part) * rows[:, HEIGHT].max() * rows[:, WIDTH].max()
-        assert len(part) == 1 or (int((rows[:, 0] * rows[:, 1]).sum()) <= budget and padded <= budget)
+        tallest, widest = rows[:, HEIGHT].max(), rows[:, WIDTH].max()
+        weights = len(part) * 64 * (tallest + widest)
+        assert len(part) == 1 or (
+            int((rows[:, 0] * rows[:, 1]).sum()) <= budget
+            and len(part) * tallest * widest <= budget
+            and 2 * weights <= budget
+        )
     batch, _ = _batch(PhotoFiles(photos, GpuTrainTransform(FastTrainTransform(SIZE))), range(20, 28))
     whole = decode_on_device(batch, CPU)
     monkeypatch.setattr(gpu, "DECODE_PIXELS", 2 * 320 * 240)

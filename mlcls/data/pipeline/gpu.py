@@ -300,10 +300,12 @@ class GpuEvalTransform:
 def input_stage_bytes(batch_size: int, size: int, decode_pixels: int = DECODE_PIXELS) -> int:
     """A bound of the GPU memory the input stage allocates for one training batch of ``batch_size`` images
     of ``size`` x ``size`` (torch's allocations; nvJPEG's own buffers come on top): per decode chunk of at
-    most ``decode_pixels`` decoded (and padded window) pixels, 16 bytes a pixel -- the decoded images and
-    their concatenation (3 + 3), or the concatenation, the int32 gather index, the uint8 and float16
-    windows (3 + 4 + 3 + 6) --, plus 16 bytes per output value (uint8 copies while assembling the batch, the
-    colour stage's float32 image and temporaries)."""
+    most ``decode_pixels`` decoded (and padded window) pixels and half as many resize weights
+    (:func:`chunks`), 16 bytes a pixel -- the decoded images and their concatenation (3 + 3); or the
+    concatenation, the int32 gather index, the uint8 and float16 windows (3 + 4 + 3 + 6); or the float16
+    windows, the weights as they are made (7 per weight) and kept (2), the products' broadcast copies and
+    intermediate (6 + 3.5 + 1 + 3 + 3) --, plus 16 bytes per output value (uint8 copies while assembling
+    the batch, the colour stage's float32 image and temporaries)."""
     return 16 * decode_pixels + 16 * batch_size * 3 * size * size
 
 
@@ -316,16 +318,17 @@ def resize_weights(
 
     PIL's ``BILINEAR`` and torch's ``interpolate(..., antialias=True)``: with ``scale = in / grid``, output
     pixel ``i`` averages source pixel ``j`` with weight ``max(0, 1 - |j + 0.5 - scale (i + 0.5)| / max(scale,
-    1))``, normalised over the pixels inside the source. Computed in float32, returned as ``dtype``."""
+    1))``, normalised over the pixels inside the source. Computed in float32 in place (7 bytes per weight
+    at the peak, with the mask and the copy), returned as ``dtype``."""
     device = in_size.device
     scale = in_size.float() / grid.float()
-    stretch = torch.clamp(scale, min=1.0)
+    stretch = torch.clamp(scale, min=1.0).view(-1, 1, 1)
     rows = offset[:, None].float() + torch.arange(size, device=device, dtype=torch.float32)
-    centre = (scale[:, None] * (rows + 0.5))[:, :, None]
+    centre = (scale[:, None] * (rows + 0.5) - 0.5)[:, :, None]
     source = torch.arange(taps, device=device, dtype=torch.float32).view(1, 1, -1)
-    weights = (1.0 - ((source + 0.5 - centre) / stretch.view(-1, 1, 1)).abs()).clamp_(min=0.0)
-    weights *= source < in_size.view(-1, 1, 1)
-    return (weights / weights.sum(-1, keepdim=True)).to(dtype)
+    weights = (source - centre).div_(stretch).abs_().neg_().add_(1.0).clamp_(min=0.0)
+    weights.mul_(source < in_size.view(-1, 1, 1))
+    return weights.div_(weights.sum(-1, keepdim=True)).to(dtype)
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> Tensor:
@@ -363,14 +366,18 @@ def decode_images(files: list[Tensor], device: torch.device) -> list[Tensor]:
 def chunks(geometry: np.ndarray, budget: int = DECODE_PIXELS) -> list[np.ndarray]:
     """Positions of the rows of ``geometry`` (device samples) in decode chunks: sorted by window height
     (so that each chunk's padded windows waste little), cut before a sample that would take the chunk's
-    decoded pixels, or its padded windows (count x tallest x widest), over ``budget``; an image alone may
-    pass it (at most :data:`MAX_DEVICE_PIXELS`)."""
+    decoded pixels, or its padded windows (count x tallest x widest), over ``budget``, or its resize
+    weights (count x S x (tallest + widest)) over half of it; an image alone may pass it (at most
+    :data:`MAX_DEVICE_PIXELS` pixels)."""
     order = np.argsort(-geometry[:, HEIGHT], kind="stable")
     out, start, decoded, widest = [], 0, 0, 0
     for k, row in enumerate(order):
         pixels, width = int(geometry[row, IMAGE_W] * geometry[row, IMAGE_H]), int(geometry[row, WIDTH])
-        padded = (k - start + 1) * int(geometry[order[start], HEIGHT]) * max(widest, width)
-        if k > start and (decoded + pixels > budget or padded > budget):
+        count, tallest, wider = k - start + 1, int(geometry[order[start], HEIGHT]), max(widest, width)
+        weights = count * int(geometry[row, SIZE]) * (tallest + wider)
+        if k > start and (
+            decoded + pixels > budget or count * tallest * wider > budget or 2 * weights > budget
+        ):
             out.append(order[start:k])
             start, decoded, widest = k, 0, 0
         decoded, widest = decoded + pixels, max(widest, width)
