@@ -140,6 +140,25 @@ def test_evaluation_matches_the_plain_evaluation_transform(photos, kind):
         assert eval_resize(SIZE) == 73 and dataset.transform.grid(320, 240) == (97, 73, 16, 4)
 
 
+def test_the_trainers_evaluation_reads_the_gpu_evaluation_loader(photos):
+    """``evaluate`` (the trainer's and mlcls-eval's) over the loader ``build_eval_loader`` gives a dataset of
+    the gpu evaluation transform: the images come decoded and normalised on the device, the targets from
+    the host, every sample scored once; the same scores as over the plain transform within rounding."""
+    from mlcls.engine.evaluate import evaluate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(48, 2))
+    scores = {}
+    for backend in ("gpu", "fast"):
+        dataset = PhotoFiles(photos, build_backend_transform(backend, "paper", SIZE, train=False))
+        evaluation = evaluate(model, build_eval_loader(dataset, 3, 0, 0, 1, CPU), CPU, dataset.classes)
+        assert evaluation.scores.shape == (8, 2) and torch.equal(
+            evaluation.labels, dataset.labels.to(torch.int8)
+        )
+        scores[backend] = evaluation.scores
+    torch.testing.assert_close(scores["gpu"], scores["fast"], atol=0.02, rtol=0)
+
+
 def test_files_the_device_does_not_take_go_through_the_fast_cpu_path(photos, tmp_path):
     """PNG, progressive, greyscale and CMYK JPEGs: the fast pipeline's own output, bit for bit, under the
     same seed, placed among the device samples of their batch; a JPEG cut short raises the fast pipeline's
