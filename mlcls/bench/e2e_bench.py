@@ -227,8 +227,8 @@ def _measure(
         seconds[backend] = timed_epoch(trainer, loader, warmup, steps)
         if backend.endswith("gpu") and device.type == "cuda":
             peak = _input_peak_mib(trainer, loader)
-        del loader
-        gc.collect()  # the loader's persistent workers end here
+        trainer.data.train_loader = loader = None
+        gc.collect()  # the loader's persistent workers end here, before the next loader's start
     gpu_only.append(timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps))
     seconds["gpu_only"] = sum(gpu_only) / len(gpu_only)
     rates = {name: steps * batch_size / value for name, value in seconds.items()}
