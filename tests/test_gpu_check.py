@@ -22,7 +22,17 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
-CUDA_STEPS = {"cuda_tests", "bench_step", "bench_pipeline", "demo", "bench_eval", "bench_step_compile"}
+CUDA_STEPS = {
+    "cuda_tests",
+    "bench_step",
+    "bench_e2e",
+    "bench_pipeline",
+    "demo",
+    "bench_eval",
+    "bench_e2e_workers4",
+    "bench_step_compile",
+    "bench_e2e_compile",
+}
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU does")
 
 

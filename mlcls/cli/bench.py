@@ -3,6 +3,8 @@
 mlcls-bench pipeline --images DIR [--n N] [--workers W] [--size 224]   decode + augmentation, images/s
 mlcls-bench step model.name=resnet50 dataset.image_size=224 trainer.batch_size=32 [trainer.amp=bf16]
                                                                         train step vs a bare loop, images/s
+mlcls-bench e2e [overrides] --backends fast,gpu,torchvision,shards [--images DIR]
+                                  the training loop fed by each loader vs on device-resident batches
 mlcls-bench loss [--device cpu] [--repeats 100] [--scale [--threads 1]] two-way loss forward + backward
 mlcls-bench metrics [--n 40137] [--c 80]                               mAP@class + mAP@sample vs sklearn
 mlcls-bench eval [--n 41620] [--c 9605]              the trainer's evaluation: seconds and peak memory
@@ -19,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mlcls.bench import pipeline_bench, step_bench
+from mlcls.bench import e2e_bench, pipeline_bench, step_bench
 from mlcls.cli.errors import user_errors
 from mlcls.cli.overrides import compose_config
 
@@ -78,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     step.set_defaults(
         run=lambda args: step_bench.run_from_args(args, compose_config("train", args.overrides))
     )
+    e2e = commands.add_parser(
+        "e2e", help="the training loop fed by each input pipeline vs on batches already on the device"
+    )
+    e2e_bench.add_arguments(e2e)
+    e2e.set_defaults(run=lambda args: e2e_bench.run_from_args(args, compose_config("train", args.overrides)))
     loss = commands.add_parser("loss", help="two-way loss vs masked logsumexp, forward + backward")
     loss.add_argument("--device", default="cpu")
     loss.add_argument(

@@ -11,8 +11,10 @@
   memory and persistent workers on CUDA.
 * **Device.** :class:`DevicePrefetcher` hands each training batch over on the device, finished by the
   :class:`DeviceStage` (the fast pipeline's colour work, :func:`~mlcls.data.pipeline.fast.
-  colour_lighting_normalise`), its copy overlapped with the previous step on CUDA. The stage runs here
-  only: the trainer's step receives finished batches.
+  colour_lighting_normalise`; with ``data.backend=gpu`` first the decoding, cropping and resizing of
+  :func:`~mlcls.data.pipeline.gpu.decode_on_device`), its copy overlapped with the previous step on CUDA.
+  The stage runs here only: the trainer's step receives finished batches. An evaluation loader of
+  ``data.backend=gpu`` finishes its batches with one too (:class:`EvalBatches`).
 
 What a sample is (the per-sample CPU transform, the batched colour math) lives in :mod:`mlcls.data.pipeline`;
 which samples a rank reads from tar shards in :mod:`mlcls.data.shards.loader`. The imports run one way:
@@ -27,9 +29,10 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, get_worker_info
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from mlcls.data.datasets.base import DatasetConfigError
@@ -39,7 +42,9 @@ from mlcls.data.pipeline.fast import (
     ColourConstants,
     FastTrainTransform,
     colour_lighting_normalise,
+    normalise,
 )
+from mlcls.data.pipeline.gpu import SIZE, EncodedBatch, EncodedImage, GpuEvalTransform, decode_on_device
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, normalisation
 from mlcls.data.sampling import sample_seed, seeded_call
 from mlcls.data.shards.datasets import ShardTrainSet
@@ -146,14 +151,33 @@ def _collate_augmented(batch: list[AugmentedImage], *, collate_fn_map: dict | No
     return AugmentedImage(pixels, collate_tensor_fn([image.params for image in batch]))
 
 
-_COLLATE_FNS = {**default_collate_fn_map, AugmentedImage: _collate_augmented}
+def _collate_encoded(batch: list[EncodedImage], *, collate_fn_map: dict | None = None) -> EncodedBatch:
+    lengths = np.array([len(sample.data) for sample in batch], dtype=np.int64)
+    encoded = torch.empty(int(lengths.sum()), dtype=torch.uint8)
+    if get_worker_info() is not None and len(encoded):  # in shared memory, as collate_tensor_fn does
+        encoded = encoded.new(encoded._typed_storage()._new_shared(len(encoded), device="cpu"))
+    files, position = encoded.numpy(), 0
+    for sample in batch:
+        files[position : position + len(sample.data)] = np.frombuffer(sample.data, dtype=np.uint8)
+        position += len(sample.data)
+    decoded = [sample.pixels.permute(1, 2, 0) for sample in batch if sample.pixels is not None]
+    size = int(batch[0].geometry[SIZE])
+    stacked = collate_tensor_fn(decoded) if decoded else torch.empty(0, size, size, 3, dtype=torch.uint8)
+    params = collate_tensor_fn([sample.params for sample in batch])
+    geometry = np.stack([sample.geometry for sample in batch])
+    return EncodedBatch(encoded, lengths, geometry, stacked.permute(0, 3, 1, 2), params)
+
+
+_COLLATE_FNS = {**default_collate_fn_map, AugmentedImage: _collate_augmented, EncodedImage: _collate_encoded}
 
 
 def collate_batch(batch: list[Any]) -> Any:
     """``torch.utils.data.default_collate`` that stacks :class:`AugmentedImage` pixels in their
     channels-last memory: (B, 3, H, W) viewing (B, H, W, 3) memory. ``default_collate`` would transpose
     every image into (3, H, W) memory on the way, ~10x slower than the plain stack (and into shared memory
-    in a DataLoader worker, as ``default_collate``)."""
+    in a DataLoader worker, as ``default_collate``). ``data.backend=gpu``'s samples make an ``EncodedBatch``:
+    their files one after the other in one uint8 tensor (shared memory in a worker), CPU-path pixels stacked.
+    """
     return collate(batch, collate_fn_map=_COLLATE_FNS)
 
 
@@ -271,19 +295,43 @@ def build_train_loader(
 
 def build_eval_loader(
     dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, device: torch.device
-) -> DataLoader:
+) -> DataLoader | EvalBatches:
     """Ordered loader over this rank's share (see :class:`RankSampler`), workers capped by
     :func:`loader_workers` and persistent (evaluation runs every ``trainer.eval_every`` epochs), pinned
-    memory when ``device`` is CUDA."""
+    memory when ``device`` is CUDA, batches collated by :func:`collate_batch`. A dataset whose transform is
+    ``data.backend=gpu``'s evaluation transform gets :class:`EvalBatches` over it: its images decoded and
+    normalised on ``device`` with the transform's mean and std."""
     workers = loader_workers(workers)
-    return DataLoader(
+    loader = DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=RankSampler(len(dataset), rank, world_size),
         num_workers=workers,
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
+        collate_fn=collate_batch,
     )
+    while isinstance(dataset, Subset):  # trainer.limit_val_batches
+        dataset = dataset.dataset
+    transform = getattr(dataset, "transform", None)
+    if isinstance(transform, GpuEvalTransform):
+        return EvalBatches(loader, DeviceStage(device, mean=transform.mean, std=transform.std))
+    return loader
+
+
+class EvalBatches:
+    """The batches ``(images, targets)`` of an evaluation ``loader`` of ``data.backend=gpu``, the images
+    finished by ``stage`` on its device, the targets as loaded; ``dataset`` and ``len()`` the loader's."""
+
+    def __init__(self, loader: DataLoader, stage: DeviceStage) -> None:
+        self.loader, self.stage, self.dataset = loader, stage, loader.dataset
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        for images, targets in self.loader:
+            yield self.stage(images), targets
 
 
 # ------------------------------------------------------------------ device
@@ -292,12 +340,17 @@ class DeviceStage:
     every batch).
 
     A float tensor (the plain pipeline, the ``light`` transform) is only copied; an
+    :class:`~mlcls.data.pipeline.gpu.EncodedBatch` (``data.backend=gpu``) is first decoded, cropped,
+    resized and flipped on ``device`` (:func:`~mlcls.data.pipeline.gpu.decode_on_device`), then finished
+    as an :class:`AugmentedImage` batch (an evaluation batch, without colour parameters, is normalised
+    only: :func:`~mlcls.data.pipeline.fast.normalise`); an
     :class:`AugmentedImage` batch goes through :func:`colour_lighting_normalise` with the stage's
     :class:`ColourConstants`, made on ``device`` once, here, with ``mean`` and ``std`` (the dataset config's
     ``dataset.mean`` and ``dataset.std``, checked by :func:`mlcls.data.pipeline.transforms.normalisation`;
     ImageNet's by default). The result is in channels_last layout when ``channels_last`` is set, contiguous
     otherwise. Copies are ``non_blocking`` (asynchronous from pinned memory); on CUDA nothing is read back
-    to the host.
+    to the host. ``batched``: the colour work on all images at once or image by image (default: batched
+    on CUDA only; see :func:`colour_lighting_normalise`).
     """
 
     def __init__(
@@ -307,17 +360,23 @@ class DeviceStage:
         *,
         mean: Sequence[float] | None = IMAGENET_MEAN,
         std: Sequence[float] | None = IMAGENET_STD,
+        batched: bool | None = None,
     ) -> None:
-        self.device = torch.device(device)
+        self.device, self.batched = torch.device(device), batched
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.constants = ColourConstants.on(self.device, *normalisation(mean, std))
 
-    def __call__(self, images: Tensor | AugmentedImage) -> Tensor:
+    def __call__(self, images: Tensor | AugmentedImage | EncodedBatch) -> Tensor:
         """float32 (B, 3, H, W) on ``device``, normalised."""
+        if isinstance(images, EncodedBatch):
+            pixels = decode_on_device(images, self.device)
+            if not images.params.shape[1]:  # evaluation
+                return normalise(pixels, self.constants).contiguous(memory_format=self.memory_format)
+            images = AugmentedImage(pixels, images.params)
         if isinstance(images, AugmentedImage):
             pixels = images.pixels.to(self.device, non_blocking=True)
             params = images.params.to(self.device, non_blocking=True)
-            images = colour_lighting_normalise(pixels, params, self.constants)
+            images = colour_lighting_normalise(pixels, params, self.constants, self.batched)
         else:
             images = images.to(self.device, non_blocking=True)
         return images.contiguous(memory_format=self.memory_format)

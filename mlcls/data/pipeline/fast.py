@@ -46,6 +46,7 @@ from torchvision import transforms as T
 
 from mlcls.data.datasets.base import crop_box, to_rgb
 from mlcls.data.images import check_pixels, open_image, read_image_bytes
+from mlcls.data.pipeline.gpu import GpuEvalTransform, GpuTrainTransform
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_PCA_EIGVAL,
@@ -56,7 +57,7 @@ from mlcls.data.pipeline.transforms import (
     normalisation,
 )
 
-BACKENDS = ("torchvision", "fast", "dali")
+BACKENDS = ("torchvision", "fast", "dali", "gpu")
 # JPEG DCT scaling factors PIL's draft mode offers (libjpeg scale 1/8, 1/4, 1/2), largest first.
 DRAFT_REDUCTIONS = (8, 4, 2)
 # JPEG colour spaces libjpeg-turbo converts to RGB exactly as PIL does (CMYK and YCCK go to PIL).
@@ -367,6 +368,14 @@ def _colour_jitter(x: Tensor, params: Tensor, gray_weight: Tensor, known_codes: 
     return x
 
 
+def normalise(pixels: Tensor, constants: ColourConstants) -> Tensor:
+    """float32 (B, 3, H, W) ``(pixels / 255 - mean) / std`` of uint8 (B, 3, H, W) ``pixels``: the device
+    stage of an evaluation batch (no colour augmentation), with the stage's ``constants``."""
+    scale = constants.inv_std / 255.0
+    shift = -(constants.mean.view(1, 3, 1, 1) * constants.inv_std)
+    return pixels.float().mul_(scale).add_(shift)
+
+
 def build_backend_transform(
     backend: str,
     kind: str,
@@ -377,14 +386,18 @@ def build_backend_transform(
 ) -> Callable:
     """The dataset transform of ``data.backend``: the fast CPU stage for the paper's training augmentation
     with ``fast`` (and ``dali``, whose own loader replaces it for training JPEGs; the ``DeviceStage``
-    normalises those batches); the plain torchvision transform of
-    :func:`mlcls.data.pipeline.transforms.build_transform` otherwise (evaluation, ``light``, ``strong``:
-    with ``fast`` these run whole in the DataLoader workers, seeded per sample as on ``torchvision``;
-    ``dali`` trains the paper's augmentation only), normalised with ``mean`` and ``std``. Both are checked
-    whichever transform it returns."""
+    normalises those batches); with ``gpu``, :mod:`mlcls.data.pipeline.gpu`'s worker side for the paper's
+    training augmentation (its draws this module's) and for every evaluation; the plain torchvision
+    transform of :func:`mlcls.data.pipeline.transforms.build_transform` otherwise (evaluation, ``light``,
+    ``strong``: with ``fast`` these run whole in the DataLoader workers, seeded per sample as on
+    ``torchvision``; ``dali`` trains the paper's augmentation only), normalised with ``mean`` and ``std``.
+    Both are checked whichever transform it returns."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown data.backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     mean, std = normalisation(mean, std)
+    if backend == "gpu" and not train:
+        return GpuEvalTransform(image_size, kind, mean, std)
     if backend != "torchvision" and kind == "paper" and train:
-        return FastTrainTransform(image_size)
+        fast = FastTrainTransform(image_size)
+        return GpuTrainTransform(fast) if backend == "gpu" else fast
     return build_transform(kind, image_size, train, mean, std)

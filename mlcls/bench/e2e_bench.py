@@ -1,0 +1,293 @@
+"""Benchmark: the whole training loop fed by the real loader, against the same loop on batches already on
+the device: the share of the device's rate each input pipeline reaches.
+
+One :class:`~mlcls.engine.trainer.Trainer` is built from the config (model, optimizer, loss, AMP, memory
+format, ``trainer.compile``, ``trainer.workers``), and its epoch loop, ``Trainer.train_one_epoch`` (device
+prefetch and stage, the step, its bookkeeping), runs once per contender:
+
+* ``gpu_only``: the same batch, already finished on the device, every step (no loading, no input stage);
+  timed before the backends and after them, the mean of both reported;
+* each backend of ``--backends``: the training loader that ``build_train_loader`` makes for ``data.backend``
+  ``fast``, ``gpu``, ``torchvision`` or ``dali`` over a folder of JPEGs, or for ``dataset=shards`` over the
+  same images packed by ``mlcls-data pack`` (long side ``--max-side``): ``shards`` through the fast CPU
+  stage, ``shards_gpu`` through the GPU pipeline.
+
+Each contender runs one epoch of ``warmup + steps`` steps over distinct samples (the files repeated as
+needed); the ``steps`` after the warm-up are timed: on CUDA by events recorded after each step on the
+compute stream (so the time the GPU waits for its input counts, and no host sync is added to the loop), on
+the CPU by the clock. The warm-up (default twice the DataLoader workers, plus 2 steps) lets the workers'
+first burst of batches pass, so that the rate is the steady state. ``<name>_share`` is ``<name>``'s
+images/s over ``gpu_only``'s, each measured on its own (``seconds`` and ``images`` give both).
+
+``mlcls-bench e2e [overrides ...] --backends fast,gpu,torchvision,shards [--images DIR | --count 512
+--jpeg-size 640x480] [--steps 20] [--warmup W]``. Prints one JSON line; on CUDA with a ``gpu`` backend it
+adds the peak GPU memory of the input stage over a few batches (``gpu_input_peak_mib``) beside its bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import gc
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torchvision
+from omegaconf import DictConfig
+
+from mlcls.bench.pipeline_bench import JPEG_EXTENSIONS, make_jpegs
+from mlcls.bench.step_bench import RepeatedBatches, synthetic_batch
+from mlcls.data.datasets.base import MultiLabelDataset, Sample
+from mlcls.data.loader import available_cpus, build_train_loader, loader_workers
+from mlcls.data.pipeline.fast import build_backend_transform
+from mlcls.data.pipeline.gpu import input_stage_bytes
+from mlcls.data.shards.datasets import open_shards
+from mlcls.data.shards.pack import pack_split, write_sidecars
+from mlcls.engine.trainer import Trainer
+from mlcls.errors import ConfigError
+
+BACKENDS = ("fast", "gpu", "torchvision", "dali", "shards", "shards_gpu")
+# Batches of the input stage alone whose peak GPU memory is measured (data.backend=gpu, CUDA).
+MEMORY_BATCHES = 3
+
+
+class LabelledJpegs(MultiLabelDataset):
+    """``count`` samples cycling over the JPEG ``paths``, each with a random label row over ``classes``
+    (about 3 positives), read through mlcls's own loading with ``transform``."""
+
+    def __init__(self, paths: Sequence[Path], count: int, classes: Sequence[str], transform: Any) -> None:
+        super().__init__(transform)
+        self.classes = list(classes)
+        self.samples = [Sample(str(paths[k % len(paths)])) for k in range(count)]
+        generator = torch.Generator().manual_seed(0)
+        positive = min(0.5, 3 / len(self.classes))
+        self.labels = (torch.rand(count, len(self.classes), generator=generator) < positive).float()
+
+
+def jpeg_files(images: str | None, count: int, size: tuple[int, int], folder: Path) -> list[Path]:
+    """The JPEGs of ``images``, or ``count`` generated ones of ``size`` (:func:`make_jpegs`, in parallel
+    over the CPUs) in ``folder``."""
+    if images is not None:
+        paths = sorted(p for p in Path(images).iterdir() if p.suffix in JPEG_EXTENSIONS)
+        if not paths:
+            raise FileNotFoundError(f"no JPEG files (*.jpg, *.jpeg) in {images}")
+        return paths
+    parts = min(available_cpus(), max(1, count // 16))
+    if parts == 1:
+        return make_jpegs(folder, count, size)
+    shares = [count // parts + (k < count % parts) for k in range(parts)]
+    with concurrent.futures.ProcessPoolExecutor(parts) as pool:
+        jobs = [pool.submit(make_jpegs, folder / f"part{k}", n, size, k) for k, n in enumerate(shares) if n]
+        return [path for job in jobs for path in job.result()]
+
+
+def _mark(device: torch.device) -> Any:
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()  # on the current stream: the compute stream, after the step's work
+    return event
+
+
+def _seconds(start: Any, end: Any, device: torch.device) -> float:
+    if device.type != "cuda":
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0
+
+
+def timed_epoch(trainer: Trainer, loader: Any, warmup: int, steps: int) -> float:
+    """Seconds of the last ``steps`` steps of one epoch of ``warmup + steps`` steps of the trainer's loop
+    over ``loader``."""
+    trainer.data.train_loader, trainer.iters_per_epoch = loader, warmup + steps
+    marks: list[Any] = []
+    step = trainer.train_step
+
+    def marked_step(*batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = step(*batch)
+        marks.append(_mark(trainer.device))
+        return out
+
+    trainer.train_step = marked_step  # type: ignore[method-assign]
+    try:
+        trainer.train_one_epoch(0)
+    finally:
+        del trainer.train_step
+    if len(marks) != warmup + steps:
+        raise ConfigError(f"the loader gave {len(marks)} batches; {warmup + steps} expected")
+    return _seconds(marks[warmup - 1], marks[-1], trainer.device)
+
+
+def _loader(backend: str, trainer: Trainer, paths: list[Path], count: int, shards: Callable[[], list[str]]):
+    size, batch, device = int(trainer.cfg.dataset.image_size), trainer.data.local_batch, trainer.device
+    pipeline = "gpu" if backend.endswith("gpu") else "fast" if backend in ("shards", "dali") else backend
+    transform = build_backend_transform(pipeline, "paper", size, train=True)
+    if backend.startswith("shards"):
+        dataset: Any = open_shards("train", shards(), transform=transform, image_size=size)
+    else:
+        dataset = LabelledJpegs(paths, count, trainer.classes, transform)
+    workers, seed = trainer.cfg.trainer.workers, trainer.cfg.trainer.seed
+    return build_train_loader(
+        dataset, batch, workers, 0, 1, seed, device, "dali" if backend == "dali" else pipeline
+    )
+
+
+def _input_peak_mib(trainer: Trainer, loader: Any) -> float:
+    """Peak GPU memory (MiB) the device stage allocates over :data:`MEMORY_BATCHES` batches of ``loader``,
+    above what was allocated before."""
+    device = trainer.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    loader.sampler.set_epoch(1)
+    for _, batch in zip(range(MEMORY_BATCHES), loader, strict=False):
+        trainer.device_stage.finish(batch)
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def run(
+    cfg: DictConfig,
+    backends: Sequence[str],
+    images: str | None = None,
+    count: int = 512,
+    jpeg_size: tuple[int, int] = (640, 480),
+    steps: int = 20,
+    warmup: int | None = None,
+    max_side: int = 320,
+) -> dict[str, Any]:
+    """Images/s of the trainer's loop on device-resident batches and fed by each of ``backends``, and each
+    backend's share of the former (see the module docstring), for the training config ``cfg``."""
+    unknown = [name for name in backends if name not in BACKENDS]
+    if unknown or not backends:
+        raise ConfigError(
+            f"--backends {','.join(backends)}; expected a comma-separated list of {', '.join(BACKENDS)}"
+        )
+    workers = loader_workers(int(cfg.trainer.workers))
+    warmup = 2 * workers + 2 if warmup is None else warmup
+    if warmup < 1 or steps < 1:
+        raise ConfigError(f"--warmup {warmup} --steps {steps}; expected at least 1 of each")
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = cfg.copy()
+        cfg.trainer.output_dir = str(Path(tmp) / "run")
+        paths = jpeg_files(images, count, jpeg_size, Path(tmp) / "jpegs")
+        trainer = Trainer(cfg)
+        try:
+            return _measure(trainer, backends, paths, warmup, steps, max_side, Path(tmp), images)
+        finally:
+            trainer.run_log.close()
+
+
+def _measure(
+    trainer: Trainer,
+    backends: Sequence[str],
+    paths: list[Path],
+    warmup: int,
+    steps: int,
+    max_side: int,
+    tmp: Path,
+    images: str | None,
+) -> dict[str, Any]:
+    cfg, device, batch_size = trainer.cfg, trainer.device, trainer.data.local_batch
+    count = (warmup + steps) * batch_size
+    fixed = synthetic_batch(batch_size, int(cfg.dataset.image_size), len(trainer.classes))
+    resident = trainer.device_stage.finish(fixed)  # on the device, finished: no input work left
+    packed: list[str] = []
+
+    def shard_urls() -> list[str]:
+        if not packed:
+            folder = LabelledJpegs(paths, count, trainer.classes, None)
+            report = pack_split(
+                folder,
+                tmp / "shards",
+                "train",
+                256,
+                max_side,
+                progress=False,
+                workers=min(8, available_cpus()),
+            )
+            write_sidecars(tmp / "shards", folder, {"train": "train"}, [report], max_side, 90)
+            packed.extend(str(tmp / "shards" / entry["name"]) for entry in report.shards)
+        return packed
+
+    seconds, gpu_only = {}, []
+    timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps)  # compile, autotune
+    gpu_only.append(timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps))
+    peak = None
+    for backend in backends:
+        loader = _loader(backend, trainer, paths, count, shard_urls)
+        seconds[backend] = timed_epoch(trainer, loader, warmup, steps)
+        if backend.endswith("gpu") and device.type == "cuda":
+            peak = _input_peak_mib(trainer, loader)
+        trainer.data.train_loader = loader = None
+        gc.collect()  # the loader's persistent workers end here, before the next loader's start
+    gpu_only.append(timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps))
+    seconds["gpu_only"] = sum(gpu_only) / len(gpu_only)
+    rates = {name: steps * batch_size / value for name, value in seconds.items()}
+    size = int(cfg.dataset.image_size)
+    return {
+        "gpu_only_images_per_s": rates["gpu_only"],
+        **{f"{name}_images_per_s": rates[name] for name in backends},
+        **{f"{name}_share": rates[name] / rates["gpu_only"] for name in backends},
+        "gpu_only_runs_images_per_s": [steps * batch_size / value for value in gpu_only],
+        "seconds": seconds,
+        "images": steps * batch_size,
+        "backends": list(backends),
+        "warmup_steps": warmup,
+        "steps": steps,
+        "workers": loader_workers(int(cfg.trainer.workers)),
+        "jpegs": {
+            "source": images or "generated",
+            "files": len(paths),
+            "mean_kib": float(np.mean([p.stat().st_size for p in paths]) / 1024),
+        },
+        "gpu_input_peak_mib": peak,
+        "gpu_input_bound_mib": input_stage_bytes(batch_size, size) / 2**20,
+        "model": cfg.model.name,
+        "batch_size": batch_size,
+        "image_size": size,
+        "amp": trainer.amp,
+        "channels_last": trainer.channels_last,
+        "compile": bool(cfg.trainer.get("compile", False)),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "cpus": available_cpus(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line options of ``mlcls-bench e2e``."""
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for mlcls-train")
+    parser.add_argument(
+        "--backends", default="fast,gpu,torchvision", help=f"comma-separated, of {', '.join(BACKENDS)}"
+    )
+    parser.add_argument("--images", help="folder of JPEGs (default: --count generated JPEGs)")
+    parser.add_argument("--count", type=int, default=512, help="JPEGs to generate (cycled over)")
+    parser.add_argument("--jpeg-size", default="640x480", help="WIDTHxHEIGHT of the generated JPEGs")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, help="steps before the timed ones (2 x workers + 2)")
+    parser.add_argument("--max-side", type=int, default=320, help="long side of the packed images (shards)")
+
+
+def run_from_args(args: argparse.Namespace, cfg: DictConfig) -> dict[str, Any]:
+    """The benchmark ``args`` ask for, on the training config ``cfg`` (composed from ``args.overrides``)."""
+    try:
+        width, height = (int(v) for v in args.jpeg_size.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--jpeg-size {args.jpeg_size!r}; expected WIDTHxHEIGHT, e.g. 640x480") from None
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds the JSON line only
+        backends = [name for name in args.backends.split(",") if name]
+        return run(
+            cfg, backends, args.images, args.count, (width, height), args.steps, args.warmup, args.max_side
+        )

@@ -1,0 +1,444 @@
+"""The GPU input pipeline (``data.backend=gpu``): JPEGs decoded, cropped and resized on the training device.
+
+* **DataLoader workers** (:class:`GpuTrainTransform`, :class:`GpuEvalTransform`) read the file's bytes (or
+  the shard member's) and its header, and draw the sample's parameters with the calls of the fast pipeline,
+  :meth:`FastTrainTransform.crop_params <mlcls.data.pipeline.fast.FastTrainTransform.crop_params>`, the
+  flip's ``torch.rand(1)`` and :meth:`~mlcls.data.pipeline.fast.FastTrainTransform.colour_params`, in its
+  order, under the sample's seed: crop windows, flips and colour parameters are ``fast``'s, and resume stays
+  exact. A sample is an :class:`EncodedImage`; :func:`mlcls.data.loader.collate_batch` makes the batch.
+* **The device** (:func:`decode_on_device`, run by :class:`mlcls.data.loader.DeviceStage` once per batch):
+  ``torchvision.io.decode_jpeg(list, device=...)`` (nvJPEG on CUDA, libjpeg-turbo on the CPU) decodes the
+  batch in chunks of at most :data:`DECODE_PIXELS` decoded pixels; each chunk's crop windows are gathered
+  into one zero-padded tensor (one ``index_select``) and resized to S x S by two batched matrix products
+  with the antialiased bilinear weights of torch's and PIL's resize (:func:`resize_weights`), then flipped,
+  without a launch per image. The colour stage of the fast pipeline follows.
+
+Evaluation takes the same path: the window is the image (or the sample's box) and the weights are the rows
+and columns of the ``paper`` evaluation's shorter-side resize to ``size / 0.875`` that its centre crop keeps
+(a squash-resize to S x S for the other kinds); normalisation only.
+
+**The CPU path.** A file the device does not take from its header -- another format (PNG), a JPEG that is
+not baseline YCbCr (progressive, CMYK, greyscale, arithmetic-coded), a JPEG cut short (no end-of-image
+marker after its last scan), more than :data:`MAX_DEVICE_PIXELS` pixels -- is decoded in the worker by the
+fast pipeline itself, for that sample only: the same draws, ``dataset.on_bad_image`` as with ``fast``. A JPEG
+whose damage only decoding finds is decoded again image by image on the device, then by PIL in the main
+process (as ``fast`` falls back to PIL); one PIL refuses too stops the run with one line.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import simplejpeg
+import torch
+from PIL import Image
+from torch import Tensor
+from torchvision import transforms as T
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from mlcls.data.datasets.base import BadImageError, crop_box, to_rgb
+from mlcls.data.images import check_pixels, open_image, read_image_bytes
+from mlcls.data.pipeline.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    SQUASH_EVAL_KINDS,
+    AspectRatioCheck,
+    check_aspect_ratio,
+    eval_resize,
+    normalisation,
+)
+
+# torchvision 0.29 deprecates its image codecs in favour of TorchCodec, which mlcls does not depend on; the
+# batched nvJPEG decode is what this module needs from it.
+warnings.filterwarnings(
+    "ignore", "The image decoding and encoding capabilities of TorchVision", DeprecationWarning
+)
+
+# Decoded pixels one decode call holds at most (a chunk of the batch; an image alone may reach
+# MAX_DEVICE_PIXELS): 64 Mi pixels, 192 MiB as RGB. The input stage's GPU memory is bounded by it
+# (:func:`input_stage_bytes`: 16 bytes per chunk pixel, plus the batch's output).
+DECODE_PIXELS = 2**26
+# Larger JPEGs go through the CPU path (reduced-scale decoding there makes them cheap): 16 Mi pixels.
+MAX_DEVICE_PIXELS = 2**24
+# Chroma subsamplings of the JPEGs the device decodes (simplejpeg's names), all nvJPEG's.
+DEVICE_SUBSAMPLINGS = ("444", "422", "420", "440", "411")
+# JPEG start-of-frame markers (SOF0-SOF15 less DHT, JPG and DAC); only SOF0, baseline, goes to the device.
+FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+BASELINE = 0xC0
+# Markers read before the frame header at most (a photo has a handful; an ICC profile adds one per 64 kB):
+# a crafted file of fill bytes or empty segments goes to the CPU path instead of holding a worker.
+MAX_HEADER_MARKERS = 1024
+# Columns of a sample's geometry (int64): the image's size; the window (left, top, width, height) in its
+# pixels; the grid the window is resized to and the offset of the S x S output in it; the flip; S.
+IMAGE_W, IMAGE_H, LEFT, TOP, WIDTH, HEIGHT, GRID_W, GRID_H, OFFSET_X, OFFSET_Y, FLIP, SIZE = range(12)
+GEOMETRY_FIELDS = 12
+
+
+class EncodedImage(NamedTuple):
+    """One sample as the workers make it; :func:`mlcls.data.loader.collate_batch` makes an
+    :class:`EncodedBatch` of them.
+
+    ``data``: the JPEG file for the device (``b""`` when ``pixels`` holds the sample); ``pixels``: uint8
+    (3, S, S) made on the CPU path (None otherwise); ``geometry``: int64 (:data:`GEOMETRY_FIELDS`,);
+    ``params``: float32 (9,), the fast pipeline's colour parameters, or (0,) in evaluation.
+    """
+
+    data: bytes
+    pixels: Tensor | None
+    geometry: np.ndarray
+    params: Tensor
+
+
+class EncodedBatch(NamedTuple):
+    """A batch of B :class:`EncodedImage`: ``encoded`` uint8 (N,) the device samples' files one after the
+    other, ``lengths`` int64 (B,) their sizes (0: made on the CPU path), ``geometry`` int64 (B, 12),
+    ``pixels`` uint8 (K, 3, S, S) the K CPU-path samples in batch order, ``params`` float32 (B, 9) or
+    (B, 0). ``lengths`` and ``geometry`` are NumPy arrays: the device stage reads them on the host, never
+    a tensor (no host read that would wait for the GPU)."""
+
+    encoded: Tensor
+    lengths: np.ndarray
+    geometry: np.ndarray
+    pixels: Tensor
+    params: Tensor
+
+
+class PlannedJpeg(NamedTuple):
+    """A JPEG the device decodes, read and planned in the worker: its bytes, size, and the window
+    ``(left, top, width, height)`` the sample keeps."""
+
+    data: bytes
+    width: int
+    height: int
+    window: tuple[int, int, int, int]
+
+
+def frame_marker(data: bytes) -> int | None:
+    """The start-of-frame marker of a JPEG (0xC0 baseline, 0xC2 progressive, ...), read by walking its
+    segments up to the frame header; None when there is none before the first scan, within
+    :data:`MAX_HEADER_MARKERS` markers, or the file is no JPEG."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    position, end = 2, len(data) - 3
+    for _ in range(MAX_HEADER_MARKERS):
+        if position >= end or data[position] != 0xFF:
+            return None
+        marker = data[position + 1]
+        if marker == 0xFF:  # fill byte
+            position += 1
+        elif marker in FRAME_MARKERS:
+            return marker
+        elif marker == 0xDA or marker == 0xD9:
+            return None
+        elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
+            position += 2
+        else:
+            position += 2 + ((data[position + 2] << 8) | data[position + 3])
+    return None
+
+
+def device_jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` of a file the device decodes: a baseline YCbCr JPEG of a subsampling of
+    :data:`DEVICE_SUBSAMPLINGS`, with an end-of-image marker after its last scan, of at most
+    :data:`MAX_DEVICE_PIXELS` pixels (and within ``check_pixels``'s limit); None for any other file (the
+    CPU path decides what it is)."""
+    try:
+        height, width, colorspace, subsampling = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    if colorspace != "YCbCr" or subsampling not in DEVICE_SUBSAMPLINGS or width * height > MAX_DEVICE_PIXELS:
+        return None
+    if frame_marker(data) != BASELINE or data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda"):
+        return None
+    check_pixels(width, height)
+    return width, height
+
+
+def plan_window(data: bytes, box: tuple[float, float, float, float] | None) -> PlannedJpeg | None:
+    """The :class:`PlannedJpeg` of ``data`` with its window the sample's box clamped to the image (the whole
+    image without one), refused as the datasets refuse it (:func:`check_aspect_ratio`); None when the
+    device does not take the file."""
+    size = device_jpeg_size(data)
+    if size is None:
+        return None
+    left, top, right, bottom = (0, 0, *size) if box is None else crop_box(box, *size)
+    check_aspect_ratio(right - left, bottom - top)
+    return PlannedJpeg(data, *size, (left, top, right - left, bottom - top))
+
+
+class CpuStage(Protocol):
+    """What :class:`GpuTrainTransform` takes of the fast pipeline's CPU stage
+    (:class:`mlcls.data.pipeline.fast.FastTrainTransform`, which builds it with one): its output side, its
+    draws and its whole path for the files the device does not take."""
+
+    size: int
+
+    def crop_params(self, width: int, height: int) -> tuple[int, int, int, int]: ...
+
+    def colour_params(self) -> Tensor: ...
+
+    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> Any: ...
+
+    def __call__(self, image: Any) -> Any: ...
+
+
+def _geometry(values: dict[int, int]) -> np.ndarray:
+    geometry = np.zeros(GEOMETRY_FIELDS, dtype=np.int64)
+    for column, value in values.items():
+        geometry[column] = value
+    return geometry
+
+
+class GpuTrainTransform:
+    """The worker's part of the ``paper`` training augmentation with ``data.backend=gpu``: read and plan
+    (``decode``, ``decode_bytes``, the datasets' hooks), then draw the flip and the colour parameters
+    (``__call__``), with the fast pipeline's calls in its order; output :class:`EncodedImage`."""
+
+    torch_random_only = True
+
+    def __init__(self, fast: CpuStage) -> None:
+        self.fast, self.size = fast, fast.size
+
+    def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> Any:
+        return self.decode_bytes(read_image_bytes(path), box)
+
+    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> Any:
+        """A :class:`PlannedJpeg` with the fast pipeline's crop window, or the fast pipeline's own
+        ``decode_bytes`` (the CPU path, the same draw)."""
+        planned = plan_window(data, box)
+        if planned is None:
+            return self.fast.decode_bytes(data, box)
+        left, top, width, height = planned.window
+        i, j, h, w = self.fast.crop_params(width, height)
+        return planned._replace(window=(left + j, top + i, w, h))
+
+    def __call__(self, image: Any) -> EncodedImage:
+        """An :class:`EncodedImage`: of a :class:`PlannedJpeg` for the device, or of the fast pipeline's
+        output for anything else (its ``PlannedCrop``, a PIL image)."""
+        if not isinstance(image, PlannedJpeg):
+            augmented = self.fast(image)
+            return EncodedImage(b"", augmented.pixels, _geometry({SIZE: self.size}), augmented.params)
+        flip = bool(torch.rand(1) < 0.5)  # the fast pipeline's draws, in its order
+        params = self.fast.colour_params()
+        left, top, width, height = image.window
+        s = self.size
+        geometry = {IMAGE_W: image.width, IMAGE_H: image.height, LEFT: left, TOP: top, WIDTH: width}
+        geometry.update({HEIGHT: height, GRID_W: s, GRID_H: s, FLIP: int(flip), SIZE: s})
+        return EncodedImage(image.data, None, _geometry(geometry), params)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, crop and colour of {self.fast!r})"
+
+
+class GpuEvalTransform:
+    """The evaluation transform of ``kind`` with ``data.backend=gpu``: JPEGs the device takes are planned
+    for it (the window: the image, or the sample's box); other files are decoded here and resized as the
+    plain evaluation transform does, to uint8 (3, S, S). ``mean`` and ``std`` normalise on the device."""
+
+    def __init__(
+        self,
+        size: int,
+        kind: str = "paper",
+        mean: Sequence[float] | None = IMAGENET_MEAN,
+        std: Sequence[float] | None = IMAGENET_STD,
+    ) -> None:
+        self.size, self.kind = size, kind
+        self.mean, self.std = normalisation(mean, std)
+        if kind in SQUASH_EVAL_KINDS:
+            steps: list[Any] = [T.Resize((size, size))]
+        else:
+            steps = [AspectRatioCheck(), T.Resize(eval_resize(size)), T.CenterCrop(size)]
+        self.cpu_path = T.Compose([*steps, T.PILToTensor()])
+
+    def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> Any:
+        return self.decode_bytes(read_image_bytes(path), box)
+
+    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> Any:
+        """A :class:`PlannedJpeg`, or the RGB PIL image (cropped to the box) of a file of the CPU path."""
+        planned = plan_window(data, box)
+        if planned is not None:
+            return planned
+        with open_image(data) as img:
+            region = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
+            check_aspect_ratio(region[2] - region[0], region[3] - region[1])
+            rgb = to_rgb(img)
+        return rgb if box is None else rgb.crop(region)
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """``(grid_w, grid_h, offset_x, offset_y)`` of a ``width`` x ``height`` window: torchvision's
+        shorter-side ``Resize`` and ``CenterCrop`` (or the squash-resize)."""
+        s = self.size
+        if self.kind in SQUASH_EVAL_KINDS:
+            return s, s, 0, 0
+        short = eval_resize(s)
+        if width <= height:
+            grid_w, grid_h = short, int(short * height / width)
+        else:
+            grid_w, grid_h = int(short * width / height), short
+        return grid_w, grid_h, int(round((grid_w - s) / 2.0)), int(round((grid_h - s) / 2.0))
+
+    def __call__(self, image: PlannedJpeg | Image.Image) -> EncodedImage:
+        no_params = torch.zeros(0)
+        if not isinstance(image, PlannedJpeg):
+            return EncodedImage(b"", self.cpu_path(image), _geometry({SIZE: self.size}), no_params)
+        left, top, width, height = image.window
+        grid_w, grid_h, offset_x, offset_y = self.grid(width, height)
+        geometry = {IMAGE_W: image.width, IMAGE_H: image.height, LEFT: left, TOP: top, WIDTH: width}
+        geometry.update({HEIGHT: height, GRID_W: grid_w, GRID_H: grid_h, OFFSET_X: offset_x})
+        geometry.update({OFFSET_Y: offset_y, SIZE: self.size})
+        return EncodedImage(image.data, None, _geometry(geometry), no_params)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(size={self.size}, kind={self.kind!r}, mean={self.mean}, std={self.std})"
+        )
+
+
+def input_stage_bytes(batch_size: int, size: int, decode_pixels: int = DECODE_PIXELS) -> int:
+    """A bound of the GPU memory the input stage allocates for one training batch of ``batch_size`` images
+    of ``size`` x ``size`` (torch's allocations; nvJPEG's own buffers come on top): per decode chunk of at
+    most ``decode_pixels`` decoded (and padded window) pixels and half as many resize weights
+    (:func:`chunks`), 16 bytes a pixel -- the decoded images and their concatenation (3 + 3); or the
+    concatenation, the int32 gather index, the uint8 and float16 windows (3 + 4 + 3 + 6); or the float16
+    windows, the weights as they are made (7 per weight) and kept (2), the products' broadcast copies and
+    intermediate (6 + 3.5 + 1 + 3 + 3) --, plus 16 bytes per output value (uint8 copies while assembling
+    the batch, the colour stage's float32 image and temporaries)."""
+    return 16 * decode_pixels + 16 * batch_size * 3 * size * size
+
+
+def resize_weights(
+    in_size: Tensor, grid: Tensor, offset: Tensor, taps: int, size: int, dtype: torch.dtype
+) -> Tensor:
+    """The antialiased bilinear resize as matrices: (n, size, taps) weights of output rows ``offset`` to
+    ``offset + size`` of a resize of ``in_size`` source pixels to ``grid`` (each (n,) int), over source
+    pixels ``0 .. taps - 1`` (zero from ``in_size`` on).
+
+    PIL's ``BILINEAR`` and torch's ``interpolate(..., antialias=True)``: with ``scale = in / grid``, output
+    pixel ``i`` averages source pixel ``j`` with weight ``max(0, 1 - |j + 0.5 - scale (i + 0.5)| / max(scale,
+    1))``, normalised over the pixels inside the source. Computed in float32 in place (7 bytes per weight
+    at the peak, with the mask and the copy), returned as ``dtype``."""
+    device = in_size.device
+    scale = in_size.float() / grid.float()
+    stretch = torch.clamp(scale, min=1.0).view(-1, 1, 1)
+    rows = offset[:, None].float() + torch.arange(size, device=device, dtype=torch.float32)
+    centre = (scale[:, None] * (rows + 0.5) - 0.5)[:, :, None]
+    source = torch.arange(taps, device=device, dtype=torch.float32).view(1, 1, -1)
+    weights = (source - centre).div_(stretch).abs_().neg_().add_(1.0).clamp_(min=0.0)
+    weights.mul_(source < in_size.view(-1, 1, 1))
+    return weights.div_(weights.sum(-1, keepdim=True)).to(dtype)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> Tensor:
+    """A host array on ``device``, copied asynchronously (from pinned memory on CUDA): no host sync."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def _decode_one(data: Tensor, device: torch.device) -> Tensor:
+    try:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError as device_error:
+        try:
+            with open_image(data.numpy().tobytes()) as img:
+                rgb = np.array(img if img.mode == "RGB" else to_rgb(img))
+            return torch.from_numpy(rgb).permute(2, 0, 1).contiguous().to(device)
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise BadImageError(
+                f"a JPEG of this batch cannot be decoded ({device_error}; PIL: {exc}); its header is sound, "
+                "so the workers could not skip it: find it with `mlcls-data stats --check`"
+            ) from exc
+
+
+def decode_images(files: list[Tensor], device: torch.device) -> list[Tensor]:
+    """uint8 (3, H, W) images on ``device`` of the JPEG ``files`` (uint8 (N,) host tensors), in one batched
+    ``decode_jpeg`` call; when it fails (a file damaged beyond its header), one by one, then by PIL."""
+    try:
+        return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        return [_decode_one(data, device) for data in files]
+
+
+def chunks(geometry: np.ndarray, budget: int = DECODE_PIXELS) -> list[np.ndarray]:
+    """Positions of the rows of ``geometry`` (device samples) in decode chunks: sorted by window height
+    (so that each chunk's padded windows waste little), cut before a sample that would take the chunk's
+    decoded pixels, or its padded windows (count x tallest x widest), over ``budget``, or its resize
+    weights (count x S x (tallest + widest)) over half of it; an image alone may pass it (at most
+    :data:`MAX_DEVICE_PIXELS` pixels)."""
+    order = np.argsort(-geometry[:, HEIGHT], kind="stable")
+    out, start, decoded, widest = [], 0, 0, 0
+    for k, row in enumerate(order):
+        pixels, width = int(geometry[row, IMAGE_W] * geometry[row, IMAGE_H]), int(geometry[row, WIDTH])
+        count, tallest, wider = k - start + 1, int(geometry[order[start], HEIGHT]), max(widest, width)
+        weights = count * int(geometry[row, SIZE]) * (tallest + wider)
+        if k > start and (
+            decoded + pixels > budget or count * tallest * wider > budget or 2 * weights > budget
+        ):
+            out.append(order[start:k])
+            start, decoded, widest = k, 0, 0
+        decoded, widest = decoded + pixels, max(widest, width)
+    if len(order):
+        out.append(order[start:])
+    return out
+
+
+def resize_windows(images: list[Tensor], geometry: np.ndarray, device: torch.device) -> Tensor:
+    """uint8 (n, 3, S, S): each image's window resized to its grid, the output's S x S cut, flipped where
+    the geometry says. Batched: one gather of the windows into a zero-padded (3, n, h, w) tensor, two
+    matrix products (float16 on CUDA, float32 on the CPU), rounding, flip."""
+    n, size = len(images), int(geometry[0, SIZE])
+    taps_h, taps_w = int(geometry[:, HEIGHT].max()), int(geometry[:, WIDTH].max())
+    starts = np.concatenate([[0], np.cumsum(geometry[:, IMAGE_W] * geometry[:, IMAGE_H])[:-1]])
+    flat = torch.cat([image.reshape(3, -1) for image in images], dim=1)  # (3, pixels of the chunk)
+    del images
+    meta = _to_device(np.column_stack([starts, geometry]).astype(np.int32), device)
+    start, columns = meta[:, 0], meta[:, 1:]
+    rows = columns[:, TOP, None] + torch.minimum(
+        torch.arange(taps_h, device=device, dtype=torch.int32)[None], columns[:, HEIGHT, None] - 1
+    )
+    cols = columns[:, LEFT, None] + torch.minimum(
+        torch.arange(taps_w, device=device, dtype=torch.int32)[None], columns[:, WIDTH, None] - 1
+    )
+    index = (start.view(-1, 1, 1) + rows[:, :, None] * columns[:, IMAGE_W].view(-1, 1, 1)) + cols[:, None]
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    windows = flat.index_select(1, index.view(-1)).view(3, n, taps_h, taps_w).to(dtype)
+    del flat, index
+    vertical = resize_weights(
+        columns[:, HEIGHT], columns[:, GRID_H], columns[:, OFFSET_Y], taps_h, size, dtype
+    )
+    horizontal = resize_weights(
+        columns[:, WIDTH], columns[:, GRID_W], columns[:, OFFSET_X], taps_w, size, dtype
+    )
+    horizontal = horizontal.transpose(1, 2)  # (n, taps_w, S)
+    if taps_w <= taps_h:  # the cheaper order: the second product runs over the shorter side
+        resized = torch.matmul(torch.matmul(vertical, windows), horizontal)
+    else:
+        resized = torch.matmul(vertical, torch.matmul(windows, horizontal))
+    pixels = resized.round_().clamp_(0, 255).to(torch.uint8).permute(1, 0, 2, 3)  # (n, 3, S, S)
+    flips = columns[:, FLIP].bool().view(-1, 1, 1, 1)
+    return torch.where(flips, pixels.flip(-1), pixels)
+
+
+def decode_on_device(batch: EncodedBatch, device: torch.device | str) -> Tensor:
+    """uint8 (B, 3, S, S) on ``device``: the batch's JPEGs decoded, cut and resized there
+    (:func:`decode_images`, :func:`resize_windows`, chunk by chunk, :func:`chunks`), its CPU-path samples
+    copied, all in batch order. Reads no device value on the host."""
+    device = torch.device(device)
+    lengths, geometry = batch.lengths, batch.geometry
+    ends = np.cumsum(lengths)
+    on_device = np.flatnonzero(lengths)
+    parts, order = [], []
+    if len(batch.pixels):
+        parts.append(batch.pixels.to(device, non_blocking=True))
+        order.append(np.flatnonzero(lengths == 0))
+    for chunk in chunks(geometry[on_device]):
+        positions = on_device[chunk]
+        files = [batch.encoded[ends[k] - lengths[k] : ends[k]] for k in positions]
+        parts.append(resize_windows(decode_images(files, device), geometry[positions], device))
+        order.append(positions)
+    pixels = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return pixels.index_select(0, _to_device(np.argsort(np.concatenate(order)), device))
