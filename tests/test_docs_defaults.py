@@ -45,8 +45,10 @@ def tables(path: Path):
 
 
 def documented(cell: str):
-    """The value a docs cell states: `null`, numbers, booleans, strings; ``required`` is a missing value."""
-    text = cell.strip().strip("`")
+    """The value a docs cell states (its first code span, or its first word): `null`, numbers, booleans,
+    strings; ``required`` is a missing value. What follows, in words, is the docs' comment."""
+    cell = cell.strip()
+    text = cell[1:].split("`", 1)[0] if cell.startswith("`") else (cell.split() or [""])[0]
     if text == "required":
         return "???"
     if text.startswith('"') and text.endswith('"'):
@@ -81,9 +83,9 @@ def documented_defaults():
                     if label.startswith("default") or named:
                         for name in named or names:
                             columns.append((index, "train", [f"loss={name}"], "loss."))
-            elif title in TABLES:
+            elif title in TABLES and "default" in header:
                 config, overrides, prefix = TABLES[title]
-                columns = [(header.index("default"), config, overrides, prefix)] if "default" in header else []
+                columns = [(header.index("default"), config, overrides, prefix)]
             else:
                 continue
             for cells in rows:

@@ -122,7 +122,8 @@ def test_job_gpu_hours_follow_the_benchmark_protocol():
 def test_dry_run_lists_every_preset_with_gpu_hours(tmp_path, capsys):
     argv = ["spml", "--dry-run", "--data-root", "/data", "--sweep-dir", str(tmp_path / "s")]
     assert reproduce.main(argv) == 0
-    lines = capsys.readouterr().out.splitlines()
+    basis, *lines = capsys.readouterr().out.splitlines()
+    assert basis.startswith("# GPU-hours at ResNet-50's 1,200 training images/s at 224 px (published V100")
     # 10 epochs x (80 % of train + (val + 20 % of train) / 3) images x 4 (448 px) at 1200 ResNet-50
     # images/s per V100, 14 presets: the held-out 20 % is evaluated each epoch, not trained on; EM+APL adds
     # a forward pass over the trained images (80 % of train, / 3) after epochs warm-up .. 9.

@@ -35,6 +35,7 @@ from mlcls.reporting.render import write_table
 from mlcls.reporting.runs import collect_runs
 from mlcls.reporting.spml import SPML_TABLE, collect_spml_runs, fill_spml, job_gpu_hours, spml_sweeps
 from mlcls.reporting.sweeps import (
+    RATE_SOURCES,
     SMOKE_STAND_INS,
     TRAIN_IMAGES_PER_S,
     Sweep,
@@ -283,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser().error(f"unrecognized arguments: {' '.join(unknown)}")
     stamp = f"{datetime.now():%Y-%m-%d_%H-%M-%S}{'_smoke' if args.smoke else ''}"
     sweep_dir = (args.sweep_dir or Path("multirun/reproduce") / stamp).absolute()
+    if not args.smoke:
+        rate, source = TRAIN_IMAGES_PER_S[args.gpu], RATE_SOURCES[args.gpu]
+        print(f"# GPU-hours at ResNet-50's {rate:,.0f} training images/s at 224 px ({source})")
     try:
         if args.table in (*PRESETS, "presets"):
             return run_presets(args, overrides, sweep_dir)
