@@ -3,6 +3,7 @@ read against the configs mlcls ships: a changed default fails here until its doc
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -53,19 +54,35 @@ def documented(cell: str):
         return "???"
     if text.startswith('"') and text.endswith('"'):
         return text[1:-1]
+    if re.fullmatch(r"-?\d+(\.\d*)?[eE][-+]?\d+", text):  # 1e9, 1e-4: numbers, though YAML 1.1 reads strings
+        return float(text)
     return yaml.safe_load(text) if text != "" else ""
 
 
-def split_keys(cell: str) -> list[str]:
-    return [k.strip().strip("`") for k in cell.split(",")]
+def split_keys(cell: str) -> tuple[list[str], str]:
+    """The keys a row's first cell names, and what its parenthesis says they apply to (``(`an_ls`)``,
+    ``(spherical only)``), "" for every config of the table."""
+    keys, _, scope = cell.partition("(")
+    return [k.strip().strip("`") for k in keys.split(",")], scope
+
+
+def applies(scope: str, overrides: list[str]) -> bool:
+    """Whether a row scoped by ``scope`` is about the config composed with ``overrides``."""
+    names = re.findall(r"`([a-z_]+)`", scope) or re.findall(r"[a-z_]+", scope.split(" only")[0])
+    return not scope or any(name in override for name in names for override in overrides)
+
+
+@functools.cache
+def composed(config: str, overrides: tuple[str, ...]):
+    return compose_config(list(overrides), config_name=config)
 
 
 def shipped(config: str, overrides: list[str], key: str):
     """The value of ``key`` in the composed config, ``???`` where it is a required (missing) value."""
-    cfg = compose_config(overrides, config_name=config)
+    cfg = composed(config, tuple(overrides))
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(cfg, parent) if parent else cfg
-    assert node is not None and leaf in node, f"{key} is not in the {config} config"
+    assert node is not None and leaf in list(node), f"{key} is not in the {config} config"  # "???" too
     return "???" if OmegaConf.is_missing(node, leaf) else OmegaConf.to_container(node, resolve=True)[leaf]
 
 
@@ -89,8 +106,12 @@ def documented_defaults():
             else:
                 continue
             for cells in rows:
-                keys = split_keys(cells[0])
+                keys, scope = split_keys(cells[0])
+                if any("<" in key for key in keys):  # a pattern (`dataset.<key>`), not a key
+                    continue
                 for index, config, overrides, prefix in columns:
+                    if cells[index] in ("—", "-") or not applies(scope, overrides):
+                        continue
                     values = cells[index].split(", ") if len(keys) > 1 else [cells[index]]
                     for key, value in zip(keys, values, strict=True):
                         key = key if key.startswith(prefix) else prefix + key
