@@ -19,11 +19,11 @@ demo: install
 
 ## test: the whole test suite (the command CI runs), one worker per core (pytest-xdist)
 test: install
-	$(BIN)/python -m pytest -q -n auto --durations=10
+	$(BIN)/python -m pytest -q -n auto --dist loadscope --durations=10
 
 ## test-fast: skip the tests marked slow (training, processes, subprocesses)
 test-fast: install
-	$(BIN)/python -m pytest -q -n auto -m "not slow"
+	$(BIN)/python -m pytest -q -n auto --dist loadscope -m "not slow"
 
 ## wheels: mlcls's non-torch dependencies for CPython 3.12 on manylinux x86_64, for a GPU machine without
 ## network (scripts/gpu_check.sh; docs/performance.md, "On a GPU"). numpy is left out: the image has it.
