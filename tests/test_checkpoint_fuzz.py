@@ -46,6 +46,7 @@ RUN = [
     "trainer.epochs=1",
     "trainer.batch_size=16",
     "trainer.workers=0",
+    "trainer.report=false",
     "trainer.device=cpu",
     "trainer.eval_every=1",
 ]

@@ -52,6 +52,7 @@ def test_trains_one_step(name: str, tmp_path: Path) -> None:
         "trainer.limit_train_batches=1",
         "trainer.limit_val_batches=1",
         "trainer.workers=0",
+        "trainer.report=false",
         f"trainer.output_dir={tmp_path / 'run'}",
     ]
     if name == "csv":

@@ -29,6 +29,7 @@ ARGS = [
     "trainer.epochs=1",
     "trainer.batch_size=32",
     "trainer.workers=0",
+    "trainer.report=false",
     "trainer.device=cpu",
     "loss=twoway",
 ]

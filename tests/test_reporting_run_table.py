@@ -27,6 +27,7 @@ RUN = [
     "trainer.batch_size=16",
     "trainer.limit_train_batches=1",
     "trainer.workers=0",
+    "trainer.report=false",
     "trainer.device=cpu",
     "trainer.log_every=1000",
 ]

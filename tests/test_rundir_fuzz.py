@@ -325,6 +325,7 @@ def genuine_run(tmp_path_factory) -> Path:
                 "dataset.train_size=32",
                 "dataset.val_size=20",
                 "trainer.epochs=1",
+                "trainer.report=true",
                 f"trainer.output_dir={out}",
             ]
         )

@@ -31,7 +31,7 @@ def chance_map_class(labels: np.ndarray, draws: int = 20, seed: int = 0) -> floa
 
 @pytest.mark.slow
 def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
-    cfg = compose_config([*tiny, f"trainer.output_dir={tmp_path}"])
+    cfg = compose_config([*tiny, "trainer.report=true", f"trainer.output_dir={tmp_path}"])  # with its plots
     results = run(cfg)
 
     on_disk = json.loads((tmp_path / "results.json").read_text())

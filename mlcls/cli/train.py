@@ -27,16 +27,15 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train the run described by ``cfg``; return the results written to results.json. At the end rank 0
-    draws the plots and, with ``trainer.report=true``, saves the validation predictions and writes
-    ``report.html`` (:mod:`mlcls.reporting.report`).
+    """Train the run described by ``cfg``; return the results written to results.json. At the end, with
+    ``trainer.report=true`` (the default), rank 0 draws the plots, saves the validation predictions and
+    writes ``report.html`` (:mod:`mlcls.reporting.report`).
 
     The process group (under torchrun) stays up for the next run of a sweep and is closed at exit.
     """
     trainer = Trainer(cfg)
-    trainer.on_finish.append(plot_run)
     if cfg.trainer.report:
-        trainer.on_finish.append(report_run)
+        trainer.on_finish.extend((plot_run, report_run))
     return trainer.fit()
 
 

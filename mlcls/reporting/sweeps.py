@@ -38,6 +38,7 @@ SMOKE_OVERRIDES = (
     "trainer.device=cpu",
     "trainer.amp=none",
     "trainer.log_every=1000",
+    "trainer.report=false",
 )
 # How a smoke table is read: the synthetic dataset and resnet10t stand in for MS-COCO and ResNet-50.
 SMOKE_STAND_INS = {"synthetic": "coco", "resnet10t": "resnet50"}
