@@ -2,7 +2,8 @@
 policies (:data:`POLICY_KEYS`, shared through ``configs/dataset/base.yaml``) instantiate it as they are, the
 split added: ``hydra.utils.instantiate(cfg, split=cfg.train_split)``. :func:`build_dataset` applies the
 policies, the observed-label regime and the held-out selection split, to the training split in one place
-(:func:`apply_training_policies`).
+(:func:`apply_training_policies`), with the zero-shot restriction to the seen classes
+(``dataset.unseen_classes``, :mod:`mlcls.data.datasets.unseen`).
 
 Besides the class's own arguments (``root``, ``year``, ...), every dataset config holds the keys the rest of
 mlcls reads: ``name`` (short name), ``image_size`` (network input side), ``transform`` (a transform name of
@@ -38,6 +39,7 @@ from mlcls.data.datasets.base import (
     Sample,
 )
 from mlcls.data.datasets.observed import HOLDOUT_LABELS, OBSERVED_REGIMES, HoldoutSplit, ObservedLabels
+from mlcls.data.datasets.unseen import check_unseen_setting, seen_view
 from mlcls.data.pipeline.fast import build_backend_transform
 from mlcls.data.pipeline.transforms import TRANSFORM_KINDS
 from mlcls.errors import shown
@@ -72,6 +74,7 @@ POLICY_KEYS = (
     "holdout_fraction",
     "holdout_labels",
     "holdout_seed",
+    "unseen_classes",
 )
 MAX_SEED = 2**63 - 1
 
@@ -106,11 +109,15 @@ def training_policies(
     holdout_fraction: float = 0.0,
     holdout_labels: str = "clean",
     holdout_seed: int = 0,
+    unseen_classes: Any = None,
 ) -> tuple[ObservedLabels, HoldoutSplit]:
     """The observed-label regime and the held-out selection split of the config keys :data:`POLICY_KEYS`,
     each checked here, once: one :class:`DatasetConfigError` line for a regime not in
     :data:`OBSERVED_REGIMES`, a fraction outside (0, 1] (observed) or [0, 1) (held out), labels not in
-    :data:`HOLDOUT_LABELS`, a seed not in [0, 2**63 - 1]."""
+    :data:`HOLDOUT_LABELS`, a seed not in [0, 2**63 - 1], or ``unseen_classes`` neither null, a list of
+    names nor a path (:func:`check_unseen_setting`; its names are checked against the classes by
+    :func:`apply_training_policies`)."""
+    check_unseen_setting(unseen_classes)
     if not isinstance(observed, str) or observed not in OBSERVED_REGIMES:
         raise DatasetConfigError(
             f"dataset.observed={shown(observed)}; expected one of {', '.join(OBSERVED_REGIMES)}"
@@ -142,8 +149,13 @@ def apply_training_policies(dataset: Any, **policy_keys: Any) -> Any:
     shows (``observed``) and the held-out selection split (``selection_split``;
     :func:`mlcls.data.datasets.folds.split_holdout` cuts it). One :class:`DatasetConfigError` line for a
     regime that hides labels when the training split is also ``dataset.val_split`` (evaluation reads full
-    labels), or a held-out split of a dataset not read by index (packed shards)."""
+    labels), or a held-out split of a dataset not read by index (packed shards).
+
+    ``unseen_classes`` (zero-shot, :func:`seen_view`): the dataset returned is a view of ``dataset`` without
+    those classes' columns, made before the regime is set, so that the regime draws over the seen columns
+    only; the same one line as a held-out split for packed shards, and for a name the dataset lacks."""
     regime, selection = training_policies(**policy_keys)
+    unseen = policy_keys.get("unseen_classes")
     if regime.hides_labels and dataset.train_split == dataset.val_split:
         raise DatasetConfigError(
             f"dataset.observed={regime.regime} hides labels of the training split {dataset.train_split!r}, "
@@ -156,6 +168,12 @@ def apply_training_policies(dataset: Any, **policy_keys: Any) -> Any:
             "sample index, so no share of them can be held out; train on the dataset config the shards were "
             "packed from, or set dataset.holdout_fraction=0"
         )
+    if unseen and not isinstance(dataset, MultiLabelDataset):
+        raise DatasetConfigError(
+            "dataset.unseen_classes: packed shards are read in sequence, not by sample index, so their label "
+            "columns cannot be restricted; train on the dataset config the shards were packed from"
+        )
+    dataset = seen_view(dataset, unseen)
     dataset.observed = regime
     if selection.fraction:
         dataset.selection_split = selection

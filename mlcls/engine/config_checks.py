@@ -25,6 +25,10 @@ DEVICES = ("auto", "cpu", "cuda")
 # trainer.loss_sum_scope: what a loss summed over the batch sums over under DDP (engine.build.build_loss).
 LOSS_SUM_SCOPES = ("global", "process")
 
+# The heads whose class queries are text embeddings (model.head=...): the only ones that score a class they
+# were not trained on, so the only ones dataset.unseen_classes (zero-shot training) can evaluate.
+TEXT_QUERY_HEADS = ("mldecoder_zsl", "cosine")
+
 # trainer.<key>: (its check, what is expected); a null is refused unless the key is in NULLABLE.
 TRAINER_KEYS = {
     **{
@@ -104,6 +108,7 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
     freeze = cfg.model.freeze_backbone
     if not isinstance(freeze, bool):
         raise ConfigError(f"model.freeze_backbone={freeze!r}; expected true (train the head alone) or false")
+    _check_zero_shot(cfg)
     if cfg.data.backend not in BACKENDS:
         raise ConfigError(f"data.backend={cfg.data.backend!r}; expected one of {', '.join(BACKENDS)}")
     if cfg.data.backend == "dali" and cfg.dataset.get("transform", "paper") != "paper":
@@ -115,6 +120,19 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
     except Exception as exc:
         cause = " ".join(str(exc.__cause__ or exc).split())  # Hydra's import errors span several lines
         raise ConfigError(f"loss={loss_name(cfg.loss)}: {cause}") from None
+
+
+def _check_zero_shot(cfg: DictConfig) -> None:
+    """``dataset.unseen_classes`` (zero-shot training) needs a head of :data:`TEXT_QUERY_HEADS`: another
+    head has one weight row per trained class and no way to score an unseen one."""
+    unseen = cfg.dataset.get("unseen_classes")
+    head = cfg.model.head.get("name")
+    if unseen and head not in TEXT_QUERY_HEADS:
+        raise ConfigError(
+            f"dataset.unseen_classes is set but model.head={head} has no text queries, so it cannot score a "
+            f"class it was not trained on; use model.head={' or model.head='.join(TEXT_QUERY_HEADS)}, or "
+            "dataset.unseen_classes=null"
+        )
 
 
 def _check_buckets(cfg: DictConfig, world_size: int) -> None:
