@@ -35,7 +35,9 @@ from mlcls.engine.logging import RunLog, open_run_log
 from mlcls.engine.optim import build_optimizer, build_scheduler
 from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
 from mlcls.errors import ConfigError
-from mlcls.models.factory import TRAINING_KEYS, freeze_backbone
+from mlcls.models.factory import TRAINING_KEYS, freeze_backbone, head_config
+from mlcls.models.heads import TEXT_HEADS
+from mlcls.text import class_embeddings
 
 log = logging.getLogger("mlcls")
 
@@ -127,6 +129,20 @@ def build_model(
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+def class_queries(cfg: DictConfig, classes: list[str]) -> dict[str, Any]:
+    """What a text-query head (``model.head=mldecoder_zsl | cosine``) is built from: ``class_embeddings``
+    of ``classes`` from the ``text`` config (:func:`mlcls.text.class_embeddings`), as a keyword of
+    :func:`build_model`. Any other head: nothing, and ``cfg.text`` is not read (it may be absent)."""
+    head_name = head_config(cfg.model.head, {})[0]
+    if head_name not in TEXT_HEADS:
+        return {}
+    if cfg.get("text") is None:
+        raise ConfigError(
+            f"model.head={head_name} needs a text config (text=words, configs/text/); none is set"
+        )
+    return {"class_embeddings": class_embeddings(cfg.text, classes)}
 
 
 def sync_batchnorm(model: nn.Module, dist: DistInfo) -> nn.Module:
@@ -293,7 +309,8 @@ def build_run(cfg: DictConfig) -> Run:
         init_from = cfg.model.get("init_from")
         # starting from a checkpoint, the hub's pretrained weights would be replaced: none are fetched
         fresh = {"pretrained": False, "checkpoint_path": None} if init_from else {}
-        model = build_model(cfg.model, len(data.classes), device, channels_last, **fresh)
+        queries = class_queries(cfg, data.classes)  # a text-query head's class embeddings, else none
+        model = build_model(cfg.model, len(data.classes), device, channels_last, **fresh, **queries)
         started_from = None
         if init_from:
             trust = bool(tcfg.get("trust_checkpoint"))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import timm
+import torch
 from huggingface_hub import (
     get_hf_file_metadata,
     hf_hub_download,
@@ -18,7 +19,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from torch import nn
 
 from mlcls.errors import ConfigError
-from mlcls.models.heads import HeadedModel, create_head
+from mlcls.models.heads import TEXT_HEADS, HeadedModel, create_head
 
 # Seconds the Hugging Face hub has to answer the one request that tells whether it can be reached.
 HUB_TIMEOUT = 10.0
@@ -32,6 +33,8 @@ HEAD_OPTIONS = {
     "linear": ("drop_rate",),
     "mldecoder": ("num_groups", "embed_dim"),
     "csra": ("num_heads", "lam"),
+    "mldecoder_zsl": ("embed_dim",),
+    "cosine": ("init_scale",),
 }
 HEAD_SCHEDULE_KEYS = ("warmup_epochs",)
 
@@ -42,6 +45,7 @@ def create_model(
     pretrained: bool = True,
     checkpoint_path: str | None = None,
     head: str | Mapping[str, Any] = "linear",
+    class_embeddings: torch.Tensor | None = None,
     **head_options: Any,
 ) -> nn.Module:
     """Build timm model ``name`` with a freshly initialised ``num_classes``-way classifier ``head``.
@@ -50,7 +54,9 @@ def create_model(
     its name, the options then given as ``head_options``. ``linear`` is timm's own model (global pooling,
     dropout ``drop_rate``, fc). ``mldecoder`` (``num_groups`` queries, width ``embed_dim``) and ``csra``
     (``num_heads`` heads, ``lam``) sit on the backbone's unpooled features in a
-    :class:`~mlcls.models.heads.HeadedModel` (:mod:`mlcls.models.heads`). An option of another head is a
+    :class:`~mlcls.models.heads.HeadedModel` (:mod:`mlcls.models.heads`), as do the text-query heads
+    ``mldecoder_zsl`` (``embed_dim``) and ``cosine`` (``init_scale``), which need ``class_embeddings``
+    ((num_classes, T) unit rows, :func:`mlcls.text.class_embeddings`). An option of another head is a
     :class:`ConfigError`: no option is silently unused.
 
     With ``pretrained=True`` the ImageNet weights come from the local Hugging Face cache, else from the hub
@@ -60,6 +66,13 @@ def create_model(
     if not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r}; see timm.list_models() for valid names")
     head_name, options = head_config(head, head_options)
+    if head_name in TEXT_HEADS and class_embeddings is None:
+        raise ConfigError(
+            f"model.head={head_name} scores classes by their names: it needs their class embeddings "
+            "(the text config, configs/text/)"
+        )
+    if head_name not in TEXT_HEADS and class_embeddings is not None:
+        raise ConfigError(f"model.head={head_name} has no text queries; class embeddings are not its input")
     kwargs: dict = {"num_classes": num_classes, "drop_rate": options.pop("drop_rate", 0.0)}
     if checkpoint_path:
         path = Path(checkpoint_path).expanduser()
@@ -75,7 +88,8 @@ def create_model(
         return timm.create_model(name, pretrained=pretrained, **kwargs)
     kwargs.update(num_classes=0, global_pool="")
     backbone = timm.create_model(name, pretrained=pretrained, **kwargs)
-    return HeadedModel(backbone, create_head(head_name, backbone.num_features, num_classes, **options))
+    head_module = create_head(head_name, backbone.num_features, num_classes, class_embeddings, **options)
+    return HeadedModel(backbone, head_module)
 
 
 def head_config(head: str | Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -1,5 +1,6 @@
 """Classifier heads on a timm backbone's features: ``linear`` (timm's global pooling + fc, the paper's),
-``mldecoder`` (:mod:`.mldecoder`) and ``csra`` (:mod:`.csra`).
+``mldecoder`` (:mod:`.mldecoder`) and ``csra`` (:mod:`.csra`); the text-query heads ``mldecoder_zsl`` and
+``cosine`` (:mod:`.text_query`), whose classes are the rows of their class embeddings.
 
 The non-linear heads take the backbone's unpooled output, a (B, D, H, W) map or (B, N, D) tokens, so the
 backbone is built without its classifier (``num_classes=0, global_pool=''``) and wrapped with the head in
@@ -17,18 +18,49 @@ from torch import nn
 
 from mlcls.models.heads.csra import CSRA
 from mlcls.models.heads.mldecoder import MLDecoder
+from mlcls.models.heads.text_query import CosineHead, MLDecoderZSL, TextQueryHead
 
+# The heads with weights of their own for each class, and those whose classes are text (built from class
+# embeddings, any class list at prediction time).
 HEADS = ("linear", "mldecoder", "csra")
+TEXT_HEADS = ("mldecoder_zsl", "cosine")
 
 
-def create_head(head: str, in_features: int, num_classes: int, **options: Any) -> nn.Module:
-    """The ``head`` module (``mldecoder`` or ``csra``) over ``in_features`` channels with its ``options``
-    (:class:`MLDecoder`'s ``num_groups``, ``embed_dim``; :class:`CSRA`'s ``num_heads``, ``lam``)."""
+def create_head(
+    head: str,
+    in_features: int,
+    num_classes: int,
+    class_embeddings: torch.Tensor | None = None,
+    **options: Any,
+) -> nn.Module:
+    """The ``head`` module (``mldecoder``, ``csra``, or a text-query head) over ``in_features`` channels with
+    its ``options`` (:class:`MLDecoder`'s ``num_groups``, ``embed_dim``; :class:`CSRA`'s ``num_heads``,
+    ``lam``; :class:`MLDecoderZSL`'s ``embed_dim``; :class:`CosineHead`'s ``init_scale``). A text-query head
+    needs ``class_embeddings`` (``num_classes`` rows); the others take none."""
+    if head in TEXT_HEADS:
+        if class_embeddings is None or class_embeddings.shape[0] != num_classes:
+            given = "none" if class_embeddings is None else f"{class_embeddings.shape[0]} rows"
+            raise ValueError(
+                f"model.head={head} needs class embeddings for {num_classes} classes; got {given}"
+            )
+        text_head = MLDecoderZSL if head == "mldecoder_zsl" else CosineHead
+        return text_head(in_features, class_embeddings, **options)
+    if class_embeddings is not None:
+        raise ValueError(
+            f"model.head={head} has no text queries; class embeddings are for {', '.join(TEXT_HEADS)}"
+        )
     if head == "mldecoder":
         return MLDecoder(in_features, num_classes, **options)
     if head == "csra":
         return CSRA(in_features, num_classes, **options)
-    raise ValueError(f"model.head={head!r}; expected one of {', '.join(HEADS)}")
+    raise ValueError(f"model.head={head!r}; expected one of {', '.join(HEADS + TEXT_HEADS)}")
+
+
+def text_query_head(model: nn.Module) -> TextQueryHead | None:
+    """The text-query head of ``model`` (a :class:`HeadedModel`, or the head itself), ``None`` when its
+    classes are weights of their own."""
+    head = model.get_classifier() if hasattr(model, "get_classifier") else model
+    return head if isinstance(head, TextQueryHead) else None
 
 
 class HeadedModel(nn.Module):
@@ -67,4 +99,15 @@ class HeadedModel(nn.Module):
         return self.head
 
 
-__all__ = ["CSRA", "HEADS", "HeadedModel", "MLDecoder", "create_head"]
+__all__ = [
+    "CSRA",
+    "HEADS",
+    "TEXT_HEADS",
+    "CosineHead",
+    "HeadedModel",
+    "MLDecoder",
+    "MLDecoderZSL",
+    "TextQueryHead",
+    "create_head",
+    "text_query_head",
+]

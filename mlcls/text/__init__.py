@@ -1,0 +1,116 @@
+"""Class embeddings from the class names: the queries of the text-query heads (``model.head=mldecoder_zsl``
+and ``model.head=cosine``, :mod:`mlcls.models.heads.text_query`).
+
+The ``text`` config group (configs/text/) names an *encoder*: any object with ``encode(names: list[str]) ->
+Tensor (C, D)`` and a ``source: str`` attribute naming it (its kind, file path and model), built with
+``hydra.utils.instantiate(cfg.text)``. ``words`` (:mod:`.words`) needs no file; ``vectors``, ``sentence`` and
+``clip`` read a local word-vector file or model. An encoder should load its file in ``encode``, not when it
+is built: :func:`class_embeddings` builds it to read its ``source`` even when the embeddings are cached.
+
+Every config has the ``text`` key (train.yaml's defaults: ``text: words``); only a text-query head uses it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from hydra.utils import instantiate
+
+from mlcls.errors import ConfigError, shown
+from mlcls.text.classes import MAX_CLASSES, check_class_names, parse_classes, read_class_list
+
+# Class lists whose embeddings stay in memory, least recently used dropped first: a run embeds one or two
+# lists (training, prediction), so a handful bounds the cache at a handful of (C, D) tensors.
+CACHE_SIZE = 8
+# The widest embedding accepted from an encoder: CLIP's text towers give 512 to 1024, sentence models 384
+# to 1024, word vectors 300; (MAX_CLASSES, MAX_DIM) float32 is 1.6 GB, the most one class list can cost.
+MAX_DIM = 4096
+
+_cache: OrderedDict[tuple[str, tuple[str, ...]], torch.Tensor] = OrderedDict()
+
+
+class TextEncoder(Protocol):
+    """What a ``text`` config instantiates."""
+
+    source: str  # the encoder's identity: kind, file path, model (the cache key; stored in checkpoints)
+
+    def encode(self, names: list[str]) -> torch.Tensor:
+        """One row per name, (C, D); need not be normalised."""
+        ...
+
+
+def build_encoder(text_cfg: Mapping[str, Any] | TextEncoder) -> TextEncoder:
+    """The encoder of a ``text`` config (``_target_`` and its options), or ``text_cfg`` itself when it is one
+    already; :class:`ConfigError` when it has no ``encode`` or no ``source``."""
+    encoder = text_cfg if hasattr(text_cfg, "encode") else instantiate(text_cfg)
+    source = getattr(encoder, "source", None)
+    if not callable(getattr(encoder, "encode", None)) or not isinstance(source, str):
+        raise ConfigError(
+            f"text: {type(encoder).__name__} is not a text encoder; expected an object with encode(names) "
+            "and a source string (configs/text/)"
+        )
+    return encoder
+
+
+def class_embeddings(text_cfg: Mapping[str, Any] | TextEncoder, names: Sequence[str]) -> torch.Tensor:
+    """The embeddings of class ``names`` from the ``text`` config's encoder: float32 (C, D), each row of
+    unit L2 norm, row ``c`` for ``names[c]``.
+
+    Cached in memory by (the encoder's ``source``, the names in order), :data:`CACHE_SIZE` lists at most;
+    each call returns its own copy. The names are checked first (:func:`check_class_names`: at most
+    :data:`MAX_CLASSES`, no duplicates, no control characters), and what the encoder returns after: one
+    row per name, at most :data:`MAX_DIM` wide, finite, no row of zero norm -- a one-line
+    :class:`ConfigError` otherwise.
+    """
+    names = check_class_names(names)
+    encoder = build_encoder(text_cfg)
+    key = (encoder.source, tuple(names))
+    if key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key].clone()
+    raw = torch.as_tensor(encoder.encode(list(names)))
+    if raw.ndim != 2 or raw.shape[0] != len(names) or not 1 <= raw.shape[1] <= MAX_DIM:
+        raise ConfigError(
+            f"text encoder {encoder.source} gave embeddings of shape {tuple(raw.shape)} for "
+            f"{len(names)} classes; expected ({len(names)}, D) with 1 <= D <= {MAX_DIM}"
+        )
+    raw = raw.double()
+    if not torch.isfinite(raw).all():
+        row = int((~torch.isfinite(raw)).any(1).nonzero()[0])
+        raise ConfigError(
+            f"text encoder {encoder.source}: class {shown(names[row])} has a non-finite embedding"
+        )
+    norms = raw.norm(dim=1, keepdim=True)
+    if (norms == 0).any():
+        row = int((norms[:, 0] == 0).nonzero()[0])
+        raise ConfigError(
+            f"text encoder {encoder.source}: class {shown(names[row])} has an all-zero embedding; expected "
+            "a direction to compare images with"
+        )
+    embeddings = (raw / norms).float()
+    _cache[key] = embeddings
+    while len(_cache) > CACHE_SIZE:
+        _cache.popitem(last=False)
+    return embeddings.clone()
+
+
+def text_source(text_cfg: Mapping[str, Any] | TextEncoder) -> str:
+    """The ``source`` of the ``text`` config's encoder (what a checkpoint records beside the embeddings)."""
+    return build_encoder(text_cfg).source
+
+
+__all__ = [
+    "CACHE_SIZE",
+    "MAX_CLASSES",
+    "MAX_DIM",
+    "TextEncoder",
+    "build_encoder",
+    "check_class_names",
+    "class_embeddings",
+    "parse_classes",
+    "read_class_list",
+    "text_source",
+]
