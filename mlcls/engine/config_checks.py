@@ -19,15 +19,12 @@ from mlcls.data.pipeline.fast import BACKENDS
 from mlcls.engine.rundir import explicit_hydra_run_dir
 from mlcls.errors import ConfigError
 from mlcls.losses.spec import loss_name
+from mlcls.models.heads import TEXT_HEADS
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 # trainer.loss_sum_scope: what a loss summed over the batch sums over under DDP (engine.build.build_loss).
 LOSS_SUM_SCOPES = ("global", "process")
-
-# The heads whose class queries are text embeddings (model.head=...): the only ones that score a class they
-# were not trained on, so the only ones dataset.unseen_classes (zero-shot training) can evaluate.
-TEXT_QUERY_HEADS = ("mldecoder_zsl", "cosine")
 
 # trainer.<key>: (its check, what is expected); a null is refused unless the key is in NULLABLE.
 TRAINER_KEYS = {
@@ -123,14 +120,14 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
 
 
 def _check_zero_shot(cfg: DictConfig) -> None:
-    """``dataset.unseen_classes`` (zero-shot training) needs a head of :data:`TEXT_QUERY_HEADS`: another
-    head has one weight row per trained class and no way to score an unseen one."""
+    """``dataset.unseen_classes`` (zero-shot training) needs a text-query head (``TEXT_HEADS``: their classes
+    are text embeddings): another head has weights of its own per trained class, none for an unseen one."""
     unseen = cfg.dataset.get("unseen_classes")
     head = cfg.model.head.get("name")
-    if unseen and head not in TEXT_QUERY_HEADS:
+    if unseen and head not in TEXT_HEADS:
         raise ConfigError(
             f"dataset.unseen_classes is set but model.head={head} has no text queries, so it cannot score a "
-            f"class it was not trained on; use model.head={' or model.head='.join(TEXT_QUERY_HEADS)}, or "
+            f"class it was not trained on; use model.head={' or model.head='.join(TEXT_HEADS)}, or "
             "dataset.unseen_classes=null"
         )
 
