@@ -39,6 +39,19 @@ def test_the_training_split_loses_the_unseen_columns_and_keeps_its_images() -> N
     assert build_dataset(cfg, train=False).classes == full.classes  # evaluation: every class
 
 
+def test_unseen_images_drop_keeps_the_images_without_an_unseen_positive() -> None:
+    cfg = dataset_config(f"dataset.unseen_classes=[{','.join(UNSEEN)}]", "dataset.unseen_images=drop")
+    train = build_dataset(cfg, train=True)
+    full = SyntheticMultiLabel(split="train", train_size=64, val_size=16, image_size=16)
+    unseen = [full.classes.index(name) for name in UNSEEN]
+    rows = [i for i in range(64) if not full.labels[i, unseen].eq(1).any()]
+    seen = [c for c in range(12) if c not in unseen]
+    assert 0 < len(rows) < 64 and len(train) == len(rows)
+    assert torch.equal(torch.stack([train.target(i) for i in range(len(train))]), full.labels[rows][:, seen])
+    assert torch.equal(label_counts(train).positives, (full.labels[rows][:, seen] == 1).sum(0))
+    assert np.array_equal(np.asarray(train.load_image(3)), np.asarray(full.load_image(rows[3])))
+
+
 def test_unseen_names_from_a_file(tmp_path) -> None:
     names = tmp_path / "unseen.txt"
     names.write_text("\n".join(UNSEEN[:2]) + "\n\n")
@@ -59,6 +72,11 @@ def test_bad_unseen_settings_are_one_line(value: str, message: str) -> None:
     with pytest.raises(DatasetConfigError) as error:
         build_dataset(cfg, train=True)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_bad_unseen_images_value_is_one_line() -> None:
+    with pytest.raises(DatasetConfigError, match="dataset.unseen_images='all'; expected one of keep, drop"):
+        build_dataset(dataset_config("dataset.unseen_images=all"), train=False)
 
 
 def test_every_class_unseen_is_refused() -> None:

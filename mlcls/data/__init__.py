@@ -81,6 +81,7 @@ POLICY_KEYS = (
     "holdout_labels",
     "holdout_seed",
     "unseen_classes",
+    "unseen_images",
 )
 MAX_SEED = 2**63 - 1
 
@@ -116,14 +117,19 @@ def training_policies(
     holdout_labels: str = "clean",
     holdout_seed: int = 0,
     unseen_classes: Any = None,
+    unseen_images: str = "keep",
 ) -> tuple[ObservedLabels, HoldoutSplit]:
     """The observed-label regime and the held-out selection split of the config keys :data:`POLICY_KEYS`,
     each checked here, once: one :class:`DatasetConfigError` line for a regime not in
     :data:`OBSERVED_REGIMES`, a fraction outside (0, 1] (observed) or [0, 1) (held out), labels not in
-    :data:`HOLDOUT_LABELS`, a seed not in [0, 2**63 - 1], or ``unseen_classes`` neither null, a list of
+    :data:`HOLDOUT_LABELS`, a seed not in [0, 2**63 - 1], ``unseen_classes`` neither null, a list of
     names nor a path (:func:`check_unseen_setting`; its names are checked against the classes by
-    :func:`apply_training_policies`)."""
+    :func:`apply_training_policies`), or ``unseen_images`` not in :data:`UNSEEN_IMAGES`."""
     check_unseen_setting(unseen_classes)
+    if not isinstance(unseen_images, str) or unseen_images not in UNSEEN_IMAGES:
+        raise DatasetConfigError(
+            f"dataset.unseen_images={shown(unseen_images)}; expected one of {', '.join(UNSEEN_IMAGES)}"
+        )
     if not isinstance(observed, str) or observed not in OBSERVED_REGIMES:
         raise DatasetConfigError(
             f"dataset.observed={shown(observed)}; expected one of {', '.join(OBSERVED_REGIMES)}"
@@ -179,7 +185,7 @@ def apply_training_policies(dataset: Any, **policy_keys: Any) -> Any:
             "dataset.unseen_classes: packed shards are read in sequence, not by sample index, so their label "
             "columns cannot be restricted; train on the dataset config the shards were packed from"
         )
-    dataset = seen_view(dataset, unseen)
+    dataset = seen_view(dataset, unseen, policy_keys.get("unseen_images", "keep") == "drop")
     dataset.observed = regime
     if selection.fraction:
         dataset.selection_split = selection
@@ -227,6 +233,9 @@ def build_dataset(
 
 # Unknown names quoted in a message (the rest counted).
 SHOWN_NAMES = 5
+# dataset.unseen_images: the training images showing an unseen class are kept (their unseen labels alone
+# removed: LESA's NUS-WIDE protocol) or dropped (no training image shows an unseen class).
+UNSEEN_IMAGES = ("keep", "drop")
 
 
 def check_unseen_setting(value: Any) -> None:
@@ -279,12 +288,15 @@ def unseen_class_names(value: str | Sequence[str], classes: Sequence[str]) -> li
 class SeenClasses(MultiLabelDataset):
     """The dataset ``source`` (a training split) restricted to the classes not in ``unseen``: ``classes``
     the seen names in ``source``'s order, ``labels`` and every target the seen columns alone. Sample ``i``
-    is ``source``'s sample ``i`` (same image, read with this view's ``transform``); its target is
-    ``source``'s full row, restricted, then shown by this view's observed-label regime ``observed``."""
+    is ``source``'s sample ``rows[i]`` (all of them when ``rows`` is None; same image, read with this
+    view's ``transform``); its target is ``source``'s full row, restricted, then shown by this view's
+    observed-label regime ``observed``."""
 
-    def __init__(self, source: MultiLabelDataset, unseen: Sequence[str]) -> None:
+    def __init__(
+        self, source: MultiLabelDataset, unseen: Sequence[str], rows: torch.Tensor | None = None
+    ) -> None:
         # The source's settings, checked when it was built; nothing of the config is read again.
-        self.source = source
+        self.source, self.rows = source, rows
         self.unseen_classes = list(unseen)
         dropped = set(unseen)
         columns = [c for c, name in enumerate(source.classes) if name not in dropped]
@@ -295,17 +307,22 @@ class SeenClasses(MultiLabelDataset):
         self.transform, self.on_bad_image = source.transform, source.on_bad_image
         self.observed, self.selection_split = source.observed, source.selection_split
         self.classes = [source.classes[c] for c in columns]
-        self.samples = source.samples
+        self.samples = source.samples if rows is None else [source.samples[r] for r in rows.tolist()]
+
+    def _source_index(self, index: int) -> int:
+        return index if self.rows is None else int(self.rows[index])
 
     @property
     def labels(self) -> Tensor:  # type: ignore[override]
-        """float32 (N, C_seen): the source's labels of the seen classes."""
-        return self.source.labels[:, self.columns]
+        """float32 (N, C_seen): the source's labels of the seen classes (of its rows ``rows``)."""
+        labels = self.source.labels if self.rows is None else self.source.labels[self.rows]
+        return labels[:, self.columns]
 
     def label_counts(self) -> LabelCounts:
         """The counts of the targets: the source's counts of the seen columns (sparse labels stay sparse);
-        under a regime that hides labels, counted from the restricted labels as that regime shows them."""
-        if self.observed.hides_labels:
+        of some rows only, or under a regime that hides labels, counted from the restricted labels as that
+        regime shows them."""
+        if self.observed.hides_labels or self.rows is not None:
             return label_counts(_DenseLabels(self.labels, self.observed))
         counts = label_counts(self.source)
         return LabelCounts(counts.num_samples, counts.positives[self.columns], counts.negatives[self.columns])
@@ -316,11 +333,11 @@ class SeenClasses(MultiLabelDataset):
         (the synthetic dataset)."""
         if type(self.source).load_image is MultiLabelDataset.load_image:
             return MultiLabelDataset.load_image(self, index)
-        return self.source.load_image(index)
+        return self.source.load_image(self._source_index(index))
 
     def target(self, index: int) -> Tensor:
         """float32 (C_seen,): sample ``index``'s labels of the seen classes as ``observed`` shows them."""
-        return self.observed.row(self.source.target(index)[self.columns], index)
+        return self.observed.row(self.source.target(self._source_index(index))[self.columns], index)
 
 
 class _DenseLabels:
@@ -330,10 +347,24 @@ class _DenseLabels:
         self.labels, self.observed = labels, observed
 
 
-def seen_view(dataset: MultiLabelDataset, value: str | Sequence[str] | None) -> MultiLabelDataset:
-    """``dataset`` as :class:`SeenClasses` without the classes ``value`` names (:func:`unseen_class_names`);
-    ``dataset`` itself when ``value`` is null or empty. Applied before a regime is set: the source keeps
-    every label, the view's regime draws over the seen columns."""
+def seen_view(
+    dataset: MultiLabelDataset, value: str | Sequence[str] | None, drop_images: bool = False
+) -> MultiLabelDataset:
+    """``dataset`` as :class:`SeenClasses` without the classes ``value`` names (:func:`unseen_class_names`),
+    and with ``drop_images`` (``dataset.unseen_images=drop``) without the samples where one of them is
+    positive; ``dataset`` itself when ``value`` is null or empty. Applied before a regime is set: the source
+    keeps every label, the view's regime draws over the seen columns. One :class:`DatasetConfigError` line
+    when every sample would be dropped."""
     if value is None or (not isinstance(value, str) and len(value) == 0):
         return dataset
-    return SeenClasses(dataset, unseen_class_names(value, dataset.classes))
+    unseen = unseen_class_names(value, dataset.classes)
+    if not drop_images:
+        return SeenClasses(dataset, unseen)
+    columns = [dataset.classes.index(name) for name in unseen]
+    rows = torch.nonzero(~(dataset.labels[:, columns] == 1).any(1)).flatten()
+    if len(rows) == 0:
+        raise DatasetConfigError(
+            f"dataset.unseen_images=drop: each of the {len(dataset)} training samples shows an unseen class; "
+            "expected some without (or dataset.unseen_images=keep)"
+        )
+    return SeenClasses(dataset, unseen, rows)
