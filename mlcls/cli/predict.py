@@ -2,6 +2,7 @@
 
 mlcls-predict checkpoint=outputs/run/checkpoints/best.pt images=photos/
 mlcls-predict checkpoint=best.pt images='photos/**/*.jpg' top_k=3 out=predictions.jsonl
+mlcls-predict checkpoint=best.pt images=photos/ classes=red_circle,blue_star    (a text-query head's)
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from mlcls.inference.predictor import (
     load_inference_model,
     predict_images,
     printable,
+    use_classes,
 )
 from mlcls.metrics.thresholds import describe_rule
+from mlcls.text import parse_classes
 
 USAGE = "mlcls-predict checkpoint=<run>/checkpoints/best.pt images=<file | folder | 'glob/*.jpg'>"
 
@@ -46,11 +49,17 @@ def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]
     """Predict ``cfg.images`` with ``cfg.checkpoint``: the predictions, the unreadable files, the rule."""
     require_keys(cfg, USAGE)
     check_rule(cfg.threshold, cfg.top_k)
+    names = None
+    if cfg.get("classes") is not None:  # read before any image or checkpoint: a bad list fails at once
+        given = cfg.classes
+        names = parse_classes(OmegaConf.to_container(given) if OmegaConf.is_list(given) else str(given))
     sources = OmegaConf.to_container(cfg.images) if OmegaConf.is_list(cfg.images) else str(cfg.images)
     paths = find_images(sources)
     if not paths:
         raise InferenceError(f"no image matched images={sources}; give a file, a folder or a quoted glob")
     inference = load_inference_model(cfg.checkpoint, cfg.device, trust=cfg.trust_checkpoint)
+    if names is not None:
+        use_classes(inference, names)
     predictions, unreadable = predict_images(
         inference, paths, cfg.batch_size, cfg.workers, threshold=cfg.threshold, top_k=cfg.top_k
     )
@@ -89,7 +98,20 @@ def _hydra_main(cfg: DictConfig) -> None:
     print(summary, file=sys.stderr)
 
 
+def quote_class_list(argv: list[str]) -> list[str]:
+    """``classes=a,b,c`` as Hydra reads one string (``classes='a,b,c'``): unquoted, Hydra takes a comma
+    list for a sweep and refuses it in a single run. A value already quoted or bracketed is left as it is."""
+    quoted = []
+    for arg in argv:
+        key, equals, value = arg.partition("=")
+        if key == "classes" and equals and value[:1] not in ("'", '"', "[") and "," in value:
+            arg = "classes='" + value.replace("'", "\\'") + "'"  # Hydra escapes quotes alone
+        quoted.append(arg)
+    return quoted
+
+
 def main() -> None:
+    sys.argv[1:] = quote_class_list(sys.argv[1:])
     run_command("predict", _hydra_main)
 
 

@@ -36,8 +36,7 @@ from mlcls.engine.logging import RunLog, open_run_log
 from mlcls.engine.optim import build_optimizer, build_scheduler
 from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
 from mlcls.errors import ConfigError
-from mlcls.models.factory import TRAINING_KEYS, freeze_backbone, head_config
-from mlcls.models.heads import TEXT_HEADS
+from mlcls.models.factory import TRAINING_KEYS, freeze_backbone, has_text_queries
 from mlcls.text import class_embeddings
 
 log = logging.getLogger("mlcls")
@@ -136,12 +135,11 @@ def class_queries(cfg: DictConfig, classes: list[str]) -> dict[str, Any]:
     """What a text-query head (``model.head=mldecoder_zsl | cosine``) is built from: ``class_embeddings``
     of ``classes`` from the ``text`` config (:func:`mlcls.text.class_embeddings`), as a keyword of
     :func:`build_model`. Any other head: nothing, and ``cfg.text`` is not read (it may be absent)."""
-    head_name = head_config(cfg.model.head, {})[0]
-    if head_name not in TEXT_HEADS:
+    if not has_text_queries(cfg.model.head):
         return {}
     if cfg.get("text") is None:
         raise ConfigError(
-            f"model.head={head_name} needs a text config (text=words, configs/text/); none is set"
+            f"model.head={cfg.model.head.name} needs a text config (text=words, configs/text/); none is set"
         )
     return {"class_embeddings": class_embeddings(cfg.text, classes)}
 

@@ -10,6 +10,10 @@ are read with ``torch.load(weights_only=True)``: a pickle in a file from someone
 file that needs more (one written before checkpoints held plain data, or a crafted one) is refused unless
 the caller trusts it explicitly (``trust_checkpoint=true``), or once re-saved by :func:`resave_plain`.
 
+A run of a text-query head (``model.head=mldecoder_zsl | cosine``) also records its text source under
+``text`` (:func:`text_record`); its class embeddings are the head's buffer ``head.class_embeddings`` in
+the model's weights, one row per name of ``classes``.
+
 Every checkpoint written holds ``format`` (:data:`FORMAT`); every reader goes through :func:`load_checkpoint`,
 which upgrades what it read (:func:`upgrade_checkpoint`) and refuses a newer format in one line.
 """
@@ -33,7 +37,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # re-exported: checkpoints, results and plots use them
 from mlcls.io import atomic_write, open_checkpoint, raise_if_disk_full
+from mlcls.models.factory import has_text_queries
 from mlcls.renamed import upgrade_config
+from mlcls.text import text_source
 
 log = logging.getLogger("mlcls")
 
@@ -71,6 +77,15 @@ def plain(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(plain(value) for value in data)
     return data
+
+
+def text_record(cfg: DictConfig) -> dict[str, Any] | None:
+    """What a checkpoint of a text-query head records of the encoder that embedded its class names:
+    ``{"source": its identity (mlcls.text), "config": the run's text config}``, from which
+    ``mlcls-predict classes=...`` embeds new names the same way. None for a head without text queries."""
+    if not has_text_queries(cfg.model.head):
+        return None
+    return {"source": text_source(cfg.text), "config": plain(cfg.text)}
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:

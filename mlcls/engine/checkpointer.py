@@ -24,6 +24,7 @@ from mlcls.engine.checkpoint import (
     save_checkpoint,
     save_training_checkpoint,
     set_rng_state,
+    text_record,
 )
 from mlcls.engine.distributed import DistInfo
 from mlcls.engine.state_checks import RunBounds, check_resume_state
@@ -41,7 +42,8 @@ class Checkpointer:
         parts: name -> object with ``state_dict`` / ``load_state_dict``: model, optimizer, scheduler, loss,
             and ema when the run has one.
         scaler, state, dist: the loss scale, the :class:`TrainState` and the processes of the run.
-        classes, preprocess, iters_per_epoch: what a checkpoint records of the data, and its epoch length.
+        classes, preprocess, iters_per_epoch: what a checkpoint records of the data, and its epoch length;
+            a text-query head's text source is recorded too (:func:`text_record`).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Checkpointer:
             preprocess,
             iters_per_epoch,
         )
+        self.text = text_record(cfg)
 
     def resume(self) -> bool:
         """Restore ``trainer.resume`` (a file, or ``auto``: the newest readable checkpoint of the run
@@ -143,6 +146,7 @@ class Checkpointer:
             "preprocess": self.preprocess,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "thresholds_split": thresholds_split,
+            "text": self.text,
         }
         if is_best:
             best = self.state.best
@@ -154,7 +158,7 @@ class Checkpointer:
                 "loss": checkpoint["loss"],  # the loss's state at this epoch (model.init_from carries it)
                 **{
                     k: checkpoint[k]
-                    for k in ("epoch", "classes", "preprocess", "config", "best", "thresholds_split")
+                    for k in ("epoch", "classes", "preprocess", "config", "best", "thresholds_split", "text")
                 },
             }
             save_checkpoint(best_weights, self.directory / "best.pt")

@@ -117,6 +117,41 @@ def check_weights_fit(
             )
 
 
+# Where a text-query head keeps its class embeddings in a checkpoint's weights (HeadedModel's ``head``).
+CLASS_EMBEDDINGS_KEY = "head.class_embeddings"
+# How far from 1 the norm of a stored class embedding may be (they are written as float32 unit rows).
+UNIT_NORM_TOLERANCE = 1e-3
+
+
+def stored_class_embeddings(
+    weights: Mapping[str, torch.Tensor], classes: Sequence[str], head: str, path: str | Path
+) -> torch.Tensor:
+    """The class embeddings of a checkpoint with the text-query ``head``, checked against its class list
+    before the model is built: one floating-point row per class name, finite, each of unit norm (within
+    :data:`UNIT_NORM_TOLERANCE`). Their width is checked against the head's weights with every other shape
+    (:func:`check_weights_fit`)."""
+    embeddings = weights.get(CLASS_EMBEDDINGS_KEY)
+    if embeddings is None:
+        raise InferenceError(
+            f"{path}: its {head} head scores class embeddings, but the weights hold no {CLASS_EMBEDDINGS_KEY}"
+        )
+    if embeddings.ndim != 2 or embeddings.shape[0] != len(classes) or not embeddings.is_floating_point():
+        raise InferenceError(
+            f"{path}: the class embeddings are {embeddings.dtype} {tuple(embeddings.shape)} for "
+            f"{plural(len(classes), 'class name')}; expected a floating-point row per class"
+        )
+    if not torch.isfinite(embeddings).all():
+        raise InferenceError(f"{path}: the class embeddings hold a non-finite value; expected unit rows")
+    off = (embeddings.double().norm(dim=1) - 1).abs()
+    if off.max() > UNIT_NORM_TOLERANCE:
+        row = int(off.argmax())
+        raise InferenceError(
+            f"{path}: the class embedding of {shown(classes[row])} has norm {float(off[row]) + 1:.4g}; "
+            "expected unit rows"
+        )
+    return embeddings
+
+
 def stored_thresholds(state: Mapping[str, Any], num_classes: int, path: str | Path) -> torch.Tensor | None:
     """The calibrated per-class logit thresholds of checkpoint ``state`` as float64 (C,), or None when it
     has none; one number per class, none of them NaN (``±inf``: always / never predicted)."""
@@ -168,6 +203,7 @@ MODEL_FIELDS: dict[str, tuple[Any, str]] = {
     "embed_dim": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
     "num_heads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
     "lam": (_is_number, "a finite number"),
+    "init_scale": (lambda v: _is_number(v) and 0 < v <= 100, "a number in (0, 100]"),
 }
 
 

@@ -2,7 +2,9 @@
 
 The checkpoint (``last.pt`` or ``best.pt``) carries everything needed -- weights, class names, model config,
 preprocessing (:mod:`mlcls.data.pipeline.preprocess`) and, when the trainer calibrated them, per-class
-thresholds (:mod:`mlcls.metrics.thresholds`) -- so no dataset config is read.
+thresholds (:mod:`mlcls.metrics.thresholds`) -- so no dataset config is read. A text-query head's
+checkpoint also holds its class embeddings and its text source: it scores its own classes without the
+encoder, and other class names with it (:func:`use_classes`).
 
 Images are decoded as RGB exactly as the datasets decode them (no EXIF rotation, like training). An
 unreadable file (missing, corrupt, not an image) is reported in the ``unreadable`` list and skipped.
@@ -27,10 +29,11 @@ from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_check
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
-from mlcls.errors import InferenceError, printable, shown
+from mlcls.errors import ConfigError, InferenceError, plural, printable, shown
 from mlcls.inference.fields import (
     check_model_fields,
     check_weights_fit,
+    stored_class_embeddings,
     stored_classes,
     stored_config,
     stored_thresholds,
@@ -40,6 +43,8 @@ from mlcls.inference.fields import (
 from mlcls.metrics.thresholds import select_labels
 from mlcls.models import create_model
 from mlcls.models.factory import TRAINING_KEYS
+from mlcls.models.heads import TEXT_HEADS, text_query_head
+from mlcls.text import class_embeddings, encoder_from_stored
 
 # The only function that builds a checkpoint's model (the ``_target_`` of configs/model/*.yaml).
 MODEL_FACTORY = "mlcls.models.create_model"
@@ -81,7 +86,8 @@ class InferenceModel:
 
     ``thresholds`` is the (C,) float64 tensor of calibrated per-class logit thresholds, or None when the
     checkpoint has none; ``thresholds_split`` the split they were calibrated on (``"validation"`` or
-    ``"holdout"``, the held-out share of the training split).
+    ``"holdout"``, the held-out share of the training split); ``text`` a text-query head's text record
+    (``{"source", "config"}``, :func:`mlcls.engine.checkpoint.text_record`), None for another head.
     """
 
     model: nn.Module
@@ -92,15 +98,19 @@ class InferenceModel:
     checkpoint: Path
     device: torch.device
     thresholds_split: str = "validation"
+    text: dict[str, Any] | None = None
 
 
-def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
+def build_model(
+    config: dict[str, Any], num_classes: int, class_embeddings: torch.Tensor | None = None
+) -> nn.Module:
     """The network of a run's resolved ``config`` with ``num_classes`` outputs, randomly initialised.
 
     Built by :func:`mlcls.models.create_model` from the plain fields of ``config["model"]`` (a field the
     factory does not take is refused); a ``_target_`` stored in the file is never called, and one other
     than :data:`MODEL_FACTORY` is refused. Nothing is downloaded: the checkpoint's weights are loaded
-    afterwards.
+    afterwards. A text-query head takes the checked ``class_embeddings``
+    (:func:`~mlcls.inference.fields.stored_class_embeddings`).
     """
     if not isinstance(config.get("model"), dict):
         raise InferenceError("the checkpoint's config has no model section; is it an mlcls checkpoint?")
@@ -113,7 +123,8 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
             f"the checkpoint's model._target_ is {target!r}; a checkpoint's model is built by "
             f"{MODEL_FACTORY} only (a _target_ read from a file is never called)"
         )
-    accepted = sorted(set(inspect.signature(create_model).parameters) - {"num_classes", "head_options"})
+    built_here = {"num_classes", "head_options", "class_embeddings"}
+    accepted = sorted(set(inspect.signature(create_model).parameters) - built_here)
     unknown = sorted(str(key) for key in fields if key not in accepted)
     if unknown:
         raise InferenceError(
@@ -127,9 +138,8 @@ def build_model(config: dict[str, Any], num_classes: int) -> nn.Module:
     check_model_fields({key: value for key, value in fields.items() if key != "head"})
     check_model_fields({key: value for key, value in head.items() if key != "name"})
     try:
-        return create_model(
-            **{**fields, "num_classes": num_classes, "pretrained": False, "checkpoint_path": None}
-        )
+        fixed = {"num_classes": num_classes, "pretrained": False, "checkpoint_path": None}
+        return create_model(**{**fields, **fixed}, class_embeddings=class_embeddings)
     except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: sizes beyond torch's int64
         # ValueError includes ConfigError: an option the head does not take
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -145,7 +155,9 @@ def load_inference_model(
     Its class names, config, weights, preprocess spec and thresholds are checked first
     (:mod:`mlcls.inference.fields`, :func:`~mlcls.data.pipeline.preprocess.check_spec`), then the model is
     built on the ``meta`` device and its shapes compared with the weights: a class count or a head option
-    that the stored weights do not hold is an :class:`InferenceError` before any memory is allocated.
+    that the stored weights do not hold is an :class:`InferenceError` before any memory is allocated. A
+    text-query head's class embeddings are checked against the class names first
+    (:func:`~mlcls.inference.fields.stored_class_embeddings`) and against the head's width with its weights.
     """
     state = load_checkpoint(path, map_location="cpu", trust=trust)
     classes = stored_classes(state, path)
@@ -154,10 +166,14 @@ def load_inference_model(
     preprocess = spec_from_checkpoint(state)
     thresholds = stored_thresholds(state, len(classes), path)
     split = stored_thresholds_split(state, path)
+    model_cfg = config.get("model")
+    head = model_cfg.get("head") if isinstance(model_cfg, dict) else None
+    head_name = head.get("name") if isinstance(head, dict) else None
+    queries = stored_class_embeddings(weights, classes, head_name, path) if head_name in TEXT_HEADS else None
     with torch.device("meta"):  # shapes only: checked against the weights before any memory is taken
-        skeleton = build_model(config, len(classes))
+        skeleton = build_model(config, len(classes), queries)
     check_weights_fit(skeleton, weights, len(classes), path)
-    model = build_model(config, len(classes))
+    model = build_model(config, len(classes), queries)
     try:
         model.load_state_dict(weights)
     except RuntimeError as exc:
@@ -177,7 +193,39 @@ def load_inference_model(
         checkpoint=Path(path),
         device=device,
         thresholds_split=split,
+        text=state.get("text") if queries is not None else None,
     )
+
+
+def use_classes(inference: InferenceModel, names: Sequence[str]) -> None:
+    """Score the class ``names`` from now on instead of the checkpoint's own (``mlcls-predict classes=``):
+    the names are embedded by the checkpoint's stored text source (:func:`mlcls.text.encoder_from_stored`,
+    which builds only an encoder of :mod:`mlcls.text`) and become the text-query head's class embeddings.
+    The checkpoint's calibrated thresholds belong to its own classes and are dropped (the rule is then
+    ``threshold``, ``top_k`` or probability 0.5). A checkpoint whose head has weights per class, or one
+    without a text source, is a one-line :class:`InferenceError`."""
+    head = text_query_head(inference.model)
+    if head is None:
+        name = inference.config["model"]["head"]["name"]  # checked by build_model
+        raise InferenceError(
+            f"{inference.checkpoint} has a {name} head without text queries: it scores its own "
+            f"{plural(len(inference.classes), 'class')} only; classes= needs a checkpoint of a text-query "
+            "head (model.head=mldecoder_zsl or cosine)"
+        )
+    if inference.text is None:
+        raise InferenceError(
+            f"{inference.checkpoint} holds no text source ('text'); it scores its own "
+            f"{plural(len(inference.classes), 'class')} only"
+        )
+    try:
+        embeddings = class_embeddings(encoder_from_stored(inference.text), names)
+    except ConfigError as exc:
+        raise InferenceError(f"{inference.checkpoint}: {exc}") from None
+    try:
+        head.set_class_embeddings(embeddings)
+    except ValueError as exc:
+        raise InferenceError(f"{inference.checkpoint}: {exc}") from None
+    inference.classes, inference.thresholds = list(names), None
 
 
 class ImageFiles(Dataset):

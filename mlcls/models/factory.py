@@ -111,6 +111,12 @@ def head_config(head: str | Mapping[str, Any], options: Mapping[str, Any]) -> tu
     return head_name, given
 
 
+def has_text_queries(head: str | Mapping[str, Any]) -> bool:
+    """Whether the head config ``model.head`` (or its name) is a text-query head, whose classes are class
+    embeddings (``mldecoder_zsl``, ``cosine``); :class:`ConfigError` for an unknown head."""
+    return head_config(head, {})[0] in TEXT_HEADS
+
+
 def pretrained_weights_file(name: str) -> str | None:
     """A local file holding the pretrained weights of timm model ``name`` that timm would fetch from the
     Hugging Face hub; ``None`` when they do not come from the hub (timm loads those itself).

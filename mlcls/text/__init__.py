@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import get_class, instantiate
 
 from mlcls.errors import ConfigError, shown
 from mlcls.text.classes import MAX_CLASSES, check_class_names, parse_classes, read_class_list
@@ -45,7 +46,14 @@ class TextEncoder(Protocol):
 def build_encoder(text_cfg: Mapping[str, Any] | TextEncoder) -> TextEncoder:
     """The encoder of a ``text`` config (``_target_`` and its options), or ``text_cfg`` itself when it is one
     already; :class:`ConfigError` when it has no ``encode`` or no ``source``."""
-    encoder = text_cfg if hasattr(text_cfg, "encode") else instantiate(text_cfg)
+    try:
+        encoder = text_cfg if hasattr(text_cfg, "encode") else instantiate(text_cfg)
+    except InstantiationException as exc:  # Hydra's two-line wrapper: the encoder's own error in one line
+        cause = exc.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        reason = str(cause or exc).strip().splitlines()
+        raise ConfigError(f"text: cannot build the encoder ({type(cause).__name__}: {reason[-1]})") from None
     source = getattr(encoder, "source", None)
     if not callable(getattr(encoder, "encode", None)) or not isinstance(source, str):
         raise ConfigError(
@@ -97,6 +105,53 @@ def class_embeddings(text_cfg: Mapping[str, Any] | TextEncoder, names: Sequence[
     return embeddings.clone()
 
 
+# The longest stored text source, in characters (a kind, a path, a model name).
+MAX_SOURCE_CHARS = 4096
+
+
+def encoder_from_stored(record: Any) -> TextEncoder:
+    """The encoder of a checkpoint's ``text`` record (``{"source": ..., "config": ...}``, written by
+    :func:`mlcls.engine.checkpoint.text_record`), which is data from someone else: its ``_target_`` must
+    be a class defined in a module of :mod:`mlcls.text` (no other callable is ever reached from a file),
+    its options plain values (no nested ``_target_``, no ``_args_`` or ``_partial_``), and the encoder
+    built must name the stored ``source``. A one-line :class:`ConfigError` otherwise."""
+    if not isinstance(record, Mapping) or not isinstance(record.get("config"), Mapping):
+        raise ConfigError(
+            f"the text record is {shown(record)}; expected {{'source': ..., 'config': {{...}}}}"
+        )
+    stored = record.get("source")
+    if not isinstance(stored, str) or not 0 < len(stored) <= MAX_SOURCE_CHARS:
+        raise ConfigError(f"the text source is {shown(stored)}; expected its name (a string)")
+    config = dict(record["config"])
+    target = config.get("_target_")
+    odd = next(
+        (key for key in config if key != "_target_" and (not isinstance(key, str) or key[:1] == "_")), None
+    )
+    if odd is not None:
+        raise ConfigError(f"the text config has the key {shown(odd)}; expected _target_ and plain options")
+    values = [x for v in config.values() for x in (v if isinstance(v, list) else [v])]
+    if not all(isinstance(x, (str, int, float, bool, type(None))) and "${" not in str(x) for x in values):
+        raise ConfigError(
+            "the text config holds a nested value or an interpolation; expected plain options (strings, "
+            "numbers, lists of them)"
+        )
+    try:
+        cls = get_class(target) if isinstance(target, str) and target.startswith("mlcls.text.") else None
+    except Exception:  # hydra's locate: import errors, a missing attribute
+        cls = None
+    if cls is None or not cls.__module__.startswith("mlcls.text.") or not hasattr(cls, "encode"):
+        raise ConfigError(
+            f"the text config's _target_ is {shown(target)}; expected a text encoder of mlcls.text"
+        )
+    encoder = build_encoder(config)
+    if encoder.source != stored:
+        raise ConfigError(
+            f"the stored text config builds the encoder {shown(encoder.source)}, not the stored source "
+            f"{shown(stored)}; the class embeddings would not match the trained head"
+        )
+    return encoder
+
+
 def text_source(text_cfg: Mapping[str, Any] | TextEncoder) -> str:
     """The ``source`` of the ``text`` config's encoder (what a checkpoint records beside the embeddings)."""
     return build_encoder(text_cfg).source
@@ -110,6 +165,7 @@ __all__ = [
     "build_encoder",
     "check_class_names",
     "class_embeddings",
+    "encoder_from_stored",
     "parse_classes",
     "read_class_list",
     "text_source",
