@@ -4,11 +4,13 @@ all twelve classes through the text head and results.json holds metrics.zsl and 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 from conftest import TINY, compose_config
 
+from mlcls.cli import eval as eval_cli
 from mlcls.cli import tables as tables_cli
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.engine.trainer import Trainer
@@ -69,3 +71,17 @@ def test_evaluation_scores_every_class_and_results_hold_zsl_and_gzsl(zero_shot_r
     assert tables_cli.main(["--runs", str(run_dir), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)[0]
     assert row["zsl.mAP_class"] == pytest.approx(metrics["zsl"]["mAP_class"])
+
+
+@pytest.mark.slow
+def test_mlcls_eval_scores_the_unseen_classes_of_the_checkpoint(zero_shot_run, monkeypatch, capsys) -> None:
+    """The run's last.pt stores dataset.unseen_classes: mlcls-eval reports the trainer's ZSL / GZSL."""
+    _, _, run_dir = zero_shot_run
+    metrics = json.loads((run_dir / "results.json").read_text())["metrics"]
+    argv = ["mlcls-eval", f"checkpoint={run_dir / 'checkpoints' / 'last.pt'}", "device=cpu", "workers=0"]
+    monkeypatch.setattr(sys, "argv", argv)
+    eval_cli.main()
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for group in ("zsl", "gzsl"):
+        for key in ("mAP_class", "mAP_sample", "F1_top3", "F1_top5"):
+            assert figures[group][key] == pytest.approx(metrics[group][key], abs=1e-6)
