@@ -20,3 +20,20 @@ def test_a_checkpoint_without_text_queries_is_refused_in_one_line(tmp_path_facto
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1
     assert "model.head='linear', without text queries" in err and "mldecoder_zsl or cosine" in err
+
+
+def test_zero_shot_of_a_model_trained_on_every_class_reports_the_named_columns() -> None:
+    """A model trained on all classes (the reference of a zero-shot run): the ZSL figures of the named
+    columns, its own class embeddings kept (nothing to switch)."""
+    from torch import nn
+
+    from mlcls.engine.evaluate import ZeroShot
+
+    zero_shot = ZeroShot.of(["a", "b", "c"], ["a", "b", "c"], None, ["c", "a"])
+    assert zero_shot.unseen.tolist() == [True, False, True] and zero_shot.embeddings is None
+    assert zero_shot.trained.tolist() == [0, 1, 2]
+    with zero_shot.scoring(nn.Linear(2, 3)):  # no text head needed: the model's classes are evaluated
+        pass
+    assert ZeroShot.of(["a", "b"], ["a", "b"], None) is None
+    with pytest.raises(ValueError, match="lacks 1 trained class"):
+        ZeroShot.of(["a", "z"], ["a", "b"], {"_target_": "x"})

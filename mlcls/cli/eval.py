@@ -25,7 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from mlcls import config_dir
 from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import closest_keys, run_command
-from mlcls.data import build_dataset
+from mlcls.data import build_dataset, unseen_class_names
 from mlcls.data.loader import build_eval_loader
 from mlcls.data.shards.reader import expand_urls, is_local
 from mlcls.engine import distributed as dist_utils
@@ -181,10 +181,13 @@ def require_text_queries(inference: Any) -> None:
     )
 
 
-def zero_shot_evaluation(inference: Any, dataset_classes: list[str], trust: bool) -> ZeroShot:
+def zero_shot_evaluation(
+    inference: Any, unseen: Any, dataset_classes: list[str], trust: bool
+) -> ZeroShot | None:
     """The zero-shot evaluation of the checkpoint's (text-query) model on the evaluation set's
     ``dataset_classes``, embedded with the checkpoint's text config, which must be a plain config naming
-    nothing for Hydra but its ``_target_`` (unless ``trust``)."""
+    nothing for Hydra but its ``_target_`` (unless ``trust``). A model trained on all of them reports the
+    ZSL / GZSL figures of the columns ``unseen`` (``dataset.unseen_classes``) names."""
     text_cfg = stored_plain(inference.config.get("text"), "text")
     if not trust and (not isinstance(text_cfg, dict) or _hydra_keys(text_cfg, "text") != ["text._target_"]):
         raise ConfigError(
@@ -192,7 +195,8 @@ def zero_shot_evaluation(inference: Any, dataset_classes: list[str], trust: bool
             "trust_checkpoint=true for a file you wrote"
         )
     try:
-        return ZeroShot.of(inference.classes, dataset_classes, text_cfg)
+        named = unseen_class_names(unseen, dataset_classes)
+        return ZeroShot.of(inference.classes, dataset_classes, text_cfg, named)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -224,7 +228,9 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
             f"the evaluation set of {cfg.checkpoint} holds no image; give dataset.<key>=… of one"
         )
     zero_shot = (
-        zero_shot_evaluation(inference, list(dataset.classes), cfg.trust_checkpoint) if unseen else None
+        zero_shot_evaluation(inference, unseen, list(dataset.classes), cfg.trust_checkpoint)
+        if unseen
+        else None
     )
     if zero_shot is None and list(dataset.classes) != inference.classes:
         raise ConfigError(

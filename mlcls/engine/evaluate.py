@@ -97,20 +97,28 @@ class ZeroShot:
     trained order."""
 
     classes: list[str]
-    embeddings: torch.Tensor
+    embeddings: torch.Tensor | None  # None: the model's own classes are the evaluated ones
     unseen: torch.Tensor
     trained: torch.Tensor
 
     @classmethod
     def of(
-        cls, trained: Sequence[str], evaluated: Sequence[str], text_cfg: Mapping[str, Any] | None
+        cls,
+        trained: Sequence[str],
+        evaluated: Sequence[str],
+        text_cfg: Mapping[str, Any] | None,
+        named_unseen: Sequence[str] = (),
     ) -> ZeroShot | None:
-        """None when the model's classes ``trained`` are the evaluation set's ``evaluated``; else the
-        zero-shot evaluation of the classes ``evaluated`` holds beyond ``trained``, their embeddings from
-        ``text_cfg`` (the run's ``text`` config, the source the model was built from). A trained class the
-        evaluation set lacks is a ``ValueError``."""
+        """The zero-shot evaluation of the classes ``evaluated`` holds beyond the model's ``trained`` ones,
+        their embeddings from ``text_cfg`` (the run's ``text`` config, the source the model was built from);
+        a trained class the evaluation set lacks is a ``ValueError``. When ``trained`` is ``evaluated``: the
+        ZSL / GZSL figures of the columns ``named_unseen`` names (a model trained on every class, as the
+        reference of a zero-shot one), or None without any."""
         if list(trained) == list(evaluated):
-            return None
+            named = set(named_unseen)
+            unseen = torch.tensor([name in named for name in evaluated], dtype=torch.bool)
+            everything = torch.arange(len(evaluated))
+            return cls(list(evaluated), None, unseen, everything) if bool(unseen.any()) else None
         column = {name: c for c, name in enumerate(evaluated)}
         missing = [name for name in trained if name not in column]
         if missing or text_cfg is None:
@@ -127,7 +135,11 @@ class ZeroShot:
     @contextlib.contextmanager
     def scoring(self, model: nn.Module) -> Iterator[None]:
         """``model``'s text-query head scores :attr:`classes` within the block, its own class embeddings
-        (the trained classes') restored after it, also when the block raises."""
+        (the trained classes') restored after it, also when the block raises; nothing changes when the
+        evaluated classes are the model's own (``embeddings`` None)."""
+        if self.embeddings is None:
+            yield
+            return
         head = text_query_head(model)
         if head is None:
             raise ValueError(
