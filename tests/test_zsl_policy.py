@@ -3,12 +3,15 @@ of the head, and the names read from a file."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 from conftest import compose_config
+from hostile import bounded
 
-from mlcls.data import DatasetConfigError, build_dataset
+from mlcls.data import DatasetConfigError, build_dataset, unseen_class_names
 from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.engine.config_checks import check_config
@@ -102,3 +105,19 @@ def test_a_head_without_text_queries_is_refused_at_config_check(head: str) -> No
         check_config(cfg, world_size=1)
     message = str(error.value)
     assert f"model.head={head} has no text queries" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("kind", ["fifo", "oversized"])
+def test_a_hostile_unseen_class_file_is_one_line_in_bounded_time_and_memory(tmp_path, kind: str) -> None:
+    """A FIFO (a read that would block) or a 65 MiB sparse file (over CAPS['class list']): one line."""
+    path = tmp_path / "unseen.txt"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(65 * 2**20)
+    outcome = bounded(unseen_class_names, str(path), ["red_circle", "blue_circle"], memory_mb=256, seconds=10)
+    assert not outcome.escaped and outcome.error == "DatasetConfigError"
+    message = outcome.message.strip()
+    assert message.startswith("dataset.unseen_classes='") and "\n" not in message
+    assert ("64.0 MiB" if kind == "oversized" else "regular file") in message
