@@ -6,6 +6,10 @@ torchrun --nproc_per_node=4 -m mlcls.eval checkpoint=... dataset.root=/data/coco
 
 Any ``dataset.<key>=value`` replaces that key of the dataset config stored in the checkpoint; a key that
 config does not have is refused with the keys it has.
+
+``dataset.unseen_classes`` (given, or stored by a zero-shot run): the checkpoint's classes are the seen ones,
+and the evaluation set's other classes are scored from their text embeddings (ZSL / GZSL figures); a
+checkpoint whose head has no text queries is refused in one line.
 """
 
 from __future__ import annotations
@@ -21,16 +25,17 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from mlcls import config_dir
 from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import closest_keys, run_command
-from mlcls.data import build_dataset
+from mlcls.data import build_dataset, unseen_class_names
 from mlcls.data.loader import build_eval_loader
 from mlcls.data.shards.reader import expand_urls, is_local
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.config_checks import resolve_amp
-from mlcls.engine.evaluate import evaluate
+from mlcls.engine.evaluate import ZeroShot, evaluate
 from mlcls.errors import ConfigError, shown
 from mlcls.inference.predictor import load_inference_model
 from mlcls.io import read_yaml
+from mlcls.models.heads import TEXT_HEADS, text_query_head
 
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"
 
@@ -161,6 +166,41 @@ def check_shard_sources(dataset_cfg: dict[str, Any], given: set[str]) -> None:
                 )
 
 
+def require_text_queries(inference: Any) -> None:
+    """:class:`ConfigError` in one line unless the checkpoint's model has a text-query head: only such a
+    head scores classes it was not trained on (``dataset.unseen_classes``)."""
+    if text_query_head(inference.model) is not None:
+        return
+    model = inference.config.get("model") if isinstance(inference.config, dict) else None
+    head = model.get("head", "linear") if isinstance(model, dict) else "linear"
+    head = head.get("name", "?") if isinstance(head, dict) else head
+    raise ConfigError(
+        f"dataset.unseen_classes: {inference.checkpoint} has model.head={shown(head)}, without text queries: "
+        f"it scores only the {len(inference.classes)} classes it was trained on; expected a checkpoint of "
+        f"model.head={' or '.join(TEXT_HEADS)}"
+    )
+
+
+def zero_shot_evaluation(
+    inference: Any, unseen: Any, dataset_classes: list[str], trust: bool
+) -> ZeroShot | None:
+    """The zero-shot evaluation of the checkpoint's (text-query) model on the evaluation set's
+    ``dataset_classes``, embedded with the checkpoint's text config, which must be a plain config naming
+    nothing for Hydra but its ``_target_`` (unless ``trust``). A model trained on all of them reports the
+    ZSL / GZSL figures of the columns ``unseen`` (``dataset.unseen_classes``) names."""
+    text_cfg = stored_plain(inference.config.get("text"), "text")
+    if not trust and (not isinstance(text_cfg, dict) or _hydra_keys(text_cfg, "text") != ["text._target_"]):
+        raise ConfigError(
+            "the checkpoint's text config is not a plain text encoder config (one _target_); pass "
+            "trust_checkpoint=true for a file you wrote"
+        )
+    try:
+        named = unseen_class_names(unseen, dataset_classes)
+        return ZeroShot.of(inference.classes, dataset_classes, text_cfg, named)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate ``cfg.checkpoint``; every process returns the same figures.
 
@@ -174,6 +214,10 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
     if "dataset" not in inference.config:
         raise ConfigError(f"{cfg.checkpoint} holds no dataset config; is it an mlcls checkpoint?")
     given = {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if v is not None}
+    stored_unseen = (inference.config["dataset"] or {}).get("unseen_classes")
+    unseen = given.pop("unseen_classes", None) or stored_unseen
+    if unseen:
+        require_text_queries(inference)  # before any data is read
     dataset_cfg = evaluation_dataset_config(inference.config["dataset"], given, inference.classes)
     if not cfg.trust_checkpoint:
         check_dataset_target(dataset_cfg)
@@ -183,14 +227,21 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(
             f"the evaluation set of {cfg.checkpoint} holds no image; give dataset.<key>=… of one"
         )
-    if list(dataset.classes) != inference.classes:
+    zero_shot = (
+        zero_shot_evaluation(inference, unseen, list(dataset.classes), cfg.trust_checkpoint)
+        if unseen
+        else None
+    )
+    if zero_shot is None and list(dataset.classes) != inference.classes:
         raise ConfigError(
             f"the evaluation set's classes ({len(dataset.classes)}: {', '.join(dataset.classes[:5])}, …) "
             f"differ from the model's ({len(inference.classes)}: {', '.join(inference.classes[:5])}, …)"
         )
     loader = build_eval_loader(dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device)
     amp = resolve_amp(cfg.amp, info.device)
-    metrics = evaluate(inference.model, loader, info.device, inference.classes, amp).metrics
+    metrics = evaluate(
+        inference.model, loader, info.device, inference.classes, amp, zero_shot=zero_shot
+    ).metrics
     metrics["checkpoint"] = str(cfg.checkpoint)
     metrics["num_samples"] = len(dataset)
     return metrics

@@ -2,7 +2,8 @@
 policies (:data:`POLICY_KEYS`, shared through ``configs/dataset/base.yaml``) instantiate it as they are, the
 split added: ``hydra.utils.instantiate(cfg, split=cfg.train_split)``. :func:`build_dataset` applies the
 policies, the observed-label regime and the held-out selection split, to the training split in one place
-(:func:`apply_training_policies`).
+(:func:`apply_training_policies`), with the zero-shot restriction to the seen classes
+(``dataset.unseen_classes``, :class:`SeenClasses`).
 
 Besides the class's own arguments (``root``, ``year``, ...), every dataset config holds the keys the rest of
 mlcls reads: ``name`` (short name), ``image_size`` (network input side), ``transform`` (a transform name of
@@ -22,11 +23,16 @@ the input pipeline ``data.backend`` (:mod:`mlcls.data.pipeline.fast`), which rep
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from PIL import Image
+from torch import Tensor
 
 from mlcls.data.datasets.base import (
     BadImageError,
@@ -37,10 +43,12 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
 )
+from mlcls.data.datasets.labels import LabelCounts, label_counts
 from mlcls.data.datasets.observed import HOLDOUT_LABELS, OBSERVED_REGIMES, HoldoutSplit, ObservedLabels
 from mlcls.data.pipeline.fast import build_backend_transform
 from mlcls.data.pipeline.transforms import TRANSFORM_KINDS
 from mlcls.errors import shown
+from mlcls.io import read_text
 
 
 def _shards_source(key: str, fallback: Any, *, _parent_: DictConfig) -> Any:
@@ -72,6 +80,8 @@ POLICY_KEYS = (
     "holdout_fraction",
     "holdout_labels",
     "holdout_seed",
+    "unseen_classes",
+    "unseen_images",
 )
 MAX_SEED = 2**63 - 1
 
@@ -106,11 +116,20 @@ def training_policies(
     holdout_fraction: float = 0.0,
     holdout_labels: str = "clean",
     holdout_seed: int = 0,
+    unseen_classes: Any = None,
+    unseen_images: str = "keep",
 ) -> tuple[ObservedLabels, HoldoutSplit]:
     """The observed-label regime and the held-out selection split of the config keys :data:`POLICY_KEYS`,
     each checked here, once: one :class:`DatasetConfigError` line for a regime not in
     :data:`OBSERVED_REGIMES`, a fraction outside (0, 1] (observed) or [0, 1) (held out), labels not in
-    :data:`HOLDOUT_LABELS`, a seed not in [0, 2**63 - 1]."""
+    :data:`HOLDOUT_LABELS`, a seed not in [0, 2**63 - 1], ``unseen_classes`` neither null, a list of
+    names nor a path (:func:`check_unseen_setting`; its names are checked against the classes by
+    :func:`apply_training_policies`), or ``unseen_images`` not in :data:`UNSEEN_IMAGES`."""
+    check_unseen_setting(unseen_classes)
+    if not isinstance(unseen_images, str) or unseen_images not in UNSEEN_IMAGES:
+        raise DatasetConfigError(
+            f"dataset.unseen_images={shown(unseen_images)}; expected one of {', '.join(UNSEEN_IMAGES)}"
+        )
     if not isinstance(observed, str) or observed not in OBSERVED_REGIMES:
         raise DatasetConfigError(
             f"dataset.observed={shown(observed)}; expected one of {', '.join(OBSERVED_REGIMES)}"
@@ -142,8 +161,13 @@ def apply_training_policies(dataset: Any, **policy_keys: Any) -> Any:
     shows (``observed``) and the held-out selection split (``selection_split``;
     :func:`mlcls.data.datasets.folds.split_holdout` cuts it). One :class:`DatasetConfigError` line for a
     regime that hides labels when the training split is also ``dataset.val_split`` (evaluation reads full
-    labels), or a held-out split of a dataset not read by index (packed shards)."""
+    labels), or a held-out split of a dataset not read by index (packed shards).
+
+    ``unseen_classes`` (zero-shot, :func:`seen_view`): the dataset returned is a view of ``dataset`` without
+    those classes' columns, made before the regime is set, so that the regime draws over the seen columns
+    only; the same one line as a held-out split for packed shards, and for a name the dataset lacks."""
     regime, selection = training_policies(**policy_keys)
+    unseen = policy_keys.get("unseen_classes")
     if regime.hides_labels and dataset.train_split == dataset.val_split:
         raise DatasetConfigError(
             f"dataset.observed={regime.regime} hides labels of the training split {dataset.train_split!r}, "
@@ -156,6 +180,12 @@ def apply_training_policies(dataset: Any, **policy_keys: Any) -> Any:
             "sample index, so no share of them can be held out; train on the dataset config the shards were "
             "packed from, or set dataset.holdout_fraction=0"
         )
+    if unseen and not isinstance(dataset, MultiLabelDataset):
+        raise DatasetConfigError(
+            "dataset.unseen_classes: packed shards are read in sequence, not by sample index, so their label "
+            "columns cannot be restricted; train on the dataset config the shards were packed from"
+        )
+    dataset = seen_view(dataset, unseen, policy_keys.get("unseen_images", "keep") == "drop")
     dataset.observed = regime
     if selection.fraction:
         dataset.selection_split = selection
@@ -190,3 +220,151 @@ def build_dataset(
             raise exc.__cause__ from None
         raise
     return apply_training_policies(dataset, **policies) if train else dataset
+
+
+# ---- The zero-shot training policy (dataset.unseen_classes): the training split through its seen classes.
+# The classes it names (a list, or a file of names one a line) are taken out of the training split's class
+# list and label columns (SeenClasses): the model is built on the seen classes, and no target it trains on
+# holds an unseen column. The images stay as they are -- an image showing an unseen class still shows it,
+# unlabelled, as in the zero-shot protocol of LESA (Huynh & Elhamifar, CVPR 2020) and ML-Decoder.
+# Evaluation reads the validation split whole, every class (mlcls.engine.evaluate scores the unseen classes
+# from their text embeddings). apply_training_policies applies the policy before the observed-label regime,
+# which then draws over the seen columns only.
+
+# Unknown names quoted in a message (the rest counted).
+SHOWN_NAMES = 5
+# dataset.unseen_images: the training images showing an unseen class are kept (their unseen labels alone
+# removed: LESA's NUS-WIDE protocol) or dropped (no training image shows an unseen class).
+UNSEEN_IMAGES = ("keep", "drop")
+
+
+def check_unseen_setting(value: Any) -> None:
+    """One :class:`DatasetConfigError` line unless ``dataset.unseen_classes`` is null, a list of non-empty
+    strings, or a non-empty string (the path of a file of names). Nothing is read."""
+    if value is None or (isinstance(value, str) and value):
+        return
+    if isinstance(value, Sequence) and all(isinstance(name, str) and name for name in value):
+        return
+    raise DatasetConfigError(
+        f"dataset.unseen_classes={shown(value)}; expected null, a list of class names, or the path of a "
+        "file of class names (one a line)"
+    )
+
+
+def unseen_class_names(value: str | Sequence[str], classes: Sequence[str]) -> list[str]:
+    """The class names of ``dataset.unseen_classes`` (``value``: a list of names, or the path of a UTF-8
+    file of names, one a line, blank lines skipped, read through :func:`mlcls.io.read_text` under
+    ``CAPS["class list"]``), distinct, in the order of ``classes`` (the dataset's).
+
+    One :class:`DatasetConfigError` line naming the names ``classes`` lacks (the first
+    :data:`SHOWN_NAMES`, control characters shown escaped, and their count), or when no class would be
+    left to train on."""
+    check_unseen_setting(value)
+    if isinstance(value, str):
+        try:
+            text = read_text(Path(value).expanduser(), "class list")
+        except (OSError, ValueError) as exc:  # missing, not a regular file, too large, not UTF-8
+            raise DatasetConfigError(f"dataset.unseen_classes={shown(value)}: {exc}") from None
+        value = [line.strip() for line in text.splitlines() if line.strip()]
+    value = list(value)
+    known = set(classes)
+    unknown = list(dict.fromkeys(name for name in value if name not in known))
+    if unknown:
+        listed = ", ".join(shown(name) for name in unknown[:SHOWN_NAMES])
+        more = f" and {len(unknown) - SHOWN_NAMES} more" if len(unknown) > SHOWN_NAMES else ""
+        raise DatasetConfigError(
+            f"dataset.unseen_classes names {len(unknown)} unknown class name(s): {listed}{more}; expected"
+            f" names among its {len(classes)} classes (e.g. {shown(classes[0]) if classes else '-'})"
+        )
+    unseen = set(value)
+    if len(unseen) == len(classes):
+        raise DatasetConfigError(
+            f"dataset.unseen_classes names all {len(classes)} classes of the dataset; expected some seen "
+            "classes left to train on"
+        )
+    return [name for name in classes if name in unseen]
+
+
+class SeenClasses(MultiLabelDataset):
+    """The dataset ``source`` (a training split) restricted to the classes not in ``unseen``: ``classes``
+    the seen names in ``source``'s order, ``labels`` and every target the seen columns alone. Sample ``i``
+    is ``source``'s sample ``rows[i]`` (all of them when ``rows`` is None; same image, read with this
+    view's ``transform``); its target is ``source``'s full row, restricted, then shown by this view's
+    observed-label regime ``observed``."""
+
+    def __init__(
+        self, source: MultiLabelDataset, unseen: Sequence[str], rows: torch.Tensor | None = None
+    ) -> None:
+        # The source's settings, checked when it was built; nothing of the config is read again.
+        self.source, self.rows = source, rows
+        self.unseen_classes = list(unseen)
+        dropped = set(unseen)
+        columns = [c for c, name in enumerate(source.classes) if name not in dropped]
+        self.columns = torch.tensor(columns, dtype=torch.long)
+        self.name, self.image_size = source.name, source.image_size
+        self.split = getattr(source, "split", source.train_split)
+        self.train_split, self.val_split = source.train_split, source.val_split
+        self.transform, self.on_bad_image = source.transform, source.on_bad_image
+        self.observed, self.selection_split = source.observed, source.selection_split
+        self.classes = [source.classes[c] for c in columns]
+        self.samples = source.samples if rows is None else [source.samples[r] for r in rows.tolist()]
+
+    def _source_index(self, index: int) -> int:
+        return index if self.rows is None else int(self.rows[index])
+
+    @property
+    def labels(self) -> Tensor:  # type: ignore[override]
+        """float32 (N, C_seen): the source's labels of the seen classes (of its rows ``rows``)."""
+        labels = self.source.labels if self.rows is None else self.source.labels[self.rows]
+        return labels[:, self.columns]
+
+    def label_counts(self) -> LabelCounts:
+        """The counts of the targets: the source's counts of the seen columns (sparse labels stay sparse);
+        of some rows only, or under a regime that hides labels, counted from the restricted labels as that
+        regime shows them."""
+        if self.observed.hides_labels or self.rows is not None:
+            return label_counts(_DenseLabels(self.labels, self.observed))
+        counts = label_counts(self.source)
+        return LabelCounts(counts.num_samples, counts.positives[self.columns], counts.negatives[self.columns])
+
+    def load_image(self, index: int) -> Image.Image:
+        """Sample ``index``'s image: read as the base class reads a file, with this view's ``transform``
+        (its ``decode`` where the fast pipeline has one), or by ``source`` when it draws its images itself
+        (the synthetic dataset)."""
+        if type(self.source).load_image is MultiLabelDataset.load_image:
+            return MultiLabelDataset.load_image(self, index)
+        return self.source.load_image(self._source_index(index))
+
+    def target(self, index: int) -> Tensor:
+        """float32 (C_seen,): sample ``index``'s labels of the seen classes as ``observed`` shows them."""
+        return self.observed.row(self.source.target(self._source_index(index))[self.columns], index)
+
+
+class _DenseLabels:
+    """A dense label matrix with an observed-label regime, as :func:`label_counts` reads one."""
+
+    def __init__(self, labels: Tensor, observed: Any) -> None:
+        self.labels, self.observed = labels, observed
+
+
+def seen_view(
+    dataset: MultiLabelDataset, value: str | Sequence[str] | None, drop_images: bool = False
+) -> MultiLabelDataset:
+    """``dataset`` as :class:`SeenClasses` without the classes ``value`` names (:func:`unseen_class_names`),
+    and with ``drop_images`` (``dataset.unseen_images=drop``) without the samples where one of them is
+    positive; ``dataset`` itself when ``value`` is null or empty. Applied before a regime is set: the source
+    keeps every label, the view's regime draws over the seen columns. One :class:`DatasetConfigError` line
+    when every sample would be dropped."""
+    if value is None or (not isinstance(value, str) and len(value) == 0):
+        return dataset
+    unseen = unseen_class_names(value, dataset.classes)
+    if not drop_images:
+        return SeenClasses(dataset, unseen)
+    columns = [dataset.classes.index(name) for name in unseen]
+    rows = torch.nonzero(~(dataset.labels[:, columns] == 1).any(1)).flatten()
+    if len(rows) == 0:
+        raise DatasetConfigError(
+            f"dataset.unseen_images=drop: each of the {len(dataset)} training samples shows an unseen class; "
+            "expected some without (or dataset.unseen_images=keep)"
+        )
+    return SeenClasses(dataset, unseen, rows)

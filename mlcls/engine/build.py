@@ -31,6 +31,7 @@ from mlcls.engine.checkpointer import Checkpointer, carry_loss_state, init_from_
 from mlcls.engine.config_checks import check_config, resolve_amp
 from mlcls.engine.distributed import DistInfo, init_distributed
 from mlcls.engine.ema import ModelEma
+from mlcls.engine.evaluate import evaluated_classes
 from mlcls.engine.logging import RunLog, open_run_log
 from mlcls.engine.optim import build_optimizer, build_scheduler
 from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
@@ -354,7 +355,7 @@ def build_run(cfg: DictConfig) -> Run:
     except BaseException:
         close_run_dir(run_dir, dist.is_main)
         raise
-    warn_unscored_classes(data.val_set, data.classes)
+    warn_unscored_classes(data.val_set, evaluated_classes(data.val_set))  # all, under dataset.unseen_classes
     return Run(
         cfg=cfg,
         dist=dist,

@@ -19,6 +19,7 @@ from mlcls.data.pipeline.fast import BACKENDS
 from mlcls.engine.rundir import explicit_hydra_run_dir
 from mlcls.errors import ConfigError
 from mlcls.losses.spec import loss_name
+from mlcls.models.heads import TEXT_HEADS
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -104,6 +105,7 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
     freeze = cfg.model.freeze_backbone
     if not isinstance(freeze, bool):
         raise ConfigError(f"model.freeze_backbone={freeze!r}; expected true (train the head alone) or false")
+    _check_zero_shot(cfg)
     if cfg.data.backend not in BACKENDS:
         raise ConfigError(f"data.backend={cfg.data.backend!r}; expected one of {', '.join(BACKENDS)}")
     if cfg.data.backend == "dali" and cfg.dataset.get("transform", "paper") != "paper":
@@ -115,6 +117,19 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
     except Exception as exc:
         cause = " ".join(str(exc.__cause__ or exc).split())  # Hydra's import errors span several lines
         raise ConfigError(f"loss={loss_name(cfg.loss)}: {cause}") from None
+
+
+def _check_zero_shot(cfg: DictConfig) -> None:
+    """``dataset.unseen_classes`` (zero-shot training) needs a text-query head (``TEXT_HEADS``: their classes
+    are text embeddings): another head has weights of its own per trained class, none for an unseen one."""
+    unseen = cfg.dataset.get("unseen_classes")
+    head = cfg.model.head.get("name")
+    if unseen and head not in TEXT_HEADS:
+        raise ConfigError(
+            f"dataset.unseen_classes is set but model.head={head} has no text queries, so it cannot score a "
+            f"class it was not trained on; use model.head={' or model.head='.join(TEXT_HEADS)}, or "
+            "dataset.unseen_classes=null"
+        )
 
 
 def _check_buckets(cfg: DictConfig, world_size: int) -> None:

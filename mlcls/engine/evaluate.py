@@ -1,12 +1,17 @@
 """Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds;
 and the training set's predictions for a loss that relabels it between epochs
-(:func:`predict_training_set`)."""
+(:func:`predict_training_set`).
+
+Zero-shot (``dataset.unseen_classes``, :class:`ZeroShot`): the model trained on the seen classes scores
+every class of the validation split, its text-query head switched to all their embeddings while it
+evaluates and back to the seen ones after; the metrics then add ZSL and GZSL
+(:mod:`mlcls.metrics.zero_shot`)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -18,6 +23,8 @@ from mlcls import distributed as collectives
 from mlcls.engine import distributed as dist_utils
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores
+from mlcls.models.heads import text_query_head
+from mlcls.text import class_embeddings
 
 T = TypeVar("T")
 
@@ -71,6 +78,84 @@ class Evaluation:
     metrics: dict[str, Any]
     scores: torch.Tensor | None  # (N, C) float32 logits, dataset order
     labels: torch.Tensor | None  # (N, C) int8 in {1, 0, -1}
+    # zero-shot: the columns of the trained (seen) classes among the C evaluated; None: all are trained
+    trained_columns: torch.Tensor | None = None
+
+    def trained_part(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(scores, labels)`` of the trained classes' columns: what thresholds are calibrated on and a
+        checkpoint's class list holds (all of them without zero-shot; (None, None) off rank 0)."""
+        if self.trained_columns is None or self.scores is None or self.labels is None:
+            return self.scores, self.labels
+        return self.scores[:, self.trained_columns], self.labels[:, self.trained_columns]
+
+
+@dataclass(frozen=True)
+class ZeroShot:
+    """How a model trained on some of the evaluation set's classes scores all of them: ``classes`` the
+    evaluated names (the validation split's), ``embeddings`` (C, T) their text embeddings, ``unseen`` bool
+    (C,) those no training target held, ``trained`` int64 the columns of the trained classes, in the
+    trained order."""
+
+    classes: list[str]
+    embeddings: torch.Tensor | None  # None: the model's own classes are the evaluated ones
+    unseen: torch.Tensor
+    trained: torch.Tensor
+
+    @classmethod
+    def of(
+        cls,
+        trained: Sequence[str],
+        evaluated: Sequence[str],
+        text_cfg: Mapping[str, Any] | None,
+        named_unseen: Sequence[str] = (),
+    ) -> ZeroShot | None:
+        """The zero-shot evaluation of the classes ``evaluated`` holds beyond the model's ``trained`` ones,
+        their embeddings from ``text_cfg`` (the run's ``text`` config, the source the model was built from);
+        a trained class the evaluation set lacks is a ``ValueError``. When ``trained`` is ``evaluated``: the
+        ZSL / GZSL figures of the columns ``named_unseen`` names (a model trained on every class, as the
+        reference of a zero-shot one), or None without any."""
+        if list(trained) == list(evaluated):
+            named = set(named_unseen)
+            unseen = torch.tensor([name in named for name in evaluated], dtype=torch.bool)
+            everything = torch.arange(len(evaluated))
+            return cls(list(evaluated), None, unseen, everything) if bool(unseen.any()) else None
+        column = {name: c for c, name in enumerate(evaluated)}
+        missing = [name for name in trained if name not in column]
+        if missing or text_cfg is None:
+            raise ValueError(
+                f"the evaluation set lacks {len(missing)} trained class(es) ({', '.join(missing[:5])}) or no "
+                "text config is given; expected the trained classes among the evaluated and a text source"
+            )
+        unseen = torch.ones(len(evaluated), dtype=torch.bool)
+        trained_columns = torch.tensor([column[name] for name in trained], dtype=torch.long)
+        unseen[trained_columns] = False
+        embeddings = class_embeddings(text_cfg, list(evaluated))
+        return cls(list(evaluated), embeddings, unseen, trained_columns)
+
+    @contextlib.contextmanager
+    def scoring(self, model: nn.Module) -> Iterator[None]:
+        """``model``'s text-query head scores :attr:`classes` within the block, its own class embeddings
+        (the trained classes') restored after it, also when the block raises; nothing changes when the
+        evaluated classes are the model's own (``embeddings`` None)."""
+        if self.embeddings is None:
+            yield
+            return
+        head = text_query_head(model)
+        if head is None:
+            raise ValueError(
+                "zero-shot evaluation needs a text-query head (model.head=mldecoder_zsl | cosine)"
+            )
+        own = head.class_embeddings
+        head.set_class_embeddings(self.embeddings)
+        try:
+            yield
+        finally:
+            head.set_class_embeddings(own)
+
+
+def evaluated_classes(dataset: Any) -> list[str]:
+    """The class names of an evaluation set (a dataset, or a ``Subset`` of one)."""
+    return list(getattr(dataset, "dataset", dataset).classes)
 
 
 def headline(metrics: dict[str, Any]) -> dict[str, float]:
@@ -121,8 +206,11 @@ def evaluate(
     classes: list[str],
     amp: str = "none",
     channels_last: bool = False,
+    zero_shot: ZeroShot | None = None,
 ) -> Evaluation:
-    """``model`` on the whole dataset behind ``loader`` (RankSampler's shares), each sample scored once.
+    """``model`` on the whole dataset behind ``loader`` (RankSampler's shares), each sample scored once;
+    with ``zero_shot`` every class of :attr:`ZeroShot.classes` (``classes``, the model's own, are its
+    trained columns), the metrics with ZSL and GZSL.
 
     The rank parts are gathered on rank 0, which alone computes the metrics and broadcasts them: every rank
     gets the same figures, and only rank 0 holds the whole set (labels in int8, 0.4 GB instead of 1.6 GB
@@ -134,20 +222,32 @@ def evaluate(
     image) ends every rank with its error instead of leaving them waiting in the gather.
     """
     collectives.broadcast_buffers(model)
-    with dist_utils.all_or_none():
+    switched = contextlib.nullcontext() if zero_shot is None else zero_shot.scoring(model)
+    with dist_utils.all_or_none(), switched:
         scores, labels = predict(model, loader, device, amp, channels_last)
-    return measure_rank_parts(scores, labels, len(loader.dataset), classes)
+    if zero_shot is None:
+        return measure_rank_parts(scores, labels, len(loader.dataset), classes)
+    evaluation = measure_rank_parts(scores, labels, len(loader.dataset), zero_shot.classes, zero_shot.unseen)
+    evaluation.trained_columns = zero_shot.trained
+    return evaluation
 
 
 def measure_rank_parts(
-    scores: torch.Tensor, labels: torch.Tensor, total: int, classes: list[str]
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    total: int,
+    classes: list[str],
+    unseen: torch.Tensor | None = None,
 ) -> Evaluation:
     """The rest of :func:`evaluate` after :func:`predict`: this rank's part of ``total`` samples --
     logits (n_r, C) and int8 labels (n_r, C), rows ``rank::world`` -- gathered on rank 0, whose metrics
-    every rank returns (NaN scores: :func:`check_model_scores`'s one-line error on every rank)."""
+    (with ``unseen`` classes, bool (C,): ZSL and GZSL too) every rank returns (NaN scores:
+    :func:`check_model_scores`'s one-line error on every rank)."""
     scores = collectives.gather_rank_parts(scores, total, dst=0)
     labels = collectives.gather_rank_parts(labels, total, dst=0)
-    metrics = on_main_for_all(lambda: compute_metrics(check_model_scores(scores), labels, classes))
+    metrics = on_main_for_all(
+        lambda: compute_metrics(check_model_scores(scores), labels, classes, unseen=unseen)
+    )
     return Evaluation(metrics, scores, labels)
 
 
@@ -167,10 +267,11 @@ def thresholds_split(dataset_cfg: Any, held_out: bool) -> str:
 
 def calibrate_on_main(evaluation: Evaluation, classes: list[str], split: str = "validation") -> torch.Tensor:
     """The per-class logit thresholds (float64 (C,), :func:`calibrate_thresholds` with classes without a
-    positive :data:`NEVER_PREDICTED`) of ``evaluation``'s scores, computed on rank 0 and equal on every
-    rank."""
+    positive :data:`NEVER_PREDICTED`) of ``evaluation``'s scores of the trained ``classes``
+    (:meth:`Evaluation.trained_part`), computed on rank 0 and equal on every rank."""
+    scores, labels = evaluation.trained_part()
     return on_main_for_all(
         lambda: calibrate_thresholds(
-            evaluation.scores, evaluation.labels, no_positive=NEVER_PREDICTED, classes=classes, split=split
+            scores, labels, no_positive=NEVER_PREDICTED, classes=classes, split=split
         )
     )

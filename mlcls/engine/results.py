@@ -13,6 +13,7 @@ from mlcls import distributed as collectives
 from mlcls.data.datasets.labels import label_counts
 from mlcls.engine.build import RunData
 from mlcls.engine.checkpoint import TrainState
+from mlcls.engine.evaluate import evaluated_classes
 from mlcls.errors import plural
 from mlcls.provenance import collect_provenance
 
@@ -34,8 +35,19 @@ def run_results(
 
     The metrics are the validation split's. A run with a held-out split (``dataset.holdout_fraction``) adds
     the held-out mAP@class and mAP@sample as ``selection`` in ``metrics``, ``best`` and each evaluated
-    epoch of ``history``, ``best["selected_on"] = "holdout"`` and ``dataset["holdout_size"]``."""
+    epoch of ``history``, ``best["selected_on"] = "holdout"`` and ``dataset["holdout_size"]``.
+
+    A zero-shot run (``dataset.unseen_classes``) adds ``dataset["unseen_classes"]`` (the names, in the
+    validation split's order); its metrics hold ``zsl`` and ``gzsl`` (:mod:`mlcls.metrics.zero_shot`), its
+    other figures and ``per_class_ap`` are over every class of the validation split, and
+    ``dataset["num_classes"]`` counts the trained (seen) classes."""
     metrics = state.last_metrics or {}
+    trained = set(data.classes)
+    unseen = (
+        [name for name in evaluated_classes(data.val_set) if name not in trained]
+        if cfg.dataset.get("unseen_classes")
+        else []
+    )
     counts, history = state.counts, state.history
     return {
         "metrics": {k: v for k, v in metrics.items() if k != "per_class_ap"},
@@ -47,6 +59,7 @@ def run_results(
             "train_size": len(data.train_set),
             "val_size": len(data.val_set),
             **({} if data.holdout_set is None else {"holdout_size": len(data.holdout_set)}),
+            **({"unseen_classes": unseen} if unseen else {}),
         },
         "epochs_completed": epochs_completed,
         "counts": {

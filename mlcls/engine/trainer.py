@@ -53,9 +53,11 @@ from mlcls.engine.build import Run, build_run
 from mlcls.engine.checkpoint import EpochProgress, write_json
 from mlcls.engine.evaluate import (
     Evaluation,
+    ZeroShot,
     autocast_context,
     calibrate_on_main,
     evaluate,
+    evaluated_classes,
     headline,
     predict_training_set,
     thresholds_split,
@@ -113,6 +115,11 @@ class Trainer:
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
         self.thresholds_split = thresholds_split(self.cfg.dataset, self.data.holdout_loader is not None)
+        # dataset.unseen_classes: the validation split's classes beyond the trained ones, scored by text
+        self.zero_shot = None
+        if self.cfg.dataset.get("unseen_classes"):
+            evaluated = evaluated_classes(run.data.val_set)
+            self.zero_shot = ZeroShot.of(self.classes, evaluated, self.cfg.get("text"))
         # Called with the trainer on rank 0 once the last epoch is recorded (the CLI adds the plots): the
         # engine knows nothing of what reports a run.
         self.on_finish: list[Callable[[Trainer], None]] = []
@@ -314,10 +321,12 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def measure(self, model: nn.Module | None = None, loader: Any = None) -> Evaluation:
         """``model`` (default: the raw weights) on the whole of ``loader``'s set (default: the validation
-        set; see :func:`evaluate`)."""
+        set, every class of it under ``dataset.unseen_classes``; see :func:`evaluate`)."""
         model = self.model if model is None else model
+        zero_shot = self.zero_shot if loader is None else None  # the held-out split has the seen classes
         loader = self.data.val_loader if loader is None else loader
-        return evaluate(model, loader, self.device, self.classes, self.eval_amp, self.channels_last)
+        args = (self.device, self.classes, self.eval_amp, self.channels_last, zero_shot)
+        return evaluate(model, loader, *args)
 
     def select_best(self, epoch: int) -> bool:
         """Evaluate the raw (and EMA) weights on the validation split, and on the held-out split when the
@@ -346,7 +355,7 @@ class Trainer:
         best = self.state.best
         is_best = best is None or selection_score(evaluations[top_weights].metrics) > selection_score(best)
         raw, top = evaluations["raw"], evaluations[top_weights]
-        self.val_outputs = (raw.scores, raw.labels)  # for on_finish: on rank 0, (None, None) elsewhere
+        self.val_outputs = raw.trained_part()  # for on_finish: on rank 0, (None, None) elsewhere
         # last.pt's raw weights, then best.pt's
         self.state.thresholds = calibrate_on_main(calibration["raw"], self.classes, split)
         if is_best:

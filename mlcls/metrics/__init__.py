@@ -3,8 +3,8 @@
 :func:`compute_metrics` is the single entry point of evaluation: every figure of ``results.json`` from
 the gathered logits and labels of the whole evaluation set (see
 :func:`mlcls.distributed.gather_rank_parts`). Definitions, edge cases and reductions are in
-:mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1` and docs/metrics.md; the input checks both share are in
-:mod:`mlcls.metrics.checks`.
+:mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1`, :mod:`mlcls.metrics.zero_shot` and docs/metrics.md;
+the input checks they share are in :mod:`mlcls.metrics.checks`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from mlcls.metrics.f1 import (
     threshold_predictions,
     top_k_predictions,
 )
+from mlcls.metrics.zero_shot import top_k_f1, zero_shot_metrics
 
 __all__ = [
     "average_precision",
@@ -40,8 +41,10 @@ __all__ = [
     "map_sample",
     "precision_recall_f1",
     "threshold_predictions",
+    "top_k_f1",
     "top_k_predictions",
     "voc11_average_precision",
+    "zero_shot_metrics",
 ]
 
 
@@ -52,6 +55,7 @@ def compute_metrics(
     threshold: float = 0.5,
     top_k: int = 3,
     voc11: bool = False,
+    unseen: torch.Tensor | None = None,
 ) -> dict:
     """Every evaluation figure, in percent, as a JSON-ready dict.
 
@@ -63,13 +67,16 @@ def compute_metrics(
         threshold: probability threshold on ``sigmoid(scores)`` for CP ... OF1.
         top_k: number of top-scoring classes predicted per sample for ``CP_top{k}`` ... ``OF1_top{k}``.
         voc11: also report ``mAP_class_voc11``, the VOC2007 11-point interpolated mAP@class.
+        unseen: bool (C,), the classes no target of training held (``dataset.unseen_classes``): also
+            report ``zsl`` and ``gzsl`` (:func:`zero_shot_metrics`).
 
     Returns:
         ``mAP_class``, ``mAP_sample`` (eqs. 23-24, means over the classes / samples with a positive),
         ``classes_counted``, ``samples_counted`` (ints), ``CP``, ``CR``, ``CF1``, ``OP``, ``OR``, ``OF1``
         at the threshold, the same six with suffix ``_top{k}``, optionally ``mAP_class_voc11``: floats
         (NaN when undefined, e.g. no positive at all). ``per_class_ap`` maps each class name to its AP in
-        percent, ``None`` for a class without positive.
+        percent, ``None`` for a class without positive. With ``unseen``, ``zsl`` and ``gzsl``: dicts of
+        the zero-shot figures (:mod:`mlcls.metrics.zero_shot`).
     """
     labels = check_scores_labels(scores, labels)
     if len(class_names) != scores.shape[1]:
@@ -96,6 +103,8 @@ def compute_metrics(
     metrics.update({f"{name}_top{top_k}": value for name, value in figures_of_counts(at_top_k).items()})
     if voc11:
         metrics["mAP_class_voc11"] = mean_counted(_voc11_average_precision(scores, labels, dim=0))[0]
+    if unseen is not None:
+        metrics.update(zero_shot_metrics(scores, labels, unseen))
     metrics["per_class_ap"] = {
         name: None if math.isnan(ap) else 100 * ap
         for name, ap in zip(class_names, class_ap.tolist(), strict=True)

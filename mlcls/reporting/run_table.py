@@ -13,7 +13,10 @@ Columns, in order:
   results.json or config.yaml cannot be read (not JSON or YAML, or not an object): it is listed, without
   settings or figures, and the other runs are compared;
 - ``mAP_class``, ``mAP_sample`` (%, the last evaluation), ``best_epoch`` (the epoch of the best mAP@class),
-  ``epochs_completed``, ``wall_time_s`` (training time), ``run`` (the run directory).
+  ``epochs_completed``, ``wall_time_s`` (training time), ``run`` (the run directory);
+- when a run was trained zero-shot (``dataset.unseen_classes``: ``metrics.zsl`` and ``metrics.gzsl`` in its
+  results.json), :data:`ZERO_SHOT_COLUMNS` after ``mAP_sample``: ``zsl.mAP_class`` ... ``gzsl.F1_top5``
+  (%, the last evaluation; :mod:`mlcls.metrics.zero_shot`), empty for the runs without them.
 
 The runs may be anyone's: their text is shown as it is in every form. Markdown cells are escaped
 (:func:`mlcls.reporting.render.markdown_text`: no raw HTML, link, emphasis, new cell or row), CSV cells that
@@ -40,8 +43,14 @@ from mlcls.reporting.run_files import read_config, read_results
 from mlcls.reporting.runs import built_name, find_run_dirs, natural_order, yaml_text
 
 FIGURE_COLUMNS = ("status", "mAP_class", "mAP_sample", "best_epoch", "epochs_completed", "wall_time_s", "run")
+# metrics.zsl / metrics.gzsl figures shown, as <set>.<figure>, when a run has them.
+ZERO_SHOT_COLUMNS = tuple(
+    f"{group}.{figure}"
+    for group in ("zsl", "gzsl")
+    for figure in ("mAP_class", "mAP_sample", "F1_top3", "F1_top5")
+)
 # Sorted highest first by --sort; every other column lowest (or alphabetically) first.
-HIGHER_IS_BETTER = ("mAP_class", "mAP_sample")
+HIGHER_IS_BETTER = ("mAP_class", "mAP_sample", *ZERO_SHOT_COLUMNS)
 # Settings that say where and how a run was launched, not what it was.
 LAUNCH_KEYS = ("trainer.output_dir", "trainer.resume")
 BUILT = "_target_"
@@ -120,6 +129,10 @@ def _figures(
         "status": status,
         "mAP_class": metrics.get("mAP_class"),
         "mAP_sample": metrics.get("mAP_sample"),
+        **{
+            column: _mapping(metrics.get(column.split(".")[0])).get(column.split(".")[1])
+            for column in ZERO_SHOT_COLUMNS
+        },
         "best_epoch": best.get("epoch"),
         "epochs_completed": results_or_empty.get("epochs_completed"),
         "wall_time_s": provenance.get("wall_time_s"),
@@ -156,9 +169,16 @@ def runs_table(paths: Iterable[Path | str], sort: str | None = None) -> RunsTabl
         settings.append(flat_settings(config or {}))
         figures.append(_figures(run_dir, config, results, run_status(config, results)))
     keys = differing_keys(settings)
-    columns = (*keys, *FIGURE_COLUMNS)
+    zero_shot = any(figure[column] is not None for figure in figures for column in ZERO_SHOT_COLUMNS)
+    figure_columns = (
+        (*FIGURE_COLUMNS[:3], *ZERO_SHOT_COLUMNS, *FIGURE_COLUMNS[3:]) if zero_shot else FIGURE_COLUMNS
+    )
+    columns = (*keys, *figure_columns)
     pairs = zip(settings, figures, strict=True)
-    rows = [{**{key: run.get(key) for key in keys}, **figure} for run, figure in pairs]
+    rows = [
+        {**{key: run.get(key) for key in keys}, **{c: figure[c] for c in figure_columns}}
+        for run, figure in pairs
+    ]
     if sort is not None:
         rows = sort_rows(rows, columns, sort)
     return RunsTable(columns, tuple(rows))

@@ -1,0 +1,40 @@
+"""mlcls-eval with dataset.unseen_classes on a checkpoint whose head has no text queries: one line."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from test_inference_support import trained_run
+
+from mlcls.cli import eval as eval_cli
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_text_queries_is_refused_in_one_line(tmp_path_factory, monkeypatch, capsys):
+    checkpoint = trained_run(tmp_path_factory) / "checkpoints" / "last.pt"
+    argv = ["mlcls-eval", f"checkpoint={checkpoint}", "dataset.unseen_classes=[red_circle]", "device=cpu"]
+    monkeypatch.setattr(sys, "argv", argv)
+    capsys.readouterr()  # what training the shared run printed (the first test to ask for it trains it)
+    with pytest.raises(SystemExit) as exit_info:
+        eval_cli.main()
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert "model.head='linear', without text queries" in err and "mldecoder_zsl or cosine" in err
+
+
+def test_zero_shot_of_a_model_trained_on_every_class_reports_the_named_columns() -> None:
+    """A model trained on all classes (the reference of a zero-shot run): the ZSL figures of the named
+    columns, its own class embeddings kept (nothing to switch)."""
+    from torch import nn
+
+    from mlcls.engine.evaluate import ZeroShot
+
+    zero_shot = ZeroShot.of(["a", "b", "c"], ["a", "b", "c"], None, ["c", "a"])
+    assert zero_shot.unseen.tolist() == [True, False, True] and zero_shot.embeddings is None
+    assert zero_shot.trained.tolist() == [0, 1, 2]
+    with zero_shot.scoring(nn.Linear(2, 3)):  # no text head needed: the model's classes are evaluated
+        pass
+    assert ZeroShot.of(["a", "b"], ["a", "b"], None) is None
+    with pytest.raises(ValueError, match="lacks 1 trained class"):
+        ZeroShot.of(["a", "z"], ["a", "b"], {"_target_": "x"})
