@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-fast lint clean wheels gpu-check
+.PHONY: install demo test test-fast test-long lint clean wheels gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: install
 ## test-fast: skip the tests marked slow (training, processes, subprocesses)
 test-fast: install
 	$(BIN)/python -m pytest -q -n auto --dist loadscope -m "not slow"
+
+## test-long: the experiments that reproduce a documented figure (tests marked long; minutes each)
+test-long: install
+	$(BIN)/python -m pytest -q -n auto --dist loadscope -m long
 
 ## wheels: mlcls's non-torch dependencies for CPython 3.12 on manylinux x86_64, for a GPU machine without
 ## network (scripts/gpu_check.sh; docs/performance.md, "On a GPU"). numpy is left out: the image has it.
