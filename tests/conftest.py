@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -54,6 +55,26 @@ def cli(*args: str) -> list[str]:
 def run_cli(args: list[str], cwd: Path, timeout: int = 300, **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was():
+    """Each test leaves logging as it found it: a console entry point run in-process (Hydra's job logging)
+    adds handlers bound to that test's captured stream, which a later test of the same worker would write to
+    after it is closed ("--- Logging error ---" on the later test's stderr)."""
+    loggers = [logging.getLogger()] + [
+        logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)
+    ]
+    saved = [(logger, list(logger.handlers), logger.level, logger.propagate) for logger in loggers]
+    yield
+    for logger, handlers, level, propagate in saved:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
+    known = {id(logger) for logger in loggers}
+    for logger in list(logging.Logger.manager.loggerDict.values()):  # loggers the test created
+        if isinstance(logger, logging.Logger) and id(logger) not in known:
+            logger.handlers.clear()
 
 
 @pytest.fixture

@@ -63,6 +63,7 @@ def test_pipeline_without_jpegs_is_a_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"mlcls: error: no JPEG files (*.jpg, *.jpeg) in {tmp_path}"
 
 
+@pytest.mark.slow  # trains (5-8 s on 2 cores)
 @pytest.mark.parametrize("loop", ["epoch", "step"])
 def test_step(capsys, tmp_path, monkeypatch, loop):
     monkeypatch.chdir(tmp_path)

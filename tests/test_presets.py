@@ -64,18 +64,21 @@ def test_dry_run_prints_both_presets_with_their_gpu_hours(capsys, tmp_path):
     assert (
         reproduce.main(["presets", "--dry-run", "--root", "coco=/data/c", "--sweep-dir", str(tmp_path)]) == 0
     )
-    lines = capsys.readouterr().out.splitlines()
+    basis, *lines = capsys.readouterr().out.splitlines()
+    assert basis.startswith("# GPU-hours at ResNet-50's 1,200 training images/s at 224 px")
     # 40 epochs x (82,081 train + 40,137 val / 3) COCO images at 1200 ResNet-50 images/s on a V100, times
-    # TResNet-L's 720 / 300 cost at 224 px and 4 for 448 px: 8.5 hours
-    hours = 40 * (82081 + 40137 / 3) / 1200 * (720 / 300 * 4) / 3600
-    assert round(hours) == 8
+    # TResNet-L's cost at 448 px measured on an H200, 4,596 / 556 ResNet-50 images/s: 7.3 hours
+    hours = 40 * (82081 + 40137 / 3) / 1200 * (4596 / 556) / 3600
+    assert round(hours) == 7
     assert lines[0] == (
         "# mldecoder_coco: ML-Decoder's COCO recipe: TResNet-L 448 px, ML-Decoder head, ASL; "
-        f"1 run, about {hours:.0f} v100 GPU-hours"
+        f"1 run, about {hours:.0f} v100 GPU-hours (TResNet-L 448 px at 8.3x ResNet-50's cost, the ratio of "
+        "rates measured on an H200)"
     )
     assert lines[1].startswith("mlcls-train -m experiment=mldecoder_coco dataset.root=/data/c ")
     assert lines[2].startswith("# twoway_mldecoder_coco: ") and lines[2].endswith(
-        f"about {hours:.0f} v100 GPU-hours"
+        f"about {hours:.0f} v100 GPU-hours (TResNet-L 448 px at 8.3x ResNet-50's cost, the ratio of rates "
+        "measured on an H200)"
     )
     assert f"trainer.output_dir={tmp_path}/twoway_mldecoder_coco/" in lines[3]
     assert len(lines) == 4

@@ -141,7 +141,7 @@ def test_dry_run_prints_sweeps_and_cost(tmp_path, capsys):
 def test_dry_run_torchrun_starts_one_process_group_per_run(tmp_path, capsys):
     argv = ["table2", "--dry-run", "--launcher", "torchrun", "--sweep-dir", str(tmp_path), "trainer.seed=3"]
     assert reproduce.main(argv) == 0
-    commands = capsys.readouterr().out.splitlines()[1:]
+    commands = capsys.readouterr().out.splitlines()[2:]  # after the cost basis and the table's line
     assert len(commands) == 5
     for number, (command, eps) in enumerate(zip(commands, ("0.5", "1", "2", "4", "8"), strict=True)):
         assert "--nproc_per_node=4 -m mlcls.train dataset=coco experiment=paper_twoway" in command
@@ -182,7 +182,7 @@ def test_table_script_runs_the_command(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     sweep = tmp_path / "table4" / "coco"
-    assert done.stdout.splitlines()[1] == (
+    assert done.stdout.splitlines()[2] == (  # after the cost basis and the table's line
         f"mlcls-train -m dataset=coco experiment=paper_multisim,paper_joint loss.tp=1,2,4 "
         f"'trainer.output_dir={sweep}/${{hydra:job.num}}' trainer.resume=auto hydra.sweep.dir={sweep}"
     )

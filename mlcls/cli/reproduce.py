@@ -241,7 +241,7 @@ def run_presets(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: P
         hours = preset_gpu_hours(args.gpu)
         print(
             f"# {preset}: {PRESETS[preset]}; 1 run, about {hours:.0f} {args.gpu} GPU-hours (TResNet-L 448 px"
-            f" at {TRESNET_L_448_COST:.1f}x ResNet-50's cost, both rates measured on an H200)"
+            f" at {TRESNET_L_448_COST:.1f}x ResNet-50's cost, the ratio of rates measured on an H200)"
         )
         print_commands(sweep, args)
     if run_sweeps(sweeps, args):
