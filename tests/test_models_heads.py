@@ -348,14 +348,15 @@ def test_every_loss_trains_every_head(head):
     labels = (torch.rand(8, 12) < 0.3).float()
     labels[0, 0], labels[1, 0] = 1.0, 0.0  # every loss sees both kinds in some class
     images = torch.randn(8, 3, 32, 32)
+    model = create_model(
+        "resnet10t", 12, pretrained=False, head=head, **({"num_groups": 5} if head == "mldecoder" else {})
+    )
     for name in LOSSES:
         # epr and role have no default k
         required = ["loss.expected_positives=2.9"] if name in ("epr", "role") else []
         cfg = compose_config([*TINY, f"loss={name}", *required])
         criterion = build_loss(cfg.loss, SimpleNamespace(labels=labels), torch.device("cpu"))
-        model = create_model(
-            "resnet10t", 12, pretrained=False, head=head, **({"num_groups": 5} if head == "mldecoder" else {})
-        )
+        model.zero_grad(set_to_none=True)  # each loss's own gradients
         indices = (torch.arange(8),) if getattr(criterion, "needs_sample_index", False) else ()
         loss = criterion(model(images), labels, *indices)
         loss.backward()

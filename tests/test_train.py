@@ -106,7 +106,10 @@ def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny, head):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "head", [[], ["model.head=mldecoder", "model.head.num_groups=5"]], ids=["linear", "mldecoder"]
+    # the linear head under torchrun: test_distributed.py and test_data_shards.py's one- and two-process runs
+    "head",
+    [["model.head=mldecoder", "model.head.num_groups=5"]],
+    ids=["mldecoder"],
 )
 def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny, head):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
