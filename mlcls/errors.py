@@ -3,6 +3,8 @@ the wording shared by messages."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ConfigError(ValueError):
     """The resolved configuration is invalid; the message says which key and what is expected."""
@@ -35,3 +37,9 @@ def shown(value: object, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters: a value read from a file, quoted in a one-line error."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def listed(values: Sequence[object], limit: int) -> str:
+    """The first ``limit`` of ``values``, each :func:`shown`, then how many more: ``'a', 'b' and 3 more``."""
+    named = ", ".join(shown(value) for value in values[:limit])
+    return named + (f" and {len(values) - limit} more" if len(values) > limit else "")

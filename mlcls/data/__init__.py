@@ -47,7 +47,7 @@ from mlcls.data.datasets.labels import LabelCounts, label_counts
 from mlcls.data.datasets.observed import HOLDOUT_LABELS, OBSERVED_REGIMES, HoldoutSplit, ObservedLabels
 from mlcls.data.pipeline.fast import build_backend_transform
 from mlcls.data.pipeline.transforms import TRANSFORM_KINDS
-from mlcls.errors import shown
+from mlcls.errors import listed, shown
 from mlcls.io import read_text
 
 
@@ -270,10 +270,9 @@ def unseen_class_names(value: str | Sequence[str], classes: Sequence[str]) -> li
     known = set(classes)
     unknown = list(dict.fromkeys(name for name in value if name not in known))
     if unknown:
-        listed = ", ".join(shown(name) for name in unknown[:SHOWN_NAMES])
-        more = f" and {len(unknown) - SHOWN_NAMES} more" if len(unknown) > SHOWN_NAMES else ""
         raise DatasetConfigError(
-            f"dataset.unseen_classes names {len(unknown)} unknown class name(s): {listed}{more}; expected"
+            f"dataset.unseen_classes names {len(unknown)} unknown class name(s): "
+            f"{listed(unknown, SHOWN_NAMES)}; expected"
             f" names among its {len(classes)} classes (e.g. {shown(classes[0]) if classes else '-'})"
         )
     unseen = set(value)

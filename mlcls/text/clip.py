@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from mlcls.errors import ConfigError, printable, shown
+from mlcls.errors import ConfigError, listed, printable
 from mlcls.io import (
     CAPS,
     FileTooLargeError,
@@ -133,11 +133,9 @@ def _load_text_tower(model: torch.nn.Module, state: dict[str, torch.Tensor], pat
     missing = [key for key in result.missing_keys if not key.startswith("visual.")]
     for keys, what in ((missing, "lacks"), (result.unexpected_keys, "has keys the model lacks:")):
         if keys:
-            named = ", ".join(shown(key) for key in keys[:MAX_NAMED_KEYS])
-            more = f" and {len(keys) - MAX_NAMED_KEYS} more" if len(keys) > MAX_NAMED_KEYS else ""
             raise ConfigError(
-                f"text.path {printable(str(path))} {what} {named}{more}; expected the weights of the "
-                f"open_clip model {name!r}"
+                f"text.path {printable(str(path))} {what} {listed(keys, MAX_NAMED_KEYS)}; expected the "
+                f"weights of the open_clip model {name!r}"
             )
 
 

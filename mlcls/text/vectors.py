@@ -33,7 +33,7 @@ from typing import IO
 import numpy as np
 import torch
 
-from mlcls.errors import ConfigError, plural, printable, shown
+from mlcls.errors import ConfigError, listed, plural, printable, shown
 from mlcls.io import CAPS, MiB, open_regular
 from mlcls.text import MAX_DIM
 from mlcls.text.words import split_words
@@ -68,11 +68,10 @@ class WordVectorsEncoder:
         vectors = read_word_vectors(self.path, set(needed))
         missing = [word for word in needed if word not in vectors]
         if missing:
-            named = ", ".join(shown(word) for word in missing[:MAX_NAMED_MISSING])
-            more = f" and {len(missing) - MAX_NAMED_MISSING} more" if len(missing) > MAX_NAMED_MISSING else ""
             raise ConfigError(
                 f"word-vector file {printable(str(self.path))} has no vector for "
-                f"{plural(len(missing), 'word')} of the class names: {named}{more}; expected every word "
+                f"{plural(len(missing), 'word')} of the class names: {listed(missing, MAX_NAMED_MISSING)}; "
+                "expected every word "
                 "(lower-cased) in the file"
             )
         rows = [np.sum([vectors[word] for word in words], axis=0) for words in words_of]

@@ -26,6 +26,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def check_sizes(num_attention_heads: int, **sizes: object) -> None:
+    """One ``ValueError`` line for a size of ``sizes`` that is not an integer >= 1, or an ``embed_dim`` that
+    is not a multiple of ``num_attention_heads``."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"ML-Decoder {name}={value!r}; expected an integer >= 1")
+    if sizes["embed_dim"] % num_attention_heads:
+        raise ValueError(
+            f"ML-Decoder embed_dim={sizes['embed_dim']}; expected a multiple of its {num_attention_heads} "
+            "attention heads"
+        )
+
+
 class DecoderLayerWithoutSelfAttention(nn.Module):
     """A transformer decoder layer (post-norm) whose self-attention is replaced by ``t + dropout1(t)``.
 
@@ -104,18 +117,7 @@ class MLDecoder(nn.Module):
         dropout: float = 0.1,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("num_groups", num_groups),
-            ("embed_dim", embed_dim),
-            ("num_classes", num_classes),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ML-Decoder {name}={value!r}; expected an integer >= 1")
-        if embed_dim % num_attention_heads:
-            raise ValueError(
-                f"ML-Decoder embed_dim={embed_dim}; expected a multiple of its {num_attention_heads} "
-                "attention heads"
-            )
+        check_sizes(num_attention_heads, num_groups=num_groups, embed_dim=embed_dim, num_classes=num_classes)
         self.decoder = GroupDecoder(
             in_features,
             num_classes,

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlcls.models.heads.mldecoder import DecoderLayerWithoutSelfAttention
+from mlcls.models.heads.mldecoder import DecoderLayerWithoutSelfAttention, check_sizes
 
 # The largest temperature of the cosine head (CLIP clamps its logit scale at 100 likewise).
 MAX_SCALE = 100.0
@@ -90,13 +90,7 @@ class MLDecoderZSL(TextQueryHead):
         dropout: float = 0.1,
     ) -> None:
         super().__init__(class_embeddings)
-        if not isinstance(embed_dim, int) or isinstance(embed_dim, bool) or embed_dim < 1:
-            raise ValueError(f"ML-Decoder embed_dim={embed_dim!r}; expected an integer >= 1")
-        if embed_dim % num_attention_heads:
-            raise ValueError(
-                f"ML-Decoder embed_dim={embed_dim}; expected a multiple of its {num_attention_heads} "
-                "attention heads"
-            )
+        check_sizes(num_attention_heads, embed_dim=embed_dim)
         self.embed_standart = nn.Linear(in_features, embed_dim)
         self.wordvec_proj = nn.Linear(self.text_dim, embed_dim)
         self.layers = nn.ModuleList(
