@@ -4,7 +4,7 @@ error, where a process group is required) without an initialised process group; 
 which every rank must call at the same point.
 
 Evaluation splits the validation set into rank parts without padding (rank ``r`` takes indices
-``r, r + W, r + 2W, ...``; see :class:`mlcls.data.loader.RankSampler`), so parts may differ in length by
+``r, r + W, r + 2W, ...``; see :class:`mlcls.data.sampling.RankSampler`), so parts may differ in length by
 one, and a rank may hold no row at all when the set is smaller than the world. :func:`gather_rank_parts`
 brings every rank's rows to every rank, or to one rank ``dst`` only, each sample exactly once and in dataset
 order, so 1 and N processes evaluate identical tensors. Floating-point rows are converted to float32 first,

@@ -23,7 +23,6 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from mlcls.data.datasets.base import BadImageError
-from mlcls.data.loader import SeededSamples
 from mlcls.data.pipeline.dali import (
     CropPlans,
     DaliUnavailableError,
@@ -33,7 +32,7 @@ from mlcls.data.pipeline.dali import (
     require_dali,
 )
 from mlcls.data.pipeline.fast import FastTrainTransform, resized_crop
-from mlcls.data.sampling import sample_seed
+from mlcls.data.sampling import SeededSamples, sample_seed
 
 # Batches waiting for the CPU graph's source (``run_graph`` puts one, the graph takes it).
 _QUEUED: deque[tuple[list, list, list]] = deque()

@@ -21,7 +21,6 @@ from mlcls.data.loader import (
     DevicePrefetcher,
     DeviceStage,
     EvalBatches,
-    SeededSamples,
     build_eval_loader,
     build_train_loader,
     collate_batch,
@@ -41,6 +40,7 @@ from mlcls.data.pipeline.gpu import (
     decode_on_device,
 )
 from mlcls.data.pipeline.transforms import IMAGENET_STD, build_transform, eval_resize
+from mlcls.data.sampling import SeededSamples
 
 # torchvision 0.29 deprecates its codecs; mlcls.data.pipeline.gpu ignores the warning, pytest shows it.
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding:DeprecationWarning")
@@ -303,10 +303,10 @@ def test_cuda_decoding_agrees_with_the_cpu_without_host_syncs(photos):
     torch.cuda.reset_peak_memory_stats(cuda)
     before = torch.cuda.memory_allocated(cuda)
     loader = build_train_loader(dataset, 8, 0, 0, 1, 3, cuda, backend="gpu")
-    got = []
+    stage, got = DeviceStage(cuda), []  # its constants copied to the device once, before the loop
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for images, _ in DevicePrefetcher(loader, DeviceStage(cuda)):
+        for images, _ in DevicePrefetcher(loader, stage):
             got.append(images * 1.0)
         pixels = decode_on_device(batch, cuda)
     finally:

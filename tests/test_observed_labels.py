@@ -179,7 +179,7 @@ def test_workers_and_resume_serve_the_same_targets() -> None:
 
 
 def iter_indices(dataset, rank: int, world: int, epoch: int):
-    from mlcls.data.loader import ResumableSampler
+    from mlcls.data.sampling import ResumableSampler
 
     sampler = ResumableSampler(dataset, world, rank, 5)
     sampler.set_epoch(epoch)

@@ -1,9 +1,7 @@
 """Where a batch is made, from the sampler to the device: the one module of the batch path.
 
-* **Samplers.** :class:`ResumableSampler` shuffles the training set (``(seed, epoch)``, resumable
-  mid-epoch) and hands each index with its :func:`mlcls.data.sampling.sample_seed`; :class:`SeededSamples`
-  runs the dataset's ``__getitem__`` under that seed. :class:`RankSampler` gives each rank its share of an
-  evaluation set, without padding.
+* **Samplers** (:mod:`mlcls.data.sampling`): :class:`~mlcls.data.sampling.ResumableSampler` for training,
+  :class:`~mlcls.data.sampling.RankSampler` for evaluation, each sample drawn under its own seed.
 * **DataLoaders.** :func:`build_train_loader` (the ``fast``/``torchvision`` DataLoader, the DALI loader of
   :mod:`mlcls.data.pipeline.dali`, or :class:`ShardTrainLoader` over packed tar shards) and
   :func:`build_eval_loader`, with the options of :func:`training_loader_options`: batches collated by
@@ -26,13 +24,15 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import queue
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Subset, get_worker_info
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from mlcls.data.datasets.base import DatasetConfigError
@@ -46,7 +46,7 @@ from mlcls.data.pipeline.fast import (
 )
 from mlcls.data.pipeline.gpu import SIZE, EncodedBatch, EncodedImage, GpuEvalTransform, decode_on_device
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, normalisation
-from mlcls.data.sampling import sample_seed, seeded_call
+from mlcls.data.sampling import RankSampler, ResumableSampler, SeededSamples
 from mlcls.data.shards.datasets import ShardTrainSet
 from mlcls.data.shards.loader import ShardSchedule, ShardStream
 
@@ -54,74 +54,6 @@ log = logging.getLogger("mlcls")
 
 # Batches each DataLoader worker keeps ready (torch's default is 2): decoding times vary from image to image.
 PREFETCH_FACTOR = 4
-
-
-# ------------------------------------------------------------------ samplers
-class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` (shuffled, ``drop_last``) yielding ``(index, sample_seed)`` pairs.
-
-    Works for a single process too (``num_replicas=1``). ``set_epoch`` as usual; ``set_start(k)`` skips the
-    first ``k`` samples of this process's share of the current epoch (resuming mid-epoch), until the next
-    ``set_epoch``.
-    """
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
-        super().__init__(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
-        )
-        self.start = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self.start = 0
-
-    def set_start(self, start: int) -> None:
-        self.start = start
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        indices = list(super().__iter__())[self.start :]
-        return iter([(i, sample_seed(self.seed, self.epoch, i)) for i in indices])
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start
-
-
-class SeededSamples(Dataset):
-    """Wraps a dataset so that ``ds[(index, seed)]`` runs ``ds.dataset[index]`` under
-    :func:`mlcls.data.sampling.seeded_call` (the caller's random state is restored afterwards: it also runs
-    in the main process).
-
-    ``with_index``: each sample ``(image, target)`` comes as ``(image, target, index)``, ``index`` its
-    position in the dataset (what a loss with a row per training sample needs, e.g. ROLE's label table).
-    """
-
-    def __init__(self, dataset: Dataset, with_index: bool = False) -> None:
-        self.dataset, self.with_index = dataset, with_index
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        index, seed = key
-        sample = seeded_call(seed, self.dataset.__getitem__, index)
-        return (*sample, index) if self.with_index else sample
-
-
-class RankSampler(Sampler[int]):
-    """Evaluation sampler: rank ``r`` of ``W`` takes indices ``r, r + W, r + 2W, ...``, without padding.
-
-    Unlike ``DistributedSampler`` it never repeats a sample, so the ranks' shares differ in length by at most
-    one and :func:`mlcls.distributed.gather_rank_parts` restores dataset order exactly.
-    """
-
-    def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1) -> None:
-        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.num_samples, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.num_samples, self.world_size))
 
 
 # ------------------------------------------------------------------ DataLoaders
@@ -392,10 +324,11 @@ class DevicePrefetcher:
     """Iterates ``loader`` and yields its batches finished by ``stage`` (:meth:`DeviceStage.finish`) on
     ``stage.device``, ready for the model: images float32 (B, 3, H, W), normalised, targets float32 (B, C).
 
-    On CUDA batch *i + 1* is fetched, copied and finished on a side stream while the caller's step *i* runs
-    on the current stream (the current stream waits for the side stream's work before it receives a batch,
-    and the yielded tensors are recorded on it so that their memory is not reused too early). On the CPU it
-    applies the stage batch by batch, in order.
+    On CUDA a thread (:func:`ahead`) fetches, copies and finishes the next batches on a side stream while
+    the caller's steps run on the current stream: the host's part of the stage (nvJPEG's with
+    ``data.backend=gpu``) never holds back the launch of a step. The current stream waits for a batch's
+    own event before it receives the batch, and the yielded tensors are recorded on it so that their
+    memory is not reused too early. On the CPU the stage is applied batch by batch, in order.
 
     ``len()`` and ``sampler`` are the loader's: ``for step, (images, targets) in enumerate(prefetcher)``
     replaces the loop over the loader.
@@ -417,22 +350,77 @@ class DevicePrefetcher:
             return
         side = torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
-        batches = iter(self.loader)
+        batches = iter(self.loader)  # in this thread: a DataLoader starts its workers here
 
-        def next_on_side_stream() -> tuple[Tensor, ...] | None:
-            # Fetched under the side stream too: the DALI loader copies its output on the current stream.
-            with torch.cuda.stream(side):
-                batch = next(batches, None)
-                return None if batch is None else self.stage.finish(batch)
+        def finished() -> Iterator[tuple[tuple[Tensor, ...], torch.cuda.Event]]:
+            # In the thread of ahead(), whose current stream is the side stream: the DALI loader, too,
+            # copies its output on the current stream.
+            with torch.cuda.device(self.device), torch.cuda.stream(side):
+                for batch in batches:
+                    tensors, done = self.stage.finish(batch), torch.cuda.Event()
+                    done.record(side)
+                    yield tensors, done
 
-        ready = next_on_side_stream()
-        while ready is not None:
-            current.wait_stream(side)
-            for tensor in ready:
+        for tensors, done in ahead(finished(), READY_BATCHES):
+            current.wait_event(done)
+            for tensor in tensors:
                 tensor.record_stream(current)
-            upcoming = next_on_side_stream()  # enqueued before the caller's step: the two overlap
-            yield ready
-            ready = upcoming
+            yield tensors
+
+
+# Finished batches the CUDA prefetcher keeps ready beyond the one its thread is making.
+READY_BATCHES = 2
+# Seconds a stopped prefetcher waits for its thread (busy with one batch) before leaving it to finish.
+JOIN_S = 60.0
+_END = object()
+
+
+def ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
+    """The items of ``items``, in order, made by a background thread up to ``depth`` ahead of the caller.
+
+    An exception of ``items`` is raised here, in the caller's thread, after the items before it. When the
+    caller stops early (``break``, an exception, the generator closed), the thread stops after the item in
+    hand and closes ``items`` itself (its ``finally`` and context managers run in the thread that ran
+    them). With one thread making items and one taking them, torch's calls that release the GIL overlap.
+    """
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def offer(entry: tuple[Any, BaseException | None]) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(entry, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not offer((item, None)):
+                    return
+            offer((_END, None))
+        except BaseException as exc:  # raised in the caller's thread
+            offer((_END, exc))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    thread = threading.Thread(target=produce, name="mlcls-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join(JOIN_S)
 
 
 @functools.cache

@@ -1,21 +1,24 @@
 """Training randomness: a function of ``(seed, epoch, sample index)`` only.
 
-The training sampler (:class:`mlcls.data.loader.ResumableSampler`) draws the epoch's permutation from
+The training sampler (:class:`ResumableSampler`) draws the epoch's permutation from
 ``seed + epoch`` (``DistributedSampler``'s rule, also for a single process) and hands each index to the
 dataset together with :func:`sample_seed`, under which the sample's augmentation runs (:func:`seeded_call`).
 Hence the augmented batch at iteration *i* does not depend on the number of DataLoader workers, and a run
-resumed in the middle of an epoch sees exactly the batches it would have seen. The shard datasets and their
-read order (:mod:`mlcls.data.shards`) draw from the same two functions; this module imports nothing of mlcls.
+resumed in the middle of an epoch sees exactly the batches it would have seen. The shard datasets and
+their read order (:mod:`mlcls.data.shards`) draw from the same two functions. :class:`SeededSamples` runs a
+dataset's ``__getitem__`` under the seed; :class:`RankSampler` gives each rank its share of an evaluation
+set, without padding. This module imports nothing of mlcls.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 T = TypeVar("T")
 
@@ -49,3 +52,70 @@ def seeded_call(seed: int, function: Callable[..., T], *args: Any, torch_only: b
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
+
+
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` (shuffled, ``drop_last``) yielding ``(index, sample_seed)`` pairs.
+
+    Works for a single process too (``num_replicas=1``). ``set_epoch`` as usual; ``set_start(k)`` skips the
+    first ``k`` samples of this process's share of the current epoch (resuming mid-epoch), until the next
+    ``set_epoch``.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.start = 0
+
+    def set_start(self, start: int) -> None:
+        self.start = start
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        indices = list(super().__iter__())[self.start :]
+        return iter([(i, sample_seed(self.seed, self.epoch, i)) for i in indices])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+class SeededSamples(Dataset):
+    """Wraps a dataset so that ``ds[(index, seed)]`` runs ``ds.dataset[index]`` under
+    :func:`seeded_call` (the caller's random state is restored afterwards: it also runs
+    in the main process).
+
+    ``with_index``: each sample ``(image, target)`` comes as ``(image, target, index)``, ``index`` its
+    position in the dataset (what a loss with a row per training sample needs, e.g. ROLE's label table).
+    """
+
+    def __init__(self, dataset: Dataset, with_index: bool = False) -> None:
+        self.dataset, self.with_index = dataset, with_index
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        sample = seeded_call(seed, self.dataset.__getitem__, index)
+        return (*sample, index) if self.with_index else sample
+
+
+class RankSampler(Sampler[int]):
+    """Evaluation sampler: rank ``r`` of ``W`` takes indices ``r, r + W, r + 2W, ...``, without padding.
+
+    Unlike ``DistributedSampler`` it never repeats a sample, so the ranks' shares differ in length by at most
+    one and :func:`mlcls.distributed.gather_rank_parts` restores dataset order exactly.
+    """
+
+    def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1) -> None:
+        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.num_samples, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.num_samples, self.world_size))

@@ -6,7 +6,7 @@ without CUDA, :func:`require_dali` raises a one-line :class:`DaliUnavailableErro
 Division of work, chosen so that the augmentation stays a function of each sample's seed:
 
 * DataLoader workers read the encoded bytes and draw the sample's random parameters under its seed
-  (:class:`mlcls.data.loader.SeededSamples`), with the calls of
+  (:class:`mlcls.data.sampling.SeededSamples`), with the calls of
   :class:`mlcls.data.pipeline.fast.FastTrainTransform`
   in the same order: RandomResizedCrop window, flip, ColorJitter order and factors, lighting alphas;
 * DALI (nvJPEG, ``decoders.image_slice``) decodes only the crop window on the GPU, resizes it to

@@ -19,7 +19,7 @@ in two stages; this module holds what each stage computes, :mod:`mlcls.data.load
   training on the CPU, it runs in the main process (0.5–1 ms per 224 px image, image by image).
 
 Seeding: every random number is drawn from torch's global RNG inside the dataset's ``__getitem__`` (which
-:class:`mlcls.data.loader.SeededSamples` seeds per sample), through the same torchvision calls and in the
+:class:`mlcls.data.sampling.SeededSamples` seeds per sample), through the same torchvision calls and in the
 same order as the plain pipeline: under one seed both pipelines pick the same crop, flip, jitter order and
 factors and lighting noise. The device stage draws nothing; it applies the parameters carried with the
 batch, so the augmentation of a sample is a function of its seed alone (exact resume, any worker count).

@@ -41,7 +41,7 @@ Sample = tuple[str, dict[str, bytes]]  # (key, {extension: bytes}) of a shard sa
 class ShardSchedule:
     """The ``sampler`` of :class:`mlcls.data.loader.ShardTrainLoader`: which samples of the shards each
     rank reads in an epoch, in which order (see the module docstring). ``set_epoch(e)`` and
-    ``set_start(samples)`` as :class:`mlcls.data.loader.ResumableSampler`; the state lives in shared memory,
+    ``set_start(samples)`` as :class:`mlcls.data.sampling.ResumableSampler`; the state lives in shared memory,
     so that persistent DataLoader workers see it."""
 
     def __init__(
