@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -106,52 +104,6 @@ def test_prefetcher_on_the_cpu_gives_exactly_the_batches_of_the_stage(photos):
     for (_, (images, targets)), (want_images, want_targets) in zip(got, expected[1:], strict=True):
         assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(images, want_images) and torch.equal(targets, want_targets)
-
-
-def test_ahead_yields_in_order_from_its_thread_and_raises_there_after_the_items_before():
-    """The CUDA prefetcher's thread (``ahead``), run on the CPU: every item in order, each made in another
-    thread, at most ``depth`` waiting plus one in hand; a source's exception reaches the caller after the
-    items before it."""
-    made, threads = [], set()
-
-    def source(count, fail_at=None):
-        for k in range(count):
-            threads.add(threading.get_ident())
-            if k == fail_at:
-                raise ValueError(f"item {k} is bad")
-            made.append(k)
-            yield k
-
-    got = []
-    for item in batches.ahead(source(20), depth=2):
-        time.sleep(0.002)
-        got.append(item)
-        assert len(made) - len(got) <= 3  # 2 in the queue, 1 being offered
-    assert got == list(range(20)) and threads and threading.get_ident() not in threads
-    got.clear()
-    with pytest.raises(ValueError, match="item 3 is bad"):
-        for item in batches.ahead(source(10, fail_at=3), depth=2):
-            got.append(item)
-    assert got == [0, 1, 2]
-
-
-def test_ahead_stopped_early_closes_its_source_in_the_source_thread():
-    """A caller that breaks off (the trainer at ``iters_per_epoch``, an exception in a step): the thread
-    stops after the item in hand and closes the source there, so the source's ``finally`` (a CUDA stream
-    context in the prefetcher) runs in the thread that entered it; nothing is left running."""
-    closed_in = []
-
-    def source():
-        try:
-            yield from range(1000)
-        finally:
-            closed_in.append(threading.get_ident())
-
-    items = batches.ahead(source(), depth=2)
-    assert [next(items) for _ in range(3)] == [0, 1, 2]
-    items.close()
-    assert len(closed_in) == 1 and closed_in[0] != threading.get_ident()
-    assert not [t for t in threading.enumerate() if t.name == "mlcls-prefetch"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -24,8 +24,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import queue
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -324,11 +322,10 @@ class DevicePrefetcher:
     """Iterates ``loader`` and yields its batches finished by ``stage`` (:meth:`DeviceStage.finish`) on
     ``stage.device``, ready for the model: images float32 (B, 3, H, W), normalised, targets float32 (B, C).
 
-    On CUDA a thread (:func:`ahead`) fetches, copies and finishes the next batches on a side stream while
-    the caller's steps run on the current stream: the host's part of the stage (nvJPEG's with
-    ``data.backend=gpu``) never holds back the launch of a step. The current stream waits for a batch's
-    own event before it receives the batch, and the yielded tensors are recorded on it so that their
-    memory is not reused too early. On the CPU the stage is applied batch by batch, in order.
+    On CUDA batch *i + 1* is fetched, copied and finished on a side stream while the caller's step *i* runs
+    on the current stream (the current stream waits for the side stream's work before it receives a batch,
+    and the yielded tensors are recorded on it so that their memory is not reused too early). On the CPU it
+    applies the stage batch by batch, in order.
 
     ``len()`` and ``sampler`` are the loader's: ``for step, (images, targets) in enumerate(prefetcher)``
     replaces the loop over the loader.
@@ -350,77 +347,22 @@ class DevicePrefetcher:
             return
         side = torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
-        batches = iter(self.loader)  # in this thread: a DataLoader starts its workers here
+        batches = iter(self.loader)
 
-        def finished() -> Iterator[tuple[tuple[Tensor, ...], torch.cuda.Event]]:
-            # In the thread of ahead(), whose current stream is the side stream: the DALI loader, too,
-            # copies its output on the current stream.
-            with torch.cuda.device(self.device), torch.cuda.stream(side):
-                for batch in batches:
-                    tensors, done = self.stage.finish(batch), torch.cuda.Event()
-                    done.record(side)
-                    yield tensors, done
+        def next_on_side_stream() -> tuple[Tensor, ...] | None:
+            # Fetched under the side stream too: the DALI loader copies its output on the current stream.
+            with torch.cuda.stream(side):
+                batch = next(batches, None)
+                return None if batch is None else self.stage.finish(batch)
 
-        for tensors, done in ahead(finished(), READY_BATCHES):
-            current.wait_event(done)
-            for tensor in tensors:
+        ready = next_on_side_stream()
+        while ready is not None:
+            current.wait_stream(side)
+            for tensor in ready:
                 tensor.record_stream(current)
-            yield tensors
-
-
-# Finished batches the CUDA prefetcher keeps ready beyond the one its thread is making.
-READY_BATCHES = 2
-# Seconds a stopped prefetcher waits for its thread (busy with one batch) before leaving it to finish.
-JOIN_S = 60.0
-_END = object()
-
-
-def ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
-    """The items of ``items``, in order, made by a background thread up to ``depth`` ahead of the caller.
-
-    An exception of ``items`` is raised here, in the caller's thread, after the items before it. When the
-    caller stops early (``break``, an exception, the generator closed), the thread stops after the item in
-    hand and closes ``items`` itself (its ``finally`` and context managers run in the thread that ran
-    them). With one thread making items and one taking them, torch's calls that release the GIL overlap.
-    """
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def offer(entry: tuple[Any, BaseException | None]) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(entry, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if not offer((item, None)):
-                    return
-            offer((_END, None))
-        except BaseException as exc:  # raised in the caller's thread
-            offer((_END, exc))
-        finally:
-            close = getattr(items, "close", None)
-            if close is not None:
-                close()
-
-    thread = threading.Thread(target=produce, name="mlcls-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, error = ready.get()
-            if error is not None:
-                raise error
-            if item is _END:
-                return
-            yield item
-    finally:
-        stop.set()
-        thread.join(JOIN_S)
+            upcoming = next_on_side_stream()  # enqueued before the caller's step: the two overlap
+            yield ready
+            ready = upcoming
 
 
 @functools.cache
