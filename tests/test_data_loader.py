@@ -46,9 +46,10 @@ def test_builders_pin_memory_and_keep_workers_on_cuda(photos):
     cuda = torch.device("cuda", 0)  # only the loaders' settings are read: no GPU needed
     train = build_train_loader(dataset, 4, 1, 0, 1, seed=0, device=cuda, backend="fast")
     evaluation = build_eval_loader(dataset, 4, 1, 0, 1, device=cuda)
-    for loader in (train, evaluation):
+    for loader in (train, evaluation.loader):
         assert loader.pin_memory and loader.persistent_workers and loader.num_workers == 1
-    assert isinstance(train.sampler, ResumableSampler) and isinstance(evaluation.sampler, RankSampler)
+    assert isinstance(train.sampler, ResumableSampler) and isinstance(evaluation.loader.sampler, RankSampler)
+    assert evaluation.stage.device == cuda
     assert train.drop_last and len(train) == 2
     on_cpu = build_train_loader(dataset, 3, 0, 0, 1, seed=0, device=CPU, backend="torchvision")
     assert not on_cpu.pin_memory and not on_cpu.persistent_workers and len(on_cpu) == 2

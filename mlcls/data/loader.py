@@ -11,8 +11,8 @@
   :class:`DeviceStage` (the fast pipeline's colour work, :func:`~mlcls.data.pipeline.fast.
   colour_lighting_normalise`; with ``data.backend=gpu`` first the decoding, cropping and resizing of
   :func:`~mlcls.data.pipeline.gpu.decode_on_device`), its copy overlapped with the previous step on CUDA.
-  The stage runs here only: the trainer's step receives finished batches. An evaluation loader of
-  ``data.backend=gpu`` finishes its batches with one too (:class:`EvalBatches`).
+  The stage runs here only: the trainer's step receives finished batches, and evaluation batches come
+  on the device too (:class:`EvalBatches`).
 
 What a sample is (the per-sample CPU transform, the batched colour math) lives in :mod:`mlcls.data.pipeline`;
 which samples a rank reads from tar shards in :mod:`mlcls.data.shards.loader`. The imports run one way:
@@ -224,13 +224,20 @@ def build_train_loader(
 
 
 def build_eval_loader(
-    dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, device: torch.device
-) -> DataLoader | EvalBatches:
+    dataset: Dataset,
+    batch_size: int,
+    workers: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    channels_last: bool = False,
+) -> EvalBatches:
     """Ordered loader over this rank's share (see :class:`RankSampler`), workers capped by
     :func:`loader_workers` and persistent (evaluation runs every ``trainer.eval_every`` epochs), pinned
-    memory when ``device`` is CUDA, batches collated by :func:`collate_batch`. A dataset whose transform is
-    ``data.backend=gpu``'s evaluation transform gets :class:`EvalBatches` over it: its images decoded and
-    normalised on ``device`` with the transform's mean and std."""
+    memory when ``device`` is CUDA, batches collated by :func:`collate_batch`; its images come on
+    ``device`` (:class:`EvalBatches`), in channels_last layout when ``channels_last`` is set. A dataset
+    whose transform is ``data.backend=gpu``'s evaluation transform has its images decoded and normalised
+    there, with the transform's mean and std."""
     workers = loader_workers(workers)
     loader = DataLoader(
         dataset,
@@ -245,16 +252,18 @@ def build_eval_loader(
         dataset = dataset.dataset
     transform = getattr(dataset, "transform", None)
     if isinstance(transform, GpuEvalTransform):
-        return EvalBatches(loader, DeviceStage(device, mean=transform.mean, std=transform.std))
-    return loader
+        return EvalBatches(loader, DeviceStage(device, channels_last, mean=transform.mean, std=transform.std))
+    return EvalBatches(loader, DeviceStage(device, channels_last, colour=False))
 
 
 class EvalBatches:
-    """The batches ``(images, targets)`` of an evaluation ``loader`` of ``data.backend=gpu``, the images
-    finished by ``stage`` on its device, the targets as loaded; ``dataset`` and ``len()`` the loader's."""
+    """The batches ``(images, targets)`` of an evaluation ``loader``, the images moved to the device and
+    finished by ``stage`` (a copy; with ``data.backend=gpu`` the decoding and normalisation), the targets
+    as loaded; ``dataset``, ``num_workers`` and ``len()`` the loader's."""
 
     def __init__(self, loader: DataLoader, stage: DeviceStage) -> None:
         self.loader, self.stage, self.dataset = loader, stage, loader.dataset
+        self.num_workers = loader.num_workers
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -280,7 +289,8 @@ class DeviceStage:
     ImageNet's by default). The result is in channels_last layout when ``channels_last`` is set, contiguous
     otherwise. Copies are ``non_blocking`` (asynchronous from pinned memory); on CUDA nothing is read back
     to the host. ``batched``: the colour work on all images at once or image by image (default: batched
-    on CUDA only; see :func:`colour_lighting_normalise`).
+    on CUDA only; see :func:`colour_lighting_normalise`). ``colour=False``: a stage for float batches only
+    (an evaluation loader's), which makes no constants on the device.
     """
 
     def __init__(
@@ -291,10 +301,12 @@ class DeviceStage:
         mean: Sequence[float] | None = IMAGENET_MEAN,
         std: Sequence[float] | None = IMAGENET_STD,
         batched: bool | None = None,
+        colour: bool = True,
     ) -> None:
         self.device, self.batched = torch.device(device), batched
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.constants = ColourConstants.on(self.device, *normalisation(mean, std))
+        mean, std = normalisation(mean, std)
+        self.constants = ColourConstants.on(self.device, mean, std) if colour else None
 
     def __call__(self, images: Tensor | AugmentedImage | EncodedBatch) -> Tensor:
         """float32 (B, 3, H, W) on ``device``, normalised."""

@@ -69,10 +69,13 @@ def pin_dataset_root(dataset_cfg: DictConfig) -> None:
         dataset_cfg.root = os.path.abspath(os.path.expanduser(root))
 
 
-def build_data(cfg: DictConfig, dist: DistInfo, with_index: bool = False) -> RunData:
+def build_data(
+    cfg: DictConfig, dist: DistInfo, with_index: bool = False, channels_last: bool = False
+) -> RunData:
     """Both splits of ``cfg.dataset`` with the ``data.backend`` pipeline, and this rank's loaders;
     ``cfg.dataset.root`` made absolute first (:func:`pin_dataset_root`), before the run saves its config.
-    ``with_index``: training batches also hold their samples' indices (a loss with a row per sample).
+    ``with_index``: training batches also hold their samples' indices (a loss with a row per sample);
+    ``channels_last``: evaluation batches come in that layout.
     With ``dataset.holdout_fraction`` > 0 the training split is cut (:func:`split_holdout`): the rest trains,
     the held-out share is evaluated like the validation split (read with its transform)."""
     pin_dataset_root(cfg.dataset)
@@ -105,12 +108,14 @@ def build_data(cfg: DictConfig, dist: DistInfo, with_index: bool = False) -> Run
         train_set=train_set,
         val_set=val_set,
         train_loader=loader,
-        val_loader=build_eval_loader(val_set, *args, dist.device),
+        val_loader=build_eval_loader(val_set, *args, dist.device, channels_last),
         classes=list(train_set.classes),
         iters_per_epoch=iters,
         local_batch=local_batch,
         holdout_set=holdout_set,
-        holdout_loader=None if holdout_set is None else build_eval_loader(holdout_set, *args, dist.device),
+        holdout_loader=None
+        if holdout_set is None
+        else build_eval_loader(holdout_set, *args, dist.device, channels_last),
     )
 
 
@@ -303,7 +308,8 @@ def build_run(cfg: DictConfig) -> Run:
         warn_protocol(cfg, dist.world_size)
         seed_everything(tcfg.seed)
         loss = instantiate(cfg.loss)  # before the data: a loss with a row per sample needs their indices
-        data = build_data(cfg, dist, with_index=bool(getattr(loss, "needs_sample_index", False)))
+        with_index = bool(getattr(loss, "needs_sample_index", False))
+        data = build_data(cfg, dist, with_index, channels_last)
         preprocess = preprocess_spec(cfg.dataset)
         init_from = cfg.model.get("init_from")
         # starting from a checkpoint, the hub's pretrained weights would be replaced: none are fetched

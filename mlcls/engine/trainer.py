@@ -325,7 +325,7 @@ class Trainer:
         model = self.model if model is None else model
         zero_shot = self.zero_shot if loader is None else None  # the held-out split has the seen classes
         loader = self.data.val_loader if loader is None else loader
-        args = (self.device, self.classes, self.eval_amp, self.channels_last, zero_shot)
+        args = (self.device, self.classes, self.eval_amp, zero_shot)
         return evaluate(model, loader, *args)
 
     def select_best(self, epoch: int) -> bool:
