@@ -45,16 +45,6 @@ def _slurm_environment(rank: int, port: int) -> dict[str, str]:
     }
 
 
-def _torchrun_environment(rank: int, port: int) -> dict[str, str]:
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(WORLD),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
-
-
 def _free_port() -> int:
     import socket
 
@@ -63,30 +53,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _on_rank(rank: int, scenario: str, port: int, out_dir: str) -> None:
-    """Run ``scenario`` as rank ``rank`` and save what it observed (or its traceback) to rank<r>.pt."""
+def _on_rank(rank: int, port: int, out_dir: str) -> None:
+    """Run every scenario of :data:`SCENARIOS`, in order, as rank ``rank`` of one 2-process job (the SLURM
+    scenario first: it starts the process group from SLURM's environment, which the others then share, as
+    the runs of a sweep do) and save what each observed, or its traceback, to rank<r>.pt. A scenario that
+    crashes ends the process: the other rank cannot be in step with it any more."""
     torch.set_num_threads(1)
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "SUBMITIT_EXECUTOR"):
         os.environ.pop(key, None)
-    environment = _slurm_environment if scenario == "slurm" else _torchrun_environment
-    os.environ.update(environment(rank, port))
-    try:
-        observed = SCENARIOS[scenario](rank, Path(out_dir))
-    except BaseException:  # noqa: BLE001 - reported to the test
-        observed = {"crash": traceback.format_exc()}
-    torch.save(observed, Path(out_dir) / f"rank{rank}.pt")
+    os.environ.update(_slurm_environment(rank, port))
+    observed: dict[str, dict] = {}
+    level = logging.getLogger("mlcls").level
+    for name, scenario in SCENARIOS.items():
+        # as in a new process (a trainer built and never fitted, as in _failures, keeps rank 1's at WARNING)
+        logging.getLogger("mlcls").setLevel(level)
+        with pytest.MonkeyPatch.context() as monkeypatch:  # each scenario's patches end with it
+            try:
+                observed[name] = scenario(rank, Path(out_dir) / name, monkeypatch)
+            except BaseException:  # noqa: BLE001 - reported to the test
+                observed[name] = {"crash": traceback.format_exc()}
+        torch.save(observed, Path(out_dir) / f"rank{rank}.pt")
+        if "crash" in observed[name]:
+            return
 
 
-def _spawn(scenario: str, tmp_path: Path) -> list[dict]:
-    mp.spawn(_on_rank, args=(scenario, _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    observed = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
-    for rank, result in enumerate(observed):
-        assert "crash" not in result, f"rank {rank}:\n{result['crash']}"
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One 2-process job that runs every scenario; its directory and what each rank observed.
+
+    The processes are forked where no CUDA device could have been initialised in this process (a fork
+    does not import torch again); otherwise they are spawned."""
+    out = tmp_path_factory.mktemp("ranks")
+    method = "spawn" if torch.cuda.is_available() else "fork"
+    context = mp.start_processes(
+        _on_rank, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method=method
+    )
+    deadline = time.monotonic() + 900
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the 2-process job did not end within 900 s")
+    return out, [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+def _observed(ranks: tuple[Path, list[dict]], scenario: str) -> list[dict]:
+    """What each rank observed in ``scenario``."""
+    observed = []
+    for rank, by_scenario in enumerate(ranks[1]):
+        assert scenario in by_scenario, f"rank {rank} did not run {scenario}: an earlier scenario crashed"
+        assert "crash" not in by_scenario[scenario], f"rank {rank}:\n{by_scenario[scenario]['crash']}"
+        observed.append(by_scenario[scenario])
     return observed
 
 
 # ---------------------------------------------------------------------------------------------- SLURM
-def _slurm(rank: int, out: Path) -> dict:
+def _slurm(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     # The global batch of 32 in buckets of 32: only valid when the loss gathers both processes' 16 rows.
     cfg = compose_config(
         [*TINY, *SMALL, "loss.gather=true", "loss.bucket_size=32", f"trainer.output_dir={out / 'run'}"]
@@ -100,10 +122,10 @@ def _slurm(rank: int, out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_slurm_tasks_are_validated_as_the_whole_job(tmp_path):
+def test_slurm_tasks_are_validated_as_the_whole_job(ranks):
     """Under Hydra's submitit launcher the world size exists only after submitit's environment export:
     the config must be checked against it (loss.gather=true is refused for a single process)."""
-    observed = _spawn("slurm", tmp_path)
+    observed = _observed(ranks, "slurm")
     assert [o["world_size"] for o in observed] == [WORLD, WORLD]
     assert observed[0]["mAP"] == observed[1]["mAP"]
     assert [o["visible"] for o in observed] == ["0,1", "0,1"]  # each task still sees the node's GPUs
@@ -119,7 +141,7 @@ def test_cuda_device_of_a_local_rank():
 
 
 # ---------------------------------------------------------------------------------------------- failing ranks
-def _failures(rank: int, out: Path) -> dict:
+def _failures(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     trainer = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'run'}"]))
     observed = {}
 
@@ -130,7 +152,7 @@ def _failures(rank: int, out: Path) -> dict:
 
         import mlcls.engine.evaluate as evaluate_module
 
-        evaluate_module.predict = broken
+        monkeypatch.setattr(evaluate_module, "predict", broken)
     start = time.perf_counter()
     try:
         trainer.measure()
@@ -144,7 +166,7 @@ def _failures(rank: int, out: Path) -> dict:
         def full_disk(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
-        trainer.checkpointer._write_files = full_disk
+        monkeypatch.setattr(trainer.checkpointer, "_write_files", full_disk)
     start = time.perf_counter()
     try:
         trainer.save(is_best=False)
@@ -156,10 +178,10 @@ def _failures(rank: int, out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
+def test_a_failing_rank_ends_every_rank_with_its_error(ranks):
     """A rank failing in evaluation, or rank 0 failing to write a checkpoint, must not leave the others
     waiting in a collective until the timeout: every rank stops within seconds, naming the failure."""
-    rank0, rank1 = _spawn("failures", tmp_path)
+    rank0, rank1 = _observed(ranks, "failures")
     assert rank1["evaluate"].startswith("OSError: cannot identify image file")
     assert (
         rank0["evaluate"] == "RankFailed: rank 1 failed: OSError: cannot identify image file 'val/0007.jpg'"
@@ -169,7 +191,7 @@ def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
     assert max(rank0["evaluate_s"], rank1["evaluate_s"], rank0["save_s"], rank1["save_s"]) < 20
 
 
-def _startup(rank: int, out: Path) -> dict:
+def _startup(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """Rank 0 cannot open its run log (an MLflow server that is down) while rank 1 starts normally."""
     if rank == 0:
 
@@ -177,7 +199,7 @@ def _startup(rank: int, out: Path) -> dict:
             def __init__(self, *args, **kwargs):
                 raise ConnectionError("MLflow server http://tracking:5000 is down")
 
-        logging_module.MlflowRun = Unreachable
+        monkeypatch.setattr(logging_module, "MlflowRun", Unreachable)
     level = logging.getLogger("mlcls").level
     start = time.perf_counter()
     try:
@@ -190,10 +212,10 @@ def _startup(rank: int, out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_failing_rank0_start_up_ends_every_rank(tmp_path):
+def test_a_failing_rank0_start_up_ends_every_rank(ranks):
     """Rank 0's start-up work (config.yaml, TensorBoard, MLflow) fails: rank 1 must not go on to train and
     wait for it in DDP; both raise within seconds, and rank 1's logger keeps its level."""
-    rank0, rank1 = _spawn("startup", tmp_path)
+    rank0, rank1 = _observed(ranks, "startup")
     error = "ConnectionError: MLflow server http://tracking:5000 is down"
     assert (rank0["outcome"], rank1["outcome"]) == (error, f"RankFailed: rank 0 failed: {error}")
     assert max(rank0["seconds"], rank1["seconds"]) < 60
@@ -201,10 +223,10 @@ def test_a_failing_rank0_start_up_ends_every_rank(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- resume under DDP
-def _resume(rank: int, out: Path) -> dict:
+def _resume(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """An uninterrupted epoch; the same epoch stopped by a signal to rank 0 after step 2, then resumed
     while rank 1 sees no checkpoint of its own (as on a node whose file system lags)."""
-    preemption.POLL_EVERY = 1
+    monkeypatch.setattr(preemption, "POLL_EVERY", 1)
     level_before = logging.getLogger("mlcls").level
     straight = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'straight'}"])).fit()
     level_after = logging.getLogger("mlcls").level
@@ -223,7 +245,7 @@ def _resume(rank: int, out: Path) -> dict:
     except Exception as exc:  # noqa: BLE001
         stopped = type(exc).__name__
     if rank == 1:  # what choose_resume_checkpoint lists: had rank 1 chosen for itself, it would start afresh
-        checkpoint_module.resume_candidates = lambda directory: []
+        monkeypatch.setattr(checkpoint_module, "resume_candidates", lambda directory: [])
     resumed_trainer = Trainer(
         compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}", "trainer.resume=auto"])
     )
@@ -244,11 +266,11 @@ def _resume(rank: int, out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_mid_epoch_resume_under_ddp_matches_the_uninterrupted_run(tmp_path):
+def test_mid_epoch_resume_under_ddp_matches_the_uninterrupted_run(ranks):
     """Rank 0 chooses the checkpoint for every rank, and every rank's partial loss sum is restored."""
-    rank0, rank1 = _spawn("resume", tmp_path)
+    rank0, rank1 = _observed(ranks, "resume")
     # The flag set during step 2 is exchanged after it and read after step 3 (POLL_EVERY = 1).
-    state = load_checkpoint(tmp_path / "stopped" / "checkpoints" / "iter_000000003.pt")
+    state = load_checkpoint(ranks[0] / "resume" / "stopped" / "checkpoints" / "iter_000000003.pt")
     assert (state["epoch"], state["step"]) == (0, 3)
     assert len(state["partial"]) == WORLD and state["partial"][0] != state["partial"][1]
     for observed in (rank0, rank1):
@@ -264,7 +286,8 @@ def test_mid_epoch_resume_under_ddp_matches_the_uninterrupted_run(tmp_path):
     assert rank1["levels"][0] == rank1["levels"][1] != logging.WARNING
 
 
-SCENARIOS = {"slurm": _slurm, "failures": _failures, "startup": _startup, "resume": _resume}
+# In this order: the SLURM scenario starts the process group.
+SCENARIOS = {"slurm": _slurm, "startup": _startup, "failures": _failures, "resume": _resume}
 
 
 # ---------------------------------------------------------------------------------------------- one process
