@@ -521,6 +521,20 @@ def test_paper_presets_on_one_process_warn_about_batchnorm(caplog):
     assert not caplog.text
 
 
+def _train_in_process(monkeypatch, cwd: Path, *args: str) -> int:
+    """The exit status of ``mlcls-train *args`` run in this process in directory ``cwd``."""
+    from mlcls.cli.train import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["mlcls-train", *args])
+    try:
+        main()
+    except SystemExit as exc:
+        return exc.code
+    return 0
+
+
 @pytest.mark.parametrize(
     ("mistake", "message"),
     [
@@ -529,22 +543,29 @@ def test_paper_presets_on_one_process_warn_about_batchnorm(caplog):
     ],
 )
 @pytest.mark.slow
-def test_failed_checks_leave_no_run_directory(tmp_path, mistake, message):
-    from conftest import cli, run_cli
-
-    result = run_cli(cli("mlcls-train", *TINY, mistake, "hydra.run.dir=runs/x"), cwd=tmp_path)
-    assert result.returncode == 2
-    assert message in result.stderr
+def test_failed_checks_leave_no_run_directory(tmp_path, monkeypatch, capsys, mistake, message):
+    assert _train_in_process(monkeypatch, tmp_path, *TINY, mistake, "hydra.run.dir=runs/x") == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow
-def test_hydra_run_dir_is_the_run_directory(tmp_path):
+def test_the_console_script_exits_2_on_a_failed_check(tmp_path):
+    """The installed ``mlcls-train`` (a process of its own) ends with the exit status ``main`` gives."""
     from conftest import cli, run_cli
 
+    result = run_cli(
+        cli("mlcls-train", *TINY, "trainer.max_nonfinite=0", "hydra.run.dir=runs/x"), cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert "trainer.max_nonfinite=0; expected a positive integer" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_hydra_run_dir_is_the_run_directory(tmp_path, monkeypatch):
     overrides = [*TINY, "trainer.epochs=1", "dataset.train_size=64", "dataset.val_size=20"]
-    result = run_cli(cli("mlcls-train", *overrides, "hydra.run.dir=runs/first"), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert _train_in_process(monkeypatch, tmp_path, *overrides, "hydra.run.dir=runs/first") == 0
     assert (tmp_path / "runs/first/results.json").is_file()
     assert (tmp_path / "runs/first/checkpoints/best.pt").is_file()
     assert not (tmp_path / "outputs").exists()
