@@ -486,6 +486,7 @@ def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
         compose_config(
             [
                 *TINY,
+                *SMALL_BATCH,
                 "trainer.epochs=1",
                 "trainer.amp=none",  # the stored config says fp16 below: no bf16 step needed
                 "trainer.limit_train_batches=1",
@@ -502,7 +503,13 @@ def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mlcls"):
         trainer = Trainer(
             compose_config(
-                [*TINY, "trainer.amp=bf16", f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
+                [
+                    *TINY,
+                    *SMALL_BATCH,
+                    "trainer.amp=bf16",
+                    f"trainer.output_dir={run_dir}",
+                    "trainer.resume=auto",
+                ]
             )
         )
     assert "trained with trainer.amp=fp16; continuing with trainer.amp=bf16 (fresh loss scale)" in caplog.text
@@ -564,7 +571,7 @@ def test_the_console_script_exits_2_on_a_failed_check(tmp_path):
 
 @pytest.mark.slow
 def test_hydra_run_dir_is_the_run_directory(tmp_path, monkeypatch):
-    overrides = [*TINY, "trainer.epochs=1", "dataset.train_size=64", "dataset.val_size=20"]
+    overrides = [*TINY, *SMALL_BATCH, "trainer.epochs=1", "dataset.train_size=64", "dataset.val_size=20"]
     assert _train_in_process(monkeypatch, tmp_path, *overrides, "hydra.run.dir=runs/first") == 0
     assert (tmp_path / "runs/first/results.json").is_file()
     assert (tmp_path / "runs/first/checkpoints/best.pt").is_file()
