@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -25,8 +26,8 @@ from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.trainer import NonFiniteError, Trainer
 
 WORLD = 2
-# 128 samples, global batch 32: 16 per process, 4 steps per epoch.
-SMALL = ["dataset.train_size=128", "dataset.val_size=40", "trainer.epochs=1"]
+# 128 samples, global batch 32: 16 per process, 4 steps per epoch; timm's test_resnet (0.4 M parameters).
+SMALL = ["dataset.train_size=128", "dataset.val_size=40", "trainer.epochs=1", "model.name=test_resnet"]
 
 
 def _slurm_environment(rank: int, port: int) -> dict[str, str]:
@@ -45,16 +46,6 @@ def _slurm_environment(rank: int, port: int) -> dict[str, str]:
     }
 
 
-def _torchrun_environment(rank: int, port: int) -> dict[str, str]:
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(WORLD),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
-
-
 def _free_port() -> int:
     import socket
 
@@ -63,30 +54,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _on_rank(rank: int, scenario: str, port: int, out_dir: str) -> None:
-    """Run ``scenario`` as rank ``rank`` and save what it observed (or its traceback) to rank<r>.pt."""
+def _on_rank(rank: int, port: int, out_dir: str) -> None:
+    """Run every scenario of :data:`SCENARIOS`, in order, as rank ``rank`` of one 2-process job (the SLURM
+    scenario first: it starts the process group from SLURM's environment, which the others then share, as
+    the runs of a sweep do) and save what each observed, or its traceback, to rank<r>.pt. A scenario that
+    crashes ends the process: the other rank cannot be in step with it any more."""
     torch.set_num_threads(1)
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "SUBMITIT_EXECUTOR"):
         os.environ.pop(key, None)
-    environment = _slurm_environment if scenario == "slurm" else _torchrun_environment
-    os.environ.update(environment(rank, port))
-    try:
-        observed = SCENARIOS[scenario](rank, Path(out_dir))
-    except BaseException:  # noqa: BLE001 - reported to the test
-        observed = {"crash": traceback.format_exc()}
-    torch.save(observed, Path(out_dir) / f"rank{rank}.pt")
+    os.environ.update(_slurm_environment(rank, port))
+    observed: dict[str, dict] = {}
+    level = logging.getLogger("mlcls").level
+    for name, scenario in SCENARIOS.items():
+        # as in a new process (a trainer built and never fitted, as in _failures, keeps rank 1's at WARNING)
+        logging.getLogger("mlcls").setLevel(level)
+        with pytest.MonkeyPatch.context() as monkeypatch:  # each scenario's patches end with it
+            try:
+                observed[name] = scenario(rank, Path(out_dir) / name, monkeypatch)
+            except BaseException:  # noqa: BLE001 - reported to the test
+                observed[name] = {"crash": traceback.format_exc()}
+        torch.save(observed, Path(out_dir) / f"rank{rank}.pt")
+        if "crash" in observed[name]:
+            return
 
 
-def _spawn(scenario: str, tmp_path: Path) -> list[dict]:
-    mp.spawn(_on_rank, args=(scenario, _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    observed = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
-    for rank, result in enumerate(observed):
-        assert "crash" not in result, f"rank {rank}:\n{result['crash']}"
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One 2-process job that runs every scenario; its directory and what each rank observed.
+
+    The processes are forked where no CUDA device could have been initialised in this process (a fork
+    does not import torch again); otherwise they are spawned."""
+    out = tmp_path_factory.mktemp("ranks")
+    method = "spawn" if torch.cuda.is_available() else "fork"
+    context = mp.start_processes(
+        _on_rank, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method=method
+    )
+    deadline = time.monotonic() + 900
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the 2-process job did not end within 900 s")
+    return out, [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+def _observed(ranks: tuple[Path, list[dict]], scenario: str) -> list[dict]:
+    """What each rank observed in ``scenario``."""
+    observed = []
+    for rank, by_scenario in enumerate(ranks[1]):
+        assert scenario in by_scenario, f"rank {rank} did not run {scenario}: an earlier scenario crashed"
+        assert "crash" not in by_scenario[scenario], f"rank {rank}:\n{by_scenario[scenario]['crash']}"
+        observed.append(by_scenario[scenario])
     return observed
 
 
 # ---------------------------------------------------------------------------------------------- SLURM
-def _slurm(rank: int, out: Path) -> dict:
+def _slurm(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     # The global batch of 32 in buckets of 32: only valid when the loss gathers both processes' 16 rows.
     cfg = compose_config(
         [*TINY, *SMALL, "loss.gather=true", "loss.bucket_size=32", f"trainer.output_dir={out / 'run'}"]
@@ -100,10 +123,10 @@ def _slurm(rank: int, out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_slurm_tasks_are_validated_as_the_whole_job(tmp_path):
+def test_slurm_tasks_are_validated_as_the_whole_job(ranks):
     """Under Hydra's submitit launcher the world size exists only after submitit's environment export:
     the config must be checked against it (loss.gather=true is refused for a single process)."""
-    observed = _spawn("slurm", tmp_path)
+    observed = _observed(ranks, "slurm")
     assert [o["world_size"] for o in observed] == [WORLD, WORLD]
     assert observed[0]["mAP"] == observed[1]["mAP"]
     assert [o["visible"] for o in observed] == ["0,1", "0,1"]  # each task still sees the node's GPUs
@@ -119,7 +142,7 @@ def test_cuda_device_of_a_local_rank():
 
 
 # ---------------------------------------------------------------------------------------------- failing ranks
-def _failures(rank: int, out: Path) -> dict:
+def _failures(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     trainer = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'run'}"]))
     observed = {}
 
@@ -130,7 +153,7 @@ def _failures(rank: int, out: Path) -> dict:
 
         import mlcls.engine.evaluate as evaluate_module
 
-        evaluate_module.predict = broken
+        monkeypatch.setattr(evaluate_module, "predict", broken)
     start = time.perf_counter()
     try:
         trainer.measure()
@@ -144,7 +167,7 @@ def _failures(rank: int, out: Path) -> dict:
         def full_disk(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
-        trainer.checkpointer._write_files = full_disk
+        monkeypatch.setattr(trainer.checkpointer, "_write_files", full_disk)
     start = time.perf_counter()
     try:
         trainer.save(is_best=False)
@@ -156,10 +179,10 @@ def _failures(rank: int, out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
+def test_a_failing_rank_ends_every_rank_with_its_error(ranks):
     """A rank failing in evaluation, or rank 0 failing to write a checkpoint, must not leave the others
     waiting in a collective until the timeout: every rank stops within seconds, naming the failure."""
-    rank0, rank1 = _spawn("failures", tmp_path)
+    rank0, rank1 = _observed(ranks, "failures")
     assert rank1["evaluate"].startswith("OSError: cannot identify image file")
     assert (
         rank0["evaluate"] == "RankFailed: rank 1 failed: OSError: cannot identify image file 'val/0007.jpg'"
@@ -169,7 +192,7 @@ def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
     assert max(rank0["evaluate_s"], rank1["evaluate_s"], rank0["save_s"], rank1["save_s"]) < 20
 
 
-def _startup(rank: int, out: Path) -> dict:
+def _startup(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """Rank 0 cannot open its run log (an MLflow server that is down) while rank 1 starts normally."""
     if rank == 0:
 
@@ -177,7 +200,7 @@ def _startup(rank: int, out: Path) -> dict:
             def __init__(self, *args, **kwargs):
                 raise ConnectionError("MLflow server http://tracking:5000 is down")
 
-        logging_module.MlflowRun = Unreachable
+        monkeypatch.setattr(logging_module, "MlflowRun", Unreachable)
     level = logging.getLogger("mlcls").level
     start = time.perf_counter()
     try:
@@ -190,10 +213,10 @@ def _startup(rank: int, out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_failing_rank0_start_up_ends_every_rank(tmp_path):
+def test_a_failing_rank0_start_up_ends_every_rank(ranks):
     """Rank 0's start-up work (config.yaml, TensorBoard, MLflow) fails: rank 1 must not go on to train and
     wait for it in DDP; both raise within seconds, and rank 1's logger keeps its level."""
-    rank0, rank1 = _spawn("startup", tmp_path)
+    rank0, rank1 = _observed(ranks, "startup")
     error = "ConnectionError: MLflow server http://tracking:5000 is down"
     assert (rank0["outcome"], rank1["outcome"]) == (error, f"RankFailed: rank 0 failed: {error}")
     assert max(rank0["seconds"], rank1["seconds"]) < 60
@@ -201,10 +224,10 @@ def test_a_failing_rank0_start_up_ends_every_rank(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- resume under DDP
-def _resume(rank: int, out: Path) -> dict:
+def _resume(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """An uninterrupted epoch; the same epoch stopped by a signal to rank 0 after step 2, then resumed
     while rank 1 sees no checkpoint of its own (as on a node whose file system lags)."""
-    preemption.POLL_EVERY = 1
+    monkeypatch.setattr(preemption, "POLL_EVERY", 1)
     level_before = logging.getLogger("mlcls").level
     straight = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'straight'}"])).fit()
     level_after = logging.getLogger("mlcls").level
@@ -223,7 +246,7 @@ def _resume(rank: int, out: Path) -> dict:
     except Exception as exc:  # noqa: BLE001
         stopped = type(exc).__name__
     if rank == 1:  # what choose_resume_checkpoint lists: had rank 1 chosen for itself, it would start afresh
-        checkpoint_module.resume_candidates = lambda directory: []
+        monkeypatch.setattr(checkpoint_module, "resume_candidates", lambda directory: [])
     resumed_trainer = Trainer(
         compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}", "trainer.resume=auto"])
     )
@@ -244,11 +267,11 @@ def _resume(rank: int, out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_mid_epoch_resume_under_ddp_matches_the_uninterrupted_run(tmp_path):
+def test_mid_epoch_resume_under_ddp_matches_the_uninterrupted_run(ranks):
     """Rank 0 chooses the checkpoint for every rank, and every rank's partial loss sum is restored."""
-    rank0, rank1 = _spawn("resume", tmp_path)
+    rank0, rank1 = _observed(ranks, "resume")
     # The flag set during step 2 is exchanged after it and read after step 3 (POLL_EVERY = 1).
-    state = load_checkpoint(tmp_path / "stopped" / "checkpoints" / "iter_000000003.pt")
+    state = load_checkpoint(ranks[0] / "resume" / "stopped" / "checkpoints" / "iter_000000003.pt")
     assert (state["epoch"], state["step"]) == (0, 3)
     assert len(state["partial"]) == WORLD and state["partial"][0] != state["partial"][1]
     for observed in (rank0, rank1):
@@ -264,7 +287,8 @@ def test_mid_epoch_resume_under_ddp_matches_the_uninterrupted_run(tmp_path):
     assert rank1["levels"][0] == rank1["levels"][1] != logging.WARNING
 
 
-SCENARIOS = {"slurm": _slurm, "failures": _failures, "startup": _startup, "resume": _resume}
+# In this order: the SLURM scenario starts the process group.
+SCENARIOS = {"slurm": _slurm, "startup": _startup, "failures": _failures, "resume": _resume}
 
 
 # ---------------------------------------------------------------------------------------------- one process
@@ -284,20 +308,26 @@ class _CountReads:
 
     def _wrap(self, name, original):
         def counted(tensor, *args, **kwargs):
-            frames = traceback.extract_stack()[:-1]
-            in_loop = any(f.name == "train_one_epoch" for f in frames)
-            in_data = any("/mlcls/data/" in f.filename or "/torch/utils/data/" in f.filename for f in frames)
-            label_check = any(f.name == "prepare" and "/mlcls/losses/" in f.filename for f in frames)
+            caller = sys._getframe(1)
+            in_loop = in_data = label_check = False
+            frame = caller
+            while frame is not None:  # the calling frames (walked, not extracted: no source lines read)
+                name_, filename = frame.f_code.co_name, frame.f_code.co_filename
+                in_loop = in_loop or name_ == "train_one_epoch"
+                in_data = in_data or "/mlcls/data/" in filename or "/torch/utils/data/" in filename
+                label_check = label_check or (name_ == "prepare" and "/mlcls/losses/" in filename)
+                frame = frame.f_back
             if in_loop and not in_data and not label_check:
-                self.calls.append(f"{name} at {frames[-1].filename}:{frames[-1].lineno}")
+                self.calls.append(f"{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
             return original(tensor, *args, **kwargs)
 
         return counted
 
 
 RMSPROP = ["optim._target_=torch.optim.RMSprop", "~optim.fused", "~optim.betas", "+optim.momentum=0.9"]
-# CPU fp16 kernels are slow: the fp16 tests train on batches of 8 (the behaviour does not depend on the size)
-SMALL_BATCH = ["trainer.batch_size=8"]
+# CPU kernels (fp16's most) are slow: these tests train timm's test_resnet (a ResNet of 0.4 M parameters) on
+# batches of 8 (the behaviour depends on neither size)
+SMALL_BATCH = ["model.name=test_resnet", "trainer.batch_size=8"]
 
 
 @pytest.mark.parametrize(
@@ -306,19 +336,17 @@ SMALL_BATCH = ["trainer.batch_size=8"]
         [],  # AdamW, fused
         ["trainer.grad_clip=1.0", "trainer.ema_decay=0.99"],
         RMSPROP,  # not fused: its non-finite steps are skipped by restoring a copy
-        pytest.param(
-            [*RMSPROP, "trainer.amp=fp16", *SMALL_BATCH], marks=pytest.mark.slow
-        ),  # with fp16's loss scale
+        pytest.param([*RMSPROP, "trainer.amp=fp16"], marks=pytest.mark.slow),  # with fp16's loss scale
     ],
 )
 @pytest.mark.slow
 def test_the_training_loop_reads_the_device_only_at_log_steps(tmp_path, monkeypatch, extra):
-    """Steps between log steps cost no host read: an epoch of 8 steps reads as often as one of 2, with a
+    """Steps between log steps cost no host read: an epoch of 4 steps reads as often as one of 2, with a
     fused optimizer or not, with fp16's loss scale or not."""
 
     def reads(steps: int) -> list[str]:
         cfg = compose_config(
-            [*TINY, *extra, "trainer.log_every=1000", f"trainer.limit_train_batches={steps}",
+            [*TINY, *extra, *SMALL_BATCH, "trainer.log_every=1000", f"trainer.limit_train_batches={steps}",
              f"trainer.output_dir={tmp_path / str(steps)}"]
         )  # fmt: skip
         trainer = Trainer(cfg)
@@ -327,8 +355,9 @@ def test_the_training_loop_reads_the_device_only_at_log_steps(tmp_path, monkeypa
         monkeypatch.undo()
         return counter.calls
 
-    two, eight = reads(2), reads(8)
-    assert len(eight) == len(two), "\n".join(eight)
+    two, four = reads(2), reads(4)
+    assert two  # the counter works: the epoch's end reads its totals
+    assert len(four) == len(two), "\n".join(four)
 
 
 # Losses whose steps must not synchronise either: the default, and those with a row per training sample
@@ -429,7 +458,7 @@ def test_mixed_precision_trains_on_the_cpu(tmp_path, amp, dtype):
     """trainer.amp=bf16|fp16 on the CPU: the forward runs under autocast in that dtype (evaluation too,
     eval_amp=null) and a short run trains to finite losses and metrics."""
     cfg = compose_config(
-        [*TINY, "trainer.device=cpu", f"trainer.amp={amp}", "trainer.epochs=1",
+        [*TINY, *SMALL_BATCH, "trainer.device=cpu", f"trainer.amp={amp}", "trainer.epochs=1",
          "trainer.limit_train_batches=1", "trainer.limit_val_batches=1", f"trainer.output_dir={tmp_path}"]
     )  # fmt: skip
     trainer = Trainer(cfg)
@@ -457,6 +486,7 @@ def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
         compose_config(
             [
                 *TINY,
+                *SMALL_BATCH,
                 "trainer.epochs=1",
                 "trainer.amp=none",  # the stored config says fp16 below: no bf16 step needed
                 "trainer.limit_train_batches=1",
@@ -473,7 +503,13 @@ def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mlcls"):
         trainer = Trainer(
             compose_config(
-                [*TINY, "trainer.amp=bf16", f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
+                [
+                    *TINY,
+                    *SMALL_BATCH,
+                    "trainer.amp=bf16",
+                    f"trainer.output_dir={run_dir}",
+                    "trainer.resume=auto",
+                ]
             )
         )
     assert "trained with trainer.amp=fp16; continuing with trainer.amp=bf16 (fresh loss scale)" in caplog.text
@@ -492,6 +528,20 @@ def test_paper_presets_on_one_process_warn_about_batchnorm(caplog):
     assert not caplog.text
 
 
+def _train_in_process(monkeypatch, cwd: Path, *args: str) -> int:
+    """The exit status of ``mlcls-train *args`` run in this process in directory ``cwd``."""
+    from mlcls.cli.train import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["mlcls-train", *args])
+    try:
+        main()
+    except SystemExit as exc:
+        return exc.code
+    return 0
+
+
 @pytest.mark.parametrize(
     ("mistake", "message"),
     [
@@ -500,22 +550,29 @@ def test_paper_presets_on_one_process_warn_about_batchnorm(caplog):
     ],
 )
 @pytest.mark.slow
-def test_failed_checks_leave_no_run_directory(tmp_path, mistake, message):
-    from conftest import cli, run_cli
-
-    result = run_cli(cli("mlcls-train", *TINY, mistake, "hydra.run.dir=runs/x"), cwd=tmp_path)
-    assert result.returncode == 2
-    assert message in result.stderr
+def test_failed_checks_leave_no_run_directory(tmp_path, monkeypatch, capsys, mistake, message):
+    assert _train_in_process(monkeypatch, tmp_path, *TINY, mistake, "hydra.run.dir=runs/x") == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow
-def test_hydra_run_dir_is_the_run_directory(tmp_path):
+def test_the_console_script_exits_2_on_a_failed_check(tmp_path):
+    """The installed ``mlcls-train`` (a process of its own) ends with the exit status ``main`` gives."""
     from conftest import cli, run_cli
 
-    overrides = [*TINY, "trainer.epochs=1", "dataset.train_size=64", "dataset.val_size=20"]
-    result = run_cli(cli("mlcls-train", *overrides, "hydra.run.dir=runs/first"), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_cli(
+        cli("mlcls-train", *TINY, "trainer.max_nonfinite=0", "hydra.run.dir=runs/x"), cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert "trainer.max_nonfinite=0; expected a positive integer" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_hydra_run_dir_is_the_run_directory(tmp_path, monkeypatch):
+    overrides = [*TINY, *SMALL_BATCH, "trainer.epochs=1", "dataset.train_size=64", "dataset.val_size=20"]
+    assert _train_in_process(monkeypatch, tmp_path, *overrides, "hydra.run.dir=runs/first") == 0
     assert (tmp_path / "runs/first/results.json").is_file()
     assert (tmp_path / "runs/first/checkpoints/best.pt").is_file()
     assert not (tmp_path / "outputs").exists()
