@@ -406,7 +406,8 @@ def _train_on_rank(rank: int, packed: str, urls: str, port: int, out: str) -> No
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_num_threads(1)
-    Trainer(compose_config(shard_training(Path(packed), urls, Path(out)))).fit()
+    # on the CPU: a rank forked from a process that may have used CUDA cannot use it
+    Trainer(compose_config([*shard_training(Path(packed), urls, Path(out)), "trainer.device=cpu"])).fit()
 
 
 @pytest.mark.slow
@@ -423,7 +424,10 @@ def test_shards_train_on_two_processes_and_evaluate_alike_on_one(pack: str, tmp_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_train_on_rank, args=(str(packed), urls, port, str(tmp_path)), nprocs=2, join=True)
+    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
+    mp.start_processes(
+        _train_on_rank, args=(str(packed), urls, port, str(tmp_path)), nprocs=2, start_method="fork"
+    )
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2 and results["epochs_completed"] == 1
     cfg = OmegaConf.merge(
@@ -486,6 +490,7 @@ def evaluate_shards(packed: Path, urls: str, rank: int, world: int) -> dict:
 
 def _evaluate_on_rank(rank: int, packed: str, urls: str, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
         torch.save(evaluate_shards(Path(packed), urls, rank, 2), Path(out) / f"rank{rank}.pt")
@@ -502,7 +507,10 @@ def test_evaluation_is_equal_on_one_and_two_processes(packed: Path, tmp_path: Pa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_evaluate_on_rank, args=(str(packed), urls, port, str(tmp_path)), nprocs=2, join=True)
+    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
+    mp.start_processes(
+        _evaluate_on_rank, args=(str(packed), urls, port, str(tmp_path)), nprocs=2, start_method="fork"
+    )
     alone = evaluate_shards(packed, urls, 0, 1)
     expected = SyntheticMultiLabel("val", val_size=30).labels
     torch.testing.assert_close(alone["labels"], expected.to(torch.int8))  # each sample once, in order

@@ -325,13 +325,13 @@ def _ddp_schedule() -> list[tuple[int, Tensor, Tensor]]:
 
 @pytest.mark.slow
 def test_cp_under_ddp_keeps_the_same_table_on_every_rank(tmp_path):
-    mp.set_forkserver_preload([__name__])
+    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
     context = mp.start_processes(
         _ddp_worker,
         args=(str(tmp_path / "store"), str(tmp_path)),
         nprocs=WORLD,
         join=False,
-        start_method="forkserver",
+        start_method="fork",
     )
     deadline = time.monotonic() + 120
     while not context.join(timeout=5):  # raises if a rank failed, with its traceback
