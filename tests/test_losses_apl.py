@@ -351,8 +351,9 @@ def test_two_gloo_processes_give_the_table_of_one(tmp_path):
     from mlcls.engine.evaluate import predict_training_set
 
     out = str(tmp_path / "table")
+    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
     context = mp.start_processes(
-        _apl_on_rank, args=(str(tmp_path / "store"), out), nprocs=WORLD, join=False, start_method="spawn"
+        _apl_on_rank, args=(str(tmp_path / "store"), out), nprocs=WORLD, join=False, start_method="fork"
     )
     deadline = time.monotonic() + 120
     while not context.join(timeout=5):

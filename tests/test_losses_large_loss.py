@@ -325,13 +325,13 @@ def _ddp_schedule() -> list[tuple[int, Tensor, Tensor]]:
 
 @pytest.mark.slow
 def test_cp_under_ddp_keeps_the_same_table_on_every_rank(tmp_path):
-    mp.set_forkserver_preload([__name__])
+    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
     context = mp.start_processes(
         _ddp_worker,
         args=(str(tmp_path / "store"), str(tmp_path)),
         nprocs=WORLD,
         join=False,
-        start_method="forkserver",
+        start_method="fork",
     )
     deadline = time.monotonic() + 120
     while not context.join(timeout=5):  # raises if a rank failed, with its traceback
@@ -357,16 +357,24 @@ def test_cp_under_ddp_keeps_the_same_table_on_every_rank(tmp_path):
 # refusals, before training, in one line
 
 
-@pytest.mark.slow
-def test_cp_table_over_its_limit_stops_the_cli_before_training_in_one_line(tmp_path):
-    from conftest import cli, run_cli
+@pytest.mark.slow  # Hydra's composition and the trainer's setup: seconds
+def test_cp_table_over_its_limit_stops_the_cli_before_training_in_one_line(tmp_path, monkeypatch, capsys):
+    """mlcls-train's ``main``, run in this process (the installed entry point's process and exit status are
+    test_engine_cluster.py's and test_rundir_lock.py's)."""
+    import sys
+
+    from mlcls.cli.train import main
 
     args = [*TINY, "trainer.device=cpu", "trainer.amp=none", f"trainer.output_dir={tmp_path / 'run'}"]
-    result = run_cli(
-        cli("mlcls-train", *args, "loss=ll", "loss.mode=cp", "loss.max_table_entries=10"), tmp_path
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    monkeypatch.setattr(
+        sys, "argv", ["mlcls-train", *args, "loss=ll", "loss.mode=cp", "loss.max_table_entries=10"]
     )
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
+    with pytest.raises(SystemExit) as exit_status:
+        main()
+    assert exit_status.value.code not in (0, None)
+    lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [
         "mlcls: error: loss=ll: ll keeps a table of 192 training samples x 12 classes = 2,304 entries "
         "(0.0 GB per process), over loss.max_table_entries=10; train on fewer samples or classes, or raise "

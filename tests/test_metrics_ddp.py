@@ -95,7 +95,13 @@ def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_two_gloo_processes_give_the_single_process_figures(tmp_path: Path) -> None:
-    mp.spawn(_evaluate_on_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
+    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
+    mp.start_processes(
+        _evaluate_on_rank,
+        args=(str(tmp_path / "rendezvous"), str(tmp_path)),
+        nprocs=WORLD,
+        start_method="fork",
+    )
     logits, labels = make_dataset()
     expected = compute_metrics(logits.float(), labels, CLASS_NAMES, voc11=True)
     loader = build_eval_loader(torch.utils.data.TensorDataset(torch.arange(SIZE), labels), 64, 0, 0, 1,

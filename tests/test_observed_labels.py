@@ -210,7 +210,8 @@ def test_two_gloo_processes_draw_the_rows_of_one(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "gathered.pt"
-    mp.spawn(_gather_on_rank, args=(port, str(out)), nprocs=2, join=True)
+    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
+    mp.start_processes(_gather_on_rank, args=(port, str(out)), nprocs=2, start_method="fork")
     gathered = torch.load(out)
     dataset = regime_dataset()
     single = targets(dataset)
