@@ -47,16 +47,13 @@ FILLED = {
     },
 }
 METRIC_LABELS = {"mAP_class": "mAP@class", "mAP_sample": "mAP@sample"}
-# Appended to the smoke sweeps (user overrides, as on the command line): each of the 12 runs takes one
-# training step on 16-pixel images and scores 16 validation images, the least that fills every cell.
-SMALLER = ("trainer.limit_train_batches=1", "dataset.image_size=16", "dataset.val_size=16")
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> Path:
-    """``mlcls-reproduce all --smoke`` once for the module: per table 2 runs of 1 iteration on the CPU."""
+    """``mlcls-reproduce all --smoke`` once for the module: per table 2 runs of 2 iterations on the CPU."""
     root = tmp_path_factory.mktemp("reproduce")
-    assert reproduce.main(["all", "--smoke", "--sweep-dir", str(root), *SMALLER]) == 0
+    assert reproduce.main(["all", "--smoke", "--sweep-dir", str(root)]) == 0
     return root
 
 
@@ -195,6 +192,6 @@ def test_table_script_runs_the_command(tmp_path):
 def test_same_command_resumes_and_skips_finished_runs(smoke):
     runs = sorted((smoke / "table2" / "smoke").glob("*/checkpoints/last.pt"))
     before = [(p.stat().st_mtime_ns, (p.parents[1] / "results.json").read_text()) for p in runs]
-    assert reproduce.main(["table2", "--smoke", "--sweep-dir", str(smoke), *SMALLER]) == 0
+    assert reproduce.main(["table2", "--smoke", "--sweep-dir", str(smoke)]) == 0
     after = [(p.stat().st_mtime_ns, (p.parents[1] / "results.json").read_text()) for p in runs]
     assert len(runs) == 2 and after == before  # nothing retrained, nothing rewritten
