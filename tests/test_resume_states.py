@@ -28,12 +28,9 @@ from mlcls.engine.trainer import Trainer
 
 # One epoch of the tiny run (fused SGD) with a loss that has state (ROLE's label table, trained by the
 # optimizer) and an EMA: every part a resume loads. trainer.epochs=2 when resumed.
-# 96 training and 40 validation images.
-TRAIN = 96
-RUN = [*TINY, f"dataset.train_size={TRAIN}", "dataset.val_size=40", "trainer.epochs=1", "loss=role",
-       "loss.expected_positives=2.0", "trainer.ema_decay=0.9"]  # fmt: skip
+RUN = [*TINY, "trainer.epochs=1", "loss=role", "loss.expected_positives=2.0", "trainer.ema_decay=0.9"]
 EPOCHS = 2
-ITERS_PER_EPOCH = TRAIN // 32  # dataset.train_size // trainer.batch_size, the last partial batch dropped
+ITERS_PER_EPOCH = 192 // 32  # dataset.train_size // trainer.batch_size, the last partial batch dropped
 CPU = torch.device("cpu")
 
 
@@ -142,7 +139,7 @@ CRAFTED = [
     ("sgd", "epoch -5", _set(epoch=-5), ["epoch holds -5", "from 0 to 2"]),
     ("sgd", "epoch -10**12", _set(epoch=-(10**12)), ["epoch holds -1000000000000", "from 0 to 2"]),
     ("sgd", "epoch past trainer.epochs", _set(epoch=3), ["epoch holds 3", "from 0 to 2"]),
-    ("sgd", "step past the epoch", _set(step=ITERS_PER_EPOCH), ["step holds 3", "from 0 to 2"]),
+    ("sgd", "step past the epoch", _set(step=ITERS_PER_EPOCH), ["step holds 6", "from 0 to 5"]),
     ("sgd", "step negative", _set(step=-1), ["step holds -1"]),
     (
         "sgd",
@@ -171,7 +168,7 @@ CRAFTED = [
         _set(step=2, partial=[{"seen": -3}]),
         ["partial[0]['seen'] holds -3"],
     ),
-    ("sgd", "ROLE's label table 3x3", _loss_state, ["loss['label_logits']", "(3, 3)", f"({TRAIN}, "]),
+    ("sgd", "ROLE's label table 3x3", _loss_state, ["loss['label_logits']", "(3, 3)", "(192, "]),
     ("sgd", "scheduler counters negative", _scheduler, ["scheduler['last_epoch'] holds -7"]),
     ("sgd", "EMA updates negative", lambda c: c["ema"].update(updates=-1), ["ema updates holds -1"]),
     ("sgd", "history of strings", _set(history=["x"]), ["history[0] holds 'x'"]),
@@ -216,7 +213,7 @@ def test_trainer_resume_refuses_a_negative_epoch_in_one_line(genuine, tmp_path) 
             ]
         )
         outcome = bounded(lambda c=cfg: Trainer(c).state.epoch, seconds=60)
-        assert_one_line(outcome, "epoch holds -5" if crafted["epoch"] == -5 else "step holds 3")
+        assert_one_line(outcome, "epoch holds -5" if crafted["epoch"] == -5 else "step holds 6")
 
 
 # ----------------------------------------------------------------------------- fuzz
