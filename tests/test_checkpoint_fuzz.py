@@ -27,13 +27,24 @@ import pytest
 import torch
 from conftest import compose_config
 
-SEEDS = 40  # mutated checkpoints per run (each read by eval and by predict)
+SEEDS = 24  # mutated checkpoints per run (each read by eval and by predict); between them they apply every
+# kind of mutation (KINDS), which the test checks
 MUTATIONS_PER_CHECKPOINT = (1, 3)
 SECONDS_PER_READ = 8.0  # a read (eval or predict) of one mutated checkpoint, on a loaded CI machine
 ADDRESS_SPACE_GB = 6.0  # the child's address-space limit above what it has mapped after its imports
 # The child's peak RSS over the 80 reads: 1,295 MiB measured alone, 2,054-2,134 MiB in the whole suite on a
 # loaded 2-core machine (torch.load reads from the open file, which copies each record once).
 PEAK_RSS_MIB = 3072
+# What each kind of mutation writes first in its description (:func:`mutate`'s "other": a whole field).
+KINDS = {
+    "dataset": "config.dataset.",
+    "shards": "config.dataset=shards",
+    "model": "config.model.",
+    "classes": "classes=",
+    "preprocess": "preprocess",
+    "weights": "model[",
+    "other": ("config=", "thresholds=", "model="),
+}
 
 # The genuine run the mutations start from: a tiny timm network on the synthetic data, one short epoch.
 RUN = [
@@ -274,11 +285,13 @@ def fuzz(checkpoint: Path, images: Path, work: Path, seeds: range) -> dict[str, 
                 ),
             ),
         ]
-    report: dict[str, Any] = {"escapes": [], "outcomes": {"ok": 0, "refused": 0}, "slowest": 0.0}
+    report: dict[str, Any] = {"escapes": [], "outcomes": {"ok": 0, "refused": 0}, "slowest": 0.0, "kinds": []}
     for seed in seeds:
         rng = random.Random(seed)
         state = copy.deepcopy(genuine)
         done = mutate(state, rng, marker, server.url)
+        kinds = {kind for kind, start in KINDS.items() for what in done if what.startswith(start)}
+        report["kinds"] = sorted({*report["kinds"], *kinds})
         torch.save(state, path)
         for read, cfg in commands:
             command = read.__module__.rsplit(".", 1)[-1]
@@ -335,6 +348,7 @@ def test_mutated_checkpoints_load_or_fail_in_one_line(genuine, tmp_path):
     assert report["escapes"] == [], json.dumps(report["escapes"][:5], indent=1)
     assert not report["marker"] and report["requests"] == 0
     assert report["outcomes"]["ok"] > 0 and report["outcomes"]["refused"] > 0  # both kinds were reached
+    assert report["kinds"] == sorted(KINDS)  # every kind of mutation was applied
     assert report["slowest"] < SECONDS_PER_READ and report["peak_rss_mib"] < PEAK_RSS_MIB
 
 

@@ -25,6 +25,9 @@ from mlcls.inference.predictor import load_inference_model
 from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, describe_rule
 
 MASK = 2**64 - 1
+# The trained tests' data: half of TINY's training images, 40 validation images.
+TRAIN, VAL = 96, 40
+SMALL = [*TINY, f"dataset.train_size={TRAIN}", f"dataset.val_size={VAL}"]
 
 
 def splitmix(value: int) -> int:
@@ -136,13 +139,13 @@ def test_the_held_out_split_selects_the_epoch(tmp_path, monkeypatch) -> None:
     # the validation split would pick epoch 3, the held-out split picks epoch 2
     monkeypatch.setattr(trainer_module, "evaluate", scripted_evaluation([10, 20, 30], [50, 60, 40], calls))
     cfg = compose_config(
-        [*TINY, "trainer.epochs=3", "dataset.holdout_fraction=0.25", f"trainer.output_dir={tmp_path}"]
+        [*SMALL, "trainer.epochs=3", "dataset.holdout_fraction=0.25", f"trainer.output_dir={tmp_path}"]
     )
     trainer = Trainer(cfg)
     results = trainer.fit()
-    held = np.array([reference_held_out(0.25, 0, i) for i in range(192)])
+    held = np.array([reference_held_out(0.25, 0, i) for i in range(TRAIN)])
     assert len(trainer.data.train_set) == (~held).sum() and len(trainer.data.holdout_set) == held.sum()
-    assert calls == [("val", 75), ("holdout", held.sum())] * 3
+    assert calls == [("val", VAL), ("holdout", held.sum())] * 3
     assert json.loads((tmp_path / "results.json").read_text())["best"] == results["best"]
     best = results["best"]
     assert (best["epoch"], best["mAP_class"], best["selected_on"]) == (2, 20, "holdout")
@@ -190,7 +193,7 @@ def test_thresholds_are_calibrated_on_the_held_out_split_when_its_labels_are_the
         return evaluation
 
     monkeypatch.setattr(trainer_module, "evaluate", evaluate)
-    cfg = compose_config([*TINY, "trainer.epochs=1", *overrides, f"trainer.output_dir={tmp_path}"])
+    cfg = compose_config([*SMALL, "trainer.epochs=1", *overrides, f"trainer.output_dir={tmp_path}"])
     Trainer(cfg).fit()
     assert sorted(seen) == (["holdout", "validation"] if overrides else ["validation"])
     expected = {
@@ -212,22 +215,22 @@ def test_thresholds_are_calibrated_on_the_held_out_split_when_its_labels_are_the
 
 @pytest.mark.slow
 def test_without_a_held_out_split_results_keep_their_format(tmp_path) -> None:
-    cfg = compose_config([*TINY, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"])
+    cfg = compose_config([*SMALL, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"])
     results = Trainer(cfg).fit()
     assert set(results["best"]) == {"epoch", "mAP_class", "mAP_sample", "weights"}
     assert "selection" not in results["metrics"] and "selection" not in results["history"][0]
     assert set(results["dataset"]) == {"name", "num_classes", "train_size", "val_size"}
-    assert results["dataset"]["train_size"] == 192
+    assert results["dataset"]["train_size"] == TRAIN
 
 
 @pytest.mark.slow
 def test_a_per_sample_loss_trains_on_the_rest(tmp_path) -> None:
-    cfg = compose_config([*TINY, "loss=role", "loss.expected_positives=2", "trainer.epochs=1",
+    cfg = compose_config([*SMALL, "loss=role", "loss.expected_positives=2", "trainer.epochs=1",
                           "dataset.observed=single_positive", "dataset.holdout_fraction=0.25",
                           f"trainer.output_dir={tmp_path}"])  # fmt: skip
     trainer = Trainer(cfg)
     trainer.fit()
-    rest = int(sum(not reference_held_out(0.25, 0, i) for i in range(192)))
+    rest = int(sum(not reference_held_out(0.25, 0, i) for i in range(TRAIN)))
     assert trainer.criterion.label_logits.shape == (rest, 12)
     assert int(trainer.criterion.seen.sum()) == trainer.iters_per_epoch * 32
 

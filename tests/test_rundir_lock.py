@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, cli, compose_config, run_cli
+from conftest import TINY, compose_config
 from data_fixtures import truncate, write_csv
 from hostile import bounded
 from hydra.core.hydra_config import HydraConfig
@@ -268,11 +268,19 @@ def test_resume_auto_accepts_an_explicit_hydra_run_dir(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_auto_in_hydra_run_dir_through_the_cli(tmp_path):
-    common = [*TINY, *QUICK, f"hydra.run.dir={tmp_path / 'run'}"]
-    first = run_cli(cli("mlcls-train", *common, "trainer.epochs=1"), cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    second = run_cli(cli("mlcls-train", *common, "trainer.epochs=2", "trainer.resume=auto"), cwd=tmp_path)
-    assert second.returncode == 0, second.stderr
-    assert "resumed from" in second.stdout + second.stderr
+def test_resume_auto_in_hydra_run_dir_through_the_cli(tmp_path, monkeypatch, capsys):
+    """``mlcls-train``'s entry point in-process (its console script and exit status are proven by a
+    subprocess in test_train.py): Hydra's own run directory is where resume=auto finds the run."""
+    from mlcls.cli.train import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["mlcls-train", *TINY, *QUICK, f"hydra.run.dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(sys, "argv", [*common, "trainer.epochs=1"])
+    main()
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["epochs_completed"] == 1
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", [*common, "trainer.epochs=2", "trainer.resume=auto"])
+    main()
+    captured = capsys.readouterr()
+    assert "resumed from" in captured.out + captured.err
     assert json.loads((tmp_path / "run" / "results.json").read_text())["epochs_completed"] == 2
