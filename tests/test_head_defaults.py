@@ -9,11 +9,13 @@ import re
 
 import pytest
 import torch
-from conftest import cli, compose_config, run_cli
+from conftest import compose_config
 from omegaconf import OmegaConf
+from test_cli_errors import run_main
 from test_optim import paper_cosine_lr
 
 from mlcls.cli.overrides import compose_config as compose_config_checked
+from mlcls.cli.train import main as train_main
 from mlcls.engine.build import build_optimization
 from mlcls.engine.config_checks import check_config
 from mlcls.engine.optim import group_lrs
@@ -41,11 +43,13 @@ def test_the_composed_config_takes_each_heads_warmup_from_the_heads_config(head,
     check_config(cfg, world_size=1)
 
 
-@pytest.mark.slow
-def test_cfg_job_shows_the_heads_warmup(tmp_path):
-    shown = run_cli(cli("mlcls-train", "model.head=mldecoder", "--cfg", "job", "--resolve"), cwd=tmp_path)
-    assert shown.returncode == 0, shown.stderr
-    cfg = OmegaConf.create(shown.stdout)
+def test_cfg_job_shows_the_heads_warmup(tmp_path, monkeypatch, capsys):
+    """mlcls-train's --cfg job, in this process (test_train.py runs the installed console script)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["mlcls-train", "model.head=mldecoder", "--cfg", "job", "--resolve"]
+    code, err, out = run_main(train_main, argv, monkeypatch, capsys)
+    assert code == 0, err
+    cfg = OmegaConf.create(out)
     assert (cfg.sched.warmup_epochs, cfg.model.head.name, cfg.model.head.warmup_epochs) == (
         None,
         "mldecoder",
