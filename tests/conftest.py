@@ -44,6 +44,11 @@ TINY = [
 ]
 
 
+# The tiny run on resnet10t, for the tests whose reference is built as that model (its layer shapes, the
+# fields of its checkpoint, its report's thumbnails).
+TINY_RESNET10T = ["model.name=resnet10t" if o.startswith("model.name=") else o for o in TINY]
+
+
 def compose_config(overrides: list[str], config_name: str = "train") -> DictConfig:
     """The config ``mlcls-train <overrides>`` would run, composed in-process."""
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, TINY_RESNET10T
 from sklearn.metrics import average_precision_score
 
 from mlcls.bench.pipeline_bench import make_jpegs
@@ -67,7 +67,7 @@ def test_pipeline_without_jpegs_is_a_one_line_error(tmp_path, capsys):
 @pytest.mark.parametrize("loop", ["epoch", "step"])
 def test_step(capsys, tmp_path, monkeypatch, loop):
     monkeypatch.chdir(tmp_path)
-    main(["step", *TINY, "trainer.batch_size=8", "--loop", loop, "--repeats", "1", "--steps", "2",
+    main(["step", *TINY_RESNET10T, "trainer.batch_size=8", "--loop", loop, "--repeats", "1", "--steps", "2",
           "--warmup", "0"])  # fmt: skip
     result = json_line(capsys)
     assert result["loop"] == loop and result["steps"] == 2

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, compose_config
+from conftest import TINY_RESNET10T as TINY
+from conftest import compose_config
 from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 from PIL import Image

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import TINY, compose_config
+from conftest import TINY_RESNET10T as TINY
+from conftest import compose_config
 from PIL import Image
 
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel

@@ -10,7 +10,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from conftest import TINY, compose_config
+from conftest import TINY, TINY_RESNET10T, compose_config
 
 import mlcls
 from mlcls.models import create_model, split_parameters
@@ -308,7 +308,7 @@ def test_trained_head_exports_to_onnx_equal_to_predict(head, tmp_path):
     from mlcls.inference.predictor import load_inference_model
 
     overrides = [
-        *TINY,
+        *TINY_RESNET10T,
         "trainer.epochs=1",
         "dataset.train_size=32",
         "dataset.val_size=16",

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, compose_config
+from conftest import TINY_RESNET10T as TINY
+from conftest import compose_config
 from PIL import Image
 from sklearn.metrics import average_precision_score
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, compose_config
+from conftest import TINY_RESNET10T as TINY
+from conftest import compose_config
 from data_fixtures import truncate, write_csv
 from hostile import bounded
 from hydra.core.hydra_config import HydraConfig
