@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from cleanlab.multilabel_classification.rank import get_label_quality_scores_per_class
 from omegaconf import DictConfig, OmegaConf
 
 from mlcls.data import MultiLabelDataset
@@ -170,6 +169,9 @@ def rank_labels(labels: np.ndarray, probabilities: np.ndarray) -> tuple[np.ndarr
     """cleanlab's per-class label quality scores (N, C) of ``labels`` (N, C: 1 / 0 / -1, unknown taken as
     negative) under ``probabilities``, and the known entries as ``(row, column)`` pairs (K, 2), the lowest
     score first (ties: row, then column)."""
+    # imported here: cleanlab pulls in scikit-learn, SciPy and pandas (seconds of every mlcls-data start)
+    from cleanlab.multilabel_classification.rank import get_label_quality_scores_per_class
+
     given = [np.flatnonzero(row == 1).tolist() for row in labels]
     scores = np.asarray(get_label_quality_scores_per_class(given, probabilities)).reshape(labels.shape)
     known = np.argwhere(labels >= 0)

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from iterstrat.ml_stratifiers import MultilabelStratifiedShuffleSplit
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from torch.utils.data import Subset
@@ -214,6 +213,10 @@ def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np
     if len(labels) < 2:
         return np.ones(len(labels), dtype=bool)
     state = np.random.RandomState(np.random.SeedSequence(seed).generate_state(4))
+    # imported here: iterative-stratification pulls in scikit-learn and SciPy (2.3 s of every mlcls
+    # process's start on a 2-vCPU machine), which only this split needs
+    from iterstrat.ml_stratifiers import MultilabelStratifiedShuffleSplit
+
     splitter = MultilabelStratifiedShuffleSplit(n_splits=1, test_size=val_fraction, random_state=state)
     # with a column of ones: the splitter takes two columns at least (a file of one class)
     targets = np.column_stack([positive, np.ones(len(labels), dtype=bool)])
