@@ -557,19 +557,6 @@ def test_failed_checks_leave_no_run_directory(tmp_path, monkeypatch, capsys, mis
 
 
 @pytest.mark.slow
-def test_the_console_script_exits_2_on_a_failed_check(tmp_path):
-    """The installed ``mlcls-train`` (a process of its own) ends with the exit status ``main`` gives."""
-    from conftest import cli, run_cli
-
-    result = run_cli(
-        cli("mlcls-train", *TINY, "trainer.max_nonfinite=0", "hydra.run.dir=runs/x"), cwd=tmp_path
-    )
-    assert result.returncode == 2
-    assert "trainer.max_nonfinite=0; expected a positive integer" in result.stderr
-    assert not (tmp_path / "runs").exists()
-
-
-@pytest.mark.slow
 def test_hydra_run_dir_is_the_run_directory(tmp_path, monkeypatch):
     overrides = [*TINY, *SMALL_BATCH, "trainer.epochs=1", "dataset.train_size=64", "dataset.val_size=20"]
     assert _train_in_process(monkeypatch, tmp_path, *overrides, "hydra.run.dir=runs/first") == 0
