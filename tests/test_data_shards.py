@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import TINY, compose_config
 from data_fixtures import corrupt, write_voc
 from openimages_fixture import write_generated_openimages
 from PIL import Image, JpegImagePlugin
+from ranks import run_ranks
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
@@ -433,10 +433,7 @@ def test_shards_train_on_two_processes_and_evaluate_alike_on_one(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
-    mp.start_processes(
-        _train_on_rank, args=(str(packed), urls, port, str(tmp_path)), nprocs=2, start_method="fork"
-    )
+    run_ranks(_train_on_rank, (str(packed), urls, port, str(tmp_path)))
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2 and results["epochs_completed"] == 1
     assert_results_of_the_pack(results, packed, "openimages")
@@ -517,10 +514,7 @@ def test_evaluation_is_equal_on_one_and_two_processes(packed: Path, tmp_path: Pa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
-    mp.start_processes(
-        _evaluate_on_rank, args=(str(packed), urls, port, str(tmp_path)), nprocs=2, start_method="fork"
-    )
+    run_ranks(_evaluate_on_rank, (str(packed), urls, port, str(tmp_path)))
     alone = evaluate_shards(packed, urls, 0, 1)
     expected = SyntheticMultiLabel("val", val_size=30).labels
     torch.testing.assert_close(alone["labels"], expected.to(torch.int8))  # each sample once, in order

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import TINY, compose_config
+from ranks import run_ranks
 
 import mlcls.engine.checkpoint as checkpoint_module
 import mlcls.engine.logging as logging_module
@@ -86,15 +86,7 @@ def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     does not import torch again); otherwise they are spawned."""
     out = tmp_path_factory.mktemp("ranks")
     method = "spawn" if torch.cuda.is_available() else "fork"
-    context = mp.start_processes(
-        _on_rank, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method=method
-    )
-    deadline = time.monotonic() + 900
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the 2-process job did not end within 900 s")
+    run_ranks(_on_rank, (_free_port(), str(out)), WORLD, 900, "the 2-process job", method)
     return out, [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 

@@ -9,14 +9,13 @@ import math
 import os
 import re
 import signal
-import time
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import TINY, compose_config
+from ranks import run_ranks
 from test_losses_parity import RELEASED_EPS, TOL, clamp_terms, neg_log, random_batch, value_and_grad
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -351,16 +350,7 @@ def test_two_gloo_processes_give_the_table_of_one(tmp_path):
     from mlcls.engine.evaluate import predict_training_set
 
     out = str(tmp_path / "table")
-    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
-    context = mp.start_processes(
-        _apl_on_rank, args=(str(tmp_path / "store"), out), nprocs=WORLD, join=False, start_method="fork"
-    )
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("APL under DDP did not finish within 120 s")
+    run_ranks(_apl_on_rank, (str(tmp_path / "store"), out), WORLD, what="APL under DDP")
     ranks = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
     assert sorted(ranks[0]["indices"].tolist()) == list(range(SAMPLES))
     # one process scoring every sample with rank 0's model

@@ -19,12 +19,11 @@ What is checked, on every rank:
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -202,12 +201,4 @@ def test_gather_in_two_gloo_processes(tmp_path):
     # included, instead of two spawned interpreters importing them side by side.
     import torch._dynamo  # noqa: F401
 
-    context = mp.start_processes(
-        _worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=False, start_method="fork"
-    )
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=5):  # raises if a rank failed, with its traceback
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("DDP loss test did not finish within 120 s")
+    run_ranks(_worker, (str(tmp_path / "store"),), WORLD, what="DDP loss test")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import signal
-import time
 from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,9 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import TINY, compose_config
+from ranks import run_ranks
 from test_losses_parity import TOL, to_spml, value_and_grad
 from torch import Tensor
 
@@ -325,20 +324,7 @@ def _ddp_schedule() -> list[tuple[int, Tensor, Tensor]]:
 
 @pytest.mark.slow
 def test_cp_under_ddp_keeps_the_same_table_on_every_rank(tmp_path):
-    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
-    context = mp.start_processes(
-        _ddp_worker,
-        args=(str(tmp_path / "store"), str(tmp_path)),
-        nprocs=WORLD,
-        join=False,
-        start_method="fork",
-    )
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=5):  # raises if a rank failed, with its traceback
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("DDP LL-Cp test did not finish within 120 s")
+    run_ranks(_ddp_worker, (str(tmp_path / "store"), str(tmp_path)), WORLD, what="DDP LL-Cp test")
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     labels, single = observed_labels("partial"), cp_loss(0.1)
     for step, (epoch, samples, x) in enumerate(_ddp_schedule()):

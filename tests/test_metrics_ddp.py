@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 from mlcls.data.loader import build_eval_loader
 from mlcls.distributed import gather_rank_parts
@@ -95,13 +95,7 @@ def _evaluate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_two_gloo_processes_give_the_single_process_figures(tmp_path: Path) -> None:
-    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
-    mp.start_processes(
-        _evaluate_on_rank,
-        args=(str(tmp_path / "rendezvous"), str(tmp_path)),
-        nprocs=WORLD,
-        start_method="fork",
-    )
+    run_ranks(_evaluate_on_rank, (str(tmp_path / "rendezvous"), str(tmp_path)), WORLD)
     logits, labels = make_dataset()
     expected = compute_metrics(logits.float(), labels, CLASS_NAMES, voc11=True)
     loader = build_eval_loader(torch.utils.data.TensorDataset(torch.arange(SIZE), labels), 64, 0, 0, 1,

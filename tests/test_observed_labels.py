@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import assert_dataset_setting_refused, compose_config
+from ranks import run_ranks
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
@@ -210,8 +210,7 @@ def test_two_gloo_processes_draw_the_rows_of_one(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "gathered.pt"
-    # fork: the ranks share the imports of this process (a spawned rank imports torch and mlcls anew)
-    mp.start_processes(_gather_on_rank, args=(port, str(out)), nprocs=2, start_method="fork")
+    run_ranks(_gather_on_rank, (port, str(out)))
     gathered = torch.load(out)
     dataset = regime_dataset()
     single = targets(dataset)
