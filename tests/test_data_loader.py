@@ -62,11 +62,11 @@ def test_workers_are_capped_at_the_cpus_and_said_once(photos, two_cpus, caplog):
         warnings.simplefilter("error")  # torch's "This DataLoader will create 8 worker processes" warning
         train = build_train_loader(dataset, 2, 8, 0, 1, seed=0, device=CPU, backend="fast")
         evaluation = build_eval_loader(dataset, 2, 8, 0, 1, device=CPU)
-        assert train.num_workers == evaluation.num_workers == 2
+        assert train.num_workers == evaluation.loader.num_workers == 2
         assert len(list(evaluation)) == 2
     capped = [r.getMessage() for r in caplog.records if "CPUs" in r.getMessage()]
     assert capped == ["DataLoader workers capped at the 2 CPUs this process may use (8 requested)"]
-    assert build_eval_loader(dataset, 2, 1, 0, 1, device=CPU).num_workers == 1
+    assert build_eval_loader(dataset, 2, 1, 0, 1, device=CPU).loader.num_workers == 1
 
 
 def test_available_cpus_falls_back_to_the_cpu_count(monkeypatch):

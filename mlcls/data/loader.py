@@ -259,11 +259,10 @@ def build_eval_loader(
 class EvalBatches:
     """The batches ``(images, targets)`` of an evaluation ``loader``, the images moved to the device and
     finished by ``stage`` (a copy; with ``data.backend=gpu`` the decoding and normalisation), the targets
-    as loaded; ``dataset``, ``num_workers`` and ``len()`` the loader's."""
+    as loaded; ``dataset`` and ``len()`` the loader's."""
 
     def __init__(self, loader: DataLoader, stage: DeviceStage) -> None:
         self.loader, self.stage, self.dataset = loader, stage, loader.dataset
-        self.num_workers = loader.num_workers
 
     def __len__(self) -> int:
         return len(self.loader)
