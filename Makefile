@@ -17,17 +17,23 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/mlcls-train
 
-## test: the whole test suite (the command CI runs), one worker per core (pytest-xdist)
+# pytest-xdist, one worker per core, each given whole modules (their shared fixtures are made once), the
+# modules with the most slow tests first (tests/conftest.py). Python writes its bytecode caches even where
+# the environment says not to (PYTHONDONTWRITEBYTECODE, set in some containers): without them each of the
+# suite's processes compiles mlcls and the tests again.
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadscope --no-loadscope-reorder
+
+## test: the whole test suite (the command CI runs)
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist loadscope --durations=10
+	$(PYTEST) --durations=10
 
 ## test-fast: skip the tests marked slow (training, processes, subprocesses)
 test-fast: install
-	$(BIN)/python -m pytest -q -n auto --dist loadscope -m "not slow"
+	$(PYTEST) -m "not slow"
 
 ## test-long: the experiments that reproduce a documented figure (tests marked long; minutes each)
 test-long: install
-	$(BIN)/python -m pytest -q -n auto --dist loadscope -m long
+	$(PYTEST) -m long
 
 ## wheels: mlcls's non-torch dependencies for CPython 3.12 on manylinux x86_64, for a GPU machine without
 ## network (scripts/gpu_check.sh; docs/performance.md, "On a GPU"). numpy is left out: the image has it.
