@@ -249,13 +249,14 @@ def _check_group_options(config_name: str, overrides: Sequence[str]) -> None:
     """Raise :class:`ConfigError` for a config group choice (``loss=nope``) that is not one of its options,
     or of a group the command's config does not use (``mlcls-predict loss=bce``); Hydra must be initialised
     on ``mlcls/configs``."""
+    choices = [override for override in _parse(overrides) or [] if _is_group(override.key_or_group)]
+    if not choices:
+        return  # no composition: an unknown key is the usual mistake
     base = compose(config_name=config_name, return_hydra_config=True)
     used = set(base.hydra.runtime.choices)
     loader = GlobalHydra.instance().config_loader()
-    for override in _parse(overrides) or []:
+    for override in choices:
         group = override.key_or_group
-        if not _is_group(group):
-            continue
         if group not in used and override.type != OverrideType.ADD:
             keys = [str(key) for key in base if key != "hydra"]
             raise ConfigError(f"unknown option {group}: {closest_keys(group, keys)}")
