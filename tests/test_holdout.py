@@ -66,12 +66,18 @@ def test_the_cut_is_a_pure_function_of_seed_and_index() -> None:
     order = np.random.default_rng(0).permutation(n)[:500]
     assert np.array_equal(HoldoutSplit(fraction, "clean", 5).held_out(order), held[order])
     assert not np.array_equal(HoldoutSplit(fraction, "clean", 6).held_out(np.arange(n)), held)
-    # another process (another rank) draws the same cut
+    # another process (another rank) draws the same cut: a new interpreter runs the same module file, loaded
+    # alone (numpy and torch imported, not mlcls.data's timm and torchvision: seconds of a child's start)
     code = (
-        "import numpy as np; from mlcls.data.datasets.observed import HoldoutSplit; "
-        f"print(np.flatnonzero(HoldoutSplit({fraction}, 'clean', 5).held_out(np.arange({n}))).tolist())"
+        "import importlib.util, sys; import numpy as np; "
+        "spec = importlib.util.spec_from_file_location('observed', sys.argv[1]); "
+        "observed = sys.modules['observed'] = importlib.util.module_from_spec(spec); "
+        "spec.loader.exec_module(observed); "
+        f"held = observed.HoldoutSplit({fraction}, 'clean', 5).held_out(np.arange({n})); "
+        "print(np.flatnonzero(held).tolist())"
     )
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    source = sys.modules[HoldoutSplit.__module__].__file__
+    other = subprocess.run([sys.executable, "-c", code, source], capture_output=True, text=True, check=True)
     assert json.loads(other.stdout) == np.flatnonzero(held).tolist()
 
 

@@ -4,15 +4,13 @@ against the stored weights (one line, bounded memory), odd-typed fields, NaN wei
 from __future__ import annotations
 
 import copy
-import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hostile import bounded
 from test_inference_support import PAPER_SPEC, trained_run, write_images
 
 from mlcls.cli import predict as predict_cli
@@ -23,29 +21,30 @@ from mlcls.models import create_model
 # How far the address space of the process that loads a crafted checkpoint may grow (RLIMIT_AS): the
 # genuine model is 20 MB; the models the crafted files describe need 2 to 19 GB.
 HEADROOM = 1 << 30
-# Loads each checkpoint of argv[3:] and predicts argv[2] with it, the address space limited (RLIMIT_AS) to
-# its size now + argv[1] bytes; prints, per checkpoint, the error's type and message and the peak resident
-# memory above the one before (Linux's VmHWM, reset through /proc/self/clear_refs before each load).
-LIMITED_LOAD = """
-import json, resource, sys
-from pathlib import Path
-from mlcls.inference.predictor import load_inference_model, predict_images
 
-def status(field):
+
+def status(field: str) -> int:
+    """A field of this process's /proc/self/status, in bytes."""
     lines = Path("/proc/self/status").read_text().splitlines()
     return int(next(line for line in lines if line.startswith(field + ":")).split()[1]) << 10
 
-resource.setrlimit(resource.RLIMIT_AS, (status("VmSize") + int(sys.argv[1]), resource.RLIM_INFINITY))
-for checkpoint in sys.argv[3:]:
-    before = status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    try:
-        predict_images(load_inference_model(checkpoint, device="cpu"), [Path(sys.argv[2])])
-        error, message = None, None
-    except BaseException as exc:
-        error, message = type(exc).__name__, str(exc)
-    print(json.dumps({"error": error, "message": message, "grown": status("VmHWM") - before}), flush=True)
-"""
+
+def limited_loads(image: Path, checkpoints: list[Path]) -> list[dict]:
+    """Loads each checkpoint and predicts ``image`` with it (run by :func:`hostile.bounded`, in a forked child
+    whose address space may grow by :data:`HEADROOM`); per checkpoint, the error's type and message and the
+    peak resident memory above the one before (Linux's VmHWM, reset through /proc/self/clear_refs before
+    each load)."""
+    outcomes = []
+    for checkpoint in checkpoints:
+        before = status("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        try:
+            predict_images(load_inference_model(checkpoint, device="cpu"), [image])
+            error, message = None, None
+        except BaseException as exc:  # noqa: BLE001 - every outcome is what the test asserts on
+            error, message = type(exc).__name__, str(exc)
+        outcomes.append({"error": error, "message": message, "grown": status("VmHWM") - before})
+    return outcomes
 
 
 @pytest.fixture(scope="module")
@@ -131,15 +130,9 @@ def test_crafted_sizes_are_one_line_before_any_model_is_built(genuine, image, tm
     ]
     described = sum(value.numel() * value.element_size() for value in expanded.values())
     assert (tmp_path / "expanded.pt").stat().st_size < described / 500
-    proc = subprocess.run(
-        [sys.executable, "-c", LIMITED_LOAD, str(HEADROOM), str(image), *(str(path) for path, _ in cases)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    outcomes = [json.loads(line) for line in proc.stdout.splitlines()]
+    child = bounded(limited_loads, image, [path for path, _ in cases], memory_mb=HEADROOM >> 20, seconds=300)
+    assert child.error is None, child.trace[-3000:]
+    outcomes = child.value
     assert len(outcomes) == len(cases)
     for outcome, (path, pattern) in zip(outcomes, cases, strict=True):
         assert outcome["grown"] < 400 << 20, (path.name, outcome["grown"])
