@@ -100,7 +100,8 @@ def _logging_as_it_was():
     yield
     for logger, handlers, level, propagate in saved:
         logger.handlers[:] = handlers
-        logger.setLevel(level)
+        if logger.level != level:  # setLevel clears the cache of every logger: hundreds, for each of hundreds
+            logger.setLevel(level)
         logger.propagate = propagate
     known = {id(logger) for logger in loggers}
     for logger in list(logging.Logger.manager.loggerDict.values()):  # loggers the test created
