@@ -4,10 +4,10 @@ read by ``mlcls-eval`` and ``mlcls-predict`` as a user runs them. Each must eval
 with one of the errors the commands print as one line, within bounded time and memory, without running a
 command (a marker file) or reaching the network (a counting server on 127.0.0.1).
 
-The mutations run in a child process (forked from the test's, so that it starts with mlcls imported) whose
-address space is limited, so that an allocation a crafted field asks for fails there at once instead of
-exhausting the machine; a ``MemoryError`` anywhere in an error's chain counts as an escape, not as a one-line
-refusal.
+The mutations run in a child process forked from the test's (:func:`hostile.bounded`: it starts with mlcls
+imported) whose address space is limited, so that an allocation a crafted field asks for fails there at once
+instead of exhausting the machine; a ``MemoryError`` anywhere in an error's chain counts as an escape, not as
+a one-line refusal.
 """
 
 from __future__ import annotations
@@ -15,25 +15,22 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import random
-import resource
-import select
 import signal
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import compose_config
+from hostile import bounded
 
 SEEDS = 24  # mutated checkpoints per run (each read by eval and by predict); between them they apply every
 # kind of mutation (KINDS), which the test checks
 MUTATIONS_PER_CHECKPOINT = (1, 3)
 SECONDS_PER_READ = 8.0  # a read (eval or predict) of one mutated checkpoint, on a loaded CI machine
-ADDRESS_SPACE_GB = 6.0  # the child's address-space limit above what it has mapped after its imports
+ADDRESS_MB = 6144  # the child's address-space limit above what it has mapped when it starts (hostile.bounded)
 # The child's peak RSS over the 48 reads above its RSS when it starts (the forked test process's): the bound
 # of the child that started as a new interpreter (3,072 MiB, whose imports held about 500 MiB; it peaked at
 # 1,295 MiB measured alone, 2,054-2,134 MiB in the whole suite on a loaded 2-core machine: torch.load reads
@@ -240,13 +237,6 @@ def memory_kib(field: str) -> int:
     return int(next(line for line in lines if line.startswith(field + ":")).split()[1])
 
 
-def _limit_address_space() -> None:
-    with open("/proc/self/status") as status:
-        mapped_kb = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
-    limit = int(mapped_kb * 1024 + ADDRESS_SPACE_GB * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
 def _timeout(signum: int, frame: Any) -> None:
     raise TimeoutError(f"a read took over {SECONDS_PER_READ} s")
 
@@ -282,7 +272,6 @@ def fuzz(checkpoint: Path, images: Path, work: Path, seeds: range) -> dict[str, 
     marker = work / "marker"
     Path("/proc/self/clear_refs").write_text("5")  # the peak resident memory (VmHWM) := the RSS now
     start_rss = memory_kib("VmRSS")
-    _limit_address_space()
     signal.signal(signal.SIGALRM, _timeout)
     genuine = torch.load(checkpoint, weights_only=True)
     path = work / "mutated.pt"
@@ -345,38 +334,13 @@ def genuine(tmp_path_factory) -> tuple[Path, Path]:
     return root / "run" / "checkpoints" / "best.pt", images
 
 
-def fuzz_in_child(checkpoint: Path, images: Path, work: Path, seeds: range, seconds: float) -> dict[str, Any]:
-    """:func:`fuzz` in a forked child (one torch thread); its report, or the child's traceback raised here."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: run, report, exit without running the parent's exit handlers
-        os.close(read)
-        try:
-            torch.set_num_threads(1)
-            message = json.dumps({"report": fuzz(checkpoint, images, work, seeds)})
-        except BaseException:  # noqa: BLE001 - reported to the parent
-            message = json.dumps({"traceback": traceback.format_exc()})
-        with os.fdopen(write, "w") as pipe:
-            pipe.write(message)
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        ready, _, _ = select.select([pipe], [], [], seconds)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        message = pipe.read() if ready else ""
-    _, status = os.waitpid(pid, 0)
-    assert message, f"the fuzzing child did not report within {seconds:g} s (wait status {status})"
-    answer = json.loads(message)
-    assert "report" in answer, answer["traceback"][-3000:]
-    return answer["report"]
-
-
 @pytest.mark.slow
 def test_mutated_checkpoints_load_or_fail_in_one_line(genuine, tmp_path):
     checkpoint, images = genuine
     started = time.perf_counter()
-    report = fuzz_in_child(checkpoint, images, tmp_path, range(SEEDS), seconds=240)
+    outcome = bounded(fuzz, checkpoint, images, tmp_path, range(SEEDS), memory_mb=ADDRESS_MB, seconds=240)
+    assert outcome.error is None, outcome.trace[-3000:] or outcome.message
+    report = outcome.value
     print(
         f"{SEEDS} mutated checkpoints in {time.perf_counter() - started:.1f} s: {report['outcomes']}, "
         f"slowest read {report['slowest']:.2f} s, peak RSS +{report['peak_growth_mib']:.0f} MiB"
