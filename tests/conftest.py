@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -66,8 +67,6 @@ def compose_config(overrides: list[str], config_name: str = "train") -> DictConf
 def distinct_colours(pixels) -> int:
     """The number of distinct RGB colours of an (H, W, 3) uint8 image: each pixel packed into one integer,
     sorted once (``np.unique(..., axis=0)`` sorts rows as records: seconds for a screenshot)."""
-    import numpy as np
-
     rgb = pixels.reshape(-1, 3).astype(np.uint32)
     packed = np.sort((rgb[:, 0] << 16) | (rgb[:, 1] << 8) | rgb[:, 2])
     return int(np.count_nonzero(np.diff(packed))) + 1 if packed.size else 0

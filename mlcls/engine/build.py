@@ -104,18 +104,17 @@ def build_data(
             f"the training set has {len(train_set)} samples, fewer than one batch of {local_batch} per "
             f"process (trainer.batch_size={tcfg.batch_size} over {dist.world_size}); {hint}"
         )
+    eval_args = (*args, dist.device, channels_last)
     return RunData(
         train_set=train_set,
         val_set=val_set,
         train_loader=loader,
-        val_loader=build_eval_loader(val_set, *args, dist.device, channels_last),
+        val_loader=build_eval_loader(val_set, *eval_args),
         classes=list(train_set.classes),
         iters_per_epoch=iters,
         local_batch=local_batch,
         holdout_set=holdout_set,
-        holdout_loader=None
-        if holdout_set is None
-        else build_eval_loader(holdout_set, *args, dist.device, channels_last),
+        holdout_loader=None if holdout_set is None else build_eval_loader(holdout_set, *eval_args),
     )
 
 
