@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import multiprocessing.process
 import os
 import shutil
 import subprocess
@@ -203,23 +205,83 @@ def _spend(item: pytest.Item):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item):
-    yield from _spend(item)
-
-
-@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
     if call.when != "call" or not report.passed or item.get_closest_marker("slow"):
         return
     took = min(item.stash.get(_SPENT, [0.0, 0.0]))
+    started = item.stash.get(_STARTED, [])
     if took > UNMARKED_LIMIT_S:
         report.outcome = "failed"
         report.longrepr = (
             f"{item.nodeid} took {took:.1f} s without the slow marker; the limit for an "
             f"unmarked test is {UNMARKED_LIMIT_S:g} s: mark it @pytest.mark.slow or make it faster"
         )
+    elif started:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} started a process ({', '.join(sorted(set(started)))}) without the slow marker: "
+            "tests that spawn processes are marked @pytest.mark.slow"
+        )
+
+
+# An unmarked test may not start a process either (its setup and call): a fork, a subprocess, a
+# multiprocessing child (DataLoader workers) costs a new interpreter or a copy of the test process, and
+# their sum is what made the fast suite slow. Counted by wrapping the three ways a process starts; ``git``
+# (what a run's provenance asks, a few milliseconds) is not counted.
+_STARTED = pytest.StashKey[list]()  # how the running test started processes
+_RUNNING: list[pytest.Item] = []  # the test whose setup or call runs now
+_STARTERS = (
+    (os, "fork", "os.fork"),
+    (subprocess.Popen, "__init__", "subprocess"),
+    (multiprocessing.process.BaseProcess, "start", "multiprocessing"),
+)
+
+
+def _program(how: str, args: tuple, kwargs: dict) -> str:
+    """The program a ``subprocess.Popen(self, args, ...)`` runs (its file name), else ``how``."""
+    if how != "subprocess":
+        return how
+    command = kwargs.get("args", args[1] if len(args) > 1 else "")
+    first = command.split()[0] if isinstance(command, str) and command else (list(command) or [""])[0]
+    return Path(str(first)).name
+
+
+def _counted(original, how: str):
+    @functools.wraps(original)
+    def start(*args, **kwargs):
+        program = _program(how, args, kwargs)
+        if _RUNNING and program != "git":
+            _RUNNING[-1].stash.setdefault(_STARTED, []).append(program)
+        return original(*args, **kwargs)
+
+    start.__wrapped_starter__ = original
+    return start
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for owner, name, how in _STARTERS:
+        setattr(owner, name, _counted(getattr(owner, name), how))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for owner, name, _ in _STARTERS:
+        setattr(owner, name, getattr(owner, name).__wrapped_starter__)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    _RUNNING.append(item)
+    yield
+    _RUNNING.pop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    _RUNNING.append(item)
+    yield from _spend(item)
+    _RUNNING.pop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -135,6 +135,7 @@ def _kill_mid_write(path) -> None:
         process.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_the_debris_of_killed_writes_is_swept_when_the_run_directory_is_opened(tmp_path):
     run_dir = tmp_path / "run"
     for path in (run_dir / "checkpoints" / "iter_000000003.pt", run_dir / "results.json"):

@@ -34,6 +34,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 1])
 def test_pipeline(images, workers, capsys):
     main(["pipeline", "--images", images, "--n", "4", "--size", "32", "--batch-size", "2", "--repeats", "1",

@@ -111,6 +111,7 @@ def test_files_that_are_not_torch_archives_are_one_line(tmp_path, content):
     assert message.startswith(f"checkpoint {path}") and "\n" not in message, message
 
 
+@pytest.mark.slow
 def test_a_fifo_or_a_device_is_refused_at_once(tmp_path):
     fifo = tmp_path / "best.pt"
     os.mkfifo(fifo)
@@ -120,6 +121,7 @@ def test_a_fifo_or_a_device_is_refused_at_once(tmp_path):
         assert "expected a regular file" in outcome.value, outcome.value
 
 
+@pytest.mark.slow
 def test_a_link_flipped_to_a_fifo_never_blocks(tmp_path):
     """The path is opened once: whatever the link names at that moment is what is checked and read."""
     regular = tmp_path / "real.pt"

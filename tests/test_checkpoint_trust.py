@@ -224,6 +224,7 @@ def packed_synthetic(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_pipe_shard_source_in_a_checkpoint_is_refused_with_one_line(tmp_path, trained, packed_synthetic):
     """Item 1: a checkpoint (plain data) whose dataset config reads shards through ``pipe:`` ran the command
     in mlcls-eval; now a checkpoint's shard sources are local files only."""
@@ -357,6 +358,7 @@ def _pack_with_names(packed: Path, out: Path, names: dict[str, str]) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_manifest_names_never_reach_a_command(tmp_path, packed_synthetic, monkeypatch):
     """Item 5: a val shard named ``$(cmd)val-000000.tar`` ran ``cmd`` when the val URLs were made from the
     user's ``pipe:cat …`` training URLs; names are now plain file names, never written into a command."""

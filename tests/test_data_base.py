@@ -57,6 +57,7 @@ def test_error_mode_names_the_file(tmp_path: Path) -> None:
         dataset[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True])
 def test_skip_mode_replaces_and_counts_across_worker_processes(tmp_path: Path, persistent: bool) -> None:
     dataset = one_hot_dataset(tmp_path, 6, "skip")

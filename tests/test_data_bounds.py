@@ -61,6 +61,7 @@ def pipe_root(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("index", "kind"), [(1, "a pipe (FIFO)"), (2, "a character device")])
 def test_an_image_that_is_a_pipe_or_a_device_is_refused_at_once(
     pipe_root: Path, index: int, kind: str
@@ -77,6 +78,7 @@ def skip_and_pop(dataset: CSVDataset) -> tuple[int, list[str]]:
     return served, dataset.pop_bad_images()
 
 
+@pytest.mark.slow
 def test_on_bad_image_skip_counts_a_pipe_and_serves_the_next_image(pipe_root: Path) -> None:
     dataset = csv_dataset(pipe_root, on_bad_image="skip")
     outcome = bounded(skip_and_pop, dataset, memory_mb=MEMORY_MB, seconds=5)
@@ -93,6 +95,7 @@ def stats_check(root: Path) -> tuple[int, str]:
     return status, out.getvalue()
 
 
+@pytest.mark.slow
 def test_mlcls_data_stats_check_lists_a_pipe_and_a_device_at_once(pipe_root: Path) -> None:
     """Old: ``mlcls-data stats --check`` blocked on the FIFO (killed by a 30 s timeout)."""
     outcome = bounded(stats_check, pipe_root, memory_mb=MEMORY_MB, seconds=30)
@@ -102,6 +105,7 @@ def test_mlcls_data_stats_check_lists_a_pipe_and_a_device_at_once(pipe_root: Pat
     assert f"{pipe_root}/img/pipe.jpg: NotRegularFileError: " in text and "a pipe (FIFO)" in text
 
 
+@pytest.mark.slow
 def test_an_image_of_more_pixels_than_pil_allows_is_an_error(tmp_path: Path) -> None:
     """10,000 x 10,000 pixels (PIL's MAX_IMAGE_PIXELS is 89,478,485): old, a warning, then 300 MB decoded."""
     root = csv_root(tmp_path, ["img/a.jpg,cat", "img/big.png,dog"])
@@ -134,6 +138,7 @@ def test_a_missing_image_is_a_file_not_found_error(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ label tables
+@pytest.mark.slow
 def test_a_small_csv_of_many_distinct_labels_is_refused_before_its_table(tmp_path: Path) -> None:
     """36,000 rows, each its own class: a 0.7 MB file asking for a 36,000 x 36,000 float32 table (5.2 GB).
     Old: 6.2 GB peak RSS, then MemoryError (under a 12 GB address-space cap)."""
@@ -164,6 +169,7 @@ def write_coco(root: Path, images: int, categories: int) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_a_small_coco_file_of_many_images_and_categories_is_refused_before_its_table(tmp_path: Path) -> None:
     """28,000 images x 28,000 categories from 2.8 MB of JSON: a 3.1 GB table."""
     root = write_coco(tmp_path, 28_000, 28_000)
@@ -181,6 +187,7 @@ def write_cub(root: Path, image_lines: list[str], label_lines: list[str]) -> Pat
     return root
 
 
+@pytest.mark.slow
 def test_cub_refuses_many_images_with_a_small_label_file_before_sizing_its_tables(tmp_path: Path) -> None:
     """200,000 images listed (2.3 MB), a label file of one line: tables of 200,000 x 312 sized first."""
     root = write_cub(tmp_path, [f"{i} a/{i}.jpg" for i in range(1, 200_001)], ["1 1 1"])
@@ -188,6 +195,7 @@ def test_cub_refuses_many_images_with_a_small_label_file_before_sizing_its_table
     one_line(outcome, "DatasetFormatError", "image_attribute_labels.txt is 6 bytes", "200000 images x 312")
 
 
+@pytest.mark.slow
 def test_cub_finds_a_repeated_image_id_in_linear_time(tmp_path: Path) -> None:
     """60,000 ids, the last a repeat of the one before: old, 60,000 list.count calls (quadratic)."""
     ids = [*range(1, 60_000), 59_999]
@@ -215,6 +223,7 @@ def deflated_sidecar(rows: int) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.slow
 def test_a_deflated_sidecar_is_bounded_by_its_size_not_by_the_announced_shape() -> None:
     """A manifest announcing 150,000,000 samples allows 1.2 GB of offsets: old, the bytes were inflated."""
     data = deflated_sidecar(5_000_000)  # 40 MB of offsets

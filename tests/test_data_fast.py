@@ -301,6 +301,7 @@ def test_build_backend_transform_chooses_per_backend():
         build_backend_transform("opencv", "paper", 224, train=True)
 
 
+@pytest.mark.slow
 def test_batches_are_a_function_of_the_sample_seeds(jpegs):
     """The same batches with 0 or 2 DataLoader workers, and when read again (resume is exact)."""
     dataset = PhotoFiles(jpegs * 2, FastTrainTransform(SIZE))  # the transform decodes the files itself

@@ -55,6 +55,7 @@ def test_builders_pin_memory_and_keep_workers_on_cuda(photos):
     assert not on_cpu.pin_memory and not on_cpu.persistent_workers and len(on_cpu) == 2
 
 
+@pytest.mark.slow
 def test_workers_are_capped_at_the_cpus_and_said_once(photos, two_cpus, caplog):
     """trainer.workers=8 on 2 CPUs: 2 workers, one log line for all loaders, and no torch warning."""
     dataset = PhotoFiles(photos, build_transform("light", SIZE, train=False))

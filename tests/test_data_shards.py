@@ -282,6 +282,7 @@ def shard_keys(
     return batches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2, 3])
 def test_ranks_and_workers_read_every_sample_at_most_once(packed: Path, workers: int) -> None:
     per_rank = 90 // (2 * 8) * 8  # DistributedSampler's drop_last count: 40
@@ -294,6 +295,7 @@ def test_ranks_and_workers_read_every_sample_at_most_once(packed: Path, workers:
     assert alone != shard_keys(packed, 0, 1, workers, epoch=2)  # a new order every epoch
 
 
+@pytest.mark.slow
 def test_set_start_skips_exactly_the_batches_served(packed: Path) -> None:
     full = shard_keys(packed, 1, 2, 2, epoch=4)
     assert shard_keys(packed, 1, 2, 2, epoch=4, start=3 * 8) == full[3:]
@@ -604,6 +606,7 @@ def test_tar_files_reads_the_packed_shards_as_tarfile_does(packed: Path) -> None
             assert list(tar_files(f, str(path))) == tarfile_members(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", ["in a member", "before the end block", "in a header"])
 def test_a_truncated_shard_is_a_format_error(packed: Path, tmp_path: Path, cut: str) -> None:
     for name in ("classes.json", "manifest.json", labels_file("train"), labels_file("val")):
@@ -634,6 +637,7 @@ def test_a_truncated_shard_is_a_format_error(packed: Path, tmp_path: Path, cut: 
         list(loader)
 
 
+@pytest.mark.slow
 def test_pipe_shards_are_read_to_the_end_of_the_stream(packed: Path) -> None:
     """A pipe: command whose output the reader stopped reading fails (here: exit 3 once the trailing
     300 kB, more than a pipe holds, meet a closed pipe); the shards read through pipes give the same

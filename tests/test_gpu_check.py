@@ -131,6 +131,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 </testsuite></testsuites>"""
 
 
+@pytest.mark.slow
 def test_report_gathers_every_figure_and_the_end_of_each_failure(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
@@ -211,6 +212,7 @@ def test_deps_names_what_is_missing_or_too_old(monkeypatch, capsys):
     assert "torch" not in found["present"] and found["present"]["numpy"] == installed("numpy")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="reads the driver where there is none")
 def test_environment_without_a_driver_names_torch_and_no_gpu():
     env = gpu_check.environment()

@@ -204,6 +204,7 @@ def test_nan_weights_are_one_line_under_every_rule(genuine, tmp_path, rule):
     )
 
 
+@pytest.mark.slow
 def test_nan_weights_in_mlcls_predict_are_one_line_with_status_2(genuine, tmp_path, monkeypatch, capsys):
     weights = {key: value.clone() for key, value in genuine["model"].items()}
     weights["conv1.0.weight"].fill_(torch.nan)

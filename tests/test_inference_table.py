@@ -54,6 +54,7 @@ def test_the_table_escapes_class_and_file_names():
     assert lines[2] == "photos/plain.jpg      -"
 
 
+@pytest.mark.slow
 def test_mlcls_predict_table_is_escaped_and_its_json_lines_exact(
     tmp_path, tmp_path_factory, monkeypatch, capsys
 ):

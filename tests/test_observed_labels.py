@@ -165,6 +165,7 @@ def regime_dataset() -> SyntheticMultiLabel:
     return apply_training_policies(dataset, observed="single_positive", observed_seed=1)
 
 
+@pytest.mark.slow
 def test_workers_and_resume_serve_the_same_targets() -> None:
     dataset = regime_dataset()
     full = _loader_targets(dataset, 0, 1, 0, epoch=2)

@@ -142,6 +142,7 @@ def _other_source(state):
     state["text"]["source"] = "words(dim=24, seed=1)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "names", "message"),
     [

@@ -331,6 +331,7 @@ def assert_one_line(outcome, *expected: str) -> None:
     assert all(text in err for text in expected), err
 
 
+@pytest.mark.slow
 def test_a_released_file_with_a_deflated_member_is_refused_before_it_is_unpacked(tmp_path):
     """64 MiB of weights deflated into a file of about 64 kB: refused in one line under a cap of 32 MiB
     (old: unpacked by torch.load, +300 MB RSS for a 0.29 MB file)."""
@@ -347,6 +348,7 @@ def test_a_released_file_with_a_deflated_member_is_refused_before_it_is_unpacked
     assert not (tmp_path / "o.pt").exists()
 
 
+@pytest.mark.slow
 def test_a_device_or_a_pipe_is_refused_at_once(tmp_path):
     """``/dev/zero`` as the released file, and a FIFO without a writer as ``classes=`` (old: blocked for
     good), each stop with one line naming what the path is."""

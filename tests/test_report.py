@@ -248,6 +248,7 @@ def table_names(dom: str) -> list[str]:
     return [html.unescape(name) for name in re.findall(r'<tr><td data-v="([^"]*)"', table)]
 
 
+@pytest.mark.slow
 def test_browser_check_sees_console_errors_and_broken_images(tmp_path):
     page = tmp_path / "broken.html"
     page.write_text(

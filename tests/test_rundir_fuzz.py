@@ -88,6 +88,7 @@ def predictions_npz(path: Path, rows: int, cols: int, data_bytes: bool = True, l
 # ------------------------------------------------------------------ results.json and config.yaml
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "folder", "too large", "deep"])
 def test_a_results_json_that_never_ends_is_one_line(tmp_path, kind):
     path = tmp_path / "results.json"
@@ -108,6 +109,7 @@ def test_a_results_json_that_never_ends_is_one_line(tmp_path, kind):
     assert error == "ReportError"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "alias bomb", "deep"])
 def test_a_config_yaml_that_never_ends_or_explodes_is_one_line(tmp_path, kind):
     path = tmp_path / "config.yaml"
@@ -126,6 +128,7 @@ def test_a_config_yaml_that_never_ends_or_explodes_is_one_line(tmp_path, kind):
     assert error == "ReportError"
 
 
+@pytest.mark.slow
 def test_tables_on_an_alias_bomb_and_a_fifo_lists_them_unreadable(tmp_path, capsys):
     """Old: mlcls-tables --runs on the alias bomb ran past its time limit (MemoryError without one)."""
     (tmp_path / "bomb").mkdir()
@@ -182,6 +185,7 @@ def test_numbers_as_text_and_nulls_are_one_line(tmp_path, entry):
 # ------------------------------------------------------------------------------ val_predictions.npz
 
 
+@pytest.mark.slow
 def test_a_deflated_predictions_bomb_is_refused_before_it_is_unpacked(tmp_path):
     """1 MB declaring 200 MB of arrays (old: MemoryError under a 256 MB cap; a 2.9 MB one took +2.7 GB)."""
     predictions_npz(tmp_path / "val_predictions.npz", 4_000, 10_000)
@@ -190,6 +194,7 @@ def test_a_deflated_predictions_bomb_is_refused_before_it_is_unpacked(tmp_path):
     one_line(outcome, "its members declare", "bytes in a file of")
 
 
+@pytest.mark.slow
 def test_a_header_asking_for_more_than_its_member_holds_is_refused(tmp_path):
     """Each member holds only its header, whose shape asks for 400 GB: numpy allocates from the header."""
     predictions_npz(tmp_path / "val_predictions.npz", 1_000_000, 100_000, data_bytes=False)
@@ -197,6 +202,7 @@ def test_a_header_asking_for_more_than_its_member_holds_is_refused(tmp_path):
     one_line(outcome, "header declares shape (1000000, 100000)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "not a zip", "object array", "epoch of 3"])
 def test_odd_predictions_files_are_one_line(tmp_path, kind):
     path = tmp_path / "val_predictions.npz"
@@ -244,6 +250,7 @@ def test_predictions_are_checked_against_the_runs_counts(tmp_path):
 # ------------------------------------------------------------------------------- validation images
 
 
+@pytest.mark.slow
 def test_a_validation_image_that_is_a_fifo_gets_no_thumbnail(tmp_path):
     """Old: the report blocked on the pipe for good."""
     text = "image,labels\na.jpg,cat\nb.jpg,dog\n"
@@ -283,6 +290,7 @@ def _take(run_dir: Path) -> str:
     return "taken"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "folder", "1 MB of ["])
 def test_a_lock_that_is_not_a_lock_file_is_refused_in_one_line(tmp_path, kind):
     """Old: a FIFO blocked, /dev/zero read to a MemoryError, 1 MB of "[" raised RecursionError."""
@@ -301,6 +309,7 @@ def test_a_lock_that_is_not_a_lock_file_is_refused_in_one_line(tmp_path, kind):
     assert error == RunDirLocked.__name__
 
 
+@pytest.mark.slow
 def test_a_lock_of_nested_brackets_under_the_cap_is_stale_and_taken_over(tmp_path):
     """Old: RecursionError."""
     (tmp_path / LOCK_NAME).write_text("[" * 60_000)

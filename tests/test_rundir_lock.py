@@ -65,6 +65,7 @@ def test_a_live_runs_lock_refuses_a_second_run_with_one_line(tmp_path):
     assert not (run_dir / "config.yaml").exists() and not (run_dir / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over_and_released(tmp_path, caplog):
     dead = _finished_pid()
     (tmp_path / LOCK_NAME).write_text(_lock_of(dead))
@@ -100,6 +101,7 @@ def test_a_lock_whose_pid_is_now_another_process_is_stale(tmp_path, caplog):
         acquire_run_lock(tmp_path)
 
 
+@pytest.mark.slow
 def test_an_unreadable_lock_is_one_line(tmp_path, monkeypatch):
     """Another user's lock (mode 0600): simulated, as the suite may run as root, who reads any file."""
     (tmp_path / LOCK_NAME).write_text(_lock_of(_finished_pid()))
@@ -121,6 +123,7 @@ def test_an_unreadable_lock_is_one_line(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no draft left
 
 
+@pytest.mark.slow
 def test_a_lock_held_by_a_process_that_never_lets_go_is_one_line_in_bounded_time(tmp_path, monkeypatch):
     """The lock is judged under filelock, waited for at most JUDGE_TIMEOUT_S. Old: fcntl.flock waited
     without end (the bounded call ran past its 5 s)."""

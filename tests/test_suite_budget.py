@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+import pytest
 
 pytest_plugins = ["pytester"]
 
@@ -46,3 +49,57 @@ def test_slow_setup(slow_setup):
     text = result.stdout.str()
     assert "test_inner.py::test_sleepy took" in text and "without the slow marker" in text
     assert "test_slow_setup took" not in text
+
+
+@pytest.mark.slow  # its inner tests start processes, which the outer run counts too
+def test_an_unmarked_test_that_starts_a_process_fails_with_its_name(pytester):
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers = slow: marked\n")
+    pytester.makepyfile(
+        test_inner="""
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import pytest
+
+def test_forks():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+def test_runs_python():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_starts_a_worker():
+    worker = multiprocessing.get_context("spawn").Process(target=print)
+    worker.start()
+    worker.join()
+
+def test_asks_git():
+    subprocess.run(["git", "--version"], capture_output=True)
+
+@pytest.mark.slow
+def test_runs_python_marked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+@pytest.fixture
+def a_child():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_whose_setup_starts_one(a_child):
+    pass
+"""
+    )
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=4)
+    text = result.stdout.str()
+    for name, how in [
+        ("test_forks", "os.fork"),
+        ("test_runs_python", Path(sys.executable).name),
+        ("test_starts_a_worker", "multiprocessing"),
+        ("test_whose_setup_starts_one", Path(sys.executable).name),
+    ]:
+        assert f"test_inner.py::{name} started a process ({how}) without the slow marker" in text

@@ -104,6 +104,7 @@ def assert_one_line(path: Path | str, names: list[str], *expected: str, memory_m
     return message
 
 
+@pytest.mark.slow
 def test_missing_words_are_one_line_naming_them_all(tmp_path):
     path = write_vectors(tmp_path / "vectors.txt")
     assert_one_line(
@@ -114,12 +115,14 @@ def test_missing_words_are_one_line_naming_them_all(tmp_path):
     assert "'word20'" not in message
 
 
+@pytest.mark.slow
 def test_a_word_vector_file_of_control_characters_is_quoted_escaped(tmp_path):
     path = tmp_path / "vectors.txt"
     path.write_text("blue 1 2 3\nred\x1b[2J\x07 1 2\n", encoding="utf-8")
     assert_one_line(path, ["red"], "line 2 ('red\\x1b[2J\\x07') has 2 values; expected 3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("content", "expected"),
     [
@@ -139,6 +142,7 @@ def test_a_malformed_word_vector_file_is_one_line(tmp_path, content, expected):
     assert_one_line(path, ["blue", "red"], expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line", [1, 2])
 def test_a_huge_line_is_refused_without_reading_it_whole(tmp_path, line):
     """A line of 64 MiB without a newline, under a 32 MiB memory cap."""
@@ -150,6 +154,7 @@ def test_a_huge_line_is_refused_without_reading_it_whole(tmp_path, line):
     assert_one_line(path, ["red"], f"line {line} is over 1 MiB", memory_mb=32)
 
 
+@pytest.mark.slow
 def test_a_pipe_a_device_a_missing_or_oversized_file_are_one_line(tmp_path):
     fifo = tmp_path / "vectors.txt"
     os.mkfifo(fifo)
@@ -162,6 +167,7 @@ def test_a_pipe_a_device_a_missing_or_oversized_file_are_one_line(tmp_path):
     assert_one_line(huge, ["blue"], "a word-vector file of at most 8192.0 MiB expected")
 
 
+@pytest.mark.slow
 def test_memory_is_bounded_by_the_class_list_not_the_file(tmp_path):
     """A 40 MB file of 200,000 words, the one word asked for last, read under a 16 MiB memory cap."""
     values = " ".join(["0.123456"] * 24)
@@ -235,6 +241,7 @@ def sentence_message(path: Path | str) -> str:
     return "ok"
 
 
+@pytest.mark.slow
 def test_sentence_refuses_a_hub_name_pickles_foreign_code_and_pipes(tmp_path):
     """Each refused before the library is imported: one line, under a memory cap and a time limit."""
     folder = tmp_path / "model"
@@ -326,6 +333,7 @@ def clip_message(path: Path, model: str) -> str:
     return "ok"
 
 
+@pytest.mark.slow
 def test_clip_refuses_a_foreign_checkpoint_a_pickle_and_a_remote_name_in_one_line(clip_model, tmp_path):
     from mlcls.text.clip import ClipEncoder
 

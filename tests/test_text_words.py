@@ -103,6 +103,7 @@ def test_a_class_list_file_is_read_one_name_a_line(tmp_path):
     assert parse_classes("a, b,c") == ["a", "b", "c"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -121,6 +122,7 @@ def test_a_bad_class_list_is_one_line_with_its_control_characters_escaped(tmp_pa
     assert "\x1b" not in outcome.message
 
 
+@pytest.mark.slow
 def test_a_class_list_over_the_limit_stops_at_the_first_name_over(tmp_path):
     path = tmp_path / "many.txt"
     path.write_text("".join(f"c{i}\n" for i in range(MAX_CLASSES + 1)))
@@ -129,6 +131,7 @@ def test_a_class_list_over_the_limit_stops_at_the_first_name_over(tmp_path):
     assert outcome.message.endswith(f"names more than {MAX_CLASSES:,} classes; expected at most that")
 
 
+@pytest.mark.slow
 def test_a_class_list_that_is_a_pipe_is_refused_before_reading(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)

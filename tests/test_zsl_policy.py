@@ -107,6 +107,7 @@ def test_a_head_without_text_queries_is_refused_at_config_check(head: str) -> No
     assert f"model.head={head} has no text queries" in message and "\n" not in message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "oversized"])
 def test_a_hostile_unseen_class_file_is_one_line_in_bounded_time_and_memory(tmp_path, kind: str) -> None:
     """A FIFO (a read that would block) or a 65 MiB sparse file (over CAPS['class list']): one line."""
