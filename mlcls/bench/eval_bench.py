@@ -1,6 +1,7 @@
-"""Benchmark: the trainer's evaluation after the forward passes, on generated Open Images-sized outputs.
+"""``mlcls-bench eval``: the trainer's evaluation after the forward passes, on generated Open Images-sized
+outputs.
 
-``mlcls-bench eval --n 41620 --c 9605`` generates float32 logits (N, C) and int8 labels (N, C) and runs
+It generates float32 logits (N, C) and int8 labels (N, C) and runs
 what the trainer runs on them at each evaluation: :func:`measure_rank_parts` (the gather on rank 0 and
 every metric of results.json), :func:`calibrate_on_main` (the per-class thresholds) and the JSON writing
 of the figures. It prints one JSON line: the seconds of each phase and the process's peak resident memory
@@ -14,8 +15,7 @@ class frequencies, :data:`NEGATIVES_PER_ROW` verified negatives, every other lab
 
 from __future__ import annotations
 
-import os
-import platform
+import argparse
 import resource
 import tempfile
 import time
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mlcls.bench.harness import host
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import calibrate_on_main, measure_rank_parts
 from mlcls.errors import ConfigError
@@ -95,7 +96,16 @@ def run(n: int = 41620, c: int = 9605, seed: int = 0) -> dict[str, Any]:
         "classes_counted": metrics["classes_counted"],
         "samples_counted": metrics["samples_counted"],
         "thresholds_finite": int(torch.isfinite(thresholds).sum()),
-        "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+        **host(),
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``mlcls-bench eval``."""
+    parser.add_argument("--n", type=int, default=41620, help="validation samples (rows)")
+    parser.add_argument("--c", type=int, default=9605, help="classes (columns)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return run(args.n, args.c, args.seed)

@@ -1,7 +1,6 @@
-"""Benchmark: mAP@class + mAP@sample on COCO-val-sized scores, mlcls against scikit-learn, side by side.
+"""``mlcls-bench metrics``: mAP@class + mAP@sample on COCO-val-sized scores, mlcls against scikit-learn.
 
-``python -m mlcls.bench.metrics_bench [--n 40137] [--c 80] [--seed 0] [--threads 1]`` prints one JSON
-line. The data imitate COCO val2014: 40,137 images, 80 classes with long-tailed frequencies (the most
+The data imitate COCO val2014: 40,137 images, 80 classes with long-tailed frequencies (the most
 frequent class in ~38% of the images), ~2.9 positives per image, float32 logits that separate positives
 only partly. The scikit-learn pair is ``average_precision_score(average="macro")`` plus
 ``average="samples"`` over the rows with a positive; it takes tens of seconds, so this is a benchmark, not
@@ -11,15 +10,13 @@ a test. Both run on one CPU thread unless ``--threads`` says otherwise.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 import warnings
 
 import torch
 
+from mlcls.bench.harness import host, torch_threads
 from mlcls.metrics import compute_metrics, map_class, map_sample
 
 POSITIVES_PER_ROW = 2.9
@@ -71,12 +68,8 @@ def run(n: int = 40137, c: int = 80, seed: int = 0, threads: int | None = 1) -> 
     OpenMP threads wait for each other at every operation and two threads are several times slower than
     one). ``None`` leaves torch's setting unchanged.
     """
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads or default_threads)
-    try:
+    with torch_threads(threads):
         return _run(n, c, seed)
-    finally:
-        torch.set_num_threads(default_threads)
 
 
 def _run(n: int, c: int, seed: int) -> dict:
@@ -105,21 +98,17 @@ def _run(n: int, c: int, seed: int) -> dict:
         "equal": abs(ours_class - macro) <= 1e-9 and abs(ours_sample - samples) <= 1e-9,
         "map_class": 100 * ours_class,
         "map_sample": 100 * ours_sample,
-        "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+        **host(),
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=40137, help="number of samples (rows)")
-    parser.add_argument("--c", type=int, default=80, help="number of classes (columns)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``mlcls-bench metrics``."""
+    parser.add_argument("--n", type=int, default=40137, help="samples (rows)")
+    parser.add_argument("--c", type=int, default=80, help="classes (columns)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
-    args = parser.parse_args(argv)
-    print(json.dumps(run(args.n, args.c, args.seed, args.threads or None)))
 
 
-if __name__ == "__main__":
-    main()
+def run_from_args(args: argparse.Namespace) -> dict:
+    return run(args.n, args.c, args.seed, args.threads or None)
