@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 
 from mlcls.bench.harness import host
 from mlcls.bench.pipeline_bench import JpegFolder, jpeg_files, pack_shards
-from mlcls.bench.step_bench import RepeatedBatches, synthetic_batch, temporary_trainer
+from mlcls.bench.step_bench import RepeatedBatches, synthetic_batch, temporary_trainer, trainer_fields
 from mlcls.data.loader import available_cpus, build_train_loader, loader_workers
 from mlcls.data.pipeline.fast import build_backend_transform
 from mlcls.data.pipeline.gpu import input_stage_bytes
@@ -198,13 +198,7 @@ def _measure(
         },
         "gpu_input_peak_mib": peak,
         "gpu_input_bound_mib": input_stage_bytes(batch_size, size) / 2**20,
-        "model": cfg.model.name,
-        "batch_size": batch_size,
-        "image_size": size,
-        "amp": trainer.amp,
-        "channels_last": trainer.channels_last,
-        "compile": bool(cfg.trainer.get("compile", False)),
-        "device": str(device),
+        **trainer_fields(trainer),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         **host(),
         "cpus": available_cpus(),

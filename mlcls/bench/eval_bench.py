@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import resource
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mlcls.bench.harness import host
+from mlcls.bench.harness import host, timed
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import calibrate_on_main, measure_rank_parts
 from mlcls.errors import ConfigError
@@ -58,28 +58,14 @@ def run(n: int = 41620, c: int = 9605, seed: int = 0) -> dict[str, Any]:
     """Generate the outputs, run the evaluation once in this process (one rank), return the figures."""
     if n < 1 or c < 1:
         raise ConfigError(f"--n and --c must be at least 1, got {n} and {c}")
-    start = time.perf_counter()
-    scores, labels = make_outputs(n, c, seed)
-    generate_s = time.perf_counter() - start
+    (scores, labels), generate_s = timed(lambda: make_outputs(n, c, seed))
     inputs_peak_gb = peak_rss_gb()
     classes = [f"class_{j}" for j in range(c)]
-
-    start = time.perf_counter()
-    evaluation = measure_rank_parts(scores, labels, n, classes)
-    metrics_s = time.perf_counter() - start
+    evaluation, metrics_s = timed(partial(measure_rank_parts, scores, labels, n, classes))
     del scores, labels  # the evaluation holds them now, as the trainer's evaluation does
-    start = time.perf_counter()
-    thresholds = calibrate_on_main(evaluation, classes)
-    thresholds_s = time.perf_counter() - start
-    start = time.perf_counter()
+    thresholds, thresholds_s = timed(lambda: calibrate_on_main(evaluation, classes))
     metrics = evaluation.metrics
-    with tempfile.TemporaryDirectory() as folder:
-        results = {
-            "metrics": {k: v for k, v in metrics.items() if k != "per_class_ap"},
-            "per_class_ap": metrics["per_class_ap"],
-        }
-        write_json(results, Path(folder) / "results.json")
-    results_s = time.perf_counter() - start
+    _, results_s = timed(lambda: _write_results(metrics))
     return {
         "n": n,
         "c": c,
@@ -98,6 +84,15 @@ def run(n: int = 41620, c: int = 9605, seed: int = 0) -> dict[str, Any]:
         "thresholds_finite": int(torch.isfinite(thresholds).sum()),
         **host(),
     }
+
+
+def _write_results(metrics: dict[str, Any]) -> None:
+    """``metrics`` written as the trainer writes results.json (per-class AP apart), to a temporary file."""
+    with tempfile.TemporaryDirectory() as folder:
+        results = {k: v for k, v in metrics.items() if k != "per_class_ap"}
+        write_json(
+            {"metrics": results, "per_class_ap": metrics["per_class_ap"]}, Path(folder) / "results.json"
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

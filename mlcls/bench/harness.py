@@ -9,15 +9,24 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def sync(device: torch.device | str) -> None:
     """Wait for the work queued on ``device`` (CUDA); nothing on the CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """``fn()`` and the seconds it took."""
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
 
 
 def median_seconds(

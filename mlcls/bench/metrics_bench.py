@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 
 import torch
 
-from mlcls.bench.harness import host, torch_threads
+from mlcls.bench.harness import host, timed, torch_threads
 from mlcls.metrics import compute_metrics, map_class, map_sample
 
 POSITIVES_PER_ROW = 2.9
@@ -38,22 +37,20 @@ def _sklearn_pair(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, fl
     from sklearn.metrics import average_precision_score
 
     y_true, y_score = labels.numpy().astype(int), logits.double().numpy()
-    start = time.perf_counter()
-    macro = average_precision_score(y_true, y_score, average="macro")
-    macro_s = time.perf_counter() - start
+    macro, macro_s = timed(lambda: average_precision_score(y_true, y_score, average="macro"))
     with_positive = y_true.sum(1) > 0
-    start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        samples = average_precision_score(y_true[with_positive], y_score[with_positive], average="samples")
-    return macro, samples, macro_s, time.perf_counter() - start
+        samples, samples_s = timed(
+            lambda: average_precision_score(y_true[with_positive], y_score[with_positive], average="samples")
+        )
+    return macro, samples, macro_s, samples_s
 
 
 def _mlcls_pair(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, float]:
-    start = time.perf_counter()
-    class_percent, _ = map_class(logits, labels)
-    sample_percent, _ = map_sample(logits, labels)
-    return class_percent / 100, sample_percent / 100, time.perf_counter() - start
+    (class_percent, _), seconds = timed(lambda: map_class(logits, labels))
+    (sample_percent, _), sample_s = timed(lambda: map_sample(logits, labels))
+    return class_percent / 100, sample_percent / 100, seconds + sample_s
 
 
 def run(n: int = 40137, c: int = 80, seed: int = 0, threads: int | None = 1) -> dict:
@@ -69,37 +66,31 @@ def run(n: int = 40137, c: int = 80, seed: int = 0, threads: int | None = 1) -> 
     one). ``None`` leaves torch's setting unchanged.
     """
     with torch_threads(threads):
-        return _run(n, c, seed)
-
-
-def _run(n: int, c: int, seed: int) -> dict:
-    logits, labels = make_scores(n, c, seed)
-    ours_class, ours_sample, cold_s = _mlcls_pair(logits, labels)
-    warm = [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
-    start = time.perf_counter()
-    compute_metrics(logits, labels, [f"class_{j}" for j in range(c)])
-    all_figures_s = time.perf_counter() - start
-    macro, samples, macro_s, samples_s = _sklearn_pair(logits, labels)
-    warm += [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
-    sklearn_s = macro_s + samples_s
-    return {
-        "n": n,
-        "c": c,
-        "positives_per_row": round(labels.sum().item() / n, 3),
-        "sklearn_macro_s": round(macro_s, 4),
-        "sklearn_samples_s": round(samples_s, 4),
-        "sklearn_pair_s": round(sklearn_s, 4),
-        "mlcls_pair_cold_s": round(cold_s, 4),
-        "mlcls_pair_s": round(statistics.median(warm), 4),
-        "mlcls_pair_best_s": round(min(warm), 4),
-        "mlcls_compute_metrics_s": round(all_figures_s, 4),
-        "ratio": round(sklearn_s / statistics.median(warm), 1),
-        "ratio_best": round(sklearn_s / min(warm), 1),
-        "equal": abs(ours_class - macro) <= 1e-9 and abs(ours_sample - samples) <= 1e-9,
-        "map_class": 100 * ours_class,
-        "map_sample": 100 * ours_sample,
-        **host(),
-    }
+        logits, labels = make_scores(n, c, seed)
+        ours_class, ours_sample, cold_s = _mlcls_pair(logits, labels)
+        warm = [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
+        _, all_figures_s = timed(lambda: compute_metrics(logits, labels, [f"class_{j}" for j in range(c)]))
+        macro, samples, macro_s, samples_s = _sklearn_pair(logits, labels)
+        warm += [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
+        sklearn_s = macro_s + samples_s
+        return {
+            "n": n,
+            "c": c,
+            "positives_per_row": round(labels.sum().item() / n, 3),
+            "sklearn_macro_s": round(macro_s, 4),
+            "sklearn_samples_s": round(samples_s, 4),
+            "sklearn_pair_s": round(sklearn_s, 4),
+            "mlcls_pair_cold_s": round(cold_s, 4),
+            "mlcls_pair_s": round(statistics.median(warm), 4),
+            "mlcls_pair_best_s": round(min(warm), 4),
+            "mlcls_compute_metrics_s": round(all_figures_s, 4),
+            "ratio": round(sklearn_s / statistics.median(warm), 1),
+            "ratio_best": round(sklearn_s / min(warm), 1),
+            "equal": abs(ours_class - macro) <= 1e-9 and abs(ours_sample - samples) <= 1e-9,
+            "map_class": 100 * ours_class,
+            "map_sample": 100 * ours_sample,
+            **host(),
+        }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -160,27 +160,18 @@ class _OpenAndTransform(torch.utils.data.Dataset):
             return self.transform(img.convert("RGB")), 0
 
 
-def torchvision_reference(size: int) -> Callable:
-    """The straightforward torchvision training transform the issue compares against (no lighting)."""
-    return T.Compose(
-        [
-            T.RandomResizedCrop(size),
-            T.RandomHorizontalFlip(),
-            T.ColorJitter(0.4, 0.4, 0.4),
-            T.ToTensor(),
-            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
-    )
-
-
 def _no_augmentation(image: Image.Image) -> torch.Tensor:
     return torch.empty(0)
 
 
 def _datasets(paths: list[Path], size: int) -> dict[str, torch.utils.data.Dataset]:
     fast = JpegFolder(paths, build_backend_transform("fast", "paper", size, train=True))
+    jitter, normalize = T.ColorJitter(0.4, 0.4, 0.4), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    reference = T.Compose(
+        [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), jitter, T.ToTensor(), normalize]
+    )
     return {
-        "torchvision": _OpenAndTransform(paths, torchvision_reference(size)),
+        "torchvision": _OpenAndTransform(paths, reference),
         "plain": JpegFolder(paths, build_backend_transform("torchvision", "paper", size, train=True)),
         "fast_cpu_stage": fast,
         "fast": fast,
@@ -219,12 +210,8 @@ def _interleaved_seconds(
     for step in range(-(-count // batch_size)):
         shift = (step + repeat) % len(names)
         for name in names[shift:] + names[:shift]:
-            totals[name] += _time_pipeline(_one(streams[name]), finishers[name], device, 1)
+            totals[name] += _time_pipeline(streams[name], finishers[name], device, 1)
     return totals
-
-
-def _one(stream: Iterable) -> Iterable:
-    yield next(iter(stream))
 
 
 def _in_process_batches(dataset: torch.utils.data.Dataset, count: int, batch_size: int) -> Iterable:

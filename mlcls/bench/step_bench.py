@@ -156,32 +156,30 @@ def _contenders(
     trainer: Trainer, bare: Callable, batch: tuple[torch.Tensor, torch.Tensor], steps: int, loop: str
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """One timed block of ``steps`` steps per contender; each returns its last loss."""
+    bare_block = partial(_repeat_step, bare, batch, steps)
     if loop == "step":
 
-        def trainer_block() -> torch.Tensor:
-            for _ in range(steps):  # the batch moved as the bare step moves it
-                loss, _ = trainer.train_step(*trainer.device_stage.finish(batch))
-            return loss
+        def trainer_step(*batch: torch.Tensor) -> torch.Tensor:
+            return trainer.train_step(*trainer.device_stage.finish(batch))[
+                0
+            ]  # moved as the bare step moves it
 
-        def bare_block() -> torch.Tensor:
-            for _ in range(steps):
-                loss = bare(*batch)
-            return loss
+        return {"trainer": partial(_repeat_step, trainer_step, batch, steps), "bare": bare_block}
+    trainer.data.train_loader, trainer.iters_per_epoch = RepeatedBatches(batch, steps), steps
+    return {"trainer": lambda: torch.tensor(trainer.train_one_epoch(0)["loss"]), "bare": bare_block}
 
-        return {"trainer": trainer_block, "bare": bare_block}
-    batches = RepeatedBatches(batch, steps)
-    trainer.data.train_loader = batches
-    trainer.iters_per_epoch = steps
 
-    def epoch_block() -> torch.Tensor:
-        return torch.tensor(trainer.train_one_epoch(0)["loss"])
-
-    def bare_loop() -> torch.Tensor:
-        for images, targets in batches:
-            loss = bare(images, targets)
-        return loss
-
-    return {"trainer": epoch_block, "bare": bare_loop}
+def trainer_fields(trainer: Trainer) -> dict[str, Any]:
+    """The settings of ``trainer`` its speed depends on, for a benchmark's result."""
+    return {
+        "model": trainer.cfg.model.name,
+        "batch_size": trainer.data.local_batch,
+        "image_size": int(trainer.cfg.dataset.image_size),
+        "amp": trainer.amp,
+        "channels_last": trainer.channels_last,
+        "compile": bool(trainer.cfg.trainer.get("compile", False)),
+        "device": str(trainer.device),
+    }
 
 
 def median_step_seconds(
@@ -262,16 +260,13 @@ def _repeat_step(step: Callable, batch: tuple[torch.Tensor, torch.Tensor], steps
 
 
 def _measure(trainer: Trainer, repeats: int, steps: int, warmup: int, loop: str) -> dict[str, Any]:
-    cfg = trainer.cfg
-    images, targets = synthetic_batch(
-        trainer.data.local_batch, int(cfg.dataset.image_size), len(trainer.classes)
-    )
+    batch = trainer.data.local_batch
+    images, targets = synthetic_batch(batch, int(trainer.cfg.dataset.image_size), len(trainer.classes))
     if trainer.device.type == "cuda":
         images, targets = images.pin_memory(), targets.pin_memory()
-    contenders = _contenders(trainer, bare_step_fn(cfg, trainer), (images, targets), steps, loop)
+    contenders = _contenders(trainer, bare_step_fn(trainer.cfg, trainer), (images, targets), steps, loop)
     trainer.ddp_model.train()
     step_s = median_step_seconds(contenders, trainer.device, repeats, steps, warmup)
-    batch = trainer.data.local_batch
     return {
         "loop": loop,
         "trainer_images_per_s": batch / step_s["trainer"],
@@ -279,13 +274,7 @@ def _measure(trainer: Trainer, repeats: int, steps: int, warmup: int, loop: str)
         "trainer_step_s": step_s["trainer"],
         "bare_step_s": step_s["bare"],
         "overhead": step_s["trainer"] / step_s["bare"] - 1.0,
-        "model": cfg.model.name,
-        "batch_size": batch,
-        "image_size": int(cfg.dataset.image_size),
-        "amp": trainer.amp,
-        "channels_last": trainer.channels_last,
-        "compile": bool(cfg.trainer.get("compile", False)),
-        "device": str(trainer.device),
+        **trainer_fields(trainer),
         "repeats": repeats,
         "steps": steps,
         **host(),
