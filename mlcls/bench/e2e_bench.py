@@ -36,7 +36,7 @@ import torch
 import torchvision
 from omegaconf import DictConfig
 
-from mlcls.bench.harness import host
+from mlcls.bench.harness import check_names, host
 from mlcls.bench.pipeline_bench import JpegFolder, jpeg_files, pack_shards
 from mlcls.bench.step_bench import RepeatedBatches, synthetic_batch, temporary_trainer, trainer_fields
 from mlcls.data.loader import available_cpus, build_train_loader, loader_workers
@@ -128,11 +128,7 @@ def run(
 ) -> dict[str, Any]:
     """Images/s of the trainer's loop on device-resident batches and fed by each of ``backends``, and each
     backend's share of the former (see the module docstring), for the training config ``cfg``."""
-    unknown = [name for name in backends if name not in BACKENDS]
-    if unknown or not backends:
-        raise ConfigError(
-            f"--backends {','.join(backends)}; expected a comma-separated list of {', '.join(BACKENDS)}"
-        )
+    check_names("--backends", list(backends), BACKENDS)
     workers = loader_workers(int(cfg.trainer.workers))
     warmup = 2 * workers + 2 if warmup is None else warmup
     if warmup < 1 or steps < 1:

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from mlcls.errors import ConfigError
+
 T = TypeVar("T")
 
 
@@ -20,6 +22,20 @@ def sync(device: torch.device | str) -> None:
     """Wait for the work queued on ``device`` (CUDA); nothing on the CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def random_labels(rows: int, classes: int, positives: float, generator: torch.Generator) -> torch.Tensor:
+    """{0, 1} float labels (rows, classes), each label positive with probability ``positives / classes``
+    (at most 1/2): about ``positives`` per row."""
+    return (torch.rand(rows, classes, generator=generator) < min(0.5, positives / classes)).float()
+
+
+def check_names(option: str, names: list[str], known: tuple[str, ...]) -> None:
+    """Raise :class:`ConfigError` unless ``names`` (given to ``option``) are one or more of ``known``."""
+    if not names or any(name not in known for name in names):
+        raise ConfigError(
+            f"{option} {','.join(names)}; expected a comma-separated list of {', '.join(known)}"
+        )
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:

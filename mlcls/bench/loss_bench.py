@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlcls import losses
-from mlcls.bench.harness import median_seconds, torch_threads
+from mlcls.bench.harness import median_seconds, random_labels, torch_threads
 from mlcls.data.datasets.labels import LabelCounts
 from mlcls.losses import TwoWayLoss
 
@@ -70,7 +70,7 @@ def _random_batch(
 ) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(seed)
     logits = 3.0 * torch.randn(batch_size, classes, generator=generator)
-    targets = (torch.rand(batch_size, classes, generator=generator) < labels_per_sample / classes).float()
+    targets = random_labels(batch_size, classes, labels_per_sample, generator)
     return logits.to(device), targets.to(device)
 
 

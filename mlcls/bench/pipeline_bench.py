@@ -38,7 +38,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
-from mlcls.bench.harness import host, median_seconds, sync, torch_threads
+from mlcls.bench.harness import host, median_seconds, random_labels, sync, torch_threads
 from mlcls.data.datasets.base import MultiLabelDataset, Sample
 from mlcls.data.loader import DeviceStage, ShardTrainLoader, available_cpus, collate_batch
 from mlcls.data.pipeline.fast import AugmentedImage, build_backend_transform
@@ -124,9 +124,7 @@ class JpegFolder(MultiLabelDataset):
         self.classes = list(classes)
         count = len(paths) if count is None else count
         self.samples = [Sample(str(paths[k % len(paths)])) for k in range(count)]
-        generator = torch.Generator().manual_seed(0)
-        positive = min(0.5, 3 / len(self.classes))
-        self.labels = (torch.rand(count, len(self.classes), generator=generator) < positive).float()
+        self.labels = random_labels(count, len(self.classes), 3, torch.Generator().manual_seed(0))
 
 
 def pack_shards(

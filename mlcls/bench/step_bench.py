@@ -44,12 +44,11 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from mlcls.bench.harness import host, median_seconds
+from mlcls.bench.harness import check_names, host, median_seconds, random_labels
 from mlcls.engine.build import build_loss, build_model, build_optimization
 from mlcls.engine.distributed import resolve_device
 from mlcls.engine.evaluate import autocast_context
 from mlcls.engine.trainer import Trainer
-from mlcls.errors import ConfigError
 from mlcls.models.heads import HEADS
 
 LOOPS = ("epoch", "step")
@@ -116,8 +115,7 @@ def synthetic_batch(
     """Normalised-looking float images (B, 3, S, S) and {0, 1} targets (B, C) with ~3 positives per row."""
     generator = torch.Generator().manual_seed(seed)
     images = torch.randn(batch_size, 3, image_size, image_size, generator=generator)
-    targets = (torch.rand(batch_size, num_classes, generator=generator) < min(0.5, 3 / num_classes)).float()
-    return images, targets
+    return images, random_labels(batch_size, num_classes, 3, generator)
 
 
 class RepeatedBatches:
@@ -217,9 +215,7 @@ def run_heads(
     (``model.name``, ``dataset.image_size``, ``trainer.batch_size``, ``trainer.amp``, ``optim``), with
     ``num_classes`` outputs (``<head>_step_s``), as images/s, and relative to the first head's
     (``<head>_relative``)."""
-    unknown = [head for head in heads if head not in HEADS]
-    if unknown or not heads:
-        raise ConfigError(f"--heads {','.join(heads)}; expected a comma-separated list of {', '.join(HEADS)}")
+    check_names("--heads", list(heads), HEADS)
     device = resolve_device(cfg.trainer.device)
     amp = cfg.trainer.amp if device.type == "cuda" else "none"
     channels_last = bool(cfg.trainer.channels_last) and device.type == "cuda"
