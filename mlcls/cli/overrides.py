@@ -82,7 +82,8 @@ def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
 
 def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> list[str] | None:
     """Check a ``mlcls-*`` command line (default ``sys.argv[1:]``) before Hydra runs; return its overrides
-    (:func:`command_line_overrides`), group choices as Hydra writes them (:func:`group_choices`).
+    (the ``key=value`` arguments; ``None`` when a flag selects another config, which is not checked), group
+    choices as Hydra writes them (:func:`group_choices`).
 
     A positional argument, a renamed key or ``+key=…`` for a key the config lacks ends the process with one
     line and exit status 2. The config is composed only when a ``+key=…`` override is given.
@@ -121,13 +122,6 @@ def split_command_line(argv: Sequence[str]) -> tuple[list[str], bool]:
         arguments.append(arg)
         index += 1
     return arguments, other_config
-
-
-def command_line_overrides(argv: Sequence[str]) -> list[str] | None:
-    """The ``key=value`` overrides among a Hydra command line's arguments; ``None`` when it selects another
-    config (``--config-name``, ``--config-dir``, ``--config-path``), which this module does not check."""
-    arguments, other_config = split_command_line(argv)
-    return None if other_config else [arg for arg in arguments if "=" in arg]
 
 
 def group_choices(overrides: Sequence[str]) -> list[str]:
