@@ -1,16 +1,9 @@
 """``mlcls-bench``: throughput benchmarks, one JSON line each on stdout (plus a table on a terminal).
 
-mlcls-bench pipeline --images DIR [--n N] [--workers W] [--size 224]   decode + augmentation, images/s
-mlcls-bench step model.name=resnet50 dataset.image_size=224 trainer.batch_size=32 [trainer.amp=bf16]
-                                                                        train step vs a bare loop, images/s
-mlcls-bench e2e [overrides] --backends fast,gpu,torchvision,shards [--images DIR]
-                                  the training loop fed by each loader vs on device-resident batches
-mlcls-bench loss [--device cpu] [--repeats 100] [--scale [--threads 1]] two-way loss forward + backward
-mlcls-bench metrics [--n 40137] [--c 80] [--threads 1]                 mAP@class + mAP@sample vs sklearn
-mlcls-bench eval [--n 41620] [--c 9605]              the trainer's evaluation: seconds and peak memory
-
-Rates are under keys ending in ``_per_s``; for the loss and metric timings (milliseconds or seconds per
-call) the matching ``_per_s`` rate (calls per second) is added next to each time.
+``mlcls-bench {pipeline,step,e2e,loss,metrics,eval} --help`` lists a subcommand's options,
+docs/performance.md says what each measures. Rates are under keys ending in ``_per_s``; for the loss,
+metric and evaluation timings (milliseconds or seconds per call) the matching ``_per_s`` rate (calls per
+second) is added next to each time.
 """
 
 from __future__ import annotations
