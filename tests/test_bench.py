@@ -155,7 +155,8 @@ def test_the_documented_defaults_are_the_parsers():
     ``--subsampling 444`` for a default of auto; ``loss --scale``'s repeats said 20 and ran 100)."""
     import re
 
-    from mlcls.cli.bench import SCALE_REPEATS, build_parser
+    from mlcls.bench.loss_bench import SCALE_REPEATS
+    from mlcls.cli.bench import build_parser
 
     parser = build_parser()
     commands = next(action for action in parser._actions if action.dest == "command").choices

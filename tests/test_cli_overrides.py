@@ -11,7 +11,6 @@ from mlcls.cli import overrides as overrides_module
 from mlcls.cli.overrides import (
     check_command_line,
     check_overrides,
-    command_line_overrides,
     compose_config,
     run_command,
 )
@@ -86,9 +85,9 @@ def test_other_commands_are_checked_against_their_own_config():
 
 def test_command_line_overrides_skips_flags_and_other_configs():
     argv = ["-m", "--cfg", "job", "trainer.epochs=3", "~trainer.ema_decay", "hydra.verbose=true"]
-    assert command_line_overrides(argv) == ["trainer.epochs=3", "hydra.verbose=true"]
-    assert command_line_overrides(["--config-name", "mine", "trainer.epoch=3"]) is None
-    assert command_line_overrides(["-cd=/somewhere", "trainer.epoch=3"]) is None
+    assert check_command_line("train", argv) == ["trainer.epochs=3", "hydra.verbose=true"]
+    assert check_command_line("train", ["--config-name", "mine", "trainer.epoch=3"]) is None
+    assert check_command_line("train", ["-cd=/somewhere", "trainer.epoch=3"]) is None
 
 
 def test_check_command_line_exits_2_with_one_line(capsys, monkeypatch):

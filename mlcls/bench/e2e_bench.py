@@ -1,5 +1,5 @@
-"""Benchmark: the whole training loop fed by the real loader, against the same loop on batches already on
-the device: the share of the device's rate each input pipeline reaches.
+"""``mlcls-bench e2e``: the whole training loop fed by the real loader, against the same loop on batches
+already on the device: the share of the device's rate each input pipeline reaches.
 
 One :class:`~mlcls.engine.trainer.Trainer` is built from the config (model, optimizer, loss, AMP, memory
 format, ``trainer.compile``, ``trainer.workers``), and its epoch loop, ``Trainer.train_one_epoch`` (device
@@ -17,22 +17,15 @@ needed); the ``steps`` after the warm-up are timed: on CUDA by events recorded a
 compute stream (so the time the GPU waits for its input counts, and no host sync is added to the loop), on
 the CPU by the clock. The warm-up (default twice the DataLoader workers, plus 2 steps) lets the workers'
 first burst of batches pass, so that the rate is the steady state. ``<name>_share`` is ``<name>``'s
-images/s over ``gpu_only``'s, each measured on its own (``seconds`` and ``images`` give both).
-
-``mlcls-bench e2e [overrides ...] --backends fast,gpu,torchvision,shards [--images DIR | --count 512
---jpeg-size 640x480] [--steps 20] [--warmup W]``. Prints one JSON line; on CUDA with a ``gpu`` backend it
-adds the peak GPU memory of the input stage over a few batches (``gpu_input_peak_mib``) beside its bound.
+images/s over ``gpu_only``'s, each measured on its own (``seconds`` and ``images`` give both). On CUDA
+with a ``gpu`` backend the result adds the peak GPU memory of the input stage over a few batches
+(``gpu_input_peak_mib``) beside its bound.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import contextlib
 import gc
-import platform
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,50 +36,19 @@ import torch
 import torchvision
 from omegaconf import DictConfig
 
-from mlcls.bench.pipeline_bench import JPEG_EXTENSIONS, make_jpegs
-from mlcls.bench.step_bench import RepeatedBatches, synthetic_batch
-from mlcls.data.datasets.base import MultiLabelDataset, Sample
+from mlcls.bench.harness import check_names, host
+from mlcls.bench.pipeline_bench import JpegFolder, jpeg_files, pack_shards
+from mlcls.bench.step_bench import RepeatedBatches, synthetic_batch, temporary_trainer, trainer_fields
 from mlcls.data.loader import available_cpus, build_train_loader, loader_workers
 from mlcls.data.pipeline.fast import build_backend_transform
 from mlcls.data.pipeline.gpu import input_stage_bytes
 from mlcls.data.shards.datasets import open_shards
-from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError
 
 BACKENDS = ("fast", "gpu", "torchvision", "dali", "shards", "shards_gpu")
 # Batches of the input stage alone whose peak GPU memory is measured (data.backend=gpu, CUDA).
 MEMORY_BATCHES = 3
-
-
-class LabelledJpegs(MultiLabelDataset):
-    """``count`` samples cycling over the JPEG ``paths``, each with a random label row over ``classes``
-    (about 3 positives), read through mlcls's own loading with ``transform``."""
-
-    def __init__(self, paths: Sequence[Path], count: int, classes: Sequence[str], transform: Any) -> None:
-        super().__init__(transform)
-        self.classes = list(classes)
-        self.samples = [Sample(str(paths[k % len(paths)])) for k in range(count)]
-        generator = torch.Generator().manual_seed(0)
-        positive = min(0.5, 3 / len(self.classes))
-        self.labels = (torch.rand(count, len(self.classes), generator=generator) < positive).float()
-
-
-def jpeg_files(images: str | None, count: int, size: tuple[int, int], folder: Path) -> list[Path]:
-    """The JPEGs of ``images``, or ``count`` generated ones of ``size`` (:func:`make_jpegs`, in parallel
-    over the CPUs) in ``folder``."""
-    if images is not None:
-        paths = sorted(p for p in Path(images).iterdir() if p.suffix in JPEG_EXTENSIONS)
-        if not paths:
-            raise FileNotFoundError(f"no JPEG files (*.jpg, *.jpeg) in {images}")
-        return paths
-    parts = min(available_cpus(), max(1, count // 16))
-    if parts == 1:
-        return make_jpegs(folder, count, size)
-    shares = [count // parts + (k < count % parts) for k in range(parts)]
-    with concurrent.futures.ProcessPoolExecutor(parts) as pool:
-        jobs = [pool.submit(make_jpegs, folder / f"part{k}", n, size, k) for k, n in enumerate(shares) if n]
-        return [path for job in jobs for path in job.result()]
 
 
 def _mark(device: torch.device) -> Any:
@@ -133,7 +95,7 @@ def _loader(backend: str, trainer: Trainer, paths: list[Path], count: int, shard
     if backend.startswith("shards"):
         dataset: Any = open_shards("train", shards(), transform=transform, image_size=size)
     else:
-        dataset = LabelledJpegs(paths, count, trainer.classes, transform)
+        dataset = JpegFolder(paths, transform, count, trainer.classes)
     workers, seed = trainer.cfg.trainer.workers, trainer.cfg.trainer.seed
     return build_train_loader(
         dataset, batch, workers, 0, 1, seed, device, "dali" if backend == "dali" else pipeline
@@ -166,24 +128,14 @@ def run(
 ) -> dict[str, Any]:
     """Images/s of the trainer's loop on device-resident batches and fed by each of ``backends``, and each
     backend's share of the former (see the module docstring), for the training config ``cfg``."""
-    unknown = [name for name in backends if name not in BACKENDS]
-    if unknown or not backends:
-        raise ConfigError(
-            f"--backends {','.join(backends)}; expected a comma-separated list of {', '.join(BACKENDS)}"
-        )
+    check_names("--backends", list(backends), BACKENDS)
     workers = loader_workers(int(cfg.trainer.workers))
     warmup = 2 * workers + 2 if warmup is None else warmup
     if warmup < 1 or steps < 1:
         raise ConfigError(f"--warmup {warmup} --steps {steps}; expected at least 1 of each")
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = cfg.copy()
-        cfg.trainer.output_dir = str(Path(tmp) / "run")
-        paths = jpeg_files(images, count, jpeg_size, Path(tmp) / "jpegs")
-        trainer = Trainer(cfg)
-        try:
-            return _measure(trainer, backends, paths, warmup, steps, max_side, Path(tmp), images)
-        finally:
-            trainer.run_log.close()
+    with temporary_trainer(cfg) as (trainer, tmp):
+        paths = jpeg_files(images, count, jpeg_size, tmp / "jpegs")
+        return _measure(trainer, backends, paths, warmup, steps, max_side, tmp, images)
 
 
 def _measure(
@@ -204,18 +156,9 @@ def _measure(
 
     def shard_urls() -> list[str]:
         if not packed:
-            folder = LabelledJpegs(paths, count, trainer.classes, None)
-            report = pack_split(
-                folder,
-                tmp / "shards",
-                "train",
-                256,
-                max_side,
-                progress=False,
-                workers=min(8, available_cpus()),
-            )
-            write_sidecars(tmp / "shards", folder, {"train": "train"}, [report], max_side, 90)
-            packed.extend(str(tmp / "shards" / entry["name"]) for entry in report.shards)
+            folder = JpegFolder(paths, None, count, trainer.classes)
+            workers = min(8, available_cpus())
+            packed.extend(pack_shards(folder, tmp / "shards", 256, max_side, workers=workers))
         return packed
 
     seconds, gpu_only = {}, []
@@ -251,18 +194,12 @@ def _measure(
         },
         "gpu_input_peak_mib": peak,
         "gpu_input_bound_mib": input_stage_bytes(batch_size, size) / 2**20,
-        "model": cfg.model.name,
-        "batch_size": batch_size,
-        "image_size": size,
-        "amp": trainer.amp,
-        "channels_last": trainer.channels_last,
-        "compile": bool(cfg.trainer.get("compile", False)),
-        "device": str(device),
+        **trainer_fields(trainer),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        **host(),
         "cpus": available_cpus(),
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,
-        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
     }
 
 
@@ -280,14 +217,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-side", type=int, default=320, help="long side of the packed images (shards)")
 
 
-def run_from_args(args: argparse.Namespace, cfg: DictConfig) -> dict[str, Any]:
-    """The benchmark ``args`` ask for, on the training config ``cfg`` (composed from ``args.overrides``)."""
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark ``args`` ask for, on the training config ``args.cfg`` (of ``args.overrides``)."""
     try:
         width, height = (int(v) for v in args.jpeg_size.lower().split("x"))
     except ValueError:
         raise ConfigError(f"--jpeg-size {args.jpeg_size!r}; expected WIDTHxHEIGHT, e.g. 640x480") from None
-    with contextlib.redirect_stdout(sys.stderr):  # stdout holds the JSON line only
-        backends = [name for name in args.backends.split(",") if name]
-        return run(
-            cfg, backends, args.images, args.count, (width, height), args.steps, args.warmup, args.max_side
-        )
+    backends = [name for name in args.backends.split(",") if name]
+    jpeg_size = (width, height)
+    return run(args.cfg, backends, args.images, args.count, jpeg_size, args.steps, args.warmup, args.max_side)

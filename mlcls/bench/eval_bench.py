@@ -1,6 +1,7 @@
-"""Benchmark: the trainer's evaluation after the forward passes, on generated Open Images-sized outputs.
+"""``mlcls-bench eval``: the trainer's evaluation after the forward passes, on generated Open Images-sized
+outputs.
 
-``mlcls-bench eval --n 41620 --c 9605`` generates float32 logits (N, C) and int8 labels (N, C) and runs
+It generates float32 logits (N, C) and int8 labels (N, C) and runs
 what the trainer runs on them at each evaluation: :func:`measure_rank_parts` (the gather on rank 0 and
 every metric of results.json), :func:`calibrate_on_main` (the per-class thresholds) and the JSON writing
 of the figures. It prints one JSON line: the seconds of each phase and the process's peak resident memory
@@ -14,16 +15,16 @@ class frequencies, :data:`NEGATIVES_PER_ROW` verified negatives, every other lab
 
 from __future__ import annotations
 
-import os
-import platform
+import argparse
 import resource
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mlcls.bench.harness import host, timed
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import calibrate_on_main, measure_rank_parts
 from mlcls.errors import ConfigError
@@ -57,28 +58,14 @@ def run(n: int = 41620, c: int = 9605, seed: int = 0) -> dict[str, Any]:
     """Generate the outputs, run the evaluation once in this process (one rank), return the figures."""
     if n < 1 or c < 1:
         raise ConfigError(f"--n and --c must be at least 1, got {n} and {c}")
-    start = time.perf_counter()
-    scores, labels = make_outputs(n, c, seed)
-    generate_s = time.perf_counter() - start
+    (scores, labels), generate_s = timed(lambda: make_outputs(n, c, seed))
     inputs_peak_gb = peak_rss_gb()
     classes = [f"class_{j}" for j in range(c)]
-
-    start = time.perf_counter()
-    evaluation = measure_rank_parts(scores, labels, n, classes)
-    metrics_s = time.perf_counter() - start
+    evaluation, metrics_s = timed(partial(measure_rank_parts, scores, labels, n, classes))
     del scores, labels  # the evaluation holds them now, as the trainer's evaluation does
-    start = time.perf_counter()
-    thresholds = calibrate_on_main(evaluation, classes)
-    thresholds_s = time.perf_counter() - start
-    start = time.perf_counter()
+    thresholds, thresholds_s = timed(lambda: calibrate_on_main(evaluation, classes))
     metrics = evaluation.metrics
-    with tempfile.TemporaryDirectory() as folder:
-        results = {
-            "metrics": {k: v for k, v in metrics.items() if k != "per_class_ap"},
-            "per_class_ap": metrics["per_class_ap"],
-        }
-        write_json(results, Path(folder) / "results.json")
-    results_s = time.perf_counter() - start
+    _, results_s = timed(lambda: _write_results(metrics))
     return {
         "n": n,
         "c": c,
@@ -95,7 +82,25 @@ def run(n: int = 41620, c: int = 9605, seed: int = 0) -> dict[str, Any]:
         "classes_counted": metrics["classes_counted"],
         "samples_counted": metrics["samples_counted"],
         "thresholds_finite": int(torch.isfinite(thresholds).sum()),
-        "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+        **host(),
     }
+
+
+def _write_results(metrics: dict[str, Any]) -> None:
+    """``metrics`` written as the trainer writes results.json (per-class AP apart), to a temporary file."""
+    with tempfile.TemporaryDirectory() as folder:
+        results = {k: v for k, v in metrics.items() if k != "per_class_ap"}
+        write_json(
+            {"metrics": results, "per_class_ap": metrics["per_class_ap"]}, Path(folder) / "results.json"
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``mlcls-bench eval``."""
+    parser.add_argument("--n", type=int, default=41620, help="validation samples (rows)")
+    parser.add_argument("--c", type=int, default=9605, help="classes (columns)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return run(args.n, args.c, args.seed)

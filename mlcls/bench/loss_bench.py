@@ -1,22 +1,17 @@
-"""Benchmark of the two-way loss against a plain masked-logsumexp implementation of eq. 17.
+"""``mlcls-bench loss``: the two-way loss against a plain masked-logsumexp implementation of eq. 17.
 
 Forward + backward of :class:`mlcls.losses.TwoWayLoss` (tp = 4, tn = 1, buckets of M = 128 rows) on
 (512, 80) logits (MS-COCO's class count) and (512, 620) logits (VAW's), timed in the same run as
 :func:`masked_logsumexp_twoway`, the approach of the authors' public code: logits masked by adding a large
-negative number, ``torch.logsumexp`` per row and per column, autograd for the backward pass.
-
-    python -m mlcls.bench.loss_bench [--device cpu] [--repeats 100]
-
-prints one JSON line: the median milliseconds of both implementations at both sizes and ``ratio``, the
-larger of the two ratios (two-way / masked logsumexp; below 1 means faster).
+negative number, ``torch.logsumexp`` per row and per column, autograd for the backward pass. The result:
+the median milliseconds of both at both sizes and ``ratio``, the larger of the two ratios (two-way /
+masked logsumexp; below 1 means faster).
 
 Large label spaces (``--scale``, :func:`run_scale`): every loss of :mod:`mlcls.losses` (default arguments)
 at C = 80 (MS-COCO) and C = 9,605 (Open Images V6's trainable classes), a batch of 128 (one process's
 batch in the paper), ~3 positives per sample; forward + backward median milliseconds, the peak memory a
 step adds, the two-way loss's time over BCE's at C = 9,605 (``twoway_over_bce``), and mAP@class and
 mAP@sample on N = 20,000 x C = 9,605 scores (seconds).
-
-    python -m mlcls.bench.loss_bench --scale [--repeats 20]
 """
 
 from __future__ import annotations
@@ -26,11 +21,10 @@ import ctypes
 import functools
 import json
 import re
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlcls import losses
+from mlcls.bench.harness import median_seconds, random_labels, torch_threads
 from mlcls.data.datasets.labels import LabelCounts
 from mlcls.losses import TwoWayLoss
 
@@ -75,41 +70,39 @@ def _random_batch(
 ) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(seed)
     logits = 3.0 * torch.randn(batch_size, classes, generator=generator)
-    targets = (torch.rand(batch_size, classes, generator=generator) < labels_per_sample / classes).float()
+    targets = random_labels(batch_size, classes, labels_per_sample, generator)
     return logits.to(device), targets.to(device)
 
 
-def _time_ms(fn: Callable[[Tensor, Tensor], Tensor], logits: Tensor, targets: Tensor, device: str) -> float:
-    """Milliseconds of one forward + backward of ``fn``."""
-    x = logits.detach().requires_grad_(True)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn(x, targets).backward()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return 1000.0 * (time.perf_counter() - start)
+def _step(fn: Callable[[Tensor, Tensor], Tensor], logits: Tensor, targets: Tensor) -> Callable[[], None]:
+    """One forward + backward of ``fn``, as a block to time."""
+    return lambda: fn(logits.detach().requires_grad_(True), targets).backward()
+
+
+def _median_ms(
+    criteria: dict[str, Callable[[Tensor, Tensor], Tensor]],
+    logits: Tensor,
+    targets: Tensor,
+    repeats: int,
+    warmup: int,
+    device: str = "cpu",
+) -> dict[str, float]:
+    """Median forward + backward milliseconds of each criterion, the criteria taking turns."""
+    blocks = {name: _step(fn, logits, targets) for name, fn in criteria.items()}
+    return {name: 1000.0 * s for name, s in median_seconds(blocks, repeats, warmup, device).items()}
 
 
 def run(device: str = "cpu", repeats: int = 100, warmup: int = 10) -> dict[str, float]:
     """Median forward + backward milliseconds of both implementations at both sizes, and ``ratio``.
-
-    The two implementations alternate within each repeat so that they see the same machine state.
-    Raises ``AssertionError`` if they disagree on the loss value or gradient.
-    """
+    Raises ``AssertionError`` if they disagree on the loss value or gradient."""
     twoway = TwoWayLoss(tp=TP, tn=TN, bucket_size=BUCKET_SIZE)
+    criteria = {"twoway": twoway, "masked_lse": masked_logsumexp_twoway}
     result: dict[str, float] = {}
     ratios = []
     for index, (name, classes, labels_per_sample) in enumerate(SIZES):
         logits, targets = _random_batch(classes, labels_per_sample, device, seed=index)
         _check_agreement(twoway, logits, targets)
-        times: dict[str, list[float]] = {"twoway": [], "masked_lse": []}
-        for step in range(warmup + repeats):
-            for key, fn in (("twoway", twoway), ("masked_lse", masked_logsumexp_twoway)):
-                elapsed = _time_ms(fn, logits, targets, device)
-                if step >= warmup:
-                    times[key].append(elapsed)
-        medians = {key: statistics.median(values) for key, values in times.items()}
+        medians = _median_ms(criteria, logits, targets, repeats, warmup, device)
         result[f"twoway_{name}_ms"] = medians["twoway"]
         result[f"masked_lse_{name}_ms"] = medians["masked_lse"]
         ratios.append(medians["twoway"] / medians["masked_lse"])
@@ -195,17 +188,18 @@ def _criteria(classes: int = SCALE_CLASSES[0]) -> dict[str, Callable[[Tensor, Te
 def peak_memory() -> dict[str, float]:
     """``<name>_c<C>_peak_mib``: the peak memory one forward + backward adds, every loss and size (Linux).
 
-    Meant for a fresh process (``--memory``): glibc is first told to serve every allocation above 4 KiB
-    with its own ``mmap`` (``M_MMAP_THRESHOLD``), so that a freed tensor leaves the resident set at once
-    instead of staying in the heap for reuse; the figure is then the bytes live at the worst moment.
+    Meant for a fresh process (``python -m mlcls.bench.loss_bench``): glibc is first told to serve every
+    allocation above 4 KiB with its own ``mmap`` (``M_MMAP_THRESHOLD``), so that a freed tensor leaves the
+    resident set at once instead of staying in the heap for reuse; the figure is then the bytes live at the
+    worst moment.
     """
     ctypes.CDLL("libc.so.6").mallopt(-3, 4096)  # M_MMAP_THRESHOLD = 4 KiB, before any tensor exists
     result = {}
     for classes, (logits, targets) in _scale_batches().items():
         for name, criterion in _criteria(classes).items():
-            _time_ms(criterion, logits, targets, "cpu")  # first call: lazy initialisations
-            peak = _peak_bytes(lambda c=criterion, x=logits, y=targets: _time_ms(c, x, y, "cpu"))
-            result[f"{name}_c{classes}_peak_mib"] = peak / 2**20
+            step = _step(criterion, logits, targets)
+            step()  # first call: lazy initialisations
+            result[f"{name}_c{classes}_peak_mib"] = _peak_bytes(step) / 2**20
     return result
 
 
@@ -214,13 +208,9 @@ def run_scale(repeats: int = 20, warmup: int = 3, threads: int = 1) -> dict[str,
     the losses interleaved within each repeat), ``twoway_over_bce`` at C = 9,605, ``map_class_s`` /
     ``map_sample_s`` (one call each, N = 20,000, C = 9,605) and, on Linux, the :func:`peak_memory` figures
     measured in a child process. Torch runs ``threads`` intra-op threads (default 1: the ratio then does
-    not depend on what else the machine runs); the previous setting is restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    not depend on what else the machine runs)."""
+    with torch_threads(threads):
         return {**_scale_figures(repeats, warmup), "torch_threads": threads}
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _scale_figures(repeats: int, warmup: int) -> dict[str, float]:
@@ -229,15 +219,8 @@ def _scale_figures(repeats: int, warmup: int) -> dict[str, float]:
 
     result: dict[str, float] = {}
     for classes, (logits, targets) in _scale_batches().items():
-        criteria = _criteria(classes)
-        times: dict[str, list[float]] = {name: [] for name in criteria}
-        for step in range(warmup + repeats):
-            for name, criterion in criteria.items():
-                elapsed = _time_ms(criterion, logits, targets, "cpu")
-                if step >= warmup:
-                    times[name].append(elapsed)
-        for name, values in times.items():
-            result[f"{name}_c{classes}_ms"] = statistics.median(values)
+        for name, ms in _median_ms(_criteria(classes), logits, targets, repeats, warmup).items():
+            result[f"{name}_c{classes}_ms"] = ms
     largest = SCALE_CLASSES[-1]
     result["twoway_over_bce"] = result[f"twoway_c{largest}_ms"] / result[f"bce_c{largest}_ms"]
     scores, labels = make_scores(SCALE_METRIC_SAMPLES, largest, seed=0)
@@ -246,30 +229,33 @@ def _scale_figures(repeats: int, warmup: int) -> dict[str, float]:
         metric(scores, labels)
         result[key] = time.perf_counter() - start
     if sys.platform == "linux":
-        child = [sys.executable, "-m", "mlcls.bench.loss_bench", "--memory"]
+        child = [sys.executable, "-m", "mlcls.bench.loss_bench"]
         output = subprocess.run(child, capture_output=True, text=True, check=True).stdout
         result.update(json.loads(output.strip().splitlines()[-1]))
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Command line: print ``run``'s (or with ``--scale``, ``run_scale``'s) result as one JSON line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# Timed calls per loss: at C = 80 (two losses), and under --scale (every loss, up to C = 9,605), where each
+# call costs far more.
+LOSS_REPEATS, SCALE_REPEATS = 100, 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``mlcls-bench loss``."""
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=100)
-    parser.add_argument("--scale", action="store_true", help="every loss at C = 80 and 9,605 (CPU)")
-    parser.add_argument("--memory", action="store_true", help="only the peak memory of --scale (Linux)")
+    parser.add_argument(
+        "--repeats", type=int, help=f"timed calls per loss ({LOSS_REPEATS}; --scale: {SCALE_REPEATS})"
+    )
+    scale = "every loss at C = 80 and 9,605, batch 128 (CPU)"
+    parser.add_argument("--scale", action="store_true", help=scale)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for --scale")
-    args = parser.parse_args(argv)
-    if args.memory:
-        result = peak_memory()
-    elif args.scale:
-        result = run_scale(repeats=args.repeats, threads=args.threads)
-    else:
-        result = run(device=args.device, repeats=args.repeats)
-    print(json.dumps({key: round(value, 4) for key, value in result.items()}))
-    return result
 
 
-if __name__ == "__main__":
-    main()
+def run_from_args(args: argparse.Namespace) -> dict[str, float]:
+    if args.scale:
+        return run_scale(SCALE_REPEATS if args.repeats is None else args.repeats, threads=args.threads)
+    return run(args.device, LOSS_REPEATS if args.repeats is None else args.repeats)
+
+
+if __name__ == "__main__":  # the child process of run_scale
+    print(json.dumps(peak_memory()))

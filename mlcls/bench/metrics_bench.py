@@ -1,7 +1,6 @@
-"""Benchmark: mAP@class + mAP@sample on COCO-val-sized scores, mlcls against scikit-learn, side by side.
+"""``mlcls-bench metrics``: mAP@class + mAP@sample on COCO-val-sized scores, mlcls against scikit-learn.
 
-``python -m mlcls.bench.metrics_bench [--n 40137] [--c 80] [--seed 0] [--threads 1]`` prints one JSON
-line. The data imitate COCO val2014: 40,137 images, 80 classes with long-tailed frequencies (the most
+The data imitate COCO val2014: 40,137 images, 80 classes with long-tailed frequencies (the most
 frequent class in ~38% of the images), ~2.9 positives per image, float32 logits that separate positives
 only partly. The scikit-learn pair is ``average_precision_score(average="macro")`` plus
 ``average="samples"`` over the rows with a positive; it takes tens of seconds, so this is a benchmark, not
@@ -11,15 +10,12 @@ a test. Both run on one CPU thread unless ``--threads`` says otherwise.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import time
 import warnings
 
 import torch
 
+from mlcls.bench.harness import host, timed, torch_threads
 from mlcls.metrics import compute_metrics, map_class, map_sample
 
 POSITIVES_PER_ROW = 2.9
@@ -41,22 +37,20 @@ def _sklearn_pair(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, fl
     from sklearn.metrics import average_precision_score
 
     y_true, y_score = labels.numpy().astype(int), logits.double().numpy()
-    start = time.perf_counter()
-    macro = average_precision_score(y_true, y_score, average="macro")
-    macro_s = time.perf_counter() - start
+    macro, macro_s = timed(lambda: average_precision_score(y_true, y_score, average="macro"))
     with_positive = y_true.sum(1) > 0
-    start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        samples = average_precision_score(y_true[with_positive], y_score[with_positive], average="samples")
-    return macro, samples, macro_s, time.perf_counter() - start
+        samples, samples_s = timed(
+            lambda: average_precision_score(y_true[with_positive], y_score[with_positive], average="samples")
+        )
+    return macro, samples, macro_s, samples_s
 
 
 def _mlcls_pair(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, float]:
-    start = time.perf_counter()
-    class_percent, _ = map_class(logits, labels)
-    sample_percent, _ = map_sample(logits, labels)
-    return class_percent / 100, sample_percent / 100, time.perf_counter() - start
+    (class_percent, _), seconds = timed(lambda: map_class(logits, labels))
+    (sample_percent, _), sample_s = timed(lambda: map_sample(logits, labels))
+    return class_percent / 100, sample_percent / 100, seconds + sample_s
 
 
 def run(n: int = 40137, c: int = 80, seed: int = 0, threads: int | None = 1) -> dict:
@@ -71,55 +65,41 @@ def run(n: int = 40137, c: int = 80, seed: int = 0, threads: int | None = 1) -> 
     OpenMP threads wait for each other at every operation and two threads are several times slower than
     one). ``None`` leaves torch's setting unchanged.
     """
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads or default_threads)
-    try:
-        return _run(n, c, seed)
-    finally:
-        torch.set_num_threads(default_threads)
+    with torch_threads(threads):
+        logits, labels = make_scores(n, c, seed)
+        ours_class, ours_sample, cold_s = _mlcls_pair(logits, labels)
+        warm = [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
+        _, all_figures_s = timed(lambda: compute_metrics(logits, labels, [f"class_{j}" for j in range(c)]))
+        macro, samples, macro_s, samples_s = _sklearn_pair(logits, labels)
+        warm += [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
+        sklearn_s = macro_s + samples_s
+        return {
+            "n": n,
+            "c": c,
+            "positives_per_row": round(labels.sum().item() / n, 3),
+            "sklearn_macro_s": round(macro_s, 4),
+            "sklearn_samples_s": round(samples_s, 4),
+            "sklearn_pair_s": round(sklearn_s, 4),
+            "mlcls_pair_cold_s": round(cold_s, 4),
+            "mlcls_pair_s": round(statistics.median(warm), 4),
+            "mlcls_pair_best_s": round(min(warm), 4),
+            "mlcls_compute_metrics_s": round(all_figures_s, 4),
+            "ratio": round(sklearn_s / statistics.median(warm), 1),
+            "ratio_best": round(sklearn_s / min(warm), 1),
+            "equal": abs(ours_class - macro) <= 1e-9 and abs(ours_sample - samples) <= 1e-9,
+            "map_class": 100 * ours_class,
+            "map_sample": 100 * ours_sample,
+            **host(),
+        }
 
 
-def _run(n: int, c: int, seed: int) -> dict:
-    logits, labels = make_scores(n, c, seed)
-    ours_class, ours_sample, cold_s = _mlcls_pair(logits, labels)
-    warm = [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
-    start = time.perf_counter()
-    compute_metrics(logits, labels, [f"class_{j}" for j in range(c)])
-    all_figures_s = time.perf_counter() - start
-    macro, samples, macro_s, samples_s = _sklearn_pair(logits, labels)
-    warm += [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
-    sklearn_s = macro_s + samples_s
-    return {
-        "n": n,
-        "c": c,
-        "positives_per_row": round(labels.sum().item() / n, 3),
-        "sklearn_macro_s": round(macro_s, 4),
-        "sklearn_samples_s": round(samples_s, 4),
-        "sklearn_pair_s": round(sklearn_s, 4),
-        "mlcls_pair_cold_s": round(cold_s, 4),
-        "mlcls_pair_s": round(statistics.median(warm), 4),
-        "mlcls_pair_best_s": round(min(warm), 4),
-        "mlcls_compute_metrics_s": round(all_figures_s, 4),
-        "ratio": round(sklearn_s / statistics.median(warm), 1),
-        "ratio_best": round(sklearn_s / min(warm), 1),
-        "equal": abs(ours_class - macro) <= 1e-9 and abs(ours_sample - samples) <= 1e-9,
-        "map_class": 100 * ours_class,
-        "map_sample": 100 * ours_sample,
-        "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
-    }
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=40137, help="number of samples (rows)")
-    parser.add_argument("--c", type=int, default=80, help="number of classes (columns)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``mlcls-bench metrics``."""
+    parser.add_argument("--n", type=int, default=40137, help="samples (rows)")
+    parser.add_argument("--c", type=int, default=80, help="classes (columns)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
-    args = parser.parse_args(argv)
-    print(json.dumps(run(args.n, args.c, args.seed, args.threads or None)))
 
 
-if __name__ == "__main__":
-    main()
+def run_from_args(args: argparse.Namespace) -> dict:
+    return run(args.n, args.c, args.seed, args.threads or None)

@@ -1,4 +1,4 @@
-"""Benchmark: decode + training augmentation, images/s, of the input pipelines side by side in one run.
+"""``mlcls-bench pipeline``: decode + training augmentation, images/s, of the input pipelines side by side.
 
 Pipelines, each over the same JPEG files, interleaved within every repeat (same machine state):
 
@@ -17,20 +17,18 @@ Pipelines, each over the same JPEG files, interleaved within every repeat (same 
 * ``shards``: the same shard loader plus the device stage (training from shards on the CPU, or on CUDA
   when available). The pack's own speed (images/s, ``--pack-workers`` processes) is reported beside it.
 
-``mlcls-bench pipeline --images DIR [--n N] [--workers W] [--size 224]``; without
-``--images`` it generates 640x480 JPEGs in a temporary directory (:func:`make_jpegs`). Prints one JSON line.
+Without ``--images`` it generates 64 640x480 JPEGs in a temporary directory (:func:`make_jpegs`).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
-import os
-import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +38,9 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
+from mlcls.bench.harness import host, median_seconds, random_labels, sync, torch_threads
 from mlcls.data.datasets.base import MultiLabelDataset, Sample
-from mlcls.data.loader import DeviceStage, ShardTrainLoader, collate_batch
+from mlcls.data.loader import DeviceStage, ShardTrainLoader, available_cpus, collate_batch
 from mlcls.data.pipeline.fast import AugmentedImage, build_backend_transform
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD
 from mlcls.data.shards.datasets import open_shards
@@ -93,14 +92,56 @@ def make_jpegs(
     return paths
 
 
-class JpegFolder(MultiLabelDataset):
-    """The image files of a folder as a one-class dataset, so that images go through mlcls's own loading."""
+def jpeg_files(images: str | None, count: int, size: tuple[int, int], folder: Path) -> list[Path]:
+    """The JPEGs of the folder ``images``, or ``count`` generated ones of ``size`` (:func:`make_jpegs`, in
+    parallel over the CPUs) in ``folder``."""
+    if images is not None:
+        paths = sorted(p for p in Path(images).iterdir() if p.suffix in JPEG_EXTENSIONS)
+        if not paths:
+            raise FileNotFoundError(f"no JPEG files (*.jpg, *.jpeg) in {images}")
+        return paths
+    parts = min(available_cpus(), max(1, count // 16))
+    if parts == 1:
+        return make_jpegs(folder, count, size)
+    shares = [count // parts + (k < count % parts) for k in range(parts)]
+    with concurrent.futures.ProcessPoolExecutor(parts) as pool:
+        jobs = [pool.submit(make_jpegs, folder / f"part{k}", n, size, k) for k, n in enumerate(shares) if n]
+        return [path for job in jobs for path in job.result()]
 
-    def __init__(self, paths: Iterable[str | Path], transform: Callable | None = None) -> None:
+
+class JpegFolder(MultiLabelDataset):
+    """``count`` samples (default: one per path) cycling over the JPEG ``paths``, each with a random label
+    row over ``classes`` (about 3 positives, at most half), read through mlcls's own loading."""
+
+    def __init__(
+        self,
+        paths: Sequence[Path],
+        transform: Callable | None = None,
+        count: int | None = None,
+        classes: Sequence[str] = ("image",),
+    ) -> None:
         super().__init__(transform)
-        self.classes = ["image"]
-        self.samples = [Sample(str(p)) for p in paths]
-        self.labels = torch.ones(len(self.samples), 1)
+        self.classes = list(classes)
+        count = len(paths) if count is None else count
+        self.samples = [Sample(str(paths[k % len(paths)])) for k in range(count)]
+        self.labels = random_labels(count, len(self.classes), 3, torch.Generator().manual_seed(0))
+
+
+def pack_shards(
+    dataset: MultiLabelDataset,
+    folder: Path,
+    shard_size: int,
+    max_side: int,
+    subsampling: str = "auto",
+    workers: int = 1,
+) -> list[str]:
+    """``dataset`` packed in ``folder`` as ``mlcls-data pack`` packs a training split (JPEG quality 90);
+    the paths of its shards."""
+    report = pack_split(
+        dataset, folder, "train", shard_size, max_side, 90, subsampling, progress=False, workers=workers
+    )
+    write_sidecars(folder, dataset, {"train": "train"}, [report], max_side, 90, subsampling)
+    return [str(folder / entry["name"]) for entry in report.shards]
 
 
 class _OpenAndTransform(torch.utils.data.Dataset):
@@ -117,37 +158,23 @@ class _OpenAndTransform(torch.utils.data.Dataset):
             return self.transform(img.convert("RGB")), 0
 
 
-def torchvision_reference(size: int) -> Callable:
-    """The straightforward torchvision training transform the issue compares against (no lighting)."""
-    return T.Compose(
-        [
-            T.RandomResizedCrop(size),
-            T.RandomHorizontalFlip(),
-            T.ColorJitter(0.4, 0.4, 0.4),
-            T.ToTensor(),
-            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
-    )
-
-
 def _no_augmentation(image: Image.Image) -> torch.Tensor:
     return torch.empty(0)
 
 
 def _datasets(paths: list[Path], size: int) -> dict[str, torch.utils.data.Dataset]:
     fast = JpegFolder(paths, build_backend_transform("fast", "paper", size, train=True))
+    jitter, normalize = T.ColorJitter(0.4, 0.4, 0.4), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    reference = T.Compose(
+        [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), jitter, T.ToTensor(), normalize]
+    )
     return {
-        "torchvision": _OpenAndTransform(paths, torchvision_reference(size)),
+        "torchvision": _OpenAndTransform(paths, reference),
         "plain": JpegFolder(paths, build_backend_transform("torchvision", "paper", size, train=True)),
         "fast_cpu_stage": fast,
         "fast": fast,
         "decode_only": _OpenAndTransform(paths, _no_augmentation),
     }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _time_pipeline(
@@ -162,7 +189,7 @@ def _time_pipeline(
         seen += len(images.pixels if isinstance(images, AugmentedImage) else images)
         if seen >= count:
             break
-    _sync(device)
+    sync(device)
     return time.perf_counter() - start
 
 
@@ -181,12 +208,8 @@ def _interleaved_seconds(
     for step in range(-(-count // batch_size)):
         shift = (step + repeat) % len(names)
         for name in names[shift:] + names[:shift]:
-            totals[name] += _time_pipeline(_one(streams[name]), finishers[name], device, 1)
+            totals[name] += _time_pipeline(streams[name], finishers[name], device, 1)
     return totals
-
-
-def _one(stream: Iterable) -> Iterable:
-    yield next(iter(stream))
 
 
 def _in_process_batches(dataset: torch.utils.data.Dataset, count: int, batch_size: int) -> Iterable:
@@ -212,39 +235,21 @@ def run(
     """Images/s of every pipeline of :data:`PIPELINES` (median of ``repeats``), and ratios to the reference.
 
     ``workers=0`` measures one process (the issue's target); ``workers > 0`` reads through DataLoaders with
-    that many persistent, prefetching workers per pipeline. Without ``images`` 64 JPEGs are generated.
-    Torch runs ``threads`` intra-op threads (default 1: every pipeline on one core, like PIL); the
-    previous setting is restored afterwards.
+    that many persistent, prefetching workers per pipeline. Torch runs ``threads`` intra-op threads
+    (default 1: every pipeline on one core, like PIL).
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        if images is None:
-            paths = make_jpegs(tmp, 64, seed=seed)
-        else:
-            paths = sorted(p for p in Path(images).iterdir() if p.suffix in JPEG_EXTENSIONS)
-        if not paths:
-            raise FileNotFoundError(f"no JPEG files (*.jpg, *.jpeg) in {images}")
-        previous_threads = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            shards = Path(tmp) / "shards"
-            start = time.perf_counter()
-            folder = JpegFolder(paths)
-            report = pack_split(
-                folder, shards, "train", 16, max_side, 90, subsampling, progress=False, workers=pack_workers
-            )
-            pack_rate = len(paths) / (time.perf_counter() - start)
-            write_sidecars(shards, folder, {"train": "train"}, [report], max_side, 90, subsampling)
-            urls = [str(shards / entry["name"]) for entry in report.shards]
-            result = _measure(paths, urls, n, workers, size, batch_size, repeats, seed)
-            return {
-                **result,
-                "pack_images_per_s": pack_rate,
-                "pack_workers": pack_workers,
-                "max_side": max_side,
-                "subsampling": subsampling,
-            }
-        finally:
-            torch.set_num_threads(previous_threads)
+    with tempfile.TemporaryDirectory() as tmp, torch_threads(threads):
+        paths = jpeg_files(images, 64, (640, 480), Path(tmp) / "jpegs")
+        start = time.perf_counter()
+        urls = pack_shards(JpegFolder(paths), Path(tmp) / "shards", 16, max_side, subsampling, pack_workers)
+        pack_rate = len(paths) / (time.perf_counter() - start)
+        return {
+            **_measure(paths, urls, n, workers, size, batch_size, repeats, seed),
+            "pack_images_per_s": pack_rate,
+            "pack_workers": pack_workers,
+            "max_side": max_side,
+            "subsampling": subsampling,
+        }
 
 
 def _shard_batches(
@@ -327,12 +332,7 @@ def _measure(
         "images_per_s": rates["fast"],
         **{f"{name}_images_per_s": rate for name, rate in rates.items()},
         "device_stage_images_per_s": colour,
-        "ratio_fast_cpu_stage_vs_torchvision": rates["fast_cpu_stage"] / rates["torchvision"],
-        "ratio_fast_vs_torchvision": rates["fast"] / rates["torchvision"],
-        "ratio_plain_vs_torchvision": rates["plain"] / rates["torchvision"],
-        "ratio_decode_only_vs_torchvision": rates["decode_only"] / rates["torchvision"],
-        "ratio_shards_cpu_stage_vs_torchvision": rates["shards_cpu_stage"] / rates["torchvision"],
-        "ratio_shards_vs_torchvision": rates["shards"] / rates["torchvision"],
+        **{f"ratio_{name}_vs_torchvision": rates[name] / rates["torchvision"] for name in PIPELINES[1:]},
         "n": n,
         "files": len(paths),
         "workers": workers,
@@ -340,9 +340,7 @@ def _measure(
         "batch_size": batch_size,
         "repeats": repeats,
         "device_stage_on": device.type,
-        "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+        **host(),
     }
 
 
@@ -360,19 +358,12 @@ def _device_stage_rate(batch_size: int, size: int, device: torch.device, repeats
     )
     batch = AugmentedImage(pixels.to(device), params.to(device))
     stage = DeviceStage(device)
-    stage(batch)
-    times = []
-    for _ in range(max(3, repeats)):
-        _sync(device)
-        start = time.perf_counter()
-        stage(batch)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return batch_size / statistics.median(times)
+    seconds = median_seconds({"stage": lambda: stage(batch)}, max(3, repeats), warmup=1, device=device)
+    return batch_size / seconds["stage"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The command-line options of this benchmark (shared with ``mlcls-bench pipeline``)."""
+    """The options of ``mlcls-bench pipeline``."""
     parser.add_argument("--images", help="folder of JPEGs (default: 64 generated 640x480 JPEGs)")
     parser.add_argument("--n", type=int, default=256, help="images per pipeline per repeat")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers (0: in this process)")
@@ -395,8 +386,9 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         args.size,
         args.batch_size,
         args.repeats,
-        threads=args.threads,
-        max_side=args.max_side,
-        pack_workers=args.pack_workers,
-        subsampling=args.subsampling,
+        0,
+        args.threads,
+        args.max_side,
+        args.pack_workers,
+        args.subsampling,
     )

@@ -1,4 +1,4 @@
-"""Benchmark: images/s of the trainer against a bare hand-written PyTorch loop, side by side.
+"""``mlcls-bench step``: images/s of the trainer against a bare hand-written PyTorch loop, side by side.
 
 Two modes (``--loop``):
 
@@ -25,43 +25,46 @@ With ``--heads linear,mldecoder,csra`` it times instead the bare step of each cl
 (``model.head``) on the same backbone, with ``--classes`` outputs, each relative to the first head (the
 linear one) in the same run, timed blocks alternating between the heads; BCE is the loss of every head.
 
-``mlcls-bench step [overrides ...] [--loop epoch|step] [--repeats 5] [--steps 3]``, e.g.
-``model.name=resnet50 dataset.image_size=224 trainer.batch_size=32 trainer.amp=bf16 trainer.compile=true``.
-The dataset config only sets the image size and the class count (the default synthetic one needs no
-files). Prints one JSON line.
+Overrides e.g. ``model.name=resnet50 dataset.image_size=224 trainer.batch_size=32 trainer.amp=bf16
+trainer.compile=true``. The dataset config only sets the image size and the class count (the default
+synthetic one needs no files).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import platform
-import statistics
-import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from mlcls.bench.harness import check_names, host, median_seconds, random_labels
 from mlcls.engine.build import build_loss, build_model, build_optimization
 from mlcls.engine.distributed import resolve_device
 from mlcls.engine.evaluate import autocast_context
 from mlcls.engine.trainer import Trainer
-from mlcls.errors import ConfigError
 from mlcls.models.heads import HEADS
 
 LOOPS = ("epoch", "step")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+@contextlib.contextmanager
+def temporary_trainer(cfg: DictConfig) -> Iterator[tuple[Trainer, Path]]:
+    """A :class:`Trainer` of ``cfg`` writing into a temporary directory (also given), removed afterwards."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = cfg.copy()
+        cfg.trainer.output_dir = str(Path(tmp) / "run")
+        trainer = Trainer(cfg)
+        try:
+            yield trainer, Path(tmp)
+        finally:
+            trainer.run_log.close()
 
 
 def bare_step_fn(cfg: DictConfig, trainer: Trainer) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -112,8 +115,7 @@ def synthetic_batch(
     """Normalised-looking float images (B, 3, S, S) and {0, 1} targets (B, C) with ~3 positives per row."""
     generator = torch.Generator().manual_seed(seed)
     images = torch.randn(batch_size, 3, image_size, image_size, generator=generator)
-    targets = (torch.rand(batch_size, num_classes, generator=generator) < min(0.5, 3 / num_classes)).float()
-    return images, targets
+    return images, random_labels(batch_size, num_classes, 3, generator)
 
 
 class RepeatedBatches:
@@ -144,65 +146,61 @@ def run(
     training config ``cfg`` (run in a temporary directory)."""
     if loop not in LOOPS:
         raise ValueError(f"--loop {loop!r}; expected one of {', '.join(LOOPS)}")
-    with tempfile.TemporaryDirectory() as run_dir:
-        cfg = cfg.copy()
-        cfg.trainer.output_dir = run_dir
-        trainer = Trainer(cfg)
-        try:
-            return _measure(cfg, trainer, repeats, steps, warmup, loop)
-        finally:
-            trainer.run_log.close()
+    with temporary_trainer(cfg) as (trainer, _):
+        return _measure(trainer, repeats, steps, warmup, loop)
 
 
 def _contenders(
     trainer: Trainer, bare: Callable, batch: tuple[torch.Tensor, torch.Tensor], steps: int, loop: str
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """One timed block of ``steps`` steps per contender; each returns its last loss."""
+    bare_block = partial(_repeat_step, bare, batch, steps)
     if loop == "step":
 
-        def trainer_block() -> torch.Tensor:
-            for _ in range(steps):  # the batch moved as the bare step moves it
-                loss, _ = trainer.train_step(*trainer.device_stage.finish(batch))
-            return loss
+        def trainer_step(*batch: torch.Tensor) -> torch.Tensor:
+            return trainer.train_step(*trainer.device_stage.finish(batch))[
+                0
+            ]  # moved as the bare step moves it
 
-        def bare_block() -> torch.Tensor:
-            for _ in range(steps):
-                loss = bare(*batch)
-            return loss
+        return {"trainer": partial(_repeat_step, trainer_step, batch, steps), "bare": bare_block}
+    trainer.data.train_loader, trainer.iters_per_epoch = RepeatedBatches(batch, steps), steps
+    return {"trainer": lambda: torch.tensor(trainer.train_one_epoch(0)["loss"]), "bare": bare_block}
 
-        return {"trainer": trainer_block, "bare": bare_block}
-    batches = RepeatedBatches(batch, steps)
-    trainer.data.train_loader = batches
-    trainer.iters_per_epoch = steps
 
-    def epoch_block() -> torch.Tensor:
-        return torch.tensor(trainer.train_one_epoch(0)["loss"])
-
-    def bare_loop() -> torch.Tensor:
-        for images, targets in batches:
-            loss = bare(images, targets)
-        return loss
-
-    return {"trainer": epoch_block, "bare": bare_loop}
+def trainer_fields(trainer: Trainer) -> dict[str, Any]:
+    """The settings of ``trainer`` its speed depends on, for a benchmark's result."""
+    return {
+        "model": trainer.cfg.model.name,
+        "batch_size": trainer.data.local_batch,
+        "image_size": int(trainer.cfg.dataset.image_size),
+        "amp": trainer.amp,
+        "channels_last": trainer.channels_last,
+        "compile": bool(trainer.cfg.trainer.get("compile", False)),
+        "device": str(trainer.device),
+    }
 
 
 def median_step_seconds(
-    contenders: dict[str, Callable[[], torch.Tensor]], device: torch.device, repeats: int, steps: int
+    contenders: dict[str, Callable[[], torch.Tensor]],
+    device: torch.device,
+    repeats: int,
+    steps: int,
+    warmup: int,
 ) -> dict[str, float]:
-    """Median seconds per step of each contender (a block of ``steps`` steps returning its last loss) over
-    ``repeats`` timed blocks, the order of the contenders reversed every other repeat."""
-    _sync(device)
-    seconds: dict[str, list[float]] = {name: [] for name in contenders}
-    for repeat in range(repeats):
-        order = list(contenders) if repeat % 2 == 0 else list(contenders)[::-1]
-        for name in order:
-            start = time.perf_counter()
+    """Median seconds per step of each contender, a block of ``steps`` steps returning its last loss
+    (:func:`~mlcls.bench.harness.median_seconds`; the ``warmup`` blocks: compilation, allocator and cuDNN
+    autotuning). A non-finite loss raises :class:`FloatingPointError`."""
+
+    def checked(name: str) -> Callable[[], None]:
+        def block() -> None:
             loss = contenders[name]()
-            _sync(device)
-            seconds[name].append((time.perf_counter() - start) / steps)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"{name}: non-finite loss {loss.item()}; lower the learning rate")
-    return {name: statistics.median(values) for name, values in seconds.items()}
+
+        return block
+
+    seconds = median_seconds({name: checked(name) for name in contenders}, repeats, warmup, device)
+    return {name: value / steps for name, value in seconds.items()}
 
 
 def run_heads(
@@ -217,9 +215,7 @@ def run_heads(
     (``model.name``, ``dataset.image_size``, ``trainer.batch_size``, ``trainer.amp``, ``optim``), with
     ``num_classes`` outputs (``<head>_step_s``), as images/s, and relative to the first head's
     (``<head>_relative``)."""
-    unknown = [head for head in heads if head not in HEADS]
-    if unknown or not heads:
-        raise ConfigError(f"--heads {','.join(heads)}; expected a comma-separated list of {', '.join(HEADS)}")
+    check_names("--heads", list(heads), HEADS)
     device = resolve_device(cfg.trainer.device)
     amp = cfg.trainer.amp if device.type == "cuda" else "none"
     channels_last = bool(cfg.trainer.channels_last) and device.type == "cuda"
@@ -232,10 +228,7 @@ def run_heads(
         scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
         step = plain_step_fn(model, model, optimizer, nn.BCEWithLogitsLoss(), scaler, amp, channels_last)
         contenders[head] = partial(_repeat_step, step, batch, steps)
-    for _ in range(warmup):
-        for block in contenders.values():
-            block()
-    step_s = median_step_seconds(contenders, device, repeats, steps)
+    step_s = median_step_seconds(contenders, device, repeats, steps, warmup)
     first = step_s[heads[0]]
     timings = {}
     for head, seconds in step_s.items():
@@ -252,8 +245,7 @@ def run_heads(
         "device": str(device),
         "repeats": repeats,
         "steps": steps,
-        "torch_threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+        **host(),
     }
 
 
@@ -263,21 +255,14 @@ def _repeat_step(step: Callable, batch: tuple[torch.Tensor, torch.Tensor], steps
     return loss
 
 
-def _measure(
-    cfg: DictConfig, trainer: Trainer, repeats: int, steps: int, warmup: int, loop: str
-) -> dict[str, Any]:
-    images, targets = synthetic_batch(
-        trainer.data.local_batch, int(cfg.dataset.image_size), len(trainer.classes)
-    )
+def _measure(trainer: Trainer, repeats: int, steps: int, warmup: int, loop: str) -> dict[str, Any]:
+    batch = trainer.data.local_batch
+    images, targets = synthetic_batch(batch, int(trainer.cfg.dataset.image_size), len(trainer.classes))
     if trainer.device.type == "cuda":
         images, targets = images.pin_memory(), targets.pin_memory()
-    contenders = _contenders(trainer, bare_step_fn(cfg, trainer), (images, targets), steps, loop)
+    contenders = _contenders(trainer, bare_step_fn(trainer.cfg, trainer), (images, targets), steps, loop)
     trainer.ddp_model.train()
-    for _ in range(warmup):  # compilation, allocator and cuDNN autotuning
-        for block in contenders.values():
-            block()
-    step_s = median_step_seconds(contenders, trainer.device, repeats, steps)
-    batch = trainer.data.local_batch
+    step_s = median_step_seconds(contenders, trainer.device, repeats, steps, warmup)
     return {
         "loop": loop,
         "trainer_images_per_s": batch / step_s["trainer"],
@@ -285,18 +270,10 @@ def _measure(
         "trainer_step_s": step_s["trainer"],
         "bare_step_s": step_s["bare"],
         "overhead": step_s["trainer"] / step_s["bare"] - 1.0,
-        "model": cfg.model.name,
-        "batch_size": batch,
-        "image_size": int(cfg.dataset.image_size),
-        "amp": trainer.amp,
-        "channels_last": trainer.channels_last,
-        "compile": bool(cfg.trainer.get("compile", False)),
-        "device": str(trainer.device),
+        **trainer_fields(trainer),
         "repeats": repeats,
         "steps": steps,
-        "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+        **host(),
     }
 
 
@@ -315,11 +292,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--classes", type=int, default=80, help="outputs of the heads compared by --heads")
 
 
-def run_from_args(args: argparse.Namespace, cfg: DictConfig) -> dict[str, Any]:
-    """The benchmark ``args`` ask for, on the training config ``cfg`` (composed from ``args.overrides``)."""
-    # Anything the trainer prints goes to stderr: stdout holds the JSON line only.
-    with contextlib.redirect_stdout(sys.stderr):
-        if args.heads:
-            heads = args.heads.split(",")
-            return run_heads(cfg, heads, args.classes, args.repeats, args.steps, args.warmup)
-        return run(cfg, args.repeats, args.steps, args.warmup, args.loop)
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark ``args`` ask for, on the training config ``args.cfg`` (of ``args.overrides``)."""
+    if args.heads:
+        return run_heads(args.cfg, args.heads.split(","), args.classes, args.repeats, args.steps, args.warmup)
+    return run(args.cfg, args.repeats, args.steps, args.warmup, args.loop)

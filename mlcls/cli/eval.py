@@ -81,7 +81,7 @@ def stored_plain(value: Any, where: str, depth: int = 0) -> Any:
 
 
 def evaluation_dataset_config(
-    run_dataset: DictConfig | dict, overrides: DictConfig | dict, classes: list[str]
+    run_dataset: DictConfig | dict, overrides: dict[str, Any], classes: list[str]
 ) -> dict[str, Any]:
     """The checkpoint's dataset config ``run_dataset`` as plain containers (:func:`stored_plain`: never
     resolved, an interpolation refused) with the keys of ``overrides`` (the user's own, resolved) replaced
@@ -95,8 +95,7 @@ def evaluation_dataset_config(
     run_dataset = stored_plain(run_dataset, "dataset")
     if not isinstance(run_dataset, dict):
         raise ConfigError(f"the checkpoint's dataset config is a {type(run_dataset).__name__}, not a mapping")
-    given = overrides if isinstance(overrides, dict) else OmegaConf.to_container(overrides, resolve=True)
-    overrides = {key: value for key, value in given.items() if value is not None}
+    overrides = {key: value for key, value in overrides.items() if value is not None}
     name = run_dataset.get("name", "?")
     for key in overrides:
         if key not in run_dataset:

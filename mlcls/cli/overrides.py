@@ -60,7 +60,7 @@ def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
     With ``HYDRA_FULL_ERROR=1`` set by the user, Hydra's own report is kept.
     """
     overrides = check_command_line(config_name)
-    sys.argv[1:] = [_group_choice(arg) for arg in sys.argv[1:]]
+    sys.argv[1:] = group_choices(sys.argv[1:])
     user_setting = os.environ.get("HYDRA_FULL_ERROR")
     if user_setting == "1":
         hydra_main()
@@ -82,7 +82,8 @@ def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
 
 def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> list[str] | None:
     """Check a ``mlcls-*`` command line (default ``sys.argv[1:]``) before Hydra runs; return its overrides
-    (:func:`command_line_overrides`), group choices as Hydra writes them (:func:`group_choices`).
+    (the ``key=value`` arguments; ``None`` when a flag selects another config, which is not checked), group
+    choices as Hydra writes them (:func:`group_choices`).
 
     A positional argument, a renamed key or ``+key=…`` for a key the config lacks ends the process with one
     line and exit status 2. The config is composed only when a ``+key=…`` override is given.
@@ -96,9 +97,7 @@ def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> l
                     f"unexpected argument {arg!r}: mlcls-{config_name} takes key=value overrides; "
                     f"mlcls-{config_name} --help lists the keys"
                 )
-            message = renamed_key_message(arg.partition("=")[0].lstrip("+~"))
-            if message is not None:
-                raise ConfigError(message)
+        _check_renamed(arguments)
         if other_config:
             return None
         overrides = group_choices([arg for arg in arguments if "=" in arg])
@@ -125,35 +124,32 @@ def split_command_line(argv: Sequence[str]) -> tuple[list[str], bool]:
     return arguments, other_config
 
 
-def command_line_overrides(argv: Sequence[str]) -> list[str] | None:
-    """The ``key=value`` overrides among a Hydra command line's arguments; ``None`` when it selects another
-    config (``--config-name``, ``--config-dir``, ``--config-path``), which this module does not check."""
-    arguments, other_config = split_command_line(argv)
-    return None if other_config else [arg for arg in arguments if "=" in arg]
-
-
 def group_choices(overrides: Sequence[str]) -> list[str]:
     """``overrides`` with each choice in a nested config group written with dots (``model.head=csra``) in
     Hydra's form (``model/head=csra``); the others as they are."""
-    return [_group_choice(arg) for arg in overrides]
+    written = []
+    for arg in overrides:
+        key, equals, value = arg.partition("=")
+        name = key.lstrip("+~")
+        if equals and "." in name and (config_dir() / name.replace(".", "/")).is_dir():
+            arg = f"{key[: len(key) - len(name)]}{name.replace('.', '/')}={value}"
+        written.append(arg)
+    return written
 
 
-def _group_choice(arg: str) -> str:
-    key, equals, value = arg.partition("=")
-    name = key.lstrip("+~")
-    if not equals or "." not in name or not (config_dir() / name.replace(".", "/")).is_dir():
-        return arg
-    return f"{key[: len(key) - len(name)]}{name.replace('.', '/')}={value}"
+def _check_renamed(overrides: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` naming the new key of a key renamed on purpose, with or without ``+``."""
+    for override in overrides:
+        message = renamed_key_message(override.partition("=")[0].lstrip("+~"))
+        if message is not None:
+            raise ConfigError(message)
 
 
 def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
     """The config ``config_name`` of ``mlcls/configs`` with ``overrides`` applied; a mistake in
     ``overrides`` raises :class:`ConfigError` with the message of :func:`explain_error`."""
     overrides = group_choices(overrides)
-    for override in overrides:
-        message = renamed_key_message(override.partition("=")[0].lstrip("+~"))
-        if message is not None:
-            raise ConfigError(message)
+    _check_renamed(overrides)
     _check_added_keys(config_name, overrides)
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -22,7 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -60,6 +60,7 @@ PRESETS = {
 # ResNet-50's 4,596 at 224 px, batch 256, on the same GPU: 8.3x (it was 9.6, from V100 figures at 224 px).
 TRESNET_L_448_RATE_H200, RESNET50_224_RATE_H200 = 556, 4596
 TRESNET_L_448_COST = RESNET50_224_RATE_H200 / TRESNET_L_448_RATE_H200
+ROOT_FORM = "DATASET=PATH, e.g. coco=/data/coco"
 
 
 def preset_sweep(preset: str, roots: dict[str, str], data_root: Path | None) -> Sweep:
@@ -115,61 +116,33 @@ def sweep_commands(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[lis
     return [["mlcls-train", "-m", *sweep.overrides, *where]]
 
 
-def run_in_process(overrides: Sequence[str]) -> None:
-    """Run ``mlcls-train -m <overrides>`` in this process (what the local launcher would do in a child).
-
-    Hydra reads its command line from ``sys.argv``; it is restored afterwards. Hydra reports a failed job
-    itself and exits; that exit becomes :class:`SweepFailed`.
-    """
+def run_sweep(sweep: Sweep, launcher: str, nproc_per_node: int) -> None:
+    """Run one sweep to completion: one torchrun child process per job, or (local) ``mlcls-train -m`` in
+    this process, Hydra reading ``sys.argv`` (restored afterwards). A failed job (Hydra reports it and
+    exits) raises :class:`SweepFailed`."""
     from mlcls.cli import train
 
-    saved = sys.argv
-    sys.argv = ["mlcls-train", "-m", *overrides]
-    try:
-        train.main()
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            raise SweepFailed(
-                f"the sweep stopped with exit status {exc.code}; the failing job's error is above"
-            ) from None
-    finally:
-        sys.argv = saved
-
-
-def run_sweep(sweep: Sweep, launcher: str, nproc_per_node: int) -> None:
-    """Run one sweep to completion: in this process (local) or one torchrun child process per job."""
     for command in sweep_commands(sweep, launcher, nproc_per_node):
-        if launcher == "local":
-            run_in_process(command[2:])
+        if launcher == "torchrun":
+            done = subprocess.run(command, check=False)
+            if done.returncode != 0:
+                raise SweepFailed(f"torchrun ended with exit status {done.returncode}: {shlex.join(command)}")
             continue
-        done = subprocess.run(command, check=False)
-        if done.returncode != 0:
-            raise SweepFailed(f"torchrun ended with exit status {done.returncode}: {shlex.join(command)}")
+        saved, sys.argv = sys.argv, command
+        try:
+            train.main()
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise SweepFailed(
+                    f"the sweep stopped with exit status {exc.code}; the failing job's error is above"
+                ) from None
+        finally:
+            sys.argv = saved
 
 
-def parse_roots(pairs: Sequence[str]) -> dict[str, str]:
-    """``["coco=/data/coco"]`` -> ``{"coco": "/data/coco"}``."""
-    return parse_pairs(pairs, "--root", "DATASET=PATH, e.g. coco=/data/coco")
-
-
-def plan(
-    tables: Sequence[str],
-    sweep_dir: Path,
-    smoke: bool,
-    nproc_per_node: int,
-    roots: dict[str, str],
-    data_root: Path | None,
-    overrides: Sequence[str],
-) -> list[Sweep]:
-    """Every sweep to run, with the user's overrides appended, in ``<sweep_dir>/<table>/<sweep name>``."""
-    sweeps = []
-    for table in tables:
-        for sweep in table_sweeps(table, smoke, nproc_per_node, roots, data_root):
-            directory = sweep_dir / table / sweep.name
-            sweeps.append(
-                dataclasses.replace(sweep, overrides=(*sweep.overrides, *overrides), directory=directory)
-            )
-    return sweeps
+def placed(sweep: Sweep, overrides: Sequence[str], directory: Path) -> Sweep:
+    """``sweep`` with the user's ``overrides`` appended, written to ``directory``."""
+    return dataclasses.replace(sweep, overrides=(*sweep.overrides, *overrides), directory=directory)
 
 
 def render(tables: Sequence[str], sweep_dir: Path, smoke: bool) -> str:
@@ -217,46 +190,33 @@ def print_commands(sweep: Sweep, args: argparse.Namespace) -> None:
         print(shlex.join(command))
 
 
-def run_sweeps(sweeps: Sequence[Sweep], args: argparse.Namespace) -> bool:
-    """Run ``sweeps`` unless ``--dry-run``; True if they ran."""
-    if args.dry_run:
-        return False
-    for sweep in sweeps:
-        run_sweep(sweep, args.launcher, args.nproc_per_node)
-    return True
+# Each plan prints the sweeps of what it reproduces with their cost and launch commands, and returns the
+# sweeps and what to print once they have run.
+Plan = tuple[list[Sweep], Callable[[], None]]
 
 
-def run_presets(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: Path) -> int:
-    """Print the run of each preset of ``args.table`` with its cost, then (without ``--dry-run``) run it."""
-    if args.smoke:
-        raise ReportError("the presets have no smoke version; drop --smoke (or use --dry-run)")
-    presets = list(PRESETS) if args.table == "presets" else [args.table]
+def plan_presets(
+    args: argparse.Namespace, roots: dict[str, str], overrides: Sequence[str], out: Path
+) -> Plan:
+    """The run of each preset of ``args.table``; its results.json is the outcome."""
     sweeps = []
-    for preset in presets:
-        sweep = preset_sweep(preset, parse_roots(args.root), args.data_root)
-        sweep = dataclasses.replace(
-            sweep, overrides=(*sweep.overrides, *overrides), directory=sweep_dir / preset
-        )
-        sweeps.append(sweep)
+    for preset in list(PRESETS) if args.table == "presets" else [args.table]:
+        sweeps.append(placed(preset_sweep(preset, roots, args.data_root), overrides, out / preset))
         hours = preset_gpu_hours(args.gpu)
         print(
             f"# {preset}: {PRESETS[preset]}; 1 run, about {hours:.0f} {args.gpu} GPU-hours (TResNet-L 448 px"
             f" at {TRESNET_L_448_COST:.1f}x ResNet-50's cost, the ratio of rates measured on an H200)"
         )
-        print_commands(sweep, args)
-    if run_sweeps(sweeps, args):
-        print(f"# results in {sweep_dir}/<preset>/0/results.json")
-    return 0
+        print_commands(sweeps[-1], args)
+    return sweeps, lambda: print(f"# results in {out}/<preset>/0/results.json")
 
 
-def run_spml(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: Path) -> int:
-    """Print the single-positive benchmark's sweeps (one per dataset, every method) with their cost, then
-    (without ``--dry-run``) run them and render the benchmark's table beside the published numbers."""
+def plan_spml(args: argparse.Namespace, roots: dict[str, str], overrides: Sequence[str], out: Path) -> Plan:
+    """The single-positive benchmark's sweeps (one per dataset, every method), rendered beside the
+    published numbers."""
     sweeps = [
-        dataclasses.replace(
-            sweep, overrides=(*sweep.overrides, *overrides), directory=sweep_dir / SPML_TABLE / sweep.name
-        )
-        for sweep in spml_sweeps(args.smoke, parse_roots(args.root), args.data_root)
+        placed(sweep, overrides, out / SPML_TABLE / sweep.name)
+        for sweep in spml_sweeps(args.smoke, roots, args.data_root)
     ]
     runs = sum(len(sweep.runs()) for sweep in sweeps)
     hours_of = {} if args.smoke else {s.name: sweep_gpu_hours([s], args.gpu, job_gpu_hours) for s in sweeps}
@@ -266,60 +226,71 @@ def run_spml(args: argparse.Namespace, overrides: Sequence[str], sweep_dir: Path
         hours = "" if args.smoke else f" ({hours_of[sweep.name]:.0f} {args.gpu} GPU-hours)"
         print(f"# {sweep.name}: {', '.join(job_values(job)['experiment'] for job in sweep.runs())}{hours}")
         print_commands(sweep, args)
-    if run_sweeps(sweeps, args):
+
+    def finish() -> None:
         stand_ins = SMOKE_STAND_INS if args.smoke else None
-        filled = fill_spml(collect_spml_runs([sweep_dir / SPML_TABLE], stand_ins))
-        markdown, _ = write_table(filled, sweep_dir)
+        markdown, _ = write_table(fill_spml(collect_spml_runs([out / SPML_TABLE], stand_ins)), out)
         print(markdown.read_text(), end="")
-        print(f"# table written to {sweep_dir}/{SPML_TABLE}.md and .csv")
-    return 0
+        print(f"# table written to {out}/{SPML_TABLE}.md and .csv")
+
+    return sweeps, finish
+
+
+def plan_tables(args: argparse.Namespace, roots: dict[str, str], overrides: Sequence[str], out: Path) -> Plan:
+    """The sweeps of each paper table of ``args.table``, rendered beside the paper's numbers."""
+    tables = list(TABLE_NAMES) if args.table == "all" else [args.table]
+    sweeps = []
+    for table in tables:
+        own = [
+            placed(sweep, overrides, out / table / sweep.name)
+            for sweep in table_sweeps(table, args.smoke, args.nproc_per_node, roots, args.data_root)
+        ]
+        runs = sum(len(s.runs()) for s in own)
+        cost = "" if args.smoke else f", about {sweep_gpu_hours(own, args.gpu):.0f} {args.gpu} GPU-hours"
+        print(f"# {table}: {describe(table)}; {len(own)} sweep(s), {runs} runs{cost}")
+        for sweep in own:
+            print_commands(sweep, args)
+        sweeps += own
+
+    def finish() -> None:
+        print(render(tables, out, args.smoke), end="")
+        print(f"# tables written to {out}/<table>.md and .csv")
+
+    return sweeps, finish
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, overrides = parser().parse_known_args(argv)
+    command_line = parser()
+    args, overrides = command_line.parse_known_args(argv)
     if args.nproc_per_node is None:
         args.nproc_per_node = 4 if args.launcher == "torchrun" else 1
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
-        parser().error(f"unrecognized arguments: {' '.join(unknown)}")
+        command_line.error(f"unrecognized arguments: {' '.join(unknown)}")
     stamp = f"{datetime.now():%Y-%m-%d_%H-%M-%S}{'_smoke' if args.smoke else ''}"
     sweep_dir = (args.sweep_dir or Path("multirun/reproduce") / stamp).absolute()
     if not args.smoke:
         rate, source = TRAIN_IMAGES_PER_S[args.gpu], RATE_SOURCES[args.gpu]
         print(f"# GPU-hours at ResNet-50's {rate:,.0f} training images/s at 224 px ({source})")
     try:
-        if args.table in (*PRESETS, "presets"):
-            return run_presets(args, overrides, sweep_dir)
-        if args.table == SPML_TABLE:
-            return run_spml(args, overrides, sweep_dir)
-        if args.table not in (*TABLE_NAMES, "all"):
-            names = ", ".join(TABLE_NAMES)
-            presets = ", ".join(PRESETS)
+        if args.table in PRESETS or args.table == "presets":
+            if args.smoke:
+                raise ReportError("the presets have no smoke version; drop --smoke (or use --dry-run)")
+            plan = plan_presets
+        elif args.table == SPML_TABLE:
+            plan = plan_spml
+        elif args.table in (*TABLE_NAMES, "all"):
+            plan = plan_tables
+        else:
             raise ReportError(
-                f"unknown table {args.table!r}; expected one of {names} or all, "
-                f"or a preset: {presets} or presets, or {SPML_TABLE}"
+                f"unknown table {args.table!r}; expected one of {', '.join(TABLE_NAMES)} or all, "
+                f"or a preset: {', '.join(PRESETS)} or presets, or {SPML_TABLE}"
             )
-        tables = list(TABLE_NAMES) if args.table == "all" else [args.table]
-        roots = parse_roots(args.root)
-        sweeps = plan(
-            tables,
-            sweep_dir,
-            args.smoke,
-            args.nproc_per_node,
-            roots,
-            args.data_root,
-            overrides,
-        )
-        for table in tables:
-            own = [s for s in sweeps if s.table == table]
-            runs = sum(len(s.runs()) for s in own)
-            cost = "" if args.smoke else f", about {sweep_gpu_hours(own, args.gpu):.0f} {args.gpu} GPU-hours"
-            print(f"# {table}: {describe(table)}; {len(own)} sweep(s), {runs} runs{cost}")
-            for sweep in own:
-                print_commands(sweep, args)
-        if run_sweeps(sweeps, args):
-            print(render(tables, sweep_dir, args.smoke), end="")
-            print(f"# tables written to {sweep_dir}/<table>.md and .csv")
+        sweeps, finish = plan(args, parse_pairs(args.root, "--root", ROOT_FORM), overrides, sweep_dir)
+        if not args.dry_run:
+            for sweep in sweeps:
+                run_sweep(sweep, args.launcher, args.nproc_per_node)
+            finish()
     except SweepFailed as exc:
         return failure("mlcls-reproduce", exc, 1, f"the same command with --sweep-dir {sweep_dir} resumes")
     except ReportError as exc:
