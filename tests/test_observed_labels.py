@@ -22,6 +22,7 @@ from mlcls.data.datasets.labels import LabelCounts, SparseLabels, label_counts, 
 from mlcls.data.datasets.observed import ObservedLabels
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.data.loader import build_train_loader
+from mlcls.data.pipeline.transforms import build_transform
 
 SIZE = 400
 
@@ -161,7 +162,7 @@ def _loader_targets(dataset, rank: int, world: int, workers: int, epoch: int, st
 
 
 def regime_dataset() -> SyntheticMultiLabel:
-    dataset = SyntheticMultiLabel("train", transform="light", image_size=16, canvas_size=16, train_size=64)
+    dataset = SyntheticMultiLabel("train", build_transform("light", 16, True), canvas_size=16, train_size=64)
     return apply_training_policies(dataset, observed="single_positive", observed_seed=1)
 
 
@@ -280,7 +281,7 @@ def test_shards_draw_the_source_rows_by_key(packed: Path) -> None:
     from mlcls.data.shards.reader import iter_shard
 
     regime = {"observed": "single_positive", "observed_seed": 4}
-    shards = open_shards("train", str(packed / URLS), transform=None, image_size=48)
+    shards = open_shards("train", str(packed / URLS), transform=None)
     apply_training_policies(shards, **regime)
     source = synthetic(size=90, **regime)
     shown = []

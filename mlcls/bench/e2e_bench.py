@@ -131,7 +131,7 @@ def _loader(backend: str, trainer: Trainer, paths: list[Path], count: int, shard
     pipeline = "gpu" if backend.endswith("gpu") else "fast" if backend in ("shards", "dali") else backend
     transform = build_backend_transform(pipeline, "paper", size, train=True)
     if backend.startswith("shards"):
-        dataset: Any = open_shards("train", shards(), transform=transform, image_size=size)
+        dataset: Any = open_shards("train", shards(), transform=transform)
     else:
         dataset = LabelledJpegs(paths, count, trainer.classes, transform)
     workers, seed = trainer.cfg.trainer.workers, trainer.cfg.trainer.seed

@@ -1,24 +1,13 @@
-"""Datasets. Each config in ``configs/dataset/`` names its class with ``_target_``; its keys but the training
-policies (:data:`POLICY_KEYS`, shared through ``configs/dataset/base.yaml``) instantiate it as they are, the
-split added: ``hydra.utils.instantiate(cfg, split=cfg.train_split)``. :func:`build_dataset` applies the
-policies, the observed-label regime and the held-out selection split, to the training split in one place
+"""Datasets. Each config in ``configs/dataset/`` names its class with ``_target_``; :func:`build_dataset`
+takes out of it the training policies (:data:`POLICY_KEYS`) and the input pipeline's keys
+(:data:`PIPELINE_KEYS`: ``transform``, a transform name of :mod:`mlcls.data.pipeline.transforms`,
+``image_size``, ``mean`` and ``std``, ImageNet's when absent), builds the transform of ``data.backend``
+from the latter (:mod:`mlcls.data.pipeline.fast`), and instantiates the rest as it is, with the split
+(``train_split`` or ``val_split``) and the transform: a dataset is its samples, labels, classes and
+``load_image``, and a misspelt key fails as an unexpected argument. The training split then gets its
+policies, the observed-label regime and the held-out selection split, in one place
 (:func:`apply_training_policies`), with the zero-shot restriction to the seen classes
 (``dataset.unseen_classes``, :class:`SeenClasses`).
-
-Besides the class's own arguments (``root``, ``year``, ...), every dataset config holds the keys the rest of
-mlcls reads: ``name`` (short name), ``image_size`` (network input side), ``transform`` (a transform name of
-:mod:`mlcls.data.pipeline.transforms`), ``mean`` and ``std`` (the input normalisation, 3 numbers each,
-ImageNet's in every config: absent, as in a checkpoint's config of before the keys, they default to it),
-``train_split`` and ``val_split`` (the ``split`` values of training and evaluation). The base class
-:class:`MultiLabelDataset` takes them as arguments (each subclass passes them on with ``**config_keys``)
-and builds the named transform for its split. Chosen over the alternatives because
-it keeps every key path users type (``dataset.root``, ``dataset.image_size``, ...), keeps ``_target_``
-pointing straight at the dataset class, and a plain ``instantiate`` gives a working dataset; a misspelt key
-still fails as an unexpected argument. (``_partial_`` would not remove the keys: Hydra passes every key of
-the node to the target, partial or not.)
-
-:func:`build_dataset` adds what a config does not hold: the split (train or validation) and the transform of
-the input pipeline ``data.backend`` (:mod:`mlcls.data.pipeline.fast`), which replaces the named one.
 """
 
 from __future__ import annotations
@@ -83,6 +72,8 @@ POLICY_KEYS = (
     "unseen_classes",
     "unseen_images",
 )
+# The keys of a dataset config that build the input pipeline's transform (:func:`build_dataset`), not data.
+PIPELINE_KEYS = ("transform", "image_size", "mean", "std")
 MAX_SEED = 2**63 - 1
 
 
@@ -196,9 +187,9 @@ def build_dataset(
     cfg: DictConfig | dict[str, Any], train: bool, backend: str = "torchvision"
 ) -> MultiLabelDataset:
     """Instantiate the training (``train=True``) or validation split of the dataset config ``cfg``, with the
-    transform of the input pipeline ``backend`` (``data.backend``; see :mod:`mlcls.data.pipeline.fast`) and,
-    for training, the policies of its keys :data:`POLICY_KEYS` (:func:`apply_training_policies`, the one
-    place they are applied; checked for the validation split too)."""
+    transform of the input pipeline ``backend`` (``data.backend``) built from its keys :data:`PIPELINE_KEYS`
+    and, for training, the policies of its keys :data:`POLICY_KEYS` (:func:`apply_training_policies`, the
+    one place they are applied; checked for the validation split too)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if not isinstance(cfg, dict) else cfg
     cfg = OmegaConf.create(cfg)
     if "_target_" not in cfg:
@@ -208,10 +199,11 @@ def build_dataset(
         )
     policies = {key: cfg.pop(key) for key in POLICY_KEYS if key in cfg}
     training_policies(**policies)  # checked for either split, before any file is read
+    pipeline = {key: cfg.pop(key) for key in PIPELINE_KEYS if key in cfg}
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
-    kind, size = cfg.get("transform", "paper"), cfg.get("image_size")
+    kind, size = pipeline.get("transform", "paper"), pipeline.get("image_size")
     check_input_settings(kind, size)
-    transform = build_backend_transform(backend, kind, size, train, cfg.get("mean"), cfg.get("std"))
+    transform = build_backend_transform(backend, kind, size, train, pipeline.get("mean"), pipeline.get("std"))
     try:
         dataset = instantiate(cfg, split=split, transform=transform, _convert_="all")
     except InstantiationException as exc:
@@ -300,7 +292,7 @@ class SeenClasses(MultiLabelDataset):
         dropped = set(unseen)
         columns = [c for c, name in enumerate(source.classes) if name not in dropped]
         self.columns = torch.tensor(columns, dtype=torch.long)
-        self.name, self.image_size = source.name, source.image_size
+        self.name = source.name
         self.split = getattr(source, "split", source.train_split)
         self.train_split, self.val_split = source.train_split, source.val_split
         self.transform, self.on_bad_image = source.transform, source.on_bad_image

@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 
 from mlcls.data.datasets.observed import ALL_LABELS, NO_HOLDOUT, HoldoutSplit, ObservedLabels
 from mlcls.data.images import read_image
-from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, check_aspect_ratio
+from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.errors import shown
 from mlcls.io import read_json
 
@@ -240,22 +240,12 @@ def check_labels(labels: torch.Tensor, classes: Sequence[str], dataset: str) -> 
 class MultiLabelDataset(Dataset):
     """Serves ``(image, target)``: ``image`` is the transformed PIL image, ``target`` a float32 (C,) row.
 
-    Takes the keys every dataset config holds besides the subclass's own (see :mod:`mlcls.data`), so that a
-    config instantiates as it is: ``hydra.utils.instantiate(cfg.dataset, split=...)``.
-
     Args:
-        transform: applied to the PIL image; or the name of a transform of
-            :func:`mlcls.data.pipeline.transforms.build_transform` (``dataset.transform``: ``paper``,
-            ``light``, ``strong``), built
-            at ``image_size`` for training when ``split == train_split``, else for evaluation, normalised
-            with ``mean`` and ``std``.
+        transform: applied to the PIL image (:func:`mlcls.data.build_dataset` builds it from the config's
+            pipeline keys), or None.
         on_bad_image: ``"error"`` or ``"skip"`` (see the module docstring).
-        split: the split this dataset serves (checked by the subclass).
         name: the dataset's short name (``dataset.name``, in results and reports).
-        image_size: the network's input side (``dataset.image_size``).
         train_split, val_split: the splits training and evaluation use (``dataset.train_split``, ...).
-        mean, std: the per-channel (R, G, B) normalisation ``(x - mean) / std`` of [0, 1] pixels
-            (``dataset.mean``, ``dataset.std``; ImageNet's by default), for a transform named here.
 
     Attributes:
         observed: the observed-label regime :meth:`target` shows (every label unless
@@ -269,22 +259,15 @@ class MultiLabelDataset(Dataset):
 
     def __init__(
         self,
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         on_bad_image: str = "error",
         *,
-        split: str | None = None,
         name: str | None = None,
-        image_size: int = 224,
         train_split: str = "train",
         val_split: str = "val",
-        mean: Sequence[float] | None = IMAGENET_MEAN,
-        std: Sequence[float] | None = IMAGENET_STD,
     ) -> None:
-        self.name, self.image_size = name, int(image_size)
+        self.name, self.transform = name, transform
         self.train_split, self.val_split = train_split, val_split
-        if isinstance(transform, str):
-            transform = build_transform(transform, self.image_size, split == train_split, mean, std)
-        self.transform = transform
         self.on_bad_image = check_choice("on_bad_image", on_bad_image, ON_BAD_IMAGE)
 
     @property

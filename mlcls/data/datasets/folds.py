@@ -77,25 +77,25 @@ class FoldSplit(MultiLabelDataset):
 
     Args:
         split: ``"train"`` or ``"heldout"``.
-        transform: a callable (what ``build_dataset`` passes) or a transform name.
+        transform: applied to the images (``build_dataset`` builds it from the config's pipeline keys).
         source: the dataset config (mapping) whose training split is cut.
         folds: the number of folds, at least 2.
         fold: the fold held out, in ``[0, folds)``.
         seed: the seed of the cut (:func:`fold_rows`).
-        **config_keys: ``name``, ``image_size``, ... (see :class:`MultiLabelDataset`).
+        **config_keys: ``name``, ``train_split``, ``val_split`` (see :class:`MultiLabelDataset`).
     """
 
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         source: Mapping[str, Any] | None = None,
         folds: int = 5,
         fold: int = 0,
         seed: int = 0,
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, split=split, **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = check_choice("fold split", split, SPLITS)
         if source is None:
             raise DatasetConfigError(
@@ -154,7 +154,7 @@ class SplitRows(MultiLabelDataset):
     def __init__(self, source: MultiLabelDataset, rows: np.ndarray) -> None:
         # The source's settings, checked when it was built; nothing of the config is read again.
         self.source, self.rows = source, np.asarray(rows, dtype=np.int64)
-        self.name, self.image_size, self.split = source.name, source.image_size, source.train_split
+        self.name, self.split = source.name, source.train_split
         self.train_split, self.val_split = source.train_split, source.val_split
         self.transform, self.on_bad_image = source.transform, source.on_bad_image
         self.observed = source.observed

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,6 @@ from mlcls.data.datasets.base import (
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels, dense_row
 from mlcls.data.images import open_image
-from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform
 from mlcls.data.sampling import seeded_call
 from mlcls.data.shards.pack import IMAGE_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.shards.reader import (
@@ -122,7 +121,7 @@ def open_shards(
     meta: str | None = None,
     root: str | None = None,
     shuffle_buffer: int = 1000,
-    transform: Callable | str | None = None,
+    transform: Callable | None = None,
     **config_keys: Any,
 ) -> ShardTrainSet | ShardEvalSet:
     """The ``split`` (``train`` or ``val``) of packed shards: a :class:`ShardTrainSet` for training, a
@@ -166,22 +165,14 @@ class ShardTrainSet(SparseLabelled):
         index: ShardIndex,
         urls: list[str],
         shuffle_buffer: int,
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         *,
         name: str | None = None,
-        image_size: int = 224,
         train_split: str = "train",
         val_split: str = "val",
-        mean: Sequence[float] | None = IMAGENET_MEAN,
-        std: Sequence[float] | None = IMAGENET_STD,
     ) -> None:
-        self.name, self.image_size, self.split = name, int(image_size), "train"
+        self.name, self.split, self.transform = name, "train", transform
         self.train_split, self.val_split = train_split, val_split
-        self.transform = (
-            build_transform(transform, self.image_size, True, mean, std)
-            if isinstance(transform, str)
-            else transform
-        )
         self.urls, self.shuffle_buffer = urls, max(1, int(shuffle_buffer))
         self.classes = index.classes
         self.shard_sizes = index.shard_sizes("train", urls)
@@ -233,9 +224,9 @@ class ShardEvalSet(SparseLabelled, MultiLabelDataset):
     ``<shard URL>#<key>``."""
 
     def __init__(
-        self, index: ShardIndex, urls: list[str], transform: Callable | str | None = None, **config_keys: Any
+        self, index: ShardIndex, urls: list[str], transform: Callable | None = None, **config_keys: Any
     ) -> None:
-        super().__init__(transform, split="val", **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = "val"
         if not urls:
             raise DatasetLayoutError(f"{index.meta}/{MANIFEST_FILE} lists no val shards; pack that split")
