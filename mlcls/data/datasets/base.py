@@ -8,10 +8,9 @@ Subclasses fill three attributes in ``__init__``:
 * ``samples``  -- list of :class:`Sample` (image path and optional crop box), one per row of ``labels``.
 
 ``labels`` is available without decoding any image (class statistics, loss weighting, ``mlcls-data stats``).
-It holds the full labels; the training split's targets (:meth:`MultiLabelDataset.target`) are its rows as
-the observed-label regime ``observed`` shows them (:mod:`mlcls.data.datasets.observed`). The regime and the
-held-out selection split are training policies, not dataset arguments: :func:`mlcls.data.build_dataset`
-puts them on the training split (:func:`mlcls.data.apply_training_policies`).
+A target (:meth:`MultiLabelDataset.target`) is a row of it. The training policies (which labels are
+observed, which rows are held out) are no part of a dataset: they wrap the training split
+(:class:`mlcls.data.TrainingView`).
 
 Unreadable images (missing, corrupt, truncated, or of a shape the transforms refuse: one side over
 :data:`mlcls.data.pipeline.transforms.MAX_ASPECT_RATIO` times the other, checked from the file's header before
@@ -40,7 +39,6 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from mlcls.data.datasets.observed import ALL_LABELS, NO_HOLDOUT, HoldoutSplit, ObservedLabels
 from mlcls.data.images import read_image
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.errors import shown
@@ -246,16 +244,7 @@ class MultiLabelDataset(Dataset):
         on_bad_image: ``"error"`` or ``"skip"`` (see the module docstring).
         name: the dataset's short name (``dataset.name``, in results and reports).
         train_split, val_split: the splits training and evaluation use (``dataset.train_split``, ...).
-
-    Attributes:
-        observed: the observed-label regime :meth:`target` shows (every label unless
-            :func:`mlcls.data.apply_training_policies` sets the training split's).
-        selection_split: the share of the training split held out to select the best epoch (none unless
-            that function sets one); :func:`mlcls.data.datasets.folds.split_holdout` cuts it.
     """
-
-    observed: ObservedLabels = ALL_LABELS
-    selection_split: HoldoutSplit = NO_HOLDOUT
 
     def __init__(
         self,
@@ -375,9 +364,8 @@ class MultiLabelDataset(Dataset):
         return sorted({self.samples[i].path for i in flagged})
 
     def target(self, index: int) -> torch.Tensor:
-        """float32 (C,): the labels of sample ``index`` (a row of ``labels``) as the regime ``observed``
-        shows them."""
-        return self.observed.row(self.labels[index], index)
+        """float32 (C,): the labels of sample ``index`` (a row of ``labels``)."""
+        return self.labels[index]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(transformed image, target)`` of sample ``index``, or in ``skip`` mode of the next sample that

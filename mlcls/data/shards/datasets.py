@@ -13,9 +13,9 @@ rank's range is read in blocks, each shuffled in windows of ``shuffle_buffer``, 
 workers in an order that does not depend on their number (:mod:`mlcls.data.shards.loader`); each sample's
 augmentation runs under ``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the
 workers. ``set_start(k)`` (resuming mid-epoch) skips exactly the first ``k`` samples the rank served and
-serves the rest in the order they would have come. The targets are those of the observed-label regime
-(``dataset.observed``, :mod:`mlcls.data.datasets.observed`), drawn for the sample's index in the source
-split (its key), as the source dataset draws them: the shards train on the labels the source would.
+serves the rest in the order they would have come. The training view of the observed-label regime
+(``dataset.observed``, :class:`mlcls.data.TrainingView`) draws each target for the sample's index in the
+source split (its key), as for the source dataset: the shards train on the labels the source would.
 
 **Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
 (the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
@@ -137,9 +137,9 @@ def open_shards(
             or the folder of the first training shard (required with ``pipe:`` URLs).
         root: the folder ``mlcls-data pack`` wrote, read through its manifest.
         shuffle_buffer: training samples a worker shuffles together (see the module docstring).
-        transform, **config_keys: as for :class:`MultiLabelDataset`. The observed-label regime is set on
-            the training split by :func:`mlcls.data.apply_training_policies`, which refuses a held-out
-            selection split: the training shards are read in sequence, not by sample index.
+        transform, **config_keys: as for :class:`MultiLabelDataset`. The observed-label regime wraps the
+            training split (:func:`mlcls.data.apply_training_policies`, which refuses a held-out selection
+            split: the training shards are read in sequence, not by sample index).
     """
     check_choice("split", split, ROLES)
     index = ShardIndex(config_meta(root, urls, meta))
@@ -201,16 +201,15 @@ class ShardTrainSet(SparseLabelled):
         return self._keys
 
     def make_sample(self, key: str, fields: dict[str, bytes], seed: int) -> tuple[Any, Tensor]:
-        """``(image, target)`` of one shard sample, its augmentation run under ``seed``, its target as the
-        regime ``observed`` shows the sample ``key`` (its index in the source split)."""
+        """``(image, labels row)`` of the shard sample ``key`` (its index in the source split), its
+        augmentation run under ``seed``."""
         try:
             torch_only = self.transform is None or getattr(self.transform, "torch_random_only", False)
             image = seeded_call(seed, self._augment, fields[IMAGE_EXT], torch_only=torch_only)
         except BAD_IMAGE_ERRORS as exc:
             raise BadImageError(f"cannot read the image of sample {key} of the shards: {exc}") from exc
         pairs = stored_label_entries(fields, self.num_classes, f"sample {key} of the shards")
-        labels = dense_row(pairs[:, 0], pairs[:, 1], self.num_classes, self.sparse_labels.fill)
-        return image, self.observed.row(labels, int(key))
+        return image, dense_row(pairs[:, 0], pairs[:, 1], self.num_classes, self.sparse_labels.fill)
 
     def _augment(self, data: bytes) -> Any:
         image = decode_image(data, self.transform)
