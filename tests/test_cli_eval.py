@@ -30,7 +30,7 @@ def csv_run(tmp_path_factory):
     inferred, validation held out of train.csv), the folder's test.csv, its image paths and labels."""
     run_dir = trained_run(tmp_path_factory)
     root = tmp_path_factory.mktemp("mine")
-    source = SyntheticMultiLabel("val", val_size=TEST_SIZE, image_size=IMAGE_SIZE, seed=7)
+    source = SyntheticMultiLabel("val", val_size=TEST_SIZE, seed=7)
     rows, paths = [], []
     for i in range(TEST_SIZE):
         path = root / "images" / f"{i:03d}.png"

@@ -121,8 +121,8 @@ def test_labels_are_checked_when_the_dataset_is_built() -> None:
 
 
 def test_dataset_configs_instantiate_as_they_are(tmp_path: Path) -> None:
-    """The shipped config, with no key removed, gives the dataset: its named transform built for the split,
-    the common keys kept; a misspelt key is refused."""
+    """The shipped config, less the training policies and the pipeline keys (build_dataset's), gives the
+    dataset as it is; build_dataset builds the named transform for the split; a misspelt key is refused."""
     from conftest import compose_config
     from data_fixtures import write_voc
     from hydra.errors import InstantiationException
@@ -130,22 +130,20 @@ def test_dataset_configs_instantiate_as_they_are(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
     root = write_voc(tmp_path, 2007)
-    from mlcls.data import POLICY_KEYS
+    from mlcls.data import PIPELINE_KEYS, POLICY_KEYS
 
     composed = compose_config(["dataset=voc2007", f"dataset.root={root}", "dataset.image_size=48"]).dataset
-    # the training policies are build_dataset's, not the dataset's: the rest instantiates as it is
+    # the training policies and the pipeline keys are build_dataset's, not the dataset's: the rest
+    # instantiates as it is
     plain = OmegaConf.to_container(composed)
-    cfg = OmegaConf.create({k: v for k, v in plain.items() if k not in POLICY_KEYS})
+    cfg = OmegaConf.create({k: v for k, v in plain.items() if k not in (*POLICY_KEYS, *PIPELINE_KEYS)})
     train = instantiate(cfg, split=cfg.train_split)
     test = instantiate(cfg, split=cfg.val_split)
-    assert (train.name, train.image_size, train.train_split, train.val_split) == (
-        "voc2007",
-        48,
-        "trainval",
-        "test",
-    )
-    assert repr(train.transform) == repr(build_transform("paper", 48, train=True))
-    assert repr(test.transform) == repr(build_transform("paper", 48, train=False))
+    assert (train.name, train.train_split, train.val_split) == ("voc2007", "trainval", "test")
+    assert train.transform is None
+    built_train, built_test = build_dataset(composed, train=True), build_dataset(composed, train=False)
+    assert repr(built_train.transform) == repr(build_transform("paper", 48, train=True))
+    assert repr(built_test.transform) == repr(build_transform("paper", 48, train=False))
     assert len(train) == 3 and len(test) == 2
     built = build_dataset(composed, train=True, backend="fast")
     assert (

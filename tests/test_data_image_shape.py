@@ -94,12 +94,11 @@ def thin_dataset(root: Path, on_bad_image: str, split: str = "val") -> CSVDatase
     write_thin_png(root / "1.png")
     return CSVDataset(
         split,
-        transform="paper",
+        transform=build_transform("paper", 224, train=split == "train"),
         root=str(root),
         labels_column=None,
         val_file="train.csv" if split == "val" else None,
         val_fraction=0.0,
-        image_size=224,
         on_bad_image=on_bad_image,
     )
 

@@ -24,7 +24,7 @@ from ranks import run_ranks
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
-from mlcls.data import DatasetConfigError, DatasetFormatError
+from mlcls.data import DatasetConfigError, DatasetFormatError, build_dataset
 from mlcls.data.datasets.base import MultiLabelDataset, Sample
 from mlcls.data.datasets.labels import SparseLabels
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
@@ -215,7 +215,7 @@ class FileImages(MultiLabelDataset):
     """Image files as a dataset of one class, every label 1 (what ``packed_image`` reads of a dataset)."""
 
     def __init__(self, samples: list[Sample]) -> None:
-        super().__init__(None, split="train")
+        super().__init__(None)
         self.samples, self.classes = samples, ["thing"]
         self.labels = torch.ones(len(samples), 1)
 
@@ -272,7 +272,7 @@ def shard_keys(
 ) -> list[list[int]]:
     """The batches (as sample keys) rank ``rank`` trains on: the loader's own stream, the image replaced by
     the key."""
-    dataset = open_shards("train", str(packed / URLS), transform=None, image_size=48)
+    dataset = open_shards("train", str(packed / URLS), transform=None)
     dataset.make_sample = lambda key, fields, seed: (int(key), 0)
     loader = ShardTrainLoader(dataset, 8, workers, rank, world, seed=3, device=torch.device("cpu"))
     loader.sampler.set_epoch(epoch)
@@ -356,8 +356,10 @@ def test_order_and_resume_do_not_depend_on_the_workers_the_cpus_allow(packed: Pa
 
 def test_shard_sets_normalise_with_the_config_mean_and_std(packed: Path) -> None:
     """``dataset.mean`` and ``dataset.std`` reach the transform each split of the shards names."""
+    keys = ["dataset.transform=light", "dataset.mean=[0,0,0]", "dataset.std=[1,2,4]"]
+    cfg = compose_config(["dataset=shards", f"dataset.root={packed}", *keys]).dataset
     for split in ("train", "val"):
-        dataset = open_shards(split, root=str(packed), transform="light", mean=[0, 0, 0], std=[1, 2, 4])
+        dataset = build_dataset(cfg, train=split == "train")
         normalize = dataset.transform.transforms[-1]
         assert (list(normalize.mean), list(normalize.std)) == ([0.0, 0.0, 0.0], [1.0, 2.0, 4.0]), split
 
@@ -695,7 +697,7 @@ def test_a_shard_sample_is_augmented_as_under_full_seeding(packed: Path) -> None
     from mlcls.data.shards.reader import iter_shard
 
     transform = FastTrainTransform(32)
-    dataset = open_shards("train", str(packed / URLS), transform=transform, image_size=32)
+    dataset = open_shards("train", str(packed / URLS), transform=transform)
     source = SyntheticMultiLabel("train", train_size=90)
     for key, fields in list(iter_shard(str(packed / "train-000001.tar")))[:6]:
         seed = sample_seed(3, 2, int(key))

@@ -65,7 +65,7 @@ def trained_run(factory: pytest.TempPathFactory) -> Path:
 def write_images(folder: Path, count: int = 7) -> list[Path]:
     """``count`` synthetic validation images as PNG/JPEG files (nested folder for every third), non-square
     for half of them so that resize and crop matter; returns their paths in sorted order."""
-    dataset = SyntheticMultiLabel("val", val_size=count, image_size=48)
+    dataset = SyntheticMultiLabel("val", val_size=count)
     paths = []
     for i in range(count):
         image = dataset.load_image(i)

@@ -22,6 +22,7 @@ from mlcls.data.datasets.labels import LabelCounts, SparseLabels, label_counts, 
 from mlcls.data.datasets.observed import ObservedLabels
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.data.loader import build_train_loader
+from mlcls.data.pipeline.transforms import build_transform
 
 SIZE = 400
 
@@ -105,7 +106,7 @@ def test_partial_keeps_each_label_with_probability_p(fraction: float) -> None:
 
 def test_evaluation_reads_the_full_labels() -> None:
     val = synthetic("val", observed="single_positive")
-    assert torch.equal(targets(val), val.labels) and not val.observed.hides_labels
+    assert torch.equal(targets(val), val.labels) and not hasattr(val, "observed")  # no regime wraps it
     with pytest.raises(DatasetConfigError, match="also dataset.val_split") as error:
         dataset = SyntheticMultiLabel("train", val_split="train")
         apply_training_policies(dataset, observed="partial", observed_fraction=0.5)
@@ -140,7 +141,7 @@ def test_sparse_labels_draw_alike_without_a_dense_matrix(tmp_path: Path, regime:
 
     root, rows = write_generated_openimages(tmp_path)
     train = OpenImages("train", root=str(root), dense_labels_gb=1e-12)
-    apply_training_policies(train, observed_seed=8, **regime)
+    train = apply_training_policies(train, observed_seed=8, **regime)
     full = torch.tensor(rows["train"])
     rule = ObservedLabels(regime["observed"], 8, regime.get("observed_fraction", 1.0))
     shown = targets(train)
@@ -161,7 +162,7 @@ def _loader_targets(dataset, rank: int, world: int, workers: int, epoch: int, st
 
 
 def regime_dataset() -> SyntheticMultiLabel:
-    dataset = SyntheticMultiLabel("train", transform="light", image_size=16, canvas_size=16, train_size=64)
+    dataset = SyntheticMultiLabel("train", build_transform("light", 16, True), canvas_size=16, train_size=64)
     return apply_training_policies(dataset, observed="single_positive", observed_seed=1)
 
 
@@ -281,8 +282,7 @@ def test_shards_draw_the_source_rows_by_key(packed: Path) -> None:
     from mlcls.data.shards.reader import iter_shard
 
     regime = {"observed": "single_positive", "observed_seed": 4}
-    shards = open_shards("train", str(packed / URLS), transform=None, image_size=48)
-    apply_training_policies(shards, **regime)
+    shards = apply_training_policies(open_shards("train", str(packed / URLS), transform=None), **regime)
     source = synthetic(size=90, **regime)
     shown = []
     for url in shards.urls:

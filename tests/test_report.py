@@ -127,7 +127,7 @@ def test_train_writes_the_report_whose_galleries_hold_the_wrong_images(run_dir):
         assert ap == pytest.approx(results["per_class_ap"][name], abs=1e-6)
     last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
     np.testing.assert_array_equal(p.thresholds, last["thresholds"].numpy())
-    val = SyntheticMultiLabel("val", val_size=75, image_size=32)
+    val = SyntheticMultiLabel("val", val_size=75)
     assert p.ids == [s.path for s in val.samples] and p.epoch == 2
 
     for kind in ("fp", "fn"):

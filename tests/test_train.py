@@ -56,7 +56,7 @@ def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
 
     from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 
-    val_labels = SyntheticMultiLabel("val", val_size=75, image_size=32).labels.numpy()
+    val_labels = SyntheticMultiLabel("val", val_size=75).labels.numpy()
     chance = chance_map_class(val_labels)
     assert on_disk["metrics"]["mAP_class"] > chance + 10, (on_disk["metrics"], chance)
 

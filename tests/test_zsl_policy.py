@@ -28,7 +28,7 @@ def dataset_config(*overrides: str):
 def test_the_training_split_loses_the_unseen_columns_and_keeps_its_images() -> None:
     cfg = dataset_config(f"dataset.unseen_classes=[{','.join(UNSEEN)}]")
     train = build_dataset(cfg, train=True)
-    full = SyntheticMultiLabel(split="train", train_size=64, val_size=16, image_size=16)
+    full = SyntheticMultiLabel(split="train", train_size=64, val_size=16)
     seen = [c for c, name in enumerate(full.classes) if name not in UNSEEN]
     assert set(UNSEEN) <= set(full.classes) and len(seen) == 9
     assert train.classes == [full.classes[c] for c in seen]
@@ -45,7 +45,7 @@ def test_the_training_split_loses_the_unseen_columns_and_keeps_its_images() -> N
 def test_unseen_images_drop_keeps_the_images_without_an_unseen_positive() -> None:
     cfg = dataset_config(f"dataset.unseen_classes=[{','.join(UNSEEN)}]", "dataset.unseen_images=drop")
     train = build_dataset(cfg, train=True)
-    full = SyntheticMultiLabel(split="train", train_size=64, val_size=16, image_size=16)
+    full = SyntheticMultiLabel(split="train", train_size=64, val_size=16)
     unseen = [full.classes.index(name) for name in UNSEEN]
     rows = [i for i in range(64) if not full.labels[i, unseen].eq(1).any()]
     seen = [c for c in range(12) if c not in unseen]

@@ -42,7 +42,7 @@ def zero_shot_run(tmp_path_factory):
 @pytest.mark.slow
 def test_no_unseen_positive_reaches_the_loss(zero_shot_run) -> None:
     trainer, targets, _ = zero_shot_run
-    full = SyntheticMultiLabel(split="train", train_size=64, val_size=48, image_size=32)
+    full = SyntheticMultiLabel(split="train", train_size=64, val_size=48)
     unseen_columns = [full.classes.index(name) for name in UNSEEN]
     assert full.labels[:, unseen_columns].sum() > 0  # the training images do show unseen classes
     seen = torch.cat(targets)

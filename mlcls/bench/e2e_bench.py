@@ -93,7 +93,7 @@ def _loader(backend: str, trainer: Trainer, paths: list[Path], count: int, shard
     pipeline = "gpu" if backend.endswith("gpu") else "fast" if backend in ("shards", "dali") else backend
     transform = build_backend_transform(pipeline, "paper", size, train=True)
     if backend.startswith("shards"):
-        dataset: Any = open_shards("train", shards(), transform=transform, image_size=size)
+        dataset: Any = open_shards("train", shards(), transform=transform)
     else:
         dataset = JpegFolder(paths, transform, count, trainer.classes)
     workers, seed = trainer.cfg.trainer.workers, trainer.cfg.trainer.seed

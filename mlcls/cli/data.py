@@ -37,8 +37,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlcls.cli.errors import USER_ERRORS, error_line, plural
 from mlcls.cli.overrides import compose_config
-from mlcls.data import MultiLabelDataset, build_dataset
+from mlcls.data import MultiLabelDataset, TrainingView, build_dataset
 from mlcls.data.datasets.labels import label_counts
+from mlcls.data.datasets.observed import ALL_LABELS
 from mlcls.data.datasets.stats import find_unreadable
 from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.data.shards.verify import verify_pack
@@ -67,10 +68,10 @@ SOURCE_MODEL_KEYS = ("model.name", "model.pretrained")
 
 def describe(dataset: MultiLabelDataset, title: str) -> None:
     """Print the size and label statistics of one split, as its observed-label regime shows the labels
-    (``dataset.observed``: the training split's), with the counts of each class under a regime that hides
-    labels."""
+    (``dataset.observed``: the training split's view's), with the counts of each class under a regime that
+    hides labels."""
     stats = label_counts(dataset)
-    observed = dataset.observed
+    observed = getattr(dataset, "observed", ALL_LABELS)
     print(f"\n{title}: {plural(stats.num_samples, 'sample')}")
     if observed.hides_labels:
         fraction = f", fraction {observed.fraction:g}" if observed.regime == "partial" else ""
@@ -155,6 +156,8 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
     reports, names, dataset = [], {}, None
     for split in splits:
         dataset = build_dataset(cfg.dataset, train=split == "train")
+        if isinstance(dataset, TrainingView):  # the data is packed; the regime is drawn when training
+            dataset = dataset.source
         dataset.transform = None  # the packed images are the source images, resized
         names[split] = cfg.dataset.get(f"{split}_split", split)
         report = pack_split(

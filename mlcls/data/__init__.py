@@ -1,24 +1,13 @@
-"""Datasets. Each config in ``configs/dataset/`` names its class with ``_target_``; its keys but the training
-policies (:data:`POLICY_KEYS`, shared through ``configs/dataset/base.yaml``) instantiate it as they are, the
-split added: ``hydra.utils.instantiate(cfg, split=cfg.train_split)``. :func:`build_dataset` applies the
-policies, the observed-label regime and the held-out selection split, to the training split in one place
-(:func:`apply_training_policies`), with the zero-shot restriction to the seen classes
-(``dataset.unseen_classes``, :class:`SeenClasses`).
-
-Besides the class's own arguments (``root``, ``year``, ...), every dataset config holds the keys the rest of
-mlcls reads: ``name`` (short name), ``image_size`` (network input side), ``transform`` (a transform name of
-:mod:`mlcls.data.pipeline.transforms`), ``mean`` and ``std`` (the input normalisation, 3 numbers each,
-ImageNet's in every config: absent, as in a checkpoint's config of before the keys, they default to it),
-``train_split`` and ``val_split`` (the ``split`` values of training and evaluation). The base class
-:class:`MultiLabelDataset` takes them as arguments (each subclass passes them on with ``**config_keys``)
-and builds the named transform for its split. Chosen over the alternatives because
-it keeps every key path users type (``dataset.root``, ``dataset.image_size``, ...), keeps ``_target_``
-pointing straight at the dataset class, and a plain ``instantiate`` gives a working dataset; a misspelt key
-still fails as an unexpected argument. (``_partial_`` would not remove the keys: Hydra passes every key of
-the node to the target, partial or not.)
-
-:func:`build_dataset` adds what a config does not hold: the split (train or validation) and the transform of
-the input pipeline ``data.backend`` (:mod:`mlcls.data.pipeline.fast`), which replaces the named one.
+"""Datasets. Each config in ``configs/dataset/`` names its class with ``_target_``; :func:`build_dataset`
+takes out of it the training policies (:data:`POLICY_KEYS`) and the input pipeline's keys
+(:data:`PIPELINE_KEYS`: ``transform``, a transform name of :mod:`mlcls.data.pipeline.transforms`,
+``image_size``, ``mean`` and ``std``, ImageNet's when absent), builds the transform of ``data.backend``
+from the latter (:mod:`mlcls.data.pipeline.fast`), and instantiates the rest as it is, with the split
+(``train_split`` or ``val_split``) and the transform: a dataset is its samples, labels, classes and
+``load_image``, and a misspelt key fails as an unexpected argument. The training split's policies wrap it,
+in one place (:func:`apply_training_policies`): the zero-shot restriction to the seen classes
+(``dataset.unseen_classes``, :class:`SeenClasses`), then the observed-label regime and the held-out
+selection split (:class:`TrainingView`).
 """
 
 from __future__ import annotations
@@ -33,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
+from torch.utils.data import Dataset
 
 from mlcls.data.datasets.base import (
     BadImageError,
@@ -43,7 +33,13 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
 )
-from mlcls.data.datasets.labels import LabelCounts, label_counts
+from mlcls.data.datasets.labels import (
+    LabelCounts,
+    SparseLabelled,
+    label_counts,
+    observed_counts,
+    sparse_labels_of,
+)
 from mlcls.data.datasets.observed import HOLDOUT_LABELS, OBSERVED_REGIMES, HoldoutSplit, ObservedLabels
 from mlcls.data.pipeline.fast import build_backend_transform
 from mlcls.data.pipeline.transforms import TRANSFORM_KINDS
@@ -68,6 +64,7 @@ __all__ = [
     "DatasetLayoutError",
     "MultiLabelDataset",
     "Sample",
+    "TrainingView",
     "apply_training_policies",
     "build_dataset",
     "training_policies",
@@ -83,6 +80,8 @@ POLICY_KEYS = (
     "unseen_classes",
     "unseen_images",
 )
+# The keys of a dataset config that build the input pipeline's transform (:func:`build_dataset`), not data.
+PIPELINE_KEYS = ("transform", "image_size", "mean", "std")
 MAX_SEED = 2**63 - 1
 
 
@@ -155,17 +154,16 @@ def training_policies(
     return regime, selection
 
 
-def apply_training_policies(dataset: Any, **policy_keys: Any) -> Any:
-    """``dataset``, the training split of its config, with the training policies of ``policy_keys`` (keys
-    of :data:`POLICY_KEYS`, :func:`training_policies`) set on it: the observed-label regime its ``target``
-    shows (``observed``) and the held-out selection split (``selection_split``;
-    :func:`mlcls.data.datasets.folds.split_holdout` cuts it). One :class:`DatasetConfigError` line for a
+def apply_training_policies(dataset: Any, **policy_keys: Any) -> TrainingView:
+    """``dataset``, the training split of its config, wrapped in the training policies of ``policy_keys``
+    (keys of :data:`POLICY_KEYS`, :func:`training_policies`): a :class:`TrainingView` with the
+    observed-label regime and the held-out selection split. One :class:`DatasetConfigError` line for a
     regime that hides labels when the training split is also ``dataset.val_split`` (evaluation reads full
     labels), or a held-out split of a dataset not read by index (packed shards).
 
-    ``unseen_classes`` (zero-shot, :func:`seen_view`): the dataset returned is a view of ``dataset`` without
-    those classes' columns, made before the regime is set, so that the regime draws over the seen columns
-    only; the same one line as a held-out split for packed shards, and for a name the dataset lacks."""
+    ``unseen_classes`` (zero-shot, :func:`seen_view`): the view wraps a view of ``dataset`` without those
+    classes' columns, so that the regime draws over the seen columns only; the same one line as a held-out
+    split for packed shards, and for a name the dataset lacks."""
     regime, selection = training_policies(**policy_keys)
     unseen = policy_keys.get("unseen_classes")
     if regime.hides_labels and dataset.train_split == dataset.val_split:
@@ -186,19 +184,69 @@ def apply_training_policies(dataset: Any, **policy_keys: Any) -> Any:
             "columns cannot be restricted; train on the dataset config the shards were packed from"
         )
     dataset = seen_view(dataset, unseen, policy_keys.get("unseen_images", "keep") == "drop")
-    dataset.observed = regime
-    if selection.fraction:
-        dataset.selection_split = selection
-    return dataset
+    return TrainingView(dataset, regime, selection)
+
+
+class TrainingView(Dataset):
+    """The training split ``source`` as training reads it: ``target(i)`` is ``source``'s label row of sample
+    ``i`` as the observed-label regime ``observed`` shows it (drawn for ``i``; for packed shards,
+    :meth:`make_sample`, for the sample's key, its index in the packed split), ``label_counts()`` the counts
+    of those targets, and ``selection_split`` the share held out to select the best epoch
+    (:func:`mlcls.data.datasets.folds.split_holdout` cuts it). Images, samples, classes and every other
+    attribute are ``source``'s, ``transform`` read and set there."""
+
+    def __init__(self, source: Any, observed: ObservedLabels, selection_split: HoldoutSplit) -> None:
+        self.source, self.observed, self.selection_split = source, observed, selection_split
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names the view lacks; never for its own (nor while unpickling, before it has them).
+        if name.startswith("__") or name == "source":
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+    @property
+    def transform(self) -> Any:
+        return self.source.transform
+
+    @transform.setter
+    def transform(self, transform: Any) -> None:
+        self.source.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> tuple[Any, Tensor]:
+        """``(transformed image, target)`` of sample ``index``, or of the sample ``source`` serves instead
+        (``on_bad_image=skip``)."""
+        image, served = self.source.read_sample(index, self.source.transformed_image)
+        return image, self.target(served)
+
+    def target(self, index: int) -> Tensor:
+        """float32 (C,): sample ``index``'s label row as the regime ``observed`` shows it."""
+        return self.observed.row(self.source.target(index), index)
+
+    def make_sample(self, key: str, fields: dict[str, bytes], seed: int) -> tuple[Any, Tensor]:
+        """Packed shards: ``source``'s ``(image, labels row)`` of the sample ``key``, its row as the regime
+        shows the sample of that index in the packed split (the labels its source dataset would train on)."""
+        image, labels = self.source.make_sample(key, fields, seed)
+        return image, self.observed.row(labels, int(key))
+
+    def label_counts(self) -> LabelCounts:
+        """The counts of the targets: ``source``'s counts under ``all``, else the regime's draws, counted
+        from ``source``'s labels (sparse ones kept sparse) for the sample indices the regime draws for."""
+        if not self.observed.hides_labels:
+            return label_counts(self.source)
+        samples = self.source.sample_indices() if isinstance(self.source, SparseLabelled) else None
+        return observed_counts(sparse_labels_of(self.source), self.observed, samples)
 
 
 def build_dataset(
     cfg: DictConfig | dict[str, Any], train: bool, backend: str = "torchvision"
 ) -> MultiLabelDataset:
     """Instantiate the training (``train=True``) or validation split of the dataset config ``cfg``, with the
-    transform of the input pipeline ``backend`` (``data.backend``; see :mod:`mlcls.data.pipeline.fast`) and,
-    for training, the policies of its keys :data:`POLICY_KEYS` (:func:`apply_training_policies`, the one
-    place they are applied; checked for the validation split too)."""
+    transform of the input pipeline ``backend`` (``data.backend``) built from its keys :data:`PIPELINE_KEYS`
+    and, for training, the policies of its keys :data:`POLICY_KEYS` (:func:`apply_training_policies`, the
+    one place they are applied; checked for the validation split too)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if not isinstance(cfg, dict) else cfg
     cfg = OmegaConf.create(cfg)
     if "_target_" not in cfg:
@@ -208,10 +256,11 @@ def build_dataset(
         )
     policies = {key: cfg.pop(key) for key in POLICY_KEYS if key in cfg}
     training_policies(**policies)  # checked for either split, before any file is read
+    pipeline = {key: cfg.pop(key) for key in PIPELINE_KEYS if key in cfg}
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
-    kind, size = cfg.get("transform", "paper"), cfg.get("image_size")
+    kind, size = pipeline.get("transform", "paper"), pipeline.get("image_size")
     check_input_settings(kind, size)
-    transform = build_backend_transform(backend, kind, size, train, cfg.get("mean"), cfg.get("std"))
+    transform = build_backend_transform(backend, kind, size, train, pipeline.get("mean"), pipeline.get("std"))
     try:
         dataset = instantiate(cfg, split=split, transform=transform, _convert_="all")
     except InstantiationException as exc:
@@ -288,8 +337,7 @@ class SeenClasses(MultiLabelDataset):
     """The dataset ``source`` (a training split) restricted to the classes not in ``unseen``: ``classes``
     the seen names in ``source``'s order, ``labels`` and every target the seen columns alone. Sample ``i``
     is ``source``'s sample ``rows[i]`` (all of them when ``rows`` is None; same image, read with this
-    view's ``transform``); its target is ``source``'s full row, restricted, then shown by this view's
-    observed-label regime ``observed``."""
+    view's ``transform``); its target is ``source``'s row, restricted."""
 
     def __init__(
         self, source: MultiLabelDataset, unseen: Sequence[str], rows: torch.Tensor | None = None
@@ -300,11 +348,10 @@ class SeenClasses(MultiLabelDataset):
         dropped = set(unseen)
         columns = [c for c, name in enumerate(source.classes) if name not in dropped]
         self.columns = torch.tensor(columns, dtype=torch.long)
-        self.name, self.image_size = source.name, source.image_size
+        self.name = source.name
         self.split = getattr(source, "split", source.train_split)
         self.train_split, self.val_split = source.train_split, source.val_split
         self.transform, self.on_bad_image = source.transform, source.on_bad_image
-        self.observed, self.selection_split = source.observed, source.selection_split
         self.classes = [source.classes[c] for c in columns]
         self.samples = source.samples if rows is None else [source.samples[r] for r in rows.tolist()]
 
@@ -318,11 +365,10 @@ class SeenClasses(MultiLabelDataset):
         return labels[:, self.columns]
 
     def label_counts(self) -> LabelCounts:
-        """The counts of the targets: the source's counts of the seen columns (sparse labels stay sparse);
-        of some rows only, or under a regime that hides labels, counted from the restricted labels as that
-        regime shows them."""
-        if self.observed.hides_labels or self.rows is not None:
-            return label_counts(_DenseLabels(self.labels, self.observed))
+        """The counts of the labels: the source's counts of the seen columns (sparse labels stay sparse); of
+        some rows only, counted from the restricted labels."""
+        if self.rows is not None:
+            return LabelCounts.of(self.labels)
         counts = label_counts(self.source)
         return LabelCounts(counts.num_samples, counts.positives[self.columns], counts.negatives[self.columns])
 
@@ -335,15 +381,8 @@ class SeenClasses(MultiLabelDataset):
         return self.source.load_image(self._source_index(index))
 
     def target(self, index: int) -> Tensor:
-        """float32 (C_seen,): sample ``index``'s labels of the seen classes as ``observed`` shows them."""
-        return self.observed.row(self.source.target(self._source_index(index))[self.columns], index)
-
-
-class _DenseLabels:
-    """A dense label matrix with an observed-label regime, as :func:`label_counts` reads one."""
-
-    def __init__(self, labels: Tensor, observed: Any) -> None:
-        self.labels, self.observed = labels, observed
+        """float32 (C_seen,): sample ``index``'s labels of the seen classes."""
+        return self.source.target(self._source_index(index))[self.columns]
 
 
 def seen_view(
@@ -351,9 +390,9 @@ def seen_view(
 ) -> MultiLabelDataset:
     """``dataset`` as :class:`SeenClasses` without the classes ``value`` names (:func:`unseen_class_names`),
     and with ``drop_images`` (``dataset.unseen_images=drop``) without the samples where one of them is
-    positive; ``dataset`` itself when ``value`` is null or empty. Applied before a regime is set: the source
-    keeps every label, the view's regime draws over the seen columns. One :class:`DatasetConfigError` line
-    when every sample would be dropped."""
+    positive; ``dataset`` itself when ``value`` is null or empty (the regime's :class:`TrainingView` wraps
+    it, and draws over the seen columns). One :class:`DatasetConfigError` line when every sample would be
+    dropped."""
     if value is None or (not isinstance(value, str) and len(value) == 0):
         return dataset
     unseen = unseen_class_names(value, dataset.classes)

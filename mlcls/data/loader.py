@@ -138,7 +138,8 @@ class TrainBatches(Protocol):
 
 
 class ShardTrainLoader:
-    """The training loader of a :class:`ShardTrainSet` (what :func:`build_train_loader` returns for one):
+    """The training loader of a :class:`ShardTrainSet` or its training view (whose ``make_sample`` shows the
+    observed-label regime), what :func:`build_train_loader` returns for one:
     ``len()`` batches of ``batch_size`` per epoch, ``sampler`` a :class:`mlcls.data.shards.loader.
     ShardSchedule` of ``workers`` streams (``trainer.workers``, before the CPU cap); a DataLoader over its
     :class:`~mlcls.data.shards.loader.ShardStream` with :func:`training_loader_options`, so its batches are
@@ -146,7 +147,7 @@ class ShardTrainLoader:
 
     def __init__(
         self,
-        dataset: ShardTrainSet,
+        dataset: Any,
         batch_size: int,
         workers: int,
         rank: int,
@@ -191,20 +192,21 @@ def build_train_loader(
     batches decoded ahead on the GPU. Batches come on the host (DALI: pixels on the GPU);
     :class:`DevicePrefetcher` finishes them.
 
-    A :class:`ShardTrainSet` (``dataset=shards``; with ``dali`` the fast CPU stage decodes) gets its
-    :class:`ShardTrainLoader`: the same interface, its ``sampler`` a ``ShardSchedule``.
+    A :class:`ShardTrainSet` (``dataset=shards``; with ``dali`` the fast CPU stage decodes), or its training
+    view, gets its :class:`ShardTrainLoader`: the same interface, its ``sampler`` a ``ShardSchedule``.
 
     ``with_index``: each batch also holds the int64 (B,) positions of its samples in ``dataset``, as its
     third element (the ``fast`` and ``torchvision`` backends over a map-style dataset; the shard and DALI
     loaders are refused with one line).
     """
-    if with_index and (isinstance(dataset, ShardTrainSet) or backend == "dali"):
-        where = "dataset=shards" if isinstance(dataset, ShardTrainSet) else "data.backend=dali"
+    packed = isinstance(getattr(dataset, "source", dataset), ShardTrainSet)  # the shards, or their view
+    if with_index and (packed or backend == "dali"):
+        where = "dataset=shards" if packed else "data.backend=dali"
         raise DatasetConfigError(
             f"this loss keeps a row per training sample and needs each sample's index in the batch, which "
             f"{where} does not give; train it with data.backend=fast or torchvision on a map-style dataset"
         )
-    if isinstance(dataset, ShardTrainSet):
+    if packed:
         return ShardTrainLoader(dataset, batch_size, workers, rank, world_size, seed, device)
     sampler = ResumableSampler(dataset, world_size, rank, seed)
     options = training_loader_options(workers, device)

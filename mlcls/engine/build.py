@@ -20,10 +20,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, Subset
 
-from mlcls.data import MultiLabelDataset, build_dataset
+from mlcls.data import build_dataset
 from mlcls.data.datasets.folds import split_holdout
 from mlcls.data.datasets.labels import label_counts
-from mlcls.data.datasets.observed import NO_HOLDOUT
 from mlcls.data.loader import DeviceStage, build_eval_loader, build_train_loader
 from mlcls.data.pipeline.preprocess import preprocess_spec
 from mlcls.engine.checkpoint import TrainState, seed_everything
@@ -46,7 +45,7 @@ log = logging.getLogger("mlcls")
 class RunData:
     """The splits of a run and their loaders for this process."""
 
-    train_set: MultiLabelDataset  # what trains: the training split, less the held-out share if any
+    train_set: Dataset  # what trains: the training split's view, less the held-out share if any
     val_set: Dataset  # the validation split, or its first samples under trainer.limit_val_batches
     train_loader: Any  # a DataLoader, or the DALI loader; both have len() and .sampler
     val_loader: Any
@@ -84,7 +83,7 @@ def build_data(
     train_set = build_dataset(cfg.dataset, train=True, backend=backend)
     val_set: Dataset = build_dataset(cfg.dataset, train=False, backend=backend)
     holdout_set: Dataset | None = None
-    if getattr(train_set, "selection_split", NO_HOLDOUT).fraction:
+    if train_set.selection_split.fraction:
         train_set, holdout_set = split_holdout(train_set, val_set.transform)
     if tcfg.limit_val_batches:  # the first batches of the evaluated sets only
         keep = tcfg.limit_val_batches * local_batch * dist.world_size

@@ -8,10 +8,9 @@ Subclasses fill three attributes in ``__init__``:
 * ``samples``  -- list of :class:`Sample` (image path and optional crop box), one per row of ``labels``.
 
 ``labels`` is available without decoding any image (class statistics, loss weighting, ``mlcls-data stats``).
-It holds the full labels; the training split's targets (:meth:`MultiLabelDataset.target`) are its rows as
-the observed-label regime ``observed`` shows them (:mod:`mlcls.data.datasets.observed`). The regime and the
-held-out selection split are training policies, not dataset arguments: :func:`mlcls.data.build_dataset`
-puts them on the training split (:func:`mlcls.data.apply_training_policies`).
+A target (:meth:`MultiLabelDataset.target`) is a row of it. The training policies (which labels are
+observed, which rows are held out) are no part of a dataset: they wrap the training split
+(:class:`mlcls.data.TrainingView`).
 
 Unreadable images (missing, corrupt, truncated, or of a shape the transforms refuse: one side over
 :data:`mlcls.data.pipeline.transforms.MAX_ASPECT_RATIO` times the other, checked from the file's header before
@@ -40,9 +39,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from mlcls.data.datasets.observed import ALL_LABELS, NO_HOLDOUT, HoldoutSplit, ObservedLabels
 from mlcls.data.images import read_image
-from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, check_aspect_ratio
+from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.errors import shown
 from mlcls.io import read_json
 
@@ -240,51 +238,25 @@ def check_labels(labels: torch.Tensor, classes: Sequence[str], dataset: str) -> 
 class MultiLabelDataset(Dataset):
     """Serves ``(image, target)``: ``image`` is the transformed PIL image, ``target`` a float32 (C,) row.
 
-    Takes the keys every dataset config holds besides the subclass's own (see :mod:`mlcls.data`), so that a
-    config instantiates as it is: ``hydra.utils.instantiate(cfg.dataset, split=...)``.
-
     Args:
-        transform: applied to the PIL image; or the name of a transform of
-            :func:`mlcls.data.pipeline.transforms.build_transform` (``dataset.transform``: ``paper``,
-            ``light``, ``strong``), built
-            at ``image_size`` for training when ``split == train_split``, else for evaluation, normalised
-            with ``mean`` and ``std``.
+        transform: applied to the PIL image (:func:`mlcls.data.build_dataset` builds it from the config's
+            pipeline keys), or None.
         on_bad_image: ``"error"`` or ``"skip"`` (see the module docstring).
-        split: the split this dataset serves (checked by the subclass).
         name: the dataset's short name (``dataset.name``, in results and reports).
-        image_size: the network's input side (``dataset.image_size``).
         train_split, val_split: the splits training and evaluation use (``dataset.train_split``, ...).
-        mean, std: the per-channel (R, G, B) normalisation ``(x - mean) / std`` of [0, 1] pixels
-            (``dataset.mean``, ``dataset.std``; ImageNet's by default), for a transform named here.
-
-    Attributes:
-        observed: the observed-label regime :meth:`target` shows (every label unless
-            :func:`mlcls.data.apply_training_policies` sets the training split's).
-        selection_split: the share of the training split held out to select the best epoch (none unless
-            that function sets one); :func:`mlcls.data.datasets.folds.split_holdout` cuts it.
     """
-
-    observed: ObservedLabels = ALL_LABELS
-    selection_split: HoldoutSplit = NO_HOLDOUT
 
     def __init__(
         self,
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         on_bad_image: str = "error",
         *,
-        split: str | None = None,
         name: str | None = None,
-        image_size: int = 224,
         train_split: str = "train",
         val_split: str = "val",
-        mean: Sequence[float] | None = IMAGENET_MEAN,
-        std: Sequence[float] | None = IMAGENET_STD,
     ) -> None:
-        self.name, self.image_size = name, int(image_size)
+        self.name, self.transform = name, transform
         self.train_split, self.val_split = train_split, val_split
-        if isinstance(transform, str):
-            transform = build_transform(transform, self.image_size, split == train_split, mean, std)
-        self.transform = transform
         self.on_bad_image = check_choice("on_bad_image", on_bad_image, ON_BAD_IMAGE)
 
     @property
@@ -392,9 +364,8 @@ class MultiLabelDataset(Dataset):
         return sorted({self.samples[i].path for i in flagged})
 
     def target(self, index: int) -> torch.Tensor:
-        """float32 (C,): the labels of sample ``index`` (a row of ``labels``) as the regime ``observed``
-        shows them."""
-        return self.observed.row(self.labels[index], index)
+        """float32 (C,): the labels of sample ``index`` (a row of ``labels``)."""
+        return self.labels[index]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(transformed image, target)`` of sample ``index``, or in ``skip`` mode of the next sample that

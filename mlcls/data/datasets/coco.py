@@ -53,12 +53,12 @@ ID_RANGE = (-(2**63), 2**63)
 class COCO(MultiLabelDataset):
     """COCO instances annotations as multi-label targets.
 
-    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split`` and ``val_split``
+    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
     (``**config_keys``) are those of :class:`MultiLabelDataset`.
 
     Args:
         split: ``"train"`` or ``"val"``.
-        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
+        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder holding ``annotations/`` and the image folders.
         year: 2014 or 2017.
         train_images, val_images: image folders (relative to ``root`` or absolute); default
@@ -69,7 +69,7 @@ class COCO(MultiLabelDataset):
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         root: str = "data/coco",
         year: int = 2014,
         train_images: str | None = None,
@@ -78,7 +78,7 @@ class COCO(MultiLabelDataset):
         on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, split=split, **config_keys)
+        super().__init__(transform, on_bad_image, **config_keys)
         self.split = check_choice("COCO split", split, SPLITS)
         year = int(check_choice("COCO year", str(year), tuple(map(str, YEARS))))
         image_dir = (train_images if split == "train" else val_images) or f"{split}{year}"

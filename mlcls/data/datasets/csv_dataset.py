@@ -122,12 +122,12 @@ def _cells(table: tuple[list[str], list[list[str]]], name: str, path: Path) -> l
 class CSVDataset(MultiLabelDataset):
     """Images and labels listed in a CSV/TSV file (see the module docstring for the formats).
 
-    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split`` and ``val_split``
+    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
     (``**config_keys``) are those of :class:`MultiLabelDataset`.
 
     Args:
         split: ``"train"`` or ``"val"``.
-        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
+        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder the files and images are relative to.
         train_file: the training list (relative to ``root`` or absolute).
         val_file: the validation list; ``None`` to hold out ``val_fraction`` of ``train_file``.
@@ -145,7 +145,7 @@ class CSVDataset(MultiLabelDataset):
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         root: str = ".",
         train_file: str = "train.csv",
         val_file: str | None = None,
@@ -161,7 +161,7 @@ class CSVDataset(MultiLabelDataset):
         on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, split=split, **config_keys)
+        super().__init__(transform, on_bad_image, **config_keys)
         self.split = check_choice("csv split", split, SPLITS)
         layout = (
             f"{root}/{train_file} with columns {image_column!r} and labels, images under {root}/{image_dir}"

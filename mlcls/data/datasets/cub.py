@@ -231,12 +231,12 @@ def check_label_file_size(path: Path, images: int) -> None:
 class CUB(MultiLabelDataset):
     """CUB-200-2011's 312 attributes with the official train/test split, as Cole et al. format them.
 
-    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split``, ``val_split`` and the
-    observed-label and held-out keys (``**config_keys``) are those of :class:`MultiLabelDataset`.
+    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
+    (``**config_keys``) are those of :class:`MultiLabelDataset`.
 
     Args:
         split: ``"train"`` or ``"test"``.
-        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
+        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder holding ``attributes.txt`` and ``CUB_200_2011/`` (in Cole et al.'s layout,
             ``data/cub/CUB_200_2011``).
     """
@@ -244,12 +244,12 @@ class CUB(MultiLabelDataset):
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         root: str = "data/cub",
         on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, split=split, **config_keys)
+        super().__init__(transform, on_bad_image, **config_keys)
         self.split = check_choice("CUB split", split, tuple(SPLITS))
         layout = (
             f"{root}/{{attributes.txt, {IMAGE_LIST}, {SPLIT_LIST}, {LABEL_FILE}, "

@@ -12,13 +12,13 @@ held out, each image scored by a model that never saw it.
 
 The held-out selection split is a share of the training split kept out of training to select the best
 epoch, as the single-positive benchmark's released code holds out 20 %. :func:`split_holdout` cuts a
-training split into two :class:`SplitRows` views, the samples that train and the samples held out
-(:meth:`HoldoutSplit.held_out`: a pure function of ``dataset.holdout_seed`` and the sample index, the same
-on every rank). Both read the training split's images and labels by its own sample index: the
-observed-label regime shows each training sample the labels it shows it without the cut, and a loss with a
-row per training sample indexes the training view's rows ``0 .. len - 1``. The held-out view reads its
-images with the evaluation transform; its targets are the full labels (``clean``) or the regime's observed
-labels (``observed``, unknown entries -1, which the metrics leave out).
+training split (its :class:`mlcls.data.TrainingView`) into two :class:`SplitRows` views, the samples that
+train and the samples held out (:meth:`HoldoutSplit.held_out`: a pure function of ``dataset.holdout_seed``
+and the sample index, the same on every rank). Both read the training split's images and labels by its own
+sample index: the observed-label regime shows each training sample the labels it shows it without the cut,
+and a loss with a row per training sample indexes the training view's rows ``0 .. len - 1``. The held-out
+view reads its images with the evaluation transform; its targets are the full labels (``clean``) or the
+regime's observed labels (``observed``, unknown entries -1, which the metrics leave out).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from torch.utils.data import Subset
 
-from mlcls.data import build_dataset
+from mlcls.data import TrainingView, build_dataset
 from mlcls.data.datasets.base import (
     DatasetConfigError,
     LazySamples,
@@ -43,7 +43,7 @@ from mlcls.data.datasets.base import (
     check_choice,
 )
 from mlcls.data.datasets.labels import LabelCounts, label_counts
-from mlcls.data.datasets.observed import ALL_LABELS
+from mlcls.data.datasets.observed import ALL_LABELS, NO_HOLDOUT
 
 SPLITS = ("train", "heldout")
 
@@ -55,11 +55,12 @@ def fold_rows(num_rows: int, folds: int, fold: int, seed: int) -> np.ndarray:
     return np.sort(order[fold::folds])
 
 
-def indexed_training_split(cfg: DictConfig) -> MultiLabelDataset:
-    """The training split of the dataset config ``cfg``, read by index; packed shards, read in sequence,
-    raise :class:`DatasetConfigError` naming the way out (the config they were packed from)."""
+def indexed_training_split(cfg: DictConfig) -> TrainingView:
+    """The training split of the dataset config ``cfg`` (its training view), read by index; packed shards,
+    read in sequence, raise :class:`DatasetConfigError` naming the way out (the config they were packed
+    from)."""
     dataset = build_dataset(cfg, train=True)
-    if not isinstance(dataset, MultiLabelDataset):
+    if not isinstance(dataset.source, MultiLabelDataset):
         raise DatasetConfigError(
             f"the training split of {cfg.get('name', 'this dataset')} is read in sequence (packed shards), "
             "not by index; audit the dataset config the shards were packed from"
@@ -71,31 +72,31 @@ class FoldSplit(MultiLabelDataset):
     """Fold ``fold`` of ``folds`` of the training split of ``source`` (``heldout``), or the other folds
     (``train``).
 
-    Training targets are the source's, as its observed-label regime (``dataset.observed``) shows them;
-    held-out targets are the full labels. ``classes``, ``labels`` and ``samples`` are the source rows';
-    images are read by the source (:meth:`load_image`) with this dataset's ``transform``.
+    Training targets are the source's, as its observed-label regime (``dataset.observed``, its training
+    view's) shows them; held-out targets are the full labels. ``classes``, ``labels`` and ``samples`` are
+    the source rows'; images are read by the source (:meth:`load_image`) with this dataset's ``transform``.
 
     Args:
         split: ``"train"`` or ``"heldout"``.
-        transform: a callable (what ``build_dataset`` passes) or a transform name.
+        transform: applied to the images (``build_dataset`` builds it from the config's pipeline keys).
         source: the dataset config (mapping) whose training split is cut.
         folds: the number of folds, at least 2.
         fold: the fold held out, in ``[0, folds)``.
         seed: the seed of the cut (:func:`fold_rows`).
-        **config_keys: ``name``, ``image_size``, ... (see :class:`MultiLabelDataset`).
+        **config_keys: ``name``, ``train_split``, ``val_split`` (see :class:`MultiLabelDataset`).
     """
 
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         source: Mapping[str, Any] | None = None,
         folds: int = 5,
         fold: int = 0,
         seed: int = 0,
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, split=split, **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = check_choice("fold split", split, SPLITS)
         if source is None:
             raise DatasetConfigError(
@@ -146,18 +147,17 @@ class RowSamples(LazySamples):
 
 
 class SplitRows(MultiLabelDataset):
-    """Rows ``rows`` (ascending sample indices) of the dataset ``source``, as a dataset: sample ``i`` is
+    """Rows ``rows`` (ascending sample indices) of the training view ``source``, as a dataset: sample ``i`` is
     ``source``'s sample ``rows[i]``, its image read by ``source`` (``load_image``, with ``source``'s
-    transform) and its target ``source``'s (``target``: as ``source``'s observed-label regime shows it).
-    Unreadable images are skipped within the view (``dataset.on_bad_image=skip``)."""
+    transform) and its target ``source``'s (as its observed-label regime shows it). Unreadable images are
+    skipped within the view (``dataset.on_bad_image=skip``)."""
 
-    def __init__(self, source: MultiLabelDataset, rows: np.ndarray) -> None:
+    def __init__(self, source: TrainingView, rows: np.ndarray) -> None:
         # The source's settings, checked when it was built; nothing of the config is read again.
         self.source, self.rows = source, np.asarray(rows, dtype=np.int64)
-        self.name, self.image_size, self.split = source.name, source.image_size, source.train_split
+        self.name, self.split = source.name, source.train_split
         self.train_split, self.val_split = source.train_split, source.val_split
         self.transform, self.on_bad_image = source.transform, source.on_bad_image
-        self.observed = source.observed
         self.classes = list(source.classes)
         self.samples = RowSamples(source.samples, self.rows)
 
@@ -177,12 +177,10 @@ class SplitRows(MultiLabelDataset):
         return self.source.target(int(self.rows[index]))
 
 
-def split_holdout(
-    train_set: MultiLabelDataset, eval_transform: Callable | None
-) -> tuple[SplitRows, SplitRows]:
+def split_holdout(train_set: TrainingView, eval_transform: Callable | None) -> tuple[SplitRows, SplitRows]:
     """``(training, held out)``: the samples of ``train_set`` its ``selection_split`` keeps for training and
-    those it holds out. The held-out view reads through a shallow copy of ``train_set`` (the parsed
-    annotations shared, nothing read twice) with ``eval_transform`` (the validation split's) and, for
+    those it holds out. The held-out view reads through a shallow copy of ``train_set``'s dataset (the
+    parsed annotations shared, nothing read twice) with ``eval_transform`` (the validation split's) and, for
     ``holdout_labels=clean``, every label. A cut that leaves either side empty raises
     :class:`DatasetConfigError`."""
     selection = train_set.selection_split
@@ -193,10 +191,10 @@ def split_holdout(
             f"{len(held)} training samples; expected some on each side (set a fraction that leaves both "
             "non-empty, or 0 for no held-out split)"
         )
-    reader = copy.copy(train_set)
+    reader = copy.copy(train_set.source)
     reader.transform = eval_transform
-    if selection.labels == "clean":
-        reader.observed = ALL_LABELS
+    observed = ALL_LABELS if selection.labels == "clean" else train_set.observed
+    reader = TrainingView(reader, observed, NO_HOLDOUT)
     return SplitRows(train_set, np.flatnonzero(~held)), SplitRows(reader, np.flatnonzero(held))
 
 

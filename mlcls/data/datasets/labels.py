@@ -317,27 +317,23 @@ def observed_counts(
 class SparseLabelled:
     """A dataset whose labels are a :class:`SparseLabels` (``sparse_labels``): each target row is built on its
     own (:meth:`target`), the counts come from the stored entries (:meth:`label_counts`), and the dense
-    ``labels`` (N, C) is built on first access only when it fits in ``dense_labels_gb``. Targets and counts
-    are those the observed-label regime ``observed`` shows (every label unless the dataset sets one)."""
+    ``labels`` (N, C) is built on first access only when it fits in ``dense_labels_gb``."""
 
     sparse_labels: SparseLabels
-    observed: ObservedLabels = ALL_LABELS
     dense_labels_gb: float = 8.0
     _dense_labels: Tensor | None = None
 
     def sample_indices(self) -> np.ndarray | None:
-        """int64 (N,): the sample index each row of ``sparse_labels`` is drawn for under the regime; None:
-        row ``i`` is sample ``i``."""
+        """int64 (N,): the sample index an observed-label regime draws each row of ``sparse_labels`` for
+        (:class:`mlcls.data.TrainingView`); None: row ``i`` is sample ``i``."""
         return None
 
     def label_counts(self) -> LabelCounts:
-        if not self.observed.hides_labels:
-            return self.sparse_labels.counts()
-        return observed_counts(self.sparse_labels, self.observed, self.sample_indices())
+        return self.sparse_labels.counts()
 
     def target(self, index: int) -> Tensor:
-        """float32 (C,): the labels of sample ``index`` as the regime ``observed`` shows them."""
-        return self.observed.row(self.sparse_labels.row(index), index)
+        """float32 (C,): the labels of sample ``index``."""
+        return self.sparse_labels.row(index)
 
     @property
     def labels(self) -> Tensor:
@@ -365,9 +361,10 @@ def sparse_labels_of(dataset: object) -> SparseLabels:
 
 
 def label_counts(dataset: object) -> LabelCounts | None:
-    """The :class:`LabelCounts` of a dataset's labels as its observed-label regime (``observed``) shows
-    them: its ``label_counts()`` when it has one (sparse labels), else counted from its dense ``labels``; a
-    ``Subset`` counts its parent's rows. None for a dataset without labels."""
+    """The :class:`LabelCounts` of a dataset's targets: its ``label_counts()`` when it has one (sparse
+    labels, a view), else counted from its dense ``labels``; a ``Subset`` counts its parent's rows, as the
+    parent's observed-label regime (``observed``, a :class:`mlcls.data.TrainingView`'s) shows them. None
+    for a dataset without labels."""
     if isinstance(dataset, Subset):
         parent = dataset.dataset
         if getattr(parent, "sparse_labels", None) is None and getattr(parent, "labels", None) is None:
@@ -379,9 +376,4 @@ def label_counts(dataset: object) -> LabelCounts | None:
     if counts is not None:
         return counts()
     labels = getattr(dataset, "labels", None)
-    if labels is None:
-        return None
-    observed = getattr(dataset, "observed", ALL_LABELS)
-    if observed.hides_labels:
-        return observed_counts(SparseLabels.from_dense(labels), observed)
-    return LabelCounts.of(labels)
+    return None if labels is None else LabelCounts.of(labels)

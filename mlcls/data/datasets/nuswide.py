@@ -164,12 +164,12 @@ def read_tag_matrix(path: Path, count: int) -> np.ndarray:
 class NUSWIDE(MultiLabelDataset):
     """NUS-WIDE with the release's train/test split and 81-concept ground truth.
 
-    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split`` and ``val_split``
+    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
     (``**config_keys``) are those of :class:`MultiLabelDataset`.
 
     Args:
         split: ``"train"`` or ``"test"``.
-        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
+        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder holding ``ImageList/``, ``Groundtruth/``, ``ConceptsList/`` and the image folder.
         images: the image folder (relative to ``root`` or absolute), holding ``<folder>/<file>.jpg``.
         keep_empty: keep images without any of the 81 concepts (all-0 rows); with ``zero_shot``, every
@@ -180,7 +180,7 @@ class NUSWIDE(MultiLabelDataset):
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         root: str = "data/nuswide",
         images: str = "Flickr",
         keep_empty: bool = False,
@@ -188,7 +188,7 @@ class NUSWIDE(MultiLabelDataset):
         label_set: str = "concepts",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, split=split, **config_keys)
+        super().__init__(transform, on_bad_image, **config_keys)
         self.split = check_choice("NUS-WIDE split", split, tuple(SPLITS))
         check_choice("NUS-WIDE label_set", label_set, LABEL_SETS)
         part = SPLITS[split]

@@ -93,12 +93,12 @@ class OpenImages(SparseLabelled, MultiLabelDataset):
     """Open Images V6 human-verified image-level labels over the trainable classes (see the module
     docstring for the label semantics and the memory limits).
 
-    ``on_bad_image`` and the config's ``name``, ``image_size``, ``train_split`` and ``val_split``
+    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
     (``**config_keys``) are those of :class:`MultiLabelDataset`.
 
     Args:
         split: ``"train"``, ``"validation"`` or ``"test"``.
-        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
+        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder holding the annotation files (in ``annotations``) and the image folders.
         annotations: folder of the CSV files, relative to ``root`` or absolute (default: ``root``).
         train_images, validation_images, test_images: image folder of each split, relative to ``root`` or
@@ -115,7 +115,7 @@ class OpenImages(SparseLabelled, MultiLabelDataset):
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         root: str = "data/openimages",
         annotations: str = ".",
         train_images: str | None = None,
@@ -125,7 +125,7 @@ class OpenImages(SparseLabelled, MultiLabelDataset):
         on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, split=split, **config_keys)
+        super().__init__(transform, on_bad_image, **config_keys)
         self.split = check_choice("Open Images split", split, SPLITS)
         annotation_dir = resolve_path(root, annotations)
         folders = {"train": train_images, "validation": validation_images, "test": test_images}

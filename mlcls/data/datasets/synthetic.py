@@ -37,19 +37,19 @@ class SyntheticMultiLabel(MultiLabelDataset):
 
     Args:
         split: ``"train"`` or ``"val"``.
-        transform: applied to the PIL image, or a transform name (see :class:`MultiLabelDataset`).
+        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         train_size, val_size: number of images in each split.
         canvas_size: side of the generated square images, in pixels (the transform resizes them to
-            ``image_size``).
+            ``dataset.image_size``).
         seed: the dataset's seed; the same seed gives the same images and labels.
-        **config_keys: ``name``, ``image_size``, ``train_split``, ``val_split`` of the config (see
+        **config_keys: ``name``, ``train_split``, ``val_split`` of the config (see
             :class:`MultiLabelDataset`).
     """
 
     def __init__(
         self,
         split: str = "train",
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         train_size: int = 2000,
         val_size: int = 500,
         canvas_size: int = 64,
@@ -66,7 +66,7 @@ class SyntheticMultiLabel(MultiLabelDataset):
                 raise DatasetConfigError(
                     f"dataset.{key}={shown(value)}; expected an integer from {low} to {high}"
                 )
-        super().__init__(transform, split=split, **config_keys)
+        super().__init__(transform, **config_keys)
         if split not in _SPLIT_IDS:
             raise ValueError(f"unknown split {split!r} for the synthetic dataset; expected 'train' or 'val'")
         self.split = split

@@ -13,9 +13,9 @@ rank's range is read in blocks, each shuffled in windows of ``shuffle_buffer``, 
 workers in an order that does not depend on their number (:mod:`mlcls.data.shards.loader`); each sample's
 augmentation runs under ``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the
 workers. ``set_start(k)`` (resuming mid-epoch) skips exactly the first ``k`` samples the rank served and
-serves the rest in the order they would have come. The targets are those of the observed-label regime
-(``dataset.observed``, :mod:`mlcls.data.datasets.observed`), drawn for the sample's index in the source
-split (its key), as the source dataset draws them: the shards train on the labels the source would.
+serves the rest in the order they would have come. The training view of the observed-label regime
+(``dataset.observed``, :class:`mlcls.data.TrainingView`) draws each target for the sample's index in the
+source split (its key), as for the source dataset: the shards train on the labels the source would.
 
 **Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
 (the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,6 @@ from mlcls.data.datasets.base import (
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels, dense_row
 from mlcls.data.images import open_image
-from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform
 from mlcls.data.sampling import seeded_call
 from mlcls.data.shards.pack import IMAGE_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.shards.reader import (
@@ -122,7 +121,7 @@ def open_shards(
     meta: str | None = None,
     root: str | None = None,
     shuffle_buffer: int = 1000,
-    transform: Callable | str | None = None,
+    transform: Callable | None = None,
     **config_keys: Any,
 ) -> ShardTrainSet | ShardEvalSet:
     """The ``split`` (``train`` or ``val``) of packed shards: a :class:`ShardTrainSet` for training, a
@@ -138,9 +137,9 @@ def open_shards(
             or the folder of the first training shard (required with ``pipe:`` URLs).
         root: the folder ``mlcls-data pack`` wrote, read through its manifest.
         shuffle_buffer: training samples a worker shuffles together (see the module docstring).
-        transform, **config_keys: as for :class:`MultiLabelDataset`. The observed-label regime is set on
-            the training split by :func:`mlcls.data.apply_training_policies`, which refuses a held-out
-            selection split: the training shards are read in sequence, not by sample index.
+        transform, **config_keys: as for :class:`MultiLabelDataset`. The observed-label regime wraps the
+            training split (:func:`mlcls.data.apply_training_policies`, which refuses a held-out selection
+            split: the training shards are read in sequence, not by sample index).
     """
     check_choice("split", split, ROLES)
     index = ShardIndex(config_meta(root, urls, meta))
@@ -166,22 +165,14 @@ class ShardTrainSet(SparseLabelled):
         index: ShardIndex,
         urls: list[str],
         shuffle_buffer: int,
-        transform: Callable | str | None = None,
+        transform: Callable | None = None,
         *,
         name: str | None = None,
-        image_size: int = 224,
         train_split: str = "train",
         val_split: str = "val",
-        mean: Sequence[float] | None = IMAGENET_MEAN,
-        std: Sequence[float] | None = IMAGENET_STD,
     ) -> None:
-        self.name, self.image_size, self.split = name, int(image_size), "train"
+        self.name, self.split, self.transform = name, "train", transform
         self.train_split, self.val_split = train_split, val_split
-        self.transform = (
-            build_transform(transform, self.image_size, True, mean, std)
-            if isinstance(transform, str)
-            else transform
-        )
         self.urls, self.shuffle_buffer = urls, max(1, int(shuffle_buffer))
         self.classes = index.classes
         self.shard_sizes = index.shard_sizes("train", urls)
@@ -210,16 +201,15 @@ class ShardTrainSet(SparseLabelled):
         return self._keys
 
     def make_sample(self, key: str, fields: dict[str, bytes], seed: int) -> tuple[Any, Tensor]:
-        """``(image, target)`` of one shard sample, its augmentation run under ``seed``, its target as the
-        regime ``observed`` shows the sample ``key`` (its index in the source split)."""
+        """``(image, labels row)`` of the shard sample ``key`` (its index in the source split), its
+        augmentation run under ``seed``."""
         try:
             torch_only = self.transform is None or getattr(self.transform, "torch_random_only", False)
             image = seeded_call(seed, self._augment, fields[IMAGE_EXT], torch_only=torch_only)
         except BAD_IMAGE_ERRORS as exc:
             raise BadImageError(f"cannot read the image of sample {key} of the shards: {exc}") from exc
         pairs = stored_label_entries(fields, self.num_classes, f"sample {key} of the shards")
-        labels = dense_row(pairs[:, 0], pairs[:, 1], self.num_classes, self.sparse_labels.fill)
-        return image, self.observed.row(labels, int(key))
+        return image, dense_row(pairs[:, 0], pairs[:, 1], self.num_classes, self.sparse_labels.fill)
 
     def _augment(self, data: bytes) -> Any:
         image = decode_image(data, self.transform)
@@ -233,9 +223,9 @@ class ShardEvalSet(SparseLabelled, MultiLabelDataset):
     ``<shard URL>#<key>``."""
 
     def __init__(
-        self, index: ShardIndex, urls: list[str], transform: Callable | str | None = None, **config_keys: Any
+        self, index: ShardIndex, urls: list[str], transform: Callable | None = None, **config_keys: Any
     ) -> None:
-        super().__init__(transform, split="val", **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = "val"
         if not urls:
             raise DatasetLayoutError(f"{index.meta}/{MANIFEST_FILE} lists no val shards; pack that split")

@@ -32,7 +32,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from mlcls.data.datasets.base import DatasetFormatError
 from mlcls.data.sampling import sample_seed
-from mlcls.data.shards.datasets import ShardTrainSet
 from mlcls.data.shards.reader import iter_shard
 
 Sample = tuple[str, dict[str, bytes]]  # (key, {extension: bytes}) of a shard sample
@@ -103,9 +102,11 @@ class ShardSchedule:
 
 
 class ShardStream(IterableDataset):
-    """The samples of one rank for one DataLoader worker (or the main process), as the schedule says."""
+    """The samples of one rank for one DataLoader worker (or the main process), as the schedule says, made by
+    ``dataset`` (a :class:`~mlcls.data.shards.datasets.ShardTrainSet` or its
+    :class:`mlcls.data.TrainingView`)."""
 
-    def __init__(self, dataset: ShardTrainSet, schedule: ShardSchedule) -> None:
+    def __init__(self, dataset: Any, schedule: ShardSchedule) -> None:
         self.dataset, self.schedule = dataset, schedule
 
     def __iter__(self) -> Iterator[tuple[Any, Tensor]]:
