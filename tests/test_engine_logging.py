@@ -11,10 +11,15 @@ from omegaconf import OmegaConf
 
 from mlcls.engine.logging import RunLog
 
-mlflow = pytest.importorskip("mlflow")
+
+@pytest.fixture(scope="module")
+def mlflow():
+    """MLflow, imported by the tests that use it (5 s: not at collection, which every worker does)."""
+    return pytest.importorskip("mlflow")
 
 
-def test_mlflow_run_holds_params_metrics_plots_and_best_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.slow  # MLflow runs uname while it opens a run
+def test_mlflow_run_holds_params_metrics_plots_and_best_checkpoint(tmp_path: Path, mlflow) -> None:
     run_dir = tmp_path / "run"
     (run_dir / "plots").mkdir(parents=True)
     (run_dir / "plots" / "per_class_ap.png").write_bytes(b"png")
@@ -53,7 +58,7 @@ def test_mlflow_run_holds_params_metrics_plots_and_best_checkpoint(tmp_path: Pat
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/best.pt"]
 
 
-def test_a_failed_run_is_marked_failed(tmp_path: Path) -> None:
+def test_a_failed_run_is_marked_failed(tmp_path: Path, mlflow) -> None:
     store = (tmp_path / "mlruns").as_uri()
     cfg = OmegaConf.create({"logger": {"name": "mlflow", "tracking_uri": store, "experiment": "e"}})
     run_log = RunLog(tmp_path, True, epochs=1, iters_per_epoch=1, cfg=cfg)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import re
 from collections import Counter
+from functools import cache
 from pathlib import Path
 
 import mlcls
@@ -27,11 +28,17 @@ def module_files(package_dir: Path) -> dict[str, Path]:
     return files
 
 
+@cache
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of the file ``path``, parsed once for every test of the module."""
+    return ast.parse(path.read_text())
+
+
 def imported_modules(name: str, path: Path, modules: set[str]) -> set[str]:
     """The mlcls modules that module ``name`` (file ``path``) imports, its own packages left out."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     candidates = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             candidates += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -48,6 +55,13 @@ def imported_modules(name: str, path: Path, modules: set[str]) -> set[str]:
         if candidate and candidate != name and not name.startswith(candidate + "."):
             found.add(candidate)
     return found
+
+
+@cache
+def mlcls_graph() -> dict[str, set[str]]:
+    """mlcls's modules -> the mlcls modules each imports (read by the tests, never changed)."""
+    files = module_files(PACKAGE_DIR)
+    return {name: imported_modules(name, path, set(files)) for name, path in files.items()}
 
 
 def import_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -78,8 +92,7 @@ def test_import_cycle_finds_a_cycle_and_only_a_cycle() -> None:
 
 
 def test_no_import_cycle_between_mlcls_modules() -> None:
-    files = module_files(PACKAGE_DIR)
-    graph = {name: imported_modules(name, path, set(files)) for name, path in files.items()}
+    graph = mlcls_graph()
     assert graph["mlcls.data.loader"] >= {"mlcls.data.sampling", "mlcls.data.shards.loader"}  # read at all
     assert import_cycle(graph) == []
 
@@ -124,9 +137,7 @@ def test_no_two_packages_import_each_other() -> None:
     """The packages lean one way (cli on top; bench, reporting, inference above engine; engine above data,
     models, losses, metrics): no cycle between packages, which also rules out any pair importing each
     other."""
-    files = module_files(PACKAGE_DIR)
-    graph = {name: imported_modules(name, path, set(files)) for name, path in files.items()}
-    folded = package_graph(graph)
+    folded = package_graph(mlcls_graph())
     assert folded["cli"] >= {"engine", "data"} and "cli" not in folded["engine"]  # read at all
     assert import_cycle(folded) == []
 
@@ -146,7 +157,7 @@ def test_each_concern_is_defined_once() -> None:
     defined = Counter(
         node.name
         for path in module_files(PACKAGE_DIR).values()
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(parsed(path))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
     )
     assert {name: defined[name] for name in ONE_HOME} == dict.fromkeys(ONE_HOME, 1)
@@ -160,7 +171,7 @@ COLLECTIVES |= {"gather", "barrier", "reduce_scatter", "all_to_all", "scatter"}
 def test_collectives_have_one_home() -> None:
     callers = set()
     for name, path in module_files(PACKAGE_DIR).items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
                 owner = ast.unparse(node.value)
                 if owner in ("dist", "torch.distributed"):
@@ -174,8 +185,7 @@ def test_every_test_the_package_cites_exists() -> None:
     tests_dir = Path(__file__).parent
     defined = {path.stem for path in tests_dir.glob("test_*.py")}
     for path in tests_dir.glob("test_*.py"):
-        tree = ast.parse(path.read_text())
-        defined |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+        defined |= {node.name for node in ast.walk(parsed(path)) if isinstance(node, ast.FunctionDef)}
     cited = {
         name
         for path in module_files(PACKAGE_DIR).values()
