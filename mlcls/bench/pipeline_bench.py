@@ -256,12 +256,7 @@ def _shard_batches(
     urls: list[str], size: int, batch_size: int, workers: int, device: torch.device
 ) -> Iterable:
     """Endless training batches of the packed shards (epoch after epoch), as ``dataset=shards`` reads them."""
-    dataset = open_shards(
-        "train",
-        urls,
-        transform=build_backend_transform("fast", "paper", size, train=True),
-        image_size=size,
-    )
+    dataset = open_shards("train", urls, transform=build_backend_transform("fast", "paper", size, train=True))
     loader = ShardTrainLoader(dataset, batch_size, workers, 0, 1, seed=0, device=device)
     for epoch in itertools.count():
         loader.sampler.set_epoch(epoch)
