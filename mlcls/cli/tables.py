@@ -16,8 +16,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.render import render_csv, render_markdown, write_table
-from mlcls.reporting.run_table import render_runs_csv, render_runs_json, render_runs_markdown, runs_table
+from mlcls.reporting.render import (
+    render_csv,
+    render_markdown,
+    render_runs_csv,
+    render_runs_json,
+    render_runs_markdown,
+    write_table,
+)
+from mlcls.reporting.run_table import runs_table
 from mlcls.reporting.runs import RunRecord, collect_runs
 from mlcls.reporting.spml import SPML_TABLE, collect_spml_runs, fill_spml
 from mlcls.reporting.sweeps import SMOKE_STAND_INS

@@ -21,7 +21,6 @@ again.
 
 from __future__ import annotations
 
-import base64
 import io
 import logging
 import math
@@ -55,7 +54,7 @@ from mlcls.reporting.report_data import (
     probabilities,
     save_val_predictions,
 )
-from mlcls.reporting.run_files import config_groups, is_number, read_config, read_results
+from mlcls.reporting.run_files import config_groups, is_number, read_run
 
 if TYPE_CHECKING:
     from mlcls.engine.trainer import Trainer
@@ -100,11 +99,8 @@ class Thumbnails:
         except BAD_IMAGE_ERRORS as exc:
             log.warning("report: no thumbnail of %s (%s)", expected, exc)
             return None
-        image.thumbnail((THUMB_SIDE, THUMB_SIDE))
-        buffer = io.BytesIO()
-        image.convert("RGB").save(buffer, format="JPEG", quality=85)
         key = f"t{len(self.uris)}"
-        self.uris[key] = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+        self.uris[key] = ui.jpeg_data_uri(image, THUMB_SIDE)
         return key
 
     def _image(self, index: int) -> Image.Image:
@@ -268,8 +264,7 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
     ``dataset`` (the thumbnails' source); return its path. :class:`ReportError` for a run directory without
     results, config or predictions, or a dataset that no longer matches the predictions."""
     run_dir = Path(run_dir)
-    results = read_results(run_dir)
-    config = read_config(run_dir, results)
+    results, config = read_run(run_dir)
     if results is None or config is None:
         raise ReportError(f"{run_dir}: no results.json and config.yaml; is it an mlcls run directory?")
     config_groups(config, run_dir, ("dataset", "model", "loss"))

@@ -15,11 +15,17 @@ those columns in turn once the page has loaded (``report.html#sort=name``).
 
 from __future__ import annotations
 
+import base64
 import html
+import io
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from PIL import Image
+
+from mlcls.reporting.run_files import yaml_text
 
 COLOURS = ("#1f6fb2", "#d1495b", "#2e933c", "#edae49", "#7b4b94")
 
@@ -116,6 +122,14 @@ class Card:
 
 def escape(text: object) -> str:
     return html.escape(str(text), quote=True)
+
+
+def jpeg_data_uri(image: Image.Image, side: int) -> str:
+    """``image`` as a ``data:image/jpeg;base64,...`` URI, shrunk to at most ``side`` pixels a side."""
+    image.thumbnail((side, side))
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def number(value: float, digits: int = 1) -> str:
@@ -223,23 +237,11 @@ def settings_table(settings: Sequence[tuple[str, object, object]]) -> str:
     if not settings:
         return '<p class="note">Every setting is the default of <code>mlcls-train</code>.</p>'
     rows = "".join(
-        f"<tr><td><code>{escape(k)}</code></td><td>{escape(_yaml(v))}</td><td>{escape(_yaml(d))}</td></tr>"
+        f"<tr><td><code>{escape(k)}</code></td><td>{escape(yaml_text(v))}</td><td>{escape(yaml_text(d))}</td></tr>"
         for k, v, d in settings
     )
     head = "<tr><th>setting</th><th>this run</th><th>default</th></tr>"
     return f"<table><thead>{head}</thead><tbody>{rows}</tbody></table>"
-
-
-def _yaml(value: object) -> str:
-    if value is None:
-        return "null"
-    return (
-        str(value).lower()
-        if isinstance(value, bool)
-        else json.dumps(value)
-        if isinstance(value, list)
-        else str(value)
-    )
 
 
 CLASS_COLUMNS = (
