@@ -44,7 +44,7 @@ from mlcls.errors import ConfigError, plural, printable
 from mlcls.io import CAPS, atomic_write, atomic_write_bytes, open_regular
 from mlcls.metrics.ap import map_class
 from mlcls.reporting.render import spreadsheet_text
-from mlcls.reporting.report_html import escape, jpeg_data_uri
+from mlcls.reporting.report_html import escape, jpeg_data_uri, page, sortable_table
 
 AUDIT_CSV, AUDIT_HTML = "audit.csv", "audit.html"
 CSV_COLUMNS = ("rank", "image", "class", "given_label", "probability", "score")
@@ -81,64 +81,26 @@ def image_name(dataset: MultiLabelDataset, row: int) -> str:
     )
 
 
-THUMBNAIL = 96  # the thumbnails' longer side, in pixels
-
-STYLE = """
-body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
-table { border-collapse: collapse; }
-th, td { border-bottom: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: middle; }
-th { cursor: pointer; background: #f4f4f4; position: sticky; top: 0; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-img { display: block; }
-.given1 { color: #0a6; } .given0 { color: #c33; }
-"""
-
-# Click a header to sort by its column (numbers as numbers), again to reverse.
-SCRIPT = """
-document.querySelectorAll("th").forEach(function (th, column) {
-  th.addEventListener("click", function () {
-    var body = th.closest("table").tBodies[0];
-    var rows = Array.from(body.rows);
-    var ascending = th.dataset.order !== "asc";
-    rows.sort(function (a, b) {
-      var x = a.cells[column].dataset.value, y = b.cells[column].dataset.value;
-      var nx = parseFloat(x), ny = parseFloat(y);
-      var order = isNaN(nx) || isNaN(ny) ? x.localeCompare(y) : nx - ny;
-      return ascending ? order : -order;
-    });
-    th.dataset.order = ascending ? "asc" : "desc";
-    rows.forEach(function (row) { body.appendChild(row); });
-  });
-});
-// Once loaded: the images shown, on the body (data-images-total, data-images-loaded), and #sort=HEADER
-// in the address sorts by that column, as a click does.
-window.addEventListener("load", function () {
-  var images = Array.from(document.images);
-  document.body.dataset.imagesTotal = images.length;
-  document.body.dataset.imagesLoaded = images.filter(function (i) {
-    return i.complete && i.naturalWidth > 0;
-  }).length;
-  if (location.hash.indexOf("#sort=") === 0) {
-    var wanted = decodeURIComponent(location.hash.slice(6));
-    document.querySelectorAll("th").forEach(function (th) { if (th.textContent === wanted) th.click(); });
-  }
-});
-"""
+THUMBNAIL = 96  # the audit page's thumbnails' longer side, in pixels
+AUDIT_COLUMNS = (
+    ("rank", "rank", "number"),
+    ("image", "image", "number"),
+    ("file", "file", "text"),
+    ("class", "class", "text"),
+    ("given_label", "given label", "number"),
+    ("probability", "probability", "number"),
+    ("score", "score", "number"),
+    ("positives", "given positives", "text"),
+)
 
 
-def thumbnail(dataset: MultiLabelDataset, row: int) -> str:
-    """A ``data:`` URI of sample ``row``'s image, its longer side :data:`THUMBNAIL` pixels at most; empty
+def thumbnail(dataset: MultiLabelDataset, row: int) -> str | None:
+    """A ``data:`` URI of sample ``row``'s image, its longer side :data:`THUMBNAIL` pixels at most; None
     when the image cannot be read."""
     try:
         return jpeg_data_uri(dataset.load_image(row), THUMBNAIL)
     except (*BAD_IMAGE_ERRORS, BadImageError):
-        return ""
-
-
-def _cell(text: Any, value: Any = None, css: str = "") -> str:
-    shown = escape(str(text))
-    sort_value = escape(str(text if value is None else value))
-    return f'<td{f" class={css!r}" if css else ""} data-value="{sort_value}">{shown}</td>'
+        return None
 
 
 def audit_page(
@@ -149,45 +111,38 @@ def audit_page(
     folds: int,
     quality: str,
 ) -> str:
-    """``audit.html``, sortable by any column: the ranking ``suspects`` of ``dataset``'s training split (rank,
-    thumbnail, image, class, given label, probability, score and the image's given positive classes);
+    """``audit.html`` (:func:`mlcls.reporting.report_html.page`), sortable by any column: the ranking
+    ``suspects`` of ``dataset``'s training split, each with its image's thumbnail and given positive classes;
     ``labels`` are the split's (N, C); ``quality`` says how good the folds' models are (out-of-fold mAP)."""
-    thumbnails: dict[int, str] = {}
+    thumbs: dict[str, str | None] = {}  # each image once, however many of its labels are ranked
     rows = []
     for s in suspects:
-        if s.row not in thumbnails:
-            thumbnails[s.row] = thumbnail(dataset, s.row)
-        uri = thumbnails[s.row]
-        image = f'<img src="{uri}" alt="{escape(s.image)}">' if uri else "unreadable"
+        key = f"t{s.row}"
+        if key not in thumbs:
+            thumbs[key] = thumbnail(dataset, s.row)
+        image = f'<img data-thumb="{key}" alt="{escape(s.image)}">' if thumbs[key] else "unreadable"
         positives = ", ".join(dataset.classes[c] for c in np.flatnonzero(labels[s.row] == 1))
+        texts = (s.image, dataset.classes[s.column])
         rows.append(
-            "<tr>"
-            + _cell(s.rank, css="num")
-            + f'<td data-value="{s.row}">{image}</td>'
-            + _cell(s.image)
-            + _cell(dataset.classes[s.column])
-            + _cell(s.label, css=f"num given{s.label}")
-            + _cell(f"{s.probability:.3f}", s.probability, "num")
-            + _cell(f"{s.score:.3f}", s.score, "num")
-            + _cell(positives)
-            + "</tr>"
+            [
+                (str(s.rank), s.rank, "n"),
+                (image, s.row, ""),
+                *((escape(text), text, "") for text in texts),
+                (str(s.label), s.label, f"n given{s.label}"),
+                (f"{s.probability:.3f}", s.probability, "n"),
+                (f"{s.score:.3f}", s.score, "n"),
+                (escape(positives), positives, ""),
+            ]
         )
-    headers = ("rank", "image", "file", "class", "given label", "probability", "score", "given positives")
-    title = f"Suspected label errors: {name}"
-    return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{escape(title)}</title><style>{STYLE}</style></head><body>"
-        f"<h1>{escape(title)}</h1>"
-        f"<p>{len(suspects)} labels of the training split ({len(labels)} images, {len(dataset.classes)} "
-        f"classes), the least likely first: cleanlab's label quality score of each given label under "
-        f"out-of-sample probabilities from {folds} folds (each image scored by a model trained on the "
-        f"other folds; {escape(quality)}). Click a column to sort.</p>"
-        "<table><thead><tr>"
-        + "".join(f"<th>{escape(h)}</th>" for h in headers)
-        + "</tr></thead><tbody>"
-        + "".join(rows)
-        + f"</tbody></table><script>{SCRIPT}</script></body></html>\n"
+    intro = (
+        f"{len(suspects)} labels of the training split ({len(labels)} images, {len(dataset.classes)} "
+        "classes), the least likely first: cleanlab's label quality score of each given label under "
+        f"out-of-sample probabilities from {folds} folds (each image scored by a model trained on the other "
+        f"folds; {quality}). Click a column to sort."
     )
+    table = sortable_table("audit", AUDIT_COLUMNS, rows)
+    uris = {key: uri for key, uri in thumbs.items() if uri}
+    return page(f"Suspected label errors: {name}", intro, [("ranking", "", table)], uris, "mlcls-data audit")
 
 
 def fold_config(cfg: DictConfig, folds: int, fold: int, seed: int, out: Path) -> DictConfig:

@@ -1,22 +1,12 @@
 """``<run_dir>/report.html``: where a run's model fails, on which images, and which labels look wrong.
 
-:func:`write_report` builds one self-contained page (:mod:`mlcls.reporting.report_html`: no server, no
-network) from the run directory -- ``results.json``, the resolved config and ``val_predictions.npz``
-(:mod:`mlcls.reporting.report_data`) -- and the validation set, whose images become the thumbnails:
-
-* the run: dataset, model, loss, the settings that differ from ``mlcls-train``'s defaults, the last and best
-  figures, the training loss and validation mAP per epoch;
-* the per-class table, worst AP first, sortable: AP, validation positives, calibrated threshold (as a
-  probability), precision and recall at it, false positive and negative counts;
-* the most confident false positives and false negatives, of all classes and of each class;
-* the validation images cleanlab suspects of label errors;
-* each class's precision-recall curve, its threshold ringed, with its own errors (at most
-  :data:`MAX_CLASS_DETAILS` classes, the worst).
-
-A validation set of over :data:`MAX_GALLERY_IMAGES` images is sampled (seeded) for the galleries and the
-label-error search, and the page says so; the table and curves use every image. ``mlcls-train`` writes the
-report at the end of a run (:func:`report_run`, ``trainer.report=true``); ``mlcls-report RUN_DIR`` writes it
-again.
+:func:`write_report` builds one self-contained page (:mod:`mlcls.reporting.report_html`) from the run
+directory (``results.json``, the resolved config, ``val_predictions.npz``: :mod:`mlcls.reporting.report_data`)
+and the validation set, whose images become the thumbnails: the run's figures and changed settings, the
+per-class table, the most confident errors, the images cleanlab suspects of label errors, and each class's
+precision-recall curve with its own errors (the :data:`MAX_CLASS_DETAILS` worst classes). Over
+:data:`MAX_GALLERY_IMAGES` validation images, the galleries and the label-error search draw a seeded sample
+(the page says so); the table and curves use every image.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ h2{font-size:18px;margin:26px 0 8px;border-bottom:1px solid #d5dbe3;padding-bott
 .chart{background:#fff;border:1px solid #d5dbe3;border-radius:6px}
 table{border-collapse:collapse;background:#fff;font-size:13px}th,td{border:1px solid #dfe4ea;padding:3px 8px}
 th{background:#e9eef4;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
-#classes th{cursor:pointer;user-select:none}#classes th[aria-sort=ascending]::after{content:" \\25B2"}
-#classes th[aria-sort=descending]::after{content:" \\25BC"}
+th[data-key]{cursor:pointer;user-select:none}th[aria-sort=ascending]::after{content:" \\25B2"}
+th[aria-sort=descending]::after{content:" \\25BC"}.given1{color:#0a6}.given0{color:#c33}
 .note{color:#5a6778;font-size:12.5px;margin:4px 0}
 .gallery{display:flex;flex-wrap:wrap;gap:8px}
 figure.card{margin:0;width:150px;background:#fff;border:1px solid #d5dbe3;border-radius:6px;overflow:hidden}
@@ -85,12 +85,12 @@ SCRIPT = """
     });
     rows.forEach(row => table.tBodies[0].appendChild(row));
   }
-  document.querySelectorAll('#classes th[data-key]').forEach(th => {
+  document.querySelectorAll('th[data-key]').forEach(th => {
     th.addEventListener('click', () => sortBy(th));
   });
   const asked = /^#sort=([\\w,]+)$/.exec(location.hash);
   if (asked) asked[1].split(',').forEach(key => {
-    const th = document.querySelector('#classes th[data-key="' + key + '"]');
+    const th = document.querySelector('th[data-key="' + key + '"]');
     if (th) th.click();
   });
   function openTarget() {
@@ -256,28 +256,47 @@ CLASS_COLUMNS = (
 )
 
 
-def class_table(rows: Sequence[Mapping[str, object]], detailed: set[int]) -> str:
-    """The sortable per-class table (``id="classes"``), in the order of ``rows``; each class of
-    ``detailed`` links to its details."""
+def sortable_table(
+    table_id: str,
+    columns: Sequence[tuple[str, str, str]],
+    rows: Sequence[Sequence[tuple[str, object, str]]],
+    sorted_by: str | None = None,
+) -> str:
+    """A table the page's script sorts on a click on a header: ``columns`` are ``(key, label, kind)``
+    (kind ``number`` or ``text``), each cell of ``rows`` is ``(inner HTML, sort value, css class)``;
+    ``sorted_by``: the key of the column ``rows`` come sorted by (ascending)."""
     head = "".join(
-        f'<th data-key="{key}" data-type="{kind}"{" aria-sort=ascending" if key == "ap" else ""}>{label}</th>'
-        for key, label, kind in CLASS_COLUMNS
+        f'<th data-key="{key}" data-type="{kind}"{" aria-sort=ascending" if key == sorted_by else ""}>'
+        f"{escape(label)}</th>"
+        for key, label, kind in columns
     )
-    body = []
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td{f" class={css!r}" if css else ""} data-v="{escape(value)}">{inner}</td>'
+            for inner, value, css in row
+        )
+        + "</tr>"
+        for row in rows
+    )
+    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def class_table(rows: Sequence[Mapping[str, object]], detailed: set[int]) -> str:
+    """The per-class table (``id="classes"``), in the order of ``rows``; each class of ``detailed`` links
+    to its details."""
+    cells = []
     for row in rows:
         name = escape(row["name"])
         link = f'<a href="#class-{row["cls"]}">{name}</a>' if row["cls"] in detailed else name
-        cells = [f'<td data-v="{name}">{link}</td>']
+        shown = [(link, row["name"], "")]
         for key, _, _ in CLASS_COLUMNS[1:]:
             value = float(row[key])
-            shown = (
-                number(value, 3 if key == "threshold" else 1)
-                if key not in ("positives", "fp", "fn")
-                else str(int(value))
-            )
-            cells.append(f'<td class="n" data-v="{value!r}">{shown}</td>')
-        body.append(f"<tr>{''.join(cells)}</tr>")
-    return f'<table id="classes"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+            digits = 3 if key == "threshold" else 1
+            text = str(int(value)) if key in ("positives", "fp", "fn") else number(value, digits)
+            shown.append((text, repr(value), "n"))
+        cells.append(shown)
+    return sortable_table("classes", CLASS_COLUMNS, cells, sorted_by="ap")
 
 
 def gallery(cards: Sequence[Card], empty: str) -> str:
