@@ -1,16 +1,13 @@
-"""The run report's HTML: one self-contained page (inline CSS, JavaScript, SVG; thumbnails as ``data:``
-URIs), which a Content-Security-Policy keeps off the network.
+"""The HTML of the run report and the audit page: one self-contained page each (inline CSS, script and
+SVG, thumbnails as ``data:`` URIs), kept off the network by a Content-Security-Policy.
 
-Text from the run (class names, file names, config values) is escaped everywhere (:func:`html.escape`);
-the thumbnails travel in one JSON block (each image once, however many galleries show it), which the page's
-script sets as the ``src`` of every ``<img data-thumb>``. Once every image has loaded (or failed), the script
-records on ``<body>``: ``data-images-total``, ``data-images-loaded`` (images with pixels),
-``data-page-height`` and ``data-end-bottom`` (the bottom of the page's last element, ``#report-end``), for a
-browser test to read back.
-
-The per-class table (``#classes``) sorts by any column on a click on its header (again: the other way), the
-undefined values (an AP without positives) last; ``#sort=<key>[,<key>...]`` in the URL clicks the headers of
-those columns in turn once the page has loaded (``report.html#sort=name``).
+Text from the run or the dataset (class names, file names, config values) is escaped everywhere. The
+thumbnails travel in one JSON block (each image once, however many cards show it), which the script sets as
+the ``src`` of every ``<img data-thumb>``; once every image has loaded or failed, it records on ``<body>``
+``data-images-total``, ``data-images-loaded``, ``data-page-height`` and ``data-end-bottom`` (the bottom of
+``#report-end``) for a browser test to read back. A click on a header of a :func:`sortable_table` sorts by
+that column (again: the other way), undefined values last; ``#sort=<key>[,<key>...]`` in the URL clicks
+those headers in turn once the page has loaded.
 """
 
 from __future__ import annotations
