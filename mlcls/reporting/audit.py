@@ -21,7 +21,6 @@ character is written as its escape (:func:`mlcls.inference.predictor.printable`)
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import sys
@@ -29,7 +28,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -41,9 +39,9 @@ from mlcls.data.datasets.folds import fold_rows, indexed_training_split
 from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError, plural, printable
-from mlcls.io import CAPS, atomic_write, atomic_write_bytes, open_regular
+from mlcls.io import CAPS, atomic_write_bytes, open_regular
 from mlcls.metrics.ap import map_class
-from mlcls.reporting.render import spreadsheet_text
+from mlcls.reporting.render import csv_text, spreadsheet_text
 from mlcls.reporting.report_html import escape, jpeg_data_uri, page, sortable_table
 
 AUDIT_CSV, AUDIT_HTML = "audit.csv", "audit.html"
@@ -315,23 +313,9 @@ def print_ranking(suspects: list[Suspect], classes: list[str], total: int) -> No
 def write_csv(path: Path, suspects: list[Suspect], classes: list[str]) -> None:
     """``path``: one row per suspect, the columns :data:`CSV_COLUMNS`; the image and class names through
     :func:`spreadsheet_text` (a name such as ``=HYPERLINK(...)`` is shown, not run)."""
-
-    def write(f: Any) -> None:
-        text = io.TextIOWrapper(f, encoding="utf-8", newline="")
-        writer = csv.writer(text)
-        writer.writerow(CSV_COLUMNS)
-        for s in suspects:
-            writer.writerow(
-                [
-                    s.rank,
-                    spreadsheet_text(s.image),
-                    spreadsheet_text(classes[s.column]),
-                    s.label,
-                    f"{s.probability:.6f}",
-                    f"{s.score:.6f}",
-                ]
-            )
-        text.flush()
-        text.detach()
-
-    atomic_write(path, write)
+    rows = [
+        [s.rank, spreadsheet_text(s.image), spreadsheet_text(classes[s.column]), s.label]
+        + [f"{s.probability:.6f}", f"{s.score:.6f}"]
+        for s in suspects
+    ]
+    atomic_write_bytes(path, csv_text([CSV_COLUMNS, *rows]).encode())

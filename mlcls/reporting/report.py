@@ -26,7 +26,7 @@ from PIL import Image
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, MultiLabelDataset, crop_box, to_rgb
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.errors import plural
-from mlcls.io import CAPS, atomic_write, read_regular_bytes
+from mlcls.io import CAPS, atomic_write_bytes, read_regular_bytes
 from mlcls.losses.spec import loss_name
 from mlcls.reporting import report_html as ui
 from mlcls.reporting.paper import ReportError
@@ -135,10 +135,17 @@ class _Cards:
             (line, *self._lines(row)),
         )
 
-    def error(self, case: ErrorCase, kind: str) -> ui.Card:
-        if kind == "fp":
-            return self._card(case.row, case.cls, "predicted", "not given")
-        return self._card(case.row, case.cls, "missed", "given")
+    def errors(self, cases: Mapping[str, Sequence[ErrorCase]], headings: Sequence[str]) -> str:
+        """The galleries of the false positives ``cases["fp"]`` and negatives ``cases["fn"]``."""
+        kinds = (
+            ("fp", "predicted", "not given", "No false positive."),
+            ("fn", "missed", "given", "No false negative."),
+        )
+        return "".join(
+            f"<h3>{heading}</h3>"
+            + ui.gallery([self._card(case.row, case.cls, what, first) for case in cases[kind]], empty)
+            for heading, (kind, what, first, empty) in zip(headings, kinds, strict=True)
+        )
 
     def issue(self, row: int, cls: int, quality: float, flagged: bool) -> ui.Card:
         given = self.p.labels[row, cls] == 1
@@ -217,7 +224,7 @@ def _curves(history: Sequence[Mapping[str, Any]]) -> str:
 
 def _class_detail(row: Mapping[str, Any], predictions: ValPredictions, cards: _Cards, errors: Mapping) -> str:
     c = row["cls"]
-    recall, precision = pr_curve(predictions, c)
+    recall, precision = pr_curve(predictions.scores[:, c], predictions.labels[:, c])
     marks = (
         []
         if np.isnan(row["precision"]) or np.isnan(row["recall"])
@@ -239,13 +246,14 @@ def _class_detail(row: Mapping[str, Any], predictions: ValPredictions, cards: _C
         if len(recall)
         else '<p class="note">No positive in the validation set: no curve.</p>'
     )
-    fp = ui.gallery([cards.error(case, "fp") for case in errors["fp"][c]], "No false positive.")
-    fn = ui.gallery([cards.error(case, "fn") for case in errors["fn"][c]], "No false negative.")
+    own = cards.errors(
+        {kind: errors[kind][c] for kind in ("fp", "fn")},
+        ("Most confident false positives", "Most confident false negatives"),
+    )
     summary = f"{ui.escape(row['name'])} — AP {ui.number(row['ap'])}, {row['positives']} positives"
     return (
-        f'<details id="class-{c}"><summary>{summary}</summary><div class="detail">{chart}<div>'
-        f"<h3>Most confident false positives</h3>{fp}<h3>Most confident false negatives</h3>{fn}</div></div>"
-        "</details>"
+        f'<details id="class-{c}"><summary>{summary}</summary>'
+        f'<div class="detail">{chart}<div>{own}</div></div></details>'
     )
 
 
@@ -277,11 +285,7 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
     error_html = (
         f'<p class="note">{ui.escape(sampled)} Decisions follow the calibrated thresholds; the most '
         "confident errors lie furthest past them.</p>"
-        f"<h3>False positives: predicted, not given</h3>"
-        f"{ui.gallery([cards.error(c, 'fp') for c in overall['fp']], 'No false positive.')}"
-        f"<h3>False negatives: given, missed</h3>"
-        f"{ui.gallery([cards.error(c, 'fn') for c in overall['fn']], 'No false negative.')}"
-    )
+    ) + cards.errors(overall, ("False positives: predicted, not given", "False negatives: given, missed"))
     if isinstance(flagged, str):
         flag_note = f"cleanlab cannot rank these labels ({flagged})"
     elif flagged >= 0:
@@ -319,10 +323,8 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
     written = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     footer = f"mlcls-report · {run_dir.resolve()} · written {written}"
     text = ui.page(f"Run report: {run_dir.resolve().name}", subtitle, sections, thumbnails.uris, footer)
-    path = run_dir / REPORT_FILE
-    data = text.encode("utf-8")
-    atomic_write(path, lambda f: f.write(data))
-    return path
+    atomic_write_bytes(run_dir / REPORT_FILE, text.encode("utf-8"))
+    return run_dir / REPORT_FILE
 
 
 def report_run(trainer: Trainer) -> Path | None:

@@ -287,18 +287,21 @@ def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: (math.isnan(row["ap"]), row["ap"], row["cls"]))
 
 
-def pr_curve(predictions: ValPredictions, cls: int) -> tuple[np.ndarray, np.ndarray]:
-    """(recall, precision) of class ``cls``'s precision-recall curve on its known labels, at most
-    :data:`MAX_CURVE_POINTS` points; empty for a class without a positive."""
-    known = predictions.labels[:, cls] >= 0
-    truth = predictions.labels[known, cls] == 1
+def pr_curve(
+    scores: np.ndarray, labels: np.ndarray, max_points: int | None = MAX_CURVE_POINTS
+) -> tuple[np.ndarray, np.ndarray]:
+    """(recall, precision) of one class's precision-recall curve, ``scores`` (N,) against ``labels`` (N,)
+    in {1, 0, -1}, the unknown (-1) left out, as they are of its AP; at most ``max_points`` points (None:
+    all), empty for a class without a positive."""
+    known = labels >= 0
+    truth = labels[known] == 1
     if not truth.any():
         return np.empty(0), np.empty(0)
     from sklearn.metrics import precision_recall_curve  # imported when used, as in _sigmoid
 
-    precision, recall, _ = precision_recall_curve(truth, predictions.scores[known, cls].astype(np.float64))
-    if len(recall) > MAX_CURVE_POINTS:
-        keep = np.unique(np.linspace(0, len(recall) - 1, MAX_CURVE_POINTS).round().astype(int))
+    precision, recall, _ = precision_recall_curve(truth, scores[known].astype(np.float64))
+    if max_points is not None and len(recall) > max_points:
+        keep = np.unique(np.linspace(0, len(recall) - 1, max_points).round().astype(int))
         recall, precision = recall[keep], precision[keep]
     return recall, precision
 
