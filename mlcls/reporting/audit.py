@@ -33,8 +33,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mlcls.data import BadImageError, MultiLabelDataset
-from mlcls.data.datasets.base import BAD_IMAGE_ERRORS
+from mlcls.data import MultiLabelDataset
 from mlcls.data.datasets.folds import fold_rows, indexed_training_split
 from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
@@ -42,7 +41,7 @@ from mlcls.errors import ConfigError, plural, printable
 from mlcls.io import CAPS, atomic_write_bytes, open_regular
 from mlcls.metrics.ap import map_class
 from mlcls.reporting.render import csv_text, spreadsheet_text
-from mlcls.reporting.report_html import escape, jpeg_data_uri, page, sortable_table
+from mlcls.reporting.report_html import escape, page, sortable_table, thumbnail
 
 AUDIT_CSV, AUDIT_HTML = "audit.csv", "audit.html"
 CSV_COLUMNS = ("rank", "image", "class", "given_label", "probability", "score")
@@ -92,15 +91,6 @@ AUDIT_COLUMNS = (
 )
 
 
-def thumbnail(dataset: MultiLabelDataset, row: int) -> str | None:
-    """A ``data:`` URI of sample ``row``'s image, its longer side :data:`THUMBNAIL` pixels at most; None
-    when the image cannot be read."""
-    try:
-        return jpeg_data_uri(dataset.load_image(row), THUMBNAIL)
-    except (*BAD_IMAGE_ERRORS, BadImageError):
-        return None
-
-
 def audit_page(
     suspects: Sequence[Suspect],
     dataset: MultiLabelDataset,
@@ -117,7 +107,7 @@ def audit_page(
     for s in suspects:
         key = f"t{s.row}"
         if key not in thumbs:
-            thumbs[key] = thumbnail(dataset, s.row)
+            thumbs[key] = thumbnail(dataset, s.row, THUMBNAIL)
         image = f'<img data-thumb="{key}" alt="{escape(s.image)}">' if thumbs[key] else "unreadable"
         positives = ", ".join(dataset.classes[c] for c in np.flatnonzero(labels[s.row] == 1))
         texts = (s.image, dataset.classes[s.column])

@@ -30,7 +30,7 @@ import torch
 
 from mlcls.io import atomic_write_bytes
 from mlcls.metrics import average_precision
-from mlcls.reporting.report_data import pr_curve
+from mlcls.reporting.report_data import history_curves, pr_curve
 
 if TYPE_CHECKING:
     from mlcls.engine.trainer import Trainer
@@ -144,18 +144,18 @@ def pr_curves_figure(
 
 
 def training_curves_figure(history: Sequence[dict[str, Any]]) -> Any:
-    """Mean training loss per epoch (left) and mAP@class / mAP@sample of the evaluated epochs (right)."""
+    """Mean training loss per epoch (left) and mAP@class / mAP@sample of the evaluated epochs (right):
+    :func:`mlcls.reporting.report_data.history_curves`."""
     from matplotlib.ticker import MaxNLocator
 
     figure = _figure(10.0, 4.0)
     loss_axes, map_axes = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
-    trained = [h for h in history if h.get("loss") is not None]
-    loss_axes.plot([h["epoch"] for h in trained], [h["loss"] for h in trained], marker="o", color="tab:red")
+    curves = history_curves(history)
+    loss_axes.plot(*curves["loss"], marker="o", color="tab:red")
     loss_axes.set_title("Training loss", fontsize=11)
     loss_axes.set_ylabel("mean loss of the epoch")
-    for key, label in (("mAP_class", "mAP@class"), ("mAP_sample", "mAP@sample")):
-        evaluated = [h for h in history if h.get(key) is not None]
-        map_axes.plot([h["epoch"] for h in evaluated], [h[key] for h in evaluated], marker="o", label=label)
+    for label in ("mAP@class", "mAP@sample"):
+        map_axes.plot(*curves[label], marker="o", label=label)
     map_axes.set_title("Validation mAP", fontsize=11)
     map_axes.set_ylabel("mAP (%)")
     map_axes.legend(loc="best", fontsize=9)

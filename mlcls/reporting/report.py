@@ -11,9 +11,7 @@ precision-recall curve with its own errors (the :data:`MAX_CLASS_DETAILS` worst 
 
 from __future__ import annotations
 
-import io
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
@@ -21,12 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image
 
-from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, MultiLabelDataset, crop_box, to_rgb
-from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.errors import plural
-from mlcls.io import CAPS, atomic_write_bytes, read_regular_bytes
+from mlcls.io import atomic_write_bytes
 from mlcls.losses.spec import loss_name
 from mlcls.reporting import report_html as ui
 from mlcls.reporting.paper import ReportError
@@ -38,13 +33,14 @@ from mlcls.reporting.report_data import (
     confident_errors,
     default_settings,
     gallery_rows,
+    history_curves,
     label_issues,
     load_val_predictions,
     pr_curve,
     probabilities,
     save_val_predictions,
 )
-from mlcls.reporting.run_files import config_groups, is_number, read_run
+from mlcls.reporting.run_files import config_groups, read_run
 
 if TYPE_CHECKING:
     from mlcls.engine.trainer import Trainer
@@ -84,29 +80,12 @@ class Thumbnails:
                 f"the validation set no longer matches the run's predictions: image {index} is "
                 f"{found!r}, the run scored {expected!r}"
             )
-        try:
-            image = self._image(index)
-        except BAD_IMAGE_ERRORS as exc:
-            log.warning("report: no thumbnail of %s (%s)", expected, exc)
+        uri = ui.thumbnail(self.dataset, index, THUMB_SIDE)
+        if uri is None:
             return None
         key = f"t{len(self.uris)}"
-        self.uris[key] = ui.jpeg_data_uri(image, THUMB_SIDE)
+        self.uris[key] = uri
         return key
-
-    def _image(self, index: int) -> Image.Image:
-        """Validation image ``index`` as RGB, cropped to its box. An image file is read through
-        :func:`mlcls.io.read_regular_bytes` (a regular file of at most ``CAPS["image"]`` bytes: a pipe or a
-        device there is refused, never waited on) and decoded from those bytes as the dataset decodes it;
-        an image a dataset makes or holds in memory (synthetic, shards) comes from the dataset."""
-        if type(self.dataset).load_image is not MultiLabelDataset.load_image:
-            return self.dataset.load_image(index)
-        sample = self.dataset.samples[index]
-        data = read_regular_bytes(sample.path, CAPS["image"], "image")
-        with Image.open(io.BytesIO(data)) as img:
-            region = (0, 0, *img.size) if sample.box is None else crop_box(sample.box, *img.size)
-            check_aspect_ratio(region[2] - region[0], region[3] - region[1])
-            img = to_rgb(img)
-        return img if sample.box is None else img.crop(region)
 
 
 class _Cards:
@@ -186,21 +165,14 @@ def _figure(value: float | None) -> str:
 
 
 def _curves(history: Sequence[Mapping[str, Any]]) -> str:
-    """The training loss and validation mAP per epoch (finite values only; the history's types are checked
-    by :func:`mlcls.reporting.run_files.check_results`)."""
-
-    def finite(entry: Mapping[str, Any], key: str) -> bool:
-        return is_number(entry.get(key)) and math.isfinite(entry[key])
-
-    history = [h for h in history if "epoch" in h]
-    trained = [h for h in history if finite(h, "loss")]
-    evaluated = [h for h in history if finite(h, "mAP_class")]
-    epochs = [h["epoch"] for h in history] or [1]
+    """The training loss and validation mAP per epoch (:func:`mlcls.reporting.report_data.history_curves`)."""
+    curves = history_curves(history)
+    epochs = [h["epoch"] for h in history if "epoch" in h] or [1]
     x_range = (min(epochs), max(epochs))
-    losses = [h["loss"] for h in trained] or [0.0]
-    maps = [h[k] for h in evaluated for k in ("mAP_class", "mAP_sample") if finite(h, k)] or [0.0]
+    losses = curves["loss"][1] or [0.0]
+    maps = curves["mAP@class"][1] + curves["mAP@sample"][1] or [0.0]
     loss = ui.line_chart(
-        [("loss", [h["epoch"] for h in trained], [h["loss"] for h in trained])],
+        [("loss", *curves["loss"])],
         "Training loss",
         "epoch",
         "mean loss of the epoch",
@@ -208,16 +180,14 @@ def _curves(history: Sequence[Mapping[str, Any]]) -> str:
         (min(losses), max(losses)),
         whole_x=True,
     )
-    series = [
-        (
-            label,
-            [h["epoch"] for h in evaluated if finite(h, key)],
-            [h[key] for h in evaluated if finite(h, key)],
-        )
-        for key, label in (("mAP_class", "mAP@class"), ("mAP_sample", "mAP@sample"))
-    ]
     validation = ui.line_chart(
-        series, "Validation mAP", "epoch", "mAP (%)", x_range, (min(maps) - 1, max(maps) + 1), whole_x=True
+        [(label, *curves[label]) for label in ("mAP@class", "mAP@sample")],
+        "Validation mAP",
+        "epoch",
+        "mAP (%)",
+        x_range,
+        (min(maps) - 1, max(maps) + 1),
+        whole_x=True,
     )
     return f'<div class="charts">{loss}{validation}</div>'
 

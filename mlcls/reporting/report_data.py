@@ -38,6 +38,7 @@ from mlcls.io import CAPS, atomic_write, open_regular
 from mlcls.metrics import average_precision
 from mlcls.metrics.f1 import prediction_counts
 from mlcls.reporting.paper import ReportError
+from mlcls.reporting.run_files import error_text, is_number
 from mlcls.reporting.run_table import differing_keys, flat_settings
 
 PREDICTIONS_FILE = "val_predictions.npz"
@@ -144,7 +145,7 @@ def load_val_predictions(run_dir: Path, expected: Mapping[str, Any] | None = Non
             epoch=int(data["epoch"]),
         )
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-        raise ReportError(f"{path}: not a readable predictions file ({_line(exc)})") from None
+        raise ReportError(f"{path}: not a readable predictions file ({error_text(exc)})") from None
 
 
 # The arrays of val_predictions.npz: the kinds of dtype each may have (numpy's ``dtype.kind``) and its shape,
@@ -237,10 +238,6 @@ def _check_counts(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, 
         raise ValueError(f"{rows} rows; the run's results.json counts {val_size} validation images")
 
 
-def _line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 def probabilities(scores: np.ndarray) -> np.ndarray:
     """``sigmoid(scores)``, the scores mlcls-predict shows (float64)."""
     return _sigmoid(scores.astype(np.float64))
@@ -285,6 +282,21 @@ def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
             }
         )
     return sorted(rows, key=lambda row: (math.isnan(row["ap"]), row["ap"], row["cls"]))
+
+
+def history_curves(history: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[Any], list[float]]]:
+    """A run's curves per epoch from its ``history`` (``results.json``'s): ``loss`` (the mean training loss)
+    and ``mAP@class`` / ``mAP@sample`` (%) of the evaluated epochs, as ``(epochs, values)``, finite values
+    only."""
+
+    def finite(entry: Mapping[str, Any], key: str) -> bool:
+        return "epoch" in entry and is_number(entry.get(key)) and math.isfinite(entry[key])
+
+    keys = {"loss": "loss", "mAP@class": "mAP_class", "mAP@sample": "mAP_sample"}
+    return {
+        label: ([h["epoch"] for h in history if finite(h, key)], [h[key] for h in history if finite(h, key)])
+        for label, key in keys.items()
+    }
 
 
 def pr_curve(

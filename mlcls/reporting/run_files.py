@@ -208,10 +208,10 @@ def _depth(node: Any) -> int:
     return deepest
 
 
-def error_text(exc: BaseException, path: Path) -> str:
-    """``exc``'s message on one line, naming ``path`` when it does not already."""
+def error_text(exc: BaseException, path: Path | None = None) -> str:
+    """``exc``'s message on one line, naming ``path`` (if given) when it does not already."""
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if str(path) in text else f"{path}: {text}"
+    return text if path is None or str(path) in text else f"{path}: {text}"
 
 
 def config_groups(config: Mapping[str, Any], where: Path | str, groups: Iterable[str]) -> None:
