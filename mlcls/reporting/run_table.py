@@ -33,7 +33,7 @@ from mlcls.config_tree import flatten_config
 from mlcls.losses.spec import loss_name
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.run_files import find_run_dirs, is_number, natural_order, read_run, yaml_text
-from mlcls.reporting.runs import built_name
+from mlcls.reporting.runs import built_name, epochs_left
 
 FIGURE_COLUMNS = ("status", "mAP_class", "mAP_sample", "best_epoch", "epochs_completed", "wall_time_s", "run")
 # metrics.zsl / metrics.gzsl figures shown, as <set>.<figure>, when a run has them.
@@ -92,12 +92,8 @@ def run_status(config: Mapping[str, Any] | None, results: Mapping[str, Any] | No
     """``finished``, ``unfinished (k of n epochs)`` or ``failed`` (no results), ``, resumed n×`` added."""
     if results is None:
         return "failed"
-    completed = results.get("epochs_completed")
-    planned = _mapping((config or {}).get("trainer")).get("epochs")
-    if is_number(completed) and is_number(planned) and completed < planned:
-        status = f"unfinished ({completed} of {planned} epochs)"
-    else:
-        status = "finished"
+    left = epochs_left(config or {}, results)
+    status = f"unfinished ({left[0]} of {left[1]} epochs)" if left else "finished"
     resumes = results.get("resumes") or 0
     return f"{status}, resumed {resumes}×" if resumes else status
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from mlcls.losses.spec import effective_bucket_size, loss_name
 from mlcls.reporting.paper import ReportError, load_paper
-from mlcls.reporting.run_files import config_groups, error_text, find_run_dirs, read_run, yaml_text
+from mlcls.reporting.run_files import config_groups, error_text, find_run_dirs, is_number, read_run, yaml_text
 
 METRICS = {"mAP_class": "mAP@class", "mAP_sample": "mAP@sample"}
 # The ImageNet weights of each Table 7 backbone (timm names): the torchvision weights where timm has them;
@@ -165,10 +165,18 @@ def protocol_deviations(
         follows, ours = _follows(config, key, wanted)
         if not follows:
             deviations.append(f"{key}={yaml_text(ours)} ({reference} {yaml_text(wanted)})")
-    completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
-    if completed is not None and epochs is not None and completed < epochs:
-        deviations.append(f"unfinished: {completed} of {epochs} epochs")
+    left = epochs_left(config, results)
+    if left:
+        deviations.append(f"unfinished: {left[0]} of {left[1]} epochs")
     return deviations
+
+
+def epochs_left(config: Mapping[str, Any], results: Mapping[str, Any]) -> tuple[Any, Any] | None:
+    """``(epochs completed, trainer.epochs)`` of a run that stopped before its last epoch, else None."""
+    completed, planned = results.get("epochs_completed"), config_value(config, "trainer.epochs")
+    return (
+        (completed, planned) if is_number(completed) and is_number(planned) and completed < planned else None
+    )
 
 
 def paper_deviations(
