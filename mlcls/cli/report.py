@@ -21,14 +21,13 @@ from mlcls.data import build_dataset
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.report import write_report
 from mlcls.reporting.report_data import load_val_predictions
-from mlcls.reporting.run_files import read_config, read_results
+from mlcls.reporting.run_files import read_run
 
 
 def validation_set(run_dir: Path):
     """The validation split of the run in ``run_dir``, built from its stored dataset config (never
     resolved; checked as a checkpoint's would be) with the class order of its predictions."""
-    results = read_results(run_dir)
-    config = read_config(run_dir, results)
+    results, config = read_run(run_dir)
     if config is None or not isinstance(config.get("dataset"), dict):
         raise ReportError(f"{run_dir}: no config.yaml with a dataset config; is it an mlcls run directory?")
     classes = load_val_predictions(run_dir, (results or {}).get("dataset")).classes

@@ -16,8 +16,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.render import render_csv, render_markdown, write_table
-from mlcls.reporting.run_table import render_runs_csv, render_runs_json, render_runs_markdown, runs_table
+from mlcls.reporting.render import (
+    render_csv,
+    render_markdown,
+    render_runs_csv,
+    render_runs_json,
+    render_runs_markdown,
+    write_table,
+)
+from mlcls.reporting.run_table import runs_table
 from mlcls.reporting.runs import RunRecord, collect_runs
 from mlcls.reporting.spml import SPML_TABLE, collect_spml_runs, fill_spml
 from mlcls.reporting.sweeps import SMOKE_STAND_INS
@@ -49,28 +56,19 @@ def parse_pairs(pairs: Sequence[str], option: str, form: str) -> dict[str, str]:
     return parsed
 
 
-def parse_stand_ins(pairs: Sequence[str]) -> dict[str, str]:
-    """``["synthetic=coco"]`` -> ``{"synthetic": "coco"}``."""
-    return parse_pairs(pairs, "--stand-in", "OURS=PAPER, e.g. synthetic=coco")
-
-
 def build_tables(
     runs: Sequence[RunRecord], names: Sequence[str] | None, stand_ins: dict[str, str] | None = None
 ) -> list[FilledTable]:
-    """The requested tables (default: every table with at least one filled cell).
-
-    Fails when no cell is filled and no run has a dataset and a backbone of the tables, naming the
-    ``--stand-in`` options that would place them."""
+    """The requested tables (default: every table with at least one filled cell); fails when no cell is
+    filled, naming the ``--stand-in`` options that would place the runs where no run has a dataset and a
+    backbone of the tables."""
     tables = [fill_table(table_spec(name), runs) for name in (names or TABLE_NAMES)]
-    if not any(table.filled for table in tables):
-        problem = placement_problem(runs, [table.spec for table in tables], stand_ins)
-        if problem:
-            raise ReportError(problem)
     if not any(table.filled for table in tables):
         shown = ", ".join(table.spec.name for table in tables) if names else "Tables 1, 2, 3, 4, 5, 7"
         raise ReportError(
-            f"none of the {len(runs)} runs fills a cell of {shown}; see docs/reproduce.md for the settings "
-            "each cell needs (smoke runs need --smoke), or compare the runs with mlcls-tables --runs"
+            placement_problem(runs, [table.spec for table in tables], stand_ins)
+            or f"none of the {len(runs)} runs fills a cell of {shown}; see docs/reproduce.md for the "
+            "settings each cell needs (smoke runs need --smoke), or compare the runs with mlcls-tables --runs"
         )
     return tables if names else [table for table in tables if table.filled]
 
@@ -97,33 +95,20 @@ def report(
                 f"no run under {', '.join(map(str, paths))} is a row of the single-positive benchmark "
                 "(experiment=spml_<method>; docs/reproduce.md)"
             )
-    if names and not paper_names:
-        return _write_and_render(tables, out_dir, as_csv)
-    runs = collect_runs(paths, stand_ins)
-    tables += build_tables(runs, paper_names or None, stand_ins)
-    unplaced = unplaced_runs(runs, [table.spec for table in tables if table.spec.name != SPML_TABLE])
-    if unplaced:
-        listed = ", ".join(str(run.path) for run in unplaced[:5]) + (" ..." if len(unplaced) > 5 else "")
-        print(
-            f"mlcls-tables: {len(unplaced)} of {len(runs)} runs fill no cell shown: {listed}", file=sys.stderr
-        )
-    return _write_and_render(tables, out_dir, as_csv)
-
-
-def _write_and_render(tables: Sequence[FilledTable], out_dir: Path | None, as_csv: bool) -> str:
-    """Write each table to ``out_dir`` if given; return them as Markdown (or CSV) text."""
-    if out_dir is not None:
-        for table in tables:
-            write_table(table, out_dir)
-    render = render_csv if as_csv else render_markdown
-    return "\n".join(render(table) for table in tables)
-
-
-def compare_runs(paths: Sequence[Path | str], sort: str | None = None, form: str = "markdown") -> str:
-    """The runs under ``paths`` side by side (:mod:`mlcls.reporting.run_table`) as ``form``: ``markdown``,
-    ``csv`` or ``json``."""
-    render = {"markdown": render_runs_markdown, "csv": render_runs_csv, "json": render_runs_json}[form]
-    return render(runs_table(paths, sort))
+    if paper_names or not names:
+        runs = collect_runs(paths, stand_ins)
+        paper_tables = build_tables(runs, paper_names or None, stand_ins)
+        unplaced = unplaced_runs(runs, [table.spec for table in paper_tables])
+        if unplaced:
+            listed = ", ".join(str(run.path) for run in unplaced[:5]) + (" ..." if len(unplaced) > 5 else "")
+            print(
+                f"mlcls-tables: {len(unplaced)} of {len(runs)} runs fill no cell shown: {listed}",
+                file=sys.stderr,
+            )
+        tables += paper_tables
+    for table in tables if out_dir is not None else ():
+        write_table(table, out_dir)
+    return "\n".join((render_csv if as_csv else render_markdown)(table) for table in tables)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -168,11 +153,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.runs:
-            print(compare_runs(args.run_dirs, args.sort, _runs_form(args)), end="")
+            render = {"markdown": render_runs_markdown, "csv": render_runs_csv, "json": render_runs_json}
+            print(render[_runs_form(args)](runs_table(args.run_dirs, args.sort)), end="")
             return 0
         if args.sort or args.json:
             raise ReportError("--sort and --json apply to --runs only; the paper tables have a fixed layout")
-        stand_ins = {**(SMOKE_STAND_INS if args.smoke else {}), **parse_stand_ins(args.stand_in)}
+        given = parse_pairs(args.stand_in, "--stand-in", "OURS=PAPER, e.g. synthetic=coco")
+        stand_ins = {**(SMOKE_STAND_INS if args.smoke else {}), **given}
         print(report(args.run_dirs, args.table, args.out, stand_ins, args.csv), end="")
     except ReportError as exc:
         return failure("mlcls-tables", exc)

@@ -10,7 +10,7 @@ checkpoint, ``<out>/folds/fold_<k>/``). cleanlab's multi-label scores
 (``cleanlab.multilabel_classification.rank.get_label_quality_scores_per_class``, self-confidence: the
 probability of the given label) rank every known (image, class) label, the least likely first; unknown
 labels (-1) are not ranked. The first ``top`` of the ranking go to ``<out>/audit.csv`` and
-``<out>/audit.html`` (:mod:`mlcls.reporting.audit_page`).
+``<out>/audit.html`` (:func:`audit_page`: the thumbnails embedded, nothing fetched from anywhere).
 
 The ranking is only as good as the folds' models: the out-of-fold mAP@class (the probabilities against the
 given labels) is printed and shown on the page, with a warning below :data:`HELPFUL_MAP` (docs/report.md).
@@ -21,15 +21,13 @@ character is written as its escape (:func:`mlcls.inference.predictor.printable`)
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -40,10 +38,10 @@ from mlcls.data.datasets.folds import fold_rows, indexed_training_split
 from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError, plural, printable
-from mlcls.io import CAPS, atomic_write, atomic_write_bytes, open_regular
+from mlcls.io import CAPS, atomic_write_bytes, open_regular
 from mlcls.metrics.ap import map_class
-from mlcls.reporting.audit_page import audit_page
-from mlcls.reporting.render import spreadsheet_text
+from mlcls.reporting.render import csv_text, spreadsheet_text
+from mlcls.reporting.report_html import escape, page, sortable_table, thumbnail
 
 AUDIT_CSV, AUDIT_HTML = "audit.csv", "audit.html"
 CSV_COLUMNS = ("rank", "image", "class", "given_label", "probability", "score")
@@ -78,6 +76,61 @@ def image_name(dataset: MultiLabelDataset, row: int) -> str:
         if sample.box is None
         else f"{sample.path} (box {', '.join(f'{v:g}' for v in sample.box)})"
     )
+
+
+THUMBNAIL = 96  # the audit page's thumbnails' longer side, in pixels
+AUDIT_COLUMNS = (
+    ("rank", "rank", "number"),
+    ("image", "image", "number"),
+    ("file", "file", "text"),
+    ("class", "class", "text"),
+    ("given_label", "given label", "number"),
+    ("probability", "probability", "number"),
+    ("score", "score", "number"),
+    ("positives", "given positives", "text"),
+)
+
+
+def audit_page(
+    suspects: Sequence[Suspect],
+    dataset: MultiLabelDataset,
+    labels: np.ndarray,
+    name: str,
+    folds: int,
+    quality: str,
+) -> str:
+    """``audit.html`` (:func:`mlcls.reporting.report_html.page`), sortable by any column: the ranking
+    ``suspects`` of ``dataset``'s training split, each with its image's thumbnail and given positive classes;
+    ``labels`` are the split's (N, C); ``quality`` says how good the folds' models are (out-of-fold mAP)."""
+    thumbs: dict[str, str | None] = {}  # each image once, however many of its labels are ranked
+    rows = []
+    for s in suspects:
+        key = f"t{s.row}"
+        if key not in thumbs:
+            thumbs[key] = thumbnail(dataset, s.row, THUMBNAIL)
+        image = f'<img data-thumb="{key}" alt="{escape(s.image)}">' if thumbs[key] else "unreadable"
+        positives = ", ".join(dataset.classes[c] for c in np.flatnonzero(labels[s.row] == 1))
+        texts = (s.image, dataset.classes[s.column])
+        rows.append(
+            [
+                (str(s.rank), s.rank, "n"),
+                (image, s.row, ""),
+                *((escape(text), text, "") for text in texts),
+                (str(s.label), s.label, f"n given{s.label}"),
+                (f"{s.probability:.3f}", s.probability, "n"),
+                (f"{s.score:.3f}", s.score, "n"),
+                (escape(positives), positives, ""),
+            ]
+        )
+    intro = (
+        f"{len(suspects)} labels of the training split ({len(labels)} images, {len(dataset.classes)} "
+        "classes), the least likely first: cleanlab's label quality score of each given label under "
+        f"out-of-sample probabilities from {folds} folds (each image scored by a model trained on the other "
+        f"folds; {quality}). Click a column to sort."
+    )
+    table = sortable_table("audit", AUDIT_COLUMNS, rows)
+    uris = {key: uri for key, uri in thumbs.items() if uri}
+    return page(f"Suspected label errors: {name}", intro, [("ranking", "", table)], uris, "mlcls-data audit")
 
 
 def fold_config(cfg: DictConfig, folds: int, fold: int, seed: int, out: Path) -> DictConfig:
@@ -250,23 +303,9 @@ def print_ranking(suspects: list[Suspect], classes: list[str], total: int) -> No
 def write_csv(path: Path, suspects: list[Suspect], classes: list[str]) -> None:
     """``path``: one row per suspect, the columns :data:`CSV_COLUMNS`; the image and class names through
     :func:`spreadsheet_text` (a name such as ``=HYPERLINK(...)`` is shown, not run)."""
-
-    def write(f: Any) -> None:
-        text = io.TextIOWrapper(f, encoding="utf-8", newline="")
-        writer = csv.writer(text)
-        writer.writerow(CSV_COLUMNS)
-        for s in suspects:
-            writer.writerow(
-                [
-                    s.rank,
-                    spreadsheet_text(s.image),
-                    spreadsheet_text(classes[s.column]),
-                    s.label,
-                    f"{s.probability:.6f}",
-                    f"{s.score:.6f}",
-                ]
-            )
-        text.flush()
-        text.detach()
-
-    atomic_write(path, write)
+    rows = [
+        [s.rank, spreadsheet_text(s.image), spreadsheet_text(classes[s.column]), s.label]
+        + [f"{s.probability:.6f}", f"{s.score:.6f}"]
+        for s in suspects
+    ]
+    atomic_write_bytes(path, csv_text([CSV_COLUMNS, *rows]).encode())

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from mlcls.io import atomic_write
+from mlcls.io import atomic_write_bytes
 from mlcls.metrics import average_precision
+from mlcls.reporting.report_data import history_curves, pr_curve
 
 if TYPE_CHECKING:
     from mlcls.engine.trainer import Trainer
@@ -107,13 +108,8 @@ def per_class_ap_figure(ap: torch.Tensor, positives: torch.Tensor, class_names: 
 def pr_curves_figure(
     scores: torch.Tensor, labels: torch.Tensor, ap: torch.Tensor, class_names: Sequence[str]
 ) -> Any:
-    """Precision-recall curves of the :data:`PR_CLASSES` best and worst classes (by ``ap``), side by side.
-
-    Samples labelled -1 are left out of a class's curve, as they are of its AP.
-    """
-    # Imported when used: scikit-learn takes a second to import, which every command start would pay.
-    from sklearn.metrics import precision_recall_curve
-
+    """Precision-recall curves (:func:`mlcls.reporting.report_data.pr_curve`) of the :data:`PR_CLASSES` best
+    and worst classes (by ``ap``), side by side."""
     counted = [c for c in range(len(class_names)) if not math.isnan(ap[c].item())]
     counted.sort(key=lambda c: -ap[c].item())
     k = max(1, min(PR_CLASSES, len(counted) // 2))
@@ -122,10 +118,7 @@ def pr_curves_figure(
     for index, (which, classes) in enumerate(panels):
         axes = figure.add_subplot(1, len(panels), index + 1)
         for c in classes:
-            known = labels[:, c] >= 0
-            precision, recall, _ = precision_recall_curve(
-                (labels[known, c] == 1).numpy(), scores[known, c].double().numpy()
-            )
+            recall, precision = pr_curve(scores[:, c].numpy(), labels[:, c].numpy(), None)
             label = f"{_literal(class_names[c])}  AP {100 * ap[c].item():.1f}"
             axes.plot(recall, precision, drawstyle="steps-post", linewidth=1.6, label=label)
         axes.set_xlim(0, 1.01)
@@ -151,18 +144,18 @@ def pr_curves_figure(
 
 
 def training_curves_figure(history: Sequence[dict[str, Any]]) -> Any:
-    """Mean training loss per epoch (left) and mAP@class / mAP@sample of the evaluated epochs (right)."""
+    """Mean training loss per epoch (left) and mAP@class / mAP@sample of the evaluated epochs (right):
+    :func:`mlcls.reporting.report_data.history_curves`."""
     from matplotlib.ticker import MaxNLocator
 
     figure = _figure(10.0, 4.0)
     loss_axes, map_axes = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
-    trained = [h for h in history if h.get("loss") is not None]
-    loss_axes.plot([h["epoch"] for h in trained], [h["loss"] for h in trained], marker="o", color="tab:red")
+    curves = history_curves(history)
+    loss_axes.plot(*curves["loss"], marker="o", color="tab:red")
     loss_axes.set_title("Training loss", fontsize=11)
     loss_axes.set_ylabel("mean loss of the epoch")
-    for key, label in (("mAP_class", "mAP@class"), ("mAP_sample", "mAP@sample")):
-        evaluated = [h for h in history if h.get(key) is not None]
-        map_axes.plot([h["epoch"] for h in evaluated], [h[key] for h in evaluated], marker="o", label=label)
+    for label in ("mAP@class", "mAP@sample"):
+        map_axes.plot(*curves[label], marker="o", label=label)
     map_axes.set_title("Validation mAP", fontsize=11)
     map_axes.set_ylabel("mAP (%)")
     map_axes.legend(loc="best", fontsize=9)
@@ -177,8 +170,7 @@ def _save(figure: Any, path: Path) -> np.ndarray:
     """Write ``figure`` as PNG to ``path`` atomically; return its RGB pixels (H, W, 3) uint8."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
-    data = buffer.getvalue()
-    atomic_write(path, lambda f: f.write(data))
+    atomic_write_bytes(path, buffer.getvalue())
     figure.canvas.draw()
     return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
 

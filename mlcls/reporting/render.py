@@ -1,7 +1,9 @@
-"""A filled paper table as Markdown (the paper's layout) and CSV (one line per cell).
+"""The tables of mlcls-tables as text: a filled paper table as Markdown (the paper's layout) and CSV (one
+line per cell), the runs side by side (:mod:`mlcls.reporting.run_table`) as Markdown, CSV and JSON.
 
 Text from runs (paths, config values) is shown as it is, never as markup or formulas: in Markdown
-:func:`markdown_text` escapes it, in CSV :func:`spreadsheet_text` keeps a spreadsheet from running it.
+:func:`markdown_text` escapes it, in CSV :func:`spreadsheet_text` keeps a spreadsheet from running it; JSON
+holds the values unchanged.
 """
 
 from __future__ import annotations
@@ -9,10 +11,16 @@ from __future__ import annotations
 import csv
 import html
 import io
+import json
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
+from mlcls.errors import plural
 from mlcls.io import atomic_write_bytes
+from mlcls.reporting.run_files import is_number, yaml_text
+from mlcls.reporting.run_table import HIGHER_IS_BETTER, RunsTable
 from mlcls.reporting.table_specs import FilledCell, FilledTable
 
 # The first characters that make a spreadsheet read a cell as a formula (OWASP's CSV injection list).
@@ -46,6 +54,19 @@ def spreadsheet_text(text: str) -> str:
     ``\\n``, which the CSV writer quotes (a lone ``\\r`` it would leave bare, ending the row)."""
     guarded = "'" + text if text.startswith(FORMULA_STARTS) else text
     return guarded.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """The lines of a Markdown table of cells already escaped: the header, its rule, one line per row."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def csv_text(rows: Iterable[Sequence[Any]]) -> str:
+    """``rows`` as CSV lines, ``\\n`` ending each."""
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(rows)
+    return out.getvalue()
 
 
 def write_table(table: FilledTable, out_dir: Path) -> tuple[Path, Path]:
@@ -83,13 +104,16 @@ def render_markdown(table: FilledTable) -> str:
         "Each cell: ours / paper (ours − paper), mAP in %; ours = last evaluation, mean of the n runs when "
         "n > 1; missing = no run; n/a = no paper number.",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
+        *markdown_table(
+            header,
+            (
+                [*row.label, *(_cell_text(by_position[(tuple(row.label), c.label)]) for c in spec.columns)]
+                for row in spec.rows
+            ),
+        ),
+        "",
+        f"{table.filled} of {len(table.cells)} cells filled.",
     ]
-    for row in spec.rows:
-        texts = [_cell_text(by_position[(tuple(row.label), column.label)]) for column in spec.columns]
-        lines.append("| " + " | ".join([*row.label, *texts]) + " |")
-    lines += ["", f"{table.filled} of {len(table.cells)} cells filled."]
     if spec.note:
         lines.append(spec.note)
     deviations: dict[str, int] = {}
@@ -104,22 +128,66 @@ def render_markdown(table: FilledTable) -> str:
 
 def render_csv(table: FilledTable) -> str:
     """One line per cell (long format): labels as in the paper, full-precision values, empty when missing."""
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(CSV_COLUMNS)
-    for cell in table.cells:
-        writer.writerow(
-            [
-                table.spec.name,
-                " / ".join(cell.row),
-                cell.column,
-                cell.metric,
-                "" if cell.ours is None else repr(cell.ours),
-                "" if cell.paper is None else repr(cell.paper),
-                "" if cell.diff is None else repr(cell.diff),
-                len(cell.runs),
-                spreadsheet_text("; ".join(cell.deviations)),
-                spreadsheet_text(" ".join(str(run.path) for run in cell.runs)),
-            ]
-        )
-    return out.getvalue()
+    return csv_text(
+        [
+            CSV_COLUMNS,
+            *(
+                [
+                    table.spec.name,
+                    " / ".join(cell.row),
+                    cell.column,
+                    cell.metric,
+                    *("" if value is None else repr(value) for value in (cell.ours, cell.paper, cell.diff)),
+                    len(cell.runs),
+                    spreadsheet_text("; ".join(cell.deviations)),
+                    spreadsheet_text(" ".join(str(run.path) for run in cell.runs)),
+                ]
+                for cell in table.cells
+            ),
+        ]
+    )
+
+
+def _runs_cell(column: str, value: Any) -> str:
+    """A cell of the runs' Markdown table: mAP to 2 decimals, seconds to 1, None empty, text escaped."""
+    if value is None:
+        return ""
+    if column in HIGHER_IS_BETTER and is_number(value):
+        return f"{value:.2f}"
+    if column == "wall_time_s" and is_number(value):
+        return f"{value:.1f}"
+    return markdown_text(yaml_text(value))
+
+
+def _runs_csv_cell(value: Any) -> str:
+    """A cell of the runs' CSV table: numbers in full, None empty, text kept from running as a formula."""
+    if value is None:
+        return ""
+    return yaml_text(value) if is_number(value) else spreadsheet_text(yaml_text(value))
+
+
+def render_runs_markdown(table: RunsTable) -> str:
+    """The runs as a Markdown table, a header line above it."""
+    lines = [
+        f"### {plural(len(table.rows), 'run')}",
+        "",
+        "Columns: the settings that differ between the runs; mAP in % at the last evaluation; best_epoch: "
+        "that of the best mAP_class.",
+        "",
+        *markdown_table(
+            [markdown_text(column) for column in table.columns],
+            ([_runs_cell(c, row[c]) for c in table.columns] for row in table.rows),
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_runs_csv(table: RunsTable) -> str:
+    """One line per run under the column names; full-precision numbers, empty where a run has no value."""
+    rows = [table.columns, *([row[c] for c in table.columns] for row in table.rows)]
+    return csv_text([[_runs_csv_cell(value) for value in row] for row in rows])
+
+
+def render_runs_json(table: RunsTable) -> str:
+    """A JSON list of one object per run, its keys the columns in order (null where a run has no value)."""
+    return json.dumps(list(table.rows), indent=2, default=str) + "\n"

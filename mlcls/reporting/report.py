@@ -1,30 +1,17 @@
 """``<run_dir>/report.html``: where a run's model fails, on which images, and which labels look wrong.
 
-:func:`write_report` builds one self-contained page (:mod:`mlcls.reporting.report_html`: no server, no
-network) from the run directory -- ``results.json``, the resolved config and ``val_predictions.npz``
-(:mod:`mlcls.reporting.report_data`) -- and the validation set, whose images become the thumbnails:
-
-* the run: dataset, model, loss, the settings that differ from ``mlcls-train``'s defaults, the last and best
-  figures, the training loss and validation mAP per epoch;
-* the per-class table, worst AP first, sortable: AP, validation positives, calibrated threshold (as a
-  probability), precision and recall at it, false positive and negative counts;
-* the most confident false positives and false negatives, of all classes and of each class;
-* the validation images cleanlab suspects of label errors;
-* each class's precision-recall curve, its threshold ringed, with its own errors (at most
-  :data:`MAX_CLASS_DETAILS` classes, the worst).
-
-A validation set of over :data:`MAX_GALLERY_IMAGES` images is sampled (seeded) for the galleries and the
-label-error search, and the page says so; the table and curves use every image. ``mlcls-train`` writes the
-report at the end of a run (:func:`report_run`, ``trainer.report=true``); ``mlcls-report RUN_DIR`` writes it
-again.
+:func:`write_report` builds one self-contained page (:mod:`mlcls.reporting.report_html`) from the run
+directory (``results.json``, the resolved config, ``val_predictions.npz``: :mod:`mlcls.reporting.report_data`)
+and the validation set, whose images become the thumbnails: the run's figures and changed settings, the
+per-class table, the most confident errors, the images cleanlab suspects of label errors, and each class's
+precision-recall curve with its own errors (the :data:`MAX_CLASS_DETAILS` worst classes). Over
+:data:`MAX_GALLERY_IMAGES` validation images, the galleries and the label-error search draw a seeded sample
+(the page says so); the table and curves use every image.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
@@ -32,12 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image
 
-from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, MultiLabelDataset, crop_box, to_rgb
-from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.errors import plural
-from mlcls.io import CAPS, atomic_write, read_regular_bytes
+from mlcls.io import atomic_write_bytes
 from mlcls.losses.spec import loss_name
 from mlcls.reporting import report_html as ui
 from mlcls.reporting.paper import ReportError
@@ -49,13 +33,14 @@ from mlcls.reporting.report_data import (
     confident_errors,
     default_settings,
     gallery_rows,
+    history_curves,
     label_issues,
     load_val_predictions,
     pr_curve,
     probabilities,
     save_val_predictions,
 )
-from mlcls.reporting.run_files import config_groups, is_number, read_config, read_results
+from mlcls.reporting.run_files import config_groups, read_run
 
 if TYPE_CHECKING:
     from mlcls.engine.trainer import Trainer
@@ -95,32 +80,12 @@ class Thumbnails:
                 f"the validation set no longer matches the run's predictions: image {index} is "
                 f"{found!r}, the run scored {expected!r}"
             )
-        try:
-            image = self._image(index)
-        except BAD_IMAGE_ERRORS as exc:
-            log.warning("report: no thumbnail of %s (%s)", expected, exc)
+        uri = ui.thumbnail(self.dataset, index, THUMB_SIDE)
+        if uri is None:
             return None
-        image.thumbnail((THUMB_SIDE, THUMB_SIDE))
-        buffer = io.BytesIO()
-        image.convert("RGB").save(buffer, format="JPEG", quality=85)
         key = f"t{len(self.uris)}"
-        self.uris[key] = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+        self.uris[key] = uri
         return key
-
-    def _image(self, index: int) -> Image.Image:
-        """Validation image ``index`` as RGB, cropped to its box. An image file is read through
-        :func:`mlcls.io.read_regular_bytes` (a regular file of at most ``CAPS["image"]`` bytes: a pipe or a
-        device there is refused, never waited on) and decoded from those bytes as the dataset decodes it;
-        an image a dataset makes or holds in memory (synthetic, shards) comes from the dataset."""
-        if type(self.dataset).load_image is not MultiLabelDataset.load_image:
-            return self.dataset.load_image(index)
-        sample = self.dataset.samples[index]
-        data = read_regular_bytes(sample.path, CAPS["image"], "image")
-        with Image.open(io.BytesIO(data)) as img:
-            region = (0, 0, *img.size) if sample.box is None else crop_box(sample.box, *img.size)
-            check_aspect_ratio(region[2] - region[0], region[3] - region[1])
-            img = to_rgb(img)
-        return img if sample.box is None else img.crop(region)
 
 
 class _Cards:
@@ -149,10 +114,17 @@ class _Cards:
             (line, *self._lines(row)),
         )
 
-    def error(self, case: ErrorCase, kind: str) -> ui.Card:
-        if kind == "fp":
-            return self._card(case.row, case.cls, "predicted", "not given")
-        return self._card(case.row, case.cls, "missed", "given")
+    def errors(self, cases: Mapping[str, Sequence[ErrorCase]], headings: Sequence[str]) -> str:
+        """The galleries of the false positives ``cases["fp"]`` and negatives ``cases["fn"]``."""
+        kinds = (
+            ("fp", "predicted", "not given", "No false positive."),
+            ("fn", "missed", "given", "No false negative."),
+        )
+        return "".join(
+            f"<h3>{heading}</h3>"
+            + ui.gallery([self._card(case.row, case.cls, what, first) for case in cases[kind]], empty)
+            for heading, (kind, what, first, empty) in zip(headings, kinds, strict=True)
+        )
 
     def issue(self, row: int, cls: int, quality: float, flagged: bool) -> ui.Card:
         given = self.p.labels[row, cls] == 1
@@ -193,21 +165,14 @@ def _figure(value: float | None) -> str:
 
 
 def _curves(history: Sequence[Mapping[str, Any]]) -> str:
-    """The training loss and validation mAP per epoch (finite values only; the history's types are checked
-    by :func:`mlcls.reporting.run_files.check_results`)."""
-
-    def finite(entry: Mapping[str, Any], key: str) -> bool:
-        return is_number(entry.get(key)) and math.isfinite(entry[key])
-
-    history = [h for h in history if "epoch" in h]
-    trained = [h for h in history if finite(h, "loss")]
-    evaluated = [h for h in history if finite(h, "mAP_class")]
-    epochs = [h["epoch"] for h in history] or [1]
+    """The training loss and validation mAP per epoch (:func:`mlcls.reporting.report_data.history_curves`)."""
+    curves = history_curves(history)
+    epochs = [h["epoch"] for h in history if "epoch" in h] or [1]
     x_range = (min(epochs), max(epochs))
-    losses = [h["loss"] for h in trained] or [0.0]
-    maps = [h[k] for h in evaluated for k in ("mAP_class", "mAP_sample") if finite(h, k)] or [0.0]
+    losses = curves["loss"][1] or [0.0]
+    maps = curves["mAP@class"][1] + curves["mAP@sample"][1] or [0.0]
     loss = ui.line_chart(
-        [("loss", [h["epoch"] for h in trained], [h["loss"] for h in trained])],
+        [("loss", *curves["loss"])],
         "Training loss",
         "epoch",
         "mean loss of the epoch",
@@ -215,23 +180,21 @@ def _curves(history: Sequence[Mapping[str, Any]]) -> str:
         (min(losses), max(losses)),
         whole_x=True,
     )
-    series = [
-        (
-            label,
-            [h["epoch"] for h in evaluated if finite(h, key)],
-            [h[key] for h in evaluated if finite(h, key)],
-        )
-        for key, label in (("mAP_class", "mAP@class"), ("mAP_sample", "mAP@sample"))
-    ]
     validation = ui.line_chart(
-        series, "Validation mAP", "epoch", "mAP (%)", x_range, (min(maps) - 1, max(maps) + 1), whole_x=True
+        [(label, *curves[label]) for label in ("mAP@class", "mAP@sample")],
+        "Validation mAP",
+        "epoch",
+        "mAP (%)",
+        x_range,
+        (min(maps) - 1, max(maps) + 1),
+        whole_x=True,
     )
     return f'<div class="charts">{loss}{validation}</div>'
 
 
 def _class_detail(row: Mapping[str, Any], predictions: ValPredictions, cards: _Cards, errors: Mapping) -> str:
     c = row["cls"]
-    recall, precision = pr_curve(predictions, c)
+    recall, precision = pr_curve(predictions.scores[:, c], predictions.labels[:, c])
     marks = (
         []
         if np.isnan(row["precision"]) or np.isnan(row["recall"])
@@ -253,13 +216,14 @@ def _class_detail(row: Mapping[str, Any], predictions: ValPredictions, cards: _C
         if len(recall)
         else '<p class="note">No positive in the validation set: no curve.</p>'
     )
-    fp = ui.gallery([cards.error(case, "fp") for case in errors["fp"][c]], "No false positive.")
-    fn = ui.gallery([cards.error(case, "fn") for case in errors["fn"][c]], "No false negative.")
+    own = cards.errors(
+        {kind: errors[kind][c] for kind in ("fp", "fn")},
+        ("Most confident false positives", "Most confident false negatives"),
+    )
     summary = f"{ui.escape(row['name'])} — AP {ui.number(row['ap'])}, {row['positives']} positives"
     return (
-        f'<details id="class-{c}"><summary>{summary}</summary><div class="detail">{chart}<div>'
-        f"<h3>Most confident false positives</h3>{fp}<h3>Most confident false negatives</h3>{fn}</div></div>"
-        "</details>"
+        f'<details id="class-{c}"><summary>{summary}</summary>'
+        f'<div class="detail">{chart}<div>{own}</div></div></details>'
     )
 
 
@@ -268,8 +232,7 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
     ``dataset`` (the thumbnails' source); return its path. :class:`ReportError` for a run directory without
     results, config or predictions, or a dataset that no longer matches the predictions."""
     run_dir = Path(run_dir)
-    results = read_results(run_dir)
-    config = read_config(run_dir, results)
+    results, config = read_run(run_dir)
     if results is None or config is None:
         raise ReportError(f"{run_dir}: no results.json and config.yaml; is it an mlcls run directory?")
     config_groups(config, run_dir, ("dataset", "model", "loss"))
@@ -292,11 +255,7 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
     error_html = (
         f'<p class="note">{ui.escape(sampled)} Decisions follow the calibrated thresholds; the most '
         "confident errors lie furthest past them.</p>"
-        f"<h3>False positives: predicted, not given</h3>"
-        f"{ui.gallery([cards.error(c, 'fp') for c in overall['fp']], 'No false positive.')}"
-        f"<h3>False negatives: given, missed</h3>"
-        f"{ui.gallery([cards.error(c, 'fn') for c in overall['fn']], 'No false negative.')}"
-    )
+    ) + cards.errors(overall, ("False positives: predicted, not given", "False negatives: given, missed"))
     if isinstance(flagged, str):
         flag_note = f"cleanlab cannot rank these labels ({flagged})"
     elif flagged >= 0:
@@ -334,10 +293,8 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
     written = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     footer = f"mlcls-report · {run_dir.resolve()} · written {written}"
     text = ui.page(f"Run report: {run_dir.resolve().name}", subtitle, sections, thumbnails.uris, footer)
-    path = run_dir / REPORT_FILE
-    data = text.encode("utf-8")
-    atomic_write(path, lambda f: f.write(data))
-    return path
+    atomic_write_bytes(run_dir / REPORT_FILE, text.encode("utf-8"))
+    return run_dir / REPORT_FILE
 
 
 def report_run(trainer: Trainer) -> Path | None:

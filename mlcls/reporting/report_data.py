@@ -38,6 +38,7 @@ from mlcls.io import CAPS, atomic_write, open_regular
 from mlcls.metrics import average_precision
 from mlcls.metrics.f1 import prediction_counts
 from mlcls.reporting.paper import ReportError
+from mlcls.reporting.run_files import error_text, is_number
 from mlcls.reporting.run_table import differing_keys, flat_settings
 
 PREDICTIONS_FILE = "val_predictions.npz"
@@ -144,7 +145,7 @@ def load_val_predictions(run_dir: Path, expected: Mapping[str, Any] | None = Non
             epoch=int(data["epoch"]),
         )
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-        raise ReportError(f"{path}: not a readable predictions file ({_line(exc)})") from None
+        raise ReportError(f"{path}: not a readable predictions file ({error_text(exc)})") from None
 
 
 # The arrays of val_predictions.npz: the kinds of dtype each may have (numpy's ``dtype.kind``) and its shape,
@@ -237,10 +238,6 @@ def _check_counts(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, 
         raise ValueError(f"{rows} rows; the run's results.json counts {val_size} validation images")
 
 
-def _line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 def probabilities(scores: np.ndarray) -> np.ndarray:
     """``sigmoid(scores)``, the scores mlcls-predict shows (float64)."""
     return _sigmoid(scores.astype(np.float64))
@@ -287,18 +284,36 @@ def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: (math.isnan(row["ap"]), row["ap"], row["cls"]))
 
 
-def pr_curve(predictions: ValPredictions, cls: int) -> tuple[np.ndarray, np.ndarray]:
-    """(recall, precision) of class ``cls``'s precision-recall curve on its known labels, at most
-    :data:`MAX_CURVE_POINTS` points; empty for a class without a positive."""
-    known = predictions.labels[:, cls] >= 0
-    truth = predictions.labels[known, cls] == 1
+def history_curves(history: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[Any], list[float]]]:
+    """A run's curves per epoch from its ``history`` (``results.json``'s): ``loss`` (the mean training loss)
+    and ``mAP@class`` / ``mAP@sample`` (%) of the evaluated epochs, as ``(epochs, values)``, finite values
+    only."""
+
+    def finite(entry: Mapping[str, Any], key: str) -> bool:
+        return "epoch" in entry and is_number(entry.get(key)) and math.isfinite(entry[key])
+
+    keys = {"loss": "loss", "mAP@class": "mAP_class", "mAP@sample": "mAP_sample"}
+    return {
+        label: ([h["epoch"] for h in history if finite(h, key)], [h[key] for h in history if finite(h, key)])
+        for label, key in keys.items()
+    }
+
+
+def pr_curve(
+    scores: np.ndarray, labels: np.ndarray, max_points: int | None = MAX_CURVE_POINTS
+) -> tuple[np.ndarray, np.ndarray]:
+    """(recall, precision) of one class's precision-recall curve, ``scores`` (N,) against ``labels`` (N,)
+    in {1, 0, -1}, the unknown (-1) left out, as they are of its AP; at most ``max_points`` points (None:
+    all), empty for a class without a positive."""
+    known = labels >= 0
+    truth = labels[known] == 1
     if not truth.any():
         return np.empty(0), np.empty(0)
     from sklearn.metrics import precision_recall_curve  # imported when used, as in _sigmoid
 
-    precision, recall, _ = precision_recall_curve(truth, predictions.scores[known, cls].astype(np.float64))
-    if len(recall) > MAX_CURVE_POINTS:
-        keep = np.unique(np.linspace(0, len(recall) - 1, MAX_CURVE_POINTS).round().astype(int))
+    precision, recall, _ = precision_recall_curve(truth, scores[known].astype(np.float64))
+    if max_points is not None and len(recall) > max_points:
+        keep = np.unique(np.linspace(0, len(recall) - 1, max_points).round().astype(int))
         recall, precision = recall[keep], precision[keep]
     return recall, precision
 

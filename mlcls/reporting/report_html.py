@@ -1,25 +1,36 @@
-"""The run report's HTML: one self-contained page (inline CSS, JavaScript, SVG; thumbnails as ``data:``
-URIs), which a Content-Security-Policy keeps off the network.
+"""The HTML of the run report and the audit page: one self-contained page each (inline CSS, script and
+SVG, thumbnails as ``data:`` URIs), kept off the network by a Content-Security-Policy.
 
-Text from the run (class names, file names, config values) is escaped everywhere (:func:`html.escape`);
-the thumbnails travel in one JSON block (each image once, however many galleries show it), which the page's
-script sets as the ``src`` of every ``<img data-thumb>``. Once every image has loaded (or failed), the script
-records on ``<body>``: ``data-images-total``, ``data-images-loaded`` (images with pixels),
-``data-page-height`` and ``data-end-bottom`` (the bottom of the page's last element, ``#report-end``), for a
-browser test to read back.
-
-The per-class table (``#classes``) sorts by any column on a click on its header (again: the other way), the
-undefined values (an AP without positives) last; ``#sort=<key>[,<key>...]`` in the URL clicks the headers of
-those columns in turn once the page has loaded (``report.html#sort=name``).
+Text from the run or the dataset (class names, file names, config values) is escaped everywhere. The
+thumbnails travel in one JSON block (each image once, however many cards show it), which the script sets as
+the ``src`` of every ``<img data-thumb>``; once every image has loaded or failed, it records on ``<body>``
+``data-images-total``, ``data-images-loaded``, ``data-page-height`` and ``data-end-bottom`` (the bottom of
+``#report-end``) for a browser test to read back. A click on a header of a :func:`sortable_table` sorts by
+that column (again: the other way), undefined values last; ``#sort=<key>[,<key>...]`` in the URL clicks
+those headers in turn once the page has loaded.
 """
 
 from __future__ import annotations
 
+import base64
 import html
+import io
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from mlcls.data import BadImageError
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, MultiLabelDataset, crop_box, to_rgb
+from mlcls.data.images import read_image
+from mlcls.data.pipeline.transforms import check_aspect_ratio
+from mlcls.reporting.run_files import yaml_text
+
+log = logging.getLogger("mlcls")
 
 COLOURS = ("#1f6fb2", "#d1495b", "#2e933c", "#edae49", "#7b4b94")
 
@@ -37,8 +48,8 @@ h2{font-size:18px;margin:26px 0 8px;border-bottom:1px solid #d5dbe3;padding-bott
 .chart{background:#fff;border:1px solid #d5dbe3;border-radius:6px}
 table{border-collapse:collapse;background:#fff;font-size:13px}th,td{border:1px solid #dfe4ea;padding:3px 8px}
 th{background:#e9eef4;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
-#classes th{cursor:pointer;user-select:none}#classes th[aria-sort=ascending]::after{content:" \\25B2"}
-#classes th[aria-sort=descending]::after{content:" \\25BC"}
+th[data-key]{cursor:pointer;user-select:none}th[aria-sort=ascending]::after{content:" \\25B2"}
+th[aria-sort=descending]::after{content:" \\25BC"}.given1{color:#0a6}.given0{color:#c33}
 .note{color:#5a6778;font-size:12.5px;margin:4px 0}
 .gallery{display:flex;flex-wrap:wrap;gap:8px}
 figure.card{margin:0;width:150px;background:#fff;border:1px solid #d5dbe3;border-radius:6px;overflow:hidden}
@@ -79,12 +90,12 @@ SCRIPT = """
     });
     rows.forEach(row => table.tBodies[0].appendChild(row));
   }
-  document.querySelectorAll('#classes th[data-key]').forEach(th => {
+  document.querySelectorAll('th[data-key]').forEach(th => {
     th.addEventListener('click', () => sortBy(th));
   });
   const asked = /^#sort=([\\w,]+)$/.exec(location.hash);
   if (asked) asked[1].split(',').forEach(key => {
-    const th = document.querySelector('#classes th[data-key="' + key + '"]');
+    const th = document.querySelector('th[data-key="' + key + '"]');
     if (th) th.click();
   });
   function openTarget() {
@@ -116,6 +127,36 @@ class Card:
 
 def escape(text: object) -> str:
     return html.escape(str(text), quote=True)
+
+
+def thumbnail(dataset: Any, index: int, side: int) -> str | None:
+    """Sample ``index`` of ``dataset`` as a JPEG ``data:`` URI at most ``side`` pixels a side; None, and a
+    log line, when its image cannot be read. A file is read through :func:`mlcls.data.images.read_image` (a
+    regular file within ``CAPS["image"]``, its pixels bounded) and decoded as the dataset decodes it, never by
+    its transform's own ``decode`` (which yields what the transform takes, not an image); an image a dataset
+    makes or holds in memory (synthetic, shards) comes from the dataset."""
+    try:
+        if type(dataset).load_image is not MultiLabelDataset.load_image:
+            image = dataset.load_image(index)
+        else:
+            sample = dataset.samples[index]
+            with read_image(sample.path) as img:
+                region = (0, 0, *img.size) if sample.box is None else crop_box(sample.box, *img.size)
+                check_aspect_ratio(region[2] - region[0], region[3] - region[1])
+                image = to_rgb(img)
+            image = image if sample.box is None else image.crop(region)
+    except (*BAD_IMAGE_ERRORS, BadImageError) as exc:
+        log.warning("no thumbnail of %s (%s)", dataset.samples[index].path, exc)
+        return None
+    return jpeg_data_uri(image, side)
+
+
+def jpeg_data_uri(image: Image.Image, side: int) -> str:
+    """``image`` as a ``data:image/jpeg;base64,...`` URI, shrunk to at most ``side`` pixels a side."""
+    image.thumbnail((side, side))
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def number(value: float, digits: int = 1) -> str:
@@ -223,23 +264,11 @@ def settings_table(settings: Sequence[tuple[str, object, object]]) -> str:
     if not settings:
         return '<p class="note">Every setting is the default of <code>mlcls-train</code>.</p>'
     rows = "".join(
-        f"<tr><td><code>{escape(k)}</code></td><td>{escape(_yaml(v))}</td><td>{escape(_yaml(d))}</td></tr>"
+        f"<tr><td><code>{escape(k)}</code></td><td>{escape(yaml_text(v))}</td><td>{escape(yaml_text(d))}</td></tr>"
         for k, v, d in settings
     )
     head = "<tr><th>setting</th><th>this run</th><th>default</th></tr>"
     return f"<table><thead>{head}</thead><tbody>{rows}</tbody></table>"
-
-
-def _yaml(value: object) -> str:
-    if value is None:
-        return "null"
-    return (
-        str(value).lower()
-        if isinstance(value, bool)
-        else json.dumps(value)
-        if isinstance(value, list)
-        else str(value)
-    )
 
 
 CLASS_COLUMNS = (
@@ -254,28 +283,47 @@ CLASS_COLUMNS = (
 )
 
 
-def class_table(rows: Sequence[Mapping[str, object]], detailed: set[int]) -> str:
-    """The sortable per-class table (``id="classes"``), in the order of ``rows``; each class of
-    ``detailed`` links to its details."""
+def sortable_table(
+    table_id: str,
+    columns: Sequence[tuple[str, str, str]],
+    rows: Sequence[Sequence[tuple[str, object, str]]],
+    sorted_by: str | None = None,
+) -> str:
+    """A table the page's script sorts on a click on a header: ``columns`` are ``(key, label, kind)``
+    (kind ``number`` or ``text``), each cell of ``rows`` is ``(inner HTML, sort value, css class)``;
+    ``sorted_by``: the key of the column ``rows`` come sorted by (ascending)."""
     head = "".join(
-        f'<th data-key="{key}" data-type="{kind}"{" aria-sort=ascending" if key == "ap" else ""}>{label}</th>'
-        for key, label, kind in CLASS_COLUMNS
+        f'<th data-key="{key}" data-type="{kind}"{" aria-sort=ascending" if key == sorted_by else ""}>'
+        f"{escape(label)}</th>"
+        for key, label, kind in columns
     )
-    body = []
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td{f" class={css!r}" if css else ""} data-v="{escape(value)}">{inner}</td>'
+            for inner, value, css in row
+        )
+        + "</tr>"
+        for row in rows
+    )
+    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def class_table(rows: Sequence[Mapping[str, object]], detailed: set[int]) -> str:
+    """The per-class table (``id="classes"``), in the order of ``rows``; each class of ``detailed`` links
+    to its details."""
+    cells = []
     for row in rows:
         name = escape(row["name"])
         link = f'<a href="#class-{row["cls"]}">{name}</a>' if row["cls"] in detailed else name
-        cells = [f'<td data-v="{name}">{link}</td>']
+        shown = [(link, row["name"], "")]
         for key, _, _ in CLASS_COLUMNS[1:]:
             value = float(row[key])
-            shown = (
-                number(value, 3 if key == "threshold" else 1)
-                if key not in ("positives", "fp", "fn")
-                else str(int(value))
-            )
-            cells.append(f'<td class="n" data-v="{value!r}">{shown}</td>')
-        body.append(f"<tr>{''.join(cells)}</tr>")
-    return f'<table id="classes"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+            digits = 3 if key == "threshold" else 1
+            text = str(int(value)) if key in ("positives", "fp", "fn") else number(value, digits)
+            shown.append((text, repr(value), "n"))
+        cells.append(shown)
+    return sortable_table("classes", CLASS_COLUMNS, cells, sorted_by="ap")
 
 
 def gallery(cards: Sequence[Card], empty: str) -> str:

@@ -1,11 +1,12 @@
-"""A run directory's own files read as data from someone else: ``results.json`` (every field the
-reports use type-checked) and ``config.yaml`` (no YAML aliases, nesting capped), each through
-:mod:`mlcls.io`'s one door (a regular file within its cap, opened once without blocking). See
-docs/report.md, "What mlcls-report and mlcls-tables read, and what is bounded"."""
+"""The one reader of run directories, which may be anyone's: where runs are (:func:`find_run_dirs`), their
+``results.json`` (every field the reports use type-checked) and ``config.yaml`` (no YAML aliases, nesting
+capped), each through :mod:`mlcls.io`'s one door (a regular file within its cap, opened once without
+blocking). See docs/report.md, "What mlcls-report and mlcls-tables read, and what is bounded"."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,16 @@ def is_number(value: Any) -> bool:
     if isinstance(value, bool):
         return False
     return isinstance(value, float) or (isinstance(value, int) and abs(value) <= MAX_INT)
+
+
+def yaml_text(value: Any) -> str:
+    """A config value as written in a YAML file: null, true/false, a list as JSON, numbers and text as
+    they are."""
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return json.dumps(value, default=str)
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _count(value: Any) -> bool:
@@ -149,6 +160,13 @@ def read_results(run_dir: Path) -> dict[str, Any] | None:
     return check_results(results, results_path)
 
 
+def read_run(run_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """``(results, config)`` of the run in ``run_dir`` (:func:`read_results`, :func:`read_config`); each
+    None when the run has none."""
+    results = read_results(run_dir)
+    return results, read_config(run_dir, results)
+
+
 def read_config(run_dir: Path, results: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The resolved config of a run: ``provenance.config`` of its results, else its ``config.yaml`` (read
     through :func:`mlcls.io.read_yaml`: a regular file of at most ``CAPS["config"]`` bytes, no YAML alias);
@@ -190,10 +208,10 @@ def _depth(node: Any) -> int:
     return deepest
 
 
-def error_text(exc: BaseException, path: Path) -> str:
-    """``exc``'s message on one line, naming ``path`` when it does not already."""
+def error_text(exc: BaseException, path: Path | None = None) -> str:
+    """``exc``'s message on one line, naming ``path`` (if given) when it does not already."""
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if str(path) in text else f"{path}: {text}"
+    return text if path is None or str(path) in text else f"{path}: {text}"
 
 
 def config_groups(config: Mapping[str, Any], where: Path | str, groups: Iterable[str]) -> None:
@@ -211,3 +229,27 @@ def config_groups(config: Mapping[str, Any], where: Path | str, groups: Iterable
         raise ReportError(
             f"{where}: the run's loss config names no _target_ (the loss class); not an mlcls config"
         )
+
+
+def find_run_dirs(path: Path | str, markers: tuple[str, ...] = ("results.json",)) -> list[Path]:
+    """The run directories at or below ``path``: those holding one of ``markers`` (``config.yaml`` also
+    finds runs that stopped before their first evaluation), hidden folders skipped, sorted with job numbers
+    in numeric order (``2`` before ``10``)."""
+    path = Path(path)
+    if not path.exists():
+        raise ReportError(f"{path}: no such directory")
+    if any((path / marker).is_file() for marker in markers):
+        return [path]
+    found = {
+        hit.parent
+        for marker in markers
+        for hit in path.rglob(marker)
+        if not any(part.startswith(".") for part in hit.relative_to(path).parts[:-1])
+    }
+    return sorted(found, key=natural_order)
+
+
+def natural_order(path: Path) -> list[tuple[int, int | str]]:
+    """Sort key of a path comparing its runs of digits as numbers."""
+    parts = re.split(r"(\d+)", str(path))
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in parts]

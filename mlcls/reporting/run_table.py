@@ -18,16 +18,11 @@ Columns, in order:
   results.json), :data:`ZERO_SHOT_COLUMNS` after ``mAP_sample``: ``zsl.mAP_class`` ... ``gzsl.F1_top5``
   (%, the last evaluation; :mod:`mlcls.metrics.zero_shot`), empty for the runs without them.
 
-The runs may be anyone's: their text is shown as it is in every form. Markdown cells are escaped
-(:func:`mlcls.reporting.render.markdown_text`: no raw HTML, link, emphasis, new cell or row), CSV cells that
-start like a formula get a ``'`` in front (:func:`mlcls.reporting.render.spreadsheet_text`); JSON holds the
-values unchanged.
+The runs may be anyone's: :mod:`mlcls.reporting.render` shows their text as it is in every form.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,12 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from mlcls.config_tree import flatten_config
-from mlcls.errors import plural
 from mlcls.losses.spec import loss_name
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.render import markdown_text, spreadsheet_text
-from mlcls.reporting.run_files import read_config, read_results
-from mlcls.reporting.runs import built_name, find_run_dirs, natural_order, yaml_text
+from mlcls.reporting.run_files import find_run_dirs, is_number, natural_order, read_run, yaml_text
+from mlcls.reporting.runs import built_name, epochs_left
 
 FIGURE_COLUMNS = ("status", "mAP_class", "mAP_sample", "best_epoch", "epochs_completed", "wall_time_s", "run")
 # metrics.zsl / metrics.gzsl figures shown, as <set>.<figure>, when a run has them.
@@ -68,13 +61,13 @@ def flat_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     """Every leaf of ``config`` under its dotted key (:func:`mlcls.config_tree.flatten_config`); each group
     that names the class it builds (``_target_``) also appears under its own key with that class's short
     name."""
-    return flatten_config(config, _built_class)
 
+    def built(dotted: str, group: Mapping[str, Any]) -> str | None:
+        if not group.get(BUILT):
+            return None
+        return loss_name(group) if dotted == "loss" else built_name(group)
 
-def _built_class(dotted: str, group: Mapping[str, Any]) -> str | None:
-    if not group.get(BUILT):
-        return None
-    return loss_name(group) if dotted == "loss" else built_name(group)
+    return flatten_config(config, built)
 
 
 def differing_keys(settings: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -99,18 +92,10 @@ def run_status(config: Mapping[str, Any] | None, results: Mapping[str, Any] | No
     """``finished``, ``unfinished (k of n epochs)`` or ``failed`` (no results), ``, resumed n×`` added."""
     if results is None:
         return "failed"
-    completed = results.get("epochs_completed")
-    planned = _mapping((config or {}).get("trainer")).get("epochs")
-    if _is_number(completed) and _is_number(planned) and completed < planned:
-        status = f"unfinished ({completed} of {planned} epochs)"
-    else:
-        status = "finished"
+    left = epochs_left(config or {}, results)
+    status = f"unfinished ({left[0]} of {left[1]} epochs)" if left else "finished"
     resumes = results.get("resumes") or 0
     return f"{status}, resumed {resumes}×" if resumes else status
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:
@@ -145,14 +130,9 @@ def runs_table(paths: Iterable[Path | str], sort: str | None = None) -> RunsTabl
     each, in path order (job numbers numerically), or ordered by column ``sort``: the mAP columns highest
     first, every other lowest first; runs without a value last."""
     paths = [Path(path) for path in paths]
+    markers = ("config.yaml", "results.json")
     run_dirs = sorted(
-        {
-            run_dir
-            for path in paths
-            for marker in ("config.yaml", "results.json")
-            for run_dir in find_run_dirs(path, marker)
-        },
-        key=natural_order,
+        {run_dir for path in paths for run_dir in find_run_dirs(path, markers)}, key=natural_order
     )
     if not run_dirs:
         listed = ", ".join(map(str, paths))
@@ -160,8 +140,7 @@ def runs_table(paths: Iterable[Path | str], sort: str | None = None) -> RunsTabl
     settings, figures = [], []
     for run_dir in run_dirs:
         try:
-            results = read_results(run_dir)
-            config = read_config(run_dir, results)
+            results, config = read_run(run_dir)
         except ReportError as exc:
             settings.append({})
             figures.append(_figures(run_dir, None, None, f"unreadable: {exc}"))
@@ -194,58 +173,8 @@ def sort_rows(rows: Sequence[dict[str, Any]], columns: Sequence[str], key: str) 
         value = row[key]
         if value is None:
             return (2, 0, "")
-        if _is_number(value):
+        if is_number(value):
             return (0, sign * value, "")
         return (1, 0, yaml_text(value))
 
     return sorted(rows, key=order)
-
-
-def _text(column: str, value: Any) -> str:
-    """A cell of the Markdown table: mAP to 2 decimals, seconds to 1, None empty, text escaped
-    (:func:`markdown_text`)."""
-    if value is None:
-        return ""
-    if column in HIGHER_IS_BETTER and _is_number(value):
-        return f"{value:.2f}"
-    if column == "wall_time_s" and _is_number(value):
-        return f"{value:.1f}"
-    return markdown_text(yaml_text(value))
-
-
-def _csv_text(value: Any) -> str:
-    """A cell of the CSV table: numbers in full, None empty, text kept from running as a formula
-    (:func:`spreadsheet_text`)."""
-    if value is None:
-        return ""
-    return yaml_text(value) if _is_number(value) else spreadsheet_text(yaml_text(value))
-
-
-def render_runs_markdown(table: RunsTable) -> str:
-    """The runs as a Markdown table, a header line above it."""
-    lines = [
-        f"### {plural(len(table.rows), 'run')}",
-        "",
-        "Columns: the settings that differ between the runs; mAP in % at the last evaluation; best_epoch: "
-        "that of the best mAP_class.",
-        "",
-        "| " + " | ".join(map(markdown_text, table.columns)) + " |",
-        "|" + "|".join("---" for _ in table.columns) + "|",
-    ]
-    lines += ["| " + " | ".join(_text(c, row[c]) for c in table.columns) + " |" for row in table.rows]
-    return "\n".join(lines) + "\n"
-
-
-def render_runs_csv(table: RunsTable) -> str:
-    """One line per run under the column names; full-precision numbers, empty where a run has no value."""
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow([_csv_text(column) for column in table.columns])
-    for row in table.rows:
-        writer.writerow([_csv_text(row[c]) for c in table.columns])
-    return out.getvalue()
-
-
-def render_runs_json(table: RunsTable) -> str:
-    """A JSON list of one object per run, its keys the columns in order (null where a run has no value)."""
-    return json.dumps(list(table.rows), indent=2, default=str) + "\n"

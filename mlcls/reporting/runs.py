@@ -10,15 +10,15 @@ the paper's M = 128 at batch 512 is k = 4, on 4 GPUs or on one.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mlcls.losses.spec import effective_bucket_size, loss_name
 from mlcls.reporting.paper import ReportError, load_paper
-from mlcls.reporting.run_files import config_groups, error_text, read_config, read_results
+from mlcls.reporting.run_files import config_groups, error_text, find_run_dirs, is_number, read_run, yaml_text
 
 METRICS = {"mAP_class": "mAP@class", "mAP_sample": "mAP@sample"}
 # The ImageNet weights of each Table 7 backbone (timm names): the torchvision weights where timm has them;
@@ -106,13 +106,6 @@ def matches(attributes: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
     return all(key in attributes and same_setting(attributes[key], value) for key, value in wanted.items())
 
 
-def yaml_text(value: Any) -> str:
-    """A config value as written in a YAML file: null, true/false, numbers and text as they are."""
-    if value is None:
-        return "null"
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def protocol_checks() -> dict[str, Any]:
     """Config keys and the values the paper's protocol (Sec. 4.1) gives them; ``optim`` and ``sched`` are
     checked by the name of what they build (:func:`built_name`)."""
@@ -172,10 +165,18 @@ def protocol_deviations(
         follows, ours = _follows(config, key, wanted)
         if not follows:
             deviations.append(f"{key}={yaml_text(ours)} ({reference} {yaml_text(wanted)})")
-    completed, epochs = results.get("epochs_completed"), config_value(config, "trainer.epochs")
-    if completed is not None and epochs is not None and completed < epochs:
-        deviations.append(f"unfinished: {completed} of {epochs} epochs")
+    left = epochs_left(config, results)
+    if left:
+        deviations.append(f"unfinished: {left[0]} of {left[1]} epochs")
     return deviations
+
+
+def epochs_left(config: Mapping[str, Any], results: Mapping[str, Any]) -> tuple[Any, Any] | None:
+    """``(epochs completed, trainer.epochs)`` of a run that stopped before its last epoch, else None."""
+    completed, planned = results.get("epochs_completed"), config_value(config, "trainer.epochs")
+    return (
+        (completed, planned) if is_number(completed) and is_number(planned) and completed < planned else None
+    )
 
 
 def paper_deviations(
@@ -224,59 +225,54 @@ def _weights_deviations(config: Mapping[str, Any], stand_ins: Mapping[str, str])
     return []
 
 
-def load_run(run_dir: Path, stand_ins: Mapping[str, str] | None = None) -> RunRecord:
-    """Read ``run_dir/results.json`` and the resolved config (``provenance.config``, else ``config.yaml``)."""
-    run_dir = Path(run_dir)
-    results = read_results(run_dir)
+def read_placed(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(results, config)`` of a finished run (:func:`mlcls.reporting.run_files.read_run`), its config
+    holding the groups that place it; :class:`ReportError` in one line otherwise."""
+    results, config = read_run(run_dir)
     if results is None:
         raise ReportError(f"{run_dir}: no results.json")
-    config = read_config(run_dir, results)
     if config is None:
         raise ReportError(f"{run_dir}: results.json has no provenance.config and there is no config.yaml")
     config_groups(config, run_dir, ("dataset", "model", "loss", "trainer"))
-    provenance = results.get("provenance") or {}
-    world_size = provenance.get("world_size") or results.get("world_size") or 1
+    return results, config
+
+
+@contextmanager
+def placing(run_dir: Path) -> Iterator[None]:
+    """Turns what a config of mapped groups holding a value of another type, or missing one, raises while
+    a run is placed into one :class:`ReportError` line."""
     try:
-        attributes = run_attributes(config, world_size)
-        deviations = tuple(paper_deviations(config, results, stand_ins))
+        yield
+    except ReportError:
+        raise
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
-        # a config that is a mapping of groups, with a value of another type or missing inside one
         raise ReportError(
             f"{run_dir}: the run's config does not place it "
             f"({type(exc).__name__}: {error_text(exc, run_dir)})"
         ) from None
+
+
+def world_size(results: Mapping[str, Any]) -> int:
+    """The processes a run trained on, as its results.json records them (1 when it does not)."""
+    return (results.get("provenance") or {}).get("world_size") or results.get("world_size") or 1
+
+
+def metric_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The :data:`METRICS` of ``metrics`` that a run has, as floats."""
+    return {key: float(metrics[key]) for key in METRICS if metrics.get(key) is not None}
+
+
+def load_run(run_dir: Path, stand_ins: Mapping[str, str] | None = None) -> RunRecord:
+    """The run in ``run_dir`` as the paper tables see it (:func:`read_placed`): its attributes, last
+    evaluation and deviations from the paper's protocol; ``stand_ins`` rename datasets and backbones."""
+    run_dir = Path(run_dir)
+    results, config = read_placed(run_dir)
+    with placing(run_dir):
+        attributes = run_attributes(config, world_size(results))
+        deviations = tuple(paper_deviations(config, results, stand_ins))
     for key in ("dataset", "backbone"):
         attributes[key] = (stand_ins or {}).get(attributes[key], attributes[key])
-    metrics = results.get("metrics") or {}
-    return RunRecord(
-        path=run_dir,
-        attributes=attributes,
-        metrics={k: float(metrics[k]) for k in METRICS if metrics.get(k) is not None},
-        deviations=deviations,
-    )
-
-
-def find_run_dirs(path: Path | str, marker: str = "results.json") -> list[Path]:
-    """The run directories at or below ``path``: those holding ``marker`` (``results.json``; ``config.yaml``
-    also finds runs that stopped before their first evaluation), hidden folders skipped, sorted with job
-    numbers in numeric order (``2`` before ``10``)."""
-    path = Path(path)
-    if not path.exists():
-        raise ReportError(f"{path}: no such directory")
-    if (path / marker).is_file():
-        return [path]
-    found = {
-        hit.parent
-        for hit in path.rglob(marker)
-        if not any(part.startswith(".") for part in hit.relative_to(path).parts[:-1])
-    }
-    return sorted(found, key=natural_order)
-
-
-def natural_order(path: Path) -> list[tuple[int, int | str]]:
-    """Sort key of a path comparing its runs of digits as numbers."""
-    parts = re.split(r"(\d+)", str(path))
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in parts]
+    return RunRecord(run_dir, attributes, metric_figures(results.get("metrics") or {}), deviations)
 
 
 def collect_runs(paths: Iterable[Path | str], stand_ins: Mapping[str, str] | None = None) -> list[RunRecord]:

@@ -10,7 +10,6 @@ its paper, table, row and source.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping, Sequence
 from functools import cache
 from importlib import resources
@@ -18,19 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.run_files import read_config, read_results
+from mlcls.reporting.run_files import find_run_dirs
 from mlcls.reporting.runs import (
-    METRICS,
     RunRecord,
     architecture,
     config_value,
-    find_run_dirs,
+    metric_figures,
+    placing,
     protocol_deviations,
+    read_placed,
     run_attributes,
+    world_size,
 )
 from mlcls.reporting.sweeps import (
     SMOKE_OVERRIDES,
@@ -39,7 +40,7 @@ from mlcls.reporting.sweeps import (
     grid_overrides,
     per_dataset_sweeps,
 )
-from mlcls.reporting.table_specs import Axis, FilledCell, FilledTable, TableSpec
+from mlcls.reporting.table_specs import Axis, FilledTable, TableSpec, fill_table
 
 SPML_TABLE = "spml"
 # Method (spml_<method>.yaml) -> the row's label. A method without its preset yet is a row of the table (its
@@ -119,37 +120,25 @@ def spml_sweeps(
     return per_dataset_sweeps(SPML_TABLE, SPML_DATASETS, shared, roots, data_root)
 
 
-def protocol_epochs() -> int:
-    """The benchmark's epochs, as ``spml.yaml`` sets them."""
-    return int(OmegaConf.load(config_dir() / "experiment" / "spml.yaml").trainer.epochs)
-
-
-def apl_passes(dataset: str) -> int:
-    """The passes over the training set of an ``em_apl`` run on ``dataset``: one after each epoch from
-    its warm-up (``spml.yaml``'s ``protocol.em_apl_warmup``) to the last but one."""
-    warmup = OmegaConf.load(config_dir() / "experiment" / "spml.yaml").protocol.em_apl_warmup[dataset]
-    return protocol_epochs() - int(warmup)
-
-
-def protocol_holdout() -> float:
-    """The share of the training split the benchmark holds out to select the epoch, as ``spml.yaml`` sets
-    it (``dataset.holdout_fraction``)."""
-    return float(OmegaConf.load(config_dir() / "experiment" / "spml.yaml").dataset.holdout_fraction)
+def benchmark_preset() -> DictConfig:
+    """``configs/experiment/spml.yaml``, the benchmark's protocol, read afresh (a caller may change it)."""
+    return OmegaConf.load(config_dir() / "experiment" / "spml.yaml")
 
 
 def job_gpu_hours(job: Mapping[str, str], gpu: str = "v100") -> float:
     """Estimated GPU-hours of one job of the benchmark's sweep (:func:`mlcls.reporting.sweeps.job_values`),
     :func:`mlcls.reporting.sweeps.gpu_hours` at ResNet-50's cost times :data:`PIXELS_448`: each of
-    :func:`protocol_epochs` trains the training split less its :func:`protocol_holdout` share and evaluates
-    the test split and the held-out share; ``em_apl`` adds its :func:`apl_passes` forward passes over the
-    trained images."""
+    ``spml.yaml``'s ``trainer.epochs`` trains the training split less its ``dataset.holdout_fraction`` and
+    evaluates the test split and the held-out share; ``em_apl`` adds a forward pass over the trained images
+    after each epoch from its warm-up (``protocol.em_apl_warmup``) to the last but one."""
+    preset = benchmark_preset()
     dataset, method = job["dataset"], job["experiment"].removeprefix("spml_")
     _, train, test = SPML_DATASETS[dataset]
-    held_out = protocol_holdout() * train
+    held_out = float(preset.dataset.holdout_fraction) * train
     trained = train - held_out
-    epochs = protocol_epochs()
-    evaluated = epochs * (test + held_out) + (apl_passes(dataset) * trained if method == "em_apl" else 0.0)
-    return gpu_hours(epochs * trained, evaluated, gpu, PIXELS_448)
+    epochs = int(preset.trainer.epochs)
+    apl_passes = epochs - int(preset.protocol.em_apl_warmup[dataset]) if method == "em_apl" else 0
+    return gpu_hours(epochs * trained, epochs * (test + held_out) + apl_passes * trained, gpu, PIXELS_448)
 
 
 @cache
@@ -218,7 +207,7 @@ def benchmark_checks(config: Mapping[str, Any], method: str | None) -> dict[str,
     """The values ``spml.yaml`` gives :data:`PROTOCOL_KEYS` (those it sets), for
     :func:`mlcls.reporting.runs.protocol_deviations`; for a ``method`` of :data:`OWN_BATCH_AND_LR`, its
     preset's batch size and lr (for the run's dataset)."""
-    preset = OmegaConf.load(config_dir() / "experiment" / "spml.yaml")
+    preset = benchmark_preset()
     dataset = config_value(config, "dataset.name")
     if method in ("em", "em_apl") and dataset in preset.protocol.em_lr:
         preset.protocol.batch_size = preset.protocol.em_batch_size[dataset]
@@ -244,33 +233,23 @@ def collect_spml_runs(
     """Every run under ``paths`` that is a row of the benchmark, with ``method`` among its attributes and
     its deviations from ``spml.yaml``. ``stand_ins`` renames datasets (``synthetic`` -> ``coco``)."""
     runs = []
-    for path in map(Path, paths):
-        for run_dir in find_run_dirs(path):
-            results = read_results(run_dir) or {}
-            config = read_config(run_dir, results)
-            if config is None:
-                continue
-            provenance = results.get("provenance") or {}
-            attributes = run_attributes(config, int(provenance.get("world_size", 1)))
+    for run_dir in (run_dir for path in paths for run_dir in find_run_dirs(path)):
+        results, config = read_placed(run_dir)
+        with placing(run_dir):
+            attributes = run_attributes(config, world_size(results))
             method = _method_of(config, attributes)
             if method is None:
                 continue
             dataset = attributes["dataset"]
             attributes.update(method=method, dataset=(stand_ins or {}).get(dataset, dataset))
             deviations = protocol_deviations(config, results, benchmark_checks(config, method), "benchmark")
-            if dataset != attributes["dataset"]:
-                deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
-            if architecture(config) != "resnet50":
-                deviations.append(f"backbone {architecture(config)} (benchmark resnet50)")
-            metrics = reported_metrics(results)
-            runs.append(
-                RunRecord(
-                    path=run_dir,
-                    attributes=attributes,
-                    metrics={k: float(metrics[k]) for k in METRICS if metrics.get(k) is not None},
-                    deviations=tuple(deviations),
-                )
-            )
+        if dataset != attributes["dataset"]:
+            deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
+        if architecture(config) != "resnet50":
+            deviations.append(f"backbone {architecture(config)} (benchmark resnet50)")
+        runs.append(
+            RunRecord(run_dir, attributes, metric_figures(reported_metrics(results)), tuple(deviations))
+        )
     return runs
 
 
@@ -301,17 +280,4 @@ def spml_spec() -> TableSpec:
 def fill_spml(runs: Sequence[RunRecord]) -> FilledTable:
     """The benchmark's table with each cell the mean of its runs' reported mAP@class
     (:func:`reported_metrics`: at the epoch the held-out split selected, else the last)."""
-    spec = spml_spec()
-    cells = []
-    for row in spec.rows:
-        for column in spec.columns:
-            wanted = spec.cell_match(row, column)
-            hits = tuple(
-                run
-                for run in runs
-                if SPML_METRIC in run.metrics and all(run.attributes.get(k) == v for k, v in wanted.items())
-            )
-            ours = statistics.fmean(run.metrics[SPML_METRIC] for run in hits) if hits else None
-            paper = spec.paper[(row.label, column.label)]
-            cells.append(FilledCell(tuple(row.label), column.label, SPML_METRIC, ours, paper, hits))
-    return FilledTable(spec, tuple(cells))
+    return fill_table(spml_spec(), runs)

@@ -65,8 +65,8 @@ class TableGrid:
 
     experiments: tuple[str, ...]
     grid: Mapping[str, Sequence[object]]
-    smoke_experiments: tuple[str, ...]
     smoke_grid: Mapping[str, Sequence[object]]
+    smoke_experiments: tuple[str, ...] = ()  # none: the experiments
     datasets: tuple[str, ...] = ("coco",)
     gather_under_ddp: bool = False  # M larger than the per-GPU batch needs the global batch (Table 5)
     description: str = ""
@@ -81,35 +81,30 @@ def _grids() -> dict[str, TableGrid]:
         "table1": TableGrid(
             experiments=("paper_twoway",),
             grid={"loss.tp": [HARD_MIN_TP if tp == 0 else tp for tp in t1["tp"]], "loss.tn": t1["tn"]},
-            smoke_experiments=("paper_twoway",),
             smoke_grid={"loss.tp": [1, 4], "loss.tn": [1]},
             description="two-way loss, T_P x T_N",
         ),
         "table2": TableGrid(
             experiments=("paper_twoway",),
             grid={"loss.tp": [1], "loss.tn": [1], "loss.margin": t2["eps"]},
-            smoke_experiments=("paper_twoway",),
             smoke_grid={"loss.tp": [1], "loss.tn": [1], "loss.margin": [4, 8]},
             description="two-way loss at T_P = T_N = 1, logit bias ε",
         ),
         "table3": TableGrid(
             experiments=("paper_twoway", "paper_softmax"),
             grid={"loss.ways": ["both", "class", "sample"]},
-            smoke_experiments=("paper_twoway", "paper_softmax"),
             smoke_grid={"loss.ways": ["class"]},
             description="two-way and softmax losses, sample/class/both ways",
         ),
         "table4": TableGrid(
             experiments=("paper_multisim", "paper_joint"),
             grid={"loss.tp": [1, 2, 4]},
-            smoke_experiments=("paper_multisim", "paper_joint"),
             smoke_grid={"loss.tp": [4]},
             description="multi-similarity (eq. 20) and joint-way (eq. 22) losses over T_P",
         ),
         "table5": TableGrid(
             experiments=("paper_twoway",),
             grid={"protocol.bucket_size": t5["M"]},
-            smoke_experiments=("paper_twoway",),
             smoke_grid={"protocol.bucket_size": [bucket // SMOKE_SCALE, batch // SMOKE_SCALE]},
             gather_under_ddp=True,
             description=f"two-way loss, bucket size M at batch {batch}",
@@ -192,7 +187,10 @@ def table_sweeps(
     spec = grids[table]
     extra = ["loss.gather=true"] if spec.gather_under_ddp and nproc_per_node > 1 else []
     if smoke:
-        overrides = [*SMOKE_OVERRIDES, *grid_overrides(spec.smoke_experiments, spec.smoke_grid)]
+        overrides = [
+            *SMOKE_OVERRIDES,
+            *grid_overrides(spec.smoke_experiments or spec.experiments, spec.smoke_grid),
+        ]
         if "protocol.bucket_size" not in spec.smoke_grid:
             bucket = load_paper()["protocol"]["bucket_size"] // SMOKE_SCALE
             overrides.append(f"++protocol.bucket_size={bucket}")

@@ -166,10 +166,6 @@ def _axis(levels: Sequence[str | Mapping[str, Any]], keys: Mapping[str, tuple[An
     return axes
 
 
-def _number(value: Any) -> float | None:
-    return None if value is _MISSING or value is None else float(value)
-
-
 def table_spec(name: str) -> TableSpec:
     """The layout, cell definitions and paper numbers of table ``name`` (``table1`` ... ``table7``)."""
     if name not in TABLE_NAMES:
@@ -184,7 +180,7 @@ def table_spec(name: str) -> TableSpec:
     for row, column in itertools.product(rows, columns):
         keys = {**row.keys, **column.keys}
         number = None if layout["paper"] is None else _walk(load_paper(), layout["paper"], keys)
-        paper[(row.label, column.label)] = _number(number)
+        paper[(row.label, column.label)] = None if number in (None, _MISSING) else float(number)
     return TableSpec(
         name=name,
         caption=layout["caption"].format(**_references()),
