@@ -125,7 +125,8 @@ if [[ $cuda != 1 ]]; then
     done
 else
     # most telling first: when the budget runs out, what is skipped is what an earlier report measured.
-    # The CPU suite's limit on an unmarked test's time does not apply: the first CUDA test starts CUDA.
+    # The CPU suite's limits on an unmarked test (its time, its processes) do not apply: the first CUDA test
+    # starts CUDA, and CUDA paths may start compile workers or DataLoader workers.
     export MLCLS_UNMARKED_LIMIT_S=inf
     PYTHONPATH=scripts step cuda_tests 180 "$work/cuda_tests.xml" "${select_tests[@]}" \
         --junitxml="$work/cuda_tests.xml"
