@@ -1,18 +1,14 @@
 """Every collective of mlcls, beside no other code: objects and sums for the trainer, the exact gather of
 evaluation outputs, and the differentiable gather of a loss's global batch. Each is the identity (or an
 error, where a process group is required) without an initialised process group; each is a collective,
-which every rank must call at the same point.
+which every rank must call at the same point. The process group itself (torchrun, SLURM) and the agreement
+on a rank's failure are :mod:`mlcls.engine.distributed`'s.
 
 Evaluation splits the validation set into rank parts without padding (rank ``r`` takes indices
-``r, r + W, r + 2W, ...``; see :class:`mlcls.data.sampling.RankSampler`), so parts may differ in length by
-one, and a rank may hold no row at all when the set is smaller than the world. :func:`gather_rank_parts`
-brings every rank's rows to every rank, or to one rank ``dst`` only, each sample exactly once and in dataset
-order, so 1 and N processes evaluate identical tensors. Floating-point rows are converted to float32 first,
-whatever the AMP dtype they were computed in, on every path: float16/bfloat16 to float32 is exact, so the
-gathered scores are the model's outputs bit for bit.
-
-The process group itself (torchrun, SLURM) and the agreement on a rank's failure are
-:mod:`mlcls.engine.distributed`'s.
+``r, r + W, r + 2W, ...``: :class:`mlcls.data.sampling.RankSampler`), so parts may differ in length by one
+and a rank may hold none. :func:`gather_rank_parts` brings each sample exactly once, in dataset order, so
+1 and N processes evaluate identical tensors; floating-point rows become float32 first, which is exact
+from float16/bfloat16: the gathered scores are the model's outputs bit for bit.
 """
 
 from __future__ import annotations
@@ -53,11 +49,9 @@ def gather_rank_parts(local: torch.Tensor, total: int, dst: int | None = None) -
     order.
 
     ``local`` is (n_r, ...) on each rank with ``n_r = len(range(rank, total, world_size))``; a rank without
-    rows may pass any empty tensor (e.g. ``torch.empty(0)``). Without an initialised process group (or
-    with one process) ``local`` itself is the whole set. The result is on the CPU, float32 if ``local``
-    is floating point (other dtypes unchanged), on every rank (``dst=None``) or on rank ``dst`` only (the
-    other ranks get None, and hold no copy of the whole set). Every rank must call it (a collective);
-    communication runs on :func:`communication_device` (CUDA when the group has NCCL for it).
+    rows may pass any empty tensor (e.g. ``torch.empty(0)``). The result is on the CPU, float32 if
+    ``local`` is floating point, on every rank (``dst=None``) or on rank ``dst`` only (the others get None
+    and hold no copy of the whole set); it travels on :func:`communication_device`.
 
     Raises:
         ValueError: on every rank alike, if a part does not have the length above -- e.g. parts padded
@@ -118,8 +112,7 @@ def initialized() -> bool:
 
 
 def rank() -> int:
-    """This process's rank in the process group, 0 without one (a holder of a
-    :class:`mlcls.engine.distributed.DistInfo` asks its ``is_main``)."""
+    """This process's rank in the process group, 0 without one."""
     return dist.get_rank() if initialized() else 0
 
 
@@ -152,11 +145,6 @@ def all_reduce_max(flag: torch.Tensor, async_op: bool = False) -> dist.Work | No
     """``flag`` replaced in place by its maximum over the ranks (a stop request of any rank); with
     ``async_op`` the exchange is only started, and the returned work's ``wait()`` completes it."""
     return dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=async_op)
-
-
-def barrier() -> None:
-    if initialized():
-        dist.barrier()
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from mlcls.errors import is_integer
 from mlcls.renamed import upgrade_config
 
 FORMAT = 2
@@ -30,7 +31,7 @@ def upgrade(
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; expected one of {', '.join(KINDS)}")
     stored = document.get("format", 1)
-    if not isinstance(stored, int) or isinstance(stored, bool) or not 1 <= stored <= FORMAT:
+    if not is_integer(stored) or not 1 <= stored <= FORMAT:
         raise error(
             f"{where} is of {kind} format {repr(stored)[:40]}; this mlcls reads formats 1 to {FORMAT} "
             "(a newer mlcls wrote it: upgrade mlcls)"

@@ -22,7 +22,7 @@ import yaml
 _FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 # The temporary files atomic writes make beside ``<name>``: ``.<name>.<random>.tmp`` (:func:`atomic_write`)
-# and ``.<name>.link.tmp`` (a link made atomically, mlcls.engine.checkpoint). A process killed mid-write
+# and ``.<name>.link.tmp`` (:func:`atomic_link`). A process killed mid-write
 # leaves one behind.
 _TEMPORARY_NAME = re.compile(r"\..+\.[A-Za-z0-9_]+\.tmp")
 
@@ -230,6 +230,22 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         raise_if_disk_full(exc, path)
+        raise
+
+
+def atomic_link(src: Path, dst: Path) -> None:
+    """Make ``dst`` the same file as ``src`` atomically (a hard link where possible, else a copy)."""
+    tmp = dst.with_name(f".{dst.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        raise_if_disk_full(exc, dst)
         raise
 
 

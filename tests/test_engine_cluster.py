@@ -18,7 +18,7 @@ import torch
 from conftest import TINY, compose_config
 from ranks import run_ranks
 
-import mlcls.engine.checkpoint as checkpoint_module
+import mlcls.engine.checkpointer as checkpointer_module
 import mlcls.engine.logging as logging_module
 from mlcls.engine import preemption
 from mlcls.engine.build import warn_protocol
@@ -237,8 +237,8 @@ def _resume(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
         stopped = "finished"
     except Exception as exc:  # noqa: BLE001
         stopped = type(exc).__name__
-    if rank == 1:  # what choose_resume_checkpoint lists: had rank 1 chosen for itself, it would start afresh
-        monkeypatch.setattr(checkpoint_module, "resume_candidates", lambda directory: [])
+    if rank == 1:  # had rank 1 chosen for itself, it would start afresh
+        monkeypatch.setattr(checkpointer_module, "choose_resume_checkpoint", lambda *args: (None, None))
     resumed_trainer = Trainer(
         compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}", "trainer.resume=auto"])
     )

@@ -1,6 +1,12 @@
-"""The checkpointer: one object that writes a run's checkpoints (``last.pt``, ``iter_*.pt``, ``best.pt``),
-chooses the one to resume, loads it once and restores the run from it; and starting a new run from another
-run's weights and loss state (``model.init_from``)."""
+"""The checkpointer: one object that writes a run's checkpoints, chooses the one to resume, loads it once
+and restores the run from it; and a new run started from another run's weights and loss state
+(``model.init_from``). In ``<run_dir>/checkpoints``:
+
+    last.pt     the newest full training state (what ``trainer.resume=auto`` loads first)
+    iter_*.pt   the newest ``trainer.keep_checkpoints`` full states (fallbacks)
+    best.pt     the weights of the best mAP@class evaluation (on the held-out share of the training split
+                under ``dataset.holdout_fraction``)
+"""
 
 from __future__ import annotations
 
@@ -18,17 +24,17 @@ from mlcls.engine.checkpoint import (
     CheckpointError,
     EpochProgress,
     TrainState,
-    choose_resume_checkpoint,
+    UntrustedCheckpointError,
     load_checkpoint,
     rng_state,
     save_checkpoint,
-    save_training_checkpoint,
     set_rng_state,
     text_record,
 )
 from mlcls.engine.distributed import DistInfo
 from mlcls.engine.state_checks import RunBounds, check_resume_state
 from mlcls.errors import ConfigError
+from mlcls.io import atomic_link
 
 log = logging.getLogger("mlcls")
 
@@ -58,32 +64,18 @@ class Checkpointer:
         preprocess: dict[str, Any],
         iters_per_epoch: int,
     ) -> None:
-        self.cfg, self.directory, self.parts, self.scaler, self.state = (
-            cfg,
-            run_dir / "checkpoints",
-            parts,
-            scaler,
-            state,
-        )
-        self.dist, self.classes, self.preprocess, self.iters_per_epoch = (
-            dist,
-            classes,
-            preprocess,
-            iters_per_epoch,
-        )
+        self.cfg, self.directory, self.parts = cfg, run_dir / "checkpoints", parts
+        self.scaler, self.state, self.dist = scaler, state, dist
+        self.classes, self.preprocess, self.iters_per_epoch = classes, preprocess, iters_per_epoch
         self.text = text_record(cfg)
 
     def resume(self) -> bool:
-        """Restore ``trainer.resume`` (a file, or ``auto``: the newest readable checkpoint of the run
-        directory) into the parts, the scaler and the state; True if a checkpoint was loaded.
+        """Restore ``trainer.resume`` (a file, or ``auto``: :func:`choose_resume_checkpoint`) into the parts,
+        the scaler and the state (:func:`restore`); True if a checkpoint was loaded.
 
-        Checkpoints are read as plain data (:func:`load_checkpoint`) unless ``trainer.trust_checkpoint``,
-        and each file once: rank 0 chooses by loading and restores from what it loaded; the other ranks
+        Each file is read once: rank 0 chooses by loading and restores from what it loaded; the other ranks
         load the path it chose (ranks that chose for themselves could load different files when one is
-        being written or a node's file system lags). A checkpoint written with another ``trainer.amp`` is
-        resumed with a warning and a fresh loss scale. Every stored field is checked against the live
-        objects, ``trainer.epochs``, the epoch's length and the number of classes first
-        (:func:`check_resume_state`).
+        being written or a node's file system lags).
         """
         resume = self.cfg.trainer.resume
         if not resume:
@@ -99,7 +91,7 @@ class Checkpointer:
             )
             return False
         with dist_utils.all_or_none():
-            checkpoint = chosen[1] if chosen is not None and chosen[1] is not None else None
+            checkpoint = chosen[1] if chosen is not None else None
             if checkpoint is None:
                 checkpoint = load_checkpoint(path, trust=trust)
             bounds = RunBounds(int(self.cfg.trainer.epochs), self.iters_per_epoch, len(self.classes))
@@ -128,7 +120,8 @@ class Checkpointer:
     def _write_files(
         self, is_best: bool, best_thresholds: torch.Tensor | None, thresholds_split: str
     ) -> None:
-        """Write ``best.pt`` (when ``is_best``), then the training checkpoint that records it as the best.
+        """Write ``best.pt`` (when ``is_best``), then ``iter_<iteration>.pt``, point ``last.pt`` at it and
+        keep the newest ``trainer.keep_checkpoints`` of them (nothing else in the folder is touched).
 
         In that order a kill at any point leaves a consistent pair: the newest training checkpoint names a
         best epoch whose ``best.pt`` exists (a kill before it is written leaves the previous ``best.pt`` and
@@ -163,7 +156,32 @@ class Checkpointer:
             }
             save_checkpoint(best_weights, self.directory / "best.pt")
         iteration = self.state.epoch * self.iters_per_epoch + self.state.step
-        save_training_checkpoint(checkpoint, self.directory, iteration, self.cfg.trainer.keep_checkpoints)
+        path = self.directory / f"iter_{iteration:09d}.pt"
+        save_checkpoint(checkpoint, path)
+        atomic_link(path, self.directory / "last.pt")
+        for old in sorted(self.directory.glob("iter_*.pt"))[: -self.cfg.trainer.keep_checkpoints]:
+            old.unlink(missing_ok=True)
+
+
+def choose_resume_checkpoint(
+    resume: str, directory: str | Path, trust: bool = False
+) -> tuple[str | None, dict[str, Any] | None]:
+    """The checkpoint ``trainer.resume`` names and its contents: a file as given (not read yet: None), or
+    for ``auto`` the newest readable one in ``directory`` -- ``last.pt``, then ``iter_*.pt`` newest first --
+    read once (an unreadable one, e.g. truncated by a crash, is reported and the previous one tried; an
+    untrusted one ends the search with :class:`UntrustedCheckpointError`); ``(None, None)`` when none is."""
+    if resume != "auto":
+        return str(resume), None
+    directory = Path(directory)
+    last = [directory / "last.pt"] if (directory / "last.pt").is_file() else []
+    for path in last + sorted(directory.glob("iter_*.pt"), reverse=True):
+        try:
+            return str(path), load_checkpoint(path, trust=trust)
+        except UntrustedCheckpointError:
+            raise
+        except CheckpointError as exc:
+            log.warning("%s; trying the previous checkpoint", exc)
+    return None, None
 
 
 def restore(
@@ -177,8 +195,9 @@ def restore(
     bounds: RunBounds | None = None,
 ) -> None:
     """Load a full training checkpoint (``last.pt``, ``iter_*.pt``) into the run's objects, once every
-    field it loads is checked against them and ``bounds`` (None: no upper bounds from the run's length):
-    a field that does not fit is a one-line :class:`CheckpointError` and nothing is loaded."""
+    field it loads is checked against them and ``bounds`` (:func:`check_resume_state`; None: no bounds from
+    the run's length): a field that does not fit is a one-line :class:`CheckpointError` and nothing is
+    loaded. A checkpoint of another ``trainer.amp`` resumes with a warning and a fresh loss scale."""
     if "optimizer" not in checkpoint:
         raise CheckpointError(f"{path} holds weights only (best.pt?); resume needs last.pt or iter_*.pt")
     config = checkpoint.get("config")

@@ -26,9 +26,6 @@ log = logging.getLogger("mlcls")
 
 T = TypeVar("T")
 
-# Variables torchrun sets for every process; submitit's are derived into them under SLURM.
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
 
 class RankFailed(RuntimeError):
     """Another rank failed during work every rank takes part in; its error is in the message."""

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from mlcls.config_tree import flatten_config
 from mlcls.engine.distributed import on_main
-from mlcls.errors import ConfigError
+from mlcls.errors import ConfigError, is_number
 
 log = logging.getLogger("mlcls")
 # What MlflowRun uploads at the end, relative to the run directory, when it exists.
@@ -145,11 +145,7 @@ class RunLog:
         """``prefix/<key>`` for every number among ``values`` (MLflow: ``prefix_<key>``, with the step)."""
         if self.writer is None:
             return
-        numbers = {
-            key: float(value)
-            for key, value in values.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-        }
+        numbers = {key: float(value) for key, value in values.items() if is_number(value)}
         for key, value in numbers.items():
             self.writer.add_scalar(f"{prefix}/{key}", value, step)
         if self.mlflow is not None and numbers:

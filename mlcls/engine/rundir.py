@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlcls import distributed as collectives
 from mlcls.engine import distributed as dist_utils
+from mlcls.errors import is_integer
 from mlcls.io import (
     CAPS,
     FileTooLargeError,
@@ -142,7 +143,7 @@ def _holder_alive(holder: dict[str, Any]) -> bool:
     if holder.get("host") != socket.gethostname():
         return bool(holder)
     pid = holder.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid == os.getpid():
+    if not is_integer(pid) or pid <= 0 or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)

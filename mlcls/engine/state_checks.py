@@ -25,6 +25,7 @@ from torch import nn
 
 from mlcls.engine.checkpoint import CheckpointError, EpochProgress
 from mlcls.engine.ema import ModelEma
+from mlcls.errors import first_line, is_integer, is_number
 
 COUNT_MAX = 2**62  # a counter no run reaches: epochs, steps, images, seconds when no tighter bound is known
 RANKS_MAX = 2**16  # processes a checkpoint may have been written by
@@ -53,7 +54,7 @@ def describe(value: Any) -> str:
     """A short account of ``value`` for an error line (a tensor's dtype and shape, a number's value)."""
     if isinstance(value, torch.Tensor):
         return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**15:
+    if is_integer(value) and abs(value) >= 10**15:
         return f"{'-' if value < 0 else ''}an integer of {value.bit_length()} bits"
     if value is None or isinstance(value, (bool, int, float)):
         return repr(value)
@@ -71,14 +72,14 @@ def refuse(field: str, value: Any, expected: str) -> CheckpointError:
 
 def check_int(value: Any, field: str, low: int, high: int) -> int:
     """``value`` if it is an integer (not a bool) in [low, high]."""
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if not is_integer(value) or not low <= value <= high:
         raise refuse(field, value, f"an integer from {low} to {high}")
     return value
 
 
 def check_number(value: Any, field: str, low: float = -math.inf, high: float = math.inf) -> float:
     """``value`` if it is a finite int or float (not a bool) in [low, high]."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = is_number(value)
     if not ok or not math.isfinite(value) or not low <= value <= high:
         raise refuse(field, value, f"a finite number in [{low}, {high}]")
     return value
@@ -229,9 +230,9 @@ def _probe_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], field:
         probe = type(optimizer)([{"params": [probe_param], **settings}])
         probe.step()
     except Exception as exc:  # noqa: BLE001 - the optimizer's own refusal of the stored settings
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(
-            f"{field}'s settings are refused by {type(optimizer).__name__} ({line}); expected this run's"
+            f"{field}'s settings are refused by {type(optimizer).__name__} ({first_line(exc)}); expected "
+            "this run's"
         ) from None
     kinds = {}
     for key, value in probe.state[probe_param].items():
@@ -288,8 +289,7 @@ def _try_state(set_state: Any, field: str) -> None:
     try:
         set_state()
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"{field} is not a generator state ({line})") from None
+        raise CheckpointError(f"{field} is not a generator state ({first_line(exc)})") from None
 
 
 def _check_python_rng(state: Any, field: str) -> None:

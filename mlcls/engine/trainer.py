@@ -7,26 +7,12 @@ A run's calls, top-down in this file::
         -> select_best -> measure -> evaluate      (every trainer.eval_every epochs, and after the last)
         -> Checkpointer.save                      (after each epoch; mid-epoch on a stop signal)
 
-Files of the run directory::
-
-    <run_dir>/config.yaml                resolved config
-    <run_dir>/results.json               last and best metrics, per-class AP, dataset facts, counts, history
-    <run_dir>/checkpoints/last.pt        newest full training state (what resume=auto loads first)
-    <run_dir>/checkpoints/iter_*.pt      the newest trainer.keep_checkpoints full states (fallbacks)
-    <run_dir>/checkpoints/best.pt        the weights of the best mAP@class evaluation (on the held-out
-                                         share of the training split under dataset.holdout_fraction)
-    <run_dir>/tb/                        TensorBoard scalars
-
-The run directory is ``trainer.output_dir``, else Hydra's ``hydra.run.dir`` (``hydra.sweep.dir``/subdir in
-a multirun), chosen by rank 0 for every process and locked for one run at a time (``<run_dir>/.lock``). A run
-that fails before its first checkpoint removes what it wrote there.
-
-Where training stands is ``state.epoch`` (complete epochs) and ``state.step`` (steps of the next one): the
-loop advances them itself, and a checkpoint records them as they are.
-
-SIGTERM or SIGUSR1 (what SLURM sends before preemption) or Ctrl-C finishes the current step, writes a
-checkpoint with all ranks in step and stops with :class:`Preempted`; relaunching the same command with
-``trainer.resume=auto`` continues exactly where it stopped.
+It writes into the run directory (:mod:`mlcls.engine.rundir`) ``results.json`` (last and best metrics,
+per-class AP, dataset facts, counts, history), ``checkpoints/`` (:mod:`mlcls.engine.checkpointer`) and
+``tb/`` (TensorBoard). Where training stands is ``state.epoch`` (complete epochs) and ``state.step`` (steps
+of the next one), as a checkpoint records them. SIGTERM, SIGUSR1 (SLURM's warning before preemption) or
+Ctrl-C finishes the current step, writes a checkpoint with all ranks in step and stops with
+:class:`Preempted`; the same command with ``trainer.resume=auto`` continues exactly there.
 
 The training step reads nothing back from the device: losses, skipped steps and the non-finite guard are
 accumulated on the device and read every ``trainer.log_every`` steps; the stop flag travels on the CPU.

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mlcls.errors import InferenceError, plural, shown
+from mlcls.errors import InferenceError, is_integer, is_number, plural, shown
 
 
 def stored_classes(state: Mapping[str, Any], path: str | Path) -> list[str]:
@@ -188,22 +188,18 @@ def stored_thresholds_split(state: Mapping[str, Any], path: str | Path) -> str:
     return split
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 # What each option of mlcls.models.create_model may be when a checkpoint holds it: (check, expected).
 MODEL_FIELDS: dict[str, tuple[Any, str]] = {
     "name": (lambda v: isinstance(v, str) and 0 < len(v) <= 200, "a timm model name"),
     "pretrained": (lambda v: isinstance(v, bool), "true or false"),
     "checkpoint_path": (lambda v: v is None or isinstance(v, str), "a path or null"),
     # the head's options (model.head, configs/model/head/*.yaml), checked beside the model's
-    "drop_rate": (lambda v: _is_number(v) and 0 <= v < 1, "a probability in [0, 1)"),
-    "num_groups": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "embed_dim": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "num_heads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "lam": (_is_number, "a finite number"),
-    "init_scale": (lambda v: _is_number(v) and 0 < v <= 100, "a number in (0, 100]"),
+    "drop_rate": (lambda v: is_number(v) and 0 <= v < 1, "a probability in [0, 1)"),
+    "num_groups": (lambda v: is_integer(v) and v >= 1, "an integer >= 1"),
+    "embed_dim": (lambda v: is_integer(v) and v >= 1, "an integer >= 1"),
+    "num_heads": (lambda v: is_integer(v) and v >= 1, "an integer >= 1"),
+    "lam": (lambda v: is_number(v) and math.isfinite(v), "a finite number"),
+    "init_scale": (lambda v: is_number(v) and 0 < v <= 100, "a number in (0, 100]"),
 }
 
 

@@ -29,7 +29,7 @@ from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_check
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
-from mlcls.errors import ConfigError, InferenceError, plural, printable, shown
+from mlcls.errors import ConfigError, InferenceError, first_line, plural, printable, shown
 from mlcls.inference.fields import (
     check_model_fields,
     check_weights_fit,
@@ -142,8 +142,7 @@ def build_model(
         return create_model(**{**fields, **fixed}, class_embeddings=class_embeddings)
     except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: sizes beyond torch's int64
         # ValueError includes ConfigError: an option the head does not take
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise InferenceError(f"cannot build the checkpoint's model: {first_line}") from exc
+        raise InferenceError(f"cannot build the checkpoint's model: {first_line(exc)}") from exc
 
 
 def load_inference_model(
@@ -177,8 +176,7 @@ def load_inference_model(
     try:
         model.load_state_dict(weights)
     except RuntimeError as exc:
-        first_line = str(exc).splitlines()[0]
-        raise InferenceError(f"{path}: weights do not fit the config's model ({first_line})") from exc
+        raise InferenceError(f"{path}: weights do not fit the config's model ({first_line(exc)})") from exc
     if not isinstance(device, torch.device):
         try:
             device = resolve_device(device)

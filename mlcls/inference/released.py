@@ -40,7 +40,7 @@ from omegaconf import OmegaConf
 from mlcls import config_dir
 from mlcls.data.datasets.voc import VOC_CLASSES
 from mlcls.data.pipeline.preprocess import preprocess_spec
-from mlcls.errors import InferenceError, plural, shown
+from mlcls.errors import InferenceError, first_line, plural, shown
 from mlcls.io import FileTooLargeError, NotRegularFileError, UnsafeFileError, open_checkpoint
 from mlcls.models import create_model
 from mlcls.models.heads.csra import TEMPERATURES
@@ -129,10 +129,9 @@ def read_released(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         with file:
             state = torch.load(file, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InferenceError(
-            f"{path} cannot be read as data ({type(exc).__name__}: {first}); a released checkpoint holds "
-            "tensors, dicts and names only"
+            f"{path} cannot be read as data ({type(exc).__name__}: {first_line(exc)}); a released checkpoint "
+            "holds tensors, dicts and names only"
         ) from None
     if not isinstance(state, Mapping):
         raise InferenceError(f"{path} holds a {type(state).__name__}; expected a state dict")

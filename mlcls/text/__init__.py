@@ -152,11 +152,6 @@ def encoder_from_stored(record: Any) -> TextEncoder:
     return encoder
 
 
-def text_source(text_cfg: Mapping[str, Any] | TextEncoder) -> str:
-    """The ``source`` of the ``text`` config's encoder (what a checkpoint records beside the embeddings)."""
-    return build_encoder(text_cfg).source
-
-
 __all__ = [
     "CACHE_SIZE",
     "MAX_CLASSES",
@@ -168,5 +163,4 @@ __all__ = [
     "encoder_from_stored",
     "parse_classes",
     "read_class_list",
-    "text_source",
 ]

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from mlcls.errors import ConfigError, listed, printable
+from mlcls.errors import ConfigError, first_line, is_integer, listed, printable
 from mlcls.io import (
     CAPS,
     FileTooLargeError,
@@ -56,7 +56,7 @@ class ClipEncoder:
             )
         if not isinstance(template, str) or template.count("{}") != 1:
             raise ConfigError(f"text.template={template!r}; expected a prompt holding {{}} once")
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        if not is_integer(batch_size) or batch_size < 1:
             raise ConfigError(f"text.batch_size={batch_size!r}; expected a positive integer")
         self.path, self.model, self.template, self.batch_size = Path(path), model, template, batch_size
         self.source = f"clip({model}, {os.path.abspath(self.path)}, template={template!r})"
@@ -78,7 +78,7 @@ class ClipEncoder:
                 tokenizer = library.get_tokenizer(self.model)
             except (OSError, RuntimeError, ValueError) as exc:
                 raise ConfigError(
-                    f"text.model={self.model!r} cannot be built offline ({_first_line(exc)})"
+                    f"text.model={self.model!r} cannot be built offline ({first_line(exc)})"
                 ) from None
         _load_text_tower(model, state, self.path, self.model)
         prompts = [self.template.replace("{}", phrase(name)) for name in names]
@@ -109,7 +109,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         raise
     except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError, SafetensorError) as exc:
         raise ConfigError(
-            f"text.path {where} cannot be read as weights ({_first_line(exc)}); expected a .safetensors file "
+            f"text.path {where} cannot be read as weights ({first_line(exc)}); expected a .safetensors file "
             "or a state dict saved by torch.save (not a TorchScript archive)"
         ) from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
@@ -128,7 +128,7 @@ def _load_text_tower(model: torch.nn.Module, state: dict[str, torch.Tensor], pat
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:
         raise ConfigError(
-            f"text.path {printable(str(path))} does not fit text.model={name!r} ({_first_line(exc)})"
+            f"text.path {printable(str(path))} does not fit text.model={name!r} ({first_line(exc)})"
         ) from None
     missing = [key for key in result.missing_keys if not key.startswith("visual.")]
     for keys, what in ((missing, "lacks"), (result.unexpected_keys, "has keys the model lacks:")):
@@ -137,8 +137,3 @@ def _load_text_tower(model: torch.nn.Module, state: dict[str, torch.Tensor], pat
                 f"text.path {printable(str(path))} {what} {listed(keys, MAX_NAMED_KEYS)}; expected the "
                 f"weights of the open_clip model {name!r}"
             )
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return printable(lines[0]) if lines else type(exc).__name__

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from mlcls.errors import ConfigError, printable, shown
+from mlcls.errors import ConfigError, first_line, is_integer, printable, shown
 from mlcls.io import CAPS, read_json
 from mlcls.text.local import offline, phrase, require
 
@@ -42,7 +42,7 @@ class SentenceEncoder:
             raise ConfigError(
                 f"text.path={path!r}; expected the local folder of a sentence-transformers model"
             )
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        if not is_integer(batch_size) or batch_size < 1:
             raise ConfigError(f"text.batch_size={batch_size!r}; expected a positive integer")
         self.path, self.batch_size = Path(path), batch_size
         self.source = f"sentence({os.path.abspath(self.path)})"
@@ -61,10 +61,9 @@ class SentenceEncoder:
                     model_kwargs={"use_safetensors": True},
                 )
             except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ConfigError(
                     f"text.path {printable(str(folder))} cannot be loaded as a sentence-transformers model "
-                    f"({printable(first)})"
+                    f"({first_line(exc)})"
                 ) from None
             with torch.inference_mode():
                 rows = model.encode(

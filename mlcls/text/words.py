@@ -21,12 +21,11 @@ import re
 import numpy as np
 import torch
 
-from mlcls.errors import ConfigError, shown
+from mlcls.errors import ConfigError, is_integer, shown
+from mlcls.text import MAX_DIM
 
 # Where a class name splits into words.
 WORD_SEPARATORS = re.compile(r"[_\-\s]+")
-# The widest vector: as mlcls.text.MAX_DIM.
-MAX_WORDS_DIM = 4096
 
 
 def split_words(name: str) -> list[str]:
@@ -38,9 +37,9 @@ class WordsEncoder:
     """Sum of per-word seeded Gaussian vectors, ``dim`` wide; ``seed`` picks another set of vectors."""
 
     def __init__(self, dim: int = 300, seed: int = 0) -> None:
-        if not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= MAX_WORDS_DIM:
-            raise ConfigError(f"text.dim={dim!r}; expected an integer from 1 to {MAX_WORDS_DIM}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
+        if not is_integer(dim) or not 1 <= dim <= MAX_DIM:
+            raise ConfigError(f"text.dim={dim!r}; expected an integer from 1 to {MAX_DIM}")
+        if not is_integer(seed):
             raise ConfigError(f"text.seed={seed!r}; expected an integer")
         self.dim, self.seed = dim, seed
         self.source = f"words(dim={dim}, seed={seed})"
