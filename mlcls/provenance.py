@@ -89,21 +89,11 @@ def collect_provenance(
     wall_time_s: float,
     images_per_s: float,
 ) -> dict[str, Any]:
-    """The provenance block of ``results.json``.
-
-    Args:
-        cfg: the composed run config; stored resolved under ``"config"``.
-        world_size: number of processes (GPUs) the run trained on.
-        device: this process's device; its GPU name is recorded (None on the CPU).
-        train_size, val_size: number of training and evaluation samples actually used.
-        wall_time_s: training time so far, in seconds.
-        images_per_s: training throughput over all processes.
-
-    Returns a JSON-serialisable dict: ``git`` (commit, dirty), ``config``, ``world_size``, ``bucket_size``
-    (the configured ``loss.bucket_size``) and ``effective_bucket_size`` (M, see
-    :func:`effective_bucket_size`), ``versions``, ``device`` (type, GPU name), ``dataset`` sizes,
-    ``wall_time_s``, ``images_per_s``, ``host``, ``command`` and ``written_at`` (UTC, ISO 8601).
-    """
+    """The provenance block of ``results.json``, JSON-serialisable: ``git`` (commit, dirty), ``config``
+    (``cfg`` resolved), ``world_size``, ``bucket_size`` (as configured) and ``effective_bucket_size`` (M,
+    :func:`effective_bucket_size`), ``versions``, ``device`` (type, GPU name: None on the CPU), ``dataset``
+    (the samples used), ``wall_time_s`` (training so far), ``images_per_s`` (over all processes), ``host``,
+    ``command`` and ``written_at`` (UTC, ISO 8601)."""
     config = OmegaConf.to_container(cfg, resolve=True)
     loss = config.get("loss") or {}
     batch_size = int(config["trainer"]["batch_size"])

@@ -77,12 +77,9 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
 def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", trust: bool = False
 ) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` with ``torch.load(weights_only=True)``.
-
-    Raises :class:`UntrustedCheckpointError` for a file that holds more than plain data (naming the first
-    type it needs), unless ``trust`` (the file is yours: it is unpickled as it is, which can run code), and
-    :class:`CheckpointError` for a missing or unreadable one.
-    """
+    """A checkpoint written by :func:`save_checkpoint`, upgraded to :data:`FORMAT`. A file that holds more
+    than plain data is an :class:`UntrustedCheckpointError` naming the first type it needs, unless ``trust``
+    (it is unpickled as it is, which can run code); a missing or unreadable one a :class:`CheckpointError`."""
     path = Path(path)
     try:
         file = open_checkpoint(path)
@@ -174,15 +171,11 @@ class EpochProgress:
 
 @dataclass
 class TrainState:
-    """Where training stands: ``epoch`` epochs complete plus ``step`` steps of the next one.
-
-    ``partial`` holds every rank's :class:`EpochProgress` of that incomplete epoch (empty when ``step`` is
-    0), ``history`` one record per finished epoch, ``best`` the best evaluation so far (epoch, mAP@class,
-    mAP@sample and which ``weights``: "raw" or "ema"), ``last_metrics`` the newest evaluation's metrics,
-    ``thresholds`` the per-class thresholds calibrated for the raw weights, ``counts`` the skipped steps
-    and unreadable images, ``rng`` every rank's generator states, ``resumes`` how many times training
-    continued from a checkpoint.
-    """
+    """Where training stands: ``epoch`` epochs complete plus ``step`` steps of the next one, every rank's
+    :class:`EpochProgress` of that one (``partial``), a record per finished epoch (``history``), the best
+    evaluation (epoch, mAP@class, mAP@sample, ``weights`` "raw" or "ema"), the newest one's metrics, the
+    raw weights' calibrated thresholds, skipped steps and images, every rank's generator states and how
+    many times training resumed (:func:`mlcls.engine.state_checks.check_progress` bounds each)."""
 
     epoch: int = 0
     step: int = 0
@@ -202,7 +195,6 @@ class TrainState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (a checkpoint holds it beside the weights)."""
         names = {f.name for f in fields(self)}
         for key, value in state.items():
             if key in names:

@@ -40,17 +40,11 @@ log = logging.getLogger("mlcls")
 
 
 class Checkpointer:
-    """Keeps a run's state: gathers it from its parts, writes it (rank 0), and resumes the run from it.
-
-    Args:
-        cfg: the run's config (``trainer.resume``, ``trust_checkpoint``, ``keep_checkpoints``, ``amp``).
-        run_dir: the run directory; checkpoints live in ``<run_dir>/checkpoints``.
-        parts: name -> object with ``state_dict`` / ``load_state_dict``: model, optimizer, scheduler, loss,
-            and ema when the run has one.
-        scaler, state, dist: the loss scale, the :class:`TrainState` and the processes of the run.
-        classes, preprocess, iters_per_epoch: what a checkpoint records of the data, and its epoch length;
-            a text-query head's text source is recorded too (:func:`text_record`).
-    """
+    """Keeps a run's state: gathers it from its ``parts`` (name -> model, optimizer, scheduler, loss and
+    ema when the run has one), the ``scaler`` and the :class:`TrainState`, writes it (rank 0) into
+    ``<run_dir>/checkpoints`` with the data's ``classes`` and ``preprocess`` (and a text-query head's
+    :func:`text_record`), and resumes the run from it (``cfg.trainer``'s ``resume``, ``trust_checkpoint``,
+    ``keep_checkpoints``, ``amp``)."""
 
     def __init__(
         self,
@@ -241,13 +235,11 @@ def init_from_checkpoint(
     model: nn.Module, path: str, classes: list[str], trust: bool = False
 ) -> dict[str, Any]:
     """``model.init_from``: load into ``model`` the weights of the mlcls checkpoint ``path`` (a run's, or
-    one ``mlcls-import`` wrote), read as data unless ``trust`` (:func:`load_checkpoint`).
+    one ``mlcls-import`` wrote; plain data unless ``trust``); returns the file's contents.
 
-    With the same class names in the same order, every weight is loaded. Otherwise the classifier
-    (``model.get_classifier()``: the linear layer or the ML-Decoder / CSRA head) keeps its fresh
-    initialisation, said in one log line, and every other weight is loaded. A weight of ``model`` the file
-    lacks, holds in another shape, or a weight the file has that ``model`` lacks is a :class:`ConfigError`
-    naming it and the network the file holds. Returns the file's contents (for :func:`carry_loss_state`).
+    With other class names (or order) the classifier (``model.get_classifier()``) keeps its fresh
+    initialisation, said in one log line. A weight of ``model`` the file lacks or holds in another shape,
+    or one the file has that ``model`` lacks, is a :class:`ConfigError` naming it and the file's network.
     """
     state = load_checkpoint(path, trust=trust)
     weights = state["model"]
@@ -290,11 +282,10 @@ def init_from_checkpoint(
 
 def carry_loss_state(criterion: Any, state: dict[str, Any], path: str, loss_target: str) -> None:
     """``model.init_from`` for a loss with state (ROLE's label estimates, LL-Cp's corrected entries,
-    EM + APL's pseudo-labels): the state continues from the checkpoint ``state`` (best.pt and the training
-    checkpoints hold it under ``loss``) when the file was trained with the same loss (``_target_``) and its
-    tensors have this run's names, shapes and dtypes -- one row per training sample, so the same training
-    set. Otherwise the loss starts afresh, said in one log line. This is the second phase of Cole et al.'s
-    LinearInit: the end-to-end run continues from the linear phase's classifier and label estimates."""
+    EM + APL's pseudo-labels): it continues from the checkpoint ``state``'s ``loss`` when the file was
+    trained with the same loss (``_target_``) and its tensors have this run's names, shapes and dtypes (a
+    row per training sample: the same training set), else starts afresh, said in one log line. This is the
+    second phase of Cole et al.'s LinearInit: the linear phase's classifier and label estimates continue."""
     current = criterion.state_dict() if isinstance(criterion, nn.Module) else {}
     if not current:
         return

@@ -24,15 +24,10 @@ BEST_CHECKPOINT = "checkpoints/best.pt"
 
 
 class MlflowRun:
-    """An MLflow run of a training run (``logger=mlflow``, rank 0): opened with the config as params
-    (dotted keys), metrics logged with their step, artifacts uploaded at :meth:`close`.
-
-    Args:
-        logger_cfg: ``cfg.logger`` (``configs/logger/mlflow.yaml``): ``tracking_uri`` (None:
-            ``$MLFLOW_TRACKING_URI``, else the file store ``./mlruns``), ``experiment``, ``run_name`` (None:
-            the run directory's name), ``log_checkpoint``.
-        run_dir: the run directory, whose plots, results.json, config.yaml and best checkpoint are uploaded.
-        params: the run's config.
+    """An MLflow run of a training run (``logger=mlflow``, rank 0): opened with the config ``params`` as
+    dotted keys, metrics logged with their step, ``run_dir``'s results uploaded at :meth:`close`.
+    ``logger_cfg`` is ``configs/logger/mlflow.yaml``: ``tracking_uri`` (None: ``$MLFLOW_TRACKING_URI``, else
+    the file store ``./mlruns``), ``experiment``, ``run_name`` (None: the run folder's), ``log_checkpoint``.
     """
 
     def __init__(self, logger_cfg: Mapping[str, Any], run_dir: Path, params: Mapping[str, Any] | DictConfig):

@@ -25,7 +25,7 @@ from mlcls.io import (
     CAPS,
     FileTooLargeError,
     NotRegularFileError,
-    atomic_write,
+    atomic_write_bytes,
     open_regular,
     read_regular_bytes,
     sweep_temporary_files,
@@ -76,8 +76,7 @@ def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: boo
         run_dir.mkdir(parents=True, exist_ok=True)
         acquire_run_lock(run_dir)
         (run_dir / "checkpoints").mkdir(exist_ok=True)
-        text = OmegaConf.to_yaml(cfg, resolve=True)
-        atomic_write(run_dir / "config.yaml", lambda f: f.write(text.encode()))
+        atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
 
     dist_utils.on_main(create_and_lock, is_main)  # a refused lock raises on every rank
     return run_dir
@@ -107,15 +106,6 @@ def _parse_holder(content: bytes) -> dict[str, Any]:
     except (ValueError, RecursionError):
         return {}
     return holder if isinstance(holder, dict) else {}
-
-
-def _lock_holder(lock: Path) -> dict[str, Any]:
-    """The ``{"host", "pid", "started", "process"}`` a lock file names (empty when it is unreadable, not a
-    regular file or over ``CAPS["lock"]`` bytes: read through :func:`mlcls.io.read_regular_bytes`)."""
-    try:
-        return _parse_holder(read_regular_bytes(lock, CAPS["lock"], "lock"))
-    except (OSError, FileTooLargeError):
-        return {}
 
 
 def _is_mine(holder: dict[str, Any]) -> bool:
@@ -161,9 +151,8 @@ def acquire_run_lock(run_dir: Path) -> None:
 
     A lock of a live run raises :class:`RunDirLocked` naming its holder; a stale one (its process gone
     from this host, or its process id now another process's: :func:`process_identity`) is taken over with a
-    warning. The lock appears with its content in one step (a hard link of a complete file), so no run reads
-    a half-written one. Processes taking over the same stale
-    lock at once take turns (:func:`_take_over_if_stale`): exactly one of them holds it.
+    warning, by exactly one of the processes that found it (:func:`_take_over_if_stale`). The lock appears
+    with its content in one step (a hard link of a complete file), so no run reads a half-written one.
     """
     lock = run_dir / LOCK_NAME
     holder = {
@@ -255,9 +244,14 @@ def _still_at(path: Path, fd: int) -> bool:
 
 
 def release_run_lock(run_dir: Path) -> None:
-    """Remove ``run_dir``'s lock if this process holds it."""
+    """Remove ``run_dir``'s lock if this process holds it (one it cannot read, or over ``CAPS["lock"]``
+    bytes, is not its own)."""
     lock = run_dir / LOCK_NAME
-    if _is_mine(_lock_holder(lock)):
+    try:
+        holder = _parse_holder(read_regular_bytes(lock, CAPS["lock"], "lock"))
+    except (OSError, FileTooLargeError):
+        return
+    if _is_mine(holder):
         lock.unlink(missing_ok=True)
 
 

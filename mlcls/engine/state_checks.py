@@ -1,15 +1,13 @@
 """Checks of a training checkpoint's stored state against the live objects it is about to be loaded into.
 
-A resumed ``last.pt`` is plain data (:func:`mlcls.engine.checkpoint.load_checkpoint`), but plain data can
-still hold a state no run wrote: an optimizer moment of one element for a 3 x 3 weight (which a fused
-SGD or AdamW kernel reads and writes out of bounds: a segmentation fault or a corrupted heap), a negative
-epoch (training that never ends), a random-number state of the wrong length. :func:`check_resume_state`
-compares every field a resume loads with what this run's objects hold -- shapes, dtypes, counts, types
-and counters' ranges -- before any ``load_state_dict``, and stops at the first mismatch with one
-:class:`CheckpointError` line naming the field, what it holds and what was expected.
-
-Each check's docstring says what it holds the field to; only the optimizer's probe (one step of two
-elements at the stored group's settings, for the state keys it makes) allocates.
+A resumed ``last.pt`` is plain data, but plain data can still hold a state no run wrote: an optimizer
+moment of one element for a 3 x 3 weight (which a fused SGD or AdamW kernel reads and writes out of
+bounds: a segmentation fault or a corrupted heap), a negative epoch (training that never ends), a
+random-number state of the wrong length. :func:`check_resume_state` compares every field a resume loads
+with this run's objects -- shapes, dtypes, counts, types, counters' ranges -- before any
+``load_state_dict``, and stops at the first mismatch with one :class:`CheckpointError` line naming the
+field, what it holds and what was expected. Only the optimizer's probe (one step of two elements at the
+stored group's settings) allocates.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ SCALER_COUNTERS = ("_growth_tracker",)  # GradScaler's finite steps since the la
 
 @dataclass(frozen=True)
 class RunBounds:
-    """What this run allows a resumed state to hold: ``epochs`` (trainer.epochs), and where known the
-    training steps of one epoch and the number of classes (None: unbounded but for :data:`COUNT_MAX`)."""
+    """What this run allows a resumed state to hold: ``epochs`` (trainer.epochs), the training steps of one
+    epoch and the number of classes (None: unbounded but for :data:`COUNT_MAX`)."""
 
     epochs: int | None = None
     iters_per_epoch: int | None = None
@@ -44,7 +42,6 @@ class RunBounds:
 
     @property
     def total_iters(self) -> int:
-        """The run's training iterations, or :data:`COUNT_MAX` when not known."""
         if self.epochs is None or self.iters_per_epoch is None:
             return COUNT_MAX
         return self.epochs * self.iters_per_epoch
@@ -66,19 +63,16 @@ def describe(value: Any) -> str:
 
 
 def refuse(field: str, value: Any, expected: str) -> CheckpointError:
-    """The one-line error: ``field`` holds ``value``; ``expected``."""
     return CheckpointError(f"{field} holds {describe(value)}; expected {expected}")
 
 
 def check_int(value: Any, field: str, low: int, high: int) -> int:
-    """``value`` if it is an integer (not a bool) in [low, high]."""
     if not is_integer(value) or not low <= value <= high:
         raise refuse(field, value, f"an integer from {low} to {high}")
     return value
 
 
 def check_number(value: Any, field: str, low: float = -math.inf, high: float = math.inf) -> float:
-    """``value`` if it is a finite int or float (not a bool) in [low, high]."""
     ok = is_number(value)
     if not ok or not math.isfinite(value) or not low <= value <= high:
         raise refuse(field, value, f"a finite number in [{low}, {high}]")
@@ -246,7 +240,6 @@ def _probe_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], field:
 
 
 def _check_param_state(state: Any, kinds: dict[str, str], param: torch.Tensor, field: str) -> None:
-    """One parameter's stored state holds exactly the keys ``kinds`` names, each of its kind."""
     if not isinstance(state, dict) or set(state) != set(kinds):
         raise refuse(field, state, f"a dict with keys {', '.join(kinds) or 'none'}")
     for key, kind in kinds.items():
@@ -286,6 +279,7 @@ def check_rng(states: Any) -> None:
 
 
 def _try_state(set_state: Any, field: str) -> None:
+    """Run ``set_state()`` (a private generator's): its refusal is the field's one-line error."""
     try:
         set_state()
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:

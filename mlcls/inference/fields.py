@@ -54,11 +54,9 @@ def stored_config(state: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
 
 def stored_weights(state: Mapping[str, Any], path: str | Path) -> dict[str, torch.Tensor]:
     """The state dict of checkpoint ``state``: names to dense tensors, each backed by one stored value per
-    element (a sparse or a ``meta`` tensor is refused: neither holds the values it stands for).
-
-    A tensor whose storage is smaller than its elements (a stride-0 expansion or an overlapping view, which
-    ``torch.save`` keeps as such) would let a few stored bytes stand for a model of any size: refused.
-    """
+    element. A sparse or a ``meta`` tensor does not hold the values it stands for, and one whose storage
+    is smaller than its elements (a stride-0 expansion or an overlapping view, which ``torch.save`` keeps
+    as such) would let a few stored bytes stand for a model of any size: both are refused."""
     weights = state.get("model")
     if not isinstance(weights, dict):
         raise InferenceError(
@@ -89,13 +87,9 @@ def _not_dense(value: Any) -> str | None:
 def check_weights_fit(
     skeleton: nn.Module, weights: Mapping[str, torch.Tensor], num_classes: int, path: str | Path
 ) -> None:
-    """Raise :class:`InferenceError` unless ``weights`` has exactly the keys and shapes of ``skeleton``'s
-    state dict (``load_state_dict(strict=True)``'s rule).
-
-    ``skeleton`` is the checkpoint's model built with ``num_classes`` outputs on the ``meta`` device: its
-    shapes cost no memory, so a class count or a head option larger than the stored weights is found
-    before any real tensor is allocated. The message names the first key that differs.
-    """
+    """Raise :class:`InferenceError`, naming the first key that differs, unless ``weights`` has exactly the
+    keys and shapes of the state dict of ``skeleton``, the model of ``num_classes`` outputs built on the
+    ``meta`` device (``load_state_dict(strict=True)``'s rule)."""
     expected = skeleton.state_dict()
     model = f"the model its config describes for {plural(num_classes, 'class name')}"
     missing = [key for key in expected if key not in weights]
@@ -127,9 +121,8 @@ def stored_class_embeddings(
     weights: Mapping[str, torch.Tensor], classes: Sequence[str], head: str, path: str | Path
 ) -> torch.Tensor:
     """The class embeddings of a checkpoint with the text-query ``head``, checked against its class list
-    before the model is built: one floating-point row per class name, finite, each of unit norm (within
-    :data:`UNIT_NORM_TOLERANCE`). Their width is checked against the head's weights with every other shape
-    (:func:`check_weights_fit`)."""
+    before the model is built: one finite floating-point row per class name, each of unit norm (within
+    :data:`UNIT_NORM_TOLERANCE`); their width is checked by :func:`check_weights_fit`."""
     embeddings = weights.get(CLASS_EMBEDDINGS_KEY)
     if embeddings is None:
         raise InferenceError(

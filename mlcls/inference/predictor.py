@@ -82,13 +82,10 @@ def find_images(sources: str | Path | Sequence[str | Path]) -> list[Path]:
 
 @dataclass
 class InferenceModel:
-    """A trained model ready to score images, with what it needs to interpret them.
-
-    ``thresholds`` is the (C,) float64 tensor of calibrated per-class logit thresholds, or None when the
-    checkpoint has none; ``thresholds_split`` the split they were calibrated on (``"validation"`` or
-    ``"holdout"``, the held-out share of the training split); ``text`` a text-query head's text record
-    (``{"source", "config"}``, :func:`mlcls.engine.checkpoint.text_record`), None for another head.
-    """
+    """A trained model ready to score images, with what it needs to interpret them: ``thresholds`` the
+    (C,) float64 calibrated per-class logit thresholds (None: none), calibrated on ``thresholds_split``
+    (``"validation"`` or ``"holdout"``); ``text`` a text-query head's text record
+    (:func:`mlcls.engine.checkpoint.text_record`), None for another head."""
 
     model: nn.Module
     classes: list[str]
@@ -148,16 +145,10 @@ def build_model(
 def load_inference_model(
     path: str | Path, device: str | torch.device = "auto", trust: bool = False
 ) -> InferenceModel:
-    """Load ``path`` (``last.pt`` or ``best.pt``) in eval mode on ``device`` (auto: CUDA when available).
-
-    The file is read as plain data unless ``trust`` (see :func:`mlcls.engine.checkpoint.load_checkpoint`).
-    Its class names, config, weights, preprocess spec and thresholds are checked first
-    (:mod:`mlcls.inference.fields`, :func:`~mlcls.data.pipeline.preprocess.check_spec`), then the model is
-    built on the ``meta`` device and its shapes compared with the weights: a class count or a head option
-    that the stored weights do not hold is an :class:`InferenceError` before any memory is allocated. A
-    text-query head's class embeddings are checked against the class names first
-    (:func:`~mlcls.inference.fields.stored_class_embeddings`) and against the head's width with its weights.
-    """
+    """Load ``path`` (``last.pt`` or ``best.pt``; plain data unless ``trust``) in eval mode on ``device``
+    (auto: CUDA when available), its fields checked in the order :mod:`mlcls.inference.fields` says, the
+    model built on the ``meta`` device and compared with the weights before any memory is allocated; a
+    text-query head's class embeddings checked against the class names, then with the weights."""
     state = load_checkpoint(path, map_location="cpu", trust=trust)
     classes = stored_classes(state, path)
     config = stored_config(state, path)

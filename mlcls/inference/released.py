@@ -13,14 +13,8 @@ translate to mlcls's (:mod:`mlcls.models.released` for the TResNets), and how it
                                                                                    [0, 1] pixels
 
 (ML-Decoder's and ASL's ``validate.py`` and CSRA's ``val.py``: a squash-resize, ``ToTensor`` and, for CSRA,
-``Normalize(mean=[0, 0, 0], std=[1, 1, 1])``: none of them subtracts ImageNet's mean.) CSRA's ``lam`` is
-not in the file: it is taken from the file's heads and classes where these are those of a file its authors
-released (:data:`CSRA_LAM`), else it must be given.
-
-Class names: ``classes`` (a list given by the user) first, else the file's ``idx_to_class`` (ML-Decoder's
-and ASL's files carry one) in its own order, as the authors' ``infer.py`` takes its ``values()``, else
-COCO's 80 names in category-id order or VOC's 20; an Open Images model without ``idx_to_class`` needs its
-9,605 names given, in the model's order. Names are distinct.
+``Normalize(mean=[0, 0, 0], std=[1, 1, 1])``: none of them subtracts ImageNet's mean.) The class names
+and CSRA's ``lam``, which the file may lack, are :func:`released_classes`' and :data:`CSRA_LAM`'s.
 
 The file is opened once through :func:`mlcls.io.open_checkpoint` (a regular file, its zip members stored,
 not compressed), so what ``torch.load`` builds from it is bounded by its size.

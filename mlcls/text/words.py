@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -29,8 +30,17 @@ WORD_SEPARATORS = re.compile(r"[_\-\s]+")
 
 
 def split_words(name: str) -> list[str]:
-    """The lower-cased words of class name ``name`` (split on ``_``, ``-`` and white space)."""
-    return [word for word in WORD_SEPARATORS.split(name.lower()) if word]
+    """The lower-cased words of class name ``name`` (split on ``_``, ``-`` and white space); a name without
+    one (``"_"``) is a one-line :class:`ConfigError`."""
+    words = [word for word in WORD_SEPARATORS.split(name.lower()) if word]
+    if not words:
+        raise ConfigError(f"class name {shown(name)} has no word; expected letters or digits")
+    return words
+
+
+def sum_of_words(names: list[str], vectors: Mapping[str, np.ndarray]) -> torch.Tensor:
+    """float64 (C, D): row ``c`` the sum of ``vectors[word]`` over the words of ``names[c]``."""
+    return torch.from_numpy(np.stack([sum(vectors[word] for word in split_words(name)) for name in names]))
 
 
 class WordsEncoder:
@@ -50,16 +60,6 @@ class WordsEncoder:
         return np.random.default_rng(int.from_bytes(digest[:8], "little")).standard_normal(self.dim)
 
     def encode(self, names: list[str]) -> torch.Tensor:
-        """float64 (C, dim): row ``c`` the sum of the vectors of ``names[c]``'s words (each word's vector
-        drawn once per call). A name without a word (``"_"``) is a one-line :class:`ConfigError`."""
-        vectors: dict[str, np.ndarray] = {}
-        rows = np.zeros((len(names), self.dim))
-        for row, name in enumerate(names):
-            words = split_words(name)
-            if not words:
-                raise ConfigError(f"class name {shown(name)} has no word; expected letters or digits")
-            for word in words:
-                if word not in vectors:
-                    vectors[word] = self.word_vector(word)
-                rows[row] += vectors[word]
-        return torch.from_numpy(rows)
+        """float64 (C, dim): :func:`sum_of_words` of each word's vector, drawn once per call."""
+        words = {word for name in names for word in split_words(name)}
+        return sum_of_words(names, {word: self.word_vector(word) for word in words})
