@@ -27,13 +27,9 @@ def _part_length(rank: int, world: int, total: int) -> int:
 
 
 def communication_device(backend: str) -> torch.device:
-    """The device whose tensors a process group with ``backend`` should exchange: the current CUDA device
-    when the group serves CUDA tensors with NCCL, else the CPU.
-
-    ``backend`` is what ``torch.distributed.get_backend()`` returns: one name (``"nccl"``, ``"gloo"``) or
-    one per device type, as the trainer's ``"cpu:gloo,cuda:nccl"`` (where NCCL is the CUDA backend, not
-    the group's name).
-    """
+    """The device whose tensors a process group with ``backend`` (``torch.distributed.get_backend()``'s:
+    one name, or one per device type as the trainer's ``"cpu:gloo,cuda:nccl"``) should exchange: the
+    current CUDA device when NCCL serves CUDA tensors, else the CPU."""
     if ":" in backend:
         per_device = dict(part.split(":", 1) for part in backend.split(","))
         cuda_backend = per_device.get("cuda")
@@ -189,10 +185,9 @@ def gather_batch(logits: Tensor, targets: Tensor, check_sizes: bool = True) -> t
     and DDP's averaging over ranks divides it back: the parameter gradient equals that of one process
     training on the concatenated batch.
 
-    Every rank must hold the same number of rows. ``check_sizes`` compares them (one all-gather and a
-    read back to the host) and raises ``ValueError`` on a mismatch; every rank must pass the same value,
-    since the check is a collective. :class:`BucketedLoss` checks on its first call only: the training
-    loaders drop the last incomplete batch, so the sizes cannot change afterwards.
+    Every rank must hold the same number of rows: ``check_sizes`` (a collective: the same on every rank)
+    compares them, a ``ValueError`` on a mismatch. :class:`BucketedLoss` checks on its first call only:
+    the training loaders drop the last incomplete batch, so the sizes cannot change afterwards.
     """
     if not initialized():
         raise ValueError("gather=True needs torch.distributed initialised (run under torchrun)")

@@ -80,14 +80,12 @@ def open_regular(
 ) -> IO:
     """``open(path, mode, **kwargs)`` for reading: the one way mlcls opens a file it did not write in this
     process. Refused with :class:`NotRegularFileError` unless ``path`` (after symbolic links) is a regular
-    file, and with :class:`FileTooLargeError` when ``max_bytes`` is given and the file is larger.
+    file, and with :class:`FileTooLargeError` when the file is over ``max_bytes``.
 
-    A dataset's lists and annotations, a CSV, an image, a checkpoint or a run directory's files are named by
-    a config -- or by a file from someone else. A pipe, a terminal or a device there (``/dev/stdin``,
-    ``/dev/zero``) would block the reader or never end. The path is opened once, without blocking (a pipe
-    with no writer opens at once), and its type and size are read from that open descriptor, so a symbolic
-    link flipped between a check and the open cannot slip a pipe in. A missing path raises
-    :class:`FileNotFoundError`, as ``open`` does.
+    A file named by a config, or by a file from someone else, may be a pipe, a terminal or a device
+    (``/dev/stdin``, ``/dev/zero``) that would block the reader or never end. The path is opened once,
+    without blocking (a pipe with no writer opens at once), and its type and size are read from that open
+    descriptor, so a symbolic link flipped between a check and the open cannot slip a pipe in.
     """
     if any(flag in mode for flag in "wax+"):
         raise ValueError(f"open_regular reads files; mode {mode!r} writes")
@@ -218,7 +216,12 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     naming ``path`` and the free space, ``path`` unchanged.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = _mode_for(path)
+    try:  # never the special bits: ``path`` may link to another user's file, and the new one is ours
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)  # the only way to read it; set back at once
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -249,19 +252,6 @@ def atomic_link(src: Path, dst: Path) -> None:
         raise
 
 
-def _mode_for(path: Path) -> int:
-    """The permission bits (``0o777``) ``path`` has, or for a new file ``0o666`` less the process's umask.
-
-    Never the special bits (setuid, setgid, sticky): ``path`` may be a symlink to a file another user
-    owns, and the file written in its place belongs to this process."""
-    try:
-        return path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        umask = os.umask(0)  # the only way to read it; set back at once
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
 def raise_if_disk_full(exc: BaseException, path: Path) -> None:
     """Raise :class:`DiskFullError` for ``path`` if ``exc``, or an error it was raised from or while
     handling (its ``__cause__`` and ``__context__``, as torch's ``RuntimeError`` of a failed write carries
@@ -274,10 +264,10 @@ def raise_if_disk_full(exc: BaseException, path: Path) -> None:
             continue
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in _FULL_DISK_ERRNOS:
-            free = shutil.disk_usage(path.parent).free
+            free = shutil.disk_usage(path.parent).free / MiB
             raise DiskFullError(
-                f"cannot write {path}: no space left on the device ({free / 2**20:.1f} MiB free in "
-                f"{path.parent}); the previous {path.name}, if any, is unchanged",
+                f"cannot write {path}: no space left on the device ({free:.1f} MiB free in {path.parent}); "
+                f"the previous {path.name}, if any, is unchanged",
             ) from exc
         pending += [error.__cause__, error.__context__]
 
@@ -299,5 +289,4 @@ def sweep_temporary_files(directory: Path) -> list[Path]:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`atomic_write`)."""
     atomic_write(path, lambda f: f.write(data))

@@ -160,13 +160,9 @@ def predict_training_set(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sample indices (int64 (n,)), sigmoid probabilities (float32 (n, C)) and targets (int8 (n, C))
     of the first ``steps`` batches ``(images, targets, indices)`` of ``batches`` (a training loader built
-    ``with_index`` behind a :class:`~mlcls.data.loader.DevicePrefetcher`: on the device, finished), of every
-    rank, concatenated in rank order on the device: identical on every rank.
-
-    ``model`` runs in eval mode without gradients, under ``amp``'s autocast as in evaluation, with rank 0's
-    buffers (as :func:`evaluate`). Every rank holds n = steps x global batch rows at the end (what
-    an APL step reads, :meth:`mlcls.losses.EntropyMaximisationLoss.pseudo_label`).
-    """
+    ``with_index`` behind a :class:`~mlcls.data.loader.DevicePrefetcher`), every rank's in rank order on
+    the device: n = steps x global batch rows, identical on every rank (what an APL step reads). ``model``
+    runs as in :func:`evaluate`: eval mode, ``amp``'s autocast, rank 0's buffers."""
     collectives.broadcast_buffers(model)
     model.eval()
     columns: list[list[torch.Tensor]] = [[], [], []]

@@ -1,10 +1,8 @@
 """Stop requests from signals, agreed on by every rank without waiting for the GPU.
 
 SIGTERM and SIGUSR1 (what SLURM sends before a time limit or preemption) and a first SIGINT (Ctrl-C) ask
-the run to stop after the current step; the trainer then checkpoints and exits. A second SIGINT ends the
-process at once (``KeyboardInterrupt``).
-
-Under DDP all ranks must stop after the same step. The flags are exchanged on the CPU (gloo) every
+the run to stop after the current step, checkpointed; a second SIGINT ends the process at once. Under DDP
+all ranks must stop after the same step. The flags are exchanged on the CPU (gloo) every
 :data:`POLL_EVERY` steps, asynchronously: the exchange started at one poll is read at the next, which every
 rank reaches after the same step, so the decision is identical everywhere and no step waits for it.
 """

@@ -181,12 +181,10 @@ def acquire_run_lock(run_dir: Path) -> None:
 
 def _take_over_if_stale(lock: Path, draft: Path) -> bool:
     """Replace the existing ``lock`` by ``draft`` if the run it names is gone; True once done, False when
-    ``lock`` changed meanwhile (released, or taken by another process: try again).
-
-    The lock file is held (:class:`filelock.FileLock`, at most :data:`JUDGE_TIMEOUT_S`) while it is judged
-    and replaced, and judged only if it is still the file this process opened: of the processes that found
-    the same stale lock, the first replaces it and the others find the new one, alive. Raises
-    :class:`RunDirLocked` for a live holder.
+    ``lock`` changed meanwhile (released, or taken by another process: try again); :class:`RunDirLocked`
+    for a live holder. The lock file is held (:class:`filelock.FileLock`, at most :data:`JUDGE_TIMEOUT_S`)
+    while it is judged and replaced, and judged only if it is still the file this process opened: of the
+    processes that found the same stale lock, the first replaces it and the others find the new one, alive.
     """
     try:
         # one open, without blocking; a pipe, a device or a folder there is refused, and a file over
@@ -218,7 +216,10 @@ def _take_over_if_stale(lock: Path, draft: Path) -> bool:
                 f"cannot take over the lock {lock} safely ({exc.strerror}); delete it if its run is gone"
             ) from None
         try:
-            if not _still_at(lock, file.fileno()):
+            try:  # is the file opened still the one at ``lock``?
+                if not os.path.samestat(os.stat(lock), os.fstat(file.fileno())):
+                    return False
+            except FileNotFoundError:
                 return False
             other = _parse_holder(file.read(CAPS["lock"]))
             if _holder_alive(other):
@@ -233,14 +234,6 @@ def _take_over_if_stale(lock: Path, draft: Path) -> bool:
         finally:
             judging.release()
     return True
-
-
-def _still_at(path: Path, fd: int) -> bool:
-    """Whether the file open as ``fd`` is still the one at ``path``."""
-    try:
-        return os.path.samestat(os.stat(path), os.fstat(fd))
-    except FileNotFoundError:
-        return False
 
 
 def release_run_lock(run_dir: Path) -> None:
@@ -274,11 +267,8 @@ def close_run_dir(run_dir: Path, is_main: bool) -> None:
 def discard_if_empty(directory: Path | None) -> None:
     """Remove ``directory`` if nothing was written into it (a run that stopped before it began, or Hydra's
     default directory of a run that writes elsewhere), and its parents below the working directory that
-    are left empty (``outputs/<date>``).
-
-    Other processes of the run may be removing the same directories (their Hydra resolved the same time):
-    a directory that is gone already, or no longer empty, ends the clean-up without an error.
-    """
+    are left empty (``outputs/<date>``). Other ranks may be removing the same ones (their Hydra resolved
+    the same time): a directory gone already, or no longer empty, ends the clean-up without an error."""
     if directory is None:
         return
     cwd, current = Path.cwd().absolute(), directory.absolute()

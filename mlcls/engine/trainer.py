@@ -244,12 +244,9 @@ class Trainer:
     def train_step(
         self, images: torch.Tensor, targets: torch.Tensor, *indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimisation step; returns the detached loss and whether the update was applied, both as
-        device tensors (reading them would wait for the device).
-
-        ``images``, ``targets``: a batch as :class:`DevicePrefetcher` gives it (on the device, finished by
-        the device stage, which runs there only); ``indices``: the batch's sample indices, for a loss with a
-        row per training sample (its ``needs_sample_index``), passed to it as a third argument.
+        """One optimisation step on a batch as :class:`DevicePrefetcher` gives it (``indices``: the sample
+        indices a loss with a row per training sample takes as a third argument); returns the detached loss
+        and whether the update was applied, as device tensors (reading them would wait for the device).
 
         A step with a non-finite gradient norm (identical on every rank after DDP's all-reduce, so all
         ranks agree) is skipped on the device (:func:`step_if_finite`): parameters, optimizer state and EMA
@@ -319,11 +316,9 @@ class Trainer:
         run has one; log them, update ``best``; True for a new best epoch.
 
         The best epoch and weights are those of the highest mAP@class on the held-out split (their metrics
-        under ``best["selection"]``, ``best["selected_on"] = "holdout"``), else on the validation split;
-        ``best``'s own metrics are the validation split's. The held-out metrics of the raw (EMA) weights
-        are ``metrics["selection"]`` (``metrics["ema"]["selection"]``). Thresholds are calibrated once per
-        set of weights -- the raw ones (last.pt), the best ones for a new best -- on the split
-        :func:`thresholds_split` names."""
+        under ``best["selection"]`` and each evaluation's ``metrics["selection"]``), else on the validation
+        split, whose metrics ``best`` holds. Thresholds are calibrated once per set of weights -- the raw
+        ones (last.pt), the best ones for a new best -- on the split :func:`thresholds_split` names."""
         weights = {"raw": self.model} | ({} if self.ema is None else {"ema": self.ema.module})
         evaluations = {name: self.measure(model) for name, model in weights.items()}
         held_out = self.data.holdout_loader is not None

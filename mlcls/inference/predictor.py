@@ -1,13 +1,9 @@
 """Labels for new images: load a checkpoint once, then score files, folders or globs in batches.
 
 The checkpoint (``last.pt`` or ``best.pt``) carries everything needed -- weights, class names, model config,
-preprocessing (:mod:`mlcls.data.pipeline.preprocess`) and, when the trainer calibrated them, per-class
-thresholds (:mod:`mlcls.metrics.thresholds`) -- so no dataset config is read. A text-query head's
-checkpoint also holds its class embeddings and its text source: it scores its own classes without the
-encoder, and other class names with it (:func:`use_classes`).
-
-Images are decoded as RGB exactly as the datasets decode them (no EXIF rotation, like training). An
-unreadable file (missing, corrupt, not an image) is reported in the ``unreadable`` list and skipped.
+preprocessing, calibrated thresholds and a text-query head's text source (:func:`use_classes`) -- so no
+dataset config is read. Images are decoded as RGB exactly as the datasets decode them (no EXIF rotation,
+like training); an unreadable file (missing, corrupt, not an image) is reported in ``unreadable``, skipped.
 """
 
 from __future__ import annotations
@@ -56,12 +52,9 @@ IMAGE_EXTENSIONS = frozenset(
 
 
 def find_images(sources: str | Path | Sequence[str | Path]) -> list[Path]:
-    """The image files named by ``sources``, each once, in the order given.
-
-    Each source is a file (taken as is), a directory (searched recursively for :data:`IMAGE_EXTENSIONS`,
-    sorted) or a glob pattern (``**`` matches nested folders; the matching files, sorted). A source that
-    matches nothing contributes nothing; the caller decides whether an empty result is an error.
-    """
+    """The image files named by ``sources``, each once, in the order given: a file as is, a directory's
+    :data:`IMAGE_EXTENSIONS` files (recursively, sorted), a glob's matching files (sorted; ``**`` matches
+    nested folders). A source that matches nothing contributes nothing."""
     if isinstance(sources, (str, Path)):
         sources = [sources]
     found: dict[Path, None] = {}
@@ -188,11 +181,9 @@ def load_inference_model(
 
 def use_classes(inference: InferenceModel, names: Sequence[str]) -> None:
     """Score the class ``names`` from now on instead of the checkpoint's own (``mlcls-predict classes=``):
-    the names are embedded by the checkpoint's stored text source (:func:`mlcls.text.encoder_from_stored`,
-    which builds only an encoder of :mod:`mlcls.text`) and become the text-query head's class embeddings.
-    The checkpoint's calibrated thresholds belong to its own classes and are dropped (the rule is then
-    ``threshold``, ``top_k`` or probability 0.5). A checkpoint whose head has weights per class, or one
-    without a text source, is a one-line :class:`InferenceError`."""
+    embedded by the checkpoint's stored text source (:func:`mlcls.text.encoder_from_stored`) as the
+    text-query head's class embeddings; the calibrated thresholds, the checkpoint's classes', are dropped.
+    A head with weights per class, or a checkpoint without a text source, is an :class:`InferenceError`."""
     head = text_query_head(inference.model)
     if head is None:
         name = inference.config["model"]["head"]["name"]  # checked by build_model
@@ -295,12 +286,9 @@ def predict_images(
     threshold: float | None = None,
     top_k: int | None = None,
 ) -> tuple[list[Prediction], list[tuple[Path, str]]]:
-    """The :class:`Prediction` of every readable image of ``paths``, and the unreadable ``(path, reason)``.
-
-    Labels are chosen by :func:`mlcls.metrics.thresholds.select_labels` (``top_k`` / ``threshold`` if
-    given, else the checkpoint's calibrated thresholds, else probability 0.5); scores are
-    ``sigmoid(logit)``.
-    """
+    """The :class:`Prediction` of every readable image of ``paths``, and the unreadable ``(path, reason)``;
+    labels chosen by :func:`mlcls.metrics.thresholds.select_labels` (``top_k`` / ``threshold`` if given,
+    else the calibrated thresholds, else probability 0.5), scored ``sigmoid(logit)``."""
     logits, kept, unreadable = predict_logits(inference, paths, batch_size, workers)
     chosen = select_labels(logits, inference.thresholds, threshold, top_k)
     probabilities = torch.sigmoid(logits.double())

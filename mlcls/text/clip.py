@@ -2,7 +2,7 @@
 as ``ViT-B-32``) with the weights of a local checkpoint file (``text.path``), and the optional extra
 ``pip install 'mlcls[clip]'``.
 
-A class name is read as a phrase (``traffic_light`` -> ``traffic light``, :func:`mlcls.text.local.phrase`)
+A class name is read as a phrase (``traffic_light`` -> ``traffic light``, :func:`mlcls.text.phrase`)
 put in ``text.template`` (``"a photo of a {}"``: CLIP's zero-shot prompt), tokenised by the model's own
 tokenizer and embedded by ``model.encode_text``.
 
@@ -32,7 +32,7 @@ from mlcls.io import (
     open_checkpoint,
     read_regular_bytes,
 )
-from mlcls.text.local import offline, phrase, require
+from mlcls.text import offline, phrase, require
 
 # open_clip model names that fetch a config or weights from elsewhere.
 REMOTE_SCHEMAS = ("hf-hub:", "local-dir:")

@@ -1,12 +1,12 @@
 """``text=sentence``: class embeddings from a local sentence-transformers model folder (``text.path``),
 with the optional extra ``pip install 'mlcls[sentence]'``.
 
-A class name is read as a phrase (``traffic_light`` -> ``traffic light``, :func:`mlcls.text.local.phrase`)
+A class name is read as a phrase (``traffic_light`` -> ``traffic light``, :func:`mlcls.text.phrase`)
 and embedded by the model's own ``encode``. The folder is someone else's files, so before the library sees
 it (:func:`check_model_folder`):
 
 * it must be a local folder: a Hub name (``sentence-transformers/all-MiniLM-L6-v2``) is refused, never
-  downloaded, and the model loads with the Hub offline (:func:`mlcls.text.local.offline`,
+  downloaded, and the model loads with the Hub offline (:func:`mlcls.text.offline`,
   ``local_files_only``);
 * no code of the folder runs: ``trust_remote_code=False``, every module ``modules.json`` names must be one
   of sentence-transformers' own (``sentence_transformers.*``), and pickle files (``pytorch_model.bin``,
@@ -25,7 +25,7 @@ import torch
 
 from mlcls.errors import ConfigError, first_line, is_integer, printable, shown
 from mlcls.io import CAPS, read_json
-from mlcls.text.local import offline, phrase, require
+from mlcls.text import offline, phrase, require
 
 # Weight files that are pickles: loading one can run code.
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"})
