@@ -1,9 +1,8 @@
 """The one layout number of every file mlcls writes for itself to read again -- checkpoints and packed
 datasets' ``manifest.json`` -- and the one function that brings what it read to that layout.
 
-Every such file holds ``format`` (:data:`FORMAT`). A change a reader must know of raises it by one and adds
-its step to :func:`upgrade`. A file of a newer mlcls, or one whose number is not an integer, is refused in
-one line. What cannot be upgraded in place is refused with what to do instead.
+Every such file holds ``format`` (:data:`FORMAT`); a change a reader must know of raises it by one and adds
+its step to :func:`upgrade`, which refuses in one line what it cannot read, with what to do instead.
 
 * 1: checkpoints with the configs' old key names (``mlcls.renamed``); packs with a dense label row per
   sample (never read: pack again).

@@ -1,10 +1,6 @@
-"""Config keys renamed on purpose (README, "Renamed keys"): the table, and the upgrade of a config stored
-before the rename (a checkpoint's, a run's ``config.yaml``).
-
-On the command line an old key stops the command with one line naming the new one
-(:func:`mlcls.cli.overrides.check_command_line`). A stored config is upgraded in one place,
-:func:`upgrade_config`, by whoever reads it back. This module imports nothing of mlcls, so any layer may
-use it.
+"""Config keys renamed on purpose (README, "Renamed keys"): the table, the one line an old key on the
+command line gets (:func:`mlcls.cli.overrides.check_command_line`), and the one upgrade of a stored config
+(a checkpoint's, a run's ``config.yaml``) by whoever reads it back. It imports nothing of mlcls.
 """
 
 from __future__ import annotations

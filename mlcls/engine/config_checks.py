@@ -1,10 +1,9 @@
 """Checks of the resolved training config, run before any data is read or any process group is joined.
 
-Each key is checked once. The keys below are the trainer's, the model's starting point and those whose
-validity depends on another group (the batch over the world size, the loss's buckets, the backend's
-transform). The others are checked where they are used: the optimizer's and the schedule's keys when
-they are built (:mod:`mlcls.engine.optim`), a head's keys by the head (:mod:`mlcls.models.heads`), the
-dataset's by the data package, and the loss's by the loss, built here because it costs nothing.
+Each key is checked once: here the trainer's, the model's starting point and those whose validity depends
+on another group (the batch over the world size, the loss's buckets, the backend's transform); the others
+where they are used (optimizer and schedule: :mod:`mlcls.engine.optim`; a head's: the head; the dataset's:
+the data package), the loss's by building it here, which costs nothing.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,8 +20,6 @@ import torch
 import torch.distributed as dist
 
 from mlcls.distributed import all_gather_object, initialized
-
-log = logging.getLogger("mlcls")
 
 T = TypeVar("T")
 
@@ -93,10 +90,8 @@ def world_size_from_environment() -> int:
 
 
 def init_distributed(device_preference: str = "auto", timeout_s: float | None = None) -> DistInfo:
-    """Join the process group torchrun (``WORLD_SIZE`` > 1) or SLURM through submitit describes.
-
-    NCCL serves CUDA tensors and gloo CPU tensors (on the CPU, gloo serves both). Without a launcher this
-    is a single process on rank 0. ``timeout_s`` bounds how long a collective waits for a missing rank.
+    """Join the process group torchrun (``WORLD_SIZE`` > 1) or SLURM through submitit describes (without
+    either: a single process, rank 0); ``timeout_s`` bounds how long a collective waits for a missing rank.
     """
     device = resolve_device(device_preference)
     export_slurm_environment()
@@ -153,11 +148,8 @@ def all_or_none() -> Iterator[None]:
 
 
 def on_main(work: Callable[[], T], is_main: bool) -> T | None:
-    """``work()`` on rank 0 only, then every rank continues together; if it raises, every rank raises.
-
-    This replaces "rank 0 writes, then barrier": a barrier would leave the other ranks waiting for a rank 0
-    that died, until the collective timeout.
-    """
+    """``work()`` on rank 0 only, then every rank continues together; if it raises, every rank raises
+    (where "rank 0 writes, then barrier" would leave the others waiting for a dead rank 0 until timeout)."""
     result: T | None = None
     with all_or_none():
         if is_main:

@@ -1,11 +1,8 @@
 """Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds;
-and the training set's predictions for a loss that relabels it between epochs
-(:func:`predict_training_set`).
+and the training set's predictions for a loss that relabels it between epochs (:func:`predict_training_set`).
 
 Zero-shot (``dataset.unseen_classes``, :class:`ZeroShot`): the model trained on the seen classes scores
-every class of the validation split, its text-query head switched to all their embeddings while it
-evaluates and back to the seen ones after; the metrics then add ZSL and GZSL
-(:mod:`mlcls.metrics.zero_shot`)."""
+every class of the validation split through its text-query head, and the metrics add ZSL and GZSL."""
 
 from __future__ import annotations
 

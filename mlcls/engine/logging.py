@@ -70,9 +70,7 @@ class MlflowRun:
 
 class RunLog:
     """Log lines and TensorBoard scalars of rank 0, and its MLflow run when ``cfg.logger.name`` is
-    ``mlflow``; the other ranks log warnings only (until :meth:`close`) and write nothing.
-
-    ``cfg``: the run's config (the MLflow run's params and its ``logger`` settings); None: no MLflow.
+    ``mlflow`` (``cfg`` None: none); the other ranks log warnings only (until :meth:`close`), write nothing.
     """
 
     def __init__(
@@ -159,13 +157,7 @@ class RunLog:
             self.mlflow = None
 
 
-def open_run_log(
-    run_dir: Path,
-    is_main: bool,
-    epochs: int,
-    iters_per_epoch: int,
-    cfg: DictConfig,
-) -> RunLog:
+def open_run_log(run_dir: Path, is_main: bool, epochs: int, iters_per_epoch: int, cfg: DictConfig) -> RunLog:
     """The run's :class:`RunLog`, once rank 0 has opened TensorBoard and MLflow. Every rank returns
     together; if rank 0 fails (an MLflow server that is down), every rank raises instead of waiting for it
     (:func:`on_main`)."""

@@ -132,8 +132,8 @@ def build_optimizer(
     ``params``, ``name`` (one word) and ``lr_scale``, trained at ``lr_scale * lr_head`` without weight decay.
     A group key that is not a number >= 0 (the ``*_weight_decay`` ones may be null) is a ConfigError.
 
-    Group 0 is the head at ``lr_head``; :func:`group_lrs` reads the learning rates by part. Loading a state
-    dict checks that its groups are this optimizer's (same names and sizes).
+    Group 0 is the head at ``lr_head``; :func:`group_lrs` reads the learning rates by part; a resumed state's
+    groups must be these (:func:`mlcls.engine.state_checks.check_optimizer`).
     """
     settings = _settings(cfg)
     for key in GROUP_KEYS:
@@ -151,28 +151,7 @@ def build_optimizer(
     optimizer = _build("optim", settings, parameter_groups(model, cfg) + extra)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optim._target_={settings.get('_target_')} is not a torch optimizer class")
-    optimizer.register_load_state_dict_pre_hook(_match_saved_groups)
     return optimizer
-
-
-def _group_layout(groups: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{g.get('name', '?')} {len(g['params'])}" for g in groups)
-
-
-def _match_saved_groups(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """Load-state pre-hook: one clear error when the saved groups differ."""
-    saved = state["param_groups"]
-    ours = optimizer.param_groups
-    same = len(saved) == len(ours) and all(
-        len(s["params"]) == len(o["params"]) and s.get("name") == o["name"]
-        for s, o in zip(saved, ours, strict=True)
-    )
-    if not same:
-        raise ValueError(
-            f"the saved optimizer state has parameter groups ({_group_layout(saved)}) where this config "
-            f"makes ({_group_layout(ours)}): resume with the run's model and optim.*_weight_decay settings"
-        )
-    return state
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
@@ -187,12 +166,9 @@ def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
 def cosine_factor(
     iteration: int, total_iters: int, warmup_iters: int = 0, min_lr_ratio: float = 0.0
 ) -> float:
-    """Learning-rate multiplier at 0-based ``iteration``.
-
-    Linear warm-up ``(iteration + 1) / warmup_iters`` for the first ``warmup_iters`` iterations, then the
-    cosine decay ``r + (1 - r) (1 + cos(pi p)) / 2`` with ``r = min_lr_ratio`` and progress
-    ``p = min(1, (iteration - warmup_iters) / max(1, total_iters - warmup_iters))``.
-    """
+    """Learning-rate multiplier at 0-based ``iteration``: with ``W = warmup_iters``, the linear warm-up
+    ``(iteration + 1) / W`` for the first W iterations, then the cosine decay ``r + (1 - r) (1 + cos(pi p))
+    / 2`` with ``r = min_lr_ratio`` and progress ``p = min(1, (iteration - W) / max(1, total_iters - W))``."""
     if iteration < warmup_iters:
         return (iteration + 1) / warmup_iters
     progress = (iteration - warmup_iters) / max(1, total_iters - warmup_iters)
@@ -221,14 +197,11 @@ def onecycle_schedule(
     anneal_strategy: str = "cos",
     cycle_momentum: bool = True,
 ) -> torch.optim.lr_scheduler.OneCycleLR:
-    """torch's ``OneCycleLR`` over ``total_iters`` iterations, stepped every iteration, peaking at each
-    group's lr (``lr_head``, ``lr_backbone``).
-
-    From ``lr / div_factor`` up to ``lr`` over the first ``pct_start`` of the iterations, then down to
+    """torch's ``OneCycleLR`` over ``total_iters`` iterations, stepped every iteration: from
+    ``lr / div_factor`` up to each group's lr over the first ``pct_start`` of them, then down to
     ``lr / (div_factor x final_div_factor)`` (``anneal_strategy`` cos or linear); with ``cycle_momentum``
-    the momentum (Adam's beta1) moves the opposite way between 0.85 and 0.95, torch's defaults, as
-    ML-Decoder's recipe uses them.
-    """
+    the momentum (Adam's beta1) moves the opposite way between torch's 0.85 and 0.95, as ML-Decoder's
+    recipe uses them."""
     if not isinstance(pct_start, (int, float)) or not 0.0 < pct_start < 1.0:
         raise ValueError(f"pct_start={pct_start!r}; expected a number in (0, 1)")
     return torch.optim.lr_scheduler.OneCycleLR(

@@ -28,11 +28,9 @@ POLL_EVERY = 10
 
 
 class StopSignals:
-    """Installs the stop handlers for the duration of a ``with`` block, and restores the previous ones.
-
-    ``received`` is the first signal this process got (or None); :meth:`poll` is the decision all ranks
-    share. The handlers that were installed before (submitit's, on SLURM) are kept in ``previous`` so that
-    they can be handed the signal once the checkpoint is written (:meth:`hand_over`).
+    """Installs the stop handlers for the duration of a ``with`` block. ``received`` is the first signal
+    this process got (or None); :meth:`poll` is the decision all ranks share. The handlers installed before
+    (submitit's, on SLURM) are kept in ``previous``, to be handed the signal once the checkpoint is written.
     """
 
     def __init__(self, distributed: bool) -> None:
@@ -62,11 +60,8 @@ class StopSignals:
             log.warning("received %s: stopping after this step%s", signal.Signals(signum).name, hint)
 
     def poll(self, step: int) -> bool:
-        """True on every rank when the run must stop after step ``step`` (counted from 1 in any order).
-
-        A single process answers at once; under DDP the answer changes only at multiples of
-        :data:`POLL_EVERY`, from the exchange started at the previous multiple.
-        """
+        """True on every rank when the run must stop after step ``step`` (counted from 1): at once in a
+        single process, under DDP at multiples of :data:`POLL_EVERY` from the previous multiple's exchange."""
         if not self.distributed:
             return self.received is not None
         if step % POLL_EVERY:

@@ -33,8 +33,7 @@ SCALER_COUNTERS = ("_growth_tracker",)  # GradScaler's finite steps since the la
 
 @dataclass(frozen=True)
 class RunBounds:
-    """What this run allows a resumed state to hold: ``epochs`` (trainer.epochs), the training steps of one
-    epoch and the number of classes (None: unbounded but for :data:`COUNT_MAX`)."""
+    """What this run allows a resumed state to hold (None: unbounded but for :data:`COUNT_MAX`)."""
 
     epochs: int | None = None
     iters_per_epoch: int | None = None
@@ -149,8 +148,9 @@ def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], nam
 
 
 def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
-    """The live number of groups and of parameters in each, hyperparameters of the live types, and every
-    state a probe step makes: a dense floating tensor of the parameter's shape, or a finite ``step`` >= 0."""
+    """The live number of groups, their names and numbers of parameters, hyperparameters of the live types,
+    and every state a probe step makes: a dense floating tensor of the parameter's shape, or a finite
+    ``step`` >= 0."""
     live_groups = optimizer.param_groups
     if not isinstance(stored, dict) or not isinstance(stored.get("param_groups"), list):
         raise refuse("optimizer", stored, "a dict of state and param_groups")
@@ -172,6 +172,11 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
             if param_id in params:
                 raise CheckpointError(f"{field} names parameter {param_id} twice; expected distinct ids")
             params[param_id] = (index, live["params"][position])
+        if group.get("name") != live.get("name"):  # build_optimizer's groups, as optim.*_weight_decay makes
+            expected = (
+                f"{live.get('name')!r}, this run's (resume with the run's optim.*_weight_decay settings)"
+            )
+            raise refuse(f"{field}['name']", group.get("name"), expected)
         _check_hyperparameters(group, live, field)
     kinds: dict[int, dict[str, str]] = {}  # per group, probed once
     for param_id, state in per_param.items():
@@ -184,8 +189,8 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
 
 
 def _check_hyperparameters(group: dict[str, Any], live: dict[str, Any], field: str) -> None:
-    """The stored group has the live group's keys (its ``name`` and ``param_names`` may be absent), each
-    of the live value's type; numbers finite."""
+    """The stored group has the live group's keys (``param_names`` may be absent), each of the live value's
+    type; numbers finite."""
     optional = {"params", "name", "param_names"}
     missing = next((key for key in live if key not in optional and key not in group), None)
     extra = next((key for key in group if key not in optional and key not in live), None)

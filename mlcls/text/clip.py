@@ -2,9 +2,8 @@
 as ``ViT-B-32``) with the weights of a local checkpoint file (``text.path``), and the optional extra
 ``pip install 'mlcls[clip]'``.
 
-A class name is read as a phrase (``traffic_light`` -> ``traffic light``, :func:`mlcls.text.phrase`)
-put in ``text.template`` (``"a photo of a {}"``: CLIP's zero-shot prompt), tokenised by the model's own
-tokenizer and embedded by ``model.encode_text``.
+A class name's phrase (:func:`mlcls.text.phrase`) is put in ``text.template`` (``"a photo of a {}"``:
+CLIP's zero-shot prompt), tokenised by the model's own tokenizer and embedded by ``model.encode_text``.
 
 Nothing is downloaded: the model is built from open_clip's own config with no pretrained weights (no
 ``hf-hub:`` or ``local-dir:`` name), with the Hugging Face Hub offline, and the weights are read by mlcls

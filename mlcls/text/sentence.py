@@ -1,9 +1,8 @@
 """``text=sentence``: class embeddings from a local sentence-transformers model folder (``text.path``),
 with the optional extra ``pip install 'mlcls[sentence]'``.
 
-A class name is read as a phrase (``traffic_light`` -> ``traffic light``, :func:`mlcls.text.phrase`)
-and embedded by the model's own ``encode``. The folder is someone else's files, so before the library sees
-it (:func:`check_model_folder`):
+A class name's phrase (:func:`mlcls.text.phrase`) is embedded by the model's own ``encode``. The folder is
+someone else's files, so before the library sees it (:func:`check_model_folder`):
 
 * it must be a local folder: a Hub name (``sentence-transformers/all-MiniLM-L6-v2``) is refused, never
   downloaded, and the model loads with the Hub offline (:func:`mlcls.text.offline`,

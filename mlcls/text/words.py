@@ -2,15 +2,11 @@
 
 Each word (lower-cased) gets a Gaussian vector drawn from a generator seeded by the word itself: the first
 8 bytes of SHA-256 of ``"<seed>:<word>"`` (little-endian) seed numpy's PCG64 ``default_rng``, whose
-``standard_normal(dim)`` is the vector. A class name is split into words on ``_``, ``-`` and white space,
-and its vector is the sum of its words' (``blue_triangle`` = blue + triangle), before the L2 normalisation
-of :func:`mlcls.text.class_embeddings`.
-
-It knows nothing of meaning: two words are as far apart as any two random directions, "cat" is no nearer
-"kitten" than "truck". What it gives is composition: a class never trained on, made of words seen in
-training (``red_circle`` after ``red_square`` and ``blue_circle``), has an embedding near the classes that
-share its words. It needs no file and no download, so it serves the tests and the demo -- not a claim about
-language.
+``standard_normal(dim)`` is the vector; a class name's is the sum of its words' (``blue_triangle`` = blue +
+triangle). It knows nothing of meaning ("cat" is no nearer "kitten" than "truck"); what it gives is
+composition: a class never trained on, made of words seen in training (``red_circle`` after ``red_square``
+and ``blue_circle``), is near the classes that share its words. It needs no file and no download, so it
+serves the tests and the demo -- not a claim about language.
 """
 
 from __future__ import annotations
