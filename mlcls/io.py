@@ -21,9 +21,8 @@ import yaml
 # errno values of a full disk or an exhausted quota
 _FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
-# The temporary files atomic writes make beside ``<name>``: ``.<name>.<random>.tmp`` (:func:`atomic_write`)
-# and ``.<name>.link.tmp`` (:func:`atomic_link`). A process killed mid-write
-# leaves one behind.
+# The temporary files atomic writes make beside ``<name>``, which a process killed mid-write leaves behind:
+# ``.<name>.<random>.tmp`` (:func:`atomic_write`) and ``.<name>.link.tmp`` (:func:`atomic_link`).
 _TEMPORARY_NAME = re.compile(r"\..+\.[A-Za-z0-9_]+\.tmp")
 
 
@@ -209,12 +208,9 @@ def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename it over ``path``.
-
-    The file keeps the permissions of the ``path`` it replaces; a new one gets those of the umask
-    (``0o666 & ~umask``), as ``open(path, "w")`` would give it. A full disk raises :class:`DiskFullError`
-    naming ``path`` and the free space, ``path`` unchanged.
-    """
+    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename it over ``path``,
+    keeping the permissions of the file it replaces (a new one: ``0o666 & ~umask``, as ``open`` gives it).
+    A full disk raises :class:`DiskFullError` naming ``path`` and the free space, ``path`` unchanged."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:  # never the special bits: ``path`` may link to another user's file, and the new one is ours
         mode = path.stat().st_mode & 0o777
@@ -274,10 +270,8 @@ def raise_if_disk_full(exc: BaseException, path: Path) -> None:
 
 def sweep_temporary_files(directory: Path) -> list[Path]:
     """Remove from ``directory`` (not its subfolders) the temporary files of atomic writes that a killed
-    process left behind (``.<name>.<random>.tmp``, ``.<name>.link.tmp``); return the files removed.
-
-    Only for a directory no other process writes into at the same time: a live write's file would go too.
-    """
+    process left behind; return the files removed. Only for a directory no other process writes into at the
+    same time: a live write's file would go too."""
     if not directory.is_dir():
         return []
     removed = []

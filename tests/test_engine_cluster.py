@@ -20,7 +20,7 @@ from ranks import run_ranks
 
 import mlcls.engine.checkpointer as checkpointer_module
 import mlcls.engine.logging as logging_module
-from mlcls.engine import preemption
+from mlcls.engine import distributed as engine_distributed
 from mlcls.engine.build import warn_protocol
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.trainer import NonFiniteError, Trainer
@@ -219,7 +219,7 @@ def test_a_failing_rank0_start_up_ends_every_rank(ranks):
 def _resume(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """An uninterrupted epoch; the same epoch stopped by a signal to rank 0 after step 2, then resumed
     while rank 1 sees no checkpoint of its own (as on a node whose file system lags)."""
-    monkeypatch.setattr(preemption, "POLL_EVERY", 1)
+    monkeypatch.setattr(engine_distributed, "POLL_EVERY", 1)
     level_before = logging.getLogger("mlcls").level
     straight = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'straight'}"])).fit()
     level_after = logging.getLogger("mlcls").level

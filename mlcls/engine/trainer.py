@@ -50,7 +50,6 @@ from mlcls.engine.evaluate import (
 )
 from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm, step_if_finite
 from mlcls.engine.optim import group_lrs
-from mlcls.engine.preemption import StopSignals
 from mlcls.engine.results import record_skipped_images, run_results
 from mlcls.engine.rundir import close_run_dir
 from mlcls.errors import plural
@@ -97,7 +96,7 @@ class Trainer:
         self.device_stage, self.state, self.run_log = run.device_stage, run.state, run.run_log
         self.checkpointer = run.checkpointer
         self._nonfinite = NonFiniteCounter(self.device, self.cfg.trainer.max_nonfinite)
-        self.signals = StopSignals(self.dist.distributed)
+        self.signals = dist_utils.StopSignals(self.dist.distributed)
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
         self.thresholds_split = thresholds_split(self.cfg.dataset, self.data.holdout_loader is not None)

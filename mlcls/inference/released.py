@@ -307,10 +307,8 @@ def import_released(
     lam: float | None = None,
 ) -> dict[str, Any]:
     """The mlcls checkpoint (``model``, ``classes``, ``preprocess``, ``config`` with its ``model`` and
-    ``dataset`` sections, ``released``) of the authors' file ``path`` in format ``fmt`` (:data:`FORMATS`).
-
-    ``classes``, ``image_size`` and CSRA's ``lam`` replace what the format gives (:func:`released_classes`,
-    :data:`TRESNET_SIZES` or 448, :data:`CSRA_LAM`)."""
+    ``dataset`` sections, ``released``) of the authors' file ``path`` in format ``fmt`` (:data:`FORMATS`);
+    ``classes``, ``image_size`` and CSRA's ``lam`` replace what the format gives."""
     weights, meta = read_released(path)
     model_config = released_model_config(fmt, weights, lam)
     state_dict = convert_weights(fmt, weights, model_config)
