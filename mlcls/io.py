@@ -174,9 +174,9 @@ def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
     ``torch.save`` writes a zip archive whose members are stored, not compressed. A member that is
     deflated, or whose declared size differs from the bytes it occupies, lets a file of a few megabytes
     unpack into gigabytes: it is refused (:class:`UnsafeFileError`), as is an archive whose members
-    declare more bytes in all than the file holds (members that overlap). What ``torch.load`` then builds
-    is bounded by the file's size; a tensor whose shape asks for more than its stored bytes is refused by
-    ``torch.load`` itself. A file that is not a zip archive (the format of torch before 1.6) is refused.
+    declare more bytes in all than the file holds (overlapping), or a file that is not a zip archive
+    (torch before 1.6). What ``torch.load`` then builds is bounded by the file's size (a tensor whose shape
+    asks for more than its stored bytes is refused by ``torch.load`` itself).
     """
     file = open_regular(path, "rb", max_bytes=CAPS["checkpoint"], what=what)
     try:

@@ -2,11 +2,10 @@
 upgraded by :func:`mlcls.formats.upgrade` in :func:`load_checkpoint`, the one reader), and the run's
 :class:`TrainState`. Which files a run writes and resumes is :mod:`mlcls.engine.checkpointer`'s.
 
-Checkpoints hold tensors, dicts, lists, tuples, strings, numbers, booleans and None only, and are read with
+Checkpoints hold tensors, dicts, lists, tuples, strings, numbers, booleans and None only, read with
 ``torch.load(weights_only=True)``: a pickle in a file from someone else cannot run code. A file that needs
 more (written before checkpoints held plain data, or crafted) is refused unless the caller trusts it
-(``trust_checkpoint=true``), or once re-saved by :func:`resave_plain`. A text-query head's run also records
-its text source under ``text`` (:func:`text_record`).
+(``trust_checkpoint=true``), or once re-saved by :func:`resave_plain`.
 """
 
 from __future__ import annotations
@@ -61,9 +60,9 @@ def plain(data: Any) -> Any:
 
 
 def text_record(cfg: DictConfig) -> dict[str, Any] | None:
-    """What a checkpoint of a text-query head records of the encoder that embedded its class names:
-    ``{"source": its identity (mlcls.text), "config": the run's text config}``, from which
-    ``mlcls-predict classes=...`` embeds new names the same way. None for a head without text queries."""
+    """What a checkpoint of a text-query head records of the encoder that embedded its class names (None
+    for another head): ``{"source", "config": the run's text config}``, with which ``mlcls-predict
+    classes=...`` embeds new names the same way (:func:`mlcls.text.encoder_from_stored`)."""
     if not has_text_queries(cfg.model.head):
         return None
     return {"source": build_encoder(cfg.text).source, "config": plain(cfg.text)}

@@ -104,8 +104,7 @@ class Checkpointer:
     ) -> None:
         """Checkpoint where training stands: after ``state.epoch`` complete epochs (``progress`` None; with
         ``best.pt`` when ``is_best``, holding ``best_thresholds``), or within an epoch with every rank's
-        ``progress``. Every rank's RNG states are gathered; rank 0 writes, every rank returns together,
-        and if rank 0 fails to write, every rank raises its error."""
+        ``progress`` and RNG states; rank 0 writes, and every rank returns (or raises its error) together."""
         self.state.partial = [] if progress is None else collectives.all_gather_object(progress)
         self.state.rng = collectives.all_gather_object(rng_state())
         write = lambda: self._write_files(is_best, best_thresholds, thresholds_split)  # noqa: E731

@@ -2,15 +2,14 @@
 request (the collectives themselves are :mod:`mlcls.distributed`'s).
 
 The process group has two backends: NCCL for CUDA tensors (gradients, logits) and gloo for CPU tensors
-(control messages: the stop flag, the status of a rank's work, objects). Control messages therefore never
-wait for the GPU's stream, and a status exchange can end every rank when one fails.
+(control messages: the stop flag, the status of a rank's work, objects), which therefore never wait for
+the GPU's stream: a status exchange can end every rank when one fails.
 
 SIGTERM and SIGUSR1 (what SLURM sends before a time limit or preemption) and a first SIGINT (Ctrl-C) ask
 the run to stop after the current step, checkpointed; a second SIGINT ends the process at once. Under DDP
-all ranks must stop after the same step. The flags are exchanged on the CPU every :data:`POLL_EVERY`
-steps, asynchronously: the exchange started at one poll is read at the next, which every rank reaches
-after the same step, so the decision is identical everywhere and no step waits for it
-(:class:`StopSignals`).
+the flags are exchanged every :data:`POLL_EVERY` steps, asynchronously: the exchange started at one poll
+is read at the next, which every rank reaches after the same step, so all ranks stop after the same step
+and no step waits for the decision (:class:`StopSignals`).
 """
 
 from __future__ import annotations

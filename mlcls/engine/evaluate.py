@@ -228,9 +228,8 @@ def measure_rank_parts(
 def thresholds_split(dataset_cfg: Any, held_out: bool) -> str:
     """Where a run calibrates its thresholds: ``"holdout"``, the held-out share of the training split, when
     the run has one that shows the dataset's own labels (``dataset.holdout_labels=clean``, or no
-    observed-label regime), so that the thresholds are not fitted on the split the run reports; else
-    ``"validation"``. A held-out split of single-positive or partial labels has too few known negatives to
-    place a threshold (with none, every threshold has precision 1 and the lowest has the best F1)."""
+    observed-label regime), so that they are not fitted on the split the run reports; else ``"validation"``
+    (single-positive or partial labels have too few known negatives to place a threshold)."""
     if not held_out:
         return "validation"
     shows_own = (

@@ -1,5 +1,4 @@
-"""The non-finite guard: the gradient norm a step is judged by, the optimizer step skipped on the device
-when it is not finite, and skipped steps counted on the device."""
+"""The non-finite guard: a step's gradient norm, the step skipped and counted on the device if not finite."""
 
 from __future__ import annotations
 

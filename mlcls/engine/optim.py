@@ -11,9 +11,7 @@ the paper's protocol; 0.0: none, torchvision's ``--norm-weight-decay`` conventio
 
 ``configs/sched/*.yaml`` are ``_partial_`` configs of a function ``target(optimizer, total_iters=N,
 **keys)`` returning an LRScheduler stepped every iteration (:func:`cosine_schedule`,
-:func:`onecycle_schedule`); its ``warmup_epochs`` is read first (:func:`build_scheduler`).
-
-Both groups' keys are checked here, where they are used: a one-line :class:`~mlcls.errors.ConfigError`.
+:func:`onecycle_schedule`). Both groups' keys are checked here, where they are used.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ bounds: a segmentation fault or a corrupted heap), a negative epoch (training th
 random-number state of the wrong length. :func:`check_resume_state` compares every field a resume loads
 with this run's objects -- shapes, dtypes, counts, types, counters' ranges -- before any
 ``load_state_dict``, and stops at the first mismatch with one :class:`CheckpointError` line naming the
-field, what it holds and what was expected. Only the optimizer's probe (one step of two elements at the
-stored group's settings) allocates.
+field, what it holds and what was expected. Only the optimizer's probe (a two-element step) allocates.
 """
 
 from __future__ import annotations
@@ -284,7 +283,6 @@ def check_rng(states: Any) -> None:
 
 
 def _try_state(set_state: Any, field: str) -> None:
-    """Run ``set_state()`` (a private generator's): its refusal is the field's one-line error."""
     try:
         set_state()
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:

@@ -7,12 +7,10 @@ A run's calls, top-down in this file::
         -> select_best -> measure -> evaluate      (every trainer.eval_every epochs, and after the last)
         -> Checkpointer.save                      (after each epoch; mid-epoch on a stop signal)
 
-It writes into the run directory (:mod:`mlcls.engine.rundir`) ``results.json`` (last and best metrics,
-per-class AP, dataset facts, counts, history), ``checkpoints/`` (:mod:`mlcls.engine.checkpointer`) and
-``tb/`` (TensorBoard). Where training stands is ``state.epoch`` (complete epochs) and ``state.step`` (steps
-of the next one), as a checkpoint records them. SIGTERM, SIGUSR1 (SLURM's warning before preemption) or
-Ctrl-C finishes the current step, writes a checkpoint with all ranks in step and stops with
-:class:`Preempted`; the same command with ``trainer.resume=auto`` continues exactly there.
+It writes into the run directory (:mod:`mlcls.engine.rundir`) ``results.json``, ``checkpoints/``
+(:mod:`mlcls.engine.checkpointer`) and ``tb/``. Where training stands is ``state.epoch`` (complete epochs)
+and ``state.step`` (steps of the next one). A stop signal finishes the current step, writes a checkpoint
+with all ranks in step and stops with :class:`Preempted`; ``trainer.resume=auto`` continues exactly there.
 
 The training step reads nothing back from the device: losses, skipped steps and the non-finite guard are
 accumulated on the device and read every ``trainer.log_every`` steps; the stop flag travels on the CPU.
@@ -277,9 +275,8 @@ class Trainer:
     def relabel_training_set(self, epoch: int) -> None:
         """After epoch ``epoch`` (0-based), for a loss that asks for it (``wants_train_predictions``, EM's
         APL): score the training set with the raw weights (:func:`predict_training_set`, over this epoch's
-        batches again: ``set_epoch`` gives its order and augmentation from the first step, whatever a
-        resume skipped) and hand the predictions of every rank to its ``pseudo_label``, identically on
-        every rank. The checkpoint written after the epoch holds the result."""
+        batches from the first step, whatever a resume skipped) and hand every rank's predictions to its
+        ``pseudo_label`` on every rank; the checkpoint written after the epoch holds the result."""
         relabelling = [
             module
             for module in self.loss_modules()

@@ -8,8 +8,8 @@ any batch size B, and return ``logits`` (B, C). The metadata (:func:`export_meta
 * ONNX: ``metadata_props``, one entry per top-level key, each value JSON-encoded (onnxruntime:
   ``session.get_modelmeta().custom_metadata_map``).
 
-:func:`read_metadata` reads either back. Thresholds are logits and may be ``-Infinity`` (a class that is
-always predicted), which Python's ``json`` reads; ``null`` when the checkpoint has none. The TorchScript
+:func:`read_metadata` reads either back. Thresholds are logits, ``-Infinity`` for a class always predicted
+(Python's ``json`` reads it), ``null`` when the checkpoint has none. The TorchScript
 module is traced (timm networks have no data-dependent control flow); ONNX uses the TorchScript-based
 exporter (``dynamo=False``), which needs only the ``onnx`` package (``pip install mlcls[export]``).
 """

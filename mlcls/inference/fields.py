@@ -1,11 +1,10 @@
 """The fields of a checkpoint that build its model, checked before anything the size of the model is made.
 
-A checkpoint is data from someone else: its class count, its model options (``decoder_embedding``,
-``num_groups``, ...) and its preprocessing decide how much memory building and running the model takes.
-:func:`load_inference_model <mlcls.inference.predictor.load_inference_model>` therefore reads the fields
-here first, builds the model on the ``meta`` device (shapes only, no memory) and compares it with the stored
-weights by :func:`check_weights_fit`: the real model is built only when every parameter and buffer has the
-shape of a stored tensor, so it takes no more memory than the weights in the file.
+A checkpoint is data from someone else: its class count, model options and preprocessing decide how much
+memory building and running the model takes. :func:`~mlcls.inference.predictor.load_inference_model`
+therefore reads the fields here first, builds the model on the ``meta`` device (shapes only) and compares
+it with the stored weights (:func:`check_weights_fit`): the real model is built only when every parameter
+and buffer has the shape of a stored tensor, so it takes no more memory than the weights in the file.
 """
 
 from __future__ import annotations

@@ -94,14 +94,10 @@ class InferenceModel:
 def build_model(
     config: dict[str, Any], num_classes: int, class_embeddings: torch.Tensor | None = None
 ) -> nn.Module:
-    """The network of a run's resolved ``config`` with ``num_classes`` outputs, randomly initialised.
-
-    Built by :func:`mlcls.models.create_model` from the plain fields of ``config["model"]`` (a field the
-    factory does not take is refused); a ``_target_`` stored in the file is never called, and one other
-    than :data:`MODEL_FACTORY` is refused. Nothing is downloaded: the checkpoint's weights are loaded
-    afterwards. A text-query head takes the checked ``class_embeddings``
-    (:func:`~mlcls.inference.fields.stored_class_embeddings`).
-    """
+    """The network of a run's resolved ``config`` with ``num_classes`` outputs, randomly initialised (the
+    weights are loaded afterwards: nothing is downloaded), built by :data:`MODEL_FACTORY` from the plain
+    fields of ``config["model"]``: a field it does not take, or another ``_target_`` (a callable read from a
+    file is never called), is refused. A text-query head takes the checked ``class_embeddings``."""
     if not isinstance(config.get("model"), dict):
         raise InferenceError("the checkpoint's config has no model section; is it an mlcls checkpoint?")
     fields = dict(config["model"])

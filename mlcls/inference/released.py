@@ -1,6 +1,6 @@
 """The authors' released checkpoints of ML-Decoder, ASL and CSRA as mlcls checkpoints (``mlcls-import``).
 
-A released file is read as data (``torch.load(weights_only=True)``): its state dict is the ``model`` entry
+A released file is read as data: its state dict is the ``model`` entry
 (ML-Decoder, ASL), else ``state_dict``, else the file itself (CSRA), with any ``module.`` prefix of
 ``nn.DataParallel`` dropped. Each :data:`FORMATS` entry says which networks it holds, how their names
 translate to mlcls's (:mod:`mlcls.models.released` for the TResNets), and how its authors evaluate:
@@ -13,11 +13,8 @@ translate to mlcls's (:mod:`mlcls.models.released` for the TResNets), and how it
                                                                                    [0, 1] pixels
 
 (ML-Decoder's and ASL's ``validate.py`` and CSRA's ``val.py``: a squash-resize, ``ToTensor`` and, for CSRA,
-``Normalize(mean=[0, 0, 0], std=[1, 1, 1])``: none of them subtracts ImageNet's mean.) The class names
-and CSRA's ``lam``, which the file may lack, are :func:`released_classes`' and :data:`CSRA_LAM`'s.
-
-The file is opened once through :func:`mlcls.io.open_checkpoint` (a regular file, its zip members stored,
-not compressed), so what ``torch.load`` builds from it is bounded by its size.
+``Normalize(mean=[0, 0, 0], std=[1, 1, 1])``: none of them subtracts ImageNet's mean.) The file is opened
+once through :func:`mlcls.io.open_checkpoint`, so what ``torch.load`` builds from it is bounded by its size.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Class embeddings from the class names: the queries of the text-query heads (``model.head=mldecoder_zsl``
 and ``model.head=cosine``, :mod:`mlcls.models.heads.text_query`).
 
-The ``text`` config group (configs/text/) names an *encoder*: any object with ``encode(names: list[str]) ->
-Tensor (C, D)`` and a ``source: str`` attribute naming it (its kind, file path and model), built with
-``hydra.utils.instantiate(cfg.text)``. ``words`` (:mod:`.words`) needs no file; ``vectors``, ``sentence`` and
-``clip`` read a local word-vector file or model. An encoder should load its file in ``encode``, not when it
-is built: :func:`class_embeddings` builds it to read its ``source`` even when the embeddings are cached.
-
-Every config has the ``text`` key (train.yaml's defaults: ``text: words``); only a text-query head uses it.
+The ``text`` config group (configs/text/; ``words`` by default, used by text-query heads only) names an
+*encoder*: any object with ``encode(names: list[str]) -> Tensor (C, D)`` and a ``source: str`` naming it
+(its kind, file path and model). ``words`` needs no file; ``vectors``, ``sentence`` and ``clip`` read a local
+file or model, in ``encode``, not when built: :func:`class_embeddings` builds the encoder to read its
+``source`` even when the embeddings are cached.
 """
 
 from __future__ import annotations
@@ -226,10 +224,9 @@ def encoder_from_stored(record: Any) -> TextEncoder:
     return encoder
 
 
-# What the encoders that load a model (``text=sentence``, ``text=clip``) share: the optional package they
-# need, imported with a one-line error naming the extra, and the Hugging Face Hub held offline while a
-# model loads, so a name that is not a local file never turns into a download.
-# The environment variables that put huggingface_hub, transformers and datasets offline.
+# What the encoders that load a model (sentence, clip) share: their optional package, imported with a
+# one-line error naming the extra, and the Hugging Face Hub held offline while a model loads (a name that
+# is not a local file never turns into a download) by these variables.
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
 

@@ -7,9 +7,8 @@ CLIP's zero-shot prompt), tokenised by the model's own tokenizer and embedded by
 
 Nothing is downloaded: the model is built from open_clip's own config with no pretrained weights (no
 ``hf-hub:`` or ``local-dir:`` name), with the Hugging Face Hub offline, and the weights are read by mlcls
-itself through its door (:func:`load_weights`): a ``.safetensors`` file, or a ``torch.save`` file through
-:func:`mlcls.io.open_checkpoint` and ``torch.load(weights_only=True)`` -- never an OpenAI TorchScript
-archive, which is code. The text tower's weights must all be in the file (the image tower's are not used).
+itself (:func:`load_weights`) -- never an OpenAI TorchScript archive, which is code. The text tower's
+weights must all be in the file (the image tower's are not used).
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ with the optional extra ``pip install 'mlcls[sentence]'``.
 A class name's phrase (:func:`mlcls.text.phrase`) is embedded by the model's own ``encode``. The folder is
 someone else's files, so before the library sees it (:func:`check_model_folder`):
 
-* it must be a local folder: a Hub name (``sentence-transformers/all-MiniLM-L6-v2``) is refused, never
-  downloaded, and the model loads with the Hub offline (:func:`mlcls.text.offline`,
-  ``local_files_only``);
+* it must be a local folder: a Hub name is refused, never downloaded, and the model loads with the Hub
+  offline (:func:`mlcls.text.offline`, ``local_files_only``);
 * no code of the folder runs: ``trust_remote_code=False``, every module ``modules.json`` names must be one
   of sentence-transformers' own (``sentence_transformers.*``), and pickle files (``pytorch_model.bin``,
   ``*.pt``, ...: unpickling can run code) are refused, safetensors weights required;

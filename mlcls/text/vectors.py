@@ -7,17 +7,15 @@ traffic + light); once :func:`mlcls.text.class_embeddings` has L2-normalised eac
 that ML-Decoder's and LESA's zero-shot queries use are the same vector.
 
 The file is someone else's data, read through :func:`mlcls.io.open_regular` (a regular file of at most
-``CAPS["word vectors"]`` = 8 GiB) and streamed one line at a time:
+``CAPS["word vectors"]``) and streamed one line at a time:
 
 * only the vectors of the class names' words are kept, so memory is bounded by the class list (distinct
   words x D x 8 bytes), never by the file; the reading stops once every word has been found;
 * a line is read :data:`MAX_LINE_BYTES` at most: a longer one is refused without being read whole;
 * every line read has the same number of values (the header's ``dim``, or the first line's), each a finite
   number; a value of a kept word that is not is refused, naming the line;
-* a word of the file never reaches a terminal unescaped: errors quote it with ``repr``.
-
-Every fault is one line; words missing from the file are named in one (the first
-:data:`MAX_NAMED_MISSING`, then how many more).
+* a word of the file never reaches a terminal unescaped: errors quote it with ``repr``; every fault is one
+  line (missing words: the first :data:`MAX_NAMED_MISSING`, then how many more).
 """
 
 from __future__ import annotations
