@@ -178,12 +178,10 @@ def all_gather_rows(rows: Tensor) -> Tensor:
 
 
 def gather_batch(logits: Tensor, targets: Tensor, check_sizes: bool = True) -> tuple[Tensor, Tensor]:
-    """Concatenate every rank's rows, in rank order; gradients flow back to each rank's ``logits``.
-
-    The backward *sums* the gradients that all ranks send to a rank's slice. Every rank computes the same
-    loss on the same global batch, so that sum is ``world_size`` times the gradient of the global loss,
-    and DDP's averaging over ranks divides it back: the parameter gradient equals that of one process
-    training on the concatenated batch.
+    """Concatenate every rank's rows, in rank order; gradients flow back to each rank's ``logits``. The
+    backward *sums* the gradients all ranks send to a rank's slice: every rank computes the same loss on the
+    same global batch, so that sum is ``world_size`` times the global loss's gradient, and DDP's averaging
+    divides it back to that of one process training on the concatenated batch.
 
     Every rank must hold the same number of rows: ``check_sizes`` (a collective: the same on every rank)
     compares them, a ``ValueError`` on a mismatch. :class:`BucketedLoss` checks on its first call only:

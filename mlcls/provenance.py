@@ -35,13 +35,10 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 
 def git_state(package_dir: Path | None = None) -> dict[str, Any]:
-    """``{"commit": sha, "dirty": bool}`` of the git checkout holding the mlcls sources.
-
-    ``dirty`` is True when ``git status --porcelain`` lists anything (modified, staged or untracked files that
-    .gitignore does not exclude), i.e. when the commit alone does not reproduce the code. Both are None when
-    the package does not run from a git checkout, e.g. installed from a wheel: a git repository that merely
-    encloses site-packages is not the package's.
-    """
+    """``{"commit": sha, "dirty": bool}`` of the git checkout holding the mlcls sources; ``dirty`` when
+    ``git status --porcelain`` lists anything (the commit alone does not reproduce the code). Both are None
+    when the package does not run from a git checkout (a wheel: a repository that merely encloses
+    site-packages is not the package's)."""
     package_dir = Path(package_dir or Path(mlcls.__file__).resolve().parent)
     unknown: dict[str, Any] = {"commit": None, "dirty": None}
     top = _git(["rev-parse", "--show-toplevel"], package_dir)

@@ -65,12 +65,9 @@ class Checkpointer:
 
     def resume(self) -> bool:
         """Restore ``trainer.resume`` (a file, or ``auto``: :func:`choose_resume_checkpoint`) into the parts,
-        the scaler and the state (:func:`restore`); True if a checkpoint was loaded.
-
-        Each file is read once: rank 0 chooses by loading and restores from what it loaded; the other ranks
-        load the path it chose (ranks that chose for themselves could load different files when one is
-        being written or a node's file system lags).
-        """
+        the scaler and the state (:func:`restore`); True if a checkpoint was loaded. Rank 0 chooses by loading
+        and restores from what it loaded; the other ranks load the path it chose (ranks choosing for
+        themselves could load different files while one is written or a node's file system lags)."""
         resume = self.cfg.trainer.resume
         if not resume:
             return False
@@ -114,12 +111,9 @@ class Checkpointer:
         self, is_best: bool, best_thresholds: torch.Tensor | None, thresholds_split: str
     ) -> None:
         """Write ``best.pt`` (when ``is_best``), then ``iter_<iteration>.pt``, point ``last.pt`` at it and
-        keep the newest ``trainer.keep_checkpoints`` of them (nothing else in the folder is touched).
-
-        In that order a kill at any point leaves a consistent pair: the newest training checkpoint names a
-        best epoch whose ``best.pt`` exists (a kill before it is written leaves the previous ``best.pt`` and
-        the previous training checkpoint, from which a resumed run reaches this epoch again).
-        """
+        keep the newest ``trainer.keep_checkpoints`` of them. In that order a kill at any point leaves a
+        consistent pair: the newest training checkpoint names a best epoch whose ``best.pt`` exists (a kill
+        before it leaves the previous pair, from which a resumed run reaches this epoch again)."""
         parts = self.parts
         loss = parts["loss"]
         checkpoint = {

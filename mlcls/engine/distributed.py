@@ -127,11 +127,9 @@ def init_distributed(device_preference: str = "auto", timeout_s: float | None = 
 
 
 def agree(error: BaseException | None) -> None:
-    """Exchange every rank's outcome of a piece of work; raise on every rank if any rank failed.
-
-    The failing rank re-raises its own error; the others raise :class:`RankFailed` naming the first failed
-    rank and its error. Call it on every rank at the same point, where a rank would otherwise wait in a
-    collective (a barrier, a gather) for a rank that will never arrive.
+    """Exchange every rank's outcome of a piece of work; raise on every rank if any rank failed: the failing
+    rank its own error, the others :class:`RankFailed` naming the first failed rank and its error. Call it
+    on every rank at the point where a rank would otherwise wait in a collective for one that never comes.
     """
     if error is not None and not isinstance(error, Exception):
         raise error  # KeyboardInterrupt, SystemExit: this process ends at once

@@ -130,8 +130,8 @@ def build_optimizer(
     ``params``, ``name`` (one word) and ``lr_scale``, trained at ``lr_scale * lr_head`` without weight decay.
     A group key that is not a number >= 0 (the ``*_weight_decay`` ones may be null) is a ConfigError.
 
-    Group 0 is the head at ``lr_head``; :func:`group_lrs` reads the learning rates by part; a resumed state's
-    groups must be these (:func:`mlcls.engine.state_checks.check_optimizer`).
+    Group 0 is the head at ``lr_head``; :func:`group_lrs` reads the learning rates by part. Loading a state
+    dict checks that its groups are this optimizer's (same names and sizes).
     """
     settings = _settings(cfg)
     for key in GROUP_KEYS:
@@ -149,7 +149,28 @@ def build_optimizer(
     optimizer = _build("optim", settings, parameter_groups(model, cfg) + extra)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optim._target_={settings.get('_target_')} is not a torch optimizer class")
+    optimizer.register_load_state_dict_pre_hook(_match_saved_groups)
     return optimizer
+
+
+def _group_layout(groups: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{g.get('name', '?')} {len(g['params'])}" for g in groups)
+
+
+def _match_saved_groups(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """Load-state pre-hook: one clear error when the saved groups differ."""
+    saved = state["param_groups"]
+    ours = optimizer.param_groups
+    same = len(saved) == len(ours) and all(
+        len(s["params"]) == len(o["params"]) and s.get("name") == o["name"]
+        for s, o in zip(saved, ours, strict=True)
+    )
+    if not same:
+        raise ValueError(
+            f"the saved optimizer state has parameter groups ({_group_layout(saved)}) where this config "
+            f"makes ({_group_layout(ours)}): resume with the run's model and optim.*_weight_decay settings"
+        )
+    return state
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:

@@ -62,11 +62,9 @@ def hydra_run_dir() -> Path | None:
 
 def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: bool, cfg: DictConfig) -> Path:
     """``output_dir`` (``trainer.output_dir``), else Hydra's job directory, else ``outputs/<date>/<time>``;
-    locked, with ``checkpoints/`` and ``config.yaml`` (``cfg`` resolved) in it.
-
-    Rank 0 decides for every process: each rank's Hydra resolves ``${now:...}`` on its own clock, and a
-    directory Hydra made that is not the run's is removed again when empty.
-    """
+    locked, with ``checkpoints/`` and ``config.yaml`` (``cfg`` resolved) in it. Rank 0 decides for every
+    process (each rank's Hydra resolves ``${now:...}`` on its own clock); a directory Hydra made that is
+    not the run's is removed again when empty."""
     chosen = output_dir or hydra_dir or f"outputs/{datetime.now():%Y-%m-%d/%H-%M-%S}"
     run_dir = Path(collectives.broadcast_object(str(chosen))).absolute()
     if hydra_dir is not None and hydra_dir.absolute() != run_dir:
@@ -147,13 +145,11 @@ def _holder_alive(holder: dict[str, Any]) -> bool:
 
 def acquire_run_lock(run_dir: Path) -> None:
     """Take ``run_dir``'s lock for this process until :func:`release_run_lock` (or exit), then remove the
-    temporary files that writes of a killed run left in it (:func:`sweep_temporary_files`).
-
-    A lock of a live run raises :class:`RunDirLocked` naming its holder; a stale one (its process gone
-    from this host, or its process id now another process's: :func:`process_identity`) is taken over with a
-    warning, by exactly one of the processes that found it (:func:`_take_over_if_stale`). The lock appears
-    with its content in one step (a hard link of a complete file), so no run reads a half-written one.
-    """
+    temporary files that writes of a killed run left in it (:func:`sweep_temporary_files`). A lock of a
+    live run raises :class:`RunDirLocked` naming its holder; a stale one (its process gone from this host,
+    or its process id now another process's: :func:`process_identity`) is taken over with a warning, by
+    exactly one of the processes that found it (:func:`_take_over_if_stale`). The lock appears with its
+    content in one step (a hard link of a complete file), so no run reads a half-written one."""
     lock = run_dir / LOCK_NAME
     holder = {
         "host": socket.gethostname(),
