@@ -10,12 +10,9 @@ from typing import Any
 def flatten_config(
     config: Mapping[str, Any], group_value: Callable[[str, Mapping[str, Any]], Any] | None = None
 ) -> dict[str, Any]:
-    """Every leaf of ``config`` under its dotted key, in the config's order; a list is one value.
-
-    A group (a nested mapping) for which ``group_value(dotted_key, group)`` is not None also appears under
-    its own key, with that value, before its leaves. Walked with an explicit stack, so a deeply nested
-    config costs memory in proportion to its size, never a RecursionError.
-    """
+    """Every leaf of ``config`` under its dotted key, in the config's order; a list is one value. A group
+    (a nested mapping) for which ``group_value(dotted_key, group)`` is not None also appears under its own
+    key, with that value, before its leaves. Walked with an explicit stack: never a RecursionError."""
     flat: dict[str, Any] = {}
     stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", iter(config.items()))]
     while stack:

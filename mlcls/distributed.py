@@ -1,18 +1,14 @@
 """Every collective of mlcls, beside no other code: objects and sums for the trainer, the exact gather of
 evaluation outputs, and the differentiable gather of a loss's global batch. Each is the identity (or an
 error, where a process group is required) without an initialised process group; each is a collective,
-which every rank must call at the same point.
+which every rank must call at the same point. The process group itself (torchrun, SLURM) and the agreement
+on a rank's failure are :mod:`mlcls.engine.distributed`'s.
 
 Evaluation splits the validation set into rank parts without padding (rank ``r`` takes indices
-``r, r + W, r + 2W, ...``; see :class:`mlcls.data.sampling.RankSampler`), so parts may differ in length by
-one, and a rank may hold no row at all when the set is smaller than the world. :func:`gather_rank_parts`
-brings every rank's rows to every rank, or to one rank ``dst`` only, each sample exactly once and in dataset
-order, so 1 and N processes evaluate identical tensors. Floating-point rows are converted to float32 first,
-whatever the AMP dtype they were computed in, on every path: float16/bfloat16 to float32 is exact, so the
-gathered scores are the model's outputs bit for bit.
-
-The process group itself (torchrun, SLURM) and the agreement on a rank's failure are
-:mod:`mlcls.engine.distributed`'s.
+``r, r + W, r + 2W, ...``: :class:`mlcls.data.sampling.RankSampler`), so parts may differ in length by one
+and a rank may hold none. :func:`gather_rank_parts` brings each sample exactly once, in dataset order, so
+1 and N processes evaluate identical tensors; floating-point rows become float32 first, which is exact
+from float16/bfloat16: the gathered scores are the model's outputs bit for bit.
 """
 
 from __future__ import annotations
@@ -31,13 +27,9 @@ def _part_length(rank: int, world: int, total: int) -> int:
 
 
 def communication_device(backend: str) -> torch.device:
-    """The device whose tensors a process group with ``backend`` should exchange: the current CUDA device
-    when the group serves CUDA tensors with NCCL, else the CPU.
-
-    ``backend`` is what ``torch.distributed.get_backend()`` returns: one name (``"nccl"``, ``"gloo"``) or
-    one per device type, as the trainer's ``"cpu:gloo,cuda:nccl"`` (where NCCL is the CUDA backend, not
-    the group's name).
-    """
+    """The device whose tensors a process group with ``backend`` (``torch.distributed.get_backend()``'s:
+    one name, or one per device type as the trainer's ``"cpu:gloo,cuda:nccl"``) should exchange: the
+    current CUDA device when NCCL serves CUDA tensors, else the CPU."""
     if ":" in backend:
         per_device = dict(part.split(":", 1) for part in backend.split(","))
         cuda_backend = per_device.get("cuda")
@@ -53,11 +45,9 @@ def gather_rank_parts(local: torch.Tensor, total: int, dst: int | None = None) -
     order.
 
     ``local`` is (n_r, ...) on each rank with ``n_r = len(range(rank, total, world_size))``; a rank without
-    rows may pass any empty tensor (e.g. ``torch.empty(0)``). Without an initialised process group (or
-    with one process) ``local`` itself is the whole set. The result is on the CPU, float32 if ``local``
-    is floating point (other dtypes unchanged), on every rank (``dst=None``) or on rank ``dst`` only (the
-    other ranks get None, and hold no copy of the whole set). Every rank must call it (a collective);
-    communication runs on :func:`communication_device` (CUDA when the group has NCCL for it).
+    rows may pass any empty tensor (e.g. ``torch.empty(0)``). The result is on the CPU, float32 if
+    ``local`` is floating point, on every rank (``dst=None``) or on rank ``dst`` only (the others get None
+    and hold no copy of the whole set); it travels on :func:`communication_device`.
 
     Raises:
         ValueError: on every rank alike, if a part does not have the length above -- e.g. parts padded
@@ -118,8 +108,7 @@ def initialized() -> bool:
 
 
 def rank() -> int:
-    """This process's rank in the process group, 0 without one (a holder of a
-    :class:`mlcls.engine.distributed.DistInfo` asks its ``is_main``)."""
+    """This process's rank in the process group, 0 without one."""
     return dist.get_rank() if initialized() else 0
 
 
@@ -152,11 +141,6 @@ def all_reduce_max(flag: torch.Tensor, async_op: bool = False) -> dist.Work | No
     """``flag`` replaced in place by its maximum over the ranks (a stop request of any rank); with
     ``async_op`` the exchange is only started, and the returned work's ``wait()`` completes it."""
     return dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=async_op)
-
-
-def barrier() -> None:
-    if initialized():
-        dist.barrier()
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
@@ -194,17 +178,14 @@ def all_gather_rows(rows: Tensor) -> Tensor:
 
 
 def gather_batch(logits: Tensor, targets: Tensor, check_sizes: bool = True) -> tuple[Tensor, Tensor]:
-    """Concatenate every rank's rows, in rank order; gradients flow back to each rank's ``logits``.
+    """Concatenate every rank's rows, in rank order; gradients flow back to each rank's ``logits``. The
+    backward *sums* the gradients all ranks send to a rank's slice: every rank computes the same loss on the
+    same global batch, so that sum is ``world_size`` times the global loss's gradient, and DDP's averaging
+    divides it back to that of one process training on the concatenated batch.
 
-    The backward *sums* the gradients that all ranks send to a rank's slice. Every rank computes the same
-    loss on the same global batch, so that sum is ``world_size`` times the gradient of the global loss,
-    and DDP's averaging over ranks divides it back: the parameter gradient equals that of one process
-    training on the concatenated batch.
-
-    Every rank must hold the same number of rows. ``check_sizes`` compares them (one all-gather and a
-    read back to the host) and raises ``ValueError`` on a mismatch; every rank must pass the same value,
-    since the check is a collective. :class:`BucketedLoss` checks on its first call only: the training
-    loaders drop the last incomplete batch, so the sizes cannot change afterwards.
+    Every rank must hold the same number of rows: ``check_sizes`` (a collective: the same on every rank)
+    compares them, a ``ValueError`` on a mismatch. :class:`BucketedLoss` checks on its first call only:
+    the training loaders drop the last incomplete batch, so the sizes cannot change afterwards.
     """
     if not initialized():
         raise ValueError("gather=True needs torch.distributed initialised (run under torchrun)")

@@ -15,6 +15,16 @@ class InferenceError(ValueError):
     checkpoint or preprocessing spec, a model whose scores are NaN."""
 
 
+def is_integer(value: object) -> bool:
+    """An ``int`` that is not a ``bool`` (``True`` is an int to Python, never a count to a config)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An ``int`` or ``float`` that is not a ``bool`` (finite or not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def plural(count: int, noun: str) -> str:
     """``"1 image"``, ``"3 images"``, ``"2 classes"``: ``count`` and ``noun``, plural unless ``count`` is 1
     (``-es`` after a sibilant: s, x, z, sh, tch; "epochs", not "epoches")."""
@@ -31,6 +41,13 @@ def printable(text: str) -> str:
     return "".join(
         char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in text
     )
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (its type's name when it has none), :func:`printable`: another
+    library's error, quoted in a one-line one."""
+    lines = str(error).strip().splitlines()
+    return printable(lines[0].strip()) if lines else type(error).__name__
 
 
 def shown(value: object, limit: int = 60) -> str:

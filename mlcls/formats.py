@@ -1,21 +1,20 @@
 """The one layout number of every file mlcls writes for itself to read again -- checkpoints and packed
-datasets' ``manifest.json`` -- and the one function that brings what it read to that layout.
+datasets' ``manifest.json`` -- and the one function that brings what it read to that layout (refusing in one
+line what it cannot read); with the config keys renamed on purpose (README, "Renamed keys"). A change a
+reader must know of raises :data:`FORMAT` by one and adds its step to :func:`upgrade`:
 
-Every such file holds ``format`` (:data:`FORMAT`). A change a reader must know of raises it by one and adds
-its step to :func:`upgrade`. A file of a newer mlcls, or one whose number is not an integer, is refused in
-one line. What cannot be upgraded in place is refused with what to do instead.
-
-* 1: checkpoints with the configs' old key names (``mlcls.renamed``); packs with a dense label row per
+* 1: checkpoints with the configs' old key names (:data:`RENAMED_KEYS`); packs with a dense label row per
   sample (never read: pack again).
 * 2: configs' new key names; packs' sparse label rows.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
-from mlcls.renamed import upgrade_config
+from mlcls.errors import is_integer
 
 FORMAT = 2
 KINDS = ("checkpoint", "pack")
@@ -30,7 +29,7 @@ def upgrade(
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; expected one of {', '.join(KINDS)}")
     stored = document.get("format", 1)
-    if not isinstance(stored, int) or isinstance(stored, bool) or not 1 <= stored <= FORMAT:
+    if not is_integer(stored) or not 1 <= stored <= FORMAT:
         raise error(
             f"{where} is of {kind} format {repr(stored)[:40]}; this mlcls reads formats 1 to {FORMAT} "
             "(a newer mlcls wrote it: upgrade mlcls)"
@@ -43,3 +42,76 @@ def upgrade(
         document["config"] = upgrade_config(document["config"])
     document["format"] = FORMAT
     return document
+
+
+# Old dotted key -> new dotted key. A plain literal: each rename adds its line here and one in the README.
+RENAMED_KEYS: dict[str, str] = {
+    "model.drop_rate": "model.head.drop_rate",
+    "model.num_groups": "model.head.num_groups",
+    "model.decoder_embedding": "model.head.embed_dim",
+    "model.csra_heads": "model.head.num_heads",
+    "model.csra_lam": "model.head.lam",
+    "sched.head_warmup_epochs": "model.head.warmup_epochs",
+    "sched.warmup_iters": "sched.warmup_epochs",
+    "dataset.holdout": "dataset.val_by",
+}
+
+# The head each old flat model key belonged to: a stored config holds every head's keys, the chosen one's
+# are kept.
+OLD_HEAD_KEYS = {
+    "model.drop_rate": "linear",
+    "model.num_groups": "mldecoder",
+    "model.decoder_embedding": "mldecoder",
+    "model.csra_heads": "csra",
+    "model.csra_lam": "csra",
+}
+# Each head's default warm-up in epochs before the head was a config group (configs/sched/cosine.yaml's
+# head_warmup_epochs), now configs/model/head/<head>.yaml's warmup_epochs.
+OLD_HEAD_WARMUP_EPOCHS = {"linear": 0, "mldecoder": 1, "csra": 0}
+
+
+def renamed_key_message(key: str) -> str | None:
+    """The one line for an old ``key`` given on the command line (or a key inside it, such as
+    ``sched.head_warmup_epochs.csra``), or None when ``key`` was not renamed."""
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        old = ".".join(parts[:end])
+        if old in RENAMED_KEYS:
+            return f'{old} was renamed to {RENAMED_KEYS[old]} (see README, "Renamed keys")'
+    return None
+
+
+def upgrade_config(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the plain config ``cfg_dict`` (a stored run's, resolved) with the keys of
+    :data:`RENAMED_KEYS` under their new names; a config without old keys comes back equal.
+
+    The flat model keys of a config written before the head was a config group become ``model.head.*`` for
+    the chosen head (``model.head`` a name then), the other heads' dropped; the head's ``warmup_epochs`` is
+    its old default. ``sched.warmup_epochs`` keeps its resolved value; ``sched.warmup_iters``, in
+    iterations, has no value in epochs without the run's data and is dropped with ``head_warmup_epochs``.
+    """
+    cfg = copy.deepcopy(cfg_dict)
+    model = cfg.get("model")
+    if isinstance(model, dict) and isinstance(model.get("head", "linear"), str):
+        name = model.get("head", "linear")
+        head: dict[str, Any] = {"name": name}
+        for old, owner in OLD_HEAD_KEYS.items():
+            leaf = old.rpartition(".")[2]
+            if leaf in model:
+                value = model.pop(leaf)
+                if owner == name:
+                    head[RENAMED_KEYS[old].rpartition(".")[2]] = value
+        warmup = (
+            cfg.get("sched", {}).get("head_warmup_epochs") if isinstance(cfg.get("sched"), dict) else None
+        )
+        table = warmup if isinstance(warmup, dict) else OLD_HEAD_WARMUP_EPOCHS
+        head["warmup_epochs"] = table.get(name, OLD_HEAD_WARMUP_EPOCHS.get(name, 0))
+        model["head"] = head
+    sched = cfg.get("sched")
+    if isinstance(sched, dict):
+        sched.pop("head_warmup_epochs", None)
+        sched.pop("warmup_iters", None)
+    dataset = cfg.get("dataset")
+    if isinstance(dataset, dict) and "holdout" in dataset and "val_by" not in dataset:
+        dataset["val_by"] = dataset.pop("holdout")  # the CSV dataset's validation split
+    return cfg

@@ -21,9 +21,8 @@ import yaml
 # errno values of a full disk or an exhausted quota
 _FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
-# The temporary files atomic writes make beside ``<name>``: ``.<name>.<random>.tmp`` (:func:`atomic_write`)
-# and ``.<name>.link.tmp`` (a link made atomically, mlcls.engine.checkpoint). A process killed mid-write
-# leaves one behind.
+# The temporary files atomic writes make beside ``<name>``, which a process killed mid-write leaves behind:
+# ``.<name>.<random>.tmp`` (:func:`atomic_write`) and ``.<name>.link.tmp`` (:func:`atomic_link`).
 _TEMPORARY_NAME = re.compile(r"\..+\.[A-Za-z0-9_]+\.tmp")
 
 
@@ -80,14 +79,12 @@ def open_regular(
 ) -> IO:
     """``open(path, mode, **kwargs)`` for reading: the one way mlcls opens a file it did not write in this
     process. Refused with :class:`NotRegularFileError` unless ``path`` (after symbolic links) is a regular
-    file, and with :class:`FileTooLargeError` when ``max_bytes`` is given and the file is larger.
+    file, and with :class:`FileTooLargeError` when the file is over ``max_bytes``.
 
-    A dataset's lists and annotations, a CSV, an image, a checkpoint or a run directory's files are named by
-    a config -- or by a file from someone else. A pipe, a terminal or a device there (``/dev/stdin``,
-    ``/dev/zero``) would block the reader or never end. The path is opened once, without blocking (a pipe
-    with no writer opens at once), and its type and size are read from that open descriptor, so a symbolic
-    link flipped between a check and the open cannot slip a pipe in. A missing path raises
-    :class:`FileNotFoundError`, as ``open`` does.
+    A file named by a config, or by a file from someone else, may be a pipe, a terminal or a device
+    (``/dev/stdin``, ``/dev/zero``) that would block the reader or never end. The path is opened once,
+    without blocking (a pipe with no writer opens at once), and its type and size are read from that open
+    descriptor, so a symbolic link flipped between a check and the open cannot slip a pipe in.
     """
     if any(flag in mode for flag in "wax+"):
         raise ValueError(f"open_regular reads files; mode {mode!r} writes")
@@ -177,9 +174,9 @@ def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
     ``torch.save`` writes a zip archive whose members are stored, not compressed. A member that is
     deflated, or whose declared size differs from the bytes it occupies, lets a file of a few megabytes
     unpack into gigabytes: it is refused (:class:`UnsafeFileError`), as is an archive whose members
-    declare more bytes in all than the file holds (members that overlap). What ``torch.load`` then builds
-    is bounded by the file's size; a tensor whose shape asks for more than its stored bytes is refused by
-    ``torch.load`` itself. A file that is not a zip archive (the format of torch before 1.6) is refused.
+    declare more bytes in all than the file holds (overlapping), or a file that is not a zip archive
+    (torch before 1.6). What ``torch.load`` then builds is bounded by the file's size (a tensor whose shape
+    asks for more than its stored bytes is refused by ``torch.load`` itself).
     """
     file = open_regular(path, "rb", max_bytes=CAPS["checkpoint"], what=what)
     try:
@@ -211,14 +208,16 @@ def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename it over ``path``.
-
-    The file keeps the permissions of the ``path`` it replaces; a new one gets those of the umask
-    (``0o666 & ~umask``), as ``open(path, "w")`` would give it. A full disk raises :class:`DiskFullError`
-    naming ``path`` and the free space, ``path`` unchanged.
-    """
+    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename it over ``path``,
+    keeping the permissions of the file it replaces (a new one: ``0o666 & ~umask``, as ``open`` gives it).
+    A full disk raises :class:`DiskFullError` naming ``path`` and the free space, ``path`` unchanged."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = _mode_for(path)
+    try:  # never the special bits: ``path`` may link to another user's file, and the new one is ours
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)  # the only way to read it; set back at once
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -233,17 +232,20 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
-def _mode_for(path: Path) -> int:
-    """The permission bits (``0o777``) ``path`` has, or for a new file ``0o666`` less the process's umask.
-
-    Never the special bits (setuid, setgid, sticky): ``path`` may be a symlink to a file another user
-    owns, and the file written in its place belongs to this process."""
+def atomic_link(src: Path, dst: Path) -> None:
+    """Make ``dst`` the same file as ``src`` atomically (a hard link where possible, else a copy)."""
+    tmp = dst.with_name(f".{dst.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
     try:
-        return path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        umask = os.umask(0)  # the only way to read it; set back at once
-        os.umask(umask)
-        return 0o666 & ~umask
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        raise_if_disk_full(exc, dst)
+        raise
 
 
 def raise_if_disk_full(exc: BaseException, path: Path) -> None:
@@ -258,20 +260,18 @@ def raise_if_disk_full(exc: BaseException, path: Path) -> None:
             continue
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in _FULL_DISK_ERRNOS:
-            free = shutil.disk_usage(path.parent).free
+            free = shutil.disk_usage(path.parent).free / MiB
             raise DiskFullError(
-                f"cannot write {path}: no space left on the device ({free / 2**20:.1f} MiB free in "
-                f"{path.parent}); the previous {path.name}, if any, is unchanged",
+                f"cannot write {path}: no space left on the device ({free:.1f} MiB free in {path.parent}); "
+                f"the previous {path.name}, if any, is unchanged",
             ) from exc
         pending += [error.__cause__, error.__context__]
 
 
 def sweep_temporary_files(directory: Path) -> list[Path]:
     """Remove from ``directory`` (not its subfolders) the temporary files of atomic writes that a killed
-    process left behind (``.<name>.<random>.tmp``, ``.<name>.link.tmp``); return the files removed.
-
-    Only for a directory no other process writes into at the same time: a live write's file would go too.
-    """
+    process left behind; return the files removed. Only for a directory no other process writes into at the
+    same time: a live write's file would go too."""
     if not directory.is_dir():
         return []
     removed = []
@@ -283,5 +283,4 @@ def sweep_temporary_files(directory: Path) -> list[Path]:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`atomic_write`)."""
     atomic_write(path, lambda f: f.write(data))

@@ -35,13 +35,10 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 
 def git_state(package_dir: Path | None = None) -> dict[str, Any]:
-    """``{"commit": sha, "dirty": bool}`` of the git checkout holding the mlcls sources.
-
-    ``dirty`` is True when ``git status --porcelain`` lists anything (modified, staged or untracked files that
-    .gitignore does not exclude), i.e. when the commit alone does not reproduce the code. Both are None when
-    the package does not run from a git checkout, e.g. installed from a wheel: a git repository that merely
-    encloses site-packages is not the package's.
-    """
+    """``{"commit": sha, "dirty": bool}`` of the git checkout holding the mlcls sources; ``dirty`` when
+    ``git status --porcelain`` lists anything (the commit alone does not reproduce the code). Both are None
+    when the package does not run from a git checkout (a wheel: a repository that merely encloses
+    site-packages is not the package's)."""
     package_dir = Path(package_dir or Path(mlcls.__file__).resolve().parent)
     unknown: dict[str, Any] = {"commit": None, "dirty": None}
     top = _git(["rev-parse", "--show-toplevel"], package_dir)
@@ -89,21 +86,11 @@ def collect_provenance(
     wall_time_s: float,
     images_per_s: float,
 ) -> dict[str, Any]:
-    """The provenance block of ``results.json``.
-
-    Args:
-        cfg: the composed run config; stored resolved under ``"config"``.
-        world_size: number of processes (GPUs) the run trained on.
-        device: this process's device; its GPU name is recorded (None on the CPU).
-        train_size, val_size: number of training and evaluation samples actually used.
-        wall_time_s: training time so far, in seconds.
-        images_per_s: training throughput over all processes.
-
-    Returns a JSON-serialisable dict: ``git`` (commit, dirty), ``config``, ``world_size``, ``bucket_size``
-    (the configured ``loss.bucket_size``) and ``effective_bucket_size`` (M, see
-    :func:`effective_bucket_size`), ``versions``, ``device`` (type, GPU name), ``dataset`` sizes,
-    ``wall_time_s``, ``images_per_s``, ``host``, ``command`` and ``written_at`` (UTC, ISO 8601).
-    """
+    """The provenance block of ``results.json``, JSON-serialisable: ``git`` (commit, dirty), ``config``
+    (``cfg`` resolved), ``world_size``, ``bucket_size`` (as configured) and ``effective_bucket_size`` (M,
+    :func:`effective_bucket_size`), ``versions``, ``device`` (type, GPU name: None on the CPU), ``dataset``
+    (the samples used), ``wall_time_s`` (training so far), ``images_per_s`` (over all processes), ``host``,
+    ``command`` and ``written_at`` (UTC, ISO 8601)."""
     config = OmegaConf.to_container(cfg, resolve=True)
     loss = config.get("loss") or {}
     batch_size = int(config["trainer"]["batch_size"])

@@ -15,7 +15,7 @@ from torch.utils.data import Subset
 from mlcls.cli import train as train_cli
 from mlcls.engine.build import build_run, classes_without_positives
 from mlcls.engine.checkpoint import load_checkpoint
-from mlcls.engine.preemption import StopSignals
+from mlcls.engine.distributed import StopSignals
 from mlcls.engine.trainer import Preempted, Trainer
 
 

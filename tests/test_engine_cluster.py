@@ -18,9 +18,9 @@ import torch
 from conftest import TINY, compose_config
 from ranks import run_ranks
 
-import mlcls.engine.checkpoint as checkpoint_module
+import mlcls.engine.checkpointer as checkpointer_module
 import mlcls.engine.logging as logging_module
-from mlcls.engine import preemption
+from mlcls.engine import distributed as engine_distributed
 from mlcls.engine.build import warn_protocol
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.trainer import NonFiniteError, Trainer
@@ -219,7 +219,7 @@ def test_a_failing_rank0_start_up_ends_every_rank(ranks):
 def _resume(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """An uninterrupted epoch; the same epoch stopped by a signal to rank 0 after step 2, then resumed
     while rank 1 sees no checkpoint of its own (as on a node whose file system lags)."""
-    monkeypatch.setattr(preemption, "POLL_EVERY", 1)
+    monkeypatch.setattr(engine_distributed, "POLL_EVERY", 1)
     level_before = logging.getLogger("mlcls").level
     straight = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'straight'}"])).fit()
     level_after = logging.getLogger("mlcls").level
@@ -237,8 +237,8 @@ def _resume(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
         stopped = "finished"
     except Exception as exc:  # noqa: BLE001
         stopped = type(exc).__name__
-    if rank == 1:  # what choose_resume_checkpoint lists: had rank 1 chosen for itself, it would start afresh
-        monkeypatch.setattr(checkpoint_module, "resume_candidates", lambda directory: [])
+    if rank == 1:  # had rank 1 chosen for itself, it would start afresh
+        monkeypatch.setattr(checkpointer_module, "choose_resume_checkpoint", lambda *args: (None, None))
     resumed_trainer = Trainer(
         compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}", "trainer.resume=auto"])
     )

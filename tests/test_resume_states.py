@@ -174,6 +174,12 @@ CRAFTED = [
     ("sgd", "history of strings", _set(history=["x"]), ["history[0] holds 'x'"]),
     ("sgd", "resumes a float", _set(resumes=1.5), ["resumes holds 1.5"]),
     ("sgd", "thresholds of 2 classes", _set(thresholds=torch.zeros(2)), ["thresholds", "(2,)"]),
+    (  # the old code loaded the model, then the optimizer's load-state hook raised a ValueError
+        "sgd",
+        "optimizer group renamed",
+        lambda c: c["optimizer"]["param_groups"][0].update(name="head_norm"),
+        ["optimizer param_groups[0]['name'] holds 'head_norm'", "expected 'head'"],
+    ),
 ]
 
 

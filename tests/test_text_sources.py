@@ -363,7 +363,7 @@ def test_clip_refuses_a_foreign_checkpoint_a_pickle_and_a_remote_name_in_one_lin
 
 
 def test_a_missing_extra_is_one_line_naming_it():
-    from mlcls.text.local import require
+    from mlcls.text import require
 
     with pytest.raises(ConfigError, match=r"pip install 'mlcls\[clip\]'") as caught:
         require("mlcls_no_such_package", "clip", "clip")
@@ -371,7 +371,7 @@ def test_a_missing_extra_is_one_line_naming_it():
 
 
 def test_offline_holds_the_hub_offline_then_restores_it(monkeypatch):
-    from mlcls.text.local import OFFLINE_VARIABLES, offline
+    from mlcls.text import OFFLINE_VARIABLES, offline
 
     for name in OFFLINE_VARIABLES:
         monkeypatch.delenv(name, raising=False)

@@ -9,7 +9,7 @@ naming the valid options. Only then is the config composed a second time, to fin
 correct command line costs no composition.
 
 Where Hydra reports nothing, the command line is checked before Hydra runs (:func:`check_command_line`):
-a key renamed on purpose (:data:`mlcls.renamed.RENAMED_KEYS`) stops with one line naming the new one, with
+a key renamed on purpose (:data:`mlcls.formats.RENAMED_KEYS`) stops with one line naming the new one, with
 or without ``+``; ``+key=value`` for a key the config lacks is accepted by Hydra and read by nothing
 (``+trainer.epoch=3`` trains the default number of epochs), so it is refused. ``++key=value`` (Hydra's
 explicit "add or replace") is left alone, as are deletions (``~key``) and ``hydra.*`` settings. A choice
@@ -39,7 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 from mlcls import config_dir
 from mlcls.cli.errors import one_line, user_errors
 from mlcls.errors import ConfigError
-from mlcls.renamed import renamed_key_message
+from mlcls.formats import renamed_key_message
 
 # Configs composed per command at most for swept config groups (e.g. experiment=a,b,c); beyond, no check.
 MAX_COMPOSITIONS = 64

@@ -1,33 +1,19 @@
-"""Atomic checkpoint and result files, read without running code from them, and what a checkpoint holds
-besides the weights: one ``format`` number, upgraded in one place, and the run's :class:`TrainState`.
+"""What a checkpoint holds and how it is read: plain data in one ``format`` (:data:`mlcls.formats.FORMAT`,
+upgraded by :func:`mlcls.formats.upgrade` in :func:`load_checkpoint`, the one reader), and the run's
+:class:`TrainState`. Which files a run writes and resumes is :mod:`mlcls.engine.checkpointer`'s.
 
-Every file is written to a temporary file in the same directory, flushed to disk and renamed over the
-target, so a crash mid-write (or a full disk) leaves the previous complete file in place, never a truncated
-one.
-
-Checkpoints hold plain data only -- tensors, dicts, lists, tuples, strings, numbers, booleans, None -- and
-are read with ``torch.load(weights_only=True)``: a pickle in a file from someone else cannot run code. A
-file that needs more (one written before checkpoints held plain data, or a crafted one) is refused unless
-the caller trusts it explicitly (``trust_checkpoint=true``), or once re-saved by :func:`resave_plain`.
-
-A run of a text-query head (``model.head=mldecoder_zsl | cosine``) also records its text source under
-``text`` (:func:`text_record`); its class embeddings are the head's buffer ``head.class_embeddings`` in
-the model's weights, one row per name of ``classes``.
-
-Every checkpoint written holds ``format`` (:data:`mlcls.formats.FORMAT`); every reader goes through
-:func:`load_checkpoint`, which upgrades what it read (:func:`mlcls.formats.upgrade`) and refuses a newer
-format in one line.
+Checkpoints hold tensors, dicts, lists, tuples, strings, numbers, booleans and None only, read with
+``torch.load(weights_only=True)``: a pickle in a file from someone else cannot run code. A file that needs
+more (written before checkpoints held plain data, or crafted) is refused unless the caller trusts it
+(``trust_checkpoint=true``), or once re-saved by :func:`resave_plain`.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
 import random
 import re
-import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -36,15 +22,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from mlcls.errors import first_line
 from mlcls.formats import FORMAT, upgrade
-
-# re-exported: checkpoints, results and plots use them
-from mlcls.io import atomic_write, open_checkpoint, raise_if_disk_full
+from mlcls.io import atomic_write, open_checkpoint
 from mlcls.models.factory import has_text_queries
-from mlcls.text import text_source
-
-log = logging.getLogger("mlcls")
-
+from mlcls.text import build_encoder
 
 # How the one-line errors tell a user to trust a checkpoint they wrote themselves, or to re-save it.
 TRUST_HINT = (
@@ -78,12 +60,12 @@ def plain(data: Any) -> Any:
 
 
 def text_record(cfg: DictConfig) -> dict[str, Any] | None:
-    """What a checkpoint of a text-query head records of the encoder that embedded its class names:
-    ``{"source": its identity (mlcls.text), "config": the run's text config}``, from which
-    ``mlcls-predict classes=...`` embeds new names the same way. None for a head without text queries."""
+    """What a checkpoint of a text-query head records of the encoder that embedded its class names (None
+    for another head): ``{"source", "config": the run's text config}``, with which ``mlcls-predict
+    classes=...`` embeds new names the same way (:func:`mlcls.text.encoder_from_stored`)."""
     if not has_text_queries(cfg.model.head):
         return None
-    return {"source": text_source(cfg.text), "config": plain(cfg.text)}
+    return {"source": build_encoder(cfg.text).source, "config": plain(cfg.text)}
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
@@ -94,12 +76,9 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
 def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", trust: bool = False
 ) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` with ``torch.load(weights_only=True)``.
-
-    Raises :class:`UntrustedCheckpointError` for a file that holds more than plain data (naming the first
-    type it needs), unless ``trust`` (the file is yours: it is unpickled as it is, which can run code), and
-    :class:`CheckpointError` for a missing or unreadable one.
-    """
+    """A checkpoint written by :func:`save_checkpoint`, upgraded to :data:`FORMAT`. A file that holds more
+    than plain data is an :class:`UntrustedCheckpointError` naming the first type it needs, unless ``trust``
+    (it is unpickled as it is, which can run code); a missing or unreadable one a :class:`CheckpointError`."""
     path = Path(path)
     try:
         file = open_checkpoint(path)
@@ -118,9 +97,8 @@ def load_checkpoint(
                 f"(a crafted file, or one written before checkpoints held plain data); "
                 + TRUST_HINT.format(path=path)
             ) from None
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise CheckpointError(
-            f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {first_line})"
+            f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {first_line(exc)})"
         ) from exc
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not an mlcls checkpoint (no 'model' entry)")
@@ -149,62 +127,6 @@ def write_json(data: Any, path: str | Path) -> None:
     """Write ``data`` as indented JSON to ``path`` atomically; NaN and infinities become ``null``."""
     text = json.dumps(_finite_or_none(data), indent=2, allow_nan=False) + "\n"
     atomic_write(Path(path), lambda f: f.write(text.encode()))
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Make ``dst`` the same file as ``src`` atomically (a hard link where possible, else a copy)."""
-    tmp = dst.with_name(f".{dst.name}.link.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        try:
-            os.link(src, tmp)
-        except OSError:
-            shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        raise_if_disk_full(exc, dst)
-        raise
-
-
-def save_training_checkpoint(state: dict[str, Any], directory: str | Path, iteration: int, keep: int) -> Path:
-    """Write ``iter_<iteration>.pt`` atomically, point ``last.pt`` at it, keep the newest ``keep`` of them.
-
-    Returns the path written. ``best.pt`` and unrelated files are never touched.
-    """
-    directory = Path(directory)
-    path = directory / f"iter_{iteration:09d}.pt"
-    save_checkpoint(state, path)
-    _link_or_copy(path, directory / "last.pt")
-    for old in sorted(directory.glob("iter_*.pt"))[:-keep]:
-        old.unlink(missing_ok=True)
-    return path
-
-
-def resume_candidates(directory: str | Path) -> list[Path]:
-    """Checkpoints to try for ``resume=auto``, newest first: ``last.pt``, then the numbered ones."""
-    directory = Path(directory)
-    candidates = [directory / "last.pt"] if (directory / "last.pt").is_file() else []
-    return candidates + sorted(directory.glob("iter_*.pt"), reverse=True)
-
-
-def choose_resume_checkpoint(
-    resume: str, directory: str | Path, trust: bool = False
-) -> tuple[str | None, dict[str, Any] | None]:
-    """The checkpoint ``trainer.resume`` names and its contents: a file as given (not read yet: None), or
-    for ``auto`` the newest readable one in ``directory``, read once (an unreadable one, e.g. truncated by a
-    crash, is reported and the previous one tried; an untrusted one ends the search with
-    :class:`UntrustedCheckpointError`); ``(None, None)`` when there is none."""
-    if resume != "auto":
-        return str(resume), None
-    for path in resume_candidates(directory):
-        try:
-            return str(path), load_checkpoint(path, trust=trust)
-        except UntrustedCheckpointError:
-            raise
-        except CheckpointError as exc:
-            log.warning("%s; trying the previous checkpoint", exc)
-    return None, None
 
 
 def seed_everything(seed: int) -> None:
@@ -248,15 +170,11 @@ class EpochProgress:
 
 @dataclass
 class TrainState:
-    """Where training stands: ``epoch`` epochs complete plus ``step`` steps of the next one.
-
-    ``partial`` holds every rank's :class:`EpochProgress` of that incomplete epoch (empty when ``step`` is
-    0), ``history`` one record per finished epoch, ``best`` the best evaluation so far (epoch, mAP@class,
-    mAP@sample and which ``weights``: "raw" or "ema"), ``last_metrics`` the newest evaluation's metrics,
-    ``thresholds`` the per-class thresholds calibrated for the raw weights, ``counts`` the skipped steps
-    and unreadable images, ``rng`` every rank's generator states, ``resumes`` how many times training
-    continued from a checkpoint.
-    """
+    """Where training stands: ``epoch`` epochs complete plus ``step`` steps of the next one, every rank's
+    :class:`EpochProgress` of that one (``partial``), a record per finished epoch (``history``), the best
+    evaluation (epoch, mAP@class, mAP@sample, ``weights`` "raw" or "ema"), the newest one's metrics, the
+    raw weights' calibrated thresholds, skipped steps and images, every rank's generator states and how
+    many times training resumed (:func:`mlcls.engine.state_checks.check_progress` bounds each)."""
 
     epoch: int = 0
     step: int = 0
@@ -276,7 +194,6 @@ class TrainState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (a checkpoint holds it beside the weights)."""
         names = {f.name for f in fields(self)}
         for key, value in state.items():
             if key in names:

@@ -1,6 +1,12 @@
-"""The checkpointer: one object that writes a run's checkpoints (``last.pt``, ``iter_*.pt``, ``best.pt``),
-chooses the one to resume, loads it once and restores the run from it; and starting a new run from another
-run's weights and loss state (``model.init_from``)."""
+"""The checkpointer: one object that writes a run's checkpoints, chooses the one to resume, loads it once
+and restores the run from it; and a new run started from another run's weights and loss state
+(``model.init_from``). In ``<run_dir>/checkpoints``:
+
+    last.pt     the newest full training state (what ``trainer.resume=auto`` loads first)
+    iter_*.pt   the newest ``trainer.keep_checkpoints`` full states (fallbacks)
+    best.pt     the weights of the best mAP@class evaluation (on the held-out share of the training split
+                under ``dataset.holdout_fraction``)
+"""
 
 from __future__ import annotations
 
@@ -18,33 +24,27 @@ from mlcls.engine.checkpoint import (
     CheckpointError,
     EpochProgress,
     TrainState,
-    choose_resume_checkpoint,
+    UntrustedCheckpointError,
     load_checkpoint,
     rng_state,
     save_checkpoint,
-    save_training_checkpoint,
     set_rng_state,
     text_record,
 )
 from mlcls.engine.distributed import DistInfo
 from mlcls.engine.state_checks import RunBounds, check_resume_state
 from mlcls.errors import ConfigError
+from mlcls.io import atomic_link
 
 log = logging.getLogger("mlcls")
 
 
 class Checkpointer:
-    """Keeps a run's state: gathers it from its parts, writes it (rank 0), and resumes the run from it.
-
-    Args:
-        cfg: the run's config (``trainer.resume``, ``trust_checkpoint``, ``keep_checkpoints``, ``amp``).
-        run_dir: the run directory; checkpoints live in ``<run_dir>/checkpoints``.
-        parts: name -> object with ``state_dict`` / ``load_state_dict``: model, optimizer, scheduler, loss,
-            and ema when the run has one.
-        scaler, state, dist: the loss scale, the :class:`TrainState` and the processes of the run.
-        classes, preprocess, iters_per_epoch: what a checkpoint records of the data, and its epoch length;
-            a text-query head's text source is recorded too (:func:`text_record`).
-    """
+    """Keeps a run's state: gathers it from its ``parts`` (name -> model, optimizer, scheduler, loss and
+    ema when the run has one), the ``scaler`` and the :class:`TrainState`, writes it (rank 0) into
+    ``<run_dir>/checkpoints`` with the data's ``classes`` and ``preprocess`` (and a text-query head's
+    :func:`text_record`), and resumes the run from it (``cfg.trainer``'s ``resume``, ``trust_checkpoint``,
+    ``keep_checkpoints``, ``amp``)."""
 
     def __init__(
         self,
@@ -58,33 +58,16 @@ class Checkpointer:
         preprocess: dict[str, Any],
         iters_per_epoch: int,
     ) -> None:
-        self.cfg, self.directory, self.parts, self.scaler, self.state = (
-            cfg,
-            run_dir / "checkpoints",
-            parts,
-            scaler,
-            state,
-        )
-        self.dist, self.classes, self.preprocess, self.iters_per_epoch = (
-            dist,
-            classes,
-            preprocess,
-            iters_per_epoch,
-        )
+        self.cfg, self.directory, self.parts = cfg, run_dir / "checkpoints", parts
+        self.scaler, self.state, self.dist = scaler, state, dist
+        self.classes, self.preprocess, self.iters_per_epoch = classes, preprocess, iters_per_epoch
         self.text = text_record(cfg)
 
     def resume(self) -> bool:
-        """Restore ``trainer.resume`` (a file, or ``auto``: the newest readable checkpoint of the run
-        directory) into the parts, the scaler and the state; True if a checkpoint was loaded.
-
-        Checkpoints are read as plain data (:func:`load_checkpoint`) unless ``trainer.trust_checkpoint``,
-        and each file once: rank 0 chooses by loading and restores from what it loaded; the other ranks
-        load the path it chose (ranks that chose for themselves could load different files when one is
-        being written or a node's file system lags). A checkpoint written with another ``trainer.amp`` is
-        resumed with a warning and a fresh loss scale. Every stored field is checked against the live
-        objects, ``trainer.epochs``, the epoch's length and the number of classes first
-        (:func:`check_resume_state`).
-        """
+        """Restore ``trainer.resume`` (a file, or ``auto``: :func:`choose_resume_checkpoint`) into the parts,
+        the scaler and the state (:func:`restore`); True if a checkpoint was loaded. Rank 0 chooses by loading
+        and restores from what it loaded; the other ranks load the path it chose (ranks choosing for
+        themselves could load different files while one is written or a node's file system lags)."""
         resume = self.cfg.trainer.resume
         if not resume:
             return False
@@ -99,7 +82,7 @@ class Checkpointer:
             )
             return False
         with dist_utils.all_or_none():
-            checkpoint = chosen[1] if chosen is not None and chosen[1] is not None else None
+            checkpoint = chosen[1] if chosen is not None else None
             if checkpoint is None:
                 checkpoint = load_checkpoint(path, trust=trust)
             bounds = RunBounds(int(self.cfg.trainer.epochs), self.iters_per_epoch, len(self.classes))
@@ -118,8 +101,7 @@ class Checkpointer:
     ) -> None:
         """Checkpoint where training stands: after ``state.epoch`` complete epochs (``progress`` None; with
         ``best.pt`` when ``is_best``, holding ``best_thresholds``), or within an epoch with every rank's
-        ``progress``. Every rank's RNG states are gathered; rank 0 writes, every rank returns together,
-        and if rank 0 fails to write, every rank raises its error."""
+        ``progress`` and RNG states; rank 0 writes, and every rank returns (or raises its error) together."""
         self.state.partial = [] if progress is None else collectives.all_gather_object(progress)
         self.state.rng = collectives.all_gather_object(rng_state())
         write = lambda: self._write_files(is_best, best_thresholds, thresholds_split)  # noqa: E731
@@ -128,12 +110,10 @@ class Checkpointer:
     def _write_files(
         self, is_best: bool, best_thresholds: torch.Tensor | None, thresholds_split: str
     ) -> None:
-        """Write ``best.pt`` (when ``is_best``), then the training checkpoint that records it as the best.
-
-        In that order a kill at any point leaves a consistent pair: the newest training checkpoint names a
-        best epoch whose ``best.pt`` exists (a kill before it is written leaves the previous ``best.pt`` and
-        the previous training checkpoint, from which a resumed run reaches this epoch again).
-        """
+        """Write ``best.pt`` (when ``is_best``), then ``iter_<iteration>.pt``, point ``last.pt`` at it and
+        keep the newest ``trainer.keep_checkpoints`` of them. In that order a kill at any point leaves a
+        consistent pair: the newest training checkpoint names a best epoch whose ``best.pt`` exists (a kill
+        before it leaves the previous pair, from which a resumed run reaches this epoch again)."""
         parts = self.parts
         loss = parts["loss"]
         checkpoint = {
@@ -163,7 +143,32 @@ class Checkpointer:
             }
             save_checkpoint(best_weights, self.directory / "best.pt")
         iteration = self.state.epoch * self.iters_per_epoch + self.state.step
-        save_training_checkpoint(checkpoint, self.directory, iteration, self.cfg.trainer.keep_checkpoints)
+        path = self.directory / f"iter_{iteration:09d}.pt"
+        save_checkpoint(checkpoint, path)
+        atomic_link(path, self.directory / "last.pt")
+        for old in sorted(self.directory.glob("iter_*.pt"))[: -self.cfg.trainer.keep_checkpoints]:
+            old.unlink(missing_ok=True)
+
+
+def choose_resume_checkpoint(
+    resume: str, directory: str | Path, trust: bool = False
+) -> tuple[str | None, dict[str, Any] | None]:
+    """The checkpoint ``trainer.resume`` names and its contents: a file as given (not read yet: None), or
+    for ``auto`` the newest readable one in ``directory`` -- ``last.pt``, then ``iter_*.pt`` newest first --
+    read once (an unreadable one, e.g. truncated by a crash, is reported and the previous one tried; an
+    untrusted one ends the search with :class:`UntrustedCheckpointError`); ``(None, None)`` when none is."""
+    if resume != "auto":
+        return str(resume), None
+    directory = Path(directory)
+    last = [directory / "last.pt"] if (directory / "last.pt").is_file() else []
+    for path in last + sorted(directory.glob("iter_*.pt"), reverse=True):
+        try:
+            return str(path), load_checkpoint(path, trust=trust)
+        except UntrustedCheckpointError:
+            raise
+        except CheckpointError as exc:
+            log.warning("%s; trying the previous checkpoint", exc)
+    return None, None
 
 
 def restore(
@@ -177,8 +182,9 @@ def restore(
     bounds: RunBounds | None = None,
 ) -> None:
     """Load a full training checkpoint (``last.pt``, ``iter_*.pt``) into the run's objects, once every
-    field it loads is checked against them and ``bounds`` (None: no upper bounds from the run's length):
-    a field that does not fit is a one-line :class:`CheckpointError` and nothing is loaded."""
+    field it loads is checked against them and ``bounds`` (:func:`check_resume_state`; None: no bounds from
+    the run's length): a field that does not fit is a one-line :class:`CheckpointError` and nothing is
+    loaded. A checkpoint of another ``trainer.amp`` resumes with a warning and a fresh loss scale."""
     if "optimizer" not in checkpoint:
         raise CheckpointError(f"{path} holds weights only (best.pt?); resume needs last.pt or iter_*.pt")
     config = checkpoint.get("config")
@@ -222,13 +228,11 @@ def init_from_checkpoint(
     model: nn.Module, path: str, classes: list[str], trust: bool = False
 ) -> dict[str, Any]:
     """``model.init_from``: load into ``model`` the weights of the mlcls checkpoint ``path`` (a run's, or
-    one ``mlcls-import`` wrote), read as data unless ``trust`` (:func:`load_checkpoint`).
+    one ``mlcls-import`` wrote; plain data unless ``trust``); returns the file's contents.
 
-    With the same class names in the same order, every weight is loaded. Otherwise the classifier
-    (``model.get_classifier()``: the linear layer or the ML-Decoder / CSRA head) keeps its fresh
-    initialisation, said in one log line, and every other weight is loaded. A weight of ``model`` the file
-    lacks, holds in another shape, or a weight the file has that ``model`` lacks is a :class:`ConfigError`
-    naming it and the network the file holds. Returns the file's contents (for :func:`carry_loss_state`).
+    With other class names (or order) the classifier (``model.get_classifier()``) keeps its fresh
+    initialisation, said in one log line. A weight of ``model`` the file lacks or holds in another shape,
+    or one the file has that ``model`` lacks, is a :class:`ConfigError` naming it and the file's network.
     """
     state = load_checkpoint(path, trust=trust)
     weights = state["model"]
@@ -271,11 +275,10 @@ def init_from_checkpoint(
 
 def carry_loss_state(criterion: Any, state: dict[str, Any], path: str, loss_target: str) -> None:
     """``model.init_from`` for a loss with state (ROLE's label estimates, LL-Cp's corrected entries,
-    EM + APL's pseudo-labels): the state continues from the checkpoint ``state`` (best.pt and the training
-    checkpoints hold it under ``loss``) when the file was trained with the same loss (``_target_``) and its
-    tensors have this run's names, shapes and dtypes -- one row per training sample, so the same training
-    set. Otherwise the loss starts afresh, said in one log line. This is the second phase of Cole et al.'s
-    LinearInit: the end-to-end run continues from the linear phase's classifier and label estimates."""
+    EM + APL's pseudo-labels): it continues from the checkpoint ``state``'s ``loss`` when the file was
+    trained with the same loss (``_target_``) and its tensors have this run's names, shapes and dtypes (a
+    row per training sample: the same training set), else starts afresh, said in one log line. This is the
+    second phase of Cole et al.'s LinearInit: the linear phase's classifier and label estimates continue."""
     current = criterion.state_dict() if isinstance(criterion, nn.Module) else {}
     if not current:
         return

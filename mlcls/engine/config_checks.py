@@ -1,10 +1,9 @@
 """Checks of the resolved training config, run before any data is read or any process group is joined.
 
-Each key is checked once. The keys below are the trainer's, the model's starting point and those whose
-validity depends on another group (the batch over the world size, the loss's buckets, the backend's
-transform). The others are checked where they are used: the optimizer's and the schedule's keys when
-they are built (:mod:`mlcls.engine.optim`), a head's keys by the head (:mod:`mlcls.models.heads`), the
-dataset's by the data package, and the loss's by the loss, built here because it costs nothing.
+Each key is checked once: here the trainer's, the model's starting point and those whose validity depends
+on another group (the batch over the world size, the loss's buckets, the backend's transform); the others
+where they are used (optimizer and schedule: :mod:`mlcls.engine.optim`; a head's: the head; the dataset's:
+the data package), the loss's by building it here, which costs nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from omegaconf import DictConfig
 
 from mlcls.data.pipeline.fast import BACKENDS
 from mlcls.engine.rundir import explicit_hydra_run_dir
-from mlcls.errors import ConfigError
+from mlcls.errors import ConfigError, is_integer, is_number
 from mlcls.losses.spec import loss_name
 from mlcls.models.heads import TEXT_HEADS
 
@@ -29,17 +28,17 @@ LOSS_SUM_SCOPES = ("global", "process")
 # trainer.<key>: (its check, what is expected); a null is refused unless the key is in NULLABLE.
 TRAINER_KEYS = {
     **{
-        key: (lambda v: _integer(v) and v > 0, "a positive integer")
+        key: (lambda v: is_integer(v) and v > 0, "a positive integer")
         for key in ("epochs", "batch_size", "eval_every", "log_every", "keep_checkpoints", "max_nonfinite")
     },
-    **{key: (lambda v: _integer(v) and v > 0, "a positive integer, or null") for key in (
+    **{key: (lambda v: is_integer(v) and v > 0, "a positive integer, or null") for key in (
         "limit_train_batches", "limit_val_batches")},
-    "workers": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    "workers": (lambda v: is_integer(v) and v >= 0, "an integer >= 0"),
     "amp": (lambda v: v in AMP_MODES, f"one of {', '.join(AMP_MODES)}"),
     "eval_amp": (lambda v: v in AMP_MODES, f"one of {', '.join(AMP_MODES)}, or null"),
     "device": (lambda v: v in DEVICES, f"one of {', '.join(DEVICES)}"),
-    "ema_decay": (lambda v: _number(v) and 0.0 < v < 1.0, "a number in (0, 1), or null for no EMA"),
-    "grad_clip": (lambda v: _number(v) and v > 0, "a positive number, or null"),
+    "ema_decay": (lambda v: is_number(v) and 0.0 < v < 1.0, "a number in (0, 1), or null for no EMA"),
+    "grad_clip": (lambda v: is_number(v) and v > 0, "a positive number, or null"),
     "loss_sum_scope": (lambda v: v in LOSS_SUM_SCOPES, f"one of {', '.join(LOSS_SUM_SCOPES)}"),
     **{
         key: (lambda v: isinstance(v, bool), "true or false")
@@ -47,14 +46,6 @@ TRAINER_KEYS = {
     },
 }  # fmt: skip
 NULLABLE = ("limit_train_batches", "limit_val_batches", "eval_amp", "ema_decay", "grad_clip")
-
-
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def resolve_amp(amp: str, device: torch.device) -> str:
@@ -145,7 +136,7 @@ def _check_buckets(cfg: DictConfig, world_size: int) -> None:
     bucket = cfg.loss.get("bucket_size")
     if bucket is None:
         return
-    if not _integer(bucket) or bucket <= 0:
+    if not is_integer(bucket) or bucket <= 0:
         raise ConfigError(f"loss.bucket_size={bucket!r}; expected a positive integer")
     if split_batch % bucket:
         what = "global batch" if gathered else "per-process batch"

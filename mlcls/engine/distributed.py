@@ -1,9 +1,15 @@
-"""Process-group set-up under torchrun or SLURM, and the agreement of every rank on a failure (the
-collectives themselves are :mod:`mlcls.distributed`'s).
+"""Process-group set-up under torchrun or SLURM, and what every rank agrees on: a failure, and a stop
+request (the collectives themselves are :mod:`mlcls.distributed`'s).
 
 The process group has two backends: NCCL for CUDA tensors (gradients, logits) and gloo for CPU tensors
-(control messages: the stop flag, the status of a rank's work, objects). Control messages therefore never
-wait for the GPU's stream, and a status exchange can end every rank when one fails.
+(control messages: the stop flag, the status of a rank's work, objects), which therefore never wait for
+the GPU's stream: a status exchange can end every rank when one fails.
+
+SIGTERM and SIGUSR1 (what SLURM sends before a time limit or preemption) and a first SIGINT (Ctrl-C) ask
+the run to stop after the current step, checkpointed; a second SIGINT ends the process at once. Under DDP
+the flags are exchanged every :data:`POLL_EVERY` steps, asynchronously: the exchange started at one poll
+is read at the next, which every rank reaches after the same step, so all ranks stop after the same step
+and no step waits for the decision (:class:`StopSignals`).
 """
 
 from __future__ import annotations
@@ -12,22 +18,21 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from mlcls.distributed import all_gather_object, initialized
+from mlcls.distributed import all_gather_object, all_reduce_max, initialized
 
 log = logging.getLogger("mlcls")
 
 T = TypeVar("T")
-
-# Variables torchrun sets for every process; submitit's are derived into them under SLURM.
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class RankFailed(RuntimeError):
@@ -96,10 +101,8 @@ def world_size_from_environment() -> int:
 
 
 def init_distributed(device_preference: str = "auto", timeout_s: float | None = None) -> DistInfo:
-    """Join the process group torchrun (``WORLD_SIZE`` > 1) or SLURM through submitit describes.
-
-    NCCL serves CUDA tensors and gloo CPU tensors (on the CPU, gloo serves both). Without a launcher this
-    is a single process on rank 0. ``timeout_s`` bounds how long a collective waits for a missing rank.
+    """Join the process group torchrun (``WORLD_SIZE`` > 1) or SLURM through submitit describes (without
+    either: a single process, rank 0); ``timeout_s`` bounds how long a collective waits for a missing rank.
     """
     device = resolve_device(device_preference)
     export_slurm_environment()
@@ -124,11 +127,9 @@ def init_distributed(device_preference: str = "auto", timeout_s: float | None = 
 
 
 def agree(error: BaseException | None) -> None:
-    """Exchange every rank's outcome of a piece of work; raise on every rank if any rank failed.
-
-    The failing rank re-raises its own error; the others raise :class:`RankFailed` naming the first failed
-    rank and its error. Call it on every rank at the same point, where a rank would otherwise wait in a
-    collective (a barrier, a gather) for a rank that will never arrive.
+    """Exchange every rank's outcome of a piece of work; raise on every rank if any rank failed: the failing
+    rank its own error, the others :class:`RankFailed` naming the first failed rank and its error. Call it
+    on every rank at the point where a rank would otherwise wait in a collective for one that never comes.
     """
     if error is not None and not isinstance(error, Exception):
         raise error  # KeyboardInterrupt, SystemExit: this process ends at once
@@ -156,11 +157,8 @@ def all_or_none() -> Iterator[None]:
 
 
 def on_main(work: Callable[[], T], is_main: bool) -> T | None:
-    """``work()`` on rank 0 only, then every rank continues together; if it raises, every rank raises.
-
-    This replaces "rank 0 writes, then barrier": a barrier would leave the other ranks waiting for a rank 0
-    that died, until the collective timeout.
-    """
+    """``work()`` on rank 0 only, then every rank continues together; if it raises, every rank raises
+    (where "rank 0 writes, then barrier" would leave the others waiting for a dead rank 0 until timeout)."""
     result: T | None = None
     with all_or_none():
         if is_main:
@@ -176,3 +174,74 @@ def _describe(error: BaseException) -> str:
 def cleanup() -> None:
     if initialized():
         dist.destroy_process_group()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Steps between two exchanges of the stop flags under DDP: a signal takes effect within 2 x POLL_EVERY steps.
+POLL_EVERY = 10
+
+
+class StopSignals:
+    """Installs the stop handlers for the duration of a ``with`` block. ``received`` is the first signal
+    this process got (or None); :meth:`poll` is the decision all ranks share. The handlers installed before
+    (submitit's, on SLURM) are kept in ``previous``, to be handed the signal once the checkpoint is written.
+    """
+
+    def __init__(self, distributed: bool) -> None:
+        self.distributed = distributed
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+        self._flag = torch.zeros(1)
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def __enter__(self) -> StopSignals:
+        self.previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pending is not None:  # a started exchange must complete before the group is reused
+            self._pending[0].wait()
+            self._pending = None
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
+        if self.received is None:
+            self.received = signum
+            hint = " (Ctrl-C again to quit at once)" if signum == signal.SIGINT else ""
+            log.warning("received %s: stopping after this step%s", signal.Signals(signum).name, hint)
+
+    def poll(self, step: int) -> bool:
+        """True on every rank when the run must stop after step ``step`` (counted from 1): at once in a
+        single process, under DDP at multiples of :data:`POLL_EVERY` from the previous multiple's exchange."""
+        if not self.distributed:
+            return self.received is not None
+        if step % POLL_EVERY:
+            return False
+        stop = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()  # started POLL_EVERY steps ago: long done
+            stop = bool(flag.item())  # a CPU tensor: no device synchronisation
+        flag = torch.tensor([float(self.received is not None)])
+        self._pending = (all_reduce_max(flag, async_op=True), flag)
+        return stop
+
+    def agree_now(self) -> bool:
+        """The decision of all ranks at once (a blocking exchange), for the end of an epoch."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+        if not self.distributed:
+            return self.received is not None
+        flag = torch.tensor([float(self.received is not None)])
+        all_reduce_max(flag)
+        return bool(flag.item())
+
+    def hand_over(self) -> None:
+        """Give the received signal to the handler installed before ours (submitit requeues the job)."""
+        handler: Callable[..., Any] | Any = self.previous.get(self.received) if self.received else None
+        if callable(handler) and handler is not signal.default_int_handler:
+            handler(self.received, None)

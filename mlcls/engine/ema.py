@@ -25,10 +25,9 @@ class ModelEma:
     (the first half of 6,400: 0.2 %). d_t reaches ``decay`` after ``(10 decay - 1) / (1 - decay)`` updates
     (30,000 for 0.9997); until then the average spans about the last ``t / 9`` updates.
 
-    Floating buffers (BatchNorm's running mean and variance) are averaged like the parameters, so the
-    averaged network normalises with statistics that follow its own averaged weights rather than the raw
-    model's latest ones. Other buffers (``num_batches_tracked``) are counters: copied exactly, never
-    averaged.
+    Floating buffers (BatchNorm's running statistics) are averaged like the parameters, so the averaged
+    network normalises with statistics that follow its own weights; counters (``num_batches_tracked``)
+    are copied exactly.
 
     The update never reads the device from the host: the update count ``t`` is a device tensor, and the
     weight ``1 - d_t = max(1 - decay, 9 / (10 + t))`` (the complement directly: accurate in float32, where

@@ -1,11 +1,8 @@
 """Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds;
-and the training set's predictions for a loss that relabels it between epochs
-(:func:`predict_training_set`).
+and the training set's predictions for a loss that relabels it between epochs (:func:`predict_training_set`).
 
 Zero-shot (``dataset.unseen_classes``, :class:`ZeroShot`): the model trained on the seen classes scores
-every class of the validation split, its text-query head switched to all their embeddings while it
-evaluates and back to the seen ones after; the metrics then add ZSL and GZSL
-(:mod:`mlcls.metrics.zero_shot`)."""
+every class of the validation split through its text-query head, and the metrics add ZSL and GZSL."""
 
 from __future__ import annotations
 
@@ -41,11 +38,9 @@ def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractConte
 def predict(
     model: nn.Module, loader: Iterable, device: torch.device, amp: str = "none"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (float32) and targets (int8: 1, 0, -1) of this process's rank part on the CPU, in its order;
-    ``loader`` gives the images on ``device`` (:func:`mlcls.data.loader.build_eval_loader`).
-
-    Targets travel as int8 (every dataset checks its labels when it is built): at Open Images' 41,620 x
-    9,605 validation labels the all-gather then moves 0.4 GB instead of 1.6 GB through each GPU."""
+    """Logits (float32) and targets (int8: 1, 0, -1; every dataset checks its labels when it is built) of
+    this process's rank part on the CPU, in its order; ``loader`` gives the images on ``device``
+    (:func:`mlcls.data.loader.build_eval_loader`)."""
     model.eval()
     scores, targets = [], []
     for images, target in loader:
@@ -60,10 +55,8 @@ def predict(
 
 @dataclass
 class Evaluation:
-    """Metrics of one set of weights on the whole validation set, and the scores behind them.
-
-    The metrics are equal on every rank; the scores and labels are on rank 0 only (None elsewhere), the
-    one rank that computes from them."""
+    """Metrics of one set of weights on the whole validation set (equal on every rank), and the scores
+    behind them (on rank 0 only, the one rank that computes from them; None elsewhere)."""
 
     metrics: dict[str, Any]
     scores: torch.Tensor | None  # (N, C) float32 logits, dataset order
@@ -100,10 +93,9 @@ class ZeroShot:
         named_unseen: Sequence[str] = (),
     ) -> ZeroShot | None:
         """The zero-shot evaluation of the classes ``evaluated`` holds beyond the model's ``trained`` ones,
-        their embeddings from ``text_cfg`` (the run's ``text`` config, the source the model was built from);
-        a trained class the evaluation set lacks is a ``ValueError``. When ``trained`` is ``evaluated``: the
-        ZSL / GZSL figures of the columns ``named_unseen`` names (a model trained on every class, as the
-        reference of a zero-shot one), or None without any."""
+        embedded by ``text_cfg`` (the run's ``text`` config); a trained class the evaluation set lacks is a
+        ``ValueError``. When ``trained`` is ``evaluated``: the ZSL / GZSL figures of the columns
+        ``named_unseen`` names (a model trained on every class, the reference of a zero-shot one), or None."""
         if list(trained) == list(evaluated):
             named = set(named_unseen)
             unseen = torch.tensor([name in named for name in evaluated], dtype=torch.bool)
@@ -165,13 +157,9 @@ def predict_training_set(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sample indices (int64 (n,)), sigmoid probabilities (float32 (n, C)) and targets (int8 (n, C))
     of the first ``steps`` batches ``(images, targets, indices)`` of ``batches`` (a training loader built
-    ``with_index`` behind a :class:`~mlcls.data.loader.DevicePrefetcher`: on the device, finished), of every
-    rank, concatenated in rank order on the device: identical on every rank.
-
-    ``model`` runs in eval mode without gradients, under ``amp``'s autocast as in evaluation, with rank 0's
-    buffers (as :func:`evaluate`). Every rank holds n = steps x global batch rows at the end (what
-    an APL step reads, :meth:`mlcls.losses.EntropyMaximisationLoss.pseudo_label`).
-    """
+    ``with_index`` behind a :class:`~mlcls.data.loader.DevicePrefetcher`), every rank's in rank order on
+    the device: n = steps x global batch rows, identical on every rank (what an APL step reads). ``model``
+    runs as in :func:`evaluate`: eval mode, ``amp``'s autocast, rank 0's buffers."""
     collectives.broadcast_buffers(model)
     model.eval()
     columns: list[list[torch.Tensor]] = [[], [], []]
@@ -197,19 +185,16 @@ def evaluate(
     amp: str = "none",
     zero_shot: ZeroShot | None = None,
 ) -> Evaluation:
-    """``model`` on the whole dataset behind ``loader`` (RankSampler's shares, the images on ``device``:
-    :func:`mlcls.data.loader.build_eval_loader`), each sample scored once;
-    with ``zero_shot`` every class of :attr:`ZeroShot.classes` (``classes``, the model's own, are its
-    trained columns), the metrics with ZSL and GZSL.
+    """``model`` on the whole dataset behind ``loader`` (RankSampler's shares, the images on ``device``),
+    each sample scored once; with ``zero_shot`` every class of :attr:`ZeroShot.classes` (``classes``, the
+    model's own, are its trained columns), the metrics with ZSL and GZSL.
 
-    The rank parts are gathered on rank 0, which alone computes the metrics and broadcasts them: every rank
-    gets the same figures, and only rank 0 holds the whole set (labels in int8, 0.4 GB instead of 1.6 GB
-    at Open Images' 41,620 x 9,605 validation labels).
-
-    Under DDP each process's BatchNorm running statistics drift from rank 0's during an epoch (DDP
-    broadcasts them only at the next forward), so rank 0's buffers, the ones checkpointed, are broadcast
-    first: every part is scored by exactly the saved model. A rank that fails on its part (an unreadable
-    image) ends every rank with its error instead of leaving them waiting in the gather.
+    The rank parts are gathered on rank 0, which alone computes the metrics and broadcasts them: only rank
+    0 holds the whole set (labels in int8: 0.4 GB instead of 1.6 GB at Open Images' 41,620 x 9,605
+    validation labels). Under DDP each process's BatchNorm running statistics drift from rank 0's during
+    an epoch (DDP broadcasts them only at the next forward), so rank 0's buffers, the ones checkpointed,
+    are broadcast first: every part is scored by exactly the saved model. A rank that fails on its part
+    (an unreadable image) ends every rank with its error instead of leaving them waiting in the gather.
     """
     collectives.broadcast_buffers(model)
     switched = contextlib.nullcontext() if zero_shot is None else zero_shot.scoring(model)
@@ -229,10 +214,9 @@ def measure_rank_parts(
     classes: list[str],
     unseen: torch.Tensor | None = None,
 ) -> Evaluation:
-    """The rest of :func:`evaluate` after :func:`predict`: this rank's part of ``total`` samples --
-    logits (n_r, C) and int8 labels (n_r, C), rows ``rank::world`` -- gathered on rank 0, whose metrics
-    (with ``unseen`` classes, bool (C,): ZSL and GZSL too) every rank returns (NaN scores:
-    :func:`check_model_scores`'s one-line error on every rank)."""
+    """The rest of :func:`evaluate` after :func:`predict`: this rank's logits (n_r, C) and int8 labels of
+    ``total`` samples (rows ``rank::world``) gathered on rank 0, whose metrics (with ``unseen``, bool (C,):
+    ZSL and GZSL too; NaN scores: :func:`check_model_scores`'s error) every rank returns."""
     scores = collectives.gather_rank_parts(scores, total, dst=0)
     labels = collectives.gather_rank_parts(labels, total, dst=0)
     metrics = on_main_for_all(
@@ -244,9 +228,8 @@ def measure_rank_parts(
 def thresholds_split(dataset_cfg: Any, held_out: bool) -> str:
     """Where a run calibrates its thresholds: ``"holdout"``, the held-out share of the training split, when
     the run has one that shows the dataset's own labels (``dataset.holdout_labels=clean``, or no
-    observed-label regime), so that the thresholds are not fitted on the split the run reports; else
-    ``"validation"``. A held-out split of single-positive or partial labels has too few known negatives to
-    place a threshold (with none, every threshold has precision 1 and the lowest has the best F1)."""
+    observed-label regime), so that they are not fitted on the split the run reports; else ``"validation"``
+    (single-positive or partial labels have too few known negatives to place a threshold)."""
     if not held_out:
         return "validation"
     shows_own = (

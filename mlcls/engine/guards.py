@@ -1,5 +1,4 @@
-"""The non-finite guard: the gradient norm a step is judged by, the optimizer step skipped on the device
-when it is not finite, and skipped steps counted on the device."""
+"""The non-finite guard: a step's gradient norm, the step skipped and counted on the device if not finite."""
 
 from __future__ import annotations
 
@@ -23,16 +22,14 @@ def gradient_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
 
 def step_if_finite(optimizer: torch.optim.Optimizer, applied: torch.Tensor) -> None:
     """``optimizer.step()`` where ``applied`` (a 0-d bool tensor on the parameters' device) is True; where it
-    is False the parameters and the optimizer state stay as they were. Reads ``applied`` only at a
-    parameter's first step (below).
+    is False the parameters and the optimizer state stay as they were.
 
     A fused optimizer skips in its own kernel, told by the ``found_inf`` flag GradScaler gives it too. Any
-    other optimizer steps, then its parameters and their state tensors get back, where ``applied`` is False,
-    the copy taken before the step: one copy of both per step in device memory, and no read. A state made
-    by this step (a parameter's first; fused SGD's momentum buffer is then uninitialised memory) has nothing
-    to go back to: that step reads ``applied`` and drops the new state when the step is skipped. A state
-    tensor kept on another device (the CPU step count of a non-capturable Adam on CUDA) is not put back: it
-    counts a skipped step too.
+    other steps, then its parameters and state tensors get back the copy taken before the step where
+    ``applied`` is False: one copy per step in device memory, and no read. A state made by this step (a
+    parameter's first; fused SGD's momentum buffer is then uninitialised memory) has nothing to go back to:
+    only that step reads ``applied``, and drops the new state when skipped. A state tensor on another device
+    (a non-capturable Adam's CPU step count on CUDA) is not put back: it counts a skipped step too.
     """
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     stateless = [p for p in params if not optimizer.state.get(p)]

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from mlcls.config_tree import flatten_config
 from mlcls.engine.distributed import on_main
-from mlcls.errors import ConfigError
+from mlcls.errors import ConfigError, is_number
 
 log = logging.getLogger("mlcls")
 # What MlflowRun uploads at the end, relative to the run directory, when it exists.
@@ -24,15 +24,10 @@ BEST_CHECKPOINT = "checkpoints/best.pt"
 
 
 class MlflowRun:
-    """An MLflow run of a training run (``logger=mlflow``, rank 0): opened with the config as params
-    (dotted keys), metrics logged with their step, artifacts uploaded at :meth:`close`.
-
-    Args:
-        logger_cfg: ``cfg.logger`` (``configs/logger/mlflow.yaml``): ``tracking_uri`` (None:
-            ``$MLFLOW_TRACKING_URI``, else the file store ``./mlruns``), ``experiment``, ``run_name`` (None:
-            the run directory's name), ``log_checkpoint``.
-        run_dir: the run directory, whose plots, results.json, config.yaml and best checkpoint are uploaded.
-        params: the run's config.
+    """An MLflow run of a training run (``logger=mlflow``, rank 0): opened with the config ``params`` as
+    dotted keys, metrics logged with their step, ``run_dir``'s results uploaded at :meth:`close`.
+    ``logger_cfg`` is ``configs/logger/mlflow.yaml``: ``tracking_uri`` (None: ``$MLFLOW_TRACKING_URI``, else
+    the file store ``./mlruns``), ``experiment``, ``run_name`` (None: the run folder's), ``log_checkpoint``.
     """
 
     def __init__(self, logger_cfg: Mapping[str, Any], run_dir: Path, params: Mapping[str, Any] | DictConfig):
@@ -75,9 +70,7 @@ class MlflowRun:
 
 class RunLog:
     """Log lines and TensorBoard scalars of rank 0, and its MLflow run when ``cfg.logger.name`` is
-    ``mlflow``; the other ranks log warnings only (until :meth:`close`) and write nothing.
-
-    ``cfg``: the run's config (the MLflow run's params and its ``logger`` settings); None: no MLflow.
+    ``mlflow`` (``cfg`` None: none); the other ranks log warnings only (until :meth:`close`), write nothing.
     """
 
     def __init__(
@@ -145,11 +138,7 @@ class RunLog:
         """``prefix/<key>`` for every number among ``values`` (MLflow: ``prefix_<key>``, with the step)."""
         if self.writer is None:
             return
-        numbers = {
-            key: float(value)
-            for key, value in values.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-        }
+        numbers = {key: float(value) for key, value in values.items() if is_number(value)}
         for key, value in numbers.items():
             self.writer.add_scalar(f"{prefix}/{key}", value, step)
         if self.mlflow is not None and numbers:
@@ -168,13 +157,7 @@ class RunLog:
             self.mlflow = None
 
 
-def open_run_log(
-    run_dir: Path,
-    is_main: bool,
-    epochs: int,
-    iters_per_epoch: int,
-    cfg: DictConfig,
-) -> RunLog:
+def open_run_log(run_dir: Path, is_main: bool, epochs: int, iters_per_epoch: int, cfg: DictConfig) -> RunLog:
     """The run's :class:`RunLog`, once rank 0 has opened TensorBoard and MLflow. Every rank returns
     together; if rank 0 fails (an MLflow server that is down), every rank raises instead of waiting for it
     (:func:`on_main`)."""

@@ -1,38 +1,23 @@
 """The optimizer's parameter groups (head/backbone learning rates, weight decay by parameter kind) and the
-per-iteration cosine schedule.
+per-iteration schedules.
 
-``configs/optim/*.yaml`` are Hydra ``_partial_`` configs of a torch optimizer class (``_target_:
-torch.optim.SGD``) with its own keyword arguments (``momentum``, ``nesterov``, ``betas``, ...), so any torch
-optimizer works (``optim._target_=torch.optim.RMSprop`` with its keywords). Beside them the config holds
-the project's parameter-group keys, :data:`GROUP_KEYS`:
+``configs/optim/*.yaml`` are Hydra ``_partial_`` configs of any torch optimizer class with its own keywords
+(``momentum``, ``betas``, ...), beside the project's group keys :data:`GROUP_KEYS`, which are taken out
+before it is instantiated: ``lr_head`` and ``lr_backbone`` (the classifier, ``model.get_classifier()``, and
+the rest: the paper's 0.01 and 0.001, Sec. 4.1), ``weight_decay``, and the decays of normalisation layers'
+parameters and of other 1-D biases (``norm_weight_decay``, ``bias_weight_decay``; null: ``weight_decay``'s,
+the paper's protocol; 0.0: none, torchvision's ``--norm-weight-decay`` convention). They make the groups
+(:func:`parameter_groups`), each with its own ``lr`` and ``weight_decay``.
 
-- ``lr_head``, ``lr_backbone``: learning rates of the classifier head (``model.get_classifier()``) and of
-  the rest of the network (the paper's 0.01 and 0.001, Sec. 4.1);
-- ``weight_decay``: decay of the weights; ``norm_weight_decay``: of the parameters of normalisation layers;
-  ``bias_weight_decay``: of the other 1-D ``*bias`` parameters (null: same as ``weight_decay``, the paper's
-  protocol; 0.0 excludes them from decay, the convention of torchvision's ``--norm-weight-decay``).
-
-These keys are taken out of the config before it is instantiated, as they are not keyword arguments of
-the optimizer: they define its parameter groups, each with its own ``lr`` and ``weight_decay``, which
-override the constructor's defaults. Each group has a ``name``: the part (``head``, ``backbone``) for the
-weights, the part and kinds for the others when their decay differs (``backbone_norm_bias``, or
-``backbone_norm`` and ``backbone_bias`` when the two differ). Groups that would hold no parameter are not
-made, so with null norm/bias decays there are two groups, head then backbone, as in the paper's protocol.
-
-``configs/sched/*.yaml`` are ``_partial_`` configs of a function called as
-``target(optimizer, total_iters=N, **keys)`` that returns an LRScheduler stepped every iteration, such as
-:func:`cosine_schedule` and :func:`onecycle_schedule`. One key is read before the call
-(:func:`build_scheduler`): ``warmup_epochs``, passed as ``warmup_iters``; null there means the head's own
-default, ``model.head.warmup_epochs`` (configs/model/head/*.yaml).
-
-The optimizer's and the schedule's keys are checked here, where they are used: a group key out of range,
-an unknown keyword or a value the class refuses is a one-line :class:`~mlcls.errors.ConfigError`.
+``configs/sched/*.yaml`` are ``_partial_`` configs of a function ``target(optimizer, total_iters=N,
+**keys)`` returning an LRScheduler stepped every iteration (:func:`cosine_schedule`,
+:func:`onecycle_schedule`). Both groups' keys are checked here, where they are used.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from mlcls.errors import ConfigError
+from mlcls.errors import ConfigError, first_line, is_integer, is_number
 from mlcls.models import split_parameters
 
 GROUP_KEYS = ("lr_head", "lr_backbone", "weight_decay", "norm_weight_decay", "bias_weight_decay")
@@ -95,7 +80,10 @@ def parameter_groups(model: nn.Module, cfg: Mapping[str, Any]) -> list[dict[str,
     """The optimizer's parameter groups of ``model`` from the group keys of ``cfg`` (the others ignored).
 
     Head groups first, then backbone groups; within a part the group at ``weight_decay`` first, and
-    parameters in ``model.parameters()`` order. Parameters of one part whose decays are equal share a group.
+    parameters in ``model.parameters()`` order. Parameters of one part whose decays are equal share a group
+    (none is empty): with null norm/bias decays, two groups, as in the paper. Each group's ``name`` is its
+    part for the weights, else the part and kinds (``backbone_norm_bias``, or ``backbone_norm`` and
+    ``backbone_bias`` when the two differ).
     """
     decay = {
         "weight": cfg["weight_decay"],
@@ -118,36 +106,20 @@ def parameter_groups(model: nn.Module, cfg: Mapping[str, Any]) -> list[dict[str,
     return groups
 
 
-def optimizer_factory(cfg: Mapping[str, Any]) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
-    """The optimizer class of ``cfg`` with its own keywords bound, ``cfg`` without :data:`GROUP_KEYS`;
-    :class:`ConfigError` for a group key that is not a number >= 0 (the ``*_weight_decay`` ones may be
-    null) or a config that is not ``_partial_``."""
-    settings = _settings(cfg)
-    for key in GROUP_KEYS:
-        value = settings.pop(key, None)
-        if value is None and key in ("norm_weight_decay", "bias_weight_decay"):
-            continue
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            kind = "a number >= 0, or null for weight_decay's" if "_weight_decay" in key else "a number >= 0"
-            raise ConfigError(f"optim.{key}={value!r}; expected {kind}")
-    return _partial("optim", settings)
-
-
-def _partial(group: str, settings: dict[str, Any]) -> Callable[..., Any]:
-    """The ``_partial_`` config ``settings`` of ``group`` (optim, sched) instantiated; its error, the first
-    line of the innermost one (Hydra wraps the target's in a few lines of its own), as a ConfigError."""
+def _build(group: str, settings: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    """``settings``, a ``_partial_`` config of ``group`` (optim, sched), instantiated and called with the
+    arguments. Its error -- Hydra's (a few lines wrapping the target's) or the target's own check of its
+    keywords (momentum out of range, ...) -- is a ConfigError naming the target, with the first line of the
+    innermost error."""
     if settings.get("_partial_") is not True:
         raise ConfigError(f"{group}._partial_ must be true: {group}._target_ is called by the trainer")
     try:
-        return instantiate(settings, _convert_="all")
+        return instantiate(settings, _convert_="all")(*args, **kwargs)
     except Exception as exc:
-        raise ConfigError(f"{group}._target_={settings.get('_target_')}: {_first_line(exc)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        innermost = exc
+        while innermost.__cause__ is not None:
+            innermost = innermost.__cause__
+        raise ConfigError(f"{group}._target_={settings.get('_target_')}: {first_line(innermost)}") from None
 
 
 def build_optimizer(
@@ -156,22 +128,25 @@ def build_optimizer(
     """The optimizer of ``cfg`` (a ``_partial_`` config of a torch optimizer) over :func:`parameter_groups`,
     then the ``loss_groups`` of a loss with learnable state (e.g. ROLE's label table): each a dict of
     ``params``, ``name`` (one word) and ``lr_scale``, trained at ``lr_scale * lr_head`` without weight decay.
+    A group key that is not a number >= 0 (the ``*_weight_decay`` ones may be null) is a ConfigError.
 
     Group 0 is the head at ``lr_head``; :func:`group_lrs` reads the learning rates by part. Loading a state
     dict checks that its groups are this optimizer's (same names and sizes).
     """
     settings = _settings(cfg)
+    for key in GROUP_KEYS:
+        value = settings.pop(key, None)
+        if value is None and key in ("norm_weight_decay", "bias_weight_decay"):
+            continue
+        if not is_number(value) or value < 0:
+            kind = "a number >= 0, or null for weight_decay's" if "_weight_decay" in key else "a number >= 0"
+            raise ConfigError(f"optim.{key}={value!r}; expected {kind}")
     extra = [
-        {"params": list(g["params"]), "lr": g["lr_scale"] * settings["lr_head"], "weight_decay": 0.0,
+        {"params": list(g["params"]), "lr": g["lr_scale"] * cfg["lr_head"], "weight_decay": 0.0,
          "name": g["name"]}
         for g in loss_groups
     ]  # fmt: skip
-    try:
-        optimizer = optimizer_factory(cfg)(parameter_groups(model, cfg) + extra)
-    except ConfigError:
-        raise
-    except Exception as exc:  # the class's own check of its keywords (momentum out of range, ...)
-        raise ConfigError(f"optim._target_={settings.get('_target_')}: {_first_line(exc)}") from None
+    optimizer = _build("optim", settings, parameter_groups(model, cfg) + extra)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optim._target_={settings.get('_target_')} is not a torch optimizer class")
     optimizer.register_load_state_dict_pre_hook(_match_saved_groups)
@@ -210,12 +185,9 @@ def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
 def cosine_factor(
     iteration: int, total_iters: int, warmup_iters: int = 0, min_lr_ratio: float = 0.0
 ) -> float:
-    """Learning-rate multiplier at 0-based ``iteration``.
-
-    Linear warm-up ``(iteration + 1) / warmup_iters`` for the first ``warmup_iters`` iterations, then the
-    cosine decay ``r + (1 - r) (1 + cos(pi p)) / 2`` with ``r = min_lr_ratio`` and progress
-    ``p = min(1, (iteration - warmup_iters) / max(1, total_iters - warmup_iters))``.
-    """
+    """Learning-rate multiplier at 0-based ``iteration``: with ``W = warmup_iters``, the linear warm-up
+    ``(iteration + 1) / W`` for the first W iterations, then the cosine decay ``r + (1 - r) (1 + cos(pi p))
+    / 2`` with ``r = min_lr_ratio`` and progress ``p = min(1, (iteration - W) / max(1, total_iters - W))``."""
     if iteration < warmup_iters:
         return (iteration + 1) / warmup_iters
     progress = (iteration - warmup_iters) / max(1, total_iters - warmup_iters)
@@ -226,7 +198,7 @@ def cosine_schedule(
     optimizer: torch.optim.Optimizer, total_iters: int, warmup_iters: int = 0, min_lr_ratio: float = 0.0
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Each group's lr times :func:`cosine_factor`, stepped every iteration (the paper's schedule)."""
-    if not isinstance(warmup_iters, int) or isinstance(warmup_iters, bool) or warmup_iters < 0:
+    if not is_integer(warmup_iters) or warmup_iters < 0:
         raise ValueError(f"warmup_iters={warmup_iters!r}; expected an integer >= 0")
     if not isinstance(min_lr_ratio, (int, float)) or not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio={min_lr_ratio!r}; expected a number in [0, 1]")
@@ -244,14 +216,11 @@ def onecycle_schedule(
     anneal_strategy: str = "cos",
     cycle_momentum: bool = True,
 ) -> torch.optim.lr_scheduler.OneCycleLR:
-    """torch's ``OneCycleLR`` over ``total_iters`` iterations, stepped every iteration, peaking at each
-    group's lr (``lr_head``, ``lr_backbone``).
-
-    From ``lr / div_factor`` up to ``lr`` over the first ``pct_start`` of the iterations, then down to
+    """torch's ``OneCycleLR`` over ``total_iters`` iterations, stepped every iteration: from
+    ``lr / div_factor`` up to each group's lr over the first ``pct_start`` of them, then down to
     ``lr / (div_factor x final_div_factor)`` (``anneal_strategy`` cos or linear); with ``cycle_momentum``
-    the momentum (Adam's beta1) moves the opposite way between 0.85 and 0.95, torch's defaults, as
-    ML-Decoder's recipe uses them.
-    """
+    the momentum (Adam's beta1) moves the opposite way between torch's 0.85 and 0.95, as ML-Decoder's
+    recipe uses them."""
     if not isinstance(pct_start, (int, float)) or not 0.0 < pct_start < 1.0:
         raise ValueError(f"pct_start={pct_start!r}; expected a number in (0, 1)")
     return torch.optim.lr_scheduler.OneCycleLR(
@@ -266,13 +235,6 @@ def onecycle_schedule(
     )
 
 
-def warmup_iterations(warmup_epochs: float, iters_per_epoch: int) -> int:
-    """``warmup_epochs`` (a number >= 0, fractions allowed) in iterations, rounded to the nearest."""
-    if not isinstance(warmup_epochs, (int, float)) or isinstance(warmup_epochs, bool) or warmup_epochs < 0:
-        raise ValueError(f"warmup_epochs={warmup_epochs!r}; expected a number >= 0")
-    return round(warmup_epochs * iters_per_epoch)
-
-
 def build_scheduler(
     cfg: Mapping[str, Any],
     optimizer: torch.optim.Optimizer,
@@ -282,23 +244,18 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The schedule of ``cfg`` (a ``_partial_`` config) over ``total_iters`` iterations of ``optimizer``.
 
-    A schedule with a ``warmup_epochs`` key gets ``warmup_iters`` = ``warmup_epochs`` x ``iters_per_epoch``
-    (:func:`warmup_iterations`), ``head_warmup_epochs`` (the head's ``model.head.warmup_epochs``) where the
-    key is null. A mistake is a one-line :class:`ConfigError` naming the key.
+    A schedule with a ``warmup_epochs`` key (a number >= 0, fractions allowed; null: ``head_warmup_epochs``,
+    the head's ``model.head.warmup_epochs``) gets ``warmup_iters`` = ``warmup_epochs`` x ``iters_per_epoch``,
+    rounded. A mistake is a one-line :class:`ConfigError` naming the key.
     """
     settings = _settings(cfg)
     if "warmup_epochs" in settings:
         epochs = settings.pop("warmup_epochs")
         epochs = head_warmup_epochs if epochs is None else epochs
-        try:
-            settings["warmup_iters"] = warmup_iterations(epochs, iters_per_epoch)
-        except ValueError as exc:
-            raise ConfigError(f"sched.{exc}") from None
-    schedule = _partial("sched", settings)
-    try:
-        scheduler = schedule(optimizer, total_iters=total_iters)
-    except Exception as exc:
-        raise ConfigError(f"sched._target_={settings.get('_target_')}: {_first_line(exc)}") from None
+        if not is_number(epochs) or epochs < 0:
+            raise ConfigError(f"sched.warmup_epochs={epochs!r}; expected a number >= 0")
+        settings["warmup_iters"] = round(epochs * iters_per_epoch)
+    scheduler = _build("sched", settings, optimizer, total_iters=total_iters)
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         target = settings.get("_target_")
         raise ConfigError(f"sched._target_={target} does not return a learning-rate scheduler")

@@ -28,19 +28,13 @@ def run_results(
     device: torch.device,
     epochs_completed: int,
 ) -> dict[str, Any]:
-    """The content of results.json: ``metrics`` (the last evaluation, without per-class AP), ``best``,
-    ``per_class_ap``, ``dataset`` facts, ``epochs_completed``, ``counts`` (skipped steps and images, ignored
-    labels), ``history`` (one record per epoch), ``resumes`` (times continued from a checkpoint),
-    ``world_size`` and ``provenance``.
-
-    The metrics are the validation split's. A run with a held-out split (``dataset.holdout_fraction``) adds
+    """The content of results.json; its ``metrics`` are the last evaluation's on the validation split,
+    without per-class AP (``per_class_ap``). A run with a held-out split (``dataset.holdout_fraction``) adds
     the held-out mAP@class and mAP@sample as ``selection`` in ``metrics``, ``best`` and each evaluated
-    epoch of ``history``, ``best["selected_on"] = "holdout"`` and ``dataset["holdout_size"]``.
-
-    A zero-shot run (``dataset.unseen_classes``) adds ``dataset["unseen_classes"]`` (the names, in the
-    validation split's order); its metrics hold ``zsl`` and ``gzsl`` (:mod:`mlcls.metrics.zero_shot`), its
-    other figures and ``per_class_ap`` are over every class of the validation split, and
-    ``dataset["num_classes"]`` counts the trained (seen) classes."""
+    epoch of ``history``, ``best["selected_on"] = "holdout"`` and ``dataset["holdout_size"]``. A zero-shot
+    run (``dataset.unseen_classes``) adds ``dataset["unseen_classes"]`` (in the validation split's order);
+    its metrics hold ``zsl`` and ``gzsl`` (:mod:`mlcls.metrics.zero_shot`), its other figures and
+    ``per_class_ap`` are over every class of the validation split, ``dataset["num_classes"]`` the trained."""
     metrics = state.last_metrics or {}
     trained = set(data.classes)
     unseen = (

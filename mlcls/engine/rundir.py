@@ -20,11 +20,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlcls import distributed as collectives
 from mlcls.engine import distributed as dist_utils
+from mlcls.errors import is_integer
 from mlcls.io import (
     CAPS,
     FileTooLargeError,
     NotRegularFileError,
-    atomic_write,
+    atomic_write_bytes,
     open_regular,
     read_regular_bytes,
     sweep_temporary_files,
@@ -61,11 +62,9 @@ def hydra_run_dir() -> Path | None:
 
 def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: bool, cfg: DictConfig) -> Path:
     """``output_dir`` (``trainer.output_dir``), else Hydra's job directory, else ``outputs/<date>/<time>``;
-    locked, with ``checkpoints/`` and ``config.yaml`` (``cfg`` resolved) in it.
-
-    Rank 0 decides for every process: each rank's Hydra resolves ``${now:...}`` on its own clock, and a
-    directory Hydra made that is not the run's is removed again when empty.
-    """
+    locked, with ``checkpoints/`` and ``config.yaml`` (``cfg`` resolved) in it. Rank 0 decides for every
+    process (each rank's Hydra resolves ``${now:...}`` on its own clock); a directory Hydra made that is
+    not the run's is removed again when empty."""
     chosen = output_dir or hydra_dir or f"outputs/{datetime.now():%Y-%m-%d/%H-%M-%S}"
     run_dir = Path(collectives.broadcast_object(str(chosen))).absolute()
     if hydra_dir is not None and hydra_dir.absolute() != run_dir:
@@ -75,8 +74,7 @@ def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: boo
         run_dir.mkdir(parents=True, exist_ok=True)
         acquire_run_lock(run_dir)
         (run_dir / "checkpoints").mkdir(exist_ok=True)
-        text = OmegaConf.to_yaml(cfg, resolve=True)
-        atomic_write(run_dir / "config.yaml", lambda f: f.write(text.encode()))
+        atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
 
     dist_utils.on_main(create_and_lock, is_main)  # a refused lock raises on every rank
     return run_dir
@@ -108,15 +106,6 @@ def _parse_holder(content: bytes) -> dict[str, Any]:
     return holder if isinstance(holder, dict) else {}
 
 
-def _lock_holder(lock: Path) -> dict[str, Any]:
-    """The ``{"host", "pid", "started", "process"}`` a lock file names (empty when it is unreadable, not a
-    regular file or over ``CAPS["lock"]`` bytes: read through :func:`mlcls.io.read_regular_bytes`)."""
-    try:
-        return _parse_holder(read_regular_bytes(lock, CAPS["lock"], "lock"))
-    except (OSError, FileTooLargeError):
-        return {}
-
-
 def _is_mine(holder: dict[str, Any]) -> bool:
     return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
 
@@ -142,7 +131,7 @@ def _holder_alive(holder: dict[str, Any]) -> bool:
     if holder.get("host") != socket.gethostname():
         return bool(holder)
     pid = holder.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid == os.getpid():
+    if not is_integer(pid) or pid <= 0 or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)
@@ -156,14 +145,11 @@ def _holder_alive(holder: dict[str, Any]) -> bool:
 
 def acquire_run_lock(run_dir: Path) -> None:
     """Take ``run_dir``'s lock for this process until :func:`release_run_lock` (or exit), then remove the
-    temporary files that writes of a killed run left in it (:func:`sweep_temporary_files`).
-
-    A lock of a live run raises :class:`RunDirLocked` naming its holder; a stale one (its process gone
-    from this host, or its process id now another process's: :func:`process_identity`) is taken over with a
-    warning. The lock appears with its content in one step (a hard link of a complete file), so no run reads
-    a half-written one. Processes taking over the same stale
-    lock at once take turns (:func:`_take_over_if_stale`): exactly one of them holds it.
-    """
+    temporary files that writes of a killed run left in it (:func:`sweep_temporary_files`). A lock of a
+    live run raises :class:`RunDirLocked` naming its holder; a stale one (its process gone from this host,
+    or its process id now another process's: :func:`process_identity`) is taken over with a warning, by
+    exactly one of the processes that found it (:func:`_take_over_if_stale`). The lock appears with its
+    content in one step (a hard link of a complete file), so no run reads a half-written one."""
     lock = run_dir / LOCK_NAME
     holder = {
         "host": socket.gethostname(),
@@ -191,12 +177,10 @@ def acquire_run_lock(run_dir: Path) -> None:
 
 def _take_over_if_stale(lock: Path, draft: Path) -> bool:
     """Replace the existing ``lock`` by ``draft`` if the run it names is gone; True once done, False when
-    ``lock`` changed meanwhile (released, or taken by another process: try again).
-
-    The lock file is held (:class:`filelock.FileLock`, at most :data:`JUDGE_TIMEOUT_S`) while it is judged
-    and replaced, and judged only if it is still the file this process opened: of the processes that found
-    the same stale lock, the first replaces it and the others find the new one, alive. Raises
-    :class:`RunDirLocked` for a live holder.
+    ``lock`` changed meanwhile (released, or taken by another process: try again); :class:`RunDirLocked`
+    for a live holder. The lock file is held (:class:`filelock.FileLock`, at most :data:`JUDGE_TIMEOUT_S`)
+    while it is judged and replaced, and judged only if it is still the file this process opened: of the
+    processes that found the same stale lock, the first replaces it and the others find the new one, alive.
     """
     try:
         # one open, without blocking; a pipe, a device or a folder there is refused, and a file over
@@ -228,7 +212,10 @@ def _take_over_if_stale(lock: Path, draft: Path) -> bool:
                 f"cannot take over the lock {lock} safely ({exc.strerror}); delete it if its run is gone"
             ) from None
         try:
-            if not _still_at(lock, file.fileno()):
+            try:  # is the file opened still the one at ``lock``?
+                if not os.path.samestat(os.stat(lock), os.fstat(file.fileno())):
+                    return False
+            except FileNotFoundError:
                 return False
             other = _parse_holder(file.read(CAPS["lock"]))
             if _holder_alive(other):
@@ -245,18 +232,15 @@ def _take_over_if_stale(lock: Path, draft: Path) -> bool:
     return True
 
 
-def _still_at(path: Path, fd: int) -> bool:
-    """Whether the file open as ``fd`` is still the one at ``path``."""
-    try:
-        return os.path.samestat(os.stat(path), os.fstat(fd))
-    except FileNotFoundError:
-        return False
-
-
 def release_run_lock(run_dir: Path) -> None:
-    """Remove ``run_dir``'s lock if this process holds it."""
+    """Remove ``run_dir``'s lock if this process holds it (one it cannot read, or over ``CAPS["lock"]``
+    bytes, is not its own)."""
     lock = run_dir / LOCK_NAME
-    if _is_mine(_lock_holder(lock)):
+    try:
+        holder = _parse_holder(read_regular_bytes(lock, CAPS["lock"], "lock"))
+    except (OSError, FileTooLargeError):
+        return
+    if _is_mine(holder):
         lock.unlink(missing_ok=True)
 
 
@@ -279,11 +263,8 @@ def close_run_dir(run_dir: Path, is_main: bool) -> None:
 def discard_if_empty(directory: Path | None) -> None:
     """Remove ``directory`` if nothing was written into it (a run that stopped before it began, or Hydra's
     default directory of a run that writes elsewhere), and its parents below the working directory that
-    are left empty (``outputs/<date>``).
-
-    Other processes of the run may be removing the same directories (their Hydra resolved the same time):
-    a directory that is gone already, or no longer empty, ends the clean-up without an error.
-    """
+    are left empty (``outputs/<date>``). Other ranks may be removing the same ones (their Hydra resolved
+    the same time): a directory gone already, or no longer empty, ends the clean-up without an error."""
     if directory is None:
         return
     cwd, current = Path.cwd().absolute(), directory.absolute()

@@ -1,15 +1,12 @@
 """Checks of a training checkpoint's stored state against the live objects it is about to be loaded into.
 
-A resumed ``last.pt`` is plain data (:func:`mlcls.engine.checkpoint.load_checkpoint`), but plain data can
-still hold a state no run wrote: an optimizer moment of one element for a 3 x 3 weight (which a fused
-SGD or AdamW kernel reads and writes out of bounds: a segmentation fault or a corrupted heap), a negative
-epoch (training that never ends), a random-number state of the wrong length. :func:`check_resume_state`
-compares every field a resume loads with what this run's objects hold -- shapes, dtypes, counts, types
-and counters' ranges -- before any ``load_state_dict``, and stops at the first mismatch with one
-:class:`CheckpointError` line naming the field, what it holds and what was expected.
-
-Each check's docstring says what it holds the field to; only the optimizer's probe (one step of two
-elements at the stored group's settings, for the state keys it makes) allocates.
+A resumed ``last.pt`` is plain data, but plain data can still hold a state no run wrote: an optimizer
+moment of one element for a 3 x 3 weight (which a fused SGD or AdamW kernel reads and writes out of
+bounds: a segmentation fault or a corrupted heap), a negative epoch (training that never ends), a
+random-number state of the wrong length. :func:`check_resume_state` compares every field a resume loads
+with this run's objects -- shapes, dtypes, counts, types, counters' ranges -- before any
+``load_state_dict``, and stops at the first mismatch with one :class:`CheckpointError` line naming the
+field, what it holds and what was expected. Only the optimizer's probe (a two-element step) allocates.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from torch import nn
 
 from mlcls.engine.checkpoint import CheckpointError, EpochProgress
 from mlcls.engine.ema import ModelEma
+from mlcls.errors import first_line, is_integer, is_number
 
 COUNT_MAX = 2**62  # a counter no run reaches: epochs, steps, images, seconds when no tighter bound is known
 RANKS_MAX = 2**16  # processes a checkpoint may have been written by
@@ -34,8 +32,7 @@ SCALER_COUNTERS = ("_growth_tracker",)  # GradScaler's finite steps since the la
 
 @dataclass(frozen=True)
 class RunBounds:
-    """What this run allows a resumed state to hold: ``epochs`` (trainer.epochs), and where known the
-    training steps of one epoch and the number of classes (None: unbounded but for :data:`COUNT_MAX`)."""
+    """What this run allows a resumed state to hold (None: unbounded but for :data:`COUNT_MAX`)."""
 
     epochs: int | None = None
     iters_per_epoch: int | None = None
@@ -43,7 +40,6 @@ class RunBounds:
 
     @property
     def total_iters(self) -> int:
-        """The run's training iterations, or :data:`COUNT_MAX` when not known."""
         if self.epochs is None or self.iters_per_epoch is None:
             return COUNT_MAX
         return self.epochs * self.iters_per_epoch
@@ -53,7 +49,7 @@ def describe(value: Any) -> str:
     """A short account of ``value`` for an error line (a tensor's dtype and shape, a number's value)."""
     if isinstance(value, torch.Tensor):
         return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**15:
+    if is_integer(value) and abs(value) >= 10**15:
         return f"{'-' if value < 0 else ''}an integer of {value.bit_length()} bits"
     if value is None or isinstance(value, (bool, int, float)):
         return repr(value)
@@ -65,20 +61,17 @@ def describe(value: Any) -> str:
 
 
 def refuse(field: str, value: Any, expected: str) -> CheckpointError:
-    """The one-line error: ``field`` holds ``value``; ``expected``."""
     return CheckpointError(f"{field} holds {describe(value)}; expected {expected}")
 
 
 def check_int(value: Any, field: str, low: int, high: int) -> int:
-    """``value`` if it is an integer (not a bool) in [low, high]."""
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if not is_integer(value) or not low <= value <= high:
         raise refuse(field, value, f"an integer from {low} to {high}")
     return value
 
 
 def check_number(value: Any, field: str, low: float = -math.inf, high: float = math.inf) -> float:
-    """``value`` if it is a finite int or float (not a bool) in [low, high]."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = is_number(value)
     if not ok or not math.isfinite(value) or not low <= value <= high:
         raise refuse(field, value, f"a finite number in [{low}, {high}]")
     return value
@@ -154,8 +147,9 @@ def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], nam
 
 
 def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
-    """The live number of groups and of parameters in each, hyperparameters of the live types, and every
-    state a probe step makes: a dense floating tensor of the parameter's shape, or a finite ``step`` >= 0."""
+    """The live number of groups, their names and numbers of parameters, hyperparameters of the live types,
+    and every state a probe step makes: a dense floating tensor of the parameter's shape, or a finite
+    ``step`` >= 0."""
     live_groups = optimizer.param_groups
     if not isinstance(stored, dict) or not isinstance(stored.get("param_groups"), list):
         raise refuse("optimizer", stored, "a dict of state and param_groups")
@@ -177,6 +171,11 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
             if param_id in params:
                 raise CheckpointError(f"{field} names parameter {param_id} twice; expected distinct ids")
             params[param_id] = (index, live["params"][position])
+        if group.get("name") != live.get("name"):  # build_optimizer's groups, as optim.*_weight_decay makes
+            expected = (
+                f"{live.get('name')!r}, this run's (resume with the run's optim.*_weight_decay settings)"
+            )
+            raise refuse(f"{field}['name']", group.get("name"), expected)
         _check_hyperparameters(group, live, field)
     kinds: dict[int, dict[str, str]] = {}  # per group, probed once
     for param_id, state in per_param.items():
@@ -189,8 +188,8 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
 
 
 def _check_hyperparameters(group: dict[str, Any], live: dict[str, Any], field: str) -> None:
-    """The stored group has the live group's keys (its ``name`` and ``param_names`` may be absent), each
-    of the live value's type; numbers finite."""
+    """The stored group has the live group's keys (``param_names`` may be absent), each of the live value's
+    type; numbers finite."""
     optional = {"params", "name", "param_names"}
     missing = next((key for key in live if key not in optional and key not in group), None)
     extra = next((key for key in group if key not in optional and key not in live), None)
@@ -229,9 +228,9 @@ def _probe_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], field:
         probe = type(optimizer)([{"params": [probe_param], **settings}])
         probe.step()
     except Exception as exc:  # noqa: BLE001 - the optimizer's own refusal of the stored settings
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(
-            f"{field}'s settings are refused by {type(optimizer).__name__} ({line}); expected this run's"
+            f"{field}'s settings are refused by {type(optimizer).__name__} ({first_line(exc)}); expected "
+            "this run's"
         ) from None
     kinds = {}
     for key, value in probe.state[probe_param].items():
@@ -245,7 +244,6 @@ def _probe_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], field:
 
 
 def _check_param_state(state: Any, kinds: dict[str, str], param: torch.Tensor, field: str) -> None:
-    """One parameter's stored state holds exactly the keys ``kinds`` names, each of its kind."""
     if not isinstance(state, dict) or set(state) != set(kinds):
         raise refuse(field, state, f"a dict with keys {', '.join(kinds) or 'none'}")
     for key, kind in kinds.items():
@@ -288,8 +286,7 @@ def _try_state(set_state: Any, field: str) -> None:
     try:
         set_state()
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"{field} is not a generator state ({line})") from None
+        raise CheckpointError(f"{field} is not a generator state ({first_line(exc)})") from None
 
 
 def _check_python_rng(state: Any, field: str) -> None:

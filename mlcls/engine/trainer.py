@@ -7,26 +7,10 @@ A run's calls, top-down in this file::
         -> select_best -> measure -> evaluate      (every trainer.eval_every epochs, and after the last)
         -> Checkpointer.save                      (after each epoch; mid-epoch on a stop signal)
 
-Files of the run directory::
-
-    <run_dir>/config.yaml                resolved config
-    <run_dir>/results.json               last and best metrics, per-class AP, dataset facts, counts, history
-    <run_dir>/checkpoints/last.pt        newest full training state (what resume=auto loads first)
-    <run_dir>/checkpoints/iter_*.pt      the newest trainer.keep_checkpoints full states (fallbacks)
-    <run_dir>/checkpoints/best.pt        the weights of the best mAP@class evaluation (on the held-out
-                                         share of the training split under dataset.holdout_fraction)
-    <run_dir>/tb/                        TensorBoard scalars
-
-The run directory is ``trainer.output_dir``, else Hydra's ``hydra.run.dir`` (``hydra.sweep.dir``/subdir in
-a multirun), chosen by rank 0 for every process and locked for one run at a time (``<run_dir>/.lock``). A run
-that fails before its first checkpoint removes what it wrote there.
-
-Where training stands is ``state.epoch`` (complete epochs) and ``state.step`` (steps of the next one): the
-loop advances them itself, and a checkpoint records them as they are.
-
-SIGTERM or SIGUSR1 (what SLURM sends before preemption) or Ctrl-C finishes the current step, writes a
-checkpoint with all ranks in step and stops with :class:`Preempted`; relaunching the same command with
-``trainer.resume=auto`` continues exactly where it stopped.
+It writes into the run directory (:mod:`mlcls.engine.rundir`) ``results.json``, ``checkpoints/``
+(:mod:`mlcls.engine.checkpointer`) and ``tb/``. Where training stands is ``state.epoch`` (complete epochs)
+and ``state.step`` (steps of the next one). A stop signal finishes the current step, writes a checkpoint
+with all ranks in step and stops with :class:`Preempted`; ``trainer.resume=auto`` continues exactly there.
 
 The training step reads nothing back from the device: losses, skipped steps and the non-finite guard are
 accumulated on the device and read every ``trainer.log_every`` steps; the stop flag travels on the CPU.
@@ -64,7 +48,6 @@ from mlcls.engine.evaluate import (
 )
 from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm, step_if_finite
 from mlcls.engine.optim import group_lrs
-from mlcls.engine.preemption import StopSignals
 from mlcls.engine.results import record_skipped_images, run_results
 from mlcls.engine.rundir import close_run_dir
 from mlcls.errors import plural
@@ -111,7 +94,7 @@ class Trainer:
         self.device_stage, self.state, self.run_log = run.device_stage, run.state, run.run_log
         self.checkpointer = run.checkpointer
         self._nonfinite = NonFiniteCounter(self.device, self.cfg.trainer.max_nonfinite)
-        self.signals = StopSignals(self.dist.distributed)
+        self.signals = dist_utils.StopSignals(self.dist.distributed)
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
         self.thresholds_split = thresholds_split(self.cfg.dataset, self.data.holdout_loader is not None)
@@ -258,12 +241,9 @@ class Trainer:
     def train_step(
         self, images: torch.Tensor, targets: torch.Tensor, *indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimisation step; returns the detached loss and whether the update was applied, both as
-        device tensors (reading them would wait for the device).
-
-        ``images``, ``targets``: a batch as :class:`DevicePrefetcher` gives it (on the device, finished by
-        the device stage, which runs there only); ``indices``: the batch's sample indices, for a loss with a
-        row per training sample (its ``needs_sample_index``), passed to it as a third argument.
+        """One optimisation step on a batch as :class:`DevicePrefetcher` gives it (``indices``: the sample
+        indices a loss with a row per training sample takes as a third argument); returns the detached loss
+        and whether the update was applied, as device tensors (reading them would wait for the device).
 
         A step with a non-finite gradient norm (identical on every rank after DDP's all-reduce, so all
         ranks agree) is skipped on the device (:func:`step_if_finite`): parameters, optimizer state and EMA
@@ -295,9 +275,8 @@ class Trainer:
     def relabel_training_set(self, epoch: int) -> None:
         """After epoch ``epoch`` (0-based), for a loss that asks for it (``wants_train_predictions``, EM's
         APL): score the training set with the raw weights (:func:`predict_training_set`, over this epoch's
-        batches again: ``set_epoch`` gives its order and augmentation from the first step, whatever a
-        resume skipped) and hand the predictions of every rank to its ``pseudo_label``, identically on
-        every rank. The checkpoint written after the epoch holds the result."""
+        batches from the first step, whatever a resume skipped) and hand every rank's predictions to its
+        ``pseudo_label`` on every rank; the checkpoint written after the epoch holds the result."""
         relabelling = [
             module
             for module in self.loss_modules()
@@ -333,11 +312,9 @@ class Trainer:
         run has one; log them, update ``best``; True for a new best epoch.
 
         The best epoch and weights are those of the highest mAP@class on the held-out split (their metrics
-        under ``best["selection"]``, ``best["selected_on"] = "holdout"``), else on the validation split;
-        ``best``'s own metrics are the validation split's. The held-out metrics of the raw (EMA) weights
-        are ``metrics["selection"]`` (``metrics["ema"]["selection"]``). Thresholds are calibrated once per
-        set of weights -- the raw ones (last.pt), the best ones for a new best -- on the split
-        :func:`thresholds_split` names."""
+        under ``best["selection"]`` and each evaluation's ``metrics["selection"]``), else on the validation
+        split, whose metrics ``best`` holds. Thresholds are calibrated once per set of weights -- the raw
+        ones (last.pt), the best ones for a new best -- on the split :func:`thresholds_split` names."""
         weights = {"raw": self.model} | ({} if self.ema is None else {"ema": self.ema.module})
         evaluations = {name: self.measure(model) for name, model in weights.items()}
         held_out = self.data.holdout_loader is not None

@@ -8,12 +8,10 @@ any batch size B, and return ``logits`` (B, C). The metadata (:func:`export_meta
 * ONNX: ``metadata_props``, one entry per top-level key, each value JSON-encoded (onnxruntime:
   ``session.get_modelmeta().custom_metadata_map``).
 
-:func:`read_metadata` reads either back. Thresholds are logits and may be ``-Infinity`` (a class that is
-always predicted), which Python's ``json`` reads; ``null`` when the checkpoint has none.
-
-The TorchScript module is traced (``torch.jit.trace``; timm networks have no data-dependent control
-flow). ONNX uses the TorchScript-based exporter of ``torch.onnx`` (``dynamo=False``), which needs only the
-``onnx`` package (``pip install mlcls[export]``), with a dynamic batch axis.
+:func:`read_metadata` reads either back. Thresholds are logits, ``-Infinity`` for a class always predicted
+(Python's ``json`` reads it), ``null`` when the checkpoint has none. The TorchScript
+module is traced (timm networks have no data-dependent control flow); ONNX uses the TorchScript-based
+exporter (``dynamo=False``), which needs only the ``onnx`` package (``pip install mlcls[export]``).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from mlcls import __version__
 from mlcls.data.pipeline.preprocess import input_size
 from mlcls.errors import InferenceError
 from mlcls.inference.predictor import InferenceModel, load_inference_model
-from mlcls.io import atomic_write
+from mlcls.io import atomic_write, atomic_write_bytes
 
 log = logging.getLogger("mlcls")
 
@@ -120,7 +118,7 @@ def export_onnx(
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, json.dumps(value)
     data = proto.SerializeToString()
-    atomic_write(path, lambda f: f.write(data))
+    atomic_write_bytes(path, data)
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -151,12 +149,6 @@ def run_exported(path: str | Path, images: torch.Tensor) -> torch.Tensor | None:
         return torch.jit.load(str(path), map_location="cpu")(images)
 
 
-def default_output_path(checkpoint: str | Path, fmt: str) -> Path:
-    """``<checkpoint dir>/<checkpoint stem>.onnx`` or ``.torchscript.pt``."""
-    checkpoint = Path(checkpoint)
-    return checkpoint.with_name(checkpoint.stem + SUFFIXES[fmt])
-
-
 def export_checkpoint(
     checkpoint: str | Path,
     fmt: str,
@@ -165,17 +157,14 @@ def export_checkpoint(
     verify: bool = True,
     trust: bool = False,
 ) -> tuple[Path, float | None]:
-    """Export ``checkpoint`` to ``fmt`` (one of :data:`EXPORT_FORMATS`) at ``out`` (default beside it).
-
-    With ``verify`` the exported file is run on a random batch of 3 (a batch size other than the traced
-    one) and compared with the PyTorch model. Returns the path written and the largest absolute logit
-    difference (None when not verified, or ONNX without onnxruntime). ``trust``: see
-    :func:`load_inference_model`.
-    """
+    """Export ``checkpoint`` (plain data unless ``trust``) to ``fmt`` (:data:`EXPORT_FORMATS`) at ``out``
+    (default: beside it, ``<stem>.onnx`` or ``<stem>.torchscript.pt``); the path written and, with
+    ``verify``, the largest absolute logit difference from the PyTorch model on a random batch of 3, a size
+    other than the traced one (None when not verified, or ONNX without onnxruntime)."""
     if fmt not in EXPORT_FORMATS:
         raise InferenceError(f"format={fmt!r}; expected one of {', '.join(EXPORT_FORMATS)}")
     inference = load_inference_model(checkpoint, device="cpu", trust=trust)
-    path = Path(out) if out else default_output_path(checkpoint, fmt)
+    path = Path(out) if out else Path(checkpoint).with_name(Path(checkpoint).stem + SUFFIXES[fmt])
     metadata = export_metadata(inference)
     example = example_input(inference)
     if fmt == "torchscript":

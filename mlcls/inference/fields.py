@@ -1,11 +1,10 @@
 """The fields of a checkpoint that build its model, checked before anything the size of the model is made.
 
-A checkpoint is data from someone else: its class count, its model options (``decoder_embedding``,
-``num_groups``, ...) and its preprocessing decide how much memory building and running the model takes.
-:func:`load_inference_model <mlcls.inference.predictor.load_inference_model>` therefore reads the fields
-here first, builds the model on the ``meta`` device (shapes only, no memory) and compares it with the stored
-weights by :func:`check_weights_fit`: the real model is built only when every parameter and buffer has the
-shape of a stored tensor, so it takes no more memory than the weights in the file.
+A checkpoint is data from someone else: its class count, model options and preprocessing decide how much
+memory building and running the model takes. :func:`~mlcls.inference.predictor.load_inference_model`
+therefore reads the fields here first, builds the model on the ``meta`` device (shapes only) and compares
+it with the stored weights (:func:`check_weights_fit`): the real model is built only when every parameter
+and buffer has the shape of a stored tensor, so it takes no more memory than the weights in the file.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mlcls.errors import InferenceError, plural, shown
+from mlcls.errors import InferenceError, is_integer, is_number, plural, shown
 
 
 def stored_classes(state: Mapping[str, Any], path: str | Path) -> list[str]:
@@ -54,11 +53,9 @@ def stored_config(state: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
 
 def stored_weights(state: Mapping[str, Any], path: str | Path) -> dict[str, torch.Tensor]:
     """The state dict of checkpoint ``state``: names to dense tensors, each backed by one stored value per
-    element (a sparse or a ``meta`` tensor is refused: neither holds the values it stands for).
-
-    A tensor whose storage is smaller than its elements (a stride-0 expansion or an overlapping view, which
-    ``torch.save`` keeps as such) would let a few stored bytes stand for a model of any size: refused.
-    """
+    element. A sparse or a ``meta`` tensor does not hold the values it stands for, and one whose storage
+    is smaller than its elements (a stride-0 expansion or an overlapping view, which ``torch.save`` keeps
+    as such) would let a few stored bytes stand for a model of any size: both are refused."""
     weights = state.get("model")
     if not isinstance(weights, dict):
         raise InferenceError(
@@ -89,13 +86,9 @@ def _not_dense(value: Any) -> str | None:
 def check_weights_fit(
     skeleton: nn.Module, weights: Mapping[str, torch.Tensor], num_classes: int, path: str | Path
 ) -> None:
-    """Raise :class:`InferenceError` unless ``weights`` has exactly the keys and shapes of ``skeleton``'s
-    state dict (``load_state_dict(strict=True)``'s rule).
-
-    ``skeleton`` is the checkpoint's model built with ``num_classes`` outputs on the ``meta`` device: its
-    shapes cost no memory, so a class count or a head option larger than the stored weights is found
-    before any real tensor is allocated. The message names the first key that differs.
-    """
+    """Raise :class:`InferenceError`, naming the first key that differs, unless ``weights`` has exactly the
+    keys and shapes of the state dict of ``skeleton``, the model of ``num_classes`` outputs built on the
+    ``meta`` device (``load_state_dict(strict=True)``'s rule)."""
     expected = skeleton.state_dict()
     model = f"the model its config describes for {plural(num_classes, 'class name')}"
     missing = [key for key in expected if key not in weights]
@@ -127,9 +120,8 @@ def stored_class_embeddings(
     weights: Mapping[str, torch.Tensor], classes: Sequence[str], head: str, path: str | Path
 ) -> torch.Tensor:
     """The class embeddings of a checkpoint with the text-query ``head``, checked against its class list
-    before the model is built: one floating-point row per class name, finite, each of unit norm (within
-    :data:`UNIT_NORM_TOLERANCE`). Their width is checked against the head's weights with every other shape
-    (:func:`check_weights_fit`)."""
+    before the model is built: one finite floating-point row per class name, each of unit norm (within
+    :data:`UNIT_NORM_TOLERANCE`); their width is checked by :func:`check_weights_fit`."""
     embeddings = weights.get(CLASS_EMBEDDINGS_KEY)
     if embeddings is None:
         raise InferenceError(
@@ -188,22 +180,18 @@ def stored_thresholds_split(state: Mapping[str, Any], path: str | Path) -> str:
     return split
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 # What each option of mlcls.models.create_model may be when a checkpoint holds it: (check, expected).
 MODEL_FIELDS: dict[str, tuple[Any, str]] = {
     "name": (lambda v: isinstance(v, str) and 0 < len(v) <= 200, "a timm model name"),
     "pretrained": (lambda v: isinstance(v, bool), "true or false"),
     "checkpoint_path": (lambda v: v is None or isinstance(v, str), "a path or null"),
     # the head's options (model.head, configs/model/head/*.yaml), checked beside the model's
-    "drop_rate": (lambda v: _is_number(v) and 0 <= v < 1, "a probability in [0, 1)"),
-    "num_groups": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "embed_dim": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "num_heads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "lam": (_is_number, "a finite number"),
-    "init_scale": (lambda v: _is_number(v) and 0 < v <= 100, "a number in (0, 100]"),
+    "drop_rate": (lambda v: is_number(v) and 0 <= v < 1, "a probability in [0, 1)"),
+    "num_groups": (lambda v: is_integer(v) and v >= 1, "an integer >= 1"),
+    "embed_dim": (lambda v: is_integer(v) and v >= 1, "an integer >= 1"),
+    "num_heads": (lambda v: is_integer(v) and v >= 1, "an integer >= 1"),
+    "lam": (lambda v: is_number(v) and math.isfinite(v), "a finite number"),
+    "init_scale": (lambda v: is_number(v) and 0 < v <= 100, "a number in (0, 100]"),
 }
 
 

@@ -1,13 +1,9 @@
 """Labels for new images: load a checkpoint once, then score files, folders or globs in batches.
 
 The checkpoint (``last.pt`` or ``best.pt``) carries everything needed -- weights, class names, model config,
-preprocessing (:mod:`mlcls.data.pipeline.preprocess`) and, when the trainer calibrated them, per-class
-thresholds (:mod:`mlcls.metrics.thresholds`) -- so no dataset config is read. A text-query head's
-checkpoint also holds its class embeddings and its text source: it scores its own classes without the
-encoder, and other class names with it (:func:`use_classes`).
-
-Images are decoded as RGB exactly as the datasets decode them (no EXIF rotation, like training). An
-unreadable file (missing, corrupt, not an image) is reported in the ``unreadable`` list and skipped.
+preprocessing, calibrated thresholds and a text-query head's text source (:func:`use_classes`) -- so no
+dataset config is read. Images are decoded as RGB exactly as the datasets decode them (no EXIF rotation,
+like training); an unreadable file (missing, corrupt, not an image) is reported in ``unreadable``, skipped.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_check
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
-from mlcls.errors import ConfigError, InferenceError, plural, printable, shown
+from mlcls.errors import ConfigError, InferenceError, first_line, plural, printable, shown
 from mlcls.inference.fields import (
     check_model_fields,
     check_weights_fit,
@@ -56,12 +52,9 @@ IMAGE_EXTENSIONS = frozenset(
 
 
 def find_images(sources: str | Path | Sequence[str | Path]) -> list[Path]:
-    """The image files named by ``sources``, each once, in the order given.
-
-    Each source is a file (taken as is), a directory (searched recursively for :data:`IMAGE_EXTENSIONS`,
-    sorted) or a glob pattern (``**`` matches nested folders; the matching files, sorted). A source that
-    matches nothing contributes nothing; the caller decides whether an empty result is an error.
-    """
+    """The image files named by ``sources``, each once, in the order given: a file as is, a directory's
+    :data:`IMAGE_EXTENSIONS` files (recursively, sorted), a glob's matching files (sorted; ``**`` matches
+    nested folders). A source that matches nothing contributes nothing."""
     if isinstance(sources, (str, Path)):
         sources = [sources]
     found: dict[Path, None] = {}
@@ -82,13 +75,10 @@ def find_images(sources: str | Path | Sequence[str | Path]) -> list[Path]:
 
 @dataclass
 class InferenceModel:
-    """A trained model ready to score images, with what it needs to interpret them.
-
-    ``thresholds`` is the (C,) float64 tensor of calibrated per-class logit thresholds, or None when the
-    checkpoint has none; ``thresholds_split`` the split they were calibrated on (``"validation"`` or
-    ``"holdout"``, the held-out share of the training split); ``text`` a text-query head's text record
-    (``{"source", "config"}``, :func:`mlcls.engine.checkpoint.text_record`), None for another head.
-    """
+    """A trained model ready to score images, with what it needs to interpret them: ``thresholds`` the
+    (C,) float64 calibrated per-class logit thresholds (None: none), calibrated on ``thresholds_split``
+    (``"validation"`` or ``"holdout"``); ``text`` a text-query head's text record
+    (:func:`mlcls.engine.checkpoint.text_record`), None for another head."""
 
     model: nn.Module
     classes: list[str]
@@ -104,14 +94,10 @@ class InferenceModel:
 def build_model(
     config: dict[str, Any], num_classes: int, class_embeddings: torch.Tensor | None = None
 ) -> nn.Module:
-    """The network of a run's resolved ``config`` with ``num_classes`` outputs, randomly initialised.
-
-    Built by :func:`mlcls.models.create_model` from the plain fields of ``config["model"]`` (a field the
-    factory does not take is refused); a ``_target_`` stored in the file is never called, and one other
-    than :data:`MODEL_FACTORY` is refused. Nothing is downloaded: the checkpoint's weights are loaded
-    afterwards. A text-query head takes the checked ``class_embeddings``
-    (:func:`~mlcls.inference.fields.stored_class_embeddings`).
-    """
+    """The network of a run's resolved ``config`` with ``num_classes`` outputs, randomly initialised (the
+    weights are loaded afterwards: nothing is downloaded), built by :data:`MODEL_FACTORY` from the plain
+    fields of ``config["model"]``: a field it does not take, or another ``_target_`` (a callable read from a
+    file is never called), is refused. A text-query head takes the checked ``class_embeddings``."""
     if not isinstance(config.get("model"), dict):
         raise InferenceError("the checkpoint's config has no model section; is it an mlcls checkpoint?")
     fields = dict(config["model"])
@@ -142,23 +128,16 @@ def build_model(
         return create_model(**{**fields, **fixed}, class_embeddings=class_embeddings)
     except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: sizes beyond torch's int64
         # ValueError includes ConfigError: an option the head does not take
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise InferenceError(f"cannot build the checkpoint's model: {first_line}") from exc
+        raise InferenceError(f"cannot build the checkpoint's model: {first_line(exc)}") from exc
 
 
 def load_inference_model(
     path: str | Path, device: str | torch.device = "auto", trust: bool = False
 ) -> InferenceModel:
-    """Load ``path`` (``last.pt`` or ``best.pt``) in eval mode on ``device`` (auto: CUDA when available).
-
-    The file is read as plain data unless ``trust`` (see :func:`mlcls.engine.checkpoint.load_checkpoint`).
-    Its class names, config, weights, preprocess spec and thresholds are checked first
-    (:mod:`mlcls.inference.fields`, :func:`~mlcls.data.pipeline.preprocess.check_spec`), then the model is
-    built on the ``meta`` device and its shapes compared with the weights: a class count or a head option
-    that the stored weights do not hold is an :class:`InferenceError` before any memory is allocated. A
-    text-query head's class embeddings are checked against the class names first
-    (:func:`~mlcls.inference.fields.stored_class_embeddings`) and against the head's width with its weights.
-    """
+    """Load ``path`` (``last.pt`` or ``best.pt``; plain data unless ``trust``) in eval mode on ``device``
+    (auto: CUDA when available), its fields checked in the order :mod:`mlcls.inference.fields` says, the
+    model built on the ``meta`` device and compared with the weights before any memory is allocated; a
+    text-query head's class embeddings checked against the class names, then with the weights."""
     state = load_checkpoint(path, map_location="cpu", trust=trust)
     classes = stored_classes(state, path)
     config = stored_config(state, path)
@@ -177,8 +156,7 @@ def load_inference_model(
     try:
         model.load_state_dict(weights)
     except RuntimeError as exc:
-        first_line = str(exc).splitlines()[0]
-        raise InferenceError(f"{path}: weights do not fit the config's model ({first_line})") from exc
+        raise InferenceError(f"{path}: weights do not fit the config's model ({first_line(exc)})") from exc
     if not isinstance(device, torch.device):
         try:
             device = resolve_device(device)
@@ -199,11 +177,9 @@ def load_inference_model(
 
 def use_classes(inference: InferenceModel, names: Sequence[str]) -> None:
     """Score the class ``names`` from now on instead of the checkpoint's own (``mlcls-predict classes=``):
-    the names are embedded by the checkpoint's stored text source (:func:`mlcls.text.encoder_from_stored`,
-    which builds only an encoder of :mod:`mlcls.text`) and become the text-query head's class embeddings.
-    The checkpoint's calibrated thresholds belong to its own classes and are dropped (the rule is then
-    ``threshold``, ``top_k`` or probability 0.5). A checkpoint whose head has weights per class, or one
-    without a text source, is a one-line :class:`InferenceError`."""
+    embedded by the checkpoint's stored text source (:func:`mlcls.text.encoder_from_stored`) as the
+    text-query head's class embeddings; the calibrated thresholds, the checkpoint's classes', are dropped.
+    A head with weights per class, or a checkpoint without a text source, is an :class:`InferenceError`."""
     head = text_query_head(inference.model)
     if head is None:
         name = inference.config["model"]["head"]["name"]  # checked by build_model
@@ -306,12 +282,9 @@ def predict_images(
     threshold: float | None = None,
     top_k: int | None = None,
 ) -> tuple[list[Prediction], list[tuple[Path, str]]]:
-    """The :class:`Prediction` of every readable image of ``paths``, and the unreadable ``(path, reason)``.
-
-    Labels are chosen by :func:`mlcls.metrics.thresholds.select_labels` (``top_k`` / ``threshold`` if
-    given, else the checkpoint's calibrated thresholds, else probability 0.5); scores are
-    ``sigmoid(logit)``.
-    """
+    """The :class:`Prediction` of every readable image of ``paths``, and the unreadable ``(path, reason)``;
+    labels chosen by :func:`mlcls.metrics.thresholds.select_labels` (``top_k`` / ``threshold`` if given,
+    else the calibrated thresholds, else probability 0.5), scored ``sigmoid(logit)``."""
     logits, kept, unreadable = predict_logits(inference, paths, batch_size, workers)
     chosen = select_labels(logits, inference.thresholds, threshold, top_k)
     probabilities = torch.sigmoid(logits.double())

@@ -1,6 +1,6 @@
 """The authors' released checkpoints of ML-Decoder, ASL and CSRA as mlcls checkpoints (``mlcls-import``).
 
-A released file is read as data (``torch.load(weights_only=True)``): its state dict is the ``model`` entry
+A released file is read as data: its state dict is the ``model`` entry
 (ML-Decoder, ASL), else ``state_dict``, else the file itself (CSRA), with any ``module.`` prefix of
 ``nn.DataParallel`` dropped. Each :data:`FORMATS` entry says which networks it holds, how their names
 translate to mlcls's (:mod:`mlcls.models.released` for the TResNets), and how its authors evaluate:
@@ -13,17 +13,8 @@ translate to mlcls's (:mod:`mlcls.models.released` for the TResNets), and how it
                                                                                    [0, 1] pixels
 
 (ML-Decoder's and ASL's ``validate.py`` and CSRA's ``val.py``: a squash-resize, ``ToTensor`` and, for CSRA,
-``Normalize(mean=[0, 0, 0], std=[1, 1, 1])``: none of them subtracts ImageNet's mean.) CSRA's ``lam`` is
-not in the file: it is taken from the file's heads and classes where these are those of a file its authors
-released (:data:`CSRA_LAM`), else it must be given.
-
-Class names: ``classes`` (a list given by the user) first, else the file's ``idx_to_class`` (ML-Decoder's
-and ASL's files carry one) in its own order, as the authors' ``infer.py`` takes its ``values()``, else
-COCO's 80 names in category-id order or VOC's 20; an Open Images model without ``idx_to_class`` needs its
-9,605 names given, in the model's order. Names are distinct.
-
-The file is opened once through :func:`mlcls.io.open_checkpoint` (a regular file, its zip members stored,
-not compressed), so what ``torch.load`` builds from it is bounded by its size.
+``Normalize(mean=[0, 0, 0], std=[1, 1, 1])``: none of them subtracts ImageNet's mean.) The file is opened
+once through :func:`mlcls.io.open_checkpoint`, so what ``torch.load`` builds from it is bounded by its size.
 """
 
 from __future__ import annotations
@@ -40,7 +31,7 @@ from omegaconf import OmegaConf
 from mlcls import config_dir
 from mlcls.data.datasets.voc import VOC_CLASSES
 from mlcls.data.pipeline.preprocess import preprocess_spec
-from mlcls.errors import InferenceError, plural, shown
+from mlcls.errors import InferenceError, first_line, plural, shown
 from mlcls.io import FileTooLargeError, NotRegularFileError, UnsafeFileError, open_checkpoint
 from mlcls.models import create_model
 from mlcls.models.heads.csra import TEMPERATURES
@@ -129,10 +120,9 @@ def read_released(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         with file:
             state = torch.load(file, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InferenceError(
-            f"{path} cannot be read as data ({type(exc).__name__}: {first}); a released checkpoint holds "
-            "tensors, dicts and names only"
+            f"{path} cannot be read as data ({type(exc).__name__}: {first_line(exc)}); a released checkpoint "
+            "holds tensors, dicts and names only"
         ) from None
     if not isinstance(state, Mapping):
         raise InferenceError(f"{path} holds a {type(state).__name__}; expected a state dict")
@@ -314,10 +304,8 @@ def import_released(
     lam: float | None = None,
 ) -> dict[str, Any]:
     """The mlcls checkpoint (``model``, ``classes``, ``preprocess``, ``config`` with its ``model`` and
-    ``dataset`` sections, ``released``) of the authors' file ``path`` in format ``fmt`` (:data:`FORMATS`).
-
-    ``classes``, ``image_size`` and CSRA's ``lam`` replace what the format gives (:func:`released_classes`,
-    :data:`TRESNET_SIZES` or 448, :data:`CSRA_LAM`)."""
+    ``dataset`` sections, ``released``) of the authors' file ``path`` in format ``fmt`` (:data:`FORMATS`);
+    ``classes``, ``image_size`` and CSRA's ``lam`` replace what the format gives."""
     weights, meta = read_released(path)
     model_config = released_model_config(fmt, weights, lam)
     state_dict = convert_weights(fmt, weights, model_config)

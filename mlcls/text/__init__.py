@@ -1,19 +1,23 @@
 """Class embeddings from the class names: the queries of the text-query heads (``model.head=mldecoder_zsl``
 and ``model.head=cosine``, :mod:`mlcls.models.heads.text_query`).
 
-The ``text`` config group (configs/text/) names an *encoder*: any object with ``encode(names: list[str]) ->
-Tensor (C, D)`` and a ``source: str`` attribute naming it (its kind, file path and model), built with
-``hydra.utils.instantiate(cfg.text)``. ``words`` (:mod:`.words`) needs no file; ``vectors``, ``sentence`` and
-``clip`` read a local word-vector file or model. An encoder should load its file in ``encode``, not when it
-is built: :func:`class_embeddings` builds it to read its ``source`` even when the embeddings are cached.
-
-Every config has the ``text`` key (train.yaml's defaults: ``text: words``); only a text-query head uses it.
+The ``text`` config group (configs/text/; ``words`` by default, used by text-query heads only) names an
+*encoder*: any object with ``encode(names: list[str]) -> Tensor (C, D)`` and a ``source: str`` naming it
+(its kind, file path and model). ``words`` needs no file; ``vectors``, ``sentence`` and ``clip`` read a local
+file or model, in ``encode``, not when built: :func:`class_embeddings` builds the encoder to read its
+``source`` even when the embeddings are cached.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
+import os
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +25,79 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 
 from mlcls.errors import ConfigError, shown
-from mlcls.text.classes import MAX_CLASSES, check_class_names, parse_classes, read_class_list
+from mlcls.io import FileTooLargeError, read_text
+
+# Class names given by a user (a class list file, one name a line, or a comma-separated list) come from
+# someone else: every bound holds before they are used, and a bad name is quoted escaped in one line.
+# The most classes a list may name: OpenImages has ~20,000 trainable classes, RAM++'s open vocabulary
+# ~4,600 tags; each class costs one embedding row (D floats) and one logit per image.
+MAX_CLASSES = 100_000
+# The longest class name, in characters: a name is a few words (a sentence with a prompt at most); a text
+# encoder's cost grows with it.
+MAX_NAME_CHARS = 1000
+
+
+def check_class_names(names: Sequence[str]) -> list[str]:
+    """``names`` as a list, checked: 1 to :data:`MAX_CLASSES` names, each a string of 1 to
+    :data:`MAX_NAME_CHARS` characters with no control or other unprintable character and no leading or
+    trailing space, none twice. A one-line :class:`ConfigError` names the first fault."""
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise ConfigError(f"class names {shown(names)}; expected a list of strings")
+    if not 1 <= len(names) <= MAX_CLASSES:
+        raise ConfigError(f"{len(names)} class names; expected 1 to {MAX_CLASSES:,}")
+    seen: set[str] = set()
+    for index, name in enumerate(names):
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+            raise ConfigError(
+                f"class name #{index + 1} {shown(name)}; expected a string of 1 to {MAX_NAME_CHARS} "
+                "characters"
+            )
+        if not name.isprintable() or name != name.strip():
+            raise ConfigError(
+                f"class name #{index + 1} {shown(name)} holds a control character or surrounding space; "
+                "expected printable text"
+            )
+        if name in seen:
+            raise ConfigError(f"class name #{index + 1} {shown(name)} is named twice; expected each once")
+        seen.add(name)
+    return list(names)
+
+
+def read_class_list(path: str | Path) -> list[str]:
+    """The class names of file ``path`` (:func:`mlcls.io.read_text`: UTF-8, at most ``CAPS["class list"]``
+    bytes), one a line (surrounding spaces and blank lines skipped), counted while they are read (a file of
+    more names than :data:`MAX_CLASSES` stops at the first one over), checked by :func:`check_class_names`."""
+    try:
+        text = read_text(path, "class list")
+    except (OSError, UnicodeDecodeError, FileTooLargeError) as exc:
+        raise ConfigError(f"class list {path}: cannot be read ({exc})") from None
+    names: list[str] = []
+    for line in io.StringIO(text, newline="\n"):
+        name = line.strip("\n").strip(" \t\r")
+        if not name:
+            continue
+        if len(names) == MAX_CLASSES:
+            raise ConfigError(
+                f"class list {path} names more than {MAX_CLASSES:,} classes; expected at most that"
+            )
+        names.append(name)
+    if not names:
+        raise ConfigError(f"class list {path} names no class; expected one name a line")
+    try:
+        return check_class_names(names)
+    except ConfigError as exc:
+        raise ConfigError(f"class list {path}: {exc}") from None
+
+
+def parse_classes(value: str | Sequence[str]) -> list[str]:
+    """The classes a command line names with ``classes=``: a list as it is; a string naming an existing file
+    read as a class list (:func:`read_class_list`); any other string split on commas (``a,b,c``)."""
+    if not isinstance(value, str):
+        return check_class_names([str(name) for name in value])
+    if os.path.exists(value):
+        return read_class_list(value)
+    return check_class_names([name.strip() for name in value.split(",")])
+
 
 # Class lists whose embeddings stay in memory, least recently used dropped first: a run embeds one or two
 # lists (training, prediction), so a handful bounds the cache at a handful of (C, D) tensors.
@@ -65,14 +141,10 @@ def build_encoder(text_cfg: Mapping[str, Any] | TextEncoder) -> TextEncoder:
 
 def class_embeddings(text_cfg: Mapping[str, Any] | TextEncoder, names: Sequence[str]) -> torch.Tensor:
     """The embeddings of class ``names`` from the ``text`` config's encoder: float32 (C, D), each row of
-    unit L2 norm, row ``c`` for ``names[c]``.
-
-    Cached in memory by (the encoder's ``source``, the names in order), :data:`CACHE_SIZE` lists at most;
-    each call returns its own copy. The names are checked first (:func:`check_class_names`: at most
-    :data:`MAX_CLASSES`, no duplicates, no control characters), and what the encoder returns after: one
-    row per name, at most :data:`MAX_DIM` wide, finite, no row of zero norm -- a one-line
-    :class:`ConfigError` otherwise.
-    """
+    unit L2 norm, row ``c`` for ``names[c]``; cached by (the encoder's ``source``, the names in order),
+    :data:`CACHE_SIZE` lists at most, each call getting its own copy. The names are checked first
+    (:func:`check_class_names`), and what the encoder returns after: one row per name, at most
+    :data:`MAX_DIM` wide, finite, no row of zero norm -- a one-line :class:`ConfigError` otherwise."""
     names = check_class_names(names)
     encoder = build_encoder(text_cfg)
     key = (encoder.source, tuple(names))
@@ -152,9 +224,53 @@ def encoder_from_stored(record: Any) -> TextEncoder:
     return encoder
 
 
-def text_source(text_cfg: Mapping[str, Any] | TextEncoder) -> str:
-    """The ``source`` of the ``text`` config's encoder (what a checkpoint records beside the embeddings)."""
-    return build_encoder(text_cfg).source
+# What the encoders that load a model (sentence, clip) share: their optional package, imported with a
+# one-line error naming the extra, and the Hugging Face Hub held offline while a model loads (a name that
+# is not a local file never turns into a download) by these variables.
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def require(module: str, extra: str, source: str) -> ModuleType:
+    """``import module``, or a one-line :class:`ConfigError` saying which extra of mlcls installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(
+            f"text={source} needs the package {module} ({exc}); expected it installed: "
+            f"pip install 'mlcls[{extra}]'"
+        ) from None
+
+
+@contextlib.contextmanager
+def offline() -> Iterator[None]:
+    """The Hugging Face Hub offline inside the block: its variables set to 1, and huggingface_hub's
+    ``HF_HUB_OFFLINE`` flag (read once when it is imported, then on every request) set too; both restored
+    after, since timm's pretrained weights (``model.pretrained=true``) come from the Hub."""
+    saved = {name: os.environ.get(name) for name in OFFLINE_VARIABLES}
+    os.environ.update(dict.fromkeys(OFFLINE_VARIABLES, "1"))
+    try:
+        constants = importlib.import_module("huggingface_hub.constants")
+    except ImportError:
+        constants = None
+    flag = getattr(constants, "HF_HUB_OFFLINE", None)
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if constants is not None:
+            constants.HF_HUB_OFFLINE = flag
+
+
+def phrase(name: str) -> str:
+    """The text a language model reads for class ``name``: its underscores as spaces (``traffic_light`` ->
+    ``traffic light``), as zero-shot CLIP writes class names; hyphens stay (``t-shirt``)."""
+    return " ".join(name.replace("_", " ").split())
 
 
 __all__ = [
@@ -168,5 +284,4 @@ __all__ = [
     "encoder_from_stored",
     "parse_classes",
     "read_class_list",
-    "text_source",
 ]

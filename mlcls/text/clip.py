@@ -2,15 +2,13 @@
 as ``ViT-B-32``) with the weights of a local checkpoint file (``text.path``), and the optional extra
 ``pip install 'mlcls[clip]'``.
 
-A class name is read as a phrase (``traffic_light`` -> ``traffic light``, :func:`mlcls.text.local.phrase`)
-put in ``text.template`` (``"a photo of a {}"``: CLIP's zero-shot prompt), tokenised by the model's own
-tokenizer and embedded by ``model.encode_text``.
+A class name's phrase (:func:`mlcls.text.phrase`) is put in ``text.template`` (``"a photo of a {}"``:
+CLIP's zero-shot prompt), tokenised by the model's own tokenizer and embedded by ``model.encode_text``.
 
 Nothing is downloaded: the model is built from open_clip's own config with no pretrained weights (no
 ``hf-hub:`` or ``local-dir:`` name), with the Hugging Face Hub offline, and the weights are read by mlcls
-itself through its door (:func:`load_weights`): a ``.safetensors`` file, or a ``torch.save`` file through
-:func:`mlcls.io.open_checkpoint` and ``torch.load(weights_only=True)`` -- never an OpenAI TorchScript
-archive, which is code. The text tower's weights must all be in the file (the image tower's are not used).
+itself (:func:`load_weights`) -- never an OpenAI TorchScript archive, which is code. The text tower's
+weights must all be in the file (the image tower's are not used).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from mlcls.errors import ConfigError, listed, printable
+from mlcls.errors import ConfigError, first_line, is_integer, listed, printable
 from mlcls.io import (
     CAPS,
     FileTooLargeError,
@@ -32,7 +30,7 @@ from mlcls.io import (
     open_checkpoint,
     read_regular_bytes,
 )
-from mlcls.text.local import offline, phrase, require
+from mlcls.text import offline, phrase, require
 
 # open_clip model names that fetch a config or weights from elsewhere.
 REMOTE_SCHEMAS = ("hf-hub:", "local-dir:")
@@ -56,7 +54,7 @@ class ClipEncoder:
             )
         if not isinstance(template, str) or template.count("{}") != 1:
             raise ConfigError(f"text.template={template!r}; expected a prompt holding {{}} once")
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        if not is_integer(batch_size) or batch_size < 1:
             raise ConfigError(f"text.batch_size={batch_size!r}; expected a positive integer")
         self.path, self.model, self.template, self.batch_size = Path(path), model, template, batch_size
         self.source = f"clip({model}, {os.path.abspath(self.path)}, template={template!r})"
@@ -78,7 +76,7 @@ class ClipEncoder:
                 tokenizer = library.get_tokenizer(self.model)
             except (OSError, RuntimeError, ValueError) as exc:
                 raise ConfigError(
-                    f"text.model={self.model!r} cannot be built offline ({_first_line(exc)})"
+                    f"text.model={self.model!r} cannot be built offline ({first_line(exc)})"
                 ) from None
         _load_text_tower(model, state, self.path, self.model)
         prompts = [self.template.replace("{}", phrase(name)) for name in names]
@@ -109,7 +107,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         raise
     except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError, SafetensorError) as exc:
         raise ConfigError(
-            f"text.path {where} cannot be read as weights ({_first_line(exc)}); expected a .safetensors file "
+            f"text.path {where} cannot be read as weights ({first_line(exc)}); expected a .safetensors file "
             "or a state dict saved by torch.save (not a TorchScript archive)"
         ) from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
@@ -128,7 +126,7 @@ def _load_text_tower(model: torch.nn.Module, state: dict[str, torch.Tensor], pat
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:
         raise ConfigError(
-            f"text.path {printable(str(path))} does not fit text.model={name!r} ({_first_line(exc)})"
+            f"text.path {printable(str(path))} does not fit text.model={name!r} ({first_line(exc)})"
         ) from None
     missing = [key for key in result.missing_keys if not key.startswith("visual.")]
     for keys, what in ((missing, "lacks"), (result.unexpected_keys, "has keys the model lacks:")):
@@ -137,8 +135,3 @@ def _load_text_tower(model: torch.nn.Module, state: dict[str, torch.Tensor], pat
                 f"text.path {printable(str(path))} {what} {listed(keys, MAX_NAMED_KEYS)}; expected the "
                 f"weights of the open_clip model {name!r}"
             )
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return printable(lines[0]) if lines else type(exc).__name__

@@ -1,13 +1,11 @@
 """``text=sentence``: class embeddings from a local sentence-transformers model folder (``text.path``),
 with the optional extra ``pip install 'mlcls[sentence]'``.
 
-A class name is read as a phrase (``traffic_light`` -> ``traffic light``, :func:`mlcls.text.local.phrase`)
-and embedded by the model's own ``encode``. The folder is someone else's files, so before the library sees
-it (:func:`check_model_folder`):
+A class name's phrase (:func:`mlcls.text.phrase`) is embedded by the model's own ``encode``. The folder is
+someone else's files, so before the library sees it (:func:`check_model_folder`):
 
-* it must be a local folder: a Hub name (``sentence-transformers/all-MiniLM-L6-v2``) is refused, never
-  downloaded, and the model loads with the Hub offline (:func:`mlcls.text.local.offline`,
-  ``local_files_only``);
+* it must be a local folder: a Hub name is refused, never downloaded, and the model loads with the Hub
+  offline (:func:`mlcls.text.offline`, ``local_files_only``);
 * no code of the folder runs: ``trust_remote_code=False``, every module ``modules.json`` names must be one
   of sentence-transformers' own (``sentence_transformers.*``), and pickle files (``pytorch_model.bin``,
   ``*.pt``, ...: unpickling can run code) are refused, safetensors weights required;
@@ -23,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from mlcls.errors import ConfigError, printable, shown
+from mlcls.errors import ConfigError, first_line, is_integer, printable, shown
 from mlcls.io import CAPS, read_json
-from mlcls.text.local import offline, phrase, require
+from mlcls.text import offline, phrase, require
 
 # Weight files that are pickles: loading one can run code.
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"})
@@ -42,7 +40,7 @@ class SentenceEncoder:
             raise ConfigError(
                 f"text.path={path!r}; expected the local folder of a sentence-transformers model"
             )
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        if not is_integer(batch_size) or batch_size < 1:
             raise ConfigError(f"text.batch_size={batch_size!r}; expected a positive integer")
         self.path, self.batch_size = Path(path), batch_size
         self.source = f"sentence({os.path.abspath(self.path)})"
@@ -61,10 +59,9 @@ class SentenceEncoder:
                     model_kwargs={"use_safetensors": True},
                 )
             except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ConfigError(
                     f"text.path {printable(str(folder))} cannot be loaded as a sentence-transformers model "
-                    f"({printable(first)})"
+                    f"({first_line(exc)})"
                 ) from None
             with torch.inference_mode():
                 rows = model.encode(

@@ -1,26 +1,21 @@
 """``text=vectors``: class embeddings from a local word-vector file in the GloVe or fastText text format.
 
 The format: one word a line followed by its vector, fields separated by single spaces (fastText's ``.vec``
-ends each line with a space; GloVe's ``.txt`` does not). A fastText file starts with a header line
-``<count> <dim>``; a GloVe file starts with its first word. A class name is split into words as ``text=words``
-splits it (:func:`mlcls.text.words.split_words`: on ``_``, ``-`` and white space, lower-cased), and its vector
-is the sum of its words' vectors (``traffic_light`` = traffic + light). The field (ML-Decoder's and LESA's
-zero-shot queries) averages them; once :func:`mlcls.text.class_embeddings` has L2-normalised each row, the
-sum and the mean are the same vector.
+ends each line with a space and starts with a header line ``<count> <dim>``; GloVe's ``.txt`` does neither).
+A class name's vector is the sum of its words' (:func:`mlcls.text.words.split_words`: ``traffic_light`` =
+traffic + light); once :func:`mlcls.text.class_embeddings` has L2-normalised each row, the sum and the mean
+that ML-Decoder's and LESA's zero-shot queries use are the same vector.
 
 The file is someone else's data, read through :func:`mlcls.io.open_regular` (a regular file of at most
-``CAPS["word vectors"]`` = 8 GiB: not a pipe or a device) and streamed one line at a time:
+``CAPS["word vectors"]``) and streamed one line at a time:
 
 * only the vectors of the class names' words are kept, so memory is bounded by the class list (distinct
   words x D x 8 bytes), never by the file; the reading stops once every word has been found;
 * a line is read :data:`MAX_LINE_BYTES` at most: a longer one is refused without being read whole;
 * every line read has the same number of values (the header's ``dim``, or the first line's), each a finite
   number; a value of a kept word that is not is refused, naming the line;
-* a word of the file never reaches a terminal unescaped: errors quote it with ``repr``.
-
-Every fault is one line (:class:`ConfigError`, or :mod:`mlcls.io`'s errors for a path that is not a regular
-file or is over the cap): words missing from the file are named all in one line (the first
-:data:`MAX_NAMED_MISSING` of them, then how many more).
+* a word of the file never reaches a terminal unescaped: errors quote it with ``repr``; every fault is one
+  line (missing words: the first :data:`MAX_NAMED_MISSING`, then how many more).
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ import torch
 from mlcls.errors import ConfigError, listed, plural, printable, shown
 from mlcls.io import CAPS, MiB, open_regular
 from mlcls.text import MAX_DIM
-from mlcls.text.words import split_words
+from mlcls.text.words import split_words, sum_of_words
 
 # The longest line read: a 300-d GloVe or fastText line is about 3 KB, a 4096-d one at full float precision
 # about 60 KB; a longer line is not a word vector, and reading it whole could take all memory.
@@ -56,33 +51,23 @@ class WordVectorsEncoder:
         self.source = f"vectors({os.path.abspath(self.path)})"
 
     def encode(self, names: list[str]) -> torch.Tensor:
-        """float64 (C, D): row ``c`` the sum of the vectors of the words of ``names[c]``. A name without a
-        word, or words the file lacks, are a one-line :class:`ConfigError`."""
-        words_of = []
-        for name in names:
-            words = split_words(name)
-            if not words:
-                raise ConfigError(f"class name {shown(name)} has no word; expected letters or digits")
-            words_of.append(words)
-        needed = list(dict.fromkeys(word for words in words_of for word in words))  # first appearance
+        """float64 (C, D): :func:`~mlcls.text.words.sum_of_words` of the file's vectors; words the file
+        lacks are a one-line :class:`ConfigError`."""
+        needed = list(dict.fromkeys(word for name in names for word in split_words(name)))  # first seen
         vectors = read_word_vectors(self.path, set(needed))
         missing = [word for word in needed if word not in vectors]
         if missing:
             raise ConfigError(
                 f"word-vector file {printable(str(self.path))} has no vector for "
                 f"{plural(len(missing), 'word')} of the class names: {listed(missing, MAX_NAMED_MISSING)}; "
-                "expected every word "
-                "(lower-cased) in the file"
+                "expected every word (lower-cased) in the file"
             )
-        rows = [np.sum([vectors[word] for word in words], axis=0) for words in words_of]
-        return torch.from_numpy(np.stack(rows))
+        return sum_of_words(names, vectors)
 
 
 def read_word_vectors(path: str | os.PathLike, words: set[str]) -> dict[str, np.ndarray]:
     """The float64 (D,) vectors of those of ``words`` that the word-vector file ``path`` holds (the first
-    line of a word listed twice), read as the module says: a one-line error for a file that is not a
-    regular file of at most ``CAPS["word vectors"]`` bytes, a line over :data:`MAX_LINE_BYTES`, a line
-    whose number of values differs from the others', or a kept value that is not a finite number."""
+    line of a word listed twice), read and checked as the module says."""
     shown_path = printable(str(path))
     wanted = {word.encode("utf-8"): word for word in words}
     found: dict[str, np.ndarray] = {}
