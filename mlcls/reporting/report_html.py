@@ -24,7 +24,7 @@ from typing import Any
 
 from PIL import Image
 
-from mlcls.data import BadImageError
+from mlcls.data import BadImageError, TrainingView
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, MultiLabelDataset, crop_box, to_rgb
 from mlcls.data.images import read_image
 from mlcls.data.pipeline.transforms import check_aspect_ratio
@@ -135,6 +135,8 @@ def thumbnail(dataset: Any, index: int, side: int) -> str | None:
     regular file within ``CAPS["image"]``, its pixels bounded) and decoded as the dataset decodes it, never by
     its transform's own ``decode`` (which yields what the transform takes, not an image); an image a dataset
     makes or holds in memory (synthetic, shards) comes from the dataset."""
+    if isinstance(dataset, TrainingView):  # the training split's images are its source's
+        dataset = dataset.source
     try:
         if type(dataset).load_image is not MultiLabelDataset.load_image:
             image = dataset.load_image(index)
