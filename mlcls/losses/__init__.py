@@ -5,12 +5,10 @@ Every loss is an ``nn.Module`` called as ``loss(logits, targets)``: ``logits`` (
 A loss that needs statistics of the training labels (e.g. class-frequency weighting) defines
 ``setup(train_labels)``; the trainer calls it once before training.
 
-Each class carries its short name as the class attribute ``name`` (``TwoWayLoss.name == "twoway"``), which
-is also the name of its config ``configs/loss/<name>.yaml``. That config points ``_target_`` at the class
-and lists every constructor argument, so ``loss=twoway loss.tp=4`` on the command line and
-``TwoWayLoss(tp=4.0)`` in Python build the same object. Adding a loss is one small module with the class,
-exported here, and its config; shared pieces (input checks, reductions, masked log-sum-exp, buckets, DDP
-gather) are in :mod:`mlcls.losses.common`.
+Each class's short name ``name`` (``TwoWayLoss.name == "twoway"``) names its config
+``configs/loss/<name>.yaml``, whose ``_target_`` is the class and which lists every constructor argument:
+``loss=twoway loss.tp=4`` and ``TwoWayLoss(tp=4.0)`` build the same object. Adding a loss is one small
+module with the class, exported here, and its config; shared pieces are in :mod:`mlcls.losses.common`.
 
 =================  =========================================  ==========================
 name               class                                      paper

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlcls.losses.common import EntrywiseLoss
+from mlcls.losses.common import EntrywiseLoss, check_choice
 
 if TYPE_CHECKING:
     from mlcls.data.datasets.labels import LabelCounts
@@ -30,23 +30,17 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
     The weights are a buffer (``class_weight``, (C,)): ``criterion.to(device)`` moves it, before or after
     :meth:`setup`, and a step on logits of that device and dtype uses it without a copy.
 
-    Reduction: set by ``reduction`` (:class:`~mlcls.losses.common.EntrywiseLoss`). ``"mean"`` (default) sum
-    over the known entries (label 1 or 0) divided by their number, 0 when none is known; ``"sum"`` sum
-    over the known entries of the batch; ``"sum_per_sample"`` eq. 19 as written, a sum over a sample's
-    known classes, then the mean over the samples with at least one known label.
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    Reduction: ``reduction`` over the known entries (:class:`~mlcls.losses.common.EntrywiseLoss`);
+    ``"sum_per_sample"`` is eq. 19 as written. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
     """
 
     name = "bce"
+    shown = ("pos_weight", "reduction")
     class_weight: Tensor
 
     def __init__(self, pos_weight: str = "none", reduction: str = "mean") -> None:
         super().__init__(reduction=reduction)
-        if pos_weight not in POS_WEIGHTS:
-            raise ValueError(
-                f"pos_weight must be one of {', '.join(map(repr, POS_WEIGHTS))}; got {pos_weight!r}"
-            )
-        self.pos_weight = pos_weight
+        self.pos_weight = check_choice("pos_weight", pos_weight, POS_WEIGHTS)
         # Empty until setup(); a buffer from the start so that .to(device) before setup() places it too.
         self.register_buffer("class_weight", torch.empty(0), persistent=False)
 
@@ -79,6 +73,3 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
         return F.binary_cross_entropy_with_logits(
             logits, (targets == 1).to(logits.dtype), pos_weight=weight, reduction="none"
         )
-
-    def extra_repr(self) -> str:
-        return f"pos_weight={self.pos_weight!r}, " + super().extra_repr()

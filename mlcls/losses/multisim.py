@@ -27,6 +27,7 @@ class MultiSimilarityLoss(MultiLabelLoss):
     """
 
     name = "multisim"
+    shown = ("tp",)
 
     def __init__(self, tp: float = 4.0) -> None:
         super().__init__()
@@ -40,9 +41,6 @@ class MultiSimilarityLoss(MultiLabelLoss):
         per_sample = F.softplus(hard_pos) + F.softplus(hard_neg)
         known = (positive | negative).any(1)
         return torch.where(known, per_sample, 0.0).sum() / known.sum().clamp(min=1)
-
-    def extra_repr(self) -> str:
-        return f"tp={self.tp}"
 
 
 class ZLPRLoss(MultiSimilarityLoss):
