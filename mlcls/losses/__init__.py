@@ -35,10 +35,9 @@ role               :class:`RoleLoss`                          Cole et al. 2021, 
 =================  =========================================  ==========================
 
 The first ten exclude unknown labels; the last nine, losses for missing and single-positive labels,
-give them a term of their own (docs/losses.md lists what each loss does with -1). A loss whose terms
-change with the epoch (``ll``, ``splc``) defines ``set_epoch(epoch)``, which the trainer calls before
-each epoch. A loss with a row of state per training sample (``role``; ``ll`` with ``mode=cp``) sets
-``needs_sample_index`` and is called ``loss(logits, targets, indices)`` (:mod:`mlcls.losses.role`).
+give them a term of their own (docs/losses.md lists what each loss does with -1). ``ll`` and ``splc``
+change with the epoch (``set_epoch``); ``role`` and ``ll`` in mode cp keep a row per training sample and
+take the batch's sample indices (:mod:`mlcls.losses.role`).
 """
 
 from __future__ import annotations

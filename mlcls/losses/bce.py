@@ -16,6 +16,14 @@ if TYPE_CHECKING:
 POS_WEIGHTS = ("none", "freq")
 
 
+def assumed_negative_bce(logits: Tensor, targets: Tensor, pos_weight: Tensor | None = None) -> Tensor:
+    """BCE per entry with every label but a positive taken as a negative: ``-w_c log p`` where the label
+    is 1, ``-log(1 - p)`` where it is 0 or -1 (log-sigmoids: finite for any finite logit)."""
+    return F.binary_cross_entropy_with_logits(
+        logits, (targets == 1).to(logits.dtype), pos_weight=pos_weight, reduction="none"
+    )
+
+
 class BinaryCrossEntropyLoss(EntrywiseLoss):
     """Eq. 19 per entry, reduced over the entries with a known label::
 
@@ -45,12 +53,8 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
         self.register_buffer("class_weight", torch.empty(0), persistent=False)
 
     def setup(self, train_labels: Tensor | LabelCounts) -> None:
-        """Compute the class weights ``w_c`` (C,) from the training labels: a dense (N, C) matrix in
-        {1, 0, -1}, or their per-class counts (:class:`mlcls.data.datasets.labels.LabelCounts`, all the
-        weights need).
-
-        The weights take the device and dtype of the module's buffer (float32 unless moved).
-        """
+        """Compute the class weights ``w_c`` (C,), in the buffer's device and dtype, from the training
+        labels: a dense (N, C) matrix in {1, 0, -1}, or their per-class counts (``LabelCounts``)."""
         if self.pos_weight == "freq":
             if isinstance(train_labels, Tensor):
                 positives, negatives = (train_labels == 1).sum(0), (train_labels == 0).sum(0)
@@ -70,6 +74,4 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
                     f"bce was set up for {self.class_weight.shape[0]} classes, got {logits.shape[1]}"
                 )
             weight = self.class_weight.to(logits)  # the buffer itself when device and dtype match
-        return F.binary_cross_entropy_with_logits(
-            logits, (targets == 1).to(logits.dtype), pos_weight=weight, reduction="none"
-        )
+        return assumed_negative_bce(logits, targets, pos_weight=weight)

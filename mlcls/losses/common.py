@@ -84,13 +84,11 @@ def expected_positives_penalty(probabilities: Tensor, expected_positives: float)
 
 
 def prepare(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """Check ``logits``/``targets`` (B, C) and return ``(logits, targets)`` in the compute dtype.
+    """Check ``logits``/``targets`` (B, C) and return them in the compute dtype (module docstring).
 
-    The compute dtype is float32, or float64 for float64 logits. Raises ``ValueError`` on a shape
-    mismatch, a non-2-D input or non-float logits. Label values outside {1, 0, -1} (soft labels are not
-    supported) are refused only for targets on the CPU, where the check reads no value back from a
-    device; for targets on a GPU it is skipped, since it would stall every step until the GPU catches
-    up: the datasets validate their labels once when they are built.
+    Raises ``ValueError`` on a shape mismatch, a non-2-D input or non-float logits. Label values outside
+    {1, 0, -1} (soft labels are not supported) are refused only for targets on the CPU: on a GPU the check
+    would stall every step until the device catches up, and the datasets validate their labels once.
     """
     if logits.ndim != 2 or logits.shape != targets.shape:
         raise ValueError(
@@ -229,10 +227,9 @@ class EntrywiseLoss(MultiLabelLoss):
     * ``"sum_per_sample"``: each sample's sum over its counted entries (classes), then the mean over the
       samples with at least one counted entry.
 
-    The batch is the one the loss is given: under DDP, the per-process batch, and DDP averages the
-    parameter gradients over the processes; for ``"sum"`` (:attr:`sums_over_batch`) the trainer multiplies
-    the loss by the number of processes, so that the gradient is that of the sum over the global batch.
-    Entries not counted are dropped with ``where``, so their value and gradient never reach the result.
+    The batch is the one the loss is given: under DDP, the per-process batch (for ``"sum"`` see
+    :attr:`sums_over_batch`). Entries not counted are dropped with ``where``, so their value and gradient
+    never reach the result.
     """
 
     # True where entry_loss gives unknown labels (-1) a term: every entry of the batch is then counted.

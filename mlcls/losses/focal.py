@@ -34,12 +34,8 @@ class FocalLoss(EntrywiseLoss):
     give BCE. Equals ``torchvision.ops.sigmoid_focal_loss(..., reduction="mean")`` on fully known labels
     (torchvision's ``alpha=-1`` is our ``None``).
 
+    ``gamma`` is the focusing parameter (paper: 2), ``alpha`` in [0, 1] or None (no weighting).
     Reduction: ``reduction`` over the known entries (:class:`~mlcls.losses.common.EntrywiseLoss`).
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
-
-    Args:
-        gamma: focusing parameter (paper: 2).
-        alpha: weight of the positives in [0, 1], or None for no weighting.
     """
 
     name = "focal"
@@ -77,13 +73,8 @@ class AsymmetricLoss(EntrywiseLoss):
     labels and moderate logits.
 
     Reduction: ``reduction`` over the known entries (:class:`~mlcls.losses.common.EntrywiseLoss`);
-    ``"sum"`` is ASL's reference reduction. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
-
-    Args:
-        gamma_pos: focusing parameter of the positives (paper: 0).
-        gamma_neg: focusing parameter of the negatives (paper: 4).
-        clip: probability margin m of the negatives (paper: 0.05); 0 disables the shift.
-        detach_weight: no gradient through the focusing weights (ASL's reference: true).
+    ``"sum"`` is ASL's reference reduction. Paper values: ``gamma_pos`` 0, ``gamma_neg`` 4, ``clip`` (the
+    margin m; 0 disables the shift) 0.05; ASL's reference has ``detach_weight`` true.
     """
 
     name = "asl"

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mlcls.losses.bce import assumed_negative_bce
 from mlcls.losses.common import MultiLabelLoss, check_choice
 from mlcls.losses.role import MAX_TABLE_ENTRIES, SampleStateLoss, check_allocated
-from mlcls.losses.unknown import EpochDependentLoss, assumed_negative_bce
+from mlcls.losses.unknown import EpochDependentLoss
 
 LL_MODES = ("r", "ct", "cp")
 
@@ -39,8 +40,8 @@ class LargeLossLoss(SampleStateLoss, EpochDependentLoss):
     authors' ``train.py`` writes 1 into its training labels. The k-th entry itself is corrected for the
     step only (unless others tie with it). In mode cp the loss is a per-sample-state loss of
     :mod:`mlcls.losses.role` (called with the indices, on the global batch, its table in ``state_dict()``;
-    1 byte per entry, 80 MB per million samples at C = 80). Where mlcls
-    differs from the released code: an observed label (1 or 0) is never corrected, nor rejected, even
+    1 byte per entry, 80 MB per million samples at C = 80). Where mlcls differs from the released code:
+    an observed label (1 or 0) is never corrected, nor rejected, even
     where k exceeds the batch's unknown labels; k is the exact ``ceil`` of the decimal product (the
     released float product may round one above an integer); a correction is written at the loss's call,
     also for a step the trainer skips for a non-finite gradient, and is seen by any later batch (the
@@ -88,8 +89,7 @@ class LargeLossLoss(SampleStateLoss, EpochDependentLoss):
         return min(rate, self.delta_rel) if self.mode == "cp" else rate
 
     def setup(self, counts: Any) -> None:
-        """Mode cp: allocate the table of corrections for the training set (see
-        :meth:`SampleStateLoss.setup`); the other modes keep no table."""
+        """Mode cp: allocate the table of corrections (:meth:`SampleStateLoss.setup`); else nothing."""
         if self.mode == "cp":
             super().setup(counts)
 

@@ -5,11 +5,8 @@ the negatives.
 The paper's labels are 1 (observed positive) and 0 (unobserved: negative or missing). In mlcls both
 an observed negative (0) and an unknown label (-1) get the paper's negative term; SPLC's correction of
 missing labels applies to unknown labels only, since an observed negative is not missing. Under
-single-positive or positive-only labels this is the paper's loss on the mapped labels.
-
-The positive term of both, with ``p_m = sigmoid(x - m)`` (a margin m on the positive logits)::
-
-    l+ = -(1 - p_m)^gamma log p_m
+single-positive or positive-only labels this is the paper's loss on the mapped labels. The positive
+term of both is ``-(1 - p_m)^gamma log p_m`` with ``p_m = sigmoid(x - m)``, a margin m on the logit.
 
 Reduction (:class:`~mlcls.losses.common.EntrywiseLoss` with ``counts_unknown``): every entry of the batch
 counts, known or not. ``"mean"`` (default) the sum over the B x C entries divided by B x C; ``"sum"``

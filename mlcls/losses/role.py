@@ -8,7 +8,7 @@ and calls it as ``loss(logits, targets, indices)``. Its ``setup(counts)`` sizes 
 set (N samples x C classes) and refuses one over ``max_table_entries`` in one line. The table is part of
 ``state_dict()``, so a checkpoint holds it and a resumed run continues with it exactly.
 
-Under DDP such a loss computes on the global batch on every rank (:func:`global_batch`): every rank then
+Under DDP such a loss computes on the global batch on every rank (:func:`gather_batch`): every rank then
 updates the same rows in the same way, so the tables stay identical without any other communication,
 and the parameter gradients are those of one process training on the whole batch (as ``gather=True``
 of the bucketed losses).
@@ -92,17 +92,6 @@ def check_allocated(table: Tensor, what: str) -> None:
         raise ValueError(f"{what} is not allocated: call setup(label counts) first")
 
 
-def global_batch(
-    logits: Tensor, targets: Tensor, indices: Tensor, check_sizes: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Under DDP (an initialised process group of several ranks): every rank's rows, in rank order, with
-    gradients flowing back to each rank's ``logits`` (:func:`gather_batch`); otherwise the inputs."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return logits, targets, indices
-    logits, targets = gather_batch(logits, targets, check_sizes=check_sizes)
-    return logits, targets, all_gather_rows(indices)
-
-
 class SampleStateLoss(MultiLabelLoss):
     """Base of the losses with a row of state per training sample (see the module docstring): subclasses
     define :meth:`allocate` (the tables, from N and C), ``table_bytes_per_entry`` (for the size limit's
@@ -129,7 +118,10 @@ class SampleStateLoss(MultiLabelLoss):
         logits, targets = prepare(logits, targets)
         indices = check_indices(self.name, indices, logits.shape[0])
         with autocast_disabled(logits.device.type):
-            logits, targets, indices = global_batch(logits, targets, indices, not self.sizes_checked)
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                # every rank's rows in rank order, gradients flowing back to each rank's logits
+                logits, targets = gather_batch(logits, targets, check_sizes=not self.sizes_checked)
+                indices = all_gather_rows(indices)
             self.sizes_checked = True
             return self.compute_rows(logits, targets, indices.long())
 

@@ -6,15 +6,10 @@ All three losses are eq. 18 with a different normalised score ``f_c = g(x_c) / s
 
 with ``y~_c = y_c / |P|`` the label normalised to sum 1 over the line's positives P, and the sum in the
 denominator over the line's known entries (positives and negatives; unknown entries are excluded from
-both). The scores ``g``:
-
-* softmax: ``g(x) = exp(x)`` (eq. 18);
-* Taylor softmax: ``g(x) = 1 + x + x^2 / 2``, the second-order Taylor expansion of exp, always >= 1/2;
-* spherical softmax: ``g(x) = x^2 + eps``.
-
-The log of the denominator is computed as a masked log-sum-exp of ``log g``, which is stable for all three.
-Like the two-way loss, the lines are the rows of a bucket (``ways="sample"``, the usual softmax loss of
-Table 7), its columns (``"class"``) or both (Table 3b); a line without a positive is left out of the mean.
+both). Each class names its score ``g``: ``exp(x)`` (eq. 18), its second-order Taylor expansion, or
+``x^2 + eps``. The log of the denominator is a masked log-sum-exp of ``log g``, stable for all three. As
+in the two-way loss, the lines are the rows of a bucket (``ways="sample"``, the usual softmax loss of
+Table 7), its columns (``"class"``) or both (Table 3b).
 """
 
 from __future__ import annotations

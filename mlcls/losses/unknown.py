@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mlcls.losses.bce import assumed_negative_bce
 from mlcls.losses.common import (
     EntrywiseLoss,
     autocast_disabled,
@@ -83,12 +84,6 @@ class EpochDependentLoss(UnknownLabelLoss):
                 f"a loss's saved state must be {{'epoch': an integer >= 0}}, got a {type(state).__name__}"
             )
         self.epoch = state["epoch"]
-
-
-def assumed_negative_bce(logits: Tensor, targets: Tensor) -> Tensor:
-    """BCE per entry with every label but a positive taken as a negative: ``-log p`` where the label is
-    1, ``-log(1 - p)`` where it is 0 or -1 (log-sigmoids: finite for any finite logit)."""
-    return F.binary_cross_entropy_with_logits(logits, (targets == 1).to(logits.dtype), reduction="none")
 
 
 class AssumeNegativeLoss(UnknownLabelLoss):
@@ -243,8 +238,7 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
             self.register_buffer("quota", torch.zeros(0, dtype=torch.long), persistent=False)
 
     def setup(self, counts: LabelCounts | None) -> None:
-        """With apl: allocate the pseudo-label table for the training set of label counts ``counts`` and
-        each class's quota ``n_c`` per APL step, or refuse a table over ``max_table_entries``."""
+        """With apl: allocate the pseudo-label table (:func:`table_shape`) and each class's quota ``n_c``."""
         if not self.apl:
             return
         num_samples, num_classes = table_shape("em with apl=true", counts, self.max_table_entries, 4)
