@@ -5,12 +5,10 @@ Every loss is an ``nn.Module`` called as ``loss(logits, targets)``: ``logits`` (
 A loss that needs statistics of the training labels (e.g. class-frequency weighting) defines
 ``setup(train_labels)``; the trainer calls it once before training.
 
-Each class carries its short name as the class attribute ``name`` (``TwoWayLoss.name == "twoway"``), which
-is also the name of its config ``configs/loss/<name>.yaml``. That config points ``_target_`` at the class
-and lists every constructor argument, so ``loss=twoway loss.tp=4`` on the command line and
-``TwoWayLoss(tp=4.0)`` in Python build the same object. Adding a loss is one small module with the class,
-exported here, and its config; shared pieces (input checks, reductions, masked log-sum-exp, buckets, DDP
-gather) are in :mod:`mlcls.losses.common`.
+Each class's short name ``name`` (``TwoWayLoss.name == "twoway"``) names its config
+``configs/loss/<name>.yaml``, whose ``_target_`` is the class and which lists every constructor argument:
+``loss=twoway loss.tp=4`` and ``TwoWayLoss(tp=4.0)`` build the same object. Adding a loss is one small
+module with the class, exported here, and its config; shared pieces are in :mod:`mlcls.losses.common`.
 
 =================  =========================================  ==========================
 name               class                                      paper
@@ -37,10 +35,9 @@ role               :class:`RoleLoss`                          Cole et al. 2021, 
 =================  =========================================  ==========================
 
 The first ten exclude unknown labels; the last nine, losses for missing and single-positive labels,
-give them a term of their own (docs/losses.md lists what each loss does with -1). A loss whose terms
-change with the epoch (``ll``, ``splc``) defines ``set_epoch(epoch)``, which the trainer calls before
-each epoch. A loss with a row of state per training sample (``role``; ``ll`` with ``mode=cp``) sets
-``needs_sample_index`` and is called ``loss(logits, targets, indices)`` (:mod:`mlcls.losses.role`).
+give them a term of their own (docs/losses.md lists what each loss does with -1). ``ll`` and ``splc``
+change with the epoch (``set_epoch``); ``role`` and ``ll`` in mode cp keep a row per training sample and
+take the batch's sample indices (:mod:`mlcls.losses.role`).
 """
 
 from __future__ import annotations

@@ -8,12 +8,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlcls.losses.common import EntrywiseLoss
+from mlcls.losses.common import EntrywiseLoss, check_choice
 
 if TYPE_CHECKING:
     from mlcls.data.datasets.labels import LabelCounts
 
 POS_WEIGHTS = ("none", "freq")
+
+
+def assumed_negative_bce(logits: Tensor, targets: Tensor, pos_weight: Tensor | None = None) -> Tensor:
+    """BCE per entry with every label but a positive taken as a negative: ``-w_c log p`` where the label
+    is 1, ``-log(1 - p)`` where it is 0 or -1 (log-sigmoids: finite for any finite logit)."""
+    return F.binary_cross_entropy_with_logits(
+        logits, (targets == 1).to(logits.dtype), pos_weight=pos_weight, reduction="none"
+    )
 
 
 class BinaryCrossEntropyLoss(EntrywiseLoss):
@@ -30,33 +38,23 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
     The weights are a buffer (``class_weight``, (C,)): ``criterion.to(device)`` moves it, before or after
     :meth:`setup`, and a step on logits of that device and dtype uses it without a copy.
 
-    Reduction: set by ``reduction`` (:class:`~mlcls.losses.common.EntrywiseLoss`). ``"mean"`` (default) sum
-    over the known entries (label 1 or 0) divided by their number, 0 when none is known; ``"sum"`` sum
-    over the known entries of the batch; ``"sum_per_sample"`` eq. 19 as written, a sum over a sample's
-    known classes, then the mean over the samples with at least one known label.
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    Reduction: ``reduction`` over the known entries (:class:`~mlcls.losses.common.EntrywiseLoss`);
+    ``"sum_per_sample"`` is eq. 19 as written. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
     """
 
     name = "bce"
+    shown = ("pos_weight", "reduction")
     class_weight: Tensor
 
     def __init__(self, pos_weight: str = "none", reduction: str = "mean") -> None:
         super().__init__(reduction=reduction)
-        if pos_weight not in POS_WEIGHTS:
-            raise ValueError(
-                f"pos_weight must be one of {', '.join(map(repr, POS_WEIGHTS))}; got {pos_weight!r}"
-            )
-        self.pos_weight = pos_weight
+        self.pos_weight = check_choice("pos_weight", pos_weight, POS_WEIGHTS)
         # Empty until setup(); a buffer from the start so that .to(device) before setup() places it too.
         self.register_buffer("class_weight", torch.empty(0), persistent=False)
 
     def setup(self, train_labels: Tensor | LabelCounts) -> None:
-        """Compute the class weights ``w_c`` (C,) from the training labels: a dense (N, C) matrix in
-        {1, 0, -1}, or their per-class counts (:class:`mlcls.data.datasets.labels.LabelCounts`, all the
-        weights need).
-
-        The weights take the device and dtype of the module's buffer (float32 unless moved).
-        """
+        """Compute the class weights ``w_c`` (C,), in the buffer's device and dtype, from the training
+        labels: a dense (N, C) matrix in {1, 0, -1}, or their per-class counts (``LabelCounts``)."""
         if self.pos_weight == "freq":
             if isinstance(train_labels, Tensor):
                 positives, negatives = (train_labels == 1).sum(0), (train_labels == 0).sum(0)
@@ -76,9 +74,4 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
                     f"bce was set up for {self.class_weight.shape[0]} classes, got {logits.shape[1]}"
                 )
             weight = self.class_weight.to(logits)  # the buffer itself when device and dtype match
-        return F.binary_cross_entropy_with_logits(
-            logits, (targets == 1).to(logits.dtype), pos_weight=weight, reduction="none"
-        )
-
-    def extra_repr(self) -> str:
-        return f"pos_weight={self.pos_weight!r}, " + super().extra_repr()
+        return assumed_negative_bce(logits, targets, pos_weight=weight)

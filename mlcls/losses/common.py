@@ -47,21 +47,48 @@ def check_positive(**values: float) -> None:
             raise ValueError(f"{name} must be > 0, got {value}")
 
 
+def check_non_negative(**values: float) -> None:
+    """Raise ``ValueError`` unless every keyword value is >= 0 (focusing exponents, weights, ...)."""
+    for name, value in values.items():
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value``, or ``ValueError`` naming the ``choices`` of option ``name``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
 def check_ways(ways: str) -> tuple[int, ...]:
     """Return the bucket dims of ``ways`` ("both" | "sample" | "class"), or raise ``ValueError``."""
-    if ways not in WAY_DIMS:
-        raise ValueError(f"ways must be one of {', '.join(map(repr, WAYS))}; got {ways!r}")
-    return WAY_DIMS[ways]
+    return WAY_DIMS[check_choice("ways", ways, WAYS)]
+
+
+def check_expected_positives(loss: str, expected_positives: float | None) -> float:
+    """``k``, the expected number of positives per image that ``epr`` and ``role`` need as outside
+    knowledge (there is no default), as a float; ``ValueError`` when it is missing or not > 0."""
+    if expected_positives is None:
+        raise ValueError(
+            f"{loss} needs loss.expected_positives, the expected number of positives per image "
+            "(the authors': 1.5 VOC 2012, 2.9 MS-COCO, 1.9 NUS-WIDE, 31.4 CUB)"
+        )
+    check_positive(expected_positives=expected_positives)
+    return float(expected_positives)
+
+
+def expected_positives_penalty(probabilities: Tensor, expected_positives: float) -> Tensor:
+    """EPR's regulariser (Cole et al., eq. 6) of probabilities (B, C): ``(mean_i sum_c p_ic - k)^2 / C^2``."""
+    return (probabilities.sum(1).mean() - expected_positives).square() / probabilities.shape[1] ** 2
 
 
 def prepare(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """Check ``logits``/``targets`` (B, C) and return ``(logits, targets)`` in the compute dtype.
+    """Check ``logits``/``targets`` (B, C) and return them in the compute dtype (module docstring).
 
-    The compute dtype is float32, or float64 for float64 logits. Raises ``ValueError`` on a shape
-    mismatch, a non-2-D input or non-float logits. Label values outside {1, 0, -1} (soft labels are not
-    supported) are refused only for targets on the CPU, where the check reads no value back from a
-    device; for targets on a GPU it is skipped, since it would stall every step until the GPU catches
-    up: the datasets validate their labels once when they are built.
+    Raises ``ValueError`` on a shape mismatch, a non-2-D input or non-float logits. Label values outside
+    {1, 0, -1} (soft labels are not supported) are refused only for targets on the CPU: on a GPU the check
+    would stall every step until the device catches up, and the datasets validate their labels once.
     """
     if logits.ndim != 2 or logits.shape != targets.shape:
         raise ValueError(
@@ -86,23 +113,6 @@ def line_max(masked: Tensor, dim: LineDims) -> Tensor:
     return torch.where(shift == float("-inf"), 0.0, shift)
 
 
-def shifted_exp(masked: Tensor, member: Tensor, dim: LineDims) -> tuple[Tensor, Tensor, Tensor]:
-    """``exp(masked - shift)``, its sum along ``dim`` and ``shift``, for a stable masked log-sum-exp.
-
-    ``masked`` holds -inf outside the set being summed, ``member`` (bool, same shape) is True inside it.
-    ``shift`` is the line maximum (0 on a line with no entry in the set), so every exponent is <= 0 and
-    the sum is >= 1 on a non-empty line, 0 on an empty one. ``shift`` carries no gradient: the
-    log-sum-exp does not depend on it.
-
-    The exponential is taken of 0 outside the set and then replaced by exactly 0 (the value of
-    ``exp(-inf)``): the CPU's vectorised ``exp`` is about ten times slower on -inf than on finite input,
-    and with sparse positives (or mostly unknown labels) nearly every entry of a set's matrix is -inf.
-    """
-    shift = line_max(masked, dim)
-    exp = torch.where(member, torch.where(member, masked - shift, 0.0).exp(), 0.0)
-    return exp, exp.sum(dim, keepdim=True), shift
-
-
 def log_total(total: Tensor, shift: Tensor) -> Tensor:
     """``log(total) + shift`` with -inf where ``total == 0``, and a zero (not NaN) gradient there."""
     tiny = torch.finfo(total.dtype).tiny
@@ -113,10 +123,14 @@ def masked_logsumexp(values: Tensor, mask: Tensor, dim: LineDims) -> Tensor:
     """``log sum_{mask} exp(values)`` along ``dim`` (kept as size 1); -inf on a line with no entry in mask.
 
     Entries outside ``mask`` are truly excluded: their value never reaches the result and their gradient
-    is exactly 0, whatever their magnitude.
+    is exactly 0, whatever their magnitude. The shift is the line maximum (:func:`line_max`), so the sum
+    of ``exp(x - shift)`` is >= 1 on a non-empty line. The exponential is taken of 0 outside the set and
+    then replaced by exactly 0: the CPU's vectorised ``exp`` is about ten times slower on -inf than on
+    finite input, and with sparse positives (or mostly unknown labels) nearly every entry is outside.
     """
-    _, total, shift = shifted_exp(values.masked_fill(~mask, float("-inf")), mask, dim)
-    return log_total(total, shift)
+    shift = line_max(values.masked_fill(~mask, float("-inf")), dim)
+    exp = torch.where(mask, torch.where(mask, values - shift, 0.0).exp(), 0.0)
+    return log_total(exp.sum(dim, keepdim=True), shift)
 
 
 def line_weights(valid: Tensor, dtype: torch.dtype) -> Tensor:
@@ -141,11 +155,13 @@ def split_buckets(tensor: Tensor, bucket_size: int | None) -> Tensor:
 
 
 class MultiLabelLoss(nn.Module):
-    """Base of every loss here: ``forward`` checks the inputs, casts them to the compute dtype and calls
-    :meth:`compute` with autocast disabled (on a device that has autocast; the meta device, on which
-    shapes can be checked without data, has none). ``name`` is the loss's short name (``loss=<name>``)."""
+    """Base of every loss here: ``forward`` checks the inputs, casts them to the compute dtype
+    (:func:`prepare`) and calls :meth:`compute` under :func:`autocast_disabled`. ``name`` is the loss's
+    short name (``loss=<name>``)."""
 
     name: ClassVar[str]
+    # The attributes extra_repr shows, in this order (the constructor arguments, as the config names them).
+    shown: ClassVar[tuple[str, ...]] = ()
     # True where the loss is a sum over the batch's samples (not a mean): under DDP the trainer multiplies
     # it by the number of processes (mlcls.engine.build.GlobalBatchSum), since DDP averages the gradients.
     sums_over_batch: ClassVar[bool] = False
@@ -159,19 +175,23 @@ class MultiLabelLoss(nn.Module):
         """logits (B, C) float32/float64, targets (B, C) of the same dtype -> scalar."""
         raise NotImplementedError
 
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={getattr(self, name)!r}" for name in self.shown)
+
 
 class BucketedLoss(MultiLabelLoss):
     """Base of the losses computed per bucket of rows (Sec. 2.4, footnote 1 of the paper).
 
-    :meth:`compute` gathers the global batch when ``gather`` is set (comparing the ranks' batch sizes on
-    the first call only, see :func:`gather_batch`), splits the rows into K consecutive buckets of
-    ``bucket_size`` and calls :meth:`bucket_loss`, which returns the mean over buckets.
+    :meth:`compute` gathers the global batch when ``gather`` is set, splits the rows into K consecutive
+    buckets of ``bucket_size`` and calls :meth:`bucket_loss`, which returns the mean over buckets.
 
     Args:
         bucket_size: rows per bucket, M; must divide the batch size (of the gathered batch when
             ``gather``). ``None``: one bucket of the whole (local, or gathered) batch.
         gather: under DDP, compute the loss on the global batch of all ranks (see :func:`gather_batch`).
     """
+
+    shown = ("bucket_size", "gather")
 
     def __init__(self, bucket_size: int | None = None, gather: bool = False) -> None:
         super().__init__()
@@ -193,17 +213,6 @@ class BucketedLoss(MultiLabelLoss):
         """logits, targets (K, M, C), targets in {1, 0, -1} -> scalar mean over the K buckets."""
         raise NotImplementedError
 
-    def extra_repr(self) -> str:
-        return f"bucket_size={self.bucket_size}, gather={self.gather}"
-
-
-def reduce_lines(per_line: Tensor, valid: Tensor) -> Tensor:
-    """Mean of ``per_line`` over valid lines per bucket, then over buckets (see :func:`line_weights`).
-
-    Invalid lines are dropped with ``where`` (their value may be -inf or NaN), not multiplied by 0.
-    """
-    return (torch.where(valid, per_line, 0.0) * line_weights(valid, per_line.dtype)).sum()
-
 
 class EntrywiseLoss(MultiLabelLoss):
     """Base of the losses defined per entry (i, c) of the logit matrix (bce, focal, asl, and the losses for
@@ -218,22 +227,18 @@ class EntrywiseLoss(MultiLabelLoss):
     * ``"sum_per_sample"``: each sample's sum over its counted entries (classes), then the mean over the
       samples with at least one counted entry.
 
-    The batch is the one the loss is given: under DDP, the per-process batch, and DDP averages the
-    parameter gradients over the processes; for ``"sum"`` (:attr:`sums_over_batch`) the trainer multiplies
-    the loss by the number of processes, so that the gradient is that of the sum over the global batch.
-    Entries not counted are dropped with ``where``, so their value and gradient never reach the result.
+    The batch is the one the loss is given: under DDP, the per-process batch (for ``"sum"`` see
+    :attr:`sums_over_batch`). Entries not counted are dropped with ``where``, so their value and gradient
+    never reach the result.
     """
 
     # True where entry_loss gives unknown labels (-1) a term: every entry of the batch is then counted.
     counts_unknown: ClassVar[bool] = False
+    shown = ("reduction",)
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__()
-        if reduction not in REDUCTIONS:
-            raise ValueError(
-                f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}; got {reduction!r}"
-            )
-        self.reduction = reduction
+        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
 
     @property
     def sums_over_batch(self) -> bool:  # type: ignore[override]
@@ -256,6 +261,3 @@ class EntrywiseLoss(MultiLabelLoss):
         if self.reduction == "sum_per_sample":
             return total / counted.any(1).sum().clamp(min=1)
         return total / counted.sum().clamp(min=1)
-
-    def extra_repr(self) -> str:
-        return f"reduction={self.reduction!r}"

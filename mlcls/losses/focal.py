@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlcls.losses.common import EntrywiseLoss
+from mlcls.losses.common import EntrywiseLoss, check_non_negative
 
 
 def _power(base: Tensor, exponent: float) -> Tensor:
@@ -16,10 +16,11 @@ def _power(base: Tensor, exponent: float) -> Tensor:
     return base.clamp_min(torch.finfo(base.dtype).tiny) ** exponent
 
 
-def _check_gamma(**gammas: float) -> None:
-    for name, value in gammas.items():
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+def focal_term(logits: Tensor, gamma: float, margin: float = 0.0) -> Tensor:
+    """``-(1 - sigmoid(x - m))^gamma log sigmoid(x - m)`` elementwise, stable for any finite logit: the
+    focal loss of a positive (of a negative at ``-x``), with the margin m of Hill and SPLC."""
+    shifted = logits - margin if margin else logits
+    return -_power(torch.sigmoid(-shifted), gamma) * F.logsigmoid(shifted)
 
 
 class FocalLoss(EntrywiseLoss):
@@ -33,23 +34,16 @@ class FocalLoss(EntrywiseLoss):
     give BCE. Equals ``torchvision.ops.sigmoid_focal_loss(..., reduction="mean")`` on fully known labels
     (torchvision's ``alpha=-1`` is our ``None``).
 
-    Reduction: set by ``reduction`` (:class:`~mlcls.losses.common.EntrywiseLoss`). ``"mean"`` (default) sum
-    over the known entries (label 1 or 0) divided by their number, 0 when none is known; ``"sum"`` sum
-    over the known entries of the batch; ``"sum_per_sample"`` a sum over a sample's known classes, then
-    the mean over the samples with at least one known label.
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
-
-    Args:
-        gamma: focusing parameter (paper: 2).
-        alpha: weight of the positives in [0, 1], or None for no weighting.
-        reduction: "mean" | "sum" | "sum_per_sample".
+    ``gamma`` is the focusing parameter (paper: 2), ``alpha`` in [0, 1] or None (no weighting).
+    Reduction: ``reduction`` over the known entries (:class:`~mlcls.losses.common.EntrywiseLoss`).
     """
 
     name = "focal"
+    shown = ("gamma", "alpha", "reduction")
 
     def __init__(self, gamma: float = 2.0, alpha: float | None = None, reduction: str = "mean") -> None:
         super().__init__(reduction=reduction)
-        _check_gamma(gamma=gamma)
+        check_non_negative(gamma=gamma)
         if alpha is not None and not 0 <= alpha <= 1:
             raise ValueError(f"alpha must be in [0, 1] or None, got {alpha}")
         self.gamma = float(gamma)
@@ -58,13 +52,10 @@ class FocalLoss(EntrywiseLoss):
     def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         positive = targets == 1
         signed = torch.where(positive, logits, -logits)  # p_t = sigmoid(signed)
-        per_entry = -_power(torch.sigmoid(-signed), self.gamma) * F.logsigmoid(signed)
+        per_entry = focal_term(signed, self.gamma)
         if self.alpha is not None:
             per_entry = per_entry * torch.where(positive, self.alpha, 1.0 - self.alpha)
         return per_entry
-
-    def extra_repr(self) -> str:
-        return f"gamma={self.gamma}, alpha={self.alpha}, " + super().extra_repr()
 
 
 class AsymmetricLoss(EntrywiseLoss):
@@ -81,22 +72,13 @@ class AsymmetricLoss(EntrywiseLoss):
     is recorded). Equals ``timm.loss.AsymmetricLossMultiLabel(..., reduction="mean")`` on fully known
     labels and moderate logits.
 
-    Reduction: set by ``reduction`` (:class:`~mlcls.losses.common.EntrywiseLoss`). ``"mean"`` (default) sum
-    over the known entries (label 1 or 0) divided by their number, 0 when none is known; ``"sum"`` sum
-    over the known entries of the batch, as ASL's reference implementation reduces (over the batch and
-    the classes); ``"sum_per_sample"`` a sum over a sample's known classes, then the mean over the
-    samples with at least one known label.
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
-
-    Args:
-        gamma_pos: focusing parameter of the positives (paper: 0).
-        gamma_neg: focusing parameter of the negatives (paper: 4).
-        clip: probability margin m of the negatives (paper: 0.05); 0 disables the shift.
-        detach_weight: no gradient through the focusing weights (ASL's reference: true).
-        reduction: "mean" | "sum" | "sum_per_sample".
+    Reduction: ``reduction`` over the known entries (:class:`~mlcls.losses.common.EntrywiseLoss`);
+    ``"sum"`` is ASL's reference reduction. Paper values: ``gamma_pos`` 0, ``gamma_neg`` 4, ``clip`` (the
+    margin m; 0 disables the shift) 0.05; ASL's reference has ``detach_weight`` true.
     """
 
     name = "asl"
+    shown = ("gamma_pos", "gamma_neg", "clip", "detach_weight", "reduction")
 
     def __init__(
         self,
@@ -107,7 +89,7 @@ class AsymmetricLoss(EntrywiseLoss):
         reduction: str = "mean",
     ) -> None:
         super().__init__(reduction=reduction)
-        _check_gamma(gamma_pos=gamma_pos, gamma_neg=gamma_neg)
+        check_non_negative(gamma_pos=gamma_pos, gamma_neg=gamma_neg)
         if not 0 <= clip < 1:
             raise ValueError(f"clip must be in [0, 1), got {clip}")
         self.gamma_pos, self.gamma_neg, self.clip = float(gamma_pos), float(gamma_neg), float(clip)
@@ -126,9 +108,3 @@ class AsymmetricLoss(EntrywiseLoss):
         if self.detach_weight:
             weight_pos, weight_neg = weight_pos.detach(), weight_neg.detach()
         return torch.where(targets == 1, -weight_pos * F.logsigmoid(logits), -weight_neg * log_neg)
-
-    def extra_repr(self) -> str:
-        return (
-            f"gamma_pos={self.gamma_pos}, gamma_neg={self.gamma_neg}, clip={self.clip}, "
-            f"detach_weight={self.detach_weight}, " + super().extra_repr()
-        )

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlcls.losses.common import MultiLabelLoss
+from mlcls.losses.bce import assumed_negative_bce
+from mlcls.losses.common import MultiLabelLoss, check_choice
 from mlcls.losses.role import MAX_TABLE_ENTRIES, SampleStateLoss, check_allocated
-from mlcls.losses.unknown import EpochDependentLoss, assumed_negative_bce
+from mlcls.losses.unknown import EpochDependentLoss
 
 LL_MODES = ("r", "ct", "cp")
 
@@ -37,25 +38,20 @@ class LargeLossLoss(SampleStateLoss, EpochDependentLoss):
     largest are then written into a per-sample table of corrections, ``corrected`` (N, C) bool, and from
     the next call on the loss takes them as positives (``y_ic := 1``, no longer candidates), as the
     authors' ``train.py`` writes 1 into its training labels. The k-th entry itself is corrected for the
-    step only (unless others tie with it). This needs each sample's index: in mode cp the loss sets
-    ``needs_sample_index``, is called ``loss(logits, targets, indices)``, computes on the global batch
-    under DDP (so every rank writes the same corrections) and sizes its table in ``setup`` (refused above
-    ``max_table_entries``; 1 byte per entry, 80 MB per million samples at C = 80). The table is a buffer
-    of ``state_dict()``: a checkpoint holds it and a resumed run continues with it exactly. Where mlcls
-    differs from the released code: an observed label (1 or 0) is never corrected, nor rejected, even
+    step only (unless others tie with it). In mode cp the loss is a per-sample-state loss of
+    :mod:`mlcls.losses.role` (called with the indices, on the global batch, its table in ``state_dict()``;
+    1 byte per entry, 80 MB per million samples at C = 80). Where mlcls differs from the released code:
+    an observed label (1 or 0) is never corrected, nor rejected, even
     where k exceeds the batch's unknown labels; k is the exact ``ceil`` of the decimal product (the
     released float product may round one above an integer); a correction is written at the loss's call,
     also for a step the trainer skips for a non-finite gradient, and is seen by any later batch (the
     released loader's workers read it from the next epoch; a sample comes once per epoch, so the two
     agree outside DDP's padding, where a sample may come twice in one epoch).
 
-    The trainer sets the epoch through :meth:`set_epoch`, before each epoch (a resumed one included); the
-    epoch is the module's extra state in ``state_dict()``. ``delta_rel`` is a fraction: the authors'
-    command-line 0.2 (percent) is ``delta_rel=0.002``.
+    The epoch is set by the trainer (:class:`~mlcls.losses.unknown.EpochDependentLoss`). ``delta_rel`` is a
+    fraction: the authors' command-line 0.2 (percent) is ``delta_rel=0.002``.
 
-    Reduction: ``"mean"`` (default) the sum over all B x C entries divided by B x C, as the authors'
-    code (a rejected entry counts with 0); ``"sum"`` the sum; ``"sum_per_sample"`` the sum divided by B.
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}, indices (B,) in mode cp (else unused); scalar.
+    Reduction: as :mod:`mlcls.losses.unknown`'s losses, over all B x C entries (a rejected one counts 0).
     """
 
     name = "ll"
@@ -69,8 +65,7 @@ class LargeLossLoss(SampleStateLoss, EpochDependentLoss):
         max_table_entries: int = MAX_TABLE_ENTRIES,
     ) -> None:
         super().__init__(max_table_entries=max_table_entries, reduction=reduction)
-        if mode not in LL_MODES:
-            raise ValueError(f"mode must be one of {', '.join(map(repr, LL_MODES))}; got {mode!r}")
+        check_choice("mode", mode, LL_MODES)
         if not 0 <= delta_rel <= 1:
             raise ValueError(f"delta_rel must be in [0, 1], got {delta_rel}")
         self.mode, self.delta_rel = mode, float(delta_rel)
@@ -94,8 +89,7 @@ class LargeLossLoss(SampleStateLoss, EpochDependentLoss):
         return min(rate, self.delta_rel) if self.mode == "cp" else rate
 
     def setup(self, counts: Any) -> None:
-        """Mode cp: allocate the table of corrections for the training set (see
-        :meth:`SampleStateLoss.setup`); the other modes keep no table."""
+        """Mode cp: allocate the table of corrections (:meth:`SampleStateLoss.setup`); else nothing."""
         if self.mode == "cp":
             super().setup(counts)
 

@@ -5,11 +5,8 @@ the negatives.
 The paper's labels are 1 (observed positive) and 0 (unobserved: negative or missing). In mlcls both
 an observed negative (0) and an unknown label (-1) get the paper's negative term; SPLC's correction of
 missing labels applies to unknown labels only, since an observed negative is not missing. Under
-single-positive or positive-only labels this is the paper's loss on the mapped labels.
-
-The positive term of both, with ``p_m = sigmoid(x - m)`` (a margin m on the positive logits)::
-
-    l+ = -(1 - p_m)^gamma log p_m
+single-positive or positive-only labels this is the paper's loss on the mapped labels. The positive
+term of both is ``-(1 - p_m)^gamma log p_m`` with ``p_m = sigmoid(x - m)``, a margin m on the logit.
 
 Reduction (:class:`~mlcls.losses.common.EntrywiseLoss` with ``counts_unknown``): every entry of the batch
 counts, known or not. ``"mean"`` (default) the sum over the B x C entries divided by B x C; ``"sum"``
@@ -19,17 +16,11 @@ the sum, as the authors' code reduces; ``"sum_per_sample"`` the sum divided by B
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from mlcls.losses.focal import _check_gamma, _power
+from mlcls.losses.common import check_non_negative
+from mlcls.losses.focal import focal_term
 from mlcls.losses.unknown import EpochDependentLoss, UnknownLabelLoss
-
-
-def focal_margin_positive(logits: Tensor, margin: float, gamma: float) -> Tensor:
-    """``-(1 - sigmoid(x - m))^gamma log sigmoid(x - m)`` elementwise, stable for any finite logit."""
-    shifted = logits - margin
-    return -_power(torch.sigmoid(-shifted), gamma) * F.logsigmoid(shifted)
 
 
 class HillLoss(UnknownLabelLoss):
@@ -42,27 +33,23 @@ class HillLoss(UnknownLabelLoss):
     prediction on a missing positive is pushed down far less than by BCE. Paper defaults: lamb 1.5,
     margin 1, gamma 2.
 
-    Reduction: ``"mean"`` (default) the sum over all B x C entries divided by B x C; ``"sum"`` the sum
-    (the authors' code); ``"sum_per_sample"`` the sum divided by B.
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    Reduction: as the module docstring. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
     """
 
     name = "hill"
+    shown = ("lamb", "margin", "gamma", "reduction")
 
     def __init__(
         self, lamb: float = 1.5, margin: float = 1.0, gamma: float = 2.0, reduction: str = "mean"
     ) -> None:
         super().__init__(reduction=reduction)
-        _check_gamma(gamma=gamma)
+        check_non_negative(gamma=gamma)
         self.lamb, self.margin, self.gamma = float(lamb), float(margin), float(gamma)
 
     def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         prob = torch.sigmoid(logits)
         negative = (self.lamb - prob) * prob.square()
-        return torch.where(targets == 1, focal_margin_positive(logits, self.margin, self.gamma), negative)
-
-    def extra_repr(self) -> str:
-        return f"lamb={self.lamb}, margin={self.margin}, gamma={self.gamma}, " + super().extra_repr()
+        return torch.where(targets == 1, focal_term(logits, self.gamma, self.margin), negative)
 
 
 class SPLCLoss(EpochDependentLoss):
@@ -77,12 +64,11 @@ class SPLCLoss(EpochDependentLoss):
     margin, as the authors' code). The correction is a hard choice: no gradient flows through it.
     Paper defaults: tau 0.6, change_epoch 1 (from the second epoch), margin 1, gamma 2.
 
-    Reduction: ``"mean"`` (default) the sum over all B x C entries divided by B x C; ``"sum"`` the sum
-    (the authors' code); ``"sum_per_sample"`` the sum divided by B.
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    Reduction: as the module docstring. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
     """
 
     name = "splc"
+    shown = ("tau", "change_epoch", "margin", "gamma", "epoch", "reduction")
 
     def __init__(
         self,
@@ -93,7 +79,7 @@ class SPLCLoss(EpochDependentLoss):
         reduction: str = "mean",
     ) -> None:
         super().__init__(reduction=reduction)
-        _check_gamma(gamma=gamma)
+        check_non_negative(gamma=gamma)
         if not 0 < tau < 1:
             raise ValueError(f"tau must be in (0, 1), got {tau}")
         if change_epoch < 0:
@@ -104,13 +90,5 @@ class SPLCLoss(EpochDependentLoss):
     def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         on = self.epoch >= self.change_epoch  # a Python bool: the trainer's epoch, not a tensor
         corrected = (targets == -1) & (torch.sigmoid(logits) > self.tau) & on
-        pseudo_positive = -_power(torch.sigmoid(-logits), self.gamma) * F.logsigmoid(logits)
-        negative = -_power(torch.sigmoid(logits), self.gamma) * F.logsigmoid(-logits)
-        unlabelled = torch.where(corrected, pseudo_positive, negative)
-        return torch.where(targets == 1, focal_margin_positive(logits, self.margin, self.gamma), unlabelled)
-
-    def extra_repr(self) -> str:
-        return (
-            f"tau={self.tau}, change_epoch={self.change_epoch}, margin={self.margin}, gamma={self.gamma}, "
-            f"epoch={self.epoch}, " + super().extra_repr()
-        )
+        unlabelled = torch.where(corrected, focal_term(logits, self.gamma), focal_term(-logits, self.gamma))
+        return torch.where(targets == 1, focal_term(logits, self.gamma, self.margin), unlabelled)

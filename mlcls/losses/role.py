@@ -8,7 +8,7 @@ and calls it as ``loss(logits, targets, indices)``. Its ``setup(counts)`` sizes 
 set (N samples x C classes) and refuses one over ``max_table_entries`` in one line. The table is part of
 ``state_dict()``, so a checkpoint holds it and a resumed run continues with it exactly.
 
-Under DDP such a loss computes on the global batch on every rank (:func:`global_batch`): every rank then
+Under DDP such a loss computes on the global batch on every rank (:func:`gather_batch`): every rank then
 updates the same rows in the same way, so the tables stay identical without any other communication,
 and the parameter gradients are those of one process training on the whole batch (as ``gather=True``
 of the bucketed losses).
@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlcls.distributed import all_gather_rows, gather_batch
-from mlcls.losses.common import MultiLabelLoss, autocast_disabled, prepare
+from mlcls.losses.common import (
+    MultiLabelLoss,
+    autocast_disabled,
+    check_expected_positives,
+    check_positive,
+    expected_positives_penalty,
+    prepare,
+)
 
 # A table of 10^9 entries holds 4 GB of float32 per process (12 GB with Adam's two moments); Open Images'
 # 9 M images x 9,605 classes are 86 times that.
@@ -60,6 +67,13 @@ def table_shape(loss: str, counts: Any, max_entries: int, bytes_per_entry: int) 
     return num_samples, num_classes
 
 
+def check_table_limit(max_table_entries: int) -> int:
+    """``loss.max_table_entries`` as an int, or ``ValueError`` unless it is >= 1."""
+    if not max_table_entries >= 1:
+        raise ValueError(f"max_table_entries must be >= 1, got {max_table_entries}")
+    return int(max_table_entries)
+
+
 def check_indices(loss: str, indices: Tensor | None, rows: int) -> Tensor:
     """``indices``, checked: an integer (B,) tensor for a batch of ``rows`` rows, else ``ValueError``."""
     if indices is None:
@@ -78,39 +92,21 @@ def check_allocated(table: Tensor, what: str) -> None:
         raise ValueError(f"{what} is not allocated: call setup(label counts) first")
 
 
-def global_batch(
-    logits: Tensor, targets: Tensor, indices: Tensor, check_sizes: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Under DDP (an initialised process group of several ranks): every rank's rows, in rank order, with
-    gradients flowing back to each rank's ``logits`` (:func:`gather_batch`); otherwise the inputs."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return logits, targets, indices
-    logits, targets = gather_batch(logits, targets, check_sizes=check_sizes)
-    return logits, targets, all_gather_rows(indices)
-
-
 class SampleStateLoss(MultiLabelLoss):
-    """Base of the losses with a row of state per training sample (see the module docstring).
-
-    ``forward(logits, targets, indices)`` checks and casts the inputs, takes the global batch under DDP
-    and calls :meth:`compute_rows`; subclasses define :meth:`allocate` (the tables, from N and C) and
-    ``table_bytes_per_entry`` (for the size limit's message).
-    """
+    """Base of the losses with a row of state per training sample (see the module docstring): subclasses
+    define :meth:`allocate` (the tables, from N and C), ``table_bytes_per_entry`` (for the size limit's
+    message) and :meth:`compute_rows`, called on the global batch."""
 
     needs_sample_index: ClassVar[bool] = True
     table_bytes_per_entry: ClassVar[int] = 4
 
     def __init__(self, max_table_entries: int = MAX_TABLE_ENTRIES, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # a subclass's other bases (ll: the epoch and the reduction)
-        if not max_table_entries >= 1:
-            raise ValueError(f"max_table_entries must be >= 1, got {max_table_entries}")
-        self.max_table_entries = int(max_table_entries)
+        self.max_table_entries = check_table_limit(max_table_entries)
         self.sizes_checked = False
 
     def setup(self, counts: Any) -> None:
-        """Allocate the tables for the training set of label counts ``counts`` (a
-        :class:`~mlcls.data.datasets.labels.LabelCounts`: N = ``counts.num_samples``, C =
-        ``counts.num_classes``), or refuse them in one line."""
+        """Allocate the tables for the training set of label counts ``counts`` (:func:`table_shape`)."""
         shape = table_shape(self.name, counts, self.max_table_entries, self.table_bytes_per_entry)
         self.allocate(*shape, counts)
 
@@ -122,7 +118,10 @@ class SampleStateLoss(MultiLabelLoss):
         logits, targets = prepare(logits, targets)
         indices = check_indices(self.name, indices, logits.shape[0])
         with autocast_disabled(logits.device.type):
-            logits, targets, indices = global_batch(logits, targets, indices, not self.sizes_checked)
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                # every rank's rows in rank order, gradients flowing back to each rank's logits
+                logits, targets = gather_batch(logits, targets, check_sizes=not self.sizes_checked)
+                indices = all_gather_rows(indices)
             self.sizes_checked = True
             return self.compute_rows(logits, targets, indices.long())
 
@@ -157,10 +156,8 @@ class RoleLoss(SampleStateLoss):
     these are exact log-sigmoids.
 
     Memory: the table, a flag per sample and, under Adam, two moments: 12 bytes per entry, 0.96 GB per
-    million samples at C = 80 and 115 GB at Open Images' C = 9,605 (refused above ``max_table_entries``).
-
-    Reduction: the mean over all B x C entries (the authors'). Shapes: logits (B, C), targets (B, C) in
-    {1, 0, -1}, indices (B,); scalar result.
+    million samples at C = 80 and 115 GB at Open Images' C = 9,605. Reduction: the mean over all B x C
+    entries (the authors').
     """
 
     name = "role"
@@ -174,16 +171,9 @@ class RoleLoss(SampleStateLoss):
         max_table_entries: int = MAX_TABLE_ENTRIES,
     ) -> None:
         super().__init__(max_table_entries=max_table_entries)
-        if expected_positives is None:
-            raise ValueError(
-                "role needs loss.expected_positives, the expected number of positives per image "
-                "(the authors': 1.5 VOC 2012, 2.9 MS-COCO, 1.9 NUS-WIDE, 31.4 CUB)"
-            )
-        if not expected_positives > 0:
-            raise ValueError(f"expected_positives must be > 0, got {expected_positives}")
-        if not table_lr_scale > 0:
-            raise ValueError(f"table_lr_scale must be > 0, got {table_lr_scale}")
-        self.expected_positives, self.table_lr_scale = float(expected_positives), float(table_lr_scale)
+        self.expected_positives = check_expected_positives("role", expected_positives)
+        check_positive(table_lr_scale=table_lr_scale)
+        self.table_lr_scale = float(table_lr_scale)
         self.init_seed = int(init_seed)
         self.label_logits = nn.Parameter(torch.zeros(0, 0))
         self.register_buffer("seen", torch.zeros(0, dtype=torch.bool))
@@ -220,10 +210,7 @@ class RoleLoss(SampleStateLoss):
             observed = torch.where(targets == 1, -log_yes, torch.where(targets == 0, -log_no, 0.0))
             soft = -(target * log_yes + (1.0 - target) * log_no)
             terms.append(observed + soft)
-        classes = logits.shape[1]
-        regulariser = sum(
-            (share.sum(1).mean() - self.expected_positives).square() / classes**2 for share in (p, q)
-        )
+        regulariser = sum(expected_positives_penalty(share, self.expected_positives) for share in (p, q))
         return 0.5 * (terms[0] + terms[1]).mean() + 0.5 * regulariser
 
     def extra_repr(self) -> str:

@@ -38,12 +38,10 @@ def loss_name(loss: Mapping[str, Any]) -> str:
 
 
 def effective_bucket_size(loss: Mapping[str, Any], batch_size: int, world_size: int) -> int | None:
-    """Rows M of the logit matrix a bucketed loss sees, or None for a loss without buckets.
-
-    ``loss.bucket_size`` when set; otherwise the whole batch the loss is given: the per-process batch
-    ``batch_size / world_size``, or the global batch under ``loss.gather``. The paper's M = 128 is 4 GPUs x
-    128 with ``bucket_size`` null, or one process with batch 512 and ``bucket_size=128``.
-    """
+    """Rows M of the logit matrix a bucketed loss sees, or None for a loss without buckets:
+    ``loss.bucket_size`` when set; otherwise the whole batch the loss is given, the per-process batch
+    ``batch_size / world_size`` or the global batch under ``loss.gather`` (see
+    :class:`~mlcls.losses.TwoWayLoss`)."""
     if "bucket_size" not in loss:
         return None
     if loss["bucket_size"] is not None:

@@ -8,10 +8,9 @@ where P and N are the line's positive and negative entries (unknown entries are 
 the logit bias of Table 2 (``margin``). The lines are the rows (sample-wise, eq. 15), the columns
 (class-wise, eq. 16) or the whole matrix (joint, eq. 22).
 
-Empty sets: a line without a positive is not a line of the loss (it is left out of the mean); a line
-with positives but no negatives has ``sum_{n in N} = 0``, so ``l = softplus(-inf) = 0``: it contributes
-exactly 0 and still counts in the mean. A bucket without any positive contributes 0 and still counts
-among the buckets.
+Empty sets: a line without a positive is left out of the mean; a line with positives but no negatives
+has ``sum_{n in N} = 0``, so ``l = softplus(-inf) = 0``: it counts in the mean with exactly 0. A bucket
+without any positive contributes 0 and still counts among the buckets (:func:`line_weights`).
 """
 
 from __future__ import annotations
@@ -51,15 +50,9 @@ class _SoftplusLogSumExp(torch.autograd.Function):
     An unknown entry, in neither mask, gets an exponent clamped to [lowest finite, 0] whatever its logit
     (even inf or NaN), and then weighs 0 in every sum and gradient.
 
-    Memory: at most five (K, M, C) buffers per call, each reused in place once its content is no longer
-    read; ``forward`` names the buffer's new role at every reuse:
-
-    * ``positive``, ``negative``: the masks, read to the end;
-    * ``temperature`` -> ``scaled`` (x / T) -> in the last direction, the negatives' exponentials;
-    * ``masked`` (``scaled`` with -inf outside one set, for its line maxima) -> each direction's shifted
-      exponent and exponentials -> the positives' exponentials;
-    * the first direction's negatives' exponentials (a fresh buffer, or ``scaled``'s in the last
-      direction) -> the input gradient, into which later directions add theirs.
+    Memory: at most five (K, M, C) buffers per call (the two masks, ``scaled``, ``masked`` and the first
+    direction's negatives' exponentials, which become the input gradient), each reused in place once its
+    content is no longer read; ``forward`` names the buffer's new role at every reuse.
     """
 
     @staticmethod
@@ -124,8 +117,16 @@ class SoftplusLogSumExpLoss(BucketedLoss):
     per bucket (:class:`_SoftplusLogSumExp` computes it with its gradient)."""
 
     line_dims: tuple[LineDims, ...]
+    shown = ("tp", "tn", "margin", "bucket_size", "gather")
 
-    def __init__(self, tp: float, tn: float, margin: float, bucket_size: int | None, gather: bool) -> None:
+    def __init__(
+        self,
+        tp: float = 4.0,
+        tn: float = 1.0,
+        bucket_size: int | None = None,
+        margin: float = 0.0,
+        gather: bool = False,
+    ) -> None:
         super().__init__(bucket_size=bucket_size, gather=gather)
         check_positive(tp=tp, tn=tn)
         self.tp, self.tn, self.margin = float(tp), float(tn), float(margin)
@@ -136,9 +137,6 @@ class SoftplusLogSumExpLoss(BucketedLoss):
             logits, targets, self.line_dims, self.tp, self.tn, self.margin, with_grad
         )
 
-    def extra_repr(self) -> str:
-        return f"tp={self.tp}, tn={self.tn}, margin={self.margin}, " + super().extra_repr()
-
 
 class TwoWayLoss(SoftplusLogSumExpLoss):
     """Two-way multi-label loss, eq. 17: sample-wise eq. 15 plus class-wise eq. 16, per bucket.
@@ -147,32 +145,19 @@ class TwoWayLoss(SoftplusLogSumExpLoss):
 
         loss = mean_{i : P_i not empty} l(row i) + mean_{c : P^c not empty} l(column c)
 
-    with ``l`` the eq. 14 function of the module docstring (``T_P = tp``, ``T_N = tn``, eps = ``margin``).
+    with ``l`` the eq. 14 function of the module docstring (``T_P = tp``, paper 4; ``T_N = tn``, paper 1;
+    eps = ``margin``, Table 2). Reduction: an empty mean is 0; then the mean over the K = B / M buckets.
     ``ways="sample"`` keeps the first term (eq. 15), ``"class"`` the second (eq. 16), ``"both"`` their
-    sum (eq. 17).
-
-    Reduction: per bucket, mean of eq. 15 over the samples with at least one positive plus mean of
-    eq. 16 over the classes with at least one positive in the bucket (an empty mean is 0); then mean
-    over the K = B / M buckets.
-
-    The loss is invariant to adding a constant to every logit (Sec. 3.1), and for one-hot rows its
+    sum (eq. 17). Invariant to adding a constant to every logit (Sec. 3.1); for one-hot rows the
     sample-wise term is the softmax cross-entropy (eq. 1).
 
-    Args:
-        tp: positive temperature T_P (paper: 4).
-        tn: negative temperature T_N (paper: 1).
-        ways: "both" | "sample" | "class".
-        bucket_size: rows per bucket M. The paper uses M = 128 = the per-GPU batch of 4 GPUs x 128;
-            ``None`` takes the whole local batch, so under DDP each GPU is a bucket as in the paper, and
-            one process with batch 512 and ``bucket_size=128`` reproduces the paper's four buckets.
-        margin: logit bias eps added inside the softplus (Table 2).
-        gather: under DDP, compute the loss on the global batch (Table 5's M = 512 on 4 GPUs); see
-            :func:`mlcls.distributed.gather_batch` for the gradient relation with DDP.
-
-    Shapes: logits (B, C) any float dtype, targets (B, C) in {1, 0, -1}; returns a float32 scalar.
+    Buckets (:class:`~mlcls.losses.common.BucketedLoss`): the paper's M = 128 is the per-GPU batch of
+    4 GPUs x 128, i.e. ``bucket_size=None`` under DDP, or one process with batch 512 and
+    ``bucket_size=128``; ``gather=True`` gives Table 5's M = 512 on 4 GPUs.
     """
 
     name = "twoway"
+    shown = ("ways", "tp", "tn", "margin", "bucket_size", "gather")
 
     def __init__(
         self,
@@ -187,9 +172,6 @@ class TwoWayLoss(SoftplusLogSumExpLoss):
         self.line_dims = check_ways(ways)
         self.ways = ways
 
-    def extra_repr(self) -> str:
-        return f"ways={self.ways!r}, " + super().extra_repr()
-
 
 class JointLoss(SoftplusLogSumExpLoss):
     """Joint-way loss, eq. 22: eq. 14 over all entries of a bucket at once.
@@ -201,18 +183,8 @@ class JointLoss(SoftplusLogSumExpLoss):
 
     Reduction: mean over buckets of the bucket's single value, which is 0 for a bucket without a
     positive or without a negative. Arguments as in :class:`TwoWayLoss` (without ``ways``). Invariant
-    to a constant logit shift. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    to a constant logit shift.
     """
 
     name = "joint"
     line_dims = ((1, 2),)
-
-    def __init__(
-        self,
-        tp: float = 4.0,
-        tn: float = 1.0,
-        bucket_size: int | None = None,
-        margin: float = 0.0,
-        gather: bool = False,
-    ) -> None:
-        super().__init__(tp=tp, tn=tn, margin=margin, bucket_size=bucket_size, gather=gather)

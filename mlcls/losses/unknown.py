@@ -29,8 +29,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlcls.losses.common import EntrywiseLoss, autocast_disabled, prepare
-from mlcls.losses.role import MAX_TABLE_ENTRIES, check_allocated, check_indices, table_shape
+from mlcls.losses.bce import assumed_negative_bce
+from mlcls.losses.common import (
+    EntrywiseLoss,
+    autocast_disabled,
+    check_expected_positives,
+    check_non_negative,
+    expected_positives_penalty,
+    prepare,
+)
+from mlcls.losses.role import (
+    MAX_TABLE_ENTRIES,
+    check_allocated,
+    check_indices,
+    check_table_limit,
+    table_shape,
+)
 
 if TYPE_CHECKING:
     from mlcls.data.datasets.labels import LabelCounts
@@ -72,20 +86,12 @@ class EpochDependentLoss(UnknownLabelLoss):
         self.epoch = state["epoch"]
 
 
-def assumed_negative_bce(logits: Tensor, targets: Tensor) -> Tensor:
-    """BCE per entry with every label but a positive taken as a negative: ``-log p`` where the label is
-    1, ``-log(1 - p)`` where it is 0 or -1 (log-sigmoids: finite for any finite logit)."""
-    return F.binary_cross_entropy_with_logits(logits, (targets == 1).to(logits.dtype), reduction="none")
-
-
 class AssumeNegativeLoss(UnknownLabelLoss):
     """AN, assume negative (Cole et al., eq. 4): BCE with every unknown label taken as a negative::
 
         l_ic = -log p_ic  if y_ic = 1,   -log(1 - p_ic)  if y_ic in {0, -1}
 
-    Reduction: ``"mean"`` (default) the sum over all B x C entries divided by B x C, as the authors'
-    code; ``"sum"`` the sum; ``"sum_per_sample"`` the sum divided by B.
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    Reduction: as the module docstring. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
     """
 
     name = "an"
@@ -101,12 +107,11 @@ class LabelSmoothedAssumeNegativeLoss(UnknownLabelLoss):
         l_ic = -(1 - e) log(1 - p) - e log p   if y_ic in {0, -1}
 
     i.e. BCE against the smoothed targets ``1 - e`` and ``e``, with ``e = ls_coef`` (authors: 0.1).
-
-    Reduction: as :class:`AssumeNegativeLoss` (default: mean over all B x C entries).
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    Reduction: as the module docstring. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
     """
 
     name = "an_ls"
+    shown = ("ls_coef", "reduction")
 
     def __init__(self, ls_coef: float = 0.1, reduction: str = "mean") -> None:
         super().__init__(reduction=reduction)
@@ -118,9 +123,6 @@ class LabelSmoothedAssumeNegativeLoss(UnknownLabelLoss):
         smoothed = torch.full_like(logits, self.ls_coef).masked_fill_(targets == 1, 1.0 - self.ls_coef)
         return F.binary_cross_entropy_with_logits(logits, smoothed, reduction="none")
 
-    def extra_repr(self) -> str:
-        return f"ls_coef={self.ls_coef}, " + super().extra_repr()
-
 
 class WeakAssumeNegativeLoss(UnknownLabelLoss):
     """WAN, weak assume negative (Cole et al., eq. 5): the assumed negatives weigh ``1 / (C - 1)``::
@@ -128,9 +130,7 @@ class WeakAssumeNegativeLoss(UnknownLabelLoss):
         l_ic = -log p  if y_ic = 1,   -log(1 - p)  if y_ic = 0,   -log(1 - p) / (C - 1)  if y_ic = -1
 
     so that, with one positive per image, the C - 1 assumed negatives weigh as much in total as the
-    positive. An observed negative keeps the weight 1.
-
-    Reduction: as :class:`AssumeNegativeLoss` (default: mean over all B x C entries).
+    positive. An observed negative keeps the weight 1. Reduction: as the module docstring.
     Shapes: logits (B, C) with C >= 2, targets (B, C) in {1, 0, -1}; scalar result.
     """
 
@@ -153,37 +153,24 @@ class ExpectedPositiveLoss(UnknownLabelLoss):
         loss = (1 / (B C)) sum_{(i,c) observed} l_ic + ((1 / B) sum_i sum_c p_ic - k)^2 / C^2
 
     with ``l_ic = -log p`` on a positive and ``-log(1 - p)`` on an observed negative; an unknown label
-    enters only the regulariser. ``k`` is the expected number of positives per image, which the method
-    needs as outside knowledge; the authors' values are 1.5 (VOC 2012), 2.9 (MS-COCO 2014), 1.9
-    (NUS-WIDE) and 31.4 (CUB-200-2011). There is no default: without it the loss is refused.
-
-    Reduction: fixed, as written above (the entry terms' sum over B x C entries, the regulariser once
-    per batch). Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar result.
+    enters only the regulariser. ``k`` has no default (:func:`~mlcls.losses.common.check_expected_positives`).
+    Reduction: fixed, as written (the regulariser once per batch).
     """
 
     name = "epr"
+    shown = ("expected_positives",)
 
     def __init__(self, expected_positives: float | None = None) -> None:
         super().__init__(reduction="mean")
-        if expected_positives is None:
-            raise ValueError(
-                "epr needs loss.expected_positives, the expected number of positives per image "
-                "(the authors': 1.5 VOC 2012, 2.9 MS-COCO, 1.9 NUS-WIDE, 31.4 CUB)"
-            )
-        if not expected_positives > 0:
-            raise ValueError(f"expected_positives must be > 0, got {expected_positives}")
-        self.expected_positives = float(expected_positives)
+        self.expected_positives = check_expected_positives("epr", expected_positives)
 
     def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         per_entry = assumed_negative_bce(logits, targets)
         return torch.where(targets == -1, 0.0, per_entry)
 
     def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
-        gap = torch.sigmoid(logits).sum(1).mean() - self.expected_positives
-        return super().compute(logits, targets) + gap.square() / logits.shape[1] ** 2
-
-    def extra_repr(self) -> str:
-        return f"expected_positives={self.expected_positives}"
+        penalty = expected_positives_penalty(torch.sigmoid(logits), self.expected_positives)
+        return super().compute(logits, targets) + penalty
 
 
 class EntropyMaximisationLoss(UnknownLabelLoss):
@@ -209,14 +196,11 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
     ``beta`` 0.02 (VOC 2012), 0.9 (MS-COCO), 0.2 (NUS-WIDE), 0.4 (CUB); ``warmup_epochs`` 5, 5, 4, 3;
     ``neg_proportion`` 0.9. ``epochs`` is the run's ``trainer.epochs``.
 
-    The pseudo-labels are a buffer ``pseudo_labels`` (N, C) float32, NaN where there is none: part of
-    ``state_dict()``, so a checkpoint holds them and a resumed run continues with them exactly. Then the
-    loss needs each sample's index (``needs_sample_index``) and is called ``loss(logits, targets,
-    indices)``; its table is refused above ``max_table_entries`` (4 bytes per entry; an APL step briefly
-    holds about 20 more per entry). docs/losses.md lists what differs from the authors' code.
-
-    Reduction: as :class:`AssumeNegativeLoss` (default: mean over all B x C entries).
-    Shapes: logits (B, C), targets (B, C) in {1, 0, -1}, with apl indices int (B,); scalar result.
+    The pseudo-labels are a buffer ``pseudo_labels`` (N, C) float32, NaN where there is none, a per-sample
+    table as those of :mod:`mlcls.losses.role` (in ``state_dict()``, refused above ``max_table_entries``;
+    4 bytes per entry, an APL step briefly holds about 20 more): the loss is then called
+    ``loss(logits, targets, indices)``. docs/losses.md lists what differs from the authors' code.
+    Reduction: as the module docstring.
     """
 
     name = "em"
@@ -233,16 +217,11 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
         max_table_entries: int = MAX_TABLE_ENTRIES,
     ) -> None:
         super().__init__(reduction=reduction)
-        if not alpha >= 0:
-            raise ValueError(f"alpha must be >= 0, got {alpha}")
-        if not beta >= 0:
-            raise ValueError(f"beta must be >= 0, got {beta}")
+        check_non_negative(alpha=alpha, beta=beta)
         if not 0 < neg_proportion <= 1:
             raise ValueError(f"neg_proportion must be in (0, 1], got {neg_proportion}")
-        if not max_table_entries >= 1:
-            raise ValueError(f"max_table_entries must be >= 1, got {max_table_entries}")
         self.alpha, self.beta, self.neg_proportion = float(alpha), float(beta), float(neg_proportion)
-        self.apl, self.max_table_entries = bool(apl), int(max_table_entries)
+        self.apl, self.max_table_entries = bool(apl), check_table_limit(max_table_entries)
         self.warmup_epochs, self.epochs = warmup_epochs, epochs
         self.needs_sample_index = self.apl
         if self.apl:
@@ -259,8 +238,7 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
             self.register_buffer("quota", torch.zeros(0, dtype=torch.long), persistent=False)
 
     def setup(self, counts: LabelCounts | None) -> None:
-        """With apl: allocate the pseudo-label table for the training set of label counts ``counts`` and
-        each class's quota ``n_c`` per APL step, or refuse a table over ``max_table_entries``."""
+        """With apl: allocate the pseudo-label table (:func:`table_shape`) and each class's quota ``n_c``."""
         if not self.apl:
             return
         num_samples, num_classes = table_shape("em with apl=true", counts, self.max_table_entries, 4)

@@ -15,13 +15,14 @@ from collections.abc import Sequence
 import torch
 
 from mlcls.metrics.ap import (
-    _average_precision,
-    _voc11_average_precision,
+    ap_of_lists,
     average_precision,
     block_slices,
     map_class,
     map_sample,
     mean_counted,
+    per_list_in_blocks,
+    voc11_ap_of_lists,
     voc11_average_precision,
 )
 from mlcls.metrics.checks import check_scores_labels
@@ -61,8 +62,7 @@ def compute_metrics(
 
     Args:
         scores: (N, C) logits of the whole evaluation set, each sample once.
-        labels: (N, C) with 1 = positive, 0 = negative, -1 = unknown (ignored by every figure); int8
-            labels are used as they are (any other dtype is converted to an int8 copy).
+        labels: (N, C) with 1 = positive, 0 = negative, -1 = unknown (ignored by every figure).
         class_names: the C class names, in column order, distinct.
         threshold: probability threshold on ``sigmoid(scores)`` for CP ... OF1.
         top_k: number of top-scoring classes predicted per sample for ``CP_top{k}`` ... ``OF1_top{k}``.
@@ -83,9 +83,9 @@ def compute_metrics(
         raise ValueError(f"{len(class_names)} class names for {scores.shape[1]} score columns")
     if len(set(class_names)) != len(class_names):
         raise ValueError("class names must be distinct")
-    class_ap = _average_precision(scores, labels, dim=0)
+    class_ap = per_list_in_blocks(ap_of_lists, scores, labels, dim=0)
     map_class_percent, classes_counted = mean_counted(class_ap)
-    map_sample_percent, samples_counted = mean_counted(_average_precision(scores, labels, dim=1))
+    map_sample_percent, samples_counted = mean_counted(per_list_in_blocks(ap_of_lists, scores, labels, 1))
     metrics: dict = {
         "mAP_class": map_class_percent,
         "mAP_sample": map_sample_percent,
@@ -102,7 +102,7 @@ def compute_metrics(
     metrics.update(figures_of_counts(at_threshold))
     metrics.update({f"{name}_top{top_k}": value for name, value in figures_of_counts(at_top_k).items()})
     if voc11:
-        metrics["mAP_class_voc11"] = mean_counted(_voc11_average_precision(scores, labels, dim=0))[0]
+        metrics["mAP_class_voc11"] = mean_counted(per_list_in_blocks(voc11_ap_of_lists, scores, labels, 0))[0]
     if unseen is not None:
         metrics.update(zero_shot_metrics(scores, labels, unseen))
     metrics["per_class_ap"] = {

@@ -22,10 +22,9 @@ the number of known items (label 0 or 1) scoring ``>= s``. Edge cases:
 
 Only comparisons of scores are used, so they are kept in their own precision (float16/bfloat16 upcast
 exactly to float32, integers to float64); counts are exact integers and the precisions and their mean
-are float64. Labels stay int8 throughout, and the ranked lists are processed in blocks of about
-:data:`BLOCK_ELEMENTS` scores (see :func:`block_slices`), so the temporaries (transposed, masked and sorted
-copies) stay a few hundred MB whatever the size: Open Images' 41,620 x 9,605 validation scores (1.6 GB
-in float32) are ranked with no whole-size copy.
+are float64. Labels stay int8 throughout, and the ranked lists are processed in blocks
+(:func:`block_slices`): Open Images' 41,620 x 9,605 validation scores (1.6 GB in float32) are ranked
+with no whole-size copy.
 """
 
 from __future__ import annotations
@@ -74,11 +73,8 @@ def per_list_in_blocks(
 
 
 def _sort_rows(values: torch.Tensor) -> torch.Tensor:
-    """Each row sorted ascending (values only).
-
-    On CPU this is NumPy's sort: torch's CPU sort always computes indices as well and is several times
-    slower than NumPy's SIMD value sort. The values are identical either way.
-    """
+    """Each row sorted ascending (values only); on CPU by NumPy, whose SIMD value sort is several times
+    faster than torch's CPU sort, which always computes indices as well. The values are identical."""
     if values.device.type == "cpu":
         return torch.from_numpy(np.sort(values.numpy(), axis=1))
     return torch.sort(values, dim=1).values
@@ -170,25 +166,14 @@ def ranked_positives(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> Ra
 
 
 def average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Non-interpolated AP of every column (``dim=0``) or row (``dim=1``), ties grouped as in scikit-learn.
-
-    Args:
-        scores: (N, C) real scores; only their order matters.
-        labels: (N, C) with 1 = positive, 0 = negative, -1 = excluded.
-        dim: 0 for the AP of each class over samples (C values), 1 for each sample over classes (N values).
-
-    Returns:
-        float64 tensor on ``scores.device`` of the APs as fractions in [0, 1], NaN where the list has
-        no positive. See the module docstring for the definition and edge cases.
-    """
-    return _average_precision(scores, check_scores_labels(scores, labels), dim)
+    """Non-interpolated AP (module docstring) of every column (``dim=0``: C values, each class over the
+    samples) or row (``dim=1``: N values), as float64 fractions in [0, 1] on ``scores.device``, NaN where
+    the list has no positive."""
+    return per_list_in_blocks(ap_of_lists, scores, check_scores_labels(scores, labels), dim)
 
 
-def _average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
-    return per_list_in_blocks(_average_precision_of_block, scores, labels, dim)
-
-
-def _average_precision_of_block(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
+def ap_of_lists(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
+    """:func:`average_precision` of validated int8 ``labels``, for :func:`per_list_in_blocks`."""
     list_of, _, tp, known_ge, n_positive, _ = ranked_positives(scores, labels, dim)
     total = torch.zeros(len(n_positive), dtype=torch.float64, device=tp.device)
     total.index_add_(0, list_of, tp.double() / known_ge.double())
@@ -205,14 +190,11 @@ def voc11_average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: int
     tested exactly as ``10 * TP >= k * |pos|`` for ``t = k / 10``, avoiding the float rounding of
     ``0.1 * k``. NaN where the list has no positive. Returns float64 fractions.
     """
-    return _voc11_average_precision(scores, check_scores_labels(scores, labels), dim)
+    return per_list_in_blocks(voc11_ap_of_lists, scores, check_scores_labels(scores, labels), dim)
 
 
-def _voc11_average_precision(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
-    return per_list_in_blocks(_voc11_average_precision_of_block, scores, labels, dim)
-
-
-def _voc11_average_precision_of_block(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
+def voc11_ap_of_lists(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
+    """:func:`voc11_average_precision` of validated int8 ``labels``, for :func:`per_list_in_blocks`."""
     list_of, _, tp, known_ge, n_positive, _ = ranked_positives(scores, labels, dim)
     levels = torch.arange(11, device=tp.device)
     # the curve's best points are at positives; level k is reached where 10 * TP >= k * |pos|
@@ -239,7 +221,7 @@ def map_class(scores: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
     With every class counted and no -1 label it equals
     ``100 * sklearn.metrics.average_precision_score(labels, scores, average="macro")``.
     """
-    return mean_counted(_average_precision(scores, check_scores_labels(scores, labels), dim=0))
+    return mean_counted(average_precision(scores, labels, dim=0))
 
 
 def map_sample(scores: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
@@ -249,4 +231,4 @@ def map_sample(scores: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
     -1 labels it equals ``100 * average_precision_score(labels[kept], scores[kept], average="samples")``
     where ``kept`` are the rows with a positive.
     """
-    return mean_counted(_average_precision(scores, check_scores_labels(scores, labels), dim=1))
+    return mean_counted(average_precision(scores, labels, dim=1))

@@ -17,11 +17,8 @@ def check_scores(scores: torch.Tensor) -> None:
 
 
 def check_labels(labels: torch.Tensor, shape: torch.Size, against: str = "scores") -> torch.Tensor:
-    """``labels`` as int8 after checking its shape (that of ``against``) and its values (1, 0 or -1).
-
-    Raises:
-        ValueError: on a shape mismatch or a label outside {1, 0, -1} (named in the message).
-    """
+    """``labels`` as int8 after checking its shape (that of ``against``) and its values (1, 0 or -1);
+    ``ValueError`` on a shape mismatch or a label outside {1, 0, -1} (named in the message)."""
     if labels.shape != shape:
         raise ValueError(
             f"labels {tuple(labels.shape)} and {against} {tuple(shape)} must have one shape (N, C)"

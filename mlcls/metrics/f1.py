@@ -65,7 +65,8 @@ def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     return torch.where(denominator > 0, numerator.double() / denominator.clamp_min(1).double(), 0.0)
 
 
-def _f1(precision: float, recall: float) -> float:
+def f1_of(precision: float, recall: float) -> float:
+    """``2 P R / (P + R)``; 0 when P = R = 0, NaN when either is NaN."""
     if math.isnan(precision) or math.isnan(recall):
         return float("nan")
     return 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
@@ -99,10 +100,10 @@ def figures_of_counts(counts: torch.Tensor) -> dict[str, float]:
     return {
         "CP": class_precision,
         "CR": class_recall,
-        "CF1": _f1(class_precision, class_recall),
+        "CF1": f1_of(class_precision, class_recall),
         "OP": overall_precision,
         "OR": overall_recall,
-        "OF1": _f1(overall_precision, overall_recall),
+        "OF1": f1_of(overall_precision, overall_recall),
     }
 
 

@@ -10,8 +10,8 @@ where ``P_c`` is the number of positives of class ``c`` and samples labelled -1 
 positives nor negatives). The maximisation is exact over every *cut point* -- between two consecutive
 distinct scores of the sorted column, or after the lowest one. F1 rises only where a positive is added,
 so only the cuts ending a positive's tie group are evaluated, from the counts the AP computes
-(:func:`mlcls.metrics.ap.ranked_positives`: value sorts, no argsort), for blocks of columns at once with
-int8 labels: Open Images' 41,620 x 9,605 validation scores need no whole-size copy. Rules:
+(:func:`mlcls.metrics.ap.ranked_positives`: value sorts, no argsort), for blocks of columns at once.
+Rules:
 
 * ties -- samples with equal scores are always on the same side of a threshold (a cut never splits them);
 * several cut points reaching the maximal F1 -- the *highest* threshold is taken (fewest predictions);
@@ -23,8 +23,7 @@ int8 labels: Open Images' 41,620 x 9,605 validation scores need no whole-size co
   calibrated rule; ``threshold=`` or ``top_k=`` still score it); the default 0.0 is the uncalibrated
   sigmoid-probability 0.5 rule. A log line names such classes, once per process for the same classes.
 
-:func:`select_labels` applies the precedence used by ``mlcls-predict``: a global probability
-``threshold`` or ``top_k`` if given, else the calibrated per-class thresholds, else probability 0.5.
+:func:`select_labels` applies ``mlcls-predict``'s precedence of these rules.
 """
 
 from __future__ import annotations
@@ -64,16 +63,10 @@ def calibrate_thresholds(
 ) -> torch.Tensor:
     """Per-class logit thresholds maximising each class's F1 on ``scores`` (see the module docstring).
 
-    Args:
-        scores: (N, C) logits of the validation set (any real dtype, CPU or CUDA).
-        labels: (N, C) with 1 = positive, 0 = negative, -1 = ignored (int8 labels are used as they are).
-        no_positive: the threshold of a class without any positive label (:data:`NEVER_PREDICTED`: never
-            predicted).
-        classes: the C class names, for the log line naming the classes without a positive (else indices).
-        split: the split ``scores`` are of (a key of :data:`SPLIT_NAMES`), for that log line.
-
-    Returns:
-        float64 tensor (C,) on ``scores.device``; entries may be ``-inf`` (class always predicted).
+    ``scores`` (N, C) are validation logits (any real dtype, CPU or CUDA), ``labels`` (N, C) in {1, 0, -1};
+    ``no_positive`` is the threshold of a class without a positive label; ``classes`` (C names, else
+    indices) and ``split`` (a key of :data:`SPLIT_NAMES`) are for the log line naming such classes.
+    Returns float64 (C,) on ``scores.device``; entries may be ``-inf`` (class always predicted).
     """
     labels = check_scores_labels(scores, labels)
     if scores.shape[0] == 0:
@@ -87,18 +80,19 @@ def calibrate_thresholds(
         if names not in _reported_without_positive:
             _reported_without_positive.add(names)
             shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
-            rule = _no_positive_rule(no_positive)
+            if no_positive == NEVER_PREDICTED:
+                rule = "never predicted"
+            else:
+                probability = torch.sigmoid(torch.tensor(float(no_positive), dtype=torch.float64)).item()
+                rule = f"threshold {no_positive} (probability {probability:.3g})"
             log.info("thresholds: no positive %s label, %s: %s", SPLIT_NAMES[split][1], rule, shown)
     return torch.where(has_positive, threshold, float(no_positive))
 
 
 def _best_f1_thresholds(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
     """The best-F1 logit threshold (float64, NaN without a positive) of every ranked list (``dim=0``: the
-    columns) of ``scores`` with validated int8 ``labels``, by the rules of the module docstring.
-
-    F1 only rises when a positive is added, so the best cut ends the tie group of a positive: with ``TP``
-    and ``K = TP + FP`` at every positive (:func:`ranked_positives`), ``F1 = 2 TP / (K + P)``. The
-    threshold lies halfway between the chosen positive's score and the next lower known score."""
+    columns) of ``scores`` with validated int8 ``labels``, by the rules of the module docstring: with
+    ``TP`` and ``K = TP + FP`` at every positive (:func:`ranked_positives`), ``F1 = 2 TP / (K + P)``."""
     ranked = ranked_positives(scores, labels, dim)
     n_lists, length = ranked.known_sorted.shape
     minus_inf = torch.tensor(-torch.inf, dtype=torch.float64, device=ranked.score.device)
@@ -165,13 +159,6 @@ def check_model_scores(scores: torch.Tensor) -> torch.Tensor:
             "or infinite values (a diverged run or a damaged checkpoint)"
         )
     return scores
-
-
-def _no_positive_rule(no_positive: float) -> str:
-    if no_positive == NEVER_PREDICTED:
-        return "never predicted"
-    probability = torch.sigmoid(torch.tensor(float(no_positive), dtype=torch.float64)).item()
-    return f"threshold {no_positive} (probability {probability:.3g})"
 
 
 def describe_rule(

@@ -29,13 +29,11 @@ images have a positive in S.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mlcls.metrics.ap import block_slices, map_class, map_sample
-from mlcls.metrics.checks import check_scores_labels, count_true
-from mlcls.metrics.f1 import top_k_predictions
+from mlcls.metrics.checks import check_scores_labels
+from mlcls.metrics.f1 import f1_of, prediction_counts, top_k_predictions
 
 # The k of the F1@k figures (the field's: LESA, ML-Decoder, BiAM, MKT report F1@3 and F1@5).
 ZERO_SHOT_TOP_K = (3, 5)
@@ -47,19 +45,13 @@ def top_k_f1(scores: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, fl
     classes per image). Counted by blocks of rows: no (N, C) temporary of the whole set."""
     labels = check_scores_labels(scores, labels)
     rows, columns = scores.shape
-    true_positives = positives = 0
-    for block in block_slices(rows, columns):
-        predicted = top_k_predictions(scores[block], k).to(labels.device)
-        true_positives += int(count_true(predicted & (labels[block] == 1), 1).sum())
-        positives += int(count_true(labels[block] == 1, 1).sum())
+    blocks = block_slices(rows, columns)
+    counts = sum(prediction_counts(top_k_predictions(scores[block], k), labels[block]) for block in blocks)
+    true_positives, positives = int(counts[0].sum()), int(counts[2].sum())
     predictions = min(k, columns) * rows
     precision = 100.0 * true_positives / predictions if predictions else float("nan")
     recall = 100.0 * true_positives / positives if positives else float("nan")
-    if math.isnan(precision) or math.isnan(recall):
-        f1 = float("nan")
-    else:
-        f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
-    return {f"P_top{k}": precision, f"R_top{k}": recall, f"F1_top{k}": f1}
+    return {f"P_top{k}": precision, f"R_top{k}": recall, f"F1_top{k}": f1_of(precision, recall)}
 
 
 def class_set_figures(scores: torch.Tensor, labels: torch.Tensor) -> dict[str, float | int]:

@@ -19,7 +19,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from torch import nn
 
 from mlcls.errors import ConfigError
-from mlcls.models.heads import TEXT_HEADS, HeadedModel, create_head
+from mlcls.models.heads import HEAD_MODULES, TEXT_HEADS, HeadedModel
 
 # Seconds the Hugging Face hub has to answer the one request that tells whether it can be reached.
 HUB_TIMEOUT = 10.0
@@ -36,7 +36,6 @@ HEAD_OPTIONS = {
     "mldecoder_zsl": ("embed_dim",),
     "cosine": ("init_scale",),
 }
-HEAD_SCHEDULE_KEYS = ("warmup_epochs",)
 
 
 def create_model(
@@ -51,13 +50,11 @@ def create_model(
     """Build timm model ``name`` with a freshly initialised ``num_classes``-way classifier ``head``.
 
     ``head`` is the head's config (``model.head``: its ``name`` and options, configs/model/head/*.yaml) or
-    its name, the options then given as ``head_options``. ``linear`` is timm's own model (global pooling,
-    dropout ``drop_rate``, fc). ``mldecoder`` (``num_groups`` queries, width ``embed_dim``) and ``csra``
-    (``num_heads`` heads, ``lam``) sit on the backbone's unpooled features in a
-    :class:`~mlcls.models.heads.HeadedModel` (:mod:`mlcls.models.heads`), as do the text-query heads
-    ``mldecoder_zsl`` (``embed_dim``) and ``cosine`` (``init_scale``), which need ``class_embeddings``
-    ((num_classes, T) unit rows, :func:`mlcls.text.class_embeddings`). An option of another head is a
-    :class:`ConfigError`: no option is silently unused.
+    its name, the options then given as ``head_options`` (:data:`HEAD_OPTIONS`; an option of another head
+    is a :class:`ConfigError`: none is silently unused). ``linear`` is timm's own model (global pooling,
+    dropout, fc); the others sit on the backbone's unpooled features in a
+    :class:`~mlcls.models.heads.HeadedModel`, the text-query heads needing ``class_embeddings``
+    ((num_classes, T) unit rows, :func:`mlcls.text.class_embeddings`).
 
     With ``pretrained=True`` the ImageNet weights come from the local Hugging Face cache, else from the hub
     (:func:`pretrained_weights_file`); ``checkpoint_path`` loads a local weights file instead (for machines
@@ -73,6 +70,11 @@ def create_model(
         )
     if head_name not in TEXT_HEADS and class_embeddings is not None:
         raise ConfigError(f"model.head={head_name} has no text queries; class embeddings are not its input")
+    if class_embeddings is not None and class_embeddings.shape[0] != num_classes:
+        raise ValueError(
+            f"model.head={head_name} needs class embeddings for {num_classes} classes; "
+            f"got {class_embeddings.shape[0]} rows"
+        )
     kwargs: dict = {"num_classes": num_classes, "drop_rate": options.pop("drop_rate", 0.0)}
     if checkpoint_path:
         path = Path(checkpoint_path).expanduser()
@@ -88,8 +90,8 @@ def create_model(
         return timm.create_model(name, pretrained=pretrained, **kwargs)
     kwargs.update(num_classes=0, global_pool="")
     backbone = timm.create_model(name, pretrained=pretrained, **kwargs)
-    head_module = create_head(head_name, backbone.num_features, num_classes, class_embeddings, **options)
-    return HeadedModel(backbone, head_module)
+    classes = class_embeddings if head_name in TEXT_HEADS else num_classes
+    return HeadedModel(backbone, HEAD_MODULES[head_name](backbone.num_features, classes, **options))
 
 
 def head_config(head: str | Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -100,8 +102,7 @@ def head_config(head: str | Mapping[str, Any], options: Mapping[str, Any]) -> tu
     head_name = given.pop("name", "linear")
     if head_name not in HEAD_OPTIONS:
         raise ConfigError(f"model.head={head_name!r}; expected one of {', '.join(HEAD_OPTIONS)}")
-    for key in HEAD_SCHEDULE_KEYS:
-        given.pop(key, None)
+    given.pop("warmup_epochs", None)  # the schedule's key (see HEAD_OPTIONS)
     foreign = [key for key in given if key not in HEAD_OPTIONS[head_name]]
     if foreign:
         raise ConfigError(

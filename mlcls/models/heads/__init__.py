@@ -26,34 +26,14 @@ HEADS = ("linear", "mldecoder", "csra")
 TEXT_HEADS = ("mldecoder_zsl", "cosine")
 
 
-def create_head(
-    head: str,
-    in_features: int,
-    num_classes: int,
-    class_embeddings: torch.Tensor | None = None,
-    **options: Any,
-) -> nn.Module:
-    """The ``head`` module (``mldecoder``, ``csra``, or a text-query head) over ``in_features`` channels with
-    its ``options`` (:class:`MLDecoder`'s ``num_groups``, ``embed_dim``; :class:`CSRA`'s ``num_heads``,
-    ``lam``; :class:`MLDecoderZSL`'s ``embed_dim``; :class:`CosineHead`'s ``init_scale``). A text-query head
-    needs ``class_embeddings`` (``num_classes`` rows); the others take none."""
-    if head in TEXT_HEADS:
-        if class_embeddings is None or class_embeddings.shape[0] != num_classes:
-            given = "none" if class_embeddings is None else f"{class_embeddings.shape[0]} rows"
-            raise ValueError(
-                f"model.head={head} needs class embeddings for {num_classes} classes; got {given}"
-            )
-        text_head = MLDecoderZSL if head == "mldecoder_zsl" else CosineHead
-        return text_head(in_features, class_embeddings, **options)
-    if class_embeddings is not None:
-        raise ValueError(
-            f"model.head={head} has no text queries; class embeddings are for {', '.join(TEXT_HEADS)}"
-        )
-    if head == "mldecoder":
-        return MLDecoder(in_features, num_classes, **options)
-    if head == "csra":
-        return CSRA(in_features, num_classes, **options)
-    raise ValueError(f"model.head={head!r}; expected one of {', '.join(HEADS + TEXT_HEADS)}")
+# Each head's module but linear's, built by mlcls.models.factory.create_model from (in_features,
+# num_classes, **options), or (in_features, class_embeddings, **options) for a text-query head.
+HEAD_MODULES: dict[str, type[nn.Module]] = {
+    "mldecoder": MLDecoder,
+    "csra": CSRA,
+    "mldecoder_zsl": MLDecoderZSL,
+    "cosine": CosineHead,
+}
 
 
 def text_query_head(model: nn.Module) -> TextQueryHead | None:
@@ -97,17 +77,3 @@ class HeadedModel(nn.Module):
     def get_classifier(self) -> nn.Module:
         """The head module, whose ``state_dict()`` has the released module's keys."""
         return self.head
-
-
-__all__ = [
-    "CSRA",
-    "HEADS",
-    "TEXT_HEADS",
-    "CosineHead",
-    "HeadedModel",
-    "MLDecoder",
-    "MLDecoderZSL",
-    "TextQueryHead",
-    "create_head",
-    "text_query_head",
-]

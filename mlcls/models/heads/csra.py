@@ -27,11 +27,6 @@ TEMPERATURES: dict[int, tuple[float | None, ...]] = {
 }
 
 
-def _positions_last(features: torch.Tensor) -> torch.Tensor:
-    """(B, D, H, W) -> (B, D, N); tokens (B, N, D) -> (B, D, N)."""
-    return features.flatten(2) if features.ndim == 4 else features.transpose(1, 2)
-
-
 class ResidualAttention(nn.Module):
     """One CSRA head: ``forward(features (B, D, H, W) or tokens (B, N, D)) -> logits (B, C)``."""
 
@@ -43,7 +38,8 @@ class ResidualAttention(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         weight = self.head.weight.flatten(1)  # (C, D)
         weight = weight / weight.norm(dim=1, keepdim=True)
-        scores = torch.einsum("cd,bdn->bcn", weight.to(features.dtype), _positions_last(features))
+        positions = features.flatten(2) if features.ndim == 4 else features.transpose(1, 2)  # (B, D, N)
+        scores = torch.einsum("cd,bdn->bcn", weight.to(features.dtype), positions)
         base = scores.mean(dim=2)
         if self.temperature is MAX_POOLING:
             attention = scores.amax(dim=2)

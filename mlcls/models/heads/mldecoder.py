@@ -39,6 +39,12 @@ def check_sizes(num_attention_heads: int, **sizes: object) -> None:
         )
 
 
+def decoder_memory(embed_standart: nn.Linear, features: torch.Tensor) -> torch.Tensor:
+    """``ReLU(embed_standart(tokens))`` (N, B, E) of features (B, D, H, W) or tokens (B, N, D)."""
+    tokens = features.flatten(2).transpose(1, 2) if features.ndim == 4 else features  # (B, N, D)
+    return F.relu(embed_standart(tokens)).transpose(0, 1)
+
+
 class DecoderLayerWithoutSelfAttention(nn.Module):
     """A transformer decoder layer (post-norm) whose self-attention is replaced by ``t + dropout1(t)``.
 
@@ -68,43 +74,10 @@ class DecoderLayerWithoutSelfAttention(nn.Module):
         return self.norm3(target + self.dropout3(fed))
 
 
-class GroupDecoder(nn.Module):
-    """The parameters of ML-Decoder under the released names (the released module's ``decoder``)."""
-
-    def __init__(
-        self,
-        in_features: int,
-        num_classes: int,
-        num_groups: int,
-        embed_dim: int,
-        num_attention_heads: int,
-        feedforward_dim: int,
-        dropout: float,
-    ) -> None:
-        super().__init__()
-        self.num_classes = num_classes
-        self.duplicate_factor = math.ceil(num_classes / num_groups)
-        self.layers = nn.ModuleList(
-            [DecoderLayerWithoutSelfAttention(embed_dim, num_attention_heads, feedforward_dim, dropout)]
-        )
-        self.embed_standart = nn.Linear(in_features, embed_dim)
-        self.query_embed = nn.Embedding(num_groups, embed_dim)
-        self.query_embed.requires_grad_(False)  # non-learnable queries, as released
-        self.duplicate_pooling = nn.Parameter(torch.empty(num_groups, embed_dim, self.duplicate_factor))
-        self.duplicate_pooling_bias = nn.Parameter(torch.zeros(num_classes))
-        nn.init.xavier_normal_(self.duplicate_pooling)
-
-
 class MLDecoder(nn.Module):
-    """ML-Decoder head: ``forward(features (B, D, H, W) or tokens (B, N, D)) -> logits (B, C)``.
-
-    Args:
-        in_features: channels D of the backbone's features.
-        num_classes: C.
-        num_groups: queries G, capped at C (the released default, 100).
-        embed_dim: width E of the decoder (768 as released).
-        num_attention_heads, feedforward_dim, dropout: of the decoder layer (8, 2048, 0.1 as released).
-    """
+    """ML-Decoder head: ``forward(features (B, D, H, W) or tokens (B, N, D)) -> logits (B, C)``, as the
+    module docstring, on ``in_features`` = D channels; G = ``num_groups`` capped at C. The defaults are the
+    released ones."""
 
     def __init__(
         self,
@@ -118,21 +91,25 @@ class MLDecoder(nn.Module):
     ) -> None:
         super().__init__()
         check_sizes(num_attention_heads, num_groups=num_groups, embed_dim=embed_dim, num_classes=num_classes)
-        self.decoder = GroupDecoder(
-            in_features,
-            num_classes,
-            min(num_groups, num_classes),
-            embed_dim,
-            num_attention_heads,
-            feedforward_dim,
-            dropout,
+        num_groups = min(num_groups, num_classes)
+        self.num_classes = num_classes
+        # the parameters under the released names, in the released order (the released module's ``decoder``)
+        decoder = self.decoder = nn.Module()
+        decoder.layers = nn.ModuleList(
+            [DecoderLayerWithoutSelfAttention(embed_dim, num_attention_heads, feedforward_dim, dropout)]
         )
+        decoder.embed_standart = nn.Linear(in_features, embed_dim)
+        decoder.query_embed = nn.Embedding(num_groups, embed_dim)
+        decoder.query_embed.requires_grad_(False)  # non-learnable queries, as released
+        duplicate_factor = math.ceil(num_classes / num_groups)
+        decoder.duplicate_pooling = nn.Parameter(torch.empty(num_groups, embed_dim, duplicate_factor))
+        decoder.duplicate_pooling_bias = nn.Parameter(torch.zeros(num_classes))
+        nn.init.xavier_normal_(decoder.duplicate_pooling)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         decoder = self.decoder
-        tokens = features.flatten(2).transpose(1, 2) if features.ndim == 4 else features  # (B, N, D)
-        memory = F.relu(decoder.embed_standart(tokens)).transpose(0, 1)  # (N, B, E)
-        queries = decoder.query_embed.weight.unsqueeze(1).expand(-1, tokens.shape[0], -1)  # (G, B, E)
+        memory = decoder_memory(decoder.embed_standart, features)  # (N, B, E)
+        queries = decoder.query_embed.weight.unsqueeze(1).expand(-1, memory.shape[1], -1)  # (G, B, E)
         decoded = decoder.layers[0](queries.to(memory.dtype), memory)  # (G, B, E)
         grouped = torch.einsum("gbe,gek->bgk", decoded, decoder.duplicate_pooling.to(decoded.dtype))
-        return grouped.flatten(1)[:, : decoder.num_classes] + decoder.duplicate_pooling_bias
+        return grouped.flatten(1)[:, : self.num_classes] + decoder.duplicate_pooling_bias

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlcls.models.heads.mldecoder import DecoderLayerWithoutSelfAttention, check_sizes
+from mlcls.models.heads.mldecoder import DecoderLayerWithoutSelfAttention, check_sizes, decoder_memory
 
 # The largest temperature of the cosine head (CLIP clamps its logit scale at 100 likewise).
 MAX_SCALE = 100.0
@@ -73,11 +73,8 @@ class TextQueryHead(nn.Module):
 class MLDecoderZSL(TextQueryHead):
     """ML-Decoder with text queries: ``forward(features (B, D, H, W) or tokens (B, N, D)) -> logits (B, C)``.
 
-    Args:
-        in_features: channels D of the backbone's features.
-        class_embeddings: (C, T) unit rows, one query per class.
-        embed_dim: width E of the decoder (768 as released).
-        num_attention_heads, feedforward_dim, dropout: of the decoder layer (8, 2048, 0.1 as released).
+    ``class_embeddings`` (C, T) unit rows, one query per class; the other arguments as
+    :class:`~mlcls.models.heads.mldecoder.MLDecoder`'s.
     """
 
     def __init__(
@@ -101,24 +98,17 @@ class MLDecoderZSL(TextQueryHead):
         nn.init.xavier_normal_(self.duplicate_pooling)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        tokens = features.flatten(2).transpose(1, 2) if features.ndim == 4 else features  # (B, N, D)
-        memory = F.relu(self.embed_standart(tokens)).transpose(0, 1)  # (N, B, E)
+        memory = decoder_memory(self.embed_standart, features)  # (N, B, E)
         queries = F.relu(self.wordvec_proj(self.class_embeddings.to(memory.dtype)))  # (C, E)
-        queries = queries.unsqueeze(1).expand(-1, tokens.shape[0], -1)  # (C, B, E)
+        queries = queries.unsqueeze(1).expand(-1, memory.shape[1], -1)  # (C, B, E)
         decoded = self.layers[0](queries.to(memory.dtype), memory)  # (C, B, E)
         logits = decoded.transpose(0, 1) @ self.duplicate_pooling.to(decoded.dtype)  # (B, C, 1)
         return logits.squeeze(2) + self.duplicate_pooling_bias
 
 
 class CosineHead(TextQueryHead):
-    """``forward(features (B, D, H, W) or tokens (B, N, D)) -> logits (B, C)``: tau times the cosine of the
-    projected pooled feature and each class embedding.
-
-    Args:
-        in_features: channels D of the backbone's features.
-        class_embeddings: (C, T) unit rows.
-        init_scale: tau at initialisation (``log_scale`` = log(init_scale)), in (0, 100].
-    """
+    """``forward(features (B, D, H, W) or tokens (B, N, D)) -> logits (B, C)``, the ``cosine`` head of the
+    module docstring; ``init_scale``, tau at initialisation, is in (0, 100]."""
 
     def __init__(self, in_features: int, class_embeddings: torch.Tensor, init_scale: float = 10.0) -> None:
         super().__init__(class_embeddings)
