@@ -140,11 +140,8 @@ def pack_split(
     workers: int = 1,
     overwrite: bool = False,
 ) -> SplitReport:
-    """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (see the module docstring); resumes an
-    interrupted run with the same settings. Returns the :class:`SplitReport` (shards in order).
-
-    A ``role`` split of ``out`` packed with other settings (or of unknown settings) raises
-    :class:`DatasetConfigError`, unless ``overwrite``: its files are then deleted first.
+    """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (see the module docstring), resuming an
+    interrupted run (:func:`read_progress`). Returns the :class:`SplitReport` (shards in order).
 
     Unreadable images (``OSError``, ... from PIL) are left out and listed in the report, whatever
     ``dataset.on_bad_image`` says: packing is where they are found. ``workers`` > 1 writes that many
@@ -247,12 +244,8 @@ def read_progress(
     out: Path, role: str, settings: dict[str, Any], overwrite: bool = False
 ) -> dict[str, dict[str, Any]]:
     """The completed ``role`` shards recorded in ``out``'s progress file (by name) whose file exists, if it
-    was written with the same ``settings``; nothing for a split not packed yet. A line that does not parse
-    (the entry being written when a pack died) counts as not written.
-
-    A split packed with other settings, or whose settings are unknown (shards without a progress file):
-    :class:`DatasetConfigError`, or with ``overwrite`` its files are deleted and nothing is returned.
-    """
+    was written with the same ``settings`` (the module docstring, "Resumable"); else nothing, the split's
+    files deleted first with ``overwrite``, or :class:`DatasetConfigError` without."""
     progress_file, entries = progress_path(out, role), []
     if progress_file.exists():
         for line in read_text(progress_file, "manifest", errors="replace").splitlines():
