@@ -88,17 +88,8 @@ POLICY_KEYS = (
 # The keys of a dataset config that build the input pipeline's transform (:func:`build_dataset`), not data.
 PIPELINE_KEYS = ("transform", "image_size", "mean", "std")
 MAX_SEED = 2**63 - 1
-
-
 # The largest network input side a dataset config may ask for (the field's largest are 448-640 px).
 MAX_IMAGE_SIZE = 4096
-
-
-def check_input_settings(kind: Any, size: Any) -> None:
-    """Raise :class:`DatasetConfigError` unless ``kind`` (``dataset.transform``) names a transform and
-    ``size`` (``dataset.image_size``) is an integer in [1, :data:`MAX_IMAGE_SIZE`]."""
-    check_setting("transform", kind, TRANSFORM_KINDS)
-    check_integer("image_size", size, 1, MAX_IMAGE_SIZE)
 
 
 def training_policies(
@@ -112,11 +103,8 @@ def training_policies(
     unseen_images: str = "keep",
 ) -> tuple[ObservedLabels, HoldoutSplit]:
     """The observed-label regime and the held-out selection split of the config keys :data:`POLICY_KEYS`,
-    each checked here, once: one :class:`DatasetConfigError` line for a regime not in
-    :data:`OBSERVED_REGIMES`, a fraction outside (0, 1] (observed) or [0, 1) (held out), labels not in
-    :data:`HOLDOUT_LABELS`, a seed not in [0, 2**63 - 1], ``unseen_classes`` neither null, a list of
-    names nor a path (:func:`check_unseen_setting`; its names are checked against the classes by
-    :func:`apply_training_policies`), or ``unseen_images`` not in :data:`UNSEEN_IMAGES`."""
+    each key checked here, once, one :class:`DatasetConfigError` line a fault (the names of
+    ``unseen_classes`` are checked against the classes by :func:`apply_training_policies`)."""
     check_unseen_setting(unseen_classes)
     check_setting("unseen_images", unseen_images, UNSEEN_IMAGES)
     check_setting("observed", observed, OBSERVED_REGIMES)
@@ -245,7 +233,8 @@ def build_dataset(
     pipeline = {key: cfg.pop(key) for key in PIPELINE_KEYS if key in cfg}
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
     kind, size = pipeline.get("transform", "paper"), pipeline.get("image_size")
-    check_input_settings(kind, size)
+    check_setting("transform", kind, TRANSFORM_KINDS)
+    check_integer("image_size", size, 1, MAX_IMAGE_SIZE)
     transform = build_backend_transform(backend, kind, size, train, pipeline.get("mean"), pipeline.get("std"))
     try:
         dataset = instantiate(cfg, split=split, transform=transform, _convert_="all")

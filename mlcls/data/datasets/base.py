@@ -127,16 +127,11 @@ def load_json(path: str | Path) -> Any:
         raise DatasetFormatError(str(exc)) from exc
 
 
-def file_bytes(*paths: str | Path) -> int:
-    """The size in bytes of the files ``paths`` together (those a label table is built from)."""
-    return sum(os.stat(path).st_size for path in paths)
-
-
 def label_table(
-    rows: int, classes: int, source_bytes: int, source: str | Path, fill: float = 0.0
+    rows: int, classes: int, read: Sequence[str | Path], source: str | Path, fill: float = 0.0
 ) -> np.ndarray:
     """float32 (rows, classes) filled with ``fill``, allocated only when it takes at most
-    ``LABEL_TABLE_RATIO`` times the ``source_bytes`` of the annotation files it is built from, or
+    ``LABEL_TABLE_RATIO`` times the bytes of the annotation files ``read`` it is built from, or
     ``LABEL_TABLE_FLOOR``; else one :class:`DatasetFormatError` line naming ``source``, before allocating.
 
     The rows and classes are counted from those files, so a small file listing many distinct images and
@@ -144,6 +139,7 @@ def label_table(
     0.7 MB CSV for 5 GB. A real annotation file states much of its table: COCO's 82,081 x 80 table is 26 MB
     from a 450 MB JSON; a CSV naming each image's classes on its row reaches the bound only past 64 classes
     per byte of a row (3,200 classes for rows of 50 bytes); a CSV of one column per class never does."""
+    source_bytes = sum(os.stat(path).st_size for path in read)
     allowed = max(LABEL_TABLE_FLOOR, LABEL_TABLE_RATIO * source_bytes)
     needed = 4 * rows * classes
     if needed > allowed:

@@ -35,7 +35,6 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
-    file_bytes,
     label_table,
     load_json,
     require_files,
@@ -121,7 +120,7 @@ def _multi_hot(api: COCOApi, image_ids: np.ndarray, category_ids: np.ndarray, so
         )
         for field in ("image_id", "category_id")
     )
-    labels = label_table(len(image_ids), len(category_ids), file_bytes(source), source)
+    labels = label_table(len(image_ids), len(category_ids), [source], source)
     if len(annotations) == 0 or len(image_ids) == 0:
         return labels
     rows = np.searchsorted(image_ids, ann_images).clip(max=len(image_ids) - 1)

@@ -55,7 +55,6 @@ from mlcls.data.datasets.base import (
     Sample,
     check_choice,
     check_class_names,
-    file_bytes,
     label_table,
     require_files,
     resolve_path,
@@ -189,7 +188,7 @@ class CSVDataset(MultiLabelDataset):
                 label_delimiter,
                 self.classes,
                 paths[source],
-                file_bytes(*paths.values()),
+                list(paths.values()),
             )
         image_root = str(resolve_path(root, image_dir))
         listed = {key: _cells(table, image_column, paths[key]) for key, table in tables.items()}
@@ -364,10 +363,10 @@ def _named_labels(
     label_delimiter: str,
     classes: list[str],
     path: Path,
-    source_bytes: int,
+    read: list[Path],
 ) -> np.ndarray:
     """(rows, C) float32: 1 for the names listed in ``labels_column``, 0 elsewhere; refused before it is
-    allocated when it would take more than :func:`label_table` allows for the ``source_bytes`` read."""
+    allocated when it would take more than :func:`label_table` allows for the files ``read``."""
     column = _column(header, labels_column, path)
     class_index = {name: i for i, name in enumerate(classes)}
     row_ids: list[int] = []
@@ -380,7 +379,7 @@ def _named_labels(
                 )
             row_ids.append(i)
             col_ids.append(class_index[name])
-    labels = label_table(len(rows), len(classes), source_bytes, path)
+    labels = label_table(len(rows), len(classes), read, path)
     labels[np.array(row_ids, int), np.array(col_ids, int)] = 1.0
     return labels
 

@@ -3,22 +3,16 @@ selection split (``dataset.holdout_fraction``), and the CSV dataset's validation
 file (``dataset.val_by``: :func:`stratified_holdout` or :func:`held_out`; see
 :mod:`mlcls.data.datasets.csv_dataset`).
 
-The training split of the dataset config ``source`` is cut into ``folds`` folds by a seeded permutation of
-its rows (:func:`fold_rows`: row ``i`` of the permutation goes to fold ``i mod folds``, so that fold sizes
-differ by at most one). :class:`FoldSplit` serves split ``train`` (every fold but ``fold``: what a model is
-trained on) or ``heldout`` (fold ``fold``: what it is scored on). A config naming it instantiates like any
-dataset config (``build_dataset``), so that a training run trains on the K-1 folds and evaluates on the one
-held out, each image scored by a model that never saw it.
+The K-fold cut: a config naming :class:`FoldSplit` instantiates like any dataset config (``build_dataset``),
+so that a training run trains on the K-1 folds and evaluates on the one held out, each image scored by a
+model that never saw it.
 
 The held-out selection split is a share of the training split kept out of training to select the best
-epoch, as the single-positive benchmark's released code holds out 20 %. :func:`split_holdout` cuts a
-training split (its :class:`mlcls.data.TrainingView`) into two :class:`mlcls.data.DatasetView`, the samples
-that train and those held out (:meth:`HoldoutSplit.held_out`: a pure function of ``dataset.holdout_seed``
-and the sample index, the same on every rank). Both read the training split's images and labels by its own
-sample index: the observed-label regime shows each training sample the labels it shows it without the cut,
-and a loss with a row per training sample indexes the training view's rows ``0 .. len - 1``. The held-out
-view reads its images with the evaluation transform; its targets are the full labels (``clean``) or the
-regime's observed labels (``observed``, unknown entries -1, which the metrics leave out).
+epoch, as the single-positive benchmark's released code holds out 20 % (:func:`split_holdout`). Both sides
+read the training split's images and labels by its own sample index: the observed-label regime shows each
+training sample the labels it shows it without the cut, and a loss with a row per training sample indexes
+the training view's rows ``0 .. len - 1``. The held-out side's targets are the full labels (``clean``) or
+the regime's observed labels (``observed``, unknown entries -1, which the metrics leave out).
 """
 
 from __future__ import annotations
@@ -40,7 +34,8 @@ SPLITS = ("train", "heldout")
 
 def fold_rows(num_rows: int, folds: int, fold: int, seed: int) -> np.ndarray:
     """The rows (ascending) of fold ``fold`` of ``folds`` over ``num_rows`` rows: the positions ``p`` of the
-    permutation of ``range(num_rows)`` drawn from ``seed`` with ``p mod folds == fold``."""
+    permutation of ``range(num_rows)`` drawn from ``seed`` with ``p mod folds == fold`` (so that fold sizes
+    differ by at most one)."""
     order = np.random.default_rng(seed).permutation(num_rows)
     return np.sort(order[fold::folds])
 
@@ -110,10 +105,11 @@ def split_holdout(
     train_set: TrainingView, eval_transform: Callable | None
 ) -> tuple[DatasetView, DatasetView]:
     """``(training, held out)``: the samples of ``train_set`` its ``selection_split`` keeps for training and
-    those it holds out. The held-out view reads through a shallow copy of ``train_set``'s dataset (the
-    parsed annotations shared, nothing read twice) with ``eval_transform`` (the validation split's) and, for
-    ``holdout_labels=clean``, every label. A cut that leaves either side empty raises
-    :class:`DatasetConfigError`."""
+    those it holds out (:meth:`HoldoutSplit.held_out`: a pure function of ``dataset.holdout_seed`` and the
+    sample index, the same on every rank). The held-out view reads through a shallow copy of
+    ``train_set``'s dataset (the parsed annotations shared, nothing read twice) with ``eval_transform`` (the
+    validation split's) and, for ``holdout_labels=clean``, every label. A cut that leaves either side empty
+    raises :class:`DatasetConfigError`."""
     selection = train_set.selection_split
     held = selection.held_out(np.arange(len(train_set)))
     if not 0 < held.sum() < len(held):

@@ -19,10 +19,9 @@ Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards.datase
   labels sidecar's name, size and sha256, and the skipped images. Written last, atomically, as are
   ``classes.json`` and the labels sidecars: a folder with a manifest is complete.
 * ``train-labels.npz``, ``val-labels.npz``: the labels of the packed samples in shard order, stored sparse
-  (:meth:`mlcls.data.datasets.labels.SparseLabels.to_bytes`: the entries that differ from the split's most
-  frequent
-  value, 0 or -1), for the class statistics and loss weights without reading a shard; Open Images'
-  training split takes ~0.3 GB there instead of ~86 GB as a dense int8 matrix.
+  (:meth:`mlcls.data.datasets.labels.SparseLabels.to_bytes`, fill ``label_fill``), for the class statistics
+  and loss weights without reading a shard; Open Images' training split takes ~0.3 GB there instead of
+  ~86 GB as a dense int8 matrix.
 
 Resumable: each shard is written under a temporary name and renamed when complete; its entry is then
 appended to ``.<split>-progress.jsonl``. A restarted pack keeps the shards whose entry and file exist
@@ -89,12 +88,6 @@ def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime = len(data), 0o644, 0  # mtime 0: the same input gives the same bytes
     tar.addfile(info, io.BytesIO(data))
-
-
-def npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
 
 
 @dataclass
@@ -307,7 +300,9 @@ def write_shard(
                 continue
             key = f"{index:0{KEY_DIGITS}d}"
             add_member(tar, f"{key}.{IMAGE_EXT}", image)
-            add_member(tar, f"{key}.{LABELS_EXT}", npy_bytes(labels.stored_entries(index)))
+            entries = io.BytesIO()
+            np.save(entries, labels.stored_entries(index))
+            add_member(tar, f"{key}.{LABELS_EXT}", entries.getvalue())
             kept.append(index)
     os.replace(temporary, path)
     return {

@@ -260,7 +260,9 @@ class ShardIndex:
             )
         for url in urls:
             recorded = entries[shard_name_of(url)]["bytes"]
-            if is_local(url) and os.path.getsize(existing_file(url)) != recorded:
+            if is_local(url) and not os.path.isfile(url):
+                raise DatasetLayoutError(f"shard {url} does not exist")
+            if is_local(url) and os.path.getsize(url) != recorded:
                 raise DatasetFormatError(
                     f"shard {url} has {os.path.getsize(url)} bytes, {MANIFEST_FILE} records {recorded}; "
                     "replaced or damaged since packing (mlcls-data verify checks every shard)"
@@ -352,13 +354,6 @@ def is_local(url: str) -> bool:
     """Whether ``url`` is a file path (no ``scheme:`` such as ``https:`` or ``pipe:`` before its first
     ``/``)."""
     return ":" not in url.split("/", 1)[0]
-
-
-def existing_file(path: str) -> str:
-    """``path``, or :class:`DatasetLayoutError` when no such file exists."""
-    if not os.path.isfile(path):
-        raise DatasetLayoutError(f"shard {path} does not exist")
-    return path
 
 
 def default_meta(url: str) -> str:
