@@ -16,9 +16,8 @@ from data_fixtures import BLUE, RED, write_csv
 from PIL import Image
 from torch import nn
 
-from mlcls.data.datasets.base import BadImageError
+from mlcls.data.datasets.base import BadImageError, find_unreadable
 from mlcls.data.datasets.csv_dataset import CSVDataset
-from mlcls.data.datasets.stats import find_unreadable
 from mlcls.data.pipeline.fast import FastTrainTransform
 from mlcls.data.pipeline.preprocess import build_eval_transform, preprocess_spec
 from mlcls.data.pipeline.transforms import build_transform

@@ -13,8 +13,8 @@ import torch
 from conftest import TINY, assert_dataset_setting_refused, compose_config
 from torchvision.transforms.functional import pil_to_tensor
 
-from mlcls.data import POLICY_KEYS, DatasetConfigError, apply_training_policies
-from mlcls.data.datasets.folds import SplitRows, split_holdout
+from mlcls.data import POLICY_KEYS, DatasetConfigError, DatasetView, apply_training_policies
+from mlcls.data.datasets.folds import split_holdout
 from mlcls.data.datasets.labels import LabelCounts, label_counts
 from mlcls.data.datasets.observed import HoldoutSplit
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
@@ -130,7 +130,7 @@ def scripted_evaluation(val: list[float], held: list[float], calls: list[tuple[s
 
     def evaluate(model, loader, *args, **kwargs):
         evaluation = real(model, loader, *args, **kwargs)
-        which = "holdout" if isinstance(loader.dataset, SplitRows) else "val"
+        which = "holdout" if isinstance(loader.dataset, DatasetView) else "val"
         count = sum(1 for name, _ in calls if name == which)
         calls.append((which, len(evaluation.scores)))
         evaluation.metrics["mAP_class"] = (held if which == "holdout" else val)[count]
@@ -195,7 +195,7 @@ def test_thresholds_are_calibrated_on_the_held_out_split_when_its_labels_are_the
 
     def evaluate(model, loader, *args, **kwargs):
         evaluation = real(model, loader, *args, **kwargs)
-        seen["holdout" if isinstance(loader.dataset, SplitRows) else "validation"] = evaluation
+        seen["holdout" if isinstance(loader.dataset, DatasetView) else "validation"] = evaluation
         return evaluation
 
     monkeypatch.setattr(trainer_module, "evaluate", evaluate)

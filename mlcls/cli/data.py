@@ -38,11 +38,11 @@ from omegaconf import DictConfig, OmegaConf
 from mlcls.cli.errors import USER_ERRORS, error_line, plural
 from mlcls.cli.overrides import compose_config
 from mlcls.data import MultiLabelDataset, TrainingView, build_dataset
+from mlcls.data.datasets.base import find_unreadable
 from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.observed import ALL_LABELS
-from mlcls.data.datasets.stats import find_unreadable
 from mlcls.data.shards.pack import pack_split, write_sidecars
-from mlcls.data.shards.verify import verify_pack
+from mlcls.data.shards.reader import verify_pack
 from mlcls.errors import ConfigError, printable
 from mlcls.reporting.audit import audit
 

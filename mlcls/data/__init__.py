@@ -6,7 +6,7 @@ from the latter (:mod:`mlcls.data.pipeline.fast`), and instantiates the rest as 
 (``train_split`` or ``val_split``) and the transform: a dataset is its samples, labels, classes and
 ``load_image``, and a misspelt key fails as an unexpected argument. The training split's policies wrap it,
 in one place (:func:`apply_training_policies`): the zero-shot restriction to the seen classes
-(``dataset.unseen_classes``, :class:`SeenClasses`), then the observed-label regime and the held-out
+(``dataset.unseen_classes``, :func:`seen_view`), then the observed-label regime and the held-out
 selection split (:class:`TrainingView`).
 """
 
@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from mlcls.data.datasets.base import (
     BadImageError,
@@ -30,8 +31,11 @@ from mlcls.data.datasets.base import (
     DatasetError,
     DatasetFormatError,
     DatasetLayoutError,
+    LazySamples,
     MultiLabelDataset,
     Sample,
+    check_integer,
+    check_setting,
 )
 from mlcls.data.datasets.labels import (
     LabelCounts,
@@ -62,6 +66,7 @@ __all__ = [
     "DatasetError",
     "DatasetFormatError",
     "DatasetLayoutError",
+    "DatasetView",
     "MultiLabelDataset",
     "Sample",
     "TrainingView",
@@ -83,29 +88,8 @@ POLICY_KEYS = (
 # The keys of a dataset config that build the input pipeline's transform (:func:`build_dataset`), not data.
 PIPELINE_KEYS = ("transform", "image_size", "mean", "std")
 MAX_SEED = 2**63 - 1
-
-
 # The largest network input side a dataset config may ask for (the field's largest are 448-640 px).
 MAX_IMAGE_SIZE = 4096
-
-
-def check_input_settings(kind: Any, size: Any) -> None:
-    """Raise :class:`DatasetConfigError` unless ``kind`` (``dataset.transform``) names a transform and
-    ``size`` (``dataset.image_size``) is an integer in [1, :data:`MAX_IMAGE_SIZE`]."""
-    if not isinstance(kind, str) or kind not in TRANSFORM_KINDS:
-        raise DatasetConfigError(
-            f"dataset.transform={shown(kind)}; expected one of {', '.join(TRANSFORM_KINDS)}"
-        )
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_IMAGE_SIZE:
-        raise DatasetConfigError(
-            f"dataset.image_size={shown(size)}; expected an integer from 1 to {MAX_IMAGE_SIZE}"
-        )
-
-
-def _check_seed(key: str, seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise DatasetConfigError(f"dataset.{key}={shown(seed)}; expected an integer from 0 to {MAX_SEED}")
-    return seed
 
 
 def training_policies(
@@ -119,38 +103,28 @@ def training_policies(
     unseen_images: str = "keep",
 ) -> tuple[ObservedLabels, HoldoutSplit]:
     """The observed-label regime and the held-out selection split of the config keys :data:`POLICY_KEYS`,
-    each checked here, once: one :class:`DatasetConfigError` line for a regime not in
-    :data:`OBSERVED_REGIMES`, a fraction outside (0, 1] (observed) or [0, 1) (held out), labels not in
-    :data:`HOLDOUT_LABELS`, a seed not in [0, 2**63 - 1], ``unseen_classes`` neither null, a list of
-    names nor a path (:func:`check_unseen_setting`; its names are checked against the classes by
-    :func:`apply_training_policies`), or ``unseen_images`` not in :data:`UNSEEN_IMAGES`."""
+    each key checked here, once, one :class:`DatasetConfigError` line a fault (the names of
+    ``unseen_classes`` are checked against the classes by :func:`apply_training_policies`)."""
     check_unseen_setting(unseen_classes)
-    if not isinstance(unseen_images, str) or unseen_images not in UNSEEN_IMAGES:
-        raise DatasetConfigError(
-            f"dataset.unseen_images={shown(unseen_images)}; expected one of {', '.join(UNSEEN_IMAGES)}"
-        )
-    if not isinstance(observed, str) or observed not in OBSERVED_REGIMES:
-        raise DatasetConfigError(
-            f"dataset.observed={shown(observed)}; expected one of {', '.join(OBSERVED_REGIMES)}"
-        )
+    check_setting("unseen_images", unseen_images, UNSEEN_IMAGES)
+    check_setting("observed", observed, OBSERVED_REGIMES)
     fraction = observed_fraction
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
         raise DatasetConfigError(
             f"dataset.observed_fraction={shown(fraction)}; expected a number in (0, 1], the share of the "
             "training labels kept by dataset.observed=partial"
         )
-    regime = ObservedLabels(observed, _check_seed("observed_seed", observed_seed), float(fraction))
+    seed = check_integer("observed_seed", observed_seed, 0, MAX_SEED)
+    regime = ObservedLabels(observed, seed, float(fraction))
     fraction = holdout_fraction
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction < 1:
         raise DatasetConfigError(
             f"dataset.holdout_fraction={shown(fraction)}; expected a number in [0, 1), the share of the "
             "training split held out to select the best epoch (0: none)"
         )
-    if not isinstance(holdout_labels, str) or holdout_labels not in HOLDOUT_LABELS:
-        raise DatasetConfigError(
-            f"dataset.holdout_labels={shown(holdout_labels)}; expected one of {', '.join(HOLDOUT_LABELS)}"
-        )
-    selection = HoldoutSplit(float(fraction), holdout_labels, _check_seed("holdout_seed", holdout_seed))
+    check_setting("holdout_labels", holdout_labels, HOLDOUT_LABELS)
+    seed = check_integer("holdout_seed", holdout_seed, 0, MAX_SEED)
+    selection = HoldoutSplit(float(fraction), holdout_labels, seed)
     return regime, selection
 
 
@@ -259,7 +233,8 @@ def build_dataset(
     pipeline = {key: cfg.pop(key) for key in PIPELINE_KEYS if key in cfg}
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
     kind, size = pipeline.get("transform", "paper"), pipeline.get("image_size")
-    check_input_settings(kind, size)
+    check_setting("transform", kind, TRANSFORM_KINDS)
+    check_integer("image_size", size, 1, MAX_IMAGE_SIZE)
     transform = build_backend_transform(backend, kind, size, train, pipeline.get("mean"), pipeline.get("std"))
     try:
         dataset = instantiate(cfg, split=split, transform=transform, _convert_="all")
@@ -273,7 +248,7 @@ def build_dataset(
 
 # ---- The zero-shot training policy (dataset.unseen_classes): the training split through its seen classes.
 # The classes it names (a list, or a file of names one a line) are taken out of the training split's class
-# list and label columns (SeenClasses): the model is built on the seen classes, and no target it trains on
+# list and label columns (seen_view): the model is built on the seen classes, and no target it trains on
 # holds an unseen column. The images stay as they are -- an image showing an unseen class still shows it,
 # unlabelled, as in the zero-shot protocol of LESA (Huynh & Elhamifar, CVPR 2020) and ML-Decoder.
 # Evaluation reads the validation split whole, every class (mlcls.engine.evaluate scores the unseen classes
@@ -333,76 +308,93 @@ def unseen_class_names(value: str | Sequence[str], classes: Sequence[str]) -> li
     return [name for name in classes if name in unseen]
 
 
-class SeenClasses(MultiLabelDataset):
-    """The dataset ``source`` (a training split) restricted to the classes not in ``unseen``: ``classes``
-    the seen names in ``source``'s order, ``labels`` and every target the seen columns alone. Sample ``i``
-    is ``source``'s sample ``rows[i]`` (all of them when ``rows`` is None; same image, read with this
-    view's ``transform``); its target is ``source``'s row, restricted."""
+class RowSamples(LazySamples):
+    """The :class:`Sample` of rows ``rows`` of ``samples``, made on access (no copy of the list)."""
+
+    def __init__(self, samples: Sequence[Sample], rows: np.ndarray) -> None:
+        self.source_samples, self.rows = samples, rows
+
+    def __getitem__(self, index: int) -> Sample:  # type: ignore[override]
+        return self.source_samples[int(self.rows[index])]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class DatasetView(MultiLabelDataset):
+    """The rows ``rows`` (int64 sample indices; None: all) and the classes ``columns`` (None: all) of the
+    dataset or view ``source``: sample ``i`` is ``source``'s sample ``rows[i]``, its target ``source``'s
+    row (as ``source``'s observed-label regime shows it, for a :class:`TrainingView`) restricted to
+    ``columns``. It serves the zero-shot restriction to the seen classes (:func:`seen_view`) and the cuts
+    of a training split (:mod:`mlcls.data.datasets.folds`). Unreadable images are skipped within the view
+    (``dataset.on_bad_image=skip``)."""
 
     def __init__(
-        self, source: MultiLabelDataset, unseen: Sequence[str], rows: torch.Tensor | None = None
+        self, source: Any, rows: np.ndarray | None = None, columns: Sequence[int] | None = None
     ) -> None:
         # The source's settings, checked when it was built; nothing of the config is read again.
-        self.source, self.rows = source, rows
-        self.unseen_classes = list(unseen)
-        dropped = set(unseen)
-        columns = [c for c, name in enumerate(source.classes) if name not in dropped]
-        self.columns = torch.tensor(columns, dtype=torch.long)
-        self.name = source.name
-        self.split = getattr(source, "split", source.train_split)
+        self.name, self.split = source.name, getattr(source, "split", source.train_split)
         self.train_split, self.val_split = source.train_split, source.val_split
         self.transform, self.on_bad_image = source.transform, source.on_bad_image
-        self.classes = [source.classes[c] for c in columns]
-        self.samples = source.samples if rows is None else [source.samples[r] for r in rows.tolist()]
+        self.select(source, rows, columns)
+
+    def select(self, source: Any, rows: np.ndarray | None, columns: Sequence[int] | None = None) -> None:
+        """View the ``rows`` and ``columns`` of ``source`` (the settings are set apart)."""
+        self.source, self.rows = source, rows
+        self.columns = None if columns is None else torch.as_tensor(columns, dtype=torch.long)
+        self.classes = [source.classes[c] for c in columns] if columns is not None else list(source.classes)
+        self.samples = source.samples if rows is None else RowSamples(source.samples, rows)
 
     def _source_index(self, index: int) -> int:
         return index if self.rows is None else int(self.rows[index])
 
     @property
     def labels(self) -> Tensor:  # type: ignore[override]
-        """float32 (N, C_seen): the source's labels of the seen classes (of its rows ``rows``)."""
-        labels = self.source.labels if self.rows is None else self.source.labels[self.rows]
-        return labels[:, self.columns]
+        """float32 (n, C): the source's full labels of the rows and columns."""
+        labels = self.source.labels if self.rows is None else self.source.labels[torch.from_numpy(self.rows)]
+        return labels if self.columns is None else labels[:, self.columns]
 
     def label_counts(self) -> LabelCounts:
-        """The counts of the labels: the source's counts of the seen columns (sparse labels stay sparse); of
-        some rows only, counted from the restricted labels."""
-        if self.rows is not None:
-            return LabelCounts.of(self.labels)
-        counts = label_counts(self.source)
+        """The counts of the targets: the source's (sparse labels stay sparse), or of its rows ``rows`` as
+        its observed-label regime shows them (:func:`label_counts` of a ``Subset``), of the columns."""
+        counts = label_counts(self.source if self.rows is None else Subset(self.source, self.rows))
+        if self.columns is None:
+            return counts
         return LabelCounts(counts.num_samples, counts.positives[self.columns], counts.negatives[self.columns])
 
     def load_image(self, index: int) -> Image.Image:
         """Sample ``index``'s image: read as the base class reads a file, with this view's ``transform``
-        (its ``decode`` where the fast pipeline has one), or by ``source`` when it draws its images itself
-        (the synthetic dataset)."""
-        if type(self.source).load_image is MultiLabelDataset.load_image:
-            return MultiLabelDataset.load_image(self, index)
+        (its ``decode`` where the fast pipeline has one), or by ``source`` when ``source`` is a view or
+        draws its images itself (the synthetic dataset)."""
+        if getattr(type(self.source), "load_image", None) is MultiLabelDataset.load_image:
+            return super().load_image(index)
         return self.source.load_image(self._source_index(index))
 
     def target(self, index: int) -> Tensor:
-        """float32 (C_seen,): sample ``index``'s labels of the seen classes."""
-        return self.source.target(self._source_index(index))[self.columns]
+        """float32 (C_view,): ``source``'s target of sample ``rows[index]``, its ``columns``."""
+        row = self.source.target(self._source_index(index))
+        return row if self.columns is None else row[self.columns]
 
 
 def seen_view(
     dataset: MultiLabelDataset, value: str | Sequence[str] | None, drop_images: bool = False
 ) -> MultiLabelDataset:
-    """``dataset`` as :class:`SeenClasses` without the classes ``value`` names (:func:`unseen_class_names`),
+    """``dataset`` as a :class:`DatasetView` without the classes ``value`` names (:func:`unseen_class_names`),
     and with ``drop_images`` (``dataset.unseen_images=drop``) without the samples where one of them is
     positive; ``dataset`` itself when ``value`` is null or empty (the regime's :class:`TrainingView` wraps
     it, and draws over the seen columns). One :class:`DatasetConfigError` line when every sample would be
     dropped."""
     if value is None or (not isinstance(value, str) and len(value) == 0):
         return dataset
-    unseen = unseen_class_names(value, dataset.classes)
+    unseen = set(unseen_class_names(value, dataset.classes))
+    seen = [c for c, name in enumerate(dataset.classes) if name not in unseen]
     if not drop_images:
-        return SeenClasses(dataset, unseen)
-    columns = [dataset.classes.index(name) for name in unseen]
-    rows = torch.nonzero(~(dataset.labels[:, columns] == 1).any(1)).flatten()
+        return DatasetView(dataset, None, seen)
+    columns = [c for c, name in enumerate(dataset.classes) if name in unseen]
+    rows = torch.nonzero(~(dataset.labels[:, columns] == 1).any(1)).flatten().numpy()
     if len(rows) == 0:
         raise DatasetConfigError(
             f"dataset.unseen_images=drop: each of the {len(dataset)} training samples shows an unseen class; "
             "expected some without (or dataset.unseen_images=keep)"
         )
-    return SeenClasses(dataset, unseen, rows)
+    return DatasetView(dataset, rows, seen)

@@ -1,7 +1,9 @@
 """Base class shared by every multi-label dataset.
 
 A dataset is pure data: it parses its annotation files once, then serves ``(image, target)`` pairs.
-Subclasses fill three attributes in ``__init__``:
+A subclass's constructor takes ``split`` and ``transform`` first, then its own keys, and passes the rest
+(``**config_keys``: ``on_bad_image``, ``name``, ``train_split``, ``val_split``) on to
+:class:`MultiLabelDataset`. It fills three attributes:
 
 * ``classes``  -- list of class names, in the dataset's fixed, documented order;
 * ``labels``   -- float32 tensor (N, C) with 1 = positive, 0 = negative, -1 = unknown;
@@ -18,7 +20,8 @@ its pixels are decoded), and images their transform fails on with one of :data:`
 handled by ``on_bad_image``:
 
 * ``"error"`` (default): raise :class:`BadImageError` naming the file. A silently altered training set is
-  worse than a stopped run; ``mlcls-data stats --check`` lists every unreadable file beforehand.
+  worse than a stopped run; ``mlcls-data stats --check`` lists every unreadable file beforehand
+  (:func:`find_unreadable`).
 * ``"skip"``: serve the next readable sample instead (index + 1, + 2, ... wrapping around; image *and*
   target of that sample) and flag the bad one in a per-sample flag tensor kept in shared memory, so flags
   set inside DataLoader worker processes are seen by the main process. After each epoch the trainer calls
@@ -30,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -123,16 +127,11 @@ def load_json(path: str | Path) -> Any:
         raise DatasetFormatError(str(exc)) from exc
 
 
-def file_bytes(*paths: str | Path) -> int:
-    """The size in bytes of the files ``paths`` together (those a label table is built from)."""
-    return sum(os.stat(path).st_size for path in paths)
-
-
 def label_table(
-    rows: int, classes: int, source_bytes: int, source: str | Path, fill: float = 0.0
+    rows: int, classes: int, read: Sequence[str | Path], source: str | Path, fill: float = 0.0
 ) -> np.ndarray:
     """float32 (rows, classes) filled with ``fill``, allocated only when it takes at most
-    ``LABEL_TABLE_RATIO`` times the ``source_bytes`` of the annotation files it is built from, or
+    ``LABEL_TABLE_RATIO`` times the bytes of the annotation files ``read`` it is built from, or
     ``LABEL_TABLE_FLOOR``; else one :class:`DatasetFormatError` line naming ``source``, before allocating.
 
     The rows and classes are counted from those files, so a small file listing many distinct images and
@@ -140,6 +139,7 @@ def label_table(
     0.7 MB CSV for 5 GB. A real annotation file states much of its table: COCO's 82,081 x 80 table is 26 MB
     from a 450 MB JSON; a CSV naming each image's classes on its row reaches the bound only past 64 classes
     per byte of a row (3,200 classes for rows of 50 bytes); a CSV of one column per class never does."""
+    source_bytes = sum(os.stat(path).st_size for path in read)
     allowed = max(LABEL_TABLE_FLOOR, LABEL_TABLE_RATIO * source_bytes)
     needed = 4 * rows * classes
     if needed > allowed:
@@ -174,6 +174,21 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
     """Return ``value`` if it is one of ``choices``, else raise :class:`DatasetConfigError`."""
     if value not in choices:
         raise DatasetConfigError(f"unknown {name} {value!r}; expected one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def check_setting(key: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` of ``dataset.<key>`` if one of ``choices``, else one :class:`DatasetConfigError` line."""
+    if not isinstance(value, str) or value not in choices:
+        raise DatasetConfigError(f"dataset.{key}={shown(value)}; expected one of {', '.join(choices)}")
+    return value
+
+
+def check_integer(key: str, value: Any, low: int, high: int) -> int:
+    """``value`` of ``dataset.<key>`` if it is an integer (not a bool) in [``low``, ``high``], else one
+    :class:`DatasetConfigError` line."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise DatasetConfigError(f"dataset.{key}={shown(value)}; expected an integer from {low} to {high}")
     return value
 
 
@@ -372,3 +387,25 @@ class MultiLabelDataset(Dataset):
         reads and transforms (:meth:`read_sample`)."""
         image, served = self.read_sample(index, self.transformed_image)
         return image, self.target(served)
+
+
+def find_unreadable(dataset: MultiLabelDataset, workers: int = 4) -> tuple[int, list[tuple[str, str]]]:
+    """Decode every distinct image of ``dataset`` once; return ``(images checked, [(path, error), ...])``.
+
+    Samples sharing a file (several crops of one image) are checked once, through their first sample.
+    """
+    first_index: dict[str, int] = {}
+    for index, sample in enumerate(dataset.samples):
+        first_index.setdefault(sample.path, index)
+
+    def error_of(index: int) -> str | None:
+        try:
+            dataset.load_image(index)
+        except BAD_IMAGE_ERRORS as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        errors = list(pool.map(error_of, first_index.values()))
+    bad = [(path, error) for path, error in zip(first_index, errors, strict=True) if error is not None]
+    return len(first_index), bad

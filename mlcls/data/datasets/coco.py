@@ -11,12 +11,10 @@ Layout (as the official zips unpack)::
 * images without any annotation are dropped unless ``keep_empty`` (then their row is all 0).
   COCO-2014 gives 82,081 train / 40,137 val images (82,783 / 40,504 with ``keep_empty``).
 
-The file is checked before use (:func:`check_entries`): every id (image, category, an annotation's
-``image_id`` and ``category_id``) must be an integer -- a float of integral value such as ``1.0`` is taken as
-that integer (JSON has one number type and some exporters write every number as a float; nothing is lost),
-``1.9``, ``"1"`` or ``true`` is refused rather than truncated --, category names must be distinct non-empty
-strings, file names strings, and image and category ids distinct. Each fault is one
-:class:`DatasetFormatError` naming the file and the field.
+The file is checked before use (:func:`check_entries`): every id must be an integer, and a float of
+integral value such as ``1.0`` is taken as that integer (JSON has one number type and some exporters write
+every number as a float; nothing is lost), while ``1.9``, ``"1"`` or ``true`` is refused rather than
+truncated (:func:`integer_field`).
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
-    file_bytes,
     label_table,
     load_json,
     require_files,
@@ -53,12 +50,8 @@ ID_RANGE = (-(2**63), 2**63)
 class COCO(MultiLabelDataset):
     """COCO instances annotations as multi-label targets.
 
-    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
-    (``**config_keys``) are those of :class:`MultiLabelDataset`.
-
     Args:
         split: ``"train"`` or ``"val"``.
-        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder holding ``annotations/`` and the image folders.
         year: 2014 or 2017.
         train_images, val_images: image folders (relative to ``root`` or absolute); default
@@ -75,10 +68,9 @@ class COCO(MultiLabelDataset):
         train_images: str | None = None,
         val_images: str | None = None,
         keep_empty: bool = False,
-        on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = check_choice("COCO split", split, SPLITS)
         year = int(check_choice("COCO year", str(year), tuple(map(str, YEARS))))
         image_dir = (train_images if split == "train" else val_images) or f"{split}{year}"
@@ -128,7 +120,7 @@ def _multi_hot(api: COCOApi, image_ids: np.ndarray, category_ids: np.ndarray, so
         )
         for field in ("image_id", "category_id")
     )
-    labels = label_table(len(image_ids), len(category_ids), file_bytes(source), source)
+    labels = label_table(len(image_ids), len(category_ids), [source], source)
     if len(annotations) == 0 or len(image_ids) == 0:
         return labels
     rows = np.searchsorted(image_ids, ann_images).clip(max=len(image_ids) - 1)

@@ -20,26 +20,18 @@ Classes: ``classes`` given (that order; any other name is an error), or inferred
 the training and validation files (labels column), or the class columns in header order (one-hot).
 
 Image paths are relative to ``root / image_dir`` (or absolute). Validation data: ``val_file``, or else about
-``val_fraction`` of the training file's images, held out as ``val_by`` says:
+``val_fraction`` of the training file's images, held out as ``val_by`` says, seeded by ``val_seed``:
+``stratified`` (the default, :func:`stratified_holdout`: each class keeps about its share of positives on
+each side, and the split depends on every row: appending rows can move images between training and
+validation) or ``hashed`` (:func:`held_out`: a function of each image's path as written alone, so appending
+rows never moves an image; a rare class may have no positive held out). A held-out split that leaves a class
+fewer than ``MIN_VAL_POSITIVES`` positives is warned about, naming them.
 
-* ``stratified`` (the default): by iterative stratification of the labels (the
-  ``iterative-stratification`` package's ``MultilabelStratifiedShuffleSplit``, seeded by ``val_seed``; unknown
-  labels count as negatives), so that each class keeps about its share of positives on each side; then each
-  class with at least 2 positives and none held out gets one (:func:`stratified_holdout`). The split depends
-  on every row: appending rows can move images between training and validation;
-* ``hashed``: each image held out or not by a hash of its path as written in the file and ``val_seed``
-  (:func:`held_out`): the split is a function of each image alone, so appending rows to the file never moves
-  an image between training and validation (a file so small that no image is held out gets one: the one of
-  smallest hash); a rare class may have no positive held out.
-
-An image is known by its path resolved against ``root / image_dir`` and normalised (:func:`image_key`:
-``img/0.png``, ``./img/0.png``, ``img//0.png`` and the absolute path are one image): an image listed twice
-with the same labels counts once (with a warning), as written in its first row; with other labels it is an
-error naming both lines. An image in both the training and the validation file is an error (validation
-scores of seen images), unless both are one file (``val_file`` set to the
-training file on purpose). Class names that differ only in case are warned about.
-A held-out split that leaves a class fewer than ``MIN_VAL_POSITIVES`` positives is warned about, naming them.
-The file delimiter follows the extension (``.tsv``/``.tab`` -> tab, else comma) unless ``delimiter`` is set.
+An image is known by its path resolved against ``root / image_dir`` and normalised (:func:`image_key`): an
+image listed twice with the same labels counts once, with a warning; with other labels it is an error
+naming both lines (:func:`unique_rows`). An image in both the training and the validation file is warned
+about (:func:`check_disjoint`). Class names that differ only in case are warned about. The file delimiter
+follows the extension (``.tsv``/``.tab`` -> tab, else comma) unless ``delimiter`` is set.
 """
 
 from __future__ import annotations
@@ -63,7 +55,6 @@ from mlcls.data.datasets.base import (
     Sample,
     check_choice,
     check_class_names,
-    file_bytes,
     label_table,
     require_files,
     resolve_path,
@@ -122,12 +113,8 @@ def _cells(table: tuple[list[str], list[list[str]]], name: str, path: Path) -> l
 class CSVDataset(MultiLabelDataset):
     """Images and labels listed in a CSV/TSV file (see the module docstring for the formats).
 
-    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
-    (``**config_keys``) are those of :class:`MultiLabelDataset`.
-
     Args:
         split: ``"train"`` or ``"val"``.
-        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder the files and images are relative to.
         train_file: the training list (relative to ``root`` or absolute).
         val_file: the validation list; ``None`` to hold out ``val_fraction`` of ``train_file``.
@@ -158,10 +145,9 @@ class CSVDataset(MultiLabelDataset):
         classes: Sequence[str] | None = None,
         image_dir: str = "",
         delimiter: str | None = None,
-        on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = check_choice("csv split", split, SPLITS)
         layout = (
             f"{root}/{train_file} with columns {image_column!r} and labels, images under {root}/{image_dir}"
@@ -202,7 +188,7 @@ class CSVDataset(MultiLabelDataset):
                 label_delimiter,
                 self.classes,
                 paths[source],
-                file_bytes(*paths.values()),
+                list(paths.values()),
             )
         image_root = str(resolve_path(root, image_dir))
         listed = {key: _cells(table, image_column, paths[key]) for key, table in tables.items()}
@@ -377,10 +363,10 @@ def _named_labels(
     label_delimiter: str,
     classes: list[str],
     path: Path,
-    source_bytes: int,
+    read: list[Path],
 ) -> np.ndarray:
     """(rows, C) float32: 1 for the names listed in ``labels_column``, 0 elsewhere; refused before it is
-    allocated when it would take more than :func:`label_table` allows for the ``source_bytes`` read."""
+    allocated when it would take more than :func:`label_table` allows for the files ``read``."""
     column = _column(header, labels_column, path)
     class_index = {name: i for i, name in enumerate(classes)}
     row_ids: list[int] = []
@@ -393,7 +379,7 @@ def _named_labels(
                 )
             row_ids.append(i)
             col_ids.append(class_index[name])
-    labels = label_table(len(rows), len(classes), source_bytes, path)
+    labels = label_table(len(rows), len(classes), read, path)
     labels[np.array(row_ids, int), np.array(col_ids, int)] = 1.0
     return labels
 

@@ -231,12 +231,8 @@ def check_label_file_size(path: Path, images: int) -> None:
 class CUB(MultiLabelDataset):
     """CUB-200-2011's 312 attributes with the official train/test split, as Cole et al. format them.
 
-    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
-    (``**config_keys``) are those of :class:`MultiLabelDataset`.
-
     Args:
         split: ``"train"`` or ``"test"``.
-        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder holding ``attributes.txt`` and ``CUB_200_2011/`` (in Cole et al.'s layout,
             ``data/cub/CUB_200_2011``).
     """
@@ -246,10 +242,9 @@ class CUB(MultiLabelDataset):
         split: str = "train",
         transform: Callable | None = None,
         root: str = "data/cub",
-        on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = check_choice("CUB split", split, tuple(SPLITS))
         layout = (
             f"{root}/{{attributes.txt, {IMAGE_LIST}, {SPLIT_LIST}, {LABEL_FILE}, "

@@ -3,46 +3,30 @@ selection split (``dataset.holdout_fraction``), and the CSV dataset's validation
 file (``dataset.val_by``: :func:`stratified_holdout` or :func:`held_out`; see
 :mod:`mlcls.data.datasets.csv_dataset`).
 
-The training split of the dataset config ``source`` is cut into ``folds`` folds by a seeded permutation of
-its rows (:func:`fold_rows`: row ``i`` of the permutation goes to fold ``i mod folds``, so that fold sizes
-differ by at most one). :class:`FoldSplit` serves split ``train`` (every fold but ``fold``: what a model is
-trained on) or ``heldout`` (fold ``fold``: what it is scored on). A config naming it instantiates like any
-dataset config (``build_dataset``), so that a training run trains on the K-1 folds and evaluates on the one
-held out, each image scored by a model that never saw it.
+The K-fold cut: a config naming :class:`FoldSplit` instantiates like any dataset config (``build_dataset``),
+so that a training run trains on the K-1 folds and evaluates on the one held out, each image scored by a
+model that never saw it.
 
 The held-out selection split is a share of the training split kept out of training to select the best
-epoch, as the single-positive benchmark's released code holds out 20 %. :func:`split_holdout` cuts a
-training split (its :class:`mlcls.data.TrainingView`) into two :class:`SplitRows` views, the samples that
-train and the samples held out (:meth:`HoldoutSplit.held_out`: a pure function of ``dataset.holdout_seed``
-and the sample index, the same on every rank). Both read the training split's images and labels by its own
-sample index: the observed-label regime shows each training sample the labels it shows it without the cut,
-and a loss with a row per training sample indexes the training view's rows ``0 .. len - 1``. The held-out
-view reads its images with the evaluation transform; its targets are the full labels (``clean``) or the
-regime's observed labels (``observed``, unknown entries -1, which the metrics leave out).
+epoch, as the single-positive benchmark's released code holds out 20 % (:func:`split_holdout`). Both sides
+read the training split's images and labels by its own sample index: the observed-label regime shows each
+training sample the labels it shows it without the cut, and a loss with a row per training sample indexes
+the training view's rows ``0 .. len - 1``. The held-out side's targets are the full labels (``clean``) or
+the regime's observed labels (``observed``, unknown entries -1, which the metrics leave out).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import Tensor
-from torch.utils.data import Subset
 
-from mlcls.data import TrainingView, build_dataset
-from mlcls.data.datasets.base import (
-    DatasetConfigError,
-    LazySamples,
-    MultiLabelDataset,
-    Sample,
-    check_choice,
-)
-from mlcls.data.datasets.labels import LabelCounts, label_counts
+from mlcls.data import DatasetView, TrainingView, build_dataset
+from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, check_choice
 from mlcls.data.datasets.observed import ALL_LABELS, NO_HOLDOUT
 
 SPLITS = ("train", "heldout")
@@ -50,7 +34,8 @@ SPLITS = ("train", "heldout")
 
 def fold_rows(num_rows: int, folds: int, fold: int, seed: int) -> np.ndarray:
     """The rows (ascending) of fold ``fold`` of ``folds`` over ``num_rows`` rows: the positions ``p`` of the
-    permutation of ``range(num_rows)`` drawn from ``seed`` with ``p mod folds == fold``."""
+    permutation of ``range(num_rows)`` drawn from ``seed`` with ``p mod folds == fold`` (so that fold sizes
+    differ by at most one)."""
     order = np.random.default_rng(seed).permutation(num_rows)
     return np.sort(order[fold::folds])
 
@@ -68,22 +53,18 @@ def indexed_training_split(cfg: DictConfig) -> TrainingView:
     return dataset
 
 
-class FoldSplit(MultiLabelDataset):
+class FoldSplit(DatasetView):
     """Fold ``fold`` of ``folds`` of the training split of ``source`` (``heldout``), or the other folds
-    (``train``).
-
-    Training targets are the source's, as its observed-label regime (``dataset.observed``, its training
-    view's) shows them; held-out targets are the full labels. ``classes``, ``labels`` and ``samples`` are
-    the source rows'; images are read by the source (:meth:`load_image`) with this dataset's ``transform``.
+    (``train``), as a :class:`~mlcls.data.DatasetView` of its training view: training targets as the
+    source's observed-label regime (``dataset.observed``) shows them, held-out targets the full labels.
+    Images are read by the source with this dataset's ``transform``.
 
     Args:
         split: ``"train"`` or ``"heldout"``.
-        transform: applied to the images (``build_dataset`` builds it from the config's pipeline keys).
         source: the dataset config (mapping) whose training split is cut.
         folds: the number of folds, at least 2.
         fold: the fold held out, in ``[0, folds)``.
         seed: the seed of the cut (:func:`fold_rows`).
-        **config_keys: ``name``, ``train_split``, ``val_split`` (see :class:`MultiLabelDataset`).
     """
 
     def __init__(
@@ -96,7 +77,7 @@ class FoldSplit(MultiLabelDataset):
         seed: int = 0,
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, **config_keys)
+        MultiLabelDataset.__init__(self, transform, **config_keys)
         self.split = check_choice("fold split", split, SPLITS)
         if source is None:
             raise DatasetConfigError(
@@ -107,82 +88,28 @@ class FoldSplit(MultiLabelDataset):
         if isinstance(fold, bool) or not isinstance(fold, int) or not 0 <= fold < folds:
             raise DatasetConfigError(f"fold={fold!r}; expected an integer from 0 to {folds - 1}")
         source_cfg = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(source), resolve=True))
-        self.source = indexed_training_split(source_cfg)
-        self.source.transform = self.transform  # the source reads; this split's transform applies
-        if len(self.source) < folds:
+        training = indexed_training_split(source_cfg)
+        training.transform = self.transform  # the source reads; this split's transform applies
+        if len(training) < folds:
             raise DatasetConfigError(
-                f"the training split has {len(self.source)} samples, fewer than folds={folds}"
+                f"the training split has {len(training)} samples, fewer than folds={folds}"
             )
-        held = fold_rows(len(self.source), folds, fold, seed)
+        held = fold_rows(len(training), folds, fold, seed)
         if split == "heldout":
-            self.rows = held
+            self.select(TrainingView(training.source, ALL_LABELS, NO_HOLDOUT), held)
         else:
-            self.rows = np.setdiff1d(np.arange(len(self.source)), held)
-        self.classes = list(self.source.classes)
-        self.labels = self.source.labels[torch.from_numpy(self.rows)]
-        self.samples = [self.source.samples[int(row)] for row in self.rows]
-
-    def load_image(self, index: int) -> Any:
-        """The source's image of row ``rows[index]``."""
-        return self.source.load_image(int(self.rows[index]))
-
-    def target(self, index: int) -> torch.Tensor:
-        """The source's training target of row ``rows[index]`` (split ``train``), or its full labels."""
-        if self.split == "train":
-            return self.source.target(int(self.rows[index]))
-        return super().target(index)
+            self.select(training, np.setdiff1d(np.arange(len(training)), held))
 
 
-class RowSamples(LazySamples):
-    """The :class:`Sample` of rows ``rows`` of ``samples``, made on access (no copy of the list)."""
-
-    def __init__(self, samples: Sequence[Sample], rows: np.ndarray) -> None:
-        self.source_samples, self.rows = samples, rows
-
-    def __getitem__(self, index: int) -> Sample:  # type: ignore[override]
-        return self.source_samples[int(self.rows[index])]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-
-class SplitRows(MultiLabelDataset):
-    """Rows ``rows`` (ascending sample indices) of the training view ``source``, as a dataset: sample ``i`` is
-    ``source``'s sample ``rows[i]``, its image read by ``source`` (``load_image``, with ``source``'s
-    transform) and its target ``source``'s (as its observed-label regime shows it). Unreadable images are
-    skipped within the view (``dataset.on_bad_image=skip``)."""
-
-    def __init__(self, source: TrainingView, rows: np.ndarray) -> None:
-        # The source's settings, checked when it was built; nothing of the config is read again.
-        self.source, self.rows = source, np.asarray(rows, dtype=np.int64)
-        self.name, self.split = source.name, source.train_split
-        self.train_split, self.val_split = source.train_split, source.val_split
-        self.transform, self.on_bad_image = source.transform, source.on_bad_image
-        self.classes = list(source.classes)
-        self.samples = RowSamples(source.samples, self.rows)
-
-    @property
-    def labels(self) -> Tensor:  # type: ignore[override]
-        """float32 (n, C): the full labels of the rows."""
-        return self.source.labels[torch.from_numpy(self.rows)]
-
-    def label_counts(self) -> LabelCounts:
-        """The counts of the targets (:func:`label_counts` of the rows of ``source``)."""
-        return label_counts(Subset(self.source, self.rows))
-
-    def load_image(self, index: int) -> Any:
-        return self.source.load_image(int(self.rows[index]))
-
-    def target(self, index: int) -> Tensor:
-        return self.source.target(int(self.rows[index]))
-
-
-def split_holdout(train_set: TrainingView, eval_transform: Callable | None) -> tuple[SplitRows, SplitRows]:
+def split_holdout(
+    train_set: TrainingView, eval_transform: Callable | None
+) -> tuple[DatasetView, DatasetView]:
     """``(training, held out)``: the samples of ``train_set`` its ``selection_split`` keeps for training and
-    those it holds out. The held-out view reads through a shallow copy of ``train_set``'s dataset (the
-    parsed annotations shared, nothing read twice) with ``eval_transform`` (the validation split's) and, for
-    ``holdout_labels=clean``, every label. A cut that leaves either side empty raises
-    :class:`DatasetConfigError`."""
+    those it holds out (:meth:`HoldoutSplit.held_out`: a pure function of ``dataset.holdout_seed`` and the
+    sample index, the same on every rank). The held-out view reads through a shallow copy of
+    ``train_set``'s dataset (the parsed annotations shared, nothing read twice) with ``eval_transform`` (the
+    validation split's) and, for ``holdout_labels=clean``, every label. A cut that leaves either side empty
+    raises :class:`DatasetConfigError`."""
     selection = train_set.selection_split
     held = selection.held_out(np.arange(len(train_set)))
     if not 0 < held.sum() < len(held):
@@ -195,7 +122,7 @@ def split_holdout(train_set: TrainingView, eval_transform: Callable | None) -> t
     reader.transform = eval_transform
     observed = ALL_LABELS if selection.labels == "clean" else train_set.observed
     reader = TrainingView(reader, observed, NO_HOLDOUT)
-    return SplitRows(train_set, np.flatnonzero(~held)), SplitRows(reader, np.flatnonzero(held))
+    return DatasetView(train_set, np.flatnonzero(~held)), DatasetView(reader, np.flatnonzero(held))
 
 
 def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:

@@ -249,10 +249,9 @@ class SparseLabels:
 
 
 def _npz_array(archive: zipfile.ZipFile, name: str, items: int | None, file_size: int) -> np.ndarray:
-    """The array ``name`` of an ``.npz`` ``archive`` of ``file_size`` bytes (a writable copy), read only
-    when its member takes at most ``file_size`` bytes, declares at most :data:`MAX_DEFLATE_RATIO` times
-    those (plus a header) and at most ``items`` integers of 8 bytes and a header (None: any number), and
-    never past its declared size; ValueError (KeyError for a missing member) otherwise."""
+    """The array ``name`` of an ``.npz`` ``archive`` of ``file_size`` bytes (a writable copy), read within
+    the bounds of :meth:`SparseLabels.from_bytes` (``items``: the integers the shape allows, None: any);
+    ValueError (KeyError for a missing member) otherwise."""
     info = archive.getinfo(f"{name}.npy")
     if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
         raise ValueError(f"{name}.npy is encrypted or compressed with method {info.compress_type}")

@@ -78,13 +78,19 @@ def read_concepts(root: Path, layout: str) -> list[str]:
     found = [root / name for name in CONCEPT_LISTS if (root / name).is_file()]
     if not found:
         raise DatasetLayoutError(f"missing {root / CONCEPT_LISTS[0]}; expected layout: {layout}")
-    concepts = read_regular_bytes(found[0]).decode("utf-8", errors="replace").split()
-    if len(concepts) != NUM_CONCEPTS or len(set(concepts)) != NUM_CONCEPTS:
+    return read_names(found[0], NUM_CONCEPTS, "concept")
+
+
+def read_names(path: Path, count: int, what: str) -> list[str]:
+    """The ``count`` names of the class list ``path``, one a line, in file order; another count, or a name
+    given twice, is a one-line dataset error."""
+    names = read_regular_bytes(path, CAPS["class list"], "class list").decode("utf-8", "replace").split()
+    if len(names) != count or len(set(names)) != count:
         raise DatasetFormatError(
-            f"{found[0]}: {len(concepts)} names ({len(set(concepts))} distinct); expected the "
-            f"{NUM_CONCEPTS} distinct concept names, one a line"
+            f"{path}: {len(names)} names ({len(set(names))} distinct); expected the {count} distinct {what} "
+            "names, one a line"
         )
-    return concepts
+    return names
 
 
 def image_path(line: str) -> str:
@@ -110,19 +116,13 @@ def read_binary_column(path: Path, count: int) -> np.ndarray:
 
 
 def read_tag_list(root: Path) -> list[str]:
-    """The 1,000 tag names of ``root/NUS_WID_Tags/TagList1k.txt``, in file order; another count, or a name
-    given twice, is a one-line dataset error."""
-    path = root / TAG_LIST
+    """The 1,000 tag names of ``root/NUS_WID_Tags/TagList1k.txt`` (:func:`read_names`)."""
     try:
-        tags = read_regular_bytes(path, CAPS["class list"], "class list").decode("utf-8", "replace").split()
+        return read_names(root / TAG_LIST, NUM_TAGS, "tag")
     except FileNotFoundError as exc:
-        raise DatasetLayoutError(f"missing {path}; expected the release's NUS_WID_Tags folder") from exc
-    if len(tags) != NUM_TAGS or len(set(tags)) != NUM_TAGS:
-        raise DatasetFormatError(
-            f"{path}: {len(tags)} names ({len(set(tags))} distinct); expected the {NUM_TAGS} distinct tag "
-            "names, one a line"
-        )
-    return tags
+        raise DatasetLayoutError(
+            f"missing {root / TAG_LIST}; expected the release's NUS_WID_Tags folder"
+        ) from exc
 
 
 def read_tag_matrix(path: Path, count: int) -> np.ndarray:
@@ -164,12 +164,8 @@ def read_tag_matrix(path: Path, count: int) -> np.ndarray:
 class NUSWIDE(MultiLabelDataset):
     """NUS-WIDE with the release's train/test split and 81-concept ground truth.
 
-    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
-    (``**config_keys``) are those of :class:`MultiLabelDataset`.
-
     Args:
         split: ``"train"`` or ``"test"``.
-        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder holding ``ImageList/``, ``Groundtruth/``, ``ConceptsList/`` and the image folder.
         images: the image folder (relative to ``root`` or absolute), holding ``<folder>/<file>.jpg``.
         keep_empty: keep images without any of the 81 concepts (all-0 rows); with ``zero_shot``, every
@@ -184,11 +180,10 @@ class NUSWIDE(MultiLabelDataset):
         root: str = "data/nuswide",
         images: str = "Flickr",
         keep_empty: bool = False,
-        on_bad_image: str = "error",
         label_set: str = "concepts",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = check_choice("NUS-WIDE split", split, tuple(SPLITS))
         check_choice("NUS-WIDE label_set", label_set, LABEL_SETS)
         part = SPLITS[split]

@@ -43,6 +43,12 @@ def mix64(values: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+def sample_hashes(seed: int, stream: str, samples: np.ndarray) -> np.ndarray:
+    """uint64: one hash per sample index of ``samples``, from ``seed`` and the draw's own ``stream``."""
+    key = mix64(np.uint64(seed) ^ np.uint64(_STREAMS[stream]))
+    return mix64(key ^ np.asarray(samples, dtype=np.int64).astype(np.uint64))
+
+
 @dataclass(frozen=True)
 class ObservedLabels:
     """An observed-label regime (see the module docstring); the values are checked by
@@ -63,11 +69,6 @@ class ObservedLabels:
         """Whether some labels become unknown (every regime but ``all``)."""
         return self.regime != "all"
 
-    def sample_hashes(self, samples: np.ndarray) -> np.ndarray:
-        """uint64: one hash per sample index of ``samples``, from the seed and the regime."""
-        key = mix64(np.uint64(self.seed) ^ np.uint64(_STREAMS[self.regime]))
-        return mix64(key ^ np.asarray(samples, dtype=np.int64).astype(np.uint64))
-
     def observe(self, samples: np.ndarray, columns: np.ndarray, values: np.ndarray) -> np.ndarray:
         """int8 (K,): the observed values of the label entries ``(samples[k], columns[k]) = values[k]``.
 
@@ -80,7 +81,7 @@ class ObservedLabels:
             return values
         samples, columns = np.asarray(samples, dtype=np.int64), np.asarray(columns, dtype=np.int64)
         if self.regime == "partial":
-            hashes = mix64(self.sample_hashes(samples) ^ columns.astype(np.uint64))
+            hashes = mix64(sample_hashes(self.seed, self.regime, samples) ^ columns.astype(np.uint64))
             kept = (hashes >> np.uint64(64 - _UNIT_BITS)).astype(np.float64) < self.fraction * 2.0**_UNIT_BITS
             return np.where(kept, values, -1).astype(np.int8)
         observed = np.full(len(values), -1, dtype=np.int8)
@@ -92,7 +93,7 @@ class ObservedLabels:
         owners = samples[positives]
         starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
         counts = np.diff(np.r_[starts, len(positives)]).astype(np.uint64)
-        chosen = starts + (self.sample_hashes(owners[starts]) % counts).astype(np.int64)
+        chosen = starts + (sample_hashes(self.seed, self.regime, owners[starts]) % counts).astype(np.int64)
         observed[positives[chosen]] = 1
         return observed
 
@@ -134,8 +135,7 @@ class HoldoutSplit:
 
     def held_out(self, samples: np.ndarray) -> np.ndarray:
         """bool (K,): whether each sample index of ``samples`` is held out."""
-        key = mix64(np.uint64(self.seed) ^ np.uint64(_STREAMS["holdout"]))
-        hashes = mix64(key ^ np.asarray(samples, dtype=np.int64).astype(np.uint64))
+        hashes = sample_hashes(self.seed, "holdout", samples)
         return (hashes >> np.uint64(64 - _UNIT_BITS)).astype(np.float64) < self.fraction * 2.0**_UNIT_BITS
 
 

@@ -21,16 +21,14 @@ Layout (the official downloads, unrenamed, in ``root/<annotations>``; images nam
   out and counted in ``ignored`` (a dict, also logged).
 
 Memory. The labels are kept sparse (:class:`mlcls.data.datasets.labels.SparseLabels`: the verified entries
-only, 5
-bytes each plus 8 per image; the V6 training split's ~57 M verified labels of ~9 M images take about
-0.35 GB), and each target row is built from them on its own. Training reads only those rows and the label
-counts (:func:`mlcls.data.datasets.labels.label_counts`: loss weights, class statistics, results), so the full
-training
-split trains from the CSVs or packs into shards without a dense matrix. The dense float32 ``labels`` (N, C)
-is built on first access for tools that read it, and only when it fits in ``dense_labels_gb``: validation
+only, 5 bytes each plus 8 per image; the V6 training split's ~57 M verified labels of ~9 M images take
+about 0.35 GB), and each target row is built from them on its own. Training reads only those rows and the
+label counts (:func:`mlcls.data.datasets.labels.label_counts`: loss weights, class statistics, results), so
+the full training split trains from the CSVs or packs into shards without a dense matrix. The dense float32
+``labels`` (N, C) is built on first access, and only when it fits in ``dense_labels_gb``: validation
 (41,620 x 9,605: 1.6 GB) and test (125,436 images: 4.8 GB) do; the training split (~9 M x 9,605: ~350 GB)
-does not, and reading its ``labels`` raises a :class:`DatasetConfigError` saying so. The samples are made
-on access from the image ids (:class:`ImageSamples`, 8 bytes an image).
+does not (:class:`mlcls.data.datasets.labels.SparseLabelled`). The samples are made on access from the
+image ids (:class:`ImageSamples`, 8 bytes an image).
 """
 
 from __future__ import annotations
@@ -90,15 +88,10 @@ class ImageSamples(LazySamples):
 
 
 class OpenImages(SparseLabelled, MultiLabelDataset):
-    """Open Images V6 human-verified image-level labels over the trainable classes (see the module
-    docstring for the label semantics and the memory limits).
-
-    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
-    (``**config_keys``) are those of :class:`MultiLabelDataset`.
+    """Open Images V6 human-verified image-level labels over the trainable classes (module docstring).
 
     Args:
         split: ``"train"``, ``"validation"`` or ``"test"``.
-        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder holding the annotation files (in ``annotations``) and the image folders.
         annotations: folder of the CSV files, relative to ``root`` or absolute (default: ``root``).
         train_images, validation_images, test_images: image folder of each split, relative to ``root`` or
@@ -122,10 +115,9 @@ class OpenImages(SparseLabelled, MultiLabelDataset):
         validation_images: str | None = None,
         test_images: str | None = None,
         dense_labels_gb: float = 8.0,
-        on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = check_choice("Open Images split", split, SPLITS)
         annotation_dir = resolve_path(root, annotations)
         folders = {"train": train_images, "validation": validation_images, "test": test_images}

@@ -21,8 +21,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, Sample
-from mlcls.errors import shown
+from mlcls.data.datasets.base import MultiLabelDataset, Sample, check_integer
 
 SHAPES = ("circle", "square", "triangle", "cross")
 COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230)}
@@ -37,13 +36,10 @@ class SyntheticMultiLabel(MultiLabelDataset):
 
     Args:
         split: ``"train"`` or ``"val"``.
-        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         train_size, val_size: number of images in each split.
         canvas_size: side of the generated square images, in pixels (the transform resizes them to
             ``dataset.image_size``).
         seed: the dataset's seed; the same seed gives the same images and labels.
-        **config_keys: ``name``, ``train_split``, ``val_split`` of the config (see
-            :class:`MultiLabelDataset`).
     """
 
     def __init__(
@@ -62,10 +58,7 @@ class SyntheticMultiLabel(MultiLabelDataset):
             ("canvas_size", canvas_size, 8, 4096),
             ("seed", seed, 0, 2**63 - 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise DatasetConfigError(
-                    f"dataset.{key}={shown(value)}; expected an integer from {low} to {high}"
-                )
+            check_integer(key, value, low, high)
         super().__init__(transform, **config_keys)
         if split not in _SPLIT_IDS:
             raise ValueError(f"unknown split {split!r} for the synthetic dataset; expected 'train' or 'val'")

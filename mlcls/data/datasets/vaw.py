@@ -64,12 +64,8 @@ def read_attribute_index(path: Path) -> list[str]:
 class VAW(MultiLabelDataset):
     """VAW instance crops with positive / negative / unknown attributes.
 
-    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
-    (``**config_keys``) are those of :class:`MultiLabelDataset`.
-
     Args:
         split: ``train`` (train_part1 + train_part2 + val), ``test``, or one file name.
-        transform: applied to the PIL crop (see :class:`MultiLabelDataset`).
         root: folder holding ``data/`` and the Visual Genome image folders.
         image_dirs: folders searched, in order, for ``<image_id>.jpg`` (relative to ``root`` or absolute).
     """
@@ -80,10 +76,9 @@ class VAW(MultiLabelDataset):
         transform: Callable | None = None,
         root: str = "data/vaw",
         image_dirs: Sequence[str] = DEFAULT_IMAGE_DIRS,
-        on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = check_choice("VAW split", split, tuple(SPLIT_FILES))
         files = [f"data/{name}.json" for name in SPLIT_FILES[split]]
         dirs = [resolve_path(root, d) for d in image_dirs]

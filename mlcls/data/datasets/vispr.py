@@ -62,12 +62,8 @@ def read_attributes(path: Path) -> list[str]:
 class VISPR(MultiLabelDataset):
     """VISPR privacy attributes.
 
-    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
-    (``**config_keys``) are those of :class:`MultiLabelDataset`.
-
     Args:
         split: ``train`` (train2017 + val2017), ``test`` (test2017), or one list name.
-        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder holding ``attributes.tsv``, the split lists, ``annotations/`` and ``images/``.
     """
 
@@ -76,10 +72,9 @@ class VISPR(MultiLabelDataset):
         split: str = "train",
         transform: Callable | None = None,
         root: str = "data/vispr",
-        on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = check_choice("VISPR split", split, tuple(SPLIT_LISTS))
         lists = [f"{name}.txt" for name in SPLIT_LISTS[split]]
         layout = (

@@ -48,12 +48,8 @@ DIFFICULT_MODES = {"ignore": -1.0, "positive": 1.0, "negative": 0.0}
 class VOC(MultiLabelDataset):
     """PASCAL VOC classification labels parsed from the detection XML files.
 
-    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
-    (``**config_keys``) are those of :class:`MultiLabelDataset`.
-
     Args:
         split: an ``ImageSets/Main`` list: ``trainval``/``test`` (2007), ``train``/``val`` (2012), ...
-        transform: applied to the PIL image (see :class:`MultiLabelDataset`).
         root: folder holding ``VOCdevkit/``.
         year: 2007 or 2012.
         difficult: ``"ignore"``, ``"positive"`` or ``"negative"`` (see the module docstring).
@@ -66,10 +62,9 @@ class VOC(MultiLabelDataset):
         root: str = "data/voc",
         year: int = 2007,
         difficult: str = "ignore",
-        on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, **config_keys)
+        super().__init__(transform, **config_keys)
         year = int(check_choice("VOC year", str(year), tuple(map(str, SPLITS))))
         self.split = check_choice(f"VOC{year} split", split, SPLITS[year])
         difficult_value = DIFFICULT_MODES[check_choice("difficult mode", difficult, tuple(DIFFICULT_MODES))]

@@ -52,12 +52,8 @@ def attribute_names(id_map: dict[str, str], source: Path) -> list[str]:
 class WIDERAttribute(MultiLabelDataset):
     """WIDER-Attribute person crops.
 
-    ``on_bad_image`` and the config's ``name``, ``train_split`` and ``val_split``
-    (``**config_keys``) are those of :class:`MultiLabelDataset`.
-
     Args:
         split: ``"trainval"`` or ``"test"``.
-        transform: applied to the PIL crop (see :class:`MultiLabelDataset`).
         root: folder holding ``Annotations/`` and ``Image/``.
     """
 
@@ -66,10 +62,9 @@ class WIDERAttribute(MultiLabelDataset):
         split: str = "trainval",
         transform: Callable | None = None,
         root: str = "data/wider",
-        on_bad_image: str = "error",
         **config_keys: Any,
     ) -> None:
-        super().__init__(transform, on_bad_image, **config_keys)
+        super().__init__(transform, **config_keys)
         self.split = check_choice("WIDER-Attribute split", split, SPLITS)
         annotation_file = f"Annotations/wider_attribute_{split}.json"
         layout = f"{root}/Annotations/wider_attribute_{{trainval,test}}.json and images under {root}/Image/"

@@ -1,21 +1,16 @@
 """Training and evaluation from packed shards (``dataset=shards``), as ``mlcls-data pack`` writes them
-(layout: :mod:`mlcls.data.shards.pack`).
-
-Shards are read as :mod:`mlcls.data.shards.reader` opens them: local paths as files, the URLs a user gives
-(``http(s)://``, ``pipe:aws s3 cp s3://bucket/train-000001.tar -``) through ``webdataset``'s ``gopen``, each
-as one sequential stream. The shards a manifest lists are read from the manifest's folder.
+(layout: :mod:`mlcls.data.shards.pack`), opened as :mod:`mlcls.data.shards.reader` opens them; the shards a
+manifest lists are read from the manifest's folder.
 
 **Training** (:class:`ShardTrainSet`, loaded by :class:`mlcls.data.loader.ShardTrainLoader`): every
 epoch the shards are put in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut
 into contiguous ranges of ``per_rank = floor(N / (world_size * batch)) * batch`` samples, one per rank
-(``DistributedSampler``'s ``drop_last`` count: every rank runs the same number of steps, no sample twice). A
-rank's range is read in blocks, each shuffled in windows of ``shuffle_buffer``, and served by the DataLoader
-workers in an order that does not depend on their number (:mod:`mlcls.data.shards.loader`); each sample's
-augmentation runs under ``sample_seed(seed, epoch, key)`` (its index in the source split), whatever the
-workers. ``set_start(k)`` (resuming mid-epoch) skips exactly the first ``k`` samples the rank served and
-serves the rest in the order they would have come. The training view of the observed-label regime
-(``dataset.observed``, :class:`mlcls.data.TrainingView`) draws each target for the sample's index in the
-source split (its key), as for the source dataset: the shards train on the labels the source would.
+(``DistributedSampler``'s ``drop_last`` count: every rank runs the same number of steps, no sample twice),
+each read in shuffled blocks in an order that does not depend on the DataLoader workers
+(:mod:`mlcls.data.shards.loader`). Each sample's augmentation runs under ``sample_seed(seed, epoch, key)``
+(its index in the source split); ``set_start(k)`` (resuming mid-epoch) skips exactly the first ``k``
+samples the rank served. The observed-label regime (:class:`mlcls.data.TrainingView`) draws each target
+for the sample's key, as for the source dataset: the shards train on the labels the source would.
 
 **Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
 (the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
@@ -25,12 +20,10 @@ trainer's evaluation (``RankSampler``: every sample scored exactly once over the
 ``classes.json`` and the split's labels sidecar are the files the manifest records (sha256, the sidecar
 read whole anyway), that the sidecar has one row per packed sample and class, and, for local shards, that
 each file has the manifest's size; the validation shards' label rows are compared with their sidecar's.
-:func:`verify_pack` (``mlcls-data verify DIR``) reads everything: every shard's sha256, sample count and
-label rows against the manifest and the sidecars.
+:func:`verify_pack` (``mlcls-data verify DIR``) reads everything.
 
-``dataset=shards dataset.root=DIR`` reads every shard of ``DIR``'s manifest; ``dataset.image_size`` and
-``dataset.transform`` default to the packed source's (:func:`source_setting`, the config's
-``${shards_source:...}``).
+``dataset.image_size`` and ``dataset.transform`` default to the packed source's (:func:`source_setting`,
+the config's ``${shards_source:...}``).
 """
 
 from __future__ import annotations
@@ -137,9 +130,7 @@ def open_shards(
             or the folder of the first training shard (required with ``pipe:`` URLs).
         root: the folder ``mlcls-data pack`` wrote, read through its manifest.
         shuffle_buffer: training samples a worker shuffles together (see the module docstring).
-        transform, **config_keys: as for :class:`MultiLabelDataset`. The observed-label regime wraps the
-            training split (:func:`mlcls.data.apply_training_policies`, which refuses a held-out selection
-            split: the training shards are read in sequence, not by sample index).
+        transform, **config_keys: as for :class:`MultiLabelDataset`.
     """
     check_choice("split", split, ROLES)
     index = ShardIndex(config_meta(root, urls, meta))

@@ -19,10 +19,9 @@ Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards.datase
   labels sidecar's name, size and sha256, and the skipped images. Written last, atomically, as are
   ``classes.json`` and the labels sidecars: a folder with a manifest is complete.
 * ``train-labels.npz``, ``val-labels.npz``: the labels of the packed samples in shard order, stored sparse
-  (:meth:`mlcls.data.datasets.labels.SparseLabels.to_bytes`: the entries that differ from the split's most
-  frequent
-  value, 0 or -1), for the class statistics and loss weights without reading a shard; Open Images'
-  training split takes ~0.3 GB there instead of ~86 GB as a dense int8 matrix.
+  (:meth:`mlcls.data.datasets.labels.SparseLabels.to_bytes`, fill ``label_fill``), for the class statistics
+  and loss weights without reading a shard; Open Images' training split takes ~0.3 GB there instead of
+  ~86 GB as a dense int8 matrix.
 
 Resumable: each shard is written under a temporary name and renamed when complete; its entry is then
 appended to ``.<split>-progress.jsonl``. A restarted pack keeps the shards whose entry and file exist
@@ -91,12 +90,6 @@ def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
-
-
 @dataclass
 class SplitReport:
     """What packing one split did: shards written now, shards kept from an earlier run, samples, skips; the
@@ -140,11 +133,8 @@ def pack_split(
     workers: int = 1,
     overwrite: bool = False,
 ) -> SplitReport:
-    """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (see the module docstring); resumes an
-    interrupted run with the same settings. Returns the :class:`SplitReport` (shards in order).
-
-    A ``role`` split of ``out`` packed with other settings (or of unknown settings) raises
-    :class:`DatasetConfigError`, unless ``overwrite``: its files are then deleted first.
+    """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (see the module docstring), resuming an
+    interrupted run (:func:`read_progress`). Returns the :class:`SplitReport` (shards in order).
 
     Unreadable images (``OSError``, ... from PIL) are left out and listed in the report, whatever
     ``dataset.on_bad_image`` says: packing is where they are found. ``workers`` > 1 writes that many
@@ -247,12 +237,8 @@ def read_progress(
     out: Path, role: str, settings: dict[str, Any], overwrite: bool = False
 ) -> dict[str, dict[str, Any]]:
     """The completed ``role`` shards recorded in ``out``'s progress file (by name) whose file exists, if it
-    was written with the same ``settings``; nothing for a split not packed yet. A line that does not parse
-    (the entry being written when a pack died) counts as not written.
-
-    A split packed with other settings, or whose settings are unknown (shards without a progress file):
-    :class:`DatasetConfigError`, or with ``overwrite`` its files are deleted and nothing is returned.
-    """
+    was written with the same ``settings`` (the module docstring, "Resumable"); else nothing, the split's
+    files deleted first with ``overwrite``, or :class:`DatasetConfigError` without."""
     progress_file, entries = progress_path(out, role), []
     if progress_file.exists():
         for line in read_text(progress_file, "manifest", errors="replace").splitlines():
@@ -314,7 +300,9 @@ def write_shard(
                 continue
             key = f"{index:0{KEY_DIGITS}d}"
             add_member(tar, f"{key}.{IMAGE_EXT}", image)
-            add_member(tar, f"{key}.{LABELS_EXT}", npy_bytes(labels.stored_entries(index)))
+            entries = io.BytesIO()
+            np.save(entries, labels.stored_entries(index))
+            add_member(tar, f"{key}.{LABELS_EXT}", entries.getvalue())
             kept.append(index)
     os.replace(temporary, path)
     return {

@@ -1,6 +1,9 @@
 """Reading packed shards (the layout of :mod:`mlcls.data.shards.pack`): opening a shard URL, streaming its
 samples checked member by member, and :class:`ShardIndex`, a pack's manifest, classes and label sidecars,
-checked against what they record. The datasets built on them are in :mod:`mlcls.data.shards.datasets`.
+checked against what they record; and :func:`verify_pack` (``mlcls-data verify DIR``), everything of a
+packed folder checked against its manifest, reading every byte: each shard's size, sha256, sample count and
+label rows (against the split's labels sidecar), the sidecars' hashes and shapes (opening the shards for
+training checks only what is cheap: :mod:`mlcls.data.shards.datasets`, "Checks").
 
 Shards are read as one sequential stream each: local paths with ``open``, and the URLs a user gives
 (``http(s)://``, ``pipe:`` commands such as ``pipe:aws s3 cp s3://bucket/train-000001.tar -``) through
@@ -25,6 +28,7 @@ import numpy as np
 from mlcls.data.datasets.base import (
     LABEL_VALUES,
     DatasetConfigError,
+    DatasetError,
     DatasetFormatError,
     DatasetLayoutError,
 )
@@ -103,10 +107,8 @@ def shard_name_of(url: str) -> str:
 
 
 def iter_shard(url: str, num_classes: int | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """``(key, {extension: bytes})`` of each sample of the tar shard ``url``, in order, streamed (the
-    stream read to its end: a ``pipe:`` command closed early fails). A sample without its image or labels
-    file (missing, or a link) or, given ``num_classes``, whose labels are not valid (class, value) pairs
-    raises :class:`DatasetFormatError` naming the shard and the member."""
+    """:func:`stream_samples` of the tar shard ``url``, streamed and read to its end (a ``pipe:`` command
+    closed early fails)."""
     with open_url(url) as stream:
         yield from stream_samples(stream, url, num_classes)
 
@@ -258,7 +260,9 @@ class ShardIndex:
             )
         for url in urls:
             recorded = entries[shard_name_of(url)]["bytes"]
-            if is_local(url) and os.path.getsize(existing_file(url)) != recorded:
+            if is_local(url) and not os.path.isfile(url):
+                raise DatasetLayoutError(f"shard {url} does not exist")
+            if is_local(url) and os.path.getsize(url) != recorded:
                 raise DatasetFormatError(
                     f"shard {url} has {os.path.getsize(url)} bytes, {MANIFEST_FILE} records {recorded}; "
                     "replaced or damaged since packing (mlcls-data verify checks every shard)"
@@ -352,13 +356,6 @@ def is_local(url: str) -> bool:
     return ":" not in url.split("/", 1)[0]
 
 
-def existing_file(path: str) -> str:
-    """``path``, or :class:`DatasetLayoutError` when no such file exists."""
-    if not os.path.isfile(path):
-        raise DatasetLayoutError(f"shard {path} does not exist")
-    return path
-
-
 def default_meta(url: str) -> str:
     if url.startswith("pipe:"):
         raise DatasetConfigError(
@@ -366,3 +363,60 @@ def default_meta(url: str) -> str:
             "manifest.json"
         )
     return url.rsplit("/", 1)[0] if "/" in url else "."
+
+
+class HashingReader:
+    """A binary stream that counts and hashes (sha256) what is read through it."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.stream, self.digest, self.size = stream, hashlib.sha256(), 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.digest.update(data)
+        self.size += len(data)
+        return data
+
+
+def verify_pack(meta: str) -> list[str]:
+    """One line per problem of the packed folder (or URL prefix) ``meta``; empty when all is as packed."""
+    try:
+        index = ShardIndex(meta)
+    except DatasetError as exc:
+        return [str(exc)]
+    problems = []
+    for role in (role for role in ROLES if role in index.manifest):
+        try:
+            labels = index.labels(role)
+        except DatasetError as exc:
+            problems.append(str(exc))
+            continue
+        first = 0
+        for entry in index.split(role)["shards"]:
+            expected = labels.rows(range(first, min(first + entry["samples"], len(labels))))
+            problems += verify_shard(f"{index.meta}/{entry['name']}", entry, expected, role)
+            first += entry["samples"]
+    return problems
+
+
+def verify_shard(url: str, entry: dict[str, Any], expected: SparseLabels, role: str) -> list[str]:
+    """The problems of the shard ``url`` against its manifest ``entry`` (bytes, sha256, samples) and its
+    rows of the split's labels sidecar, ``expected``."""
+    problems, rows = [], []
+    try:
+        with open_url(url) as stream:
+            reader = HashingReader(stream)
+            for key, fields in stream_samples(reader, url):
+                rows.append(stored_label_entries(fields, expected.shape[1], f"{url}: sample {key}"))
+    except DatasetError as exc:
+        return [str(exc)]
+    if (reader.size, reader.digest.hexdigest()) != (entry["bytes"], entry["sha256"]):
+        problems.append(
+            f"{url}: sha256 or size differs from the manifest's ({reader.size} bytes, {entry['bytes']} "
+            "recorded); damaged or replaced since packing"
+        )
+    if len(rows) != entry["samples"]:
+        problems.append(f"{url}: {len(rows)} samples, the manifest records {entry['samples']}")
+    elif SparseLabels.from_stored_entries(rows, expected.shape[1], expected.fill) != expected:
+        problems.append(f"{url}: label rows differ from those of {labels_file(role)}")
+    return problems
