@@ -5,12 +5,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from data_fixtures import corrupt, truncate, write_csv
+from PIL import Image
 from torch.utils.data import DataLoader
 
-from mlcls.data import build_dataset
+from mlcls.data import apply_training_policies, build_dataset
 from mlcls.data.datasets.base import (
     BadImageError,
     DatasetConfigError,
@@ -211,3 +213,26 @@ def test_python_defaults_equal_the_dataset_configs_defaults() -> None:
             assert node[key] == expected, f"{path.name}: {key}={node[key]!r}, Python default {expected!r}"
             compared += 1
     assert compared > 30
+
+
+class _DecodesItself:
+    """A transform with its own ``decode`` (as the fast pipeline's), which yields no image."""
+
+    def decode(self, path: str, box: object) -> str:
+        return f"decoded {Path(path).name}"
+
+    def __call__(self, decoded: str) -> str:
+        return decoded
+
+
+def test_the_picture_is_the_file_whatever_the_transform_decodes(tmp_path: Path) -> None:
+    """``load_image`` gives the transform's own decoding; ``picture`` (the reports' thumbnails) the file as
+    PIL decodes it, through a training view too (the audit page's dataset)."""
+    dataset = one_hot_dataset(tmp_path, 2, "error")
+    dataset.transform = _DecodesItself()
+    assert dataset.load_image(1) == "decoded 1.jpg"
+    with Image.open(tmp_path / "1.jpg") as reference:
+        expected = np.asarray(reference.convert("RGB"))
+    assert np.array_equal(np.asarray(dataset.picture(1)), expected)
+    view = apply_training_policies(dataset, observed="single_positive")
+    assert np.array_equal(np.asarray(view.picture(1)), expected)

@@ -370,6 +370,9 @@ class DatasetView(MultiLabelDataset):
             return super().load_image(index)
         return self.source.load_image(self._source_index(index))
 
+    def picture(self, index: int) -> Image.Image:
+        return self.source.picture(self._source_index(index))
+
     def target(self, index: int) -> Tensor:
         """float32 (C_view,): ``source``'s target of sample ``rows[index]``, its ``columns``."""
         row = self.source.target(self._source_index(index))

@@ -24,10 +24,8 @@ from typing import Any
 
 from PIL import Image
 
-from mlcls.data import BadImageError, TrainingView
-from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, MultiLabelDataset, crop_box, to_rgb
-from mlcls.data.images import read_image
-from mlcls.data.pipeline.transforms import check_aspect_ratio
+from mlcls.data import BadImageError
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS
 from mlcls.reporting.run_files import yaml_text
 
 log = logging.getLogger("mlcls")
@@ -131,22 +129,11 @@ def escape(text: object) -> str:
 
 def thumbnail(dataset: Any, index: int, side: int) -> str | None:
     """Sample ``index`` of ``dataset`` as a JPEG ``data:`` URI at most ``side`` pixels a side; None, and a
-    log line, when its image cannot be read. A file is read through :func:`mlcls.data.images.read_image` (a
-    regular file within ``CAPS["image"]``, its pixels bounded) and decoded as the dataset decodes it, never by
-    its transform's own ``decode`` (which yields what the transform takes, not an image); an image a dataset
-    makes or holds in memory (synthetic, shards) comes from the dataset."""
-    if isinstance(dataset, TrainingView):  # the training split's images are its source's
-        dataset = dataset.source
+    log line, when its image cannot be read. The image is the dataset's ``picture`` (a file read through
+    :func:`mlcls.data.images.read_image`: a regular file within ``CAPS["image"]``, its pixels bounded), never
+    what a transform's own ``decode`` yields."""
     try:
-        if type(dataset).load_image is not MultiLabelDataset.load_image:
-            image = dataset.load_image(index)
-        else:
-            sample = dataset.samples[index]
-            with read_image(sample.path) as img:
-                region = (0, 0, *img.size) if sample.box is None else crop_box(sample.box, *img.size)
-                check_aspect_ratio(region[2] - region[0], region[3] - region[1])
-                image = to_rgb(img)
-            image = image if sample.box is None else image.crop(region)
+        image = dataset.picture(index)
     except (*BAD_IMAGE_ERRORS, BadImageError) as exc:
         log.warning("no thumbnail of %s (%s)", dataset.samples[index].path, exc)
         return None

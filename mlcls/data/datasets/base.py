@@ -319,23 +319,30 @@ class MultiLabelDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def load_image(self, index: int) -> Image.Image:
-        """Decode sample ``index`` as RGB, cropped to its box (clamped to the image) when it has one.
+    def picture(self, index: int) -> Image.Image:
+        """Sample ``index`` decoded as RGB, cropped to its box (clamped to the image) when it has one: the
+        image as a person sees it (the report's and the audit page's thumbnails), and :meth:`load_image`'s
+        for a transform without a ``decode`` of its own.
 
         The image (or crop) is refused with a ``ValueError`` from its header, before its pixels are decoded,
         when one side exceeds ``MAX_ASPECT_RATIO`` times the other (:func:`check_aspect_ratio`).
-        A transform with a ``decode(path, box)`` method decodes the file itself and its result goes to the
-        transform (the fast pipeline picks its random crop first, then decodes JPEGs at reduced scale).
         """
         sample = self.samples[index]
-        decode = getattr(self.transform, "decode", None)
-        if decode is not None:
-            return decode(sample.path, sample.box)
         with read_image(sample.path) as img:
             region = (0, 0, *img.size) if sample.box is None else crop_box(sample.box, *img.size)
             check_aspect_ratio(region[2] - region[0], region[3] - region[1])
             img = to_rgb(img)
         return img if sample.box is None else img.crop(region)
+
+    def load_image(self, index: int) -> Any:
+        """The transform's input for sample ``index``: :meth:`picture`, or where the transform has a
+        ``decode(path, box)`` method, what it decodes from the file itself (the fast pipeline picks its random
+        crop first, then decodes JPEGs at reduced scale)."""
+        decode = getattr(self.transform, "decode", None)
+        if decode is None:
+            return self.picture(index)
+        sample = self.samples[index]
+        return decode(sample.path, sample.box)
 
     def transformed_image(self, index: int) -> Any:
         """The transform's output for sample ``index`` (:meth:`load_image`'s image without a transform)."""

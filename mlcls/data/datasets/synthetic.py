@@ -9,7 +9,7 @@ model must learn both. The structure is that of real multi-label data:
   of its first class.
 
 Everything is a deterministic function of ``seed``, the split and the index: labels are drawn once in
-``__init__`` (so ``labels`` needs no image), pixels on demand in ``load_image``.
+``__init__`` (so ``labels`` needs no image), pixels on demand in ``picture``.
 """
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ class SyntheticMultiLabel(MultiLabelDataset):
         return labels
 
     def load_image(self, index: int) -> Image.Image:
+        """:meth:`picture`: the pixels are drawn, there is no file for a transform's ``decode`` to read."""
+        return self.picture(index)
+
+    def picture(self, index: int) -> Image.Image:
         rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split], 1, index])
         size = self.canvas_size
         background = rng.integers(60, 140)

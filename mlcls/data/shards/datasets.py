@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from PIL import Image
 from torch import Tensor
 
 from mlcls.data.datasets.base import (
@@ -240,5 +241,10 @@ class ShardEvalSet(SparseLabelled, MultiLabelDataset):
         self.samples = samples
 
     def load_image(self, index: int) -> Any:
-        data = self.buffer[self.offsets[index] : self.offsets[index + 1]].tobytes()
-        return decode_image(data, self.transform)
+        return decode_image(self._image_bytes(index), self.transform)
+
+    def picture(self, index: int) -> Image.Image:
+        return decode_image(self._image_bytes(index), None)
+
+    def _image_bytes(self, index: int) -> bytes:
+        return self.buffer[self.offsets[index] : self.offsets[index + 1]].tobytes()
