@@ -362,13 +362,11 @@ class DatasetView(MultiLabelDataset):
             return counts
         return LabelCounts(counts.num_samples, counts.positives[self.columns], counts.negatives[self.columns])
 
-    def load_image(self, index: int) -> Image.Image:
-        """Sample ``index``'s image: read as the base class reads a file, with this view's ``transform``
-        (its ``decode`` where the fast pipeline has one), or by ``source`` when ``source`` is a view or
-        draws its images itself (the synthetic dataset)."""
-        if getattr(type(self.source), "load_image", None) is MultiLabelDataset.load_image:
-            return super().load_image(index)
-        return self.source.load_image(self._source_index(index))
+    @property
+    def reads_files(self) -> bool:  # type: ignore[override]
+        """The source's: the view's images are read as the base class reads a file, with this view's
+        ``transform``, unless the source draws them."""
+        return self.source.reads_files
 
     def picture(self, index: int) -> Image.Image:
         return self.source.picture(self._source_index(index))

@@ -261,6 +261,10 @@ class MultiLabelDataset(Dataset):
         train_split, val_split: the splits training and evaluation use (``dataset.train_split``, ...).
     """
 
+    # The samples are image files, which a transform's own ``decode`` may read; a dataset that draws its
+    # pixels (the synthetic one) says False.
+    reads_files = True
+
     def __init__(
         self,
         transform: Callable | None = None,
@@ -335,11 +339,11 @@ class MultiLabelDataset(Dataset):
         return img if sample.box is None else img.crop(region)
 
     def load_image(self, index: int) -> Any:
-        """The transform's input for sample ``index``: :meth:`picture`, or where the transform has a
-        ``decode(path, box)`` method, what it decodes from the file itself (the fast pipeline picks its random
-        crop first, then decodes JPEGs at reduced scale)."""
+        """The transform's input for sample ``index``: :meth:`picture`, or where the samples are image files
+        (:attr:`reads_files`) and the transform has a ``decode(path, box)`` method, what it decodes from the
+        file itself (the fast pipeline picks its random crop first, then decodes JPEGs at reduced scale)."""
         decode = getattr(self.transform, "decode", None)
-        if decode is None:
+        if decode is None or not self.reads_files:
             return self.picture(index)
         sample = self.samples[index]
         return decode(sample.path, sample.box)

@@ -42,6 +42,8 @@ class SyntheticMultiLabel(MultiLabelDataset):
         seed: the dataset's seed; the same seed gives the same images and labels.
     """
 
+    reads_files = False  # the pixels are drawn (:meth:`picture`)
+
     def __init__(
         self,
         split: str = "train",
@@ -85,10 +87,6 @@ class SyntheticMultiLabel(MultiLabelDataset):
                 free = weights * (row == 0)
                 row[rng.choice(num_classes, p=free / free.sum())] = 1
         return labels
-
-    def load_image(self, index: int) -> Image.Image:
-        """:meth:`picture`: the pixels are drawn, there is no file for a transform's ``decode`` to read."""
-        return self.picture(index)
 
     def picture(self, index: int) -> Image.Image:
         rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split], 1, index])

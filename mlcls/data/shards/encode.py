@@ -55,12 +55,12 @@ def packed_image(
     second generation of JPEG loss); a larger one is decoded at the largest DCT reduction that keeps it at
     least ``max_side`` on its long side (PIL's draft mode), then resized (bilinear, antialiased) and encoded
     at ``quality`` and chroma ``subsampling`` (:func:`source_subsampling`), as is any other image.
-    Datasets that make their pixels (the synthetic one) go through their own ``load_image``. Raises the
-    bad-image errors of PIL (``OSError``, ...) for unreadable files.
+    Datasets that make their pixels (the synthetic one, ``reads_files`` False) give their ``picture``.
+    Raises the bad-image errors of PIL (``OSError``, ...) for unreadable files.
     """
     sample = dataset.samples[index]
-    if type(dataset).load_image is not MultiLabelDataset.load_image:  # generated pixels
-        image = dataset.load_image(index)
+    if not dataset.reads_files:  # generated pixels
+        image = dataset.picture(index)
         subsampling = source_subsampling(image, subsampling)
     else:
         data = read_image_bytes(sample.path)
