@@ -67,6 +67,18 @@ def compose_config(overrides: list[str], config_name: str = "train") -> DictConf
     return copy.deepcopy(_COMPOSED[key])
 
 
+def run_main(main, argv: list[str], monkeypatch, capsys) -> tuple[int, list[str], str]:
+    """(exit status, stderr lines, stdout) of a CLI ``main`` run in this process on ``argv`` (``argv[0]`` the
+    command's name), as its console script runs it: ``sys.exit(main())``."""
+    monkeypatch.setattr(sys, "argv", argv)
+    try:
+        status = main()
+    except SystemExit as exc:
+        status = exc.code
+    captured = capsys.readouterr()
+    return 0 if status is None else status, captured.err.strip().splitlines(), captured.out
+
+
 def distinct_colours(pixels) -> int:
     """The number of distinct RGB colours of an (H, W, 3) uint8 image: each pixel packed into one integer,
     sorted once (``np.unique(..., axis=0)`` sorts rows as records: seconds for a screenshot)."""

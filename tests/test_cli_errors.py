@@ -4,17 +4,26 @@ mlcls.cli.errors), and the check costs no config composition when the command li
 from __future__ import annotations
 
 import os
-import sys
+from importlib.metadata import distribution
+from pathlib import Path
 
 import pytest
+import tomllib
+from conftest import run_main
 from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 
 from mlcls import config_dir
+from mlcls.cli import bench as bench_cli
+from mlcls.cli import data as data_cli
 from mlcls.cli import eval as eval_cli
 from mlcls.cli import export as export_cli
+from mlcls.cli import import_ as import_cli
 from mlcls.cli import overrides
 from mlcls.cli import predict as predict_cli
+from mlcls.cli import report as report_cli
+from mlcls.cli import reproduce as reproduce_cli
+from mlcls.cli import tables as tables_cli
 from mlcls.cli import train as train_cli
 from mlcls.cli.errors import error_line, plural, require_keys
 from mlcls.errors import ConfigError
@@ -22,16 +31,26 @@ from mlcls.errors import ConfigError
 LOSSES = ", ".join(sorted(path.stem for path in (config_dir() / "loss").glob("*.yaml")))  # Hydra's listing
 
 
-def run_main(main, argv: list[str], monkeypatch, capsys) -> tuple[int, list[str], str]:
-    """(exit status, stderr lines, stdout) of a CLI ``main`` on ``argv``, run in this process."""
-    monkeypatch.setattr(sys, "argv", argv)
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.err.strip().splitlines(), captured.out
+def test_each_console_script_runs_the_main_the_tests_call():
+    """The installed console scripts are pyproject's, and each runs ``sys.exit(main())`` of the ``main`` that
+    the tests call in-process (:func:`conftest.run_main`): a test of a command needs no subprocess."""
+    declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "scripts"
+    ]
+    installed = {e.name: e for e in distribution("mlcls").entry_points if e.group == "console_scripts"}
+    assert {name: entry.value for name, entry in installed.items()} == declared
+    assert {name: entry.load() for name, entry in installed.items()} == {
+        "mlcls-train": train_cli.main,
+        "mlcls-eval": eval_cli.main,
+        "mlcls-data": data_cli.main,
+        "mlcls-predict": predict_cli.main,
+        "mlcls-export": export_cli.main,
+        "mlcls-tables": tables_cli.main,
+        "mlcls-reproduce": reproduce_cli.main,
+        "mlcls-bench": bench_cli.main,
+        "mlcls-import": import_cli.main,
+        "mlcls-report": report_cli.main,
+    }
 
 
 @pytest.mark.parametrize(

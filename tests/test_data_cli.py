@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -68,16 +68,14 @@ def test_user_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "Could not find 'dataset/imagenet'" in err and "voc2007" in err and err.count("\n") == 1
 
 
-@pytest.mark.slow
-def test_module_entry_point_exit_status(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "mlcls.cli.data", "stats", "dataset=coco", f"dataset.root={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+@pytest.mark.filterwarnings("ignore:'mlcls.cli.data' found in sys.modules:RuntimeWarning")  # imported above
+def test_module_entry_point_exit_status(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``python -m mlcls.cli.data``, run as ``-m`` runs it (``runpy``) in this process."""
+    monkeypatch.setattr(sys, "argv", ["mlcls-data", "stats", "dataset=coco", f"dataset.root={tmp_path}"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_module("mlcls.cli.data", run_name="__main__", alter_sys=True)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"mlcls-data: error: missing {tmp_path}/annotations/instances_train2014.json; expected layout: "
         f"{tmp_path}/annotations/instances_{{train,val}}2014.json and images in {tmp_path}/train2014/"
     ]

@@ -9,9 +9,8 @@ import re
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, run_main
 from omegaconf import OmegaConf
-from test_cli_errors import run_main
 from test_optim import paper_cosine_lr
 
 from mlcls.cli.overrides import compose_config as compose_config_checked

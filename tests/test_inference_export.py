@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import cli, error_on_a_full_disk, run_cli
+from conftest import error_on_a_full_disk, run_main
 from test_inference_support import PAPER_SPEC, reference_model, trained_run
 
 from mlcls.cli import export as export_cli
@@ -70,12 +70,14 @@ def test_onnx_matches_eager_model_and_carries_metadata(run_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_exports_beside_the_checkpoint(run_dir, tmp_path):
+def test_cli_exports_beside_the_checkpoint(run_dir, tmp_path, monkeypatch, capsys):
     checkpoint = tmp_path / "plain.pt"
     checkpoint.write_bytes((run_dir / "plain.pt").read_bytes())
-    proc = run_cli(cli("mlcls-export", f"checkpoint={checkpoint}", "format=torchscript"), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    monkeypatch.chdir(tmp_path)
+    argv = ["mlcls-export", f"checkpoint={checkpoint}", "format=torchscript"]
+    code, err, out = run_main(export_cli.main, argv, monkeypatch, capsys)
+    assert code == 0, err[-20:]
+    report = json.loads(out.strip().splitlines()[-1])
     assert report["path"] == str(tmp_path / "plain.torchscript.pt") and report["max_abs_difference"] < 1e-5
     metadata = read_metadata(tmp_path / "plain.torchscript.pt")
     # an old checkpoint: preprocessing derived from its dataset config (light, 32 px), no thresholds

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import cli, run_cli
+from conftest import run_main
 from test_inference_support import reference_logits, trained_run, write_images
 
 from mlcls.cli import predict as predict_cli
@@ -108,23 +108,18 @@ def test_checkpoint_without_thresholds_uses_its_transform_half_probability_globa
 
 
 @pytest.mark.slow
-def test_cli_writes_table_and_json_lines_and_skips_unreadable(run_dir, images, tmp_path):
+def test_cli_writes_table_and_json_lines_and_skips_unreadable(run_dir, images, tmp_path, monkeypatch, capsys):
     folder, readable, corrupt = images
     out = tmp_path / "predictions.jsonl"
-    proc = run_cli(
-        cli(
-            "mlcls-predict",
-            f"checkpoint={run_dir / 'calibrated.pt'}",
-            f"images={folder}",
-            f"out={out}",
-            "workers=0",
-        ),
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"skipped unreadable image {corrupt}" in proc.stderr
-    assert "7 images labelled by per-class thresholds" in proc.stderr
-    table = proc.stdout.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    checkpoint = run_dir / "calibrated.pt"
+    argv = ["mlcls-predict", f"checkpoint={checkpoint}", f"images={folder}", f"out={out}", "workers=0"]
+    code, err, stdout = run_main(predict_cli.main, argv, monkeypatch, capsys)
+    assert code == 0, err[-20:]
+    stderr = "\n".join(err)
+    assert f"skipped unreadable image {corrupt}" in stderr
+    assert "7 images labelled by per-class thresholds" in stderr
+    table = stdout.strip().splitlines()
     assert table[0].split() == ["image", "labels", "(probability)"] and len(table) == 1 + len(readable)
 
     records = [json.loads(line) for line in out.read_text().splitlines()]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import cli, compose_config, run_cli
+from conftest import compose_config, run_main
 from omegaconf import OmegaConf
 
 from mlcls.cli import tables as tables_cli
@@ -370,14 +370,12 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("mlcls-tables: error: unknown table 'table8'") and err.count("\n") == 1
 
 
-@pytest.mark.slow
-def test_console_script(tmp_path, twoway_coco):
+def test_the_command_prints_the_table_as_csv(tmp_path, twoway_coco, monkeypatch, capsys):
     write_run(tmp_path / "run", twoway_coco, mac=74.5, mas=86.0)
-    done = run_cli(
-        cli("mlcls-tables", str(tmp_path / "run"), "--table", "table1", "--csv"), cwd=tmp_path, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert float(csv_cells(done.stdout)[("4", "mAP@class T_N=1")]["ours"]) == 74.5
+    argv = ["mlcls-tables", str(tmp_path / "run"), "--table", "table1", "--csv"]
+    code, err, out = run_main(tables_cli.main, argv, monkeypatch, capsys)
+    assert code == 0, err
+    assert float(csv_cells(out)[("4", "mAP@class T_N=1")]["ours"]) == 74.5
 
 
 def test_a_table_the_runs_fill_nowhere_is_one_line(tmp_path, capsys, twoway_coco):

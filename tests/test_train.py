@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import cli, compose_config, run_cli
+from conftest import compose_config, run_cli, run_main
 from sklearn.metrics import average_precision_score
-from test_cli_errors import run_main
 
+from mlcls.cli.eval import main as eval_main
 from mlcls.cli.train import main as train_main
 from mlcls.cli.train import run
 from mlcls.engine.trainer import Trainer
@@ -115,7 +115,7 @@ def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny, head):
     [["model.head=mldecoder", "model.head.num_groups=5"]],
     ids=["mldecoder"],
 )
-def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny, head):
+def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny, head, monkeypatch, capsys):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun, "torchrun must be installed next to the interpreter"
     run_dir = tmp_path / "ddp"
@@ -144,12 +144,11 @@ def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny,
     results = json.loads((run_dir / "results.json").read_text())
     assert results["world_size"] == 2 and results["epochs_completed"] == 1
 
-    proc = run_cli(
-        cli("mlcls-eval", f"checkpoint={run_dir / 'checkpoints' / 'last.pt'}", "workers=0", "batch_size=16"),
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    single = json.loads(proc.stdout.strip().splitlines()[-1])
+    monkeypatch.chdir(tmp_path)
+    argv = ["mlcls-eval", f"checkpoint={run_dir / 'checkpoints' / 'last.pt'}", "workers=0", "batch_size=16"]
+    code, err, out = run_main(eval_main, argv, monkeypatch, capsys)
+    assert code == 0, err[-20:]
+    single = json.loads(out.strip().splitlines()[-1])
     assert single["num_samples"] == 75
     assert single["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"], abs=1e-6)
     assert single["mAP_sample"] == pytest.approx(results["metrics"]["mAP_sample"], abs=1e-6)
@@ -165,13 +164,12 @@ def test_unknown_option_lists_valid_ones(tmp_path, monkeypatch, capsys):
     assert "Available options in 'loss'" in err[0] and "bce" in err[0]
 
 
-@pytest.mark.slow
-def test_missing_dataset_root_is_one_line(tmp_path):
-    """The installed console script, in a subprocess: its exit status and its one line on stderr."""
+def test_missing_dataset_root_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
     missing = tmp_path / "no-such-coco"
-    proc = run_cli(cli("mlcls-train", "dataset=coco", f"dataset.root={missing}"), cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert str(missing) in lines[0] and "expected layout" in lines[0]
-    assert "Traceback" not in proc.stderr
+    code, err, _ = run_main(
+        train_main, ["mlcls-train", "dataset=coco", f"dataset.root={missing}"], monkeypatch, capsys
+    )
+    assert code == 2 and len(err) == 1, err
+    assert str(missing) in err[0] and "expected layout" in err[0]
