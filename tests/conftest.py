@@ -8,6 +8,7 @@ import logging
 import math
 import multiprocessing.process
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,11 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _SHARE = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ["OMP_NUM_THREADS"] = str(_SHARE)
     torch.set_num_threads(_SHARE)
+
+# The host's processor name, which the benchmarks' results record: Python asks `uname -p` once per process and
+# keeps the answer, so the worker asks it here rather than in whichever test first reads it (the guard below
+# would count that test as starting a process).
+platform.processor()
 
 # A run of a few seconds on the CPU: small synthetic images, timm's smallest ResNet, two epochs.
 TINY = [

@@ -184,8 +184,8 @@ def test_every_test_the_package_cites_exists() -> None:
     tests/ (old: data/shards/loader.py cited ``test_data_shard_loader``, which never existed)."""
     tests_dir = Path(__file__).parent
     defined = {path.stem for path in tests_dir.glob("test_*.py")}
-    for path in tests_dir.glob("test_*.py"):
-        defined |= {node.name for node in ast.walk(parsed(path)) if isinstance(node, ast.FunctionDef)}
+    for path in tests_dir.glob("test_*.py"):  # the text, not the syntax tree: parsing 200 files takes seconds
+        defined |= set(re.findall(r"^\s*def (test_\w+)\(", path.read_text(), re.MULTILINE))
     cited = {
         name
         for path in module_files(PACKAGE_DIR).values()
