@@ -1,17 +1,9 @@
 """``mlcls-bench loss``: the two-way loss against a plain masked-logsumexp implementation of eq. 17.
 
-Forward + backward of :class:`mlcls.losses.TwoWayLoss` (tp = 4, tn = 1, buckets of M = 128 rows) on
-(512, 80) logits (MS-COCO's class count) and (512, 620) logits (VAW's), timed in the same run as
-:func:`masked_logsumexp_twoway`, the approach of the authors' public code: logits masked by adding a large
-negative number, ``torch.logsumexp`` per row and per column, autograd for the backward pass. The result:
-the median milliseconds of both at both sizes and ``ratio``, the larger of the two ratios (two-way /
-masked logsumexp; below 1 means faster).
-
-Large label spaces (``--scale``, :func:`run_scale`): every loss of :mod:`mlcls.losses` (default arguments)
-at C = 80 (MS-COCO) and C = 9,605 (Open Images V6's trainable classes), a batch of 128 (one process's
-batch in the paper), ~3 positives per sample; forward + backward median milliseconds, the peak memory a
-step adds, the two-way loss's time over BCE's at C = 9,605 (``twoway_over_bce``), and mAP@class and
-mAP@sample on N = 20,000 x C = 9,605 scores (seconds).
+Forward + backward of :class:`mlcls.losses.TwoWayLoss` (tp = 4, tn = 1, buckets of 128 rows) and of
+:func:`masked_logsumexp_twoway` (the authors' approach) on (512, 80) and (512, 620) logits; ``ratio`` is
+the larger two-way / masked-logsumexp ratio. ``--scale`` (:func:`run_scale`) times every loss at C = 80
+and 9,605 (Open Images), batch 128, and mAP@class / mAP@sample on 20,000 x 9,605 scores.
 """
 
 from __future__ import annotations
