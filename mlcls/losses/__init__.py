@@ -1,14 +1,9 @@
 """Multi-label losses.
 
 Every loss is an ``nn.Module`` called as ``loss(logits, targets)``: ``logits`` (B, C) of any float dtype,
-``targets`` (B, C) with 1 = positive, 0 = negative, -1 = unknown; it returns a scalar.
-A loss that needs statistics of the training labels (e.g. class-frequency weighting) defines
-``setup(train_labels)``; the trainer calls it once before training.
-
-Each class's short name ``name`` (``TwoWayLoss.name == "twoway"``) names its config
-``configs/loss/<name>.yaml``, whose ``_target_`` is the class and which lists every constructor argument:
-``loss=twoway loss.tp=4`` and ``TwoWayLoss(tp=4.0)`` build the same object. Adding a loss is one small
-module with the class, exported here, and its config; shared pieces are in :mod:`mlcls.losses.common`.
+``targets`` (B, C) with 1 = positive, 0 = negative, -1 = unknown; it returns a scalar. A loss that needs
+the training labels' statistics defines ``setup(counts)``, called once before training. Each class's
+``name`` names its config ``configs/loss/<name>.yaml`` (``_target_`` the class, every constructor argument).
 
 =================  =========================================  ==========================
 name               class                                      paper
