@@ -201,30 +201,26 @@ def run_scale(repeats: int = 20, warmup: int = 3, threads: int = 1) -> dict[str,
     ``map_sample_s`` (one call each, N = 20,000, C = 9,605) and, on Linux, the :func:`peak_memory` figures
     measured in a child process. Torch runs ``threads`` intra-op threads (default 1: the ratio then does
     not depend on what else the machine runs)."""
-    with torch_threads(threads):
-        return {**_scale_figures(repeats, warmup), "torch_threads": threads}
-
-
-def _scale_figures(repeats: int, warmup: int) -> dict[str, float]:
     from mlcls.bench.metrics_bench import make_scores
     from mlcls.metrics import map_class, map_sample
 
     result: dict[str, float] = {}
-    for classes, (logits, targets) in _scale_batches().items():
-        for name, ms in _median_ms(_criteria(classes), logits, targets, repeats, warmup).items():
-            result[f"{name}_c{classes}_ms"] = ms
-    largest = SCALE_CLASSES[-1]
-    result["twoway_over_bce"] = result[f"twoway_c{largest}_ms"] / result[f"bce_c{largest}_ms"]
-    scores, labels = make_scores(SCALE_METRIC_SAMPLES, largest, seed=0)
-    for key, metric in (("map_class_s", map_class), ("map_sample_s", map_sample)):
-        start = time.perf_counter()
-        metric(scores, labels)
-        result[key] = time.perf_counter() - start
-    if sys.platform == "linux":
-        child = [sys.executable, "-m", "mlcls.bench.loss_bench"]
-        output = subprocess.run(child, capture_output=True, text=True, check=True).stdout
-        result.update(json.loads(output.strip().splitlines()[-1]))
-    return result
+    with torch_threads(threads):
+        for classes, (logits, targets) in _scale_batches().items():
+            for name, ms in _median_ms(_criteria(classes), logits, targets, repeats, warmup).items():
+                result[f"{name}_c{classes}_ms"] = ms
+        largest = SCALE_CLASSES[-1]
+        result["twoway_over_bce"] = result[f"twoway_c{largest}_ms"] / result[f"bce_c{largest}_ms"]
+        scores, labels = make_scores(SCALE_METRIC_SAMPLES, largest, seed=0)
+        for key, metric in (("map_class_s", map_class), ("map_sample_s", map_sample)):
+            start = time.perf_counter()
+            metric(scores, labels)
+            result[key] = time.perf_counter() - start
+        if sys.platform == "linux":
+            child = [sys.executable, "-m", "mlcls.bench.loss_bench"]
+            output = subprocess.run(child, capture_output=True, text=True, check=True).stdout
+            result.update(json.loads(output.strip().splitlines()[-1]))
+    return {**result, "torch_threads": threads}
 
 
 # Timed calls per loss: at C = 80 (two losses), and under --scale (every loss, up to C = 9,605), where each
