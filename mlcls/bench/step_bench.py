@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -93,15 +94,9 @@ class RepeatedBatches:
     """``steps`` times the same batch, as a training loader (``len()``, a ``sampler`` with ``set_epoch`` and
     ``set_start``), so that the whole epoch loop runs without data loading."""
 
-    class _Sampler:
-        def set_epoch(self, epoch: int) -> None:
-            pass
-
-        def set_start(self, start: int) -> None:
-            pass
-
     def __init__(self, batch: tuple[torch.Tensor, torch.Tensor], steps: int) -> None:
-        self.batch, self.steps, self.sampler = batch, steps, self._Sampler()
+        self.batch, self.steps = batch, steps
+        self.sampler = SimpleNamespace(set_epoch=lambda epoch: None, set_start=lambda start: None)
 
     def __len__(self) -> int:
         return self.steps
