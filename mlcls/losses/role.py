@@ -133,10 +133,9 @@ class RoleLoss(SampleStateLoss):
         R(p) = (mean_i sum_c p_ic - k)^2 / C^2             (EPR's expected-positives term, k positives)
         loss = sum_ic l_ic / (B C) + 1/2 (R(p) + R(q))
 
-    where ``sg`` stops the gradient: the classifier learns from the estimates and the estimates from the
-    classifier, each also from the observed labels. The table ``label_logits`` (N, C) is a learnable
-    parameter, trained by the run's optimizer in a group of its own (``parameter_groups``, named
-    ``table``) at ``table_lr_scale`` times ``optim.lr_head`` (the authors' 10x) without weight decay.
+    where ``sg`` stops the gradient. The table ``label_logits`` (N, C) is a parameter trained in an
+    optimizer group of its own (``table``) at ``table_lr_scale`` times ``optim.lr_head`` (the authors'
+    10x) without weight decay.
 
     Initial estimates as the authors': observed positives ``logit(0.995)``, observed negatives
     ``logit(0.005)``, unknown labels uniform in ``[-logit(0.6), logit(0.6)]`` (from ``init_seed``). An
