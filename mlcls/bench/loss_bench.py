@@ -178,13 +178,9 @@ def _criteria(classes: int = SCALE_CLASSES[0]) -> dict[str, Callable[[Tensor, Te
 
 
 def peak_memory() -> dict[str, float]:
-    """``<name>_c<C>_peak_mib``: the peak memory one forward + backward adds, every loss and size (Linux).
-
-    Meant for a fresh process (``python -m mlcls.bench.loss_bench``): glibc is first told to serve every
-    allocation above 4 KiB with its own ``mmap`` (``M_MMAP_THRESHOLD``), so that a freed tensor leaves the
-    resident set at once instead of staying in the heap for reuse; the figure is then the bytes live at the
-    worst moment.
-    """
+    """``<name>_c<C>_peak_mib``: the peak memory one forward + backward adds, every loss and size (Linux),
+    in a fresh process whose allocations above 4 KiB glibc serves by ``mmap``, so that a freed tensor leaves
+    the resident set at once: the figure is the bytes live at the worst moment."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 4096)  # M_MMAP_THRESHOLD = 4 KiB, before any tensor exists
     result = {}
     for classes, (logits, targets) in _scale_batches().items():

@@ -89,11 +89,9 @@ def _count_below(
 ) -> torch.Tensor:
     """For each query, the number of entries of its row ``row_of`` of ``sorted_rows`` strictly below it.
 
-    ``queries`` are grouped by row: ``rank`` is their index within their row, ``per_row`` the number of
-    queries of each row. ``torch.searchsorted`` needs the same number of queries for every row, so the
-    queries are cut into blocks of ``block`` per row and each block is searched in a copy of its row: the
-    block size balances copying long rows against padding the last block of rows with few queries (one
-    block per row, and no copy, when every row has few).
+    ``rank`` is each query's index within its row, ``per_row`` the queries of each row. ``torch.searchsorted``
+    needs as many queries for every row, so each row's queries are cut into blocks, each searched in a copy
+    of its row: the block size balances copying long rows against padding rows with few queries.
     """
     if len(queries) == 0:
         return torch.zeros_like(row_of)
