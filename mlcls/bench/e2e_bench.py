@@ -1,25 +1,10 @@
 """``mlcls-bench e2e``: the whole training loop fed by the real loader, against the same loop on batches
 already on the device: the share of the device's rate each input pipeline reaches.
 
-One :class:`~mlcls.engine.trainer.Trainer` is built from the config (model, optimizer, loss, AMP, memory
-format, ``trainer.compile``, ``trainer.workers``), and its epoch loop, ``Trainer.train_one_epoch`` (device
-prefetch and stage, the step, its bookkeeping), runs once per contender:
-
-* ``gpu_only``: the same batch, already finished on the device, every step (no loading, no input stage);
-  timed before the backends and after them, the mean of both reported;
-* each backend of ``--backends``: the training loader that ``build_train_loader`` makes for ``data.backend``
-  ``fast``, ``gpu``, ``torchvision`` or ``dali`` over a folder of JPEGs, or for ``dataset=shards`` over the
-  same images packed by ``mlcls-data pack`` (long side ``--max-side``): ``shards`` through the fast CPU
-  stage, ``shards_gpu`` through the GPU pipeline.
-
-Each contender runs one epoch of ``warmup + steps`` steps over distinct samples (the files repeated as
-needed); the ``steps`` after the warm-up are timed: on CUDA by events recorded after each step on the
-compute stream (so the time the GPU waits for its input counts, and no host sync is added to the loop), on
-the CPU by the clock. The warm-up (default twice the DataLoader workers, plus 2 steps) lets the workers'
-first burst of batches pass, so that the rate is the steady state. ``<name>_share`` is ``<name>``'s
-images/s over ``gpu_only``'s, each measured on its own (``seconds`` and ``images`` give both). On CUDA
-with a ``gpu`` backend the result adds the peak GPU memory of the input stage over a few batches
-(``gpu_input_peak_mib``) beside its bound.
+One :class:`~mlcls.engine.trainer.Trainer` runs one epoch of ``warmup + steps`` steps per contender
+(``gpu_only``, before and after the backends, then each of ``--backends``); the last ``steps`` are timed on
+CUDA by events on the compute stream (input waits count, no host sync is added), on the CPU by the clock.
+docs/performance.md says what each contender reads and what each key means.
 """
 
 from __future__ import annotations
@@ -51,21 +36,6 @@ BACKENDS = ("fast", "gpu", "torchvision", "dali", "shards", "shards_gpu")
 MEMORY_BATCHES = 3
 
 
-def _mark(device: torch.device) -> Any:
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()  # on the current stream: the compute stream, after the step's work
-    return event
-
-
-def _seconds(start: Any, end: Any, device: torch.device) -> float:
-    if device.type != "cuda":
-        return end - start
-    end.synchronize()
-    return start.elapsed_time(end) / 1000.0
-
-
 def timed_epoch(trainer: Trainer, loader: Any, warmup: int, steps: int) -> float:
     """Seconds of the last ``steps`` steps of one epoch of ``warmup + steps`` steps of the trainer's loop
     over ``loader``."""
@@ -75,7 +45,11 @@ def timed_epoch(trainer: Trainer, loader: Any, warmup: int, steps: int) -> float
 
     def marked_step(*batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = step(*batch)
-        marks.append(_mark(trainer.device))
+        if trainer.device.type != "cuda":
+            marks.append(time.perf_counter())
+            return out
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()  # on the current stream: the compute stream, after the step's work
         return out
 
     trainer.train_step = marked_step  # type: ignore[method-assign]
@@ -85,7 +59,10 @@ def timed_epoch(trainer: Trainer, loader: Any, warmup: int, steps: int) -> float
         del trainer.train_step
     if len(marks) != warmup + steps:
         raise ConfigError(f"the loader gave {len(marks)} batches; {warmup + steps} expected")
-    return _seconds(marks[warmup - 1], marks[-1], trainer.device)
+    if trainer.device.type != "cuda":
+        return marks[-1] - marks[warmup - 1]
+    marks[-1].synchronize()
+    return marks[warmup - 1].elapsed_time(marks[-1]) / 1000.0
 
 
 def _loader(backend: str, trainer: Trainer, paths: list[Path], count: int, shards: Callable[[], list[str]]):
@@ -135,72 +112,60 @@ def run(
         raise ConfigError(f"--warmup {warmup} --steps {steps}; expected at least 1 of each")
     with temporary_trainer(cfg) as (trainer, tmp):
         paths = jpeg_files(images, count, jpeg_size, tmp / "jpegs")
-        return _measure(trainer, backends, paths, warmup, steps, max_side, tmp, images)
+        cfg, device, batch_size = trainer.cfg, trainer.device, trainer.data.local_batch
+        samples = (warmup + steps) * batch_size
+        size = int(cfg.dataset.image_size)
+        # on the device, finished: no input work left
+        resident = trainer.device_stage.finish(synthetic_batch(batch_size, size, len(trainer.classes)))
+        packed: list[str] = []
 
+        def shard_urls() -> list[str]:
+            if not packed:
+                folder = JpegFolder(paths, None, samples, trainer.classes)
+                packed.extend(
+                    pack_shards(folder, tmp / "shards", 256, max_side, workers=min(8, available_cpus()))
+                )
+            return packed
 
-def _measure(
-    trainer: Trainer,
-    backends: Sequence[str],
-    paths: list[Path],
-    warmup: int,
-    steps: int,
-    max_side: int,
-    tmp: Path,
-    images: str | None,
-) -> dict[str, Any]:
-    cfg, device, batch_size = trainer.cfg, trainer.device, trainer.data.local_batch
-    count = (warmup + steps) * batch_size
-    fixed = synthetic_batch(batch_size, int(cfg.dataset.image_size), len(trainer.classes))
-    resident = trainer.device_stage.finish(fixed)  # on the device, finished: no input work left
-    packed: list[str] = []
-
-    def shard_urls() -> list[str]:
-        if not packed:
-            folder = JpegFolder(paths, None, count, trainer.classes)
-            workers = min(8, available_cpus())
-            packed.extend(pack_shards(folder, tmp / "shards", 256, max_side, workers=workers))
-        return packed
-
-    seconds, gpu_only = {}, []
-    timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps)  # compile, autotune
-    gpu_only.append(timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps))
-    peak = None
-    for backend in backends:
-        loader = _loader(backend, trainer, paths, count, shard_urls)
-        seconds[backend] = timed_epoch(trainer, loader, warmup, steps)
-        if backend.endswith("gpu") and device.type == "cuda":
-            peak = _input_peak_mib(trainer, loader)
-        trainer.data.train_loader = loader = None
-        gc.collect()  # the loader's persistent workers end here, before the next loader's start
-    gpu_only.append(timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps))
-    seconds["gpu_only"] = sum(gpu_only) / len(gpu_only)
-    rates = {name: steps * batch_size / value for name, value in seconds.items()}
-    size = int(cfg.dataset.image_size)
-    return {
-        "gpu_only_images_per_s": rates["gpu_only"],
-        **{f"{name}_images_per_s": rates[name] for name in backends},
-        **{f"{name}_share": rates[name] / rates["gpu_only"] for name in backends},
-        "gpu_only_runs_images_per_s": [steps * batch_size / value for value in gpu_only],
-        "seconds": seconds,
-        "images": steps * batch_size,
-        "backends": list(backends),
-        "warmup_steps": warmup,
-        "steps": steps,
-        "workers": loader_workers(int(cfg.trainer.workers)),
-        "jpegs": {
-            "source": images or "generated",
-            "files": len(paths),
-            "mean_kib": float(np.mean([p.stat().st_size for p in paths]) / 1024),
-        },
-        "gpu_input_peak_mib": peak,
-        "gpu_input_bound_mib": input_stage_bytes(batch_size, size) / 2**20,
-        **trainer_fields(trainer),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        **host(),
-        "cpus": available_cpus(),
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-    }
+        seconds, gpu_only = {}, []
+        timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps)  # compile, autotune
+        gpu_only.append(timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps))
+        peak = None
+        for backend in backends:
+            loader = _loader(backend, trainer, paths, samples, shard_urls)
+            seconds[backend] = timed_epoch(trainer, loader, warmup, steps)
+            if backend.endswith("gpu") and device.type == "cuda":
+                peak = _input_peak_mib(trainer, loader)
+            trainer.data.train_loader = loader = None
+            gc.collect()  # the loader's persistent workers end here, before the next loader's start
+        gpu_only.append(timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps))
+        seconds["gpu_only"] = sum(gpu_only) / len(gpu_only)
+        rates = {name: steps * batch_size / value for name, value in seconds.items()}
+        return {
+            "gpu_only_images_per_s": rates["gpu_only"],
+            **{f"{name}_images_per_s": rates[name] for name in backends},
+            **{f"{name}_share": rates[name] / rates["gpu_only"] for name in backends},
+            "gpu_only_runs_images_per_s": [steps * batch_size / value for value in gpu_only],
+            "seconds": seconds,
+            "images": steps * batch_size,
+            "backends": list(backends),
+            "warmup_steps": warmup,
+            "steps": steps,
+            "workers": workers,
+            "jpegs": {
+                "source": images or "generated",
+                "files": len(paths),
+                "mean_kib": float(np.mean([p.stat().st_size for p in paths]) / 1024),
+            },
+            "gpu_input_peak_mib": peak,
+            "gpu_input_bound_mib": input_stage_bytes(batch_size, size) / 2**20,
+            **trainer_fields(trainer),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            **host(),
+            "cpus": available_cpus(),
+            "torch": torch.__version__,
+            "torchvision": torchvision.__version__,
+        }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,16 +1,10 @@
-"""``mlcls-bench eval``: the trainer's evaluation after the forward passes, on generated Open Images-sized
-outputs.
+"""``mlcls-bench eval``: the trainer's evaluation after the forward passes (:func:`measure_rank_parts`,
+:func:`calibrate_on_main`, results.json) on generated Open Images-sized outputs: the seconds of each phase
+and the peak resident memory after generating the inputs and at the end.
 
-It generates float32 logits (N, C) and int8 labels (N, C) and runs
-what the trainer runs on them at each evaluation: :func:`measure_rank_parts` (the gather on rank 0 and
-every metric of results.json), :func:`calibrate_on_main` (the per-class thresholds) and the JSON writing
-of the figures. It prints one JSON line: the seconds of each phase and the process's peak resident memory
-(``ru_maxrss``) after generating the inputs and at the end, so the evaluation's own share is visible.
-
-The labels imitate Open Images' validation set, whose labels are human-verified for a few classes per
-image and unknown for the others: about :data:`POSITIVES_PER_ROW` positives per image from long-tailed
-class frequencies, :data:`NEGATIVES_PER_ROW` verified negatives, every other label -1. Logits are
-``randn`` with positives shifted up by 2, so that AP is neither 0 nor 1.
+The labels imitate Open Images' validation set: about :data:`POSITIVES_PER_ROW` positives per image from
+long-tailed class frequencies, :data:`NEGATIVES_PER_ROW` verified negatives, every other label -1 (unknown);
+logits are ``randn`` with positives shifted up by 2, so that AP is neither 0 nor 1.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mlcls.bench.harness import host, timed
+from mlcls.bench.harness import host, run_with_options, timed
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import calibrate_on_main, measure_rank_parts
 from mlcls.errors import ConfigError
@@ -103,4 +97,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return run(args.n, args.c, args.seed)
+    return run_with_options(run, args)

@@ -3,7 +3,9 @@ length of a run, and the description of the machine a figure was measured on."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import inspect
 import os
 import platform
 import statistics
@@ -84,3 +86,9 @@ def host() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
     }
+
+
+def run_with_options(run: Callable[..., T], args: argparse.Namespace) -> T:
+    """``run`` called with each option of ``args`` named like one of its parameters (others: its defaults)."""
+    parameters = inspect.signature(run).parameters
+    return run(**{name: value for name, value in vars(args).items() if name in parameters})

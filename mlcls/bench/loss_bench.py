@@ -1,17 +1,9 @@
 """``mlcls-bench loss``: the two-way loss against a plain masked-logsumexp implementation of eq. 17.
 
-Forward + backward of :class:`mlcls.losses.TwoWayLoss` (tp = 4, tn = 1, buckets of M = 128 rows) on
-(512, 80) logits (MS-COCO's class count) and (512, 620) logits (VAW's), timed in the same run as
-:func:`masked_logsumexp_twoway`, the approach of the authors' public code: logits masked by adding a large
-negative number, ``torch.logsumexp`` per row and per column, autograd for the backward pass. The result:
-the median milliseconds of both at both sizes and ``ratio``, the larger of the two ratios (two-way /
-masked logsumexp; below 1 means faster).
-
-Large label spaces (``--scale``, :func:`run_scale`): every loss of :mod:`mlcls.losses` (default arguments)
-at C = 80 (MS-COCO) and C = 9,605 (Open Images V6's trainable classes), a batch of 128 (one process's
-batch in the paper), ~3 positives per sample; forward + backward median milliseconds, the peak memory a
-step adds, the two-way loss's time over BCE's at C = 9,605 (``twoway_over_bce``), and mAP@class and
-mAP@sample on N = 20,000 x C = 9,605 scores (seconds).
+Forward + backward of :class:`mlcls.losses.TwoWayLoss` (tp = 4, tn = 1, buckets of 128 rows) and of
+:func:`masked_logsumexp_twoway` (the authors' approach) on (512, 80) and (512, 620) logits; ``ratio`` is
+the larger two-way / masked-logsumexp ratio. ``--scale`` (:func:`run_scale`) times every loss at C = 80
+and 9,605 (Open Images), batch 128, and mAP@class / mAP@sample on 20,000 x 9,605 scores.
 """
 
 from __future__ import annotations
@@ -186,13 +178,9 @@ def _criteria(classes: int = SCALE_CLASSES[0]) -> dict[str, Callable[[Tensor, Te
 
 
 def peak_memory() -> dict[str, float]:
-    """``<name>_c<C>_peak_mib``: the peak memory one forward + backward adds, every loss and size (Linux).
-
-    Meant for a fresh process (``python -m mlcls.bench.loss_bench``): glibc is first told to serve every
-    allocation above 4 KiB with its own ``mmap`` (``M_MMAP_THRESHOLD``), so that a freed tensor leaves the
-    resident set at once instead of staying in the heap for reuse; the figure is then the bytes live at the
-    worst moment.
-    """
+    """``<name>_c<C>_peak_mib``: the peak memory one forward + backward adds, every loss and size (Linux),
+    in a fresh process whose allocations above 4 KiB glibc serves by ``mmap``, so that a freed tensor leaves
+    the resident set at once: the figure is the bytes live at the worst moment."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 4096)  # M_MMAP_THRESHOLD = 4 KiB, before any tensor exists
     result = {}
     for classes, (logits, targets) in _scale_batches().items():
@@ -209,30 +197,26 @@ def run_scale(repeats: int = 20, warmup: int = 3, threads: int = 1) -> dict[str,
     ``map_sample_s`` (one call each, N = 20,000, C = 9,605) and, on Linux, the :func:`peak_memory` figures
     measured in a child process. Torch runs ``threads`` intra-op threads (default 1: the ratio then does
     not depend on what else the machine runs)."""
-    with torch_threads(threads):
-        return {**_scale_figures(repeats, warmup), "torch_threads": threads}
-
-
-def _scale_figures(repeats: int, warmup: int) -> dict[str, float]:
     from mlcls.bench.metrics_bench import make_scores
     from mlcls.metrics import map_class, map_sample
 
     result: dict[str, float] = {}
-    for classes, (logits, targets) in _scale_batches().items():
-        for name, ms in _median_ms(_criteria(classes), logits, targets, repeats, warmup).items():
-            result[f"{name}_c{classes}_ms"] = ms
-    largest = SCALE_CLASSES[-1]
-    result["twoway_over_bce"] = result[f"twoway_c{largest}_ms"] / result[f"bce_c{largest}_ms"]
-    scores, labels = make_scores(SCALE_METRIC_SAMPLES, largest, seed=0)
-    for key, metric in (("map_class_s", map_class), ("map_sample_s", map_sample)):
-        start = time.perf_counter()
-        metric(scores, labels)
-        result[key] = time.perf_counter() - start
-    if sys.platform == "linux":
-        child = [sys.executable, "-m", "mlcls.bench.loss_bench"]
-        output = subprocess.run(child, capture_output=True, text=True, check=True).stdout
-        result.update(json.loads(output.strip().splitlines()[-1]))
-    return result
+    with torch_threads(threads):
+        for classes, (logits, targets) in _scale_batches().items():
+            for name, ms in _median_ms(_criteria(classes), logits, targets, repeats, warmup).items():
+                result[f"{name}_c{classes}_ms"] = ms
+        largest = SCALE_CLASSES[-1]
+        result["twoway_over_bce"] = result[f"twoway_c{largest}_ms"] / result[f"bce_c{largest}_ms"]
+        scores, labels = make_scores(SCALE_METRIC_SAMPLES, largest, seed=0)
+        for key, metric in (("map_class_s", map_class), ("map_sample_s", map_sample)):
+            start = time.perf_counter()
+            metric(scores, labels)
+            result[key] = time.perf_counter() - start
+        if sys.platform == "linux":
+            child = [sys.executable, "-m", "mlcls.bench.loss_bench"]
+            output = subprocess.run(child, capture_output=True, text=True, check=True).stdout
+            result.update(json.loads(output.strip().splitlines()[-1]))
+    return {**result, "torch_threads": threads}
 
 
 # Timed calls per loss: at C = 80 (two losses), and under --scale (every loss, up to C = 9,605), where each

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from mlcls.bench.harness import host, timed, torch_threads
+from mlcls.bench.harness import host, run_with_options, timed, torch_threads
 from mlcls.metrics import compute_metrics, map_class, map_sample
 
 POSITIVES_PER_ROW = 2.9
@@ -54,16 +54,12 @@ def _mlcls_pair(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, floa
 
 
 def run(n: int = 40137, c: int = 80, seed: int = 0, threads: int | None = 1) -> dict:
-    """Both means timed with scikit-learn (once) and with mlcls (a cold call, then 5 before and 5 after).
+    """Both means timed with scikit-learn (once) and with mlcls (a cold call, then 5 before and 5 after
+    scikit-learn's long run, so that a burst of load from other processes does not decide the result).
 
-    mlcls is timed on both sides of scikit-learn's long run, so that a burst of load from other processes
-    does not decide the result. ``ratio`` is scikit-learn's time over mlcls' median call, ``ratio_best``
-    over its best call; ``equal`` compares the values to 1e-9.
-
-    ``threads`` sets torch's CPU threads during the run: by default 1, as scikit-learn uses one core, which
-    also keeps the figure stable on a shared machine (when another process keeps a core busy, torch's
-    OpenMP threads wait for each other at every operation and two threads are several times slower than
-    one). ``None`` leaves torch's setting unchanged.
+    ``ratio`` is scikit-learn's time over mlcls' median call, ``ratio_best`` over its best call; ``equal``
+    compares the values to 1e-9. Torch runs ``threads`` CPU threads (default 1, as scikit-learn uses one
+    core; steadier on a shared machine; 0 or ``None``: torch's setting).
     """
     with torch_threads(threads):
         logits, labels = make_scores(n, c, seed)
@@ -102,4 +98,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> dict:
-    return run(args.n, args.c, args.seed, args.threads or None)
+    return run_with_options(run, args)

@@ -1,23 +1,6 @@
-"""``mlcls-bench pipeline``: decode + training augmentation, images/s, of the input pipelines side by side.
-
-Pipelines, each over the same JPEG files, interleaved within every repeat (same machine state):
-
-* ``torchvision``: the straightforward reference, PIL decode at full size -> RandomResizedCrop -> flip ->
-  ColorJitter(0.4, 0.4, 0.4) -> ToTensor -> Normalize;
-* ``plain``: mlcls's ``data.backend=torchvision`` (the reference plus PCA lighting, through the dataset);
-* ``fast_cpu_stage``: mlcls's ``data.backend=fast`` CPU stage, the whole per-image CPU work when training
-  on CUDA (colour, lighting and normalisation then run batched on the GPU);
-* ``fast``: the CPU stage plus the device stage run on the CPU in batches (training on the CPU), or on
-  CUDA when available;
-* ``decode_only``: PIL's full-size decode and nothing else, the ceiling of any pipeline that decodes
-  every pixel of the JPEG;
-* ``shards_cpu_stage``: the same images packed by ``mlcls-data pack`` (long side ``--max-side``, 320 by
-  default) and read back from the tar shards by ``dataset=shards``'s loader, through the ``fast`` CPU
-  stage: the whole per-image CPU work when training from shards on CUDA;
-* ``shards``: the same shard loader plus the device stage (training from shards on the CPU, or on CUDA
-  when available). The pack's own speed (images/s, ``--pack-workers`` processes) is reported beside it.
-
-Without ``--images`` it generates 64 640x480 JPEGs in a temporary directory (:func:`make_jpegs`).
+"""``mlcls-bench pipeline``: decode + training augmentation, images/s, of the input pipelines of
+:data:`PIPELINES` side by side over the same JPEGs, interleaved within every repeat (same machine state).
+docs/performance.md says what each pipeline runs; without ``--images`` it times 64 generated 640x480 JPEGs.
 """
 
 from __future__ import annotations
@@ -38,7 +21,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
-from mlcls.bench.harness import host, median_seconds, random_labels, sync, torch_threads
+from mlcls.bench.harness import host, median_seconds, random_labels, run_with_options, sync, torch_threads
 from mlcls.data.datasets.base import MultiLabelDataset, Sample
 from mlcls.data.loader import DeviceStage, ShardTrainLoader, available_cpus, collate_batch
 from mlcls.data.pipeline.fast import AugmentedImage, build_backend_transform
@@ -53,13 +36,8 @@ JPEG_EXTENSIONS = (".jpg", ".jpeg", ".JPG", ".JPEG")
 def make_jpegs(
     directory: str | Path, count: int, size: tuple[int, int] = (640, 480), seed: int = 0
 ) -> list[Path]:
-    """Write ``count`` JPEGs (quality 90) of natural-looking content, COCO's typical 640x480 by default.
-
-    Each image: smooth colour gradients (a random plane wave per channel), 25 random ellipses and
-    rectangles, a slight blur (object edges), low-frequency texture (noise upsampled 4x) and sensor-like
-    pixel noise (sigma 6). At 640x480 the files weigh ~120 kB, close to COCO's average, so the entropy
-    decoding cost is realistic.
-    """
+    """Write ``count`` JPEGs (quality 90) of natural-looking content, COCO's typical 640x480 by default:
+    ~120 kB each, so that the entropy decoding costs what it costs on photographs (docs/performance.md)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -212,11 +190,15 @@ def _interleaved_seconds(
     return totals
 
 
-def _in_process_batches(dataset: torch.utils.data.Dataset, count: int, batch_size: int) -> Iterable:
-    """Batches of ``count`` samples read in this process (cycling over the dataset), like ``workers=0``."""
-    for first in range(0, count, batch_size):
-        items = [dataset[i % len(dataset)] for i in range(first, min(count, first + batch_size))]
-        yield collate_batch(items)
+def _shard_batches(
+    urls: list[str], size: int, batch_size: int, workers: int, device: torch.device
+) -> Iterable:
+    """Endless training batches of the packed shards (epoch after epoch), as ``dataset=shards`` reads them."""
+    dataset = open_shards("train", urls, transform=build_backend_transform("fast", "paper", size, train=True))
+    loader = ShardTrainLoader(dataset, batch_size, workers, 0, 1, seed=0, device=device)
+    for epoch in itertools.count():
+        loader.sampler.set_epoch(epoch)
+        yield from loader
 
 
 def run(
@@ -243,100 +225,73 @@ def run(
         start = time.perf_counter()
         urls = pack_shards(JpegFolder(paths), Path(tmp) / "shards", 16, max_side, subsampling, pack_workers)
         pack_rate = len(paths) / (time.perf_counter() - start)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        finishers: dict[str, Callable | None] = {name: None for name in PIPELINES}
+        finishers["fast"] = finishers["shards"] = DeviceStage(device)
+        torch.manual_seed(seed)
+        prefetch = 2
+        loaders: dict[str, Callable[[], Iterable]] = {}
+        for name in ("shards_cpu_stage", "shards"):
+            shard_stream = _shard_batches(urls, size, batch_size, workers, device)
+            loaders[name] = lambda shard_stream=shard_stream: shard_stream
+        for name, dataset in _datasets(paths, size).items():
+            if workers == 0:  # read in this process, cycling over the dataset
+                loaders[name] = lambda dataset=dataset: (
+                    collate_batch(
+                        [dataset[i % len(dataset)] for i in range(first, min(n, first + batch_size))]
+                    )
+                    for first in range(0, n, batch_size)
+                )
+                continue
+            endless = iter(
+                DataLoader(
+                    dataset,
+                    batch_size=batch_size,
+                    sampler=torch.utils.data.RandomSampler(dataset, replacement=True, num_samples=2**62),
+                    num_workers=workers,
+                    persistent_workers=True,
+                    prefetch_factor=prefetch,
+                    pin_memory=device.type == "cuda",
+                    collate_fn=collate_batch,
+                )
+            )
+
+            def drained(endless: Iterable = endless) -> Iterable:
+                # Take the batches the workers prepared while other pipelines were timed (untimed), so that
+                # the timing starts with every worker busy and the queue empty: steady-state throughput.
+                for _ in range(prefetch * workers):
+                    next(endless)
+                return endless
+
+            loaders[name] = drained
+        seconds: dict[str, list[float]] = {name: [] for name in PIPELINES}
+        for repeat in range(repeats):
+            if workers == 0:  # batch by batch in turn, so that every pipeline sees the same machine load
+                totals = _interleaved_seconds(loaders, finishers, device, n, batch_size, repeat)
+                for name, value in totals.items():
+                    seconds[name].append(value)
+                continue
+            for name in PIPELINES if repeat % 2 == 0 else PIPELINES[::-1]:
+                seconds[name].append(_time_pipeline(loaders[name](), finishers[name], device, n))
+        rates = {name: n / statistics.median(values) for name, values in seconds.items()}
         return {
-            **_measure(paths, urls, n, workers, size, batch_size, repeats, seed),
+            "images_per_s": rates["fast"],
+            **{f"{name}_images_per_s": rate for name, rate in rates.items()},
+            "device_stage_images_per_s": _device_stage_rate(batch_size, size, device, repeats),
+            **{f"ratio_{name}_vs_torchvision": rates[name] / rates["torchvision"] for name in PIPELINES[1:]},
+            "n": n,
+            "files": len(paths),
+            "workers": workers,
+            "size": size,
+            "batch_size": batch_size,
+            "repeats": repeats,
+            "device_stage_on": device.type,
+            **host(),
             "pack_images_per_s": pack_rate,
             "pack_workers": pack_workers,
             "max_side": max_side,
             "subsampling": subsampling,
         }
-
-
-def _shard_batches(
-    urls: list[str], size: int, batch_size: int, workers: int, device: torch.device
-) -> Iterable:
-    """Endless training batches of the packed shards (epoch after epoch), as ``dataset=shards`` reads them."""
-    dataset = open_shards("train", urls, transform=build_backend_transform("fast", "paper", size, train=True))
-    loader = ShardTrainLoader(dataset, batch_size, workers, 0, 1, seed=0, device=device)
-    for epoch in itertools.count():
-        loader.sampler.set_epoch(epoch)
-        yield from loader
-
-
-def _measure(
-    paths: list[Path],
-    shard_urls: list[str],
-    n: int,
-    workers: int,
-    size: int,
-    batch_size: int,
-    repeats: int,
-    seed: int,
-) -> dict[str, Any]:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    stage = DeviceStage(device)
-    datasets = _datasets(paths, size)
-    finishers: dict[str, Callable | None] = {name: None for name in PIPELINES}
-    finishers["fast"] = finishers["shards"] = stage
-    torch.manual_seed(seed)
-    prefetch = 2
-    loaders: dict[str, Callable[[], Iterable]] = {}
-    for name in ("shards_cpu_stage", "shards"):
-        shard_stream = _shard_batches(shard_urls, size, batch_size, workers, device)
-        loaders[name] = lambda shard_stream=shard_stream: shard_stream
-    for name, dataset in datasets.items():
-        if workers == 0:
-            loaders[name] = lambda dataset=dataset: _in_process_batches(dataset, n, batch_size)
-            continue
-        endless = iter(
-            DataLoader(
-                dataset,
-                batch_size=batch_size,
-                sampler=torch.utils.data.RandomSampler(dataset, replacement=True, num_samples=2**62),
-                num_workers=workers,
-                persistent_workers=True,
-                prefetch_factor=prefetch,
-                pin_memory=device.type == "cuda",
-                collate_fn=collate_batch,
-            )
-        )
-
-        def drained(endless: Iterable = endless) -> Iterable:
-            # Take the batches the workers prepared while other pipelines were timed (untimed), so that
-            # the timing starts with every worker busy and the queue empty: steady-state throughput.
-            for _ in range(prefetch * workers):
-                next(endless)
-            return endless
-
-        loaders[name] = drained
-    seconds: dict[str, list[float]] = {name: [] for name in PIPELINES}
-    for repeat in range(repeats):
-        if workers == 0:  # batch by batch in turn, so that every pipeline sees the same machine load
-            for name, value in _interleaved_seconds(
-                loaders, finishers, device, n, batch_size, repeat
-            ).items():
-                seconds[name].append(value)
-            continue
-        order = PIPELINES if repeat % 2 == 0 else PIPELINES[::-1]
-        for name in order:
-            batches = loaders[name]()
-            seconds[name].append(_time_pipeline(batches, finishers[name], device, n))
-    rates = {name: n / statistics.median(values) for name, values in seconds.items()}
-    colour = _device_stage_rate(batch_size, size, device, repeats)
-    return {
-        "images_per_s": rates["fast"],
-        **{f"{name}_images_per_s": rate for name, rate in rates.items()},
-        "device_stage_images_per_s": colour,
-        **{f"ratio_{name}_vs_torchvision": rates[name] / rates["torchvision"] for name in PIPELINES[1:]},
-        "n": n,
-        "files": len(paths),
-        "workers": workers,
-        "size": size,
-        "batch_size": batch_size,
-        "repeats": repeats,
-        "device_stage_on": device.type,
-        **host(),
-    }
 
 
 def _device_stage_rate(batch_size: int, size: int, device: torch.device, repeats: int) -> float:
@@ -374,16 +329,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return run(
-        args.images,
-        args.n,
-        args.workers,
-        args.size,
-        args.batch_size,
-        args.repeats,
-        0,
-        args.threads,
-        args.max_side,
-        args.pack_workers,
-        args.subsampling,
-    )
+    return run_with_options(run, args)

@@ -1,15 +1,9 @@
 """``mlcls-bench step``: images/s of the trainer against a bare hand-written PyTorch loop, side by side.
 
-Two modes (``--loop``):
-
-* ``epoch`` (default): ``Trainer.train_one_epoch`` -- the loop a run executes (device prefetch, the step,
-  loss and non-finite bookkeeping on the device, log steps, stop-flag polling) -- against a bare ``for``
-  loop of bare steps, over the same in-memory batches;
-* ``step``: ``Trainer.train_step`` alone against the bare step.
-
-Both sides use the same synthetic batches (no data loading), model architecture, optimizer, loss, AMP mode,
-memory format and ``trainer.compile`` setting, built from the same config. The bare step is the minimum a
-training step needs::
+``--loop epoch`` times ``Trainer.train_one_epoch``, ``--loop step`` ``Trainer.train_step``, against the bare
+step below with the same model architecture, optimizer, loss, AMP mode, memory format and
+``trainer.compile``, on the same synthetic batches; timed blocks alternate. ``--heads`` times instead the
+bare step of each classifier head on one backbone. docs/performance.md says what the trainer adds::
 
     logits = model(images)          # under autocast for trainer.amp=bf16/fp16 on CUDA
     loss = criterion(logits.float(), targets)
@@ -17,17 +11,6 @@ training step needs::
     scaler.scale(loss).backward()   # a GradScaler as the trainer's (it skips non-finite steps)
     scaler.step(optimizer)
     scaler.update()
-
-The trainer adds gradient clipping or the gradient norm, the EMA, the non-finite counters and the
-scheduler. Timed blocks alternate between the two (order swapped every repeat).
-
-With ``--heads linear,mldecoder,csra`` it times instead the bare step of each classifier head
-(``model.head``) on the same backbone, with ``--classes`` outputs, each relative to the first head (the
-linear one) in the same run, timed blocks alternating between the heads; BCE is the loss of every head.
-
-Overrides e.g. ``model.name=resnet50 dataset.image_size=224 trainer.batch_size=32 trainer.amp=bf16
-trainer.compile=true``. The dataset config only sets the image size and the class count (the default
-synthetic one needs no files).
 """
 
 from __future__ import annotations
@@ -38,13 +21,14 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from mlcls.bench.harness import check_names, host, median_seconds, random_labels
+from mlcls.bench.harness import check_names, host, median_seconds, random_labels, run_with_options
 from mlcls.engine.build import build_loss, build_model, build_optimization
 from mlcls.engine.distributed import resolve_device
 from mlcls.engine.evaluate import autocast_context
@@ -65,18 +49,6 @@ def temporary_trainer(cfg: DictConfig) -> Iterator[tuple[Trainer, Path]]:
             yield trainer, Path(tmp)
         finally:
             trainer.run_log.close()
-
-
-def bare_step_fn(cfg: DictConfig, trainer: Trainer) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A hand-written training step with a fresh model of the same architecture, optimizer and loss."""
-    device = trainer.device
-    torch.manual_seed(cfg.trainer.seed)
-    model = build_model(cfg.model, len(trainer.classes), device, trainer.channels_last)
-    optimizer, _ = build_optimization(cfg, model, trainer.iters_per_epoch)
-    criterion = build_loss(cfg.loss, trainer.data.train_set, device)
-    forward = torch.compile(model) if cfg.trainer.get("compile", False) else model
-    scaler = torch.amp.GradScaler(device.type, init_scale=trainer.scaler.get_scale())
-    return plain_step_fn(model, forward, optimizer, criterion, scaler, trainer.amp, trainer.channels_last)
 
 
 def plain_step_fn(
@@ -122,15 +94,9 @@ class RepeatedBatches:
     """``steps`` times the same batch, as a training loader (``len()``, a ``sampler`` with ``set_epoch`` and
     ``set_start``), so that the whole epoch loop runs without data loading."""
 
-    class _Sampler:
-        def set_epoch(self, epoch: int) -> None:
-            pass
-
-        def set_start(self, start: int) -> None:
-            pass
-
     def __init__(self, batch: tuple[torch.Tensor, torch.Tensor], steps: int) -> None:
-        self.batch, self.steps, self.sampler = batch, steps, self._Sampler()
+        self.batch, self.steps = batch, steps
+        self.sampler = SimpleNamespace(set_epoch=lambda epoch: None, set_start=lambda start: None)
 
     def __len__(self) -> int:
         return self.steps
@@ -147,24 +113,42 @@ def run(
     if loop not in LOOPS:
         raise ValueError(f"--loop {loop!r}; expected one of {', '.join(LOOPS)}")
     with temporary_trainer(cfg) as (trainer, _):
-        return _measure(trainer, repeats, steps, warmup, loop)
+        cfg, device, size = trainer.cfg, trainer.device, trainer.data.local_batch
+        batch = synthetic_batch(size, int(cfg.dataset.image_size), len(trainer.classes))
+        if device.type == "cuda":
+            batch = tuple(tensor.pin_memory() for tensor in batch)
+        torch.manual_seed(cfg.trainer.seed)  # the bare side: a fresh model of the same architecture
+        model = build_model(cfg.model, len(trainer.classes), device, trainer.channels_last)
+        optimizer, _ = build_optimization(cfg, model, trainer.iters_per_epoch)
+        criterion = build_loss(cfg.loss, trainer.data.train_set, device)
+        forward = torch.compile(model) if cfg.trainer.get("compile", False) else model
+        scaler = torch.amp.GradScaler(device.type, init_scale=trainer.scaler.get_scale())
+        bare = plain_step_fn(model, forward, optimizer, criterion, scaler, trainer.amp, trainer.channels_last)
+        contenders: dict[str, Callable[[], torch.Tensor]]
+        if loop == "step":
 
+            def trainer_step(*batch: torch.Tensor) -> torch.Tensor:
+                return trainer.train_step(*trainer.device_stage.finish(batch))[0]  # moved as bare moves it
 
-def _contenders(
-    trainer: Trainer, bare: Callable, batch: tuple[torch.Tensor, torch.Tensor], steps: int, loop: str
-) -> dict[str, Callable[[], torch.Tensor]]:
-    """One timed block of ``steps`` steps per contender; each returns its last loss."""
-    bare_block = partial(_repeat_step, bare, batch, steps)
-    if loop == "step":
-
-        def trainer_step(*batch: torch.Tensor) -> torch.Tensor:
-            return trainer.train_step(*trainer.device_stage.finish(batch))[
-                0
-            ]  # moved as the bare step moves it
-
-        return {"trainer": partial(_repeat_step, trainer_step, batch, steps), "bare": bare_block}
-    trainer.data.train_loader, trainer.iters_per_epoch = RepeatedBatches(batch, steps), steps
-    return {"trainer": lambda: torch.tensor(trainer.train_one_epoch(0)["loss"]), "bare": bare_block}
+            contenders = {"trainer": partial(_repeat_step, trainer_step, batch, steps)}
+        else:
+            trainer.data.train_loader, trainer.iters_per_epoch = RepeatedBatches(batch, steps), steps
+            contenders = {"trainer": lambda: torch.tensor(trainer.train_one_epoch(0)["loss"])}
+        contenders["bare"] = partial(_repeat_step, bare, batch, steps)
+        trainer.ddp_model.train()
+        step_s = median_step_seconds(contenders, device, repeats, steps, warmup)
+        return {
+            "loop": loop,
+            "trainer_images_per_s": size / step_s["trainer"],
+            "bare_images_per_s": size / step_s["bare"],
+            "trainer_step_s": step_s["trainer"],
+            "bare_step_s": step_s["bare"],
+            "overhead": step_s["trainer"] / step_s["bare"] - 1.0,
+            **trainer_fields(trainer),
+            "repeats": repeats,
+            "steps": steps,
+            **host(),
+        }
 
 
 def trainer_fields(trainer: Trainer) -> dict[str, Any]:
@@ -255,28 +239,6 @@ def _repeat_step(step: Callable, batch: tuple[torch.Tensor, torch.Tensor], steps
     return loss
 
 
-def _measure(trainer: Trainer, repeats: int, steps: int, warmup: int, loop: str) -> dict[str, Any]:
-    batch = trainer.data.local_batch
-    images, targets = synthetic_batch(batch, int(trainer.cfg.dataset.image_size), len(trainer.classes))
-    if trainer.device.type == "cuda":
-        images, targets = images.pin_memory(), targets.pin_memory()
-    contenders = _contenders(trainer, bare_step_fn(trainer.cfg, trainer), (images, targets), steps, loop)
-    trainer.ddp_model.train()
-    step_s = median_step_seconds(contenders, trainer.device, repeats, steps, warmup)
-    return {
-        "loop": loop,
-        "trainer_images_per_s": batch / step_s["trainer"],
-        "bare_images_per_s": batch / step_s["bare"],
-        "trainer_step_s": step_s["trainer"],
-        "bare_step_s": step_s["bare"],
-        "overhead": step_s["trainer"] / step_s["bare"] - 1.0,
-        **trainer_fields(trainer),
-        "repeats": repeats,
-        "steps": steps,
-        **host(),
-    }
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command-line options of ``mlcls-bench step``."""
     parser.add_argument("overrides", nargs="*", help="config overrides, as for mlcls-train")
@@ -296,4 +258,4 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The benchmark ``args`` ask for, on the training config ``args.cfg`` (of ``args.overrides``)."""
     if args.heads:
         return run_heads(args.cfg, args.heads.split(","), args.classes, args.repeats, args.steps, args.warmup)
-    return run(args.cfg, args.repeats, args.steps, args.warmup, args.loop)
+    return run_with_options(run, args)

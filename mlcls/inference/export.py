@@ -1,8 +1,8 @@
 """Export a checkpoint's network to TorchScript or ONNX, with its class names and preprocessing inside.
 
 Both formats take ``images``, a float32 (B, 3, H, W) batch already preprocessed as the metadata's
-``preprocess`` spec says (resize, crop, scale to [0, 1], normalise; :mod:`mlcls.data.pipeline.preprocess`),
-any batch size B, and return ``logits`` (B, C). The metadata (:func:`export_metadata`) travels in the file:
+``preprocess`` spec says, any batch size B, and return ``logits`` (B, C). The metadata
+(:func:`export_metadata`) travels in the file:
 
 * TorchScript: the extra file ``mlcls.json`` (``torch.jit.load(path, _extra_files={"mlcls.json": ""})``);
 * ONNX: ``metadata_props``, one entry per top-level key, each value JSON-encoded (onnxruntime:
@@ -117,8 +117,7 @@ def export_onnx(
     for key, value in metadata.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, json.dumps(value)
-    data = proto.SerializeToString()
-    atomic_write_bytes(path, data)
+    atomic_write_bytes(path, proto.SerializeToString())
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:

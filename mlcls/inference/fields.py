@@ -1,10 +1,7 @@
-"""The fields of a checkpoint that build its model, checked before anything the size of the model is made.
-
-A checkpoint is data from someone else: its class count, model options and preprocessing decide how much
-memory building and running the model takes. :func:`~mlcls.inference.predictor.load_inference_model`
-therefore reads the fields here first, builds the model on the ``meta`` device (shapes only) and compares
-it with the stored weights (:func:`check_weights_fit`): the real model is built only when every parameter
-and buffer has the shape of a stored tensor, so it takes no more memory than the weights in the file.
+"""The fields of a checkpoint that build its model, checked before anything the size of the model is made:
+a checkpoint is data from someone else, and its class count and model options decide how much memory the
+model takes. The real model is built only once its ``meta`` twin fits the stored weights
+(:func:`check_weights_fit`), so it takes no more memory than the weights in the file.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Labels for new images: load a checkpoint once, then score files, folders or globs in batches.
-
-The checkpoint (``last.pt`` or ``best.pt``) carries everything needed -- weights, class names, model config,
-preprocessing, calibrated thresholds and a text-query head's text source (:func:`use_classes`) -- so no
-dataset config is read. Images are decoded as RGB exactly as the datasets decode them (no EXIF rotation,
-like training); an unreadable file (missing, corrupt, not an image) is reported in ``unreadable``, skipped.
+"""Labels for new images: load a checkpoint once (it carries weights, classes, model config, preprocessing,
+thresholds and a text-query head's text source: no dataset config is read), then score files, folders or
+globs in batches, decoded as the datasets decode them; an unreadable file is reported and skipped.
 """
 
 from __future__ import annotations
@@ -94,10 +91,9 @@ class InferenceModel:
 def build_model(
     config: dict[str, Any], num_classes: int, class_embeddings: torch.Tensor | None = None
 ) -> nn.Module:
-    """The network of a run's resolved ``config`` with ``num_classes`` outputs, randomly initialised (the
-    weights are loaded afterwards: nothing is downloaded), built by :data:`MODEL_FACTORY` from the plain
-    fields of ``config["model"]``: a field it does not take, or another ``_target_`` (a callable read from a
-    file is never called), is refused. A text-query head takes the checked ``class_embeddings``."""
+    """The network of a run's resolved ``config`` with ``num_classes`` outputs, randomly initialised (nothing
+    is downloaded), built by :data:`MODEL_FACTORY` from the plain fields of ``config["model"]``: a field it
+    does not take, or another ``_target_`` (a callable read from a file is never called), is refused."""
     if not isinstance(config.get("model"), dict):
         raise InferenceError("the checkpoint's config has no model section; is it an mlcls checkpoint?")
     fields = dict(config["model"])
@@ -135,9 +131,8 @@ def load_inference_model(
     path: str | Path, device: str | torch.device = "auto", trust: bool = False
 ) -> InferenceModel:
     """Load ``path`` (``last.pt`` or ``best.pt``; plain data unless ``trust``) in eval mode on ``device``
-    (auto: CUDA when available), its fields checked in the order :mod:`mlcls.inference.fields` says, the
-    model built on the ``meta`` device and compared with the weights before any memory is allocated; a
-    text-query head's class embeddings checked against the class names, then with the weights."""
+    (auto: CUDA when available), every field checked (:mod:`mlcls.inference.fields`) before any memory the
+    size of the model is allocated."""
     state = load_checkpoint(path, map_location="cpu", trust=trust)
     classes = stored_classes(state, path)
     config = stored_config(state, path)
@@ -205,10 +200,8 @@ def use_classes(inference: InferenceModel, names: Sequence[str]) -> None:
 
 
 class ImageFiles(Dataset):
-    """``(index, tensor, None)`` for a readable image, ``(index, None, reason)`` for an unreadable one: a
-    file PIL cannot decode, one the transform fails on, or one of a shape the datasets refuse (one side over
-    ``MAX_ASPECT_RATIO`` times the other; :func:`mlcls.data.pipeline.transforms.check_aspect_ratio`), checked
-    from its header before any pixel is decoded or resized."""
+    """``(index, tensor, None)`` for a readable image, ``(index, None, reason)`` for one PIL cannot decode,
+    the transform fails on, or of a shape the datasets refuse (checked from its header, before decoding)."""
 
     def __init__(self, paths: Sequence[Path], transform: Any) -> None:
         self.paths = list(paths)

@@ -1,20 +1,9 @@
 """The authors' released checkpoints of ML-Decoder, ASL and CSRA as mlcls checkpoints (``mlcls-import``).
 
-A released file is read as data: its state dict is the ``model`` entry
-(ML-Decoder, ASL), else ``state_dict``, else the file itself (CSRA), with any ``module.`` prefix of
-``nn.DataParallel`` dropped. Each :data:`FORMATS` entry says which networks it holds, how their names
-translate to mlcls's (:mod:`mlcls.models.released` for the TResNets), and how its authors evaluate:
-
-    format     network                                   classes                 authors' evaluation
-    mldecoder  TResNet-M / L (tresnet_v2_l) / XL          COCO 80, Open Images    Resize((s, s)), [0, 1]
-               (tresnet_v2_xl) + ML-Decoder                9,605                   pixels (no mean/std);
-    asl        TResNet-M / L / XL + linear head            COCO 80, Open Images    s = 224 / 448 / 640
-    csra       ResNet-101 + CSRA (1 to 8 heads)            VOC 2007 20, COCO 80    Resize((448, 448)),
-                                                                                   [0, 1] pixels
-
-(ML-Decoder's and ASL's ``validate.py`` and CSRA's ``val.py``: a squash-resize, ``ToTensor`` and, for CSRA,
-``Normalize(mean=[0, 0, 0], std=[1, 1, 1])``: none of them subtracts ImageNet's mean.) The file is opened
-once through :func:`mlcls.io.open_checkpoint`, so what ``torch.load`` builds from it is bounded by its size.
+A released file is read as data, once, through :func:`mlcls.io.open_checkpoint`; each :data:`FORMATS`
+entry says which networks it holds and how their names translate to mlcls's (:mod:`mlcls.models.released`
+for the TResNets). docs/models.md tables the formats and their authors' evaluation: a squash-resize and
+[0, 1] pixels, none of them subtracting ImageNet's mean.
 """
 
 from __future__ import annotations
@@ -107,8 +96,9 @@ FORMATS = {
 
 
 def read_released(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The state dict of released file ``path`` (``module.`` prefixes dropped) and the file's other top-level
-    entries (``idx_to_class``, ...), read as data; :class:`InferenceError` for a file that is not one."""
+    """The state dict of released file ``path`` (its ``model`` entry, else ``state_dict``, else the file;
+    ``module.`` prefixes dropped) and the file's other top-level entries (``idx_to_class``, ...), read as
+    data; :class:`InferenceError` for a file that is not one."""
     path = Path(path)
     try:
         file = open_checkpoint(path, what="released file")

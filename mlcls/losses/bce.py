@@ -35,9 +35,6 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
     the positives of a class weigh as much in total as its negatives; ``w_c = 1`` for a class without
     any training positive. The paper's BCE baseline of Table 7 is weighted by class frequencies.
 
-    The weights are a buffer (``class_weight``, (C,)): ``criterion.to(device)`` moves it, before or after
-    :meth:`setup`, and a step on logits of that device and dtype uses it without a copy.
-
     Reduction: ``reduction`` over the known entries (:class:`~mlcls.losses.common.EntrywiseLoss`);
     ``"sum_per_sample"`` is eq. 19 as written. Shapes: logits (B, C), targets (B, C) in {1, 0, -1}; scalar.
     """
@@ -53,8 +50,7 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
         self.register_buffer("class_weight", torch.empty(0), persistent=False)
 
     def setup(self, train_labels: Tensor | LabelCounts) -> None:
-        """Compute the class weights ``w_c`` (C,), in the buffer's device and dtype, from the training
-        labels: a dense (N, C) matrix in {1, 0, -1}, or their per-class counts (``LabelCounts``)."""
+        """Compute ``w_c`` (C,) from the training labels: (N, C) in {1, 0, -1}, or their ``LabelCounts``."""
         if self.pos_weight == "freq":
             if isinstance(train_labels, Tensor):
                 positives, negatives = (train_labels == 1).sum(0), (train_labels == 0).sum(0)

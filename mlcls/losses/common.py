@@ -84,12 +84,9 @@ def expected_positives_penalty(probabilities: Tensor, expected_positives: float)
 
 
 def prepare(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """Check ``logits``/``targets`` (B, C) and return them in the compute dtype (module docstring).
-
-    Raises ``ValueError`` on a shape mismatch, a non-2-D input or non-float logits. Label values outside
-    {1, 0, -1} (soft labels are not supported) are refused only for targets on the CPU: on a GPU the check
-    would stall every step until the device catches up, and the datasets validate their labels once.
-    """
+    """Check ``logits``/``targets`` (B, C) and return them in the compute dtype (module docstring);
+    ``ValueError`` otherwise. Labels outside {1, 0, -1} are refused only on the CPU: on a GPU the check
+    would stall every step, and the datasets validate their labels once."""
     if logits.ndim != 2 or logits.shape != targets.shape:
         raise ValueError(
             f"logits and targets must both be (B, C); got {tuple(logits.shape)} and {tuple(targets.shape)}"
@@ -104,11 +101,8 @@ def prepare(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def line_max(masked: Tensor, dim: LineDims) -> Tensor:
-    """The maximum of ``masked`` along ``dim`` (kept as size 1), without gradient; 0 on a line of -inf only.
-
-    ``masked`` holds -inf outside the set being summed: the result is the shift of a stable log-sum-exp
-    over the set (every exponent ``x - shift`` of a member is <= 0, and the largest is exactly 0).
-    """
+    """The maximum of ``masked`` (-inf outside the set) along ``dim`` (kept as size 1), without gradient;
+    0 on a line of -inf only: the shift of a stable log-sum-exp over the set."""
     shift = masked.detach().amax(dim, keepdim=True)
     return torch.where(shift == float("-inf"), 0.0, shift)
 
@@ -123,10 +117,8 @@ def masked_logsumexp(values: Tensor, mask: Tensor, dim: LineDims) -> Tensor:
     """``log sum_{mask} exp(values)`` along ``dim`` (kept as size 1); -inf on a line with no entry in mask.
 
     Entries outside ``mask`` are truly excluded: their value never reaches the result and their gradient
-    is exactly 0, whatever their magnitude. The shift is the line maximum (:func:`line_max`), so the sum
-    of ``exp(x - shift)`` is >= 1 on a non-empty line. The exponential is taken of 0 outside the set and
-    then replaced by exactly 0: the CPU's vectorised ``exp`` is about ten times slower on -inf than on
-    finite input, and with sparse positives (or mostly unknown labels) nearly every entry is outside.
+    is exactly 0, whatever their magnitude. The exponential is taken of 0 outside the set and then replaced
+    by exactly 0: the CPU's ``exp`` is about ten times slower on -inf, and nearly every entry is outside.
     """
     shift = line_max(values.masked_fill(~mask, float("-inf")), dim)
     exp = torch.where(mask, torch.where(mask, values - shift, 0.0).exp(), 0.0)
@@ -134,12 +126,9 @@ def masked_logsumexp(values: Tensor, mask: Tensor, dim: LineDims) -> Tensor:
 
 
 def line_weights(valid: Tensor, dtype: torch.dtype) -> Tensor:
-    """Weights that turn a sum over lines into "mean over valid lines per bucket, then mean over buckets".
-
-    ``valid`` is (K, M, 1) for sample lines, (K, 1, C) for class lines or (K, 1, 1) for whole buckets;
-    the result has its shape and ``dtype``: ``valid / (number of valid lines of the bucket * K)``, so a
-    bucket without a valid line contributes 0 and still counts among the K buckets.
-    """
+    """Weights ``valid / (valid lines of the bucket * K)`` (the shape of ``valid``: (K, M, 1), (K, 1, C) or
+    (K, 1, 1)) that turn a sum over lines into "mean over valid lines per bucket, then mean over buckets";
+    a bucket without a valid line contributes 0 and still counts among the K buckets."""
     buckets = valid.shape[0]
     count = valid.flatten(1).sum(1).clamp(min=1).view(-1, 1, 1)
     return valid.to(dtype) / (count * buckets)
@@ -180,10 +169,8 @@ class MultiLabelLoss(nn.Module):
 
 
 class BucketedLoss(MultiLabelLoss):
-    """Base of the losses computed per bucket of rows (Sec. 2.4, footnote 1 of the paper).
-
-    :meth:`compute` gathers the global batch when ``gather`` is set, splits the rows into K consecutive
-    buckets of ``bucket_size`` and calls :meth:`bucket_loss`, which returns the mean over buckets.
+    """Base of the losses computed per bucket of rows (Sec. 2.4, footnote 1 of the paper): the mean of
+    :meth:`bucket_loss` over K consecutive buckets of the (with ``gather``, global) batch.
 
     Args:
         bucket_size: rows per bucket, M; must divide the batch size (of the gathered batch when
@@ -215,21 +202,17 @@ class BucketedLoss(MultiLabelLoss):
 
 
 class EntrywiseLoss(MultiLabelLoss):
-    """Base of the losses defined per entry (i, c) of the logit matrix (bce, focal, asl, and the losses for
-    unknown labels of :mod:`mlcls.losses.unknown`).
-
-    :meth:`entry_loss` gives ``l_ic`` (B, C); :meth:`compute` keeps the counted entries and reduces them by
-    ``reduction``. The counted entries are the known ones (label 1 or 0), or every entry of the batch
-    where the class sets ``counts_unknown`` (a loss that gives unknown labels a term of their own):
+    """Base of the losses defined per entry (i, c) of the logit matrix: :meth:`entry_loss` gives ``l_ic``
+    (B, C), reduced over the counted entries by ``reduction``. The counted entries are the known ones
+    (label 1 or 0), or every entry where the class sets ``counts_unknown``:
 
     * ``"mean"``: sum over the counted entries divided by their number (0 when none is counted);
     * ``"sum"``: sum over the counted entries of the batch;
     * ``"sum_per_sample"``: each sample's sum over its counted entries (classes), then the mean over the
       samples with at least one counted entry.
 
-    The batch is the one the loss is given: under DDP, the per-process batch (for ``"sum"`` see
-    :attr:`sums_over_batch`). Entries not counted are dropped with ``where``, so their value and gradient
-    never reach the result.
+    Under DDP the batch is the per-process one (for ``"sum"`` see :attr:`sums_over_batch`). Entries not
+    counted are dropped with ``where``, so their value and gradient never reach the result.
     """
 
     # True where entry_loss gives unknown labels (-1) a term: every entry of the batch is then counted.

@@ -24,7 +24,7 @@ def focal_term(logits: Tensor, gamma: float, margin: float = 0.0) -> Tensor:
 
 
 class FocalLoss(EntrywiseLoss):
-    """Focal loss (Lin et al.) per entry, reduced over the entries with a known label::
+    """Focal loss (Lin et al.; the paper's Table 7) per entry, reduced over the entries with a known label::
 
         l_ic = -alpha_t (1 - p_t)^gamma log p_t,   p_t = sigmoid(x) if y = 1 else sigmoid(-x),
         alpha_t = alpha if y = 1 else 1 - alpha    (alpha_t = 1 when ``alpha`` is None)
@@ -59,7 +59,7 @@ class FocalLoss(EntrywiseLoss):
 
 
 class AsymmetricLoss(EntrywiseLoss):
-    """Asymmetric loss (Ridnik, Ben-Baruch et al.) per entry, reduced over the entries with a known label::
+    """Asymmetric loss (Ridnik, Ben-Baruch et al.; Table 7) per entry, reduced over the known entries::
 
         l_ic = -y (1 - p)^gamma_pos log p - (1 - y) p_m^gamma_neg log(1 - p_m),
         p = sigmoid(x),   p_m = max(p - clip, 0)   (probability shifting of the negatives)

@@ -39,17 +39,11 @@ class LargeLossLoss(SampleStateLoss, EpochDependentLoss):
     the next call on the loss takes them as positives (``y_ic := 1``, no longer candidates), as the
     authors' ``train.py`` writes 1 into its training labels. The k-th entry itself is corrected for the
     step only (unless others tie with it). In mode cp the loss is a per-sample-state loss of
-    :mod:`mlcls.losses.role` (called with the indices, on the global batch, its table in ``state_dict()``;
-    1 byte per entry, 80 MB per million samples at C = 80). Where mlcls differs from the released code:
-    an observed label (1 or 0) is never corrected, nor rejected, even
-    where k exceeds the batch's unknown labels; k is the exact ``ceil`` of the decimal product (the
-    released float product may round one above an integer); a correction is written at the loss's call,
-    also for a step the trainer skips for a non-finite gradient, and is seen by any later batch (the
-    released loader's workers read it from the next epoch; a sample comes once per epoch, so the two
-    agree outside DDP's padding, where a sample may come twice in one epoch).
+    :mod:`mlcls.losses.role` (1 byte per entry, 80 MB per million samples at C = 80). k is the exact
+    ``ceil`` of the decimal product (the released float product may round one above an integer);
+    docs/losses.md lists the other differences from the released code.
 
-    The epoch is set by the trainer (:class:`~mlcls.losses.unknown.EpochDependentLoss`). ``delta_rel`` is a
-    fraction: the authors' command-line 0.2 (percent) is ``delta_rel=0.002``.
+    ``delta_rel`` is a fraction: the authors' command-line 0.2 (percent) is ``delta_rel=0.002``.
 
     Reduction: as :mod:`mlcls.losses.unknown`'s losses, over all B x C entries (a rejected one counts 0).
     """

@@ -8,9 +8,8 @@ missing labels applies to unknown labels only, since an observed negative is not
 single-positive or positive-only labels this is the paper's loss on the mapped labels. The positive
 term of both is ``-(1 - p_m)^gamma log p_m`` with ``p_m = sigmoid(x - m)``, a margin m on the logit.
 
-Reduction (:class:`~mlcls.losses.common.EntrywiseLoss` with ``counts_unknown``): every entry of the batch
-counts, known or not. ``"mean"`` (default) the sum over the B x C entries divided by B x C; ``"sum"``
-the sum, as the authors' code reduces; ``"sum_per_sample"`` the sum divided by B.
+Reduction: as :mod:`mlcls.losses.unknown`'s losses, over every entry of the batch, known or not;
+``"sum"`` is the authors' code's.
 """
 
 from __future__ import annotations

@@ -2,16 +2,11 @@
 positive labels", Sec. 3.3), and what every loss with a row of state per training sample shares: the
 sample indices it is called with, the size limit of its table, and its global batch under DDP.
 
-A loss with per-sample state sets ``needs_sample_index``: the trainer then builds its training batches
-with each sample's index in the training set (:func:`mlcls.data.loader.build_train_loader`, ``with_index``)
-and calls it as ``loss(logits, targets, indices)``. Its ``setup(counts)`` sizes the table from the training
-set (N samples x C classes) and refuses one over ``max_table_entries`` in one line. The table is part of
-``state_dict()``, so a checkpoint holds it and a resumed run continues with it exactly.
-
-Under DDP such a loss computes on the global batch on every rank (:func:`gather_batch`): every rank then
-updates the same rows in the same way, so the tables stay identical without any other communication,
-and the parameter gradients are those of one process training on the whole batch (as ``gather=True``
-of the bucketed losses).
+A loss with per-sample state sets ``needs_sample_index`` and is called ``loss(logits, targets, indices)``;
+``setup(counts)`` sizes its (N, C) table, refused over ``max_table_entries``; the table is in
+``state_dict()``, so a resumed run continues with it exactly. Under DDP it computes on the global batch on
+every rank (:func:`gather_batch`): every rank updates the same rows the same way, so the tables stay
+identical without other communication.
 """
 
 from __future__ import annotations
@@ -93,9 +88,7 @@ def check_allocated(table: Tensor, what: str) -> None:
 
 
 class SampleStateLoss(MultiLabelLoss):
-    """Base of the losses with a row of state per training sample (see the module docstring): subclasses
-    define :meth:`allocate` (the tables, from N and C), ``table_bytes_per_entry`` (for the size limit's
-    message) and :meth:`compute_rows`, called on the global batch."""
+    """Base of the losses with a row of state per training sample (see the module docstring)."""
 
     needs_sample_index: ClassVar[bool] = True
     table_bytes_per_entry: ClassVar[int] = 4
@@ -140,16 +133,14 @@ class RoleLoss(SampleStateLoss):
         R(p) = (mean_i sum_c p_ic - k)^2 / C^2             (EPR's expected-positives term, k positives)
         loss = sum_ic l_ic / (B C) + 1/2 (R(p) + R(q))
 
-    where ``sg`` stops the gradient: the classifier learns from the estimates and the estimates from the
-    classifier, each also from the observed labels. The table ``label_logits`` (N, C) is a learnable
-    parameter, trained by the run's optimizer in a group of its own (``parameter_groups``, named
-    ``table``) at ``table_lr_scale`` times ``optim.lr_head`` (the authors' 10x) without weight decay.
+    where ``sg`` stops the gradient. The table ``label_logits`` (N, C) is a parameter trained in an
+    optimizer group of its own (``table``) at ``table_lr_scale`` times ``optim.lr_head`` (the authors'
+    10x) without weight decay.
 
     Initial estimates as the authors': observed positives ``logit(0.995)``, observed negatives
-    ``logit(0.005)``, unknown labels uniform in ``[-logit(0.6), logit(0.6)]`` (drawn from ``init_seed``,
-    the same on every rank). An entry's observed value is written when its sample first appears in a
-    batch: until then its row has had no gradient, and an optimizer without weight decay (Adam, SGD) has
-    left it unchanged, so this is the authors' initialisation exactly.
+    ``logit(0.005)``, unknown labels uniform in ``[-logit(0.6), logit(0.6)]`` (from ``init_seed``). An
+    entry's observed value is written when its sample first appears in a batch: its row has had no
+    gradient before, so this is the authors' initialisation exactly.
 
     The authors' code allows no observed negative (single positives only); here ``o`` of an observed
     negative is ``-log(1 - p)`` (resp. ``q``), the mirror of a positive's. Their logs are ``log(p + 1e-5)``;

@@ -10,17 +10,12 @@ from typing import Any
 
 
 def loss_name(loss: Mapping[str, Any]) -> str:
-    """Short name of the loss a config builds (``twoway``, ``bce``, ...).
-
-    The class named by ``_target_`` carries it as its ``name`` attribute; configs of older runs name it
-    with a ``name`` key, which is used when present. A class without ``name`` gives its class name, and a
-    ``_target_`` that cannot be imported (a misspelt path, a module not installed) the last component of
-    the path, so that an error message or a table of old runs can still say which loss it was.
+    """Short name of the loss a config builds (``twoway``, ``bce``, ...): the config's ``name`` key (older
+    runs), else the ``name`` of the ``_target_`` class, else the last component of its path.
 
     Only mlcls's own loss modules are imported to read the class: a run directory or a checkpoint from
-    someone else names its ``_target_``, and importing an arbitrary module runs its code (a ``.py`` file
-    planted beside the run, a package's import-time side effects). Any other target gives the last
-    component of its path, without an import.
+    someone else names its ``_target_``, and importing an arbitrary module runs its code. A target that
+    cannot be imported still gives its path's last component, so an error or a table can name the loss.
     """
     if loss.get("name"):
         return str(loss["name"])

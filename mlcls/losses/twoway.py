@@ -36,17 +36,14 @@ class _SoftplusLogSumExp(torch.autograd.Function):
 
     The gradient of eq. 14 has a closed form: with ``z`` the softplus argument,
     ``dl/dx_n = sigmoid(z) * softmax_{N}(x / T_N)_n`` and ``dl/dx_p = -sigmoid(z) * softmax_{P}(-x / T_P)_p``.
-    The forward pass already holds both softmaxes (as shifted exponentials and their sums), so it
-    assembles the input gradient there and the backward pass is one multiplication; autograd through
-    ``torch.logsumexp`` would recompute every exponential in the backward pass. First-order only
-    (``once_differentiable``): no double backward.
+    The forward pass already holds both softmaxes, so it assembles the input gradient there and the
+    backward pass is one multiplication (autograd through ``torch.logsumexp`` would recompute every
+    exponential). First-order only (``once_differentiable``).
 
-    P and N are disjoint, so one exponential per direction serves both sets: every entry is shifted by
-    its own set's line maximum (each exponent of a member is <= 0, its set's largest exactly 0, so no line
-    underflows whatever the other set's range) and the two sums are taken through the masks. Apart from
-    the two masked maxima, the full-size passes are arithmetic on float masks (1 in the set, 0 elsewhere),
-    several times faster on the CPU than ``torch.where`` on bool masks; a mask only multiplies finite
-    values (temperatures, shifts, exponentials in [0, 1]), so ``v * 1 + w * 0`` selects ``v`` exactly.
+    P and N are disjoint, so one exponential per direction serves both sets, every entry shifted by its
+    own set's line maximum (no line underflows whatever the other set's range). The full-size passes are
+    arithmetic on float masks, several times faster on the CPU than ``torch.where`` on bool masks; a mask
+    only multiplies finite values, so ``v * 1 + w * 0`` selects ``v`` exactly.
     An unknown entry, in neither mask, gets an exponent clamped to [lowest finite, 0] whatever its logit
     (even inf or NaN), and then weighs 0 in every sum and gradient.
 

@@ -1,10 +1,8 @@
 """Losses for unknown labels: the single-positive baselines of Cole et al. (CVPR 2021) and entropy
 maximisation (Zhou et al., ECCV 2022).
 
-Every other loss of :mod:`mlcls.losses` excludes an unknown label (-1). These losses give it a term of
-their own, as their papers do: assumed negative (``an``, ``an_ls``), assumed negative with a small weight
-(``wan``), left out of the entry terms but counted by a regulariser on the expected number of positives
-(``epr``), or pushed towards maximal uncertainty (``em``).
+Every other loss of :mod:`mlcls.losses` excludes an unknown label (-1); these give it a term of their own,
+as their papers do.
 
 Label mapping: the authors' code writes observed positives as 1, unobserved labels as 0 and (in partial
 labels) observed negatives as -1; mlcls writes 1, -1 and 0. Their 0 is our -1 and their -1 our 0.
@@ -16,9 +14,6 @@ Reduction (:class:`~mlcls.losses.common.EntrywiseLoss` with ``counts_unknown``):
 batch counts, known or not. ``"mean"`` (default) is the authors' ``sum / (B * C)``; ``"sum"`` the sum
 over the batch; ``"sum_per_sample"`` the sum divided by B. ``p = sigmoid(x)`` throughout, and every
 ``log p`` is a log-sigmoid: exact where the authors' code adds 1e-5 inside the log.
-
-``em`` with ``apl=True`` also keeps a pseudo-label per training sample and class, set between epochs
-(see :class:`EntropyMaximisationLoss`).
 """
 
 from __future__ import annotations
@@ -57,13 +52,9 @@ class UnknownLabelLoss(EntrywiseLoss):
 
 
 class EpochDependentLoss(UnknownLabelLoss):
-    """Base of the losses whose terms change with the training epoch (``ll``, ``splc``).
-
-    The trainer calls :meth:`set_epoch` with the 0-based epoch before each epoch's first step, a resumed
-    epoch included, so a resumed run computes the same losses as an uninterrupted one. The epoch is a
-    Python int, not a buffer (reading a buffer on a GPU would wait for the device), and it is the
-    module's extra state: ``state_dict()`` holds it and ``load_state_dict`` restores it.
-    """
+    """Base of the losses whose terms change with the training epoch (``ll``, ``splc``), set by the trainer
+    before each epoch's first step (a resumed one included). The epoch is a Python int, not a buffer
+    (reading a buffer on a GPU would wait for the device), kept in ``state_dict()`` as extra state."""
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__(reduction=reduction)
@@ -130,8 +121,8 @@ class WeakAssumeNegativeLoss(UnknownLabelLoss):
         l_ic = -log p  if y_ic = 1,   -log(1 - p)  if y_ic = 0,   -log(1 - p) / (C - 1)  if y_ic = -1
 
     so that, with one positive per image, the C - 1 assumed negatives weigh as much in total as the
-    positive. An observed negative keeps the weight 1. Reduction: as the module docstring.
-    Shapes: logits (B, C) with C >= 2, targets (B, C) in {1, 0, -1}; scalar result.
+    positive. Reduction: as the module docstring. Shapes: logits (B, C) with C >= 2, targets (B, C) in
+    {1, 0, -1}; scalar result.
     """
 
     name = "wan"
@@ -186,21 +177,17 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
     0.01 (CUB).
 
     APL (``apl=True``): after each training epoch e (1-based) with ``warmup_epochs <= e < epochs``, the
-    trainer scores the training set (:meth:`wants_train_predictions`,
-    :func:`mlcls.engine.evaluate.predict_training_set`) and calls :meth:`pseudo_label`. Per class c, among
-    the entries still unknown (label -1, not pseudo-labelled yet), the
-    ``n_c = int(neg_proportion * U_c / (epochs - warmup_epochs))`` with the lowest predictions become
-    pseudo-negatives whose soft target ``s_ic`` is that prediction, fixed from then on (``U_c``: the
-    unknown labels of class c in the training set). Only negatives are pseudo-labelled (the asymmetry);
-    by the last epoch ``neg_proportion`` of each class's unknown labels are. The authors' values:
+    trainer scores the training set and calls :meth:`pseudo_label`. Per class c, among the entries still
+    unknown, the ``n_c = int(neg_proportion * U_c / (epochs - warmup_epochs))`` with the lowest predictions
+    become pseudo-negatives whose soft target ``s_ic`` is that prediction, fixed from then on (``U_c``: the
+    class's unknown labels in the training set); by the last epoch ``neg_proportion`` of them are. The
+    authors' values:
     ``beta`` 0.02 (VOC 2012), 0.9 (MS-COCO), 0.2 (NUS-WIDE), 0.4 (CUB); ``warmup_epochs`` 5, 5, 4, 3;
     ``neg_proportion`` 0.9. ``epochs`` is the run's ``trainer.epochs``.
 
-    The pseudo-labels are a buffer ``pseudo_labels`` (N, C) float32, NaN where there is none, a per-sample
-    table as those of :mod:`mlcls.losses.role` (in ``state_dict()``, refused above ``max_table_entries``;
-    4 bytes per entry, an APL step briefly holds about 20 more): the loss is then called
-    ``loss(logits, targets, indices)``. docs/losses.md lists what differs from the authors' code.
-    Reduction: as the module docstring.
+    The pseudo-labels are a per-sample table as those of :mod:`mlcls.losses.role`, ``pseudo_labels``
+    (N, C) float32, NaN where there is none (4 bytes per entry; an APL step briefly holds about 20 more).
+    docs/losses.md lists what differs from the authors' code. Reduction: as the module docstring.
     """
 
     name = "em"
@@ -238,7 +225,7 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
             self.register_buffer("quota", torch.zeros(0, dtype=torch.long), persistent=False)
 
     def setup(self, counts: LabelCounts | None) -> None:
-        """With apl: allocate the pseudo-label table (:func:`table_shape`) and each class's quota ``n_c``."""
+        """With apl: allocate the pseudo-label table and each class's quota ``n_c``."""
         if not self.apl:
             return
         num_samples, num_classes = table_shape("em with apl=true", counts, self.max_table_entries, 4)
@@ -248,8 +235,7 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
         self.quota = torch.tensor([int(self.neg_proportion * u / steps) for u in unknown.tolist()])
 
     def wants_train_predictions(self, epoch: int) -> bool:
-        """Whether APL runs after ``epoch`` (1-based) complete epochs: the trainer then calls
-        :meth:`pseudo_label` with the training set's predictions."""
+        """Whether APL runs after ``epoch`` (1-based) complete epochs."""
         return self.apl and self.warmup_epochs <= epoch < self.epochs
 
     def entry_loss(self, logits: Tensor, targets: Tensor) -> Tensor:

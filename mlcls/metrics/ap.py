@@ -20,11 +20,9 @@ the number of known items (label 0 or 1) scoring ``>= s``. Edge cases:
 * no positive -- AP is NaN and the list is left out of the mean (scikit-learn would return 0 with a
   warning); :func:`map_class` / :func:`map_sample` report how many lists were counted.
 
-Only comparisons of scores are used, so they are kept in their own precision (float16/bfloat16 upcast
-exactly to float32, integers to float64); counts are exact integers and the precisions and their mean
-are float64. Labels stay int8 throughout, and the ranked lists are processed in blocks
-(:func:`block_slices`): Open Images' 41,620 x 9,605 validation scores (1.6 GB in float32) are ranked
-with no whole-size copy.
+Scores are only compared, so they keep their own precision (float16/bfloat16 upcast exactly to float32,
+integers to float64); counts are exact integers, precisions and their mean float64. Labels stay int8 and
+the lists are ranked in blocks (:func:`block_slices`): Open Images' 1.6 GB of scores with no whole copy.
 """
 
 from __future__ import annotations
@@ -89,11 +87,9 @@ def _count_below(
 ) -> torch.Tensor:
     """For each query, the number of entries of its row ``row_of`` of ``sorted_rows`` strictly below it.
 
-    ``queries`` are grouped by row: ``rank`` is their index within their row, ``per_row`` the number of
-    queries of each row. ``torch.searchsorted`` needs the same number of queries for every row, so the
-    queries are cut into blocks of ``block`` per row and each block is searched in a copy of its row: the
-    block size balances copying long rows against padding the last block of rows with few queries (one
-    block per row, and no copy, when every row has few).
+    ``rank`` is each query's index within its row, ``per_row`` the queries of each row. ``torch.searchsorted``
+    needs as many queries for every row, so each row's queries are cut into blocks, each searched in a copy
+    of its row: the block size balances copying long rows against padding rows with few queries.
     """
     if len(queries) == 0:
         return torch.zeros_like(row_of)
@@ -215,20 +211,12 @@ def mean_counted(ap: torch.Tensor) -> tuple[float, int]:
 
 
 def map_class(scores: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-    """mAP@class (eq. 23) in percent, and the number of classes counted.
-
-    The mean of :func:`average_precision` over the classes (columns) that have at least one positive.
-    With every class counted and no -1 label it equals
-    ``100 * sklearn.metrics.average_precision_score(labels, scores, average="macro")``.
-    """
+    """mAP@class (eq. 23) in percent, the mean AP of the classes with a positive, and their number; with
+    every class counted and no -1 label, ``100 * average_precision_score(average="macro")``."""
     return mean_counted(average_precision(scores, labels, dim=0))
 
 
 def map_sample(scores: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-    """mAP@sample (eq. 24) in percent, and the number of samples counted.
-
-    The mean of :func:`average_precision` over the samples (rows) that have at least one positive. Without
-    -1 labels it equals ``100 * average_precision_score(labels[kept], scores[kept], average="samples")``
-    where ``kept`` are the rows with a positive.
-    """
+    """mAP@sample (eq. 24) in percent, the mean AP of the samples with a positive, and their number;
+    without -1 labels, ``100 * average_precision_score(average="samples")`` over the rows with a positive."""
     return mean_counted(average_precision(scores, labels, dim=1))

@@ -8,10 +8,8 @@ class's F1 on validation scores::
 
 where ``P_c`` is the number of positives of class ``c`` and samples labelled -1 are ignored (neither
 positives nor negatives). The maximisation is exact over every *cut point* -- between two consecutive
-distinct scores of the sorted column, or after the lowest one. F1 rises only where a positive is added,
-so only the cuts ending a positive's tie group are evaluated, from the counts the AP computes
-(:func:`mlcls.metrics.ap.ranked_positives`: value sorts, no argsort), for blocks of columns at once.
-Rules:
+distinct scores of the sorted column, or after the lowest one (F1 rises only where a positive is added,
+so only the cuts ending a positive's tie group are evaluated). Rules:
 
 * ties -- samples with equal scores are always on the same side of a threshold (a cut never splits them);
 * several cut points reaching the maximal F1 -- the *highest* threshold is taken (fewest predictions);
@@ -61,12 +59,9 @@ def calibrate_thresholds(
     classes: Sequence[str] | None = None,
     split: str = "validation",
 ) -> torch.Tensor:
-    """Per-class logit thresholds maximising each class's F1 on ``scores`` (see the module docstring).
-
-    ``scores`` (N, C) are validation logits (any real dtype, CPU or CUDA), ``labels`` (N, C) in {1, 0, -1};
-    ``no_positive`` is the threshold of a class without a positive label; ``classes`` (C names, else
-    indices) and ``split`` (a key of :data:`SPLIT_NAMES`) are for the log line naming such classes.
-    Returns float64 (C,) on ``scores.device``; entries may be ``-inf`` (class always predicted).
+    """Per-class logit thresholds maximising each class's F1 on validation logits ``scores`` (N, C) with
+    ``labels`` (N, C) in {1, 0, -1} (see the module docstring): float64 (C,) on ``scores.device``, ``-inf``
+    for a class always predicted. ``classes`` and ``split`` name the classes without a positive in the log.
     """
     labels = check_scores_labels(scores, labels)
     if scores.shape[0] == 0:
@@ -90,9 +85,8 @@ def calibrate_thresholds(
 
 
 def _best_f1_thresholds(scores: torch.Tensor, labels: torch.Tensor, dim: int) -> torch.Tensor:
-    """The best-F1 logit threshold (float64, NaN without a positive) of every ranked list (``dim=0``: the
-    columns) of ``scores`` with validated int8 ``labels``, by the rules of the module docstring: with
-    ``TP`` and ``K = TP + FP`` at every positive (:func:`ranked_positives`), ``F1 = 2 TP / (K + P)``."""
+    """The best-F1 logit threshold (float64, NaN without a positive) of every ranked list of ``scores``:
+    ``F1 = 2 TP / (K + P)`` at every positive, ``K = TP + FP`` (:func:`ranked_positives`)."""
     ranked = ranked_positives(scores, labels, dim)
     n_lists, length = ranked.known_sorted.shape
     minus_inf = torch.tensor(-torch.inf, dtype=torch.float64, device=ranked.score.device)

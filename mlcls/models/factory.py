@@ -49,16 +49,13 @@ def create_model(
 ) -> nn.Module:
     """Build timm model ``name`` with a freshly initialised ``num_classes``-way classifier ``head``.
 
-    ``head`` is the head's config (``model.head``: its ``name`` and options, configs/model/head/*.yaml) or
-    its name, the options then given as ``head_options`` (:data:`HEAD_OPTIONS`; an option of another head
-    is a :class:`ConfigError`: none is silently unused). ``linear`` is timm's own model (global pooling,
-    dropout, fc); the others sit on the backbone's unpooled features in a
-    :class:`~mlcls.models.heads.HeadedModel`, the text-query heads needing ``class_embeddings``
-    ((num_classes, T) unit rows, :func:`mlcls.text.class_embeddings`).
+    ``head`` is the head's config (``model.head``: its ``name`` and options) or its name, the options then
+    given as ``head_options`` (:data:`HEAD_OPTIONS`; an option of another head is a :class:`ConfigError`:
+    none is silently unused); the text-query heads need ``class_embeddings`` ((num_classes, T) unit rows).
 
     With ``pretrained=True`` the ImageNet weights come from the local Hugging Face cache, else from the hub
-    (:func:`pretrained_weights_file`); ``checkpoint_path`` loads a local weights file instead (for machines
-    without hub access). In both cases the pretrained classifier is dropped, since its classes are not ours.
+    (:func:`pretrained_weights_file`); ``checkpoint_path`` loads a local weights file instead. In both cases
+    the pretrained classifier is dropped, since its classes are not ours.
     """
     if not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r}; see timm.list_models() for valid names")
@@ -122,10 +119,9 @@ def pretrained_weights_file(name: str) -> str | None:
     """A local file holding the pretrained weights of timm model ``name`` that timm would fetch from the
     Hugging Face hub; ``None`` when they do not come from the hub (timm loads those itself).
 
-    The local cache is tried first, without any request. Otherwise one request with a
-    :data:`HUB_TIMEOUT` tells whether the hub answers before the file is downloaded: where it does not
-    (no network, ``HF_HUB_OFFLINE=1``), :class:`ConfigError` says so at once and names the two ways out,
-    instead of huggingface_hub's minute of retries.
+    The local cache is tried first, without any request; then one request with a :data:`HUB_TIMEOUT`
+    tells whether the hub answers, so that without it a :class:`ConfigError` says so at once instead of
+    huggingface_hub's minute of retries.
     """
     cfg = timm.models.get_pretrained_cfg(name)
     if cfg is None or not cfg.hf_hub_id:

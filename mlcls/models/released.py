@@ -6,17 +6,8 @@ dicts name a convolution and its normalisation ``<conv>.0`` and ``<conv>.1`` (``
 ``<conv>.0.1`` where an anti-aliasing blur follows, at stride 2), where timm's TResNet names them
 ``<conv>.conv`` and ``<conv>.bn``; :func:`tresnet_key` and :func:`tresnet_value` translate one entry.
 
-The variants, told apart by their stem width and block counts (:data:`TRESNETS`)::
-
-    timm name       layers          stem  blocks of layers 1-2   released by
-    tresnet_m       3, 4, 11, 3     64    basic                  ML-Decoder, ASL (TResNet-M)
-    tresnet_l       4, 5, 18, 3     76    basic                  ASL (TResNet-L, width 1.2)
-    tresnet_xl      4, 5, 24, 3     83    basic                  ASL (TResNet-XL, width 1.3)
-    tresnet_v2_l    3, 4, 23, 3     64    bottleneck             ML-Decoder (its TResNet-L)
-    tresnet_v2_xl   3, 8, 34, 5     64    bottleneck             ML-Decoder (its TResNet-XL)
-
-timm has no ``tresnet_v2_xl``: it is registered here (timm's ``TResNet`` with ``v2=True``), without
-pretrained weights, so that ``model.name=tresnet_v2_xl`` builds it like any timm model.
+The variants are told apart by their stem width and block counts (:data:`TRESNETS`). timm has no
+``tresnet_v2_xl`` (ML-Decoder's TResNet-XL): it is registered here, without pretrained weights.
 """
 
 from __future__ import annotations
@@ -29,13 +20,13 @@ import torch
 from timm.models import build_model_with_cfg, register_model
 from timm.models.tresnet import TResNet
 
-# timm name -> (blocks per layer, stem channels, bottleneck blocks in layers 1-2)
+# timm name -> (blocks per layer, stem channels, bottleneck blocks in layers 1-2); released by
 TRESNETS: dict[str, tuple[tuple[int, int, int, int], int, bool]] = {
-    "tresnet_m": ((3, 4, 11, 3), 64, False),
-    "tresnet_l": ((4, 5, 18, 3), 76, False),
-    "tresnet_xl": ((4, 5, 24, 3), 83, False),
-    "tresnet_v2_l": ((3, 4, 23, 3), 64, True),
-    "tresnet_v2_xl": ((3, 8, 34, 5), 64, True),
+    "tresnet_m": ((3, 4, 11, 3), 64, False),  # ML-Decoder, ASL (TResNet-M)
+    "tresnet_l": ((4, 5, 18, 3), 76, False),  # ASL (TResNet-L, width 1.2)
+    "tresnet_xl": ((4, 5, 24, 3), 83, False),  # ASL (TResNet-XL, width 1.3)
+    "tresnet_v2_l": ((3, 4, 23, 3), 64, True),  # ML-Decoder (its TResNet-L)
+    "tresnet_v2_xl": ((3, 8, 34, 5), 64, True),  # ML-Decoder (its TResNet-XL)
 }
 # InPlace-ABN scales by |weight| + eps, with the eps of its normalisation (inplace_abn's default)
 INPLACE_ABN_EPS = 1e-5

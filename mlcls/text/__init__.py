@@ -1,11 +1,9 @@
 """Class embeddings from the class names: the queries of the text-query heads (``model.head=mldecoder_zsl``
 and ``model.head=cosine``, :mod:`mlcls.models.heads.text_query`).
 
-The ``text`` config group (configs/text/; ``words`` by default, used by text-query heads only) names an
-*encoder*: any object with ``encode(names: list[str]) -> Tensor (C, D)`` and a ``source: str`` naming it
-(its kind, file path and model). ``words`` needs no file; ``vectors``, ``sentence`` and ``clip`` read a local
-file or model, in ``encode``, not when built: :func:`class_embeddings` builds the encoder to read its
-``source`` even when the embeddings are cached.
+The ``text`` config group (configs/text/) names an *encoder* (:class:`TextEncoder`); ``vectors``,
+``sentence`` and ``clip`` read a local file or model in ``encode``, not when built, so that a cached class
+list costs no read.
 """
 
 from __future__ import annotations
@@ -27,10 +25,9 @@ from hydra.utils import get_class, instantiate
 from mlcls.errors import ConfigError, shown
 from mlcls.io import FileTooLargeError, read_text
 
-# Class names given by a user (a class list file, one name a line, or a comma-separated list) come from
-# someone else: every bound holds before they are used, and a bad name is quoted escaped in one line.
-# The most classes a list may name: OpenImages has ~20,000 trainable classes, RAM++'s open vocabulary
-# ~4,600 tags; each class costs one embedding row (D floats) and one logit per image.
+# Class names given by a user come from someone else: every bound holds before they are used. The most
+# classes a list may name: OpenImages has ~20,000 trainable classes, RAM++'s open vocabulary ~4,600 tags;
+# each class costs one embedding row (D floats) and one logit per image.
 MAX_CLASSES = 100_000
 # The longest class name, in characters: a name is a few words (a sentence with a prompt at most); a text
 # encoder's cost grows with it.
@@ -64,9 +61,8 @@ def check_class_names(names: Sequence[str]) -> list[str]:
 
 
 def read_class_list(path: str | Path) -> list[str]:
-    """The class names of file ``path`` (:func:`mlcls.io.read_text`: UTF-8, at most ``CAPS["class list"]``
-    bytes), one a line (surrounding spaces and blank lines skipped), counted while they are read (a file of
-    more names than :data:`MAX_CLASSES` stops at the first one over), checked by :func:`check_class_names`."""
+    """The class names of file ``path`` (UTF-8, at most ``CAPS["class list"]`` bytes), one a line (surrounding
+    spaces and blank lines skipped; reading stops at the first over :data:`MAX_CLASSES`), checked."""
     try:
         text = read_text(path, "class list")
     except (OSError, UnicodeDecodeError, FileTooLargeError) as exc:
@@ -141,10 +137,9 @@ def build_encoder(text_cfg: Mapping[str, Any] | TextEncoder) -> TextEncoder:
 
 def class_embeddings(text_cfg: Mapping[str, Any] | TextEncoder, names: Sequence[str]) -> torch.Tensor:
     """The embeddings of class ``names`` from the ``text`` config's encoder: float32 (C, D), each row of
-    unit L2 norm, row ``c`` for ``names[c]``; cached by (the encoder's ``source``, the names in order),
-    :data:`CACHE_SIZE` lists at most, each call getting its own copy. The names are checked first
-    (:func:`check_class_names`), and what the encoder returns after: one row per name, at most
-    :data:`MAX_DIM` wide, finite, no row of zero norm -- a one-line :class:`ConfigError` otherwise."""
+    unit L2 norm, row ``c`` for ``names[c]``; cached by (``source``, names), :data:`CACHE_SIZE` lists at
+    most, each call getting its own copy. What the encoder returns is checked: one row per name, at most
+    :data:`MAX_DIM` wide, finite, no row of zero norm; a one-line :class:`ConfigError` otherwise."""
     names = check_class_names(names)
     encoder = build_encoder(text_cfg)
     key = (encoder.source, tuple(names))
@@ -182,11 +177,10 @@ MAX_SOURCE_CHARS = 4096
 
 
 def encoder_from_stored(record: Any) -> TextEncoder:
-    """The encoder of a checkpoint's ``text`` record (``{"source": ..., "config": ...}``, written by
-    :func:`mlcls.engine.checkpoint.text_record`), which is data from someone else: its ``_target_`` must
-    be a class defined in a module of :mod:`mlcls.text` (no other callable is ever reached from a file),
-    its options plain values (no nested ``_target_``, no ``_args_`` or ``_partial_``), and the encoder
-    built must name the stored ``source``. A one-line :class:`ConfigError` otherwise."""
+    """The encoder of a checkpoint's ``text`` record (``{"source": ..., "config": ...}``), data from someone
+    else: its ``_target_`` must be a class of :mod:`mlcls.text` (no other callable is ever reached from a
+    file), its options plain values, and the encoder built must name the stored ``source``; a one-line
+    :class:`ConfigError` otherwise."""
     if not isinstance(record, Mapping) or not isinstance(record.get("config"), Mapping):
         raise ConfigError(
             f"the text record is {shown(record)}; expected {{'source': ..., 'config': {{...}}}}"
@@ -224,9 +218,8 @@ def encoder_from_stored(record: Any) -> TextEncoder:
     return encoder
 
 
-# What the encoders that load a model (sentence, clip) share: their optional package, imported with a
-# one-line error naming the extra, and the Hugging Face Hub held offline while a model loads (a name that
-# is not a local file never turns into a download) by these variables.
+# The variables that hold the Hugging Face Hub offline while sentence or clip loads a model (a name that is
+# not a local file never turns into a download).
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
@@ -243,9 +236,8 @@ def require(module: str, extra: str, source: str) -> ModuleType:
 
 @contextlib.contextmanager
 def offline() -> Iterator[None]:
-    """The Hugging Face Hub offline inside the block: its variables set to 1, and huggingface_hub's
-    ``HF_HUB_OFFLINE`` flag (read once when it is imported, then on every request) set too; both restored
-    after, since timm's pretrained weights (``model.pretrained=true``) come from the Hub."""
+    """The Hugging Face Hub offline inside the block (its variables, and huggingface_hub's flag read once at
+    import); both restored after, since timm's pretrained weights come from the Hub."""
     saved = {name: os.environ.get(name) for name in OFFLINE_VARIABLES}
     os.environ.update(dict.fromkeys(OFFLINE_VARIABLES, "1"))
     try:

@@ -2,13 +2,10 @@
 as ``ViT-B-32``) with the weights of a local checkpoint file (``text.path``), and the optional extra
 ``pip install 'mlcls[clip]'``.
 
-A class name's phrase (:func:`mlcls.text.phrase`) is put in ``text.template`` (``"a photo of a {}"``:
-CLIP's zero-shot prompt), tokenised by the model's own tokenizer and embedded by ``model.encode_text``.
-
-Nothing is downloaded: the model is built from open_clip's own config with no pretrained weights (no
-``hf-hub:`` or ``local-dir:`` name), with the Hugging Face Hub offline, and the weights are read by mlcls
-itself (:func:`load_weights`) -- never an OpenAI TorchScript archive, which is code. The text tower's
-weights must all be in the file (the image tower's are not used).
+A class name's phrase is put in ``text.template`` (CLIP's zero-shot prompt) and embedded by
+``model.encode_text``. Nothing is downloaded: the model is built from open_clip's own config with no
+pretrained weights, the Hub offline, and the weights read by mlcls itself (:func:`load_weights`), never
+from an OpenAI TorchScript archive, which is code. The text tower's weights must all be in the file.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """``text=sentence``: class embeddings from a local sentence-transformers model folder (``text.path``),
 with the optional extra ``pip install 'mlcls[sentence]'``.
 
-A class name's phrase (:func:`mlcls.text.phrase`) is embedded by the model's own ``encode``. The folder is
-someone else's files, so before the library sees it (:func:`check_model_folder`):
+The folder is someone else's files, so before the library sees it (:func:`check_model_folder`):
 
 * it must be a local folder: a Hub name is refused, never downloaded, and the model loads with the Hub
   offline (:func:`mlcls.text.offline`, ``local_files_only``);
@@ -75,8 +74,7 @@ class SentenceEncoder:
 
 
 def check_model_folder(path: Path) -> Path:
-    """``path`` if it is a local model folder the library may load (the module's rules), else a one-line
-    :class:`ConfigError` naming the first fault."""
+    """``path`` if the library may load it (the module's rules), else a one-line :class:`ConfigError`."""
     where = printable(str(path))
     if not path.is_dir():
         raise ConfigError(

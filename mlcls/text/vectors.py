@@ -2,12 +2,9 @@
 
 The format: one word a line followed by its vector, fields separated by single spaces (fastText's ``.vec``
 ends each line with a space and starts with a header line ``<count> <dim>``; GloVe's ``.txt`` does neither).
-A class name's vector is the sum of its words' (:func:`mlcls.text.words.split_words`: ``traffic_light`` =
-traffic + light); once :func:`mlcls.text.class_embeddings` has L2-normalised each row, the sum and the mean
-that ML-Decoder's and LESA's zero-shot queries use are the same vector.
-
-The file is someone else's data, read through :func:`mlcls.io.open_regular` (a regular file of at most
-``CAPS["word vectors"]``) and streamed one line at a time:
+A class name's vector is the sum of its words' (``traffic_light`` = traffic + light): once normalised, the
+same vector as the mean that ML-Decoder's and LESA's zero-shot queries use. The file is someone else's
+data (a regular file of at most ``CAPS["word vectors"]``), streamed one line at a time:
 
 * only the vectors of the class names' words are kept, so memory is bounded by the class list (distinct
   words x D x 8 bytes), never by the file; the reading stops once every word has been found;

@@ -2,11 +2,9 @@
 ``mldecoder`` (:mod:`.mldecoder`) and ``csra`` (:mod:`.csra`); the text-query heads ``mldecoder_zsl`` and
 ``cosine`` (:mod:`.text_query`), whose classes are the rows of their class embeddings.
 
-The non-linear heads take the backbone's unpooled output, a (B, D, H, W) map or (B, N, D) tokens, so the
-backbone is built without its classifier (``num_classes=0, global_pool=''``) and wrapped with the head in
-:class:`HeadedModel`, whose ``get_classifier()`` is the head (the optimizer's ``head`` parameter group).
-A head whose ``patch_tokens_only`` is true (CSRA, as its released ViT model) gets a ViT's patch tokens only:
-the backbone's ``num_prefix_tokens`` leading tokens (class, distillation, register tokens) are dropped.
+The non-linear heads take the backbone's unpooled output, a (B, D, H, W) map or (B, N, D) tokens, in a
+:class:`HeadedModel` whose ``get_classifier()`` is the head (the optimizer's ``head`` parameter group); a
+head whose ``patch_tokens_only`` is true (CSRA, as its released ViT model) gets a ViT's patch tokens only.
 """
 
 from __future__ import annotations
