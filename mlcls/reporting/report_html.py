@@ -148,9 +148,9 @@ def jpeg_data_uri(image: Image.Image, side: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def number(value: float, digits: int = 1) -> str:
-    """``value`` with ``digits`` decimals; a dash for NaN."""
-    return "–" if math.isnan(value) else f"{value:.{digits}f}"
+def number(value: float | None, digits: int = 1) -> str:
+    """``value`` with ``digits`` decimals; a dash for NaN or None."""
+    return "–" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
 def _ticks(low: float, high: float, count: int = 5) -> list[float]:
