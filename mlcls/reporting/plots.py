@@ -1,19 +1,9 @@
-"""Figures of a finished run, for people who would rather look than read ``results.json``.
+"""Figures of a finished run (:func:`write_plots`): ``<run_dir>/plots/per_class_ap.png``,
+``pr_curves.png`` and ``training_curves.png``, and the same images in TensorBoard under ``plots/<name>``.
 
-:func:`write_plots` writes three PNG files into ``<run_dir>/plots/`` and, given a TensorBoard
-``SummaryWriter``, the same images under ``plots/<name>``:
-
-* ``per_class_ap.png`` -- AP of every class (percent, as ``results.json``), best on top, with the
-  mAP@class line; classes without a positive validation label are left out (their AP is undefined). With
-  more than :data:`MAX_BARS` classes only the best and worst ``MAX_BARS / 2`` are drawn.
-* ``pr_curves.png`` -- precision-recall curves of the :data:`PR_CLASSES` best and worst classes by AP.
-* ``training_curves.png`` -- mean training loss per epoch, and mAP@class / mAP@sample of the evaluated
-  epochs.
-
-matplotlib is an optional dependency (``pip install mlcls[plots]``); without it nothing is drawn and one
-log line says so. The figures are drawn with matplotlib's object API on the Agg canvas (no ``pyplot``
-state, no display needed), and every file is written atomically. Class names are drawn as they are
-(a ``$`` in one starts no math text).
+matplotlib is optional (``pip install mlcls[plots]``); without it one log line says nothing is drawn. The
+figures use matplotlib's object API on the Agg canvas (no ``pyplot`` state, no display), each file is
+written atomically, and class names are drawn as they are (a ``$`` in one starts no math text).
 """
 
 from __future__ import annotations
@@ -58,7 +48,8 @@ def _figure(width: float, height: float) -> Any:
 
 
 def per_class_ap_figure(ap: torch.Tensor, positives: torch.Tensor, class_names: Sequence[str]) -> Any:
-    """Horizontal bars of the per-class AP (fractions ``ap`` (C,), NaN = no positive), best class on top."""
+    """Horizontal bars of the per-class AP (fractions ``ap`` (C,), NaN = no positive: left out), best class on
+    top, with the mAP@class line; over :data:`MAX_BARS` classes, the best and worst ``MAX_BARS / 2``."""
     import matplotlib
 
     counted = [c for c in range(len(class_names)) if not math.isnan(ap[c].item())]
@@ -166,15 +157,6 @@ def training_curves_figure(history: Sequence[dict[str, Any]]) -> Any:
     return figure
 
 
-def _save(figure: Any, path: Path) -> np.ndarray:
-    """Write ``figure`` as PNG to ``path`` atomically; return its RGB pixels (H, W, 3) uint8."""
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    atomic_write_bytes(path, buffer.getvalue())
-    figure.canvas.draw()
-    return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
-
-
 def write_plots(
     run_dir: str | Path,
     history: Sequence[dict[str, Any]],
@@ -183,15 +165,9 @@ def write_plots(
     class_names: Sequence[str],
     writer: Any = None,
 ) -> list[Path]:
-    """Draw the run's figures into ``<run_dir>/plots/`` (and ``writer``); return the files written.
-
-    Args:
-        run_dir: the run directory.
-        history: one dict per epoch, ``{"epoch", "loss", "mAP_class", "mAP_sample", ...}`` (mAP keys only
-            on evaluated epochs), as in ``results.json``.
-        scores: (N, C) validation logits; labels: (N, C) in {1, 0, -1}; class_names: the C names.
-        writer: a ``torch.utils.tensorboard.SummaryWriter``, or None; images are logged at the last epoch.
-    """
+    """Draw the run's figures into ``<run_dir>/plots/`` (and the TensorBoard ``writer``, at the last epoch);
+    return the files written. ``history``: ``results.json``'s; ``scores`` (N, C) validation logits,
+    ``labels`` (N, C) in {1, 0, -1}, ``class_names`` the C names."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -213,9 +189,13 @@ def write_plots(
     written = []
     for name, figure in figures.items():
         path = Path(run_dir) / "plots" / f"{name}.png"
-        pixels = _save(figure, path)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        atomic_write_bytes(path, buffer.getvalue())
         written.append(path)
         if writer is not None:
+            figure.canvas.draw()
+            pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
             writer.add_image(f"plots/{name}", pixels, step, dataformats="HWC")
     log.info("plots written to %s", Path(run_dir) / "plots")
     return written
