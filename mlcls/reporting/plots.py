@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from mlcls.errors import plural
 from mlcls.io import atomic_write_bytes
 from mlcls.metrics import average_precision
 from mlcls.reporting.report_data import history_curves, pr_curve
@@ -72,27 +73,18 @@ def per_class_ap_figure(ap: torch.Tensor, positives: torch.Tensor, class_names: 
         axes.text(value + 0.8, row, f"{value:.1f}", va="center", fontsize=8)
     axes.axvline(100 * ap[counted].mean().item(), color="0.3", linestyle="--", linewidth=1, label="mAP@class")
     axes.set_yticks(rows, names, fontsize=9)
-    axes.invert_yaxis()
-    axes.set_xlim(0, 112)
     if hidden:
+        between = f"{hidden} classes in between not shown"
         axes.axhline(half - 0.5, color="0.2", linewidth=1.2)
-        axes.text(
-            56,
-            half - 0.5,
-            f"{hidden} classes in between not shown",
-            ha="center",
-            va="center",
-            fontsize=8,
-            backgroundcolor="white",
-        )
-    axes.set_ylim(len(order) - 0.5, -0.5)
-    axes.set_xlabel("AP (%)  --  n = positives in the validation set")
+        axes.text(56, half - 0.5, between, ha="center", va="center", fontsize=8, backgroundcolor="white")
+    axes.set(
+        xlim=(0, 112), ylim=(len(order) - 0.5, -0.5), xlabel="AP (%)  --  n = positives in the validation set"
+    )
     axes.set_title(title, fontsize=11)
     axes.legend(loc="lower right", fontsize=8)
     axes.grid(axis="x", alpha=0.3)
     if missing:
-        note = f"{missing} class{'es' if missing > 1 else ''} without a positive label not shown"
-        figure.text(0.01, 0.002, note, fontsize=8)
+        figure.text(0.01, 0.002, f"{plural(missing, 'class')} without a positive label not shown", fontsize=8)
     return figure
 
 
@@ -112,10 +104,7 @@ def pr_curves_figure(
             recall, precision = pr_curve(scores[:, c].numpy(), labels[:, c].numpy(), None)
             label = f"{_literal(class_names[c])}  AP {100 * ap[c].item():.1f}"
             axes.plot(recall, precision, drawstyle="steps-post", linewidth=1.6, label=label)
-        axes.set_xlim(0, 1.01)
-        axes.set_ylim(0, 1.03)
-        axes.set_xlabel("recall")
-        axes.set_ylabel("precision")
+        axes.set(xlim=(0, 1.01), ylim=(0, 1.03), xlabel="recall", ylabel="precision")
         axes.set_title(f"{which.capitalize()} {len(classes)} classes by AP", fontsize=11)
         axes.grid(alpha=0.3)
         # The curves and labels passed explicitly: matplotlib leaves a label starting with "_" out of a
