@@ -10,8 +10,7 @@ the paper's M = 128 at batch 512 is k = 4, on 4 GPUs or on one.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,62 +224,60 @@ def _weights_deviations(config: Mapping[str, Any], stand_ins: Mapping[str, str])
     return []
 
 
-def read_placed(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(results, config)`` of a finished run (:func:`mlcls.reporting.run_files.read_run`), its config
-    holding the groups that place it; :class:`ReportError` in one line otherwise."""
-    results, config = read_run(run_dir)
-    if results is None:
-        raise ReportError(f"{run_dir}: no results.json")
-    if config is None:
-        raise ReportError(f"{run_dir}: results.json has no provenance.config and there is no config.yaml")
-    config_groups(config, run_dir, ("dataset", "model", "loss", "trainer"))
-    return results, config
-
-
-@contextmanager
-def placing(run_dir: Path) -> Iterator[None]:
-    """Turns what a config of mapped groups holding a value of another type, or missing one, raises while
-    a run is placed into one :class:`ReportError` line."""
-    try:
-        yield
-    except ReportError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
-        raise ReportError(
-            f"{run_dir}: the run's config does not place it "
-            f"({type(exc).__name__}: {error_text(exc, run_dir)})"
-        ) from None
-
-
-def world_size(results: Mapping[str, Any]) -> int:
-    """The processes a run trained on, as its results.json records them (1 when it does not)."""
-    return (results.get("provenance") or {}).get("world_size") or results.get("world_size") or 1
-
-
 def metric_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The :data:`METRICS` of ``metrics`` that a run has, as floats."""
     return {key: float(metrics[key]) for key in METRICS if metrics.get(key) is not None}
 
 
-def load_run(run_dir: Path, stand_ins: Mapping[str, str] | None = None) -> RunRecord:
-    """The run in ``run_dir`` as the paper tables see it (:func:`read_placed`): its attributes, last
-    evaluation and deviations from the paper's protocol; ``stand_ins`` rename datasets and backbones."""
-    run_dir = Path(run_dir)
-    results, config = read_placed(run_dir)
-    with placing(run_dir):
-        attributes = run_attributes(config, world_size(results))
-        deviations = tuple(paper_deviations(config, results, stand_ins))
-    for key in ("dataset", "backbone"):
-        attributes[key] = (stand_ins or {}).get(attributes[key], attributes[key])
-    return RunRecord(run_dir, attributes, metric_figures(results.get("metrics") or {}), deviations)
-
-
-def collect_runs(paths: Iterable[Path | str], stand_ins: Mapping[str, str] | None = None) -> list[RunRecord]:
-    """Every run under ``paths``: a run directory (holding results.json) or a sweep directory above runs."""
+def collect_runs(
+    paths: Iterable[Path | str],
+    stand_ins: Mapping[str, str] | None = None,
+    place: Callable[..., RunRecord | None] | None = None,
+) -> list[RunRecord]:
+    """Every run under ``paths`` (a run directory holding results.json, or a sweep directory above runs) as
+    ``place(run_dir, results, config, attributes, stand_ins)`` records it (None: not a row); by default as
+    the paper tables see it. :class:`ReportError` in one line for a run whose config lacks the groups that
+    place it or holds values of other types, and (by default) for a path without runs."""
     runs = []
     for path in map(Path, paths):
         found = find_run_dirs(path)
-        if not found:
+        if not found and place is None:
             raise ReportError(f"{path}: no results.json in it or below")
-        runs.extend(load_run(run_dir, stand_ins) for run_dir in found)
+        for run_dir in found:
+            results, config = read_run(run_dir)
+            if results is None:
+                raise ReportError(f"{run_dir}: no results.json")
+            if config is None:
+                raise ReportError(
+                    f"{run_dir}: results.json has no provenance.config and there is no config.yaml"
+                )
+            config_groups(config, run_dir, ("dataset", "model", "loss", "trainer"))
+            try:  # a config of mapped groups holding a value of another type, or missing one
+                processes = (results.get("provenance") or {}).get("world_size") or results.get("world_size")
+                attributes = run_attributes(config, processes or 1)
+                record = (place or _paper_record)(run_dir, results, config, attributes, stand_ins or {})
+            except ReportError:
+                raise
+            except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+                raise ReportError(
+                    f"{run_dir}: the run's config does not place it "
+                    f"({type(exc).__name__}: {error_text(exc, run_dir)})"
+                ) from None
+            if record is not None:
+                runs.append(record)
     return runs
+
+
+def _paper_record(
+    run_dir: Path,
+    results: Mapping[str, Any],
+    config: Mapping[str, Any],
+    attributes: dict[str, Any],
+    stand_ins: Mapping[str, str],
+) -> RunRecord:
+    """The run as the paper tables see it: its attributes (datasets and backbones renamed by ``stand_ins``),
+    last evaluation and deviations from the paper's protocol."""
+    deviations = tuple(paper_deviations(config, results, stand_ins))
+    for key in ("dataset", "backbone"):
+        attributes[key] = stand_ins.get(attributes[key], attributes[key])
+    return RunRecord(run_dir, attributes, metric_figures(results.get("metrics") or {}), deviations)

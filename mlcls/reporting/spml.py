@@ -21,17 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.run_files import find_run_dirs
 from mlcls.reporting.runs import (
     RunRecord,
     architecture,
+    collect_runs,
     config_value,
     metric_figures,
-    placing,
     protocol_deviations,
-    read_placed,
-    run_attributes,
-    world_size,
 )
 from mlcls.reporting.sweeps import (
     SMOKE_OVERRIDES,
@@ -232,25 +228,27 @@ def collect_spml_runs(
 ) -> list[RunRecord]:
     """Every run under ``paths`` that is a row of the benchmark, with ``method`` among its attributes and
     its deviations from ``spml.yaml``. ``stand_ins`` renames datasets (``synthetic`` -> ``coco``)."""
-    runs = []
-    for run_dir in (run_dir for path in paths for run_dir in find_run_dirs(path)):
-        results, config = read_placed(run_dir)
-        with placing(run_dir):
-            attributes = run_attributes(config, world_size(results))
-            method = _method_of(config, attributes)
-            if method is None:
-                continue
-            dataset = attributes["dataset"]
-            attributes.update(method=method, dataset=(stand_ins or {}).get(dataset, dataset))
-            deviations = protocol_deviations(config, results, benchmark_checks(config, method), "benchmark")
-        if dataset != attributes["dataset"]:
-            deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
-        if architecture(config) != "resnet50":
-            deviations.append(f"backbone {architecture(config)} (benchmark resnet50)")
-        runs.append(
-            RunRecord(run_dir, attributes, metric_figures(reported_metrics(results)), tuple(deviations))
-        )
-    return runs
+    return collect_runs(paths, stand_ins, _spml_record)
+
+
+def _spml_record(
+    run_dir: Path,
+    results: Mapping[str, Any],
+    config: Mapping[str, Any],
+    attributes: dict[str, Any],
+    stand_ins: Mapping[str, str],
+) -> RunRecord | None:
+    method = _method_of(config, attributes)
+    if method is None:
+        return None
+    dataset = attributes["dataset"]
+    attributes.update(method=method, dataset=stand_ins.get(dataset, dataset))
+    deviations = protocol_deviations(config, results, benchmark_checks(config, method), "benchmark")
+    if dataset != attributes["dataset"]:
+        deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
+    if architecture(config) != "resnet50":
+        deviations.append(f"backbone {architecture(config)} (benchmark resnet50)")
+    return RunRecord(run_dir, attributes, metric_figures(reported_metrics(results)), tuple(deviations))
 
 
 def spml_spec() -> TableSpec:
