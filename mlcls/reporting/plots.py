@@ -13,7 +13,7 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,9 +22,6 @@ from mlcls.errors import plural
 from mlcls.io import atomic_write_bytes
 from mlcls.metrics import average_precision
 from mlcls.reporting.report_data import history_curves, pr_curve
-
-if TYPE_CHECKING:
-    from mlcls.engine.trainer import Trainer
 
 log = logging.getLogger("mlcls")
 
@@ -188,14 +185,3 @@ def write_plots(
             writer.add_image(f"plots/{name}", pixels, step, dataformats="HWC")
     log.info("plots written to %s", Path(run_dir) / "plots")
     return written
-
-
-def plot_run(trainer: Trainer) -> list[Path]:
-    """:func:`write_plots` of a finished training run (a :attr:`Trainer.on_finish` hook, on rank 0): its
-    history and last validation scores, into its run directory and TensorBoard; nothing without scores."""
-    if trainer.val_outputs is None or trainer.val_outputs[0] is None:
-        return []
-    scores, labels = trainer.val_outputs
-    return write_plots(
-        trainer.run_dir, trainer.state.history, scores, labels, trainer.classes, writer=trainer.run_log.writer
-    )

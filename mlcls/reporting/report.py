@@ -22,6 +22,7 @@ from mlcls.io import atomic_write_bytes
 from mlcls.losses.spec import loss_name
 from mlcls.reporting import report_html as ui
 from mlcls.reporting.paper import ReportError
+from mlcls.reporting.plots import write_plots
 from mlcls.reporting.report_data import (
     ErrorCase,
     ValPredictions,
@@ -271,11 +272,15 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
 
 
 def report_run(trainer: Trainer) -> Path | None:
-    """Save the last validation predictions of a finished run and write its report (a
+    """Draw the figures of a finished run (:func:`mlcls.reporting.plots.write_plots`: into its run directory
+    and TensorBoard), save its last validation predictions and write its report (a
     :attr:`Trainer.on_finish` hook, on rank 0); nothing without predictions."""
     if trainer.val_outputs is None or trainer.val_outputs[0] is None:
         return None
     scores, labels = trainer.val_outputs
+    write_plots(
+        trainer.run_dir, trainer.state.history, scores, labels, trainer.classes, writer=trainer.run_log.writer
+    )
     epoch = max(h["epoch"] for h in trainer.state.history if h.get("mAP_class") is not None)
     val_set = trainer.data.val_set
     save_val_predictions(

@@ -1,10 +1,7 @@
 """Finished runs as the paper tables see them: where a run is, what it was, what it scored, and how it
-departs from the paper's protocol.
-
-A run is placed by its resolved config only (never by its directory name): ``provenance.config`` in its
-``results.json``, else the run's ``config.yaml``. Buckets are identified by their number per batch,
-``k = trainer.batch_size / M`` (M: rows of the logit matrix, :func:`mlcls.losses.spec.effective_bucket_size`):
-the paper's M = 128 at batch 512 is k = 4, on 4 GPUs or on one.
+departs from the paper's protocol. A run is placed by its resolved config only, never by its directory name.
+Buckets are counted per batch, ``k = trainer.batch_size / M`` (M: rows of the logit matrix,
+:func:`mlcls.losses.spec.effective_bucket_size`): the paper's M = 128 at batch 512 is k = 4, on 4 GPUs or one.
 """
 
 from __future__ import annotations
@@ -43,12 +40,9 @@ class RunRecord:
 
 
 def run_attributes(config: Mapping[str, Any], world_size: int) -> dict[str, Any]:
-    """The facts that place a run in a table, from its resolved config.
-
-    Keys: ``dataset`` (``dataset.name``), ``backbone`` (the timm architecture, ``model.name`` without its
-    weights tag), ``loss`` (:func:`mlcls.losses.spec.loss_name`), ``loss.<key>`` for every scalar loss
-    setting, and ``buckets`` (buckets per batch, ``trainer.batch_size / M``) for the losses that have buckets.
-    """
+    """The facts that place a run in a table, from its resolved config: ``dataset``, ``backbone``
+    (:func:`architecture`), ``loss`` (:func:`mlcls.losses.spec.loss_name`), ``loss.<key>`` for every scalar
+    loss setting, and ``buckets`` (per batch, ``trainer.batch_size / M``) for the losses that have them."""
     loss = config["loss"]
     batch_size = int(config["trainer"]["batch_size"])
     attributes: dict[str, Any] = {
@@ -135,11 +129,9 @@ def protocol_checks() -> dict[str, Any]:
 
 
 def _follows(config: Mapping[str, Any], key: str, wanted: Any) -> tuple[bool, Any]:
-    """Whether ``config`` holds the protocol's value at ``key``, and the value it holds.
-
-    A group of :data:`NAMED_GROUPS` follows when one ``_``-separated part of its built name begins with the
-    paper's (``sgd``; ``cosine`` for ``cosine``, ``warmup_cosine`` or ``CosineAnnealingLR``).
-    """
+    """Whether ``config`` holds the protocol's value at ``key``, and the value it holds; a group of
+    :data:`NAMED_GROUPS` follows when one ``_``-separated part of its built name begins with the paper's
+    (``sgd``; ``cosine`` for ``cosine``, ``warmup_cosine`` or ``CosineAnnealingLR``)."""
     if key in NAMED_GROUPS:
         name = built_name(config.get(key) or {})
         return name is not None and any(part.startswith(wanted) for part in name.split("_")), name
@@ -181,13 +173,9 @@ def epochs_left(config: Mapping[str, Any], results: Mapping[str, Any]) -> tuple[
 def paper_deviations(
     config: Mapping[str, Any], results: Mapping[str, Any], stand_ins: Mapping[str, str] | None = None
 ) -> list[str]:
-    """How a run departs from the paper's protocol, one short phrase each (empty: it follows it).
-
-    Names the stand-ins (a dataset or backbone counted as another, e.g. in smoke runs), then checks
-    :func:`protocol_checks` (the optimiser, schedule, epochs configured and completed, batch size,
-    augmentation and image size), mixed precision, the backbone's ImageNet weights and the dataset sizes of
-    Table 6.
-    """
+    """How a run departs from the paper's protocol, one short phrase each (empty: it follows it): the
+    stand-ins (a dataset or backbone counted as another, as in smoke runs), :func:`protocol_checks`, mixed
+    precision, the backbone's ImageNet weights and the dataset sizes of Table 6."""
     stand_ins = stand_ins or {}
     deviations = [
         f"{name} stands in for {replacement}"
@@ -199,7 +187,14 @@ def paper_deviations(
     device = ((results.get("provenance") or {}).get("device") or {}).get("type")
     if amp == "none" or (amp == "auto" and device not in (None, "cuda")):  # auto: float32 off CUDA
         deviations.append("no mixed precision (paper AMP)")
-    deviations += _weights_deviations(config, stand_ins)
+    model, backbone = config["model"], architecture(config)
+    weights = PAPER_WEIGHTS.get(stand_ins.get(backbone, backbone))
+    if model.get("checkpoint_path"):
+        deviations.append(f"weights from {model['checkpoint_path']} (unverified)")
+    elif not model.get("pretrained"):
+        deviations.append(f"not pretrained (paper {weights or 'ImageNet weights'})")
+    elif weights is not None and model["name"] != weights:
+        deviations.append(f"weights {model['name']} (paper {weights})")
     name = config["dataset"]["name"]
     sizes = load_paper()["table6_datasets"].get(stand_ins.get(name, name))
     ours_sizes = results.get("dataset") or {}
@@ -209,19 +204,6 @@ def paper_deviations(
                 ours_count, paper_count = ours_sizes[ours_key], sizes[paper_key]
                 deviations.append(f"{paper_key} split {ours_count} samples (paper {paper_count})")
     return deviations
-
-
-def _weights_deviations(config: Mapping[str, Any], stand_ins: Mapping[str, str]) -> list[str]:
-    """How the backbone's starting weights depart from the paper's ImageNet weights (empty: they are them)."""
-    model, backbone = config["model"], architecture(config)
-    weights = PAPER_WEIGHTS.get(stand_ins.get(backbone, backbone))
-    if not model.get("pretrained") and not model.get("checkpoint_path"):
-        return [f"not pretrained (paper {weights or 'ImageNet weights'})"]
-    if model.get("checkpoint_path"):
-        return [f"weights from {model['checkpoint_path']} (unverified)"]
-    if weights is not None and model["name"] != weights:
-        return [f"weights {model['name']} (paper {weights})"]
-    return []
 
 
 def metric_figures(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -207,26 +207,6 @@ def describe(table: str) -> str:
     return _grids()[table].description
 
 
-def _split_sweep(value: str) -> list[str]:
-    """``a,b,c`` -> [a, b, c], commas inside brackets or quotes excepted."""
-    parts, depth, quote, current = [], 0, "", ""
-    for char in value:
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "[({":
-            depth += 1
-        elif char in "])}":
-            depth -= 1
-        elif char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-            continue
-        current += char
-    return [*parts, current]
-
-
 def expand(overrides: Sequence[str]) -> list[list[str]]:
     """The jobs of ``mlcls-train -m <overrides>``: each job's overrides for every combination of the
     comma-separated values (Hydra's basic sweeper). A key given twice keeps its last spelling and values, so
@@ -234,7 +214,22 @@ def expand(overrides: Sequence[str]) -> list[list[str]]:
     keyed: dict[str, tuple[str, list[str]]] = {}  # key without +/++/~ -> (key as written, values)
     for override in overrides:
         key, _, value = override.partition("=")
-        keyed[key.lstrip("+~")] = (key, _split_sweep(value))
+        values, depth, quote, current = [], 0, "", ""  # split at commas outside brackets and quotes
+        for char in value:
+            if quote:
+                quote = "" if char == quote else quote
+            elif char in "'\"":
+                quote = char
+            elif char in "[({":
+                depth += 1
+            elif char in "])}":
+                depth -= 1
+            elif char == "," and depth == 0:
+                values.append(current)
+                current = ""
+                continue
+            current += char
+        keyed[key.lstrip("+~")] = (key, [*values, current])
     written = [key for key, _ in keyed.values()]
     combos = itertools.product(*(values for _, values in keyed.values()))
     return [[f"{key}={value}" for key, value in zip(written, combo, strict=True)] for combo in combos]
