@@ -61,16 +61,6 @@ class Suspect:
     score: float
 
 
-def image_name(dataset: MultiLabelDataset, row: int) -> str:
-    """The file of sample ``row``, with its box when the sample is a crop."""
-    sample = dataset.samples[row]
-    return (
-        sample.path
-        if sample.box is None
-        else f"{sample.path} (box {', '.join(f'{v:g}' for v in sample.box)})"
-    )
-
-
 THUMBNAIL = 96  # the audit page's thumbnails' longer side, in pixels
 AUDIT_COLUMNS = (
     ("rank", "rank", "number"),
@@ -150,20 +140,6 @@ def fold_config(cfg: DictConfig, folds: int, fold: int, seed: int, out: Path) ->
     return fold_cfg
 
 
-def load_fold(path: Path, settings: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """The rows and probabilities saved in ``path``, or None when there is no such file; one
-    :class:`ConfigError` line when it was written with other settings."""
-    if not path.exists():
-        return None
-    with open_regular(path, max_bytes=CAPS["predictions"], what="fold") as file, np.load(file) as saved:
-        if str(saved["settings"]) != settings:
-            raise ConfigError(
-                f"{path} holds the probabilities of an audit with other settings; pass another out= or "
-                "delete the folder"
-            )
-        return saved["rows"], saved["probabilities"]
-
-
 def out_of_sample_probabilities(
     cfg: DictConfig, num_rows: int, folds: int, seed: int, out: Path, say: Callable[[str], None]
 ) -> np.ndarray:
@@ -177,8 +153,19 @@ def out_of_sample_probabilities(
     probabilities: np.ndarray | None = None
     for fold in range(folds):
         path = out / "folds" / f"fold_{fold}.npz"
-        saved = load_fold(path, settings)
-        if saved is None:
+        if path.exists():  # saved by an earlier audit: with these settings, or refused in one line
+            with (
+                open_regular(path, max_bytes=CAPS["predictions"], what="fold") as file,
+                np.load(file) as saved,
+            ):
+                if str(saved["settings"]) != settings:
+                    raise ConfigError(
+                        f"{path} holds the probabilities of an audit with other settings; pass another "
+                        "out= or delete the folder"
+                    )
+                rows, probs = saved["rows"], saved["probabilities"]
+            say(f"fold {fold + 1}/{folds}: read from {path}")
+        else:
             start = time.perf_counter()
             trainer = Trainer(fold_config(cfg, folds, fold, seed, out))
             trainer.fit()
@@ -192,9 +179,6 @@ def out_of_sample_probabilities(
             np.savez(buffer, rows=rows, probabilities=probs, settings=np.array(settings))
             atomic_write_bytes(path, buffer.getvalue())
             say(f"fold {fold + 1}/{folds}: trained and scored in {time.perf_counter() - start:.0f} s, {path}")
-        else:
-            rows, probs = saved
-            say(f"fold {fold + 1}/{folds}: read from {path}")
         if probabilities is None:
             probabilities = np.full((num_rows, probs.shape[1]), np.nan, dtype=np.float32)
         probabilities[rows] = probs
@@ -239,11 +223,17 @@ def audit(cfg: DictConfig, folds: int, seed: int, out: str | Path, top: int) -> 
     labels = dataset.labels.numpy()
     mean_ap, counted = map_class(torch.from_numpy(probabilities), dataset.labels)
     scores, ranked = rank_labels(labels, probabilities)
+
+    def image_name(row: int) -> str:  # the sample's file, with its box when the sample is a crop
+        sample = dataset.samples[row]
+        box = sample.box
+        return sample.path if box is None else f"{sample.path} (box {', '.join(f'{v:g}' for v in box)})"
+
     suspects = [
         Suspect(
             rank + 1,
             int(row),
-            image_name(dataset, int(row)),
+            image_name(int(row)),
             int(column),
             int(labels[row, column]),
             float(probabilities[row, column]),

@@ -91,23 +91,20 @@ class _Cards:
         self.probs = probabilities(predictions.scores)
         self.thresholds = probabilities(predictions.thresholds)
 
-    def _lines(self, row: int) -> tuple[str, ...]:
+    def _card(self, row: int, cls: int, what: str, first: str) -> ui.Card:
+        """The card of image ``row`` wrong on class ``cls``: its score, given labels and predicted classes."""
         names = self.p.classes
         given = [names[c] for c in np.flatnonzero(self.p.labels[row] == 1)]
         predicted = np.flatnonzero(self.p.scores[row].astype(np.float64) >= self.p.thresholds)
         predicted = sorted(predicted, key=lambda c: -self.probs[row, c])
         shown = ", ".join(f"{names[c]} {self.probs[row, c]:.2f}" for c in predicted[:PREDICTED_SHOWN])
         more = f" +{len(predicted) - PREDICTED_SHOWN}" if len(predicted) > PREDICTED_SHOWN else ""
-        return (f"given: {', '.join(given) or 'none'}", f"predicted: {shown or 'none'}{more}")
-
-    def _card(self, row: int, cls: int, what: str, first: str) -> ui.Card:
-        line = f"{first}; score {self.probs[row, cls]:.2f}, threshold {self.thresholds[cls]:.2f}"
-        return ui.Card(
-            self.thumbnails.key(row),
-            self.p.ids[row],
-            f"{self.p.classes[cls]} {what}",
-            (line, *self._lines(row)),
+        lines = (
+            f"{first}; score {self.probs[row, cls]:.2f}, threshold {self.thresholds[cls]:.2f}",
+            f"given: {', '.join(given) or 'none'}",
+            f"predicted: {shown or 'none'}{more}",
         )
+        return ui.Card(self.thumbnails.key(row), self.p.ids[row], f"{names[cls]} {what}", lines)
 
     def errors(self, cases: Mapping[str, Sequence[ErrorCase]], headings: Sequence[str]) -> str:
         """The galleries of the false positives ``cases["fp"]`` and negatives ``cases["fn"]``."""
@@ -150,7 +147,10 @@ def _run_summary(results: Mapping[str, Any], config: Mapping[str, Any], epoch: i
     wall = (results.get("provenance") or {}).get("wall_time_s")
     if wall is not None:
         figures.append((f"{wall:.0f} s", "training time"))
-    return subtitle, ui.figures_block(figures)
+    cells = "".join(
+        f'<div class="figure"><b>{ui.escape(v)}</b><span>{ui.escape(k)}</span></div>' for v, k in figures
+    )
+    return subtitle, f'<div class="figures">{cells}</div>'
 
 
 def _curves(history: Sequence[Mapping[str, Any]]) -> str:

@@ -229,14 +229,6 @@ def line_chart(
     return "".join(parts)
 
 
-def figures_block(figures: Sequence[tuple[str, str]]) -> str:
-    """The row of headline figures, ``(value, label)`` each."""
-    cells = "".join(
-        f'<div class="figure"><b>{escape(v)}</b><span>{escape(k)}</span></div>' for v, k in figures
-    )
-    return f'<div class="figures">{cells}</div>'
-
-
 def settings_table(settings: Sequence[tuple[str, object, object]]) -> str:
     """The settings that differ from the defaults: key, this run's value, the default."""
     if not settings:
