@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from mlcls.errors import is_integer
 from mlcls.io import read_json, read_yaml
 from mlcls.reporting.paper import ReportError
 
@@ -26,9 +27,7 @@ MAX_INT = 2**53
 
 def is_number(value: Any) -> bool:
     """A finite or infinite float, or an int of at most :data:`MAX_INT` in size; not a bool."""
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, float) or (isinstance(value, int) and abs(value) <= MAX_INT)
+    return isinstance(value, float) or (is_integer(value) and abs(value) <= MAX_INT)
 
 
 def yaml_text(value: Any) -> str:
@@ -42,7 +41,7 @@ def yaml_text(value: Any) -> str:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
+    return is_integer(value) and 0 <= value <= MAX_INT
 
 
 def _kind(value: Any) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlcls import errors
 from mlcls.losses.spec import effective_bucket_size, loss_name
 from mlcls.reporting.paper import ReportError, load_paper
 from mlcls.reporting.run_files import config_groups, error_text, find_run_dirs, is_number, read_run, yaml_text
@@ -85,12 +86,8 @@ def config_value(config: Mapping[str, Any], dotted: str) -> Any:
 
 def same_setting(ours: Any, wanted: Any) -> bool:
     """Equality with a float tolerance (0.01 and 1e-2, 4 and 4.0 are the same setting)."""
-    if isinstance(wanted, (int, float)) and not isinstance(wanted, bool):
-        return (
-            isinstance(ours, (int, float))
-            and not isinstance(ours, bool)
-            and math.isclose(ours, wanted, rel_tol=1e-6, abs_tol=1e-12)
-        )
+    if errors.is_number(wanted):
+        return errors.is_number(ours) and math.isclose(ours, wanted, rel_tol=1e-6, abs_tol=1e-12)
     return ours == wanted
 
 
