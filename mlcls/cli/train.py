@@ -19,7 +19,6 @@ from mlcls.cli.errors import user_errors
 from mlcls.cli.overrides import run_command
 from mlcls.engine.distributed import RankFailed
 from mlcls.engine.trainer import EXIT_PREEMPTED, NonFiniteError, Preempted, Trainer
-from mlcls.reporting.plots import plot_run
 from mlcls.reporting.report import report_run
 
 # A shell's exit status for a process ended by Ctrl-C (128 + SIGINT).
@@ -35,7 +34,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """
     trainer = Trainer(cfg)
     if cfg.trainer.report:
-        trainer.on_finish.extend((plot_run, report_run))
+        trainer.on_finish.append(report_run)
     return trainer.fit()
 
 

@@ -1,22 +1,15 @@
 """``mlcls-data audit``: suspected label errors of a training split, ranked by cleanlab from K-fold
 out-of-sample probabilities.
 
-The training split is cut into K folds (:mod:`mlcls.data.datasets.folds`). K runs of the given training
-config each train on K-1 folds and score the fold held out, so that every training image gets
-probabilities (the sigmoid of the last epoch's raw weights' logits) from a model that never saw it. Each
-fold's probabilities are written, atomically, to ``<out>/folds/fold_<k>.npz`` once its run ends; a rerun
-skips the folds written with the same settings (and a fold whose run was stopped resumes from its last
-checkpoint, ``<out>/folds/fold_<k>/``). cleanlab's multi-label scores
-(``cleanlab.multilabel_classification.rank.get_label_quality_scores_per_class``, self-confidence: the
-probability of the given label) rank every known (image, class) label, the least likely first; unknown
-labels (-1) are not ranked. The first ``top`` of the ranking go to ``<out>/audit.csv`` and
-``<out>/audit.html`` (:func:`audit_page`: the thumbnails embedded, nothing fetched from anywhere).
-
-The ranking is only as good as the folds' models: the out-of-fold mAP@class (the probabilities against the
-given labels) is printed and shown on the page, with a warning below :data:`HELPFUL_MAP` (docs/report.md).
-The file names and class names come from the dataset's owner: in ``audit.csv`` a cell that starts like a
-formula is kept from running (:func:`mlcls.reporting.render.spreadsheet_text`), on the terminal a control
-character is written as its escape (:func:`mlcls.inference.predictor.printable`).
+K runs of the training config each train on K-1 folds (:mod:`mlcls.data.datasets.folds`) and score the fold
+held out (the sigmoid of the last epoch's raw weights' logits), so that every training image is scored by a
+model that never saw it. Each fold is saved atomically to ``<out>/folds/fold_<k>.npz``; a rerun skips the
+folds saved with the same settings (a stopped fold resumes from ``<out>/folds/fold_<k>/``). cleanlab's
+self-confidence scores (``get_label_quality_scores_per_class``) rank every known (image, class) label, least
+likely first; the first ``top`` go to ``<out>/audit.csv`` and ``<out>/audit.html`` (:func:`audit_page`).
+The out-of-fold mAP@class says how good the folds' models are, with a warning below :data:`HELPFUL_MAP`.
+Names from the dataset's owner are kept from running as formulas in the CSV
+(:func:`mlcls.reporting.render.spreadsheet_text`) and from driving the terminal (:func:`printable`).
 """
 
 from __future__ import annotations
@@ -66,16 +59,6 @@ class Suspect:
     label: int
     probability: float
     score: float
-
-
-def image_name(dataset: MultiLabelDataset, row: int) -> str:
-    """The file of sample ``row``, with its box when the sample is a crop."""
-    sample = dataset.samples[row]
-    return (
-        sample.path
-        if sample.box is None
-        else f"{sample.path} (box {', '.join(f'{v:g}' for v in sample.box)})"
-    )
 
 
 THUMBNAIL = 96  # the audit page's thumbnails' longer side, in pixels
@@ -157,61 +140,45 @@ def fold_config(cfg: DictConfig, folds: int, fold: int, seed: int, out: Path) ->
     return fold_cfg
 
 
-def fold_settings(cfg: DictConfig, folds: int, seed: int, num_rows: int) -> str:
-    """The settings of :data:`FOLD_SETTINGS` and :data:`FOLD_TRAINER_SETTINGS`, the cut and the split's size,
-    as JSON: what a saved fold is checked against."""
-    settings = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in FOLD_SETTINGS if key in cfg}
-    settings["trainer"] = {key: cfg.trainer.get(key) for key in FOLD_TRAINER_SETTINGS}
-    settings["cut"] = {"folds": folds, "seed": seed, "rows": num_rows}
-    return json.dumps(settings, sort_keys=True, default=str)
-
-
-def load_fold(path: Path, settings: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """The rows and probabilities saved in ``path``, or None when there is no such file; one
-    :class:`ConfigError` line when it was written with other settings."""
-    if not path.exists():
-        return None
-    with open_regular(path, max_bytes=CAPS["predictions"], what="fold") as file, np.load(file) as saved:
-        if str(saved["settings"]) != settings:
-            raise ConfigError(
-                f"{path} holds the probabilities of an audit with other settings; pass another out= or "
-                "delete the folder"
-            )
-        return saved["rows"], saved["probabilities"]
-
-
-def run_fold(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Train the fold config ``cfg`` (:func:`fold_config`); the held-out rows and their probabilities."""
-    trainer = Trainer(cfg)
-    trainer.fit()
-    scores = trainer.val_outputs[0] if trainer.val_outputs else None
-    if scores is None:  # resumed after its last epoch: the weights are trained, not yet scored
-        scores = trainer.measure().scores
-    return trainer.data.val_set.rows, torch.sigmoid(scores).numpy()
-
-
 def out_of_sample_probabilities(
     cfg: DictConfig, num_rows: int, folds: int, seed: int, out: Path, say: Callable[[str], None]
 ) -> np.ndarray:
     """(N, C) float32: each training row's probabilities from the fold run that held it out; the folds
-    saved under ``out/folds`` with these settings are read, the others trained and saved."""
-    settings = fold_settings(cfg, folds, seed, num_rows)
+    saved under ``out/folds`` with the same settings (:data:`FOLD_SETTINGS`, :data:`FOLD_TRAINER_SETTINGS`,
+    the cut, the split's size) are read, the others trained and saved."""
+    chosen = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in FOLD_SETTINGS if key in cfg}
+    chosen["trainer"] = {key: cfg.trainer.get(key) for key in FOLD_TRAINER_SETTINGS}
+    chosen["cut"] = {"folds": folds, "seed": seed, "rows": num_rows}
+    settings = json.dumps(chosen, sort_keys=True, default=str)
     probabilities: np.ndarray | None = None
     for fold in range(folds):
         path = out / "folds" / f"fold_{fold}.npz"
-        saved = load_fold(path, settings)
-        if saved is None:
+        if path.exists():  # saved by an earlier audit: with these settings, or refused in one line
+            with (
+                open_regular(path, max_bytes=CAPS["predictions"], what="fold") as file,
+                np.load(file) as saved,
+            ):
+                if str(saved["settings"]) != settings:
+                    raise ConfigError(
+                        f"{path} holds the probabilities of an audit with other settings; pass another "
+                        "out= or delete the folder"
+                    )
+                rows, probs = saved["rows"], saved["probabilities"]
+            say(f"fold {fold + 1}/{folds}: read from {path}")
+        else:
             start = time.perf_counter()
-            rows, probs = run_fold(fold_config(cfg, folds, fold, seed, out))
+            trainer = Trainer(fold_config(cfg, folds, fold, seed, out))
+            trainer.fit()
+            scores = trainer.val_outputs[0] if trainer.val_outputs else None
+            if scores is None:  # resumed after its last epoch: the weights are trained, not yet scored
+                scores = trainer.measure().scores
+            rows, probs = trainer.data.val_set.rows, torch.sigmoid(scores).numpy()
             if not np.array_equal(rows, fold_rows(num_rows, folds, fold, seed)):
                 raise ConfigError(f"fold {fold}: the training split changed while the audit ran")
             buffer = io.BytesIO()
             np.savez(buffer, rows=rows, probabilities=probs, settings=np.array(settings))
             atomic_write_bytes(path, buffer.getvalue())
             say(f"fold {fold + 1}/{folds}: trained and scored in {time.perf_counter() - start:.0f} s, {path}")
-        else:
-            rows, probs = saved
-            say(f"fold {fold + 1}/{folds}: read from {path}")
         if probabilities is None:
             probabilities = np.full((num_rows, probs.shape[1]), np.nan, dtype=np.float32)
         probabilities[rows] = probs
@@ -256,11 +223,17 @@ def audit(cfg: DictConfig, folds: int, seed: int, out: str | Path, top: int) -> 
     labels = dataset.labels.numpy()
     mean_ap, counted = map_class(torch.from_numpy(probabilities), dataset.labels)
     scores, ranked = rank_labels(labels, probabilities)
+
+    def image_name(row: int) -> str:  # the sample's file, with its box when the sample is a crop
+        sample = dataset.samples[row]
+        box = sample.box
+        return sample.path if box is None else f"{sample.path} (box {', '.join(f'{v:g}' for v in box)})"
+
     suspects = [
         Suspect(
             rank + 1,
             int(row),
-            image_name(dataset, int(row)),
+            image_name(int(row)),
             int(column),
             int(labels[row, column]),
             float(probabilities[row, column]),
@@ -268,7 +241,12 @@ def audit(cfg: DictConfig, folds: int, seed: int, out: str | Path, top: int) -> 
         )
         for rank, (row, column) in enumerate(ranked[:top])
     ]
-    write_csv(out / AUDIT_CSV, suspects, dataset.classes)
+    csv_rows = [
+        [s.rank, spreadsheet_text(s.image), spreadsheet_text(dataset.classes[s.column]), s.label]
+        + [f"{s.probability:.6f}", f"{s.score:.6f}"]
+        for s in suspects
+    ]
+    atomic_write_bytes(out / AUDIT_CSV, csv_text([CSV_COLUMNS, *csv_rows]).encode())
     quality = (
         f"out-of-fold mAP@class {mean_ap:.1f}% (classes with a positive: {counted} of {labels.shape[1]})"
     )
@@ -283,29 +261,14 @@ def audit(cfg: DictConfig, folds: int, seed: int, out: str | Path, top: int) -> 
             "model.init_from)",
             file=sys.stderr,
         )
-    print_ranking(suspects, dataset.classes, len(ranked))
+    # The class and image names through printable: the dataset's names cannot drive the terminal.
+    shown = f"first {min(SHOWN, len(suspects))} of {plural(len(ranked), 'ranked label')}"
+    print(f"\n{shown} (lowest score first):")
+    print(f"{'rank':>5}  {'given':>5}  {'prob':>6}  {'score':>6}  class  image")
+    for s in suspects[:SHOWN]:
+        print(
+            f"{s.rank:>5}  {s.label:>5}  {s.probability:6.3f}  {s.score:6.3f}  "
+            f"{printable(dataset.classes[s.column])}  {printable(s.image)}"
+        )
     print(f"\nwrote {out / AUDIT_CSV}\nwrote {out / AUDIT_HTML}")
     return suspects
-
-
-def print_ranking(suspects: list[Suspect], classes: list[str], total: int) -> None:
-    """Print the first :data:`SHOWN` of ``suspects`` (of ``total`` ranked labels), one line each, the class
-    and image names through :func:`printable`: the dataset's names cannot drive the terminal."""
-    print(f"\nfirst {min(SHOWN, len(suspects))} of {plural(total, 'ranked label')} (lowest score first):")
-    print(f"{'rank':>5}  {'given':>5}  {'prob':>6}  {'score':>6}  class  image")
-    for suspect in suspects[:SHOWN]:
-        print(
-            f"{suspect.rank:>5}  {suspect.label:>5}  {suspect.probability:6.3f}  {suspect.score:6.3f}  "
-            f"{printable(classes[suspect.column])}  {printable(suspect.image)}"
-        )
-
-
-def write_csv(path: Path, suspects: list[Suspect], classes: list[str]) -> None:
-    """``path``: one row per suspect, the columns :data:`CSV_COLUMNS`; the image and class names through
-    :func:`spreadsheet_text` (a name such as ``=HYPERLINK(...)`` is shown, not run)."""
-    rows = [
-        [s.rank, spreadsheet_text(s.image), spreadsheet_text(classes[s.column]), s.label]
-        + [f"{s.probability:.6f}", f"{s.score:.6f}"]
-        for s in suspects
-    ]
-    atomic_write_bytes(path, csv_text([CSV_COLUMNS, *rows]).encode())

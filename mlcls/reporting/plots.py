@@ -1,19 +1,9 @@
-"""Figures of a finished run, for people who would rather look than read ``results.json``.
+"""Figures of a finished run (:func:`write_plots`): ``<run_dir>/plots/per_class_ap.png``,
+``pr_curves.png`` and ``training_curves.png``, and the same images in TensorBoard under ``plots/<name>``.
 
-:func:`write_plots` writes three PNG files into ``<run_dir>/plots/`` and, given a TensorBoard
-``SummaryWriter``, the same images under ``plots/<name>``:
-
-* ``per_class_ap.png`` -- AP of every class (percent, as ``results.json``), best on top, with the
-  mAP@class line; classes without a positive validation label are left out (their AP is undefined). With
-  more than :data:`MAX_BARS` classes only the best and worst ``MAX_BARS / 2`` are drawn.
-* ``pr_curves.png`` -- precision-recall curves of the :data:`PR_CLASSES` best and worst classes by AP.
-* ``training_curves.png`` -- mean training loss per epoch, and mAP@class / mAP@sample of the evaluated
-  epochs.
-
-matplotlib is an optional dependency (``pip install mlcls[plots]``); without it nothing is drawn and one
-log line says so. The figures are drawn with matplotlib's object API on the Agg canvas (no ``pyplot``
-state, no display needed), and every file is written atomically. Class names are drawn as they are
-(a ``$`` in one starts no math text).
+matplotlib is optional (``pip install mlcls[plots]``); without it one log line says nothing is drawn. The
+figures use matplotlib's object API on the Agg canvas (no ``pyplot`` state, no display), each file is
+written atomically, and class names are drawn as they are (a ``$`` in one starts no math text).
 """
 
 from __future__ import annotations
@@ -23,17 +13,15 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from mlcls.errors import plural
 from mlcls.io import atomic_write_bytes
 from mlcls.metrics import average_precision
 from mlcls.reporting.report_data import history_curves, pr_curve
-
-if TYPE_CHECKING:
-    from mlcls.engine.trainer import Trainer
 
 log = logging.getLogger("mlcls")
 
@@ -58,7 +46,8 @@ def _figure(width: float, height: float) -> Any:
 
 
 def per_class_ap_figure(ap: torch.Tensor, positives: torch.Tensor, class_names: Sequence[str]) -> Any:
-    """Horizontal bars of the per-class AP (fractions ``ap`` (C,), NaN = no positive), best class on top."""
+    """Horizontal bars of the per-class AP (fractions ``ap`` (C,), NaN = no positive: left out), best class on
+    top, with the mAP@class line; over :data:`MAX_BARS` classes, the best and worst ``MAX_BARS / 2``."""
     import matplotlib
 
     counted = [c for c in range(len(class_names)) if not math.isnan(ap[c].item())]
@@ -81,27 +70,18 @@ def per_class_ap_figure(ap: torch.Tensor, positives: torch.Tensor, class_names: 
         axes.text(value + 0.8, row, f"{value:.1f}", va="center", fontsize=8)
     axes.axvline(100 * ap[counted].mean().item(), color="0.3", linestyle="--", linewidth=1, label="mAP@class")
     axes.set_yticks(rows, names, fontsize=9)
-    axes.invert_yaxis()
-    axes.set_xlim(0, 112)
     if hidden:
+        between = f"{hidden} classes in between not shown"
         axes.axhline(half - 0.5, color="0.2", linewidth=1.2)
-        axes.text(
-            56,
-            half - 0.5,
-            f"{hidden} classes in between not shown",
-            ha="center",
-            va="center",
-            fontsize=8,
-            backgroundcolor="white",
-        )
-    axes.set_ylim(len(order) - 0.5, -0.5)
-    axes.set_xlabel("AP (%)  --  n = positives in the validation set")
+        axes.text(56, half - 0.5, between, ha="center", va="center", fontsize=8, backgroundcolor="white")
+    axes.set(
+        xlim=(0, 112), ylim=(len(order) - 0.5, -0.5), xlabel="AP (%)  --  n = positives in the validation set"
+    )
     axes.set_title(title, fontsize=11)
     axes.legend(loc="lower right", fontsize=8)
     axes.grid(axis="x", alpha=0.3)
     if missing:
-        note = f"{missing} class{'es' if missing > 1 else ''} without a positive label not shown"
-        figure.text(0.01, 0.002, note, fontsize=8)
+        figure.text(0.01, 0.002, f"{plural(missing, 'class')} without a positive label not shown", fontsize=8)
     return figure
 
 
@@ -121,10 +101,7 @@ def pr_curves_figure(
             recall, precision = pr_curve(scores[:, c].numpy(), labels[:, c].numpy(), None)
             label = f"{_literal(class_names[c])}  AP {100 * ap[c].item():.1f}"
             axes.plot(recall, precision, drawstyle="steps-post", linewidth=1.6, label=label)
-        axes.set_xlim(0, 1.01)
-        axes.set_ylim(0, 1.03)
-        axes.set_xlabel("recall")
-        axes.set_ylabel("precision")
+        axes.set(xlim=(0, 1.01), ylim=(0, 1.03), xlabel="recall", ylabel="precision")
         axes.set_title(f"{which.capitalize()} {len(classes)} classes by AP", fontsize=11)
         axes.grid(alpha=0.3)
         # The curves and labels passed explicitly: matplotlib leaves a label starting with "_" out of a
@@ -166,15 +143,6 @@ def training_curves_figure(history: Sequence[dict[str, Any]]) -> Any:
     return figure
 
 
-def _save(figure: Any, path: Path) -> np.ndarray:
-    """Write ``figure`` as PNG to ``path`` atomically; return its RGB pixels (H, W, 3) uint8."""
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    atomic_write_bytes(path, buffer.getvalue())
-    figure.canvas.draw()
-    return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
-
-
 def write_plots(
     run_dir: str | Path,
     history: Sequence[dict[str, Any]],
@@ -183,15 +151,9 @@ def write_plots(
     class_names: Sequence[str],
     writer: Any = None,
 ) -> list[Path]:
-    """Draw the run's figures into ``<run_dir>/plots/`` (and ``writer``); return the files written.
-
-    Args:
-        run_dir: the run directory.
-        history: one dict per epoch, ``{"epoch", "loss", "mAP_class", "mAP_sample", ...}`` (mAP keys only
-            on evaluated epochs), as in ``results.json``.
-        scores: (N, C) validation logits; labels: (N, C) in {1, 0, -1}; class_names: the C names.
-        writer: a ``torch.utils.tensorboard.SummaryWriter``, or None; images are logged at the last epoch.
-    """
+    """Draw the run's figures into ``<run_dir>/plots/`` (and the TensorBoard ``writer``, at the last epoch);
+    return the files written. ``history``: ``results.json``'s; ``scores`` (N, C) validation logits,
+    ``labels`` (N, C) in {1, 0, -1}, ``class_names`` the C names."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -213,20 +175,13 @@ def write_plots(
     written = []
     for name, figure in figures.items():
         path = Path(run_dir) / "plots" / f"{name}.png"
-        pixels = _save(figure, path)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        atomic_write_bytes(path, buffer.getvalue())
         written.append(path)
         if writer is not None:
+            figure.canvas.draw()
+            pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
             writer.add_image(f"plots/{name}", pixels, step, dataformats="HWC")
     log.info("plots written to %s", Path(run_dir) / "plots")
     return written
-
-
-def plot_run(trainer: Trainer) -> list[Path]:
-    """:func:`write_plots` of a finished training run (a :attr:`Trainer.on_finish` hook, on rank 0): its
-    history and last validation scores, into its run directory and TensorBoard; nothing without scores."""
-    if trainer.val_outputs is None or trainer.val_outputs[0] is None:
-        return []
-    scores, labels = trainer.val_outputs
-    return write_plots(
-        trainer.run_dir, trainer.state.history, scores, labels, trainer.classes, writer=trainer.run_log.writer
-    )

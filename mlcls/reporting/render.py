@@ -13,6 +13,7 @@ import html
 import io
 import json
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,10 +57,16 @@ def spreadsheet_text(text: str) -> str:
     return guarded.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
-    """The lines of a Markdown table of cells already escaped: the header, its rule, one line per row."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+def markdown_table(
+    title: str, legend: str, header: Sequence[str], rows: Iterable[Sequence[str]]
+) -> list[str]:
+    """The lines of a titled Markdown table of cells already escaped: title, legend, header, rule, rows."""
+    lines = [f"### {title}", "", legend, "", "| " + " | ".join(header) + " |"]
+    return [
+        *lines,
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
 
 
 def csv_text(rows: Iterable[Sequence[Any]]) -> str:
@@ -98,28 +105,22 @@ def render_markdown(table: FilledTable) -> str:
     spec = table.spec
     by_position = {(cell.row, cell.column): cell for cell in table.cells}
     header = [*spec.row_header, *(column.label for column in spec.columns)]
-    lines = [
-        f"### {spec.caption}",
-        "",
+    legend = (
         "Each cell: ours / paper (ours − paper), mAP in %; ours = last evaluation, mean of the n runs when "
-        "n > 1; missing = no run; n/a = no paper number.",
-        "",
-        *markdown_table(
-            header,
-            (
-                [*row.label, *(_cell_text(by_position[(tuple(row.label), c.label)]) for c in spec.columns)]
-                for row in spec.rows
-            ),
-        ),
+        "n > 1; missing = no run; n/a = no paper number."
+    )
+    rows = (
+        [*row.label, *(_cell_text(by_position[(tuple(row.label), c.label)]) for c in spec.columns)]
+        for row in spec.rows
+    )
+    lines = [
+        *markdown_table(spec.caption, legend, header, rows),
         "",
         f"{table.filled} of {len(table.cells)} cells filled.",
     ]
     if spec.note:
         lines.append(spec.note)
-    deviations: dict[str, int] = {}
-    for cell in table.cells:
-        for deviation in cell.deviations:
-            deviations[deviation] = deviations.get(deviation, 0) + 1
+    deviations = Counter(deviation for cell in table.cells for deviation in cell.deviations)
     if deviations:
         lines += ["", "\\* Off the paper's protocol:"]
         lines += [f"- {markdown_text(text)} ({count} cells)" for text, count in deviations.items()]
@@ -168,17 +169,13 @@ def _runs_csv_cell(value: Any) -> str:
 
 def render_runs_markdown(table: RunsTable) -> str:
     """The runs as a Markdown table, a header line above it."""
-    lines = [
-        f"### {plural(len(table.rows), 'run')}",
-        "",
+    lines = markdown_table(
+        plural(len(table.rows), "run"),
         "Columns: the settings that differ between the runs; mAP in % at the last evaluation; best_epoch: "
         "that of the best mAP_class.",
-        "",
-        *markdown_table(
-            [markdown_text(column) for column in table.columns],
-            ([_runs_cell(c, row[c]) for c in table.columns] for row in table.rows),
-        ),
-    ]
+        [markdown_text(column) for column in table.columns],
+        ([_runs_cell(c, row[c]) for c in table.columns] for row in table.rows),
+    )
     return "\n".join(lines) + "\n"
 
 

@@ -1,10 +1,7 @@
 """``<run_dir>/report.html``: where a run's model fails, on which images, and which labels look wrong.
 
-:func:`write_report` builds one self-contained page (:mod:`mlcls.reporting.report_html`) from the run
-directory (``results.json``, the resolved config, ``val_predictions.npz``: :mod:`mlcls.reporting.report_data`)
-and the validation set, whose images become the thumbnails: the run's figures and changed settings, the
-per-class table, the most confident errors, the images cleanlab suspects of label errors, and each class's
-precision-recall curve with its own errors (the :data:`MAX_CLASS_DETAILS` worst classes). Over
+One self-contained page (:mod:`mlcls.reporting.report_html`) from the run directory
+(:mod:`mlcls.reporting.report_data`) and the validation set, whose images become the thumbnails. Over
 :data:`MAX_GALLERY_IMAGES` validation images, the galleries and the label-error search draw a seeded sample
 (the page says so); the table and curves use every image.
 """
@@ -25,6 +22,7 @@ from mlcls.io import atomic_write_bytes
 from mlcls.losses.spec import loss_name
 from mlcls.reporting import report_html as ui
 from mlcls.reporting.paper import ReportError
+from mlcls.reporting.plots import write_plots
 from mlcls.reporting.report_data import (
     ErrorCase,
     ValPredictions,
@@ -67,11 +65,8 @@ class Thumbnails:
         self._keys: dict[int, str | None] = {}
 
     def key(self, row: int) -> str | None:
-        if row not in self._keys:
-            self._keys[row] = self._make(row)
-        return self._keys[row]
-
-    def _make(self, row: int) -> str | None:
+        if row in self._keys:
+            return self._keys[row]
         index = int(self.predictions.indices[row])
         expected = self.predictions.ids[row]
         found = str(self.dataset.samples[index].path) if index < len(self.dataset) else None
@@ -81,10 +76,10 @@ class Thumbnails:
                 f"{found!r}, the run scored {expected!r}"
             )
         uri = ui.thumbnail(self.dataset, index, THUMB_SIDE)
-        if uri is None:
-            return None
-        key = f"t{len(self.uris)}"
-        self.uris[key] = uri
+        key = None if uri is None else f"t{len(self.uris)}"
+        if key is not None:
+            self.uris[key] = uri
+        self._keys[row] = key
         return key
 
 
@@ -96,23 +91,20 @@ class _Cards:
         self.probs = probabilities(predictions.scores)
         self.thresholds = probabilities(predictions.thresholds)
 
-    def _lines(self, row: int) -> tuple[str, ...]:
+    def _card(self, row: int, cls: int, what: str, first: str) -> ui.Card:
+        """The card of image ``row`` wrong on class ``cls``: its score, given labels and predicted classes."""
         names = self.p.classes
         given = [names[c] for c in np.flatnonzero(self.p.labels[row] == 1)]
         predicted = np.flatnonzero(self.p.scores[row].astype(np.float64) >= self.p.thresholds)
         predicted = sorted(predicted, key=lambda c: -self.probs[row, c])
         shown = ", ".join(f"{names[c]} {self.probs[row, c]:.2f}" for c in predicted[:PREDICTED_SHOWN])
         more = f" +{len(predicted) - PREDICTED_SHOWN}" if len(predicted) > PREDICTED_SHOWN else ""
-        return (f"given: {', '.join(given) or 'none'}", f"predicted: {shown or 'none'}{more}")
-
-    def _card(self, row: int, cls: int, what: str, first: str) -> ui.Card:
-        line = f"{first}; score {self.probs[row, cls]:.2f}, threshold {self.thresholds[cls]:.2f}"
-        return ui.Card(
-            self.thumbnails.key(row),
-            self.p.ids[row],
-            f"{self.p.classes[cls]} {what}",
-            (line, *self._lines(row)),
+        lines = (
+            f"{first}; score {self.probs[row, cls]:.2f}, threshold {self.thresholds[cls]:.2f}",
+            f"given: {', '.join(given) or 'none'}",
+            f"predicted: {shown or 'none'}{more}",
         )
+        return ui.Card(self.thumbnails.key(row), self.p.ids[row], f"{names[cls]} {what}", lines)
 
     def errors(self, cases: Mapping[str, Sequence[ErrorCase]], headings: Sequence[str]) -> str:
         """The galleries of the false positives ``cases["fp"]`` and negatives ``cases["fn"]``."""
@@ -145,77 +137,60 @@ def _run_summary(results: Mapping[str, Any], config: Mapping[str, Any], epoch: i
             f"{data.get('train_size', '?')} training / {data.get('val_size', '?')} validation images",
         ]
     )
-    figures = [(_figure(metrics.get("mAP_class")), f"mAP@class, epoch {epoch}")]
+    figures = [(ui.number(metrics.get("mAP_class")), f"mAP@class, epoch {epoch}")]
     if best:
         where = f"epoch {best.get('epoch', '?')} ({best.get('weights', '?')})"
-        figures.append((_figure(best.get("mAP_class")), f"best mAP@class, {where}"))
+        figures.append((ui.number(best.get("mAP_class")), f"best mAP@class, {where}"))
     for key in ("mAP_sample", "CF1", "OF1"):
         if metrics.get(key) is not None:
             figures.append((ui.number(metrics[key]), key.replace("_", "@")))
     wall = (results.get("provenance") or {}).get("wall_time_s")
     if wall is not None:
         figures.append((f"{wall:.0f} s", "training time"))
-    return subtitle, ui.figures_block(figures)
-
-
-def _figure(value: float | None) -> str:
-    """A figure of results.json (a number, checked by :func:`mlcls.reporting.run_files.check_results`, or
-    absent: a dash)."""
-    return ui.number(float("nan") if value is None else value)
+    cells = "".join(
+        f'<div class="figure"><b>{ui.escape(v)}</b><span>{ui.escape(k)}</span></div>' for v, k in figures
+    )
+    return subtitle, f'<div class="figures">{cells}</div>'
 
 
 def _curves(history: Sequence[Mapping[str, Any]]) -> str:
     """The training loss and validation mAP per epoch (:func:`mlcls.reporting.report_data.history_curves`)."""
     curves = history_curves(history)
     epochs = [h["epoch"] for h in history if "epoch" in h] or [1]
-    x_range = (min(epochs), max(epochs))
-    losses = curves["loss"][1] or [0.0]
-    maps = curves["mAP@class"][1] + curves["mAP@sample"][1] or [0.0]
-    loss = ui.line_chart(
-        [("loss", *curves["loss"])],
-        "Training loss",
-        "epoch",
-        "mean loss of the epoch",
-        x_range,
-        (min(losses), max(losses)),
-        whole_x=True,
-    )
-    validation = ui.line_chart(
-        [(label, *curves[label]) for label in ("mAP@class", "mAP@sample")],
-        "Validation mAP",
-        "epoch",
-        "mAP (%)",
-        x_range,
-        (min(maps) - 1, max(maps) + 1),
-        whole_x=True,
-    )
-    return f'<div class="charts">{loss}{validation}</div>'
+    charts = []
+    for names, title, y_label, pad in (
+        (("loss",), "Training loss", "mean loss of the epoch", 0.0),
+        (("mAP@class", "mAP@sample"), "Validation mAP", "mAP (%)", 1.0),
+    ):
+        values = [value for name in names for value in curves[name][1]] or [0.0]
+        series = [(name, *curves[name]) for name in names]
+        y_range = (min(values) - pad, max(values) + pad)
+        charts.append(
+            ui.line_chart(series, title, "epoch", y_label, (min(epochs), max(epochs)), y_range, whole_x=True)
+        )
+    return f'<div class="charts">{"".join(charts)}</div>'
 
 
 def _class_detail(row: Mapping[str, Any], predictions: ValPredictions, cards: _Cards, errors: Mapping) -> str:
     c = row["cls"]
     recall, precision = pr_curve(predictions.scores[:, c], predictions.labels[:, c])
-    marks = (
-        []
-        if np.isnan(row["precision"]) or np.isnan(row["recall"])
-        else [(row["recall"] / 100, row["precision"] / 100)]
-    )
-    chart = (
-        ui.line_chart(
+    point = (row["recall"] / 100, row["precision"] / 100)
+    marks = [] if np.isnan(point).any() else [point]
+    chart = '<p class="note">No positive in the validation set: no curve.</p>'
+    if len(recall):
+        title, unit = f"{row['name']}: precision-recall", (0.0, 1.0)
+        chart = ui.line_chart(
             [("PR", recall, precision)],
-            f"{row['name']}: precision-recall",
+            title,
             "recall",
             "precision",
-            (0.0, 1.0),
-            (0.0, 1.0),
-            steps=True,
-            marks=marks,
+            unit,
+            unit,
+            True,
+            marks,
             width=360,
             height=250,
         )
-        if len(recall)
-        else '<p class="note">No positive in the validation set: no curve.</p>'
-    )
     own = cards.errors(
         {kind: errors[kind][c] for kind in ("fp", "fn")},
         ("Most confident false positives", "Most confident false negatives"),
@@ -272,8 +247,7 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
     details = "".join(_class_detail(row, predictions, cards, per_class) for row in detailed)
     if hidden:
         details += (
-            f'<p class="note">The other {hidden} {"class" if hidden == 1 else "classes"} (better AP) are in '
-            "the table only.</p>"
+            f'<p class="note">The other {plural(hidden, "class")} (better AP) are in the table only.</p>'
         )
     settings = changed_settings(config, default_settings())
     sections = [
@@ -298,11 +272,15 @@ def write_report(run_dir: str | Path, dataset: Any) -> Path:
 
 
 def report_run(trainer: Trainer) -> Path | None:
-    """Save the last validation predictions of a finished run and write its report (a
+    """Draw the figures of a finished run (:func:`mlcls.reporting.plots.write_plots`: into its run directory
+    and TensorBoard), save its last validation predictions and write its report (a
     :attr:`Trainer.on_finish` hook, on rank 0); nothing without predictions."""
     if trainer.val_outputs is None or trainer.val_outputs[0] is None:
         return None
     scores, labels = trainer.val_outputs
+    write_plots(
+        trainer.run_dir, trainer.state.history, scores, labels, trainer.classes, writer=trainer.run_log.writer
+    )
     epoch = max(h["epoch"] for h in trainer.state.history if h.get("mAP_class") is not None)
     val_set = trainer.data.val_set
     save_val_predictions(

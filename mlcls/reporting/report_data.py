@@ -1,23 +1,12 @@
-"""What the run report (:mod:`mlcls.reporting.report`) shows, computed from a run's saved validation
-predictions: the per-class table, precision-recall curves, the most confident errors and the suspected label
-errors.
+"""What the run report (:mod:`mlcls.reporting.report`) shows, from a run's saved validation predictions
+(:class:`ValPredictions`): the per-class table, precision-recall curves, the most confident errors and the
+suspected label errors.
 
-``<run_dir>/val_predictions.npz`` (:func:`save_val_predictions`, written by ``mlcls-train`` at the end of a
-run) holds the last evaluation of the run's raw weights: ``scores`` (N, C) float32 logits, ``labels`` (N, C)
-int8 in {1, 0, -1}, ``thresholds`` (C,) float64 calibrated logit thresholds (those of ``last.pt``),
-``classes`` (C,), ``ids`` (N,) (each image's file, ``Sample.path``), ``indices`` (N,) (each row's index in
-the validation split, which differs from the row under ``trainer.limit_val_batches``) and ``epoch``.
-
-Decisions follow the calibrated thresholds: class ``c`` is predicted for image ``i`` when ``scores[i, c] >=
-thresholds[c]``. An error's *confidence* is how far its logit lies past the threshold: ``score - threshold``
-for a false positive (a predicted negative), ``threshold - score`` for a false negative (a missed positive).
-Labels of -1 (unknown) are neither.
-
-The label-error search gives cleanlab (``cleanlab.multilabel_classification``) the validation images'
-probabilities centred at each class's threshold, ``sigmoid(score - threshold)``: 0.5 is each class's
-decision point whatever the loss (the two-way loss's logits are shift-invariant, not probabilities centred on
-0.5). Validation images are never trained on, so these predictions are out-of-sample, as cleanlab requires.
-Unknown labels count as not given.
+Class ``c`` is predicted for image ``i`` when ``scores[i, c] >= thresholds[c]``; an error's *confidence* is
+how far its logit lies past the threshold. Labels of -1 (unknown) are neither errors nor given. cleanlab gets
+``sigmoid(score - threshold)``: 0.5 at each class's decision point whatever the loss (the two-way loss's
+logits are shift-invariant, not probabilities centred on 0.5); validation images are never trained on, so
+these predictions are out-of-sample, as cleanlab requires.
 """
 
 from __future__ import annotations
@@ -53,7 +42,10 @@ MAX_CURVE_POINTS = 200
 
 @dataclass(frozen=True)
 class ValPredictions:
-    """The contents of ``val_predictions.npz`` (see the module docstring)."""
+    """``<run_dir>/val_predictions.npz``, the last evaluation of the run's raw weights: ``scores`` (N, C)
+    logits, ``labels`` (N, C) in {1, 0, -1}, ``thresholds`` (C,) calibrated logit thresholds (those of
+    ``last.pt``), ``classes`` (C,), ``ids`` (N,) each image's ``Sample.path``, ``indices`` (N,) each row's
+    index in the validation split (not the row under ``trainer.limit_val_batches``), ``epoch``."""
 
     scores: np.ndarray
     labels: np.ndarray
@@ -114,10 +106,8 @@ def save_val_predictions(
 def load_val_predictions(run_dir: Path, expected: Mapping[str, Any] | None = None) -> ValPredictions:
     """Read ``run_dir/val_predictions.npz`` (never unpickling); :class:`ReportError` in one line when it is
     missing, is not a regular file of at most ``CAPS["predictions"]`` bytes, its members ask for more
-    memory than the file allows (:func:`check_npz_members`), or its arrays are inconsistent.
-
-    ``expected``: the run's ``results.json`` ``dataset`` figures; when they give ``num_classes`` or
-    ``val_size``, the predictions must hold that many classes and at most that many rows."""
+    memory than the file allows (:func:`check_npz_members`), or its arrays are inconsistent, also with
+    ``expected`` (``results.json``'s ``dataset``: ``num_classes`` classes, at most ``val_size`` rows)."""
     path = Path(run_dir) / PREDICTIONS_FILE
     try:
         file = open_regular(path, "rb", max_bytes=CAPS["predictions"], what="predictions file")
@@ -130,8 +120,12 @@ def load_val_predictions(run_dir: Path, expected: Mapping[str, Any] | None = Non
         raise ReportError(f"{path}: not a readable predictions file ({exc})") from None
     try:
         with file:
-            shapes = check_npz_members(file, path)
-            _check_counts(shapes, expected or {})
+            rows, classes = check_npz_members(file)["scores"]
+            num_classes, val_size = (expected or {}).get("num_classes"), (expected or {}).get("val_size")
+            if isinstance(num_classes, int) and classes != num_classes:
+                raise ValueError(f"{classes} classes; the run's results.json counts {num_classes}")
+            if isinstance(val_size, int) and rows > val_size:
+                raise ValueError(f"{rows} rows; the run's results.json counts {val_size} validation images")
             file.seek(0)
             with np.load(file, allow_pickle=False) as npz:
                 data = {key: npz[key] for key in PREDICTION_KINDS}
@@ -168,20 +162,14 @@ MAX_HEADER_BYTES = 10_000
 HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
-def check_npz_members(file: Any, path: Path) -> dict[str, tuple[int, ...]]:
+def check_npz_members(file: Any) -> dict[str, tuple[int, ...]]:
     """The shape of each array of the ``.npz`` archive ``file`` (open, seekable), checked before any array
     is read, so that what :func:`numpy.load` allocates is bounded by :data:`MAX_EXPANSION` times the file's
-    size, whatever the file declares:
-
-    * each of :data:`PREDICTION_KINDS` is a member, stored or deflated;
-    * a stored member's declared size equals the bytes it occupies; all members together declare at most
-      :data:`MAX_EXPANSION` times the file's size (a deflated member may declare 1,000 times its bytes);
-    * each member's ``.npy`` header (at most :data:`MAX_HEADER_BYTES`) names a dtype of its kind, without
-      Python objects, and a shape whose bytes (elements x item size) are exactly those the member declares
-      after its header: numpy allocates an array from its header's shape before reading its data;
-    * the shapes agree with each other (:data:`PREDICTION_KINDS`).
-
-    Raises :class:`ValueError` naming the first member that does not.
+    size: each of :data:`PREDICTION_KINDS` a stored or deflated member; a stored member declaring the bytes
+    it occupies, all together at most :data:`MAX_EXPANSION` times the file (a deflated member may declare
+    1,000 times its bytes); each ``.npy`` header (at most :data:`MAX_HEADER_BYTES`) naming a dtype of its
+    kind, without objects, and a shape whose bytes are exactly the member's data (numpy allocates from the
+    header's shape before reading); the shapes agreeing. :class:`ValueError` names the first that fails.
     """
     size = os.fstat(file.fileno()).st_size
     with zipfile.ZipFile(file) as archive:
@@ -227,34 +215,14 @@ def check_npz_members(file: Any, path: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_counts(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, Any]) -> None:
-    """The predictions' classes (C) and rows (N) against the run's ``results.json`` (``num_classes``,
-    ``val_size``; each where given)."""
-    rows, classes = shapes["scores"]
-    num_classes, val_size = expected.get("num_classes"), expected.get("val_size")
-    if isinstance(num_classes, int) and classes != num_classes:
-        raise ValueError(f"{classes} classes; the run's results.json counts {num_classes}")
-    if isinstance(val_size, int) and rows > val_size:
-        raise ValueError(f"{rows} rows; the run's results.json counts {val_size} validation images")
-
-
-def probabilities(scores: np.ndarray) -> np.ndarray:
-    """``sigmoid(scores)``, the scores mlcls-predict shows (float64)."""
-    return _sigmoid(scores.astype(np.float64))
-
-
-def centred_probabilities(scores: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-    """``sigmoid(score - threshold)`` of every cell (float64): 0.5 at each class's decision point, 0 for a
-    class never predicted (threshold +inf), 1 for one always predicted (-inf)."""
-    return _sigmoid(scores.astype(np.float64) - thresholds[None, :])
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    # scipy.special.expit, imported here: scipy and scikit-learn take a second to import, which every start
-    # of a command that imports this module (mlcls-train among them) would otherwise pay.
+def probabilities(scores: np.ndarray, thresholds: np.ndarray | float = 0.0) -> np.ndarray:
+    """``sigmoid(scores - thresholds)`` (float64): with the thresholds (C,), 0.5 at each class's decision
+    point, 0 for a class never predicted (+inf), 1 for one always predicted (-inf)."""
+    # imported here: scipy and scikit-learn take a second to import, which every command that imports this
+    # module (mlcls-train among them) would otherwise pay.
     from scipy.special import expit
 
-    return expit(x)
+    return expit(np.asarray(scores, dtype=np.float64) - thresholds)
 
 
 def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
@@ -274,7 +242,7 @@ def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
                 "name": name,
                 "ap": 100 * ap[c],
                 "positives": pos,
-                "threshold": float(_sigmoid(predictions.thresholds[c])),
+                "threshold": float(probabilities(predictions.thresholds[c])),
                 "precision": 100 * tp / npred if npred else math.nan,
                 "recall": 100 * tp / pos if pos else math.nan,
                 "fp": npred - tp,
@@ -309,7 +277,7 @@ def pr_curve(
     truth = labels[known] == 1
     if not truth.any():
         return np.empty(0), np.empty(0)
-    from sklearn.metrics import precision_recall_curve  # imported when used, as in _sigmoid
+    from sklearn.metrics import precision_recall_curve  # imported when used, as in probabilities
 
     precision, recall, _ = precision_recall_curve(truth, scores[known].astype(np.float64))
     if max_points is not None and len(recall) > max_points:
@@ -341,17 +309,15 @@ def confident_errors(
                 cases = [ErrorCase(int(rows[r]), start + j, float(key[r, j])) for r in order[:, j]]
                 tops[kind][start + j] = [case for case in cases if case.margin >= 0]
     overall_cases = {
-        kind: sorted((case for cases in by_class.values() for case in cases), key=_error_order)[:overall]
+        kind: sorted(
+            (case for cases in by_class.values() for case in cases), key=lambda e: (-e.margin, e.row, e.cls)
+        )[:overall]
         for kind, by_class in tops.items()
     }
     per_class_cases = {
         kind: {c: cases[:per_class] for c, cases in by_class.items()} for kind, by_class in tops.items()
     }
     return overall_cases, per_class_cases
-
-
-def _error_order(case: ErrorCase) -> tuple[float, int, int]:
-    return (-case.margin, case.row, case.cls)
 
 
 def label_issues(
@@ -365,7 +331,7 @@ def label_issues(
     from cleanlab.multilabel_classification import filter as cleanlab_filter
     from cleanlab.multilabel_classification import rank
 
-    probs = centred_probabilities(predictions.scores[rows], predictions.thresholds)
+    probs = probabilities(predictions.scores[rows], predictions.thresholds)
     given = predictions.labels[rows] == 1
     labels = [np.flatnonzero(row).tolist() for row in given]
     flagged = np.zeros(len(rows), dtype=bool)
@@ -385,8 +351,7 @@ def label_issues(
 
 
 def gallery_rows(num_rows: int, limit: int, seed: int = 0) -> np.ndarray:
-    """The validation rows the galleries and the label-error search draw from: all of them, or a random
-    ``limit`` of them (seeded, in row order) for a larger validation set."""
+    """All ``num_rows`` validation rows, or a seeded random ``limit`` of them in row order."""
     if num_rows <= limit:
         return np.arange(num_rows)
     return np.sort(np.random.default_rng(seed).choice(num_rows, size=limit, replace=False))
@@ -409,9 +374,7 @@ def default_settings() -> dict[str, Any]:
 
 
 def changed_settings(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(key, run's value, default)`` of every setting of ``config`` that differs from ``defaults`` (dotted
-    keys, :func:`mlcls.reporting.run_table.differing_keys`: a group that builds another class is one row
-    naming it; where and how the run was launched, ``trainer.output_dir`` and ``trainer.resume``, is left
-    out); absent = None."""
+    """``(dotted key, run's value, default)`` of every setting of ``config`` that differs from ``defaults``
+    (:func:`mlcls.reporting.run_table.differing_keys`); absent = None."""
     ours, theirs = flat_settings(config), flat_settings(defaults)
     return [(key, ours.get(key), theirs.get(key)) for key in differing_keys([ours, theirs])]

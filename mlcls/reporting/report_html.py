@@ -1,13 +1,12 @@
 """The HTML of the run report and the audit page: one self-contained page each (inline CSS, script and
-SVG, thumbnails as ``data:`` URIs), kept off the network by a Content-Security-Policy.
+SVG, thumbnails as ``data:`` URIs), kept off the network by a Content-Security-Policy; text from the run or
+the dataset is escaped everywhere.
 
-Text from the run or the dataset (class names, file names, config values) is escaped everywhere. The
-thumbnails travel in one JSON block (each image once, however many cards show it), which the script sets as
-the ``src`` of every ``<img data-thumb>``; once every image has loaded or failed, it records on ``<body>``
-``data-images-total``, ``data-images-loaded``, ``data-page-height`` and ``data-end-bottom`` (the bottom of
-``#report-end``) for a browser test to read back. A click on a header of a :func:`sortable_table` sorts by
-that column (again: the other way), undefined values last; ``#sort=<key>[,<key>...]`` in the URL clicks
-those headers in turn once the page has loaded.
+The thumbnails travel in one JSON block (each image once), which the script sets as the ``src`` of every
+``<img data-thumb>``; once all have loaded or failed, it records on ``<body>`` ``data-images-total``,
+``data-images-loaded``, ``data-page-height`` and ``data-end-bottom`` (of ``#report-end``) for a browser test.
+A click on a header of a :func:`sortable_table` sorts by that column (again: the other way), undefined values
+last; ``#sort=<key>[,<key>...]`` in the URL clicks those headers in turn.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from PIL import Image
+import numpy as np
 
 from mlcls.data import BadImageError
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS
@@ -129,32 +128,22 @@ def escape(text: object) -> str:
 
 def thumbnail(dataset: Any, index: int, side: int) -> str | None:
     """Sample ``index`` of ``dataset`` as a JPEG ``data:`` URI at most ``side`` pixels a side; None, and a
-    log line, when its image cannot be read. The image is the dataset's ``picture`` (a file read through
-    :func:`mlcls.data.images.read_image`: a regular file within ``CAPS["image"]``, its pixels bounded), never
-    what a transform's own ``decode`` yields."""
+    log line, when its image cannot be read. The image is the dataset's ``picture`` (read through
+    :func:`mlcls.data.images.read_image`: a regular file within ``CAPS["image"]``, its pixels bounded)."""
     try:
         image = dataset.picture(index)
     except (*BAD_IMAGE_ERRORS, BadImageError) as exc:
         log.warning("no thumbnail of %s (%s)", dataset.samples[index].path, exc)
         return None
-    return jpeg_data_uri(image, side)
-
-
-def jpeg_data_uri(image: Image.Image, side: int) -> str:
-    """``image`` as a ``data:image/jpeg;base64,...`` URI, shrunk to at most ``side`` pixels a side."""
     image.thumbnail((side, side))
     buffer = io.BytesIO()
     image.convert("RGB").save(buffer, format="JPEG", quality=85)
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def number(value: float, digits: int = 1) -> str:
-    """``value`` with ``digits`` decimals; a dash for NaN."""
-    return "–" if math.isnan(value) else f"{value:.{digits}f}"
-
-
-def _ticks(low: float, high: float, count: int = 5) -> list[float]:
-    return [low + (high - low) * k / (count - 1) for k in range(count)]
+def number(value: float | None, digits: int = 1) -> str:
+    """``value`` with ``digits`` decimals; a dash for NaN or None."""
+    return "–" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
 def line_chart(
@@ -192,13 +181,13 @@ def line_chart(
         f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="13" font-weight="600">'
         f"{escape(title)}</text>",
     ]
-    for tick in _ticks(y0, y1):
+    for tick in np.linspace(y0, y1, 5):
         parts.append(
             f'<line x1="{left}" x2="{width - right}" y1="{sy(tick):.1f}" y2="{sy(tick):.1f}" '
             'stroke="#e3e7ec"/>'
             f'<text x="{left - 5}" y="{sy(tick) + 4:.1f}" text-anchor="end" font-size="10">{tick:.3g}</text>'
         )
-    x_ticks = _ticks(x0, x1)
+    x_ticks = np.linspace(x0, x1, 5)
     if whole_x:
         x_ticks = sorted({float(round(tick)) for tick in x_ticks if x0 <= round(tick) <= x1})
     for tick in x_ticks:
@@ -238,14 +227,6 @@ def line_chart(
         )
     parts.append("</svg>")
     return "".join(parts)
-
-
-def figures_block(figures: Sequence[tuple[str, str]]) -> str:
-    """The row of headline figures, ``(value, label)`` each."""
-    cells = "".join(
-        f'<div class="figure"><b>{escape(v)}</b><span>{escape(k)}</span></div>' for v, k in figures
-    )
-    return f'<div class="figures">{cells}</div>'
 
 
 def settings_table(settings: Sequence[tuple[str, object, object]]) -> str:
@@ -319,22 +300,21 @@ def gallery(cards: Sequence[Card], empty: str) -> str:
     """A row of cards, or the note ``empty`` when there is none."""
     if not cards:
         return f'<p class="note">{escape(empty)}</p>'
-    return f'<div class="gallery">{"".join(_card(card) for card in cards)}</div>'
-
-
-def _card(card: Card) -> str:
-    short = card.image.rsplit("/", 1)[-1]
-    image = (
-        f'<img data-thumb="{escape(card.thumb)}" alt="{escape(short)}" title="{escape(card.image)}">'
-        if card.thumb is not None
-        else '<div class="missing">unreadable image</div>'
-    )
-    lines = "".join(f"<br>{escape(line)}" for line in card.lines)
-    return (
-        f'<figure class="card" data-image="{escape(card.image)}">{image}<figcaption>'
-        f'<span class="w">{escape(card.headline)}</span>{lines}<br>'
-        f'<span class="id" title="{escape(card.image)}">{escape(short)}</span></figcaption></figure>'
-    )
+    shown = []
+    for card in cards:
+        short = card.image.rsplit("/", 1)[-1]
+        image = (
+            f'<img data-thumb="{escape(card.thumb)}" alt="{escape(short)}" title="{escape(card.image)}">'
+            if card.thumb is not None
+            else '<div class="missing">unreadable image</div>'
+        )
+        lines = "".join(f"<br>{escape(line)}" for line in card.lines)
+        shown.append(
+            f'<figure class="card" data-image="{escape(card.image)}">{image}<figcaption>'
+            f'<span class="w">{escape(card.headline)}</span>{lines}<br>'
+            f'<span class="id" title="{escape(card.image)}">{escape(short)}</span></figcaption></figure>'
+        )
+    return f'<div class="gallery">{"".join(shown)}</div>'
 
 
 def page(

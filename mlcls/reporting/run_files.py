@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from mlcls.errors import is_integer
 from mlcls.io import read_json, read_yaml
 from mlcls.reporting.paper import ReportError
 
@@ -26,9 +27,7 @@ MAX_INT = 2**53
 
 def is_number(value: Any) -> bool:
     """A finite or infinite float, or an int of at most :data:`MAX_INT` in size; not a bool."""
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, float) or (isinstance(value, int) and abs(value) <= MAX_INT)
+    return isinstance(value, float) or (is_integer(value) and abs(value) <= MAX_INT)
 
 
 def yaml_text(value: Any) -> str:
@@ -42,26 +41,7 @@ def yaml_text(value: Any) -> str:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
-
-
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda value: value is None or check(value)
-
-
-def _fields(checks: Mapping[str, tuple[Callable[[Any], bool], str]]) -> Callable[[Any], str | None]:
-    """A check of a JSON object whose fields, where present, pass ``checks`` (field: (check, expected));
-    returns what is wrong (``"<field> is ..., expected ..."``) or None."""
-
-    def check(node: Any) -> str | None:
-        if not isinstance(node, Mapping):
-            return f"is {_kind(node)}; expected an object"
-        for key, (ok, expected) in checks.items():
-            if key in node and not ok(node[key]):
-                return f"{key} is {_kind(node[key])}; expected {expected}"
-        return None
-
-    return check
+    return is_integer(value) and 0 <= value <= MAX_INT
 
 
 def _kind(value: Any) -> str:
@@ -73,81 +53,73 @@ def _kind(value: Any) -> str:
     return {dict: "an object", list: "a list", int: "a whole number beyond 2**53"}.get(type(value), "a value")
 
 
-_FIGURE = (_optional(is_number), "a number or null")
-_COUNT = (_optional(_count), "a whole number >= 0 or null")
-_ENTRY = _fields(
-    {"epoch": (_count, "a whole number >= 0"), "loss": _FIGURE, "mAP_class": _FIGURE, "mAP_sample": _FIGURE}
-)
-# The fields of results.json that mlcls-report and mlcls-tables read, and what each must hold where present.
-RESULTS_FIELDS: dict[str, Callable[[Any], str | None]] = {
-    "metrics": _fields({key: _FIGURE for key in ("mAP_class", "mAP_sample", "CF1", "OF1")}),
-    "best": _fields(
-        {
-            "epoch": (_count, "a whole number >= 0"),
-            "mAP_class": _FIGURE,
-            "weights": (_optional(lambda v: isinstance(v, str)), "a name"),
-        }
-    ),
-    "per_class_ap": lambda node: (
-        _fields({})(node)
-        or next(
-            (
-                f"{key} is {_kind(v)}; expected a number or null"
-                for key, v in node.items()
-                if not _FIGURE[0](v)
-            ),
-            None,
+# What a leaf of results.json may hold, and the words of the refusal.
+LEAVES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "figure": (lambda v: v is None or is_number(v), "a number or null"),
+    "count": (lambda v: v is None or _count(v), "a whole number >= 0 or null"),
+    "epoch": (_count, "a whole number >= 0"),
+    "processes": (lambda v: _count(v) and v >= 1, "a whole number >= 1"),
+    "name": (lambda v: v is None or isinstance(v, str), "a name"),
+    "object": (lambda v: v is None or isinstance(v, Mapping), "an object or null"),
+}
+# The fields of results.json that mlcls-report and mlcls-tables read, and what each must hold where present: a
+# leaf of LEAVES, an object of such fields ({"*": leaf}: every field), or a list of objects ([fields]).
+RESULTS_FIELDS: dict[str, Any] = {
+    "metrics": dict.fromkeys(("mAP_class", "mAP_sample", "CF1", "OF1"), "figure"),
+    "best": {"epoch": "epoch", "mAP_class": "figure", "weights": "name"},
+    "per_class_ap": {"*": "figure"},
+    "history": [{"epoch": "epoch", "loss": "figure", "mAP_class": "figure", "mAP_sample": "figure"}],
+    "dataset": {"name": "name", "train_size": "count", "val_size": "count", "num_classes": "count"},
+    "provenance": {
+        "world_size": "processes",
+        "wall_time_s": "figure",
+        "device": "object",
+        "config": "object",
+    },
+    "epochs_completed": "count",
+    "resumes": "count",
+    "world_size": "processes",
+}
+
+
+def _wrong(node: Any, spec: Any) -> str | None:
+    """What is wrong with ``node`` under ``spec`` (:data:`RESULTS_FIELDS`), ``"<field> is ..., expected
+    ..."``, or None."""
+    if isinstance(spec, str):
+        ok, expected = LEAVES[spec]
+        return None if ok(node) else f"is {_kind(node)}; expected {expected}"
+    if isinstance(spec, list):
+        if not isinstance(node, list):
+            return f"is {_kind(node)}; expected a list"
+        return next(
+            (f"[{k}] {wrong}" for k, item in enumerate(node) if (wrong := _wrong(item, spec[0]))), None
         )
-    ),
-    "history": lambda node: (
-        f"is {_kind(node)}; expected a list"
-        if not isinstance(node, list)
-        else next((f"[{k}] {wrong}" for k, entry in enumerate(node) if (wrong := _ENTRY(entry))), None)
-    ),
-    "dataset": _fields(
-        {
-            "name": (_optional(lambda v: isinstance(v, str)), "a name"),
-            "train_size": _COUNT,
-            "val_size": _COUNT,
-            "num_classes": _COUNT,
-        }
-    ),
-    "provenance": _fields(
-        {
-            "world_size": (lambda v: _count(v) and v >= 1, "a whole number >= 1"),
-            "wall_time_s": _FIGURE,
-            "device": (_optional(lambda v: isinstance(v, Mapping)), "an object or null"),
-            "config": (_optional(lambda v: isinstance(v, Mapping)), "an object or null"),
-        }
-    ),
-}
-RESULTS_SCALARS = {
-    "epochs_completed": _COUNT,
-    "resumes": _COUNT,
-    "world_size": (lambda v: _count(v) and v >= 1, "a whole number >= 1"),
-}
+    if not isinstance(node, Mapping):
+        return f"is {_kind(node)}; expected an object"
+    fields = node.items() if "*" in spec else ((key, node[key]) for key in spec if key in node)
+    return next(
+        (f"{key} {wrong}" for key, v in fields if (wrong := _wrong(v, spec.get(key, spec.get("*"))))), None
+    )
 
 
 def check_results(results: Any, path: Path) -> dict[str, Any]:
     """``results`` (read from ``path``) if it is a JSON object whose fields that mlcls-report and mlcls-tables
-    read hold what they should (:data:`RESULTS_FIELDS`, :data:`RESULTS_SCALARS`; a field may be absent or
-    null); :class:`ReportError` naming the first that does not, in one line."""
+    read hold what they should (:data:`RESULTS_FIELDS`; an object field may be absent or null);
+    :class:`ReportError` naming the first that does not, in one line."""
     if not isinstance(results, dict):
         raise ReportError(f"{path}: a JSON {type(results).__name__}; expected an object")
-    for key, check in RESULTS_FIELDS.items():
-        wrong = None if results.get(key) is None else check(results[key])
-        if wrong:
-            raise ReportError(f"{path}: {key} {wrong}")
-    for key, (ok, expected) in RESULTS_SCALARS.items():
-        if key in results and not ok(results[key]):
-            raise ReportError(f"{path}: {key} is {_kind(results[key])}; expected {expected}")
+    for key, spec in RESULTS_FIELDS.items():
+        if key in results and (isinstance(spec, str) or results[key] is not None):
+            wrong = _wrong(results[key], spec)
+            if wrong:
+                raise ReportError(f"{path}: {key} {wrong}")
     return results
 
 
 def read_results(run_dir: Path) -> dict[str, Any] | None:
-    """``run_dir/results.json`` as a dict, None when the run wrote none (yet). Read through
-    :func:`mlcls.io.read_json` (a regular file of at most ``CAPS["results"]`` bytes, nesting bounded) and
-    checked (:func:`check_results`); :class:`ReportError` in one line otherwise."""
+    """``run_dir/results.json`` (a regular file of at most ``CAPS["results"]`` bytes, nesting bounded),
+    checked (:func:`check_results`); None when the run wrote none (yet), else :class:`ReportError` in one
+    line."""
     results_path = Path(run_dir) / "results.json"
     try:
         results = read_json(results_path, "results")
@@ -161,17 +133,15 @@ def read_results(run_dir: Path) -> dict[str, Any] | None:
 
 
 def read_run(run_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """``(results, config)`` of the run in ``run_dir`` (:func:`read_results`, :func:`read_config`); each
-    None when the run has none."""
+    """``(results, config)`` of the run in ``run_dir``; each None when the run has none."""
     results = read_results(run_dir)
     return results, read_config(run_dir, results)
 
 
 def read_config(run_dir: Path, results: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The resolved config of a run: ``provenance.config`` of its results, else its ``config.yaml`` (read
-    through :func:`mlcls.io.read_yaml`: a regular file of at most ``CAPS["config"]`` bytes, no YAML alias);
-    None when it has neither. :class:`ReportError` in one line for a config that is not a mapping or is
-    nested over :data:`MAX_CONFIG_DEPTH` levels."""
+    """The resolved config of a run: ``provenance.config`` of its results, else its ``config.yaml`` (a regular
+    file of at most ``CAPS["config"]`` bytes, no YAML alias); None when it has neither. :class:`ReportError`
+    in one line for a config that is not a mapping or nests over :data:`MAX_CONFIG_DEPTH` levels."""
     provenance = (results or {}).get("provenance")
     config = provenance.get("config") if isinstance(provenance, dict) else None
     config_path = Path(run_dir) / "config.yaml"

@@ -1,22 +1,13 @@
-"""Runs side by side: one row per run, the settings that differ between their configs, what they scored and
-how far they got (``mlcls-tables --runs``).
+"""Runs side by side (``mlcls-tables --runs``), one row per run. Columns, in order:
 
-Columns, in order:
-
-- the config keys whose values differ between the runs (dotted, ``loss.tp``), from each run's resolved
-  config (``provenance.config`` of ``results.json``, else ``config.yaml``), so that the keys a sweep varied
-  are the columns; where the class a config group builds differs (``loss=twoway,bce``), the group is one
-  column naming it (``loss``: twoway, bce) instead of its keys, which are not comparable;
-- ``status``: ``finished``; ``unfinished (k of n epochs)`` (stopped, preempted or still running);
-  ``failed`` (a config.yaml but no results.json: stopped, or still running, before its first evaluation);
-  ``, resumed n×`` added when training continued from a checkpoint; ``unreadable: <why>`` for a run whose
-  results.json or config.yaml cannot be read (not JSON or YAML, or not an object): it is listed, without
-  settings or figures, and the other runs are compared;
-- ``mAP_class``, ``mAP_sample`` (%, the last evaluation), ``best_epoch`` (the epoch of the best mAP@class),
-  ``epochs_completed``, ``wall_time_s`` (training time), ``run`` (the run directory);
-- when a run was trained zero-shot (``dataset.unseen_classes``: ``metrics.zsl`` and ``metrics.gzsl`` in its
-  results.json), :data:`ZERO_SHOT_COLUMNS` after ``mAP_sample``: ``zsl.mAP_class`` ... ``gzsl.F1_top5``
-  (%, the last evaluation; :mod:`mlcls.metrics.zero_shot`), empty for the runs without them.
+- the config keys whose values differ between the runs' resolved configs (dotted, ``loss.tp``): the keys a
+  sweep varied; where the class a group builds differs (``loss=twoway,bce``), the group is one column naming
+  it instead of its keys, which are not comparable;
+- ``status`` (:func:`run_status`; ``unreadable: <why>`` for a run whose results.json or config.yaml cannot
+  be read: it is listed without settings or figures, and the other runs are compared);
+- ``mAP_class``, ``mAP_sample`` (%, the last evaluation), :data:`ZERO_SHOT_COLUMNS` when a run has
+  ``metrics.zsl`` / ``metrics.gzsl``, ``best_epoch`` (of the best mAP@class), ``epochs_completed``,
+  ``wall_time_s``, ``run`` (the directory).
 
 The runs may be anyone's: :mod:`mlcls.reporting.render` shows their text as it is in every form.
 """
@@ -89,7 +80,8 @@ def differing_keys(settings: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def run_status(config: Mapping[str, Any] | None, results: Mapping[str, Any] | None) -> str:
-    """``finished``, ``unfinished (k of n epochs)`` or ``failed`` (no results), ``, resumed n×`` added."""
+    """``finished``, ``unfinished (k of n epochs)`` (stopped, preempted or still running) or ``failed`` (no
+    results: stopped, or running, before its first evaluation); ``, resumed n×`` added."""
     if results is None:
         return "failed"
     left = epochs_left(config or {}, results)
@@ -98,29 +90,22 @@ def run_status(config: Mapping[str, Any] | None, results: Mapping[str, Any] | No
     return f"{status}, resumed {resumes}×" if resumes else status
 
 
-def _mapping(value: Any) -> Mapping[str, Any]:
-    """``value`` if it is a mapping, else an empty one (a field of someone's results.json of another type)."""
-    return value if isinstance(value, Mapping) else {}
-
-
-def _figures(
-    run_dir: Path, config: Mapping[str, Any] | None, results: Mapping[str, Any] | None, status: str
-) -> dict:
-    results_or_empty = results or {}
-    metrics = _mapping(results_or_empty.get("metrics"))
-    best = _mapping(results_or_empty.get("best"))
-    provenance = _mapping(results_or_empty.get("provenance"))
-    return {
+def _figures(run_dir: Path, results: Mapping[str, Any] | None, status: str) -> dict[str, Any]:
+    results = results or {}  # its objects checked by check_results; metrics.zsl and .gzsl are not
+    metrics, best = results.get("metrics") or {}, results.get("best") or {}
+    figures = {
         "status": status,
         "mAP_class": metrics.get("mAP_class"),
         "mAP_sample": metrics.get("mAP_sample"),
-        **{
-            column: _mapping(metrics.get(column.split(".")[0])).get(column.split(".")[1])
-            for column in ZERO_SHOT_COLUMNS
-        },
+    }
+    for column in ZERO_SHOT_COLUMNS:
+        group, figure = column.split(".")
+        figures[column] = metrics[group].get(figure) if isinstance(metrics.get(group), Mapping) else None
+    return {
+        **figures,
         "best_epoch": best.get("epoch"),
-        "epochs_completed": results_or_empty.get("epochs_completed"),
-        "wall_time_s": provenance.get("wall_time_s"),
+        "epochs_completed": results.get("epochs_completed"),
+        "wall_time_s": (results.get("provenance") or {}).get("wall_time_s"),
         "run": str(run_dir),
     }
 
@@ -143,10 +128,10 @@ def runs_table(paths: Iterable[Path | str], sort: str | None = None) -> RunsTabl
             results, config = read_run(run_dir)
         except ReportError as exc:
             settings.append({})
-            figures.append(_figures(run_dir, None, None, f"unreadable: {exc}"))
+            figures.append(_figures(run_dir, None, f"unreadable: {exc}"))
             continue
         settings.append(flat_settings(config or {}))
-        figures.append(_figures(run_dir, config, results, run_status(config, results)))
+        figures.append(_figures(run_dir, results, run_status(config, results)))
     keys = differing_keys(settings)
     zero_shot = any(figure[column] is not None for figure in figures for column in ZERO_SHOT_COLUMNS)
     figure_columns = (
@@ -158,23 +143,14 @@ def runs_table(paths: Iterable[Path | str], sort: str | None = None) -> RunsTabl
         {**{key: run.get(key) for key in keys}, **{c: figure[c] for c in figure_columns}}
         for run, figure in pairs
     ]
-    if sort is not None:
-        rows = sort_rows(rows, columns, sort)
-    return RunsTable(columns, tuple(rows))
+    if sort is not None and sort not in columns:
+        raise ReportError(f"--sort {sort}: no such column; the columns are {', '.join(columns)}")
+    sign = -1 if sort in HIGHER_IS_BETTER else 1
 
-
-def sort_rows(rows: Sequence[dict[str, Any]], columns: Sequence[str], key: str) -> list[dict[str, Any]]:
-    """``rows`` ordered by column ``key`` (see :func:`runs_table`); numbers before text, None last."""
-    if key not in columns:
-        raise ReportError(f"--sort {key}: no such column; the columns are {', '.join(columns)}")
-    sign = -1 if key in HIGHER_IS_BETTER else 1
-
-    def order(row: dict[str, Any]) -> tuple:
-        value = row[key]
+    def order(row: dict[str, Any]) -> tuple:  # numbers before text, None last
+        value = row[sort]
         if value is None:
             return (2, 0, "")
-        if is_number(value):
-            return (0, sign * value, "")
-        return (1, 0, yaml_text(value))
+        return (0, sign * value, "") if is_number(value) else (1, 0, yaml_text(value))
 
-    return sorted(rows, key=order)
+    return RunsTable(columns, tuple(rows if sort is None else sorted(rows, key=order)))

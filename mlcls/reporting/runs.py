@@ -1,21 +1,18 @@
 """Finished runs as the paper tables see them: where a run is, what it was, what it scored, and how it
-departs from the paper's protocol.
-
-A run is placed by its resolved config only (never by its directory name): ``provenance.config`` in its
-``results.json``, else the run's ``config.yaml``. Buckets are identified by their number per batch,
-``k = trainer.batch_size / M`` (M: rows of the logit matrix, :func:`mlcls.losses.spec.effective_bucket_size`):
-the paper's M = 128 at batch 512 is k = 4, on 4 GPUs or on one.
+departs from the paper's protocol. A run is placed by its resolved config only, never by its directory name.
+Buckets are counted per batch, ``k = trainer.batch_size / M`` (M: rows of the logit matrix,
+:func:`mlcls.losses.spec.effective_bucket_size`): the paper's M = 128 at batch 512 is k = 4, on 4 GPUs or one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlcls import errors
 from mlcls.losses.spec import effective_bucket_size, loss_name
 from mlcls.reporting.paper import ReportError, load_paper
 from mlcls.reporting.run_files import config_groups, error_text, find_run_dirs, is_number, read_run, yaml_text
@@ -44,12 +41,9 @@ class RunRecord:
 
 
 def run_attributes(config: Mapping[str, Any], world_size: int) -> dict[str, Any]:
-    """The facts that place a run in a table, from its resolved config.
-
-    Keys: ``dataset`` (``dataset.name``), ``backbone`` (the timm architecture, ``model.name`` without its
-    weights tag), ``loss`` (:func:`mlcls.losses.spec.loss_name`), ``loss.<key>`` for every scalar loss
-    setting, and ``buckets`` (buckets per batch, ``trainer.batch_size / M``) for the losses that have buckets.
-    """
+    """The facts that place a run in a table, from its resolved config: ``dataset``, ``backbone``
+    (:func:`architecture`), ``loss`` (:func:`mlcls.losses.spec.loss_name`), ``loss.<key>`` for every scalar
+    loss setting, and ``buckets`` (per batch, ``trainer.batch_size / M``) for the losses that have them."""
     loss = config["loss"]
     batch_size = int(config["trainer"]["batch_size"])
     attributes: dict[str, Any] = {
@@ -92,12 +86,8 @@ def config_value(config: Mapping[str, Any], dotted: str) -> Any:
 
 def same_setting(ours: Any, wanted: Any) -> bool:
     """Equality with a float tolerance (0.01 and 1e-2, 4 and 4.0 are the same setting)."""
-    if isinstance(wanted, (int, float)) and not isinstance(wanted, bool):
-        return (
-            isinstance(ours, (int, float))
-            and not isinstance(ours, bool)
-            and math.isclose(ours, wanted, rel_tol=1e-6, abs_tol=1e-12)
-        )
+    if errors.is_number(wanted):
+        return errors.is_number(ours) and math.isclose(ours, wanted, rel_tol=1e-6, abs_tol=1e-12)
     return ours == wanted
 
 
@@ -136,11 +126,9 @@ def protocol_checks() -> dict[str, Any]:
 
 
 def _follows(config: Mapping[str, Any], key: str, wanted: Any) -> tuple[bool, Any]:
-    """Whether ``config`` holds the protocol's value at ``key``, and the value it holds.
-
-    A group of :data:`NAMED_GROUPS` follows when one ``_``-separated part of its built name begins with the
-    paper's (``sgd``; ``cosine`` for ``cosine``, ``warmup_cosine`` or ``CosineAnnealingLR``).
-    """
+    """Whether ``config`` holds the protocol's value at ``key``, and the value it holds; a group of
+    :data:`NAMED_GROUPS` follows when one ``_``-separated part of its built name begins with the paper's
+    (``sgd``; ``cosine`` for ``cosine``, ``warmup_cosine`` or ``CosineAnnealingLR``)."""
     if key in NAMED_GROUPS:
         name = built_name(config.get(key) or {})
         return name is not None and any(part.startswith(wanted) for part in name.split("_")), name
@@ -182,13 +170,9 @@ def epochs_left(config: Mapping[str, Any], results: Mapping[str, Any]) -> tuple[
 def paper_deviations(
     config: Mapping[str, Any], results: Mapping[str, Any], stand_ins: Mapping[str, str] | None = None
 ) -> list[str]:
-    """How a run departs from the paper's protocol, one short phrase each (empty: it follows it).
-
-    Names the stand-ins (a dataset or backbone counted as another, e.g. in smoke runs), then checks
-    :func:`protocol_checks` (the optimiser, schedule, epochs configured and completed, batch size,
-    augmentation and image size), mixed precision, the backbone's ImageNet weights and the dataset sizes of
-    Table 6.
-    """
+    """How a run departs from the paper's protocol, one short phrase each (empty: it follows it): the
+    stand-ins (a dataset or backbone counted as another, as in smoke runs), :func:`protocol_checks`, mixed
+    precision, the backbone's ImageNet weights and the dataset sizes of Table 6."""
     stand_ins = stand_ins or {}
     deviations = [
         f"{name} stands in for {replacement}"
@@ -200,7 +184,14 @@ def paper_deviations(
     device = ((results.get("provenance") or {}).get("device") or {}).get("type")
     if amp == "none" or (amp == "auto" and device not in (None, "cuda")):  # auto: float32 off CUDA
         deviations.append("no mixed precision (paper AMP)")
-    deviations += _weights_deviations(config, stand_ins)
+    model, backbone = config["model"], architecture(config)
+    weights = PAPER_WEIGHTS.get(stand_ins.get(backbone, backbone))
+    if model.get("checkpoint_path"):
+        deviations.append(f"weights from {model['checkpoint_path']} (unverified)")
+    elif not model.get("pretrained"):
+        deviations.append(f"not pretrained (paper {weights or 'ImageNet weights'})")
+    elif weights is not None and model["name"] != weights:
+        deviations.append(f"weights {model['name']} (paper {weights})")
     name = config["dataset"]["name"]
     sizes = load_paper()["table6_datasets"].get(stand_ins.get(name, name))
     ours_sizes = results.get("dataset") or {}
@@ -212,75 +203,60 @@ def paper_deviations(
     return deviations
 
 
-def _weights_deviations(config: Mapping[str, Any], stand_ins: Mapping[str, str]) -> list[str]:
-    """How the backbone's starting weights depart from the paper's ImageNet weights (empty: they are them)."""
-    model, backbone = config["model"], architecture(config)
-    weights = PAPER_WEIGHTS.get(stand_ins.get(backbone, backbone))
-    if not model.get("pretrained") and not model.get("checkpoint_path"):
-        return [f"not pretrained (paper {weights or 'ImageNet weights'})"]
-    if model.get("checkpoint_path"):
-        return [f"weights from {model['checkpoint_path']} (unverified)"]
-    if weights is not None and model["name"] != weights:
-        return [f"weights {model['name']} (paper {weights})"]
-    return []
-
-
-def read_placed(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(results, config)`` of a finished run (:func:`mlcls.reporting.run_files.read_run`), its config
-    holding the groups that place it; :class:`ReportError` in one line otherwise."""
-    results, config = read_run(run_dir)
-    if results is None:
-        raise ReportError(f"{run_dir}: no results.json")
-    if config is None:
-        raise ReportError(f"{run_dir}: results.json has no provenance.config and there is no config.yaml")
-    config_groups(config, run_dir, ("dataset", "model", "loss", "trainer"))
-    return results, config
-
-
-@contextmanager
-def placing(run_dir: Path) -> Iterator[None]:
-    """Turns what a config of mapped groups holding a value of another type, or missing one, raises while
-    a run is placed into one :class:`ReportError` line."""
-    try:
-        yield
-    except ReportError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
-        raise ReportError(
-            f"{run_dir}: the run's config does not place it "
-            f"({type(exc).__name__}: {error_text(exc, run_dir)})"
-        ) from None
-
-
-def world_size(results: Mapping[str, Any]) -> int:
-    """The processes a run trained on, as its results.json records them (1 when it does not)."""
-    return (results.get("provenance") or {}).get("world_size") or results.get("world_size") or 1
-
-
 def metric_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The :data:`METRICS` of ``metrics`` that a run has, as floats."""
     return {key: float(metrics[key]) for key in METRICS if metrics.get(key) is not None}
 
 
-def load_run(run_dir: Path, stand_ins: Mapping[str, str] | None = None) -> RunRecord:
-    """The run in ``run_dir`` as the paper tables see it (:func:`read_placed`): its attributes, last
-    evaluation and deviations from the paper's protocol; ``stand_ins`` rename datasets and backbones."""
-    run_dir = Path(run_dir)
-    results, config = read_placed(run_dir)
-    with placing(run_dir):
-        attributes = run_attributes(config, world_size(results))
-        deviations = tuple(paper_deviations(config, results, stand_ins))
-    for key in ("dataset", "backbone"):
-        attributes[key] = (stand_ins or {}).get(attributes[key], attributes[key])
-    return RunRecord(run_dir, attributes, metric_figures(results.get("metrics") or {}), deviations)
-
-
-def collect_runs(paths: Iterable[Path | str], stand_ins: Mapping[str, str] | None = None) -> list[RunRecord]:
-    """Every run under ``paths``: a run directory (holding results.json) or a sweep directory above runs."""
+def collect_runs(
+    paths: Iterable[Path | str],
+    stand_ins: Mapping[str, str] | None = None,
+    place: Callable[..., RunRecord | None] | None = None,
+) -> list[RunRecord]:
+    """Every run under ``paths`` (a run directory holding results.json, or a sweep directory above runs) as
+    ``place(run_dir, results, config, attributes, stand_ins)`` records it (None: not a row); by default as
+    the paper tables see it. :class:`ReportError` in one line for a run whose config lacks the groups that
+    place it or holds values of other types, and (by default) for a path without runs."""
     runs = []
     for path in map(Path, paths):
         found = find_run_dirs(path)
-        if not found:
+        if not found and place is None:
             raise ReportError(f"{path}: no results.json in it or below")
-        runs.extend(load_run(run_dir, stand_ins) for run_dir in found)
+        for run_dir in found:
+            results, config = read_run(run_dir)
+            if results is None:
+                raise ReportError(f"{run_dir}: no results.json")
+            if config is None:
+                raise ReportError(
+                    f"{run_dir}: results.json has no provenance.config and there is no config.yaml"
+                )
+            config_groups(config, run_dir, ("dataset", "model", "loss", "trainer"))
+            try:  # a config of mapped groups holding a value of another type, or missing one
+                processes = (results.get("provenance") or {}).get("world_size") or results.get("world_size")
+                attributes = run_attributes(config, processes or 1)
+                record = (place or _paper_record)(run_dir, results, config, attributes, stand_ins or {})
+            except ReportError:
+                raise
+            except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+                raise ReportError(
+                    f"{run_dir}: the run's config does not place it "
+                    f"({type(exc).__name__}: {error_text(exc, run_dir)})"
+                ) from None
+            if record is not None:
+                runs.append(record)
     return runs
+
+
+def _paper_record(
+    run_dir: Path,
+    results: Mapping[str, Any],
+    config: Mapping[str, Any],
+    attributes: dict[str, Any],
+    stand_ins: Mapping[str, str],
+) -> RunRecord:
+    """The run as the paper tables see it: its attributes (datasets and backbones renamed by ``stand_ins``),
+    last evaluation and deviations from the paper's protocol."""
+    deviations = tuple(paper_deviations(config, results, stand_ins))
+    for key in ("dataset", "backbone"):
+        attributes[key] = stand_ins.get(attributes[key], attributes[key])
+    return RunRecord(run_dir, attributes, metric_figures(results.get("metrics") or {}), deviations)

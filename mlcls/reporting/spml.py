@@ -1,11 +1,7 @@
 """The single-positive benchmark (Cole et al., CVPR 2021): its sweep, cost and table beside the published
-numbers.
-
-The presets are ``configs/experiment/spml_<method>.yaml`` on top of ``spml.yaml`` (the released protocol),
-run on VOC 2012, MS-COCO 2014, NUS-WIDE and CUB-200-2011's 312 attributes with ``dataset=<name>``: one Hydra
-multirun per dataset over the methods. The table has one row per method and one column per dataset,
-mAP@class as the benchmark reports it; the published numbers are data in ``spml_published.yaml``, each with
-its paper, table, row and source.
+numbers (data in ``spml_published.yaml``, each with its paper, table, row and source). The presets
+``configs/experiment/spml_<method>.yaml`` extend ``spml.yaml`` (the released protocol); one Hydra multirun per
+dataset runs the methods; the table has a row per method and a column per dataset, mAP@class.
 """
 
 from __future__ import annotations
@@ -21,17 +17,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.run_files import find_run_dirs
 from mlcls.reporting.runs import (
     RunRecord,
     architecture,
+    collect_runs,
     config_value,
     metric_figures,
-    placing,
     protocol_deviations,
-    read_placed,
-    run_attributes,
-    world_size,
 )
 from mlcls.reporting.sweeps import (
     SMOKE_OVERRIDES,
@@ -108,9 +100,8 @@ def preset_methods() -> tuple[str, ...]:
 def spml_sweeps(
     smoke: bool = False, roots: Mapping[str, str] | None = None, data_root: Path | None = None
 ) -> list[Sweep]:
-    """One sweep per dataset over every method with a preset (:func:`preset_methods`:
-    ``experiment=spml_an,spml_an_ls,...``); in smoke mode one
-    sweep of :data:`SMOKE_METHODS` on the embedded dataset. ``roots`` / ``data_root`` as in
+    """One sweep per dataset over every method with a preset (``experiment=spml_an,spml_an_ls,...``); in
+    smoke mode one of :data:`SMOKE_METHODS` on the embedded dataset. ``roots`` / ``data_root`` as in
     :func:`mlcls.reporting.sweeps.table_sweeps`."""
     if smoke:
         experiments = [_experiment(method) for method in SMOKE_METHODS]
@@ -183,8 +174,7 @@ def check_published(document: Any) -> tuple[dict[str, Any], ...]:
 
 def _method_of(config: Mapping[str, Any], attributes: Mapping[str, Any]) -> str | None:
     """The benchmark row of a run: ``full`` for BCE on all labels, else the loss (``ll`` by its mode,
-    ``em`` with ``loss.apl`` as ``em_apl``);
-    None for a run that is no row of the table."""
+    ``em`` with ``loss.apl`` as ``em_apl``); None for a run that is no row of the table."""
     observed = config_value(config, "dataset.observed") or "all"
     loss = attributes["loss"]
     if observed == "all":
@@ -197,16 +187,11 @@ def _method_of(config: Mapping[str, Any], attributes: Mapping[str, Any]) -> str 
     return method if method in SPML_METHODS and method != "full" else None
 
 
-# The methods whose preset takes the batch size and lr of its authors' code instead of the benchmark's: EM
-# and EM+APL per dataset (spml.yaml's em_batch_size, em_lr), LL with its classifier at 10x (ll_lr,
-# ll_lr_head).
-OWN_BATCH_AND_LR = ("em", "em_apl", "ll_r", "ll_ct", "ll_cp")
-
-
 def benchmark_checks(config: Mapping[str, Any], method: str | None) -> dict[str, Any]:
     """The values ``spml.yaml`` gives :data:`PROTOCOL_KEYS` (those it sets), for
-    :func:`mlcls.reporting.runs.protocol_deviations`; for a ``method`` of :data:`OWN_BATCH_AND_LR`, its
-    preset's batch size and lr (for the run's dataset)."""
+    :func:`mlcls.reporting.runs.protocol_deviations`; EM and EM+APL take their authors' batch size and lr
+    per dataset (``em_batch_size``, ``em_lr``), LL its own lr with the classifier's at 10x (``ll_lr``,
+    ``ll_lr_head``)."""
     preset = benchmark_preset()
     dataset = config_value(config, "dataset.name")
     if method in ("em", "em_apl") and dataset in preset.protocol.em_lr:
@@ -232,25 +217,27 @@ def collect_spml_runs(
 ) -> list[RunRecord]:
     """Every run under ``paths`` that is a row of the benchmark, with ``method`` among its attributes and
     its deviations from ``spml.yaml``. ``stand_ins`` renames datasets (``synthetic`` -> ``coco``)."""
-    runs = []
-    for run_dir in (run_dir for path in paths for run_dir in find_run_dirs(path)):
-        results, config = read_placed(run_dir)
-        with placing(run_dir):
-            attributes = run_attributes(config, world_size(results))
-            method = _method_of(config, attributes)
-            if method is None:
-                continue
-            dataset = attributes["dataset"]
-            attributes.update(method=method, dataset=(stand_ins or {}).get(dataset, dataset))
-            deviations = protocol_deviations(config, results, benchmark_checks(config, method), "benchmark")
-        if dataset != attributes["dataset"]:
-            deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
-        if architecture(config) != "resnet50":
-            deviations.append(f"backbone {architecture(config)} (benchmark resnet50)")
-        runs.append(
-            RunRecord(run_dir, attributes, metric_figures(reported_metrics(results)), tuple(deviations))
-        )
-    return runs
+    return collect_runs(paths, stand_ins, _spml_record)
+
+
+def _spml_record(
+    run_dir: Path,
+    results: Mapping[str, Any],
+    config: Mapping[str, Any],
+    attributes: dict[str, Any],
+    stand_ins: Mapping[str, str],
+) -> RunRecord | None:
+    method = _method_of(config, attributes)
+    if method is None:
+        return None
+    dataset = attributes["dataset"]
+    attributes.update(method=method, dataset=stand_ins.get(dataset, dataset))
+    deviations = protocol_deviations(config, results, benchmark_checks(config, method), "benchmark")
+    if dataset != attributes["dataset"]:
+        deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
+    if architecture(config) != "resnet50":
+        deviations.append(f"backbone {architecture(config)} (benchmark resnet50)")
+    return RunRecord(run_dir, attributes, metric_figures(reported_metrics(results)), tuple(deviations))
 
 
 def spml_spec() -> TableSpec:
@@ -278,6 +265,5 @@ def spml_spec() -> TableSpec:
 
 
 def fill_spml(runs: Sequence[RunRecord]) -> FilledTable:
-    """The benchmark's table with each cell the mean of its runs' reported mAP@class
-    (:func:`reported_metrics`: at the epoch the held-out split selected, else the last)."""
+    """The benchmark's table, each cell the mean of its runs' :func:`reported_metrics` mAP@class."""
     return fill_table(spml_spec(), runs)

@@ -1,11 +1,7 @@
-"""The Hydra multirun sweeps that reproduce each paper table, their smoke versions and their cost.
-
-A table is reproduced by one Hydra multirun per dataset (Table 7 has six, the ablations one, on MS-COCO),
-each over the paper presets of ``configs/experiment/`` (``experiment=paper_<loss>``) and the table's grid.
-The smoke version is the same sweep on the embedded synthetic dataset with a tiny model, a couple of
-iterations and two cells of the grid; its batch is 1/32 of the paper's, so bucket sizes shrink by 32 too.
-
-``mlcls-reproduce`` (:mod:`mlcls.cli.reproduce`) runs these; :mod:`mlcls.reporting.runs` reads the results.
+"""The Hydra multirun sweeps that reproduce each paper table (``mlcls-reproduce``), their smoke versions and
+their cost: one multirun per dataset (Table 7 has six, the ablations one, on MS-COCO), each over the paper
+presets (``experiment=paper_<loss>``) and the table's grid. The smoke version runs two cells of the grid on
+the embedded synthetic dataset with a tiny model, at 1/32 of the paper's batch (bucket sizes shrink by 32).
 """
 
 from __future__ import annotations
@@ -43,12 +39,9 @@ SMOKE_OVERRIDES = (
 # How a smoke table is read: the synthetic dataset and resnet10t stand in for MS-COCO and ResNet-50.
 SMOKE_STAND_INS = {"synthetic": "coco", "resnet10t": "resnet50"}
 
-# Cost model of docs/reproduce.md: training images/s of ResNet-50 at 224 px with AMP on one GPU (data loading
-# keeping up), evaluation images 3x faster than training ones, and the other backbones' training cost
-# relative to ResNet-50 (timm's published throughputs, rounded).
-# The H200's is measured: ``mlcls-bench step``, ResNet-50 at 224 px, batch 256, bf16, channels_last, the
-# trainer's loop on batches already on the GPU (4,596 images/s; docs/performance.md). V100 and A100: published
-# figures, not measured here (RATE_SOURCES says which, in every cost line).
+# Cost model of docs/reproduce.md: training images/s of ResNet-50 at 224 px with AMP on one GPU (the H200's
+# measured with mlcls-bench step, batch 256, bf16, data on the GPU: docs/performance.md; the others
+# published), evaluation 3x faster than training, other backbones relative to ResNet-50 (timm's throughputs).
 TRAIN_IMAGES_PER_S = {"v100": 1200.0, "a100": 2600.0, "h200": 4596.0}
 RATE_SOURCES = {
     "v100": "published V100 figures, not measured by mlcls",
@@ -122,10 +115,8 @@ def _grids() -> dict[str, TableGrid]:
 
 @dataclass(frozen=True)
 class Sweep:
-    """One Hydra multirun, ``mlcls-train -m <overrides>``, writing its jobs to ``directory/<job number>``.
-
-    ``dataset`` is None in smoke mode; ``directory`` None leaves Hydra's default sweep directory.
-    """
+    """One Hydra multirun, ``mlcls-train -m <overrides>``, writing its jobs to ``directory/<job number>``
+    (None: Hydra's default); ``dataset`` None in smoke mode."""
 
     table: str
     name: str
@@ -146,11 +137,9 @@ def _value(value: object) -> str:
 
 
 def grid_overrides(experiments: Sequence[str], grid: Mapping[str, Sequence[object]]) -> list[str]:
-    """Hydra overrides of a grid.
-
-    Before it expands a sweep, Hydra composes the config without the swept overrides; when the presets
-    are swept that config lacks their keys (loss.*, protocol.*), so a single value is forced in with ``++``.
-    """
+    """Hydra overrides of a grid. Hydra composes the config without the swept overrides before it expands
+    a sweep; when the presets are swept that config lacks their keys (loss.*, protocol.*), so a single value
+    is forced in with ``++``."""
     overrides = [f"experiment={','.join(experiments)}"]
     for key, values in grid.items():
         forced = len(experiments) > 1 and len(values) == 1 and key.split(".")[0] in ("loss", "protocol")
@@ -172,15 +161,10 @@ def table_sweeps(
     roots: Mapping[str, str] | None = None,
     data_root: Path | None = None,
 ) -> list[Sweep]:
-    """The sweeps of ``table`` (``table1`` ... ``table7``).
-
-    Args:
-        smoke: the reduced grid on the embedded dataset (seconds on a CPU) instead of the paper's.
-        nproc_per_node: processes per run (torchrun); > 1 turns on ``loss.gather`` where M exceeds the
-            per-process batch (Table 5).
-        roots: dataset name -> ``dataset.root``; ``data_root``: the folder holding all datasets in their
-            default layout (``<data_root>/coco``, ``<data_root>/voc``, ...). Neither: the configs' defaults.
-    """
+    """The sweeps of ``table`` (``table1`` ... ``table7``); ``smoke``: the reduced grid on the embedded
+    dataset. ``nproc_per_node`` > 1 turns on ``loss.gather`` where M exceeds the per-process batch (Table 5).
+    ``roots``: dataset name -> ``dataset.root``, else ``data_root`` (:func:`dataset_root`), else the
+    configs' defaults."""
     grids = _grids()
     if table not in grids:
         raise ReportError(f"unknown table {table!r}; expected one of {', '.join(TABLE_NAMES)}")
@@ -206,8 +190,7 @@ def per_dataset_sweeps(
     roots: Mapping[str, str] | None,
     data_root: Path | None,
 ) -> list[Sweep]:
-    """One sweep of ``table`` per dataset: ``dataset=<name>``, the ``shared`` overrides, and its
-    ``dataset.root`` from ``roots``, else under ``data_root`` (:func:`dataset_root`), else the config's."""
+    """One sweep of ``table`` per dataset: ``dataset=<name>``, ``shared``, its ``dataset.root``."""
     sweeps = []
     for dataset in datasets:
         overrides = [f"dataset={dataset}", *shared]
@@ -224,35 +207,29 @@ def describe(table: str) -> str:
     return _grids()[table].description
 
 
-def _split_sweep(value: str) -> list[str]:
-    """``a,b,c`` -> [a, b, c], commas inside brackets or quotes excepted."""
-    parts, depth, quote, current = [], 0, "", ""
-    for char in value:
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "[({":
-            depth += 1
-        elif char in "])}":
-            depth -= 1
-        elif char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-            continue
-        current += char
-    return [*parts, current]
-
-
 def expand(overrides: Sequence[str]) -> list[list[str]]:
-    """The jobs of ``mlcls-train -m <overrides>``: each job's overrides, one value per key, for every
-    combination of the comma-separated values (Hydra's basic sweeper). A key given twice keeps its last
-    spelling and values, so an override appended by the user replaces the table's.
-    """
+    """The jobs of ``mlcls-train -m <overrides>``: each job's overrides for every combination of the
+    comma-separated values (Hydra's basic sweeper). A key given twice keeps its last spelling and values, so
+    an override appended by the user replaces the table's."""
     keyed: dict[str, tuple[str, list[str]]] = {}  # key without +/++/~ -> (key as written, values)
     for override in overrides:
         key, _, value = override.partition("=")
-        keyed[key.lstrip("+~")] = (key, _split_sweep(value))
+        values, depth, quote, current = [], 0, "", ""  # split at commas outside brackets and quotes
+        for char in value:
+            if quote:
+                quote = "" if char == quote else quote
+            elif char in "'\"":
+                quote = char
+            elif char in "[({":
+                depth += 1
+            elif char in "])}":
+                depth -= 1
+            elif char == "," and depth == 0:
+                values.append(current)
+                current = ""
+                continue
+            current += char
+        keyed[key.lstrip("+~")] = (key, [*values, current])
     written = [key for key, _ in keyed.values()]
     combos = itertools.product(*(values for _, values in keyed.values()))
     return [[f"{key}={value}" for key, value in zip(written, combo, strict=True)] for combo in combos]
@@ -264,13 +241,9 @@ def job_values(job: Sequence[str]) -> dict[str, str]:
 
 
 def gpu_hours(trained_images: float, evaluated_images: float, gpu: str = "v100", cost: float = 1.0) -> float:
-    """The cost model's one formula: GPU-hours on one ``gpu`` of ``trained_images`` training passes and
-    ``evaluated_images`` forward passes (each image counted once per pass, over the whole run),
-    ``(trained_images + evaluated_images / EVAL_SPEEDUP) x cost / TRAIN_IMAGES_PER_S[gpu] / 3600``.
-
-    ``cost`` is the backbone's and resolution's cost relative to ResNet-50 at 224 px (:data:`BACKBONE_COST`;
-    4 for 448 px). Multi-GPU runs take about the same GPU-hours, spread over the GPUs.
-    """
+    """The cost model's one formula, GPU-hours on one ``gpu`` (multi-GPU runs take about as many, spread):
+    ``(trained_images + evaluated_images / EVAL_SPEEDUP) x cost / TRAIN_IMAGES_PER_S[gpu] / 3600``, each image
+    counted once per pass; ``cost`` relative to ResNet-50 at 224 px (:data:`BACKBONE_COST`; 4 for 448 px)."""
     return (trained_images + evaluated_images / EVAL_SPEEDUP) * cost / TRAIN_IMAGES_PER_S[gpu] / 3600.0
 
 
@@ -296,6 +269,5 @@ def sweep_gpu_hours(
     gpu: str = "v100",
     job_hours: Callable[[Mapping[str, str], str], float] = paper_job_gpu_hours,
 ) -> float:
-    """Sum of ``job_hours(job, gpu)`` over every job of ``sweeps`` (:func:`job_values` of each); a
-    benchmark with its own protocol passes its own ``job_hours``."""
+    """Sum of ``job_hours(job_values(job), gpu)`` over every job of ``sweeps``."""
     return sum(job_hours(job_values(job), gpu) for sweep in sweeps for job in sweep.runs())

@@ -1,17 +1,11 @@
-"""The paper's Tables 1-5 and 7 as specifications, and runs placed in them.
+"""The paper's Tables 1-5 and 7 as specifications, and runs placed in them::
 
-Flow::
-
-    paper_tables.yaml: the paper's numbers ─┐
-    paper_tables.yaml: each table's layout ─┴─► table_spec: rows × columns, each cell = the attributes a run
-                                                 must have (mlcls.reporting.runs) + the paper's number
-                                                     │
-                                                     ▼
+    paper_tables.yaml: numbers + layouts ──► table_spec: rows × columns, each cell = the run attributes it
+                                             needs (mlcls.reporting.runs) + the paper's number
     fill_table: cell = mean of the matching runs' last-epoch metric ──► mlcls.reporting.render
 
-One builder serves every table: an axis (rows or columns) is the product of the levels the layout lists,
-outermost first, and the cell's paper number is found by the layout's path from the levels' keys (the
-schema is described at the head of the layout document in ``paper_tables.yaml``).
+One builder serves every table: an axis is the product of the levels the layout lists, outermost first; a
+cell's paper number is at the layout's path from the levels' keys (schema: head of the layout document).
 """
 
 from __future__ import annotations
@@ -32,10 +26,8 @@ TABLE_NAMES = tuple(load_layouts())
 
 @dataclass(frozen=True)
 class Axis:
-    """A row or a column of a table: its label, the attributes it fixes and, if it carries it, the metric.
-
-    ``keys`` holds, for each level that built it, the level's key and its position in the level.
-    """
+    """A row or a column of a table: its label, the attributes it fixes, the metric if it carries it, and
+    ``keys``: for each level that built it, the level's key and its position in the level."""
 
     label: tuple[str, ...] | str
     match: Mapping[str, Any] = field(default_factory=dict)
@@ -246,9 +238,8 @@ def unplaced_runs(runs: Sequence[RunRecord], specs: Iterable[TableSpec]) -> list
 def placement_problem(
     runs: Sequence[RunRecord], specs: Sequence[TableSpec], stand_ins: Mapping[str, str] | None = None
 ) -> str | None:
-    """Why no run can fill a cell of ``specs`` whatever its loss settings: none has a dataset and a backbone
-    the tables have. Says which the runs have and the ``--stand-in`` options that would place them; None
-    when some run has a dataset and a backbone of the tables."""
+    """Why no run can fill a cell of ``specs`` whatever its loss settings (none has a dataset and a backbone
+    of the tables: which the runs have, and the ``--stand-in`` options that would place them), or None."""
     needed: dict[str, list[Any]] = {"dataset": [], "backbone": []}
     for spec in specs:
         for row, column in itertools.product(spec.rows, spec.columns):
