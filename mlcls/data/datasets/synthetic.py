@@ -1,15 +1,10 @@
 """Embedded multi-label dataset, generated procedurally: no files, no download.
 
-Each image shows 1-4 coloured shapes on a noisy background; a class is a (colour, shape) pair, so a
-model must learn both. The structure is that of real multi-label data:
-
-* 12 classes (4 shapes x 3 colours) with unequal frequencies (weights proportional to ``1 / (c + 1)^0.7``);
-* 1-4 labels per image (probabilities 0.35 / 0.30 / 0.20 / 0.15, about 2.1 on average);
-* co-occurrence: with probability 0.6 a multi-label image also holds the partner class ``(c + 5) mod 12``
-  of its first class.
-
-Everything is a deterministic function of ``seed``, the split and the index: labels are drawn once in
-``__init__`` (so ``labels`` needs no image), pixels on demand in ``picture``.
+Each image shows 1-4 coloured shapes on a noisy background; a class is a (colour, shape) pair. As in real
+data: 12 classes with frequencies proportional to ``1 / (c + 1)^0.7``; 1-4 labels per image (probabilities
+0.35 / 0.30 / 0.20 / 0.15); with probability 0.6 a multi-label image also holds the partner ``(c + 5) mod 12``
+of its first class. A function of ``seed``, split and index: labels drawn in ``__init__``, pixels in
+``picture``.
 """
 
 from __future__ import annotations
@@ -37,9 +32,8 @@ class SyntheticMultiLabel(MultiLabelDataset):
     Args:
         split: ``"train"`` or ``"val"``.
         train_size, val_size: number of images in each split.
-        canvas_size: side of the generated square images, in pixels (the transform resizes them to
-            ``dataset.image_size``).
-        seed: the dataset's seed; the same seed gives the same images and labels.
+        canvas_size: side of the generated square images, in pixels.
+        seed: the seed of the images and labels.
     """
 
     reads_files = False  # the pixels are drawn (:meth:`picture`)

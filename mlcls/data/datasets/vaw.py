@@ -6,15 +6,12 @@ Layout (the VAW repository's ``data/`` folder beside the Visual Genome image fol
     root/data/attribute_index.json                       {attribute name: index}
     root/VG_100K/<image_id>.jpg, root/VG_100K_2/<image_id>.jpg   (``image_dirs``)
 
-Instance: ``{"image_id", "instance_id", "instance_bbox": [x, y, w, h], "positive_attributes": [names],
-"negative_attributes": [names], ...}`` (ids may be strings or ints).
+An instance: ``{"image_id", "instance_bbox": [x, y, w, h], "positive_attributes": [names],
+"negative_attributes": [names], ...}``.
 
-* classes: attribute names ordered by ``attribute_index.json`` (indices must be 0..619);
-* labels: positive -> 1, negative -> 0, every other attribute -1 (unknown); an attribute listed as both
-  positive and negative is positive;
-* crops: the box clamped to the image; instances whose box has a non-positive width or height are dropped;
-* splits: ``train`` = train_part1 + train_part2 + val (229,076 instances), ``test`` (31,819); ``val``,
-  ``train_part1`` and ``train_part2`` alone are splits too.
+* classes: ordered by ``attribute_index.json`` (indices 0..619); labels: positive -> 1 (also when listed
+  negative too), negative -> 0, any other -1 (unknown); crops: the box clamped, empty boxes dropped;
+* splits: ``train`` = train_part1 + train_part2 + val (229,076 instances), ``test`` (31,819), or one file.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
@@ -51,7 +47,7 @@ DEFAULT_IMAGE_DIRS = ("VG_100K", "VG_100K_2")
 
 
 def read_attribute_index(path: Path) -> list[str]:
-    """Attribute names of ``attribute_index.json`` (name -> index) ordered by index (which must be 0..C-1)."""
+    """The names of ``attribute_index.json`` (name -> index, 0..C-1) in index order."""
     index = load_json(path)
     if not isinstance(index, dict) or set(index.values()) != set(range(len(index))):
         raise DatasetFormatError(f"{path}: expected {{attribute name: index}} with indices 0..N-1")
@@ -128,7 +124,7 @@ class VAW(MultiLabelDataset):
             if path is None:
                 raise DatasetLayoutError(f"missing {image_id}.jpg in {' and '.join(map(str, dirs))}")
             samples.append(Sample(path, tuple(box)))
-        self.labels = torch.from_numpy(labels)
+        self.labels = labels
         self.samples = samples
 
 
@@ -149,7 +145,7 @@ def _flatten(
 
 
 def _image_locator(dirs: list[Path]) -> dict[str, str]:
-    """File name -> its path in the first of ``dirs`` that holds it (one directory listing per folder)."""
+    """File name -> its path in the first of ``dirs`` that holds it (one listing per folder)."""
     locate: dict[str, str] = {}
     for folder in reversed(dirs):
         if folder.is_dir():

@@ -8,10 +8,8 @@ Layout (as the VISPR release unpacks)::
                                                  "labels": ["a0_safe", ...]}
     root/images/<split>2017/<id>.jpg
 
-* classes: the ``attribute_id`` column, class index = the ``idx`` column;
-* labels: 1 for the attributes listed in ``labels``, 0 for the others (no unknown labels);
-* splits: ``train`` = train2017 + val2017 (14,167 images), ``test`` = test2017 (8,000); each list alone is
-  also a split (``train2017``, ``val2017``, ``test2017``).
+* classes: the ``attribute_id`` column in ``idx`` order; labels: 1 if listed in ``labels``, else 0;
+* splits: ``train`` = train2017 + val2017 (14,167 images), ``test`` = test2017 (8,000), or one list.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
@@ -45,7 +42,7 @@ SPLIT_LISTS = {
 
 
 def read_attributes(path: Path) -> list[str]:
-    """Attribute ids of a VISPR ``attributes.tsv``, ordered by its ``idx`` column (which must be 0..C-1)."""
+    """The attribute ids of ``attributes.tsv`` in the order of its ``idx`` column (0..C-1)."""
     with open_regular(path, "r", newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     if not rows or not {"idx", "attribute_id"} <= rows[0].keys():
@@ -115,5 +112,5 @@ class VISPR(MultiLabelDataset):
 
         labels = np.zeros((len(samples), len(self.classes)), dtype=np.float32)
         labels[np.array(rows, int), np.array(cols, int)] = 1.0
-        self.labels = torch.from_numpy(labels)
+        self.labels = labels
         self.samples = samples

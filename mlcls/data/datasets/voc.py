@@ -6,12 +6,10 @@ Layout (as ``VOCtrainval_*.tar`` / ``VOCtest_06-Nov-2007.tar`` unpack)::
     root/VOCdevkit/VOC{year}/JPEGImages/<id>.jpg
     root/VOCdevkit/VOC{year}/ImageSets/Main/<split>.txt
 
-* classes: the 20 VOC classes in alphabetical order (:data:`VOC_CLASSES`);
-* labels come from each ``<object>``'s own ``<name>``; the ``<part><name>`` elements nested in VOC2012
-  person objects (head, hand, foot) are not labels;
-* difficult objects (``<difficult>1</difficult>``), for a class present in an image only through difficult
-  objects: ``difficult="ignore"`` -> -1 (unknown, the official classification protocol), ``"positive"`` -> 1,
-  ``"negative"`` -> 0. A class with at least one non-difficult object is always 1.
+* classes: the 20 classes in alphabetical order; labels: each ``<object>``'s own ``<name>`` (the
+  ``<part><name>`` of VOC2012 persons are no labels);
+* a class present only through difficult objects: ``difficult="ignore"`` -> -1 (the official protocol),
+  ``"positive"`` -> 1, ``"negative"`` -> 0; with a non-difficult object it is 1.
 
 Splits: VOC2007 ``trainval`` (5,011) / ``test`` (4,952); VOC2012 ``train`` (5,717) / ``val`` (5,823).
 """
@@ -25,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
@@ -52,7 +49,7 @@ class VOC(MultiLabelDataset):
         split: an ``ImageSets/Main`` list: ``trainval``/``test`` (2007), ``train``/``val`` (2012), ...
         root: folder holding ``VOCdevkit/``.
         year: 2007 or 2012.
-        difficult: ``"ignore"``, ``"positive"`` or ``"negative"`` (see the module docstring).
+        difficult: ``"ignore"``, ``"positive"`` or ``"negative"``.
     """
 
     def __init__(
@@ -100,7 +97,7 @@ class VOC(MultiLabelDataset):
 
         self.year = year
         self.classes = list(VOC_CLASSES)
-        self.labels = torch.from_numpy(labels)
+        self.labels = labels
         image_dir = str(voc_dir / "JPEGImages")
         self.samples = [Sample(os.path.join(image_dir, f"{i}.jpg")) for i in image_ids]
 

@@ -8,9 +8,8 @@ Layout (as the WIDER-Attribute release unpacks)::
 JSON: ``{"images": [{"file_name": ..., "targets": [{"bbox": [x, y, w, h], "attribute": [14 values]}]}],
 "attribute_id_map": {"0": "Male", ...}}``.
 
-* classes: ``attribute_id_map`` values in numeric key order ("0", "1", ..., "13");
-* labels: attribute value 1 (positive) -> 1, -1 (negative) -> 0, 0 (unspecified) -> -1 (unknown);
-* crops: the box clamped to the image; boxes with a non-positive width or height are dropped.
+* classes: ``attribute_id_map`` in key order; labels: 1 -> 1, -1 -> 0, 0 (unspecified) -> -1 (unknown);
+* crops: the box clamped to the image; empty boxes are dropped.
 
 The official files hold 28,345 trainval / 29,179 test boxes; the paper (Table 6) reports 28,340 / 29,117.
 """
@@ -23,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
@@ -39,7 +37,7 @@ SPLITS = ("trainval", "test")
 
 
 def attribute_names(id_map: dict[str, str], source: Path) -> list[str]:
-    """Names of ``attribute_id_map`` ordered by their integer keys, which must be 0..C-1."""
+    """The names of ``attribute_id_map`` in the order of its keys, 0..C-1."""
     try:
         by_index = {int(key): str(name) for key, name in id_map.items()}
     except (AttributeError, ValueError) as exc:
@@ -100,6 +98,6 @@ class WIDERAttribute(MultiLabelDataset):
         keep = nonempty_boxes(box_array)
         labels = np.select([value_array == 1, value_array == -1], [1.0, 0.0], default=-1.0).astype(np.float32)
 
-        self.labels = torch.from_numpy(labels[keep])
+        self.labels = labels[keep]
         kept = np.flatnonzero(keep).tolist()
         self.samples = [Sample(paths[i], tuple(box_array[i].tolist())) for i in kept]
