@@ -35,15 +35,13 @@ from mlcls.errors import shown
 from mlcls.io import read_json
 
 ON_BAD_IMAGE = ("error", "skip")
-# What PIL raises for a missing, unidentifiable, truncated or oversized image file (and
-# :func:`check_aspect_ratio` for a too thin one).
+# What PIL raises for a missing, unidentifiable, truncated or oversized image (and check_aspect_ratio).
 BAD_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 # In ``skip`` mode, give up after this many consecutive unreadable samples (a wrong folder, not bad luck).
 MAX_CONSECUTIVE_BAD = 16
 # Label values: positive, negative, unknown.
 LABEL_VALUES = (1.0, 0.0, -1.0)
-# A dense label table built from annotation files takes at most this many times their size, or the floor
-# (:func:`label_table`).
+# A dense label table takes at most this many times its annotation files' size, or the floor (label_table).
 LABEL_TABLE_RATIO = 256
 LABEL_TABLE_FLOOR = 256 * 2**20
 
@@ -72,10 +70,7 @@ class BadImageError(DatasetError, OSError):
 
 @dataclass(frozen=True)
 class Sample:
-    """One image (or one crop of an image).
-
-    ``box`` is ``(x, y, w, h)`` in pixels, or ``None`` for the whole image.
-    """
+    """One image, or its crop ``box`` ``(x, y, w, h)`` in pixels (None: the whole image)."""
 
     path: str
     box: tuple[float, float, float, float] | None = None
@@ -121,10 +116,8 @@ def load_json(path: str | Path) -> Any:
         raise DatasetFormatError(str(exc)) from exc
 
 
-def label_table(
-    rows: int, classes: int, read: Sequence[str | Path], source: str | Path, fill: float = 0.0
-) -> np.ndarray:
-    """float32 (rows, classes) filled with ``fill``, allocated only when it takes at most
+def label_table(rows: int, classes: int, read: Sequence[str | Path], source: str | Path) -> np.ndarray:
+    """float32 (rows, classes) of zeros, allocated only when it takes at most
     ``LABEL_TABLE_RATIO`` times the bytes of the annotation files ``read``, or ``LABEL_TABLE_FLOOR``; else
     one :class:`DatasetFormatError` line naming ``source``, before allocating.
 
@@ -140,7 +133,7 @@ def label_table(
             f"table, more than {LABEL_TABLE_RATIO} times the {source_bytes / 2**20:.2f} MiB of the annotation"
             f" files (or {LABEL_TABLE_FLOOR // 2**20} MiB); expected a table the annotations describe"
         )
-    return np.full((rows, classes), fill, dtype=np.float32)
+    return np.zeros((rows, classes), dtype=np.float32)
 
 
 def check_class_names(classes: Sequence[object], source: str | Path) -> list[str]:

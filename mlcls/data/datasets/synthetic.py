@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
 
 from mlcls.data.datasets.base import MultiLabelDataset, Sample, check_integer
@@ -63,10 +62,6 @@ class SyntheticMultiLabel(MultiLabelDataset):
         self.seed = int(seed)
         self.classes = [f"{colour}_{shape}" for shape in SHAPES for colour in COLOURS]
         size = train_size if split == "train" else val_size
-        self.labels = torch.from_numpy(self._draw_labels(size))
-        self.samples = [Sample(path=f"synthetic://{split}/{i}") for i in range(size)]
-
-    def _draw_labels(self, size: int) -> np.ndarray:
         num_classes = len(self.classes)
         rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split]])
         weights = 1.0 / np.arange(1, num_classes + 1) ** 0.7
@@ -80,7 +75,8 @@ class SyntheticMultiLabel(MultiLabelDataset):
             while row.sum() < count:
                 free = weights * (row == 0)
                 row[rng.choice(num_classes, p=free / free.sum())] = 1
-        return labels
+        self.labels = labels
+        self.samples = [Sample(path=f"synthetic://{split}/{i}") for i in range(size)]
 
     def picture(self, index: int) -> Image.Image:
         rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split], 1, index])
@@ -95,19 +91,14 @@ class SyntheticMultiLabel(MultiLabelDataset):
             colour = tuple(int(np.clip(c + rng.integers(-25, 26), 0, 255)) for c in colour)
             side = rng.uniform(0.24, 0.38) * size
             x0, y0 = rng.uniform(0, size - side, 2)
-            _draw_shape(draw, shape, x0, y0, side, colour)
+            x1, y1, bar = x0 + side, y0 + side, side / 3
+            if shape == "circle":
+                draw.ellipse((x0, y0, x1, y1), fill=colour)
+            elif shape == "square":
+                draw.rectangle((x0, y0, x1, y1), fill=colour)
+            elif shape == "triangle":
+                draw.polygon(((x0 + side / 2, y0), (x1, y1), (x0, y1)), fill=colour)
+            else:  # cross
+                draw.rectangle((x0 + bar, y0, x1 - bar, y1), fill=colour)
+                draw.rectangle((x0, y0 + bar, x1, y1 - bar), fill=colour)
         return img
-
-
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, x0: float, y0: float, side: float, colour) -> None:
-    x1, y1 = x0 + side, y0 + side
-    if shape == "circle":
-        draw.ellipse((x0, y0, x1, y1), fill=colour)
-    elif shape == "square":
-        draw.rectangle((x0, y0, x1, y1), fill=colour)
-    elif shape == "triangle":
-        draw.polygon(((x0 + side / 2, y0), (x1, y1), (x0, y1)), fill=colour)
-    else:  # cross
-        bar = side / 3
-        draw.rectangle((x0 + bar, y0, x1 - bar, y1), fill=colour)
-        draw.rectangle((x0, y0 + bar, x1, y1 - bar), fill=colour)

@@ -117,7 +117,10 @@ class VAW(MultiLabelDataset):
             rows, cols = _flatten(lists, class_index, source)
             labels[rows, cols] = value
 
-        locate = _image_locator(dirs)
+        locate: dict[str, str] = {}  # file name -> its path in the first of dirs that holds it
+        for folder in reversed(dirs):
+            if folder.is_dir():
+                locate.update((name, os.path.join(folder, name)) for name in os.listdir(folder))
         samples = []
         for image_id, box in zip(image_ids, boxes.tolist(), strict=True):
             path = locate.get(f"{image_id}.jpg")
@@ -142,12 +145,3 @@ def _flatten(
     except KeyError as exc:
         raise DatasetFormatError(f"{source}: attribute {exc} is not in attribute_index.json") from exc
     return np.repeat(np.arange(len(lists)), lengths), cols
-
-
-def _image_locator(dirs: list[Path]) -> dict[str, str]:
-    """File name -> its path in the first of ``dirs`` that holds it (one listing per folder)."""
-    locate: dict[str, str] = {}
-    for folder in reversed(dirs):
-        if folder.is_dir():
-            locate.update((name, os.path.join(folder, name)) for name in os.listdir(folder))
-    return locate
