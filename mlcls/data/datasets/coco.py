@@ -1,18 +1,11 @@
-"""MS-COCO (2014 or 2017) as a multi-label dataset: an image is labelled with every category it holds.
-
-Layout (as the official zips unpack)::
+"""MS-COCO (2014 or 2017) as a multi-label dataset (docs/datasets.md, COCO)::
 
     root/annotations/instances_{train,val}{year}.json
     root/{train,val}{year}/*.jpg          (``train_images`` / ``val_images`` override these folders)
 
-* classes: the 80 categories in category-id order; labels: 1 for every category with an annotation
-  (crowd ones included), else 0 (no unknown);
-* images without any annotation are dropped unless ``keep_empty`` (all-0 rows): COCO-2014 gives 82,081
-  train / 40,137 val images (82,783 / 40,504 with ``keep_empty``).
-
-The file is checked before use (:func:`check_entries`): an id of integral float value (``1.0``: some
-exporters write every number as a float) is that integer; ``1.9``, ``"1"`` or ``true`` is refused, not
-truncated.
+Classes: the 80 categories in id order; labels: 1 for a category with an annotation (crowd ones too), else
+0; images without any annotation are dropped unless ``keep_empty``. An id of integral float value
+(``1.0``: some exporters write every number so) is that integer; ``1.9``, ``"1"`` or ``true`` is refused.
 """
 
 from __future__ import annotations
@@ -45,16 +38,8 @@ ID_RANGE = (-(2**63), 2**63)
 
 
 class COCO(MultiLabelDataset):
-    """COCO instances annotations as multi-label targets.
-
-    Args:
-        split: ``"train"`` or ``"val"``.
-        root: folder holding ``annotations/`` and the image folders.
-        year: 2014 or 2017.
-        train_images, val_images: image folders (relative to ``root`` or absolute); default
-            ``{split}{year}``.
-        keep_empty: keep images without any annotation (all-0 rows).
-    """
+    """COCO instances annotations as multi-label targets; ``train_images`` / ``val_images``: image folders
+    relative to ``root`` or absolute (default ``{split}{year}``)."""
 
     def __init__(
         self,

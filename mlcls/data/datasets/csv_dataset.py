@@ -1,35 +1,16 @@
-"""The user's own images and labels, listed in a CSV or TSV file.
+"""The user's own images and labels, listed in a CSV or TSV file (docs/datasets.md, "Your own data")::
 
-Two label formats:
+      image,labels              image,cat,dog,bird     (labels_column: null)
+      img/0001.jpg,cat dog      img/0001.jpg,1,1,0
+      img/0002.jpg,dog          img/0002.jpg,0,1,
 
-* a labels column holding class names separated by ``label_delimiter`` (default a space)::
-
-      image,labels
-      img/0001.jpg,cat dog
-      img/0002.jpg,dog
-
-  listed names -> 1, every other class -> 0; an empty cell is an image with no positive class;
-* one column per class (``labels_column: null``), values ``1`` (positive), ``0`` (negative), ``-1`` or an
-  empty cell (unknown)::
-
-      image,cat,dog,bird
-      img/0001.jpg,1,1,0
-      img/0002.jpg,0,1,
-
-Classes: ``classes`` (that order; another name is an error), or the sorted names of the training and
-validation files (labels column), or the class columns in header order (one-hot).
-
-Image paths are relative to ``root / image_dir`` (or absolute). Validation: ``val_file``, or about
-``val_fraction`` of the training file held out as ``val_by`` says, seeded by ``val_seed``: ``stratified``
-(default, :func:`stratified_holdout`: each class keeps about its share of positives on each side, and
-appending rows can move images between the sides) or ``hashed`` (:func:`held_out`: a function of the path
-as written, so appending rows moves no image; a rare class may have no positive held out). A class left
-fewer than ``MIN_VAL_POSITIVES`` held-out positives is warned about.
-
-An image is known by its path joined to ``root / image_dir`` and normalised: listed twice with the same
-labels it counts once (a warning), with other labels it is an error naming both lines; listed in both the
-training and the validation file it is warned about, as are class names differing only in case. The
-delimiter follows the extension (``.tsv``/``.tab``: tab, else comma) unless ``delimiter`` is set.
+Names column: listed names 1, other classes 0. One column per class: 1, 0, -1 or empty (unknown).
+Without ``val_file``, about ``val_fraction`` of the training file is held out, ``val_by``
+``stratified`` (:func:`stratified_holdout`: each class keeps about its share of positives; appending rows
+can move images) or ``hashed`` (:func:`held_out`: by each path as written, so appending moves none). An
+image is known by its path joined to ``root / image_dir`` and normalised: repeats with the same labels
+count once, with other labels they are an error; one in both files, a class left fewer than
+``MIN_VAL_POSITIVES`` held-out positives and names differing only in case are warned about.
 """
 
 from __future__ import annotations
@@ -105,23 +86,9 @@ def _cells(header: list[str], rows: list[list[str]], name: str, path: Path) -> l
 
 
 class CSVDataset(MultiLabelDataset):
-    """Images and labels listed in a CSV/TSV file (see the module docstring for the formats).
-
-    Args:
-        split: ``"train"`` or ``"val"``.
-        root: folder the files and images are relative to.
-        train_file: the training list (relative to ``root`` or absolute).
-        val_file: the validation list; ``None`` to hold out ``val_fraction`` of ``train_file``.
-        val_fraction: share of ``train_file`` held out for validation when there is no ``val_file``.
-        val_by: ``"stratified"`` or ``"hashed"``, how that share is chosen.
-        val_seed: seed of that share.
-        image_column: column holding the image paths.
-        labels_column: column of delimited class names; ``None`` for one column per class.
-        label_delimiter: separator of the names in ``labels_column``.
-        classes: class names in their order; ``None`` to infer them.
-        image_dir: folder the image paths are relative to, itself relative to ``root``.
-        delimiter: the file's field delimiter; ``None`` to choose from the extension.
-    """
+    """Images and labels listed in a CSV/TSV file; the keys are ``configs/dataset/csv.yaml``'s
+    (docs/datasets.md). ``classes`` None: the sorted names of the files' labels column, or the class
+    columns in header order; ``delimiter`` None: tab for ``.tsv``/``.tab``, else comma."""
 
     def __init__(
         self,

@@ -1,28 +1,16 @@
-"""CUB-200-2011 attributes: 11,788 bird images, the 312 binary attributes as the classes.
-
-Layout (as ``CUB_200_2011.tgz`` unpacks: ``attributes.txt`` beside the ``CUB_200_2011/`` folder)::
+"""CUB-200-2011 attributes: 11,788 bird images, the 312 binary attributes as classes (docs/datasets.md)::
 
     root/attributes.txt                     "<attribute_id> <name>", ids 1..312 in order
-                                            (root/CUB_200_2011/attributes/attributes.txt is read too)
+                                            (or root/CUB_200_2011/attributes/attributes.txt)
     root/CUB_200_2011/images.txt            "<image_id> <relative path>"
     root/CUB_200_2011/train_test_split.txt  "<image_id> <is_training_image>": 1 train, 0 test
     root/CUB_200_2011/attributes/image_attribute_labels.txt
-                                            "<image_id> <attribute_id> <is_present> <certainty_id> <time>",
-                                            one line per image and attribute
+                                            "<image_id> <attribute_id> <is_present> <certainty_id> <time>"
     root/CUB_200_2011/images/<class folder>/<file>.jpg
 
-The labels follow Cole et al.'s formatting script for the single-positive benchmark (CVPR 2021,
-``preproc/format_cub.py`` of github.com/elijahcole/single-positive-multi-label at 30ce86cb):
-
-* classes: the 312 names of ``attributes.txt`` in file order; labels: ``is_present``, 1 or 0 (no unknown);
-* like the script's ``read_csv(usecols=...)``, the first three fields of a line are read and any others
-  ignored (the official file has a few lines of more than five fields). A line of fewer than three
-  integers, an ``is_present`` other than 0 or 1, an unknown id, or a pair given twice or missing is a
-  one-line error naming the file and line. The rows are placed by id (the script: by position, the same
-  on the official file);
-* splits: ``train`` (flag 1, 5,994 images) and ``test`` (flag 0, 5,794), in the order of ``images.txt``,
-  none dropped. mlcls evaluates on ``test`` and selects the epoch on a share of ``train``
-  (``dataset.holdout_fraction``).
+As Cole et al.'s ``preproc/format_cub.py`` (single-positive benchmark, CVPR 2021, commit 30ce86cb): labels
+``is_present`` (1 / 0); like its ``read_csv(usecols=...)``, the first three fields of a line are read and
+any others ignored (a few official lines hold more than five); no image is dropped.
 """
 
 from __future__ import annotations
@@ -158,12 +146,7 @@ def read_labels_by_line(path: Path, image_ids: list[int]) -> np.ndarray:
 
 
 class CUB(MultiLabelDataset):
-    """CUB-200-2011's 312 attributes with the official train/test split, as Cole et al. format them.
-
-    Args:
-        split: ``"train"`` or ``"test"``.
-        root: folder holding ``attributes.txt`` and ``CUB_200_2011/`` (Cole et al.'s ``data/cub``).
-    """
+    """CUB-200-2011's 312 attributes with the official train/test split, as Cole et al. format them."""
 
     def __init__(
         self,

@@ -1,32 +1,17 @@
-"""NUS-WIDE: 269,648 Flickr images, 81 concepts (ground truth of the release's ``TrainTestLabels``).
-
-Layout (as the release unpacks: ``NUS-WIDE.zip`` gives ``Groundtruth/`` and ``ConceptsList/``,
-``ImageList.zip`` gives ``ImageList/``; the images, sent by the authors on request, unpack into ``Flickr/``)::
+"""NUS-WIDE: 269,648 Flickr images, 81 concepts (the release's ``TrainTestLabels``; docs/datasets.md)::
 
     root/ConceptsList/Concepts81.txt        the 81 concept names, one a line (or root/Concepts81.txt)
     root/ImageList/{Train,Test}Imagelist.txt  one image a line, e.g. ``actor\\0001_2124494179.jpg``
-    root/Groundtruth/TrainTestLabels/Labels_<concept>_{Train,Test}.txt   one 0 or 1 a line, line k for
-                                            image k of the split's image list
-    root/Flickr/<folder>/<file>.jpg         704 folders
+    root/Groundtruth/TrainTestLabels/Labels_<concept>_{Train,Test}.txt   one 0 or 1 a line per image
+    root/Flickr/<folder>/<file>.jpg
 
-* classes: the concepts in the order of ``Concepts81.txt``; labels: 1 / 0 from the label files (no unknown);
-* image paths: backslashes become ``/`` and a prefix up to a ``Flickr`` folder is dropped
-  (``C:\\ImageData\\Flickr\\actor\\0001_2124494179.jpg``), then relative to ``images``;
-* images without any concept are dropped unless ``keep_empty``; images missing from the download (dead
-  Flickr URLs): ``on_bad_image``. Splits: ``train`` (161,789 images) / ``test`` (107,859).
+Image paths: ``\\`` becomes ``/`` and a prefix up to a ``Flickr`` folder is dropped. Images without a
+positive are dropped unless ``keep_empty``.
 
-Zero-shot label set (``label_set=zero_shot``, ``dataset=nuswide_zsl``): LESA's split (Huynh & Elhamifar,
-CVPR 2020), used by ML-Decoder's zero-shot table: 925 seen tags and 81 unseen concepts, from
-``NUS_WID_Tags.zip``::
-
-    root/NUS_WID_Tags/TagList1k.txt             the 1,000 tag names, one a line
-    root/NUS_WID_Tags/{Train,Test}_Tags1k.dat    a line per image of the list: 1,000 tab-separated 0 / 1
-
-* classes: the tags that are not concepts (925), in file order, then the 81 concepts; labels: the tag
-  columns from ``<Split>_Tags1k.dat`` (noisy user tags), the concepts from the ground truth, as LESA;
-* images: ``train`` keeps those with a positive seen tag, ``test`` those with any positive, ``keep_empty``
-  all. ``dataset.unseen_classes`` (``configs/dataset/nuswide_zsl.yaml``) then removes the concept columns
-  from training (:func:`mlcls.data.apply_training_policies`).
+``label_set=zero_shot`` (``dataset=nuswide_zsl``): LESA's split (Huynh & Elhamifar, CVPR 2020), as in
+ML-Decoder's zero-shot table: the 925 tags of ``NUS_WID_Tags/TagList1k.txt`` that are no concept (labels
+from ``NUS_WID_Tags/{Train,Test}_Tags1k.dat``, a line of 1,000 tab-separated 0 / 1 per image), then the 81
+concepts; ``train`` keeps the images with a positive seen tag, ``test`` those with any positive.
 """
 
 from __future__ import annotations
@@ -131,15 +116,8 @@ def read_tag_matrix(path: Path, count: int) -> np.ndarray:
 
 
 class NUSWIDE(MultiLabelDataset):
-    """NUS-WIDE with the release's train/test split and 81-concept ground truth.
-
-    Args:
-        split: ``"train"`` or ``"test"``.
-        root: folder holding ``ImageList/``, ``Groundtruth/``, ``ConceptsList/`` and the image folder.
-        images: the image folder (relative to ``root`` or absolute), holding ``<folder>/<file>.jpg``.
-        keep_empty: keep every image, also those without a positive (all-0 rows).
-        label_set: ``concepts`` (the 81) or ``zero_shot`` (925 seen tags + 81 concepts).
-    """
+    """NUS-WIDE with the release's train/test split; ``images``: the image folder (relative to ``root`` or
+    absolute); ``label_set``: ``concepts`` or ``zero_shot``."""
 
     def __init__(
         self,

@@ -1,27 +1,18 @@
-"""Open Images V6 image-level classification: 9,605 trainable classes, human-verified partial labels.
-
-Layout (the official downloads, unrenamed, in ``root/<annotations>``; images named by their ImageID)::
+"""Open Images V6 image-level classification: 9,605 trainable classes, human-verified partial labels
+(docs/datasets.md)::
 
     root/oidv6-class-descriptions.csv                     LabelName,DisplayName (header row)
     root/oidv6-classes-trainable.txt                      one LabelName per line, no header
-    root/oidv6-train-annotations-human-imagelabels.csv    ImageID,Source,LabelName,Confidence (header row)
-    root/validation-annotations-human-imagelabels.csv
-    root/test-annotations-human-imagelabels.csv
+    root/{oidv6-train,validation,test}-annotations-human-imagelabels.csv   ImageID,Source,LabelName,Confidence
     root/{train,validation,test}/<ImageID>.jpg            (``train_images``, ... override these)
 
-* classes: the trainable list in file order (9,605 in V6: at least 100 verified positives in train), named
-  by DisplayName; a name shared by several gets its LabelName appended, ``"Bass (/m/...)"``, so that names
-  stay unique; ``label_names`` holds the LabelNames in the same order;
-* labels: the human-verified image-level labels only: Confidence 1 -> 1, 0 -> 0, a pair absent from the
-  file (or verified with both verdicts) -> -1 (unknown);
-* samples: the images with a verified label of a trainable class, sorted by ImageID. What is left out
-  (other classes' rows, conflicting pairs, images without a trainable label) is counted in ``ignored``.
+Classes: the trainable list, named by DisplayName (``"Bass (/m/...)"`` where several share one). Labels:
+the human verifications only, Confidence 1 -> 1, 0 -> 0, a pair absent (or given both verdicts) -> -1.
+Samples: the images with a trainable label, sorted by ImageID; what is left out is counted in ``ignored``.
 
-Memory: the labels stay sparse (:class:`~mlcls.data.datasets.labels.SparseLabelled`; 5 bytes a verified
-label plus 8 an image: ~0.35 GB for train's ~57 M labels of ~9 M images), the samples are made on access
-(:class:`ImageSamples`), and training reads only target rows and label counts. The dense ``labels`` is built
-on first access when it fits in ``dense_labels_gb``: validation (41,620 x 9,605: 1.6 GB) and test (125,436:
-4.8 GB) do, train (~350 GB) does not.
+Memory: the labels stay sparse (5 bytes a verified label plus 8 an image: ~0.35 GB for train's ~57 M),
+the samples are made on access, and the dense ``labels`` is built only when it fits in
+``dense_labels_gb``: validation (41,620 x 9,605: 1.6 GB) and test (4.8 GB) do, train (~350 GB) does not.
 """
 
 from __future__ import annotations
@@ -83,18 +74,10 @@ class ImageSamples(LazySamples):
 class OpenImages(SparseLabelled, MultiLabelDataset):
     """Open Images V6 human-verified image-level labels over the trainable classes.
 
-    Args:
-        split: ``"train"``, ``"validation"`` or ``"test"``.
-        root: folder holding the annotation files (in ``annotations``) and the image folders.
-        annotations: folder of the CSV files, relative to ``root`` or absolute.
-        train_images, validation_images, test_images: each split's image folder, relative to ``root`` or
-            absolute; default: the split name.
-        dense_labels_gb: largest dense float32 ``labels`` built on request, in GB (1e9 bytes).
-
-    Attributes:
-        sparse_labels: :class:`SparseLabels` (N, C), the labels as parsed.
-        label_names: the trainable LabelNames, in class order.
-        ignored: ``non_trainable_labels``, ``conflicting_labels``, ``images_without_trainable_label``.
+    ``annotations``: the CSV folder and ``{train,validation,test}_images`` the image folders, relative to
+    ``root`` or absolute. Attributes: ``sparse_labels`` (N, C), ``label_names`` (the LabelNames, in class
+    order), ``ignored`` (``non_trainable_labels``, ``conflicting_labels``,
+    ``images_without_trainable_label``).
     """
 
     def __init__(

@@ -1,17 +1,13 @@
-"""VAW (Visual Attributes in the Wild): 620 attributes per object instance; one sample per instance crop.
-
-Layout (the VAW repository's ``data/`` folder beside the Visual Genome image folders)::
+"""VAW (Visual Attributes in the Wild): 620 attributes per object instance, one sample per instance crop
+(docs/datasets.md)::
 
     root/data/{train_part1,train_part2,val,test}.json    lists of instances
     root/data/attribute_index.json                       {attribute name: index}
     root/VG_100K/<image_id>.jpg, root/VG_100K_2/<image_id>.jpg   (``image_dirs``)
 
 An instance: ``{"image_id", "instance_bbox": [x, y, w, h], "positive_attributes": [names],
-"negative_attributes": [names], ...}``.
-
-* classes: ordered by ``attribute_index.json`` (indices 0..619); labels: positive -> 1 (also when listed
-  negative too), negative -> 0, any other -1 (unknown); crops: the box clamped, empty boxes dropped;
-* splits: ``train`` = train_part1 + train_part2 + val (229,076 instances), ``test`` (31,819), or one file.
+"negative_attributes": [names]}``. Labels: positive -> 1 (also when listed negative too), negative -> 0,
+others -1; empty boxes are dropped. ``train`` = train_part1 + train_part2 + val.
 """
 
 from __future__ import annotations
@@ -58,13 +54,8 @@ def read_attribute_index(path: Path) -> list[str]:
 
 
 class VAW(MultiLabelDataset):
-    """VAW instance crops with positive / negative / unknown attributes.
-
-    Args:
-        split: ``train`` (train_part1 + train_part2 + val), ``test``, or one file name.
-        root: folder holding ``data/`` and the Visual Genome image folders.
-        image_dirs: folders searched, in order, for ``<image_id>.jpg`` (relative to ``root`` or absolute).
-    """
+    """VAW instance crops; ``image_dirs``: folders searched in order for ``<image_id>.jpg`` (relative to
+    ``root`` or absolute)."""
 
     def __init__(
         self,

@@ -1,15 +1,10 @@
-"""VISPR (Visual Privacy) attributes: 68 privacy attributes per image, ``a0_safe`` included.
-
-Layout (as the VISPR release unpacks)::
+"""VISPR (Visual Privacy): 68 privacy attributes per image, ``a0_safe`` included (docs/datasets.md)::
 
     root/attributes.tsv                         idx, attribute_id, group, description (tab-separated)
     root/{train2017,val2017,test2017}.txt       one annotation path per line, relative to root
-    root/annotations/<split>2017/<id>.json      {"id": ..., "image_path": "images/<split>2017/<id>.jpg",
-                                                 "labels": ["a0_safe", ...]}
-    root/images/<split>2017/<id>.jpg
+    root/annotations/<split>2017/<id>.json      {"image_path": "images/<split>2017/<id>.jpg", "labels": [...]}
 
-* classes: the ``attribute_id`` column in ``idx`` order; labels: 1 if listed in ``labels``, else 0;
-* splits: ``train`` = train2017 + val2017 (14,167 images), ``test`` = test2017 (8,000), or one list.
+Classes: ``attribute_id`` in ``idx`` order; labels: 1 if listed, else 0. ``train`` = train2017 + val2017.
 """
 
 from __future__ import annotations
@@ -57,12 +52,7 @@ def read_attributes(path: Path) -> list[str]:
 
 
 class VISPR(MultiLabelDataset):
-    """VISPR privacy attributes.
-
-    Args:
-        split: ``train`` (train2017 + val2017), ``test`` (test2017), or one list name.
-        root: folder holding ``attributes.tsv``, the split lists, ``annotations/`` and ``images/``.
-    """
+    """VISPR privacy attributes (``split``: ``train``, ``test`` or one list name)."""
 
     def __init__(
         self,

@@ -1,17 +1,11 @@
-"""WIDER-Attribute: 14 binary attributes per person box; one sample per box (the crop of the person).
-
-Layout (as the WIDER-Attribute release unpacks)::
+"""WIDER-Attribute: 14 binary attributes per person box, one sample per box crop (docs/datasets.md)::
 
     root/Annotations/wider_attribute_{trainval,test}.json
     root/Image/{train,val,test}/<scene>/<name>.jpg       (``file_name`` in the JSON is relative to Image/)
 
-JSON: ``{"images": [{"file_name": ..., "targets": [{"bbox": [x, y, w, h], "attribute": [14 values]}]}],
-"attribute_id_map": {"0": "Male", ...}}``.
-
-* classes: ``attribute_id_map`` in key order; labels: 1 -> 1, -1 -> 0, 0 (unspecified) -> -1 (unknown);
-* crops: the box clamped to the image; empty boxes are dropped.
-
-The official files hold 28,345 trainval / 29,179 test boxes; the paper (Table 6) reports 28,340 / 29,117.
+JSON: ``{"images": [{"file_name", "targets": [{"bbox": [x, y, w, h], "attribute": [14 values]}]}],
+"attribute_id_map": {"0": "Male", ...}}``. Labels: 1 -> 1, -1 -> 0, 0 (unspecified) -> -1; empty boxes are
+dropped (the official files hold 28,345 / 29,179 boxes; the paper, Table 6, reports 28,340 / 29,117).
 """
 
 from __future__ import annotations
@@ -48,12 +42,7 @@ def attribute_names(id_map: dict[str, str], source: Path) -> list[str]:
 
 
 class WIDERAttribute(MultiLabelDataset):
-    """WIDER-Attribute person crops.
-
-    Args:
-        split: ``"trainval"`` or ``"test"``.
-        root: folder holding ``Annotations/`` and ``Image/``.
-    """
+    """WIDER-Attribute person crops (``split``: ``trainval`` or ``test``)."""
 
     def __init__(
         self,
