@@ -8,6 +8,7 @@ held-out selection split (:class:`TrainingView`).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,17 +71,6 @@ __all__ = [
     "build_dataset",
     "training_policies",
 ]
-# The keys of a dataset config that choose training policies (:func:`apply_training_policies`), not data.
-POLICY_KEYS = (
-    "observed",
-    "observed_seed",
-    "observed_fraction",
-    "holdout_fraction",
-    "holdout_labels",
-    "holdout_seed",
-    "unseen_classes",
-    "unseen_images",
-)
 # The keys of a dataset config that build the input pipeline's transform (:func:`build_dataset`), not data.
 PIPELINE_KEYS = ("transform", "image_size", "mean", "std")
 MAX_SEED = 2**63 - 1
@@ -119,8 +109,11 @@ def training_policies(
         )
     check_setting("holdout_labels", holdout_labels, HOLDOUT_LABELS)
     seed = check_integer("holdout_seed", holdout_seed, 0, MAX_SEED)
-    selection = HoldoutSplit(float(fraction), holdout_labels, seed)
-    return regime, selection
+    return regime, HoldoutSplit(float(fraction), holdout_labels, seed)
+
+
+# The keys of a dataset config that choose training policies (:func:`apply_training_policies`), not data.
+POLICY_KEYS = tuple(inspect.signature(training_policies).parameters)
 
 
 def apply_training_policies(dataset: Any, **policy_keys: Any) -> TrainingView:
