@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.datasets.base import (
     DatasetConfigError,
@@ -157,8 +156,19 @@ class CSVDataset(MultiLabelDataset):
         labels, written = labels[kept], [listed[source][i] for i in kept]
         images = [os.path.join(image_root, image) for image in written]  # an absolute path stays as it is
 
-        if not val_file:
-            chosen = self._val_rows(written, labels, val_fraction, val_by, val_seed, split)
+        if not val_file and val_fraction == 0 and split == "val":
+            raise DatasetConfigError(
+                "the csv dataset has no validation data: set dataset.val_file or dataset.val_fraction > 0"
+            )
+        if not val_file and val_fraction > 0:
+            if val_by == "stratified":
+                in_val = stratified_holdout(labels, val_fraction, val_seed)
+            else:  # when the hash holds out no image (a few rows), the one of smallest hash is
+                in_val = np.array([held_out(image, val_fraction, val_seed) for image in written], dtype=bool)
+                if not in_val.any():
+                    hashes = [image_hash(image, val_seed) for image in written]
+                    in_val = np.array(hashes) == min(hashes)
+            chosen = np.flatnonzero(in_val if split == "val" else ~in_val)
             labels, images = labels[chosen], [images[i] for i in chosen]
             if split == "val":
                 warn_few_positives(labels, self.classes, val_fraction)
@@ -168,30 +178,8 @@ class CSVDataset(MultiLabelDataset):
             raise DatasetLayoutError(
                 f"missing {images[0]} (first image of {paths[source]}); expected: {layout}"
             )
-        self.labels = torch.from_numpy(labels)
+        self.labels = labels
         self.samples = [Sample(path) for path in images]
-
-    @staticmethod
-    def _val_rows(
-        images: list[str], labels: np.ndarray, val_fraction: float, val_by: str, seed: int, split: str
-    ) -> np.ndarray:
-        """Indices of the rows of ``split``, held out for validation (``val``) or not (``train``). When the
-        hash holds out no image (a few rows), the one of smallest :func:`image_hash` is: validation is never
-        empty."""
-        if val_fraction == 0:
-            if split == "val":
-                raise DatasetConfigError(
-                    "the csv dataset has no validation data: set dataset.val_file or dataset.val_fraction > 0"
-                )
-            return np.arange(len(images))
-        if val_by == "stratified":
-            in_val = stratified_holdout(labels, val_fraction, seed)
-        else:
-            hashes = [image_hash(image, seed) for image in images]
-            in_val = np.array([held_out(image, val_fraction, seed) for image in images], dtype=bool)
-            if not in_val.any():
-                in_val = np.array(hashes) == min(hashes)
-        return np.flatnonzero(in_val if split == "val" else ~in_val)
 
 
 def unique_rows(images: Sequence[str], keys: Sequence[str], labels: np.ndarray, path: Path) -> np.ndarray:
