@@ -1,17 +1,10 @@
 """Base class shared by every multi-label dataset: pure data, its annotation files parsed once.
 
-A subclass's constructor takes ``split`` and ``transform``, then its own keys, passes the rest
-(``on_bad_image``, ``name``, ``train_split``, ``val_split``) to :class:`MultiLabelDataset`, and sets
-``classes`` (fixed order), ``labels`` (float32 (N, C): 1 positive, 0 negative, -1 unknown; read without
-decoding any image) and ``samples`` (one :class:`Sample` per row). Training policies wrap the training split
-(:class:`mlcls.data.TrainingView`); they are no part of a dataset.
-
-An image that cannot be read (missing, corrupt, too thin for the transforms: checked from its header) or
-that its transform fails on with one of :data:`BAD_IMAGE_ERRORS` is handled by ``on_bad_image``:
-``"error"`` (default; a silently altered training set is worse than a stopped run, and ``mlcls-data stats
---check`` lists such files beforehand) raises :class:`BadImageError` naming the file; ``"skip"`` serves the
-next readable sample (image and target) and flags the bad one in shared memory, so that flags set in
-DataLoader workers reach :meth:`MultiLabelDataset.pop_bad_images` in the main process.
+A subclass's constructor takes ``split`` and ``transform``, then its own keys, passes the rest to
+:class:`MultiLabelDataset`, and sets ``classes``, ``labels`` (float32 (N, C): 1 positive, 0 negative, -1
+unknown) and ``samples`` (one :class:`Sample` per row). An image that fails to read or transform with one
+of :data:`BAD_IMAGE_ERRORS` stops the run naming the file (``on_bad_image=error``: a silently altered
+training set is worse) or is replaced by the next readable sample and recorded (``skip``).
 """
 
 from __future__ import annotations

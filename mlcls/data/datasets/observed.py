@@ -4,10 +4,9 @@
 * ``single_positive`` (Cole et al., CVPR 2021): one positive per image drawn uniformly, every other label
   -1 (an image without a positive keeps none, as the authors' observation step leaves it).
 
-Unknown labels stay unknown. The draw is a pure function of ``(seed, sample index, class)`` (a counter-based
-hash, :func:`mix64`), never of a random state: the same on every rank, worker and resume, whatever was read
-before. Evaluation reads the full labels. The held-out selection split (:class:`HoldoutSplit`) is drawn
-the same way from a hash stream of its own, independent of the regime.
+Unknown labels stay unknown. The draw is a pure function of ``(seed, sample index, class)`` (a hash,
+:func:`mix64`), never of a random state: the same on every rank, worker and resume. The held-out selection
+split (:class:`HoldoutSplit`) is drawn the same way, from a hash stream of its own.
 """
 
 from __future__ import annotations
