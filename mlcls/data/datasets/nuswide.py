@@ -67,20 +67,6 @@ def image_path(line: str) -> str:
     return "/".join(parts[folders[-1] + 1 :] if folders else parts)
 
 
-def read_binary_column(path: Path, count: int) -> np.ndarray:
-    """uint8 (``count``,) of a label file of one 0 or 1 a line."""
-    try:
-        tokens = read_regular_bytes(path).split()
-    except FileNotFoundError as exc:
-        raise DatasetLayoutError(f"missing {path}; expected one label file per concept and split") from exc
-    values = np.frombuffer(b"".join(tokens), dtype=np.uint8) - ord("0")
-    if len(tokens) != count or len(values) != count or (values > 1).any():
-        raise DatasetFormatError(
-            f"{path}: {len(tokens)} lines; expected {count} lines (one per image of the list), each 0 or 1"
-        )
-    return values
-
-
 def read_tag_matrix(path: Path, count: int) -> np.ndarray:
     """uint8 (``count``, 1000) of a ``<Split>_Tags1k.dat`` file: ``count`` non-empty lines of 1,000 values 0
     or 1 separated by whitespace; else one dataset error line naming the line. Lines of equal length (all
@@ -143,13 +129,22 @@ class NUSWIDE(MultiLabelDataset):
         concepts = read_names(first_file(root_path, CONCEPT_LISTS, layout), NUM_CONCEPTS, "concept")
         lines = read_regular_bytes(root_path / list_file).decode("utf-8", errors="replace").splitlines()
         paths = [image_path(line) for line in lines if line.strip()]
-        labels = np.stack(
-            [
-                read_binary_column(root_path / LABEL_DIR / f"Labels_{concept}_{part}.txt", len(paths))
-                for concept in concepts
-            ],
-            axis=1,
-        ).astype(np.float32)
+        labels = np.empty((len(paths), len(concepts)), dtype=np.float32)
+        for column, concept in enumerate(concepts):  # a file of one 0 or 1 a line per concept
+            path = root_path / LABEL_DIR / f"Labels_{concept}_{part}.txt"
+            try:
+                tokens = read_regular_bytes(path).split()
+            except FileNotFoundError as exc:
+                raise DatasetLayoutError(
+                    f"missing {path}; expected one label file per concept and split"
+                ) from exc
+            values = np.frombuffer(b"".join(tokens), dtype=np.uint8) - ord("0")
+            if len(tokens) != len(paths) or len(values) != len(paths) or (values > 1).any():
+                raise DatasetFormatError(
+                    f"{path}: {len(tokens)} lines; expected {len(paths)} lines (one per image of the list), "
+                    "each 0 or 1"
+                )
+            labels[:, column] = values
         keep = labels.any(axis=1)
         if label_set == "zero_shot":
             try:

@@ -115,7 +115,25 @@ class OpenImages(SparseLabelled, MultiLabelDataset):
         repeated = [name for name, count in Counter(self.label_names).items() if count > 1]
         if repeated:
             raise DatasetFormatError(f"{trainable}: class {repeated[0]!r} is listed twice")
-        self.classes = _class_names(self.label_names, annotation_dir / CLASS_DESCRIPTIONS)
+        # The DisplayNames; a name shared by several classes gets its LabelName appended.
+        handle, reader, column = _open_csv(annotation_dir / CLASS_DESCRIPTIONS, ("LabelName", "DisplayName"))
+        with handle:
+            wanted = set(self.label_names)
+            display = {
+                row[column["LabelName"]]: row[column["DisplayName"]]
+                for row in reader
+                if len(row) > 1 and row[column["LabelName"]] in wanted
+            }
+        missing = [name for name in self.label_names if name not in display]
+        if missing:
+            raise DatasetFormatError(
+                f"{annotation_dir / CLASS_DESCRIPTIONS} has no DisplayName for the trainable class "
+                f"{missing[0]!r}"
+            )
+        uses = Counter(display[name] for name in self.label_names)
+        self.classes = [
+            display[n] if uses[display[n]] == 1 else f"{display[n]} ({n})" for n in self.label_names
+        ]
         image_ids, self.sparse_labels, self.ignored = _read_human_labels(
             annotation_dir / HUMAN_LABELS[split], self.label_names
         )
@@ -141,26 +159,6 @@ def _open_csv(path: Path, columns: Sequence[str]) -> tuple[Any, Any, dict[str, i
             f"expected {','.join(columns)}"
         )
     return handle, reader, {c: header.index(c) for c in columns}
-
-
-def _class_names(label_names: list[str], path: Path) -> list[str]:
-    """DisplayNames of ``label_names`` from the class-descriptions CSV; a name shared by several of them
-    gets its LabelName appended."""
-    handle, reader, column = _open_csv(path, ("LabelName", "DisplayName"))
-    with handle:
-        wanted = set(label_names)
-        display = {
-            row[column["LabelName"]]: row[column["DisplayName"]]
-            for row in reader
-            if len(row) > 1 and row[column["LabelName"]] in wanted
-        }
-    missing = [name for name in label_names if name not in display]
-    if missing:
-        raise DatasetFormatError(f"{path} has no DisplayName for the trainable class {missing[0]!r}")
-    uses = Counter(display[name] for name in label_names)
-    return [
-        display[name] if uses[display[name]] == 1 else f"{display[name]} ({name})" for name in label_names
-    ]
 
 
 def _read_human_labels(path: Path, label_names: list[str]) -> tuple[np.ndarray, SparseLabels, dict[str, int]]:

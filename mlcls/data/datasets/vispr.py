@@ -36,21 +36,6 @@ SPLIT_LISTS = {
 }
 
 
-def read_attributes(path: Path) -> list[str]:
-    """The attribute ids of ``attributes.tsv`` in the order of its ``idx`` column (0..C-1)."""
-    with open_regular(path, "r", newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
-    if not rows or not {"idx", "attribute_id"} <= rows[0].keys():
-        raise DatasetFormatError(f"{path}: expected tab-separated columns 'idx' and 'attribute_id'")
-    try:
-        by_index = {int(row["idx"]): row["attribute_id"].strip() for row in rows}
-    except (TypeError, ValueError) as exc:
-        raise DatasetFormatError(f"{path}: the 'idx' column must hold integers ({exc})") from exc
-    if sorted(by_index) != list(range(len(rows))):
-        raise DatasetFormatError(f"{path}: 'idx' must number the {len(rows)} attributes 0..{len(rows) - 1}")
-    return [by_index[i] for i in range(len(rows))]
-
-
 class VISPR(MultiLabelDataset):
     """VISPR privacy attributes (``split``: ``train``, ``test`` or one list name)."""
 
@@ -71,14 +56,26 @@ class VISPR(MultiLabelDataset):
         require_files(root, ["attributes.tsv", *lists], layout)
         root_path = Path(root)
 
-        self.classes = read_attributes(root_path / "attributes.tsv")
+        path = root_path / "attributes.tsv"  # the attribute ids in the order of the idx column, 0..C-1
+        with open_regular(path, "r", newline="", encoding="utf-8") as f:
+            attributes = list(csv.DictReader(f, delimiter="\t"))
+        if not attributes or not {"idx", "attribute_id"} <= attributes[0].keys():
+            raise DatasetFormatError(f"{path}: expected tab-separated columns 'idx' and 'attribute_id'")
+        try:
+            by_index = {int(row["idx"]): row["attribute_id"].strip() for row in attributes}
+        except (TypeError, ValueError) as exc:
+            raise DatasetFormatError(f"{path}: the 'idx' column must hold integers ({exc})") from exc
+        count = len(attributes)
+        if sorted(by_index) != list(range(count)):
+            raise DatasetFormatError(f"{path}: 'idx' must number the {count} attributes 0..{count - 1}")
+        self.classes = [by_index[i] for i in range(count)]
         class_index = {name: i for i, name in enumerate(self.classes)}
         annotation_paths = [
             line.strip()
             for name in lists
             for line in read_regular_bytes(root_path / name).decode("utf-8").splitlines()
+            if line.strip()
         ]
-        annotation_paths = [p for p in annotation_paths if p]
         if annotation_paths:
             require_files(root, annotation_paths[:1], layout)
 
