@@ -60,22 +60,6 @@ def read_id_table(path: Path) -> tuple[list[int], list[str]]:
     return ids, values
 
 
-def label_problem(
-    row: int | None, image_id: int, attribute_id: int, present: int, seen: np.ndarray
-) -> str | None:
-    """What is wrong with a label line for image row ``row`` (None: not in ``images.txt``), given the pairs
-    ``seen`` so far; None when nothing is."""
-    if row is None:
-        return f"image_id {image_id} is not in images.txt"
-    if not 1 <= attribute_id <= NUM_ATTRIBUTES:
-        return f"attribute_id {attribute_id} is outside 1..{NUM_ATTRIBUTES}"
-    if present not in (0, 1):
-        return f"is_present {present}; expected 0 or 1"
-    if seen[row, attribute_id - 1]:
-        return f"image_id {image_id}, attribute_id {attribute_id} was given before; expected one line each"
-    return None
-
-
 def read_attribute_labels(path: Path, image_ids: list[int]) -> np.ndarray:
     """float32 (N, 312): ``is_present`` of image ``image_ids[i]`` and attribute ``j + 1`` at ``[i, j]``.
 
@@ -90,24 +74,18 @@ def read_attribute_labels(path: Path, image_ids: list[int]) -> np.ndarray:
             table = np.loadtxt(f, dtype=np.int64, usecols=(0, 1, 2), comments=None, ndmin=2)
     except (ValueError, UnicodeDecodeError):
         return read_labels_by_line(path, image_ids)
-    labels = labels_of_table(table, image_ids) if image_ids and table.shape[1:] == (3,) else None
-    return read_labels_by_line(path, image_ids) if labels is None else labels
-
-
-def labels_of_table(table: np.ndarray, image_ids: list[int]) -> np.ndarray | None:
-    """float32 (N, 312) of the int64 (lines, 3) ``(image_id, attribute_id, is_present)`` rows, or None when
-    one breaks a rule of :func:`label_problem` or a pair is missing."""
+    if not image_ids or table.shape[1:] != (3,):
+        return read_labels_by_line(path, image_ids)
     ids = np.asarray(image_ids, dtype=np.int64)
     order = np.argsort(ids)
     image_id, attribute_id, present = table.T
-    at = np.minimum(np.searchsorted(ids, image_id, sorter=order), len(ids) - 1)
-    rows = order[at]
+    rows = order[np.minimum(np.searchsorted(ids, image_id, sorter=order), len(ids) - 1)]
     valid = (ids[rows] == image_id) & (attribute_id >= 1) & (attribute_id <= NUM_ATTRIBUTES)
-    if not (valid & ((present == 0) | (present == 1))).all():
-        return None
+    valid &= (present == 0) | (present == 1)
     cells = rows * NUM_ATTRIBUTES + attribute_id - 1
-    if (np.bincount(cells, minlength=len(ids) * NUM_ATTRIBUTES) != 1).any():
-        return None
+    # A line that breaks a rule of the line reader, or a pair missing or repeated: it names the line.
+    if not valid.all() or (np.bincount(cells, minlength=len(ids) * NUM_ATTRIBUTES) != 1).any():
+        return read_labels_by_line(path, image_ids)
     labels = np.zeros(len(ids) * NUM_ATTRIBUTES, dtype=np.float32)
     labels[cells] = present
     return labels.reshape(len(ids), NUM_ATTRIBUTES)
@@ -131,11 +109,20 @@ def read_labels_by_line(path: Path, image_ids: list[int]) -> np.ndarray:
                     f"{path}, line {number}: {line.strip()!r}; expected {LABEL_FORMAT}"
                 ) from None
             row = row_of.get(image_id)
-            problem = label_problem(row, image_id, attribute_id, present, seen)
-            if problem is not None:
-                raise DatasetFormatError(f"{path}, line {number}: {line.strip()!r}: {problem}")
-            seen[row, attribute_id - 1] = True
-            labels[row, attribute_id - 1] = present
+            if row is None:
+                problem = f"image_id {image_id} is not in images.txt"
+            elif not 1 <= attribute_id <= NUM_ATTRIBUTES:
+                problem = f"attribute_id {attribute_id} is outside 1..{NUM_ATTRIBUTES}"
+            elif present not in (0, 1):
+                problem = f"is_present {present}; expected 0 or 1"
+            elif seen[row, attribute_id - 1]:
+                problem = f"image_id {image_id}, attribute_id {attribute_id} was given before; expected one "
+                problem += "line each"
+            else:
+                seen[row, attribute_id - 1] = True
+                labels[row, attribute_id - 1] = present
+                continue
+            raise DatasetFormatError(f"{path}, line {number}: {line.strip()!r}: {problem}")
     if not seen.all():
         row, column = np.argwhere(~seen)[0].tolist()
         raise DatasetFormatError(
