@@ -221,14 +221,8 @@ def check_labels(labels: torch.Tensor, classes: Sequence[str], dataset: str) -> 
 
 
 class MultiLabelDataset(Dataset):
-    """Serves ``(transformed image, target)``, the target a float32 (C,) row of ``labels``.
-
-    Args:
-        transform: applied to the image (built by :func:`mlcls.data.build_dataset`), or None.
-        on_bad_image: ``"error"`` or ``"skip"`` (module docstring).
-        name: ``dataset.name``, in results and reports.
-        train_split, val_split: the splits training and evaluation use.
-    """
+    """Serves ``(transformed image, target)``, the target a float32 (C,) row of ``labels``; ``name``,
+    ``train_split`` and ``val_split`` are the config's keys, kept for results and reports."""
 
     # The samples are image files, which a transform's own ``decode`` may read (False: drawn pixels).
     reads_files = True

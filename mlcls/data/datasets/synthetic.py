@@ -26,14 +26,7 @@ MAX_SIZE = 1_000_000  # images a split may have (their labels are drawn and held
 
 
 class SyntheticMultiLabel(MultiLabelDataset):
-    """Procedural shapes dataset.
-
-    Args:
-        split: ``"train"`` or ``"val"``.
-        train_size, val_size: number of images in each split.
-        canvas_size: side of the generated square images, in pixels.
-        seed: the seed of the images and labels.
-    """
+    """Procedural shapes dataset: ``train_size`` / ``val_size`` images of ``canvas_size`` pixels a side."""
 
     reads_files = False  # the pixels are drawn (:meth:`picture`)
 
