@@ -1,17 +1,14 @@
-"""Datasets. Each config in ``configs/dataset/`` names its class with ``_target_``; :func:`build_dataset`
-takes out of it the training policies (:data:`POLICY_KEYS`) and the input pipeline's keys
-(:data:`PIPELINE_KEYS`: ``transform``, a transform name of :mod:`mlcls.data.pipeline.transforms`,
-``image_size``, ``mean`` and ``std``, ImageNet's when absent), builds the transform of ``data.backend``
-from the latter (:mod:`mlcls.data.pipeline.fast`), and instantiates the rest as it is, with the split
-(``train_split`` or ``val_split``) and the transform: a dataset is its samples, labels, classes and
-``load_image``, and a misspelt key fails as an unexpected argument. The training split's policies wrap it,
-in one place (:func:`apply_training_policies`): the zero-shot restriction to the seen classes
-(``dataset.unseen_classes``, :func:`seen_view`), then the observed-label regime and the held-out
-selection split (:class:`TrainingView`).
+"""Datasets. :func:`build_dataset` takes a dataset config's training policies (:data:`POLICY_KEYS`) and
+pipeline keys (:data:`PIPELINE_KEYS`) out of it, builds the transform of ``data.backend`` from the latter,
+and instantiates the rest with the split and the transform (a misspelt key fails as an unexpected
+argument). The policies wrap the training split in one place (:func:`apply_training_policies`): the
+zero-shot restriction to the seen classes (:func:`seen_view`), then the observed-label regime and the
+held-out selection split (:class:`TrainingView`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -74,17 +71,6 @@ __all__ = [
     "build_dataset",
     "training_policies",
 ]
-# The keys of a dataset config that choose training policies (:func:`apply_training_policies`), not data.
-POLICY_KEYS = (
-    "observed",
-    "observed_seed",
-    "observed_fraction",
-    "holdout_fraction",
-    "holdout_labels",
-    "holdout_seed",
-    "unseen_classes",
-    "unseen_images",
-)
 # The keys of a dataset config that build the input pipeline's transform (:func:`build_dataset`), not data.
 PIPELINE_KEYS = ("transform", "image_size", "mean", "std")
 MAX_SEED = 2**63 - 1
@@ -102,9 +88,8 @@ def training_policies(
     unseen_classes: Any = None,
     unseen_images: str = "keep",
 ) -> tuple[ObservedLabels, HoldoutSplit]:
-    """The observed-label regime and the held-out selection split of the config keys :data:`POLICY_KEYS`,
-    each key checked here, once, one :class:`DatasetConfigError` line a fault (the names of
-    ``unseen_classes`` are checked against the classes by :func:`apply_training_policies`)."""
+    """The observed-label regime and the held-out selection split of the keys :data:`POLICY_KEYS`, each
+    checked here, once (``unseen_classes``' names against the classes in :func:`apply_training_policies`)."""
     check_unseen_setting(unseen_classes)
     check_setting("unseen_images", unseen_images, UNSEEN_IMAGES)
     check_setting("observed", observed, OBSERVED_REGIMES)
@@ -124,20 +109,18 @@ def training_policies(
         )
     check_setting("holdout_labels", holdout_labels, HOLDOUT_LABELS)
     seed = check_integer("holdout_seed", holdout_seed, 0, MAX_SEED)
-    selection = HoldoutSplit(float(fraction), holdout_labels, seed)
-    return regime, selection
+    return regime, HoldoutSplit(float(fraction), holdout_labels, seed)
+
+
+# The keys of a dataset config that choose training policies (:func:`apply_training_policies`), not data.
+POLICY_KEYS = tuple(inspect.signature(training_policies).parameters)
 
 
 def apply_training_policies(dataset: Any, **policy_keys: Any) -> TrainingView:
-    """``dataset``, the training split of its config, wrapped in the training policies of ``policy_keys``
-    (keys of :data:`POLICY_KEYS`, :func:`training_policies`): a :class:`TrainingView` with the
-    observed-label regime and the held-out selection split. One :class:`DatasetConfigError` line for a
-    regime that hides labels when the training split is also ``dataset.val_split`` (evaluation reads full
-    labels), or a held-out split of a dataset not read by index (packed shards).
-
-    ``unseen_classes`` (zero-shot, :func:`seen_view`): the view wraps a view of ``dataset`` without those
-    classes' columns, so that the regime draws over the seen columns only; the same one line as a held-out
-    split for packed shards, and for a name the dataset lacks."""
+    """The training split ``dataset`` in a :class:`TrainingView` of the policies ``policy_keys``
+    (:data:`POLICY_KEYS`), over :func:`seen_view` of it for ``unseen_classes`` (so that the regime draws
+    over the seen columns only). One :class:`DatasetConfigError` line for a regime that hides labels of a
+    split that is also ``dataset.val_split``, or a held-out split or unseen classes of packed shards."""
     regime, selection = training_policies(**policy_keys)
     unseen = policy_keys.get("unseen_classes")
     if regime.hides_labels and dataset.train_split == dataset.val_split:
@@ -162,12 +145,9 @@ def apply_training_policies(dataset: Any, **policy_keys: Any) -> TrainingView:
 
 
 class TrainingView(Dataset):
-    """The training split ``source`` as training reads it: ``target(i)`` is ``source``'s label row of sample
-    ``i`` as the observed-label regime ``observed`` shows it (drawn for ``i``; for packed shards,
-    :meth:`make_sample`, for the sample's key, its index in the packed split), ``label_counts()`` the counts
-    of those targets, and ``selection_split`` the share held out to select the best epoch
-    (:func:`mlcls.data.datasets.folds.split_holdout` cuts it). Images, samples, classes and every other
-    attribute are ``source``'s, ``transform`` read and set there."""
+    """The training split ``source`` as training reads it: targets as the regime ``observed`` shows them,
+    their counts, and ``selection_split`` (cut by :func:`mlcls.data.datasets.folds.split_holdout`). Every
+    other attribute, ``transform`` included, is ``source``'s."""
 
     def __init__(self, source: Any, observed: ObservedLabels, selection_split: HoldoutSplit) -> None:
         self.source, self.observed, self.selection_split = source, observed, selection_split
@@ -190,8 +170,6 @@ class TrainingView(Dataset):
         return len(self.source)
 
     def __getitem__(self, index: int) -> tuple[Any, Tensor]:
-        """``(transformed image, target)`` of sample ``index``, or of the sample ``source`` serves instead
-        (``on_bad_image=skip``)."""
         image, served = self.source.read_sample(index, self.source.transformed_image)
         return image, self.target(served)
 
@@ -200,14 +178,13 @@ class TrainingView(Dataset):
         return self.observed.row(self.source.target(index), index)
 
     def make_sample(self, key: str, fields: dict[str, bytes], seed: int) -> tuple[Any, Tensor]:
-        """Packed shards: ``source``'s ``(image, labels row)`` of the sample ``key``, its row as the regime
-        shows the sample of that index in the packed split (the labels its source dataset would train on)."""
+        """Packed shards: ``source``'s ``(image, labels row)`` of sample ``key``, the row as the regime shows
+        the sample of that index in the packed split."""
         image, labels = self.source.make_sample(key, fields, seed)
         return image, self.observed.row(labels, int(key))
 
     def label_counts(self) -> LabelCounts:
-        """The counts of the targets: ``source``'s counts under ``all``, else the regime's draws, counted
-        from ``source``'s labels (sparse ones kept sparse) for the sample indices the regime draws for."""
+        """The counts of the targets: the regime's draws from ``source``'s labels, kept sparse."""
         if not self.observed.hides_labels:
             return label_counts(self.source)
         samples = self.source.sample_indices() if isinstance(self.source, SparseLabelled) else None
@@ -217,10 +194,8 @@ class TrainingView(Dataset):
 def build_dataset(
     cfg: DictConfig | dict[str, Any], train: bool, backend: str = "torchvision"
 ) -> MultiLabelDataset:
-    """Instantiate the training (``train=True``) or validation split of the dataset config ``cfg``, with the
-    transform of the input pipeline ``backend`` (``data.backend``) built from its keys :data:`PIPELINE_KEYS`
-    and, for training, the policies of its keys :data:`POLICY_KEYS` (:func:`apply_training_policies`, the
-    one place they are applied; checked for the validation split too)."""
+    """The training (``train=True``) or validation split of the dataset config ``cfg``, with the transform of
+    ``backend`` (``data.backend``) and, for training, its policies (checked for either split)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if not isinstance(cfg, dict) else cfg
     cfg = OmegaConf.create(cfg)
     if "_target_" not in cfg:
@@ -246,14 +221,9 @@ def build_dataset(
     return apply_training_policies(dataset, **policies) if train else dataset
 
 
-# ---- The zero-shot training policy (dataset.unseen_classes): the training split through its seen classes.
-# The classes it names (a list, or a file of names one a line) are taken out of the training split's class
-# list and label columns (seen_view): the model is built on the seen classes, and no target it trains on
-# holds an unseen column. The images stay as they are -- an image showing an unseen class still shows it,
-# unlabelled, as in the zero-shot protocol of LESA (Huynh & Elhamifar, CVPR 2020) and ML-Decoder.
-# Evaluation reads the validation split whole, every class (mlcls.engine.evaluate scores the unseen classes
-# from their text embeddings). apply_training_policies applies the policy before the observed-label regime,
-# which then draws over the seen columns only.
+# ---- Zero-shot (dataset.unseen_classes): the training split without the unseen classes' columns; its images
+# still show them, unlabelled, as in LESA's protocol (Huynh & Elhamifar, CVPR 2020) and ML-Decoder's.
+# Evaluation reads every class (mlcls.engine.evaluate scores the unseen ones from their text embeddings).
 
 # Unknown names quoted in a message (the rest counted).
 SHOWN_NAMES = 5
@@ -264,7 +234,7 @@ UNSEEN_IMAGES = ("keep", "drop")
 
 def check_unseen_setting(value: Any) -> None:
     """One :class:`DatasetConfigError` line unless ``dataset.unseen_classes`` is null, a list of non-empty
-    strings, or a non-empty string (the path of a file of names). Nothing is read."""
+    strings, or a non-empty string (a file of names, not read here)."""
     if value is None or (isinstance(value, str) and value):
         return
     if isinstance(value, Sequence) and all(isinstance(name, str) and name for name in value):
@@ -276,13 +246,9 @@ def check_unseen_setting(value: Any) -> None:
 
 
 def unseen_class_names(value: str | Sequence[str], classes: Sequence[str]) -> list[str]:
-    """The class names of ``dataset.unseen_classes`` (``value``: a list of names, or the path of a UTF-8
-    file of names, one a line, blank lines skipped, read through :func:`mlcls.io.read_text` under
-    ``CAPS["class list"]``), distinct, in the order of ``classes`` (the dataset's).
-
-    One :class:`DatasetConfigError` line naming the names ``classes`` lacks (the first
-    :data:`SHOWN_NAMES`, control characters shown escaped, and their count), or when no class would be
-    left to train on."""
+    """The distinct names of ``dataset.unseen_classes`` (a list, or a UTF-8 file of names one a line under
+    ``CAPS["class list"]``) in the order of ``classes``. One :class:`DatasetConfigError` line naming the
+    names ``classes`` lacks (the first :data:`SHOWN_NAMES`, and their count), or when no class is left."""
     check_unseen_setting(value)
     if isinstance(value, str):
         try:
@@ -323,11 +289,8 @@ class RowSamples(LazySamples):
 
 class DatasetView(MultiLabelDataset):
     """The rows ``rows`` (int64 sample indices; None: all) and the classes ``columns`` (None: all) of the
-    dataset or view ``source``: sample ``i`` is ``source``'s sample ``rows[i]``, its target ``source``'s
-    row (as ``source``'s observed-label regime shows it, for a :class:`TrainingView`) restricted to
-    ``columns``. It serves the zero-shot restriction to the seen classes (:func:`seen_view`) and the cuts
-    of a training split (:mod:`mlcls.data.datasets.folds`). Unreadable images are skipped within the view
-    (``dataset.on_bad_image=skip``)."""
+    dataset or view ``source``, its targets ``source``'s (as a :class:`TrainingView`'s regime shows them).
+    Unreadable images are skipped within the view (``on_bad_image=skip``)."""
 
     def __init__(
         self, source: Any, rows: np.ndarray | None = None, columns: Sequence[int] | None = None
@@ -355,8 +318,7 @@ class DatasetView(MultiLabelDataset):
         return labels if self.columns is None else labels[:, self.columns]
 
     def label_counts(self) -> LabelCounts:
-        """The counts of the targets: the source's (sparse labels stay sparse), or of its rows ``rows`` as
-        its observed-label regime shows them (:func:`label_counts` of a ``Subset``), of the columns."""
+        """The counts of the targets, of the rows (as the source's regime shows them) and columns."""
         counts = label_counts(self.source if self.rows is None else Subset(self.source, self.rows))
         if self.columns is None:
             return counts
@@ -364,8 +326,7 @@ class DatasetView(MultiLabelDataset):
 
     @property
     def reads_files(self) -> bool:  # type: ignore[override]
-        """The source's: the view's images are read as the base class reads a file, with this view's
-        ``transform``, unless the source draws them."""
+        """The source's: the view reads its files, with its own ``transform``, unless drawn."""
         return self.source.reads_files
 
     def picture(self, index: int) -> Image.Image:
@@ -380,11 +341,9 @@ class DatasetView(MultiLabelDataset):
 def seen_view(
     dataset: MultiLabelDataset, value: str | Sequence[str] | None, drop_images: bool = False
 ) -> MultiLabelDataset:
-    """``dataset`` as a :class:`DatasetView` without the classes ``value`` names (:func:`unseen_class_names`),
-    and with ``drop_images`` (``dataset.unseen_images=drop``) without the samples where one of them is
-    positive; ``dataset`` itself when ``value`` is null or empty (the regime's :class:`TrainingView` wraps
-    it, and draws over the seen columns). One :class:`DatasetConfigError` line when every sample would be
-    dropped."""
+    """``dataset`` as a :class:`DatasetView` without the classes ``value`` names and, with ``drop_images``
+    (``dataset.unseen_images=drop``), the samples where one is positive (one :class:`DatasetConfigError` line
+    when none is left); ``dataset`` itself when ``value`` is null or empty."""
     if value is None or (not isinstance(value, str) and len(value) == 0):
         return dataset
     unseen = set(unseen_class_names(value, dataset.classes))

@@ -1,14 +1,10 @@
-"""Image files read as data: their bytes through the guarded door (:func:`mlcls.io.read_regular_bytes`), then
-decoded from memory, never from a path PIL opens itself.
+"""Image files read as data: their bytes through :func:`mlcls.io.read_regular_bytes`, decoded from memory.
 
-An image is named by a CSV, an annotation file or a folder of someone else's. A pipe or a device there
-(a FIFO, ``/dev/zero``) would block the reader or never end, and a file of a few kilobytes can declare
-billions of pixels (a "decompression bomb"). So :func:`read_image_bytes` takes only a regular file of at
-most ``CAPS["image"]`` bytes, and :func:`check_pixels` refuses an image of more than PIL's
-``Image.MAX_IMAGE_PIXELS`` pixels (89,478,485 unless changed: about 268 MB decoded as RGB) from its header,
-before its pixels are decoded. Both raise what :data:`mlcls.data.datasets.base.BAD_IMAGE_ERRORS` holds, so
-``dataset.on_bad_image`` decides: one line naming the file (``error``) or a skipped, counted sample
-(``skip``).
+A file named by someone else's list may be a FIFO or a device (the reader would block) or declare billions
+of pixels in a few kilobytes. So only a regular file of at most ``CAPS["image"]`` bytes is read, and an image
+of more than ``Image.MAX_IMAGE_PIXELS`` pixels (89,478,485: ~268 MB as RGB) is refused from its header
+(:func:`check_pixels`), both with one of :data:`mlcls.data.datasets.base.BAD_IMAGE_ERRORS` for
+``dataset.on_bad_image``.
 """
 
 from __future__ import annotations
@@ -27,8 +23,8 @@ warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 def read_image_bytes(path: str | Path) -> bytes:
-    """The bytes of the image file ``path``: a regular file of at most ``CAPS["image"]`` bytes, else
-    ``NotRegularFileError`` (an ``OSError``) or ``FileTooLargeError`` (a ``ValueError``), at once."""
+    """The bytes of ``path``, a regular file of at most ``CAPS["image"]`` bytes (else an ``OSError`` or a
+    ``ValueError``, at once)."""
     return read_regular_bytes(path, CAPS["image"], "image")
 
 
@@ -44,8 +40,7 @@ def check_pixels(width: int, height: int) -> None:
 
 
 def open_image(data: bytes) -> Image.Image:
-    """The image of the encoded bytes ``data``, opened lazily (its header read, no pixel decoded yet) and
-    checked by :func:`check_pixels`."""
+    """The image of the encoded bytes ``data``, its header read and checked (:func:`check_pixels`)."""
     image = Image.open(io.BytesIO(data))
     try:
         check_pixels(*image.size)

@@ -1,31 +1,10 @@
-"""Base class shared by every multi-label dataset.
+"""Base class shared by every multi-label dataset: pure data, its annotation files parsed once.
 
-A dataset is pure data: it parses its annotation files once, then serves ``(image, target)`` pairs.
-A subclass's constructor takes ``split`` and ``transform`` first, then its own keys, and passes the rest
-(``**config_keys``: ``on_bad_image``, ``name``, ``train_split``, ``val_split``) on to
-:class:`MultiLabelDataset`. It fills three attributes:
-
-* ``classes``  -- list of class names, in the dataset's fixed, documented order;
-* ``labels``   -- float32 tensor (N, C) with 1 = positive, 0 = negative, -1 = unknown;
-* ``samples``  -- list of :class:`Sample` (image path and optional crop box), one per row of ``labels``.
-
-``labels`` is available without decoding any image (class statistics, loss weighting, ``mlcls-data stats``).
-A target (:meth:`MultiLabelDataset.target`) is a row of it. The training policies (which labels are
-observed, which rows are held out) are no part of a dataset: they wrap the training split
-(:class:`mlcls.data.TrainingView`).
-
-Unreadable images (missing, corrupt, truncated, or of a shape the transforms refuse: one side over
-:data:`mlcls.data.pipeline.transforms.MAX_ASPECT_RATIO` times the other, checked from the file's header before
-its pixels are decoded), and images their transform fails on with one of :data:`BAD_IMAGE_ERRORS`, are
-handled by ``on_bad_image``:
-
-* ``"error"`` (default): raise :class:`BadImageError` naming the file. A silently altered training set is
-  worse than a stopped run; ``mlcls-data stats --check`` lists every unreadable file beforehand
-  (:func:`find_unreadable`).
-* ``"skip"``: serve the next readable sample instead (index + 1, + 2, ... wrapping around; image *and*
-  target of that sample) and flag the bad one in a per-sample flag tensor kept in shared memory, so flags
-  set inside DataLoader worker processes are seen by the main process. After each epoch the trainer calls
-  :meth:`MultiLabelDataset.pop_bad_images` to get (and reset) the files skipped since its last call.
+A subclass's constructor takes ``split`` and ``transform``, then its own keys, passes the rest to
+:class:`MultiLabelDataset`, and sets ``classes``, ``labels`` (float32 (N, C): 1 positive, 0 negative, -1
+unknown) and ``samples`` (one :class:`Sample` per row). An image that fails to read or transform with one
+of :data:`BAD_IMAGE_ERRORS` stops the run naming the file (``on_bad_image=error``: a silently altered
+training set is worse) or is replaced by the next readable sample and recorded (``skip``).
 """
 
 from __future__ import annotations
@@ -49,15 +28,13 @@ from mlcls.errors import shown
 from mlcls.io import read_json
 
 ON_BAD_IMAGE = ("error", "skip")
-# What PIL raises for a missing, unidentifiable, truncated or oversized image file (and
-# :func:`check_aspect_ratio` for a too thin one).
+# What PIL raises for a missing, unidentifiable, truncated or oversized image (and check_aspect_ratio).
 BAD_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 # In ``skip`` mode, give up after this many consecutive unreadable samples (a wrong folder, not bad luck).
 MAX_CONSECUTIVE_BAD = 16
 # Label values: positive, negative, unknown.
 LABEL_VALUES = (1.0, 0.0, -1.0)
-# A dense label table built from annotation files takes at most this many times their size, or the floor
-# (:func:`label_table`).
+# A dense label table takes at most this many times its annotation files' size, or the floor (label_table).
 LABEL_TABLE_RATIO = 256
 LABEL_TABLE_FLOOR = 256 * 2**20
 
@@ -86,18 +63,15 @@ class BadImageError(DatasetError, OSError):
 
 @dataclass(frozen=True)
 class Sample:
-    """One image (or one crop of an image).
-
-    ``box`` is ``(x, y, w, h)`` in pixels, or ``None`` for the whole image.
-    """
+    """One image, or its crop ``box`` ``(x, y, w, h)`` in pixels (None: the whole image)."""
 
     path: str
     box: tuple[float, float, float, float] | None = None
 
 
 class LazySamples(Sequence):
-    """Base of a sequence of :class:`Sample` made on access (``samples[i]``), for datasets whose millions of
-    images would take gigabytes as a list of objects; the dataset keeps it as it is."""
+    """A sequence of :class:`Sample` made on access, for millions of images that would take gigabytes as a
+    list; the dataset keeps it as it is."""
 
 
 def require_files(root: str | Path, relative_paths: Sequence[str], layout: str) -> None:
@@ -108,6 +82,14 @@ def require_files(root: str | Path, relative_paths: Sequence[str], layout: str) 
             raise DatasetLayoutError(f"missing {root / rel}; expected layout: {layout}")
 
 
+def first_file(root: str | Path, names: Sequence[str], layout: str) -> Path:
+    """``root / name`` for the first of ``names`` that is a file, else :class:`DatasetLayoutError`."""
+    for name in names:
+        if (Path(root) / name).is_file():
+            return Path(root) / name
+    raise DatasetLayoutError(f"missing {Path(root) / names[0]}; expected layout: {layout}")
+
+
 def resolve_path(root: str | Path, path: str | Path) -> Path:
     """``path`` itself if absolute, else ``root / path``."""
     path = Path(path).expanduser()
@@ -115,8 +97,8 @@ def resolve_path(root: str | Path, path: str | Path) -> Path:
 
 
 def load_json(path: str | Path) -> Any:
-    """Parse the JSON file ``path``, a regular file of at most ``CAPS["label file"]`` bytes
-    (:func:`read_json`); a missing or malformed file raises a one-line dataset error."""
+    """The JSON file ``path`` (:func:`read_json`, ``CAPS["label file"]``); one dataset error line if missing
+    or malformed."""
     try:
         return read_json(path, "label file")
     except FileNotFoundError as exc:
@@ -127,18 +109,14 @@ def load_json(path: str | Path) -> Any:
         raise DatasetFormatError(str(exc)) from exc
 
 
-def label_table(
-    rows: int, classes: int, read: Sequence[str | Path], source: str | Path, fill: float = 0.0
-) -> np.ndarray:
-    """float32 (rows, classes) filled with ``fill``, allocated only when it takes at most
-    ``LABEL_TABLE_RATIO`` times the bytes of the annotation files ``read`` it is built from, or
-    ``LABEL_TABLE_FLOOR``; else one :class:`DatasetFormatError` line naming ``source``, before allocating.
+def label_table(rows: int, classes: int, read: Sequence[str | Path], source: str | Path) -> np.ndarray:
+    """float32 (rows, classes) of zeros, allocated only when it takes at most
+    ``LABEL_TABLE_RATIO`` times the bytes of the annotation files ``read``, or ``LABEL_TABLE_FLOOR``; else
+    one :class:`DatasetFormatError` line naming ``source``, before allocating.
 
-    The rows and classes are counted from those files, so a small file listing many distinct images and
-    many distinct class names (each used once) would otherwise ask for rows x classes x 4 bytes: a
-    0.7 MB CSV for 5 GB. A real annotation file states much of its table: COCO's 82,081 x 80 table is 26 MB
-    from a 450 MB JSON; a CSV naming each image's classes on its row reaches the bound only past 64 classes
-    per byte of a row (3,200 classes for rows of 50 bytes); a CSV of one column per class never does."""
+    Why: a 0.7 MB CSV of many distinct images and class names (each used once) would ask for 5 GB. Real
+    files state much of their table: COCO's 82,081 x 80 (26 MB) comes from a 450 MB JSON; a CSV of class
+    names reaches the bound only past 64 classes per byte of a row; a CSV of one column per class never."""
     source_bytes = sum(os.stat(path).st_size for path in read)
     allowed = max(LABEL_TABLE_FLOOR, LABEL_TABLE_RATIO * source_bytes)
     needed = 4 * rows * classes
@@ -148,13 +126,12 @@ def label_table(
             f"table, more than {LABEL_TABLE_RATIO} times the {source_bytes / 2**20:.2f} MiB of the annotation"
             f" files (or {LABEL_TABLE_FLOOR // 2**20} MiB); expected a table the annotations describe"
         )
-    return np.full((rows, classes), fill, dtype=np.float32)
+    return np.zeros((rows, classes), dtype=np.float32)
 
 
 def check_class_names(classes: Sequence[object], source: str | Path) -> list[str]:
-    """``classes`` as a list, refused with one :class:`DatasetFormatError` line naming ``source`` when a name
-    is not a non-empty string or appears twice: two columns of one name would split its labels, the first
-    left all negative."""
+    """``classes`` as a list; one :class:`DatasetFormatError` line naming ``source`` for a name that is not a
+    non-empty string or appears twice (two columns of one name would split its labels)."""
     seen: dict[str, int] = {}
     for position, name in enumerate(classes):
         if not isinstance(name, str) or not name:
@@ -185,7 +162,7 @@ def check_setting(key: str, value: Any, choices: Sequence[str]) -> str:
 
 
 def check_integer(key: str, value: Any, low: int, high: int) -> int:
-    """``value`` of ``dataset.<key>`` if it is an integer (not a bool) in [``low``, ``high``], else one
+    """``value`` of ``dataset.<key>`` if an integer (not a bool) in [``low``, ``high``], else one
     :class:`DatasetConfigError` line."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise DatasetConfigError(f"dataset.{key}={shown(value)}; expected an integer from {low} to {high}")
@@ -193,11 +170,10 @@ def check_integer(key: str, value: Any, low: int, high: int) -> int:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """``image`` as 8-bit RGB. Greyscale of more than 8 bits (PIL modes ``I;16*``, 16-bit PNGs and TIFFs, and
-    ``I``, 32-bit integers) is scaled to 8 bits, ``v >> 8`` for 16-bit values, where PIL's own conversion
-    clips every value above 255 to white. Mode ``I`` holds 16-bit values in most files: its values are
-    taken as 8-bit when none exceeds 255, as 16-bit when none exceeds 65535, else as 31-bit (``v >> 23``);
-    negative values become 0."""
+    """``image`` as 8-bit RGB. Greyscale of more than 8 bits (modes ``I;16*`` and ``I``) is scaled, ``v >> 8``
+    for 16-bit values, where PIL's own conversion clips every value above 255 to white. Mode ``I`` (16-bit
+    values in most files) is taken as 8-bit when no value exceeds 255, as 16-bit up to 65535, else as 31-bit
+    (``v >> 23``); negative values become 0."""
     if image.mode.startswith("I;16"):
         values = np.asarray(image).astype(np.uint16) >> 8
     elif image.mode == "I":
@@ -221,19 +197,13 @@ def crop_box(box: tuple[float, float, float, float], width: int, height: int) ->
 
 
 def nonempty_boxes(boxes: np.ndarray) -> np.ndarray:
-    """Boolean mask (N,) of the ``(x, y, w, h)`` boxes (N, 4) with a positive width and height.
-
-    The crop datasets drop the other boxes: there is nothing to crop.
-    """
+    """bool (N,): the ``(x, y, w, h)`` boxes (N, 4) with a positive width and height (something to crop)."""
     return (boxes[:, 2] > 0) & (boxes[:, 3] > 0)
 
 
 def check_labels(labels: torch.Tensor, classes: Sequence[str], dataset: str) -> torch.Tensor:
-    """``labels`` as float32 (N, C), C = ``len(classes)``, checked to hold only 1, 0 and -1; else one
-    :class:`DatasetFormatError` line naming ``dataset``, the first bad value, its row and class.
-
-    Checked once, when the dataset is built: the losses and metrics rely on it at every step.
-    """
+    """``labels`` as float32 (N, C), C = ``len(classes)``, holding only 1, 0 and -1 (the losses and metrics
+    rely on it at every step); else one :class:`DatasetFormatError` line naming the first bad value."""
     labels = torch.as_tensor(labels, dtype=torch.float32)
     if labels.ndim != 2 or labels.shape[1] != len(classes):
         raise DatasetFormatError(
@@ -251,18 +221,10 @@ def check_labels(labels: torch.Tensor, classes: Sequence[str], dataset: str) -> 
 
 
 class MultiLabelDataset(Dataset):
-    """Serves ``(image, target)``: ``image`` is the transformed PIL image, ``target`` a float32 (C,) row.
+    """Serves ``(transformed image, target)``, the target a float32 (C,) row of ``labels``; ``name``,
+    ``train_split`` and ``val_split`` are the config's keys, kept for results and reports."""
 
-    Args:
-        transform: applied to the PIL image (:func:`mlcls.data.build_dataset` builds it from the config's
-            pipeline keys), or None.
-        on_bad_image: ``"error"`` or ``"skip"`` (see the module docstring).
-        name: the dataset's short name (``dataset.name``, in results and reports).
-        train_split, val_split: the splits training and evaluation use (``dataset.train_split``, ...).
-    """
-
-    # The samples are image files, which a transform's own ``decode`` may read; a dataset that draws its
-    # pixels (the synthetic one) says False.
+    # The samples are image files, which a transform's own ``decode`` may read (False: drawn pixels).
     reads_files = True
 
     def __init__(
@@ -280,8 +242,7 @@ class MultiLabelDataset(Dataset):
 
     @property
     def classes(self) -> list[str]:
-        """The class names, in label order; checked by :func:`check_class_names` when set (distinct
-        non-empty strings)."""
+        """The class names, in label order (:func:`check_class_names` when set)."""
         return self._classes
 
     @classes.setter
@@ -295,8 +256,7 @@ class MultiLabelDataset(Dataset):
 
     @property
     def labels(self) -> torch.Tensor:
-        """float32 (N, C): 1 positive, 0 negative, -1 unknown; checked by :func:`check_labels` when set
-        (set ``classes`` first)."""
+        """float32 (N, C) (:func:`check_labels` when set, after ``classes``)."""
         return self._labels
 
     @labels.setter
@@ -324,13 +284,8 @@ class MultiLabelDataset(Dataset):
         return len(self.samples)
 
     def picture(self, index: int) -> Image.Image:
-        """Sample ``index`` decoded as RGB, cropped to its box (clamped to the image) when it has one: the
-        image as a person sees it (the report's and the audit page's thumbnails), and :meth:`load_image`'s
-        for a transform without a ``decode`` of its own.
-
-        The image (or crop) is refused with a ``ValueError`` from its header, before its pixels are decoded,
-        when one side exceeds ``MAX_ASPECT_RATIO`` times the other (:func:`check_aspect_ratio`).
-        """
+        """Sample ``index`` as RGB, cropped to its box (clamped): the image as a person sees it. Refused with
+        a ``ValueError`` from its header, before decoding, when too thin (:func:`check_aspect_ratio`)."""
         sample = self.samples[index]
         with read_image(sample.path) as img:
             region = (0, 0, *img.size) if sample.box is None else crop_box(sample.box, *img.size)
@@ -339,9 +294,9 @@ class MultiLabelDataset(Dataset):
         return img if sample.box is None else img.crop(region)
 
     def load_image(self, index: int) -> Any:
-        """The transform's input for sample ``index``: :meth:`picture`, or where the samples are image files
-        (:attr:`reads_files`) and the transform has a ``decode(path, box)`` method, what it decodes from the
-        file itself (the fast pipeline picks its random crop first, then decodes JPEGs at reduced scale)."""
+        """The transform's input for sample ``index``: its ``decode(path, box)`` of the file when it has one
+        and :attr:`reads_files` (the fast pipeline crops first, then decodes at reduced scale), else
+        :meth:`picture`."""
         decode = getattr(self.transform, "decode", None)
         if decode is None or not self.reads_files:
             return self.picture(index)
@@ -354,14 +309,9 @@ class MultiLabelDataset(Dataset):
         return image if self.transform is None else self.transform(image)
 
     def read_sample(self, index: int, read: Callable[[int], T]) -> tuple[T, int]:
-        """``(read(i), i)`` for ``i = index``; when ``read`` raises a bad-image error (``OSError``, ...):
-        :class:`BadImageError` naming the file (``on_bad_image="error"``), or the next ``i`` whose read
-        succeeds, the bad file recorded for :meth:`pop_bad_images` (``"skip"``).
-
-        The reading path of every input pipeline: ``read`` is :meth:`transformed_image` here (so that an
-        image the transform fails on is handled like an unreadable one), the DALI backend's header-and-bytes
-        read there.
-        """
+        """``(read(i), i)`` for ``i = index``; when ``read`` raises one of :data:`BAD_IMAGE_ERRORS`,
+        :class:`BadImageError` naming the file (``error``) or the next ``i`` that reads, the bad file recorded
+        for :meth:`pop_bad_images` (``skip``). Every input pipeline reads through it."""
         for attempt in range(min(MAX_CONSECUTIVE_BAD, len(self))):
             current = (index + attempt) % len(self)
             try:
@@ -380,11 +330,8 @@ class MultiLabelDataset(Dataset):
         )
 
     def pop_bad_images(self) -> list[str]:
-        """Files skipped (``on_bad_image=skip``) since the last call, sorted, each once; resets the record.
-
-        Works whether the images were read in this process or in DataLoader worker processes. With DDP
-        each rank holds its own record (gather the lists to report a global count).
-        """
+        """Files skipped since the last call (here or in DataLoader workers; this rank's), sorted, each once;
+        resets the record."""
         flagged = torch.nonzero(self._bad_flags).flatten().tolist()
         self._bad_flags.zero_()
         return sorted({self.samples[i].path for i in flagged})
@@ -394,17 +341,13 @@ class MultiLabelDataset(Dataset):
         return self.labels[index]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(transformed image, target)`` of sample ``index``, or in ``skip`` mode of the next sample that
-        reads and transforms (:meth:`read_sample`)."""
         image, served = self.read_sample(index, self.transformed_image)
         return image, self.target(served)
 
 
 def find_unreadable(dataset: MultiLabelDataset, workers: int = 4) -> tuple[int, list[tuple[str, str]]]:
-    """Decode every distinct image of ``dataset`` once; return ``(images checked, [(path, error), ...])``.
-
-    Samples sharing a file (several crops of one image) are checked once, through their first sample.
-    """
+    """``(images checked, [(path, error), ...])``: every distinct file of ``dataset`` decoded once (through
+    its first sample: the crops of one image share it)."""
     first_index: dict[str, int] = {}
     for index, sample in enumerate(dataset.samples):
         first_index.setdefault(sample.path, index)

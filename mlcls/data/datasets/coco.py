@@ -1,20 +1,11 @@
-"""MS-COCO (2014 or 2017) as a multi-label dataset: an image is labelled with every category it holds.
-
-Layout (as the official zips unpack)::
+"""MS-COCO (2014 or 2017) as a multi-label dataset (docs/datasets.md, COCO)::
 
     root/annotations/instances_{train,val}{year}.json
     root/{train,val}{year}/*.jpg          (``train_images`` / ``val_images`` override these folders)
 
-* classes: the 80 categories in category-id order (person, bicycle, car, ..., toothbrush);
-* labels: 1 for every category with at least one annotation, crowd annotations included; 0 otherwise
-  (COCO has no unknown labels);
-* images without any annotation are dropped unless ``keep_empty`` (then their row is all 0).
-  COCO-2014 gives 82,081 train / 40,137 val images (82,783 / 40,504 with ``keep_empty``).
-
-The file is checked before use (:func:`check_entries`): every id must be an integer, and a float of
-integral value such as ``1.0`` is taken as that integer (JSON has one number type and some exporters write
-every number as a float; nothing is lost), while ``1.9``, ``"1"`` or ``true`` is refused rather than
-truncated (:func:`integer_field`).
+Classes: the 80 categories in id order; labels: 1 for a category with an annotation (crowd ones too), else
+0; images without any annotation are dropped unless ``keep_empty``. An id of integral float value
+(``1.0``: some exporters write every number so) is that integer; ``1.9``, ``"1"`` or ``true`` is refused.
 """
 
 from __future__ import annotations
@@ -27,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from pycocotools.coco import COCO as COCOApi
 
 from mlcls.data.datasets.base import (
@@ -48,16 +38,8 @@ ID_RANGE = (-(2**63), 2**63)
 
 
 class COCO(MultiLabelDataset):
-    """COCO instances annotations as multi-label targets.
-
-    Args:
-        split: ``"train"`` or ``"val"``.
-        root: folder holding ``annotations/`` and the image folders.
-        year: 2014 or 2017.
-        train_images, val_images: image folders (relative to ``root`` or absolute); default
-            ``{split}{year}``, e.g. ``images/train2014`` for the other common layout.
-        keep_empty: keep images without any annotation (all-negative rows).
-    """
+    """COCO instances annotations as multi-label targets; ``train_images`` / ``val_images``: image folders
+    relative to ``root`` or absolute (default ``{split}{year}``)."""
 
     def __init__(
         self,
@@ -80,66 +62,53 @@ class COCO(MultiLabelDataset):
         require_files(root, [annotation_file, image_dir], layout)
         self.year = year
 
+        source = Path(root) / annotation_file
         api = COCOApi()
-        api.dataset = load_json(Path(root) / annotation_file)
-        check_entries(api.dataset, Path(root) / annotation_file)
+        api.dataset = load_json(source)
+        check_entries(api.dataset, source)
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress messages
                 api.createIndex()
         except (KeyError, TypeError) as exc:
-            raise DatasetFormatError(
-                f"{Path(root) / annotation_file}: an entry lacks the field {exc}"
-            ) from exc
+            raise DatasetFormatError(f"{source}: an entry lacks the field {exc}") from exc
 
         category_ids = np.array(sorted(api.cats), dtype=np.int64)
         if len(category_ids) == 0:
-            raise DatasetFormatError(f"{Path(root) / annotation_file} lists no categories")
+            raise DatasetFormatError(f"{source} lists no categories")
         self.classes = [api.cats[int(c)]["name"] for c in category_ids]
         image_ids = np.array(sorted(api.imgs), dtype=np.int64)
-        labels = _multi_hot(api, image_ids, category_ids, Path(root) / annotation_file)
+        annotations = api.dataset.get("annotations", [])
+        ann_images, ann_cats = (
+            np.fromiter(
+                (integer_field(a, field, f"annotations[{k}]", source) for k, a in enumerate(annotations)),
+                dtype=np.int64,
+                count=len(annotations),
+            )
+            for field in ("image_id", "category_id")
+        )
+        labels = label_table(len(image_ids), len(category_ids), [source], source)
+        if len(annotations) and len(image_ids):  # 1 where the image has an annotation of the category
+            rows = np.searchsorted(image_ids, ann_images).clip(max=len(image_ids) - 1)
+            cols = np.searchsorted(category_ids, ann_cats).clip(max=len(category_ids) - 1)
+            unknown = category_ids[cols] != ann_cats
+            if unknown.any():
+                raise DatasetFormatError(
+                    f"{source}: an annotation has category_id {int(ann_cats[unknown.argmax()])}, which is "
+                    "not in 'categories'"
+                )
+            known_image = image_ids[rows] == ann_images
+            labels[rows[known_image], cols[known_image]] = 1.0
         if not keep_empty:
             keep = labels.any(axis=1)
             image_ids, labels = image_ids[keep], labels[keep]
-        self.labels = torch.from_numpy(labels)
+        self.labels = labels
         folder = str(images_root)
         self.samples = [Sample(os.path.join(folder, api.imgs[i]["file_name"])) for i in image_ids.tolist()]
 
 
-def _multi_hot(api: COCOApi, image_ids: np.ndarray, category_ids: np.ndarray, source: Path) -> np.ndarray:
-    """(images, categories) float32 matrix: 1 where the image has an annotation of the category.
-
-    Both id arrays must be sorted; annotations of images not in ``image_ids`` are ignored. The matrix is
-    refused before it is allocated when larger than :func:`label_table` allows for ``source``'s size.
-    """
-    annotations = api.dataset.get("annotations", [])
-    ann_images, ann_cats = (
-        np.fromiter(
-            (integer_field(a, field, f"annotations[{k}]", source) for k, a in enumerate(annotations)),
-            dtype=np.int64,
-            count=len(annotations),
-        )
-        for field in ("image_id", "category_id")
-    )
-    labels = label_table(len(image_ids), len(category_ids), [source], source)
-    if len(annotations) == 0 or len(image_ids) == 0:
-        return labels
-    rows = np.searchsorted(image_ids, ann_images).clip(max=len(image_ids) - 1)
-    cols = np.searchsorted(category_ids, ann_cats).clip(max=len(category_ids) - 1)
-    unknown = category_ids[cols] != ann_cats
-    if unknown.any():
-        bad = int(ann_cats[unknown.argmax()])
-        raise DatasetFormatError(
-            f"{source}: an annotation has category_id {bad}, which is not in 'categories'"
-        )
-    known_image = image_ids[rows] == ann_images
-    labels[rows[known_image], cols[known_image]] = 1.0
-    return labels
-
-
 def integer_field(entry: Any, field: str, where: str, source: Path) -> int:
     """``entry[field]`` as an int: an integer, or a float of integral value (``1.0``), within int64; else a
-    :class:`DatasetFormatError` naming ``source`` and ``{where}.{field}`` (``1.9``, ``"1"``, ``true``, a
-    missing field, an entry that is not an object)."""
+    :class:`DatasetFormatError` naming ``source`` and ``{where}.{field}``."""
     if not isinstance(entry, dict):
         shown = f"{type(entry).__name__} {entry!r:.60}"
         raise DatasetFormatError(f"{source}: {where} is {shown}; expected an object")
@@ -154,11 +123,10 @@ def integer_field(entry: Any, field: str, where: str, source: Path) -> int:
 
 
 def check_entries(dataset: Any, source: Path) -> None:
-    """Check the instances file ``dataset`` (read from ``source``) before it is indexed, and store its image
-    and category ids as ints (``1.0`` -> ``1``): ``images`` and ``categories`` lists of objects with integer
-    ids (:func:`integer_field`), distinct within each list; category names distinct non-empty strings;
-    file names strings; ``annotations``, when present, a list. Each fault is one
-    :class:`DatasetFormatError` naming ``source`` and the field."""
+    """Check the instances file ``dataset`` before it is indexed, its ids stored as ints (``1.0`` -> ``1``):
+    ``images`` and ``categories`` lists of objects with distinct integer ids (:func:`integer_field`) and
+    non-empty file names / distinct names, ``annotations`` a list. One :class:`DatasetFormatError` line a
+    fault."""
     if not isinstance(dataset, dict) or not {"images", "categories"} <= dataset.keys():
         raise DatasetFormatError(f"{source} is not a COCO instances file (needs 'images' and 'categories')")
     for key in ("images", "categories", "annotations"):

@@ -1,18 +1,11 @@
-"""Cuts of a dataset's training split: one fold of a K-fold cut (``mlcls-data audit``), the held-out
-selection split (``dataset.holdout_fraction``), and the CSV dataset's validation split of its training
-file (``dataset.val_by``: :func:`stratified_holdout` or :func:`held_out`; see
-:mod:`mlcls.data.datasets.csv_dataset`).
+"""Cuts of a training split: a fold of a K-fold cut (:class:`FoldSplit`, ``mlcls-data audit``: each image
+scored by a model that never saw it), the held-out selection split (``dataset.holdout_fraction``,
+:func:`split_holdout`, as the single-positive benchmark's code holds out 20 %), and the CSV dataset's
+validation share of its training file (:func:`stratified_holdout`, :func:`held_out`).
 
-The K-fold cut: a config naming :class:`FoldSplit` instantiates like any dataset config (``build_dataset``),
-so that a training run trains on the K-1 folds and evaluates on the one held out, each image scored by a
-model that never saw it.
-
-The held-out selection split is a share of the training split kept out of training to select the best
-epoch, as the single-positive benchmark's released code holds out 20 % (:func:`split_holdout`). Both sides
-read the training split's images and labels by its own sample index: the observed-label regime shows each
-training sample the labels it shows it without the cut, and a loss with a row per training sample indexes
-the training view's rows ``0 .. len - 1``. The held-out side's targets are the full labels (``clean``) or
-the regime's observed labels (``observed``, unknown entries -1, which the metrics leave out).
+Both sides read the training split by its own sample index, so the observed-label regime shows each sample
+the labels it shows it uncut. The held-out side's targets are the full labels (``clean``) or the regime's
+(``observed``; unknown entries, -1, are left out of the metrics).
 """
 
 from __future__ import annotations
@@ -33,17 +26,15 @@ SPLITS = ("train", "heldout")
 
 
 def fold_rows(num_rows: int, folds: int, fold: int, seed: int) -> np.ndarray:
-    """The rows (ascending) of fold ``fold`` of ``folds`` over ``num_rows`` rows: the positions ``p`` of the
-    permutation of ``range(num_rows)`` drawn from ``seed`` with ``p mod folds == fold`` (so that fold sizes
-    differ by at most one)."""
+    """The rows (ascending) of fold ``fold`` of ``folds``: positions ``p`` of a permutation of
+    ``range(num_rows)`` drawn from ``seed`` with ``p mod folds == fold`` (sizes differ by one at most)."""
     order = np.random.default_rng(seed).permutation(num_rows)
     return np.sort(order[fold::folds])
 
 
 def indexed_training_split(cfg: DictConfig) -> TrainingView:
-    """The training split of the dataset config ``cfg`` (its training view), read by index; packed shards,
-    read in sequence, raise :class:`DatasetConfigError` naming the way out (the config they were packed
-    from)."""
+    """The training view of the dataset config ``cfg``; :class:`DatasetConfigError` for packed shards (read
+    in sequence, not by index)."""
     dataset = build_dataset(cfg, train=True)
     if not isinstance(dataset.source, MultiLabelDataset):
         raise DatasetConfigError(
@@ -54,18 +45,9 @@ def indexed_training_split(cfg: DictConfig) -> TrainingView:
 
 
 class FoldSplit(DatasetView):
-    """Fold ``fold`` of ``folds`` of the training split of ``source`` (``heldout``), or the other folds
-    (``train``), as a :class:`~mlcls.data.DatasetView` of its training view: training targets as the
-    source's observed-label regime (``dataset.observed``) shows them, held-out targets the full labels.
-    Images are read by the source with this dataset's ``transform``.
-
-    Args:
-        split: ``"train"`` or ``"heldout"``.
-        source: the dataset config (mapping) whose training split is cut.
-        folds: the number of folds, at least 2.
-        fold: the fold held out, in ``[0, folds)``.
-        seed: the seed of the cut (:func:`fold_rows`).
-    """
+    """Fold ``fold`` of ``folds`` (>= 2) of the training split of the dataset config ``source``
+    (``heldout``: full labels), or the other folds (``train``: as its regime shows them), read by the source
+    with this dataset's ``transform``; ``seed``: the cut's (:func:`fold_rows`)."""
 
     def __init__(
         self,
@@ -104,12 +86,10 @@ class FoldSplit(DatasetView):
 def split_holdout(
     train_set: TrainingView, eval_transform: Callable | None
 ) -> tuple[DatasetView, DatasetView]:
-    """``(training, held out)``: the samples of ``train_set`` its ``selection_split`` keeps for training and
-    those it holds out (:meth:`HoldoutSplit.held_out`: a pure function of ``dataset.holdout_seed`` and the
-    sample index, the same on every rank). The held-out view reads through a shallow copy of
-    ``train_set``'s dataset (the parsed annotations shared, nothing read twice) with ``eval_transform`` (the
-    validation split's) and, for ``holdout_labels=clean``, every label. A cut that leaves either side empty
-    raises :class:`DatasetConfigError`."""
+    """``(training, held out)`` views of ``train_set`` cut by its ``selection_split`` (the same on every
+    rank). The held-out view reads a shallow copy of the source (annotations shared) with
+    ``eval_transform`` and, for ``holdout_labels=clean``, every label. An empty side raises
+    :class:`DatasetConfigError`."""
     selection = train_set.selection_split
     held = selection.held_out(np.arange(len(train_set)))
     if not 0 < held.sum() < len(held):
@@ -126,12 +106,11 @@ def split_holdout(
 
 
 def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask (N,) of the rows of ``labels`` (N, C; 1 / 0 / -1, unknown counted as negative) held
-    out for validation: ``ceil(val_fraction * N)`` rows chosen by iterative stratification
-    (``MultilabelStratifiedShuffleSplit`` seeded by ``seed``, any integer >= 0), each class's positives
-    shared between the sides in about the ratio ``val_fraction``. Then, rarest class first, a class with at
-    least 2 positives and none held out gets one: the first of its training rows (in the seeded order)
-    whose other classes keep a training positive. A file of one row is held out whole."""
+    """bool (N,): the rows of ``labels`` (N, C; unknown counted negative) held out, ``ceil(val_fraction *
+    N)`` by iterative stratification (``MultilabelStratifiedShuffleSplit`` seeded by ``seed`` >= 0), each
+    class's positives shared in about that ratio. Then, rarest first, a class of 2+ positives and none held
+    out gets its first training row (seeded order) whose other classes keep a training positive. One row
+    is held out whole."""
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise DatasetConfigError(f"dataset.val_seed={seed!r}; expected an integer >= 0")
     positive = labels == 1
@@ -164,7 +143,6 @@ def image_hash(image: str, seed: int) -> int:
 
 
 def held_out(image: str, val_fraction: float, seed: int) -> bool:
-    """Whether ``image`` (its path as written in the CSV file) is held out for validation:
-    ``image_hash(image, seed) < val_fraction * 2**64``. Each image is held out with probability
-    ``val_fraction``, independently of every other row of the file."""
+    """Whether ``image`` (its path as written) is held out: ``image_hash(image, seed) < val_fraction *
+    2**64``, with probability ``val_fraction``, independently of every other row."""
     return image_hash(image, seed) < val_fraction * 2**64

@@ -1,10 +1,8 @@
-"""Label matrices too large to hold densely, and the per-class counts that the trainer reads instead.
+"""Label matrices too large to hold densely, and the per-class counts the trainer reads instead.
 
-A dataset's labels form an (N, C) matrix of 1 (positive), 0 (negative) and -1 (unknown). Open Images' training
-split (~9 M images x 9,605 classes) would take ~350 GB as float32, so nothing in the training path needs that
-matrix: the loss set-up, the class statistics, the classes-without-a-positive check and results.json read a
-:class:`LabelCounts` (:func:`label_counts`), and each sample's target row is built on its own
-(:class:`SparseLabels`, ``row``).
+Open Images' training labels (~9 M x 9,605) would take ~350 GB as float32, so the training path never needs
+the (N, C) matrix: the loss set-up, class statistics and results.json read a :class:`LabelCounts`
+(:func:`label_counts`), and each target row is built on its own (:meth:`SparseLabels.row`).
 """
 
 from __future__ import annotations
@@ -25,22 +23,16 @@ from mlcls.data.shards.tario import npy_array
 
 NPZ_ARRAYS = ("offsets", "columns", "values", "shape_fill")  # the members of SparseLabels.to_bytes
 NPY_HEADER_ROOM = 4096  # bytes an .npy member may take besides its data (np.save writes ~128)
-# A deflated sidecar member may declare at most this many times its compressed bytes, plus
-# NPY_HEADER_ROOM: its arrays then take at most that times the file's size, whatever a manifest announces.
-# (mlcls stores the members; np.savez_compressed of label arrays gains far less than this.)
+# A deflated member may declare at most this many times its compressed bytes, plus NPY_HEADER_ROOM (mlcls
+# stores the members; np.savez_compressed of label arrays gains far less).
 MAX_DEFLATE_RATIO = 32
 OBSERVED_CHUNK = 1 << 22  # label entries drawn at once when counting under a regime (observed_counts)
 
 
 @dataclass(frozen=True)
 class LabelCounts:
-    """Per-class counts of an (N, C) label matrix with entries 1 / 0 / -1.
-
-    Attributes:
-        num_samples: N.
-        positives: int64 (C,), the number of 1 entries in each column.
-        negatives: int64 (C,), the number of 0 entries in each column.
-    """
+    """Per-class counts of an (N, C) label matrix: ``num_samples`` N, ``positives`` and ``negatives`` int64
+    (C,), the 1 and 0 entries of each column."""
 
     num_samples: int
     positives: Tensor
@@ -58,7 +50,7 @@ class LabelCounts:
 
     @property
     def unknown(self) -> int:
-        """Number of -1 entries: N * C minus the known ones."""
+        """Number of -1 entries."""
         return self.num_samples * self.num_classes - int(self.positives.sum()) - int(self.negatives.sum())
 
     @property
@@ -79,19 +71,10 @@ class LabelCounts:
 
 
 class SparseLabels:
-    """An (N, C) label matrix stored as the entries that differ from ``fill``, row by row (compressed rows).
-
-    Row ``i``'s stored entries are ``columns[offsets[i]:offsets[i + 1]]`` (ascending) with values
-    ``values[...]`` in {1, 0, -1}; every other entry of the row equals ``fill``. Open Images keeps its
-    verified labels with ``fill = -1`` (unknown); a fully labelled dataset converted by :meth:`from_dense`
-    keeps its positives with ``fill = 0``.
-
-    Args:
-        offsets: int64 (N + 1,), non-decreasing, ``offsets[0] = 0``.
-        columns: int32 (K,) class indices in [0, C), ascending within each row.
-        values: int8 (K,) in {1, 0, -1}.
-        num_classes: C.
-        fill: the value of every entry not stored (-1, 0 or 1).
+    """An (N, C) label matrix stored as its entries that differ from ``fill`` (compressed rows): row ``i``
+    stores the classes ``columns[offsets[i]:offsets[i + 1]]`` (int32, ascending) with ``values`` (int8,
+    1 / 0 / -1); ``offsets`` is int64 (N + 1,), from 0, non-decreasing. Open Images keeps its verified
+    labels with ``fill = -1``; :meth:`from_dense` of a fully labelled matrix its positives with 0.
     """
 
     def __init__(
@@ -130,8 +113,7 @@ class SparseLabels:
 
     @classmethod
     def from_stored_entries(cls, rows: list[np.ndarray], num_classes: int, fill: int) -> SparseLabels:
-        """The matrix whose row ``i`` stores the ``(class, value)`` pairs ``rows[i]`` (int (K_i, 2), as
-        :meth:`stored_entries` gives them)."""
+        """The matrix whose row ``i`` stores the pairs ``rows[i]`` (int (K_i, 2), :meth:`stored_entries`)."""
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum([len(pairs) for pairs in rows], out=offsets[1:])
         pairs = np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.int32)
@@ -216,16 +198,12 @@ class SparseLabels:
 
     @classmethod
     def from_bytes(cls, data: bytes, shape: tuple[int, int] | None = None) -> SparseLabels:
-        """The matrix of :meth:`to_bytes`'s ``.npz`` bytes (its members stored or deflated); ValueError for
-        any other bytes.
-
-        No member is decompressed past :data:`MAX_DEFLATE_RATIO` times its compressed size (which is at most
-        ``len(data)``), so the arrays take at most that multiple of the file's size, whatever any count says;
-        and given the ``shape`` (N, C) announced elsewhere, past what an (N, C) matrix can take (N + 1
-        offsets, N * C stored entries, integers of 8 bytes at most, the ``.npy`` headers). A member that
-        declares more is refused before it is read, and one that holds more than it declares ends at its
-        declared size (and fails its CRC). A deflate bomb ends in bounded memory.
-        """
+        """The matrix of :meth:`to_bytes`'s ``.npz`` bytes (members stored or deflated); ValueError for any
+        other bytes. Bounded: no member is decompressed past :data:`MAX_DEFLATE_RATIO` times its compressed
+        size (at most ``len(data)``) nor, given the ``shape`` (N, C) announced elsewhere, past what an
+        (N, C) matrix takes (N + 1 offsets, N * C entries of 8 bytes at most, the headers). A member that
+        declares more is refused before it is read; one holding more ends at its declared size (and fails
+        its CRC)."""
         entries = None if shape is None else shape[0] * shape[1]
         limits = {
             "offsets": None if shape is None else shape[0] + 1,
@@ -249,9 +227,8 @@ class SparseLabels:
 
 
 def _npz_array(archive: zipfile.ZipFile, name: str, items: int | None, file_size: int) -> np.ndarray:
-    """The array ``name`` of an ``.npz`` ``archive`` of ``file_size`` bytes (a writable copy), read within
-    the bounds of :meth:`SparseLabels.from_bytes` (``items``: the integers the shape allows, None: any);
-    ValueError (KeyError for a missing member) otherwise."""
+    """A writable copy of the array ``name`` of ``archive`` (``file_size`` bytes) within the bounds of
+    :meth:`SparseLabels.from_bytes` (``items``: the integers the shape allows, None: any)."""
     info = archive.getinfo(f"{name}.npy")
     if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
         raise ValueError(f"{name}.npy is encrypted or compressed with method {info.compress_type}")
@@ -285,13 +262,9 @@ def dense_row(columns: np.ndarray, values: np.ndarray, num_classes: int, fill: i
 def observed_counts(
     labels: SparseLabels, observed: ObservedLabels, samples: np.ndarray | None = None
 ) -> LabelCounts:
-    """The :class:`LabelCounts` of ``labels`` as the regime ``observed`` shows them, row ``i`` being sample
-    ``samples[i]`` (``i`` when None): exactly the counts of the targets the regime gives.
-
-    Drawn :data:`OBSERVED_CHUNK` entries at a time, over the known entries only: the stored ones when the
-    unstored entries are unknown (``fill = -1``, Open Images: nothing else to draw), else each block of rows
-    made dense.
-    """
+    """The exact :class:`LabelCounts` of ``labels`` as the regime ``observed`` shows them, row ``i`` being
+    sample ``samples[i]`` (``i`` when None). Drawn :data:`OBSERVED_CHUNK` entries at a time over the known
+    entries: the stored ones when ``fill = -1``, else each block of rows made dense."""
     if not observed.hides_labels:
         return labels.counts()
     num_rows, num_classes = labels.shape
@@ -314,17 +287,15 @@ def observed_counts(
 
 
 class SparseLabelled:
-    """A dataset whose labels are a :class:`SparseLabels` (``sparse_labels``): each target row is built on its
-    own (:meth:`target`), the counts come from the stored entries (:meth:`label_counts`), and the dense
-    ``labels`` (N, C) is built on first access only when it fits in ``dense_labels_gb``."""
+    """A dataset whose labels are a :class:`SparseLabels` (``sparse_labels``): targets and counts come from
+    it, and the dense ``labels`` is built on first access only when it fits in ``dense_labels_gb``."""
 
     sparse_labels: SparseLabels
     dense_labels_gb: float = 8.0
     _dense_labels: Tensor | None = None
 
     def sample_indices(self) -> np.ndarray | None:
-        """int64 (N,): the sample index an observed-label regime draws each row of ``sparse_labels`` for
-        (:class:`mlcls.data.TrainingView`); None: row ``i`` is sample ``i``."""
+        """int64 (N,): the sample index a regime draws each row of ``sparse_labels`` for; None: ``i``."""
         return None
 
     def label_counts(self) -> LabelCounts:
@@ -336,8 +307,7 @@ class SparseLabelled:
 
     @property
     def labels(self) -> Tensor:
-        """float32 (N, C): 1 positive, 0 negative, -1 unknown; built from ``sparse_labels`` on first access,
-        or :class:`DatasetConfigError` when it would exceed ``dense_labels_gb``."""
+        """float32 (N, C), built on first access; :class:`DatasetConfigError` past ``dense_labels_gb``."""
         if self._dense_labels is None:
             rows, classes = self.sparse_labels.shape
             size_gb = 4 * rows * classes / 1e9
@@ -353,17 +323,15 @@ class SparseLabelled:
 
 
 def sparse_labels_of(dataset: object) -> SparseLabels:
-    """A dataset's labels as :class:`SparseLabels`: its ``sparse_labels``, or its dense ``labels``
-    converted."""
+    """A dataset's ``sparse_labels``, or its dense ``labels`` converted."""
     sparse = getattr(dataset, "sparse_labels", None)
     return sparse if sparse is not None else SparseLabels.from_dense(dataset.labels)
 
 
 def label_counts(dataset: object) -> LabelCounts | None:
-    """The :class:`LabelCounts` of a dataset's targets: its ``label_counts()`` when it has one (sparse
-    labels, a view), else counted from its dense ``labels``; a ``Subset`` counts its parent's rows, as the
-    parent's observed-label regime (``observed``, a :class:`mlcls.data.TrainingView`'s) shows them. None
-    for a dataset without labels."""
+    """The :class:`LabelCounts` of a dataset's targets: its ``label_counts()``, else of its ``labels``; a
+    ``Subset``'s of its parent's rows as the parent's regime (``observed``) shows them; None without
+    labels."""
     if isinstance(dataset, Subset):
         parent = dataset.dataset
         if getattr(parent, "sparse_labels", None) is None and getattr(parent, "labels", None) is None:

@@ -1,41 +1,17 @@
-"""NUS-WIDE: 269,648 Flickr images, 81 concepts (ground truth of the release's ``TrainTestLabels``).
-
-Layout (as the release unpacks: ``NUS-WIDE.zip`` gives ``Groundtruth/`` and ``ConceptsList/``,
-``ImageList.zip`` gives ``ImageList/``; the images, sent by the authors on request, unpack into ``Flickr/``)::
+"""NUS-WIDE: 269,648 Flickr images, 81 concepts (the release's ``TrainTestLabels``; docs/datasets.md)::
 
     root/ConceptsList/Concepts81.txt        the 81 concept names, one a line (or root/Concepts81.txt)
     root/ImageList/{Train,Test}Imagelist.txt  one image a line, e.g. ``actor\\0001_2124494179.jpg``
-    root/Groundtruth/TrainTestLabels/Labels_<concept>_{Train,Test}.txt   one 0 or 1 a line, line k for
-                                            image k of the split's image list
-    root/Flickr/<folder>/<file>.jpg         704 folders
+    root/Groundtruth/TrainTestLabels/Labels_<concept>_{Train,Test}.txt   one 0 or 1 a line per image
+    root/Flickr/<folder>/<file>.jpg
 
-* classes: the concepts in the order of ``Concepts81.txt`` (alphabetical in the release);
-* labels: 1 / 0 from the label files (NUS-WIDE has no unknown labels);
-* image paths: Windows backslashes become ``/``, and a prefix up to a ``Flickr`` folder is dropped (the form
-  ``C:\\ImageData\\Flickr\\actor\\0001_2124494179.jpg`` of ``Imagelist.txt``); then relative to ``images``;
-* images without any of the 81 concepts are dropped unless ``keep_empty`` (then their row is all 0);
-* images missing from the download (many Flickr URLs are dead) or unreadable: ``on_bad_image``, as for
-  every dataset (``mlcls-data stats --check`` lists them).
+Image paths: ``\\`` becomes ``/`` and a prefix up to a ``Flickr`` folder is dropped. Images without a
+positive are dropped unless ``keep_empty``.
 
-Splits: ``train`` (161,789 images in the release's list) / ``test`` (107,859).
-
-Zero-shot label set (``label_set=zero_shot``, ``dataset=nuswide_zsl``): the split of LESA (Huynh &
-Elhamifar, CVPR 2020) that ML-Decoder's zero-shot table uses, 925 seen tags and 81 unseen concepts, read from
-the release's tag files (``NUS_WID_Tags.zip``)::
-
-    root/NUS_WID_Tags/TagList1k.txt                 the 1,000 tag names, one a line
-    root/NUS_WID_Tags/{Train,Test}_Tags1k.dat        one line per image of the split's list: 1,000 values
-                                                    0 or 1 separated by tabs (column j: tag j of TagList1k)
-
-* classes: the tags of ``TagList1k.txt`` that are not concepts (925 in the release: 75 of the 1,000 tags
-  are concept names), in file order, then the 81 concepts in the order of ``Concepts81.txt``;
-* labels: the tag columns from ``<Split>_Tags1k.dat`` (the user tags, noisy), the concept columns from
-  the 81-concept ground truth (``Groundtruth/TrainTestLabels``), as in LESA's preparation;
-* images: ``train`` keeps the images with a positive seen tag (the only labels zero-shot training reads),
-  ``test`` those with any positive; ``keep_empty`` keeps every image.
-
-``dataset.unseen_classes`` (``Concepts81.txt``, in ``configs/dataset/nuswide_zsl.yaml``) then removes the
-concept columns from training (:func:`mlcls.data.apply_training_policies`).
+``label_set=zero_shot`` (``dataset=nuswide_zsl``): LESA's split (Huynh & Elhamifar, CVPR 2020), as in
+ML-Decoder's zero-shot table: the 925 tags of ``NUS_WID_Tags/TagList1k.txt`` that are no concept (labels
+from ``NUS_WID_Tags/{Train,Test}_Tags1k.dat``, a line of 1,000 tab-separated 0 / 1 per image), then the 81
+concepts; ``train`` keeps the images with a positive seen tag, ``test`` those with any positive.
 """
 
 from __future__ import annotations
@@ -46,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
@@ -54,6 +29,7 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
+    first_file,
     require_files,
     resolve_path,
 )
@@ -73,17 +49,8 @@ TAG_LINES_AT_ONCE = 8192
 _WHITESPACE = np.frombuffer(b" \t\r\n", dtype=np.uint8)
 
 
-def read_concepts(root: Path, layout: str) -> list[str]:
-    """The 81 concept names of the first of :data:`CONCEPT_LISTS` under ``root``, in file order."""
-    found = [root / name for name in CONCEPT_LISTS if (root / name).is_file()]
-    if not found:
-        raise DatasetLayoutError(f"missing {root / CONCEPT_LISTS[0]}; expected layout: {layout}")
-    return read_names(found[0], NUM_CONCEPTS, "concept")
-
-
 def read_names(path: Path, count: int, what: str) -> list[str]:
-    """The ``count`` names of the class list ``path``, one a line, in file order; another count, or a name
-    given twice, is a one-line dataset error."""
+    """The ``count`` distinct names of the class list ``path``, one a line, in file order."""
     names = read_regular_bytes(path, CAPS["class list"], "class list").decode("utf-8", "replace").split()
     if len(names) != count or len(set(names)) != count:
         raise DatasetFormatError(
@@ -100,37 +67,10 @@ def image_path(line: str) -> str:
     return "/".join(parts[folders[-1] + 1 :] if folders else parts)
 
 
-def read_binary_column(path: Path, count: int) -> np.ndarray:
-    """uint8 (``count``,) of a label file holding one 0 or 1 a line; a missing file, another value or another
-    number of lines is a one-line dataset error."""
-    try:
-        tokens = read_regular_bytes(path).split()
-    except FileNotFoundError as exc:
-        raise DatasetLayoutError(f"missing {path}; expected one label file per concept and split") from exc
-    values = np.frombuffer(b"".join(tokens), dtype=np.uint8) - ord("0")
-    if len(tokens) != count or len(values) != count or (values > 1).any():
-        raise DatasetFormatError(
-            f"{path}: {len(tokens)} lines; expected {count} lines (one per image of the list), each 0 or 1"
-        )
-    return values
-
-
-def read_tag_list(root: Path) -> list[str]:
-    """The 1,000 tag names of ``root/NUS_WID_Tags/TagList1k.txt`` (:func:`read_names`)."""
-    try:
-        return read_names(root / TAG_LIST, NUM_TAGS, "tag")
-    except FileNotFoundError as exc:
-        raise DatasetLayoutError(
-            f"missing {root / TAG_LIST}; expected the release's NUS_WID_Tags folder"
-        ) from exc
-
-
 def read_tag_matrix(path: Path, count: int) -> np.ndarray:
     """uint8 (``count``, 1000) of a ``<Split>_Tags1k.dat`` file: ``count`` non-empty lines of 1,000 values 0
-    or 1 separated by whitespace (tabs in the release, each line ending in one). Another byte, a value of
-    several digits, another number of values or of lines is a one-line dataset error naming the line.
-    Lines of equal length are checked together, :data:`TAG_LINES_AT_ONCE` at a time (the release's are all
-    2,000 bytes long)."""
+    or 1 separated by whitespace; else one dataset error line naming the line. Lines of equal length (all
+    2,000 bytes in the release) are checked together, :data:`TAG_LINES_AT_ONCE` at a time."""
     try:
         data = read_regular_bytes(path, CAPS["label file"], "label file")
     except FileNotFoundError as exc:
@@ -162,16 +102,8 @@ def read_tag_matrix(path: Path, count: int) -> np.ndarray:
 
 
 class NUSWIDE(MultiLabelDataset):
-    """NUS-WIDE with the release's train/test split and 81-concept ground truth.
-
-    Args:
-        split: ``"train"`` or ``"test"``.
-        root: folder holding ``ImageList/``, ``Groundtruth/``, ``ConceptsList/`` and the image folder.
-        images: the image folder (relative to ``root`` or absolute), holding ``<folder>/<file>.jpg``.
-        keep_empty: keep images without any of the 81 concepts (all-0 rows); with ``zero_shot``, every
-            image.
-        label_set: ``concepts`` (the 81) or ``zero_shot`` (925 seen tags + 81 concepts; module docstring).
-    """
+    """NUS-WIDE with the release's train/test split; ``images``: the image folder (relative to ``root`` or
+    absolute); ``label_set``: ``concepts`` or ``zero_shot``."""
 
     def __init__(
         self,
@@ -194,19 +126,33 @@ class NUSWIDE(MultiLabelDataset):
         list_file = f"ImageList/{part}Imagelist.txt"
         require_files(root, [list_file], layout)
         root_path = Path(root)
-        concepts = read_concepts(root_path, layout)
+        concepts = read_names(first_file(root_path, CONCEPT_LISTS, layout), NUM_CONCEPTS, "concept")
         lines = read_regular_bytes(root_path / list_file).decode("utf-8", errors="replace").splitlines()
         paths = [image_path(line) for line in lines if line.strip()]
-        labels = np.stack(
-            [
-                read_binary_column(root_path / LABEL_DIR / f"Labels_{concept}_{part}.txt", len(paths))
-                for concept in concepts
-            ],
-            axis=1,
-        ).astype(np.float32)
+        labels = np.empty((len(paths), len(concepts)), dtype=np.float32)
+        for column, concept in enumerate(concepts):  # a file of one 0 or 1 a line per concept
+            path = root_path / LABEL_DIR / f"Labels_{concept}_{part}.txt"
+            try:
+                tokens = read_regular_bytes(path).split()
+            except FileNotFoundError as exc:
+                raise DatasetLayoutError(
+                    f"missing {path}; expected one label file per concept and split"
+                ) from exc
+            values = np.frombuffer(b"".join(tokens), dtype=np.uint8) - ord("0")
+            if len(tokens) != len(paths) or len(values) != len(paths) or (values > 1).any():
+                raise DatasetFormatError(
+                    f"{path}: {len(tokens)} lines; expected {len(paths)} lines (one per image of the list), "
+                    "each 0 or 1"
+                )
+            labels[:, column] = values
         keep = labels.any(axis=1)
         if label_set == "zero_shot":
-            tags = read_tag_list(root_path)
+            try:
+                tags = read_names(root_path / TAG_LIST, NUM_TAGS, "tag")
+            except FileNotFoundError as exc:
+                raise DatasetLayoutError(
+                    f"missing {root_path / TAG_LIST}; expected the release's NUS_WID_Tags folder"
+                ) from exc
             seen = [j for j, tag in enumerate(tags) if tag not in set(concepts)]
             seen_labels = read_tag_matrix(root_path / TAG_DIR / f"{part}_Tags1k.dat", len(paths))[:, seen]
             concepts = [tags[j] for j in seen] + concepts
@@ -214,6 +160,6 @@ class NUSWIDE(MultiLabelDataset):
             keep = seen_labels.any(axis=1) if split == "train" else labels.any(axis=1)
         self.classes = concepts
         keep = np.ones(len(paths), dtype=bool) if keep_empty else keep
-        self.labels = torch.from_numpy(labels[keep])
+        self.labels = labels[keep]
         folder = str(resolve_path(root, images))
         self.samples = [Sample(os.path.join(folder, paths[i])) for i in np.flatnonzero(keep).tolist()]

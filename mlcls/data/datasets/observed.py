@@ -1,19 +1,12 @@
 """Observed-label regimes: which labels of the training split the model is shown (``dataset.observed``).
 
-* ``all`` (the default): every label, unchanged;
-* ``single_positive`` (Cole et al., CVPR 2021): one positive per image, drawn uniformly among the image's
-  positives; every other label becomes -1 (unknown). An image without a positive keeps no observed label
-  (a row of -1), as the authors' observation step leaves it;
-* ``partial``: each known label is kept with probability ``fraction``; the others become -1.
+* ``all`` (default): every label; ``partial``: each known label kept with probability ``fraction``;
+* ``single_positive`` (Cole et al., CVPR 2021): one positive per image drawn uniformly, every other label
+  -1 (an image without a positive keeps none, as the authors' observation step leaves it).
 
-Unknown labels (-1) stay unknown in every regime. The draw is a pure function of ``(seed, sample index,
-class)`` (a counter-based hash, :func:`mix64`), never of a random state: a sample's observed row is the same
-on every rank, in every DataLoader worker, after every resume, and whatever else was read before it. The
-regime applies to the training split only (:func:`mlcls.data.apply_training_policies` sets it
-there); evaluation always reads the full labels.
-
-The held-out selection split (``dataset.holdout_fraction``, :class:`HoldoutSplit`) is drawn the same way,
-from its own seed and hash stream: which samples it holds out does not depend on the regime.
+Unknown labels stay unknown. The draw is a pure function of ``(seed, sample index, class)`` (a hash,
+:func:`mix64`), never of a random state: the same on every rank, worker and resume. The held-out selection
+split (:class:`HoldoutSplit`) is drawn the same way, from a hash stream of its own.
 """
 
 from __future__ import annotations
@@ -34,8 +27,8 @@ _UNIT_BITS = 53  # a hash's top 53 bits give a uniform float in [0, 1) exactly
 
 
 def mix64(values: np.ndarray) -> np.ndarray:
-    """SplitMix64's output function of the uint64 array ``values``, element-wise (wrapping arithmetic): a
-    bijection of 64-bit integers whose outputs of consecutive inputs look independent and uniform."""
+    """SplitMix64's output function of the uint64 ``values`` (wrapping): a bijection whose outputs of
+    consecutive inputs look independent and uniform."""
     with np.errstate(over="ignore"):
         z = np.asarray(values, dtype=np.uint64) + _GOLDEN
         z = (z ^ (z >> np.uint64(30))) * _MIX[0]
@@ -51,14 +44,8 @@ def sample_hashes(seed: int, stream: str, samples: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ObservedLabels:
-    """An observed-label regime (see the module docstring); the values are checked by
-    :func:`mlcls.data.training_policies`.
-
-    Attributes:
-        regime: ``all``, ``single_positive`` or ``partial``.
-        seed: the draw's seed (``dataset.observed_seed``).
-        fraction: the share of labels ``partial`` keeps (``dataset.observed_fraction``), in (0, 1].
-    """
+    """An observed-label regime (``dataset.observed``, ``observed_seed``, ``observed_fraction`` in (0, 1]),
+    checked by :func:`mlcls.data.training_policies`."""
 
     regime: str = "all"
     seed: int = 0
@@ -70,12 +57,9 @@ class ObservedLabels:
         return self.regime != "all"
 
     def observe(self, samples: np.ndarray, columns: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """int8 (K,): the observed values of the label entries ``(samples[k], columns[k]) = values[k]``.
-
-        ``samples`` are the entries' sample indices, ``columns`` their classes, ``values`` 1 / 0 / -1; for
-        ``single_positive`` every positive entry of a sample must be given (the entries of several samples,
-        in any order, may be). Every entry not given is unknown and stays so.
-        """
+        """int8 (K,): the observed values of the entries ``(samples[k], columns[k]) = values[k]`` (1 / 0 /
+        -1; entries not given are unknown). ``single_positive`` needs every positive of a sample given (of
+        several samples, in any order)."""
         values = np.asarray(values, dtype=np.int8)
         if not self.hides_labels:
             return values
@@ -115,19 +99,10 @@ ALL_LABELS = ObservedLabels()
 
 @dataclass(frozen=True)
 class HoldoutSplit:
-    """The share of the training split held out to select the best epoch (``dataset.holdout_fraction``,
-    ...); the values are checked by :func:`mlcls.data.training_policies`.
-
-    Sample ``i`` is held out when the top 53 bits of a hash of ``(seed, i)`` (:func:`mix64`, a stream of its
-    own) fall below ``fraction``: each sample independently with probability ``fraction``, the same on
-    every rank and after every resume.
-
-    Attributes:
-        fraction: the share held out, in [0, 1); 0: none, the whole split trains.
-        labels: ``clean`` (the held-out samples' full labels) or ``observed`` (as the training split's
-            observed-label regime shows them).
-        seed: the draw's seed (``dataset.holdout_seed``).
-    """
+    """The share of the training split held out to select the best epoch (``dataset.holdout_fraction`` in
+    [0, 1), ``holdout_labels``: ``clean`` or as the regime shows them, ``holdout_seed``), checked by
+    :func:`mlcls.data.training_policies`. Sample ``i`` is held out when the top 53 bits of a hash of
+    ``(seed, i)`` fall below ``fraction``: independently, the same on every rank and resume."""
 
     fraction: float = 0.0
     labels: str = "clean"

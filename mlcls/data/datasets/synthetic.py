@@ -1,15 +1,10 @@
 """Embedded multi-label dataset, generated procedurally: no files, no download.
 
-Each image shows 1-4 coloured shapes on a noisy background; a class is a (colour, shape) pair, so a
-model must learn both. The structure is that of real multi-label data:
-
-* 12 classes (4 shapes x 3 colours) with unequal frequencies (weights proportional to ``1 / (c + 1)^0.7``);
-* 1-4 labels per image (probabilities 0.35 / 0.30 / 0.20 / 0.15, about 2.1 on average);
-* co-occurrence: with probability 0.6 a multi-label image also holds the partner class ``(c + 5) mod 12``
-  of its first class.
-
-Everything is a deterministic function of ``seed``, the split and the index: labels are drawn once in
-``__init__`` (so ``labels`` needs no image), pixels on demand in ``picture``.
+Each image shows 1-4 coloured shapes on a noisy background; a class is a (colour, shape) pair. As in real
+data: 12 classes with frequencies proportional to ``1 / (c + 1)^0.7``; 1-4 labels per image (probabilities
+0.35 / 0.30 / 0.20 / 0.15); with probability 0.6 a multi-label image also holds the partner ``(c + 5) mod 12``
+of its first class. A function of ``seed``, split and index: labels drawn in ``__init__``, pixels in
+``picture``.
 """
 
 from __future__ import annotations
@@ -18,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
 
 from mlcls.data.datasets.base import MultiLabelDataset, Sample, check_integer
@@ -32,15 +26,7 @@ MAX_SIZE = 1_000_000  # images a split may have (their labels are drawn and held
 
 
 class SyntheticMultiLabel(MultiLabelDataset):
-    """Procedural shapes dataset.
-
-    Args:
-        split: ``"train"`` or ``"val"``.
-        train_size, val_size: number of images in each split.
-        canvas_size: side of the generated square images, in pixels (the transform resizes them to
-            ``dataset.image_size``).
-        seed: the dataset's seed; the same seed gives the same images and labels.
-    """
+    """Procedural shapes dataset: ``train_size`` / ``val_size`` images of ``canvas_size`` pixels a side."""
 
     reads_files = False  # the pixels are drawn (:meth:`picture`)
 
@@ -69,10 +55,6 @@ class SyntheticMultiLabel(MultiLabelDataset):
         self.seed = int(seed)
         self.classes = [f"{colour}_{shape}" for shape in SHAPES for colour in COLOURS]
         size = train_size if split == "train" else val_size
-        self.labels = torch.from_numpy(self._draw_labels(size))
-        self.samples = [Sample(path=f"synthetic://{split}/{i}") for i in range(size)]
-
-    def _draw_labels(self, size: int) -> np.ndarray:
         num_classes = len(self.classes)
         rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split]])
         weights = 1.0 / np.arange(1, num_classes + 1) ** 0.7
@@ -86,7 +68,8 @@ class SyntheticMultiLabel(MultiLabelDataset):
             while row.sum() < count:
                 free = weights * (row == 0)
                 row[rng.choice(num_classes, p=free / free.sum())] = 1
-        return labels
+        self.labels = labels
+        self.samples = [Sample(path=f"synthetic://{split}/{i}") for i in range(size)]
 
     def picture(self, index: int) -> Image.Image:
         rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split], 1, index])
@@ -101,19 +84,14 @@ class SyntheticMultiLabel(MultiLabelDataset):
             colour = tuple(int(np.clip(c + rng.integers(-25, 26), 0, 255)) for c in colour)
             side = rng.uniform(0.24, 0.38) * size
             x0, y0 = rng.uniform(0, size - side, 2)
-            _draw_shape(draw, shape, x0, y0, side, colour)
+            x1, y1, bar = x0 + side, y0 + side, side / 3
+            if shape == "circle":
+                draw.ellipse((x0, y0, x1, y1), fill=colour)
+            elif shape == "square":
+                draw.rectangle((x0, y0, x1, y1), fill=colour)
+            elif shape == "triangle":
+                draw.polygon(((x0 + side / 2, y0), (x1, y1), (x0, y1)), fill=colour)
+            else:  # cross
+                draw.rectangle((x0 + bar, y0, x1 - bar, y1), fill=colour)
+                draw.rectangle((x0, y0 + bar, x1, y1 - bar), fill=colour)
         return img
-
-
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, x0: float, y0: float, side: float, colour) -> None:
-    x1, y1 = x0 + side, y0 + side
-    if shape == "circle":
-        draw.ellipse((x0, y0, x1, y1), fill=colour)
-    elif shape == "square":
-        draw.rectangle((x0, y0, x1, y1), fill=colour)
-    elif shape == "triangle":
-        draw.polygon(((x0 + side / 2, y0), (x1, y1), (x0, y1)), fill=colour)
-    else:  # cross
-        bar = side / 3
-        draw.rectangle((x0 + bar, y0, x1 - bar, y1), fill=colour)
-        draw.rectangle((x0, y0 + bar, x1, y1 - bar), fill=colour)

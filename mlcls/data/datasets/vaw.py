@@ -1,20 +1,13 @@
-"""VAW (Visual Attributes in the Wild): 620 attributes per object instance; one sample per instance crop.
-
-Layout (the VAW repository's ``data/`` folder beside the Visual Genome image folders)::
+"""VAW (Visual Attributes in the Wild): 620 attributes per object instance, one sample per instance crop
+(docs/datasets.md)::
 
     root/data/{train_part1,train_part2,val,test}.json    lists of instances
     root/data/attribute_index.json                       {attribute name: index}
     root/VG_100K/<image_id>.jpg, root/VG_100K_2/<image_id>.jpg   (``image_dirs``)
 
-Instance: ``{"image_id", "instance_id", "instance_bbox": [x, y, w, h], "positive_attributes": [names],
-"negative_attributes": [names], ...}`` (ids may be strings or ints).
-
-* classes: attribute names ordered by ``attribute_index.json`` (indices must be 0..619);
-* labels: positive -> 1, negative -> 0, every other attribute -1 (unknown); an attribute listed as both
-  positive and negative is positive;
-* crops: the box clamped to the image; instances whose box has a non-positive width or height are dropped;
-* splits: ``train`` = train_part1 + train_part2 + val (229,076 instances), ``test`` (31,819); ``val``,
-  ``train_part1`` and ``train_part2`` alone are splits too.
+An instance: ``{"image_id", "instance_bbox": [x, y, w, h], "positive_attributes": [names],
+"negative_attributes": [names]}``. Labels: positive -> 1 (also when listed negative too), negative -> 0,
+others -1; empty boxes are dropped. ``train`` = train_part1 + train_part2 + val.
 """
 
 from __future__ import annotations
@@ -26,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
@@ -51,7 +43,7 @@ DEFAULT_IMAGE_DIRS = ("VG_100K", "VG_100K_2")
 
 
 def read_attribute_index(path: Path) -> list[str]:
-    """Attribute names of ``attribute_index.json`` (name -> index) ordered by index (which must be 0..C-1)."""
+    """The names of ``attribute_index.json`` (name -> index, 0..C-1) in index order."""
     index = load_json(path)
     if not isinstance(index, dict) or set(index.values()) != set(range(len(index))):
         raise DatasetFormatError(f"{path}: expected {{attribute name: index}} with indices 0..N-1")
@@ -62,13 +54,8 @@ def read_attribute_index(path: Path) -> list[str]:
 
 
 class VAW(MultiLabelDataset):
-    """VAW instance crops with positive / negative / unknown attributes.
-
-    Args:
-        split: ``train`` (train_part1 + train_part2 + val), ``test``, or one file name.
-        root: folder holding ``data/`` and the Visual Genome image folders.
-        image_dirs: folders searched, in order, for ``<image_id>.jpg`` (relative to ``root`` or absolute).
-    """
+    """VAW instance crops; ``image_dirs``: folders searched in order for ``<image_id>.jpg`` (relative to
+    ``root`` or absolute)."""
 
     def __init__(
         self,
@@ -121,14 +108,17 @@ class VAW(MultiLabelDataset):
             rows, cols = _flatten(lists, class_index, source)
             labels[rows, cols] = value
 
-        locate = _image_locator(dirs)
+        locate: dict[str, str] = {}  # file name -> its path in the first of dirs that holds it
+        for folder in reversed(dirs):
+            if folder.is_dir():
+                locate.update((name, os.path.join(folder, name)) for name in os.listdir(folder))
         samples = []
         for image_id, box in zip(image_ids, boxes.tolist(), strict=True):
             path = locate.get(f"{image_id}.jpg")
             if path is None:
                 raise DatasetLayoutError(f"missing {image_id}.jpg in {' and '.join(map(str, dirs))}")
             samples.append(Sample(path, tuple(box)))
-        self.labels = torch.from_numpy(labels)
+        self.labels = labels
         self.samples = samples
 
 
@@ -146,12 +136,3 @@ def _flatten(
     except KeyError as exc:
         raise DatasetFormatError(f"{source}: attribute {exc} is not in attribute_index.json") from exc
     return np.repeat(np.arange(len(lists)), lengths), cols
-
-
-def _image_locator(dirs: list[Path]) -> dict[str, str]:
-    """File name -> its path in the first of ``dirs`` that holds it (one directory listing per folder)."""
-    locate: dict[str, str] = {}
-    for folder in reversed(dirs):
-        if folder.is_dir():
-            locate.update((name, os.path.join(folder, name)) for name in os.listdir(folder))
-    return locate

@@ -1,17 +1,10 @@
-"""VISPR (Visual Privacy) attributes: 68 privacy attributes per image, ``a0_safe`` included.
-
-Layout (as the VISPR release unpacks)::
+"""VISPR (Visual Privacy): 68 privacy attributes per image, ``a0_safe`` included (docs/datasets.md)::
 
     root/attributes.tsv                         idx, attribute_id, group, description (tab-separated)
     root/{train2017,val2017,test2017}.txt       one annotation path per line, relative to root
-    root/annotations/<split>2017/<id>.json      {"id": ..., "image_path": "images/<split>2017/<id>.jpg",
-                                                 "labels": ["a0_safe", ...]}
-    root/images/<split>2017/<id>.jpg
+    root/annotations/<split>2017/<id>.json      {"image_path": "images/<split>2017/<id>.jpg", "labels": [...]}
 
-* classes: the ``attribute_id`` column, class index = the ``idx`` column;
-* labels: 1 for the attributes listed in ``labels``, 0 for the others (no unknown labels);
-* splits: ``train`` = train2017 + val2017 (14,167 images), ``test`` = test2017 (8,000); each list alone is
-  also a split (``train2017``, ``val2017``, ``test2017``).
+Classes: ``attribute_id`` in ``idx`` order; labels: 1 if listed, else 0. ``train`` = train2017 + val2017.
 """
 
 from __future__ import annotations
@@ -23,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
@@ -44,28 +36,8 @@ SPLIT_LISTS = {
 }
 
 
-def read_attributes(path: Path) -> list[str]:
-    """Attribute ids of a VISPR ``attributes.tsv``, ordered by its ``idx`` column (which must be 0..C-1)."""
-    with open_regular(path, "r", newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
-    if not rows or not {"idx", "attribute_id"} <= rows[0].keys():
-        raise DatasetFormatError(f"{path}: expected tab-separated columns 'idx' and 'attribute_id'")
-    try:
-        by_index = {int(row["idx"]): row["attribute_id"].strip() for row in rows}
-    except (TypeError, ValueError) as exc:
-        raise DatasetFormatError(f"{path}: the 'idx' column must hold integers ({exc})") from exc
-    if sorted(by_index) != list(range(len(rows))):
-        raise DatasetFormatError(f"{path}: 'idx' must number the {len(rows)} attributes 0..{len(rows) - 1}")
-    return [by_index[i] for i in range(len(rows))]
-
-
 class VISPR(MultiLabelDataset):
-    """VISPR privacy attributes.
-
-    Args:
-        split: ``train`` (train2017 + val2017), ``test`` (test2017), or one list name.
-        root: folder holding ``attributes.tsv``, the split lists, ``annotations/`` and ``images/``.
-    """
+    """VISPR privacy attributes (``split``: ``train``, ``test`` or one list name)."""
 
     def __init__(
         self,
@@ -84,14 +56,26 @@ class VISPR(MultiLabelDataset):
         require_files(root, ["attributes.tsv", *lists], layout)
         root_path = Path(root)
 
-        self.classes = read_attributes(root_path / "attributes.tsv")
+        path = root_path / "attributes.tsv"  # the attribute ids in the order of the idx column, 0..C-1
+        with open_regular(path, "r", newline="", encoding="utf-8") as f:
+            attributes = list(csv.DictReader(f, delimiter="\t"))
+        if not attributes or not {"idx", "attribute_id"} <= attributes[0].keys():
+            raise DatasetFormatError(f"{path}: expected tab-separated columns 'idx' and 'attribute_id'")
+        try:
+            by_index = {int(row["idx"]): row["attribute_id"].strip() for row in attributes}
+        except (TypeError, ValueError) as exc:
+            raise DatasetFormatError(f"{path}: the 'idx' column must hold integers ({exc})") from exc
+        count = len(attributes)
+        if sorted(by_index) != list(range(count)):
+            raise DatasetFormatError(f"{path}: 'idx' must number the {count} attributes 0..{count - 1}")
+        self.classes = [by_index[i] for i in range(count)]
         class_index = {name: i for i, name in enumerate(self.classes)}
         annotation_paths = [
             line.strip()
             for name in lists
             for line in read_regular_bytes(root_path / name).decode("utf-8").splitlines()
+            if line.strip()
         ]
-        annotation_paths = [p for p in annotation_paths if p]
         if annotation_paths:
             require_files(root, annotation_paths[:1], layout)
 
@@ -115,5 +99,5 @@ class VISPR(MultiLabelDataset):
 
         labels = np.zeros((len(samples), len(self.classes)), dtype=np.float32)
         labels[np.array(rows, int), np.array(cols, int)] = 1.0
-        self.labels = torch.from_numpy(labels)
+        self.labels = labels
         self.samples = samples

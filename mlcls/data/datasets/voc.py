@@ -1,19 +1,10 @@
-"""PASCAL VOC 2007 / 2012 classification: an image is labelled with the classes of its objects.
+"""PASCAL VOC 2007 / 2012 classification: an image is labelled with its objects' classes (docs/datasets.md)::
 
-Layout (as ``VOCtrainval_*.tar`` / ``VOCtest_06-Nov-2007.tar`` unpack)::
+    root/VOCdevkit/VOC{year}/{Annotations/<id>.xml, JPEGImages/<id>.jpg, ImageSets/Main/<split>.txt}
 
-    root/VOCdevkit/VOC{year}/Annotations/<id>.xml
-    root/VOCdevkit/VOC{year}/JPEGImages/<id>.jpg
-    root/VOCdevkit/VOC{year}/ImageSets/Main/<split>.txt
-
-* classes: the 20 VOC classes in alphabetical order (:data:`VOC_CLASSES`);
-* labels come from each ``<object>``'s own ``<name>``; the ``<part><name>`` elements nested in VOC2012
-  person objects (head, hand, foot) are not labels;
-* difficult objects (``<difficult>1</difficult>``), for a class present in an image only through difficult
-  objects: ``difficult="ignore"`` -> -1 (unknown, the official classification protocol), ``"positive"`` -> 1,
-  ``"negative"`` -> 0. A class with at least one non-difficult object is always 1.
-
-Splits: VOC2007 ``trainval`` (5,011) / ``test`` (4,952); VOC2012 ``train`` (5,717) / ``val`` (5,823).
+Labels come from each ``<object>``'s own ``<name>`` (not VOC2012's ``<part><name>``). A class present only
+through difficult objects is -1 with ``difficult="ignore"`` (the official protocol), 1 with ``"positive"``,
+0 with ``"negative"``.
 """
 
 from __future__ import annotations
@@ -25,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
@@ -46,14 +36,8 @@ DIFFICULT_MODES = {"ignore": -1.0, "positive": 1.0, "negative": 0.0}
 
 
 class VOC(MultiLabelDataset):
-    """PASCAL VOC classification labels parsed from the detection XML files.
-
-    Args:
-        split: an ``ImageSets/Main`` list: ``trainval``/``test`` (2007), ``train``/``val`` (2012), ...
-        root: folder holding ``VOCdevkit/``.
-        year: 2007 or 2012.
-        difficult: ``"ignore"``, ``"positive"`` or ``"negative"`` (see the module docstring).
-    """
+    """PASCAL VOC classification labels parsed from the detection XML files (``split``: an
+    ``ImageSets/Main`` list)."""
 
     def __init__(
         self,
@@ -100,7 +84,7 @@ class VOC(MultiLabelDataset):
 
         self.year = year
         self.classes = list(VOC_CLASSES)
-        self.labels = torch.from_numpy(labels)
+        self.labels = labels
         image_dir = str(voc_dir / "JPEGImages")
         self.samples = [Sample(os.path.join(image_dir, f"{i}.jpg")) for i in image_ids]
 

@@ -1,18 +1,11 @@
-"""WIDER-Attribute: 14 binary attributes per person box; one sample per box (the crop of the person).
-
-Layout (as the WIDER-Attribute release unpacks)::
+"""WIDER-Attribute: 14 binary attributes per person box, one sample per box crop (docs/datasets.md)::
 
     root/Annotations/wider_attribute_{trainval,test}.json
     root/Image/{train,val,test}/<scene>/<name>.jpg       (``file_name`` in the JSON is relative to Image/)
 
-JSON: ``{"images": [{"file_name": ..., "targets": [{"bbox": [x, y, w, h], "attribute": [14 values]}]}],
-"attribute_id_map": {"0": "Male", ...}}``.
-
-* classes: ``attribute_id_map`` values in numeric key order ("0", "1", ..., "13");
-* labels: attribute value 1 (positive) -> 1, -1 (negative) -> 0, 0 (unspecified) -> -1 (unknown);
-* crops: the box clamped to the image; boxes with a non-positive width or height are dropped.
-
-The official files hold 28,345 trainval / 29,179 test boxes; the paper (Table 6) reports 28,340 / 29,117.
+JSON: ``{"images": [{"file_name", "targets": [{"bbox": [x, y, w, h], "attribute": [14 values]}]}],
+"attribute_id_map": {"0": "Male", ...}}``. Labels: 1 -> 1, -1 -> 0, 0 (unspecified) -> -1; empty boxes are
+dropped (the official files hold 28,345 / 29,179 boxes; the paper, Table 6, reports 28,340 / 29,117).
 """
 
 from __future__ import annotations
@@ -23,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
@@ -39,7 +31,7 @@ SPLITS = ("trainval", "test")
 
 
 def attribute_names(id_map: dict[str, str], source: Path) -> list[str]:
-    """Names of ``attribute_id_map`` ordered by their integer keys, which must be 0..C-1."""
+    """The names of ``attribute_id_map`` in the order of its keys, 0..C-1."""
     try:
         by_index = {int(key): str(name) for key, name in id_map.items()}
     except (AttributeError, ValueError) as exc:
@@ -50,12 +42,7 @@ def attribute_names(id_map: dict[str, str], source: Path) -> list[str]:
 
 
 class WIDERAttribute(MultiLabelDataset):
-    """WIDER-Attribute person crops.
-
-    Args:
-        split: ``"trainval"`` or ``"test"``.
-        root: folder holding ``Annotations/`` and ``Image/``.
-    """
+    """WIDER-Attribute person crops (``split``: ``trainval`` or ``test``)."""
 
     def __init__(
         self,
@@ -100,6 +87,6 @@ class WIDERAttribute(MultiLabelDataset):
         keep = nonempty_boxes(box_array)
         labels = np.select([value_array == 1, value_array == -1], [1.0, 0.0], default=-1.0).astype(np.float32)
 
-        self.labels = torch.from_numpy(labels[keep])
+        self.labels = labels[keep]
         kept = np.flatnonzero(keep).tolist()
         self.samples = [Sample(paths[i], tuple(box_array[i].tolist())) for i in kept]
