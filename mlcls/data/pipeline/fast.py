@@ -1,32 +1,16 @@
-"""The fast training pipeline: the paper's augmentation with reduced-scale decoding and colour on the device.
+"""The fast training pipeline (``data.backend=fast``): the ``paper`` augmentation of
+:func:`~mlcls.data.pipeline.transforms.build_transform` (RandomResizedCrop -> flip -> ColorJitter(0.4, 0.4,
+0.4) -> tensor -> PCA lighting 0.1 -> normalisation), split in two stages:
 
-The same operations, in the same order and with the same parameter ranges, as ``build_transform("paper",
-size, train=True)`` of :mod:`mlcls.data.pipeline.transforms` (RandomResizedCrop -> flip -> ColorJitter(0.4,
-0.4, 0.4) -> tensor -> PCA lighting 0.1 -> normalisation with ``dataset.mean`` and ``dataset.std``), split
-in two stages; this module holds what each stage computes, :mod:`mlcls.data.loader` runs them on batches:
+* **CPU stage**, :class:`FastTrainTransform`, in the DataLoader worker: decode (at 1/2, 1/4 or 1/8 scale when
+  the crop, chosen from the header, allows it), crop-and-resize, flip; uint8 (3, H, W), with the sample's
+  colour parameters as a (9,) tensor.
+* **device stage**, :func:`colour_lighting_normalise`, run by :class:`mlcls.data.loader.DeviceStage` on the
+  batch on the training device.
 
-* **CPU stage**, :class:`FastTrainTransform`, in the DataLoader worker: decode, crop-and-resize, flip; the
-  image stays uint8 (3, H, W). The crop is chosen from the file's header; when it is at least 2, 4 or 8
-  times the output size in both directions, the JPEG is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT
-  scaling, PIL's ``draft``), so that no pixel the resize needs is lost, and PIL crops and resizes it with
-  the crop's fractional coordinates; otherwise libjpeg-turbo (simplejpeg) decodes it straight into an
-  array and torch's antialiased bilinear uint8 kernel (PIL's filter, vectorised) resizes the crop. The
-  sample's colour parameters (ColorJitter's random order and three factors, the lighting noise alpha) are
-  drawn here too and travel with the image as a (9,) tensor.
-* **device stage**, :class:`mlcls.data.loader.DeviceStage`, on the batch after its copy to the training
-  device: uint8 -> [0, 1] float, each sample's ColorJitter in its own order, lighting, normalisation
-  (:func:`colour_lighting_normalise`). On CUDA the colour work leaves the CPU and the copy is 4x smaller;
-  training on the CPU, it runs in the main process (0.5–1 ms per 224 px image, image by image).
-
-Seeding: every random number is drawn from torch's global RNG inside the dataset's ``__getitem__`` (which
-:class:`mlcls.data.sampling.SeededSamples` seeds per sample), through the same torchvision calls and in the
-same order as the plain pipeline: under one seed both pipelines pick the same crop, flip, jitter order and
-factors and lighting noise. The device stage draws nothing; it applies the parameters carried with the
-batch, so the augmentation of a sample is a function of its seed alone (exact resume, any worker count).
-
-A dataset hands the transform either a decoded PIL image (any dataset) or, through the optional
-``decode(path, box)`` hook of :meth:`FastTrainTransform.decode`, a :class:`PlannedCrop` (reduced-scale
-decoding needs the crop before the pixels).
+Every random number is drawn in the CPU stage from torch's generator, by the plain pipeline's torchvision
+calls in its order: under one seed both pipelines pick the same crop, flip, jitter and lighting, and the
+augmentation is a function of the sample's seed alone (docs/performance.md, "The fast input pipeline").
 """
 
 from __future__ import annotations
@@ -71,14 +55,10 @@ PARAMS_ORDER, PARAMS_FACTORS, PARAMS_ALPHA = slice(0, 3), slice(3, 6), slice(6, 
 
 
 class AugmentedImage(NamedTuple):
-    """Output of the CPU stage; :func:`mlcls.data.loader.collate_batch` stacks each field.
-
-    ``pixels``: uint8 (3, H, W), or (B, 3, H, W) for a batch, cropped, resized and flipped, in channels-last
-    memory (a view of (H, W, 3) or (B, H, W, 3) memory: what decoders and the resize produce; the
-    device stage changes the layout on the device, for free).
-    ``params``: float32 (9,) or (B, 9): ColorJitter operation codes in application order (0 brightness,
-    1 contrast, 2 saturation), the brightness, contrast and saturation factors, the 3 PCA lighting alphas.
-    """
+    """Output of the CPU stage. ``pixels``: uint8 (3, H, W) or (B, 3, H, W), a view of channels-last
+    (H, W, 3) memory (what decoders and the resize produce). ``params``: float32 (9,) or (B, 9): ColorJitter
+    operation codes in application order (0 brightness, 1 contrast, 2 saturation), the three factors, the 3
+    PCA lighting alphas."""
 
     pixels: Tensor
     params: Tensor
@@ -94,21 +74,18 @@ class PlannedCrop:
     region: tuple[float, float, float, float]
 
 
-def draft_reduction(crop_width: int, crop_height: int, size: int) -> int:
-    """The largest JPEG DCT reduction (8, 4, 2, or 1 for none) that keeps the crop at least ``size`` pixels
-    in both directions, so that resizing it to ``size`` x ``size`` never enlarges what decoding shrank."""
+def draft_reduction(crop_width: int, crop_height: int, out_width: int, out_height: int) -> int:
+    """The largest JPEG DCT reduction (8, 4, 2, or 1 for none) that keeps the crop at least ``out_width`` x
+    ``out_height`` pixels, so that resizing it to that size never enlarges what decoding shrank."""
     for reduction in DRAFT_REDUCTIONS:
-        if min(crop_width, crop_height) >= reduction * size:
+        if crop_width >= reduction * out_width and crop_height >= reduction * out_height:
             return reduction
     return 1
 
 
 def load_reduced(img: Image.Image, reduction: int) -> tuple[Image.Image, float, float]:
-    """Decode the just-opened ``img`` as RGB at 1/``reduction`` scale where its format allows it (JPEG),
-    else at full size.
-
-    Returns ``(image, scale_x, scale_y)``: full-size pixel coordinates divided by these are ``image``'s.
-    """
+    """``(image, scale_x, scale_y)``: the just-opened ``img`` decoded as RGB at 1/``reduction`` scale where
+    its format allows it (JPEG), else at full size; full-size coordinates divided by the scales are its."""
     width, height = img.size
     if reduction > 1:
         img.draft("RGB", (width // reduction, height // reduction))
@@ -135,12 +112,9 @@ def jpeg_header(data: bytes) -> tuple[int, int] | None:
 
 
 def decode_jpeg(data: bytes) -> Tensor | None:
-    """RGB uint8 (3, H, W) (a view of H x W x 3 memory) of a JPEG, by libjpeg-turbo through simplejpeg;
-    None when the file is damaged (PIL then decodes it, or raises the usual bad-image ``OSError``).
-
-    PIL's pixels (the same decoder, accurate DCT, smooth chroma upsampling), without PIL's
-    4-byte-per-pixel image and the copy out of it; ~10 % faster than torchvision's decoder here.
-    """
+    """RGB uint8 (3, H, W) (a view of H x W x 3 memory) of a JPEG, by libjpeg-turbo through simplejpeg:
+    PIL's pixels without PIL's 4-byte-per-pixel image and the copy out of it; None when the file is damaged
+    (PIL then decodes it, or raises the usual bad-image ``OSError``)."""
     try:
         pixels = simplejpeg.decode_jpeg(data, "RGB")
     except ValueError:  # simplejpeg's error for a damaged file (strict: libjpeg's warnings too)
@@ -155,15 +129,10 @@ def pil_to_pixels(image: Image.Image) -> Tensor:
 
 
 def resized_crop(image: Tensor | Image.Image, region: tuple[float, float, float, float], size: int) -> Tensor:
-    """Crop ``region`` of ``image`` and resize it to ``size`` x ``size``: bilinear, antialiased when
-    shrinking (PIL's ``BILINEAR``, as torchvision's RandomResizedCrop on PIL images). Returns uint8
-    (3, size, size) in channels-last memory (a view of (size, size, 3) memory).
-
-    A uint8 (3, H, W) tensor (region in whole pixels) goes through torch's vectorised uint8 kernel, several
-    times faster than PIL's, and fastest on a channels-last contiguous input (the crop is copied into one
-    first: the copy costs less than it saves); a PIL image (region in fractional pixels) through PIL's,
-    which takes them.
-    """
+    """uint8 (3, size, size), channels-last: ``region`` of ``image`` resized bilinearly, antialiased when
+    shrinking (PIL's ``BILINEAR``). A tensor (region in whole pixels) goes through torch's uint8 kernel,
+    several times faster than PIL's and fastest on a channels-last copy of the crop; a PIL image (fractional
+    region) through PIL's."""
     if isinstance(image, Image.Image):
         return pil_to_pixels(image.resize((size, size), Image.Resampling.BILINEAR, box=region))
     left, top, right, bottom = (int(v) for v in region)
@@ -172,18 +141,12 @@ def resized_crop(image: Tensor | Image.Image, region: tuple[float, float, float,
 
 
 class FastTrainTransform:
-    """CPU stage of the fast pipeline (see the module docstring); output :class:`AugmentedImage`.
+    """CPU stage of the fast pipeline; output :class:`AugmentedImage`. ``scale``, ``ratio``:
+    RandomResizedCrop's ranges; ``jitter``: ColorJitter's brightness = contrast = saturation strength;
+    ``lighting_std``: of the PCA lighting alphas; ``draft``: decode JPEGs at reduced scale when the crop
+    allows it. Defaults: the paper's."""
 
-    Args:
-        size: output side (the paper's 224).
-        scale, ratio: RandomResizedCrop's area fraction and aspect-ratio ranges (torchvision's defaults).
-        jitter: ColorJitter's brightness = contrast = saturation strength (the paper's 0.4).
-        lighting_std: standard deviation of the PCA lighting alphas (the paper's 0.1).
-        draft: decode JPEGs at reduced scale when the crop allows it (in :meth:`decode`).
-    """
-
-    # Every random number is drawn from torch's CPU generator (``seeded_call(..., torch_only=True)``).
-    torch_random_only = True
+    torch_random_only = True  # draws from torch's CPU generator alone (``seeded_call(..., torch_only=True)``)
 
     def __init__(
         self,
@@ -201,23 +164,19 @@ class FastTrainTransform:
         self.draft = draft
 
     def crop_params(self, width: int, height: int) -> tuple[int, int, int, int]:
-        """``(top, left, height, width)`` of a RandomResizedCrop of a ``width`` x ``height`` image.
-
-        torchvision's own sampler; it reads only the shape of the (never allocated) tensor it is given.
-        """
+        """``(top, left, height, width)`` of a RandomResizedCrop of a ``width`` x ``height`` image, by
+        torchvision's sampler (it reads only the shape of the never allocated tensor it is given)."""
         shape_only = torch.empty(1, 1, 1).expand(3, height, width)
         return T.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
 
     def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> PlannedCrop:
-        """Read the image size, choose the random crop (inside ``box``, clamped as the dataset clamps it),
-        then decode: at the largest reduction the crop allows (PIL's draft mode), else at full size
-        (libjpeg-turbo through simplejpeg for JPEGs; PIL for the rest and for damaged JPEGs). An image (or
-        box) the datasets refuse for its shape (:func:`check_aspect_ratio`) is refused here alike, before
-        decoding."""
         return self.decode_bytes(read_image_bytes(path), box)
 
     def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> PlannedCrop:
-        """:meth:`decode` of an image file's bytes (a sample read from a shard)."""
+        """Choose the random crop (inside ``box``, clamped as the datasets clamp it) from the header, then
+        decode at the largest reduction the crop allows, else at full size (libjpeg-turbo for JPEGs; PIL for
+        the rest and for damaged JPEGs). A shape the datasets refuse (:func:`check_aspect_ratio`) is refused
+        before decoding."""
         jpeg_size = jpeg_header(data)
         if jpeg_size is None:
             with open_image(data) as img:
@@ -228,7 +187,7 @@ class FastTrainTransform:
         left, top, right, bottom = (0, 0, width, height) if box is None else crop_box(box, width, height)
         check_aspect_ratio(right - left, bottom - top)  # the image the datasets refuse, refused alike
         i, j, h, w = self.crop_params(right - left, bottom - top)
-        reduction = draft_reduction(w, h, self.size) if self.draft else 1
+        reduction = draft_reduction(w, h, self.size, self.size) if self.draft else 1
         x0, y0 = left + j, top + i
         if reduction == 1 and jpeg_size is not None:
             pixels = decode_jpeg(data)
@@ -301,24 +260,16 @@ class ColourConstants:
 def colour_lighting_normalise(
     pixels: Tensor, params: Tensor, constants: ColourConstants | None = None, batched: bool | None = None
 ) -> Tensor:
-    """Device stage on a batch: ColorJitter with per-sample order and factors, PCA lighting, normalisation.
+    """float32 (B, 3, H, W): ColorJitter with per-sample order and factors, PCA lighting and normalisation
+    of uint8 (B, 3, H, W) ``pixels``, with ``params`` (B, 9) as in :class:`AugmentedImage` and ``constants``
+    on their device (default: ImageNet's, made for this call).
 
-    Args:
-        pixels: uint8 (B, 3, H, W).
-        params: float (B, 9), as in :class:`AugmentedImage`.
-        constants: on ``pixels``' device (``DeviceStage`` keeps them); default: made for this call,
-            with ImageNet's mean and standard deviation.
-        batched: all images at once (default on CUDA), or one at a time (default on the CPU).
-
-    Returns float32 (B, 3, H, W). Each jitter step is torchvision's float blend
-    ``clamp(f * x + (1 - f) * g, 0, 1)`` with g = 0 (brightness), the mean grey level of the image
-    (contrast) or its grey image (saturation); then ``x + eigvec @ (alpha * eigval)`` (no clamp, as
-    :class:`mlcls.data.pipeline.transforms.Lighting`) and ``(x - mean) / std``, fused into ``x * scale +
-    shift``.
-
-    Batched, every step computes what any image needs and nothing is read back to the host (no sync on
-    CUDA). One at a time (the CPU), each image stays in the CPU cache and each step computes only what its
-    operation needs, read from the operation codes.
+    Each jitter step is torchvision's float blend ``clamp(f * x + (1 - f) * g, 0, 1)`` with g = 0
+    (brightness), the mean grey level of the image (contrast) or its grey image (saturation); then
+    ``x + eigvec @ (alpha * eigval)`` (no clamp, as :class:`~mlcls.data.pipeline.transforms.Lighting`) and
+    ``(x - mean) / std``, fused into ``x * scale + shift``. ``batched`` (default on CUDA): every step on all
+    images, nothing read back to the host (no sync); else image by image, each in the CPU cache, each step
+    computing only what its operation needs.
     """
     device = pixels.device
     c = ColourConstants.on(device) if constants is None else constants
@@ -384,14 +335,10 @@ def build_backend_transform(
     mean: Sequence[float] | None = IMAGENET_MEAN,
     std: Sequence[float] | None = IMAGENET_STD,
 ) -> Callable:
-    """The dataset transform of ``data.backend``: the fast CPU stage for the paper's training augmentation
-    with ``fast`` (and ``dali``, whose own loader replaces it for training JPEGs; the ``DeviceStage``
-    normalises those batches); with ``gpu``, :mod:`mlcls.data.pipeline.gpu`'s worker side for the paper's
-    training augmentation (its draws this module's) and for every evaluation; the plain torchvision
-    transform of :func:`mlcls.data.pipeline.transforms.build_transform` otherwise (evaluation, ``light``,
-    ``strong``: with ``fast`` these run whole in the DataLoader workers, seeded per sample as on
-    ``torchvision``; ``dali`` trains the paper's augmentation only), normalised with ``mean`` and ``std``.
-    Both are checked whichever transform it returns."""
+    """The dataset transform of ``data.backend``: for the ``paper`` training augmentation the fast CPU stage
+    (``fast``; ``dali``, whose loader takes it over) or :class:`GpuTrainTransform` (``gpu``); with ``gpu``,
+    :class:`GpuEvalTransform` for every evaluation; else :func:`build_transform`'s, normalised with ``mean``
+    and ``std`` (checked whatever it returns)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown data.backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     mean, std = normalisation(mean, std)

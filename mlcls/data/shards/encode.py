@@ -4,13 +4,15 @@ re-encoded with libjpeg-turbo at a chosen chroma subsampling."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import simplejpeg
 from PIL import Image, JpegImagePlugin
 
 from mlcls.data.datasets.base import MultiLabelDataset, crop_box
 from mlcls.data.images import check_pixels, open_image, read_image_bytes
-from mlcls.data.pipeline.fast import DRAFT_REDUCTIONS, jpeg_header, load_reduced
+from mlcls.data.pipeline.fast import draft_reduction, jpeg_header, load_reduced
 
 # JPEG chroma subsampling of re-encoded images: 444 keeps the colour at full resolution, 422 halves it
 # horizontally, 420 (PIL's and most cameras' default) in both directions; auto keeps a JPEG source's own
@@ -49,46 +51,26 @@ def source_subsampling(image: Image.Image, subsampling: str) -> str:
 def packed_image(
     dataset: MultiLabelDataset, index: int, max_side: int, quality: int, subsampling: str = "auto"
 ) -> bytes:
-    """JPEG bytes of sample ``index`` (its crop box applied), long side at most ``max_side``.
-
-    Image files are read directly: a JPEG already within ``max_side`` (no crop) is kept byte for byte (no
-    second generation of JPEG loss); a larger one is decoded at the largest DCT reduction that keeps it at
-    least ``max_side`` on its long side (PIL's draft mode), then resized (bilinear, antialiased) and encoded
-    at ``quality`` and chroma ``subsampling`` (:func:`source_subsampling`), as is any other image.
-    Datasets that make their pixels (the synthetic one, ``reads_files`` False) give their ``picture``.
-    Raises the bad-image errors of PIL (``OSError``, ...) for unreadable files.
-    """
-    sample = dataset.samples[index]
-    if not dataset.reads_files:  # generated pixels
-        image = dataset.picture(index)
-        subsampling = source_subsampling(image, subsampling)
-    else:
+    """JPEG bytes of sample ``index`` (its crop box applied), long side at most ``max_side``: a JPEG file
+    already within ``max_side`` (no crop) byte for byte (no second generation of JPEG loss); else decoded at
+    the largest DCT reduction that keeps its output size (PIL's draft mode), resized (bilinear, antialiased)
+    and encoded at ``quality`` and chroma ``subsampling`` (:func:`source_subsampling`). A dataset that
+    makes its pixels (``reads_files`` False) gives its ``picture``. Raises PIL's bad-image errors."""
+    if dataset.reads_files:
+        sample = dataset.samples[index]
         data = read_image_bytes(sample.path)
         header = jpeg_header(data)
         if header is not None:
             check_pixels(*header)
-        if sample.box is None and header is not None and max(header) <= max_side:
-            return data
-        with open_image(data) as img:
-            subsampling = source_subsampling(img, subsampling)
-            width, height = img.size
-            left, top, right, bottom = (
-                (0, 0, width, height) if sample.box is None else crop_box(sample.box, width, height)
-            )
-            target = bounded_size(right - left, bottom - top, max_side)
-            reduction = next(
-                (
-                    r
-                    for r in DRAFT_REDUCTIONS
-                    if right - left >= r * target[0] and bottom - top >= r * target[1]
-                ),
-                1,
-            )
-            reduced, scale_x, scale_y = load_reduced(img, reduction)
-        box = (left / scale_x, top / scale_y, right / scale_x, bottom / scale_y)
-        image = reduced.resize(target, Image.Resampling.BILINEAR, box=box)
-        return encode_jpeg(image, quality, subsampling)
-    target = bounded_size(image.width, image.height, max_side)
-    if target != image.size:
-        image = image.resize(target, Image.Resampling.BILINEAR)
-    return encode_jpeg(image, quality, subsampling)
+            if sample.box is None and max(header) <= max_side:
+                return data
+        opened, box = open_image(data), sample.box
+    else:
+        opened, box = nullcontext(dataset.picture(index)), None
+    with opened as img:
+        subsampling = source_subsampling(img, subsampling)
+        left, top, right, bottom = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
+        target = bounded_size(right - left, bottom - top, max_side)
+        reduced, scale_x, scale_y = load_reduced(img, draft_reduction(right - left, bottom - top, *target))
+    region = (left / scale_x, top / scale_y, right / scale_x, bottom / scale_y)
+    return encode_jpeg(reduced.resize(target, Image.Resampling.BILINEAR, box=region), quality, subsampling)
