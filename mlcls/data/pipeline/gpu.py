@@ -1,28 +1,16 @@
 """The GPU input pipeline (``data.backend=gpu``): JPEGs decoded, cropped and resized on the training device.
 
-* **DataLoader workers** (:class:`GpuTrainTransform`, :class:`GpuEvalTransform`) read the file's bytes (or
-  the shard member's) and its header, and draw the sample's parameters with the calls of the fast pipeline,
-  :meth:`FastTrainTransform.crop_params <mlcls.data.pipeline.fast.FastTrainTransform.crop_params>`, the
-  flip's ``torch.rand(1)`` and :meth:`~mlcls.data.pipeline.fast.FastTrainTransform.colour_params`, in its
-  order, under the sample's seed: crop windows, flips and colour parameters are ``fast``'s, and resume stays
-  exact. A sample is an :class:`EncodedImage`; :func:`mlcls.data.loader.collate_batch` makes the batch.
-* **The device** (:func:`decode_on_device`, run by :class:`mlcls.data.loader.DeviceStage` once per batch):
-  ``torchvision.io.decode_jpeg(list, device=...)`` (nvJPEG on CUDA, libjpeg-turbo on the CPU) decodes the
-  batch in chunks of at most :data:`DECODE_PIXELS` decoded pixels; each chunk's crop windows are gathered
-  into one zero-padded tensor (one ``index_select``) and resized to S x S by two batched matrix products
-  with the antialiased bilinear weights of torch's and PIL's resize (:func:`resize_weights`), then flipped,
-  without a launch per image. The colour stage of the fast pipeline follows.
+DataLoader workers (:class:`GpuTrainTransform`, :class:`GpuEvalTransform`) read each file and plan it: the
+crop window, flip and colour parameters are the fast pipeline's draws, in its order, under the sample's seed
+(exact resume). The device (:func:`decode_on_device`, run by :class:`mlcls.data.loader.DeviceStage`) decodes
+the batch in chunks of at most :data:`DECODE_PIXELS` pixels (nvJPEG on CUDA, libjpeg-turbo on the CPU),
+gathers the windows into one zero-padded tensor and resizes them by two batched matrix products with the
+antialiased bilinear weights of torch's and PIL's resize (:func:`resize_weights`): no launch per image.
+Evaluation takes the same path with the ``paper`` evaluation's resize and centre crop as the weights.
 
-Evaluation takes the same path: the window is the image (or the sample's box) and the weights are the rows
-and columns of the ``paper`` evaluation's shorter-side resize to ``size / 0.875`` that its centre crop keeps
-(a squash-resize to S x S for the other kinds); normalisation only.
-
-**The CPU path.** A file the device does not take from its header -- another format (PNG), a JPEG that is
-not baseline YCbCr (progressive, CMYK, greyscale, arithmetic-coded), a JPEG cut short (no end-of-image
-marker after its last scan), more than :data:`MAX_DEVICE_PIXELS` pixels -- is decoded in the worker by the
-fast pipeline itself, for that sample only: the same draws, ``dataset.on_bad_image`` as with ``fast``. A JPEG
-whose damage only decoding finds is decoded again image by image on the device, then by PIL in the main
-process (as ``fast`` falls back to PIL); one PIL refuses too stops the run with one line.
+A file the device does not take from its header (another format, a JPEG that is not baseline YCbCr, one
+cut short, over :data:`MAX_DEVICE_PIXELS` pixels) takes the fast pipeline's CPU path in the worker; a JPEG
+whose damage only decoding finds is decoded again image by image, then by PIL (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -45,9 +33,9 @@ from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     SQUASH_EVAL_KINDS,
-    AspectRatioCheck,
     check_aspect_ratio,
     eval_resize,
+    eval_steps,
     normalisation,
 )
 
@@ -78,13 +66,10 @@ GEOMETRY_FIELDS = 12
 
 
 class EncodedImage(NamedTuple):
-    """One sample as the workers make it; :func:`mlcls.data.loader.collate_batch` makes an
-    :class:`EncodedBatch` of them.
-
-    ``data``: the JPEG file for the device (``b""`` when ``pixels`` holds the sample); ``pixels``: uint8
-    (3, S, S) made on the CPU path (None otherwise); ``geometry``: int64 (:data:`GEOMETRY_FIELDS`,);
-    ``params``: float32 (9,), the fast pipeline's colour parameters, or (0,) in evaluation.
-    """
+    """One sample as the workers make it. ``data``: the JPEG file for the device (``b""`` when ``pixels``
+    holds the sample); ``pixels``: uint8 (3, S, S) made on the CPU path, else None; ``geometry``: int64
+    (:data:`GEOMETRY_FIELDS`,); ``params``: float32 (9,), the fast pipeline's colour parameters, or (0,) in
+    evaluation."""
 
     data: bytes
     pixels: Tensor | None
@@ -96,8 +81,7 @@ class EncodedBatch(NamedTuple):
     """A batch of B :class:`EncodedImage`: ``encoded`` uint8 (N,) the device samples' files one after the
     other, ``lengths`` int64 (B,) their sizes (0: made on the CPU path), ``geometry`` int64 (B, 12),
     ``pixels`` uint8 (K, 3, S, S) the K CPU-path samples in batch order, ``params`` float32 (B, 9) or
-    (B, 0). ``lengths`` and ``geometry`` are NumPy arrays: the device stage reads them on the host, never
-    a tensor (no host read that would wait for the GPU)."""
+    (B, 0). ``lengths`` and ``geometry`` are NumPy arrays, read on the host without waiting for the GPU."""
 
     encoded: Tensor
     lengths: np.ndarray
@@ -170,9 +154,8 @@ def plan_window(data: bytes, box: tuple[float, float, float, float] | None) -> P
 
 
 class CpuStage(Protocol):
-    """What :class:`GpuTrainTransform` takes of the fast pipeline's CPU stage
-    (:class:`mlcls.data.pipeline.fast.FastTrainTransform`, which builds it with one): its output side, its
-    draws and its whole path for the files the device does not take."""
+    """What :class:`GpuTrainTransform` takes of :class:`~mlcls.data.pipeline.fast.FastTrainTransform`: its
+    output side, its draws and its path for the files the device does not take."""
 
     size: int
 
@@ -185,17 +168,28 @@ class CpuStage(Protocol):
     def __call__(self, image: Any) -> Any: ...
 
 
-def _geometry(values: dict[int, int]) -> np.ndarray:
-    geometry = np.zeros(GEOMETRY_FIELDS, dtype=np.int64)
-    for column, value in values.items():
-        geometry[column] = value
-    return geometry
+def encoded_image(
+    image: PlannedJpeg | Tensor,
+    params: Tensor,
+    size: int,
+    grid: tuple[int, int, int, int] = (0, 0, 0, 0),
+    flip: bool = False,
+) -> EncodedImage:
+    """The :class:`EncodedImage` of uint8 (3, S, S) pixels of the CPU path, or of a planned JPEG whose window
+    the device resizes to ``grid`` = ``(grid_w, grid_h, offset_x, offset_y)`` and flips (the geometry's
+    columns in order)."""
+    if isinstance(image, Tensor):
+        return EncodedImage(
+            b"", image, np.array([0] * (GEOMETRY_FIELDS - 1) + [size], dtype=np.int64), params
+        )
+    geometry = np.array([image.width, image.height, *image.window, *grid, int(flip), size], dtype=np.int64)
+    return EncodedImage(image.data, None, geometry, params)
 
 
 class GpuTrainTransform:
     """The worker's part of the ``paper`` training augmentation with ``data.backend=gpu``: read and plan
-    (``decode``, ``decode_bytes``, the datasets' hooks), then draw the flip and the colour parameters
-    (``__call__``), with the fast pipeline's calls in its order; output :class:`EncodedImage`."""
+    (the datasets' ``decode`` hooks), then draw the flip and colour parameters with the fast pipeline's
+    calls in its order; output :class:`EncodedImage`."""
 
     torch_random_only = True
 
@@ -219,15 +213,10 @@ class GpuTrainTransform:
         """An :class:`EncodedImage`: of a :class:`PlannedJpeg` for the device, or of the fast pipeline's
         output for anything else (its ``PlannedCrop``, a PIL image)."""
         if not isinstance(image, PlannedJpeg):
-            augmented = self.fast(image)
-            return EncodedImage(b"", augmented.pixels, _geometry({SIZE: self.size}), augmented.params)
+            return encoded_image(*self.fast(image), self.size)  # its (pixels, params)
         flip = bool(torch.rand(1) < 0.5)  # the fast pipeline's draws, in its order
         params = self.fast.colour_params()
-        left, top, width, height = image.window
-        s = self.size
-        geometry = {IMAGE_W: image.width, IMAGE_H: image.height, LEFT: left, TOP: top, WIDTH: width}
-        geometry.update({HEIGHT: height, GRID_W: s, GRID_H: s, FLIP: int(flip), SIZE: s})
-        return EncodedImage(image.data, None, _geometry(geometry), params)
+        return encoded_image(image, params, self.size, (self.size, self.size, 0, 0), flip)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(size={self.size}, crop and colour of {self.fast!r})"
@@ -247,11 +236,7 @@ class GpuEvalTransform:
     ) -> None:
         self.size, self.kind = size, kind
         self.mean, self.std = normalisation(mean, std)
-        if kind in SQUASH_EVAL_KINDS:
-            steps: list[Any] = [T.Resize((size, size))]
-        else:
-            steps = [AspectRatioCheck(), T.Resize(eval_resize(size)), T.CenterCrop(size)]
-        self.cpu_path = T.Compose([*steps, T.PILToTensor()])
+        self.cpu_path = T.Compose([*eval_steps(kind, size), T.PILToTensor()])
 
     def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> Any:
         return self.decode_bytes(read_image_bytes(path), box)
@@ -281,15 +266,9 @@ class GpuEvalTransform:
         return grid_w, grid_h, int(round((grid_w - s) / 2.0)), int(round((grid_h - s) / 2.0))
 
     def __call__(self, image: PlannedJpeg | Image.Image) -> EncodedImage:
-        no_params = torch.zeros(0)
         if not isinstance(image, PlannedJpeg):
-            return EncodedImage(b"", self.cpu_path(image), _geometry({SIZE: self.size}), no_params)
-        left, top, width, height = image.window
-        grid_w, grid_h, offset_x, offset_y = self.grid(width, height)
-        geometry = {IMAGE_W: image.width, IMAGE_H: image.height, LEFT: left, TOP: top, WIDTH: width}
-        geometry.update({HEIGHT: height, GRID_W: grid_w, GRID_H: grid_h, OFFSET_X: offset_x})
-        geometry.update({OFFSET_Y: offset_y, SIZE: self.size})
-        return EncodedImage(image.data, None, _geometry(geometry), no_params)
+            return encoded_image(self.cpu_path(image), torch.zeros(0), self.size)
+        return encoded_image(image, torch.zeros(0), self.size, self.grid(*image.window[2:]))
 
     def __repr__(self) -> str:
         return (

@@ -1,37 +1,21 @@
-"""Image transforms: the paper's training augmentation and the usual evaluation resize/crop.
+"""Image transforms (``dataset.transform``): PIL RGB image -> normalised float32 (3, size, size).
 
 ``paper`` (Sec. 4.1 and the authors' code): train RandomResizedCrop(size) -> horizontal flip ->
 ColorJitter(0.4, 0.4, 0.4) -> tensor -> PCA lighting noise (AlexNet, std 0.1) -> normalisation;
-eval Resize(size / 0.875) -> CenterCrop(size) -> tensor -> normalisation (224 -> Resize 256 + CenterCrop 224).
+eval Resize(size / 0.875) -> CenterCrop(size) (224 -> Resize 256 + CenterCrop 224).
+``light``: train squash-resize to ``size`` x ``size`` and a horizontal flip (small synthetic images whose
+objects a random crop would cut away).
+``strong`` (the ASL / ML-Decoder recipe): train squash-resize -> :class:`CutoutPIL` -> the ``randaugment``
+package's RandAugment (:func:`package_randaugment`); the ML-Decoder presets set mean 0 and std 1 (the
+released recipe feeds TResNet [0, 1] pixels). ``strong_timm``: ``strong`` with timm's RandAugment
+(:func:`timm_randaugment`), another policy, not the recipe's.
+``light``, ``strong`` and ``strong_timm`` evaluate on a squash-resize (:data:`SQUASH_EVAL_KINDS`).
 
-``light``: resize to ``size`` x ``size`` and a horizontal flip for training; for small synthetic images
-whose objects a random crop would cut away.
-
-``strong`` (the ASL / ML-Decoder training recipe): train squash-resize to ``size`` x ``size`` (aspect ratio
-not kept) -> :class:`CutoutPIL` (one rectangle of random colour, ``cutout_factor`` 0.5) -> RandAugment of
-the ``randaugment`` package (1.0.2, the one ML-Decoder's requirements name; :func:`package_randaugment`)
--> tensor -> normalisation (the ML-Decoder presets set mean 0 and std 1: the released recipe feeds TResNet
-[0, 1] pixels).
-
-``strong_timm``: ``strong`` with timm's RandAugment (:data:`TIMM_RANDAUGMENT`, :func:`timm_randaugment`) in
-place of the package's: another policy (other operations, magnitudes and fills), not the recipe's.
-
-``light``, ``strong`` and ``strong_timm`` evaluate on a squash-resize to ``size`` x ``size`` without crop
-(:data:`SQUASH_EVAL_KINDS`) -> tensor -> normalisation.
-
-Image shape: an image (or crop) whose long side exceeds :data:`MAX_ASPECT_RATIO` times its short side is a
-bad image (:func:`check_aspect_ratio`, a ``ValueError``): the datasets refuse it from its header, before
-decoding it, and the ``paper`` evaluation transform, whose shorter-side resize would enlarge it without bound,
-checks it first (:class:`AspectRatioCheck`).
-
-Normalisation is ``(x - mean) / std`` per RGB channel on [0, 1] pixels, with the dataset config's
-``dataset.mean`` and ``dataset.std`` (:func:`normalisation` checks them), ImageNet's by default;
-``mean: [0, 0, 0]``, ``std: [1, 1, 1]`` leaves the pixels in [0, 1].
-
-Randomness: ``paper``, ``light`` and :class:`CutoutPIL` draw from torch's CPU generator, both RandAugments
-from Python's ``random`` and NumPy's global generator; :func:`mlcls.data.sampling.seeded_call` seeds all
-three per sample (none of these transforms claims ``torch_random_only``), so every transform here is a
-function of the sample's seed (exact resume).
+Normalisation is ``(x - mean) / std`` per RGB channel on [0, 1] pixels (:func:`normalisation`). An image
+whose long side exceeds :data:`MAX_ASPECT_RATIO` times its short side is a bad image
+(:func:`check_aspect_ratio`).
+The transforms draw from torch's CPU generator, Python's ``random`` and NumPy's, which
+:func:`mlcls.data.sampling.seeded_call` seeds per sample (exact resume).
 """
 
 from __future__ import annotations
@@ -219,6 +203,14 @@ def eval_resize(size: int) -> int:
     return int(round(size / 0.875))
 
 
+def eval_steps(kind: str, image_size: int) -> list[Callable]:
+    """The PIL steps of ``kind``'s evaluation: a squash-resize to ``image_size`` x ``image_size``
+    (:data:`SQUASH_EVAL_KINDS`), or the ``paper`` shorter-side resize and centre crop."""
+    if kind in SQUASH_EVAL_KINDS:
+        return [T.Resize((image_size, image_size))]
+    return [AspectRatioCheck(), T.Resize(eval_resize(image_size)), T.CenterCrop(image_size)]
+
+
 def build_transform(
     kind: str,
     image_size: int,
@@ -226,37 +218,19 @@ def build_transform(
     mean: Sequence[float] | None = IMAGENET_MEAN,
     std: Sequence[float] | None = IMAGENET_STD,
 ) -> Callable:
-    """Return the torchvision transform ``kind`` (one of ``TRANSFORM_KINDS``) for training or evaluation:
-    PIL RGB image -> float32 (3, ``image_size``, ``image_size``), normalised with ``mean`` and ``std``
-    (``dataset.mean``, ``dataset.std``; checked by :func:`normalisation`)."""
+    """The torchvision transform ``kind`` (one of ``TRANSFORM_KINDS``) for training or evaluation: PIL RGB
+    image -> float32 (3, ``image_size``, ``image_size``), normalised with ``mean`` and ``std``."""
     if kind not in TRANSFORM_KINDS:
         raise ValueError(f"unknown transform {kind!r}; expected one of {', '.join(TRANSFORM_KINDS)}")
     normalize = T.Normalize(*normalisation(mean, std))
-    if kind in SQUASH_EVAL_KINDS:
-        steps: list[Callable] = [T.Resize((image_size, image_size))]
-        if train and kind == "light":
-            steps.append(T.RandomHorizontalFlip())
-        elif train:
-            randaug = package_randaugment() if kind == "strong" else timm_randaugment(image_size)
-            steps += [CutoutPIL(CUTOUT_FACTOR), randaug]
-        return T.Compose([*steps, T.ToTensor(), normalize])
-    if train:
-        return T.Compose(
-            [
-                T.RandomResizedCrop(image_size),
-                T.RandomHorizontalFlip(),
-                T.ColorJitter(0.4, 0.4, 0.4),
-                T.ToTensor(),
-                Lighting(0.1),
-                normalize,
-            ]
-        )
-    return T.Compose(
-        [
-            AspectRatioCheck(),
-            T.Resize(eval_resize(image_size)),
-            T.CenterCrop(image_size),
-            T.ToTensor(),
-            normalize,
-        ]
-    )
+    if not train:
+        steps = eval_steps(kind, image_size)
+    elif kind == "paper":
+        steps = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ColorJitter(0.4, 0.4, 0.4)]
+        return T.Compose([*steps, T.ToTensor(), Lighting(0.1), normalize])
+    elif kind == "light":
+        steps = [T.Resize((image_size, image_size)), T.RandomHorizontalFlip()]
+    else:
+        randaug = package_randaugment() if kind == "strong" else timm_randaugment(image_size)
+        steps = [T.Resize((image_size, image_size)), CutoutPIL(CUTOUT_FACTOR), randaug]
+    return T.Compose([*steps, T.ToTensor(), normalize])
