@@ -1,35 +1,27 @@
 """Packing a dataset into WebDataset tar shards with pre-resized JPEGs (``mlcls-data pack``).
 
-Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards.datasets`):
+Layout of the output folder (read back by :mod:`mlcls.data.shards.reader`):
 
-* ``train-000000.tar``, ``train-000001.tar``, ... and ``val-000000.tar``, ...: plain POSIX tar files in the
-  WebDataset layout, two members per sample, ``<key>.jpg`` (the image, RGB JPEG, long side at most
-  ``max_side``) and ``<key>.labels.sparse.npy``, the sample's label row stored sparse: int32 (K, 2), the
-  ``(class, value)`` pairs of the entries (1 positive, 0 negative, -1 unknown) that differ from the split's
-  ``label_fill`` in the manifest (0 or -1), class ascending: ~1 kB a sample in the tar where a dense int8 row
-  of Open Images' 9,605 classes took ~10 kB. ``<key>`` is the sample's index in the source split, 9 digits.
-  Shard ``k`` of a split holds the samples at positions ``k * shard_size ...`` of the packing order (the
-  training split in a seeded random order, so that consecutive samples are unrelated; the validation split
-  in dataset order), minus the unreadable ones.
+* ``train-000000.tar``, ... and ``val-000000.tar``, ...: ustar tar files (what ``webdataset`` reads), two
+  members per sample: ``<key>.jpg`` (RGB JPEG, long side at most ``max_side``) and
+  ``<key>.labels.sparse.npy``, int32 (K, 2): the ``(class, value)`` pairs (1 positive, 0 negative, -1
+  unknown) that differ from the split's ``label_fill`` (0 or -1), class ascending (~1 kB a sample where a
+  dense int8 row of Open Images' 9,605 classes takes ~10 kB). ``<key>``: the sample's index in the source
+  split, 9 digits. Shard ``k`` holds the samples at positions ``k * shard_size ...`` of the packing order (a
+  seeded permutation for training, dataset order for validation), minus the unreadable ones.
 * ``classes.json``: the source dataset's name, its split names, ``max_side``, ``quality``, ``subsampling``
   and the classes in label order.
-* ``manifest.json``: the layout's ``format`` (:data:`FORMAT`), the sha256 of ``classes.json``, the source's
-  dataset settings that ``dataset=shards`` takes as defaults (``source``: ``image_size``, ``transform``), and
-  per split the pack settings, the ``label_fill``, every shard's name, sample count, size and sha256, the
-  labels sidecar's name, size and sha256, and the skipped images. Written last, atomically, as are
-  ``classes.json`` and the labels sidecars: a folder with a manifest is complete.
-* ``train-labels.npz``, ``val-labels.npz``: the labels of the packed samples in shard order, stored sparse
-  (:meth:`mlcls.data.datasets.labels.SparseLabels.to_bytes`, fill ``label_fill``), for the class statistics
-  and loss weights without reading a shard; Open Images' training split takes ~0.3 GB there instead of
-  ~86 GB as a dense int8 matrix.
+* ``manifest.json``: ``format`` (:data:`FORMAT`), the sha256 of ``classes.json``, the source's settings that
+  ``dataset=shards`` takes as defaults (``source``: ``image_size``, ``transform``), and per split the pack
+  settings, ``label_fill``, every shard's name, sample count, size and sha256, the labels sidecar's record
+  and the skipped images. Written last (as every sidecar, atomically): a folder with a manifest is complete.
+* ``train-labels.npz``, ``val-labels.npz``: the packed samples' labels in shard order, sparse
+  (:meth:`mlcls.data.datasets.labels.SparseLabels.to_bytes`), for the class statistics without a shard read.
 
-Resumable: each shard is written under a temporary name and renamed when complete; its entry is then
-appended to ``.<split>-progress.jsonl``. A restarted pack keeps the shards whose entry and file exist
-(same settings; a torn last line, the entry being written when the pack died, is dropped) and whose
-samples' label rows are those the entry records (their sha256): a shard of labels corrected since is
-written again. It writes the others. A folder holding a split packed with other settings is refused,
-unless ``overwrite`` clears that split's files first. The tar files are written with :mod:`tarfile`
-(``ustar`` format, what ``webdataset`` reads); the ``webdataset`` library is needed only to read them.
+Resumable: each shard is written under a temporary name, renamed when complete and recorded in
+``.<split>-progress.jsonl``. A restarted pack keeps the shards whose entry and file exist under the same
+settings (a torn last line is dropped) and whose samples' label rows have the recorded sha256; it writes the
+others. A split packed with other settings is refused, unless ``overwrite`` clears its files first.
 """
 
 from __future__ import annotations
@@ -112,13 +104,6 @@ class SplitReport:
         return [skip for entry in self.shards for skip in entry["skipped"]]
 
 
-def packing_order(num_samples: int, shuffle: bool, seed: int) -> list[int]:
-    """Dataset indices in packing order: a permutation drawn from ``seed`` (training split) or 0..N-1."""
-    if not shuffle:
-        return list(range(num_samples))
-    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def pack_split(
     dataset: MultiLabelDataset,
     out: str | Path,
@@ -133,14 +118,10 @@ def pack_split(
     workers: int = 1,
     overwrite: bool = False,
 ) -> SplitReport:
-    """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (see the module docstring), resuming an
-    interrupted run (:func:`read_progress`). Returns the :class:`SplitReport` (shards in order).
-
-    Unreadable images (``OSError``, ... from PIL) are left out and listed in the report, whatever
-    ``dataset.on_bad_image`` says: packing is where they are found. ``workers`` > 1 writes that many
-    shards at once in worker processes. ``quality`` and ``subsampling``: those of
-    :func:`mlcls.data.shards.encode.encode_jpeg`.
-    """
+    """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (the module docstring), resuming an
+    interrupted run; ``workers`` > 1 writes that many shards at once in worker processes. Unreadable images
+    are left out and listed in the report, whatever ``dataset.on_bad_image`` says: packing is where they are
+    found."""
     if shard_size < 1 or max_side < 1 or not 1 <= quality <= 100 or subsampling not in SUBSAMPLINGS:
         raise DatasetConfigError(
             f"shard_size={shard_size}, max_side={max_side}, quality={quality}, subsampling={subsampling}; "
@@ -149,7 +130,10 @@ def pack_split(
         )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    order = packing_order(len(dataset), shuffle, seed)
+    if shuffle:  # the training split: consecutive samples unrelated
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        order = list(range(len(dataset)))
     settings = {
         "format": FORMAT,
         "dataset": dataset.name,
@@ -223,22 +207,12 @@ def progress_path(out: Path, role: str) -> Path:
     return out / f".{role}-progress.jsonl"
 
 
-def split_files(out: Path, role: str) -> list[Path]:
-    """What a pack of the split ``role`` leaves in ``out``: shards (whole or partial), progress, labels."""
-    return [
-        *sorted(out.glob(f"{role}-*.tar")),
-        *sorted(out.glob(f"{role}-*.tar.tmp")),
-        progress_path(out, role),
-        out / labels_file(role),
-    ]
-
-
 def read_progress(
     out: Path, role: str, settings: dict[str, Any], overwrite: bool = False
 ) -> dict[str, dict[str, Any]]:
     """The completed ``role`` shards recorded in ``out``'s progress file (by name) whose file exists, if it
-    was written with the same ``settings`` (the module docstring, "Resumable"); else nothing, the split's
-    files deleted first with ``overwrite``, or :class:`DatasetConfigError` without."""
+    was written with the same ``settings``; else nothing, the split's files (shards whole or partial,
+    progress, labels) deleted first with ``overwrite``, or :class:`DatasetConfigError` without."""
     progress_file, entries = progress_path(out, role), []
     if progress_file.exists():
         for line in read_text(progress_file, "manifest", errors="replace").splitlines():
@@ -253,7 +227,9 @@ def read_progress(
             for entry in entries[1:]
             if isinstance(entry, dict) and entry.keys() >= SHARD_ENTRY_KEYS and (out / entry["name"]).exists()
         }
-    existing = [path for path in split_files(out, role) if path.exists()]
+    pack_files = [*sorted(out.glob(f"{role}-*.tar")), *sorted(out.glob(f"{role}-*.tar.tmp"))]
+    pack_files += [progress_file, out / labels_file(role)]
+    existing = [path for path in pack_files if path.exists()]
     if existing and not overwrite:
         changed = (
             ", ".join(
@@ -285,9 +261,7 @@ def write_shard(
     subsampling: str,
 ) -> dict[str, Any]:
     """Write the samples ``indices`` of ``dataset`` to the shard ``path`` (through ``path.tmp``, renamed
-    when complete); returns its progress entry: name, samples, sha256, bytes, dataset indices, skipped and
-    the :func:`label_digest` of the samples' label rows.
-    The label rows are those of :func:`sparse_labels_of`, as in the split's sidecar (the same ``fill``)."""
+    when complete); returns its progress entry (:data:`SHARD_ENTRY_KEYS` and the :func:`label_digest`)."""
     labels = sparse_labels_of(dataset)
     temporary = path.with_name(path.name + ".tmp")
     kept, skipped = [], []

@@ -1,17 +1,10 @@
-"""Reading packed shards (the layout of :mod:`mlcls.data.shards.pack`): opening a shard URL, streaming its
-samples checked member by member, and :class:`ShardIndex`, a pack's manifest, classes and label sidecars,
-checked against what they record; and :func:`verify_pack` (``mlcls-data verify DIR``), everything of a
-packed folder checked against its manifest, reading every byte: each shard's size, sha256, sample count and
-label rows (against the split's labels sidecar), the sidecars' hashes and shapes (opening the shards for
-training checks only what is cheap: :mod:`mlcls.data.shards.datasets`, "Checks").
+"""Reading packed shards (the layout of :mod:`mlcls.data.shards.pack`): opening a shard URL (a local path,
+or ``http(s)://`` and ``pipe:`` commands through ``webdataset``'s ``gopen``), streaming its samples checked
+member by member, :class:`ShardIndex` (a pack's manifest, classes and label sidecars, checked against what
+they record), and :func:`verify_pack` (``mlcls-data verify DIR``: every byte checked against the manifest).
 
-Shards are read as one sequential stream each: local paths with ``open``, and the URLs a user gives
-(``http(s)://``, ``pipe:`` commands such as ``pipe:aws s3 cp s3://bucket/train-000001.tar -``) through
-``webdataset``'s ``gopen``.
-
-Names read from a manifest are data, never commands: each must be a plain file name (:data:`FILE_NAME`),
-it is read from the manifest's own folder (``meta``), and it is never written into a ``pipe:`` command (the
-validation shards of ``pipe:`` training URLs are given as ``dataset.val_urls``).
+Names read from a manifest are data, never commands: each must be a plain file name (:data:`FILE_NAME`), is
+read from the manifest's own folder, and is never written into a ``pipe:`` command.
 """
 
 from __future__ import annotations
@@ -117,10 +110,10 @@ def stream_samples(
     stream: IO[bytes], url: str, num_classes: int | None = None
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """``(key, {extension: bytes})`` of each sample of the tar archive ``stream`` (of ``url``), in order,
-    checked by :func:`check_sample`. Members are named ``<key>.<extension>`` as packing names them, the key
-    a sample number, in no folder, each sample's members together and each extension once:
-    :class:`DatasetFormatError` naming the shard and the member otherwise (a member in a folder, another
-    key, a repeated member or sample would be read as some other sample, or overwrite one)."""
+    checked by :func:`check_sample`. Members must be named ``<key>.<extension>`` as packing names them (the
+    key a sample number, in no folder), each sample's members together and each extension once, else
+    :class:`DatasetFormatError` naming the shard and the member: such a member would be read as another
+    sample, or overwrite one."""
     key, fields, seen = None, {}, set()
     for name, data in tar_files(stream, url):
         member_key, _, extension = name.partition(".")
@@ -282,21 +275,19 @@ class ShardIndex:
             or [np.zeros(0, dtype=np.int64)]
         )
 
-    def role_urls(self, role: str, like: str) -> list[str]:
-        """URLs of every ``role`` shard of the manifest, in the folder (or URL prefix) of the shard ``like``.
-        A ``pipe:`` command is not made from names a manifest holds: :class:`DatasetConfigError`."""
-        if like.startswith("pipe:"):
-            raise DatasetConfigError(
-                "dataset.val_urls is needed with pipe: training shards (mlcls writes no name read from "
-                f"{MANIFEST_FILE} into a command), e.g. "
-                'dataset.val_urls="pipe:… val-{000000..000004}.tar …"'
-            )
-        folder = like[: -len(shard_name_of(like))].rstrip("/") or "."
-        return [f"{folder}/{entry['name']}" for entry in self.manifest.get(role, {}).get("shards", [])]
-
-    def shard_urls(self, role: str) -> list[str]:
-        """URLs of every ``role`` shard of the manifest, in the manifest's own folder (``meta``)."""
-        return [f"{self.meta}/{entry['name']}" for entry in self.split(role)["shards"]]
+    def shard_urls(self, role: str, like: str | None = None) -> list[str]:
+        """URLs of every ``role`` shard of the manifest, in its own folder (``meta``) or in the folder (or URL
+        prefix) of the shard ``like``, never in a ``pipe:`` command (:class:`DatasetConfigError`)."""
+        folder = self.meta
+        if like is not None:
+            if like.startswith("pipe:"):
+                raise DatasetConfigError(
+                    "dataset.val_urls is needed with pipe: training shards (mlcls writes no name read from "
+                    f"{MANIFEST_FILE} into a command), e.g. "
+                    'dataset.val_urls="pipe:… val-{000000..000004}.tar …"'
+                )
+            folder = like[: -len(shard_name_of(like))].rstrip("/") or "."
+        return [f"{folder}/{entry['name']}" for entry in self.split(role)["shards"]]
 
 
 def check_manifest(manifest: dict[str, Any], where: str) -> None:
@@ -354,15 +345,6 @@ def is_local(url: str) -> bool:
     """Whether ``url`` is a file path (no ``scheme:`` such as ``https:`` or ``pipe:`` before its first
     ``/``)."""
     return ":" not in url.split("/", 1)[0]
-
-
-def default_meta(url: str) -> str:
-    if url.startswith("pipe:"):
-        raise DatasetConfigError(
-            "dataset.meta is needed with pipe: shard URLs: the folder or URL of classes.json and "
-            "manifest.json"
-        )
-    return url.rsplit("/", 1)[0] if "/" in url else "."
 
 
 class HashingReader:
