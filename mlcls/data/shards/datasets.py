@@ -153,8 +153,7 @@ class ShardTrainSet(SparseLabelled):
         self.train_split, self.val_split = train_split, val_split
         self.urls, self.shuffle_buffer = urls, max(1, int(shuffle_buffer))
         self.classes = index.classes
-        self.shard_sizes = index.shard_sizes("train", urls)
-        self.sparse_labels = index.labels("train").rows(index.rows_of("train", urls))
+        self.shard_sizes, self.sparse_labels = index.shard_labels("train", urls)
 
     @property
     def num_classes(self) -> int:
@@ -206,7 +205,7 @@ class ShardEvalSet(SparseLabelled, MultiLabelDataset):
         if not urls:
             raise DatasetLayoutError(f"{index.meta}/{MANIFEST_FILE} lists no val shards; pack that split")
         self.classes = index.classes
-        expected = index.labels("val").rows(index.rows_of("val", urls))
+        _, expected = index.shard_labels("val", urls)
         images, offsets, rows, samples = [], [0], [], []
         for url in urls:
             for key, fields in iter_shard(url):

@@ -10,6 +10,7 @@ read from the manifest's own folder, and is never written into a ``pipe:`` comma
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -241,18 +242,19 @@ class ShardIndex:
             )
         return labels
 
-    def shard_sizes(self, role: str, urls: list[str]) -> list[int]:
-        """Sample count of each shard of ``urls`` (matched by file name in the manifest); a local shard
-        file must have the manifest's size."""
-        entries = {entry["name"]: entry for entry in self.split(role)["shards"]}
-        missing = [shard_name_of(url) for url in urls if shard_name_of(url) not in entries]
+    def shard_labels(self, role: str, urls: list[str]) -> tuple[list[int], SparseLabels]:
+        """The sample count of each shard of ``urls`` (matched by file name in the manifest; a local shard
+        file must have the manifest's size) and their samples' rows of the ``role`` labels, in order."""
+        shards, names = self.split(role)["shards"], [shard_name_of(url) for url in urls]
+        entries = {entry["name"]: entry for entry in shards}
+        missing = [name for name in names if name not in entries]
         if missing:
             raise DatasetConfigError(
                 f"shard {missing[0]} is not a {role} shard of {self.meta}/{MANIFEST_FILE}; expected names "
                 f"like {next(iter(entries), '?')}"
             )
-        for url in urls:
-            recorded = entries[shard_name_of(url)]["bytes"]
+        for url, name in zip(urls, names, strict=True):
+            recorded = entries[name]["bytes"]
             if is_local(url) and not os.path.isfile(url):
                 raise DatasetLayoutError(f"shard {url} does not exist")
             if is_local(url) and os.path.getsize(url) != recorded:
@@ -260,20 +262,12 @@ class ShardIndex:
                     f"shard {url} has {os.path.getsize(url)} bytes, {MANIFEST_FILE} records {recorded}; "
                     "replaced or damaged since packing (mlcls-data verify checks every shard)"
                 )
-        return [entries[shard_name_of(url)]["samples"] for url in urls]
-
-    def rows_of(self, role: str, urls: list[str]) -> np.ndarray:
-        """int64: the rows of the ``role`` sidecar that the samples of the shards ``urls`` take, in order
-        (all of the split's shards, or some of them)."""
-        shards = self.split(role)["shards"]
-        offsets = np.cumsum([0] + [entry["samples"] for entry in shards])
-        position = {entry["name"]: k for k, entry in enumerate(shards)}
-        starts = [offsets[position[shard_name_of(url)]] for url in urls]
-        sizes = self.shard_sizes(role, urls)
-        return np.concatenate(
-            [np.arange(start, start + size) for start, size in zip(starts, sizes, strict=True)]
-            or [np.zeros(0, dtype=np.int64)]
-        )
+        ends = itertools.accumulate(entry["samples"] for entry in shards)
+        spans = {
+            entry["name"]: (end - entry["samples"], end) for entry, end in zip(shards, ends, strict=True)
+        }
+        rows = np.concatenate([np.zeros(0, dtype=np.int64), *(np.arange(*spans[name]) for name in names)])
+        return [entries[name]["samples"] for name in names], self.labels(role).rows(rows)
 
     def shard_urls(self, role: str, like: str | None = None) -> list[str]:
         """URLs of every ``role`` shard of the manifest, in its own folder (``meta``) or in the folder (or URL
