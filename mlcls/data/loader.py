@@ -58,7 +58,7 @@ def loader_workers(requested: int) -> int:
     cpus = available_cpus()
     if requested <= cpus:
         return requested
-    _log_worker_cap(requested, cpus)
+    _log_once("DataLoader workers capped at the %d CPUs this process may use (%d requested)", cpus, requested)
     return cpus
 
 
@@ -143,7 +143,12 @@ class ShardTrainLoader:
         self.sampler = ShardSchedule(dataset.shard_sizes, batch_size, rank, world_size, seed, streams=workers)
         options = loader_options(workers, device)
         if options["num_workers"] and self.sampler.streams % options["num_workers"]:
-            _log_uneven_streams(options["num_workers"], self.sampler.streams)
+            _log_once(
+                "dataset=shards: %d DataLoader workers share %d read streams (trainer.workers); each reads "
+                "the shards of several streams (the sample order is the same)",
+                options["num_workers"],
+                self.sampler.streams,
+            )
         self.loader = DataLoader(ShardStream(dataset, self.sampler), batch_size=batch_size, **options)
 
     def __len__(self) -> int:
@@ -330,15 +335,6 @@ class DevicePrefetcher:
 
 
 @functools.cache
-def _log_worker_cap(requested: int, cpus: int) -> None:
-    log.info("DataLoader workers capped at the %d CPUs this process may use (%d requested)", cpus, requested)
-
-
-@functools.cache
-def _log_uneven_streams(workers: int, streams: int) -> None:
-    log.info(
-        "dataset=shards: %d DataLoader workers share %d read streams (trainer.workers); each reads the "
-        "shards of several streams (the sample order is the same)",
-        workers,
-        streams,
-    )
+def _log_once(message: str, *args: Any) -> None:
+    """``log.info(message, *args)``, once per process for the same arguments."""
+    log.info(message, *args)

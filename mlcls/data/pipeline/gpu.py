@@ -276,16 +276,12 @@ class GpuEvalTransform:
         )
 
 
-def input_stage_bytes(batch_size: int, size: int, decode_pixels: int = DECODE_PIXELS) -> int:
-    """A bound of the GPU memory the input stage allocates for one training batch of ``batch_size`` images
-    of ``size`` x ``size`` (torch's allocations; nvJPEG's own buffers come on top): per decode chunk of at
-    most ``decode_pixels`` decoded (and padded window) pixels and half as many resize weights
-    (:func:`chunks`), 16 bytes a pixel -- the decoded images and their concatenation (3 + 3); or the
-    concatenation, the int32 gather index, the uint8 and float16 windows (3 + 4 + 3 + 6); or the float16
-    windows, the weights as they are made (7 per weight) and kept (2), the products' broadcast copies and
-    intermediate (6 + 3.5 + 1 + 3 + 3) --, plus 16 bytes per output value (uint8 copies while assembling
-    the batch, the colour stage's float32 image and temporaries)."""
-    return 16 * decode_pixels + 16 * batch_size * 3 * size * size
+def input_stage_bytes(batch_size: int, size: int) -> int:
+    """A bound of the GPU memory torch allocates in the input stage for one training batch of ``batch_size``
+    images of ``size`` x ``size`` (nvJPEG's own buffers come on top): 16 bytes per pixel of a decode chunk
+    (:func:`chunks`), the largest sum over the phases of :func:`resize_windows` (docs/performance.md,
+    "Memory"), plus 16 bytes per output value (the batch's uint8 copies, the colour stage's float32)."""
+    return 16 * DECODE_PIXELS + 16 * batch_size * 3 * size * size
 
 
 def resize_weights(

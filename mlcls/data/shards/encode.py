@@ -23,14 +23,6 @@ SUBSAMPLINGS = ("auto", "444", "422", "420")
 PIL_SAMPLING = {0: "444", 1: "422", 2: "420"}
 
 
-def bounded_size(width: int, height: int, max_side: int) -> tuple[int, int]:
-    """``(width, height)`` scaled so that the long side is at most ``max_side`` (never enlarged)."""
-    scale = max_side / max(width, height)
-    if scale >= 1:
-        return width, height
-    return max(1, round(width * scale)), max(1, round(height * scale))
-
-
 def encode_jpeg(image: Image.Image, quality: int, subsampling: str = "444") -> bytes:
     """RGB JPEG bytes of ``image`` (libjpeg-turbo) at ``quality`` with chroma ``subsampling`` (444, 422 or
     420; PIL's ``save(..., quality=q, subsampling=0 | 1 | 2)``)."""
@@ -70,7 +62,8 @@ def packed_image(
     with opened as img:
         subsampling = source_subsampling(img, subsampling)
         left, top, right, bottom = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
-        target = bounded_size(right - left, bottom - top, max_side)
+        scale = min(1.0, max_side / max(right - left, bottom - top))  # never enlarged
+        target = (max(1, round((right - left) * scale)), max(1, round((bottom - top) * scale)))
         reduced, scale_x, scale_y = load_reduced(img, draft_reduction(right - left, bottom - top, *target))
     region = (left / scale_x, top / scale_y, right / scale_x, bottom / scale_y)
     return encode_jpeg(reduced.resize(target, Image.Resampling.BILINEAR, box=region), quality, subsampling)

@@ -54,21 +54,8 @@ KEY_DIGITS, SHARD_DIGITS = 9, 6
 IMAGE_EXT, LABELS_EXT = "jpg", "labels.sparse.npy"
 
 
-def shard_name(role: str, index: int) -> str:
-    """``train-000012.tar``: shard ``index`` of the split ``role`` (``train`` or ``val``)."""
-    return f"{role}-{index:0{SHARD_DIGITS}d}.tar"
-
-
 def labels_file(role: str) -> str:
     return f"{role}-labels.npz"
-
-
-def sha256_of(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def file_entry(name: str, data: bytes) -> dict[str, Any]:
@@ -155,7 +142,7 @@ def pack_split(
     labels = sparse_labels_of(dataset)
     report = SplitReport(role, settings=settings, label_fill=labels.fill)
     chunks = {
-        shard_name(role, k): order[first : first + shard_size]
+        f"{role}-{k:0{SHARD_DIGITS}d}.tar": order[first : first + shard_size]  # train-000012.tar
         for k, first in enumerate(range(0, len(order), shard_size))
     }
     # A shard is kept only when its samples' label rows are still those it holds (labels corrected since
@@ -279,10 +266,14 @@ def write_shard(
             add_member(tar, f"{key}.{LABELS_EXT}", entries.getvalue())
             kept.append(index)
     os.replace(temporary, path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
     return {
         "name": path.name,
         "samples": len(kept),
-        "sha256": sha256_of(path),
+        "sha256": digest.hexdigest(),
         "bytes": path.stat().st_size,
         "indices": kept,
         "skipped": skipped,
