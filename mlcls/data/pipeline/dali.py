@@ -89,11 +89,10 @@ class CropPlans(Dataset):
         sample = self.dataset.samples[index]
         data = read_image_bytes(sample.path)
         width, height = encoded_image_size(data)
-        whole = (0, 0, width, height)
-        left, top, right, bottom = whole if sample.box is None else crop_box(sample.box, width, height)
+        box = (0, 0, width, height) if sample.box is None else crop_box(sample.box, width, height)
+        left, top, right, bottom = box
         i, j, h, w = self.transform.crop_params(right - left, bottom - top)
-        flip = bool(torch.rand(1) < 0.5)
-        params = self.transform.colour_params()
+        flip, params = self.transform.flip_and_colour()
         window = np.array([left + j, top + i, w, h], dtype=np.float32)  # x, y, width, height
         encoded = np.frombuffer(data, dtype=np.uint8)
         return CropPlan(encoded, window, flip, params, self.dataset.target(index))

@@ -199,14 +199,16 @@ class FastTrainTransform:
             return PlannedCrop(pil_to_pixels(image), (x0, y0, x0 + w, y0 + h))
         return PlannedCrop(image, (x0 / scale_x, y0 / scale_y, (x0 + w) / scale_x, (y0 + h) / scale_y))
 
-    def colour_params(self) -> Tensor:
-        """ColorJitter's random order and factors, then the lighting alphas: float32 (9,)."""
+    def flip_and_colour(self) -> tuple[bool, Tensor]:
+        """The draws after the crop, in the plain pipeline's order: RandomHorizontalFlip's, then
+        ColorJitter's random order and factors and the lighting alphas (float32 (9,))."""
+        flip = bool(torch.rand(1) < 0.5)
         jitter = self.jitter
         order, *factors = jitter.get_params(jitter.brightness, jitter.contrast, jitter.saturation, jitter.hue)
         codes = [code for code in order.tolist() if code != HUE]
         factor_values = [1.0 if f is None else f for f in factors[:3]]
         alpha = torch.randn(3) * self.lighting_std if self.lighting_std else torch.zeros(3)
-        return torch.tensor([*codes, *factor_values, *alpha.tolist()], dtype=torch.float32)
+        return flip, torch.tensor([*codes, *factor_values, *alpha.tolist()], dtype=torch.float32)
 
     def __call__(self, image: Image.Image | PlannedCrop) -> AugmentedImage:
         """Crop-and-resize (the crop planned by :meth:`decode`, or drawn now), flip, colour parameters."""
@@ -216,9 +218,8 @@ class FastTrainTransform:
             i, j, h, w = self.crop_params(image.width, image.height)
             source, region = pil_to_pixels(image), (j, i, j + w, i + h)
         out = resized_crop(source, region, self.size)
-        if torch.rand(1) < 0.5:  # RandomHorizontalFlip's draw
-            out = out.flip(-1)
-        return AugmentedImage(out, self.colour_params())
+        flip, params = self.flip_and_colour()
+        return AugmentedImage(out.flip(-1) if flip else out, params)
 
     def __repr__(self) -> str:
         return (

@@ -161,7 +161,7 @@ class CpuStage(Protocol):
 
     def crop_params(self, width: int, height: int) -> tuple[int, int, int, int]: ...
 
-    def colour_params(self) -> Tensor: ...
+    def flip_and_colour(self) -> tuple[bool, Tensor]: ...
 
     def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> Any: ...
 
@@ -214,8 +214,7 @@ class GpuTrainTransform:
         output for anything else (its ``PlannedCrop``, a PIL image)."""
         if not isinstance(image, PlannedJpeg):
             return encoded_image(*self.fast(image), self.size)  # its (pixels, params)
-        flip = bool(torch.rand(1) < 0.5)  # the fast pipeline's draws, in its order
-        params = self.fast.colour_params()
+        flip, params = self.fast.flip_and_colour()
         return encoded_image(image, params, self.size, (self.size, self.size, 0, 0), flip)
 
     def __repr__(self) -> str:
