@@ -6,7 +6,7 @@ eval Resize(size / 0.875) -> CenterCrop(size) (224 -> Resize 256 + CenterCrop 22
 ``light``: train squash-resize to ``size`` x ``size`` and a horizontal flip (small synthetic images whose
 objects a random crop would cut away).
 ``strong`` (the ASL / ML-Decoder recipe): train squash-resize -> :class:`CutoutPIL` -> the ``randaugment``
-package's RandAugment (:func:`package_randaugment`); the ML-Decoder presets set mean 0 and std 1 (the
+package's RandAugment (1.0.2, ML-Decoder's); the ML-Decoder presets set mean 0 and std 1 (the
 released recipe feeds TResNet [0, 1] pixels). ``strong_timm``: ``strong`` with timm's RandAugment
 (:func:`timm_randaugment`), another policy, not the recipe's.
 ``light``, ``strong`` and ``strong_timm`` evaluate on a squash-resize (:data:`SQUASH_EVAL_KINDS`).
@@ -85,10 +85,8 @@ class AspectRatioCheck:
 
 
 class Lighting:
-    """AlexNet PCA lighting noise: adds ``eigvec @ (alpha * eigval)`` to every pixel, alpha ~ N(0, std).
-
-    Works on a (3, H, W) float tensor in [0, 1] or on a batch (B, 3, H, W) (one alpha per image).
-    """
+    """AlexNet PCA lighting noise: adds ``eigvec @ (alpha * eigval)`` to every pixel, alpha ~ N(0, std), of
+    a float (3, H, W) image in [0, 1] or a (B, 3, H, W) batch (one alpha per image)."""
 
     def __init__(self, std: float = 0.1) -> None:
         self.std = std
@@ -106,18 +104,12 @@ class Lighting:
 
 
 class CutoutPIL:
-    """Cutout on a PIL image: one rectangle filled with a single random colour, as ML-Decoder's and ASL's
-    ``CutoutPIL`` paints it.
-
-    With ``k = int(cutout_factor * W + 0.5)``, the rectangle spans columns ``x - k // 2`` to ``x + k // 2``,
-    both ends included (the authors' ``ImageDraw.rectangle``), so ``2 * (k // 2) + 1`` columns: 225 at 448 px
-    and factor 0.5, one when the factor is 0. Rows likewise with the height and centre ``y``. The centre
-    ``(x, y)`` is a pixel drawn uniformly from the image, and the rectangle is clipped to the image (smaller
-    when the centre lies near a border); its colour has each of R, G, B drawn uniformly from 0..255. Every
-    draw is from torch's CPU generator (the column ``x``, the row ``y``, then the colour). The authors take
-    the width for the rows and the height for the columns; on the square images their recipe gives it
-    (a squash-resize comes first) the two agree. Returns a new image; the input is left unchanged.
-    """
+    """Cutout on a PIL image (a new one): one rectangle of a single random colour, as ML-Decoder's and ASL's
+    ``CutoutPIL`` paints it. With ``k = int(cutout_factor * W + 0.5)`` it spans columns ``x - k // 2`` to
+    ``x + k // 2``, both included (the authors' ``ImageDraw.rectangle``): 225 at 448 px and factor 0.5, one
+    at factor 0; rows likewise with the height. The centre ``(x, y)``, then each of R, G, B in 0..255, are
+    drawn uniformly from torch's CPU generator; the rectangle is clipped to the image. (The authors take the
+    width for the rows: on their square images the two agree.)"""
 
     def __init__(self, cutout_factor: float = CUTOUT_FACTOR) -> None:
         if not 0.0 <= cutout_factor <= 1.0:
@@ -154,16 +146,6 @@ class _NumpyWithInt(types.ModuleType):
 
 if not hasattr(np, "int"):  # NumPy >= 1.24
     randaugment.randaugment.np = _NumpyWithInt("numpy")
-
-
-def package_randaugment() -> Callable:
-    """RandAugment of the ``randaugment`` package, ``randaugment.RandAugment()``, as ML-Decoder's ``train.py``
-    builds it: per image, one of its 18,225 two-operation policies drawn uniformly, i.e. 2 operations of 15
-    (Invert, Cutout, Sharpness, AutoContrast, Posterize, ShearX, TranslateX, TranslateY, ShearY, Rotate,
-    Equalize, Contrast, Color, Solarize, Brightness), each with a magnitude drawn uniformly from 1..9 of 9
-    and applied with probability 0.5; rotation turns one way only. It draws from Python's ``random`` and (its
-    Cutout) NumPy's global generator; on PIL RGB images."""
-    return randaugment.RandAugment()
 
 
 def timm_randaugment(image_size: int) -> Callable:
@@ -231,6 +213,8 @@ def build_transform(
     elif kind == "light":
         steps = [T.Resize((image_size, image_size)), T.RandomHorizontalFlip()]
     else:
-        randaug = package_randaugment() if kind == "strong" else timm_randaugment(image_size)
+        # strong: ML-Decoder's train.py: per image 2 of 15 operations, each applied with probability 0.5 at a
+        # magnitude drawn from 1..9 (the package's 18,225 policies); from Python's and NumPy's generators.
+        randaug = randaugment.RandAugment() if kind == "strong" else timm_randaugment(image_size)
         steps = [T.Resize((image_size, image_size)), CutoutPIL(CUTOUT_FACTOR), randaug]
     return T.Compose([*steps, T.ToTensor(), normalize])

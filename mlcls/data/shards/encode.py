@@ -30,23 +30,13 @@ def encode_jpeg(image: Image.Image, quality: int, subsampling: str = "444") -> b
     return simplejpeg.encode_jpeg(pixels, quality=quality, colorspace="RGB", colorsubsampling=subsampling)
 
 
-def source_subsampling(image: Image.Image, subsampling: str) -> str:
-    """The subsampling to re-encode ``image`` with: ``subsampling`` itself, or for ``auto`` the JPEG's own
-    (read from its header) and 444 for any other image."""
-    if subsampling != "auto":
-        return subsampling
-    if isinstance(image, JpegImagePlugin.JpegImageFile):
-        return PIL_SAMPLING.get(JpegImagePlugin.get_sampling(image), "444")
-    return "444"
-
-
 def packed_image(
     dataset: MultiLabelDataset, index: int, max_side: int, quality: int, subsampling: str = "auto"
 ) -> bytes:
     """JPEG bytes of sample ``index`` (its crop box applied), long side at most ``max_side``: a JPEG file
     already within ``max_side`` (no crop) byte for byte (no second generation of JPEG loss); else decoded at
     the largest DCT reduction that keeps its output size (PIL's draft mode), resized (bilinear, antialiased)
-    and encoded at ``quality`` and chroma ``subsampling`` (:func:`source_subsampling`). A dataset that
+    and encoded at ``quality`` and chroma ``subsampling`` (:data:`SUBSAMPLINGS`). A dataset that
     makes its pixels (``reads_files`` False) gives its ``picture``. Raises PIL's bad-image errors."""
     if dataset.reads_files:
         sample = dataset.samples[index]
@@ -60,7 +50,9 @@ def packed_image(
     else:
         opened, box = nullcontext(dataset.picture(index)), None
     with opened as img:
-        subsampling = source_subsampling(img, subsampling)
+        if subsampling == "auto":  # a JPEG's own, read from its header; 444 for any other image
+            jpeg = isinstance(img, JpegImagePlugin.JpegImageFile)
+            subsampling = PIL_SAMPLING.get(JpegImagePlugin.get_sampling(img), "444") if jpeg else "444"
         left, top, right, bottom = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
         scale = min(1.0, max_side / max(right - left, bottom - top))  # never enlarged
         target = (max(1, round((right - left) * scale)), max(1, round((bottom - top) * scale)))
