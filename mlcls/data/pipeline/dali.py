@@ -21,8 +21,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, crop_box
-from mlcls.data.images import check_pixels, open_image, read_image_bytes
-from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, jpeg_header
+from mlcls.data.images import read_image_bytes
+from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, image_header
 
 # DALI decoder device for each graph device: nvJPEG on the GPU ("mixed": CPU input, GPU output), or the CPU.
 DECODER_DEVICES = {"gpu": "mixed", "cpu": "cpu"}
@@ -52,14 +52,10 @@ def encoded_image_size(data: bytes) -> tuple[int, int]:
     cannot identify) for what the GPU decoder would fail on and the header tells: not an image, a damaged
     header, a JPEG cut short (no end-of-image marker FFD9 after its last start-of-scan FFDA: entropy-coded
     data never holds FFD9, and an EXIF thumbnail's markers come before the image's scans)."""
-    jpeg_size = jpeg_header(data)
-    if jpeg_size is None:
-        with open_image(data) as img:
-            return img.size
-    check_pixels(*jpeg_size)
-    if data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda"):
+    width, height, jpeg = image_header(data)
+    if jpeg and data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda"):
         raise OSError("JPEG file is truncated (no end-of-image marker after its last scan)")
-    return jpeg_size
+    return width, height
 
 
 class CropPlan(NamedTuple):

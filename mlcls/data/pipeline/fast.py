@@ -100,15 +100,19 @@ def load_reduced(img: Image.Image, reduction: int) -> tuple[Image.Image, float, 
     return rgb, width / rgb.width, height / rgb.height
 
 
-def jpeg_header(data: bytes) -> tuple[int, int] | None:
-    """``(width, height)`` of a JPEG whose pixels :func:`decode_jpeg` decodes as PIL would (a YCbCr, RGB
-    or greyscale JPEG), else None (another format, a CMYK JPEG, an unreadable header): PIL decodes those.
-    """
+def image_header(data: bytes) -> tuple[int, int, bool]:
+    """``(width, height, jpeg)`` of an image file from its header, checked by ``check_pixels``: ``jpeg`` for a
+    JPEG whose pixels :func:`decode_jpeg` decodes as PIL would (YCbCr, RGB or greyscale); PIL reads the
+    header of any other file (a CMYK JPEG, another format), raising its bad-image errors."""
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
-        return None
-    return (width, height) if colorspace in JPEG_COLORSPACES else None
+        colorspace = None
+    if colorspace in JPEG_COLORSPACES:
+        check_pixels(width, height)
+        return width, height, True
+    with open_image(data) as img:
+        return *img.size, False
 
 
 def decode_jpeg(data: bytes) -> Tensor | None:
@@ -177,19 +181,13 @@ class FastTrainTransform:
         decode at the largest reduction the crop allows, else at full size (libjpeg-turbo for JPEGs; PIL for
         the rest and for damaged JPEGs). A shape the datasets refuse (:func:`check_aspect_ratio`) is refused
         before decoding."""
-        jpeg_size = jpeg_header(data)
-        if jpeg_size is None:
-            with open_image(data) as img:
-                width, height = img.size
-        else:
-            width, height = jpeg_size
-            check_pixels(width, height)
+        width, height, jpeg = image_header(data)
         left, top, right, bottom = (0, 0, width, height) if box is None else crop_box(box, width, height)
         check_aspect_ratio(right - left, bottom - top)  # the image the datasets refuse, refused alike
         i, j, h, w = self.crop_params(right - left, bottom - top)
         reduction = draft_reduction(w, h, self.size, self.size) if self.draft else 1
         x0, y0 = left + j, top + i
-        if reduction == 1 and jpeg_size is not None:
+        if reduction == 1 and jpeg:
             pixels = decode_jpeg(data)
             if pixels is not None:
                 return PlannedCrop(pixels, (x0, y0, x0 + w, y0 + h))

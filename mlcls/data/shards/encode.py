@@ -11,8 +11,8 @@ import simplejpeg
 from PIL import Image, JpegImagePlugin
 
 from mlcls.data.datasets.base import MultiLabelDataset, crop_box
-from mlcls.data.images import check_pixels, open_image, read_image_bytes
-from mlcls.data.pipeline.fast import draft_reduction, jpeg_header, load_reduced
+from mlcls.data.images import open_image, read_image_bytes
+from mlcls.data.pipeline.fast import draft_reduction, image_header, load_reduced
 
 # JPEG chroma subsampling of re-encoded images: 444 keeps the colour at full resolution, 422 halves it
 # horizontally, 420 (PIL's and most cameras' default) in both directions; auto keeps a JPEG source's own
@@ -41,11 +41,9 @@ def packed_image(
     if dataset.reads_files:
         sample = dataset.samples[index]
         data = read_image_bytes(sample.path)
-        header = jpeg_header(data)
-        if header is not None:
-            check_pixels(*header)
-            if sample.box is None and max(header) <= max_side:
-                return data
+        width, height, jpeg = image_header(data)
+        if jpeg and sample.box is None and max(width, height) <= max_side:
+            return data
         opened, box = open_image(data), sample.box
     else:
         opened, box = nullcontext(dataset.picture(index)), None
