@@ -29,7 +29,6 @@ from mlcls.data.pipeline.fast import (
     ColourConstants,
     FastTrainTransform,
     colour_lighting_normalise,
-    normalise,
 )
 from mlcls.data.pipeline.gpu import SIZE, EncodedBatch, EncodedImage, GpuEvalTransform, decode_on_device
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, normalisation
@@ -247,8 +246,8 @@ class EvalBatches:
 class DeviceStage:
     """Moves a batch to ``device`` and finishes it there: a float tensor is only copied; an
     :class:`~mlcls.data.pipeline.gpu.EncodedBatch` is first decoded, cropped, resized and flipped
-    (:func:`~mlcls.data.pipeline.gpu.decode_on_device`; an evaluation batch is then normalised only); an
-    :class:`AugmentedImage` batch goes through :func:`colour_lighting_normalise` with ``batched`` and the
+    (:func:`~mlcls.data.pipeline.gpu.decode_on_device`), then finished as an :class:`AugmentedImage` batch,
+    which goes through :func:`colour_lighting_normalise` with ``batched`` and the
     :class:`ColourConstants` of ``mean`` and ``std``, made on ``device`` once (``colour=False``: none, for
     float batches only). Copies are ``non_blocking``; on CUDA nothing is read back to the host. The result
     is channels_last when ``channels_last`` is set, contiguous otherwise.
@@ -271,11 +270,8 @@ class DeviceStage:
 
     def __call__(self, images: Tensor | AugmentedImage | EncodedBatch) -> Tensor:
         """float32 (B, 3, H, W) on ``device``, normalised."""
-        if isinstance(images, EncodedBatch):
-            pixels = decode_on_device(images, self.device)
-            if not images.params.shape[1]:  # evaluation
-                return normalise(pixels, self.constants).contiguous(memory_format=self.memory_format)
-            images = AugmentedImage(pixels, images.params)
+        if isinstance(images, EncodedBatch):  # its pixels made on the device
+            images = AugmentedImage(decode_on_device(images, self.device), images.params)
         if isinstance(images, AugmentedImage):
             pixels = images.pixels.to(self.device, non_blocking=True)
             params = images.params.to(self.device, non_blocking=True)

@@ -260,8 +260,8 @@ def colour_lighting_normalise(
     pixels: Tensor, params: Tensor, constants: ColourConstants | None = None, batched: bool | None = None
 ) -> Tensor:
     """float32 (B, 3, H, W): ColorJitter with per-sample order and factors, PCA lighting and normalisation
-    of uint8 (B, 3, H, W) ``pixels``, with ``params`` (B, 9) as in :class:`AugmentedImage` and ``constants``
-    on their device (default: ImageNet's, made for this call).
+    of uint8 (B, 3, H, W) ``pixels``, with ``params`` (B, 9) as in :class:`AugmentedImage` (or (B, 0):
+    normalisation only) and ``constants`` on their device (default: ImageNet's, made for this call).
 
     Each jitter step is torchvision's float blend ``clamp(f * x + (1 - f) * g, 0, 1)`` with g = 0
     (brightness), the mean grey level of the image (contrast) or its grey image (saturation); then
@@ -272,6 +272,8 @@ def colour_lighting_normalise(
     """
     device = pixels.device
     c = ColourConstants.on(device) if constants is None else constants
+    if not params.shape[1]:  # an evaluation batch, (B, 0) params: ``(pixels / 255 - mean) / std`` only
+        return pixels.float().mul_(c.inv_std / 255.0).add_(-(c.mean.view(1, 3, 1, 1) * c.inv_std))
     rgb_shift = (params[:, PARAMS_ALPHA].float() * c.eigval) @ c.eigvec.T
     shift = (rgb_shift - c.mean).view(-1, 3, 1, 1) * c.inv_std
     if batched is None:
@@ -316,14 +318,6 @@ def _colour_jitter(x: Tensor, params: Tensor, gray_weight: Tensor, known_codes: 
             x.mul_(factor).add_(target.mul_(1.0 - factor))
         x.clamp_(0.0, 1.0)
     return x
-
-
-def normalise(pixels: Tensor, constants: ColourConstants) -> Tensor:
-    """float32 (B, 3, H, W) ``(pixels / 255 - mean) / std`` of uint8 (B, 3, H, W) ``pixels``: the device
-    stage of an evaluation batch (no colour augmentation), with the stage's ``constants``."""
-    scale = constants.inv_std / 255.0
-    shift = -(constants.mean.view(1, 3, 1, 1) * constants.inv_std)
-    return pixels.float().mul_(scale).add_(shift)
 
 
 def build_backend_transform(
