@@ -144,10 +144,9 @@ def stream_samples(
 
 
 def stored_label_entries(fields: dict[str, bytes], num_classes: int, where: str) -> np.ndarray:
-    """int32 (K, 2): the ``(class, value)`` pairs of a shard sample's label member, checked (a class in
-    [0, ``num_classes``), a value 1, 0 or -1); :class:`DatasetFormatError` naming ``where`` otherwise."""
-    if LABELS_EXT not in fields:
-        raise DatasetFormatError(f"{where} has no {LABELS_EXT} member; pack the dataset again")
+    """int32 (K, 2): the ``(class, value)`` pairs of the label member of a shard sample's ``fields`` (as
+    :func:`check_sample` passed them), checked (a class in [0, ``num_classes``), a value 1, 0 or -1);
+    :class:`DatasetFormatError` naming ``where`` otherwise."""
     pairs = npy_array(fields[LABELS_EXT], where)
     if (
         pairs.ndim != 2
@@ -164,9 +163,8 @@ def stored_label_entries(fields: dict[str, bytes], num_classes: int, where: str)
 
 
 def check_sample(url: str, key: str, fields: dict[str, bytes], num_classes: int | None) -> dict[str, bytes]:
-    """``fields`` of sample ``key`` of shard ``url``: its image and labels members present as regular files
-    and, given ``num_classes``, its labels valid (:func:`stored_label_entries`);
-    :class:`DatasetFormatError` naming the shard and the member otherwise."""
+    """``fields`` of sample ``key`` of shard ``url``, with its image and labels members (regular files) and,
+    given ``num_classes``, valid labels; else :class:`DatasetFormatError` naming the shard and the member."""
     for extension in (IMAGE_EXT, LABELS_EXT):
         if extension not in fields:
             raise DatasetFormatError(
@@ -178,9 +176,8 @@ def check_sample(url: str, key: str, fields: dict[str, bytes], num_classes: int 
 
 
 class ShardIndex:
-    """The sidecar files of a packed folder: ``classes.json`` (classes, source dataset) and ``manifest.json``
-    (shard names, sample counts, sizes, hashes), read from ``meta`` (a folder or URL prefix) and checked:
-    the manifest's format and the hash of ``classes.json``."""
+    """The ``manifest.json`` and ``classes.json`` of a packed folder (or URL prefix) ``meta``, checked: the
+    manifest's format and fields, the hash of ``classes.json``."""
 
     def __init__(self, meta: str) -> None:
         self.meta = meta.rstrip("/")
@@ -286,10 +283,9 @@ class ShardIndex:
 
 def check_manifest(manifest: dict[str, Any], where: str) -> None:
     """:class:`DatasetFormatError` naming the field unless each field of ``manifest`` (read from ``where``)
-    that reading the pack uses has its type: the ``classes`` file record, and for each split it lists its
-    ``samples``, ``label_fill`` (1, 0 or -1), ``labels`` file record and ``shards`` records, shard names
-    unique. A file record: ``name`` and ``sha256`` strings, ``bytes`` (and a shard's ``samples``) counts;
-    every name a plain file name (:data:`FILE_NAME`, shards ``*.tar``)."""
+    that reading the pack uses has its type: the ``classes`` file record, and per split its ``samples``,
+    ``label_fill`` (1, 0 or -1), ``labels`` file record and ``shards`` records (names unique). A record's
+    ``name`` is a plain file name (:data:`FILE_NAME`; shards ``*.tar``), ``bytes`` and ``samples`` counts."""
 
     def check_record(record: Any, field: str, types: dict[str, type]) -> None:
         if not isinstance(record, dict):
