@@ -145,27 +145,16 @@ def resized_crop(image: Tensor | Image.Image, region: tuple[float, float, float,
 
 
 class FastTrainTransform:
-    """CPU stage of the fast pipeline; output :class:`AugmentedImage`. ``scale``, ``ratio``:
-    RandomResizedCrop's ranges; ``jitter``: ColorJitter's brightness = contrast = saturation strength;
-    ``lighting_std``: of the PCA lighting alphas; ``draft``: decode JPEGs at reduced scale when the crop
-    allows it. Defaults: the paper's."""
+    """CPU stage of the fast pipeline, with the paper's ranges (RandomResizedCrop's defaults, ColorJitter
+    0.4, lighting std 0.1); output :class:`AugmentedImage`. ``draft``: decode JPEGs at reduced scale when
+    the crop allows it."""
 
     torch_random_only = True  # draws from torch's CPU generator alone (``seeded_call(..., torch_only=True)``)
 
-    def __init__(
-        self,
-        size: int,
-        scale: Sequence[float] = (0.08, 1.0),
-        ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0),
-        jitter: float = 0.4,
-        lighting_std: float = 0.1,
-        draft: bool = True,
-    ) -> None:
-        self.size = size
-        self.scale, self.ratio = list(scale), list(ratio)
-        self.jitter = T.ColorJitter(jitter, jitter, jitter)
-        self.lighting_std = lighting_std
-        self.draft = draft
+    def __init__(self, size: int, draft: bool = True) -> None:
+        self.size, self.draft = size, draft
+        self.scale, self.ratio = [0.08, 1.0], [3.0 / 4.0, 4.0 / 3.0]
+        self.jitter, self.lighting_std = T.ColorJitter(0.4, 0.4, 0.4), 0.1
 
     def crop_params(self, width: int, height: int) -> tuple[int, int, int, int]:
         """``(top, left, height, width)`` of a RandomResizedCrop of a ``width`` x ``height`` image, by
@@ -205,7 +194,7 @@ class FastTrainTransform:
         order, *factors = jitter.get_params(jitter.brightness, jitter.contrast, jitter.saturation, jitter.hue)
         codes = [code for code in order.tolist() if code != HUE]
         factor_values = [1.0 if f is None else f for f in factors[:3]]
-        alpha = torch.randn(3) * self.lighting_std if self.lighting_std else torch.zeros(3)
+        alpha = torch.randn(3) * self.lighting_std
         return flip, torch.tensor([*codes, *factor_values, *alpha.tolist()], dtype=torch.float32)
 
     def __call__(self, image: Image.Image | PlannedCrop) -> AugmentedImage:
