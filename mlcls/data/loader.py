@@ -166,14 +166,13 @@ def build_train_loader(
     seed: int,
     device: torch.device,
     backend: str,
-    dali_prefetch: int = 2,
     with_index: bool = False,
 ) -> TrainBatches:
     """The training loader of ``data.backend``: ``batch_size`` samples per process drawn by a
     :class:`ResumableSampler`, the incomplete last batch dropped. A DataLoader over the dataset's transform
     (``fast``, ``torchvision``, ``gpu``); ``dali``: a :class:`~mlcls.data.pipeline.dali.DaliTrainLoader`
     over a DataLoader of crop plans (the dataset's transform must be the :class:`FastTrainTransform` of
-    ``dataset.transform=paper``), ``dali_prefetch`` batches decoded ahead; a :class:`ShardTrainSet` (or its
+    ``dataset.transform=paper``), 2 batches decoded ahead; a :class:`ShardTrainSet` (or its
     view) gets its :class:`ShardTrainLoader` (the fast CPU stage decodes with ``dali``). ``with_index``:
     each batch also holds the int64 (B,) positions of its samples in ``dataset`` (map-style datasets
     without DALI only: the others are refused with one line)."""
@@ -197,7 +196,7 @@ def build_train_loader(
         plans = SeededSamples(CropPlans(dataset, transform))
         options.update(pin_memory=False, collate_fn=collate_plans)  # the graph reads the plans on the host
         plan_loader = DataLoader(plans, batch_size=batch_size, sampler=sampler, drop_last=True, **options)
-        return DaliTrainLoader(plan_loader, transform.size, device, dali_prefetch)
+        return DaliTrainLoader(plan_loader, transform.size, device)
     return DataLoader(
         SeededSamples(dataset, with_index), batch_size=batch_size, sampler=sampler, drop_last=True, **options
     )

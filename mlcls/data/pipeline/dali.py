@@ -4,7 +4,7 @@
 workers read each file through the dataset's reading path (``dataset.on_bad_image`` applies) and draw the
 sample's crop window, flip and colour parameters under its seed with the fast pipeline's calls in its order
 (:class:`CropPlans`); DALI decodes only the window (nvJPEG), resizes and flips it (:func:`_build_pipeline`,
-no random operator: resume stays exact), ``prefetch_depth`` batches ahead; the trainer's
+no random operator: resume stays exact), 2 batches ahead (:func:`_build_pipeline`); the trainer's
 :class:`mlcls.data.loader.DeviceStage` does colour, lighting and normalisation. The same graph runs with CPU
 operators, which is how the tests check it without a GPU.
 """
@@ -123,14 +123,12 @@ def collate_plans(plans: list[CropPlan]) -> PlanBatch:
 class DaliTrainLoader:
     """Training batches ``(AugmentedImage on the GPU, targets)`` of ``plans``, the DataLoader of
     :class:`PlanBatch` es that :func:`mlcls.data.loader.build_train_loader` builds (its resumable sampler is
-    this loader's ``sampler``). The graph keeps ``prefetch_depth`` batches scheduled ahead of the one handed
-    out; each batch's copy into torch runs on the current CUDA stream (the ``DevicePrefetcher``'s side
-    stream)."""
+    this loader's ``sampler``). The graph keeps 2 batches scheduled ahead of the one handed out, so that
+    GPU decoding overlaps the training step; each batch's copy into torch runs on the current CUDA stream
+    (the ``DevicePrefetcher``'s side stream)."""
 
-    def __init__(self, plans: DataLoader, size: int, device: torch.device, prefetch_depth: int = 2) -> None:
+    def __init__(self, plans: DataLoader, size: int, device: torch.device) -> None:
         dali = require_dali()
-        if prefetch_depth < 1:
-            raise DatasetConfigError(f"the DALI prefetch depth must be at least 1, got {prefetch_depth}")
         self.batch_size, self.size = plans.batch_size, size
         self.device = torch.device(
             "cuda", torch.cuda.current_device() if device.index is None else device.index
@@ -142,7 +140,7 @@ class DaliTrainLoader:
         self._scheduled: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
         threads = max(1, plans.num_workers)
         self.pipeline = _build_pipeline(
-            dali, self.batch_size, size, self._next_plans, threads, "gpu", self.device.index, prefetch_depth
+            dali, self.batch_size, size, self._next_plans, threads, "gpu", self.device.index
         )
         self.pipeline.build()
 

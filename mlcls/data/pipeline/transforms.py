@@ -88,12 +88,9 @@ class Lighting:
     """AlexNet PCA lighting noise: adds ``eigvec @ (alpha * eigval)`` to every pixel, alpha ~ N(0, std), of
     a float (3, H, W) image in [0, 1] or a (B, 3, H, W) batch (one alpha per image)."""
 
-    def __init__(self, std: float = 0.1) -> None:
-        self.std = std
+    std = 0.1  # the paper's
 
     def __call__(self, img: torch.Tensor) -> torch.Tensor:
-        if self.std == 0:
-            return img
         batch_shape = img.shape[:-3]
         alpha = torch.randn(*batch_shape, 3, device=img.device) * self.std
         rgb = (alpha * IMAGENET_PCA_EIGVAL.to(img.device)) @ IMAGENET_PCA_EIGVEC.to(img.device).T
@@ -209,7 +206,7 @@ def build_transform(
         steps = eval_steps(kind, image_size)
     elif kind == "paper":
         steps = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ColorJitter(0.4, 0.4, 0.4)]
-        return T.Compose([*steps, T.ToTensor(), Lighting(0.1), normalize])
+        return T.Compose([*steps, T.ToTensor(), Lighting(), normalize])
     elif kind == "light":
         steps = [T.Resize((image_size, image_size)), T.RandomHorizontalFlip()]
     else:
