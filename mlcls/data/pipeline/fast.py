@@ -30,7 +30,14 @@ from torchvision import transforms as T
 
 from mlcls.data.datasets.base import crop_box, to_rgb
 from mlcls.data.images import check_pixels, open_image, read_image_bytes
-from mlcls.data.pipeline.gpu import GpuEvalTransform, GpuTrainTransform
+from mlcls.data.pipeline.gpu import (
+    Box,
+    EncodedImage,
+    GpuEvalTransform,
+    PlannedJpeg,
+    encoded_image,
+    plan_window,
+)
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_PCA_EIGVAL,
@@ -71,7 +78,7 @@ class PlannedCrop:
     a PIL image decoded at 1/2, 1/4 or 1/8 scale."""
 
     image: Tensor | Image.Image
-    region: tuple[float, float, float, float]
+    region: Box
 
 
 def draft_reduction(crop_width: int, crop_height: int, out_width: int, out_height: int) -> int:
@@ -132,7 +139,7 @@ def pil_to_pixels(image: Image.Image) -> Tensor:
     return torch.from_numpy(np.array(rgb)).permute(2, 0, 1)
 
 
-def resized_crop(image: Tensor | Image.Image, region: tuple[float, float, float, float], size: int) -> Tensor:
+def resized_crop(image: Tensor | Image.Image, region: Box, size: int) -> Tensor:
     """uint8 (3, size, size), channels-last: ``region`` of ``image`` resized bilinearly, antialiased when
     shrinking (PIL's ``BILINEAR``). A tensor (region in whole pixels) goes through torch's uint8 kernel,
     several times faster than PIL's and fastest on a channels-last copy of the crop; a PIL image (fractional
@@ -162,10 +169,10 @@ class FastTrainTransform:
         shape_only = torch.empty(1, 1, 1).expand(3, height, width)
         return T.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
 
-    def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> PlannedCrop:
+    def decode(self, path: str, box: Box | None = None) -> PlannedCrop:
         return self.decode_bytes(read_image_bytes(path), box)
 
-    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> PlannedCrop:
+    def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedCrop:
         """Choose the random crop (inside ``box``, clamped as the datasets clamp it) from the header, then
         decode at the largest reduction the crop allows, else at full size (libjpeg-turbo for JPEGs; PIL for
         the rest and for damaged JPEGs). A shape the datasets refuse (:func:`check_aspect_ratio`) is refused
@@ -213,6 +220,41 @@ class FastTrainTransform:
             f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
             f"jitter={self.jitter.brightness}, lighting_std={self.lighting_std}, draft={self.draft})"
         )
+
+
+class GpuTrainTransform:
+    """The worker's part of the ``paper`` training augmentation with ``data.backend=gpu``: read and plan
+    (the datasets' ``decode`` hooks), then draw the flip and colour parameters with the fast pipeline's
+    calls in its order; output :class:`EncodedImage`."""
+
+    torch_random_only = True
+
+    def __init__(self, fast: FastTrainTransform) -> None:
+        self.fast, self.size = fast, fast.size
+
+    def decode(self, path: str, box: Box | None = None) -> PlannedJpeg | PlannedCrop:
+        return self.decode_bytes(read_image_bytes(path), box)
+
+    def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | PlannedCrop:
+        """A :class:`PlannedJpeg` with the fast pipeline's crop window, or the fast pipeline's own
+        ``decode_bytes`` (the CPU path, the same draw)."""
+        planned = plan_window(data, box)
+        if planned is None:
+            return self.fast.decode_bytes(data, box)
+        left, top, width, height = planned.window
+        i, j, h, w = self.fast.crop_params(width, height)
+        return planned._replace(window=(left + j, top + i, w, h))
+
+    def __call__(self, image: PlannedJpeg | PlannedCrop | Image.Image) -> EncodedImage:
+        """An :class:`EncodedImage`: of a :class:`PlannedJpeg` for the device, or of the fast pipeline's
+        output for anything else (its ``PlannedCrop``, a PIL image)."""
+        if not isinstance(image, PlannedJpeg):
+            return encoded_image(*self.fast(image), self.size)  # its (pixels, params)
+        flip, params = self.fast.flip_and_colour()
+        return encoded_image(image, params, self.size, (self.size, self.size, 0, 0), flip)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, crop and colour of {self.fast!r})"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import simplejpeg
@@ -63,6 +63,7 @@ MAX_HEADER_MARKERS = 1024
 # pixels; the grid the window is resized to and the offset of the S x S output in it; the flip; S.
 IMAGE_W, IMAGE_H, LEFT, TOP, WIDTH, HEIGHT, GRID_W, GRID_H, OFFSET_X, OFFSET_Y, FLIP, SIZE = range(12)
 GEOMETRY_FIELDS = 12
+Box = tuple[float, float, float, float]  # (left, top, right, bottom) in pixels
 
 
 class EncodedImage(NamedTuple):
@@ -141,7 +142,7 @@ def device_jpeg_size(data: bytes) -> tuple[int, int] | None:
     return width, height
 
 
-def plan_window(data: bytes, box: tuple[float, float, float, float] | None) -> PlannedJpeg | None:
+def plan_window(data: bytes, box: Box | None) -> PlannedJpeg | None:
     """The :class:`PlannedJpeg` of ``data`` with its window the sample's box clamped to the image (the whole
     image without one), refused as the datasets refuse it (:func:`check_aspect_ratio`); None when the
     device does not take the file."""
@@ -151,21 +152,6 @@ def plan_window(data: bytes, box: tuple[float, float, float, float] | None) -> P
     left, top, right, bottom = (0, 0, *size) if box is None else crop_box(box, *size)
     check_aspect_ratio(right - left, bottom - top)
     return PlannedJpeg(data, *size, (left, top, right - left, bottom - top))
-
-
-class CpuStage(Protocol):
-    """What :class:`GpuTrainTransform` takes of :class:`~mlcls.data.pipeline.fast.FastTrainTransform`: its
-    output side, its draws and its path for the files the device does not take."""
-
-    size: int
-
-    def crop_params(self, width: int, height: int) -> tuple[int, int, int, int]: ...
-
-    def flip_and_colour(self) -> tuple[bool, Tensor]: ...
-
-    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> Any: ...
-
-    def __call__(self, image: Any) -> Any: ...
 
 
 def encoded_image(
@@ -186,41 +172,6 @@ def encoded_image(
     return EncodedImage(image.data, None, geometry, params)
 
 
-class GpuTrainTransform:
-    """The worker's part of the ``paper`` training augmentation with ``data.backend=gpu``: read and plan
-    (the datasets' ``decode`` hooks), then draw the flip and colour parameters with the fast pipeline's
-    calls in its order; output :class:`EncodedImage`."""
-
-    torch_random_only = True
-
-    def __init__(self, fast: CpuStage) -> None:
-        self.fast, self.size = fast, fast.size
-
-    def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> Any:
-        return self.decode_bytes(read_image_bytes(path), box)
-
-    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> Any:
-        """A :class:`PlannedJpeg` with the fast pipeline's crop window, or the fast pipeline's own
-        ``decode_bytes`` (the CPU path, the same draw)."""
-        planned = plan_window(data, box)
-        if planned is None:
-            return self.fast.decode_bytes(data, box)
-        left, top, width, height = planned.window
-        i, j, h, w = self.fast.crop_params(width, height)
-        return planned._replace(window=(left + j, top + i, w, h))
-
-    def __call__(self, image: Any) -> EncodedImage:
-        """An :class:`EncodedImage`: of a :class:`PlannedJpeg` for the device, or of the fast pipeline's
-        output for anything else (its ``PlannedCrop``, a PIL image)."""
-        if not isinstance(image, PlannedJpeg):
-            return encoded_image(*self.fast(image), self.size)  # its (pixels, params)
-        flip, params = self.fast.flip_and_colour()
-        return encoded_image(image, params, self.size, (self.size, self.size, 0, 0), flip)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(size={self.size}, crop and colour of {self.fast!r})"
-
-
 class GpuEvalTransform:
     """The evaluation transform of ``kind`` with ``data.backend=gpu``: JPEGs the device takes are planned
     for it (the window: the image, or the sample's box); other files are decoded here and resized as the
@@ -237,10 +188,10 @@ class GpuEvalTransform:
         self.mean, self.std = normalisation(mean, std)
         self.cpu_path = T.Compose([*eval_steps(kind, size), T.PILToTensor()])
 
-    def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> Any:
+    def decode(self, path: str, box: Box | None = None) -> PlannedJpeg | Image.Image:
         return self.decode_bytes(read_image_bytes(path), box)
 
-    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> Any:
+    def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | Image.Image:
         """A :class:`PlannedJpeg`, or the RGB PIL image (cropped to the box) of a file of the CPU path."""
         planned = plan_window(data, box)
         if planned is not None:

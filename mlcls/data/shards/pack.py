@@ -2,26 +2,22 @@
 
 Layout of the output folder (read back by :mod:`mlcls.data.shards.reader`):
 
-* ``train-000000.tar``, ... and ``val-000000.tar``, ...: ustar tar files (what ``webdataset`` reads), two
-  members per sample: ``<key>.jpg`` (RGB JPEG, long side at most ``max_side``) and
-  ``<key>.labels.sparse.npy``, int32 (K, 2): the ``(class, value)`` pairs (1 positive, 0 negative, -1
-  unknown) that differ from the split's ``label_fill`` (0 or -1), class ascending (~1 kB a sample where a
-  dense int8 row of Open Images' 9,605 classes takes ~10 kB). ``<key>``: the sample's index in the source
-  split, 9 digits. Shard ``k`` holds the samples at positions ``k * shard_size ...`` of the packing order (a
-  seeded permutation for training, dataset order for validation), minus the unreadable ones.
-* ``classes.json``: the source dataset's name, its split names, ``max_side``, ``quality``, ``subsampling``
-  and the classes in label order.
-* ``manifest.json``: ``format`` (:data:`FORMAT`), the sha256 of ``classes.json``, the source's settings that
-  ``dataset=shards`` takes as defaults (``source``: ``image_size``, ``transform``), and per split the pack
-  settings, ``label_fill``, every shard's name, sample count, size and sha256, the labels sidecar's record
-  and the skipped images. Written last (as every sidecar, atomically): a folder with a manifest is complete.
+* ``train-000000.tar``, ... and ``val-000000.tar``, ...: ustar tar files, two members a sample:
+  ``<key>.jpg`` (:func:`packed_image`) and ``<key>.labels.sparse.npy``, int32 (K, 2), the ``(class,
+  value)`` pairs that differ from the split's ``label_fill``, class ascending (~1 kB a sample where Open
+  Images' dense int8 row takes ~10 kB). ``<key>``: the sample's index in the source split, 9 digits. Shard
+  ``k`` holds the samples at positions ``k * shard_size ...`` of the packing order (seeded for training,
+  dataset order for validation), minus the unreadable ones.
+* ``classes.json``: the source's name and split names, ``max_side``, ``quality``, ``subsampling``, classes.
+* ``manifest.json``: ``format`` (:data:`FORMAT`), the sha256 of ``classes.json``, the source's ``image_size``
+  and ``transform`` (``dataset=shards``' defaults), and per split the pack settings, ``label_fill``, each
+  shard's name, samples, size and sha256, the labels sidecar's record and the skipped images. Written last,
+  atomically: a folder with a manifest is complete.
 * ``train-labels.npz``, ``val-labels.npz``: the packed samples' labels in shard order, sparse
-  (:meth:`mlcls.data.datasets.labels.SparseLabels.to_bytes`), for the class statistics without a shard read.
+  (:meth:`~mlcls.data.datasets.labels.SparseLabels.to_bytes`): class statistics without a shard read.
 
-Resumable: each shard is written under a temporary name, renamed when complete and recorded in
-``.<split>-progress.jsonl``. A restarted pack keeps the shards whose entry and file exist under the same
-settings (a torn last line is dropped) and whose samples' label rows have the recorded sha256; it writes the
-others. A split packed with other settings is refused, unless ``overwrite`` clears its files first.
+Resumable: a shard is renamed into place when complete and recorded in ``.<split>-progress.jsonl``
+(:func:`read_progress`); a restarted pack keeps the shards whose label rows still have the recorded sha256.
 """
 
 from __future__ import annotations
