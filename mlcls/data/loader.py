@@ -1,10 +1,6 @@
-"""Where a batch is made, from the sampler to the device: the one module of the batch path.
-
-Samplers come from :mod:`mlcls.data.sampling`; :func:`build_train_loader` (a DataLoader, the DALI loader or
-:class:`ShardTrainLoader`) and :func:`build_eval_loader` collate with :func:`collate_batch`;
-:class:`DevicePrefetcher` hands each training batch over on the device, finished by :class:`DeviceStage`
-(the fast pipeline's colour work, after ``data.backend=gpu``'s decoding), its copy overlapped with the
-previous step on CUDA. What a sample is lives in :mod:`mlcls.data.pipeline`, which shards a rank reads in
+"""Where a batch is made, from the sampler to the device: the loader builders, :func:`collate_batch`, and
+:class:`DevicePrefetcher` handing each training batch over on the device, finished by :class:`DeviceStage`.
+What a sample is lives in :mod:`mlcls.data.pipeline`, which shards a rank reads in
 :mod:`mlcls.data.shards.loader`; those import nothing from here.
 """
 
@@ -87,10 +83,8 @@ _COLLATE_FNS = {**default_collate_fn_map, AugmentedImage: _collate_augmented, En
 
 
 def collate_batch(batch: list[Any]) -> Any:
-    """``torch.utils.data.default_collate`` that stacks :class:`AugmentedImage` pixels in their channels-last
-    memory (``default_collate`` would transpose every image on the way, ~10x slower) and makes an
-    ``EncodedBatch`` of ``data.backend=gpu``'s samples (their files in one uint8 tensor, in shared memory in a
-    worker)."""
+    """``default_collate`` that stacks :class:`AugmentedImage` pixels in their channels-last memory (not
+    transposed: ~10x faster) and ``data.backend=gpu``'s files in one uint8 tensor (:class:`EncodedBatch`)."""
     return collate(batch, collate_fn_map=_COLLATE_FNS)
 
 
@@ -123,10 +117,8 @@ class TrainBatches(Protocol):
 
 
 class ShardTrainLoader:
-    """The training loader of a :class:`ShardTrainSet` or its training view: a DataLoader over its
-    :class:`~mlcls.data.shards.loader.ShardStream` with :func:`loader_options`; ``sampler`` a
-    :class:`~mlcls.data.shards.loader.ShardSchedule` of ``workers`` streams (``trainer.workers``, before the
-    CPU cap)."""
+    """The training loader of a :class:`ShardTrainSet` or its view: a DataLoader over its ``ShardStream``;
+    ``sampler`` a ``ShardSchedule`` of ``workers`` streams (``trainer.workers``, before the CPU cap)."""
 
     def __init__(
         self,
@@ -169,13 +161,10 @@ def build_train_loader(
     with_index: bool = False,
 ) -> TrainBatches:
     """The training loader of ``data.backend``: ``batch_size`` samples per process drawn by a
-    :class:`ResumableSampler`, the incomplete last batch dropped. A DataLoader over the dataset's transform
-    (``fast``, ``torchvision``, ``gpu``); ``dali``: a :class:`~mlcls.data.pipeline.dali.DaliTrainLoader`
-    over a DataLoader of crop plans (the dataset's transform must be the :class:`FastTrainTransform` of
-    ``dataset.transform=paper``), 2 batches decoded ahead; a :class:`ShardTrainSet` (or its
-    view) gets its :class:`ShardTrainLoader` (the fast CPU stage decodes with ``dali``). ``with_index``:
-    each batch also holds the int64 (B,) positions of its samples in ``dataset`` (map-style datasets
-    without DALI only: the others are refused with one line)."""
+    :class:`ResumableSampler`, the incomplete last batch dropped; with ``dali`` a
+    :class:`~mlcls.data.pipeline.dali.DaliTrainLoader` over a DataLoader of crop plans; for a
+    :class:`ShardTrainSet` (or its view) its :class:`ShardTrainLoader`. ``with_index``: each batch also
+    holds the int64 (B,) positions of its samples in ``dataset`` (map-style datasets without DALI only)."""
     packed = isinstance(getattr(dataset, "source", dataset), ShardTrainSet)  # the shards, or their view
     if with_index and (packed or backend == "dali"):
         where = "dataset=shards" if packed else "data.backend=dali"
@@ -243,14 +232,11 @@ class EvalBatches:
 
 # ------------------------------------------------------------------ device
 class DeviceStage:
-    """Moves a batch to ``device`` and finishes it there: a float tensor is only copied; an
-    :class:`~mlcls.data.pipeline.gpu.EncodedBatch` is first decoded, cropped, resized and flipped
-    (:func:`~mlcls.data.pipeline.gpu.decode_on_device`), then finished as an :class:`AugmentedImage` batch,
-    which goes through :func:`colour_lighting_normalise` with ``batched`` and the
-    :class:`ColourConstants` of ``mean`` and ``std``, made on ``device`` once (``colour=False``: none, for
-    float batches only). Copies are ``non_blocking``; on CUDA nothing is read back to the host. The result
-    is channels_last when ``channels_last`` is set, contiguous otherwise.
-    """
+    """Moves a batch to ``device`` and finishes it there: a float tensor is only copied; an ``EncodedBatch``
+    is decoded there (:func:`~mlcls.data.pipeline.gpu.decode_on_device`), then, as an
+    :class:`AugmentedImage` batch, goes through :func:`colour_lighting_normalise` with the
+    :class:`ColourConstants` of ``mean`` and ``std``, made on ``device`` once (``colour=False``: none).
+    Copies are ``non_blocking``; on CUDA nothing is read back to the host."""
 
     def __init__(
         self,
@@ -289,11 +275,9 @@ class DeviceStage:
 class DevicePrefetcher:
     """The batches of ``loader`` finished by ``stage`` (:meth:`DeviceStage.finish`) on ``stage.device``:
     images float32 (B, 3, H, W), normalised, targets float32 (B, C); ``len()`` and ``sampler`` the loader's.
-
     On CUDA batch *i + 1* is fetched, copied and finished on a side stream while the caller's step *i* runs
-    on the current stream (which waits for the side stream before it receives a batch; the yielded tensors
-    are recorded on it so that their memory is not reused too early). On the CPU, batch by batch.
-    """
+    on the current stream (which waits for the side stream; the yielded tensors are recorded on it so that
+    their memory is not reused too early)."""
 
     def __init__(self, loader: Iterable, stage: DeviceStage) -> None:
         self.loader, self.stage, self.device = loader, stage, stage.device

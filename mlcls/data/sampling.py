@@ -1,10 +1,7 @@
 """Training randomness: a function of ``(seed, epoch, sample index)`` only, whatever the number of
-DataLoader workers, so that a run resumed mid-epoch sees exactly the batches it would have seen.
-
-:class:`ResumableSampler` draws the epoch's permutation from ``seed + epoch`` (``DistributedSampler``'s
-rule) and hands each index on with its :func:`sample_seed`, under which :class:`SeededSamples` runs the
-sample's augmentation (:func:`seeded_call`); :class:`RankSampler` gives each rank its share of an
-evaluation set, without padding. This module imports nothing of mlcls.
+DataLoader workers, so that a run resumed mid-epoch sees exactly the batches it would have seen: the epoch's
+permutation is drawn from ``seed + epoch`` (``DistributedSampler``'s rule), each sample's augmentation under
+its :func:`sample_seed`. This module imports nothing of mlcls.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Which samples of the training shards each rank and DataLoader worker reads every epoch
 (:class:`ShardSchedule`), and the worker-side stream (:class:`ShardStream`).
 
-**The order of an epoch.** A rank's range of samples (:mod:`mlcls.data.shards.datasets`) is cut into
-``streams`` contiguous blocks of whole batches (``streams`` = ``trainer.workers``, at least 1; the first
-blocks one batch more when it does not divide), each read front to back and shuffled in windows of
-``shuffle_buffer`` samples drawn from the seed, the epoch and the window's position. The rank's batch ``i`` is
-batch ``i // streams`` of block ``i % streams``: the order depends on ``(seed, epoch, rank, world_size,
-streams)`` only, not on the worker processes the CPUs allow, so a requeued job resumes exactly.
+A rank's range of samples is cut into ``streams`` (``trainer.workers``) contiguous blocks of whole batches,
+each read front to back and shuffled in windows of ``shuffle_buffer`` samples drawn from the seed, the epoch
+and the window's position. The rank's batch ``i`` is batch ``i // streams`` of block ``i % streams``: the
+order depends on ``(seed, epoch, rank, world_size, streams)`` only, not on the worker processes the CPUs
+allow, so a requeued job resumes exactly.
 
-**Workers.** torch's DataLoader asks its workers for batches in turn, worker 0 first at every iteration
+Workers: torch's DataLoader asks its workers for batches in turn, worker 0 first at every iteration
 (``_MultiProcessingDataLoaderIter``; pinned by ``tests/test_data_shards.py``): worker ``w`` of ``W`` serves
 the rank's batches ``start + w``, ``start + w + W``, ... and reads the blocks they come from (each block by
 one worker when ``W`` divides ``streams``; else the loader logs it once).
