@@ -8,7 +8,7 @@ objects a random crop would cut away).
 ``strong`` (the ASL / ML-Decoder recipe): train squash-resize -> :class:`CutoutPIL` -> the ``randaugment``
 package's RandAugment (1.0.2, ML-Decoder's); the ML-Decoder presets set mean 0 and std 1 (the
 released recipe feeds TResNet [0, 1] pixels). ``strong_timm``: ``strong`` with timm's RandAugment
-(:func:`timm_randaugment`), another policy, not the recipe's.
+(:data:`TIMM_RANDAUGMENT`), another policy, not the recipe's.
 ``light``, ``strong`` and ``strong_timm`` evaluate on a squash-resize (:data:`SQUASH_EVAL_KINDS`).
 
 Normalisation is ``(x - mean) / std`` per RGB channel on [0, 1] pixels (:func:`normalisation`). An image
@@ -145,18 +145,6 @@ if not hasattr(np, "int"):  # NumPy >= 1.24
     randaugment.randaugment.np = _NumpyWithInt("numpy")
 
 
-def timm_randaugment(image_size: int) -> Callable:
-    """timm's RandAugment (``rand_augment_transform``) with :data:`TIMM_RANDAUGMENT`, on PIL images of side
-    ``image_size``: translations up to 45 % of the side and the ImageNet mean colour filling what the
-    geometric operations uncover (timm's own settings for its training transforms), bilinear resampling."""
-    hparams = {
-        "translate_const": int(image_size * 0.45),
-        "img_mean": tuple(round(255 * channel) for channel in IMAGENET_MEAN),
-        "interpolation": Image.Resampling.BILINEAR,
-    }
-    return rand_augment_transform(TIMM_RANDAUGMENT, hparams)
-
-
 def normalisation(
     mean: Any = IMAGENET_MEAN, std: Any = IMAGENET_STD, owner: str = "dataset"
 ) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
@@ -209,9 +197,14 @@ def build_transform(
         return T.Compose([*steps, T.ToTensor(), Lighting(), normalize])
     elif kind == "light":
         steps = [T.Resize((image_size, image_size)), T.RandomHorizontalFlip()]
-    else:
-        # strong: ML-Decoder's train.py: per image 2 of 15 operations, each applied with probability 0.5 at a
-        # magnitude drawn from 1..9 (the package's 18,225 policies); from Python's and NumPy's generators.
-        randaug = randaugment.RandAugment() if kind == "strong" else timm_randaugment(image_size)
+    elif kind == "strong":
+        # ML-Decoder's train.py: per image 2 of 15 operations, each with probability 0.5 and a magnitude
+        # drawn from 1..9 (the package's 18,225 policies); from Python's and NumPy's generators.
+        steps = [T.Resize((image_size, image_size)), CutoutPIL(CUTOUT_FACTOR), randaugment.RandAugment()]
+    else:  # strong_timm, with timm's settings for its training transforms
+        fill = tuple(round(255 * channel) for channel in IMAGENET_MEAN)  # what geometric operations uncover
+        bilinear = Image.Resampling.BILINEAR
+        hparams = {"translate_const": int(image_size * 0.45), "img_mean": fill, "interpolation": bilinear}
+        randaug = rand_augment_transform(TIMM_RANDAUGMENT, hparams)
         steps = [T.Resize((image_size, image_size)), CutoutPIL(CUTOUT_FACTOR), randaug]
     return T.Compose([*steps, T.ToTensor(), normalize])
