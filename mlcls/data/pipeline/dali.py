@@ -1,12 +1,9 @@
-"""Optional NVIDIA DALI backend (``data.backend=dali``): JPEG decoding, crop and resize on the GPU.
+"""Optional NVIDIA DALI backend (``data.backend=dali``, ``pip install 'mlcls[dali]'``, CUDA only).
 
-``pip install 'mlcls[dali]'`` on a CUDA machine (else :func:`require_dali` raises one line). DataLoader
-workers read each file through the dataset's reading path (``dataset.on_bad_image`` applies) and draw the
-sample's crop window, flip and colour parameters under its seed with the fast pipeline's calls in its order
-(:class:`CropPlans`); DALI decodes only the window (nvJPEG), resizes and flips it (:func:`_build_pipeline`,
-no random operator: resume stays exact), 2 batches ahead (:func:`_build_pipeline`); the trainer's
-:class:`mlcls.data.loader.DeviceStage` does colour, lighting and normalisation. The same graph runs with CPU
-operators, which is how the tests check it without a GPU.
+DataLoader workers read each file through the dataset (``dataset.on_bad_image`` applies) and draw its crop
+window, flip and colour parameters with the fast pipeline's calls (:class:`CropPlans`); DALI decodes the
+window, resizes and flips it (:func:`_build_pipeline`, no random operator: resume stays exact); the
+:class:`mlcls.data.loader.DeviceStage` does the rest. The tests run the same graph with CPU operators.
 """
 
 from __future__ import annotations
@@ -189,14 +186,11 @@ def _build_pipeline(
     device_id: int | None = 0,
     prefetch_depth: int = 2,
 ) -> Any:
-    """DALI graph: encoded bytes + (x, y, w, h) window + flip flag -> uint8 (size, size, 3) images.
-
-    ``source()`` gives the next batch: B uint8 (N,) file contents, B float32 (4,) windows in pixels and B
-    int32 flip flags; it raises ``StopIteration`` at the end of an epoch, after which ``pipeline.run()``
-    hands out the batches still scheduled, then raises ``StopIteration`` until ``pipeline.reset()``.
-    ``device="gpu"``: nvJPEG (``mixed``) and GPU operators on GPU ``device_id``; ``"cpu"``: the same
-    operators on the CPU. Decoding ignores EXIF orientation, as the other backends do.
-    """
+    """DALI graph: encoded bytes + (x, y, w, h) window + flip flag -> uint8 (size, size, 3) images, on GPU
+    ``device_id`` (``device="gpu"``, nvJPEG) or the CPU, ``prefetch_depth`` batches ahead. ``source()`` gives
+    the next batch: B uint8 (N,) files, B float32 (4,) windows, B int32 flips; it raises ``StopIteration`` at
+    the end of an epoch, after which ``pipeline.run()`` hands out the batches still scheduled, then raises
+    ``StopIteration`` until ``pipeline.reset()``. EXIF orientation is ignored, as by the other backends."""
     from nvidia.dali import fn, types
 
     if device not in DECODER_DEVICES:

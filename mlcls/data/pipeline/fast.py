@@ -1,16 +1,8 @@
-"""The fast training pipeline (``data.backend=fast``): the ``paper`` augmentation of
-:func:`~mlcls.data.pipeline.transforms.build_transform` (RandomResizedCrop -> flip -> ColorJitter(0.4, 0.4,
-0.4) -> tensor -> PCA lighting 0.1 -> normalisation), split in two stages:
-
-* **CPU stage**, :class:`FastTrainTransform`, in the DataLoader worker: decode (at 1/2, 1/4 or 1/8 scale when
-  the crop, chosen from the header, allows it), crop-and-resize, flip; uint8 (3, H, W), with the sample's
-  colour parameters as a (9,) tensor.
-* **device stage**, :func:`colour_lighting_normalise`, run by :class:`mlcls.data.loader.DeviceStage` on the
-  batch on the training device.
-
-Every random number is drawn in the CPU stage from torch's generator, by the plain pipeline's torchvision
-calls in its order: under one seed both pipelines pick the same crop, flip, jitter and lighting, and the
-augmentation is a function of the sample's seed alone (docs/performance.md, "The fast input pipeline").
+"""The fast training pipeline (``data.backend=fast``): the ``paper`` augmentation split into a CPU stage
+(:class:`FastTrainTransform`: decode, at reduced scale where the crop allows, crop, resize, flip; uint8, with
+the colour parameters drawn) and a device stage (:func:`colour_lighting_normalise`). Every random number is
+drawn in the CPU stage by the plain pipeline's torchvision calls in its order: under one seed both pipelines
+pick the same augmentation (docs/performance.md, "The fast input pipeline").
 """
 
 from __future__ import annotations
@@ -140,10 +132,9 @@ def pil_to_pixels(image: Image.Image) -> Tensor:
 
 
 def resized_crop(image: Tensor | Image.Image, region: Box, size: int) -> Tensor:
-    """uint8 (3, size, size), channels-last: ``region`` of ``image`` resized bilinearly, antialiased when
-    shrinking (PIL's ``BILINEAR``). A tensor (region in whole pixels) goes through torch's uint8 kernel,
-    several times faster than PIL's and fastest on a channels-last copy of the crop; a PIL image (fractional
-    region) through PIL's."""
+    """uint8 (3, size, size), channels-last: ``region`` of ``image`` resized as PIL's ``BILINEAR`` does, by
+    torch's uint8 kernel for a tensor (several times faster, fastest on a channels-last copy of the crop),
+    by PIL for a PIL image (whose region may be fractional)."""
     if isinstance(image, Image.Image):
         return pil_to_pixels(image.resize((size, size), Image.Resampling.BILINEAR, box=region))
     left, top, right, bottom = (int(v) for v in region)
@@ -173,10 +164,8 @@ class FastTrainTransform:
         return self.decode_bytes(read_image_bytes(path), box)
 
     def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedCrop:
-        """Choose the random crop (inside ``box``, clamped as the datasets clamp it) from the header, then
-        decode at the largest reduction the crop allows, else at full size (libjpeg-turbo for JPEGs; PIL for
-        the rest and for damaged JPEGs). A shape the datasets refuse (:func:`check_aspect_ratio`) is refused
-        before decoding."""
+        """Choose the random crop (inside ``box``) from the header, refusing what the datasets refuse, then
+        decode at the largest reduction the crop allows (libjpeg-turbo at full size for JPEGs; PIL else)."""
         width, height, jpeg = image_header(data)
         left, top, right, bottom = (0, 0, width, height) if box is None else crop_box(box, width, height)
         check_aspect_ratio(right - left, bottom - top)  # the image the datasets refuse, refused alike
@@ -246,8 +235,6 @@ class GpuTrainTransform:
         return planned._replace(window=(left + j, top + i, w, h))
 
     def __call__(self, image: PlannedJpeg | PlannedCrop | Image.Image) -> EncodedImage:
-        """An :class:`EncodedImage`: of a :class:`PlannedJpeg` for the device, or of the fast pipeline's
-        output for anything else (its ``PlannedCrop``, a PIL image)."""
         if not isinstance(image, PlannedJpeg):
             return encoded_image(*self.fast(image), self.size)  # its (pixels, params)
         flip, params = self.fast.flip_and_colour()
@@ -259,10 +246,9 @@ class GpuTrainTransform:
 
 @dataclass(frozen=True)
 class ColourConstants:
-    """The constant tensors of the device stage, on one device: the PCA lighting basis ``eigval`` (3,) and
-    ``eigvec`` (3, 3), the normalisation ``mean`` (3,) and ``inv_std`` (1, 3, 1, 1), and the luma weights
-    ``gray_weight`` (1, 3, 1, 1) (:data:`GRAY_WEIGHTS`). Made once per ``DeviceStage``, so that no
-    step copies them from the host (a blocking copy on CUDA)."""
+    """The device stage's constants on one device, made once so that no step copies them from the host (a
+    blocking copy on CUDA): ``eigval`` (3,), ``eigvec`` (3, 3), ``mean`` (3,), ``inv_std`` (1, 3, 1, 1),
+    ``gray_weight`` (1, 3, 1, 1) (:data:`GRAY_WEIGHTS`)."""
 
     eigval: Tensor
     eigvec: Tensor
@@ -296,10 +282,8 @@ def colour_lighting_normalise(
 
     Each jitter step is torchvision's float blend ``clamp(f * x + (1 - f) * g, 0, 1)`` with g = 0
     (brightness), the mean grey level of the image (contrast) or its grey image (saturation); then
-    ``x + eigvec @ (alpha * eigval)`` (no clamp, as :class:`~mlcls.data.pipeline.transforms.Lighting`) and
-    ``(x - mean) / std``, fused into ``x * scale + shift``. ``batched`` (default on CUDA): every step on all
-    images, nothing read back to the host (no sync); else image by image, each in the CPU cache, each step
-    computing only what its operation needs.
+    ``x + eigvec @ (alpha * eigval)`` (no clamp, as ``Lighting``) and ``(x - mean) / std``, fused. ``batched``
+    (default on CUDA): all images at once, no host sync; else image by image, each step only as needed.
     """
     device = pixels.device
     c = ColourConstants.on(device) if constants is None else constants
@@ -359,10 +343,9 @@ def build_backend_transform(
     mean: Sequence[float] | None = IMAGENET_MEAN,
     std: Sequence[float] | None = IMAGENET_STD,
 ) -> Callable:
-    """The dataset transform of ``data.backend``: for the ``paper`` training augmentation the fast CPU stage
-    (``fast``; ``dali``, whose loader takes it over) or :class:`GpuTrainTransform` (``gpu``); with ``gpu``,
-    :class:`GpuEvalTransform` for every evaluation; else :func:`build_transform`'s, normalised with ``mean``
-    and ``std`` (checked whatever it returns)."""
+    """The dataset transform of ``data.backend``: the fast CPU stage (``fast``, ``dali``) or
+    :class:`GpuTrainTransform` for the ``paper`` training augmentation; :class:`GpuEvalTransform` for
+    ``gpu``'s evaluation; else :func:`build_transform`'s. ``mean`` and ``std`` are checked in every case."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown data.backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     mean, std = normalisation(mean, std)

@@ -1,16 +1,11 @@
 """The GPU input pipeline (``data.backend=gpu``): JPEGs decoded, cropped and resized on the training device.
 
-DataLoader workers (:class:`GpuTrainTransform`, :class:`GpuEvalTransform`) read each file and plan it: the
-crop window, flip and colour parameters are the fast pipeline's draws, in its order, under the sample's seed
-(exact resume). The device (:func:`decode_on_device`, run by :class:`mlcls.data.loader.DeviceStage`) decodes
-the batch in chunks of at most :data:`DECODE_PIXELS` pixels (nvJPEG on CUDA, libjpeg-turbo on the CPU),
-gathers the windows into one zero-padded tensor and resizes them by two batched matrix products with the
-antialiased bilinear weights of torch's and PIL's resize (:func:`resize_weights`): no launch per image.
-Evaluation takes the same path with the ``paper`` evaluation's resize and centre crop as the weights.
-
-A file the device does not take from its header (another format, a JPEG that is not baseline YCbCr, one
-cut short, over :data:`MAX_DEVICE_PIXELS` pixels) takes the fast pipeline's CPU path in the worker; a JPEG
-whose damage only decoding finds is decoded again image by image, then by PIL (docs/performance.md).
+DataLoader workers plan each file with the fast pipeline's draws (exact resume); the device
+(:func:`decode_on_device`) decodes the batch in chunks of at most :data:`DECODE_PIXELS` pixels, gathers the
+windows into one zero-padded tensor and resizes them by two batched matrix products (:func:`resize_weights`):
+no launch per image. A file the device does not take from its header takes the fast pipeline's CPU path in
+the worker; one whose damage only decoding finds is decoded again one by one, then by PIL
+(docs/performance.md, "JPEGs decoded on the GPU").
 """
 
 from __future__ import annotations
@@ -127,9 +122,7 @@ def frame_marker(data: bytes) -> int | None:
 
 def device_jpeg_size(data: bytes) -> tuple[int, int] | None:
     """``(width, height)`` of a file the device decodes: a baseline YCbCr JPEG of a subsampling of
-    :data:`DEVICE_SUBSAMPLINGS`, with an end-of-image marker after its last scan, of at most
-    :data:`MAX_DEVICE_PIXELS` pixels (and within ``check_pixels``'s limit); None for any other file (the
-    CPU path decides what it is)."""
+    :data:`DEVICE_SUBSAMPLINGS`, not cut short, of at most :data:`MAX_DEVICE_PIXELS` pixels; else None."""
     try:
         height, width, colorspace, subsampling = simplejpeg.decode_jpeg_header(data)
     except ValueError:
@@ -143,9 +136,8 @@ def device_jpeg_size(data: bytes) -> tuple[int, int] | None:
 
 
 def plan_window(data: bytes, box: Box | None) -> PlannedJpeg | None:
-    """The :class:`PlannedJpeg` of ``data`` with its window the sample's box clamped to the image (the whole
-    image without one), refused as the datasets refuse it (:func:`check_aspect_ratio`); None when the
-    device does not take the file."""
+    """The :class:`PlannedJpeg` of ``data``, its window the sample's ``box`` clamped to the image (refused as
+    the datasets refuse it), or the image; None when the device does not take the file."""
     size = device_jpeg_size(data)
     if size is None:
         return None

@@ -54,10 +54,9 @@ def preprocess_spec(dataset_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_spec(spec: Mapping[str, Any]) -> None:
-    """Raise :class:`InferenceError` unless ``spec`` has every key of :data:`SPEC_KEYS` with a value of its
-    range: a known transform, sizes (an int, or ``[h, w]`` for ``resize`` and ``crop``; ``crop`` may be
-    null) of 1 to :data:`MAX_SIDE` pixels, a torchvision interpolation mode; ``mean`` and ``std`` are
-    checked by :func:`~mlcls.data.pipeline.transforms.normalisation` (a :class:`ConfigError`)."""
+    """Raise :class:`InferenceError` unless ``spec`` has every key of :data:`SPEC_KEYS` in its range: a known
+    transform, sizes of 1 to :data:`MAX_SIDE` pixels (``[h, w]`` too for ``resize`` and ``crop``, which may
+    be null), a torchvision interpolation mode; ``mean`` and ``std`` as :func:`normalisation` checks them."""
     missing = [key for key in SPEC_KEYS if key not in spec]
     if missing:
         raise InferenceError(

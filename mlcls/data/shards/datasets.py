@@ -1,18 +1,13 @@
 """Training and evaluation from packed shards (``dataset=shards``), as ``mlcls-data pack`` writes them.
 
-**Training** (:class:`ShardTrainSet`, loaded by :class:`mlcls.data.loader.ShardTrainLoader`): every epoch
-the shards are put in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut into
-contiguous ranges of ``per_rank = floor(N / (world_size * batch)) * batch`` samples, one per rank
-(``DistributedSampler``'s ``drop_last`` count), read in shuffled blocks (:mod:`mlcls.data.shards.loader`).
-Each sample's augmentation runs under ``sample_seed(seed, epoch, key)``, ``key`` its index in the source
-split, for which the observed-label regime also draws: the shards train on the labels the source would.
-
-**Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
-and served as a map-style dataset (``RankSampler`` applies unchanged).
-
-Opening a split checks, cheaply, the format, the sidecars' sha256, the labels' shape and, for local shards,
-each file's size; the validation shards' label rows are compared with their sidecar's. ``mlcls-data verify``
-reads everything.
+**Training** (:class:`ShardTrainSet`): every epoch the shards are put in an order drawn from ``seed +
+epoch``; their concatenation, ``N`` samples, is cut into contiguous ranges of ``per_rank = floor(N /
+(world_size * batch)) * batch`` samples, one per rank (``DistributedSampler``'s ``drop_last`` count), read in
+shuffled blocks (:mod:`mlcls.data.shards.loader`). A sample's augmentation and observed labels are drawn for
+``key``, its index in the source split: the shards train on what the source would.
+**Evaluation** (:class:`ShardEvalSet`): the validation shards read once into one byte buffer, a map-style
+dataset. Opening a split checks what is cheap (format, sidecar hashes, shapes, local shard sizes);
+``mlcls-data verify`` reads everything.
 """
 
 from __future__ import annotations
