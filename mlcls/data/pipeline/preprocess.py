@@ -1,7 +1,5 @@
-"""The evaluation preprocessing of a trained model, as a JSON-ready dict that travels with the checkpoint.
-
-A *preprocess spec* describes, without any dataset config, how an image must be turned into the network's
-input tensor -- exactly the evaluation transform of :mod:`mlcls.data.pipeline.transforms`::
+"""The evaluation transform of a trained model (:mod:`mlcls.data.pipeline.transforms`) as a JSON-ready
+*preprocess spec* that travels with the checkpoint, needing no dataset config::
 
     {"transform": "paper", "image_size": 224, "resize": 256, "crop": 224, "interpolation": "bilinear",
      "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}

@@ -11,11 +11,8 @@ released recipe feeds TResNet [0, 1] pixels). ``strong_timm``: ``strong`` with t
 (:data:`TIMM_RANDAUGMENT`), another policy, not the recipe's.
 ``light``, ``strong`` and ``strong_timm`` evaluate on a squash-resize (:data:`SQUASH_EVAL_KINDS`).
 
-Normalisation is ``(x - mean) / std`` per RGB channel on [0, 1] pixels (:func:`normalisation`). An image
-whose long side exceeds :data:`MAX_ASPECT_RATIO` times its short side is a bad image
-(:func:`check_aspect_ratio`).
-The transforms draw from torch's CPU generator, Python's ``random`` and NumPy's, which
-:func:`mlcls.data.sampling.seeded_call` seeds per sample (exact resume).
+Normalisation: ``(x - mean) / std`` per RGB channel on [0, 1] pixels (:func:`normalisation`). Random draws
+come from torch's, Python's and NumPy's generators, all three seeded per sample by ``seeded_call``.
 """
 
 from __future__ import annotations

@@ -107,16 +107,10 @@ def open_shards(
     transform: Callable | None = None,
     **config_keys: Any,
 ) -> ShardTrainSet | ShardEvalSet:
-    """The ``split`` (``train`` or ``val``) of packed shards (``dataset=shards``; keys explained in
-    ``configs/dataset/shards.yaml``): a :class:`ShardTrainSet` or a :class:`ShardEvalSet`.
-
-    Args:
-        urls: the training shards, a brace pattern or a list; None: every training shard of the manifest.
-        val_urls: the validation shards; None: every val shard of the manifest, in the folder of ``urls``
-            (required with ``pipe:`` URLs), or in the manifest's folder.
-        meta: folder or URL prefix of the sidecar files; None: ``root``, or the folder of the first
-            training shard (required with ``pipe:`` URLs).
-    """
+    """The ``split`` (``train`` or ``val``) of packed shards (``dataset=shards``; its keys are explained in
+    ``configs/dataset/shards.yaml``): a :class:`ShardTrainSet` or a :class:`ShardEvalSet`. Without
+    ``val_urls``, every val shard of the manifest, in the folder of ``urls`` (required with ``pipe:`` URLs)
+    or of the manifest."""
     check_choice("split", split, ROLES)
     index = ShardIndex(config_meta(root, urls, meta))
     if split == "train":
