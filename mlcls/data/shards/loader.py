@@ -7,10 +7,9 @@ and the window's position. The rank's batch ``i`` is batch ``i // streams`` of b
 order depends on ``(seed, epoch, rank, world_size, streams)`` only, not on the worker processes the CPUs
 allow, so a requeued job resumes exactly.
 
-Workers: torch's DataLoader asks its workers for batches in turn, worker 0 first at every iteration
-(``_MultiProcessingDataLoaderIter``; pinned by ``tests/test_data_shards.py``): worker ``w`` of ``W`` serves
-the rank's batches ``start + w``, ``start + w + W``, ... and reads the blocks they come from (each block by
-one worker when ``W`` divides ``streams``; else the loader logs it once).
+Workers: torch's DataLoader asks its workers for batches in turn from worker 0 (pinned by
+``tests/test_data_shards.py``): worker ``w`` of ``W`` serves the rank's batches ``start + w``, ``start + w +
+W``, ... and reads the blocks they come from (one worker a block when ``W`` divides ``streams``).
 """
 
 from __future__ import annotations

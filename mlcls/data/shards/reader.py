@@ -1,10 +1,7 @@
-"""Reading packed shards (the layout of :mod:`mlcls.data.shards.pack`): opening a shard URL (a local path,
-or ``http(s)://`` and ``pipe:`` commands through ``webdataset``'s ``gopen``), streaming its samples checked
-member by member, :class:`ShardIndex` (a pack's manifest, classes and label sidecars, checked against what
-they record), and :func:`verify_pack` (``mlcls-data verify DIR``: every byte checked against the manifest).
-
-Names read from a manifest are data, never commands: each must be a plain file name (:data:`FILE_NAME`), is
-read from the manifest's own folder, and is never written into a ``pipe:`` command.
+"""Reading packed shards (:mod:`mlcls.data.shards.pack`): shard URLs (paths, or ``http(s)://`` and ``pipe:``
+through ``webdataset``'s ``gopen``) streamed and checked member by member, :class:`ShardIndex` (a pack's
+sidecars, checked against the manifest) and :func:`verify_pack` (``mlcls-data verify``: every byte). Names
+read from a manifest are data, never commands: plain file names (:data:`FILE_NAME`), never in a ``pipe:``.
 """
 
 from __future__ import annotations
