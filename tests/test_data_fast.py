@@ -223,11 +223,12 @@ def test_collate_batch_stacks_channels_last_and_equals_default_collate(jpegs):
 
 
 def test_draft_reduction_keeps_at_least_the_output_size():
-    assert draft_reduction(447, 900, 224) == 1
-    assert draft_reduction(448, 448, 224) == 2
-    assert draft_reduction(900, 1000, 224) == 4
-    assert draft_reduction(1792, 1800, 224) == 8
-    assert draft_reduction(5000, 5000, 224) == 8
+    assert draft_reduction(447, 900, 224, 224) == 1
+    assert draft_reduction(448, 448, 224, 224) == 2
+    assert draft_reduction(900, 1000, 224, 224) == 4
+    assert draft_reduction(1792, 1800, 224, 224) == 8
+    assert draft_reduction(5000, 5000, 224, 224) == 8
+    assert draft_reduction(900, 1000, 224, 300) == 2  # each side against its own output side
 
 
 def _reference_device_stage(

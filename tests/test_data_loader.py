@@ -38,7 +38,7 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def two_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process may run on 2 CPUs; the once-per-process log record is reset."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    batches._log_worker_cap.cache_clear()
+    batches._log_once.cache_clear()
 
 
 def test_builders_pin_memory_and_keep_workers_on_cuda(photos):

@@ -31,9 +31,8 @@ from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.data.loader import ShardTrainLoader, build_eval_loader
 from mlcls.data.shards import pack as pack_module
 from mlcls.data.shards.datasets import ShardTrainSet, open_shards
-from mlcls.data.shards.encode import encode_jpeg, packed_image
 from mlcls.data.shards.loader import ShardSchedule, ShardStream
-from mlcls.data.shards.pack import labels_file, pack_split
+from mlcls.data.shards.pack import encode_jpeg, labels_file, pack_split, packed_image
 from mlcls.data.shards.reader import iter_shard
 from mlcls.data.shards.tario import npy_array, tar_files
 

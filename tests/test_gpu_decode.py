@@ -26,7 +26,7 @@ from mlcls.data.loader import (
     collate_batch,
 )
 from mlcls.data.pipeline import gpu
-from mlcls.data.pipeline.fast import FastTrainTransform, build_backend_transform
+from mlcls.data.pipeline.fast import FastTrainTransform, GpuTrainTransform, build_backend_transform
 from mlcls.data.pipeline.gpu import (
     FLIP,
     HEIGHT,
@@ -35,7 +35,6 @@ from mlcls.data.pipeline.gpu import (
     WIDTH,
     EncodedBatch,
     GpuEvalTransform,
-    GpuTrainTransform,
     chunks,
     decode_on_device,
 )

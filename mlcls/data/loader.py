@@ -1,22 +1,7 @@
-"""Where a batch is made, from the sampler to the device: the one module of the batch path.
-
-* **Samplers** (:mod:`mlcls.data.sampling`): :class:`~mlcls.data.sampling.ResumableSampler` for training,
-  :class:`~mlcls.data.sampling.RankSampler` for evaluation, each sample drawn under its own seed.
-* **DataLoaders.** :func:`build_train_loader` (the ``fast``/``torchvision`` DataLoader, the DALI loader of
-  :mod:`mlcls.data.pipeline.dali`, or :class:`ShardTrainLoader` over packed tar shards) and
-  :func:`build_eval_loader`, with the options of :func:`training_loader_options`: batches collated by
-  :func:`collate_batch`, workers capped at the CPUs this process may use (:func:`loader_workers`), pinned
-  memory and persistent workers on CUDA.
-* **Device.** :class:`DevicePrefetcher` hands each training batch over on the device, finished by the
-  :class:`DeviceStage` (the fast pipeline's colour work, :func:`~mlcls.data.pipeline.fast.
-  colour_lighting_normalise`; with ``data.backend=gpu`` first the decoding, cropping and resizing of
-  :func:`~mlcls.data.pipeline.gpu.decode_on_device`), its copy overlapped with the previous step on CUDA.
-  The stage runs here only: the trainer's step receives finished batches, and evaluation batches come
-  on the device too (:class:`EvalBatches`).
-
-What a sample is (the per-sample CPU transform, the batched colour math) lives in :mod:`mlcls.data.pipeline`;
-which samples a rank reads from tar shards in :mod:`mlcls.data.shards.loader`. The imports run one way:
-those import nothing from here.
+"""Where a batch is made, from the sampler to the device: the loader builders, :func:`collate_batch`, and
+:class:`DevicePrefetcher` handing each training batch over on the device, finished by :class:`DeviceStage`.
+What a sample is lives in :mod:`mlcls.data.pipeline`, which shards a rank reads in
+:mod:`mlcls.data.shards.loader`; those import nothing from here.
 """
 
 from __future__ import annotations
@@ -40,7 +25,6 @@ from mlcls.data.pipeline.fast import (
     ColourConstants,
     FastTrainTransform,
     colour_lighting_normalise,
-    normalise,
 )
 from mlcls.data.pipeline.gpu import SIZE, EncodedBatch, EncodedImage, GpuEvalTransform, decode_on_device
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, normalisation
@@ -64,15 +48,12 @@ def available_cpus() -> int:
 
 
 def loader_workers(requested: int) -> int:
-    """``requested`` DataLoader workers (``trainer.workers``), at most :func:`available_cpus`.
-
-    More workers than CPUs only compete for them (torch warns about it for every loader); the cap is
-    logged once per process.
-    """
+    """``requested`` DataLoader workers (``trainer.workers``), at most :func:`available_cpus`: more only
+    compete for them. The cap is logged once per process."""
     cpus = available_cpus()
     if requested <= cpus:
         return requested
-    _log_worker_cap(requested, cpus)
+    _log_once("DataLoader workers capped at the %d CPUs this process may use (%d requested)", cpus, requested)
     return cpus
 
 
@@ -102,33 +83,31 @@ _COLLATE_FNS = {**default_collate_fn_map, AugmentedImage: _collate_augmented, En
 
 
 def collate_batch(batch: list[Any]) -> Any:
-    """``torch.utils.data.default_collate`` that stacks :class:`AugmentedImage` pixels in their
-    channels-last memory: (B, 3, H, W) viewing (B, H, W, 3) memory. ``default_collate`` would transpose
-    every image into (3, H, W) memory on the way, ~10x slower than the plain stack (and into shared memory
-    in a DataLoader worker, as ``default_collate``). ``data.backend=gpu``'s samples make an ``EncodedBatch``:
-    their files one after the other in one uint8 tensor (shared memory in a worker), CPU-path pixels stacked.
-    """
+    """``default_collate`` that stacks :class:`AugmentedImage` pixels in their channels-last memory (not
+    transposed: ~10x faster) and ``data.backend=gpu``'s files in one uint8 tensor (:class:`EncodedBatch`)."""
     return collate(batch, collate_fn_map=_COLLATE_FNS)
 
 
-def training_loader_options(workers: int, device: torch.device) -> dict[str, Any]:
-    """The DataLoader options of a training loader of ``workers`` capped processes (:func:`loader_workers`)
-    feeding ``device``: batches collated by :func:`collate_batch`, pinned memory on CUDA, persistent workers
-    each keeping :data:`PREFETCH_FACTOR` batches ready."""
+def loader_options(
+    workers: int, device: torch.device, prefetch: int | None = PREFETCH_FACTOR
+) -> dict[str, Any]:
+    """The DataLoader options of ``workers`` capped processes (:func:`loader_workers`) feeding ``device``:
+    batches collated by :func:`collate_batch`, pinned memory on CUDA, persistent workers each keeping
+    ``prefetch`` batches ready (None: torch's default)."""
     workers = loader_workers(workers)
     return {
         "num_workers": workers,
         "pin_memory": device.type == "cuda",
         "collate_fn": collate_batch,
         "persistent_workers": workers > 0,
-        "prefetch_factor": PREFETCH_FACTOR if workers > 0 else None,
+        "prefetch_factor": prefetch if workers > 0 else None,
     }
 
 
 class TrainBatches(Protocol):
-    """What :func:`build_train_loader` returns: an iterable of ``(images, targets)`` batches (``(images,
-    targets, indices)`` when built ``with_index``) with a length and a ``sampler`` with ``set_epoch(epoch)``
-    and ``set_start(samples)`` (a :class:`ResumableSampler`, or the ``ShardSchedule`` of packed shards)."""
+    """What :func:`build_train_loader` returns: ``(images, targets)`` batches (``(images, targets, indices)``
+    when built ``with_index``), a length and a ``sampler`` with ``set_epoch(epoch)`` and
+    ``set_start(samples)``."""
 
     sampler: Any
 
@@ -138,12 +117,8 @@ class TrainBatches(Protocol):
 
 
 class ShardTrainLoader:
-    """The training loader of a :class:`ShardTrainSet` or its training view (whose ``make_sample`` shows the
-    observed-label regime), what :func:`build_train_loader` returns for one:
-    ``len()`` batches of ``batch_size`` per epoch, ``sampler`` a :class:`mlcls.data.shards.loader.
-    ShardSchedule` of ``workers`` streams (``trainer.workers``, before the CPU cap); a DataLoader over its
-    :class:`~mlcls.data.shards.loader.ShardStream` with :func:`training_loader_options`, so its batches are
-    the map-style loader's."""
+    """The training loader of a :class:`ShardTrainSet` or its view: a DataLoader over its ``ShardStream``;
+    ``sampler`` a ``ShardSchedule`` of ``workers`` streams (``trainer.workers``, before the CPU cap)."""
 
     def __init__(
         self,
@@ -157,9 +132,14 @@ class ShardTrainLoader:
     ) -> None:
         self.batch_size = batch_size
         self.sampler = ShardSchedule(dataset.shard_sizes, batch_size, rank, world_size, seed, streams=workers)
-        options = training_loader_options(workers, device)
+        options = loader_options(workers, device)
         if options["num_workers"] and self.sampler.streams % options["num_workers"]:
-            _log_uneven_streams(options["num_workers"], self.sampler.streams)
+            _log_once(
+                "dataset=shards: %d DataLoader workers share %d read streams (trainer.workers); each reads "
+                "the shards of several streams (the sample order is the same)",
+                options["num_workers"],
+                self.sampler.streams,
+            )
         self.loader = DataLoader(ShardStream(dataset, self.sampler), batch_size=batch_size, **options)
 
     def __len__(self) -> int:
@@ -178,27 +158,13 @@ def build_train_loader(
     seed: int,
     device: torch.device,
     backend: str,
-    dali_prefetch: int = 2,
     with_index: bool = False,
 ) -> TrainBatches:
-    """The training loader of ``data.backend``: ``batch_size`` samples per process, shuffled by a
-    :class:`ResumableSampler` (``loader.sampler.set_epoch(epoch)`` every epoch, ``set_start(samples)`` to
-    resume mid-epoch), the incomplete last batch dropped; ``len(loader)`` batches per epoch.
-
-    ``backend`` ``"fast"`` or ``"torchvision"``: a DataLoader over the dataset's own transform, with
-    :func:`training_loader_options`. ``"dali"``: a :class:`mlcls.data.pipeline.dali.DaliTrainLoader` (the
-    dataset's transform must be the :class:`FastTrainTransform` that ``build_dataset(..., backend="dali")``
-    gives with ``dataset.transform=paper``) over a DataLoader of crop plans, keeping ``dali_prefetch``
-    batches decoded ahead on the GPU. Batches come on the host (DALI: pixels on the GPU);
-    :class:`DevicePrefetcher` finishes them.
-
-    A :class:`ShardTrainSet` (``dataset=shards``; with ``dali`` the fast CPU stage decodes), or its training
-    view, gets its :class:`ShardTrainLoader`: the same interface, its ``sampler`` a ``ShardSchedule``.
-
-    ``with_index``: each batch also holds the int64 (B,) positions of its samples in ``dataset``, as its
-    third element (the ``fast`` and ``torchvision`` backends over a map-style dataset; the shard and DALI
-    loaders are refused with one line).
-    """
+    """The training loader of ``data.backend``: ``batch_size`` samples per process drawn by a
+    :class:`ResumableSampler`, the incomplete last batch dropped; with ``dali`` a
+    :class:`~mlcls.data.pipeline.dali.DaliTrainLoader` over a DataLoader of crop plans; for a
+    :class:`ShardTrainSet` (or its view) its :class:`ShardTrainLoader`. ``with_index``: each batch also
+    holds the int64 (B,) positions of its samples in ``dataset`` (map-style datasets without DALI only)."""
     packed = isinstance(getattr(dataset, "source", dataset), ShardTrainSet)  # the shards, or their view
     if with_index and (packed or backend == "dali"):
         where = "dataset=shards" if packed else "data.backend=dali"
@@ -209,7 +175,7 @@ def build_train_loader(
     if packed:
         return ShardTrainLoader(dataset, batch_size, workers, rank, world_size, seed, device)
     sampler = ResumableSampler(dataset, world_size, rank, seed)
-    options = training_loader_options(workers, device)
+    options = loader_options(workers, device)
     if backend == "dali":
         transform = getattr(dataset, "transform", None)
         if not isinstance(transform, FastTrainTransform):
@@ -219,7 +185,7 @@ def build_train_loader(
         plans = SeededSamples(CropPlans(dataset, transform))
         options.update(pin_memory=False, collate_fn=collate_plans)  # the graph reads the plans on the host
         plan_loader = DataLoader(plans, batch_size=batch_size, sampler=sampler, drop_last=True, **options)
-        return DaliTrainLoader(plan_loader, transform.size, device, dali_prefetch)
+        return DaliTrainLoader(plan_loader, transform.size, device)
     return DataLoader(
         SeededSamples(dataset, with_index), batch_size=batch_size, sampler=sampler, drop_last=True, **options
     )
@@ -234,21 +200,12 @@ def build_eval_loader(
     device: torch.device,
     channels_last: bool = False,
 ) -> EvalBatches:
-    """Ordered loader over this rank's share (see :class:`RankSampler`), workers capped by
-    :func:`loader_workers` and persistent (evaluation runs every ``trainer.eval_every`` epochs), pinned
-    memory when ``device`` is CUDA, batches collated by :func:`collate_batch`; its images come on
-    ``device`` (:class:`EvalBatches`), in channels_last layout when ``channels_last`` is set. A dataset
-    whose transform is ``data.backend=gpu``'s evaluation transform has its images decoded and normalised
-    there, with the transform's mean and std."""
-    workers = loader_workers(workers)
+    """Ordered loader over this rank's share (:class:`RankSampler`) with :func:`loader_options` (persistent
+    workers: evaluation runs every ``trainer.eval_every`` epochs), its images on ``device``
+    (:class:`EvalBatches`; decoded and normalised there with ``data.backend=gpu``'s evaluation transform)."""
+    sampler = RankSampler(len(dataset), rank, world_size)
     loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=RankSampler(len(dataset), rank, world_size),
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=workers > 0,
-        collate_fn=collate_batch,
+        dataset, batch_size=batch_size, sampler=sampler, **loader_options(workers, device, None)
     )
     while isinstance(dataset, Subset):  # trainer.limit_val_batches
         dataset = dataset.dataset
@@ -259,9 +216,8 @@ def build_eval_loader(
 
 
 class EvalBatches:
-    """The batches ``(images, targets)`` of an evaluation ``loader``, the images moved to the device and
-    finished by ``stage`` (a copy; with ``data.backend=gpu`` the decoding and normalisation), the targets
-    as loaded; ``dataset`` and ``len()`` the loader's."""
+    """The batches ``(images, targets)`` of an evaluation ``loader``, the images finished on the device by
+    ``stage``, the targets as loaded; ``dataset`` and ``len()`` the loader's."""
 
     def __init__(self, loader: DataLoader, stage: DeviceStage) -> None:
         self.loader, self.stage, self.dataset = loader, stage, loader.dataset
@@ -276,23 +232,11 @@ class EvalBatches:
 
 # ------------------------------------------------------------------ device
 class DeviceStage:
-    """Moves a training batch to ``device`` and finishes it there (what :class:`DevicePrefetcher` applies to
-    every batch).
-
-    A float tensor (the plain pipeline, the ``light`` transform) is only copied; an
-    :class:`~mlcls.data.pipeline.gpu.EncodedBatch` (``data.backend=gpu``) is first decoded, cropped,
-    resized and flipped on ``device`` (:func:`~mlcls.data.pipeline.gpu.decode_on_device`), then finished
-    as an :class:`AugmentedImage` batch (an evaluation batch, without colour parameters, is normalised
-    only: :func:`~mlcls.data.pipeline.fast.normalise`); an
-    :class:`AugmentedImage` batch goes through :func:`colour_lighting_normalise` with the stage's
-    :class:`ColourConstants`, made on ``device`` once, here, with ``mean`` and ``std`` (the dataset config's
-    ``dataset.mean`` and ``dataset.std``, checked by :func:`mlcls.data.pipeline.transforms.normalisation`;
-    ImageNet's by default). The result is in channels_last layout when ``channels_last`` is set, contiguous
-    otherwise. Copies are ``non_blocking`` (asynchronous from pinned memory); on CUDA nothing is read back
-    to the host. ``batched``: the colour work on all images at once or image by image (default: batched
-    on CUDA only; see :func:`colour_lighting_normalise`). ``colour=False``: a stage for float batches only
-    (an evaluation loader's), which makes no constants on the device.
-    """
+    """Moves a batch to ``device`` and finishes it there: a float tensor is only copied; an ``EncodedBatch``
+    is decoded there (:func:`~mlcls.data.pipeline.gpu.decode_on_device`), then, as an
+    :class:`AugmentedImage` batch, goes through :func:`colour_lighting_normalise` with the
+    :class:`ColourConstants` of ``mean`` and ``std``, made on ``device`` once (``colour=False``: none).
+    Copies are ``non_blocking``; on CUDA nothing is read back to the host."""
 
     def __init__(
         self,
@@ -311,11 +255,8 @@ class DeviceStage:
 
     def __call__(self, images: Tensor | AugmentedImage | EncodedBatch) -> Tensor:
         """float32 (B, 3, H, W) on ``device``, normalised."""
-        if isinstance(images, EncodedBatch):
-            pixels = decode_on_device(images, self.device)
-            if not images.params.shape[1]:  # evaluation
-                return normalise(pixels, self.constants).contiguous(memory_format=self.memory_format)
-            images = AugmentedImage(pixels, images.params)
+        if isinstance(images, EncodedBatch):  # its pixels made on the device
+            images = AugmentedImage(decode_on_device(images, self.device), images.params)
         if isinstance(images, AugmentedImage):
             pixels = images.pixels.to(self.device, non_blocking=True)
             params = images.params.to(self.device, non_blocking=True)
@@ -332,17 +273,11 @@ class DeviceStage:
 
 
 class DevicePrefetcher:
-    """Iterates ``loader`` and yields its batches finished by ``stage`` (:meth:`DeviceStage.finish`) on
-    ``stage.device``, ready for the model: images float32 (B, 3, H, W), normalised, targets float32 (B, C).
-
+    """The batches of ``loader`` finished by ``stage`` (:meth:`DeviceStage.finish`) on ``stage.device``:
+    images float32 (B, 3, H, W), normalised, targets float32 (B, C); ``len()`` and ``sampler`` the loader's.
     On CUDA batch *i + 1* is fetched, copied and finished on a side stream while the caller's step *i* runs
-    on the current stream (the current stream waits for the side stream's work before it receives a batch,
-    and the yielded tensors are recorded on it so that their memory is not reused too early). On the CPU it
-    applies the stage batch by batch, in order.
-
-    ``len()`` and ``sampler`` are the loader's: ``for step, (images, targets) in enumerate(prefetcher)``
-    replaces the loop over the loader.
-    """
+    on the current stream (which waits for the side stream; the yielded tensors are recorded on it so that
+    their memory is not reused too early)."""
 
     def __init__(self, loader: Iterable, stage: DeviceStage) -> None:
         self.loader, self.stage, self.device = loader, stage, stage.device
@@ -379,15 +314,6 @@ class DevicePrefetcher:
 
 
 @functools.cache
-def _log_worker_cap(requested: int, cpus: int) -> None:
-    log.info("DataLoader workers capped at the %d CPUs this process may use (%d requested)", cpus, requested)
-
-
-@functools.cache
-def _log_uneven_streams(workers: int, streams: int) -> None:
-    log.info(
-        "dataset=shards: %d DataLoader workers share %d read streams (trainer.workers); each reads the "
-        "shards of several streams (the sample order is the same)",
-        workers,
-        streams,
-    )
+def _log_once(message: str, *args: Any) -> None:
+    """``log.info(message, *args)``, once per process for the same arguments."""
+    log.info(message, *args)

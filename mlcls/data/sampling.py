@@ -1,13 +1,7 @@
-"""Training randomness: a function of ``(seed, epoch, sample index)`` only.
-
-The training sampler (:class:`ResumableSampler`) draws the epoch's permutation from
-``seed + epoch`` (``DistributedSampler``'s rule, also for a single process) and hands each index to the
-dataset together with :func:`sample_seed`, under which the sample's augmentation runs (:func:`seeded_call`).
-Hence the augmented batch at iteration *i* does not depend on the number of DataLoader workers, and a run
-resumed in the middle of an epoch sees exactly the batches it would have seen. The shard datasets and
-their read order (:mod:`mlcls.data.shards`) draw from the same two functions. :class:`SeededSamples` runs a
-dataset's ``__getitem__`` under the seed; :class:`RankSampler` gives each rank its share of an evaluation
-set, without padding. This module imports nothing of mlcls.
+"""Training randomness: a function of ``(seed, epoch, sample index)`` only, whatever the number of
+DataLoader workers, so that a run resumed mid-epoch sees exactly the batches it would have seen: the epoch's
+permutation is drawn from ``seed + epoch`` (``DistributedSampler``'s rule), each sample's augmentation under
+its :func:`sample_seed`. This module imports nothing of mlcls.
 """
 
 from __future__ import annotations
@@ -29,17 +23,11 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 def seeded_call(seed: int, function: Callable[..., T], *args: Any, torch_only: bool = False) -> T:
-    """``function(*args)`` with torch/numpy/random seeded by ``seed``; the caller's random state is restored
-    afterwards. How every training sample's augmentation runs (map-style and shard datasets).
-
-    Only the CPU generator is seeded (the augmentation draws nothing on a device): ``torch.manual_seed``
-    would also queue the seeding of every device generator, capturing a stack trace for each (~1 ms per
-    sample, a quarter of the fast pipeline's time per image), and leave them changed.
-
-    ``torch_only``: ``function`` draws from torch's CPU generator alone (the fast pipeline's CPU stage,
-    ``FastTrainTransform.torch_random_only``), so Python's and NumPy's generators are left alone: neither
-    seeded nor saved and restored (~0.1 ms a sample: NumPy copies its state out and in word by word).
-    """
+    """``function(*args)`` with torch/numpy/random seeded by ``seed``, the caller's random state restored
+    afterwards. Only torch's CPU generator is seeded: ``torch.manual_seed`` would also seed every device
+    generator, capturing a stack trace for each (~1 ms per sample). ``torch_only``: ``function`` draws from
+    torch alone (``torch_random_only`` transforms), so Python's and NumPy's generators are neither seeded
+    nor saved and restored (~0.1 ms a sample: NumPy copies its state word by word)."""
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
         if torch_only:
@@ -55,12 +43,9 @@ def seeded_call(seed: int, function: Callable[..., T], *args: Any, torch_only: b
 
 
 class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` (shuffled, ``drop_last``) yielding ``(index, sample_seed)`` pairs.
-
-    Works for a single process too (``num_replicas=1``). ``set_epoch`` as usual; ``set_start(k)`` skips the
-    first ``k`` samples of this process's share of the current epoch (resuming mid-epoch), until the next
-    ``set_epoch``.
-    """
+    """``DistributedSampler`` (shuffled, ``drop_last``; also for one process) yielding ``(index,
+    sample_seed)`` pairs; ``set_start(k)`` skips the first ``k`` samples of this process's share of the
+    current epoch (resuming mid-epoch), until the next ``set_epoch``."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
         super().__init__(
@@ -84,13 +69,8 @@ class ResumableSampler(DistributedSampler):
 
 
 class SeededSamples(Dataset):
-    """Wraps a dataset so that ``ds[(index, seed)]`` runs ``ds.dataset[index]`` under
-    :func:`seeded_call` (the caller's random state is restored afterwards: it also runs
-    in the main process).
-
-    ``with_index``: each sample ``(image, target)`` comes as ``(image, target, index)``, ``index`` its
-    position in the dataset (what a loss with a row per training sample needs, e.g. ROLE's label table).
-    """
+    """``ds[(index, seed)]``: ``ds.dataset[index]`` run under :func:`seeded_call`; with ``with_index``,
+    ``(image, target, index)`` (what a loss with a row per training sample needs, e.g. ROLE's table)."""
 
     def __init__(self, dataset: Dataset, with_index: bool = False) -> None:
         self.dataset, self.with_index = dataset, with_index
@@ -105,11 +85,9 @@ class SeededSamples(Dataset):
 
 
 class RankSampler(Sampler[int]):
-    """Evaluation sampler: rank ``r`` of ``W`` takes indices ``r, r + W, r + 2W, ...``, without padding.
-
-    Unlike ``DistributedSampler`` it never repeats a sample, so the ranks' shares differ in length by at most
-    one and :func:`mlcls.distributed.gather_rank_parts` restores dataset order exactly.
-    """
+    """Evaluation sampler: rank ``r`` of ``W`` takes indices ``r, r + W, r + 2W, ...``, never a sample twice
+    (unlike ``DistributedSampler``), so that :func:`mlcls.distributed.gather_rank_parts` restores dataset
+    order exactly."""
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1) -> None:
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size

@@ -1,27 +1,9 @@
-"""Optional NVIDIA DALI backend (``data.backend=dali``): JPEG decoding, crop and resize on the GPU.
+"""Optional NVIDIA DALI backend (``data.backend=dali``, ``pip install 'mlcls[dali]'``, CUDA only).
 
-Install with ``pip install 'mlcls[dali]'`` (``nvidia-dali-cuda120``) on a CUDA machine. Without DALI or
-without CUDA, :func:`require_dali` raises a one-line :class:`DaliUnavailableError`.
-
-Division of work, chosen so that the augmentation stays a function of each sample's seed:
-
-* DataLoader workers read the encoded bytes and draw the sample's random parameters under its seed
-  (:class:`mlcls.data.sampling.SeededSamples`), with the calls of
-  :class:`mlcls.data.pipeline.fast.FastTrainTransform`
-  in the same order: RandomResizedCrop window, flip, ColorJitter order and factors, lighting alphas;
-* DALI (nvJPEG, ``decoders.image_slice``) decodes only the crop window on the GPU, resizes it to
-  ``size`` x ``size`` (linear, antialiased) and flips it: uint8 (B, S, S, 3) on the GPU, handed on as a
-  (B, 3, S, S) view. The same graph runs with CPU operators (``_build_pipeline(..., device="cpu")``), which
-  is how the tests check it without a GPU;
-* :class:`mlcls.data.loader.DeviceStage` applies colour jitter, lighting and normalisation (the
-  trainer's stage, with ``dataset.mean`` and ``dataset.std``) as for ``fast``.
-
-No DALI random operator is used, so a resumed run sees exactly the batches it would have seen. The workers
-read each file through the dataset's reading path, so ``dataset.on_bad_image`` applies as with the other
-backends, and a JPEG cut short is caught there (no end-of-image marker) rather than by the GPU decoder on
-one rank. The graph pulls the plan batches itself (``external_source`` with a ``source``) and runs
-``prefetch_depth`` batches ahead (``build_train_loader(..., dali_prefetch=2)``), so that GPU decoding
-overlaps the training step.
+DataLoader workers read each file through the dataset (``dataset.on_bad_image`` applies) and draw its crop
+window, flip and colour parameters with the fast pipeline's calls (:class:`CropPlans`); DALI decodes the
+window, resizes and flips it (:func:`_build_pipeline`, no random operator: resume stays exact); the
+:class:`mlcls.data.loader.DeviceStage` does the rest. The tests run the same graph with CPU operators.
 """
 
 from __future__ import annotations
@@ -36,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, crop_box
-from mlcls.data.images import check_pixels, open_image, read_image_bytes
-from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, jpeg_header
+from mlcls.data.images import read_image_bytes
+from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, image_header
 
 # DALI decoder device for each graph device: nvJPEG on the GPU ("mixed": CPU input, GPU output), or the CPU.
 DECODER_DEVICES = {"gpu": "mixed", "cpu": "cpu"}
@@ -63,22 +45,14 @@ def require_dali() -> Any:
 
 
 def encoded_image_size(data: bytes) -> tuple[int, int]:
-    """``(width, height)`` of an encoded image, from its header.
-
-    Raises ``OSError`` (or what PIL raises for a file it cannot identify) for what the GPU decoder would
-    fail on and can be told without decoding: not an image, a damaged header, and a JPEG cut short, which
-    has no end-of-image marker (FFD9) after its last start-of-scan marker (FFDA): entropy-coded data never
-    holds an FFD9 (an FF byte is stuffed as FF00), and an EXIF thumbnail's markers come before the image's
-    scans.
-    """
-    jpeg_size = jpeg_header(data)
-    if jpeg_size is None:
-        with open_image(data) as img:
-            return img.size
-    check_pixels(*jpeg_size)
-    if data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda"):
+    """``(width, height)`` of an encoded image, from its header; ``OSError`` (or PIL's error for a file it
+    cannot identify) for what the GPU decoder would fail on and the header tells: not an image, a damaged
+    header, a JPEG cut short (no end-of-image marker FFD9 after its last start-of-scan FFDA: entropy-coded
+    data never holds FFD9, and an EXIF thumbnail's markers come before the image's scans)."""
+    width, height, jpeg = image_header(data)
+    if jpeg and data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda"):
         raise OSError("JPEG file is truncated (no end-of-image marker after its last scan)")
-    return jpeg_size
+    return width, height
 
 
 class CropPlan(NamedTuple):
@@ -93,13 +67,9 @@ class CropPlan(NamedTuple):
 
 
 class CropPlans(Dataset):
-    """``plans[index]``: the :class:`CropPlan` of sample ``index``.
-
-    Runs inside ``SeededSamples`` (per-sample seed); draws in the order of the fast pipeline. Files are read
-    through the dataset's reading path (:meth:`MultiLabelDataset.read_sample`), so ``dataset.on_bad_image``
-    applies as with the other backends: ``error`` raises :class:`mlcls.data.datasets.base.BadImageError`
-    naming the file, ``skip`` serves the next readable sample (image and target) and records the bad one.
-    """
+    """``plans[index]``: the :class:`CropPlan` of sample ``index``, drawn (under ``SeededSamples``' seed) in
+    the fast pipeline's order; read by :meth:`MultiLabelDataset.read_sample`, so ``dataset.on_bad_image``
+    applies as with the other backends."""
 
     def __init__(self, dataset: MultiLabelDataset, transform: FastTrainTransform) -> None:
         self.dataset, self.transform = dataset, transform
@@ -112,11 +82,10 @@ class CropPlans(Dataset):
         sample = self.dataset.samples[index]
         data = read_image_bytes(sample.path)
         width, height = encoded_image_size(data)
-        whole = (0, 0, width, height)
-        left, top, right, bottom = whole if sample.box is None else crop_box(sample.box, width, height)
+        box = (0, 0, width, height) if sample.box is None else crop_box(sample.box, width, height)
+        left, top, right, bottom = box
         i, j, h, w = self.transform.crop_params(right - left, bottom - top)
-        flip = bool(torch.rand(1) < 0.5)
-        params = self.transform.colour_params()
+        flip, params = self.transform.flip_and_colour()
         window = np.array([left + j, top + i, w, h], dtype=np.float32)  # x, y, width, height
         encoded = np.frombuffer(data, dtype=np.uint8)
         return CropPlan(encoded, window, flip, params, self.dataset.target(index))
@@ -149,20 +118,14 @@ def collate_plans(plans: list[CropPlan]) -> PlanBatch:
 
 
 class DaliTrainLoader:
-    """Training batches ``(AugmentedImage on the GPU, targets)``, the ``dali`` case of
-    :func:`mlcls.data.loader.build_train_loader`, which builds ``plans``: the DataLoader of
-    :class:`PlanBatch` es (``SeededSamples(CropPlans(...))`` collated by :func:`collate_plans`, drawn by its
-    resumable sampler, which is this loader's ``sampler``: ``set_epoch``, ``set_start`` for exact resume).
+    """Training batches ``(AugmentedImage on the GPU, targets)`` of ``plans``, the DataLoader of
+    :class:`PlanBatch` es that :func:`mlcls.data.loader.build_train_loader` builds (its resumable sampler is
+    this loader's ``sampler``). The graph keeps 2 batches scheduled ahead of the one handed out, so that
+    GPU decoding overlaps the training step; each batch's copy into torch runs on the current CUDA stream
+    (the ``DevicePrefetcher``'s side stream)."""
 
-    DataLoader workers read the files and draw the plans; the DALI graph keeps ``prefetch_depth`` batches
-    scheduled ahead of the one handed out, so GPU decoding overlaps the training step. Each batch's copy
-    into torch runs on the current CUDA stream (the side stream of the ``DevicePrefetcher``).
-    """
-
-    def __init__(self, plans: DataLoader, size: int, device: torch.device, prefetch_depth: int = 2) -> None:
+    def __init__(self, plans: DataLoader, size: int, device: torch.device) -> None:
         dali = require_dali()
-        if prefetch_depth < 1:
-            raise DatasetConfigError(f"the DALI prefetch depth must be at least 1, got {prefetch_depth}")
         self.batch_size, self.size = plans.batch_size, size
         self.device = torch.device(
             "cuda", torch.cuda.current_device() if device.index is None else device.index
@@ -174,7 +137,7 @@ class DaliTrainLoader:
         self._scheduled: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
         threads = max(1, plans.num_workers)
         self.pipeline = _build_pipeline(
-            dali, self.batch_size, size, self._next_plans, threads, "gpu", self.device.index, prefetch_depth
+            dali, self.batch_size, size, self._next_plans, threads, "gpu", self.device.index
         )
         self.pipeline.build()
 
@@ -223,18 +186,11 @@ def _build_pipeline(
     device_id: int | None = 0,
     prefetch_depth: int = 2,
 ) -> Any:
-    """DALI graph: encoded bytes + (x, y, w, h) window + flip flag -> uint8 (size, size, 3) images.
-
-    ``source()`` gives the next batch: B uint8 (N,) file contents, B float32 (4,) windows in pixels and B
-    int32 flip flags; it raises ``StopIteration`` at the end of an epoch, after which ``pipeline.run()``
-    hands out the batches still scheduled, then raises ``StopIteration`` until ``pipeline.reset()``.
-    The graph runs ``prefetch_depth`` batches ahead of the one ``run()`` returns.
-
-    ``device="gpu"`` (training): nvJPEG decoding (``mixed``) and GPU resize and flip on GPU ``device_id``.
-    ``device="cpu"``: the same operators on the CPU (libjpeg-turbo decoding), no GPU needed; ``device_id``
-    is unused. Decoding ignores EXIF orientation, as PIL and the other backends do, so the window is in the
-    coordinates of the stored pixels.
-    """
+    """DALI graph: encoded bytes + (x, y, w, h) window + flip flag -> uint8 (size, size, 3) images, on GPU
+    ``device_id`` (``device="gpu"``, nvJPEG) or the CPU, ``prefetch_depth`` batches ahead. ``source()`` gives
+    the next batch: B uint8 (N,) files, B float32 (4,) windows, B int32 flips; it raises ``StopIteration`` at
+    the end of an epoch, after which ``pipeline.run()`` hands out the batches still scheduled, then raises
+    ``StopIteration`` until ``pipeline.reset()``. EXIF orientation is ignored, as by the other backends."""
     from nvidia.dali import fn, types
 
     if device not in DECODER_DEVICES:

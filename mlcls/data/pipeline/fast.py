@@ -1,32 +1,8 @@
-"""The fast training pipeline: the paper's augmentation with reduced-scale decoding and colour on the device.
-
-The same operations, in the same order and with the same parameter ranges, as ``build_transform("paper",
-size, train=True)`` of :mod:`mlcls.data.pipeline.transforms` (RandomResizedCrop -> flip -> ColorJitter(0.4,
-0.4, 0.4) -> tensor -> PCA lighting 0.1 -> normalisation with ``dataset.mean`` and ``dataset.std``), split
-in two stages; this module holds what each stage computes, :mod:`mlcls.data.loader` runs them on batches:
-
-* **CPU stage**, :class:`FastTrainTransform`, in the DataLoader worker: decode, crop-and-resize, flip; the
-  image stays uint8 (3, H, W). The crop is chosen from the file's header; when it is at least 2, 4 or 8
-  times the output size in both directions, the JPEG is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT
-  scaling, PIL's ``draft``), so that no pixel the resize needs is lost, and PIL crops and resizes it with
-  the crop's fractional coordinates; otherwise libjpeg-turbo (simplejpeg) decodes it straight into an
-  array and torch's antialiased bilinear uint8 kernel (PIL's filter, vectorised) resizes the crop. The
-  sample's colour parameters (ColorJitter's random order and three factors, the lighting noise alpha) are
-  drawn here too and travel with the image as a (9,) tensor.
-* **device stage**, :class:`mlcls.data.loader.DeviceStage`, on the batch after its copy to the training
-  device: uint8 -> [0, 1] float, each sample's ColorJitter in its own order, lighting, normalisation
-  (:func:`colour_lighting_normalise`). On CUDA the colour work leaves the CPU and the copy is 4x smaller;
-  training on the CPU, it runs in the main process (0.5–1 ms per 224 px image, image by image).
-
-Seeding: every random number is drawn from torch's global RNG inside the dataset's ``__getitem__`` (which
-:class:`mlcls.data.sampling.SeededSamples` seeds per sample), through the same torchvision calls and in the
-same order as the plain pipeline: under one seed both pipelines pick the same crop, flip, jitter order and
-factors and lighting noise. The device stage draws nothing; it applies the parameters carried with the
-batch, so the augmentation of a sample is a function of its seed alone (exact resume, any worker count).
-
-A dataset hands the transform either a decoded PIL image (any dataset) or, through the optional
-``decode(path, box)`` hook of :meth:`FastTrainTransform.decode`, a :class:`PlannedCrop` (reduced-scale
-decoding needs the crop before the pixels).
+"""The fast training pipeline (``data.backend=fast``): the ``paper`` augmentation split into a CPU stage
+(:class:`FastTrainTransform`: decode, at reduced scale where the crop allows, crop, resize, flip; uint8, with
+the colour parameters drawn) and a device stage (:func:`colour_lighting_normalise`). Every random number is
+drawn in the CPU stage by the plain pipeline's torchvision calls in its order: under one seed both pipelines
+pick the same augmentation (docs/performance.md, "The fast input pipeline").
 """
 
 from __future__ import annotations
@@ -46,7 +22,14 @@ from torchvision import transforms as T
 
 from mlcls.data.datasets.base import crop_box, to_rgb
 from mlcls.data.images import check_pixels, open_image, read_image_bytes
-from mlcls.data.pipeline.gpu import GpuEvalTransform, GpuTrainTransform
+from mlcls.data.pipeline.gpu import (
+    Box,
+    EncodedImage,
+    GpuEvalTransform,
+    PlannedJpeg,
+    encoded_image,
+    plan_window,
+)
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_PCA_EIGVAL,
@@ -71,14 +54,10 @@ PARAMS_ORDER, PARAMS_FACTORS, PARAMS_ALPHA = slice(0, 3), slice(3, 6), slice(6, 
 
 
 class AugmentedImage(NamedTuple):
-    """Output of the CPU stage; :func:`mlcls.data.loader.collate_batch` stacks each field.
-
-    ``pixels``: uint8 (3, H, W), or (B, 3, H, W) for a batch, cropped, resized and flipped, in channels-last
-    memory (a view of (H, W, 3) or (B, H, W, 3) memory: what decoders and the resize produce; the
-    device stage changes the layout on the device, for free).
-    ``params``: float32 (9,) or (B, 9): ColorJitter operation codes in application order (0 brightness,
-    1 contrast, 2 saturation), the brightness, contrast and saturation factors, the 3 PCA lighting alphas.
-    """
+    """Output of the CPU stage. ``pixels``: uint8 (3, H, W) or (B, 3, H, W), a view of channels-last
+    (H, W, 3) memory (what decoders and the resize produce). ``params``: float32 (9,) or (B, 9): ColorJitter
+    operation codes in application order (0 brightness, 1 contrast, 2 saturation), the three factors, the 3
+    PCA lighting alphas."""
 
     pixels: Tensor
     params: Tensor
@@ -91,24 +70,21 @@ class PlannedCrop:
     a PIL image decoded at 1/2, 1/4 or 1/8 scale."""
 
     image: Tensor | Image.Image
-    region: tuple[float, float, float, float]
+    region: Box
 
 
-def draft_reduction(crop_width: int, crop_height: int, size: int) -> int:
-    """The largest JPEG DCT reduction (8, 4, 2, or 1 for none) that keeps the crop at least ``size`` pixels
-    in both directions, so that resizing it to ``size`` x ``size`` never enlarges what decoding shrank."""
+def draft_reduction(crop_width: int, crop_height: int, out_width: int, out_height: int) -> int:
+    """The largest JPEG DCT reduction (8, 4, 2, or 1 for none) that keeps the crop at least ``out_width`` x
+    ``out_height`` pixels, so that resizing it to that size never enlarges what decoding shrank."""
     for reduction in DRAFT_REDUCTIONS:
-        if min(crop_width, crop_height) >= reduction * size:
+        if crop_width >= reduction * out_width and crop_height >= reduction * out_height:
             return reduction
     return 1
 
 
 def load_reduced(img: Image.Image, reduction: int) -> tuple[Image.Image, float, float]:
-    """Decode the just-opened ``img`` as RGB at 1/``reduction`` scale where its format allows it (JPEG),
-    else at full size.
-
-    Returns ``(image, scale_x, scale_y)``: full-size pixel coordinates divided by these are ``image``'s.
-    """
+    """``(image, scale_x, scale_y)``: the just-opened ``img`` decoded as RGB at 1/``reduction`` scale where
+    its format allows it (JPEG), else at full size; full-size coordinates divided by the scales are its."""
     width, height = img.size
     if reduction > 1:
         img.draft("RGB", (width // reduction, height // reduction))
@@ -123,24 +99,25 @@ def load_reduced(img: Image.Image, reduction: int) -> tuple[Image.Image, float, 
     return rgb, width / rgb.width, height / rgb.height
 
 
-def jpeg_header(data: bytes) -> tuple[int, int] | None:
-    """``(width, height)`` of a JPEG whose pixels :func:`decode_jpeg` decodes as PIL would (a YCbCr, RGB
-    or greyscale JPEG), else None (another format, a CMYK JPEG, an unreadable header): PIL decodes those.
-    """
+def image_header(data: bytes) -> tuple[int, int, bool]:
+    """``(width, height, jpeg)`` of an image file from its header, checked by ``check_pixels``: ``jpeg`` for a
+    JPEG whose pixels :func:`decode_jpeg` decodes as PIL would (YCbCr, RGB or greyscale); PIL reads the
+    header of any other file (a CMYK JPEG, another format), raising its bad-image errors."""
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
-        return None
-    return (width, height) if colorspace in JPEG_COLORSPACES else None
+        colorspace = None
+    if colorspace in JPEG_COLORSPACES:
+        check_pixels(width, height)
+        return width, height, True
+    with open_image(data) as img:
+        return *img.size, False
 
 
 def decode_jpeg(data: bytes) -> Tensor | None:
-    """RGB uint8 (3, H, W) (a view of H x W x 3 memory) of a JPEG, by libjpeg-turbo through simplejpeg;
-    None when the file is damaged (PIL then decodes it, or raises the usual bad-image ``OSError``).
-
-    PIL's pixels (the same decoder, accurate DCT, smooth chroma upsampling), without PIL's
-    4-byte-per-pixel image and the copy out of it; ~10 % faster than torchvision's decoder here.
-    """
+    """RGB uint8 (3, H, W) (a view of H x W x 3 memory) of a JPEG, by libjpeg-turbo through simplejpeg:
+    PIL's pixels without PIL's 4-byte-per-pixel image and the copy out of it; None when the file is damaged
+    (PIL then decodes it, or raises the usual bad-image ``OSError``)."""
     try:
         pixels = simplejpeg.decode_jpeg(data, "RGB")
     except ValueError:  # simplejpeg's error for a damaged file (strict: libjpeg's warnings too)
@@ -154,16 +131,10 @@ def pil_to_pixels(image: Image.Image) -> Tensor:
     return torch.from_numpy(np.array(rgb)).permute(2, 0, 1)
 
 
-def resized_crop(image: Tensor | Image.Image, region: tuple[float, float, float, float], size: int) -> Tensor:
-    """Crop ``region`` of ``image`` and resize it to ``size`` x ``size``: bilinear, antialiased when
-    shrinking (PIL's ``BILINEAR``, as torchvision's RandomResizedCrop on PIL images). Returns uint8
-    (3, size, size) in channels-last memory (a view of (size, size, 3) memory).
-
-    A uint8 (3, H, W) tensor (region in whole pixels) goes through torch's vectorised uint8 kernel, several
-    times faster than PIL's, and fastest on a channels-last contiguous input (the crop is copied into one
-    first: the copy costs less than it saves); a PIL image (region in fractional pixels) through PIL's,
-    which takes them.
-    """
+def resized_crop(image: Tensor | Image.Image, region: Box, size: int) -> Tensor:
+    """uint8 (3, size, size), channels-last: ``region`` of ``image`` resized as PIL's ``BILINEAR`` does, by
+    torch's uint8 kernel for a tensor (several times faster, fastest on a channels-last copy of the crop),
+    by PIL for a PIL image (whose region may be fractional)."""
     if isinstance(image, Image.Image):
         return pil_to_pixels(image.resize((size, size), Image.Resampling.BILINEAR, box=region))
     left, top, right, bottom = (int(v) for v in region)
@@ -172,65 +143,36 @@ def resized_crop(image: Tensor | Image.Image, region: tuple[float, float, float,
 
 
 class FastTrainTransform:
-    """CPU stage of the fast pipeline (see the module docstring); output :class:`AugmentedImage`.
+    """CPU stage of the fast pipeline, with the paper's ranges (RandomResizedCrop's defaults, ColorJitter
+    0.4, lighting std 0.1); output :class:`AugmentedImage`. ``draft``: decode JPEGs at reduced scale when
+    the crop allows it."""
 
-    Args:
-        size: output side (the paper's 224).
-        scale, ratio: RandomResizedCrop's area fraction and aspect-ratio ranges (torchvision's defaults).
-        jitter: ColorJitter's brightness = contrast = saturation strength (the paper's 0.4).
-        lighting_std: standard deviation of the PCA lighting alphas (the paper's 0.1).
-        draft: decode JPEGs at reduced scale when the crop allows it (in :meth:`decode`).
-    """
+    torch_random_only = True  # draws from torch's CPU generator alone (``seeded_call(..., torch_only=True)``)
 
-    # Every random number is drawn from torch's CPU generator (``seeded_call(..., torch_only=True)``).
-    torch_random_only = True
-
-    def __init__(
-        self,
-        size: int,
-        scale: Sequence[float] = (0.08, 1.0),
-        ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0),
-        jitter: float = 0.4,
-        lighting_std: float = 0.1,
-        draft: bool = True,
-    ) -> None:
-        self.size = size
-        self.scale, self.ratio = list(scale), list(ratio)
-        self.jitter = T.ColorJitter(jitter, jitter, jitter)
-        self.lighting_std = lighting_std
-        self.draft = draft
+    def __init__(self, size: int, draft: bool = True) -> None:
+        self.size, self.draft = size, draft
+        self.scale, self.ratio = [0.08, 1.0], [3.0 / 4.0, 4.0 / 3.0]
+        self.jitter, self.lighting_std = T.ColorJitter(0.4, 0.4, 0.4), 0.1
 
     def crop_params(self, width: int, height: int) -> tuple[int, int, int, int]:
-        """``(top, left, height, width)`` of a RandomResizedCrop of a ``width`` x ``height`` image.
-
-        torchvision's own sampler; it reads only the shape of the (never allocated) tensor it is given.
-        """
+        """``(top, left, height, width)`` of a RandomResizedCrop of a ``width`` x ``height`` image, by
+        torchvision's sampler (it reads only the shape of the never allocated tensor it is given)."""
         shape_only = torch.empty(1, 1, 1).expand(3, height, width)
         return T.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
 
-    def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> PlannedCrop:
-        """Read the image size, choose the random crop (inside ``box``, clamped as the dataset clamps it),
-        then decode: at the largest reduction the crop allows (PIL's draft mode), else at full size
-        (libjpeg-turbo through simplejpeg for JPEGs; PIL for the rest and for damaged JPEGs). An image (or
-        box) the datasets refuse for its shape (:func:`check_aspect_ratio`) is refused here alike, before
-        decoding."""
+    def decode(self, path: str, box: Box | None = None) -> PlannedCrop:
         return self.decode_bytes(read_image_bytes(path), box)
 
-    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> PlannedCrop:
-        """:meth:`decode` of an image file's bytes (a sample read from a shard)."""
-        jpeg_size = jpeg_header(data)
-        if jpeg_size is None:
-            with open_image(data) as img:
-                width, height = img.size
-        else:
-            width, height = jpeg_size
-            check_pixels(width, height)
+    def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedCrop:
+        """Choose the random crop (inside ``box``) from the header, refusing what the datasets refuse, then
+        decode at the largest reduction the crop allows (libjpeg-turbo at full size for JPEGs; PIL else)."""
+        width, height, jpeg = image_header(data)
         left, top, right, bottom = (0, 0, width, height) if box is None else crop_box(box, width, height)
         check_aspect_ratio(right - left, bottom - top)  # the image the datasets refuse, refused alike
         i, j, h, w = self.crop_params(right - left, bottom - top)
-        reduction = draft_reduction(w, h, self.size) if self.draft else 1
+        reduction = draft_reduction(w, h, self.size, self.size) if self.draft else 1
         x0, y0 = left + j, top + i
-        if reduction == 1 and jpeg_size is not None:
+        if reduction == 1 and jpeg:
             pixels = decode_jpeg(data)
             if pixels is not None:
                 return PlannedCrop(pixels, (x0, y0, x0 + w, y0 + h))
@@ -240,14 +182,16 @@ class FastTrainTransform:
             return PlannedCrop(pil_to_pixels(image), (x0, y0, x0 + w, y0 + h))
         return PlannedCrop(image, (x0 / scale_x, y0 / scale_y, (x0 + w) / scale_x, (y0 + h) / scale_y))
 
-    def colour_params(self) -> Tensor:
-        """ColorJitter's random order and factors, then the lighting alphas: float32 (9,)."""
+    def flip_and_colour(self) -> tuple[bool, Tensor]:
+        """The draws after the crop, in the plain pipeline's order: RandomHorizontalFlip's, then
+        ColorJitter's random order and factors and the lighting alphas (float32 (9,))."""
+        flip = bool(torch.rand(1) < 0.5)
         jitter = self.jitter
         order, *factors = jitter.get_params(jitter.brightness, jitter.contrast, jitter.saturation, jitter.hue)
         codes = [code for code in order.tolist() if code != HUE]
         factor_values = [1.0 if f is None else f for f in factors[:3]]
-        alpha = torch.randn(3) * self.lighting_std if self.lighting_std else torch.zeros(3)
-        return torch.tensor([*codes, *factor_values, *alpha.tolist()], dtype=torch.float32)
+        alpha = torch.randn(3) * self.lighting_std
+        return flip, torch.tensor([*codes, *factor_values, *alpha.tolist()], dtype=torch.float32)
 
     def __call__(self, image: Image.Image | PlannedCrop) -> AugmentedImage:
         """Crop-and-resize (the crop planned by :meth:`decode`, or drawn now), flip, colour parameters."""
@@ -257,9 +201,8 @@ class FastTrainTransform:
             i, j, h, w = self.crop_params(image.width, image.height)
             source, region = pil_to_pixels(image), (j, i, j + w, i + h)
         out = resized_crop(source, region, self.size)
-        if torch.rand(1) < 0.5:  # RandomHorizontalFlip's draw
-            out = out.flip(-1)
-        return AugmentedImage(out, self.colour_params())
+        flip, params = self.flip_and_colour()
+        return AugmentedImage(out.flip(-1) if flip else out, params)
 
     def __repr__(self) -> str:
         return (
@@ -268,12 +211,44 @@ class FastTrainTransform:
         )
 
 
+class GpuTrainTransform:
+    """The worker's part of the ``paper`` training augmentation with ``data.backend=gpu``: read and plan
+    (the datasets' ``decode`` hooks), then draw the flip and colour parameters with the fast pipeline's
+    calls in its order; output :class:`EncodedImage`."""
+
+    torch_random_only = True
+
+    def __init__(self, fast: FastTrainTransform) -> None:
+        self.fast, self.size = fast, fast.size
+
+    def decode(self, path: str, box: Box | None = None) -> PlannedJpeg | PlannedCrop:
+        return self.decode_bytes(read_image_bytes(path), box)
+
+    def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | PlannedCrop:
+        """A :class:`PlannedJpeg` with the fast pipeline's crop window, or the fast pipeline's own
+        ``decode_bytes`` (the CPU path, the same draw)."""
+        planned = plan_window(data, box)
+        if planned is None:
+            return self.fast.decode_bytes(data, box)
+        left, top, width, height = planned.window
+        i, j, h, w = self.fast.crop_params(width, height)
+        return planned._replace(window=(left + j, top + i, w, h))
+
+    def __call__(self, image: PlannedJpeg | PlannedCrop | Image.Image) -> EncodedImage:
+        if not isinstance(image, PlannedJpeg):
+            return encoded_image(*self.fast(image), self.size)  # its (pixels, params)
+        flip, params = self.fast.flip_and_colour()
+        return encoded_image(image, params, self.size, (self.size, self.size, 0, 0), flip)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, crop and colour of {self.fast!r})"
+
+
 @dataclass(frozen=True)
 class ColourConstants:
-    """The constant tensors of the device stage, on one device: the PCA lighting basis ``eigval`` (3,) and
-    ``eigvec`` (3, 3), the normalisation ``mean`` (3,) and ``inv_std`` (1, 3, 1, 1), and the luma weights
-    ``gray_weight`` (1, 3, 1, 1) (:data:`GRAY_WEIGHTS`). Made once per ``DeviceStage``, so that no
-    step copies them from the host (a blocking copy on CUDA)."""
+    """The device stage's constants on one device, made once so that no step copies them from the host (a
+    blocking copy on CUDA): ``eigval`` (3,), ``eigvec`` (3, 3), ``mean`` (3,), ``inv_std`` (1, 3, 1, 1),
+    ``gray_weight`` (1, 3, 1, 1) (:data:`GRAY_WEIGHTS`)."""
 
     eigval: Tensor
     eigvec: Tensor
@@ -301,27 +276,19 @@ class ColourConstants:
 def colour_lighting_normalise(
     pixels: Tensor, params: Tensor, constants: ColourConstants | None = None, batched: bool | None = None
 ) -> Tensor:
-    """Device stage on a batch: ColorJitter with per-sample order and factors, PCA lighting, normalisation.
+    """float32 (B, 3, H, W): ColorJitter with per-sample order and factors, PCA lighting and normalisation
+    of uint8 (B, 3, H, W) ``pixels``, with ``params`` (B, 9) as in :class:`AugmentedImage` (or (B, 0):
+    normalisation only) and ``constants`` on their device (default: ImageNet's, made for this call).
 
-    Args:
-        pixels: uint8 (B, 3, H, W).
-        params: float (B, 9), as in :class:`AugmentedImage`.
-        constants: on ``pixels``' device (``DeviceStage`` keeps them); default: made for this call,
-            with ImageNet's mean and standard deviation.
-        batched: all images at once (default on CUDA), or one at a time (default on the CPU).
-
-    Returns float32 (B, 3, H, W). Each jitter step is torchvision's float blend
-    ``clamp(f * x + (1 - f) * g, 0, 1)`` with g = 0 (brightness), the mean grey level of the image
-    (contrast) or its grey image (saturation); then ``x + eigvec @ (alpha * eigval)`` (no clamp, as
-    :class:`mlcls.data.pipeline.transforms.Lighting`) and ``(x - mean) / std``, fused into ``x * scale +
-    shift``.
-
-    Batched, every step computes what any image needs and nothing is read back to the host (no sync on
-    CUDA). One at a time (the CPU), each image stays in the CPU cache and each step computes only what its
-    operation needs, read from the operation codes.
+    Each jitter step is torchvision's float blend ``clamp(f * x + (1 - f) * g, 0, 1)`` with g = 0
+    (brightness), the mean grey level of the image (contrast) or its grey image (saturation); then
+    ``x + eigvec @ (alpha * eigval)`` (no clamp, as ``Lighting``) and ``(x - mean) / std``, fused. ``batched``
+    (default on CUDA): all images at once, no host sync; else image by image, each step only as needed.
     """
     device = pixels.device
     c = ColourConstants.on(device) if constants is None else constants
+    if not params.shape[1]:  # an evaluation batch, (B, 0) params: ``(pixels / 255 - mean) / std`` only
+        return pixels.float().mul_(c.inv_std / 255.0).add_(-(c.mean.view(1, 3, 1, 1) * c.inv_std))
     rgb_shift = (params[:, PARAMS_ALPHA].float() * c.eigval) @ c.eigvec.T
     shift = (rgb_shift - c.mean).view(-1, 3, 1, 1) * c.inv_std
     if batched is None:
@@ -368,14 +335,6 @@ def _colour_jitter(x: Tensor, params: Tensor, gray_weight: Tensor, known_codes: 
     return x
 
 
-def normalise(pixels: Tensor, constants: ColourConstants) -> Tensor:
-    """float32 (B, 3, H, W) ``(pixels / 255 - mean) / std`` of uint8 (B, 3, H, W) ``pixels``: the device
-    stage of an evaluation batch (no colour augmentation), with the stage's ``constants``."""
-    scale = constants.inv_std / 255.0
-    shift = -(constants.mean.view(1, 3, 1, 1) * constants.inv_std)
-    return pixels.float().mul_(scale).add_(shift)
-
-
 def build_backend_transform(
     backend: str,
     kind: str,
@@ -384,14 +343,9 @@ def build_backend_transform(
     mean: Sequence[float] | None = IMAGENET_MEAN,
     std: Sequence[float] | None = IMAGENET_STD,
 ) -> Callable:
-    """The dataset transform of ``data.backend``: the fast CPU stage for the paper's training augmentation
-    with ``fast`` (and ``dali``, whose own loader replaces it for training JPEGs; the ``DeviceStage``
-    normalises those batches); with ``gpu``, :mod:`mlcls.data.pipeline.gpu`'s worker side for the paper's
-    training augmentation (its draws this module's) and for every evaluation; the plain torchvision
-    transform of :func:`mlcls.data.pipeline.transforms.build_transform` otherwise (evaluation, ``light``,
-    ``strong``: with ``fast`` these run whole in the DataLoader workers, seeded per sample as on
-    ``torchvision``; ``dali`` trains the paper's augmentation only), normalised with ``mean`` and ``std``.
-    Both are checked whichever transform it returns."""
+    """The dataset transform of ``data.backend``: the fast CPU stage (``fast``, ``dali``) or
+    :class:`GpuTrainTransform` for the ``paper`` training augmentation; :class:`GpuEvalTransform` for
+    ``gpu``'s evaluation; else :func:`build_transform`'s. ``mean`` and ``std`` are checked in every case."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown data.backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     mean, std = normalisation(mean, std)

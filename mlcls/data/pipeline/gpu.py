@@ -1,35 +1,18 @@
 """The GPU input pipeline (``data.backend=gpu``): JPEGs decoded, cropped and resized on the training device.
 
-* **DataLoader workers** (:class:`GpuTrainTransform`, :class:`GpuEvalTransform`) read the file's bytes (or
-  the shard member's) and its header, and draw the sample's parameters with the calls of the fast pipeline,
-  :meth:`FastTrainTransform.crop_params <mlcls.data.pipeline.fast.FastTrainTransform.crop_params>`, the
-  flip's ``torch.rand(1)`` and :meth:`~mlcls.data.pipeline.fast.FastTrainTransform.colour_params`, in its
-  order, under the sample's seed: crop windows, flips and colour parameters are ``fast``'s, and resume stays
-  exact. A sample is an :class:`EncodedImage`; :func:`mlcls.data.loader.collate_batch` makes the batch.
-* **The device** (:func:`decode_on_device`, run by :class:`mlcls.data.loader.DeviceStage` once per batch):
-  ``torchvision.io.decode_jpeg(list, device=...)`` (nvJPEG on CUDA, libjpeg-turbo on the CPU) decodes the
-  batch in chunks of at most :data:`DECODE_PIXELS` decoded pixels; each chunk's crop windows are gathered
-  into one zero-padded tensor (one ``index_select``) and resized to S x S by two batched matrix products
-  with the antialiased bilinear weights of torch's and PIL's resize (:func:`resize_weights`), then flipped,
-  without a launch per image. The colour stage of the fast pipeline follows.
-
-Evaluation takes the same path: the window is the image (or the sample's box) and the weights are the rows
-and columns of the ``paper`` evaluation's shorter-side resize to ``size / 0.875`` that its centre crop keeps
-(a squash-resize to S x S for the other kinds); normalisation only.
-
-**The CPU path.** A file the device does not take from its header -- another format (PNG), a JPEG that is
-not baseline YCbCr (progressive, CMYK, greyscale, arithmetic-coded), a JPEG cut short (no end-of-image
-marker after its last scan), more than :data:`MAX_DEVICE_PIXELS` pixels -- is decoded in the worker by the
-fast pipeline itself, for that sample only: the same draws, ``dataset.on_bad_image`` as with ``fast``. A JPEG
-whose damage only decoding finds is decoded again image by image on the device, then by PIL in the main
-process (as ``fast`` falls back to PIL); one PIL refuses too stops the run with one line.
+DataLoader workers plan each file with the fast pipeline's draws (exact resume); the device
+(:func:`decode_on_device`) decodes the batch in chunks of at most :data:`DECODE_PIXELS` pixels, gathers the
+windows into one zero-padded tensor and resizes them by two batched matrix products (:func:`resize_weights`):
+no launch per image. A file the device does not take from its header takes the fast pipeline's CPU path in
+the worker; one whose damage only decoding finds is decoded again one by one, then by PIL
+(docs/performance.md, "JPEGs decoded on the GPU").
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import simplejpeg
@@ -45,9 +28,9 @@ from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     SQUASH_EVAL_KINDS,
-    AspectRatioCheck,
     check_aspect_ratio,
     eval_resize,
+    eval_steps,
     normalisation,
 )
 
@@ -75,16 +58,14 @@ MAX_HEADER_MARKERS = 1024
 # pixels; the grid the window is resized to and the offset of the S x S output in it; the flip; S.
 IMAGE_W, IMAGE_H, LEFT, TOP, WIDTH, HEIGHT, GRID_W, GRID_H, OFFSET_X, OFFSET_Y, FLIP, SIZE = range(12)
 GEOMETRY_FIELDS = 12
+Box = tuple[float, float, float, float]  # (left, top, right, bottom) in pixels
 
 
 class EncodedImage(NamedTuple):
-    """One sample as the workers make it; :func:`mlcls.data.loader.collate_batch` makes an
-    :class:`EncodedBatch` of them.
-
-    ``data``: the JPEG file for the device (``b""`` when ``pixels`` holds the sample); ``pixels``: uint8
-    (3, S, S) made on the CPU path (None otherwise); ``geometry``: int64 (:data:`GEOMETRY_FIELDS`,);
-    ``params``: float32 (9,), the fast pipeline's colour parameters, or (0,) in evaluation.
-    """
+    """One sample as the workers make it. ``data``: the JPEG file for the device (``b""`` when ``pixels``
+    holds the sample); ``pixels``: uint8 (3, S, S) made on the CPU path, else None; ``geometry``: int64
+    (:data:`GEOMETRY_FIELDS`,); ``params``: float32 (9,), the fast pipeline's colour parameters, or (0,) in
+    evaluation."""
 
     data: bytes
     pixels: Tensor | None
@@ -96,8 +77,7 @@ class EncodedBatch(NamedTuple):
     """A batch of B :class:`EncodedImage`: ``encoded`` uint8 (N,) the device samples' files one after the
     other, ``lengths`` int64 (B,) their sizes (0: made on the CPU path), ``geometry`` int64 (B, 12),
     ``pixels`` uint8 (K, 3, S, S) the K CPU-path samples in batch order, ``params`` float32 (B, 9) or
-    (B, 0). ``lengths`` and ``geometry`` are NumPy arrays: the device stage reads them on the host, never
-    a tensor (no host read that would wait for the GPU)."""
+    (B, 0). ``lengths`` and ``geometry`` are NumPy arrays, read on the host without waiting for the GPU."""
 
     encoded: Tensor
     lengths: np.ndarray
@@ -142,9 +122,7 @@ def frame_marker(data: bytes) -> int | None:
 
 def device_jpeg_size(data: bytes) -> tuple[int, int] | None:
     """``(width, height)`` of a file the device decodes: a baseline YCbCr JPEG of a subsampling of
-    :data:`DEVICE_SUBSAMPLINGS`, with an end-of-image marker after its last scan, of at most
-    :data:`MAX_DEVICE_PIXELS` pixels (and within ``check_pixels``'s limit); None for any other file (the
-    CPU path decides what it is)."""
+    :data:`DEVICE_SUBSAMPLINGS`, not cut short, of at most :data:`MAX_DEVICE_PIXELS` pixels; else None."""
     try:
         height, width, colorspace, subsampling = simplejpeg.decode_jpeg_header(data)
     except ValueError:
@@ -157,10 +135,9 @@ def device_jpeg_size(data: bytes) -> tuple[int, int] | None:
     return width, height
 
 
-def plan_window(data: bytes, box: tuple[float, float, float, float] | None) -> PlannedJpeg | None:
-    """The :class:`PlannedJpeg` of ``data`` with its window the sample's box clamped to the image (the whole
-    image without one), refused as the datasets refuse it (:func:`check_aspect_ratio`); None when the
-    device does not take the file."""
+def plan_window(data: bytes, box: Box | None) -> PlannedJpeg | None:
+    """The :class:`PlannedJpeg` of ``data``, its window the sample's ``box`` clamped to the image (refused as
+    the datasets refuse it), or the image; None when the device does not take the file."""
     size = device_jpeg_size(data)
     if size is None:
         return None
@@ -169,68 +146,22 @@ def plan_window(data: bytes, box: tuple[float, float, float, float] | None) -> P
     return PlannedJpeg(data, *size, (left, top, right - left, bottom - top))
 
 
-class CpuStage(Protocol):
-    """What :class:`GpuTrainTransform` takes of the fast pipeline's CPU stage
-    (:class:`mlcls.data.pipeline.fast.FastTrainTransform`, which builds it with one): its output side, its
-    draws and its whole path for the files the device does not take."""
-
-    size: int
-
-    def crop_params(self, width: int, height: int) -> tuple[int, int, int, int]: ...
-
-    def colour_params(self) -> Tensor: ...
-
-    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> Any: ...
-
-    def __call__(self, image: Any) -> Any: ...
-
-
-def _geometry(values: dict[int, int]) -> np.ndarray:
-    geometry = np.zeros(GEOMETRY_FIELDS, dtype=np.int64)
-    for column, value in values.items():
-        geometry[column] = value
-    return geometry
-
-
-class GpuTrainTransform:
-    """The worker's part of the ``paper`` training augmentation with ``data.backend=gpu``: read and plan
-    (``decode``, ``decode_bytes``, the datasets' hooks), then draw the flip and the colour parameters
-    (``__call__``), with the fast pipeline's calls in its order; output :class:`EncodedImage`."""
-
-    torch_random_only = True
-
-    def __init__(self, fast: CpuStage) -> None:
-        self.fast, self.size = fast, fast.size
-
-    def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> Any:
-        return self.decode_bytes(read_image_bytes(path), box)
-
-    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> Any:
-        """A :class:`PlannedJpeg` with the fast pipeline's crop window, or the fast pipeline's own
-        ``decode_bytes`` (the CPU path, the same draw)."""
-        planned = plan_window(data, box)
-        if planned is None:
-            return self.fast.decode_bytes(data, box)
-        left, top, width, height = planned.window
-        i, j, h, w = self.fast.crop_params(width, height)
-        return planned._replace(window=(left + j, top + i, w, h))
-
-    def __call__(self, image: Any) -> EncodedImage:
-        """An :class:`EncodedImage`: of a :class:`PlannedJpeg` for the device, or of the fast pipeline's
-        output for anything else (its ``PlannedCrop``, a PIL image)."""
-        if not isinstance(image, PlannedJpeg):
-            augmented = self.fast(image)
-            return EncodedImage(b"", augmented.pixels, _geometry({SIZE: self.size}), augmented.params)
-        flip = bool(torch.rand(1) < 0.5)  # the fast pipeline's draws, in its order
-        params = self.fast.colour_params()
-        left, top, width, height = image.window
-        s = self.size
-        geometry = {IMAGE_W: image.width, IMAGE_H: image.height, LEFT: left, TOP: top, WIDTH: width}
-        geometry.update({HEIGHT: height, GRID_W: s, GRID_H: s, FLIP: int(flip), SIZE: s})
-        return EncodedImage(image.data, None, _geometry(geometry), params)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(size={self.size}, crop and colour of {self.fast!r})"
+def encoded_image(
+    image: PlannedJpeg | Tensor,
+    params: Tensor,
+    size: int,
+    grid: tuple[int, int, int, int] = (0, 0, 0, 0),
+    flip: bool = False,
+) -> EncodedImage:
+    """The :class:`EncodedImage` of uint8 (3, S, S) pixels of the CPU path, or of a planned JPEG whose window
+    the device resizes to ``grid`` = ``(grid_w, grid_h, offset_x, offset_y)`` and flips (the geometry's
+    columns in order)."""
+    if isinstance(image, Tensor):
+        return EncodedImage(
+            b"", image, np.array([0] * (GEOMETRY_FIELDS - 1) + [size], dtype=np.int64), params
+        )
+    geometry = np.array([image.width, image.height, *image.window, *grid, int(flip), size], dtype=np.int64)
+    return EncodedImage(image.data, None, geometry, params)
 
 
 class GpuEvalTransform:
@@ -247,16 +178,12 @@ class GpuEvalTransform:
     ) -> None:
         self.size, self.kind = size, kind
         self.mean, self.std = normalisation(mean, std)
-        if kind in SQUASH_EVAL_KINDS:
-            steps: list[Any] = [T.Resize((size, size))]
-        else:
-            steps = [AspectRatioCheck(), T.Resize(eval_resize(size)), T.CenterCrop(size)]
-        self.cpu_path = T.Compose([*steps, T.PILToTensor()])
+        self.cpu_path = T.Compose([*eval_steps(kind, size), T.PILToTensor()])
 
-    def decode(self, path: str, box: tuple[float, float, float, float] | None = None) -> Any:
+    def decode(self, path: str, box: Box | None = None) -> PlannedJpeg | Image.Image:
         return self.decode_bytes(read_image_bytes(path), box)
 
-    def decode_bytes(self, data: bytes, box: tuple[float, float, float, float] | None = None) -> Any:
+    def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | Image.Image:
         """A :class:`PlannedJpeg`, or the RGB PIL image (cropped to the box) of a file of the CPU path."""
         planned = plan_window(data, box)
         if planned is not None:
@@ -281,15 +208,9 @@ class GpuEvalTransform:
         return grid_w, grid_h, int(round((grid_w - s) / 2.0)), int(round((grid_h - s) / 2.0))
 
     def __call__(self, image: PlannedJpeg | Image.Image) -> EncodedImage:
-        no_params = torch.zeros(0)
         if not isinstance(image, PlannedJpeg):
-            return EncodedImage(b"", self.cpu_path(image), _geometry({SIZE: self.size}), no_params)
-        left, top, width, height = image.window
-        grid_w, grid_h, offset_x, offset_y = self.grid(width, height)
-        geometry = {IMAGE_W: image.width, IMAGE_H: image.height, LEFT: left, TOP: top, WIDTH: width}
-        geometry.update({HEIGHT: height, GRID_W: grid_w, GRID_H: grid_h, OFFSET_X: offset_x})
-        geometry.update({OFFSET_Y: offset_y, SIZE: self.size})
-        return EncodedImage(image.data, None, _geometry(geometry), no_params)
+            return encoded_image(self.cpu_path(image), torch.zeros(0), self.size)
+        return encoded_image(image, torch.zeros(0), self.size, self.grid(*image.window[2:]))
 
     def __repr__(self) -> str:
         return (
@@ -297,16 +218,12 @@ class GpuEvalTransform:
         )
 
 
-def input_stage_bytes(batch_size: int, size: int, decode_pixels: int = DECODE_PIXELS) -> int:
-    """A bound of the GPU memory the input stage allocates for one training batch of ``batch_size`` images
-    of ``size`` x ``size`` (torch's allocations; nvJPEG's own buffers come on top): per decode chunk of at
-    most ``decode_pixels`` decoded (and padded window) pixels and half as many resize weights
-    (:func:`chunks`), 16 bytes a pixel -- the decoded images and their concatenation (3 + 3); or the
-    concatenation, the int32 gather index, the uint8 and float16 windows (3 + 4 + 3 + 6); or the float16
-    windows, the weights as they are made (7 per weight) and kept (2), the products' broadcast copies and
-    intermediate (6 + 3.5 + 1 + 3 + 3) --, plus 16 bytes per output value (uint8 copies while assembling
-    the batch, the colour stage's float32 image and temporaries)."""
-    return 16 * decode_pixels + 16 * batch_size * 3 * size * size
+def input_stage_bytes(batch_size: int, size: int) -> int:
+    """A bound of the GPU memory torch allocates in the input stage for one training batch of ``batch_size``
+    images of ``size`` x ``size`` (nvJPEG's own buffers come on top): 16 bytes per pixel of a decode chunk
+    (:func:`chunks`), the largest sum over the phases of :func:`resize_windows` (docs/performance.md,
+    "Memory"), plus 16 bytes per output value (the batch's uint8 copies, the colour stage's float32)."""
+    return 16 * DECODE_PIXELS + 16 * batch_size * 3 * size * size
 
 
 def resize_weights(

@@ -1,19 +1,13 @@
-"""The evaluation preprocessing of a trained model, as a JSON-ready dict that travels with the checkpoint.
-
-A *preprocess spec* describes, without any dataset config, how an image must be turned into the network's
-input tensor -- exactly the evaluation transform of :mod:`mlcls.data.pipeline.transforms`::
+"""The evaluation transform of a trained model (:mod:`mlcls.data.pipeline.transforms`) as a JSON-ready
+*preprocess spec* that travels with the checkpoint, needing no dataset config::
 
     {"transform": "paper", "image_size": 224, "resize": 256, "crop": 224, "interpolation": "bilinear",
      "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
 Applied in this order: decode as RGB -> ``Resize(resize)`` (an int resizes the shorter side keeping the
 aspect ratio, ``[h, w]`` resizes to exactly that size) -> ``CenterCrop(crop)`` unless ``crop`` is null ->
-scale pixels to [0, 1] -> subtract ``mean`` and divide by ``std`` per RGB channel (the dataset config's
-``dataset.mean`` and ``dataset.std``). The network input is a float32 (B, 3, H, W) tensor with ``(H, W)`` =
-:func:`input_size`.
-
-The trainer stores the spec in every checkpoint under ``"preprocess"``; :func:`spec_from_checkpoint` reads
-it back.
+scale pixels to [0, 1] -> ``(x - mean) / std`` per RGB channel: float32 (B, 3, H, W), ``(H, W)`` =
+:func:`input_size`. Every checkpoint holds it under ``"preprocess"`` (:func:`spec_from_checkpoint`).
 """
 
 from __future__ import annotations
@@ -32,16 +26,9 @@ MAX_SIDE = 4096
 
 
 def preprocess_spec(dataset_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The spec of the evaluation transform that ``build_dataset(dataset_cfg, train=False)`` applies.
-
-    Args:
-        dataset_cfg: a dataset config (DictConfig or dict) with ``image_size`` and optionally ``transform``
-            (default ``"paper"``, as in :func:`mlcls.data.build_dataset`), ``mean`` and ``std`` (default
-            ImageNet's; checked by :func:`mlcls.data.pipeline.transforms.normalisation`).
-
-    Returns:
-        A dict with the keys :data:`SPEC_KEYS` (lists, ints and strings only: JSON-ready).
-    """
+    """The spec (keys :data:`SPEC_KEYS`; lists, ints and strings only) of the evaluation transform that
+    ``build_dataset(dataset_cfg, train=False)`` applies: ``image_size``, ``transform`` (default ``"paper"``),
+    ``mean`` and ``std`` (default ImageNet's) of the dataset config."""
     if dataset_cfg.get("image_size") is None:
         raise InferenceError("the dataset config has no image_size; cannot tell the model's input size")
     kind = dataset_cfg.get("transform") or "paper"
@@ -65,10 +52,9 @@ def preprocess_spec(dataset_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_spec(spec: Mapping[str, Any]) -> None:
-    """Raise :class:`InferenceError` unless ``spec`` has every key of :data:`SPEC_KEYS` with a value of its
-    range: a known transform, sizes (an int, or ``[h, w]`` for ``resize`` and ``crop``; ``crop`` may be
-    null) of 1 to :data:`MAX_SIDE` pixels, a torchvision interpolation mode; ``mean`` and ``std`` are
-    checked by :func:`~mlcls.data.pipeline.transforms.normalisation` (a :class:`ConfigError`)."""
+    """Raise :class:`InferenceError` unless ``spec`` has every key of :data:`SPEC_KEYS` in its range: a known
+    transform, sizes of 1 to :data:`MAX_SIDE` pixels (``[h, w]`` too for ``resize`` and ``crop``, which may
+    be null), a torchvision interpolation mode; ``mean`` and ``std`` as :func:`normalisation` checks them."""
     missing = [key for key in SPEC_KEYS if key not in spec]
     if missing:
         raise InferenceError(

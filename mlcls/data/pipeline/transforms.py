@@ -1,37 +1,18 @@
-"""Image transforms: the paper's training augmentation and the usual evaluation resize/crop.
+"""Image transforms (``dataset.transform``): PIL RGB image -> normalised float32 (3, size, size).
 
 ``paper`` (Sec. 4.1 and the authors' code): train RandomResizedCrop(size) -> horizontal flip ->
 ColorJitter(0.4, 0.4, 0.4) -> tensor -> PCA lighting noise (AlexNet, std 0.1) -> normalisation;
-eval Resize(size / 0.875) -> CenterCrop(size) -> tensor -> normalisation (224 -> Resize 256 + CenterCrop 224).
+eval Resize(size / 0.875) -> CenterCrop(size) (224 -> Resize 256 + CenterCrop 224).
+``light``: train squash-resize to ``size`` x ``size`` and a horizontal flip (small synthetic images whose
+objects a random crop would cut away).
+``strong`` (the ASL / ML-Decoder recipe): train squash-resize -> :class:`CutoutPIL` -> the ``randaugment``
+package's RandAugment (1.0.2, ML-Decoder's); the ML-Decoder presets set mean 0 and std 1 (the
+released recipe feeds TResNet [0, 1] pixels). ``strong_timm``: ``strong`` with timm's RandAugment
+(:data:`TIMM_RANDAUGMENT`), another policy, not the recipe's.
+``light``, ``strong`` and ``strong_timm`` evaluate on a squash-resize (:data:`SQUASH_EVAL_KINDS`).
 
-``light``: resize to ``size`` x ``size`` and a horizontal flip for training; for small synthetic images
-whose objects a random crop would cut away.
-
-``strong`` (the ASL / ML-Decoder training recipe): train squash-resize to ``size`` x ``size`` (aspect ratio
-not kept) -> :class:`CutoutPIL` (one rectangle of random colour, ``cutout_factor`` 0.5) -> RandAugment of
-the ``randaugment`` package (1.0.2, the one ML-Decoder's requirements name; :func:`package_randaugment`)
--> tensor -> normalisation (the ML-Decoder presets set mean 0 and std 1: the released recipe feeds TResNet
-[0, 1] pixels).
-
-``strong_timm``: ``strong`` with timm's RandAugment (:data:`TIMM_RANDAUGMENT`, :func:`timm_randaugment`) in
-place of the package's: another policy (other operations, magnitudes and fills), not the recipe's.
-
-``light``, ``strong`` and ``strong_timm`` evaluate on a squash-resize to ``size`` x ``size`` without crop
-(:data:`SQUASH_EVAL_KINDS`) -> tensor -> normalisation.
-
-Image shape: an image (or crop) whose long side exceeds :data:`MAX_ASPECT_RATIO` times its short side is a
-bad image (:func:`check_aspect_ratio`, a ``ValueError``): the datasets refuse it from its header, before
-decoding it, and the ``paper`` evaluation transform, whose shorter-side resize would enlarge it without bound,
-checks it first (:class:`AspectRatioCheck`).
-
-Normalisation is ``(x - mean) / std`` per RGB channel on [0, 1] pixels, with the dataset config's
-``dataset.mean`` and ``dataset.std`` (:func:`normalisation` checks them), ImageNet's by default;
-``mean: [0, 0, 0]``, ``std: [1, 1, 1]`` leaves the pixels in [0, 1].
-
-Randomness: ``paper``, ``light`` and :class:`CutoutPIL` draw from torch's CPU generator, both RandAugments
-from Python's ``random`` and NumPy's global generator; :func:`mlcls.data.sampling.seeded_call` seeds all
-three per sample (none of these transforms claims ``torch_random_only``), so every transform here is a
-function of the sample's seed (exact resume).
+Normalisation: ``(x - mean) / std`` per RGB channel on [0, 1] pixels (:func:`normalisation`). Random draws
+come from torch's, Python's and NumPy's generators, all three seeded per sample by ``seeded_call``.
 """
 
 from __future__ import annotations
@@ -101,17 +82,12 @@ class AspectRatioCheck:
 
 
 class Lighting:
-    """AlexNet PCA lighting noise: adds ``eigvec @ (alpha * eigval)`` to every pixel, alpha ~ N(0, std).
+    """AlexNet PCA lighting noise: adds ``eigvec @ (alpha * eigval)`` to every pixel, alpha ~ N(0, std), of
+    a float (3, H, W) image in [0, 1] or a (B, 3, H, W) batch (one alpha per image)."""
 
-    Works on a (3, H, W) float tensor in [0, 1] or on a batch (B, 3, H, W) (one alpha per image).
-    """
-
-    def __init__(self, std: float = 0.1) -> None:
-        self.std = std
+    std = 0.1  # the paper's
 
     def __call__(self, img: torch.Tensor) -> torch.Tensor:
-        if self.std == 0:
-            return img
         batch_shape = img.shape[:-3]
         alpha = torch.randn(*batch_shape, 3, device=img.device) * self.std
         rgb = (alpha * IMAGENET_PCA_EIGVAL.to(img.device)) @ IMAGENET_PCA_EIGVEC.to(img.device).T
@@ -122,18 +98,12 @@ class Lighting:
 
 
 class CutoutPIL:
-    """Cutout on a PIL image: one rectangle filled with a single random colour, as ML-Decoder's and ASL's
-    ``CutoutPIL`` paints it.
-
-    With ``k = int(cutout_factor * W + 0.5)``, the rectangle spans columns ``x - k // 2`` to ``x + k // 2``,
-    both ends included (the authors' ``ImageDraw.rectangle``), so ``2 * (k // 2) + 1`` columns: 225 at 448 px
-    and factor 0.5, one when the factor is 0. Rows likewise with the height and centre ``y``. The centre
-    ``(x, y)`` is a pixel drawn uniformly from the image, and the rectangle is clipped to the image (smaller
-    when the centre lies near a border); its colour has each of R, G, B drawn uniformly from 0..255. Every
-    draw is from torch's CPU generator (the column ``x``, the row ``y``, then the colour). The authors take
-    the width for the rows and the height for the columns; on the square images their recipe gives it
-    (a squash-resize comes first) the two agree. Returns a new image; the input is left unchanged.
-    """
+    """Cutout on a PIL image (a new one): one rectangle of a single random colour, as ML-Decoder's and ASL's
+    ``CutoutPIL`` paints it. With ``k = int(cutout_factor * W + 0.5)`` it spans columns ``x - k // 2`` to
+    ``x + k // 2``, both included (the authors' ``ImageDraw.rectangle``): 225 at 448 px and factor 0.5, one
+    at factor 0; rows likewise with the height. The centre ``(x, y)``, then each of R, G, B in 0..255, are
+    drawn uniformly from torch's CPU generator; the rectangle is clipped to the image. (The authors take the
+    width for the rows: on their square images the two agree.)"""
 
     def __init__(self, cutout_factor: float = CUTOUT_FACTOR) -> None:
         if not 0.0 <= cutout_factor <= 1.0:
@@ -172,28 +142,6 @@ if not hasattr(np, "int"):  # NumPy >= 1.24
     randaugment.randaugment.np = _NumpyWithInt("numpy")
 
 
-def package_randaugment() -> Callable:
-    """RandAugment of the ``randaugment`` package, ``randaugment.RandAugment()``, as ML-Decoder's ``train.py``
-    builds it: per image, one of its 18,225 two-operation policies drawn uniformly, i.e. 2 operations of 15
-    (Invert, Cutout, Sharpness, AutoContrast, Posterize, ShearX, TranslateX, TranslateY, ShearY, Rotate,
-    Equalize, Contrast, Color, Solarize, Brightness), each with a magnitude drawn uniformly from 1..9 of 9
-    and applied with probability 0.5; rotation turns one way only. It draws from Python's ``random`` and (its
-    Cutout) NumPy's global generator; on PIL RGB images."""
-    return randaugment.RandAugment()
-
-
-def timm_randaugment(image_size: int) -> Callable:
-    """timm's RandAugment (``rand_augment_transform``) with :data:`TIMM_RANDAUGMENT`, on PIL images of side
-    ``image_size``: translations up to 45 % of the side and the ImageNet mean colour filling what the
-    geometric operations uncover (timm's own settings for its training transforms), bilinear resampling."""
-    hparams = {
-        "translate_const": int(image_size * 0.45),
-        "img_mean": tuple(round(255 * channel) for channel in IMAGENET_MEAN),
-        "interpolation": Image.Resampling.BILINEAR,
-    }
-    return rand_augment_transform(TIMM_RANDAUGMENT, hparams)
-
-
 def normalisation(
     mean: Any = IMAGENET_MEAN, std: Any = IMAGENET_STD, owner: str = "dataset"
 ) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
@@ -219,6 +167,14 @@ def eval_resize(size: int) -> int:
     return int(round(size / 0.875))
 
 
+def eval_steps(kind: str, image_size: int) -> list[Callable]:
+    """The PIL steps of ``kind``'s evaluation: a squash-resize to ``image_size`` x ``image_size``
+    (:data:`SQUASH_EVAL_KINDS`), or the ``paper`` shorter-side resize and centre crop."""
+    if kind in SQUASH_EVAL_KINDS:
+        return [T.Resize((image_size, image_size))]
+    return [AspectRatioCheck(), T.Resize(eval_resize(image_size)), T.CenterCrop(image_size)]
+
+
 def build_transform(
     kind: str,
     image_size: int,
@@ -226,37 +182,26 @@ def build_transform(
     mean: Sequence[float] | None = IMAGENET_MEAN,
     std: Sequence[float] | None = IMAGENET_STD,
 ) -> Callable:
-    """Return the torchvision transform ``kind`` (one of ``TRANSFORM_KINDS``) for training or evaluation:
-    PIL RGB image -> float32 (3, ``image_size``, ``image_size``), normalised with ``mean`` and ``std``
-    (``dataset.mean``, ``dataset.std``; checked by :func:`normalisation`)."""
+    """The torchvision transform ``kind`` (one of ``TRANSFORM_KINDS``) for training or evaluation: PIL RGB
+    image -> float32 (3, ``image_size``, ``image_size``), normalised with ``mean`` and ``std``."""
     if kind not in TRANSFORM_KINDS:
         raise ValueError(f"unknown transform {kind!r}; expected one of {', '.join(TRANSFORM_KINDS)}")
     normalize = T.Normalize(*normalisation(mean, std))
-    if kind in SQUASH_EVAL_KINDS:
-        steps: list[Callable] = [T.Resize((image_size, image_size))]
-        if train and kind == "light":
-            steps.append(T.RandomHorizontalFlip())
-        elif train:
-            randaug = package_randaugment() if kind == "strong" else timm_randaugment(image_size)
-            steps += [CutoutPIL(CUTOUT_FACTOR), randaug]
-        return T.Compose([*steps, T.ToTensor(), normalize])
-    if train:
-        return T.Compose(
-            [
-                T.RandomResizedCrop(image_size),
-                T.RandomHorizontalFlip(),
-                T.ColorJitter(0.4, 0.4, 0.4),
-                T.ToTensor(),
-                Lighting(0.1),
-                normalize,
-            ]
-        )
-    return T.Compose(
-        [
-            AspectRatioCheck(),
-            T.Resize(eval_resize(image_size)),
-            T.CenterCrop(image_size),
-            T.ToTensor(),
-            normalize,
-        ]
-    )
+    if not train:
+        steps = eval_steps(kind, image_size)
+    elif kind == "paper":
+        steps = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ColorJitter(0.4, 0.4, 0.4)]
+        return T.Compose([*steps, T.ToTensor(), Lighting(), normalize])
+    elif kind == "light":
+        steps = [T.Resize((image_size, image_size)), T.RandomHorizontalFlip()]
+    elif kind == "strong":
+        # ML-Decoder's train.py: per image 2 of 15 operations, each with probability 0.5 and a magnitude
+        # drawn from 1..9 (the package's 18,225 policies); from Python's and NumPy's generators.
+        steps = [T.Resize((image_size, image_size)), CutoutPIL(CUTOUT_FACTOR), randaugment.RandAugment()]
+    else:  # strong_timm, with timm's settings for its training transforms
+        fill = tuple(round(255 * channel) for channel in IMAGENET_MEAN)  # what geometric operations uncover
+        bilinear = Image.Resampling.BILINEAR
+        hparams = {"translate_const": int(image_size * 0.45), "img_mean": fill, "interpolation": bilinear}
+        randaug = rand_augment_transform(TIMM_RANDAUGMENT, hparams)
+        steps = [T.Resize((image_size, image_size)), CutoutPIL(CUTOUT_FACTOR), randaug]
+    return T.Compose([*steps, T.ToTensor(), normalize])

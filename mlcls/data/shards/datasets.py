@@ -1,29 +1,13 @@
-"""Training and evaluation from packed shards (``dataset=shards``), as ``mlcls-data pack`` writes them
-(layout: :mod:`mlcls.data.shards.pack`), opened as :mod:`mlcls.data.shards.reader` opens them; the shards a
-manifest lists are read from the manifest's folder.
+"""Training and evaluation from packed shards (``dataset=shards``), as ``mlcls-data pack`` writes them.
 
-**Training** (:class:`ShardTrainSet`, loaded by :class:`mlcls.data.loader.ShardTrainLoader`): every
-epoch the shards are put in an order drawn from ``seed + epoch``; their concatenation, ``N`` samples, is cut
-into contiguous ranges of ``per_rank = floor(N / (world_size * batch)) * batch`` samples, one per rank
-(``DistributedSampler``'s ``drop_last`` count: every rank runs the same number of steps, no sample twice),
-each read in shuffled blocks in an order that does not depend on the DataLoader workers
-(:mod:`mlcls.data.shards.loader`). Each sample's augmentation runs under ``sample_seed(seed, epoch, key)``
-(its index in the source split); ``set_start(k)`` (resuming mid-epoch) skips exactly the first ``k``
-samples the rank served. The observed-label regime (:class:`mlcls.data.TrainingView`) draws each target
-for the sample's key, as for the source dataset: the shards train on the labels the source would.
-
-**Evaluation** (:class:`ShardEvalSet`): the validation shards are read once, whole, into one byte buffer
-(the JPEGs at their packed size: ~25 kB an image at 320 px) and served as a map-style dataset, so that the
-trainer's evaluation (``RankSampler``: every sample scored exactly once over the ranks) applies unchanged.
-
-**Checks.** Opening a split checks, cheaply, that the folder is of this layout's format, that
-``classes.json`` and the split's labels sidecar are the files the manifest records (sha256, the sidecar
-read whole anyway), that the sidecar has one row per packed sample and class, and, for local shards, that
-each file has the manifest's size; the validation shards' label rows are compared with their sidecar's.
-:func:`verify_pack` (``mlcls-data verify DIR``) reads everything.
-
-``dataset.image_size`` and ``dataset.transform`` default to the packed source's (:func:`source_setting`,
-the config's ``${shards_source:...}``).
+**Training** (:class:`ShardTrainSet`): every epoch the shards are put in an order drawn from ``seed +
+epoch``; their concatenation, ``N`` samples, is cut into contiguous ranges of ``per_rank = floor(N /
+(world_size * batch)) * batch`` samples, one per rank (``DistributedSampler``'s ``drop_last`` count), read in
+shuffled blocks (:mod:`mlcls.data.shards.loader`). A sample's augmentation and observed labels are drawn for
+``key``, its index in the source split: the shards train on what the source would.
+**Evaluation** (:class:`ShardEvalSet`): the validation shards read once into one byte buffer, a map-style
+dataset. Opening a split checks what is cheap (format, sidecar hashes, shapes, local shard sizes);
+``mlcls-data verify`` reads everything.
 """
 
 from __future__ import annotations
@@ -55,7 +39,6 @@ from mlcls.data.shards.pack import IMAGE_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.shards.reader import (
     ROLES,
     ShardIndex,
-    default_meta,
     expand_urls,
     iter_shard,
     read_url,
@@ -83,7 +66,13 @@ def config_meta(root: str | None, urls: str | list[str] | None, meta: str | None
             "dataset=shards needs dataset.root=DIR (the folder mlcls-data pack wrote) or dataset.urls, "
             "e.g. DIR/train-{000000..000009}.tar"
         )
-    return default_meta(expand_urls(urls)[0])
+    first = expand_urls(urls)[0]
+    if first.startswith("pipe:"):
+        raise DatasetConfigError(
+            "dataset.meta is needed with pipe: shard URLs: the folder or URL of classes.json and "
+            "manifest.json"
+        )
+    return first.rsplit("/", 1)[0] if "/" in first else "."
 
 
 @functools.lru_cache(maxsize=8)
@@ -118,21 +107,10 @@ def open_shards(
     transform: Callable | None = None,
     **config_keys: Any,
 ) -> ShardTrainSet | ShardEvalSet:
-    """The ``split`` (``train`` or ``val``) of packed shards: a :class:`ShardTrainSet` for training, a
-    :class:`ShardEvalSet` for evaluation (``dataset=shards``; see ``configs/dataset/shards.yaml``).
-
-    Args:
-        urls: the training shards, a brace pattern or a list (any URL ``webdataset`` opens); None: every
-            training shard of ``root``'s manifest.
-        val_urls: the validation shards; None: every val shard of the manifest, in the folder of ``urls``
-            (required with ``pipe:`` URLs: no name read from a manifest is written into a command), or in
-            the manifest's folder.
-        meta: folder or URL prefix of ``classes.json``, ``manifest.json``, ``*-labels.npz``; None: ``root``,
-            or the folder of the first training shard (required with ``pipe:`` URLs).
-        root: the folder ``mlcls-data pack`` wrote, read through its manifest.
-        shuffle_buffer: training samples a worker shuffles together (see the module docstring).
-        transform, **config_keys: as for :class:`MultiLabelDataset`.
-    """
+    """The ``split`` (``train`` or ``val``) of packed shards (``dataset=shards``; its keys are explained in
+    ``configs/dataset/shards.yaml``): a :class:`ShardTrainSet` or a :class:`ShardEvalSet`. Without
+    ``val_urls``, every val shard of the manifest, in the folder of ``urls`` (required with ``pipe:`` URLs)
+    or of the manifest."""
     check_choice("split", split, ROLES)
     index = ShardIndex(config_meta(root, urls, meta))
     if split == "train":
@@ -140,17 +118,14 @@ def open_shards(
         return ShardTrainSet(index, train_urls, shuffle_buffer, transform, **config_keys)
     if val_urls:
         split_urls = expand_urls(val_urls)
-    elif urls:
-        split_urls = index.role_urls("val", expand_urls(urls)[0])
     else:
-        split_urls = index.shard_urls("val")
+        split_urls = index.shard_urls("val", expand_urls(urls)[0] if urls else None)
     return ShardEvalSet(index, split_urls, transform, **config_keys)
 
 
 class ShardTrainSet(SparseLabelled):
-    """The training split of packed shards: classes, labels (the sidecar's, sparse: ``label_counts()``
-    without a dense matrix) and the shard URLs; iterated by ``ShardTrainLoader``
-    (``build_train_loader`` makes it). ``len()``: packed samples."""
+    """The training split of packed shards: classes, labels (the sidecar's, sparse) and the shard URLs;
+    iterated by ``ShardTrainLoader``. ``len()``: packed samples."""
 
     def __init__(
         self,
@@ -167,8 +142,7 @@ class ShardTrainSet(SparseLabelled):
         self.train_split, self.val_split = train_split, val_split
         self.urls, self.shuffle_buffer = urls, max(1, int(shuffle_buffer))
         self.classes = index.classes
-        self.shard_sizes = index.shard_sizes("train", urls)
-        self.sparse_labels = index.labels("train").rows(index.rows_of("train", urls))
+        self.shard_sizes, self.sparse_labels = index.shard_labels("train", urls)
 
     @property
     def num_classes(self) -> int:
@@ -182,9 +156,8 @@ class ShardTrainSet(SparseLabelled):
         return np.fromiter((int(key) for url in self.urls for key, _ in iter_shard(url)), dtype=np.int64)
 
     def sample_indices(self) -> np.ndarray:
-        """int64 (N,): the source-split index (the key) of each packed sample, in shard order, as the
-        regime draws for it; read from the shards once (one pass over them), and only for the label counts
-        under a regime that hides labels (``label_counts()``)."""
+        """int64 (N,): the source-split index (the key) of each packed sample, in shard order; read from the
+        shards once, only for the label counts under a regime that hides labels."""
         if len(self._keys) != len(self):
             raise DatasetFormatError(
                 f"the training shards hold {len(self._keys)} samples, {MANIFEST_FILE} records {len(self)}; "
@@ -209,10 +182,9 @@ class ShardTrainSet(SparseLabelled):
 
 
 class ShardEvalSet(SparseLabelled, MultiLabelDataset):
-    """The validation split of packed shards, read whole into memory (one byte buffer of the JPEGs and
-    their offsets: shared by forked DataLoader workers without copies; the labels sparse, as the shards
-    store them, checked against the sidecar's); a map-style dataset in shard order. ``samples`` name
-    ``<shard URL>#<key>``."""
+    """The validation split of packed shards, a map-style dataset in shard order read whole into one byte
+    buffer of the JPEGs and their offsets (shared by forked DataLoader workers without copies), its sparse
+    labels checked against the sidecar's. ``samples`` name ``<shard URL>#<key>``."""
 
     def __init__(
         self, index: ShardIndex, urls: list[str], transform: Callable | None = None, **config_keys: Any
@@ -222,7 +194,7 @@ class ShardEvalSet(SparseLabelled, MultiLabelDataset):
         if not urls:
             raise DatasetLayoutError(f"{index.meta}/{MANIFEST_FILE} lists no val shards; pack that split")
         self.classes = index.classes
-        expected = index.labels("val").rows(index.rows_of("val", urls))
+        _, expected = index.shard_labels("val", urls)
         images, offsets, rows, samples = [], [0], [], []
         for url in urls:
             for key, fields in iter_shard(url):

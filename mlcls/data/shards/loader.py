@@ -1,23 +1,15 @@
-"""Reading packed training shards: which samples each rank and DataLoader worker reads every epoch
-(:class:`ShardSchedule`) and the worker-side stream (:class:`ShardStream`). The DataLoader over the
-stream, with the collate and options of every training loader, is :class:`mlcls.data.loader.ShardTrainLoader`;
-the shard files are read by :mod:`mlcls.data.shards.reader`; the datasets are in
-:mod:`mlcls.data.shards.datasets`.
+"""Which samples of the training shards each rank and DataLoader worker reads every epoch
+(:class:`ShardSchedule`), and the worker-side stream (:class:`ShardStream`).
 
-**The order of an epoch.** A rank's range of samples (:mod:`mlcls.data.shards.datasets`) is cut into
-``streams`` contiguous blocks of whole batches (``streams`` = ``trainer.workers``, the number asked for, at
-least 1; the first blocks one batch more when it does not divide). Each block is read front to back and
-shuffled in windows of ``shuffle_buffer`` samples, each window's order drawn from the seed, the epoch and the
-window's position in the epoch. The rank's batch ``i`` is batch ``i // streams`` of block ``i % streams``: the
-order is a function of ``(seed, epoch, rank, world_size, streams)``, whatever number of DataLoader workers the
-CPUs allow, so a job requeued on another allocation resumes exactly (``set_start``).
+A rank's range of samples is cut into ``streams`` (``trainer.workers``) contiguous blocks of whole batches,
+each read front to back and shuffled in windows of ``shuffle_buffer`` samples drawn from the seed, the epoch
+and the window's position. The rank's batch ``i`` is batch ``i // streams`` of block ``i % streams``: the
+order depends on ``(seed, epoch, rank, world_size, streams)`` only, not on the worker processes the CPUs
+allow, so a requeued job resumes exactly.
 
-**Workers.** A DataLoader over an iterable dataset asks its workers for batches in turn, worker 0 first at
-every iteration (torch's ``_MultiProcessingDataLoaderIter``; pinned by ``tests/test_data_shards.py``'s
-``test_order_and_resume_do_not_depend_on_the_workers_the_cpus_allow``, with 3 worker processes): worker
-``w`` of ``W`` serves the rank's batches ``start + w``, ``start + w + W``, ... and reads the blocks they
-come from. When ``W`` divides ``streams`` (the usual ``W = streams``), each block is read by one worker
-only; otherwise workers read more blocks than they serve from (the loader logs it once).
+Workers: torch's DataLoader asks its workers for batches in turn from worker 0 (pinned by
+``tests/test_data_shards.py``): worker ``w`` of ``W`` serves the rank's batches ``start + w``, ``start + w +
+W``, ... and reads the blocks they come from (one worker a block when ``W`` divides ``streams``).
 """
 
 from __future__ import annotations
@@ -38,10 +30,9 @@ Sample = tuple[str, dict[str, bytes]]  # (key, {extension: bytes}) of a shard sa
 
 
 class ShardSchedule:
-    """The ``sampler`` of :class:`mlcls.data.loader.ShardTrainLoader`: which samples of the shards each
-    rank reads in an epoch, in which order (see the module docstring). ``set_epoch(e)`` and
-    ``set_start(samples)`` as :class:`mlcls.data.sampling.ResumableSampler`; the state lives in shared memory,
-    so that persistent DataLoader workers see it."""
+    """The ``sampler`` of :class:`mlcls.data.loader.ShardTrainLoader`: ``set_epoch(e)`` and
+    ``set_start(samples)`` as :class:`mlcls.data.sampling.ResumableSampler`, the state in shared memory so
+    that persistent DataLoader workers see it."""
 
     def __init__(
         self, shard_sizes: list[int], batch_size: int, rank: int, world_size: int, seed: int, streams: int = 1
@@ -103,8 +94,7 @@ class ShardSchedule:
 
 class ShardStream(IterableDataset):
     """The samples of one rank for one DataLoader worker (or the main process), as the schedule says, made by
-    ``dataset`` (a :class:`~mlcls.data.shards.datasets.ShardTrainSet` or its
-    :class:`mlcls.data.TrainingView`)."""
+    ``dataset`` (a :class:`~mlcls.data.shards.datasets.ShardTrainSet` or its training view)."""
 
     def __init__(self, dataset: Any, schedule: ShardSchedule) -> None:
         self.dataset, self.schedule = dataset, schedule

@@ -1,35 +1,23 @@
 """Packing a dataset into WebDataset tar shards with pre-resized JPEGs (``mlcls-data pack``).
 
-Layout of the output folder ``DIR`` (read back by :mod:`mlcls.data.shards.datasets`):
+Layout of the output folder (read back by :mod:`mlcls.data.shards.reader`):
 
-* ``train-000000.tar``, ``train-000001.tar``, ... and ``val-000000.tar``, ...: plain POSIX tar files in the
-  WebDataset layout, two members per sample, ``<key>.jpg`` (the image, RGB JPEG, long side at most
-  ``max_side``) and ``<key>.labels.sparse.npy``, the sample's label row stored sparse: int32 (K, 2), the
-  ``(class, value)`` pairs of the entries (1 positive, 0 negative, -1 unknown) that differ from the split's
-  ``label_fill`` in the manifest (0 or -1), class ascending: ~1 kB a sample in the tar where a dense int8 row
-  of Open Images' 9,605 classes took ~10 kB. ``<key>`` is the sample's index in the source split, 9 digits.
-  Shard ``k`` of a split holds the samples at positions ``k * shard_size ...`` of the packing order (the
-  training split in a seeded random order, so that consecutive samples are unrelated; the validation split
-  in dataset order), minus the unreadable ones.
-* ``classes.json``: the source dataset's name, its split names, ``max_side``, ``quality``, ``subsampling``
-  and the classes in label order.
-* ``manifest.json``: the layout's ``format`` (:data:`FORMAT`), the sha256 of ``classes.json``, the source's
-  dataset settings that ``dataset=shards`` takes as defaults (``source``: ``image_size``, ``transform``), and
-  per split the pack settings, the ``label_fill``, every shard's name, sample count, size and sha256, the
-  labels sidecar's name, size and sha256, and the skipped images. Written last, atomically, as are
-  ``classes.json`` and the labels sidecars: a folder with a manifest is complete.
-* ``train-labels.npz``, ``val-labels.npz``: the labels of the packed samples in shard order, stored sparse
-  (:meth:`mlcls.data.datasets.labels.SparseLabels.to_bytes`, fill ``label_fill``), for the class statistics
-  and loss weights without reading a shard; Open Images' training split takes ~0.3 GB there instead of
-  ~86 GB as a dense int8 matrix.
+* ``train-000000.tar``, ... and ``val-000000.tar``, ...: ustar tar files, two members a sample:
+  ``<key>.jpg`` (:func:`packed_image`) and ``<key>.labels.sparse.npy``, int32 (K, 2), the ``(class,
+  value)`` pairs that differ from the split's ``label_fill``, class ascending (~1 kB a sample where Open
+  Images' dense int8 row takes ~10 kB). ``<key>``: the sample's index in the source split, 9 digits. Shard
+  ``k`` holds the samples at positions ``k * shard_size ...`` of the packing order (seeded for training,
+  dataset order for validation), minus the unreadable ones.
+* ``classes.json``: the source's name and split names, ``max_side``, ``quality``, ``subsampling``, classes.
+* ``manifest.json``: ``format`` (:data:`FORMAT`), the sha256 of ``classes.json``, the source's ``image_size``
+  and ``transform`` (``dataset=shards``' defaults), and per split the pack settings, ``label_fill``, each
+  shard's name, samples, size and sha256, the labels sidecar's record and the skipped images. Written last,
+  atomically: a folder with a manifest is complete.
+* ``train-labels.npz``, ``val-labels.npz``: the packed samples' labels in shard order, sparse
+  (:meth:`~mlcls.data.datasets.labels.SparseLabels.to_bytes`): class statistics without a shard read.
 
-Resumable: each shard is written under a temporary name and renamed when complete; its entry is then
-appended to ``.<split>-progress.jsonl``. A restarted pack keeps the shards whose entry and file exist
-(same settings; a torn last line, the entry being written when the pack died, is dropped) and whose
-samples' label rows are those the entry records (their sha256): a shard of labels corrected since is
-written again. It writes the others. A folder holding a split packed with other settings is refused,
-unless ``overwrite`` clears that split's files first. The tar files are written with :mod:`tarfile`
-(``ustar`` format, what ``webdataset`` reads); the ``webdataset`` library is needed only to read them.
+Resumable: a shard is renamed into place when complete and recorded in ``.<split>-progress.jsonl``
+(:func:`read_progress`); a restarted pack keeps the shards whose label rows still have the recorded sha256.
 """
 
 from __future__ import annotations
@@ -48,46 +36,73 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import simplejpeg
 import torch
+from PIL import Image, JpegImagePlugin
 from tqdm import tqdm
 
-from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
 from mlcls.data.datasets.labels import SparseLabels, sparse_labels_of
-from mlcls.data.shards.encode import SUBSAMPLINGS, packed_image
+from mlcls.data.images import open_image, read_image_bytes
+from mlcls.data.pipeline.fast import draft_reduction, image_header, load_reduced
 from mlcls.formats import FORMAT
 from mlcls.io import atomic_write_bytes, read_json, read_text
 
 CLASSES_FILE, MANIFEST_FILE = "classes.json", "manifest.json"
 KEY_DIGITS, SHARD_DIGITS = 9, 6
 IMAGE_EXT, LABELS_EXT = "jpg", "labels.sparse.npy"
+# JPEG chroma subsampling of re-encoded images: 444 keeps the colour at full resolution, 422 halves it
+# horizontally, 420 (PIL's and most cameras' default) in both directions; auto keeps a JPEG source's own
+# (4:2:0 photographs stay 4:2:0, at their decoding speed) and takes 444 for any other source (PNG, pixels a
+# dataset generates), so that packing never halves the colour resolution an image had.
+SUBSAMPLINGS = ("auto", "444", "422", "420")
+# PIL's JpegImagePlugin.get_sampling codes; -1 (4:4:0, 4:1:1, ...) maps to 444, keeping every colour sample.
+PIL_SAMPLING = {0: "444", 1: "422", 2: "420"}
 
 
-def shard_name(role: str, index: int) -> str:
-    """``train-000012.tar``: shard ``index`` of the split ``role`` (``train`` or ``val``)."""
-    return f"{role}-{index:0{SHARD_DIGITS}d}.tar"
+def encode_jpeg(image: Image.Image, quality: int, subsampling: str = "444") -> bytes:
+    """RGB JPEG bytes of ``image`` (libjpeg-turbo) at ``quality`` with chroma ``subsampling`` (444, 422 or
+    420; PIL's ``save(..., quality=q, subsampling=0 | 1 | 2)``)."""
+    pixels = np.ascontiguousarray(np.asarray(image.convert("RGB")))
+    return simplejpeg.encode_jpeg(pixels, quality=quality, colorspace="RGB", colorsubsampling=subsampling)
+
+
+def packed_image(
+    dataset: MultiLabelDataset, index: int, max_side: int, quality: int, subsampling: str = "auto"
+) -> bytes:
+    """JPEG bytes of sample ``index`` (its crop box applied), long side at most ``max_side``: a JPEG file
+    already within ``max_side`` (no crop) byte for byte (no second generation of JPEG loss); else decoded at
+    the largest DCT reduction that keeps its output size (PIL's draft mode), resized (bilinear, antialiased)
+    and encoded at ``quality`` and chroma ``subsampling`` (:data:`SUBSAMPLINGS`). A dataset that
+    makes its pixels (``reads_files`` False) gives its ``picture``. Raises PIL's bad-image errors."""
+    if dataset.reads_files:
+        sample = dataset.samples[index]
+        data = read_image_bytes(sample.path)
+        width, height, jpeg = image_header(data)
+        if jpeg and sample.box is None and max(width, height) <= max_side:
+            return data
+        opened, box = open_image(data), sample.box
+    else:
+        opened, box = nullcontext(dataset.picture(index)), None
+    with opened as img:
+        if subsampling == "auto":  # a JPEG's own, read from its header; 444 for any other image
+            jpeg = isinstance(img, JpegImagePlugin.JpegImageFile)
+            subsampling = PIL_SAMPLING.get(JpegImagePlugin.get_sampling(img), "444") if jpeg else "444"
+        left, top, right, bottom = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
+        scale = min(1.0, max_side / max(right - left, bottom - top))  # never enlarged
+        target = (max(1, round((right - left) * scale)), max(1, round((bottom - top) * scale)))
+        reduced, scale_x, scale_y = load_reduced(img, draft_reduction(right - left, bottom - top, *target))
+    region = (left / scale_x, top / scale_y, right / scale_x, bottom / scale_y)
+    return encode_jpeg(reduced.resize(target, Image.Resampling.BILINEAR, box=region), quality, subsampling)
 
 
 def labels_file(role: str) -> str:
     return f"{role}-labels.npz"
 
 
-def sha256_of(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def file_entry(name: str, data: bytes) -> dict[str, Any]:
     """The manifest's record of a sidecar file: ``name``, ``bytes``, ``sha256``."""
     return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = len(data), 0o644, 0  # mtime 0: the same input gives the same bytes
-    tar.addfile(info, io.BytesIO(data))
 
 
 @dataclass
@@ -112,13 +127,6 @@ class SplitReport:
         return [skip for entry in self.shards for skip in entry["skipped"]]
 
 
-def packing_order(num_samples: int, shuffle: bool, seed: int) -> list[int]:
-    """Dataset indices in packing order: a permutation drawn from ``seed`` (training split) or 0..N-1."""
-    if not shuffle:
-        return list(range(num_samples))
-    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def pack_split(
     dataset: MultiLabelDataset,
     out: str | Path,
@@ -133,14 +141,10 @@ def pack_split(
     workers: int = 1,
     overwrite: bool = False,
 ) -> SplitReport:
-    """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (see the module docstring), resuming an
-    interrupted run (:func:`read_progress`). Returns the :class:`SplitReport` (shards in order).
-
-    Unreadable images (``OSError``, ... from PIL) are left out and listed in the report, whatever
-    ``dataset.on_bad_image`` says: packing is where they are found. ``workers`` > 1 writes that many
-    shards at once in worker processes. ``quality`` and ``subsampling``: those of
-    :func:`mlcls.data.shards.encode.encode_jpeg`.
-    """
+    """Write ``dataset`` as the shards ``<out>/<role>-NNNNNN.tar`` (the module docstring), resuming an
+    interrupted run; ``workers`` > 1 writes that many shards at once in worker processes. Unreadable images
+    are left out and listed in the report, whatever ``dataset.on_bad_image`` says: packing is where they are
+    found."""
     if shard_size < 1 or max_side < 1 or not 1 <= quality <= 100 or subsampling not in SUBSAMPLINGS:
         raise DatasetConfigError(
             f"shard_size={shard_size}, max_side={max_side}, quality={quality}, subsampling={subsampling}; "
@@ -149,7 +153,10 @@ def pack_split(
         )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    order = packing_order(len(dataset), shuffle, seed)
+    if shuffle:  # the training split: consecutive samples unrelated
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        order = list(range(len(dataset)))
     settings = {
         "format": FORMAT,
         "dataset": dataset.name,
@@ -171,7 +178,7 @@ def pack_split(
     labels = sparse_labels_of(dataset)
     report = SplitReport(role, settings=settings, label_fill=labels.fill)
     chunks = {
-        shard_name(role, k): order[first : first + shard_size]
+        f"{role}-{k:0{SHARD_DIGITS}d}.tar": order[first : first + shard_size]  # train-000012.tar
         for k, first in enumerate(range(0, len(order), shard_size))
     }
     # A shard is kept only when its samples' label rows are still those it holds (labels corrected since
@@ -223,22 +230,12 @@ def progress_path(out: Path, role: str) -> Path:
     return out / f".{role}-progress.jsonl"
 
 
-def split_files(out: Path, role: str) -> list[Path]:
-    """What a pack of the split ``role`` leaves in ``out``: shards (whole or partial), progress, labels."""
-    return [
-        *sorted(out.glob(f"{role}-*.tar")),
-        *sorted(out.glob(f"{role}-*.tar.tmp")),
-        progress_path(out, role),
-        out / labels_file(role),
-    ]
-
-
 def read_progress(
     out: Path, role: str, settings: dict[str, Any], overwrite: bool = False
 ) -> dict[str, dict[str, Any]]:
     """The completed ``role`` shards recorded in ``out``'s progress file (by name) whose file exists, if it
-    was written with the same ``settings`` (the module docstring, "Resumable"); else nothing, the split's
-    files deleted first with ``overwrite``, or :class:`DatasetConfigError` without."""
+    was written with the same ``settings``; else nothing, the split's files (shards whole or partial,
+    progress, labels) deleted first with ``overwrite``, or :class:`DatasetConfigError` without."""
     progress_file, entries = progress_path(out, role), []
     if progress_file.exists():
         for line in read_text(progress_file, "manifest", errors="replace").splitlines():
@@ -253,7 +250,9 @@ def read_progress(
             for entry in entries[1:]
             if isinstance(entry, dict) and entry.keys() >= SHARD_ENTRY_KEYS and (out / entry["name"]).exists()
         }
-    existing = [path for path in split_files(out, role) if path.exists()]
+    pack_files = [*sorted(out.glob(f"{role}-*.tar")), *sorted(out.glob(f"{role}-*.tar.tmp"))]
+    pack_files += [progress_file, out / labels_file(role)]
+    existing = [path for path in pack_files if path.exists()]
     if existing and not overwrite:
         changed = (
             ", ".join(
@@ -285,9 +284,7 @@ def write_shard(
     subsampling: str,
 ) -> dict[str, Any]:
     """Write the samples ``indices`` of ``dataset`` to the shard ``path`` (through ``path.tmp``, renamed
-    when complete); returns its progress entry: name, samples, sha256, bytes, dataset indices, skipped and
-    the :func:`label_digest` of the samples' label rows.
-    The label rows are those of :func:`sparse_labels_of`, as in the split's sidecar (the same ``fill``)."""
+    when complete); returns its progress entry (:data:`SHARD_ENTRY_KEYS` and the :func:`label_digest`)."""
     labels = sparse_labels_of(dataset)
     temporary = path.with_name(path.name + ".tmp")
     kept, skipped = [], []
@@ -298,17 +295,22 @@ def write_shard(
             except BAD_IMAGE_ERRORS as exc:
                 skipped.append({"path": dataset.samples[index].path, "error": f"{type(exc).__name__}: {exc}"})
                 continue
-            key = f"{index:0{KEY_DIGITS}d}"
-            add_member(tar, f"{key}.{IMAGE_EXT}", image)
             entries = io.BytesIO()
             np.save(entries, labels.stored_entries(index))
-            add_member(tar, f"{key}.{LABELS_EXT}", entries.getvalue())
+            for extension, data in ((IMAGE_EXT, image), (LABELS_EXT, entries.getvalue())):
+                info = tarfile.TarInfo(f"{index:0{KEY_DIGITS}d}.{extension}")
+                info.size, info.mode, info.mtime = len(data), 0o644, 0  # mtime 0: the same bytes each time
+                tar.addfile(info, io.BytesIO(data))
             kept.append(index)
     os.replace(temporary, path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
     return {
         "name": path.name,
         "samples": len(kept),
-        "sha256": sha256_of(path),
+        "sha256": digest.hexdigest(),
         "bytes": path.stat().st_size,
         "indices": kept,
         "skipped": skipped,

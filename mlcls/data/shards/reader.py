@@ -1,22 +1,13 @@
-"""Reading packed shards (the layout of :mod:`mlcls.data.shards.pack`): opening a shard URL, streaming its
-samples checked member by member, and :class:`ShardIndex`, a pack's manifest, classes and label sidecars,
-checked against what they record; and :func:`verify_pack` (``mlcls-data verify DIR``), everything of a
-packed folder checked against its manifest, reading every byte: each shard's size, sha256, sample count and
-label rows (against the split's labels sidecar), the sidecars' hashes and shapes (opening the shards for
-training checks only what is cheap: :mod:`mlcls.data.shards.datasets`, "Checks").
-
-Shards are read as one sequential stream each: local paths with ``open``, and the URLs a user gives
-(``http(s)://``, ``pipe:`` commands such as ``pipe:aws s3 cp s3://bucket/train-000001.tar -``) through
-``webdataset``'s ``gopen``.
-
-Names read from a manifest are data, never commands: each must be a plain file name (:data:`FILE_NAME`),
-it is read from the manifest's own folder (``meta``), and it is never written into a ``pipe:`` command (the
-validation shards of ``pipe:`` training URLs are given as ``dataset.val_urls``).
+"""Reading packed shards (:mod:`mlcls.data.shards.pack`): shard URLs (paths, or ``http(s)://`` and ``pipe:``
+through ``webdataset``'s ``gopen``) streamed and checked member by member, :class:`ShardIndex` (a pack's
+sidecars, checked against the manifest) and :func:`verify_pack` (``mlcls-data verify``: every byte). Names
+read from a manifest are data, never commands: plain file names (:data:`FILE_NAME`), never in a ``pipe:``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -117,10 +108,10 @@ def stream_samples(
     stream: IO[bytes], url: str, num_classes: int | None = None
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """``(key, {extension: bytes})`` of each sample of the tar archive ``stream`` (of ``url``), in order,
-    checked by :func:`check_sample`. Members are named ``<key>.<extension>`` as packing names them, the key
-    a sample number, in no folder, each sample's members together and each extension once:
-    :class:`DatasetFormatError` naming the shard and the member otherwise (a member in a folder, another
-    key, a repeated member or sample would be read as some other sample, or overwrite one)."""
+    checked by :func:`check_sample`. Members must be named ``<key>.<extension>`` as packing names them (the
+    key a sample number, in no folder), each sample's members together and each extension once, else
+    :class:`DatasetFormatError` naming the shard and the member: such a member would be read as another
+    sample, or overwrite one."""
     key, fields, seen = None, {}, set()
     for name, data in tar_files(stream, url):
         member_key, _, extension = name.partition(".")
@@ -150,10 +141,9 @@ def stream_samples(
 
 
 def stored_label_entries(fields: dict[str, bytes], num_classes: int, where: str) -> np.ndarray:
-    """int32 (K, 2): the ``(class, value)`` pairs of a shard sample's label member, checked (a class in
-    [0, ``num_classes``), a value 1, 0 or -1); :class:`DatasetFormatError` naming ``where`` otherwise."""
-    if LABELS_EXT not in fields:
-        raise DatasetFormatError(f"{where} has no {LABELS_EXT} member; pack the dataset again")
+    """int32 (K, 2): the ``(class, value)`` pairs of the label member of a shard sample's ``fields`` (as
+    :func:`check_sample` passed them), checked (a class in [0, ``num_classes``), a value 1, 0 or -1);
+    :class:`DatasetFormatError` naming ``where`` otherwise."""
     pairs = npy_array(fields[LABELS_EXT], where)
     if (
         pairs.ndim != 2
@@ -170,9 +160,8 @@ def stored_label_entries(fields: dict[str, bytes], num_classes: int, where: str)
 
 
 def check_sample(url: str, key: str, fields: dict[str, bytes], num_classes: int | None) -> dict[str, bytes]:
-    """``fields`` of sample ``key`` of shard ``url``: its image and labels members present as regular files
-    and, given ``num_classes``, its labels valid (:func:`stored_label_entries`);
-    :class:`DatasetFormatError` naming the shard and the member otherwise."""
+    """``fields`` of sample ``key`` of shard ``url``, with its image and labels members (regular files) and,
+    given ``num_classes``, valid labels; else :class:`DatasetFormatError` naming the shard and the member."""
     for extension in (IMAGE_EXT, LABELS_EXT):
         if extension not in fields:
             raise DatasetFormatError(
@@ -184,9 +173,8 @@ def check_sample(url: str, key: str, fields: dict[str, bytes], num_classes: int 
 
 
 class ShardIndex:
-    """The sidecar files of a packed folder: ``classes.json`` (classes, source dataset) and ``manifest.json``
-    (shard names, sample counts, sizes, hashes), read from ``meta`` (a folder or URL prefix) and checked:
-    the manifest's format and the hash of ``classes.json``."""
+    """The ``manifest.json`` and ``classes.json`` of a packed folder (or URL prefix) ``meta``, checked: the
+    manifest's format and fields, the hash of ``classes.json``."""
 
     def __init__(self, meta: str) -> None:
         self.meta = meta.rstrip("/")
@@ -248,18 +236,19 @@ class ShardIndex:
             )
         return labels
 
-    def shard_sizes(self, role: str, urls: list[str]) -> list[int]:
-        """Sample count of each shard of ``urls`` (matched by file name in the manifest); a local shard
-        file must have the manifest's size."""
-        entries = {entry["name"]: entry for entry in self.split(role)["shards"]}
-        missing = [shard_name_of(url) for url in urls if shard_name_of(url) not in entries]
+    def shard_labels(self, role: str, urls: list[str]) -> tuple[list[int], SparseLabels]:
+        """The sample count of each shard of ``urls`` (matched by file name in the manifest; a local shard
+        file must have the manifest's size) and their samples' rows of the ``role`` labels, in order."""
+        shards, names = self.split(role)["shards"], [shard_name_of(url) for url in urls]
+        entries = {entry["name"]: entry for entry in shards}
+        missing = [name for name in names if name not in entries]
         if missing:
             raise DatasetConfigError(
                 f"shard {missing[0]} is not a {role} shard of {self.meta}/{MANIFEST_FILE}; expected names "
                 f"like {next(iter(entries), '?')}"
             )
-        for url in urls:
-            recorded = entries[shard_name_of(url)]["bytes"]
+        for url, name in zip(urls, names, strict=True):
+            recorded = entries[name]["bytes"]
             if is_local(url) and not os.path.isfile(url):
                 raise DatasetLayoutError(f"shard {url} does not exist")
             if is_local(url) and os.path.getsize(url) != recorded:
@@ -267,44 +256,33 @@ class ShardIndex:
                     f"shard {url} has {os.path.getsize(url)} bytes, {MANIFEST_FILE} records {recorded}; "
                     "replaced or damaged since packing (mlcls-data verify checks every shard)"
                 )
-        return [entries[shard_name_of(url)]["samples"] for url in urls]
+        ends = itertools.accumulate(entry["samples"] for entry in shards)
+        spans = {
+            entry["name"]: (end - entry["samples"], end) for entry, end in zip(shards, ends, strict=True)
+        }
+        rows = np.concatenate([np.zeros(0, dtype=np.int64), *(np.arange(*spans[name]) for name in names)])
+        return [entries[name]["samples"] for name in names], self.labels(role).rows(rows)
 
-    def rows_of(self, role: str, urls: list[str]) -> np.ndarray:
-        """int64: the rows of the ``role`` sidecar that the samples of the shards ``urls`` take, in order
-        (all of the split's shards, or some of them)."""
-        shards = self.split(role)["shards"]
-        offsets = np.cumsum([0] + [entry["samples"] for entry in shards])
-        position = {entry["name"]: k for k, entry in enumerate(shards)}
-        starts = [offsets[position[shard_name_of(url)]] for url in urls]
-        sizes = self.shard_sizes(role, urls)
-        return np.concatenate(
-            [np.arange(start, start + size) for start, size in zip(starts, sizes, strict=True)]
-            or [np.zeros(0, dtype=np.int64)]
-        )
-
-    def role_urls(self, role: str, like: str) -> list[str]:
-        """URLs of every ``role`` shard of the manifest, in the folder (or URL prefix) of the shard ``like``.
-        A ``pipe:`` command is not made from names a manifest holds: :class:`DatasetConfigError`."""
-        if like.startswith("pipe:"):
-            raise DatasetConfigError(
-                "dataset.val_urls is needed with pipe: training shards (mlcls writes no name read from "
-                f"{MANIFEST_FILE} into a command), e.g. "
-                'dataset.val_urls="pipe:… val-{000000..000004}.tar …"'
-            )
-        folder = like[: -len(shard_name_of(like))].rstrip("/") or "."
-        return [f"{folder}/{entry['name']}" for entry in self.manifest.get(role, {}).get("shards", [])]
-
-    def shard_urls(self, role: str) -> list[str]:
-        """URLs of every ``role`` shard of the manifest, in the manifest's own folder (``meta``)."""
-        return [f"{self.meta}/{entry['name']}" for entry in self.split(role)["shards"]]
+    def shard_urls(self, role: str, like: str | None = None) -> list[str]:
+        """URLs of every ``role`` shard of the manifest, in its own folder (``meta``) or in the folder (or URL
+        prefix) of the shard ``like``, never in a ``pipe:`` command (:class:`DatasetConfigError`)."""
+        folder = self.meta
+        if like is not None:
+            if like.startswith("pipe:"):
+                raise DatasetConfigError(
+                    "dataset.val_urls is needed with pipe: training shards (mlcls writes no name read from "
+                    f"{MANIFEST_FILE} into a command), e.g. "
+                    'dataset.val_urls="pipe:… val-{000000..000004}.tar …"'
+                )
+            folder = like[: -len(shard_name_of(like))].rstrip("/") or "."
+        return [f"{folder}/{entry['name']}" for entry in self.split(role)["shards"]]
 
 
 def check_manifest(manifest: dict[str, Any], where: str) -> None:
     """:class:`DatasetFormatError` naming the field unless each field of ``manifest`` (read from ``where``)
-    that reading the pack uses has its type: the ``classes`` file record, and for each split it lists its
-    ``samples``, ``label_fill`` (1, 0 or -1), ``labels`` file record and ``shards`` records, shard names
-    unique. A file record: ``name`` and ``sha256`` strings, ``bytes`` (and a shard's ``samples``) counts;
-    every name a plain file name (:data:`FILE_NAME`, shards ``*.tar``)."""
+    that reading the pack uses has its type: the ``classes`` file record, and per split its ``samples``,
+    ``label_fill`` (1, 0 or -1), ``labels`` file record and ``shards`` records (names unique). A record's
+    ``name`` is a plain file name (:data:`FILE_NAME`; shards ``*.tar``), ``bytes`` and ``samples`` counts."""
 
     def check_record(record: Any, field: str, types: dict[str, type]) -> None:
         if not isinstance(record, dict):
@@ -354,15 +332,6 @@ def is_local(url: str) -> bool:
     """Whether ``url`` is a file path (no ``scheme:`` such as ``https:`` or ``pipe:`` before its first
     ``/``)."""
     return ":" not in url.split("/", 1)[0]
-
-
-def default_meta(url: str) -> str:
-    if url.startswith("pipe:"):
-        raise DatasetConfigError(
-            "dataset.meta is needed with pipe: shard URLs: the folder or URL of classes.json and "
-            "manifest.json"
-        )
-    return url.rsplit("/", 1)[0] if "/" in url else "."
 
 
 class HashingReader:

@@ -1,10 +1,7 @@
-"""Reading the files inside packed shards, fast: tar archives member by member (:func:`tar_files`) and the
-``.npy`` label rows (:func:`npy_array`). Python's ``tarfile`` and ``np.load`` read the same, at several
-times the cost per member, which counts at thousands of samples per second and process
-(docs/performance.md, "Packed shards").
-
-Shards come from others: whatever their bytes, reading ends in bounded time and memory, in the data or in a
-:class:`DatasetFormatError` naming the shard and the member (no size is trusted before the bytes exist).
+"""Reading the files inside packed shards as ``tarfile`` and ``np.load`` do, at a fraction of their cost per
+member (docs/performance.md, "Packed shards"). Shards come from others: whatever their bytes, reading ends
+in bounded time and memory, in the data or in a :class:`DatasetFormatError` naming the shard and the member
+(no size is trusted before the bytes exist).
 """
 
 from __future__ import annotations
@@ -41,14 +38,10 @@ NPY_HEADER_READERS = {
 
 def tar_files(stream: IO[bytes], url: str) -> Iterator[tuple[str, bytes]]:
     """``(name, data)`` of each regular file of the tar archive ``stream``, in order, then the rest of the
-    stream read to its end.
-
-    What ``tarfile.open(fileobj=stream, mode="r|")`` reads (ustar, GNU and pax archives; checksums
-    checked; pax ``path``/``size`` records and GNU long names applied; links, folders and devices
-    skipped), at a fraction of its cost per member: one read of the 512-byte header, one of the data.
-    A damaged header, pax record or size, or a stream that ends before the end-of-archive block, raises
-    :class:`DatasetFormatError` naming ``url`` and the member.
-    """
+    stream read to its end: what ``tarfile.open(fileobj=stream, mode="r|")`` reads (ustar, GNU and pax, their
+    long names and sizes applied; checksums checked; links, folders and devices skipped), one read of each
+    header and member. A damaged header, pax record or size, or a stream cut before the end-of-archive
+    block, raises :class:`DatasetFormatError` naming ``url`` and the member."""
     offset, long_name, pax, global_pax = 0, None, {}, {}
     while True:
         header = _read_exactly(stream, TAR_BLOCK, url, offset)
