@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from mlcls import config_dir
 from mlcls.cli.overrides import group_choices
+from mlcls.engine.trainer import Trainer
 
 # One pytest-xdist worker per core: torch's threads in each worker share the cores with the other workers'
 # (and their processes'), so each worker and what it starts takes its share. 2 workers of 2 threads on 2
@@ -239,23 +240,33 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         )
     elif started and math.isfinite(UNMARKED_LIMIT_S):
         report.outcome = "failed"
-        report.longrepr = (
-            f"{item.nodeid} started a process ({', '.join(sorted(set(started)))}) without the slow marker: "
-            "tests that spawn processes are marked @pytest.mark.slow"
-        )
+        if TRAINING in started:
+            report.longrepr = (
+                f"{item.nodeid} trained a model ({TRAINING}) without the slow marker: "
+                "tests that train are marked @pytest.mark.slow"
+            )
+        else:
+            how = ", ".join(sorted(set(started)))
+            report.longrepr = (
+                f"{item.nodeid} started a process ({how}) without the slow marker: "
+                "tests that spawn processes are marked @pytest.mark.slow"
+            )
 
 
-# An unmarked test may not start a process either (its setup and call): a fork, a subprocess, a
-# multiprocessing child (DataLoader workers) costs a new interpreter or a copy of the test process, and
-# their sum is what made the fast suite slow. Counted by wrapping the three ways a process starts; ``git``
-# (what a run's provenance asks, a few milliseconds) is not counted. Both limits are off with
-# MLCLS_UNMARKED_LIMIT_S=inf (scripts/gpu_check.sh: CUDA tests skipped here may compile or start workers).
-_STARTED = pytest.StashKey[list]()  # how the running test started processes
+# An unmarked test may not start a process nor train (its setup and call, so a module's trained fixture
+# counts too): a fork, a subprocess, a multiprocessing child (DataLoader workers) costs a new interpreter or a
+# copy of the test process, a training run seconds, and their sum is what made the fast suite slow. Counted by
+# wrapping the three ways a process starts and the trainer's ``fit``; ``git`` (what a run's provenance asks,
+# a few milliseconds) is not counted. Both limits are off with MLCLS_UNMARKED_LIMIT_S=inf
+# (scripts/gpu_check.sh: CUDA tests skipped here may compile or start workers).
+TRAINING = "Trainer.fit"
+_STARTED = pytest.StashKey[list]()  # how the running test started processes, or that it trained
 _RUNNING: list[pytest.Item] = []  # the test whose setup or call runs now
 _STARTERS = (
     (os, "fork", "os.fork"),
     (subprocess.Popen, "__init__", "subprocess"),
     (multiprocessing.process.BaseProcess, "start", "multiprocessing"),
+    (Trainer, "fit", TRAINING),
 )
 
 

@@ -138,6 +138,7 @@ def _checkpoint_with_config(path: Path, trained: Path, section: str, value: dict
     return path
 
 
+@pytest.mark.slow
 def test_a_model_target_from_a_file_is_never_called(tmp_path, trained):
     marker = tmp_path / "marker"
     hostile = {"_target_": "test_checkpoint_trust.write_marker", "path": str(marker)}
@@ -159,6 +160,7 @@ def test_a_model_target_from_a_file_is_never_called(tmp_path, trained):
     assert all(torch.equal(v, expected[k]) for k, v in inference.model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_a_dataset_target_from_a_file_is_not_called_by_eval(tmp_path, trained):
     marker = tmp_path / "marker"
     stored = torch.load(trained / "checkpoints" / "best.pt", weights_only=True)["config"]["dataset"]
@@ -177,6 +179,7 @@ def test_a_dataset_target_from_a_file_is_not_called_by_eval(tmp_path, trained):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_an_old_checkpoint_is_refused_then_resaved_as_plain_data(tmp_path, trained):
     # what mlcls wrote before: NumPy's random state as it comes, with an ndarray inside
     state = torch.load(trained / "checkpoints" / "last.pt", weights_only=True)
@@ -258,6 +261,7 @@ def within(seconds: int):
         signal.signal(signal.SIGALRM, previous)
 
 
+@pytest.mark.slow
 def test_a_device_or_pipe_named_as_a_data_file_is_one_line_at_once(tmp_path, trained):
     """A checkpoint's dataset config naming /dev/zero (never ends), a pipe or /dev/stdin (blocks) where a
     CSV, a manifest or an annotation file is read: one line, at once, for mlcls-eval."""
@@ -291,6 +295,7 @@ def test_open_regular_reads_files_and_links_to_them(tmp_path):
         open_regular(tmp_path / "a.txt", "w")
 
 
+@pytest.mark.slow
 def test_a_stored_interpolation_is_refused_before_anything_resolves(tmp_path, trained, server, monkeypatch):
     """Items 2 and 4: the refused ``os.system`` target was reported only after every value had been
     resolved (running the ``pipe:`` meta, or sending ``${oc.env:…}`` to a server); now never resolved."""

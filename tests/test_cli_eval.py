@@ -96,6 +96,7 @@ def test_eval_on_a_test_csv_is_one_override(csv_run, monkeypatch, capsys, tmp_pa
     assert figures["mAP_class"] == pytest.approx(100 * expected, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_key_the_checkpoint_dataset_lacks_is_one_line(csv_run, monkeypatch, capsys, tmp_path):
     checkpoint, _, _ = csv_run
     monkeypatch.chdir(tmp_path)
@@ -128,6 +129,7 @@ def test_evaluation_dataset_config_replaces_keys_and_pins_the_checkpoint_classes
         evaluation_dataset_config(coco, {"year": 2017}, ["x"])
 
 
+@pytest.mark.slow
 def test_eval_prints_the_per_class_ap(csv_run, monkeypatch, capsys, tmp_path):
     checkpoint, paths, labels = csv_run
     monkeypatch.chdir(tmp_path)
@@ -147,6 +149,7 @@ def test_eval_prints_the_per_class_ap(csv_run, monkeypatch, capsys, tmp_path):
             )
 
 
+@pytest.mark.slow
 def test_a_test_csv_is_evaluated_without_the_training_csv(csv_run, monkeypatch, capsys, tmp_path):
     checkpoint, paths, _ = csv_run
     mine = tmp_path / "mine"
@@ -210,6 +213,7 @@ def test_a_dataset_target_of_no_released_format_is_refused_and_the_current_one_e
     assert isinstance(dataset, SyntheticMultiLabel) and len(dataset) == 4
 
 
+@pytest.mark.slow
 def test_eval_amp_runs_under_cpu_autocast(csv_run, monkeypatch, capsys, tmp_path):
     """amp=bf16 on the CPU evaluates under CPU autocast (the network's output is bf16), as training does."""
     checkpoint, _, _ = csv_run
@@ -230,6 +234,7 @@ def test_eval_amp_runs_under_cpu_autocast(csv_run, monkeypatch, capsys, tmp_path
     assert dtypes == [torch.bfloat16]
 
 
+@pytest.mark.slow
 def test_nan_weights_are_one_line(csv_run, monkeypatch, capsys, tmp_path):
     """A classifier row of NaN: one line saying the scores are NaN, not the metrics' ValueError."""
     checkpoint, _, _ = csv_run

@@ -180,6 +180,7 @@ def test_crafted_sizes_are_one_line_before_any_model_is_built(genuine, image, tm
         ({"preprocess": {**PAPER_SPEC, "interpolation": ["x"]}}, "preprocess.interpolation=['x']; expected"),
     ],
 )
+@pytest.mark.slow
 def test_odd_typed_fields_are_one_line(genuine, tmp_path, change, message):
     checkpoint = save({**genuine, **change}, tmp_path / "odd.pt")
     with pytest.raises(InferenceError) as error:
@@ -188,6 +189,7 @@ def test_odd_typed_fields_are_one_line(genuine, tmp_path, change, message):
 
 
 @pytest.mark.parametrize("rule", [{}, {"threshold": 0.5}, {"top_k": 2}])
+@pytest.mark.slow
 def test_nan_weights_are_one_line_under_every_rule(genuine, tmp_path, rule):
     """A NaN in one classifier row makes that class's score NaN for every image: no rule may drop the class
     silently (the calibrated thresholds did) or end in a traceback (top_k, threshold did)."""

@@ -52,7 +52,7 @@ def test_slow_setup(slow_setup):
 
 
 @pytest.mark.slow  # its inner tests start processes, which the outer run counts too
-def test_an_unmarked_test_that_starts_a_process_fails_with_its_name(pytester):
+def test_an_unmarked_test_that_starts_a_process_or_trains_fails_with_its_name(pytester):
     pytester.makeconftest(CONFTEST)
     pytester.makeini("[pytest]\nmarkers = slow: marked\n")
     pytester.makepyfile(
@@ -91,11 +91,23 @@ def a_child():
 
 def test_whose_setup_starts_one(a_child):
     pass
+
+def test_trains(tmp_path):
+    from mlcls.cli.overrides import compose_config
+    from mlcls.cli.train import run
+
+    tiny = [
+        "dataset=synthetic", "dataset.train_size=8", "dataset.val_size=4", "dataset.image_size=16",
+        "model.name=test_resnet", "model.pretrained=false", "trainer.epochs=1", "trainer.batch_size=8",
+        "trainer.workers=0", "trainer.report=false", f"trainer.output_dir={tmp_path}",
+    ]
+    run(compose_config("train", tiny))
 """
     )
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2, failed=4)
+    result.assert_outcomes(passed=2, failed=5)
     text = result.stdout.str()
+    assert "test_inner.py::test_trains trained a model (Trainer.fit) without the slow marker" in text
     for name, how in [
         ("test_forks", "os.fork"),
         ("test_runs_python", Path(sys.executable).name),
