@@ -25,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from mlcls import config_dir
 from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import closest_keys, run_command
+from mlcls.config_tree import nested_get
 from mlcls.data import build_dataset, unseen_class_names
 from mlcls.data.loader import build_eval_loader
 from mlcls.data.shards.reader import expand_urls, is_local
@@ -170,8 +171,7 @@ def require_text_queries(inference: Any) -> None:
     head scores classes it was not trained on (``dataset.unseen_classes``)."""
     if text_query_head(inference.model) is not None:
         return
-    model = inference.config.get("model") if isinstance(inference.config, dict) else None
-    head = model.get("head", "linear") if isinstance(model, dict) else "linear"
+    head = nested_get(inference.config, "model", "head", default="linear")
     head = head.get("name", "?") if isinstance(head, dict) else head
     raise ConfigError(
         f"dataset.unseen_classes: {inference.checkpoint} has model.head={shown(head)}, without text queries: "
