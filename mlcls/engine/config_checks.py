@@ -1,10 +1,6 @@
-"""Checks of the resolved training config, run before any data is read or any process group is joined.
-
-Each key is checked once: here the trainer's, the model's starting point and those whose validity depends
-on another group (the batch over the world size, the loss's buckets, the backend's transform); the others
-where they are used (optimizer and schedule: :mod:`mlcls.engine.optim`; a head's: the head; the dataset's:
-the data package), the loss's by building it here, which costs nothing.
-"""
+"""Checks of the resolved training config, before any data is read. Each key is checked once: here the
+trainer's, the model's starting point and those that depend on another group; the others where they are
+used (optimizer and schedule: :mod:`mlcls.engine.optim`; heads; datasets)."""
 
 from __future__ import annotations
 
@@ -49,19 +45,14 @@ NULLABLE = ("limit_train_batches", "limit_val_batches", "eval_amp", "ema_decay",
 
 
 def resolve_amp(amp: str, device: torch.device) -> str:
-    """The autocast of ``trainer.amp`` (or ``eval_amp``) on ``device``: ``auto`` is bf16 on CUDA and none
-    (float32) elsewhere; none, bf16 and fp16 are what they say on every device."""
+    """The autocast of ``trainer.amp`` (or ``eval_amp``): ``auto`` is bf16 on CUDA, none elsewhere."""
     if amp == "auto":
         return "bf16" if device.type == "cuda" else "none"
     return amp
 
 
 def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
-    """Raise :class:`ConfigError` with a one-line message for the first invalid setting.
-
-    ``world_size`` defaults to the number of processes torchrun, or SLURM through submitit, starts (1
-    without either); the trainer passes the size of the process group it joined.
-    """
+    """Raise :class:`ConfigError` for the first invalid setting; ``world_size`` defaults to the launcher's."""
     if world_size is None:
         from mlcls.engine.distributed import world_size_from_environment
 
@@ -111,8 +102,7 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
 
 
 def _check_zero_shot(cfg: DictConfig) -> None:
-    """``dataset.unseen_classes`` (zero-shot training) needs a text-query head (``TEXT_HEADS``: their classes
-    are text embeddings): another head has weights of its own per trained class, none for an unseen one."""
+    """``dataset.unseen_classes`` needs a text-query head: another has weights per trained class only."""
     unseen = cfg.dataset.get("unseen_classes")
     head = cfg.model.head.get("name")
     if unseen and head not in TEXT_HEADS:
@@ -124,8 +114,7 @@ def _check_zero_shot(cfg: DictConfig) -> None:
 
 
 def _check_buckets(cfg: DictConfig, world_size: int) -> None:
-    """``loss.bucket_size`` divides the batch it splits: the per-process batch, or the global batch when
-    the loss gathers it from all processes (``loss.gather``, which needs several)."""
+    """``loss.bucket_size`` divides the batch it splits: per process, or global under ``loss.gather``."""
     gathered = bool(cfg.loss.get("gather"))
     if gathered and world_size == 1:
         raise ConfigError(
