@@ -7,19 +7,13 @@
     mlcls-data verify /data/coco320                                  # every shard against the manifest
     mlcls-data audit dataset=csv dataset.root=/data/mine folds=5 out=audit   # suspected label errors
 
-Overrides are those of ``mlcls-train`` (the same Hydra config); ``pack`` also takes ``out=`` (required),
-``shard_size=`` (samples per shard, default 1000), ``max_side=`` (default 320), ``quality=`` (JPEG quality of
-re-encoded images, default 90), ``subsampling=`` (their chroma subsampling: auto, the default, keeps a JPEG's
-own and takes 444 for other images; or 444, 422, 420),
-``seed=`` (the training split's packing order, default 0), ``workers=`` (shards written at once, in
-processes; default 1) and ``overwrite=true`` (delete a split packed into ``out`` with other settings
-first; without it such a folder is refused). ``verify DIR`` reads every packed file and prints one line
-per problem. ``audit`` trains the config ``folds=`` times (default 5), each time on all folds of the
-training split but one and scoring that one, ranks the given labels with cleanlab and writes ``audit.csv``
-and ``audit.html`` into ``out=`` (default ``audit``); ``seed=`` cuts the folds (default 0), ``top=`` is the
-length of the ranking written (default 1000); see :mod:`mlcls.reporting.audit`. Exit status: 0, 1 when
-``--check`` found unreadable images, ``pack`` skipped some or ``verify`` found problems, 2 for a
-configuration or layout mistake (one line).
+Overrides are those of ``mlcls-train``. ``pack`` also takes :data:`PACK_OPTIONS`: ``out=`` (required),
+``shard_size=`` (samples per shard), ``max_side=``, ``quality=`` (JPEG quality of re-encoded images),
+``subsampling=`` (auto keeps a JPEG's own, else 444; or 444, 422, 420), ``seed=`` (the training split's
+order), ``workers=`` (processes) and ``overwrite=true`` (replace a split packed with other settings).
+``audit`` (:mod:`mlcls.reporting.audit`) trains ``folds=`` times, each on all folds of the training split
+but one, and ranks the given labels (``top=`` of them) into ``out=``/audit.csv and .html. Exit status: 1
+when images are unreadable, skipped or a packed file has a problem; 2 for a configuration mistake.
 """
 
 from __future__ import annotations
@@ -67,9 +61,8 @@ SOURCE_MODEL_KEYS = ("model.name", "model.pretrained")
 
 
 def describe(dataset: MultiLabelDataset, title: str) -> None:
-    """Print the size and label statistics of one split, as its observed-label regime shows the labels
-    (``dataset.observed``: the training split's view's), with the counts of each class under a regime that
-    hides labels."""
+    """Print the size and label statistics of one split as its observed-label regime shows them (with
+    each class's counts under a regime that hides labels)."""
     stats = label_counts(dataset)
     observed = getattr(dataset, "observed", ALL_LABELS)
     print(f"\n{title}: {plural(stats.num_samples, 'sample')}")
@@ -123,7 +116,7 @@ def stats(cfg: DictConfig, splits: Sequence[str], check_images: bool, workers: i
 def split_options(
     overrides: Sequence[str], defaults: dict[str, Any], text_keys: Sequence[str]
 ) -> tuple[dict[str, Any], list[str]]:
-    """A command's own ``key=value`` options (the keys of ``defaults``: booleans, the text of ``text_keys``,
+    """A command's own ``key=value`` options (the keys of ``defaults``: booleans, text of ``text_keys``,
     else integers >= 0) and the remaining config overrides."""
     options, rest = dict(defaults), []
     for override in overrides:
@@ -139,14 +132,6 @@ def split_options(
                 options[key] = value if key in text_keys else int(value)
         else:
             rest.append(override)
-    return options, rest
-
-
-def split_pack_options(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """``pack``'s own ``key=value`` options (:data:`PACK_OPTIONS`) and the remaining config overrides."""
-    options, rest = split_options(overrides, PACK_OPTIONS, TEXT_PACK_OPTIONS)
-    if not options["out"]:
-        raise ConfigError("pack needs out=DIR, the folder of the shards")
     return options, rest
 
 
@@ -191,9 +176,8 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
 
 
 def train_command(cfg: DictConfig, out: Path) -> str:
-    """``mlcls-train dataset=shards dataset.root=OUT``, plus the model settings (:data:`SOURCE_MODEL_KEYS`)
-    of the source's config where they differ from those ``dataset=shards`` gets (the embedded demo's
-    dataset config sets a small model without pretrained weights)."""
+    """``mlcls-train dataset=shards dataset.root=OUT``, plus the source's :data:`SOURCE_MODEL_KEYS` where
+    they differ from those ``dataset=shards`` gets (the embedded demo's small model)."""
     plain = compose_config("train", ["dataset=shards"])
     overrides = []
     for key in SOURCE_MODEL_KEYS:
@@ -204,8 +188,8 @@ def train_command(cfg: DictConfig, out: Path) -> str:
 
 
 def verify(arguments: Sequence[str]) -> int:
-    """``mlcls-data verify DIR``: print each problem of the packed folder ``DIR`` (one line each) or that it
-    is intact; return the exit status (1 for any problem)."""
+    """``mlcls-data verify DIR``: print each problem of the packed folder (or that it is intact); return
+    the exit status."""
     if len(arguments) != 1 or "=" in arguments[0]:
         raise ConfigError(
             f"verify takes one folder, the one mlcls-data pack wrote; got {' '.join(arguments)}"
@@ -243,7 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             return verify(args.overrides)
         if args.command == "pack":
-            options, overrides = split_pack_options(args.overrides)
+            options, overrides = split_options(args.overrides, PACK_OPTIONS, TEXT_PACK_OPTIONS)
+            if not options["out"]:
+                raise ConfigError("pack needs out=DIR, the folder of the shards")
             return pack(compose_config("train", overrides), splits, options, sys.stderr.isatty())
         if args.command == "audit":
             options, overrides = split_options(args.overrides, AUDIT_OPTIONS, ("out",))

@@ -19,7 +19,7 @@ from mlcls import config_dir
 from mlcls.cli.errors import plural, require_keys, user_errors
 from mlcls.cli.overrides import run_command
 from mlcls.engine.checkpoint import atomic_write
-from mlcls.errors import InferenceError
+from mlcls.errors import InferenceError, is_integer, is_number
 from mlcls.inference.predictor import (
     Prediction,
     find_images,
@@ -37,11 +37,9 @@ USAGE = "mlcls-predict checkpoint=<run>/checkpoints/best.pt images=<file | folde
 
 def check_rule(threshold: Any, top_k: Any) -> None:
     """Raise :class:`InferenceError` unless ``threshold`` is a probability and ``top_k`` a positive int."""
-    if threshold is not None and (
-        isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1
-    ):
+    if threshold is not None and (not is_number(threshold) or not 0 <= threshold <= 1):
         raise InferenceError(f"threshold={threshold!r}; expected a probability in [0, 1]")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (not is_integer(top_k) or top_k < 1):
         raise InferenceError(f"top_k={top_k!r}; expected a positive integer")
 
 
@@ -99,8 +97,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def quote_class_list(argv: list[str]) -> list[str]:
-    """``classes=a,b,c`` as Hydra reads one string (``classes='a,b,c'``): unquoted, Hydra takes a comma
-    list for a sweep and refuses it in a single run. A value already quoted or bracketed is left as it is."""
+    """``classes=a,b,c`` quoted as one string for Hydra (unquoted it is a sweep, refused in a single run)."""
     quoted = []
     for arg in argv:
         key, equals, value = arg.partition("=")

@@ -2,9 +2,8 @@
 
 mlcls-report outputs/2026-01-01/12-00-00          # writes outputs/2026-01-01/12-00-00/report.html
 
-``mlcls-train`` writes the report at the end of a run (``trainer.report=true``); this writes it again, from
-the run's ``val_predictions.npz`` and its validation set rebuilt from the run's dataset config (only
-mlcls's datasets, and shards from local files: see :func:`mlcls.cli.eval.check_dataset_target`).
+``mlcls-train`` writes it at the end of a run; this writes it again from ``val_predictions.npz`` and the
+validation set rebuilt from the run's dataset config, checked as a checkpoint's would be.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ from mlcls.reporting.run_files import read_run
 
 
 def validation_set(run_dir: Path):
-    """The validation split of the run in ``run_dir``, built from its stored dataset config (never
-    resolved; checked as a checkpoint's would be) with the class order of its predictions."""
+    """The validation split of the run in ``run_dir``, in the class order of its predictions."""
     results, config = read_run(run_dir)
     if config is None or not isinstance(config.get("dataset"), dict):
         raise ReportError(f"{run_dir}: no config.yaml with a dataset config; is it an mlcls run directory?")

@@ -8,10 +8,9 @@ mlcls-reproduce all --smoke                               # every table's smoke 
 mlcls-reproduce presets --data-root /data --dry-run       # the field's recipes (docs/models.md), cost
 mlcls-reproduce spml --data-root /data --dry-run          # the single-positive benchmark (docs/reproduce.md)
 
-Arguments after the table name that are not options are Hydra overrides appended to every sweep.
-Sweeps are written to ``<sweep-dir>/<table>/<dataset or smoke>/<job>``; the rendered table to
-``<sweep-dir>/<table>.md`` and ``.csv``. Every run resumes from its checkpoint: the same command with the same
-``--sweep-dir`` finishes an interrupted reproduction and skips the finished runs.
+Other arguments are Hydra overrides appended to every sweep. Sweeps are written to
+``<sweep-dir>/<table>/<dataset or smoke>/<job>``, the table to ``<sweep-dir>/<table>.md`` and ``.csv``. Every
+run resumes from its checkpoint: the same command with the same ``--sweep-dir`` finishes a reproduction.
 """
 
 from __future__ import annotations
@@ -54,10 +53,9 @@ PRESETS = {
     "mldecoder_coco": "ML-Decoder's COCO recipe: TResNet-L 448 px, ML-Decoder head, ASL",
     "twoway_mldecoder_coco": "ML-Decoder's COCO recipe with the two-way loss",
 }
-# Training cost of TResNet-L at 448 px relative to ResNet-50 at 224 px, the unit of run_gpu_hours, measured
-# on one NVIDIA H200 with `mlcls-bench step` (bf16, channels_last): ML-Decoder's TResNet-L (tresnet_v2_l) with
-# the ML-Decoder head at 448 px, batch 56, ran at 556 training images/s (trainer 555.9, bare 551.4) against
-# ResNet-50's 4,596 at 224 px, batch 256, on the same GPU: 8.3x (it was 9.6, from V100 figures at 224 px).
+# Training cost of TResNet-L at 448 px relative to ResNet-50 at 224 px (run_gpu_hours' unit), measured on one
+# H200 with `mlcls-bench step` (bf16, channels_last): tresnet_v2_l with the ML-Decoder head, batch 56, 556
+# training images/s against ResNet-50's 4,596 at 224 px, batch 256: 8.3x.
 TRESNET_L_448_RATE_H200, RESNET50_224_RATE_H200 = 556, 4596
 TRESNET_L_448_COST = RESNET50_224_RATE_H200 / TRESNET_L_448_RATE_H200
 ROOT_FORM = "DATASET=PATH, e.g. coco=/data/coco"
@@ -74,8 +72,7 @@ def preset_sweep(preset: str, roots: dict[str, str], data_root: Path | None) -> 
 
 
 def preset_gpu_hours(gpu: str) -> float:
-    """GPU-hours of one preset run: :func:`run_gpu_hours` of ResNet-50 on MS-COCO over the recipe's epochs,
-    times :data:`TRESNET_L_448_COST`."""
+    """GPU-hours of one preset run: ResNet-50's on MS-COCO over the recipe's epochs, times the cost ratio."""
     epochs = OmegaConf.load(config_dir() / "experiment" / "mldecoder_recipe.yaml").trainer.epochs
     return run_gpu_hours("coco", "resnet50", gpu, epochs=epochs) * TRESNET_L_448_COST
 
@@ -94,14 +91,8 @@ def torchrun_command() -> list[str]:
 
 
 def sweep_commands(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[list[str]]:
-    """The command lines that run ``sweep`` (whose ``directory`` is set).
-
-    local: one Hydra multirun, ``mlcls-train -m <overrides>`` with job n in ``<dir>/<n>``. torchrun: one
-    ``torchrun --nproc_per_node=N -m mlcls.train <job overrides>`` per job, since the processes of one
-    torchrun cannot start a second process group for a second job. Every job resumes from its own checkpoint
-    (``trainer.resume=auto``), so the same command with the same ``--sweep-dir`` finishes an interrupted
-    sweep and skips the finished runs.
-    """
+    """The command lines that run ``sweep``: one Hydra multirun (job n in ``<dir>/<n>``), or one torchrun
+    per job (its processes cannot start a second process group); every job resumes from its checkpoint."""
     if launcher == "torchrun":
         torchrun = [*torchrun_command(), f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train"]
         return [
@@ -117,9 +108,8 @@ def sweep_commands(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[lis
 
 
 def run_sweep(sweep: Sweep, launcher: str, nproc_per_node: int) -> None:
-    """Run one sweep to completion: one torchrun child process per job, or (local) ``mlcls-train -m`` in
-    this process, Hydra reading ``sys.argv`` (restored afterwards). A failed job (Hydra reports it and
-    exits) raises :class:`SweepFailed`."""
+    """Run one sweep: torchrun child processes, or ``mlcls-train -m`` in this process on a borrowed
+    ``sys.argv``; a failed job raises :class:`SweepFailed`."""
     from mlcls.cli import train
 
     for command in sweep_commands(sweep, launcher, nproc_per_node):
@@ -143,17 +133,6 @@ def run_sweep(sweep: Sweep, launcher: str, nproc_per_node: int) -> None:
 def placed(sweep: Sweep, overrides: Sequence[str], directory: Path) -> Sweep:
     """``sweep`` with the user's ``overrides`` appended, written to ``directory``."""
     return dataclasses.replace(sweep, overrides=(*sweep.overrides, *overrides), directory=directory)
-
-
-def render(tables: Sequence[str], sweep_dir: Path, smoke: bool) -> str:
-    """Fill each table from its own sweeps under ``sweep_dir``, write ``<table>.md/.csv``, return Markdown."""
-    texts = []
-    for table in tables:
-        runs = collect_runs([sweep_dir / table], SMOKE_STAND_INS if smoke else None)
-        filled = fill_table(table_spec(table), runs)
-        markdown, _ = write_table(filled, sweep_dir)
-        texts.append(markdown.read_text())
-    return "\n".join(texts)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -190,8 +169,7 @@ def print_commands(sweep: Sweep, args: argparse.Namespace) -> None:
         print(shlex.join(command))
 
 
-# Each plan prints the sweeps of what it reproduces with their cost and launch commands, and returns the
-# sweeps and what to print once they have run.
+# A plan prints its sweeps, their cost and commands; it returns the sweeps and what to print once run.
 Plan = tuple[list[Sweep], Callable[[], None]]
 
 
@@ -212,8 +190,7 @@ def plan_presets(
 
 
 def plan_spml(args: argparse.Namespace, roots: dict[str, str], overrides: Sequence[str], out: Path) -> Plan:
-    """The single-positive benchmark's sweeps (one per dataset, every method), rendered beside the
-    published numbers."""
+    """The single-positive benchmark's sweeps (one per dataset), rendered beside the published numbers."""
     sweeps = [
         placed(sweep, overrides, out / SPML_TABLE / sweep.name)
         for sweep in spml_sweeps(args.smoke, roots, args.data_root)
@@ -253,7 +230,12 @@ def plan_tables(args: argparse.Namespace, roots: dict[str, str], overrides: Sequ
         sweeps += own
 
     def finish() -> None:
-        print(render(tables, out, args.smoke), end="")
+        texts = []
+        for table in tables:  # each from its own sweeps
+            runs = collect_runs([out / table], SMOKE_STAND_INS if args.smoke else None)
+            markdown, _ = write_table(fill_table(table_spec(table), runs), out)
+            texts.append(markdown.read_text())
+        print("\n".join(texts), end="")
         print(f"# tables written to {out}/<table>.md and .csv")
 
     return sweeps, finish

@@ -27,12 +27,8 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train the run described by ``cfg``; return the results written to results.json. At the end, with
-    ``trainer.report=true`` (the default), rank 0 draws the plots, saves the validation predictions and
-    writes ``report.html`` (:mod:`mlcls.reporting.report`).
-
-    The process group (under torchrun) stays up for the next run of a sweep and is closed at exit.
-    """
+    """Train the run of ``cfg``; return results.json's content. With ``trainer.report=true`` rank 0 then
+    draws the plots and writes ``report.html``. The process group stays up for a sweep's next run."""
     trainer = Trainer(cfg)
     if cfg.trainer.report:
         trainer.on_finish.extend((plot_run, report_run))
