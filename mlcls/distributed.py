@@ -55,9 +55,7 @@ def gather_rank_parts(local: torch.Tensor, total: int, dst: int | None = None) -
     layout = torch.full((1 + MAX_DIMS,), -1, dtype=torch.int64)
     layout[0] = len(local)
     layout[1 : local.dim()] = torch.tensor(local.shape[1:], dtype=torch.int64)
-    layouts = [torch.empty_like(layout, device=device) for _ in range(world)]
-    dist.all_gather(layouts, layout.to(device))
-    layouts = [part.tolist() for part in layouts]
+    layouts = all_gather_rows(layout.to(device)[None]).tolist()
     lengths = [part[0] for part in layouts]
     expected = [len(range(rank, total, world)) for rank in range(world)]
     if lengths != expected:
@@ -177,9 +175,7 @@ def gather_batch(logits: Tensor, targets: Tensor, check_sizes: bool = True) -> t
     if world == 1:
         return logits, targets
     if check_sizes:
-        sizes = [torch.zeros(1, dtype=torch.long, device=logits.device) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([logits.shape[0]], device=logits.device))
-        rows = torch.cat(sizes).tolist()
+        rows = all_gather_rows(torch.tensor([logits.shape[0]], device=logits.device)).tolist()
         if len(set(rows)) > 1:
             raise ValueError(f"gather=True needs the same batch size on every rank; got {rows}")
     return _GatherRows.apply(logits.contiguous()), all_gather_rows(targets)

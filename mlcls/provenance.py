@@ -1,8 +1,5 @@
-"""Where a result comes from: code version, resolved config, software, hardware, data sizes and speed.
-
-:func:`collect_provenance` returns the ``"provenance"`` block of ``results.json``; ``mlcls-tables`` reads
-the resolved config from it to place a run in the paper's tables.
-"""
+"""Where a result comes from (results.json's ``"provenance"``): code version, resolved config, software,
+hardware, data sizes and speed."""
 
 from __future__ import annotations
 
@@ -35,10 +32,8 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 
 def git_state(package_dir: Path | None = None) -> dict[str, Any]:
-    """``{"commit": sha, "dirty": bool}`` of the git checkout holding the mlcls sources; ``dirty`` when
-    ``git status --porcelain`` lists anything (the commit alone does not reproduce the code). Both are None
-    when the package does not run from a git checkout (a wheel: a repository that merely encloses
-    site-packages is not the package's)."""
+    """``{"commit": sha, "dirty": bool}`` of the git checkout holding the mlcls sources; both None when the
+    package is not the checkout's own (a wheel inside some repository)."""
     package_dir = Path(package_dir or Path(mlcls.__file__).resolve().parent)
     unknown: dict[str, Any] = {"commit": None, "dirty": None}
     top = _git(["rev-parse", "--show-toplevel"], package_dir)
@@ -86,11 +81,8 @@ def collect_provenance(
     wall_time_s: float,
     images_per_s: float,
 ) -> dict[str, Any]:
-    """The provenance block of ``results.json``, JSON-serialisable: ``git`` (commit, dirty), ``config``
-    (``cfg`` resolved), ``world_size``, ``bucket_size`` (as configured) and ``effective_bucket_size`` (M,
-    :func:`effective_bucket_size`), ``versions``, ``device`` (type, GPU name: None on the CPU), ``dataset``
-    (the samples used), ``wall_time_s`` (training so far), ``images_per_s`` (over all processes), ``host``,
-    ``command`` and ``written_at`` (UTC, ISO 8601)."""
+    """The provenance block of ``results.json``, JSON-serialisable (``bucket_size`` as configured,
+    ``effective_bucket_size`` the M it gives; ``images_per_s`` over all processes; ``written_at`` UTC)."""
     config = OmegaConf.to_container(cfg, resolve=True)
     loss = config.get("loss") or {}
     batch_size = int(config["trainer"]["batch_size"])
