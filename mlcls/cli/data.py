@@ -41,7 +41,7 @@ from mlcls.errors import ConfigError, printable
 from mlcls.reporting.audit import audit
 
 TOP_CLASSES = 5
-PACK_OPTIONS = {
+PACK_OPTIONS = {  # pack_split's keywords, with their defaults
     "out": None,
     "shard_size": 1000,
     "max_side": 320,
@@ -145,20 +145,7 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
             dataset = dataset.source
         dataset.transform = None  # the packed images are the source images, resized
         names[split] = cfg.dataset.get(f"{split}_split", split)
-        report = pack_split(
-            dataset,
-            out,
-            split,
-            options["shard_size"],
-            options["max_side"],
-            options["quality"],
-            options["subsampling"],
-            shuffle=split == "train",
-            seed=options["seed"],
-            progress=progress,
-            workers=options["workers"],
-            overwrite=options["overwrite"],
-        )
+        report = pack_split(dataset, role=split, shuffle=split == "train", progress=progress, **options)
         reports.append(report)
         print(
             f"{split}: {report.samples} samples in {len(report.shards)} shards ({report.written} written, "

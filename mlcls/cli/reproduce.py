@@ -61,16 +61,6 @@ TRESNET_L_448_COST = RESNET50_224_RATE_H200 / TRESNET_L_448_RATE_H200
 ROOT_FORM = "DATASET=PATH, e.g. coco=/data/coco"
 
 
-def preset_sweep(preset: str, roots: dict[str, str], data_root: Path | None) -> Sweep:
-    """The one-run sweep of ``preset`` on MS-COCO, at ``roots["coco"]`` or under ``data_root``."""
-    overrides = [f"experiment={preset}"]
-    if "coco" in roots:
-        overrides.append(f"dataset.root={roots['coco']}")
-    elif data_root is not None:
-        overrides.append(f"dataset.root={dataset_root('coco', data_root)}")
-    return Sweep(preset, "coco", tuple(overrides), "coco")
-
-
 def preset_gpu_hours(gpu: str) -> float:
     """GPU-hours of one preset run: ResNet-50's on MS-COCO over the recipe's epochs, times the cost ratio."""
     epochs = OmegaConf.load(config_dir() / "experiment" / "mldecoder_recipe.yaml").trainer.epochs
@@ -81,20 +71,13 @@ class SweepFailed(RuntimeError):
     """A sweep's process (or an in-process Hydra multirun) ended with an error."""
 
 
-def torchrun_command() -> list[str]:
-    """``torchrun`` beside the interpreter, else on PATH, else ``python -m torch.distributed.run``."""
-    for path in (str(Path(sys.executable).parent), None):
-        found = shutil.which("torchrun", path=path)
-        if found:
-            return [found]
-    return [sys.executable, "-m", "torch.distributed.run"]
-
-
 def sweep_commands(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[list[str]]:
     """The command lines that run ``sweep``: one Hydra multirun (job n in ``<dir>/<n>``), or one torchrun
     per job (its processes cannot start a second process group); every job resumes from its checkpoint."""
-    if launcher == "torchrun":
-        torchrun = [*torchrun_command(), f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train"]
+    if launcher == "torchrun":  # beside the interpreter, else on PATH, else python -m torch.distributed.run
+        found = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+        runner = [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+        torchrun = [*runner, f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train"]
         return [
             [*torchrun, *job, f"trainer.output_dir={sweep.directory / str(number)}", "trainer.resume=auto"]
             for number, job in enumerate(sweep.runs())
@@ -179,7 +162,9 @@ def plan_presets(
     """The run of each preset of ``args.table``; its results.json is the outcome."""
     sweeps = []
     for preset in list(PRESETS) if args.table == "presets" else [args.table]:
-        sweeps.append(placed(preset_sweep(preset, roots, args.data_root), overrides, out / preset))
+        root = roots.get("coco") or (args.data_root and dataset_root("coco", args.data_root))
+        own = (f"experiment={preset}", *([f"dataset.root={root}"] if root else []))
+        sweeps.append(placed(Sweep(preset, "coco", own, "coco"), overrides, out / preset))
         hours = preset_gpu_hours(args.gpu)
         print(
             f"# {preset}: {PRESETS[preset]}; 1 run, about {hours:.0f} {args.gpu} GPU-hours (TResNet-L 448 px"

@@ -76,7 +76,22 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
             f"trainer.batch_size={t.batch_size} does not divide over {world_size} processes; "
             "use a multiple of the world size"
         )
-    _check_buckets(cfg, world_size)
+    # loss.bucket_size divides the batch it splits: per process, or the global one under loss.gather
+    gathered = bool(cfg.loss.get("gather"))
+    if gathered and world_size == 1:
+        raise ConfigError(
+            "loss.gather=true needs several processes (torchrun); without DDP it changes nothing"
+        )
+    split_batch = t.batch_size if gathered else t.batch_size // world_size
+    bucket = cfg.loss.get("bucket_size")
+    if bucket is not None and (not is_integer(bucket) or bucket <= 0):
+        raise ConfigError(f"loss.bucket_size={bucket!r}; expected a positive integer")
+    if bucket is not None and split_batch % bucket:
+        what = "global batch" if gathered else "per-process batch"
+        raise ConfigError(
+            f"loss.bucket_size={bucket} does not divide the {what} {split_batch} "
+            f"(trainer.batch_size={t.batch_size} over {world_size} processes)"
+        )
 
     init_from = cfg.model.init_from
     if init_from is not None and (not isinstance(init_from, str) or not Path(init_from).is_file()):
@@ -87,7 +102,13 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
     freeze = cfg.model.freeze_backbone
     if not isinstance(freeze, bool):
         raise ConfigError(f"model.freeze_backbone={freeze!r}; expected true (train the head alone) or false")
-    _check_zero_shot(cfg)
+    head = cfg.model.head.get("name")  # a text-query head's classes are text: unseen ones too
+    if cfg.dataset.get("unseen_classes") and head not in TEXT_HEADS:
+        raise ConfigError(
+            f"dataset.unseen_classes is set but model.head={head} has no text queries, so it cannot score a "
+            f"class it was not trained on; use model.head={' or model.head='.join(TEXT_HEADS)}, or "
+            "dataset.unseen_classes=null"
+        )
     if cfg.data.backend not in BACKENDS:
         raise ConfigError(f"data.backend={cfg.data.backend!r}; expected one of {', '.join(BACKENDS)}")
     if cfg.data.backend == "dali" and cfg.dataset.get("transform", "paper") != "paper":
@@ -99,37 +120,3 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
     except Exception as exc:
         cause = " ".join(str(exc.__cause__ or exc).split())  # Hydra's import errors span several lines
         raise ConfigError(f"loss={loss_name(cfg.loss)}: {cause}") from None
-
-
-def _check_zero_shot(cfg: DictConfig) -> None:
-    """``dataset.unseen_classes`` needs a text-query head: another has weights per trained class only."""
-    unseen = cfg.dataset.get("unseen_classes")
-    head = cfg.model.head.get("name")
-    if unseen and head not in TEXT_HEADS:
-        raise ConfigError(
-            f"dataset.unseen_classes is set but model.head={head} has no text queries, so it cannot score a "
-            f"class it was not trained on; use model.head={' or model.head='.join(TEXT_HEADS)}, or "
-            "dataset.unseen_classes=null"
-        )
-
-
-def _check_buckets(cfg: DictConfig, world_size: int) -> None:
-    """``loss.bucket_size`` divides the batch it splits: per process, or global under ``loss.gather``."""
-    gathered = bool(cfg.loss.get("gather"))
-    if gathered and world_size == 1:
-        raise ConfigError(
-            "loss.gather=true needs several processes (torchrun); without DDP it changes nothing"
-        )
-    batch = cfg.trainer.batch_size
-    split_batch = batch if gathered else batch // world_size
-    bucket = cfg.loss.get("bucket_size")
-    if bucket is None:
-        return
-    if not is_integer(bucket) or bucket <= 0:
-        raise ConfigError(f"loss.bucket_size={bucket!r}; expected a positive integer")
-    if split_batch % bucket:
-        what = "global batch" if gathered else "per-process batch"
-        raise ConfigError(
-            f"loss.bucket_size={bucket} does not divide the {what} {split_batch} "
-            f"(trainer.batch_size={batch} over {world_size} processes)"
-        )

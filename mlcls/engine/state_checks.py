@@ -241,14 +241,6 @@ def _check_param_state(state: Any, kinds: dict[str, str], param: torch.Tensor, f
             check_tensor(value, f"{field}[{key!r}]", tuple(param.shape))
 
 
-def check_ema(stored: Any, ema: ModelEma, total_iters: int) -> None:
-    """The stored EMA holds the averaged model's tensors (``module``) and ``updates`` in [0, total_iters]."""
-    if not isinstance(stored, dict) or stored.keys() != {"module", "updates"}:
-        raise refuse("ema", stored, "a dict of module and updates")
-    check_state_dict(stored["module"], ema.module.state_dict(), "ema module")
-    check_int(stored["updates"], "ema updates", 0, total_iters)
-
-
 def check_rng(states: Any) -> None:
     """Every rank's generator states, each tried on a private generator first."""
     if not isinstance(states, list) or not 1 <= len(states) <= RANKS_MAX:
@@ -415,7 +407,10 @@ def check_resume_state(
             counters = dict.fromkeys(SCHEDULER_COUNTERS, total if total == COUNT_MAX else total + 1)
             check_like(stored, part.state_dict(), name, counters)
         elif isinstance(part, ModelEma):
-            check_ema(stored, part, total)
+            if not isinstance(stored, dict) or stored.keys() != {"module", "updates"}:
+                raise refuse("ema", stored, "a dict of module and updates")
+            check_state_dict(stored["module"], part.module.state_dict(), "ema module")
+            check_int(stored["updates"], "ema updates", 0, total)
         elif isinstance(part, nn.Module):  # the model, the loss's state (and its epoch)
             check_state_dict(stored, part.state_dict(), name, {"epoch": bounds.epochs or COUNT_MAX})
         else:
