@@ -3,6 +3,7 @@ the wording shared by messages."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 
@@ -13,6 +14,13 @@ class ConfigError(ValueError):
 class InferenceError(ValueError):
     """Bad input to prediction, evaluation or export: no image matched, an invalid threshold, an unusable
     checkpoint or preprocessing spec, a model whose scores are NaN."""
+
+
+def failure(prog: str, error: object, status: int = 2, *notes: str) -> int:
+    """Print ``<prog>: error: <error>`` and each note as ``<prog>: <note>`` on stderr; return ``status``."""
+    for line in (f"error: {error}", *notes):
+        print(f"{prog}: {line}", file=sys.stderr)
+    return status
 
 
 def is_integer(value: object) -> bool:

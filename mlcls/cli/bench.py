@@ -71,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser([named]).parse_args(argv)
     from mlcls.cli.errors import user_errors  # after parsing: --help and a typo import no torch
     from mlcls.cli.overrides import compose_config
+    from mlcls.errors import failure
 
     with user_errors(), contextlib.redirect_stdout(sys.stderr):  # stdout holds the JSON line only
         try:
@@ -78,8 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.cfg = compose_config("train", args.overrides)
             result = args.run(args)
         except FileNotFoundError as exc:  # --images without JPEGs
-            print(f"mlcls: error: {exc}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(failure("mlcls", exc))
     if COMMANDS[args.command][1]:
         result = add_rates(result)
     print(json.dumps(result), flush=True)

@@ -37,7 +37,7 @@ from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.observed import ALL_LABELS
 from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.data.shards.reader import verify_pack
-from mlcls.errors import ConfigError, printable
+from mlcls.errors import ConfigError, failure, printable
 from mlcls.reporting.audit import audit
 
 TOP_CLASSES = 5
@@ -226,8 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = compose_config("train", args.overrides)
         return stats(cfg, splits, args.check, args.workers)
     except (HydraException, *USER_ERRORS) as exc:
-        print(f"mlcls-data: error: {error_line(exc)}", file=sys.stderr)
-        return 2
+        return failure("mlcls-data", error_line(exc))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from mlcls.engine.rundir import RunDirLocked
 from mlcls.errors import (
     ConfigError,
     InferenceError,
+    failure,
     plural,  # noqa: F401 - re-exported for the commands
 )
 from mlcls.io import DiskFullError, FileTooLargeError, NotRegularFileError, UnsafeFileError
@@ -40,8 +41,7 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except (HydraException, *USER_ERRORS) as exc:
-        print(f"mlcls: error: {error_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(failure("mlcls", error_line(exc)))
 
 
 def error_line(exc: BaseException) -> str:

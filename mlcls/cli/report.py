@@ -17,6 +17,7 @@ from pathlib import Path
 from mlcls.cli.errors import user_errors
 from mlcls.cli.eval import check_dataset_target, check_shard_sources, evaluation_dataset_config
 from mlcls.data import build_dataset
+from mlcls.errors import failure
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.report import write_report
 from mlcls.reporting.report_data import load_val_predictions
@@ -58,8 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             start = time.perf_counter()
             path = write_report(args.run_dir, validation_set(args.run_dir))
         except ReportError as exc:
-            print(f"mlcls: error: {exc}", file=sys.stderr)
-            return 2
+            return failure("mlcls", exc)
     print(f"{path} ({path.stat().st_size:,} bytes, {time.perf_counter() - start:.1f} s)")
     return 0
 

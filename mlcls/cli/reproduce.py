@@ -28,7 +28,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from mlcls import config_dir
-from mlcls.cli.tables import failure, parse_pairs
+from mlcls.cli.tables import parse_pairs
+from mlcls.errors import failure
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import write_table
 from mlcls.reporting.runs import collect_runs

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mlcls.errors import failure
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import (
     render_csv,
@@ -36,13 +37,6 @@ from mlcls.reporting.table_specs import (
     table_spec,
     unplaced_runs,
 )
-
-
-def failure(prog: str, error: Exception, status: int = 2, *notes: str) -> int:
-    """Print ``<prog>: error: <error>`` and each note as ``<prog>: <note>`` on stderr; return ``status``."""
-    for line in (f"error: {error}", *notes):
-        print(f"{prog}: {line}", file=sys.stderr)
-    return status
 
 
 def parse_pairs(pairs: Sequence[str], option: str, form: str) -> dict[str, str]:

@@ -19,6 +19,7 @@ from mlcls.cli.errors import user_errors
 from mlcls.cli.overrides import run_command
 from mlcls.engine.distributed import RankFailed
 from mlcls.engine.trainer import EXIT_PREEMPTED, NonFiniteError, Preempted, Trainer
+from mlcls.errors import failure
 from mlcls.reporting.plots import plot_run
 from mlcls.reporting.report import report_run
 
@@ -45,8 +46,7 @@ def _run_cli(cfg: DictConfig) -> dict[str, Any]:
         print("mlcls: interrupted (no checkpoint of the current epoch)", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     except (NonFiniteError, RankFailed) as exc:
-        print(f"mlcls: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(failure("mlcls", exc, 1))
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
