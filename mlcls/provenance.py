@@ -56,22 +56,6 @@ def _version(module: str) -> str | None:
         return None
 
 
-def software_versions() -> dict[str, str | None]:
-    """Versions of Python, mlcls, the libraries that change numbers (torch, timm, ...) and CUDA/cuDNN."""
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return {
-        "python": platform.python_version(),
-        "mlcls": mlcls.__version__,
-        "torch": torch.__version__,
-        "torchvision": _version("torchvision"),
-        "timm": _version("timm"),
-        "hydra": _version("hydra"),
-        "numpy": _version("numpy"),
-        "cuda": torch.version.cuda,
-        "cudnn": None if cudnn is None else str(cudnn),
-    }
-
-
 def collect_provenance(
     cfg: DictConfig,
     world_size: int,
@@ -87,13 +71,21 @@ def collect_provenance(
     loss = config.get("loss") or {}
     batch_size = int(config["trainer"]["batch_size"])
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {
         "git": git_state(),
         "config": config,
         "world_size": int(world_size),
         "bucket_size": loss.get("bucket_size"),
         "effective_bucket_size": effective_bucket_size(loss, batch_size, world_size),
-        "versions": software_versions(),
+        "versions": {  # of the libraries that change numbers
+            "python": platform.python_version(),
+            "mlcls": mlcls.__version__,
+            "torch": torch.__version__,
+            **{name: _version(name) for name in ("torchvision", "timm", "hydra", "numpy")},
+            "cuda": torch.version.cuda,
+            "cudnn": None if cudnn is None else str(cudnn),
+        },
         "device": {"type": device.type, "gpu_name": gpu_name},
         "dataset": {"train_size": int(train_size), "val_size": int(val_size)},
         "wall_time_s": float(wall_time_s),
