@@ -157,21 +157,15 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
     write_sidecars(
         out, dataset, names, reports, options["max_side"], options["quality"], options["subsampling"], source
     )
-    if splits[0] == "train":
-        print(f"train with: {train_command(cfg, out)}")
+    if splits[0] == "train":  # with the source's SOURCE_MODEL_KEYS where dataset=shards's differ (the demo's)
+        plain = compose_config("train", ["dataset=shards"])
+        command = ["mlcls-train", "dataset=shards", f"dataset.root={out}"]
+        for key in SOURCE_MODEL_KEYS:
+            value = OmegaConf.select(cfg, key)
+            if value != OmegaConf.select(plain, key):
+                command.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+        print(f"train with: {' '.join(command)}")
     return 1 if any(report.skipped for report in reports) else 0
-
-
-def train_command(cfg: DictConfig, out: Path) -> str:
-    """``mlcls-train dataset=shards dataset.root=OUT``, plus the source's :data:`SOURCE_MODEL_KEYS` where
-    they differ from those ``dataset=shards`` gets (the embedded demo's small model)."""
-    plain = compose_config("train", ["dataset=shards"])
-    overrides = []
-    for key in SOURCE_MODEL_KEYS:
-        value = OmegaConf.select(cfg, key)
-        if value != OmegaConf.select(plain, key):
-            overrides.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
-    return " ".join(["mlcls-train", "dataset=shards", f"dataset.root={out}", *overrides])
 
 
 def verify(arguments: Sequence[str]) -> int:

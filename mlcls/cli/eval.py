@@ -150,20 +150,6 @@ def check_shard_sources(dataset_cfg: dict[str, Any], given: set[str]) -> None:
                 )
 
 
-def require_text_queries(inference: Any) -> None:
-    """:class:`ConfigError` unless the checkpoint's model has a text-query head, the only one that scores
-    classes it was not trained on."""
-    if text_query_head(inference.model) is not None:
-        return
-    head = nested_get(inference.config, "model", "head", default="linear")
-    head = head.get("name", "?") if isinstance(head, dict) else head
-    raise ConfigError(
-        f"dataset.unseen_classes: {inference.checkpoint} has model.head={shown(head)}, without text queries: "
-        f"it scores only the {len(inference.classes)} classes it was trained on; expected a checkpoint of "
-        f"model.head={' or '.join(TEXT_HEADS)}"
-    )
-
-
 def zero_shot_evaluation(
     inference: Any, unseen: Any, dataset_classes: list[str], trust: bool
 ) -> ZeroShot | None:
@@ -193,8 +179,14 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
     given = {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if v is not None}
     stored_unseen = (inference.config["dataset"] or {}).get("unseen_classes")
     unseen = given.pop("unseen_classes", None) or stored_unseen
-    if unseen:
-        require_text_queries(inference)  # before any data is read
+    if unseen and text_query_head(inference.model) is None:  # only it scores untrained classes
+        head = nested_get(inference.config, "model", "head", default="linear")
+        head = head.get("name", "?") if isinstance(head, dict) else head
+        raise ConfigError(
+            f"dataset.unseen_classes: {inference.checkpoint} has model.head={shown(head)}, without text "
+            f"queries: it scores only the {len(inference.classes)} classes it was trained on; expected a "
+            f"checkpoint of model.head={' or '.join(TEXT_HEADS)}"
+        )
     dataset_cfg = evaluation_dataset_config(inference.config["dataset"], given, inference.classes)
     if not cfg.trust_checkpoint:
         check_dataset_target(dataset_cfg)
@@ -204,11 +196,8 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(
             f"the evaluation set of {cfg.checkpoint} holds no image; give dataset.<key>=… of one"
         )
-    zero_shot = (
-        zero_shot_evaluation(inference, unseen, list(dataset.classes), cfg.trust_checkpoint)
-        if unseen
-        else None
-    )
+    trust = cfg.trust_checkpoint
+    zero_shot = zero_shot_evaluation(inference, unseen, list(dataset.classes), trust) if unseen else None
     if zero_shot is None and list(dataset.classes) != inference.classes:
         raise ConfigError(
             f"the evaluation set's classes ({len(dataset.classes)}: {', '.join(dataset.classes[:5])}, …) "
@@ -216,12 +205,8 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
         )
     loader = build_eval_loader(dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device)
     amp = resolve_amp(cfg.amp, info.device)
-    metrics = evaluate(
-        inference.model, loader, info.device, inference.classes, amp, zero_shot=zero_shot
-    ).metrics
-    metrics["checkpoint"] = str(cfg.checkpoint)
-    metrics["num_samples"] = len(dataset)
-    return metrics
+    evaluation = evaluate(inference.model, loader, info.device, inference.classes, amp, zero_shot=zero_shot)
+    return {**evaluation.metrics, "checkpoint": str(cfg.checkpoint), "num_samples": len(dataset)}
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="eval")

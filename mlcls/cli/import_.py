@@ -54,15 +54,6 @@ def _number(options: dict[str, str], key: str, kind: type) -> Any:
     return value
 
 
-def read_class_file(path: str) -> list[str]:
-    """The class names of ``path``, one a line (blank lines skipped), via :func:`mlcls.io.read_text`."""
-    try:
-        text = read_text(path, "class list")
-    except (OSError, UnicodeDecodeError, FileTooLargeError) as exc:
-        raise ConfigError(f"classes={path}: cannot be read ({exc})") from None
-    return [line.strip() for line in text.splitlines() if line.strip()]
-
-
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """Convert the file the command line names and write the checkpoint; return a summary of it."""
     parser = argparse.ArgumentParser(prog="mlcls-import", usage=USAGE, description=__doc__.splitlines()[0])
@@ -72,7 +63,13 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     with user_errors():
         options = parse_options(args.options)
-        classes = read_class_file(options["classes"]) if "classes" in options else None
+        classes = None
+        if "classes" in options:  # one name a line, blank lines skipped
+            try:
+                text = read_text(options["classes"], "class list")
+            except (OSError, UnicodeDecodeError, FileTooLargeError) as exc:
+                raise ConfigError(f"classes={options['classes']}: cannot be read ({exc})") from None
+            classes = [line.strip() for line in text.splitlines() if line.strip()]
         checkpoint = import_released(
             args.format,
             args.file,

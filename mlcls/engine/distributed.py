@@ -63,19 +63,6 @@ def resolve_device(preference: str) -> torch.device:
     return torch.device(preference)
 
 
-def export_slurm_environment() -> None:
-    """Under Hydra's submitit launcher (one process per SLURM task, no torchrun), set torchrun's variables
-    from submitit's view of the job. A no-op when ``WORLD_SIZE`` is already set or outside SLURM."""
-    if "WORLD_SIZE" in os.environ or os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
-        return
-    import submitit
-
-    # submitit's defaults would refuse a MASTER_PORT the job script set (it reads it as the port all the
-    # same), and narrow CUDA_VISIBLE_DEVICES to the local rank, after which no device index but 0 exists;
-    # the device is chosen by cuda_device_index instead, from the devices SLURM gave the task.
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-
-
 def cuda_device_index(local_rank: int, device_count: int) -> int:
     """The CUDA device of the process with ``local_rank`` among the ``device_count`` it can see: its own
     index when each process sees every GPU of the node, 0 when it sees only the one bound to it."""
@@ -90,8 +77,16 @@ def cuda_device_index(local_rank: int, device_count: int) -> int:
 
 
 def world_size_from_environment() -> int:
-    """The number of processes of this run, as :func:`init_distributed` will see it (1 without a launcher)."""
-    export_slurm_environment()
+    """The number of processes of this run (1 without a launcher). Under Hydra's submitit launcher (a
+    process per SLURM task, no torchrun) torchrun's variables are set first, from submitit's view of the job.
+    """
+    if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        import submitit
+
+        # submitit's defaults would refuse a MASTER_PORT the job script set (it reads it all the same), and
+        # narrow CUDA_VISIBLE_DEVICES to the local rank, after which no device index but 0 exists; the
+        # device is chosen by cuda_device_index instead, from the devices SLURM gave the task.
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
