@@ -152,16 +152,13 @@ def predict_training_set(
     device (n = steps x global batch), identical on every rank; ``model`` runs as in :func:`evaluate`."""
     collectives.broadcast_buffers(model)
     model.eval()
-    columns: list[list[torch.Tensor]] = [[], [], []]
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     with dist_utils.all_or_none():
         for images, targets, indices in itertools.islice(batches, steps):
             with autocast_context(images.device, amp):
                 logits = model(images)
-            for column, part in zip(
-                columns, (indices.long(), torch.sigmoid(logits.float()), targets.to(torch.int8)), strict=True
-            ):
-                column.append(part)
-    indices, probabilities, targets = (torch.cat(column) for column in columns)
+            rows.append((indices.long(), torch.sigmoid(logits.float()), targets.to(torch.int8)))
+    indices, probabilities, targets = (torch.cat(column) for column in zip(*rows, strict=True))
     if collectives.initialized():
         indices, probabilities, targets = map(collectives.all_gather_rows, (indices, probabilities, targets))
     return indices, probabilities, targets
