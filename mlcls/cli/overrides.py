@@ -72,8 +72,19 @@ def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> l
     line and exit status 2; only a ``+key=…`` override costs a composition.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    arguments, other_config, index = [], False, 0  # without Hydra's flags (``--hydra-help``) and values
+    while index < len(argv):
+        flag, equals, _ = argv[index].partition("=")
+        if flag.startswith("-"):
+            other_config |= flag in CONFIG_FLAGS
+            takes_next = flag in VALUE_FLAGS or (
+                flag in ("--info", "-i") and index + 1 < len(argv) and argv[index + 1] in INFO_CHOICES
+            )
+            index += 1 if equals or not takes_next else 2
+        else:
+            arguments.append(argv[index])
+            index += 1
     with user_errors():
-        arguments, other_config = split_command_line(argv)
         for arg in arguments:
             if "=" not in arg and not arg.startswith("~"):
                 raise ConfigError(
@@ -86,25 +97,6 @@ def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> l
         overrides = group_choices([arg for arg in arguments if "=" in arg])
         _check_added_keys(config_name, overrides)
     return overrides
-
-
-def split_command_line(argv: Sequence[str]) -> tuple[list[str], bool]:
-    """The overrides (and stray positional arguments) of a ``@hydra.main`` command line without Hydra's
-    flags (those ``--hydra-help`` documents), and whether a flag selects another config."""
-    arguments, other_config, index = [], False, 0
-    while index < len(argv):
-        arg = argv[index]
-        if arg.startswith("-"):
-            flag, equals, _ = arg.partition("=")
-            other_config |= flag in CONFIG_FLAGS
-            takes_next = flag in VALUE_FLAGS or (
-                flag in ("--info", "-i") and index + 1 < len(argv) and argv[index + 1] in INFO_CHOICES
-            )
-            index += 1 if equals or not takes_next else 2
-            continue
-        arguments.append(arg)
-        index += 1
-    return arguments, other_config
 
 
 def group_choices(overrides: Sequence[str]) -> list[str]:
