@@ -13,6 +13,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from mlcls.config_tree import nested_get
 from mlcls.errors import is_integer
 
 FORMAT = 2
@@ -93,9 +94,7 @@ def upgrade_config(cfg_dict: dict[str, Any]) -> dict[str, Any]:
                 value = model.pop(leaf)
                 if owner == name:
                     head[RENAMED_KEYS[old].rpartition(".")[2]] = value
-        warmup = (
-            cfg.get("sched", {}).get("head_warmup_epochs") if isinstance(cfg.get("sched"), dict) else None
-        )
+        warmup = nested_get(cfg, "sched", "head_warmup_epochs")
         table = warmup if isinstance(warmup, dict) else OLD_HEAD_WARMUP_EPOCHS
         head["warmup_epochs"] = table.get(name, OLD_HEAD_WARMUP_EPOCHS.get(name, 0))
         model["head"] = head
