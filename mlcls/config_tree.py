@@ -1,10 +1,20 @@
-"""A config as a flat table: every leaf under its dotted key (``optim.lr_head``), for the places that show or
-compare a run's settings (MLflow's params, the report's and the runs table's columns)."""
+"""A stored config's tree: a value read through plain dicts (:func:`nested_get`), and the config as a flat
+table, every leaf under its dotted key (MLflow's params, the report's and the runs table's columns)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+
+def nested_get(tree: Any, *keys: str, default: Any = None) -> Any:
+    """``tree[keys[0]][keys[1]]...`` through plain dicts (a stored config, any shape); ``default`` where a
+    key is absent or a level is not a dict."""
+    for key in keys:
+        if not isinstance(tree, dict) or key not in tree:
+            return default
+        tree = tree[key]
+    return tree
 
 
 def flatten_config(

@@ -1,14 +1,7 @@
-"""Every collective of mlcls, beside no other code: objects and sums for the trainer, the exact gather of
-evaluation outputs, and the differentiable gather of a loss's global batch. Each is the identity (or an
-error, where a process group is required) without an initialised process group; each is a collective,
-which every rank must call at the same point. The process group itself (torchrun, SLURM) and the agreement
-on a rank's failure are :mod:`mlcls.engine.distributed`'s.
-
-Evaluation splits the validation set into rank parts without padding (rank ``r`` takes indices
-``r, r + W, r + 2W, ...``: :class:`mlcls.data.sampling.RankSampler`), so parts may differ in length by one
-and a rank may hold none. :func:`gather_rank_parts` brings each sample exactly once, in dataset order, so
-1 and N processes evaluate identical tensors; floating-point rows become float32 first, which is exact
-from float16/bfloat16: the gathered scores are the model's outputs bit for bit.
+"""Every collective of mlcls: objects and sums for the trainer, the exact gather of evaluation outputs,
+and the differentiable gather of a loss's global batch. Each is the identity (or an error where a process
+group is required) without a process group, and a collective every rank must call at the same point. The
+process group itself and the agreement on a rank's failure are :mod:`mlcls.engine.distributed`'s.
 """
 
 from __future__ import annotations
@@ -22,14 +15,9 @@ from torch import Tensor, nn
 MAX_DIMS = 8
 
 
-def _part_length(rank: int, world: int, total: int) -> int:
-    return len(range(rank, total, world))
-
-
 def communication_device(backend: str) -> torch.device:
-    """The device whose tensors a process group with ``backend`` (``torch.distributed.get_backend()``'s:
-    one name, or one per device type as the trainer's ``"cpu:gloo,cuda:nccl"``) should exchange: the
-    current CUDA device when NCCL serves CUDA tensors, else the CPU."""
+    """The device a process group with ``backend`` (one name, or one per device type as the trainer's
+    ``"cpu:gloo,cuda:nccl"``) exchanges tensors on: the current CUDA device under NCCL, else the CPU."""
     if ":" in backend:
         per_device = dict(part.split(":", 1) for part in backend.split(","))
         cuda_backend = per_device.get("cuda")
@@ -41,18 +29,16 @@ def communication_device(backend: str) -> torch.device:
 
 
 def gather_rank_parts(local: torch.Tensor, total: int, dst: int | None = None) -> torch.Tensor | None:
-    """Concatenate the strided rank parts ``local`` (rows ``rank::world_size``) of all ranks, in dataset
-    order.
+    """Concatenate every rank's part ``local`` (rows ``rank::world_size`` of :class:`RankSampler`'s
+    unpadded split) in dataset order, each sample exactly once: 1 and N processes evaluate identical tensors.
 
-    ``local`` is (n_r, ...) on each rank with ``n_r = len(range(rank, total, world_size))``; a rank without
-    rows may pass any empty tensor (e.g. ``torch.empty(0)``). The result is on the CPU, float32 if
-    ``local`` is floating point, on every rank (``dst=None``) or on rank ``dst`` only (the others get None
-    and hold no copy of the whole set); it travels on :func:`communication_device`.
+    ``local`` is (n_r, ...) with ``n_r = len(range(rank, total, world_size))`` (a rank without rows may pass
+    ``torch.empty(0)``). The result is on the CPU, float32 if floating (exact from float16/bfloat16), on
+    every rank (``dst=None``) or on rank ``dst`` only (the others get None).
 
     Raises:
-        ValueError: on every rank alike, if a part does not have the length above -- e.g. parts padded
-            by ``DistributedSampler``, whose duplicates would otherwise be counted -- or if the parts'
-            trailing shapes differ.
+        ValueError: on every rank alike, if a part has another length (e.g. ``DistributedSampler``'s padded
+            duplicates) or the parts' trailing shapes differ.
     """
     if local.is_floating_point():
         local = local.detach().float()
@@ -69,11 +55,9 @@ def gather_rank_parts(local: torch.Tensor, total: int, dst: int | None = None) -
     layout = torch.full((1 + MAX_DIMS,), -1, dtype=torch.int64)
     layout[0] = len(local)
     layout[1 : local.dim()] = torch.tensor(local.shape[1:], dtype=torch.int64)
-    layouts = [torch.empty_like(layout, device=device) for _ in range(world)]
-    dist.all_gather(layouts, layout.to(device))
-    layouts = [part.tolist() for part in layouts]
+    layouts = all_gather_rows(layout.to(device)[None]).tolist()
     lengths = [part[0] for part in layouts]
-    expected = [_part_length(rank, world, total) for rank in range(world)]
+    expected = [len(range(rank, total, world)) for rank in range(world)]
     if lengths != expected:
         raise ValueError(
             f"gather_rank_parts: part lengths {lengths} but rows rank::{world} of {total} give {expected} "
@@ -178,14 +162,12 @@ def all_gather_rows(rows: Tensor) -> Tensor:
 
 
 def gather_batch(logits: Tensor, targets: Tensor, check_sizes: bool = True) -> tuple[Tensor, Tensor]:
-    """Concatenate every rank's rows, in rank order; gradients flow back to each rank's ``logits``. The
-    backward *sums* the gradients all ranks send to a rank's slice: every rank computes the same loss on the
-    same global batch, so that sum is ``world_size`` times the global loss's gradient, and DDP's averaging
-    divides it back to that of one process training on the concatenated batch.
+    """Concatenate every rank's rows in rank order; gradients flow back to each rank's ``logits``. The
+    backward *sums* what all ranks send to a rank's slice: every rank computes the same loss on the same
+    global batch, so the sum is ``world_size`` times its gradient, which DDP's averaging divides back.
 
-    Every rank must hold the same number of rows: ``check_sizes`` (a collective: the same on every rank)
-    compares them, a ``ValueError`` on a mismatch. :class:`BucketedLoss` checks on its first call only:
-    the training loaders drop the last incomplete batch, so the sizes cannot change afterwards.
+    Every rank must hold as many rows: ``check_sizes`` (a collective) compares them, a ``ValueError`` on a
+    mismatch (:class:`BucketedLoss` checks once: the training loaders drop the last incomplete batch).
     """
     if not initialized():
         raise ValueError("gather=True needs torch.distributed initialised (run under torchrun)")
@@ -193,9 +175,7 @@ def gather_batch(logits: Tensor, targets: Tensor, check_sizes: bool = True) -> t
     if world == 1:
         return logits, targets
     if check_sizes:
-        sizes = [torch.zeros(1, dtype=torch.long, device=logits.device) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([logits.shape[0]], device=logits.device))
-        rows = torch.cat(sizes).tolist()
+        rows = all_gather_rows(torch.tensor([logits.shape[0]], device=logits.device)).tolist()
         if len(set(rows)) > 1:
             raise ValueError(f"gather=True needs the same batch size on every rank; got {rows}")
     return _GatherRows.apply(logits.contiguous()), all_gather_rows(targets)

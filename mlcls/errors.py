@@ -3,6 +3,7 @@ the wording shared by messages."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 
@@ -13,6 +14,13 @@ class ConfigError(ValueError):
 class InferenceError(ValueError):
     """Bad input to prediction, evaluation or export: no image matched, an invalid threshold, an unusable
     checkpoint or preprocessing spec, a model whose scores are NaN."""
+
+
+def failure(prog: str, error: object, status: int = 2, *notes: str) -> int:
+    """Print ``<prog>: error: <error>`` and each note as ``<prog>: <note>`` on stderr; return ``status``."""
+    for line in (f"error: {error}", *notes):
+        print(f"{prog}: {line}", file=sys.stderr)
+    return status
 
 
 def is_integer(value: object) -> bool:
@@ -26,26 +34,22 @@ def is_number(value: object) -> bool:
 
 
 def plural(count: int, noun: str) -> str:
-    """``"1 image"``, ``"3 images"``, ``"2 classes"``: ``count`` and ``noun``, plural unless ``count`` is 1
-    (``-es`` after a sibilant: s, x, z, sh, tch; "epochs", not "epoches")."""
+    """``"1 image"``, ``"3 images"``, ``"2 classes"`` (``-es`` after s, x, z, sh, tch)."""
     if count == 1:
         return f"{count} {noun}"
     return f"{count} {noun}es" if noun.endswith(("s", "x", "z", "sh", "tch")) else f"{count} {noun}s"
 
 
 def printable(text: str) -> str:
-    """``text`` with every character that is not printable -- C0 and C1 controls (ESC, BEL, newlines, ...),
-    DEL, format and separator characters such as U+202E or U+2028 -- written as its Python escape
-    (``\\x1b``, ``\\n``, ``\\u202e``): a class name or a file name from someone else can neither drive the
-    terminal (titles, colours, cursor moves) nor start a forged row."""
+    """``text`` with every unprintable character (controls, DEL, U+202E, U+2028, ...) as its Python escape:
+    a name from someone else can neither drive the terminal nor start a forged row."""
     return "".join(
         char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in text
     )
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of ``error``'s message (its type's name when it has none), :func:`printable`: another
-    library's error, quoted in a one-line one."""
+    """The first line of ``error``'s message (else its type's name), :func:`printable`."""
     lines = str(error).strip().splitlines()
     return printable(lines[0].strip()) if lines else type(error).__name__
 

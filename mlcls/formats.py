@@ -1,7 +1,6 @@
-"""The one layout number of every file mlcls writes for itself to read again -- checkpoints and packed
-datasets' ``manifest.json`` -- and the one function that brings what it read to that layout (refusing in one
-line what it cannot read); with the config keys renamed on purpose (README, "Renamed keys"). A change a
-reader must know of raises :data:`FORMAT` by one and adds its step to :func:`upgrade`:
+"""The one layout number of the files mlcls reads again (checkpoints, packs' ``manifest.json``), the one
+function that upgrades what it read, and the config keys renamed on purpose. A change a reader must know of
+raises :data:`FORMAT` by one and adds its step to :func:`upgrade`:
 
 * 1: checkpoints with the configs' old key names (:data:`RENAMED_KEYS`); packs with a dense label row per
   sample (never read: pack again).
@@ -14,6 +13,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from mlcls.config_tree import nested_get
 from mlcls.errors import is_integer
 
 FORMAT = 2
@@ -23,9 +23,8 @@ KINDS = ("checkpoint", "pack")
 def upgrade(
     document: dict[str, Any], kind: str, where: str, error: Callable[[str], Exception]
 ) -> dict[str, Any]:
-    """``document`` (a checkpoint's state or a pack's manifest, as read from ``where``) in the layout of
-    :data:`FORMAT`, changed in place. ``error(message)`` is the exception raised for a file that cannot be
-    read: a format that is not an integer in [1, FORMAT], or a pack of format 1."""
+    """``document`` (a checkpoint or a pack's manifest, read from ``where``) upgraded in place to
+    :data:`FORMAT`; ``error(message)`` for a format outside [1, FORMAT] or a pack of format 1."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; expected one of {', '.join(KINDS)}")
     stored = document.get("format", 1)
@@ -56,8 +55,7 @@ RENAMED_KEYS: dict[str, str] = {
     "dataset.holdout": "dataset.val_by",
 }
 
-# The head each old flat model key belonged to: a stored config holds every head's keys, the chosen one's
-# are kept.
+# The head each old flat model key belonged to (a stored config holds every head's; the chosen one's stay).
 OLD_HEAD_KEYS = {
     "model.drop_rate": "linear",
     "model.num_groups": "mldecoder",
@@ -65,14 +63,12 @@ OLD_HEAD_KEYS = {
     "model.csra_heads": "csra",
     "model.csra_lam": "csra",
 }
-# Each head's default warm-up in epochs before the head was a config group (configs/sched/cosine.yaml's
-# head_warmup_epochs), now configs/model/head/<head>.yaml's warmup_epochs.
+# Each head's warm-up in epochs when configs/sched/cosine.yaml's head_warmup_epochs held it.
 OLD_HEAD_WARMUP_EPOCHS = {"linear": 0, "mldecoder": 1, "csra": 0}
 
 
 def renamed_key_message(key: str) -> str | None:
-    """The one line for an old ``key`` given on the command line (or a key inside it, such as
-    ``sched.head_warmup_epochs.csra``), or None when ``key`` was not renamed."""
+    """The one line for an old ``key`` (or a key inside one) on the command line; None if not renamed."""
     parts = key.split(".")
     for end in range(len(parts), 0, -1):
         old = ".".join(parts[:end])
@@ -82,13 +78,10 @@ def renamed_key_message(key: str) -> str | None:
 
 
 def upgrade_config(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the plain config ``cfg_dict`` (a stored run's, resolved) with the keys of
-    :data:`RENAMED_KEYS` under their new names; a config without old keys comes back equal.
+    """A copy of the stored, resolved config ``cfg_dict`` with :data:`RENAMED_KEYS` under their new names.
 
-    The flat model keys of a config written before the head was a config group become ``model.head.*`` for
-    the chosen head (``model.head`` a name then), the other heads' dropped; the head's ``warmup_epochs`` is
-    its old default. ``sched.warmup_epochs`` keeps its resolved value; ``sched.warmup_iters``, in
-    iterations, has no value in epochs without the run's data and is dropped with ``head_warmup_epochs``.
+    The flat model keys become ``model.head.*`` of the chosen head (the others' dropped), with its old
+    ``warmup_epochs``; ``sched.warmup_iters`` has no value in epochs without the run's data and is dropped.
     """
     cfg = copy.deepcopy(cfg_dict)
     model = cfg.get("model")
@@ -101,9 +94,7 @@ def upgrade_config(cfg_dict: dict[str, Any]) -> dict[str, Any]:
                 value = model.pop(leaf)
                 if owner == name:
                     head[RENAMED_KEYS[old].rpartition(".")[2]] = value
-        warmup = (
-            cfg.get("sched", {}).get("head_warmup_epochs") if isinstance(cfg.get("sched"), dict) else None
-        )
+        warmup = nested_get(cfg, "sched", "head_warmup_epochs")
         table = warmup if isinstance(warmup, dict) else OLD_HEAD_WARMUP_EPOCHS
         head["warmup_epochs"] = table.get(name, OLD_HEAD_WARMUP_EPOCHS.get(name, 0))
         model["head"] = head

@@ -1,6 +1,5 @@
-"""Files written atomically: a crash mid-write leaves the previous complete file in place, never a
-truncated one; and data files read only when they are regular files (:func:`open_regular`). Low level (no
-other mlcls import), for the engine's checkpoints and results and the data tools' files alike."""
+"""Files written atomically (a crash mid-write leaves the previous complete file), and files read only
+when regular and within a cap (:func:`open_regular`, the one door). No other mlcls import."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from typing import IO, Any
 
 import yaml
 
-# errno values of a full disk or an exhausted quota
 _FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 # The temporary files atomic writes make beside ``<name>``, which a process killed mid-write leaves behind:
@@ -34,7 +32,6 @@ class NotRegularFileError(OSError):
     """A path read as a data file names something else: a folder, a pipe, a device or a socket."""
 
 
-# What a path that is not a regular file names, for the message of NotRegularFileError.
 _KINDS = (
     (stat.S_ISDIR, "a folder"),
     (stat.S_ISFIFO, "a pipe (FIFO)"),
@@ -77,14 +74,12 @@ def _describe(size: int) -> str:
 def open_regular(
     path: str | Path, mode: str = "rb", *, max_bytes: int | None = None, what: str = "file", **kwargs
 ) -> IO:
-    """``open(path, mode, **kwargs)`` for reading: the one way mlcls opens a file it did not write in this
-    process. Refused with :class:`NotRegularFileError` unless ``path`` (after symbolic links) is a regular
-    file, and with :class:`FileTooLargeError` when the file is over ``max_bytes``.
+    """``open(path, mode, **kwargs)`` for reading: the one way mlcls opens a file it did not write. Refused
+    with :class:`NotRegularFileError` unless a regular file (after links), :class:`FileTooLargeError` over
+    ``max_bytes``.
 
-    A file named by a config, or by a file from someone else, may be a pipe, a terminal or a device
-    (``/dev/stdin``, ``/dev/zero``) that would block the reader or never end. The path is opened once,
-    without blocking (a pipe with no writer opens at once), and its type and size are read from that open
-    descriptor, so a symbolic link flipped between a check and the open cannot slip a pipe in.
+    A named file may be a pipe or a device (``/dev/zero``) that would block the reader or never end. It is
+    opened once, without blocking, and judged by that descriptor: a link flipped meanwhile slips nothing in.
     """
     if any(flag in mode for flag in "wax+"):
         raise ValueError(f"open_regular reads files; mode {mode!r} writes")
@@ -106,8 +101,7 @@ def open_regular(
 
 
 def read_regular_bytes(path: str | Path, max_bytes: int | None = None, what: str = "file") -> bytes:
-    """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``max_bytes`` of them: a file
-    that grows past the cap while it is read is refused too."""
+    """The bytes of the regular file ``path``, at most ``max_bytes`` (also while it grows)."""
     with open_regular(path, max_bytes=max_bytes, what=what) as f:
         if max_bytes is None:
             data = f.read()
@@ -129,9 +123,8 @@ def read_text(path: str | Path, what: str, max_bytes: int | None = None, errors:
 
 
 def read_json(path: str | Path, what: str, max_bytes: int | None = None) -> Any:
-    """The JSON content of the regular file ``path``, capped as :func:`read_text`. JSON has no
-    references, so what it builds is bounded by a small multiple of its text; nesting deeper than Python's
-    recursion limit is refused as :class:`ValueError`, never a ``RecursionError``."""
+    """The JSON content of the regular file ``path``, capped as :func:`read_text` (JSON has no references:
+    what it builds is bounded by its size); too deep a nesting is a :class:`ValueError`."""
     text = read_text(path, what, max_bytes)
     try:
         return json.loads(text)
@@ -140,8 +133,7 @@ def read_json(path: str | Path, what: str, max_bytes: int | None = None) -> Any:
 
 
 class _NoAliasLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with aliases refused: an alias lets a few kilobytes of YAML expand into
-    gigabytes (a "billion laughs"), and no file mlcls writes uses one."""
+    """PyYAML's safe loader without aliases: a few kilobytes of aliases expand into gigabytes."""
 
     def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
         if self.check_event(yaml.AliasEvent):
@@ -163,20 +155,16 @@ def load_yaml_text(text: str, source: str = "YAML") -> Any:
 
 
 def read_yaml(path: str | Path, what: str = "config", max_bytes: int | None = None) -> Any:
-    """The YAML content of the regular file ``path`` as plain data: capped as :func:`read_text`, aliases
-    refused, so what it builds is bounded by a small multiple of its size."""
+    """The YAML content of the regular file ``path`` as plain data, capped, aliases refused."""
     return load_yaml_text(read_text(path, what, max_bytes), str(path))
 
 
 def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
     """The regular file ``path`` opened for ``torch.load``, once its zip members have been checked.
 
-    ``torch.save`` writes a zip archive whose members are stored, not compressed. A member that is
-    deflated, or whose declared size differs from the bytes it occupies, lets a file of a few megabytes
-    unpack into gigabytes: it is refused (:class:`UnsafeFileError`), as is an archive whose members
-    declare more bytes in all than the file holds (overlapping), or a file that is not a zip archive
-    (torch before 1.6). What ``torch.load`` then builds is bounded by the file's size (a tensor whose shape
-    asks for more than its stored bytes is refused by ``torch.load`` itself).
+    ``torch.save`` stores its members uncompressed; a deflated member, one whose declared size differs from
+    its bytes, members declaring more than the file holds, or no zip archive at all is refused
+    (:class:`UnsafeFileError`). What ``torch.load`` then builds is bounded by the file's size.
     """
     file = open_regular(path, "rb", max_bytes=CAPS["checkpoint"], what=what)
     try:
@@ -208,9 +196,8 @@ def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename it over ``path``,
-    keeping the permissions of the file it replaces (a new one: ``0o666 & ~umask``, as ``open`` gives it).
-    A full disk raises :class:`DiskFullError` naming ``path`` and the free space, ``path`` unchanged."""
+    """``write(file)`` into a temporary file beside ``path``, synced, renamed over ``path`` with the replaced
+    file's permissions (new: ``0o666 & ~umask``); a full disk is a :class:`DiskFullError`, ``path`` intact."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:  # never the special bits: ``path`` may link to another user's file, and the new one is ours
         mode = path.stat().st_mode & 0o777
@@ -249,9 +236,8 @@ def atomic_link(src: Path, dst: Path) -> None:
 
 
 def raise_if_disk_full(exc: BaseException, path: Path) -> None:
-    """Raise :class:`DiskFullError` for ``path`` if ``exc``, or an error it was raised from or while
-    handling (its ``__cause__`` and ``__context__``, as torch's ``RuntimeError`` of a failed write carries
-    the ``OSError``), says the disk (or the quota) is full."""
+    """Raise :class:`DiskFullError` for ``path`` if ``exc`` or an error in its ``__cause__`` /
+    ``__context__`` chain (torch's failed write wraps the ``OSError``) says the disk or quota is full."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]
     while pending:
@@ -269,9 +255,8 @@ def raise_if_disk_full(exc: BaseException, path: Path) -> None:
 
 
 def sweep_temporary_files(directory: Path) -> list[Path]:
-    """Remove from ``directory`` (not its subfolders) the temporary files of atomic writes that a killed
-    process left behind; return the files removed. Only for a directory no other process writes into at the
-    same time: a live write's file would go too."""
+    """Remove (and return) the temporary files a killed write left in ``directory``, not its subfolders;
+    only for a directory no other process writes into (a live write's file would go too)."""
     if not directory.is_dir():
         return []
     removed = []

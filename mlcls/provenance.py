@@ -1,8 +1,5 @@
-"""Where a result comes from: code version, resolved config, software, hardware, data sizes and speed.
-
-:func:`collect_provenance` returns the ``"provenance"`` block of ``results.json``; ``mlcls-tables`` reads
-the resolved config from it to place a run in the paper's tables.
-"""
+"""Where a result comes from (results.json's ``"provenance"``): code version, resolved config, software,
+hardware, data sizes and speed."""
 
 from __future__ import annotations
 
@@ -35,10 +32,8 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 
 def git_state(package_dir: Path | None = None) -> dict[str, Any]:
-    """``{"commit": sha, "dirty": bool}`` of the git checkout holding the mlcls sources; ``dirty`` when
-    ``git status --porcelain`` lists anything (the commit alone does not reproduce the code). Both are None
-    when the package does not run from a git checkout (a wheel: a repository that merely encloses
-    site-packages is not the package's)."""
+    """``{"commit": sha, "dirty": bool}`` of the git checkout holding the mlcls sources; both None when the
+    package is not the checkout's own (a wheel inside some repository)."""
     package_dir = Path(package_dir or Path(mlcls.__file__).resolve().parent)
     unknown: dict[str, Any] = {"commit": None, "dirty": None}
     top = _git(["rev-parse", "--show-toplevel"], package_dir)
@@ -61,22 +56,6 @@ def _version(module: str) -> str | None:
         return None
 
 
-def software_versions() -> dict[str, str | None]:
-    """Versions of Python, mlcls, the libraries that change numbers (torch, timm, ...) and CUDA/cuDNN."""
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return {
-        "python": platform.python_version(),
-        "mlcls": mlcls.__version__,
-        "torch": torch.__version__,
-        "torchvision": _version("torchvision"),
-        "timm": _version("timm"),
-        "hydra": _version("hydra"),
-        "numpy": _version("numpy"),
-        "cuda": torch.version.cuda,
-        "cudnn": None if cudnn is None else str(cudnn),
-    }
-
-
 def collect_provenance(
     cfg: DictConfig,
     world_size: int,
@@ -86,22 +65,27 @@ def collect_provenance(
     wall_time_s: float,
     images_per_s: float,
 ) -> dict[str, Any]:
-    """The provenance block of ``results.json``, JSON-serialisable: ``git`` (commit, dirty), ``config``
-    (``cfg`` resolved), ``world_size``, ``bucket_size`` (as configured) and ``effective_bucket_size`` (M,
-    :func:`effective_bucket_size`), ``versions``, ``device`` (type, GPU name: None on the CPU), ``dataset``
-    (the samples used), ``wall_time_s`` (training so far), ``images_per_s`` (over all processes), ``host``,
-    ``command`` and ``written_at`` (UTC, ISO 8601)."""
+    """The provenance block of ``results.json``, JSON-serialisable (``bucket_size`` as configured,
+    ``effective_bucket_size`` the M it gives; ``images_per_s`` over all processes; ``written_at`` UTC)."""
     config = OmegaConf.to_container(cfg, resolve=True)
     loss = config.get("loss") or {}
     batch_size = int(config["trainer"]["batch_size"])
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {
         "git": git_state(),
         "config": config,
         "world_size": int(world_size),
         "bucket_size": loss.get("bucket_size"),
         "effective_bucket_size": effective_bucket_size(loss, batch_size, world_size),
-        "versions": software_versions(),
+        "versions": {  # of the libraries that change numbers
+            "python": platform.python_version(),
+            "mlcls": mlcls.__version__,
+            "torch": torch.__version__,
+            **{name: _version(name) for name in ("torchvision", "timm", "hydra", "numpy")},
+            "cuda": torch.version.cuda,
+            "cudnn": None if cudnn is None else str(cudnn),
+        },
         "device": {"type": device.type, "gpu_name": gpu_name},
         "dataset": {"train_size": int(train_size), "val_size": int(val_size)},
         "wall_time_s": float(wall_time_s),

@@ -1,9 +1,7 @@
 """``mlcls-bench``: throughput benchmarks, one JSON line each on stdout (plus a table on a terminal).
 
-``mlcls-bench {pipeline,step,e2e,loss,metrics,eval} --help`` lists a subcommand's options,
-docs/performance.md says what each measures. Rates are under keys ending in ``_per_s``; for the loss,
-metric and evaluation timings (milliseconds or seconds per call) the matching ``_per_s`` rate (calls per
-second) is added next to each time.
+``mlcls-bench SUBCOMMAND --help`` lists its options, docs/performance.md says what each measures. Rates are
+under keys ending in ``_per_s`` (added next to each time of the loss, metric and evaluation timings).
 """
 
 from __future__ import annotations
@@ -16,9 +14,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-# Each subcommand's one-line help, and whether its timings get their ``_per_s`` rates. A subcommand's options
-# and its run are those of the module mlcls.bench.<name>_bench (``add_arguments``, ``run_from_args``), which
-# is imported only when the command line names it: ``mlcls-bench --help`` imports no torch.
+# Each subcommand's help, and whether its timings get rates. Its options and run are those of
+# mlcls.bench.<name>_bench (``add_arguments``, ``run_from_args``), imported only when named
+# (``mlcls-bench --help`` imports no torch).
 COMMANDS = {
     "pipeline": ("decode + training augmentation images/s", False),
     "step": ("the trainer's epoch loop (or step) vs a bare PyTorch loop, images/s", False),
@@ -44,8 +42,7 @@ def add_rates(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_parser(commands: Sequence[str | None] = tuple(COMMANDS)) -> argparse.ArgumentParser:
-    """The parser of ``mlcls-bench``, with the options of the subcommands ``commands`` (the others: their
-    name and help only)."""
+    """The parser of ``mlcls-bench``, with the options of the subcommands ``commands`` only."""
     parser = argparse.ArgumentParser(prog="mlcls-bench", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, _) in COMMANDS.items():
@@ -74,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser([named]).parse_args(argv)
     from mlcls.cli.errors import user_errors  # after parsing: --help and a typo import no torch
     from mlcls.cli.overrides import compose_config
+    from mlcls.errors import failure
 
     with user_errors(), contextlib.redirect_stdout(sys.stderr):  # stdout holds the JSON line only
         try:
@@ -81,8 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.cfg = compose_config("train", args.overrides)
             result = args.run(args)
         except FileNotFoundError as exc:  # --images without JPEGs
-            print(f"mlcls: error: {exc}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(failure("mlcls", exc))
     if COMMANDS[args.command][1]:
         result = add_rates(result)
     print(json.dumps(result), flush=True)

@@ -7,19 +7,13 @@
     mlcls-data verify /data/coco320                                  # every shard against the manifest
     mlcls-data audit dataset=csv dataset.root=/data/mine folds=5 out=audit   # suspected label errors
 
-Overrides are those of ``mlcls-train`` (the same Hydra config); ``pack`` also takes ``out=`` (required),
-``shard_size=`` (samples per shard, default 1000), ``max_side=`` (default 320), ``quality=`` (JPEG quality of
-re-encoded images, default 90), ``subsampling=`` (their chroma subsampling: auto, the default, keeps a JPEG's
-own and takes 444 for other images; or 444, 422, 420),
-``seed=`` (the training split's packing order, default 0), ``workers=`` (shards written at once, in
-processes; default 1) and ``overwrite=true`` (delete a split packed into ``out`` with other settings
-first; without it such a folder is refused). ``verify DIR`` reads every packed file and prints one line
-per problem. ``audit`` trains the config ``folds=`` times (default 5), each time on all folds of the
-training split but one and scoring that one, ranks the given labels with cleanlab and writes ``audit.csv``
-and ``audit.html`` into ``out=`` (default ``audit``); ``seed=`` cuts the folds (default 0), ``top=`` is the
-length of the ranking written (default 1000); see :mod:`mlcls.reporting.audit`. Exit status: 0, 1 when
-``--check`` found unreadable images, ``pack`` skipped some or ``verify`` found problems, 2 for a
-configuration or layout mistake (one line).
+Overrides are those of ``mlcls-train``. ``pack`` also takes :data:`PACK_OPTIONS`: ``out=`` (required),
+``shard_size=`` (samples per shard), ``max_side=``, ``quality=`` (JPEG quality of re-encoded images),
+``subsampling=`` (auto keeps a JPEG's own, else 444; or 444, 422, 420), ``seed=`` (the training split's
+order), ``workers=`` (processes) and ``overwrite=true`` (replace a split packed with other settings).
+``audit`` (:mod:`mlcls.reporting.audit`) trains ``folds=`` times, each on all folds of the training split
+but one, and ranks the given labels (``top=`` of them) into ``out=``/audit.csv and .html. Exit status: 1
+when images are unreadable, skipped or a packed file has a problem; 2 for a configuration mistake.
 """
 
 from __future__ import annotations
@@ -43,11 +37,11 @@ from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.observed import ALL_LABELS
 from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.data.shards.reader import verify_pack
-from mlcls.errors import ConfigError, printable
+from mlcls.errors import ConfigError, failure, printable
 from mlcls.reporting.audit import audit
 
 TOP_CLASSES = 5
-PACK_OPTIONS = {
+PACK_OPTIONS = {  # pack_split's keywords, with their defaults
     "out": None,
     "shard_size": 1000,
     "max_side": 320,
@@ -67,9 +61,8 @@ SOURCE_MODEL_KEYS = ("model.name", "model.pretrained")
 
 
 def describe(dataset: MultiLabelDataset, title: str) -> None:
-    """Print the size and label statistics of one split, as its observed-label regime shows the labels
-    (``dataset.observed``: the training split's view's), with the counts of each class under a regime that
-    hides labels."""
+    """Print the size and label statistics of one split as its observed-label regime shows them (with
+    each class's counts under a regime that hides labels)."""
     stats = label_counts(dataset)
     observed = getattr(dataset, "observed", ALL_LABELS)
     print(f"\n{title}: {plural(stats.num_samples, 'sample')}")
@@ -123,7 +116,7 @@ def stats(cfg: DictConfig, splits: Sequence[str], check_images: bool, workers: i
 def split_options(
     overrides: Sequence[str], defaults: dict[str, Any], text_keys: Sequence[str]
 ) -> tuple[dict[str, Any], list[str]]:
-    """A command's own ``key=value`` options (the keys of ``defaults``: booleans, the text of ``text_keys``,
+    """A command's own ``key=value`` options (the keys of ``defaults``: booleans, text of ``text_keys``,
     else integers >= 0) and the remaining config overrides."""
     options, rest = dict(defaults), []
     for override in overrides:
@@ -142,14 +135,6 @@ def split_options(
     return options, rest
 
 
-def split_pack_options(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """``pack``'s own ``key=value`` options (:data:`PACK_OPTIONS`) and the remaining config overrides."""
-    options, rest = split_options(overrides, PACK_OPTIONS, TEXT_PACK_OPTIONS)
-    if not options["out"]:
-        raise ConfigError("pack needs out=DIR, the folder of the shards")
-    return options, rest
-
-
 def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progress: bool) -> int:
     """Pack ``splits`` of ``cfg.dataset`` into ``options["out"]``; print a report; return the exit status."""
     out = Path(options["out"])
@@ -160,20 +145,7 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
             dataset = dataset.source
         dataset.transform = None  # the packed images are the source images, resized
         names[split] = cfg.dataset.get(f"{split}_split", split)
-        report = pack_split(
-            dataset,
-            out,
-            split,
-            options["shard_size"],
-            options["max_side"],
-            options["quality"],
-            options["subsampling"],
-            shuffle=split == "train",
-            seed=options["seed"],
-            progress=progress,
-            workers=options["workers"],
-            overwrite=options["overwrite"],
-        )
+        report = pack_split(dataset, role=split, shuffle=split == "train", progress=progress, **options)
         reports.append(report)
         print(
             f"{split}: {report.samples} samples in {len(report.shards)} shards ({report.written} written, "
@@ -185,27 +157,20 @@ def pack(cfg: DictConfig, splits: Sequence[str], options: dict[str, Any], progre
     write_sidecars(
         out, dataset, names, reports, options["max_side"], options["quality"], options["subsampling"], source
     )
-    if splits[0] == "train":
-        print(f"train with: {train_command(cfg, out)}")
+    if splits[0] == "train":  # with the source's SOURCE_MODEL_KEYS where dataset=shards's differ (the demo's)
+        plain = compose_config("train", ["dataset=shards"])
+        command = ["mlcls-train", "dataset=shards", f"dataset.root={out}"]
+        for key in SOURCE_MODEL_KEYS:
+            value = OmegaConf.select(cfg, key)
+            if value != OmegaConf.select(plain, key):
+                command.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+        print(f"train with: {' '.join(command)}")
     return 1 if any(report.skipped for report in reports) else 0
 
 
-def train_command(cfg: DictConfig, out: Path) -> str:
-    """``mlcls-train dataset=shards dataset.root=OUT``, plus the model settings (:data:`SOURCE_MODEL_KEYS`)
-    of the source's config where they differ from those ``dataset=shards`` gets (the embedded demo's
-    dataset config sets a small model without pretrained weights)."""
-    plain = compose_config("train", ["dataset=shards"])
-    overrides = []
-    for key in SOURCE_MODEL_KEYS:
-        value = OmegaConf.select(cfg, key)
-        if value != OmegaConf.select(plain, key):
-            overrides.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
-    return " ".join(["mlcls-train", "dataset=shards", f"dataset.root={out}", *overrides])
-
-
 def verify(arguments: Sequence[str]) -> int:
-    """``mlcls-data verify DIR``: print each problem of the packed folder ``DIR`` (one line each) or that it
-    is intact; return the exit status (1 for any problem)."""
+    """``mlcls-data verify DIR``: print each problem of the packed folder (or that it is intact); return
+    the exit status."""
     if len(arguments) != 1 or "=" in arguments[0]:
         raise ConfigError(
             f"verify takes one folder, the one mlcls-data pack wrote; got {' '.join(arguments)}"
@@ -243,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             return verify(args.overrides)
         if args.command == "pack":
-            options, overrides = split_pack_options(args.overrides)
+            options, overrides = split_options(args.overrides, PACK_OPTIONS, TEXT_PACK_OPTIONS)
+            if not options["out"]:
+                raise ConfigError("pack needs out=DIR, the folder of the shards")
             return pack(compose_config("train", overrides), splits, options, sys.stderr.isatty())
         if args.command == "audit":
             options, overrides = split_options(args.overrides, AUDIT_OPTIONS, ("out",))
@@ -253,8 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = compose_config("train", args.overrides)
         return stats(cfg, splits, args.check, args.workers)
     except (HydraException, *USER_ERRORS) as exc:
-        print(f"mlcls-data: error: {error_line(exc)}", file=sys.stderr)
-        return 2
+        return failure("mlcls-data", error_line(exc))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from mlcls.engine.rundir import RunDirLocked
 from mlcls.errors import (
     ConfigError,
     InferenceError,
+    failure,
     plural,  # noqa: F401 - re-exported for the commands
 )
 from mlcls.io import DiskFullError, FileTooLargeError, NotRegularFileError, UnsafeFileError
@@ -40,20 +41,13 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except (HydraException, *USER_ERRORS) as exc:
-        print(f"mlcls: error: {error_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(failure("mlcls", error_line(exc)))
 
 
 def error_line(exc: BaseException) -> str:
-    """The one line that says what went wrong in ``exc``, one of the errors :func:`user_errors` handles.
-
-    * a user error raised inside a ``_target_`` that Hydra instantiated: that error's own message, not
-      Hydra's "Error in call to target" wrapper;
-    * OmegaConf: its message, without the ``full_key`` / ``object_type`` lines it appends;
-    * an error raised in a DataLoader worker comes back with the worker's traceback in its message: its
-      last line is the error itself;
-    * Hydra's own errors: :func:`one_line`.
-    """
+    """The one line that says what went wrong in ``exc``: a user error inside a ``_target_`` Hydra called
+    unwrapped; OmegaConf's first line (without its ``full_key`` lines); else the last line (a DataLoader
+    worker's error comes with its traceback); Hydra's own errors by :func:`one_line`."""
     if isinstance(exc, InstantiationException) and isinstance(exc.__cause__, USER_ERRORS):
         return error_line(exc.__cause__)
     if isinstance(exc, HydraException):
@@ -73,8 +67,7 @@ def one_line(exc: Exception) -> str:
 
 
 def require_keys(cfg: DictConfig, usage: str) -> None:
-    """Raise :class:`ConfigError` naming the keys of ``cfg`` still ``???`` (required, not given), with the
-    command's ``usage`` example."""
+    """Raise :class:`ConfigError` naming the required keys of ``cfg`` not given, with the ``usage``."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         keys = " and ".join(f"{key}=…" for key in missing)

@@ -4,12 +4,9 @@ mlcls-eval checkpoint=outputs/2026-01-01/12-00-00/checkpoints/best.pt
 mlcls-eval checkpoint=runs/mine/checkpoints/best.pt dataset.val_file=test.csv     # a CSV run's test list
 torchrun --nproc_per_node=4 -m mlcls.eval checkpoint=... dataset.root=/data/coco
 
-Any ``dataset.<key>=value`` replaces that key of the dataset config stored in the checkpoint; a key that
-config does not have is refused with the keys it has.
-
-``dataset.unseen_classes`` (given, or stored by a zero-shot run): the checkpoint's classes are the seen ones,
-and the evaluation set's other classes are scored from their text embeddings (ZSL / GZSL figures); a
-checkpoint whose head has no text queries is refused in one line.
+Any ``dataset.<key>=value`` replaces that key of the checkpoint's dataset config (an unknown key is
+refused). Under ``dataset.unseen_classes`` the evaluation set's classes beyond the checkpoint's are scored
+from their text embeddings (ZSL / GZSL figures; a head without text queries is refused).
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from mlcls import config_dir
 from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import closest_keys, run_command
+from mlcls.config_tree import nested_get
 from mlcls.data import build_dataset, unseen_class_names
 from mlcls.data.loader import build_eval_loader
 from mlcls.data.shards.reader import expand_urls, is_local
@@ -39,7 +37,6 @@ from mlcls.models.heads import TEXT_HEADS, text_query_head
 
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"
 
-
 # Keys of a dataset config that name where shards are read from (configs/dataset/shards.yaml).
 SOURCE_KEYS = ("urls", "val_urls", "meta", "root")
 # Nesting deeper than this in a stored config is refused (every shipped dataset config is 2 levels deep).
@@ -47,14 +44,9 @@ MAX_DEPTH = 16
 
 
 def stored_plain(value: Any, where: str, depth: int = 0) -> Any:
-    """``value`` (a config read from a checkpoint, at key ``where``) as plain dicts, lists, strings,
-    numbers, booleans and None, never resolved (``OmegaConf.to_container(resolve=False)`` for a config
-    object).
-
-    Raises :class:`ConfigError` for anything else: an interpolation ``${…}`` (resolving it could read
-    environment variables or files, fetch URLs or call resolvers), a tensor or another object, a key that
-    is not a string, nesting deeper than :data:`MAX_DEPTH`.
-    """
+    """``value`` (a config read from a checkpoint, at key ``where``) as plain containers and scalars, never
+    resolved; :class:`ConfigError` for anything else: an interpolation ``${…}`` (resolving could read the
+    environment or files, or call resolvers), another object, a key not a string, too deep a nesting."""
     if depth > MAX_DEPTH:
         raise ConfigError(
             f"the checkpoint's {where} is nested over {MAX_DEPTH} levels deep; not an mlcls config"
@@ -83,14 +75,9 @@ def stored_plain(value: Any, where: str, depth: int = 0) -> Any:
 def evaluation_dataset_config(
     run_dataset: DictConfig | dict, overrides: dict[str, Any], classes: list[str]
 ) -> dict[str, Any]:
-    """The checkpoint's dataset config ``run_dataset`` as plain containers (:func:`stored_plain`: never
-    resolved, an interpolation refused) with the keys of ``overrides`` (the user's own, resolved) replaced
-    (a null value keeps the checkpoint's).
-
-    A key ``run_dataset`` lacks raises :class:`ConfigError` naming the closest keys. When the dataset config
-    has a ``classes`` key (the CSV dataset) that is not overridden, it is set to the checkpoint's
-    ``classes``: a test file is read in the order the model was trained with, and a name unknown to the
-    model is an error rather than a new class.
+    """The checkpoint's dataset config (:func:`stored_plain`) with the keys of ``overrides`` replaced (null:
+    the checkpoint's; an unknown key names the closest ones), and a ``classes`` key set to the checkpoint's
+    ``classes``: a test file is read in the trained order, and an unknown name is an error, not a class.
     """
     run_dataset = stored_plain(run_dataset, "dataset")
     if not isinstance(run_dataset, dict):
@@ -113,7 +100,7 @@ def packaged_dataset_targets() -> set[str]:
     """The ``_target_`` of every dataset config mlcls ships (``configs/dataset/*.yaml``)."""
     targets = set()
     for path in (config_dir() / "dataset").glob("*.yaml"):
-        node = OmegaConf.create(read_yaml(path, "config"))  # through the door: regular, capped, no alias
+        node = OmegaConf.create(read_yaml(path, "config"))
         target = OmegaConf.select(node, "dataset._target_") or node.get("_target_")
         if target:
             targets.add(str(target))
@@ -121,8 +108,7 @@ def packaged_dataset_targets() -> set[str]:
 
 
 def _hydra_keys(node: Any, where: str) -> list[str]:
-    """The places within ``node`` (plain containers) of a key Hydra acts on (``_target_``, ``_args_``,
-    ``_partial_``, ``_convert_``, ``_recursive_``, ...: any key in underscores)."""
+    """The places within ``node`` (plain containers) of a key Hydra acts on (any ``_key``)."""
     if isinstance(node, dict):
         found = [f"{where}.{key}" for key in node if key.startswith("_")]
         return found + [
@@ -134,8 +120,8 @@ def _hydra_keys(node: Any, where: str) -> list[str]:
 
 
 def check_dataset_target(dataset_cfg: dict[str, Any]) -> None:
-    """Raise :class:`ConfigError` unless ``dataset_cfg`` (read from a checkpoint, plain) names one of mlcls's
-    dataset classes and no other key Hydra acts on: Hydra would call whatever a file names."""
+    """Raise :class:`ConfigError` unless ``dataset_cfg`` (from a checkpoint) names one of mlcls's datasets
+    and no other key Hydra acts on: Hydra would call whatever a file names."""
     known = packaged_dataset_targets()
     target = dataset_cfg.get("_target_")
     nested = [place for place in _hydra_keys(dataset_cfg, "dataset") if place != "dataset._target_"]
@@ -148,9 +134,8 @@ def check_dataset_target(dataset_cfg: dict[str, Any]) -> None:
 
 
 def check_shard_sources(dataset_cfg: dict[str, Any], given: set[str]) -> None:
-    """Raise :class:`ConfigError` when a shard source the checkpoint names (``dataset.urls``, ``val_urls``,
-    ``meta``, ``root``; not one of the user's own keys ``given``) is not a local file: a ``pipe:`` command
-    would run on this machine, an ``http(s)://``, ``s3://``, ... URL would be fetched."""
+    """Raise :class:`ConfigError` when a shard source the checkpoint names (:data:`SOURCE_KEYS`, not the
+    user's ``given``) is not a local file: a ``pipe:`` would run here, a URL would be fetched."""
     for key in SOURCE_KEYS:
         value = dataset_cfg.get(key)
         if key in given or value in (None, ""):
@@ -165,28 +150,11 @@ def check_shard_sources(dataset_cfg: dict[str, Any], given: set[str]) -> None:
                 )
 
 
-def require_text_queries(inference: Any) -> None:
-    """:class:`ConfigError` in one line unless the checkpoint's model has a text-query head: only such a
-    head scores classes it was not trained on (``dataset.unseen_classes``)."""
-    if text_query_head(inference.model) is not None:
-        return
-    model = inference.config.get("model") if isinstance(inference.config, dict) else None
-    head = model.get("head", "linear") if isinstance(model, dict) else "linear"
-    head = head.get("name", "?") if isinstance(head, dict) else head
-    raise ConfigError(
-        f"dataset.unseen_classes: {inference.checkpoint} has model.head={shown(head)}, without text queries: "
-        f"it scores only the {len(inference.classes)} classes it was trained on; expected a checkpoint of "
-        f"model.head={' or '.join(TEXT_HEADS)}"
-    )
-
-
 def zero_shot_evaluation(
     inference: Any, unseen: Any, dataset_classes: list[str], trust: bool
 ) -> ZeroShot | None:
-    """The zero-shot evaluation of the checkpoint's (text-query) model on the evaluation set's
-    ``dataset_classes``, embedded with the checkpoint's text config, which must be a plain config naming
-    nothing for Hydra but its ``_target_`` (unless ``trust``). A model trained on all of them reports the
-    ZSL / GZSL figures of the columns ``unseen`` (``dataset.unseen_classes``) names."""
+    """The zero-shot evaluation of the checkpoint's model on ``dataset_classes``, embedded with its text
+    config (a plain one naming nothing for Hydra but its ``_target_``, unless ``trust``)."""
     text_cfg = stored_plain(inference.config.get("text"), "text")
     if not trust and (not isinstance(text_cfg, dict) or _hydra_keys(text_cfg, "text") != ["text._target_"]):
         raise ConfigError(
@@ -201,12 +169,8 @@ def zero_shot_evaluation(
 
 
 def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
-    """Evaluate ``cfg.checkpoint``; every process returns the same figures.
-
-    The checkpoint's dataset config is made plain once, without resolving (:func:`stored_plain`), merged
-    with the user's ``dataset.*``, checked (:func:`check_dataset_target`, :func:`check_shard_sources`,
-    unless ``trust_checkpoint``) and that same object is built.
-    """
+    """Evaluate ``cfg.checkpoint``; every process returns the same figures. The checkpoint's dataset config
+    is made plain once, merged with the user's ``dataset.*``, checked, and that same object is built."""
     require_keys(cfg, USAGE)
     info = dist_utils.init_distributed(cfg.device)
     inference = load_inference_model(cfg.checkpoint, info.device, trust=cfg.trust_checkpoint)
@@ -215,8 +179,14 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
     given = {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if v is not None}
     stored_unseen = (inference.config["dataset"] or {}).get("unseen_classes")
     unseen = given.pop("unseen_classes", None) or stored_unseen
-    if unseen:
-        require_text_queries(inference)  # before any data is read
+    if unseen and text_query_head(inference.model) is None:  # only it scores untrained classes
+        head = nested_get(inference.config, "model", "head", default="linear")
+        head = head.get("name", "?") if isinstance(head, dict) else head
+        raise ConfigError(
+            f"dataset.unseen_classes: {inference.checkpoint} has model.head={shown(head)}, without text "
+            f"queries: it scores only the {len(inference.classes)} classes it was trained on; expected a "
+            f"checkpoint of model.head={' or '.join(TEXT_HEADS)}"
+        )
     dataset_cfg = evaluation_dataset_config(inference.config["dataset"], given, inference.classes)
     if not cfg.trust_checkpoint:
         check_dataset_target(dataset_cfg)
@@ -226,11 +196,8 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(
             f"the evaluation set of {cfg.checkpoint} holds no image; give dataset.<key>=… of one"
         )
-    zero_shot = (
-        zero_shot_evaluation(inference, unseen, list(dataset.classes), cfg.trust_checkpoint)
-        if unseen
-        else None
-    )
+    trust = cfg.trust_checkpoint
+    zero_shot = zero_shot_evaluation(inference, unseen, list(dataset.classes), trust) if unseen else None
     if zero_shot is None and list(dataset.classes) != inference.classes:
         raise ConfigError(
             f"the evaluation set's classes ({len(dataset.classes)}: {', '.join(dataset.classes[:5])}, …) "
@@ -238,12 +205,8 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
         )
     loader = build_eval_loader(dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device)
     amp = resolve_amp(cfg.amp, info.device)
-    metrics = evaluate(
-        inference.model, loader, info.device, inference.classes, amp, zero_shot=zero_shot
-    ).metrics
-    metrics["checkpoint"] = str(cfg.checkpoint)
-    metrics["num_samples"] = len(dataset)
-    return metrics
+    evaluation = evaluate(inference.model, loader, info.device, inference.classes, amp, zero_shot=zero_shot)
+    return {**evaluation.metrics, "checkpoint": str(cfg.checkpoint), "num_samples": len(dataset)}
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="eval")
@@ -259,15 +222,10 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(json.dumps(metrics))  # one JSON line, per-class AP included
 
 
-def dataset_overrides_as_replacements(argv: list[str]) -> list[str]:
-    """``argv`` with every ``dataset.<key>=value`` (or ``+dataset.…``) written ``++dataset.<key>=value``:
-    the keys come from the checkpoint's dataset config, unknown to ``eval.yaml``, and are checked against
-    it by :func:`evaluation_dataset_config`."""
-    return [f"++{arg.lstrip('+')}" if arg.lstrip("+").startswith("dataset.") else arg for arg in argv]
-
-
 def main() -> None:
-    sys.argv[1:] = dataset_overrides_as_replacements(sys.argv[1:])
+    # dataset.<key>=value as ++dataset.<key>=value: the keys are the checkpoint's dataset config's, unknown
+    # to eval.yaml, and checked against it by evaluation_dataset_config
+    sys.argv[1:] = [f"++{a.lstrip('+')}" if a.lstrip("+").startswith("dataset.") else a for a in sys.argv[1:]]
     run_command("eval", _hydra_main)
 
 

@@ -4,13 +4,10 @@
     mlcls-import asl Open_ImagesV6_TRresNet_L_448.pth out=asl_oi.pt classes=oi_classes.txt
     mlcls-import csra resnet101_voc07_head1_lam0.1_94.7.pth out=csra_voc.pt
 
-The file is read as data (``torch.load(weights_only=True)``); what it holds and how each format maps onto
-mlcls's models: :mod:`mlcls.inference.released`. The checkpoint written to ``out`` is taken by
-``mlcls-eval``, ``mlcls-predict``, ``mlcls-export`` and ``mlcls-train model.init_from=OUT.pt``. Options:
-``classes=FILE`` (one class name a line, in the model's order: needed where the file holds neither names
-nor a known class count, e.g. Open Images' 9,605), ``image_size=N`` (the authors' by default) and
-``lam=X`` (CSRA's lambda: by default its authors' for their released files, 0.1 for VOC's 1 head, 0.5 for
-COCO's 4 heads, 0.4 for COCO's 6; required for any other file).
+The file is read as data (:mod:`mlcls.inference.released` maps each format); ``out`` serves every mlcls
+command and ``model.init_from``. Options: ``classes=FILE`` (one name a line, in the model's order: needed
+where the file names none and its class count is unknown), ``image_size=N`` (default: the authors') and
+``lam=X`` (CSRA's lambda: default the authors' for their released files; required for any other).
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ OPTIONS = ("out", "classes", "image_size", "lam")
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:
-    """``key=value`` arguments as a dict; :class:`ConfigError` for another form, an unknown key or no
-    ``out``."""
+    """``key=value`` arguments as a dict; :class:`ConfigError` for another form, an unknown key or no out."""
     options: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -58,17 +54,6 @@ def _number(options: dict[str, str], key: str, kind: type) -> Any:
     return value
 
 
-def read_class_file(path: str) -> list[str]:
-    """The class names of ``path``, one a line (blank lines skipped): a regular file of UTF-8 text of at
-    most ``CAPS["class list"]`` bytes (:func:`mlcls.io.read_text`), so a pipe or a device is refused at once
-    and the list is bounded by the file."""
-    try:
-        text = read_text(path, "class list")
-    except (OSError, UnicodeDecodeError, FileTooLargeError) as exc:
-        raise ConfigError(f"classes={path}: cannot be read ({exc})") from None
-    return [line.strip() for line in text.splitlines() if line.strip()]
-
-
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """Convert the file the command line names and write the checkpoint; return a summary of it."""
     parser = argparse.ArgumentParser(prog="mlcls-import", usage=USAGE, description=__doc__.splitlines()[0])
@@ -78,7 +63,13 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     with user_errors():
         options = parse_options(args.options)
-        classes = read_class_file(options["classes"]) if "classes" in options else None
+        classes = None
+        if "classes" in options:  # one name a line, blank lines skipped
+            try:
+                text = read_text(options["classes"], "class list")
+            except (OSError, UnicodeDecodeError, FileTooLargeError) as exc:
+                raise ConfigError(f"classes={options['classes']}: cannot be read ({exc})") from None
+            classes = [line.strip() for line in text.splitlines() if line.strip()]
         checkpoint = import_released(
             args.format,
             args.file,

@@ -1,23 +1,11 @@
 """Command lines of the ``mlcls-*`` commands: every mistake in one line on stderr, exit status 2.
 
-Hydra's own reports of a bad command line span many lines and exit with status 1: an unknown config group
-option (``loss=nope``) lists the options one per line followed by the search path, an unknown key
-(``trainer.epoch=3``) comes with advice to append it as ``+trainer.epoch=3``, a positional argument
-(``mlcls-predict ckpt dir``) reads ``missing EQUAL at '<EOF>'``. :func:`run_command` runs a command's
-``@hydra.main`` function with Hydra's errors raised (``HYDRA_FULL_ERROR``) and prints each as one line
-naming the valid options. Only then is the config composed a second time, to find the closest keys: a
-correct command line costs no composition.
-
-Where Hydra reports nothing, the command line is checked before Hydra runs (:func:`check_command_line`):
-a key renamed on purpose (:data:`mlcls.formats.RENAMED_KEYS`) stops with one line naming the new one, with
-or without ``+``; ``+key=value`` for a key the config lacks is accepted by Hydra and read by nothing
-(``+trainer.epoch=3`` trains the default number of epochs), so it is refused. ``++key=value`` (Hydra's
-explicit "add or replace") is left alone, as are deletions (``~key``) and ``hydra.*`` settings. A choice
-in a nested config group may be written with a dot, ``model.head=csra`` for Hydra's ``model/head=csra``
-(:func:`group_choices`).
-
-The command line is split into Hydra's flags and the overrides here (:func:`split_command_line`), with
-the flags of ``@hydra.main`` documented by ``--hydra-help``, not through Hydra's private parser.
+Hydra's own reports span many lines and exit with 1 (an unknown option lists every choice and the search
+path). :func:`run_command` runs a command with Hydra's errors raised and prints each as one line naming
+the valid options; only a failed command line is composed again, to find the closest keys. Where Hydra
+reports nothing -- a renamed key (:data:`mlcls.formats.RENAMED_KEYS`), ``+key=value`` for a key the config
+lacks (read by nothing) -- :func:`check_command_line` refuses it first; ``++key``, ``~key`` and ``hydra.*``
+are left alone. ``model.head=csra`` is accepted for Hydra's ``model/head=csra`` (:func:`group_choices`).
 """
 
 from __future__ import annotations
@@ -52,13 +40,9 @@ INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "search
 
 
 def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
-    """Run ``hydra_main``, the ``@hydra.main`` function of config ``config_name``, on this process's command
-    line (``sys.argv``); a mistake in the command line ends it with one line and exit status 2.
-
-    :func:`check_command_line` runs first; an error Hydra raises while composing the config (unknown key,
-    unknown config group option, unparsable override) is printed as one line by :func:`explain_error`.
-    With ``HYDRA_FULL_ERROR=1`` set by the user, Hydra's own report is kept.
-    """
+    """Run ``hydra_main``, the ``@hydra.main`` function of config ``config_name``, on ``sys.argv``; a
+    mistake ends it with one line (:func:`explain_error`) and exit status 2, unless the user set
+    ``HYDRA_FULL_ERROR=1``."""
     overrides = check_command_line(config_name)
     sys.argv[1:] = group_choices(sys.argv[1:])
     user_setting = os.environ.get("HYDRA_FULL_ERROR")
@@ -81,16 +65,26 @@ def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
 
 
 def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> list[str] | None:
-    """Check a ``mlcls-*`` command line (default ``sys.argv[1:]``) before Hydra runs; return its overrides
-    (the ``key=value`` arguments; ``None`` when a flag selects another config, which is not checked), group
-    choices as Hydra writes them (:func:`group_choices`).
+    """Check a command line (default ``sys.argv[1:]``) before Hydra runs; return its ``key=value``
+    overrides as Hydra writes them (None when a flag selects another config, which is not checked).
 
     A positional argument, a renamed key or ``+key=…`` for a key the config lacks ends the process with one
-    line and exit status 2. The config is composed only when a ``+key=…`` override is given.
+    line and exit status 2; only a ``+key=…`` override costs a composition.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    arguments, other_config, index = [], False, 0  # without Hydra's flags (``--hydra-help``) and values
+    while index < len(argv):
+        flag, equals, _ = argv[index].partition("=")
+        if flag.startswith("-"):
+            other_config |= flag in CONFIG_FLAGS
+            takes_next = flag in VALUE_FLAGS or (
+                flag in ("--info", "-i") and index + 1 < len(argv) and argv[index + 1] in INFO_CHOICES
+            )
+            index += 1 if equals or not takes_next else 2
+        else:
+            arguments.append(argv[index])
+            index += 1
     with user_errors():
-        arguments, other_config = split_command_line(argv)
         for arg in arguments:
             if "=" not in arg and not arg.startswith("~"):
                 raise ConfigError(
@@ -105,28 +99,9 @@ def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> l
     return overrides
 
 
-def split_command_line(argv: Sequence[str]) -> tuple[list[str], bool]:
-    """The overrides (and stray positional arguments) of a ``@hydra.main`` command line, Hydra's flags and
-    their values left out, and whether a flag selects another config (:data:`CONFIG_FLAGS`)."""
-    arguments, other_config, index = [], False, 0
-    while index < len(argv):
-        arg = argv[index]
-        if arg.startswith("-"):
-            flag, equals, _ = arg.partition("=")
-            other_config |= flag in CONFIG_FLAGS
-            takes_next = flag in VALUE_FLAGS or (
-                flag in ("--info", "-i") and index + 1 < len(argv) and argv[index + 1] in INFO_CHOICES
-            )
-            index += 1 if equals or not takes_next else 2
-            continue
-        arguments.append(arg)
-        index += 1
-    return arguments, other_config
-
-
 def group_choices(overrides: Sequence[str]) -> list[str]:
-    """``overrides`` with each choice in a nested config group written with dots (``model.head=csra``) in
-    Hydra's form (``model/head=csra``); the others as they are."""
+    """``overrides`` with each nested group choice written with dots (``model.head=csra``) in Hydra's form
+    (``model/head=csra``)."""
     written = []
     for arg in overrides:
         key, equals, value = arg.partition("=")
@@ -146,26 +121,25 @@ def _check_renamed(overrides: Sequence[str]) -> None:
 
 
 def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
-    """The config ``config_name`` of ``mlcls/configs`` with ``overrides`` applied; a mistake in
-    ``overrides`` raises :class:`ConfigError` with the message of :func:`explain_error`."""
+    """The config ``config_name`` with ``overrides`` applied; a mistake raises :class:`ConfigError` with the
+    message of :func:`explain_error`."""
     overrides = group_choices(overrides)
     _check_renamed(overrides)
     _check_added_keys(config_name, overrides)
     try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        with _configs():
             return compose(config_name=config_name, overrides=list(overrides))
     except HydraException as exc:
         raise ConfigError(explain_error(config_name, overrides, exc)) from exc
 
 
 def explain_error(config_name: str, overrides: Sequence[str] | None, exc: Exception) -> str:
-    """One line for the error Hydra raised on ``overrides`` of ``config_name``: the unknown config group
-    option with the group's options, else the unknown key with the closest keys
-    (:func:`check_overrides`), else Hydra's message on one line."""
+    """One line for the error Hydra raised on ``overrides``: the unknown group option with the group's
+    options, else the unknown key with the closest keys (:func:`check_overrides`), else Hydra's message."""
     if overrides is not None:
         GlobalHydra.instance().clear()  # left initialised by the failed run
         try:
-            with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            with _configs():
                 _check_group_options(config_name, overrides)
             check_overrides(config_name, overrides)
         except ConfigError as error:
@@ -181,16 +155,14 @@ def explain_error(config_name: str, overrides: Sequence[str] | None, exc: Except
 def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
     """Raise :class:`ConfigError` for an override of a key the composed config does not have.
 
-    The config is composed with the config group choices of ``overrides``: the first value of each swept
-    group, then each other value of one group with the others' first (``experiment=a,b loss=c,d`` composes
-    three configs, not four: a key comes with the option that holds it); a key counts as known if any of
-    those configs has it. Overrides Hydra cannot parse, and choices
-    it cannot compose, are left for Hydra to report.
+    Composed with the first value of each swept group, then each other value of one group with the others'
+    first (``experiment=a,b loss=c,d``: three configs, not four); a key is known if any of them has it.
+    What Hydra cannot parse or compose is left for Hydra to report.
     """
     parsed = _parse(overrides)
     if parsed is None:
         return
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+    with _configs():
         groups = [o for o in parsed if _is_group(o.key_or_group)]
         keys = [o for o in parsed if o not in groups and o.type in (OverrideType.CHANGE, OverrideType.ADD)]
         if not keys:
@@ -224,8 +196,7 @@ def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
 
 
 def closest_keys(leaf: str, siblings: Sequence[str], parent: str = "") -> str:
-    """``did you mean <parent>.<closest>?`` for an unknown key ``leaf`` of ``parent`` whose keys are
-    ``siblings``; else the list of those keys."""
+    """``did you mean <parent>.<closest>?`` for an unknown ``leaf`` of ``parent``, else its keys."""
     close = difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)
     prefix = f"{parent}." if parent else ""
     if close:
@@ -242,9 +213,8 @@ def _check_added_keys(config_name: str, overrides: Sequence[str]) -> None:
 
 
 def _check_group_options(config_name: str, overrides: Sequence[str]) -> None:
-    """Raise :class:`ConfigError` for a config group choice (``loss=nope``) that is not one of its options,
-    or of a group the command's config does not use (``mlcls-predict loss=bce``); Hydra must be initialised
-    on ``mlcls/configs``."""
+    """Raise :class:`ConfigError` for a group choice that is not one of its options (``loss=nope``), or of
+    a group the command's config does not use (``mlcls-predict loss=bce``); Hydra initialised."""
     choices = [override for override in _parse(overrides) or [] if _is_group(override.key_or_group)]
     if not choices:
         return  # no composition: an unknown key is the usual mistake
@@ -271,6 +241,11 @@ def _parse(overrides: Sequence[str]) -> list[Override] | None:
     except HydraException:
         return None
     return [o for o in parsed if not o.is_hydra_override() and o.type != OverrideType.DEL]
+
+
+def _configs() -> Any:
+    """Hydra initialised on ``mlcls/configs``, as a context."""
+    return initialize_config_dir(config_dir=str(config_dir()), version_base="1.3")
 
 
 def _is_group(name: str) -> bool:

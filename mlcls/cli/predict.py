@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -18,8 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from mlcls import config_dir
 from mlcls.cli.errors import plural, require_keys, user_errors
 from mlcls.cli.overrides import run_command
-from mlcls.engine.checkpoint import atomic_write
-from mlcls.errors import InferenceError
+from mlcls.errors import InferenceError, is_integer, is_number
 from mlcls.inference.predictor import (
     Prediction,
     find_images,
@@ -29,26 +27,21 @@ from mlcls.inference.predictor import (
     printable,
     use_classes,
 )
+from mlcls.io import atomic_write_bytes
 from mlcls.metrics.thresholds import describe_rule
 from mlcls.text import parse_classes
 
 USAGE = "mlcls-predict checkpoint=<run>/checkpoints/best.pt images=<file | folder | 'glob/*.jpg'>"
 
 
-def check_rule(threshold: Any, top_k: Any) -> None:
-    """Raise :class:`InferenceError` unless ``threshold`` is a probability and ``top_k`` a positive int."""
-    if threshold is not None and (
-        isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1
-    ):
-        raise InferenceError(f"threshold={threshold!r}; expected a probability in [0, 1]")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise InferenceError(f"top_k={top_k!r}; expected a positive integer")
-
-
 def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]:
     """Predict ``cfg.images`` with ``cfg.checkpoint``: the predictions, the unreadable files, the rule."""
     require_keys(cfg, USAGE)
-    check_rule(cfg.threshold, cfg.top_k)
+    threshold, top_k = cfg.threshold, cfg.top_k
+    if threshold is not None and (not is_number(threshold) or not 0 <= threshold <= 1):
+        raise InferenceError(f"threshold={threshold!r}; expected a probability in [0, 1]")
+    if top_k is not None and (not is_integer(top_k) or top_k < 1):
+        raise InferenceError(f"top_k={top_k!r}; expected a positive integer")
     names = None
     if cfg.get("classes") is not None:  # read before any image or checkpoint: a bad list fails at once
         given = cfg.classes
@@ -73,12 +66,6 @@ def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]
     return predictions, unreadable, rule
 
 
-def write_json_lines(predictions: list[Prediction], path: str | Path) -> None:
-    """One JSON object per line (:meth:`Prediction.to_json`), written atomically."""
-    text = "".join(json.dumps(p.to_json()) + "\n" for p in predictions)
-    atomic_write(Path(path), lambda f: f.write(text.encode()))
-
-
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="predict")
 def _hydra_main(cfg: DictConfig) -> None:
     with user_errors():
@@ -86,8 +73,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     for path, reason in unreadable:
         print(f"mlcls: warning: skipped unreadable image {printable(f'{path} ({reason})')}", file=sys.stderr)
     if cfg.out:
+        text = "".join(json.dumps(p.to_json()) + "\n" for p in predictions)
         with user_errors():  # a full disk
-            write_json_lines(predictions, cfg.out)
+            atomic_write_bytes(Path(cfg.out), text.encode())
     if not cfg.quiet:
         print(format_table(predictions))
     summary = f"mlcls: {plural(len(predictions), 'image')} labelled by {printable(rule)}"
@@ -99,8 +87,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def quote_class_list(argv: list[str]) -> list[str]:
-    """``classes=a,b,c`` as Hydra reads one string (``classes='a,b,c'``): unquoted, Hydra takes a comma
-    list for a sweep and refuses it in a single run. A value already quoted or bracketed is left as it is."""
+    """``classes=a,b,c`` quoted as one string for Hydra (unquoted it is a sweep, refused in a single run)."""
     quoted = []
     for arg in argv:
         key, equals, value = arg.partition("=")

@@ -2,9 +2,8 @@
 
 mlcls-report outputs/2026-01-01/12-00-00          # writes outputs/2026-01-01/12-00-00/report.html
 
-``mlcls-train`` writes the report at the end of a run (``trainer.report=true``); this writes it again, from
-the run's ``val_predictions.npz`` and its validation set rebuilt from the run's dataset config (only
-mlcls's datasets, and shards from local files: see :func:`mlcls.cli.eval.check_dataset_target`).
+``mlcls-train`` writes it at the end of a run; this writes it again from ``val_predictions.npz`` and the
+validation set rebuilt from the run's dataset config, checked as a checkpoint's would be.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from pathlib import Path
 from mlcls.cli.errors import user_errors
 from mlcls.cli.eval import check_dataset_target, check_shard_sources, evaluation_dataset_config
 from mlcls.data import build_dataset
+from mlcls.errors import failure
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.report import write_report
 from mlcls.reporting.report_data import load_val_predictions
@@ -25,8 +25,7 @@ from mlcls.reporting.run_files import read_run
 
 
 def validation_set(run_dir: Path):
-    """The validation split of the run in ``run_dir``, built from its stored dataset config (never
-    resolved; checked as a checkpoint's would be) with the class order of its predictions."""
+    """The validation split of the run in ``run_dir``, in the class order of its predictions."""
     results, config = read_run(run_dir)
     if config is None or not isinstance(config.get("dataset"), dict):
         raise ReportError(f"{run_dir}: no config.yaml with a dataset config; is it an mlcls run directory?")
@@ -60,8 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             start = time.perf_counter()
             path = write_report(args.run_dir, validation_set(args.run_dir))
         except ReportError as exc:
-            print(f"mlcls: error: {exc}", file=sys.stderr)
-            return 2
+            return failure("mlcls", exc)
     print(f"{path} ({path.stat().st_size:,} bytes, {time.perf_counter() - start:.1f} s)")
     return 0
 

@@ -8,10 +8,9 @@ mlcls-reproduce all --smoke                               # every table's smoke 
 mlcls-reproduce presets --data-root /data --dry-run       # the field's recipes (docs/models.md), cost
 mlcls-reproduce spml --data-root /data --dry-run          # the single-positive benchmark (docs/reproduce.md)
 
-Arguments after the table name that are not options are Hydra overrides appended to every sweep.
-Sweeps are written to ``<sweep-dir>/<table>/<dataset or smoke>/<job>``; the rendered table to
-``<sweep-dir>/<table>.md`` and ``.csv``. Every run resumes from its checkpoint: the same command with the same
-``--sweep-dir`` finishes an interrupted reproduction and skips the finished runs.
+Other arguments are Hydra overrides appended to every sweep. Sweeps are written to
+``<sweep-dir>/<table>/<dataset or smoke>/<job>``, the table to ``<sweep-dir>/<table>.md`` and ``.csv``. Every
+run resumes from its checkpoint: the same command with the same ``--sweep-dir`` finishes a reproduction.
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from mlcls import config_dir
-from mlcls.cli.tables import failure, parse_pairs
+from mlcls.cli.tables import parse_pairs
+from mlcls.errors import failure
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import write_table
 from mlcls.reporting.runs import collect_runs
@@ -54,28 +54,16 @@ PRESETS = {
     "mldecoder_coco": "ML-Decoder's COCO recipe: TResNet-L 448 px, ML-Decoder head, ASL",
     "twoway_mldecoder_coco": "ML-Decoder's COCO recipe with the two-way loss",
 }
-# Training cost of TResNet-L at 448 px relative to ResNet-50 at 224 px, the unit of run_gpu_hours, measured
-# on one NVIDIA H200 with `mlcls-bench step` (bf16, channels_last): ML-Decoder's TResNet-L (tresnet_v2_l) with
-# the ML-Decoder head at 448 px, batch 56, ran at 556 training images/s (trainer 555.9, bare 551.4) against
-# ResNet-50's 4,596 at 224 px, batch 256, on the same GPU: 8.3x (it was 9.6, from V100 figures at 224 px).
+# Training cost of TResNet-L at 448 px relative to ResNet-50 at 224 px (run_gpu_hours' unit), measured on one
+# H200 with `mlcls-bench step` (bf16, channels_last): tresnet_v2_l with the ML-Decoder head, batch 56, 556
+# training images/s against ResNet-50's 4,596 at 224 px, batch 256: 8.3x.
 TRESNET_L_448_RATE_H200, RESNET50_224_RATE_H200 = 556, 4596
 TRESNET_L_448_COST = RESNET50_224_RATE_H200 / TRESNET_L_448_RATE_H200
 ROOT_FORM = "DATASET=PATH, e.g. coco=/data/coco"
 
 
-def preset_sweep(preset: str, roots: dict[str, str], data_root: Path | None) -> Sweep:
-    """The one-run sweep of ``preset`` on MS-COCO, at ``roots["coco"]`` or under ``data_root``."""
-    overrides = [f"experiment={preset}"]
-    if "coco" in roots:
-        overrides.append(f"dataset.root={roots['coco']}")
-    elif data_root is not None:
-        overrides.append(f"dataset.root={dataset_root('coco', data_root)}")
-    return Sweep(preset, "coco", tuple(overrides), "coco")
-
-
 def preset_gpu_hours(gpu: str) -> float:
-    """GPU-hours of one preset run: :func:`run_gpu_hours` of ResNet-50 on MS-COCO over the recipe's epochs,
-    times :data:`TRESNET_L_448_COST`."""
+    """GPU-hours of one preset run: ResNet-50's on MS-COCO over the recipe's epochs, times the cost ratio."""
     epochs = OmegaConf.load(config_dir() / "experiment" / "mldecoder_recipe.yaml").trainer.epochs
     return run_gpu_hours("coco", "resnet50", gpu, epochs=epochs) * TRESNET_L_448_COST
 
@@ -84,26 +72,13 @@ class SweepFailed(RuntimeError):
     """A sweep's process (or an in-process Hydra multirun) ended with an error."""
 
 
-def torchrun_command() -> list[str]:
-    """``torchrun`` beside the interpreter, else on PATH, else ``python -m torch.distributed.run``."""
-    for path in (str(Path(sys.executable).parent), None):
-        found = shutil.which("torchrun", path=path)
-        if found:
-            return [found]
-    return [sys.executable, "-m", "torch.distributed.run"]
-
-
 def sweep_commands(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[list[str]]:
-    """The command lines that run ``sweep`` (whose ``directory`` is set).
-
-    local: one Hydra multirun, ``mlcls-train -m <overrides>`` with job n in ``<dir>/<n>``. torchrun: one
-    ``torchrun --nproc_per_node=N -m mlcls.train <job overrides>`` per job, since the processes of one
-    torchrun cannot start a second process group for a second job. Every job resumes from its own checkpoint
-    (``trainer.resume=auto``), so the same command with the same ``--sweep-dir`` finishes an interrupted
-    sweep and skips the finished runs.
-    """
-    if launcher == "torchrun":
-        torchrun = [*torchrun_command(), f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train"]
+    """The command lines that run ``sweep``: one Hydra multirun (job n in ``<dir>/<n>``), or one torchrun
+    per job (its processes cannot start a second process group); every job resumes from its checkpoint."""
+    if launcher == "torchrun":  # beside the interpreter, else on PATH, else python -m torch.distributed.run
+        found = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+        runner = [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+        torchrun = [*runner, f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train"]
         return [
             [*torchrun, *job, f"trainer.output_dir={sweep.directory / str(number)}", "trainer.resume=auto"]
             for number, job in enumerate(sweep.runs())
@@ -117,9 +92,8 @@ def sweep_commands(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[lis
 
 
 def run_sweep(sweep: Sweep, launcher: str, nproc_per_node: int) -> None:
-    """Run one sweep to completion: one torchrun child process per job, or (local) ``mlcls-train -m`` in
-    this process, Hydra reading ``sys.argv`` (restored afterwards). A failed job (Hydra reports it and
-    exits) raises :class:`SweepFailed`."""
+    """Run one sweep: torchrun child processes, or ``mlcls-train -m`` in this process on a borrowed
+    ``sys.argv``; a failed job raises :class:`SweepFailed`."""
     from mlcls.cli import train
 
     for command in sweep_commands(sweep, launcher, nproc_per_node):
@@ -143,17 +117,6 @@ def run_sweep(sweep: Sweep, launcher: str, nproc_per_node: int) -> None:
 def placed(sweep: Sweep, overrides: Sequence[str], directory: Path) -> Sweep:
     """``sweep`` with the user's ``overrides`` appended, written to ``directory``."""
     return dataclasses.replace(sweep, overrides=(*sweep.overrides, *overrides), directory=directory)
-
-
-def render(tables: Sequence[str], sweep_dir: Path, smoke: bool) -> str:
-    """Fill each table from its own sweeps under ``sweep_dir``, write ``<table>.md/.csv``, return Markdown."""
-    texts = []
-    for table in tables:
-        runs = collect_runs([sweep_dir / table], SMOKE_STAND_INS if smoke else None)
-        filled = fill_table(table_spec(table), runs)
-        markdown, _ = write_table(filled, sweep_dir)
-        texts.append(markdown.read_text())
-    return "\n".join(texts)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -190,8 +153,7 @@ def print_commands(sweep: Sweep, args: argparse.Namespace) -> None:
         print(shlex.join(command))
 
 
-# Each plan prints the sweeps of what it reproduces with their cost and launch commands, and returns the
-# sweeps and what to print once they have run.
+# A plan prints its sweeps, their cost and commands; it returns the sweeps and what to print once run.
 Plan = tuple[list[Sweep], Callable[[], None]]
 
 
@@ -201,7 +163,9 @@ def plan_presets(
     """The run of each preset of ``args.table``; its results.json is the outcome."""
     sweeps = []
     for preset in list(PRESETS) if args.table == "presets" else [args.table]:
-        sweeps.append(placed(preset_sweep(preset, roots, args.data_root), overrides, out / preset))
+        root = roots.get("coco") or (args.data_root and dataset_root("coco", args.data_root))
+        own = (f"experiment={preset}", *([f"dataset.root={root}"] if root else []))
+        sweeps.append(placed(Sweep(preset, "coco", own, "coco"), overrides, out / preset))
         hours = preset_gpu_hours(args.gpu)
         print(
             f"# {preset}: {PRESETS[preset]}; 1 run, about {hours:.0f} {args.gpu} GPU-hours (TResNet-L 448 px"
@@ -212,8 +176,7 @@ def plan_presets(
 
 
 def plan_spml(args: argparse.Namespace, roots: dict[str, str], overrides: Sequence[str], out: Path) -> Plan:
-    """The single-positive benchmark's sweeps (one per dataset, every method), rendered beside the
-    published numbers."""
+    """The single-positive benchmark's sweeps (one per dataset), rendered beside the published numbers."""
     sweeps = [
         placed(sweep, overrides, out / SPML_TABLE / sweep.name)
         for sweep in spml_sweeps(args.smoke, roots, args.data_root)
@@ -253,7 +216,12 @@ def plan_tables(args: argparse.Namespace, roots: dict[str, str], overrides: Sequ
         sweeps += own
 
     def finish() -> None:
-        print(render(tables, out, args.smoke), end="")
+        texts = []
+        for table in tables:  # each from its own sweeps
+            runs = collect_runs([out / table], SMOKE_STAND_INS if args.smoke else None)
+            markdown, _ = write_table(fill_table(table_spec(table), runs), out)
+            texts.append(markdown.read_text())
+        print("\n".join(texts), end="")
         print(f"# tables written to {out}/<table>.md and .csv")
 
     return sweeps, finish

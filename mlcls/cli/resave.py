@@ -1,8 +1,7 @@
 """``python -m mlcls.cli.resave FILE [FILE ...]``: rewrite checkpoints you trust as plain data.
 
-Checkpoints are read with ``torch.load(weights_only=True)``; one written before mlcls stored plain data
-(NumPy's random state as an array) is refused with a line pointing here. Re-saving unpickles each file as it
-is -- only do it for files you wrote yourself -- and writes it back atomically, readable without trust.
+A checkpoint written before mlcls stored plain data is refused with a line pointing here. Re-saving
+unpickles each file as it is -- only for files you wrote yourself -- and writes it back atomically.
 """
 
 from __future__ import annotations

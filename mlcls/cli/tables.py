@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mlcls.errors import failure
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.render import (
     render_csv,
@@ -38,13 +39,6 @@ from mlcls.reporting.table_specs import (
 )
 
 
-def failure(prog: str, error: Exception, status: int = 2, *notes: str) -> int:
-    """Print ``<prog>: error: <error>`` and each note as ``<prog>: <note>`` on stderr; return ``status``."""
-    for line in (f"error: {error}", *notes):
-        print(f"{prog}: {line}", file=sys.stderr)
-    return status
-
-
 def parse_pairs(pairs: Sequence[str], option: str, form: str) -> dict[str, str]:
     """``["a=b", ...]`` given to ``option`` -> ``{"a": "b", ...}``; ``form`` names the expected shape."""
     parsed = {}
@@ -59,9 +53,8 @@ def parse_pairs(pairs: Sequence[str], option: str, form: str) -> dict[str, str]:
 def build_tables(
     runs: Sequence[RunRecord], names: Sequence[str] | None, stand_ins: dict[str, str] | None = None
 ) -> list[FilledTable]:
-    """The requested tables (default: every table with at least one filled cell); fails when no cell is
-    filled, naming the ``--stand-in`` options that would place the runs where no run has a dataset and a
-    backbone of the tables."""
+    """The requested tables (default: every table with a filled cell); fails when no cell is filled,
+    naming the ``--stand-in`` options that would place the runs."""
     tables = [fill_table(table_spec(name), runs) for name in (names or TABLE_NAMES)]
     if not any(table.filled for table in tables):
         shown = ", ".join(table.spec.name for table in tables) if names else "Tables 1, 2, 3, 4, 5, 7"
@@ -80,10 +73,8 @@ def report(
     stand_ins: dict[str, str] | None = None,
     as_csv: bool = False,
 ) -> str:
-    """Read the runs under ``paths``, fill the tables, write them to ``out_dir`` if given; return the text.
-
-    ``spml`` among ``names`` is the single-positive benchmark (:mod:`mlcls.reporting.spml`), filled from the
-    runs that are rows of it; the other names are the paper's tables."""
+    """Read the runs under ``paths``, fill the tables (``spml``: the single-positive benchmark), write them
+    to ``out_dir`` if given; return the text."""
     paper_names = [name for name in names or () if name != SPML_TABLE]
     for name in paper_names:
         table_spec(name)  # an unknown name fails before any run is read
@@ -153,8 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.runs:
-            render = {"markdown": render_runs_markdown, "csv": render_runs_csv, "json": render_runs_json}
-            print(render[_runs_form(args)](runs_table(args.run_dirs, args.sort)), end="")
+            paper_options = {"--table": args.table, "--out": args.out, "--stand-in": args.stand_in}
+            ignored = [option for option, given in paper_options.items() if given]
+            ignored += ["--smoke"] if args.smoke else []
+            if ignored:
+                raise ReportError(f"{', '.join(ignored)} apply to the paper tables, not to --runs")
+            render = render_runs_csv if args.csv else render_runs_json if args.json else render_runs_markdown
+            print(render(runs_table(args.run_dirs, args.sort)), end="")
             return 0
         if args.sort or args.json:
             raise ReportError("--sort and --json apply to --runs only; the paper tables have a fixed layout")
@@ -164,18 +160,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ReportError as exc:
         return failure("mlcls-tables", exc)
     return 0
-
-
-def _runs_form(args: argparse.Namespace) -> str:
-    """The output form of ``--runs``; the options of the paper tables are refused with one line."""
-    ignored = [
-        option
-        for option, given in (("--table", args.table), ("--out", args.out), ("--stand-in", args.stand_in))
-        if given
-    ] + (["--smoke"] if args.smoke else [])
-    if ignored:
-        raise ReportError(f"{', '.join(ignored)} apply to the paper tables, not to --runs")
-    return "csv" if args.csv else "json" if args.json else "markdown"
 
 
 if __name__ == "__main__":

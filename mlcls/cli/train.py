@@ -19,6 +19,7 @@ from mlcls.cli.errors import user_errors
 from mlcls.cli.overrides import run_command
 from mlcls.engine.distributed import RankFailed
 from mlcls.engine.trainer import EXIT_PREEMPTED, NonFiniteError, Preempted, Trainer
+from mlcls.errors import failure
 from mlcls.reporting.report import report_run
 
 # A shell's exit status for a process ended by Ctrl-C (128 + SIGINT).
@@ -26,12 +27,8 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train the run described by ``cfg``; return the results written to results.json. At the end, with
-    ``trainer.report=true`` (the default), rank 0 draws the plots, saves the validation predictions and
-    writes ``report.html`` (:mod:`mlcls.reporting.report`).
-
-    The process group (under torchrun) stays up for the next run of a sweep and is closed at exit.
-    """
+    """Train the run of ``cfg``; return results.json's content. With ``trainer.report=true`` rank 0 then
+    draws the plots and writes ``report.html``. The process group stays up for a sweep's next run."""
     trainer = Trainer(cfg)
     if cfg.trainer.report:
         trainer.on_finish.append(report_run)
@@ -48,8 +45,7 @@ def _run_cli(cfg: DictConfig) -> dict[str, Any]:
         print("mlcls: interrupted (no checkpoint of the current epoch)", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     except (NonFiniteError, RankFailed) as exc:
-        print(f"mlcls: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(failure("mlcls", exc, 1))
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")

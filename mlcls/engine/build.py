@@ -1,8 +1,5 @@
-"""Everything a run is made of, built from the composed config: data, model, loss, optimizer, schedule,
-and the whole training run (:func:`build_run`) that :class:`~mlcls.engine.trainer.Trainer` trains.
-
-Shared by the trainer, ``mlcls-eval`` and the benchmarks, so that each builds the same objects the same way.
-"""
+"""Everything a run is made of, built from the composed config (data, model, loss, optimizer, schedule)
+and the whole training run (:func:`build_run`); the trainer, the audit and the benchmarks share it."""
 
 from __future__ import annotations
 
@@ -59,10 +56,8 @@ class RunData:
 
 
 def pin_dataset_root(dataset_cfg: DictConfig) -> None:
-    """Write ``dataset.root`` as an absolute path, resolved against the working directory now: the config
-    a run saves (config.yaml, checkpoints, results.json) then finds its data from any directory, so that
-    ``mlcls-eval`` and ``mlcls-predict`` work wherever they are started. A dataset without ``root`` (the
-    synthetic one, shards) is left as it is."""
+    """``dataset.root`` made absolute now, so that the config a run saves finds its data from any
+    directory (``mlcls-eval``, ``mlcls-predict``)."""
     root = dataset_cfg.get("root")
     if isinstance(root, str) and root:
         dataset_cfg.root = os.path.abspath(os.path.expanduser(root))
@@ -71,12 +66,8 @@ def pin_dataset_root(dataset_cfg: DictConfig) -> None:
 def build_data(
     cfg: DictConfig, dist: DistInfo, with_index: bool = False, channels_last: bool = False
 ) -> RunData:
-    """Both splits of ``cfg.dataset`` with the ``data.backend`` pipeline, and this rank's loaders;
-    ``cfg.dataset.root`` made absolute first (:func:`pin_dataset_root`), before the run saves its config.
-    ``with_index``: training batches also hold their samples' indices (a loss with a row per sample);
-    ``channels_last``: evaluation batches come in that layout.
-    With ``dataset.holdout_fraction`` > 0 the training split is cut (:func:`split_holdout`): the rest trains,
-    the held-out share is evaluated like the validation split (read with its transform)."""
+    """Both splits of ``cfg.dataset`` (and the held-out share of the training split, :func:`split_holdout`)
+    with this rank's loaders; ``with_index``: training batches hold their samples' indices too."""
     pin_dataset_root(cfg.dataset)
     tcfg, backend = cfg.trainer, cfg.data.backend
     local_batch = tcfg.batch_size // dist.world_size
@@ -124,9 +115,8 @@ def build_model(
     channels_last: bool = False,
     **overrides: Any,
 ) -> nn.Module:
-    """The ``model`` config's network with ``num_classes`` outputs on ``device`` (``overrides`` replace
-    config keys, e.g. ``pretrained=False`` when a checkpoint's weights are loaded afterwards). The
-    starting weights ``init_from`` are not the network's: :func:`init_from_checkpoint` loads them."""
+    """The ``model`` config's network with ``num_classes`` outputs on ``device``, ``overrides`` replacing
+    config keys (``init_from`` is :func:`init_from_checkpoint`'s)."""
     fields = {key: value for key, value in model_cfg.items() if key not in TRAINING_KEYS}
     model: nn.Module = instantiate(fields, num_classes=num_classes, **overrides).to(device)
     if channels_last:
@@ -135,9 +125,8 @@ def build_model(
 
 
 def class_queries(cfg: DictConfig, classes: list[str]) -> dict[str, Any]:
-    """What a text-query head (``model.head=mldecoder_zsl | cosine``) is built from: ``class_embeddings``
-    of ``classes`` from the ``text`` config (:func:`mlcls.text.class_embeddings`), as a keyword of
-    :func:`build_model`. Any other head: nothing, and ``cfg.text`` is not read (it may be absent)."""
+    """A text-query head's ``class_embeddings`` of ``classes`` from ``cfg.text``, as a keyword of
+    :func:`build_model`; nothing for another head (``cfg.text`` then unread)."""
     if not has_text_queries(cfg.model.head):
         return {}
     if cfg.get("text") is None:
@@ -148,11 +137,9 @@ def class_queries(cfg: DictConfig, classes: list[str]) -> dict[str, Any]:
 
 
 def sync_batchnorm(model: nn.Module, dist: DistInfo) -> nn.Module:
-    """``trainer.sync_bn``: ``model`` with its BatchNorm layers turned into SyncBatchNorm (the same
-    parameters, buffers and state-dict keys), whose training statistics span the global batch, when several
-    processes run on CUDA devices. One process: ``model`` as it is (BatchNorm sees the whole batch already).
-    Several on the CPU: ``model`` as it is, said in one line (by rank 0): torch's SyncBatchNorm refuses CPU
-    tensors (and DDP a CPU module holding it)."""
+    """``trainer.sync_bn``: ``model`` with SyncBatchNorm (the same state-dict keys), whose statistics span
+    the global batch, when several processes run on CUDA; else as it is (on the CPU said in one line:
+    torch's SyncBatchNorm refuses CPU tensors)."""
     if not dist.distributed:
         return model
     if dist.device.type != "cuda":
@@ -168,14 +155,9 @@ def sync_batchnorm(model: nn.Module, dist: DistInfo) -> nn.Module:
 
 
 class GlobalBatchSum(nn.Module):
-    """A loss that sums over the batch (``sums_over_batch``), times the number of processes.
-
-    DDP averages the parameter gradients over the ``world_size`` processes, each of which sums over its
-    share of the batch: without the factor a step would take ``1 / world_size`` of the gradient of the sum
-    over the global batch that one process with the whole batch takes (and the coupled L2 decay of Adam
-    would weigh ``world_size`` times more against it). With it the gradient is that of one process, and
-    the mean over processes of the logged loss is the sum over the global batch.
-    """
+    """A loss that sums over the batch, times the number of processes: DDP averages the gradients of sums
+    over shares of the batch, which without the factor give ``1 / world_size`` of the gradient one process
+    with the whole batch takes (and Adam's coupled L2 decay would weigh ``world_size`` times more)."""
 
     def __init__(self, loss: nn.Module, world_size: int) -> None:
         super().__init__()
@@ -191,12 +173,9 @@ class GlobalBatchSum(nn.Module):
 def build_loss(
     loss_cfg: DictConfig | nn.Module, train_set: Dataset, device: torch.device, world_size: int = 1
 ) -> nn.Module:
-    """The ``loss`` config's criterion (or a criterion instantiated already) on ``device``, set up with the
-    training set's label counts where it needs them (class-frequency weights, the size of a per-sample
-    table). A loss that sums over the batch (its ``sums_over_batch``, e.g. ``reduction: sum``) is scaled
-    by ``world_size`` (:class:`GlobalBatchSum`), so that ``world_size`` DDP processes with a share of the
-    batch each take the gradient of one process with all of it; a mean over the batch needs no factor
-    (DDP's average of the means of equal shares is the mean over the batch)."""
+    """The ``loss`` config's criterion (or one instantiated already) on ``device``, set up with the training
+    set's label counts; scaled by :class:`GlobalBatchSum` if it sums over the batch (a mean needs no factor:
+    DDP's average of the means of equal shares is the mean)."""
     criterion = loss_cfg if isinstance(loss_cfg, nn.Module) else instantiate(loss_cfg)
     if hasattr(criterion, "setup"):
         try:
@@ -211,9 +190,8 @@ def build_loss(
 def build_optimization(
     cfg: DictConfig, model: nn.Module, iters_per_epoch: int, criterion: nn.Module | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The optimizer of ``cfg.optim`` over ``model`` (and the learnable state of ``criterion``, e.g. ROLE's
-    label table: its ``parameter_groups()``) and the per-iteration schedule of ``cfg.sched`` (its warm-up
-    in epochs counted in iterations of ``iters_per_epoch``, by default the head's ``warmup_epochs``)."""
+    """The optimizer of ``cfg.optim`` over ``model`` and ``criterion``'s ``parameter_groups()`` (ROLE's label
+    table), and the per-iteration schedule of ``cfg.sched``."""
     loss_groups = criterion.parameter_groups() if hasattr(criterion, "parameter_groups") else []
     optimizer = build_optimizer(cfg.optim, model, loss_groups)
     total_iters, head_warmup = cfg.trainer.epochs * iters_per_epoch, cfg.model.head.warmup_epochs
@@ -243,8 +221,7 @@ def warn_unscored_classes(val_set: Dataset, classes: list[str]) -> None:
 
 
 def warn_protocol(cfg: DictConfig, world_size: int) -> None:
-    """Warn when a paper preset (``experiment=paper*``) runs where BatchNorm sees another batch than the
-    paper's 128 samples per GPU."""
+    """Warn when a paper preset runs where BatchNorm sees another batch than the paper's 128 per GPU."""
     if "protocol" in cfg and world_size == 1 and cfg.trainer.batch_size > 128:
         log.warning(
             "experiment=paper* on one process: BatchNorm normalises over all %d samples of a batch where "
@@ -256,7 +233,7 @@ def warn_protocol(cfg: DictConfig, world_size: int) -> None:
 
 @dataclass
 class Run:
-    """The parts of a training run, as :func:`build_run` makes them and the trainer trains them."""
+    """The parts of a training run."""
 
     cfg: DictConfig  # the composed configs/train.yaml, dataset.root made absolute
     dist: DistInfo  # this process's rank, world size and device
@@ -280,15 +257,10 @@ class Run:
 
 
 def build_run(cfg: DictConfig) -> Run:
-    """The training run of ``cfg`` (the composed ``configs/train.yaml``), built in the order its parts
-    depend on: process group -> config check -> seed -> data -> model (SyncBatchNorm under
-    ``trainer.sync_bn``) and loss (scaled for DDP where it sums over the batch) -> run directory -> EMA,
-    optimizer, schedule and loss scale -> resume, or a seed per rank -> DDP -> compile -> run log.
-
-    Every rank returns together or raises together. A failure before the run directory is chosen removes
-    Hydra's directory if it is empty; a later one releases the run directory's lock and removes what the
-    run wrote there unless it holds a checkpoint (:func:`close_run_dir`).
-    """
+    """The training run of ``cfg``, built in the order its parts depend on: process group -> config check
+    -> seed -> data -> model and loss -> run directory -> EMA, optimizer, schedule, loss scale -> resume
+    (or a seed per rank) -> DDP -> compile -> run log. Every rank returns or raises together; a failure
+    leaves no empty directory and no run directory without a checkpoint (:func:`close_run_dir`)."""
     tcfg = cfg.trainer
     hydra_dir = hydra_run_dir()
     try:

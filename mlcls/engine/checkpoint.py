@@ -1,11 +1,9 @@
-"""What a checkpoint holds and how it is read: plain data in one ``format`` (:data:`mlcls.formats.FORMAT`,
-upgraded by :func:`mlcls.formats.upgrade` in :func:`load_checkpoint`, the one reader), and the run's
-:class:`TrainState`. Which files a run writes and resumes is :mod:`mlcls.engine.checkpointer`'s.
+"""What a checkpoint holds and how it is read (:func:`load_checkpoint`, the one reader, upgrading to
+:data:`mlcls.formats.FORMAT`), and the run's :class:`TrainState`.
 
-Checkpoints hold tensors, dicts, lists, tuples, strings, numbers, booleans and None only, read with
-``torch.load(weights_only=True)``: a pickle in a file from someone else cannot run code. A file that needs
-more (written before checkpoints held plain data, or crafted) is refused unless the caller trusts it
-(``trust_checkpoint=true``), or once re-saved by :func:`resave_plain`.
+Checkpoints hold plain data only (tensors, containers, strings, numbers, None), read with
+``torch.load(weights_only=True)``: a pickle from someone else cannot run code. A file that needs more is
+refused unless trusted (``trust_checkpoint=true``) or re-saved by :func:`resave_plain`.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from mlcls.io import atomic_write, open_checkpoint
 from mlcls.models.factory import has_text_queries
 from mlcls.text import build_encoder
 
-# How the one-line errors tell a user to trust a checkpoint they wrote themselves, or to re-save it.
 TRUST_HINT = (
     "if you wrote it yourself, re-save it as plain data with `python -m mlcls.cli.resave {path}`, or load it "
     "as it is with trust_checkpoint=true (trainer.trust_checkpoint=true to resume)"
@@ -60,9 +57,8 @@ def plain(data: Any) -> Any:
 
 
 def text_record(cfg: DictConfig) -> dict[str, Any] | None:
-    """What a checkpoint of a text-query head records of the encoder that embedded its class names (None
-    for another head): ``{"source", "config": the run's text config}``, with which ``mlcls-predict
-    classes=...`` embeds new names the same way (:func:`mlcls.text.encoder_from_stored`)."""
+    """A text-query head's encoder, ``{"source", "config"}``, with which ``mlcls-predict classes=...`` embeds
+    new names the same way (:func:`mlcls.text.encoder_from_stored`); None for another head."""
     if not has_text_queries(cfg.model.head):
         return None
     return {"source": build_encoder(cfg.text).source, "config": plain(cfg.text)}
@@ -76,9 +72,9 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
 def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", trust: bool = False
 ) -> dict[str, Any]:
-    """A checkpoint written by :func:`save_checkpoint`, upgraded to :data:`FORMAT`. A file that holds more
-    than plain data is an :class:`UntrustedCheckpointError` naming the first type it needs, unless ``trust``
-    (it is unpickled as it is, which can run code); a missing or unreadable one a :class:`CheckpointError`."""
+    """A checkpoint written by :func:`save_checkpoint`, upgraded to :data:`FORMAT`. More than plain data is
+    an :class:`UntrustedCheckpointError` naming the type it needs unless ``trust`` (unpickled as it is);
+    a missing or unreadable file a :class:`CheckpointError`."""
     path = Path(path)
     try:
         file = open_checkpoint(path)
@@ -106,8 +102,7 @@ def load_checkpoint(
 
 
 def resave_plain(path: str | Path) -> None:
-    """Rewrite the checkpoint ``path`` (trusted: it is unpickled as it is) as plain data, atomically, so
-    that :func:`load_checkpoint` reads it without ``trust``."""
+    """Rewrite the trusted checkpoint ``path`` as plain data, atomically, readable without ``trust``."""
     state = plain(load_checkpoint(path, trust=True))
     save_checkpoint(state, path)
     load_checkpoint(path)  # what the re-saved file must now pass
@@ -136,8 +131,7 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's Python, NumPy, torch (and CUDA) generator states, as plain data (NumPy's key array
-    as an int64 tensor) that a checkpoint loads without unpickling code."""
+    """This process's Python, NumPy (keys as an int64 tensor), torch and CUDA generator states, plain data."""
     state = {
         "python": random.getstate(),
         "numpy": plain(np.random.get_state()),
@@ -170,19 +164,17 @@ class EpochProgress:
 
 @dataclass
 class TrainState:
-    """Where training stands: ``epoch`` epochs complete plus ``step`` steps of the next one, every rank's
-    :class:`EpochProgress` of that one (``partial``), a record per finished epoch (``history``), the best
-    evaluation (epoch, mAP@class, mAP@sample, ``weights`` "raw" or "ema"), the newest one's metrics, the
-    raw weights' calibrated thresholds, skipped steps and images, every rank's generator states and how
-    many times training resumed (:func:`mlcls.engine.state_checks.check_progress` bounds each)."""
+    """Where training stands: ``epoch`` epochs complete plus ``step`` steps of the next one with every
+    rank's :class:`EpochProgress` (``partial``), and the run's records (bounded by
+    :func:`mlcls.engine.state_checks.check_progress`)."""
 
     epoch: int = 0
     step: int = 0
     partial: list[EpochProgress] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
-    best: dict[str, Any] | None = None
+    best: dict[str, Any] | None = None  # epoch, mAP@class, mAP@sample, weights "raw" or "ema"
     last_metrics: dict[str, Any] | None = None
-    thresholds: torch.Tensor | None = None
+    thresholds: torch.Tensor | None = None  # the raw weights' calibrated ones
     counts: dict[str, Any] = field(default_factory=lambda: {"skipped_steps": 0, "skipped_images": []})
     wall_time_s: float = 0.0
     rng: list[dict[str, Any]] = field(default_factory=list)

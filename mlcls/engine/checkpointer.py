@@ -1,6 +1,5 @@
-"""The checkpointer: one object that writes a run's checkpoints, chooses the one to resume, loads it once
-and restores the run from it; and a new run started from another run's weights and loss state
-(``model.init_from``). In ``<run_dir>/checkpoints``:
+"""One object writes a run's checkpoints, chooses the one to resume, loads it once and restores the run;
+and ``model.init_from`` starts a run from another's weights and loss state. In ``<run_dir>/checkpoints``:
 
     last.pt     the newest full training state (what ``trainer.resume=auto`` loads first)
     iter_*.pt   the newest ``trainer.keep_checkpoints`` full states (fallbacks)
@@ -19,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from mlcls import distributed as collectives
+from mlcls.config_tree import nested_get
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import (
     CheckpointError,
@@ -40,11 +40,8 @@ log = logging.getLogger("mlcls")
 
 
 class Checkpointer:
-    """Keeps a run's state: gathers it from its ``parts`` (name -> model, optimizer, scheduler, loss and
-    ema when the run has one), the ``scaler`` and the :class:`TrainState`, writes it (rank 0) into
-    ``<run_dir>/checkpoints`` with the data's ``classes`` and ``preprocess`` (and a text-query head's
-    :func:`text_record`), and resumes the run from it (``cfg.trainer``'s ``resume``, ``trust_checkpoint``,
-    ``keep_checkpoints``, ``amp``)."""
+    """Writes (rank 0) and resumes the state of ``parts`` (name -> model, optimizer, scheduler, loss, ema),
+    the ``scaler`` and the :class:`TrainState`, with the data's ``classes`` and ``preprocess``."""
 
     def __init__(
         self,
@@ -64,9 +61,8 @@ class Checkpointer:
         self.text = text_record(cfg)
 
     def resume(self) -> bool:
-        """Restore ``trainer.resume`` (a file, or ``auto``: :func:`choose_resume_checkpoint`) into the parts,
-        the scaler and the state (:func:`restore`); True if a checkpoint was loaded. Rank 0 chooses by loading
-        and restores from what it loaded; the other ranks load the path it chose (ranks choosing for
+        """Restore ``trainer.resume`` (a file, or ``auto``: :func:`choose_resume_checkpoint`); True if a
+        checkpoint was loaded. Rank 0 chooses, the others load the path it chose (ranks choosing for
         themselves could load different files while one is written or a node's file system lags)."""
         resume = self.cfg.trainer.resume
         if not resume:
@@ -99,21 +95,20 @@ class Checkpointer:
         best_thresholds: torch.Tensor | None = None,
         thresholds_split: str = "validation",
     ) -> None:
-        """Checkpoint where training stands: after ``state.epoch`` complete epochs (``progress`` None; with
-        ``best.pt`` when ``is_best``, holding ``best_thresholds``), or within an epoch with every rank's
-        ``progress`` and RNG states; rank 0 writes, and every rank returns (or raises its error) together."""
+        """Checkpoint where training stands, after ``state.epoch`` epochs (``best.pt`` too when ``is_best``)
+        or within an epoch (every rank's ``progress``); rank 0 writes, all return or raise together."""
         self.state.partial = [] if progress is None else collectives.all_gather_object(progress)
         self.state.rng = collectives.all_gather_object(rng_state())
-        write = lambda: self._write_files(is_best, best_thresholds, thresholds_split)  # noqa: E731
-        dist_utils.on_main(write, self.dist.is_main)
+        dist_utils.on_main(
+            lambda: self._write_files(is_best, best_thresholds, thresholds_split), self.dist.is_main
+        )
 
     def _write_files(
         self, is_best: bool, best_thresholds: torch.Tensor | None, thresholds_split: str
     ) -> None:
-        """Write ``best.pt`` (when ``is_best``), then ``iter_<iteration>.pt``, point ``last.pt`` at it and
-        keep the newest ``trainer.keep_checkpoints`` of them. In that order a kill at any point leaves a
-        consistent pair: the newest training checkpoint names a best epoch whose ``best.pt`` exists (a kill
-        before it leaves the previous pair, from which a resumed run reaches this epoch again)."""
+        """Write ``best.pt`` (when ``is_best``), then ``iter_<iteration>.pt``, link ``last.pt`` to it, keep
+        the newest ``trainer.keep_checkpoints``: a kill at any point leaves the newest training checkpoint
+        naming a best epoch whose ``best.pt`` exists."""
         parts = self.parts
         loss = parts["loss"]
         checkpoint = {
@@ -153,10 +148,9 @@ class Checkpointer:
 def choose_resume_checkpoint(
     resume: str, directory: str | Path, trust: bool = False
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """The checkpoint ``trainer.resume`` names and its contents: a file as given (not read yet: None), or
-    for ``auto`` the newest readable one in ``directory`` -- ``last.pt``, then ``iter_*.pt`` newest first --
-    read once (an unreadable one, e.g. truncated by a crash, is reported and the previous one tried; an
-    untrusted one ends the search with :class:`UntrustedCheckpointError`); ``(None, None)`` when none is."""
+    """The checkpoint ``trainer.resume`` names and its contents: a file as given (contents None), or for
+    ``auto`` the newest readable one of ``last.pt``, ``iter_*.pt`` (an unreadable one is reported and the
+    previous tried; an untrusted one raises); ``(None, None)`` when none is."""
     if resume != "auto":
         return str(resume), None
     directory = Path(directory)
@@ -181,15 +175,12 @@ def restore(
     rank: int,
     bounds: RunBounds | None = None,
 ) -> None:
-    """Load a full training checkpoint (``last.pt``, ``iter_*.pt``) into the run's objects, once every
-    field it loads is checked against them and ``bounds`` (:func:`check_resume_state`; None: no bounds from
-    the run's length): a field that does not fit is a one-line :class:`CheckpointError` and nothing is
-    loaded. A checkpoint of another ``trainer.amp`` resumes with a warning and a fresh loss scale."""
+    """Load a full training checkpoint into the run's objects once every field is checked against them
+    and ``bounds`` (:func:`check_resume_state`: nothing is loaded on a mismatch). A checkpoint of another
+    ``trainer.amp`` resumes with a warning and a fresh loss scale."""
     if "optimizer" not in checkpoint:
         raise CheckpointError(f"{path} holds weights only (best.pt?); resume needs last.pt or iter_*.pt")
-    config = checkpoint.get("config")
-    trainer = config.get("trainer") if isinstance(config, dict) else None
-    saved_amp = trainer.get("amp", amp) if isinstance(trainer, dict) else amp
+    saved_amp = nested_get(checkpoint, "config", "trainer", "amp", default=amp)
     load_scaler = saved_amp == amp and bool(checkpoint.get("scaler"))
     try:
         check_resume_state(checkpoint, parts, scaler, load_scaler, bounds or RunBounds())
@@ -227,12 +218,9 @@ def restore(
 def init_from_checkpoint(
     model: nn.Module, path: str, classes: list[str], trust: bool = False
 ) -> dict[str, Any]:
-    """``model.init_from``: load into ``model`` the weights of the mlcls checkpoint ``path`` (a run's, or
-    one ``mlcls-import`` wrote; plain data unless ``trust``); returns the file's contents.
-
-    With other class names (or order) the classifier (``model.get_classifier()``) keeps its fresh
-    initialisation, said in one log line. A weight of ``model`` the file lacks or holds in another shape,
-    or one the file has that ``model`` lacks, is a :class:`ConfigError` naming it and the file's network.
+    """``model.init_from``: load the weights of the checkpoint ``path`` into ``model``; return the file's
+    contents. With other classes the classifier keeps its fresh initialisation (one log line); a weight
+    missing on either side or of another shape is a :class:`ConfigError` naming it and the file's network.
     """
     state = load_checkpoint(path, trust=trust)
     weights = state["model"]
@@ -243,10 +231,9 @@ def init_from_checkpoint(
     head = next(name for name, module in model.named_modules() if module is classifier) + "."
     expected = {k: v for k, v in model.state_dict().items() if same_classes or not k.startswith(head)}
     loaded = {k: v for k, v in weights.items() if same_classes or not k.startswith(head)}
-    config = state.get("config") if isinstance(state.get("config"), dict) else {}
-    stored = config.get("model") if isinstance(config.get("model"), dict) else {}
-    head_cfg = stored.get("head") if isinstance(stored.get("head"), dict) else {}  # upgraded: a group
-    held = f"the file holds {stored.get('name', 'a model')} with a {head_cfg.get('name', 'linear')} head"
+    network = nested_get(state, "config", "model", "name", default="a model")
+    head_name = nested_get(state, "config", "model", "head", "name", default="linear")
+    held = f"the file holds {network} with a {head_name} head"
     for key, tensor in expected.items():
         if key not in loaded or loaded[key].shape != tensor.shape:
             found = (
@@ -274,21 +261,16 @@ def init_from_checkpoint(
 
 
 def carry_loss_state(criterion: Any, state: dict[str, Any], path: str, loss_target: str) -> None:
-    """``model.init_from`` for a loss with state (ROLE's label estimates, LL-Cp's corrected entries,
-    EM + APL's pseudo-labels): it continues from the checkpoint ``state``'s ``loss`` when the file was
-    trained with the same loss (``_target_``) and its tensors have this run's names, shapes and dtypes (a
-    row per training sample: the same training set), else starts afresh, said in one log line. This is the
-    second phase of Cole et al.'s LinearInit: the linear phase's classifier and label estimates continue."""
+    """``model.init_from`` for a loss with state (ROLE's, LL-Cp's, EM + APL's): it continues from the
+    file's ``loss`` when trained with the same ``_target_`` and tensors of this run's names, shapes and
+    dtypes (the same training set), else starts afresh (one log line): Cole et al.'s LinearInit."""
     current = criterion.state_dict() if isinstance(criterion, nn.Module) else {}
     if not current:
         return
     stored = state.get("loss")
-    config = state.get("config")
-    stored_loss = config.get("loss") if isinstance(config, dict) else None
-    stored_target = stored_loss.get("_target_") if isinstance(stored_loss, dict) else None
     fits = (
         isinstance(stored, dict)
-        and stored_target == loss_target
+        and nested_get(state, "config", "loss", "_target_") == loss_target
         and stored.keys() == current.keys()
         and all(
             isinstance(stored[k], torch.Tensor) and stored[k].shape == v.shape and stored[k].dtype == v.dtype

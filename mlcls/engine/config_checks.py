@@ -1,10 +1,6 @@
-"""Checks of the resolved training config, run before any data is read or any process group is joined.
-
-Each key is checked once: here the trainer's, the model's starting point and those whose validity depends
-on another group (the batch over the world size, the loss's buckets, the backend's transform); the others
-where they are used (optimizer and schedule: :mod:`mlcls.engine.optim`; a head's: the head; the dataset's:
-the data package), the loss's by building it here, which costs nothing.
-"""
+"""Checks of the resolved training config, before any data is read. Each key is checked once: here the
+trainer's, the model's starting point and those that depend on another group; the others where they are
+used (optimizer and schedule: :mod:`mlcls.engine.optim`; heads; datasets)."""
 
 from __future__ import annotations
 
@@ -49,19 +45,14 @@ NULLABLE = ("limit_train_batches", "limit_val_batches", "eval_amp", "ema_decay",
 
 
 def resolve_amp(amp: str, device: torch.device) -> str:
-    """The autocast of ``trainer.amp`` (or ``eval_amp``) on ``device``: ``auto`` is bf16 on CUDA and none
-    (float32) elsewhere; none, bf16 and fp16 are what they say on every device."""
+    """The autocast of ``trainer.amp`` (or ``eval_amp``): ``auto`` is bf16 on CUDA, none elsewhere."""
     if amp == "auto":
         return "bf16" if device.type == "cuda" else "none"
     return amp
 
 
 def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
-    """Raise :class:`ConfigError` with a one-line message for the first invalid setting.
-
-    ``world_size`` defaults to the number of processes torchrun, or SLURM through submitit, starts (1
-    without either); the trainer passes the size of the process group it joined.
-    """
+    """Raise :class:`ConfigError` for the first invalid setting; ``world_size`` defaults to the launcher's."""
     if world_size is None:
         from mlcls.engine.distributed import world_size_from_environment
 
@@ -85,7 +76,22 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
             f"trainer.batch_size={t.batch_size} does not divide over {world_size} processes; "
             "use a multiple of the world size"
         )
-    _check_buckets(cfg, world_size)
+    # loss.bucket_size divides the batch it splits: per process, or the global one under loss.gather
+    gathered = bool(cfg.loss.get("gather"))
+    if gathered and world_size == 1:
+        raise ConfigError(
+            "loss.gather=true needs several processes (torchrun); without DDP it changes nothing"
+        )
+    split_batch = t.batch_size if gathered else t.batch_size // world_size
+    bucket = cfg.loss.get("bucket_size")
+    if bucket is not None and (not is_integer(bucket) or bucket <= 0):
+        raise ConfigError(f"loss.bucket_size={bucket!r}; expected a positive integer")
+    if bucket is not None and split_batch % bucket:
+        what = "global batch" if gathered else "per-process batch"
+        raise ConfigError(
+            f"loss.bucket_size={bucket} does not divide the {what} {split_batch} "
+            f"(trainer.batch_size={t.batch_size} over {world_size} processes)"
+        )
 
     init_from = cfg.model.init_from
     if init_from is not None and (not isinstance(init_from, str) or not Path(init_from).is_file()):
@@ -96,7 +102,13 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
     freeze = cfg.model.freeze_backbone
     if not isinstance(freeze, bool):
         raise ConfigError(f"model.freeze_backbone={freeze!r}; expected true (train the head alone) or false")
-    _check_zero_shot(cfg)
+    head = cfg.model.head.get("name")  # a text-query head's classes are text: unseen ones too
+    if cfg.dataset.get("unseen_classes") and head not in TEXT_HEADS:
+        raise ConfigError(
+            f"dataset.unseen_classes is set but model.head={head} has no text queries, so it cannot score a "
+            f"class it was not trained on; use model.head={' or model.head='.join(TEXT_HEADS)}, or "
+            "dataset.unseen_classes=null"
+        )
     if cfg.data.backend not in BACKENDS:
         raise ConfigError(f"data.backend={cfg.data.backend!r}; expected one of {', '.join(BACKENDS)}")
     if cfg.data.backend == "dali" and cfg.dataset.get("transform", "paper") != "paper":
@@ -108,39 +120,3 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
     except Exception as exc:
         cause = " ".join(str(exc.__cause__ or exc).split())  # Hydra's import errors span several lines
         raise ConfigError(f"loss={loss_name(cfg.loss)}: {cause}") from None
-
-
-def _check_zero_shot(cfg: DictConfig) -> None:
-    """``dataset.unseen_classes`` (zero-shot training) needs a text-query head (``TEXT_HEADS``: their classes
-    are text embeddings): another head has weights of its own per trained class, none for an unseen one."""
-    unseen = cfg.dataset.get("unseen_classes")
-    head = cfg.model.head.get("name")
-    if unseen and head not in TEXT_HEADS:
-        raise ConfigError(
-            f"dataset.unseen_classes is set but model.head={head} has no text queries, so it cannot score a "
-            f"class it was not trained on; use model.head={' or model.head='.join(TEXT_HEADS)}, or "
-            "dataset.unseen_classes=null"
-        )
-
-
-def _check_buckets(cfg: DictConfig, world_size: int) -> None:
-    """``loss.bucket_size`` divides the batch it splits: the per-process batch, or the global batch when
-    the loss gathers it from all processes (``loss.gather``, which needs several)."""
-    gathered = bool(cfg.loss.get("gather"))
-    if gathered and world_size == 1:
-        raise ConfigError(
-            "loss.gather=true needs several processes (torchrun); without DDP it changes nothing"
-        )
-    batch = cfg.trainer.batch_size
-    split_batch = batch if gathered else batch // world_size
-    bucket = cfg.loss.get("bucket_size")
-    if bucket is None:
-        return
-    if not is_integer(bucket) or bucket <= 0:
-        raise ConfigError(f"loss.bucket_size={bucket!r}; expected a positive integer")
-    if split_batch % bucket:
-        what = "global batch" if gathered else "per-process batch"
-        raise ConfigError(
-            f"loss.bucket_size={bucket} does not divide the {what} {split_batch} "
-            f"(trainer.batch_size={batch} over {world_size} processes)"
-        )

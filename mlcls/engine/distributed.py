@@ -1,15 +1,10 @@
 """Process-group set-up under torchrun or SLURM, and what every rank agrees on: a failure, and a stop
 request (the collectives themselves are :mod:`mlcls.distributed`'s).
 
-The process group has two backends: NCCL for CUDA tensors (gradients, logits) and gloo for CPU tensors
-(control messages: the stop flag, the status of a rank's work, objects), which therefore never wait for
-the GPU's stream: a status exchange can end every rank when one fails.
-
-SIGTERM and SIGUSR1 (what SLURM sends before a time limit or preemption) and a first SIGINT (Ctrl-C) ask
-the run to stop after the current step, checkpointed; a second SIGINT ends the process at once. Under DDP
-the flags are exchanged every :data:`POLL_EVERY` steps, asynchronously: the exchange started at one poll
-is read at the next, which every rank reaches after the same step, so all ranks stop after the same step
-and no step waits for the decision (:class:`StopSignals`).
+The group has two backends: NCCL for CUDA tensors and gloo for CPU tensors (the stop flag, a rank's
+status, objects), which never wait for the GPU's stream: a status exchange can end every rank when one
+fails. SIGTERM, SIGUSR1 (SLURM's warnings) and a first SIGINT stop the run after the current step,
+checkpointed, on every rank after the same step (:class:`StopSignals`); a second SIGINT ends it at once.
 """
 
 from __future__ import annotations
@@ -68,19 +63,6 @@ def resolve_device(preference: str) -> torch.device:
     return torch.device(preference)
 
 
-def export_slurm_environment() -> None:
-    """Under Hydra's submitit launcher (one process per SLURM task, no torchrun), set torchrun's variables
-    from submitit's view of the job. A no-op when ``WORLD_SIZE`` is already set or outside SLURM."""
-    if "WORLD_SIZE" in os.environ or os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
-        return
-    import submitit
-
-    # submitit's defaults would refuse a MASTER_PORT the job script set (it reads it as the port all the
-    # same), and narrow CUDA_VISIBLE_DEVICES to the local rank, after which no device index but 0 exists;
-    # the device is chosen by cuda_device_index instead, from the devices SLURM gave the task.
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-
-
 def cuda_device_index(local_rank: int, device_count: int) -> int:
     """The CUDA device of the process with ``local_rank`` among the ``device_count`` it can see: its own
     index when each process sees every GPU of the node, 0 when it sees only the one bound to it."""
@@ -95,18 +77,24 @@ def cuda_device_index(local_rank: int, device_count: int) -> int:
 
 
 def world_size_from_environment() -> int:
-    """The number of processes of this run, as :func:`init_distributed` will see it (1 without a launcher)."""
-    export_slurm_environment()
+    """The number of processes of this run (1 without a launcher). Under Hydra's submitit launcher (a
+    process per SLURM task, no torchrun) torchrun's variables are set first, from submitit's view of the job.
+    """
+    if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        import submitit
+
+        # submitit's defaults would refuse a MASTER_PORT the job script set (it reads it all the same), and
+        # narrow CUDA_VISIBLE_DEVICES to the local rank, after which no device index but 0 exists; the
+        # device is chosen by cuda_device_index instead, from the devices SLURM gave the task.
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def init_distributed(device_preference: str = "auto", timeout_s: float | None = None) -> DistInfo:
-    """Join the process group torchrun (``WORLD_SIZE`` > 1) or SLURM through submitit describes (without
-    either: a single process, rank 0); ``timeout_s`` bounds how long a collective waits for a missing rank.
-    """
+    """Join the process group torchrun or SLURM through submitit describes (without either: a single
+    process, rank 0); ``timeout_s`` bounds how long a collective waits for a missing rank."""
     device = resolve_device(device_preference)
-    export_slurm_environment()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size_from_environment()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world_size > 1:
@@ -127,10 +115,8 @@ def init_distributed(device_preference: str = "auto", timeout_s: float | None = 
 
 
 def agree(error: BaseException | None) -> None:
-    """Exchange every rank's outcome of a piece of work; raise on every rank if any rank failed: the failing
-    rank its own error, the others :class:`RankFailed` naming the first failed rank and its error. Call it
-    on every rank at the point where a rank would otherwise wait in a collective for one that never comes.
-    """
+    """Exchange every rank's outcome of a piece of work; if any failed, raise on every rank: the failing
+    rank its own error, the others :class:`RankFailed` naming the first failed rank and its error."""
     if error is not None and not isinstance(error, Exception):
         raise error  # KeyboardInterrupt, SystemExit: this process ends at once
     failures = [
@@ -182,10 +168,10 @@ POLL_EVERY = 10
 
 
 class StopSignals:
-    """Installs the stop handlers for the duration of a ``with`` block. ``received`` is the first signal
-    this process got (or None); :meth:`poll` is the decision all ranks share. The handlers installed before
-    (submitit's, on SLURM) are kept in ``previous``, to be handed the signal once the checkpoint is written.
-    """
+    """The stop handlers, for a ``with`` block: ``received`` is the first signal this process got (or None),
+    :meth:`poll` the decision all ranks share; the handlers installed before (submitit's) are ``previous``.
+    Under DDP the flags are exchanged every :data:`POLL_EVERY` steps, asynchronously: the exchange started
+    at one poll is read at the next, so no step waits for the decision."""
 
     def __init__(self, distributed: bool) -> None:
         self.distributed = distributed
@@ -199,9 +185,7 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._pending is not None:  # a started exchange must complete before the group is reused
-            self._pending[0].wait()
-            self._pending = None
+        self._settle()  # a started exchange must complete before the group is reused
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
@@ -231,14 +215,17 @@ class StopSignals:
 
     def agree_now(self) -> bool:
         """The decision of all ranks at once (a blocking exchange), for the end of an epoch."""
-        if self._pending is not None:
-            self._pending[0].wait()
-            self._pending = None
+        self._settle()
         if not self.distributed:
             return self.received is not None
         flag = torch.tensor([float(self.received is not None)])
         all_reduce_max(flag)
         return bool(flag.item())
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
 
     def hand_over(self) -> None:
         """Give the received signal to the handler installed before ours (submitit requeues the job)."""

@@ -18,21 +18,14 @@ class ModelEma:
 
         e <- d_t e + (1 - d_t) x,    d_t = min(decay, (1 + t) / (10 + t))   (with warm-up; else d_t = decay)
 
-    the warm-up of TensorFlow's ``ExponentialMovingAverage(num_updates=t)``. Without it the copy taken at
-    construction keeps a weight ``decay**n`` after n updates: 15 % for decay 0.9997 after 6,400 updates
-    (40 epochs of COCO at batch 512). With it d_0 = 0.1, and while d_t < decay the first K updates
-    together keep the weight ``(K+1)...(K+9) / ((n+1)...(n+9))``, about ``(K/n)**9``, after n updates
-    (the first half of 6,400: 0.2 %). d_t reaches ``decay`` after ``(10 decay - 1) / (1 - decay)`` updates
-    (30,000 for 0.9997); until then the average spans about the last ``t / 9`` updates.
+    TensorFlow's ``ExponentialMovingAverage(num_updates=t)`` warm-up. Without it the initial copy keeps a
+    weight ``decay**n`` after n updates (15 % for 0.9997 after 6,400); with it the first K updates keep
+    about ``(K/n)**9``, and d_t reaches ``decay`` after ``(10 decay - 1) / (1 - decay)`` updates.
 
-    Floating buffers (BatchNorm's running statistics) are averaged like the parameters, so the averaged
-    network normalises with statistics that follow its own weights; counters (``num_batches_tracked``)
-    are copied exactly.
-
-    The update never reads the device from the host: the update count ``t`` is a device tensor, and the
-    weight ``1 - d_t = max(1 - decay, 9 / (10 + t))`` (the complement directly: accurate in float32, where
-    subtracting ``d_t`` from 1 would lose digits) is computed there and multiplied by the step's
-    ``applied`` flag, so a step the optimizer skipped leaves the average and the count as they were.
+    Floating buffers (BatchNorm's statistics) are averaged like the parameters; counters are copied.
+    Nothing is read from the device: ``t`` is a device tensor, and the weight ``1 - d_t = max(1 - decay,
+    9 / (10 + t))`` (the complement directly: accurate in float32) times the step's ``applied`` flag leaves
+    the average and the count as they were after a skipped step.
     """
 
     def __init__(self, model: nn.Module, decay: float, warmup: bool = True) -> None:
@@ -50,11 +43,8 @@ class ModelEma:
 
     @torch.no_grad()
     def update(self, model: nn.Module, applied: torch.Tensor | None = None) -> None:
-        """Move the average towards ``model`` (the same architecture, unwrapped from DDP/compile).
-
-        ``applied``: 0-d bool tensor on the device, false when the optimizer skipped the step (non-finite
-        gradients); the update then changes nothing. None: the step was applied.
-        """
+        """Move the average towards ``model`` (unwrapped from DDP/compile), unless ``applied`` (a 0-d bool
+        device tensor; None: True) says the optimizer skipped the step."""
         applied = (
             torch.ones((), dtype=torch.bool, device=self._updates.device) if applied is None else applied
         )

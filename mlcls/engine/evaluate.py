@@ -1,8 +1,6 @@
-"""Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds;
-and the training set's predictions for a loss that relabels it between epochs (:func:`predict_training_set`).
-
-Zero-shot (``dataset.unseen_classes``, :class:`ZeroShot`): the model trained on the seen classes scores
-every class of the validation split through its text-query head, and the metrics add ZSL and GZSL."""
+"""Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds
+(with ZSL and GZSL under :class:`ZeroShot`); and the training set's predictions for a loss that relabels it
+between epochs (:func:`predict_training_set`)."""
 
 from __future__ import annotations
 
@@ -26,8 +24,8 @@ T = TypeVar("T")
 
 
 def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    """Autocast to bfloat16 (``amp="bf16"``) or float16 (``"fp16"``) on ``device``'s type, CUDA or CPU; a
-    no-op for ``"none"`` (``"auto"`` is resolved before: :func:`mlcls.engine.config_checks.resolve_amp`)."""
+    """Autocast to bfloat16 (``amp="bf16"``) or float16 (``"fp16"``) on ``device``'s type; none for
+    ``"none"`` (``"auto"`` is :func:`mlcls.engine.config_checks.resolve_amp`'s)."""
     if amp == "none":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if amp == "bf16" else torch.float16
@@ -38,9 +36,7 @@ def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractConte
 def predict(
     model: nn.Module, loader: Iterable, device: torch.device, amp: str = "none"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (float32) and targets (int8: 1, 0, -1; every dataset checks its labels when it is built) of
-    this process's rank part on the CPU, in its order; ``loader`` gives the images on ``device``
-    (:func:`mlcls.data.loader.build_eval_loader`)."""
+    """Logits (float32) and targets (int8: 1, 0, -1) of this process's rank part, on the CPU in its order."""
     model.eval()
     scores, targets = [], []
     for images, target in loader:
@@ -65,8 +61,7 @@ class Evaluation:
     trained_columns: torch.Tensor | None = None
 
     def trained_part(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(scores, labels)`` of the trained classes' columns: what thresholds are calibrated on and a
-        checkpoint's class list holds (all of them without zero-shot; (None, None) off rank 0)."""
+        """``(scores, labels)`` of the trained classes' columns, what thresholds are calibrated on."""
         if self.trained_columns is None or self.scores is None or self.labels is None:
             return self.scores, self.labels
         return self.scores[:, self.trained_columns], self.labels[:, self.trained_columns]
@@ -92,10 +87,9 @@ class ZeroShot:
         text_cfg: Mapping[str, Any] | None,
         named_unseen: Sequence[str] = (),
     ) -> ZeroShot | None:
-        """The zero-shot evaluation of the classes ``evaluated`` holds beyond the model's ``trained`` ones,
-        embedded by ``text_cfg`` (the run's ``text`` config); a trained class the evaluation set lacks is a
-        ``ValueError``. When ``trained`` is ``evaluated``: the ZSL / GZSL figures of the columns
-        ``named_unseen`` names (a model trained on every class, the reference of a zero-shot one), or None."""
+        """The zero-shot evaluation of ``evaluated``'s classes beyond the ``trained`` ones, embedded by
+        ``text_cfg``; a trained class missing is a ``ValueError``. When ``trained`` is ``evaluated``: the
+        ZSL / GZSL figures of the ``named_unseen`` columns (a model trained on every class), or None."""
         if list(trained) == list(evaluated):
             named = set(named_unseen)
             unseen = torch.tensor([name in named for name in evaluated], dtype=torch.bool)
@@ -116,9 +110,8 @@ class ZeroShot:
 
     @contextlib.contextmanager
     def scoring(self, model: nn.Module) -> Iterator[None]:
-        """``model``'s text-query head scores :attr:`classes` within the block, its own class embeddings
-        (the trained classes') restored after it, also when the block raises; nothing changes when the
-        evaluated classes are the model's own (``embeddings`` None)."""
+        """``model``'s text-query head scores :attr:`classes` within the block, its own embeddings restored
+        after it, also when it raises."""
         if self.embeddings is None:
             yield
             return
@@ -146,8 +139,7 @@ def headline(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def on_main_for_all(work: Callable[[], T]) -> T:
-    """``work()`` on rank 0, its result broadcast to every rank (a small object: metrics, thresholds); if
-    it raises, every rank raises."""
+    """``work()`` on rank 0, its (small) result broadcast to every rank; if it raises, every rank raises."""
     return collectives.broadcast_object(dist_utils.on_main(work, collectives.rank() == 0))
 
 
@@ -156,22 +148,17 @@ def predict_training_set(
     model: nn.Module, batches: Iterable[tuple[torch.Tensor, ...]], steps: int, amp: str = "none"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sample indices (int64 (n,)), sigmoid probabilities (float32 (n, C)) and targets (int8 (n, C))
-    of the first ``steps`` batches ``(images, targets, indices)`` of ``batches`` (a training loader built
-    ``with_index`` behind a :class:`~mlcls.data.loader.DevicePrefetcher`), every rank's in rank order on
-    the device: n = steps x global batch rows, identical on every rank (what an APL step reads). ``model``
-    runs as in :func:`evaluate`: eval mode, ``amp``'s autocast, rank 0's buffers."""
+    of the first ``steps`` batches ``(images, targets, indices)``, every rank's in rank order on the
+    device (n = steps x global batch), identical on every rank; ``model`` runs as in :func:`evaluate`."""
     collectives.broadcast_buffers(model)
     model.eval()
-    columns: list[list[torch.Tensor]] = [[], [], []]
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     with dist_utils.all_or_none():
         for images, targets, indices in itertools.islice(batches, steps):
             with autocast_context(images.device, amp):
                 logits = model(images)
-            for column, part in zip(
-                columns, (indices.long(), torch.sigmoid(logits.float()), targets.to(torch.int8)), strict=True
-            ):
-                column.append(part)
-    indices, probabilities, targets = (torch.cat(column) for column in columns)
+            rows.append((indices.long(), torch.sigmoid(logits.float()), targets.to(torch.int8)))
+    indices, probabilities, targets = (torch.cat(column) for column in zip(*rows, strict=True))
     if collectives.initialized():
         indices, probabilities, targets = map(collectives.all_gather_rows, (indices, probabilities, targets))
     return indices, probabilities, targets
@@ -185,16 +172,13 @@ def evaluate(
     amp: str = "none",
     zero_shot: ZeroShot | None = None,
 ) -> Evaluation:
-    """``model`` on the whole dataset behind ``loader`` (RankSampler's shares, the images on ``device``),
-    each sample scored once; with ``zero_shot`` every class of :attr:`ZeroShot.classes` (``classes``, the
-    model's own, are its trained columns), the metrics with ZSL and GZSL.
+    """``model`` on the whole dataset behind ``loader``, each sample scored once; with ``zero_shot`` every
+    class of :attr:`ZeroShot.classes`, the metrics with ZSL and GZSL.
 
-    The rank parts are gathered on rank 0, which alone computes the metrics and broadcasts them: only rank
-    0 holds the whole set (labels in int8: 0.4 GB instead of 1.6 GB at Open Images' 41,620 x 9,605
-    validation labels). Under DDP each process's BatchNorm running statistics drift from rank 0's during
-    an epoch (DDP broadcasts them only at the next forward), so rank 0's buffers, the ones checkpointed,
-    are broadcast first: every part is scored by exactly the saved model. A rank that fails on its part
-    (an unreadable image) ends every rank with its error instead of leaving them waiting in the gather.
+    Only rank 0 holds the whole set and computes the metrics (labels in int8: 0.4 GB instead of 1.6 GB at
+    Open Images' 41,620 x 9,605). Rank 0's BatchNorm buffers, the checkpointed ones, are broadcast first
+    (under DDP each rank's drift during an epoch): every part is scored by exactly the saved model. A rank
+    that fails on its part ends every rank instead of leaving them waiting in the gather.
     """
     collectives.broadcast_buffers(model)
     switched = contextlib.nullcontext() if zero_shot is None else zero_shot.scoring(model)
@@ -214,9 +198,8 @@ def measure_rank_parts(
     classes: list[str],
     unseen: torch.Tensor | None = None,
 ) -> Evaluation:
-    """The rest of :func:`evaluate` after :func:`predict`: this rank's logits (n_r, C) and int8 labels of
-    ``total`` samples (rows ``rank::world``) gathered on rank 0, whose metrics (with ``unseen``, bool (C,):
-    ZSL and GZSL too; NaN scores: :func:`check_model_scores`'s error) every rank returns."""
+    """The rest of :func:`evaluate`: this rank's logits (n_r, C) and int8 labels of ``total`` samples
+    gathered on rank 0, whose metrics (with ``unseen``, bool (C,): ZSL and GZSL too) every rank returns."""
     scores = collectives.gather_rank_parts(scores, total, dst=0)
     labels = collectives.gather_rank_parts(labels, total, dst=0)
     metrics = on_main_for_all(
@@ -226,10 +209,9 @@ def measure_rank_parts(
 
 
 def thresholds_split(dataset_cfg: Any, held_out: bool) -> str:
-    """Where a run calibrates its thresholds: ``"holdout"``, the held-out share of the training split, when
-    the run has one that shows the dataset's own labels (``dataset.holdout_labels=clean``, or no
-    observed-label regime), so that they are not fitted on the split the run reports; else ``"validation"``
-    (single-positive or partial labels have too few known negatives to place a threshold)."""
+    """Where a run calibrates its thresholds: ``"holdout"`` when its held-out share shows the dataset's own
+    labels (not fitted on the split the run reports), else ``"validation"`` (single-positive or partial
+    labels have too few known negatives to place a threshold)."""
     if not held_out:
         return "validation"
     shows_own = (
@@ -239,9 +221,8 @@ def thresholds_split(dataset_cfg: Any, held_out: bool) -> str:
 
 
 def calibrate_on_main(evaluation: Evaluation, classes: list[str], split: str = "validation") -> torch.Tensor:
-    """The per-class logit thresholds (float64 (C,), :func:`calibrate_thresholds` with classes without a
-    positive :data:`NEVER_PREDICTED`) of ``evaluation``'s scores of the trained ``classes``
-    (:meth:`Evaluation.trained_part`), computed on rank 0 and equal on every rank."""
+    """The per-class logit thresholds (float64 (C,), :data:`NEVER_PREDICTED` without a positive) of
+    ``evaluation``'s trained part, computed on rank 0 and equal on every rank."""
     scores, labels = evaluation.trained_part()
     return on_main_for_all(
         lambda: calibrate_thresholds(

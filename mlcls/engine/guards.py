@@ -21,15 +21,13 @@ def gradient_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
 
 
 def step_if_finite(optimizer: torch.optim.Optimizer, applied: torch.Tensor) -> None:
-    """``optimizer.step()`` where ``applied`` (a 0-d bool tensor on the parameters' device) is True; where it
-    is False the parameters and the optimizer state stay as they were.
+    """``optimizer.step()`` where ``applied`` (a 0-d bool device tensor) is True; else the parameters and the
+    optimizer state stay as they were.
 
-    A fused optimizer skips in its own kernel, told by the ``found_inf`` flag GradScaler gives it too. Any
-    other steps, then its parameters and state tensors get back the copy taken before the step where
-    ``applied`` is False: one copy per step in device memory, and no read. A state made by this step (a
-    parameter's first; fused SGD's momentum buffer is then uninitialised memory) has nothing to go back to:
-    only that step reads ``applied``, and drops the new state when skipped. A state tensor on another device
-    (a non-capturable Adam's CPU step count on CUDA) is not put back: it counts a skipped step too.
+    A fused optimizer skips in its kernel (GradScaler's ``found_inf`` flag). Any other gets back a copy
+    taken before the step: one copy in device memory, no read. A state made by this step (a parameter's
+    first) has nothing to go back to: only that step reads ``applied``, and drops it when skipped. A state
+    on another device (a non-capturable Adam's CPU step) is not put back: it counts a skipped step too.
     """
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     stateless = [p for p in params if not optimizer.state.get(p)]
@@ -58,9 +56,8 @@ def step_if_finite(optimizer: torch.optim.Optimizer, applied: torch.Tensor) -> N
 
 
 class NonFiniteCounter:
-    """Skipped steps counted on the device, so that recording one reads nothing back: the current run of
-    consecutive skips, its longest length since the last :meth:`check`, and the total since the last
-    :meth:`take_skipped`."""
+    """Skipped steps counted on the device (recording reads nothing back): the current run of consecutive
+    skips, the longest since :meth:`check`, the total since :meth:`take_skipped`."""
 
     def __init__(self, device: torch.device, max_run: int) -> None:
         self.max_run = max_run

@@ -24,11 +24,8 @@ BEST_CHECKPOINT = "checkpoints/best.pt"
 
 
 class MlflowRun:
-    """An MLflow run of a training run (``logger=mlflow``, rank 0): opened with the config ``params`` as
-    dotted keys, metrics logged with their step, ``run_dir``'s results uploaded at :meth:`close`.
-    ``logger_cfg`` is ``configs/logger/mlflow.yaml``: ``tracking_uri`` (None: ``$MLFLOW_TRACKING_URI``, else
-    the file store ``./mlruns``), ``experiment``, ``run_name`` (None: the run folder's), ``log_checkpoint``.
-    """
+    """The MLflow run of a training run (``logger=mlflow``, rank 0, ``configs/logger/mlflow.yaml``): the
+    config as dotted params, metrics with their step, ``run_dir``'s results uploaded at :meth:`close`."""
 
     def __init__(self, logger_cfg: Mapping[str, Any], run_dir: Path, params: Mapping[str, Any] | DictConfig):
         try:
@@ -54,8 +51,7 @@ class MlflowRun:
         self.mlflow.log_metrics(values, step=step)
 
     def close(self, failed: bool) -> None:
-        """Upload the run directory's results (:data:`MLFLOW_ARTIFACTS`, the best checkpoint) and end the
-        run, ``FAILED`` or ``FINISHED``."""
+        """Upload :data:`MLFLOW_ARTIFACTS` (and the best checkpoint); end the run FAILED or FINISHED."""
         for name in MLFLOW_ARTIFACTS:
             path = self.run_dir / name
             if path.is_dir():
@@ -69,9 +65,8 @@ class MlflowRun:
 
 
 class RunLog:
-    """Log lines and TensorBoard scalars of rank 0, and its MLflow run when ``cfg.logger.name`` is
-    ``mlflow`` (``cfg`` None: none); the other ranks log warnings only (until :meth:`close`), write nothing.
-    """
+    """Rank 0's log lines, TensorBoard scalars and MLflow run (``logger=mlflow``); the other ranks log
+    warnings only (until :meth:`close`) and write nothing."""
 
     def __init__(
         self,
@@ -99,7 +94,7 @@ class RunLog:
     def step(
         self, epoch: int, step: int, iteration: int, loss: float, lrs: dict[str, float], bar: tqdm
     ) -> None:
-        """A log step: the loss in the progress bar (on a terminal) or a log line, loss and lr scalars."""
+        """The loss in the progress bar (on a terminal) or a log line; loss and lr scalars."""
         if not bar.disable:
             bar.set_postfix(loss=f"{loss:.4f}")
         else:
@@ -111,8 +106,7 @@ class RunLog:
         log.info("epoch %d/%d  loss %.4f  %.1f images/s", epoch + 1, self.epochs, loss, images_per_s)
 
     def evaluation(self, epoch: int, metrics: dict[str, Any], best: dict[str, Any]) -> None:
-        """The metrics of the raw weights (and of the EMA under ``metrics["ema"]``, the held-out split's
-        under ``metrics["selection"]``) and the best so far."""
+        """The raw weights' metrics (the EMA's and held-out split's within) and the best so far."""
         self.scalars("val", metrics, epoch)
         notes = ""
         if "selection" in metrics:
@@ -145,8 +139,7 @@ class RunLog:
             self.mlflow.metrics({f"{prefix}_{key}": value for key, value in numbers.items()}, step)
 
     def close(self) -> None:
-        """Close the TensorBoard writer; upload the artifacts and end the MLflow run (``FAILED`` when called
-        while an exception propagates, in the trainer's ``finally``); give the logger its level back."""
+        """Close TensorBoard and MLflow (``FAILED`` while an exception propagates); restore the log level."""
         if self.level_before is not None:
             log.setLevel(self.level_before)
             self.level_before = None
@@ -158,8 +151,7 @@ class RunLog:
 
 
 def open_run_log(run_dir: Path, is_main: bool, epochs: int, iters_per_epoch: int, cfg: DictConfig) -> RunLog:
-    """The run's :class:`RunLog`, once rank 0 has opened TensorBoard and MLflow. Every rank returns
-    together; if rank 0 fails (an MLflow server that is down), every rank raises instead of waiting for it
-    (:func:`on_main`)."""
+    """The run's :class:`RunLog`, once rank 0 has opened it; if rank 0 fails (an MLflow server down), every
+    rank raises (:func:`on_main`)."""
     run_log = on_main(lambda: RunLog(run_dir, True, epochs, iters_per_epoch, cfg=cfg), is_main)
     return run_log if run_log is not None else RunLog(run_dir, False, epochs, iters_per_epoch, cfg=cfg)

@@ -1,17 +1,11 @@
-"""The optimizer's parameter groups (head/backbone learning rates, weight decay by parameter kind) and the
-per-iteration schedules.
+"""The optimizer's parameter groups and the per-iteration schedules; both config groups are checked here.
 
-``configs/optim/*.yaml`` are Hydra ``_partial_`` configs of any torch optimizer class with its own keywords
-(``momentum``, ``betas``, ...), beside the project's group keys :data:`GROUP_KEYS`, which are taken out
-before it is instantiated: ``lr_head`` and ``lr_backbone`` (the classifier, ``model.get_classifier()``, and
-the rest: the paper's 0.01 and 0.001, Sec. 4.1), ``weight_decay``, and the decays of normalisation layers'
-parameters and of other 1-D biases (``norm_weight_decay``, ``bias_weight_decay``; null: ``weight_decay``'s,
-the paper's protocol; 0.0: none, torchvision's ``--norm-weight-decay`` convention). They make the groups
-(:func:`parameter_groups`), each with its own ``lr`` and ``weight_decay``.
-
-``configs/sched/*.yaml`` are ``_partial_`` configs of a function ``target(optimizer, total_iters=N,
-**keys)`` returning an LRScheduler stepped every iteration (:func:`cosine_schedule`,
-:func:`onecycle_schedule`). Both groups' keys are checked here, where they are used.
+``configs/optim/*.yaml`` are ``_partial_`` configs of a torch optimizer with its own keywords, beside
+:data:`GROUP_KEYS`, taken out first: ``lr_head`` and ``lr_backbone`` (the classifier and the rest: the
+paper's 0.01 and 0.001, Sec. 4.1), ``weight_decay`` and the decays of normalisation layers and other 1-D
+biases (``norm_weight_decay``, ``bias_weight_decay``; null: ``weight_decay``'s, the paper's; 0.0: none).
+``configs/sched/*.yaml`` are ``_partial_`` configs of ``target(optimizer, total_iters=N, **keys)``
+returning an LRScheduler stepped every iteration.
 """
 
 from __future__ import annotations
@@ -43,9 +37,8 @@ TORCH_NORM_LAYERS = (
 
 
 def is_norm_layer(module: nn.Module) -> bool:
-    """A normalisation layer: one of torch's, or a module named ``*Norm*`` whose parameters are all its own
-    per-channel vectors (timm's RmsNorm, SimpleNorm, EvoNorm, FilterResponseNorm, which subclass none;
-    containers such as ``ConvNormAct`` or a model named ``*Norm*`` hold their parameters in submodules)."""
+    """One of torch's normalisation layers, or a module named ``*Norm*`` whose parameters are all its own
+    vectors (timm's RmsNorm, EvoNorm, ...; not a container such as ``ConvNormAct``)."""
     if isinstance(module, TORCH_NORM_LAYERS):
         return True
     own = list(module.parameters(recurse=False))
@@ -77,13 +70,9 @@ def _settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def parameter_groups(model: nn.Module, cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The optimizer's parameter groups of ``model`` from the group keys of ``cfg`` (the others ignored).
-
-    Head groups first, then backbone groups; within a part the group at ``weight_decay`` first, and
-    parameters in ``model.parameters()`` order. Parameters of one part whose decays are equal share a group
-    (none is empty): with null norm/bias decays, two groups, as in the paper. Each group's ``name`` is its
-    part for the weights, else the part and kinds (``backbone_norm_bias``, or ``backbone_norm`` and
-    ``backbone_bias`` when the two differ).
+    """The optimizer's parameter groups of ``model`` from the group keys of ``cfg``: head, then backbone;
+    within a part one non-empty group per decay, ``weight_decay``'s first (with null norm/bias decays two
+    groups, as in the paper), named by the part (the weights') or part and kinds (``backbone_norm_bias``).
     """
     decay = {
         "weight": cfg["weight_decay"],
@@ -107,10 +96,8 @@ def parameter_groups(model: nn.Module, cfg: Mapping[str, Any]) -> list[dict[str,
 
 
 def _build(group: str, settings: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-    """``settings``, a ``_partial_`` config of ``group`` (optim, sched), instantiated and called with the
-    arguments. Its error -- Hydra's (a few lines wrapping the target's) or the target's own check of its
-    keywords (momentum out of range, ...) -- is a ConfigError naming the target, with the first line of the
-    innermost error."""
+    """``settings``, a ``_partial_`` config of ``group``, instantiated and called with the arguments; an
+    error is a ConfigError naming the target, with the first line of the innermost error."""
     if settings.get("_partial_") is not True:
         raise ConfigError(f"{group}._partial_ must be true: {group}._target_ is called by the trainer")
     try:
@@ -125,14 +112,9 @@ def _build(group: str, settings: dict[str, Any], *args: Any, **kwargs: Any) -> A
 def build_optimizer(
     cfg: Mapping[str, Any], model: nn.Module, loss_groups: Sequence[Mapping[str, Any]] = ()
 ) -> torch.optim.Optimizer:
-    """The optimizer of ``cfg`` (a ``_partial_`` config of a torch optimizer) over :func:`parameter_groups`,
-    then the ``loss_groups`` of a loss with learnable state (e.g. ROLE's label table): each a dict of
-    ``params``, ``name`` (one word) and ``lr_scale``, trained at ``lr_scale * lr_head`` without weight decay.
-    A group key that is not a number >= 0 (the ``*_weight_decay`` ones may be null) is a ConfigError.
-
-    Group 0 is the head at ``lr_head``; :func:`group_lrs` reads the learning rates by part. Loading a state
-    dict checks that its groups are this optimizer's (same names and sizes).
-    """
+    """The optimizer of ``cfg`` over :func:`parameter_groups`, then the ``loss_groups`` of a loss with
+    learnable state (dicts of ``params``, ``name``, ``lr_scale``: at ``lr_scale * lr_head``, no decay).
+    Loading a state dict checks that its groups are this optimizer's (names and sizes)."""
     settings = _settings(cfg)
     for key in GROUP_KEYS:
         value = settings.pop(key, None)
@@ -174,8 +156,7 @@ def _match_saved_groups(optimizer: torch.optim.Optimizer, state: dict[str, Any])
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """Current learning rate of each part, ``{"head": lr, "backbone": lr}`` (all groups of a part share it;
-    a part without trainable parameters is absent)."""
+    """Current learning rate of each part with parameters, ``{"head": lr, "backbone": lr}``."""
     lrs: dict[str, float] = {}
     for group in optimizer.param_groups:
         lrs.setdefault(group["name"].split("_")[0], group["lr"])
@@ -216,11 +197,9 @@ def onecycle_schedule(
     anneal_strategy: str = "cos",
     cycle_momentum: bool = True,
 ) -> torch.optim.lr_scheduler.OneCycleLR:
-    """torch's ``OneCycleLR`` over ``total_iters`` iterations, stepped every iteration: from
-    ``lr / div_factor`` up to each group's lr over the first ``pct_start`` of them, then down to
-    ``lr / (div_factor x final_div_factor)`` (``anneal_strategy`` cos or linear); with ``cycle_momentum``
-    the momentum (Adam's beta1) moves the opposite way between torch's 0.85 and 0.95, as ML-Decoder's
-    recipe uses them."""
+    """torch's ``OneCycleLR`` over ``total_iters`` iterations: from ``lr / div_factor`` up to each group's
+    lr over the first ``pct_start``, then down to ``lr / (div_factor x final_div_factor)``; with
+    ``cycle_momentum`` the momentum moves the opposite way (0.85 to 0.95), as ML-Decoder's recipe."""
     if not isinstance(pct_start, (int, float)) or not 0.0 < pct_start < 1.0:
         raise ValueError(f"pct_start={pct_start!r}; expected a number in (0, 1)")
     return torch.optim.lr_scheduler.OneCycleLR(
@@ -242,12 +221,8 @@ def build_scheduler(
     iters_per_epoch: int = 1,
     head_warmup_epochs: float = 0,
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """The schedule of ``cfg`` (a ``_partial_`` config) over ``total_iters`` iterations of ``optimizer``.
-
-    A schedule with a ``warmup_epochs`` key (a number >= 0, fractions allowed; null: ``head_warmup_epochs``,
-    the head's ``model.head.warmup_epochs``) gets ``warmup_iters`` = ``warmup_epochs`` x ``iters_per_epoch``,
-    rounded. A mistake is a one-line :class:`ConfigError` naming the key.
-    """
+    """The schedule of ``cfg`` over ``total_iters`` iterations; a ``warmup_epochs`` key (null: the head's
+    ``head_warmup_epochs``) becomes ``warmup_iters = round(warmup_epochs x iters_per_epoch)``."""
     settings = _settings(cfg)
     if "warmup_epochs" in settings:
         epochs = settings.pop("warmup_epochs")

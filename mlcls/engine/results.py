@@ -28,13 +28,9 @@ def run_results(
     device: torch.device,
     epochs_completed: int,
 ) -> dict[str, Any]:
-    """The content of results.json; its ``metrics`` are the last evaluation's on the validation split,
-    without per-class AP (``per_class_ap``). A run with a held-out split (``dataset.holdout_fraction``) adds
-    the held-out mAP@class and mAP@sample as ``selection`` in ``metrics``, ``best`` and each evaluated
-    epoch of ``history``, ``best["selected_on"] = "holdout"`` and ``dataset["holdout_size"]``. A zero-shot
-    run (``dataset.unseen_classes``) adds ``dataset["unseen_classes"]`` (in the validation split's order);
-    its metrics hold ``zsl`` and ``gzsl`` (:mod:`mlcls.metrics.zero_shot`), its other figures and
-    ``per_class_ap`` are over every class of the validation split, ``dataset["num_classes"]`` the trained."""
+    """The content of results.json: the last evaluation's ``metrics`` on the validation split (per-class AP
+    apart), with a held-out split its ``selection`` figures and ``dataset["holdout_size"]``, with unseen
+    classes ``dataset["unseen_classes"]`` (``num_classes`` counts the trained)."""
     metrics = state.last_metrics or {}
     trained = set(data.classes)
     unseen = (
@@ -78,8 +74,7 @@ def run_results(
 
 
 def record_skipped_images(counts: dict[str, Any], datasets: Iterable[Any]) -> None:
-    """Add to ``counts["skipped_images"]`` the files ``datasets`` skipped since the last call
-    (``dataset.on_bad_image=skip``) on any rank, and say how many are new."""
+    """Add the files any rank's ``datasets`` skipped since the last call to ``counts["skipped_images"]``."""
     mine: list[str] = []
     for dataset in datasets:
         dataset = getattr(dataset, "dataset", dataset)  # a Subset (trainer.limit_val_batches)

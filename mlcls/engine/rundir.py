@@ -1,7 +1,6 @@
-"""Where a run writes: one directory for every process, created only once the run can start, held by one
-run at a time (a lock file naming its host and process, judged under :class:`filelock.FileLock`), with the
-run's resolved ``config.yaml``, cleared of the temporary files a killed run's writes left in it, and
-removed again by a run that fails before its first checkpoint."""
+"""Where a run writes: one directory for every process, held by one run at a time (a lock file naming its
+host and process), with the resolved ``config.yaml``; removed again by a run that fails before its first
+checkpoint."""
 
 from __future__ import annotations
 
@@ -35,11 +34,10 @@ log = logging.getLogger("mlcls")
 
 # The lock file of a live run in its run directory: JSON {"host", "pid", "started", "process"}.
 LOCK_NAME = ".lock"
-# How long a process waits for another one judging the same lock (a judgement takes milliseconds): a
-# process that holds it longer (stopped, or not mlcls) makes the directory one the run cannot take.
+# How long a process waits for another judging the same lock (a judgement takes milliseconds).
 JUDGE_TIMEOUT_S = 10.0
 
-# The folders of a run directory that mlcls writes files into atomically (besides the directory itself).
+# The folders of a run directory written atomically into, besides itself.
 WRITTEN_SUBDIRS = ("checkpoints", "plots")
 
 
@@ -61,10 +59,8 @@ def hydra_run_dir() -> Path | None:
 
 
 def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: bool, cfg: DictConfig) -> Path:
-    """``output_dir`` (``trainer.output_dir``), else Hydra's job directory, else ``outputs/<date>/<time>``;
-    locked, with ``checkpoints/`` and ``config.yaml`` (``cfg`` resolved) in it. Rank 0 decides for every
-    process (each rank's Hydra resolves ``${now:...}`` on its own clock); a directory Hydra made that is
-    not the run's is removed again when empty."""
+    """``trainer.output_dir``, else Hydra's job directory, else ``outputs/<date>/<time>``, as rank 0 chose it
+    (each rank's Hydra reads its own clock); locked, with ``checkpoints/`` and ``config.yaml`` in it."""
     chosen = output_dir or hydra_dir or f"outputs/{datetime.now():%Y-%m-%d/%H-%M-%S}"
     run_dir = Path(collectives.broadcast_object(str(chosen))).absolute()
     if hydra_dir is not None and hydra_dir.absolute() != run_dir:
@@ -81,8 +77,8 @@ def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: boo
 
 
 def explicit_hydra_run_dir() -> bool:
-    """True when a single run's command line sets ``hydra.run.dir``: that directory is the run's, the same
-    on every relaunch (so ``trainer.resume=auto`` knows where to look)."""
+    """True when a single run's command line sets ``hydra.run.dir``, the same on every relaunch (so
+    ``trainer.resume=auto`` knows where to look)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -97,8 +93,7 @@ def explicit_hydra_run_dir() -> bool:
 
 
 def _parse_holder(content: bytes) -> dict[str, Any]:
-    """The holder a lock file's ``content`` names (empty when it is not one: not JSON, not an object, or
-    nested deeper than the parser's recursion limit)."""
+    """The holder a lock file's ``content`` names (empty when it is not a JSON object)."""
     try:
         holder = json.loads(content)
     except (ValueError, RecursionError):
@@ -111,9 +106,8 @@ def _is_mine(holder: dict[str, Any]) -> bool:
 
 
 def process_identity(pid: int) -> str | None:
-    """``"<boot id>:<start time>"`` of process ``pid`` on this host (Linux ``/proc``), None where it cannot
-    be read. A process id is reused once its process is gone (a container restarted, a host rebooted, many
-    processes later); the pair names one process for as long as the host exists."""
+    """``"<boot id>:<start time>"`` of process ``pid`` on this host (Linux ``/proc``; else None): unlike a
+    reused process id, the pair names one process for as long as the host exists."""
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -125,9 +119,8 @@ def process_identity(pid: int) -> str | None:
 
 
 def _holder_alive(holder: dict[str, Any]) -> bool:
-    """Whether the run a lock names may still be running: its process exists and is the one that wrote the
-    lock (``process``, where both were read), or it runs on another host (which this one cannot check).
-    This process's own lock (a run of it that did not finish) is not."""
+    """Whether the run a lock names may still run: its process exists and is the one that wrote the lock,
+    or it is on another host (which cannot be checked); this process's own lock is not."""
     if holder.get("host") != socket.gethostname():
         return bool(holder)
     pid = holder.get("pid")
@@ -144,12 +137,10 @@ def _holder_alive(holder: dict[str, Any]) -> bool:
 
 
 def acquire_run_lock(run_dir: Path) -> None:
-    """Take ``run_dir``'s lock for this process until :func:`release_run_lock` (or exit), then remove the
-    temporary files that writes of a killed run left in it (:func:`sweep_temporary_files`). A lock of a
-    live run raises :class:`RunDirLocked` naming its holder; a stale one (its process gone from this host,
-    or its process id now another process's: :func:`process_identity`) is taken over with a warning, by
-    exactly one of the processes that found it (:func:`_take_over_if_stale`). The lock appears with its
-    content in one step (a hard link of a complete file), so no run reads a half-written one."""
+    """Take ``run_dir``'s lock until :func:`release_run_lock` (or exit), then sweep the temporary files of
+    a killed run's writes. A live run's lock is a :class:`RunDirLocked` naming its holder; a stale one is
+    taken over with a warning (:func:`_take_over_if_stale`). The lock appears complete in one step (a hard
+    link of a written file)."""
     lock = run_dir / LOCK_NAME
     holder = {
         "host": socket.gethostname(),
@@ -176,12 +167,10 @@ def acquire_run_lock(run_dir: Path) -> None:
 
 
 def _take_over_if_stale(lock: Path, draft: Path) -> bool:
-    """Replace the existing ``lock`` by ``draft`` if the run it names is gone; True once done, False when
-    ``lock`` changed meanwhile (released, or taken by another process: try again); :class:`RunDirLocked`
-    for a live holder. The lock file is held (:class:`filelock.FileLock`, at most :data:`JUDGE_TIMEOUT_S`)
-    while it is judged and replaced, and judged only if it is still the file this process opened: of the
-    processes that found the same stale lock, the first replaces it and the others find the new one, alive.
-    """
+    """Replace ``lock`` by ``draft`` if the run it names is gone; True once done, False when ``lock``
+    changed meanwhile (try again); :class:`RunDirLocked` for a live holder. The file is held under
+    :class:`filelock.FileLock` while judged, and judged only if still the file opened: of the processes
+    that found one stale lock, the first replaces it and the others find the new one, alive."""
     try:
         # one open, without blocking; a pipe, a device or a folder there is refused, and a file over
         # CAPS["lock"] bytes: neither is a lock this module writes
@@ -233,8 +222,7 @@ def _take_over_if_stale(lock: Path, draft: Path) -> bool:
 
 
 def release_run_lock(run_dir: Path) -> None:
-    """Remove ``run_dir``'s lock if this process holds it (one it cannot read, or over ``CAPS["lock"]``
-    bytes, is not its own)."""
+    """Remove ``run_dir``'s lock if this process holds it."""
     lock = run_dir / LOCK_NAME
     try:
         holder = _parse_holder(read_regular_bytes(lock, CAPS["lock"], "lock"))
@@ -245,9 +233,8 @@ def release_run_lock(run_dir: Path) -> None:
 
 
 def close_run_dir(run_dir: Path, is_main: bool) -> None:
-    """End the run's hold on ``run_dir`` (rank 0; other ranks do nothing): release its lock, and when no
-    checkpoint exists (the run failed before its first one) remove what it wrote -- ``config.yaml``,
-    ``tb/``, the empty ``checkpoints/`` -- and the directory if nothing else is left in it."""
+    """On rank 0, release ``run_dir``'s lock; without a checkpoint, remove what the run wrote and the
+    directory if nothing else is left."""
     if not is_main:
         return
     checkpoints = run_dir / "checkpoints"
@@ -261,10 +248,9 @@ def close_run_dir(run_dir: Path, is_main: bool) -> None:
 
 
 def discard_if_empty(directory: Path | None) -> None:
-    """Remove ``directory`` if nothing was written into it (a run that stopped before it began, or Hydra's
-    default directory of a run that writes elsewhere), and its parents below the working directory that
-    are left empty (``outputs/<date>``). Other ranks may be removing the same ones (their Hydra resolved
-    the same time): a directory gone already, or no longer empty, ends the clean-up without an error."""
+    """Remove ``directory`` if nothing was written into it, and its parents below the working directory
+    left empty (``outputs/<date>``); other ranks may remove the same ones, so a directory gone or no
+    longer empty ends the clean-up quietly."""
     if directory is None:
         return
     cwd, current = Path.cwd().absolute(), directory.absolute()

@@ -1,12 +1,8 @@
-"""Checks of a training checkpoint's stored state against the live objects it is about to be loaded into.
+"""Checks of a resumed checkpoint's state against the live objects, before any ``load_state_dict``.
 
-A resumed ``last.pt`` is plain data, but plain data can still hold a state no run wrote: an optimizer
-moment of one element for a 3 x 3 weight (which a fused SGD or AdamW kernel reads and writes out of
-bounds: a segmentation fault or a corrupted heap), a negative epoch (training that never ends), a
-random-number state of the wrong length. :func:`check_resume_state` compares every field a resume loads
-with this run's objects -- shapes, dtypes, counts, types, counters' ranges -- before any
-``load_state_dict``, and stops at the first mismatch with one :class:`CheckpointError` line naming the
-field, what it holds and what was expected. Only the optimizer's probe (a two-element step) allocates.
+Plain data can still hold a state no run wrote: an optimizer moment of one element for a 3 x 3 weight (a
+fused kernel then writes out of bounds), a negative epoch, an RNG state of the wrong length. The first
+mismatch is one :class:`CheckpointError` line; only the optimizer's probe (a two-element step) allocates.
 """
 
 from __future__ import annotations
@@ -71,15 +67,13 @@ def check_int(value: Any, field: str, low: int, high: int) -> int:
 
 
 def check_number(value: Any, field: str, low: float = -math.inf, high: float = math.inf) -> float:
-    ok = is_number(value)
-    if not ok or not math.isfinite(value) or not low <= value <= high:
+    if not is_number(value) or not math.isfinite(value) or not low <= value <= high:
         raise refuse(field, value, f"a finite number in [{low}, {high}]")
     return value
 
 
 def _dense(tensor: torch.Tensor) -> bool:
-    """A strided tensor whose elements fill its extent once each (contiguous in some dimension order, as
-    channels-last is): what kernels that walk the memory directly assume."""
+    """Strided, each element of its extent once (contiguous in some dimension order): what kernels assume."""
     if tensor.layout != torch.strided or tensor.is_quantized:
         return False
     expected = 1
@@ -106,8 +100,8 @@ def check_tensor(
 def check_state_dict(
     stored: Any, live: dict[str, Any], field: str, counters: dict[str, int] | None = None
 ) -> None:
-    """``stored`` names exactly ``live``'s entries: tensors of the same shape and dtype; a module's extra
-    state (a loss's ``{"epoch": n}``) of the same structure, ``counters`` in range (:func:`check_like`)."""
+    """``stored`` names exactly ``live``'s entries: tensors of the same shape and dtype, any other entry
+    (a loss's ``{"epoch": n}``) as :func:`check_like` checks it."""
     if not isinstance(stored, dict):
         raise refuse(field, stored, f"a state dict of {len(live)} tensors")
     for key, value in live.items():
@@ -123,9 +117,8 @@ def check_state_dict(
 
 
 def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], name: str = "") -> None:
-    """``stored`` has ``live``'s structure: the same keys and lengths, leaves of the same types; an integer
-    whose key ``name`` is in ``counters`` in [0, counters[name]], every other integer, bool, string and
-    None equal to the live one; floats finite; tensors of the live shape and dtype."""
+    """``stored`` has ``live``'s structure; an integer under a key of ``counters`` in [0, counters[key]],
+    other integers, bools, strings and None equal to the live ones; floats finite; tensors alike."""
     if isinstance(live, dict):
         if not isinstance(stored, dict) or stored.keys() != live.keys():
             raise refuse(field, stored, f"a dict with keys {', '.join(map(str, live)) or 'none'}")
@@ -147,9 +140,8 @@ def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], nam
 
 
 def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
-    """The live number of groups, their names and numbers of parameters, hyperparameters of the live types,
-    and every state a probe step makes: a dense floating tensor of the parameter's shape, or a finite
-    ``step`` >= 0."""
+    """The live groups (names, sizes, hyperparameters of the live types) and, per parameter, the states a
+    probe step makes: a dense floating tensor of the parameter's shape, or a finite ``step`` >= 0."""
     live_groups = optimizer.param_groups
     if not isinstance(stored, dict) or not isinstance(stored.get("param_groups"), list):
         raise refuse("optimizer", stored, "a dict of state and param_groups")
@@ -172,10 +164,8 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
                 raise CheckpointError(f"{field} names parameter {param_id} twice; expected distinct ids")
             params[param_id] = (index, live["params"][position])
         if group.get("name") != live.get("name"):  # build_optimizer's groups, as optim.*_weight_decay makes
-            expected = (
-                f"{live.get('name')!r}, this run's (resume with the run's optim.*_weight_decay settings)"
-            )
-            raise refuse(f"{field}['name']", group.get("name"), expected)
+            hint = "resume with the run's optim.*_weight_decay settings"
+            raise refuse(f"{field}['name']", group.get("name"), f"{live.get('name')!r}, this run's ({hint})")
         _check_hyperparameters(group, live, field)
     kinds: dict[int, dict[str, str]] = {}  # per group, probed once
     for param_id, state in per_param.items():
@@ -188,8 +178,7 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
 
 
 def _check_hyperparameters(group: dict[str, Any], live: dict[str, Any], field: str) -> None:
-    """The stored group has the live group's keys (``param_names`` may be absent), each of the live value's
-    type; numbers finite."""
+    """The live group's keys (``param_names`` optional), each of the live value's type; numbers finite."""
     optional = {"params", "name", "param_names"}
     missing = next((key for key in live if key not in optional and key not in group), None)
     extra = next((key for key in group if key not in optional and key not in live), None)
@@ -217,9 +206,8 @@ def _check_hyperparameters(group: dict[str, Any], live: dict[str, Any], field: s
 
 
 def _probe_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], field: str) -> dict[str, str]:
-    """What one step of ``optimizer``'s class with the stored ``group``'s settings puts in a parameter's
-    state: key -> "param" (a tensor of the parameter's shape), "scalar" (a 0-d tensor or number) or
-    "none". Run on a two-element parameter, on the live parameters' device."""
+    """Per key of the state one step of ``optimizer``'s class with ``group``'s settings makes, on a
+    two-element parameter on the live device: "param" (the parameter's shape), "scalar" or "none"."""
     device = optimizer.param_groups[0]["params"][0].device
     settings = {k: v for k, v in group.items() if k not in ("params", "name", "param_names")}
     probe_param = torch.zeros(2, device=device, requires_grad=True)
@@ -232,15 +220,11 @@ def _probe_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], field:
             f"{field}'s settings are refused by {type(optimizer).__name__} ({first_line(exc)}); expected "
             "this run's"
         ) from None
-    kinds = {}
-    for key, value in probe.state[probe_param].items():
-        if value is None:
-            kinds[key] = "none"
-        elif isinstance(value, torch.Tensor) and value.dim() > 0:
-            kinds[key] = "param"
-        else:
-            kinds[key] = "scalar"
-    return kinds
+    tensor = lambda value: isinstance(value, torch.Tensor) and value.dim() > 0  # noqa: E731
+    return {
+        key: "none" if value is None else "param" if tensor(value) else "scalar"
+        for key, value in probe.state[probe_param].items()
+    }
 
 
 def _check_param_state(state: Any, kinds: dict[str, str], param: torch.Tensor, field: str) -> None:
@@ -255,14 +239,6 @@ def _check_param_state(state: Any, kinds: dict[str, str], param: torch.Tensor, f
             check_number(number, f"{field}[{key!r}]", 0.0)
         elif not (kind == "none" and value is None):
             check_tensor(value, f"{field}[{key!r}]", tuple(param.shape))
-
-
-def check_ema(stored: Any, ema: ModelEma, total_iters: int) -> None:
-    """The stored EMA holds the averaged model's tensors (``module``) and ``updates`` in [0, total_iters]."""
-    if not isinstance(stored, dict) or stored.keys() != {"module", "updates"}:
-        raise refuse("ema", stored, "a dict of module and updates")
-    check_state_dict(stored["module"], ema.module.state_dict(), "ema module")
-    check_int(stored["updates"], "ema updates", 0, total_iters)
 
 
 def check_rng(states: Any) -> None:
@@ -303,8 +279,7 @@ def _check_python_rng(state: Any, field: str) -> None:
 
 
 def _check_numpy_rng(state: Any, field: str) -> None:
-    """``np.random.get_state()``: ('MT19937', 624 keys below 2**32 as a tensor or array, position,
-    has_gauss, cached_gaussian)."""
+    """``np.random.get_state()``: ('MT19937', 624 keys below 2**32, pos, has_gauss, gauss)."""
     keys = state[1] if isinstance(state, (tuple, list)) and len(state) == 5 else None
     if isinstance(keys, torch.Tensor) and keys.dtype == torch.int64 and keys.shape == (624,):
         keys = keys.numpy()
@@ -334,8 +309,8 @@ def _check_cuda_rng(states: Any, field: str) -> None:
 
 
 def check_progress(checkpoint: dict[str, Any], bounds: RunBounds) -> None:
-    """The :class:`~mlcls.engine.checkpoint.TrainState` fields of ``checkpoint``: where training stands within
-    this run's epochs and steps, counters non-negative and bounded, records of their documented types."""
+    """The :class:`~mlcls.engine.checkpoint.TrainState` fields: epoch and step within this run's, counters
+    non-negative and bounded, records of their documented types."""
     epochs = COUNT_MAX if bounds.epochs is None else bounds.epochs
     steps = COUNT_MAX if bounds.iters_per_epoch is None else bounds.iters_per_epoch - 1
     epoch = check_int(checkpoint.get("epoch", 0), "epoch", 0, epochs)
@@ -397,8 +372,7 @@ def check_progress(checkpoint: dict[str, Any], bounds: RunBounds) -> None:
 
 
 def _check_plain(value: Any, field: str, depth: int = 0) -> None:
-    """JSON-like data (what results.json and the run log write): None, bools, numbers, strings, lists
-    and dicts with string keys, nested at most 8 deep."""
+    """JSON-like data (None, bools, numbers, strings, lists, dicts with string keys), at most 8 deep."""
     if depth > 8:
         raise refuse(field, value, "records nested at most 8 deep")
     if isinstance(value, dict):
@@ -420,9 +394,8 @@ def check_resume_state(
     load_scaler: bool,
     bounds: RunBounds,
 ) -> None:
-    """Raise :class:`CheckpointError` (one line) at the first field of ``checkpoint`` that does not fit
-    the live ``parts`` (name -> model, optimizer, scheduler, loss or EMA), ``scaler`` (when
-    ``load_scaler``) and ``bounds``; nothing is loaded."""
+    """Raise :class:`CheckpointError` at the first field that does not fit the live ``parts`` (name ->
+    model, optimizer, scheduler, loss or EMA), ``scaler`` (when ``load_scaler``) and ``bounds``."""
     total = bounds.total_iters
     for name, part in parts.items():
         stored = checkpoint.get(name)
@@ -434,7 +407,10 @@ def check_resume_state(
             counters = dict.fromkeys(SCHEDULER_COUNTERS, total if total == COUNT_MAX else total + 1)
             check_like(stored, part.state_dict(), name, counters)
         elif isinstance(part, ModelEma):
-            check_ema(stored, part, total)
+            if not isinstance(stored, dict) or stored.keys() != {"module", "updates"}:
+                raise refuse("ema", stored, "a dict of module and updates")
+            check_state_dict(stored["module"], part.module.state_dict(), "ema module")
+            check_int(stored["updates"], "ema updates", 0, total)
         elif isinstance(part, nn.Module):  # the model, the loss's state (and its epoch)
             check_state_dict(stored, part.state_dict(), name, {"epoch": bounds.epochs or COUNT_MAX})
         else:

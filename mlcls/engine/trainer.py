@@ -7,13 +7,10 @@ A run's calls, top-down in this file::
         -> select_best -> measure -> evaluate      (every trainer.eval_every epochs, and after the last)
         -> Checkpointer.save                      (after each epoch; mid-epoch on a stop signal)
 
-It writes into the run directory (:mod:`mlcls.engine.rundir`) ``results.json``, ``checkpoints/``
-(:mod:`mlcls.engine.checkpointer`) and ``tb/``. Where training stands is ``state.epoch`` (complete epochs)
-and ``state.step`` (steps of the next one). A stop signal finishes the current step, writes a checkpoint
-with all ranks in step and stops with :class:`Preempted`; ``trainer.resume=auto`` continues exactly there.
-
+Where training stands is ``state.epoch`` (complete epochs) and ``state.step`` (steps of the next one); a
+stop signal writes a checkpoint there and raises :class:`Preempted`, and ``trainer.resume=auto`` continues.
 The training step reads nothing back from the device: losses, skipped steps and the non-finite guard are
-accumulated on the device and read every ``trainer.log_every`` steps; the stop flag travels on the CPU.
+read every ``trainer.log_every`` steps; the stop flag travels on the CPU.
 """
 
 from __future__ import annotations
@@ -61,8 +58,7 @@ __all__ = ["EXIT_PREEMPTED", "Evaluation", "NonFiniteError", "Preempted", "Train
 
 
 def selection_score(record: dict[str, Any]) -> float:
-    """The mAP@class that selects the best epoch in a metrics record or ``best``: its held-out split's
-    (``record["selection"]``) when the run has one, else its own (the validation split's)."""
+    """The mAP@class that selects the best epoch: the held-out split's when there is one, else its own."""
     return record.get("selection", record)["mAP_class"]
 
 
@@ -75,11 +71,7 @@ class Preempted(Exception):
 
 
 class Trainer:
-    """Trains a built run with :meth:`fit`.
-
-    ``Trainer(cfg)`` builds the run of ``cfg`` (the composed ``configs/train.yaml``) with :func:`build_run`
-    first; ``Trainer(run)`` trains the parts of a :class:`Run` built already.
-    """
+    """Trains a :class:`Run` with :meth:`fit`; ``Trainer(cfg)`` builds it first (:func:`build_run`)."""
 
     def __init__(self, run: Run | DictConfig) -> None:
         if isinstance(run, DictConfig):
@@ -113,8 +105,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def fit(self) -> dict[str, Any]:
-        """Train from ``state.epoch`` (and ``state.step``) to ``trainer.epochs``; returns results.json's
-        content."""
+        """Train from ``state.epoch`` (and ``state.step``) to ``trainer.epochs``; return results.json's."""
         tcfg = self.cfg.trainer
         log.info(
             "run dir %s | %d train / %d val samples, %d classes | %s on %s x%d | batch %d (%d per process)",
@@ -162,8 +153,7 @@ class Trainer:
         return self.results(tcfg.epochs)
 
     def _stop(self) -> None:
-        """Raise :class:`Preempted` naming where training stands (``state.epoch``, ``state.step``), which
-        the checkpoint just written holds."""
+        """Raise :class:`Preempted` naming where training stands, as the checkpoint just written holds it."""
         epoch, step = self.state.epoch, self.state.step
         where = f"epoch {epoch + 1}, step {step}" if step else f"the end of epoch {epoch}"
         raise Preempted(
@@ -173,8 +163,8 @@ class Trainer:
         )
 
     def train_one_epoch(self, epoch: int) -> dict[str, float]:
-        """Train epoch ``epoch`` (0-based): from ``state.step`` when training stands in that epoch (a
-        mid-epoch resume), else from its first step. Returns its mean loss, images/s and seconds."""
+        """Train epoch ``epoch`` (0-based) from ``state.step`` when resumed within it; return its mean loss,
+        images/s and seconds."""
         tcfg = self.cfg.trainer
         self.ddp_model.train()
         if self.cfg.model.get("freeze_backbone"):
@@ -241,13 +231,11 @@ class Trainer:
     def train_step(
         self, images: torch.Tensor, targets: torch.Tensor, *indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimisation step on a batch as :class:`DevicePrefetcher` gives it (``indices``: the sample
-        indices a loss with a row per training sample takes as a third argument); returns the detached loss
-        and whether the update was applied, as device tensors (reading them would wait for the device).
+        """One optimisation step (``indices``: for a loss with a row per training sample); return the
+        detached loss and whether the update was applied, as device tensors.
 
-        A step with a non-finite gradient norm (identical on every rank after DDP's all-reduce, so all
-        ranks agree) is skipped on the device (:func:`step_if_finite`): parameters, optimizer state and EMA
-        stay as they were. The schedule advances all the same, one value per iteration.
+        A non-finite gradient norm (the same on every rank after DDP's all-reduce) skips the step on the
+        device (:func:`step_if_finite`): parameters, optimizer state and EMA stay; the schedule advances.
         """
         with autocast_context(self.device, self.amp):
             logits = self.ddp_model(images)
@@ -273,10 +261,8 @@ class Trainer:
         return list(self.criterion.modules()) if isinstance(self.criterion, nn.Module) else [self.criterion]
 
     def relabel_training_set(self, epoch: int) -> None:
-        """After epoch ``epoch`` (0-based), for a loss that asks for it (``wants_train_predictions``, EM's
-        APL): score the training set with the raw weights (:func:`predict_training_set`, over this epoch's
-        batches from the first step, whatever a resume skipped) and hand every rank's predictions to its
-        ``pseudo_label`` on every rank; the checkpoint written after the epoch holds the result."""
+        """After epoch ``epoch`` (0-based), for a loss that asks (``wants_train_predictions``, EM's APL):
+        score the whole training set with the raw weights and hand the predictions to its ``pseudo_label``."""
         relabelling = [
             module
             for module in self.loss_modules()
@@ -299,8 +285,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def measure(self, model: nn.Module | None = None, loader: Any = None) -> Evaluation:
-        """``model`` (default: the raw weights) on the whole of ``loader``'s set (default: the validation
-        set, every class of it under ``dataset.unseen_classes``; see :func:`evaluate`)."""
+        """``model`` (default: the raw weights) on ``loader``'s set (default: the validation set, every
+        class of it under ``dataset.unseen_classes``)."""
         model = self.model if model is None else model
         zero_shot = self.zero_shot if loader is None else None  # the held-out split has the seen classes
         loader = self.data.val_loader if loader is None else loader
@@ -308,13 +294,9 @@ class Trainer:
         return evaluate(model, loader, *args)
 
     def select_best(self, epoch: int) -> bool:
-        """Evaluate the raw (and EMA) weights on the validation split, and on the held-out split when the
-        run has one; log them, update ``best``; True for a new best epoch.
-
-        The best epoch and weights are those of the highest mAP@class on the held-out split (their metrics
-        under ``best["selection"]`` and each evaluation's ``metrics["selection"]``), else on the validation
-        split, whose metrics ``best`` holds. Thresholds are calibrated once per set of weights -- the raw
-        ones (last.pt), the best ones for a new best -- on the split :func:`thresholds_split` names."""
+        """Evaluate the raw (and EMA) weights on the validation split and the held-out one; log them, update
+        ``best`` (the highest :func:`selection_score`); True for a new best epoch. Thresholds are calibrated
+        for the raw weights (last.pt) and for new best ones, on the split :func:`thresholds_split` names."""
         weights = {"raw": self.model} | ({} if self.ema is None else {"ema": self.ema.module})
         evaluations = {name: self.measure(model) for name, model in weights.items()}
         held_out = self.data.holdout_loader is not None
