@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from mlcls.bench.harness import host, run_with_options, timed, torch_threads
+from mlcls.bench.harness import host, timed, torch_threads
 from mlcls.metrics import compute_metrics, map_class, map_sample
 
 POSITIVES_PER_ROW = 2.9
@@ -95,7 +95,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--c", type=int, default=80, help="classes (columns)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
-
-
-def run_from_args(args: argparse.Namespace) -> dict:
-    return run_with_options(run, args)

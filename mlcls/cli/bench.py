@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import sys
@@ -17,7 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 # Each subcommand's one-line help, and whether its timings get their ``_per_s`` rates. A subcommand's options
-# and its run are those of the module mlcls.bench.<name>_bench (``add_arguments``, ``run_from_args``), which
+# and its run are those of the module mlcls.bench.<name>_bench (``add_arguments``; ``run_from_args``, else
+# ``run`` called with the options named like its parameters), which
 # is imported only when the command line names it: ``mlcls-bench --help`` imports no torch.
 COMMANDS = {
     "pipeline": ("decode + training augmentation images/s", False),
@@ -52,8 +54,10 @@ def build_parser(commands: Sequence[str | None] = tuple(COMMANDS)) -> argparse.A
         command = subparsers.add_parser(name, help=help_text)
         if name in commands:
             module = importlib.import_module(f"mlcls.bench.{name}_bench")
+            harness = importlib.import_module("mlcls.bench.harness")
             module.add_arguments(command)
-            command.set_defaults(run=module.run_from_args)
+            default = functools.partial(harness.run_with_options, module.run)
+            command.set_defaults(run=getattr(module, "run_from_args", default))
     return parser
 
 
