@@ -107,7 +107,7 @@ def export_onnx(
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The metadata stored by :func:`export_torchscript` or :func:`export_onnx` in ``path``."""
+    """The metadata :func:`export_checkpoint` stored in ``path`` (TorchScript or ONNX)."""
     path = Path(path)
     if path.suffix == ".onnx":
         import onnx
