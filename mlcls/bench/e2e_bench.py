@@ -79,20 +79,6 @@ def _loader(backend: str, trainer: Trainer, paths: list[Path], count: int, shard
     )
 
 
-def _input_peak_mib(trainer: Trainer, loader: Any) -> float:
-    """Peak GPU memory (MiB) the device stage allocates over :data:`MEMORY_BATCHES` batches of ``loader``,
-    above what was allocated before."""
-    device = trainer.device
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    loader.sampler.set_epoch(1)
-    for _, batch in zip(range(MEMORY_BATCHES), loader, strict=False):
-        trainer.device_stage.finish(batch)
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
-
-
 def run(
     cfg: DictConfig,
     backends: Sequence[str],
@@ -134,8 +120,15 @@ def run(
         for backend in backends:
             loader = _loader(backend, trainer, paths, samples, shard_urls)
             seconds[backend] = timed_epoch(trainer, loader, warmup, steps)
-            if backend.endswith("gpu") and device.type == "cuda":
-                peak = _input_peak_mib(trainer, loader)
+            if backend.endswith("gpu") and device.type == "cuda":  # the device stage's peak, above before
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+                loader.sampler.set_epoch(1)
+                for _, batch in zip(range(MEMORY_BATCHES), loader, strict=False):
+                    trainer.device_stage.finish(batch)
+                torch.cuda.synchronize(device)
+                peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20
             trainer.data.train_loader = loader = None
             gc.collect()  # the loader's persistent workers end here, before the next loader's start
         gpu_only.append(timed_epoch(trainer, RepeatedBatches(resident, warmup + steps), warmup, steps))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mlcls.bench.harness import host, run_with_options, timed
+from mlcls.bench.harness import host, timed
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import calibrate_on_main, measure_rank_parts
 from mlcls.errors import ConfigError
@@ -94,7 +94,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=41620, help="validation samples (rows)")
     parser.add_argument("--c", type=int, default=9605, help="classes (columns)")
     parser.add_argument("--seed", type=int, default=0)
-
-
-def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return run_with_options(run, args)

@@ -93,24 +93,20 @@ def run(device: str = "cpu", repeats: int = 100, warmup: int = 10) -> dict[str, 
     ratios = []
     for index, (name, classes, labels_per_sample) in enumerate(SIZES):
         logits, targets = _random_batch(classes, labels_per_sample, device, seed=index)
-        _check_agreement(twoway, logits, targets)
+        grads = []
+        for fn in criteria.values():
+            x = logits.detach().requires_grad_(True)
+            value = fn(x, targets)
+            value.backward()
+            grads.append((value.detach(), x.grad))
+        (v1, g1), (v2, g2) = grads
+        assert torch.allclose(v1, v2, rtol=1e-4) and torch.allclose(g1, g2, rtol=1e-3, atol=1e-7), "mismatch"
         medians = _median_ms(criteria, logits, targets, repeats, warmup, device)
         result[f"twoway_{name}_ms"] = medians["twoway"]
         result[f"masked_lse_{name}_ms"] = medians["masked_lse"]
         ratios.append(medians["twoway"] / medians["masked_lse"])
     result["ratio"] = max(ratios)
     return result
-
-
-def _check_agreement(twoway: TwoWayLoss, logits: Tensor, targets: Tensor) -> None:
-    grads = []
-    for fn in (twoway, masked_logsumexp_twoway):
-        x = logits.detach().requires_grad_(True)
-        value = fn(x, targets)
-        value.backward()
-        grads.append((value.detach(), x.grad))
-    (v1, g1), (v2, g2) = grads
-    assert torch.allclose(v1, v2, rtol=1e-4) and torch.allclose(g1, g2, rtol=1e-3, atol=1e-7), "mismatch"
 
 
 # Large label spaces: classes (MS-COCO, Open Images V6 trainable), batch per process, metric set size.
@@ -124,17 +120,6 @@ def _rss_bytes(key: str) -> int:
     """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux ``/proc/self/status``)."""
     with open("/proc/self/status") as status:
         return 1024 * int(re.search(rf"^{key}:\s+(\d+) kB", status.read(), re.M).group(1))
-
-
-def _peak_bytes(step: Callable[[], object]) -> int:
-    """Peak resident memory ``step`` adds (Linux): the high-water mark is reset (``/proc/self/clear_refs``),
-    ``step`` runs, and the mark is read back above the resident size before. Exact to the page only in a
-    process whose allocations bypass glibc's heap (see :func:`peak_memory`)."""
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # reset VmHWM to the current resident size
-    before = _rss_bytes("VmRSS")
-    step()
-    return _rss_bytes("VmHWM") - before
 
 
 def _scale_batches() -> dict[int, tuple[Tensor, Tensor]]:
@@ -180,14 +165,19 @@ def _criteria(classes: int = SCALE_CLASSES[0]) -> dict[str, Callable[[Tensor, Te
 def peak_memory() -> dict[str, float]:
     """``<name>_c<C>_peak_mib``: the peak memory one forward + backward adds, every loss and size (Linux),
     in a fresh process whose allocations above 4 KiB glibc serves by ``mmap``, so that a freed tensor leaves
-    the resident set at once: the figure is the bytes live at the worst moment."""
+    the resident set at once: the figure is the bytes live at the worst moment (the high-water mark, reset
+    through ``/proc/self/clear_refs`` before the step, above the resident size before it)."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 4096)  # M_MMAP_THRESHOLD = 4 KiB, before any tensor exists
     result = {}
     for classes, (logits, targets) in _scale_batches().items():
         for name, criterion in _criteria(classes).items():
             step = _step(criterion, logits, targets)
             step()  # first call: lazy initialisations
-            result[f"{name}_c{classes}_peak_mib"] = _peak_bytes(step) / 2**20
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # reset VmHWM to the current resident size
+            before = _rss_bytes("VmRSS")
+            step()
+            result[f"{name}_c{classes}_peak_mib"] = (_rss_bytes("VmHWM") - before) / 2**20
     return result
 
 

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from mlcls.bench.harness import host, run_with_options, timed, torch_threads
+from mlcls.bench.harness import host, timed, torch_threads
 from mlcls.metrics import compute_metrics, map_class, map_sample
 
 POSITIVES_PER_ROW = 2.9
@@ -30,21 +30,6 @@ def make_scores(n: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     labels = (torch.rand(n, c, generator=generator, dtype=torch.float64) < frequency).float()
     logits = torch.randn(n, c, generator=generator) + 2.0 * labels - 3.0
     return logits, labels
-
-
-def _sklearn_pair(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, float, float]:
-    """(mAP@class, mAP@sample) as fractions by scikit-learn, and the seconds each took."""
-    from sklearn.metrics import average_precision_score
-
-    y_true, y_score = labels.numpy().astype(int), logits.double().numpy()
-    macro, macro_s = timed(lambda: average_precision_score(y_true, y_score, average="macro"))
-    with_positive = y_true.sum(1) > 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        samples, samples_s = timed(
-            lambda: average_precision_score(y_true[with_positive], y_score[with_positive], average="samples")
-        )
-    return macro, samples, macro_s, samples_s
 
 
 def _mlcls_pair(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, float]:
@@ -66,7 +51,18 @@ def run(n: int = 40137, c: int = 80, seed: int = 0, threads: int | None = 1) -> 
         ours_class, ours_sample, cold_s = _mlcls_pair(logits, labels)
         warm = [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
         _, all_figures_s = timed(lambda: compute_metrics(logits, labels, [f"class_{j}" for j in range(c)]))
-        macro, samples, macro_s, samples_s = _sklearn_pair(logits, labels)
+        from sklearn.metrics import average_precision_score
+
+        y_true, y_score = labels.numpy().astype(int), logits.double().numpy()
+        macro, macro_s = timed(lambda: average_precision_score(y_true, y_score, average="macro"))
+        with_positive = y_true.sum(1) > 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            samples, samples_s = timed(
+                lambda: average_precision_score(
+                    y_true[with_positive], y_score[with_positive], average="samples"
+                )
+            )
         warm += [_mlcls_pair(logits, labels)[2] for _ in range(REPEATS)]
         sklearn_s = macro_s + samples_s
         return {
@@ -95,7 +91,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--c", type=int, default=80, help="classes (columns)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
-
-
-def run_from_args(args: argparse.Namespace) -> dict:
-    return run_with_options(run, args)

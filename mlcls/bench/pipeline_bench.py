@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
-from mlcls.bench.harness import host, median_seconds, random_labels, run_with_options, sync, torch_threads
+from mlcls.bench.harness import host, median_seconds, random_labels, sync, torch_threads
 from mlcls.data.datasets.base import MultiLabelDataset, Sample
 from mlcls.data.loader import DeviceStage, ShardTrainLoader, available_cpus, collate_batch
 from mlcls.data.pipeline.fast import AugmentedImage, build_backend_transform
@@ -326,7 +326,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--subsampling", default="auto", choices=SUBSAMPLINGS, help="chroma of the packed JPEGs"
     )
-
-
-def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return run_with_options(run, args)

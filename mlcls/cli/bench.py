@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import sys
@@ -15,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 # Each subcommand's help, and whether its timings get rates. Its options and run are those of
-# mlcls.bench.<name>_bench (``add_arguments``, ``run_from_args``), imported only when named
-# (``mlcls-bench --help`` imports no torch).
+# mlcls.bench.<name>_bench (``add_arguments``; ``run_from_args``, else ``run`` called with the options its
+# parameters name), imported only when named (``mlcls-bench --help`` imports no torch).
 COMMANDS = {
     "pipeline": ("decode + training augmentation images/s", False),
     "step": ("the trainer's epoch loop (or step) vs a bare PyTorch loop, images/s", False),
@@ -49,8 +50,10 @@ def build_parser(commands: Sequence[str | None] = tuple(COMMANDS)) -> argparse.A
         command = subparsers.add_parser(name, help=help_text)
         if name in commands:
             module = importlib.import_module(f"mlcls.bench.{name}_bench")
+            harness = importlib.import_module("mlcls.bench.harness")
             module.add_arguments(command)
-            command.set_defaults(run=module.run_from_args)
+            default = functools.partial(harness.run_with_options, module.run)
+            command.set_defaults(run=getattr(module, "run_from_args", default))
     return parser
 
 

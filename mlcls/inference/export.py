@@ -79,20 +79,6 @@ def export_metadata(inference: InferenceModel) -> dict[str, Any]:
     }
 
 
-def example_input(inference: InferenceModel, batch_size: int = 2, seed: int = 0) -> torch.Tensor:
-    """A random float32 (batch_size, 3, H, W) input of the model's size, reproducible from ``seed``."""
-    height, width = input_size(inference.preprocess)
-    return torch.randn(batch_size, 3, height, width, generator=torch.Generator().manual_seed(seed))
-
-
-def export_torchscript(model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, Any]) -> None:
-    """Trace ``model`` (eval mode) on ``example``; save it atomically with ``metadata`` as an extra file."""
-    with _quiet_deprecation():
-        traced = torch.jit.trace(model.eval(), example)
-        extra = {TORCHSCRIPT_METADATA: json.dumps(metadata)}
-        atomic_write(path, lambda f: torch.jit.save(traced, f, _extra_files=extra))
-
-
 def export_onnx(
     model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, Any], opset: int = 17
 ) -> None:
@@ -121,7 +107,7 @@ def export_onnx(
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The metadata stored by :func:`export_torchscript` or :func:`export_onnx` in ``path``."""
+    """The metadata :func:`export_checkpoint` stored in ``path`` (TorchScript or ONNX)."""
     path = Path(path)
     if path.suffix == ".onnx":
         import onnx
@@ -132,20 +118,6 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     with _quiet_deprecation():
         torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
     return json.loads(extra[TORCHSCRIPT_METADATA])
-
-
-def run_exported(path: str | Path, images: torch.Tensor) -> torch.Tensor | None:
-    """Logits of the exported model at ``path`` on ``images``; None for ONNX without onnxruntime."""
-    path = Path(path)
-    if path.suffix == ".onnx":
-        try:
-            import onnxruntime
-        except ImportError:
-            return None
-        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        return torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: images.numpy()})[0])
-    with torch.no_grad(), _quiet_deprecation():
-        return torch.jit.load(str(path), map_location="cpu")(images)
 
 
 def export_checkpoint(
@@ -159,24 +131,39 @@ def export_checkpoint(
     """Export ``checkpoint`` (plain data unless ``trust``) to ``fmt`` (:data:`EXPORT_FORMATS`) at ``out``
     (default: beside it, ``<stem>.onnx`` or ``<stem>.torchscript.pt``); the path written and, with
     ``verify``, the largest absolute logit difference from the PyTorch model on a random batch of 3, a size
-    other than the traced one (None when not verified, or ONNX without onnxruntime)."""
+    other than the traced one of 2 (None when not verified, or ONNX without onnxruntime); the random
+    batches are reproducible (seeds 0 and 1)."""
     if fmt not in EXPORT_FORMATS:
         raise InferenceError(f"format={fmt!r}; expected one of {', '.join(EXPORT_FORMATS)}")
     inference = load_inference_model(checkpoint, device="cpu", trust=trust)
     path = Path(out) if out else Path(checkpoint).with_name(Path(checkpoint).stem + SUFFIXES[fmt])
     metadata = export_metadata(inference)
-    example = example_input(inference)
-    if fmt == "torchscript":
-        export_torchscript(inference.model, example, path, metadata)
+    height, width = input_size(inference.preprocess)
+    example, images = (
+        torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(seed))
+        for batch, seed in ((2, 0), (3, 1))
+    )
+    model = inference.model.eval()
+    if fmt == "onnx":
+        export_onnx(model, example, path, metadata, opset)
     else:
-        export_onnx(inference.model, example, path, metadata, opset)
+        with _quiet_deprecation():
+            traced = torch.jit.trace(model, example)
+            extra = {TORCHSCRIPT_METADATA: json.dumps(metadata)}
+            atomic_write(path, lambda f: torch.jit.save(traced, f, _extra_files=extra))
     if not verify:
         return path, None
-    images = example_input(inference, batch_size=3, seed=1)
-    exported = run_exported(path, images)
-    if exported is None:
-        log.info("onnxruntime is not installed: %s not verified (pip install mlcls[export])", path)
-        return path, None
+    if fmt == "onnx":
+        try:
+            import onnxruntime
+        except ImportError:
+            log.info("onnxruntime is not installed: %s not verified (pip install mlcls[export])", path)
+            return path, None
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        exported = torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: images.numpy()})[0])
+    else:
+        with torch.no_grad(), _quiet_deprecation():
+            exported = torch.jit.load(str(path), map_location="cpu")(images)
     with torch.no_grad():
-        expected = inference.model(images)
+        expected = model(images)
     return path, (exported - expected).abs().max().item()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mlcls.errors import InferenceError, is_integer, is_number, plural, shown
+from mlcls.metrics.thresholds import SPLIT_NAMES
 
 
 def stored_classes(state: Mapping[str, Any], path: str | Path) -> list[str]:
@@ -59,7 +60,11 @@ def stored_weights(state: Mapping[str, Any], path: str | Path) -> dict[str, torc
             f"{path}: 'model' is a {type(weights).__name__}; expected the state dict (names to tensors)"
         )
     for name, tensor in weights.items():
-        kind = _not_dense(tensor)
+        kind = None
+        if not isinstance(tensor, torch.Tensor):
+            kind = type(tensor).__name__
+        elif tensor.is_meta or tensor.layout != torch.strided:
+            kind = "meta tensor" if tensor.is_meta else f"{tensor.layout} tensor"
         if kind is not None:
             raise InferenceError(f"{path}: the weights {name!r} are a {kind}; expected a dense tensor")
         stored = tensor.untyped_storage().nbytes()
@@ -69,15 +74,6 @@ def stored_weights(state: Mapping[str, Any], path: str | Path) -> dict[str, torc
                 f"fewer than their {tensor.numel()} values need; expected one stored value per element"
             )
     return weights
-
-
-def _not_dense(value: Any) -> str | None:
-    """What ``value`` is when it is not a dense tensor holding its values (None when it is one)."""
-    if not isinstance(value, torch.Tensor):
-        return type(value).__name__
-    if value.is_meta:
-        return "meta tensor"
-    return None if value.layout == torch.strided else f"{value.layout} tensor"
 
 
 def check_weights_fit(
@@ -162,17 +158,14 @@ def stored_thresholds(state: Mapping[str, Any], num_classes: int, path: str | Pa
     return thresholds
 
 
-# Where the trainer calibrated a checkpoint's thresholds (mlcls.engine.evaluate.thresholds_split).
-THRESHOLDS_SPLITS = ("validation", "holdout")
-
-
 def stored_thresholds_split(state: Mapping[str, Any], path: str | Path) -> str:
-    """The split checkpoint ``state``'s thresholds were calibrated on, one of :data:`THRESHOLDS_SPLITS`;
-    ``"validation"`` for a checkpoint written before the key existed."""
+    """The split checkpoint ``state``'s thresholds were calibrated on, a key of
+    :data:`~mlcls.metrics.thresholds.SPLIT_NAMES`; ``"validation"`` for a checkpoint written before the key
+    existed."""
     split = state.get("thresholds_split", "validation")
-    if not isinstance(split, str) or split not in THRESHOLDS_SPLITS:
+    if not isinstance(split, str) or split not in SPLIT_NAMES:
         raise InferenceError(
-            f"{path}: 'thresholds_split' is {shown(split)}; expected one of {', '.join(THRESHOLDS_SPLITS)}"
+            f"{path}: 'thresholds_split' is {shown(split)}; expected one of {', '.join(SPLIT_NAMES)}"
         )
     return split
 

@@ -192,17 +192,6 @@ def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: fl
     return fields
 
 
-def mlcls_key(fmt: str, key: str) -> str:
-    """The name in mlcls's model of released key ``key`` of format ``fmt``."""
-    if fmt == "csra":
-        return (
-            "head." + key.removeprefix("classifier.") if key.startswith("classifier.") else "backbone." + key
-        )
-    if key.startswith("body."):
-        return ("backbone." if fmt == "mldecoder" else "") + tresnet_key(key)
-    return key
-
-
 def convert_weights(fmt: str, weights: Mapping[str, torch.Tensor], model_config: Mapping[str, Any]) -> dict:
     """``weights`` (released names) as the state dict of mlcls's model of ``model_config``, every entry
     checked against that model built on the ``meta`` device: :class:`InferenceError` names the first
@@ -213,8 +202,14 @@ def convert_weights(fmt: str, weights: Mapping[str, torch.Tensor], model_config:
     with torch.device("meta"):
         expected = create_model(**fields, num_classes=classes).state_dict()
     converted = {}
-    for key, value in weights.items():
-        name = mlcls_key(fmt, key)
+    for key, value in weights.items():  # the released names as mlcls's model names them
+        if fmt == "csra":
+            classifier = key.startswith("classifier.")
+            name = "head." + key.removeprefix("classifier.") if classifier else "backbone." + key
+        elif key.startswith("body."):
+            name = ("backbone." if fmt == "mldecoder" else "") + tresnet_key(key)
+        else:
+            name = key
         if name not in expected:
             raise _misfit(
                 fmt, f"its key {key!r} has no place in {fields['name']} with a {fields['head']} head"
@@ -274,18 +269,6 @@ def released_classes(
     return names
 
 
-def released_dataset_config(classes: Sequence[str], image_size: int, transform: str) -> dict[str, Any]:
-    """The dataset config an imported model is evaluated on: COCO's, VOC 2007's or Open Images' for 80, 20
-    or 9,605 classes, else the CSV dataset's with these ``classes``; at ``image_size`` with the authors'
-    squash-resize and [0, 1] pixels (mean 0, std 1)."""
-    name = DATASETS.get(len(classes), "csv")
-    config = OmegaConf.to_container(OmegaConf.load(config_dir() / "dataset" / f"{name}.yaml"))
-    config.update(image_size=image_size, transform=transform, mean=[0.0, 0.0, 0.0], std=[1.0, 1.0, 1.0])
-    if name == "csv":
-        config["classes"] = list(classes)
-    return config
-
-
 def import_released(
     fmt: str,
     path: str | Path,
@@ -295,13 +278,23 @@ def import_released(
 ) -> dict[str, Any]:
     """The mlcls checkpoint (``model``, ``classes``, ``preprocess``, ``config`` with its ``model`` and
     ``dataset`` sections, ``released``) of the authors' file ``path`` in format ``fmt`` (:data:`FORMATS`);
-    ``classes``, ``image_size`` and CSRA's ``lam`` replace what the format gives."""
+    ``classes``, ``image_size`` and CSRA's ``lam`` replace what the format gives. Its dataset config is
+    COCO's, VOC 2007's or Open Images' for 80, 20 or 9,605 classes, else the CSV dataset's with these
+    classes, with the authors' squash-resize and [0, 1] pixels (mean 0, std 1)."""
     weights, meta = read_released(path)
     model_config = released_model_config(fmt, weights, lam)
     state_dict = convert_weights(fmt, weights, model_config)
     names = released_classes(int(weights[FORMATS[fmt].classes_key].shape[0]), classes, meta, path)
-    size = image_size or TRESNET_SIZES.get(model_config["name"], 448)
-    dataset_config = released_dataset_config(names, size, FORMATS[fmt].transform)
+    dataset = DATASETS.get(len(names), "csv")
+    dataset_config = OmegaConf.to_container(OmegaConf.load(config_dir() / "dataset" / f"{dataset}.yaml"))
+    dataset_config.update(
+        image_size=image_size or TRESNET_SIZES.get(model_config["name"], 448),
+        transform=FORMATS[fmt].transform,
+        mean=[0.0, 0.0, 0.0],
+        std=[1.0, 1.0, 1.0],
+    )
+    if dataset == "csv":
+        dataset_config["classes"] = list(names)
     return {
         "model": state_dict,
         "classes": names,

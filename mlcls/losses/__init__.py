@@ -1,9 +1,8 @@
 """Multi-label losses.
 
-Every loss is an ``nn.Module`` called as ``loss(logits, targets)``: ``logits`` (B, C) of any float dtype,
-``targets`` (B, C) with 1 = positive, 0 = negative, -1 = unknown; it returns a scalar. A loss that needs
-the training labels' statistics defines ``setup(counts)``, called once before training. Each class's
-``name`` names its config ``configs/loss/<name>.yaml`` (``_target_`` the class, every constructor argument).
+Every loss is called as ``loss(logits, targets)`` -> scalar (conventions: :mod:`mlcls.losses.common`);
+one that needs the training labels' statistics defines ``setup(counts)``, called once before training.
+Each class's ``name`` names its config ``configs/loss/<name>.yaml``.
 
 docs/losses.md tables every loss with its paper's equation and what it does with an unknown label (-1):
 the ten of :mod:`.twoway`, :mod:`.multisim`, :mod:`.softmax`, :mod:`.bce` and :mod:`.focal` exclude it, the

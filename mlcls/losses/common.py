@@ -1,7 +1,6 @@
-"""Pieces shared by the losses: input checks, base classes, reductions, masked log-sum-exp, buckets (the
-DDP gather of a global batch is :func:`gather_batch`).
+"""What the losses share: input checks, base classes, reductions, masked log-sum-exp, buckets.
 
-Conventions used throughout :mod:`mlcls.losses`:
+Conventions of :mod:`mlcls.losses`:
 
 * ``logits`` (B, C) of any float dtype are cast to float32 for the computation (float64 stays float64),
   with autocast disabled inside the loss;
@@ -25,9 +24,8 @@ from torch import Tensor, nn
 from mlcls.distributed import gather_batch
 
 REDUCTIONS = ("mean", "sum", "sum_per_sample")
-WAYS = ("both", "sample", "class")
 # Inside a bucket tensor (K, M, C): a sample's logits lie along dim 2, a class's logits along dim 1.
-WAY_DIMS: dict[str, tuple[int, ...]] = {"sample": (2,), "class": (1,), "both": (2, 1)}
+WAY_DIMS: dict[str, tuple[int, ...]] = {"both": (2, 1), "sample": (2,), "class": (1,)}
 
 LineDims = int | tuple[int, ...]
 
@@ -62,8 +60,8 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
 
 
 def check_ways(ways: str) -> tuple[int, ...]:
-    """Return the bucket dims of ``ways`` ("both" | "sample" | "class"), or raise ``ValueError``."""
-    return WAY_DIMS[check_choice("ways", ways, WAYS)]
+    """The bucket dims of ``ways`` (a key of :data:`WAY_DIMS`), or ``ValueError``."""
+    return WAY_DIMS[check_choice("ways", ways, tuple(WAY_DIMS))]
 
 
 def check_expected_positives(loss: str, expected_positives: float | None) -> float:
@@ -84,9 +82,8 @@ def expected_positives_penalty(probabilities: Tensor, expected_positives: float)
 
 
 def prepare(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """Check ``logits``/``targets`` (B, C) and return them in the compute dtype (module docstring);
-    ``ValueError`` otherwise. Labels outside {1, 0, -1} are refused only on the CPU: on a GPU the check
-    would stall every step, and the datasets validate their labels once."""
+    """``logits``/``targets`` (B, C) checked and in the compute dtype; labels outside {1, 0, -1} are refused
+    on the CPU only (on a GPU the check would stall every step; the datasets validate their labels once)."""
     if logits.ndim != 2 or logits.shape != targets.shape:
         raise ValueError(
             f"logits and targets must both be (B, C); got {tuple(logits.shape)} and {tuple(targets.shape)}"
@@ -144,9 +141,8 @@ def split_buckets(tensor: Tensor, bucket_size: int | None) -> Tensor:
 
 
 class MultiLabelLoss(nn.Module):
-    """Base of every loss here: ``forward`` checks the inputs, casts them to the compute dtype
-    (:func:`prepare`) and calls :meth:`compute` under :func:`autocast_disabled`. ``name`` is the loss's
-    short name (``loss=<name>``)."""
+    """Base of every loss: ``forward`` calls :meth:`compute` on the :func:`prepare`-d inputs under
+    :func:`autocast_disabled`; ``name`` is the loss's short name (``loss=<name>``)."""
 
     name: ClassVar[str]
     # The attributes extra_repr shows, in this order (the constructor arguments, as the config names them).
@@ -161,7 +157,6 @@ class MultiLabelLoss(nn.Module):
             return self.compute(*prepare(logits, targets))
 
     def compute(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """logits (B, C) float32/float64, targets (B, C) of the same dtype -> scalar."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

@@ -1,8 +1,5 @@
 """Losses for unknown labels: the single-positive baselines of Cole et al. (CVPR 2021) and entropy
-maximisation (Zhou et al., ECCV 2022).
-
-Every other loss of :mod:`mlcls.losses` excludes an unknown label (-1); these give it a term of their own,
-as their papers do.
+maximisation (Zhou et al., ECCV 2022): an unknown label (-1) gets a term of its own, as in their papers.
 
 Label mapping: the authors' code writes observed positives as 1, unobserved labels as 0 and (in partial
 labels) observed negatives as -1; mlcls writes 1, -1 and 0. Their 0 is our -1 and their -1 our 0.
@@ -24,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mlcls.errors import is_integer
 from mlcls.losses.bce import assumed_negative_bce
 from mlcls.losses.common import (
     EntrywiseLoss,
@@ -53,8 +51,8 @@ class UnknownLabelLoss(EntrywiseLoss):
 
 class EpochDependentLoss(UnknownLabelLoss):
     """Base of the losses whose terms change with the training epoch (``ll``, ``splc``), set by the trainer
-    before each epoch's first step (a resumed one included). The epoch is a Python int, not a buffer
-    (reading a buffer on a GPU would wait for the device), kept in ``state_dict()`` as extra state."""
+    before each epoch's first step; a Python int (a buffer on a GPU would be read back every step), kept in
+    ``state_dict()`` as extra state."""
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__(reduction=reduction)
@@ -212,11 +210,11 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
         self.warmup_epochs, self.epochs = warmup_epochs, epochs
         self.needs_sample_index = self.apl
         if self.apl:
-            if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 1:
+            if not is_integer(warmup_epochs) or warmup_epochs < 1:
                 raise ValueError(f"warmup_epochs must be an integer >= 1, got {warmup_epochs}")
             if epochs is None:
                 raise ValueError("apl needs loss.epochs, the run's trainer.epochs (e.g. loss.epochs=10)")
-            if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= warmup_epochs:
+            if not is_integer(epochs) or epochs <= warmup_epochs:
                 raise ValueError(
                     f"apl pseudo-labels after epochs warmup_epochs..epochs-1: epochs must be an integer > "
                     f"warmup_epochs={warmup_epochs}, got {epochs}"

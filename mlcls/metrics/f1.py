@@ -108,10 +108,8 @@ def figures_of_counts(counts: torch.Tensor) -> dict[str, float]:
 
 
 def precision_recall_f1(predicted: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """CP, CR, CF1, OP, OR, OF1 in percent of the bool predictions (N, C) against labels in {1, 0, -1}.
-
-    See the module docstring for the definitions and edge cases.
-    """
+    """CP, CR, CF1, OP, OR, OF1 in percent of the bool predictions (N, C) against labels in {1, 0, -1}, as
+    the module docstring defines them (edge cases included)."""
     if predicted.dtype != torch.bool or predicted.dim() != 2:
         raise ValueError(
             f"predicted must be a 2-D bool tensor, got {predicted.dtype} {tuple(predicted.shape)}"

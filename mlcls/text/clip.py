@@ -75,7 +75,21 @@ class ClipEncoder:
                 raise ConfigError(
                     f"text.model={self.model!r} cannot be built offline ({first_line(exc)})"
                 ) from None
-        _load_text_tower(model, state, self.path, self.model)
+        where = printable(str(self.path))
+        try:
+            result = model.load_state_dict(state, strict=False)
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"text.path {where} does not fit text.model={self.model!r} ({first_line(exc)})"
+            ) from None
+        # every parameter and buffer of the text tower (all but ``visual.``), no key the model lacks
+        missing = [key for key in result.missing_keys if not key.startswith("visual.")]
+        for keys, what in ((missing, "lacks"), (result.unexpected_keys, "has keys the model lacks:")):
+            if keys:
+                raise ConfigError(
+                    f"text.path {where} {what} {listed(keys, MAX_NAMED_KEYS)}; expected the "
+                    f"weights of the open_clip model {self.model!r}"
+                )
         prompts = [self.template.replace("{}", phrase(name)) for name in names]
         model.eval()
         with torch.inference_mode():
@@ -114,21 +128,3 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     ):
         raise ConfigError(f"text.path {where} holds no state dict; expected tensors by parameter name")
     return {key.removeprefix("module."): value for key, value in state.items()}
-
-
-def _load_text_tower(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path, name: str) -> None:
-    """``state`` loaded into ``model``: every parameter and buffer of the text tower (all but ``visual.``)
-    present with its shape, no key the model lacks; else a one-line :class:`ConfigError`."""
-    try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:
-        raise ConfigError(
-            f"text.path {printable(str(path))} does not fit text.model={name!r} ({first_line(exc)})"
-        ) from None
-    missing = [key for key in result.missing_keys if not key.startswith("visual.")]
-    for keys, what in ((missing, "lacks"), (result.unexpected_keys, "has keys the model lacks:")):
-        if keys:
-            raise ConfigError(
-                f"text.path {printable(str(path))} {what} {listed(keys, MAX_NAMED_KEYS)}; expected the "
-                f"weights of the open_clip model {name!r}"
-            )

@@ -112,15 +112,8 @@ def check_model_folder(path: Path) -> Path:
         raise ConfigError(
             f"text.path {where} holds no .safetensors file; expected the model's weights in one"
         )
-    _check_modules(path, where)
-    return path
-
-
-def _check_modules(path: Path, where: str) -> None:
-    """Every module of ``modules.json`` (if the folder has one) is one of sentence-transformers' own, in a
-    folder inside ``path``."""
     if not (path / "modules.json").exists():
-        return
+        return path
     modules = read_json(path / "modules.json", "config")
     if not isinstance(modules, list) or not all(isinstance(module, dict) for module in modules):
         raise ConfigError(f"text.path {where}: modules.json is not a list of modules; expected one")
@@ -135,3 +128,4 @@ def _check_modules(path: Path, where: str) -> None:
             raise ConfigError(
                 f"text.path {where}: modules.json names the folder {shown(folder)}; expected one inside"
             )
+    return path

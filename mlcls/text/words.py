@@ -50,12 +50,12 @@ class WordsEncoder:
         self.dim, self.seed = dim, seed
         self.source = f"words(dim={dim}, seed={seed})"
 
-    def word_vector(self, word: str) -> np.ndarray:
-        """The float64 (dim,) vector of ``word`` (already lower-cased)."""
-        digest = hashlib.sha256(f"{self.seed}:{word}".encode()).digest()
-        return np.random.default_rng(int.from_bytes(digest[:8], "little")).standard_normal(self.dim)
-
     def encode(self, names: list[str]) -> torch.Tensor:
-        """float64 (C, dim): :func:`sum_of_words` of each word's vector, drawn once per call."""
-        words = {word for name in names for word in split_words(name)}
-        return sum_of_words(names, {word: self.word_vector(word) for word in words})
+        """float64 (C, dim): :func:`sum_of_words` of each word's vector (module docstring), drawn once per
+        call."""
+        vectors = {}
+        for word in {word for name in names for word in split_words(name)}:
+            digest = hashlib.sha256(f"{self.seed}:{word}".encode()).digest()
+            rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+            vectors[word] = rng.standard_normal(self.dim)
+        return sum_of_words(names, vectors)
