@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mlcls.data.shards.tario import NPY_MAX_HEADER, npy_header
+from mlcls.data.shards.tario import NPY_MAX_HEADER, check_npz_member, npy_header
 from mlcls.io import CAPS, atomic_write, open_regular
 from mlcls.metrics import average_precision
 from mlcls.metrics.f1 import prediction_counts
@@ -163,9 +163,9 @@ MAX_EXPANSION = 8
 def check_npz_members(file: Any) -> dict[str, tuple[int, ...]]:
     """The shape of each array of the ``.npz`` archive ``file`` (open, seekable), checked before any array
     is read, so that what :func:`numpy.load` allocates is bounded by :data:`MAX_EXPANSION` times the file's
-    size: each of :data:`PREDICTION_KINDS` a stored or deflated member; a stored member declaring the bytes
-    it occupies, all together at most :data:`MAX_EXPANSION` times the file (a deflated member may declare
-    1,000 times its bytes); each ``.npy`` header (:func:`~mlcls.data.shards.tario.npy_header`) naming a
+    size: each of :data:`PREDICTION_KINDS` a member as ``np.savez`` writes it (:func:`check_npz_member`),
+    all together at most :data:`MAX_EXPANSION` times the file (a deflated member may declare 1,000 times its
+    bytes); each ``.npy`` header (:func:`~mlcls.data.shards.tario.npy_header`) naming a
     dtype of its kind, and a shape whose bytes are exactly the member's data (numpy allocates from the
     header's shape before reading); the shapes agreeing. :class:`ValueError` names the first that fails.
     """
@@ -174,13 +174,7 @@ def check_npz_members(file: Any) -> dict[str, tuple[int, ...]]:
         members = {info.filename: info for info in archive.infolist()}
         total = 0
         for info in members.values():
-            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-                raise ValueError(f"member {info.filename!r} is compressed with method {info.compress_type}")
-            if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
-                raise ValueError(
-                    f"member {info.filename!r} is stored in {info.compress_size:,} bytes but declares "
-                    f"{info.file_size:,}"
-                )
+            check_npz_member(info, size)
             total += info.file_size
         if total > MAX_EXPANSION * size:
             raise ValueError(f"its members declare {total:,} bytes in a file of {size:,}")

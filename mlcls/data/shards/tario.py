@@ -13,6 +13,7 @@ import re
 import struct
 import tarfile
 import tokenize
+import zipfile
 from collections.abc import Iterator
 from typing import IO
 
@@ -160,6 +161,20 @@ def _pax_records(data: bytes) -> dict[str, str]:
         records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         position = end
     return records
+
+
+def check_npz_member(info: zipfile.ZipInfo, file_size: int) -> None:
+    """ValueError unless the member ``info`` of an ``.npz`` file of ``file_size`` bytes is as ``np.savez``
+    (or ``np.savez_compressed``) writes it: stored or deflated, not encrypted, within the file, a stored one
+    declaring the bytes it occupies."""
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
+        raise ValueError(f"{info.filename} is encrypted or compressed with method {info.compress_type}")
+    stored = info.compress_type == zipfile.ZIP_STORED
+    if info.compress_size > file_size or (stored and info.file_size != info.compress_size):
+        raise ValueError(
+            f"{info.filename} declares {info.compress_size} bytes stored, {info.file_size} unpacked, in a "
+            f"file of {file_size} bytes"
+        )
 
 
 def npy_header(data: bytes, member: str = "the .npy file") -> tuple[np.dtype, tuple[int, ...], str, int]:
