@@ -34,7 +34,7 @@ from mlcls.data.shards.datasets import ShardTrainSet, open_shards
 from mlcls.data.shards.loader import ShardSchedule, ShardStream
 from mlcls.data.shards.pack import encode_jpeg, labels_file, pack_split, packed_image
 from mlcls.data.shards.reader import iter_shard
-from mlcls.data.shards.tario import npy_array, tar_files
+from mlcls.data.shards.tario import npy_array, npy_header, tar_files
 
 wds = pytest.importorskip("webdataset")
 
@@ -666,6 +666,15 @@ def test_npy_array_reads_what_np_load_reads() -> None:
         read = npy_array(buffer.getvalue())
         assert read.dtype == array.dtype and read.shape == array.shape
         np.testing.assert_array_equal(read, array)
+        buffer.seek(0)  # the header alone, as the report reads it: what numpy's own parser reads
+        version = np.lib.format.read_magic(buffer)
+        shape, fortran, dtype = getattr(np.lib.format, f"read_array_header_{version[0]}_0")(buffer)
+        assert npy_header(buffer.getvalue()[: buffer.tell()]) == (
+            dtype,
+            shape,
+            "F" if fortran else "C",
+            buffer.tell(),
+        )
     buffer = io.BytesIO()
     np.save(buffer, np.arange(3))
     for bad in (b"not an array", buffer.getvalue()[:-3]):  # np.load's errors

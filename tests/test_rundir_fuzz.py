@@ -203,7 +203,9 @@ def test_a_header_asking_for_more_than_its_member_holds_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "not a zip", "object array", "epoch of 3"])
+@pytest.mark.parametrize(
+    "kind", ["fifo", "/dev/zero", "not a zip", "object array", "epoch of 3", "encrypted"]
+)
 def test_odd_predictions_files_are_one_line(tmp_path, kind):
     path = tmp_path / "val_predictions.npz"
     if kind == "fifo":
@@ -225,8 +227,16 @@ def test_odd_predictions_files_are_one_line(tmp_path, kind):
         if kind == "object array":
             arrays["classes"] = np.array(["a", 1, None], dtype=object)
         np.savez(path, **arrays)
+        if kind == "encrypted":  # old: RuntimeError "password required" out of zipfile, a traceback
+            data = bytearray(path.read_bytes())
+            for signature, flags in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):  # local, central headers
+                at = data.find(signature)
+                while at >= 0:
+                    data[at + flags] |= 1  # bit 0 of the general purpose flags: encrypted
+                    at = data.find(signature, at + 4)
+            path.write_bytes(bytes(data))
     outcome = bounded(load_val_predictions, tmp_path, memory_mb=512, seconds=SECONDS)
-    one_line(outcome, str(path))
+    one_line(outcome, str(path), *(["is encrypted"] if kind == "encrypted" else []))
 
 
 def test_predictions_are_checked_against_the_runs_counts(tmp_path):

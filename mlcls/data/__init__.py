@@ -196,8 +196,7 @@ def build_dataset(
 ) -> MultiLabelDataset:
     """The training (``train=True``) or validation split of the dataset config ``cfg``, with the transform of
     ``backend`` (``data.backend``) and, for training, its policies (checked for either split)."""
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if not isinstance(cfg, dict) else cfg
-    cfg = OmegaConf.create(cfg)
+    cfg = OmegaConf.create(cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True))
     if "_target_" not in cfg:
         raise DatasetConfigError(
             f"the dataset config {cfg.get('name', '')!r} names no _target_ (dataset=base holds the keys "

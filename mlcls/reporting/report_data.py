@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mlcls.data.shards.tario import NPY_MAX_HEADER, check_npz_member, npy_header
 from mlcls.io import CAPS, atomic_write, open_regular
 from mlcls.metrics import average_precision
 from mlcls.metrics.f1 import prediction_counts
@@ -157,18 +158,15 @@ PREDICTION_KINDS = {
 # (mlcls-train) stores members uncompressed (1x); ``np.savez_compressed`` of real predictions shrinks them
 # about 1.1-2x, their scores being random floats.
 MAX_EXPANSION = 8
-# The most bytes a .npy header may hold (numpy's own default limit), and its readers by format version.
-MAX_HEADER_BYTES = 10_000
-HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
 def check_npz_members(file: Any) -> dict[str, tuple[int, ...]]:
     """The shape of each array of the ``.npz`` archive ``file`` (open, seekable), checked before any array
     is read, so that what :func:`numpy.load` allocates is bounded by :data:`MAX_EXPANSION` times the file's
-    size: each of :data:`PREDICTION_KINDS` a stored or deflated member; a stored member declaring the bytes
-    it occupies, all together at most :data:`MAX_EXPANSION` times the file (a deflated member may declare
-    1,000 times its bytes); each ``.npy`` header (at most :data:`MAX_HEADER_BYTES`) naming a dtype of its
-    kind, without objects, and a shape whose bytes are exactly the member's data (numpy allocates from the
+    size: each of :data:`PREDICTION_KINDS` a member as ``np.savez`` writes it (:func:`check_npz_member`),
+    all together at most :data:`MAX_EXPANSION` times the file (a deflated member may declare 1,000 times its
+    bytes); each ``.npy`` header (:func:`~mlcls.data.shards.tario.npy_header`) naming a
+    dtype of its kind, and a shape whose bytes are exactly the member's data (numpy allocates from the
     header's shape before reading); the shapes agreeing. :class:`ValueError` names the first that fails.
     """
     size = os.fstat(file.fileno()).st_size
@@ -176,13 +174,7 @@ def check_npz_members(file: Any) -> dict[str, tuple[int, ...]]:
         members = {info.filename: info for info in archive.infolist()}
         total = 0
         for info in members.values():
-            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-                raise ValueError(f"member {info.filename!r} is compressed with method {info.compress_type}")
-            if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
-                raise ValueError(
-                    f"member {info.filename!r} is stored in {info.compress_size:,} bytes but declares "
-                    f"{info.file_size:,}"
-                )
+            check_npz_member(info, size)
             total += info.file_size
         if total > MAX_EXPANSION * size:
             raise ValueError(f"its members declare {total:,} bytes in a file of {size:,}")
@@ -192,13 +184,8 @@ def check_npz_members(file: Any) -> dict[str, tuple[int, ...]]:
             if info is None:
                 raise ValueError(f"no array {key!r}")
             with archive.open(info) as stream:
-                version = np.lib.format.read_magic(stream)
-                read_header = HEADER_READERS.get(version)
-                if read_header is None:
-                    raise ValueError(f"{key} is a .npy file of version {version}; 1.0 or 2.0 expected")
-                shape, _, dtype = read_header(stream, max_header_size=MAX_HEADER_BYTES)
-                header = stream.tell()
-            if dtype.hasobject or dtype.kind not in kinds or len(shape) != len(dims):
+                dtype, shape, _, header = npy_header(stream.read(NPY_MAX_HEADER), f"{key}.npy")
+            if dtype.kind not in kinds or len(shape) != len(dims):
                 raise ValueError(
                     f"{key} is a {len(shape)}-d {dtype} array; a {len(dims)}-d one of kind {kinds} expected"
                 )

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from mlcls.data.images import read_image
+from mlcls.data.images import open_image, read_image_bytes
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.errors import shown
 from mlcls.io import read_json
@@ -185,6 +185,16 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return Image.fromarray(values.astype(np.uint8)).convert("RGB")
 
 
+def rgb_picture(data: bytes, box: tuple[float, float, float, float] | None) -> Image.Image:
+    """The RGB image of the encoded ``data``, cropped to ``box`` ``(x, y, w, h)`` (clamped); refused with a
+    ``ValueError`` from its header, before decoding, when too thin (:func:`check_aspect_ratio`)."""
+    with open_image(data) as img:
+        region = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
+        check_aspect_ratio(region[2] - region[0], region[3] - region[1])
+        rgb = to_rgb(img)
+    return rgb if box is None else rgb.crop(region)
+
+
 def crop_box(box: tuple[float, float, float, float], width: int, height: int) -> tuple[int, int, int, int]:
     """Pixel crop ``(left, top, right, bottom)`` of box ``(x, y, w, h)`` clamped to a ``width`` x ``height``
     image; the whole image when the clamped box is empty."""
@@ -284,14 +294,9 @@ class MultiLabelDataset(Dataset):
         return len(self.samples)
 
     def picture(self, index: int) -> Image.Image:
-        """Sample ``index`` as RGB, cropped to its box (clamped): the image as a person sees it. Refused with
-        a ``ValueError`` from its header, before decoding, when too thin (:func:`check_aspect_ratio`)."""
+        """Sample ``index`` as a person sees it (:func:`rgb_picture` of its file and box)."""
         sample = self.samples[index]
-        with read_image(sample.path) as img:
-            region = (0, 0, *img.size) if sample.box is None else crop_box(sample.box, *img.size)
-            check_aspect_ratio(region[2] - region[0], region[3] - region[1])
-            img = to_rgb(img)
-        return img if sample.box is None else img.crop(region)
+        return rgb_picture(read_image_bytes(sample.path), sample.box)
 
     def load_image(self, index: int) -> Any:
         """The transform's input for sample ``index``: its ``decode(path, box)`` of the file when it has one

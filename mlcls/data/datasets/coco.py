@@ -1,11 +1,7 @@
-"""MS-COCO (2014 or 2017) as a multi-label dataset (docs/datasets.md, COCO)::
-
-    root/annotations/instances_{train,val}{year}.json
-    root/{train,val}{year}/*.jpg          (``train_images`` / ``val_images`` override these folders)
-
-Classes: the 80 categories in id order; labels: 1 for a category with an annotation (crowd ones too), else
-0; images without any annotation are dropped unless ``keep_empty``. An id of integral float value
-(``1.0``: some exporters write every number so) is that integer; ``1.9``, ``"1"`` or ``true`` is refused.
+"""MS-COCO (2014 or 2017) as a multi-label dataset (layout: docs/datasets.md, COCO). Classes: the 80
+categories in id order; labels: 1 for a category with an annotation (crowd ones too), else 0; images without
+any annotation are dropped unless ``keep_empty``. An id of integral float value (``1.0``: some exporters
+write every number so) is that integer; ``1.9``, ``"1"`` or ``true`` is refused.
 """
 
 from __future__ import annotations

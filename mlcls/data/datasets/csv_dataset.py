@@ -1,10 +1,7 @@
-"""The user's own images and labels, listed in a CSV or TSV file (docs/datasets.md, "Your own data")::
+"""The user's own images and labels, listed in a CSV or TSV file (docs/datasets.md, "Your own data").
 
-      image,labels              image,cat,dog,bird     (labels_column: null)
-      img/0001.jpg,cat dog      img/0001.jpg,1,1,0
-      img/0002.jpg,dog          img/0002.jpg,0,1,
-
-Names column: listed names 1, other classes 0. One column per class: 1, 0, -1 or empty (unknown).
+A column of names (``labels_column``): listed names 1, other classes 0. One column per class
+(``labels_column: null``): 1, 0, -1 or empty (unknown).
 Without ``val_file``, about ``val_fraction`` of the training file is held out, ``val_by``
 ``stratified`` (:func:`stratified_holdout`: each class keeps about its share of positives; appending rows
 can move images) or ``hashed`` (:func:`held_out`: by each path as written, so appending moves none). An

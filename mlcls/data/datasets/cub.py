@@ -1,16 +1,8 @@
-"""CUB-200-2011 attributes: 11,788 bird images, the 312 binary attributes as classes (docs/datasets.md)::
-
-    root/attributes.txt                     "<attribute_id> <name>", ids 1..312 in order
-                                            (or root/CUB_200_2011/attributes/attributes.txt)
-    root/CUB_200_2011/images.txt            "<image_id> <relative path>"
-    root/CUB_200_2011/train_test_split.txt  "<image_id> <is_training_image>": 1 train, 0 test
-    root/CUB_200_2011/attributes/image_attribute_labels.txt
-                                            "<image_id> <attribute_id> <is_present> <certainty_id> <time>"
-    root/CUB_200_2011/images/<class folder>/<file>.jpg
-
-As Cole et al.'s ``preproc/format_cub.py`` (single-positive benchmark, CVPR 2021, commit 30ce86cb): labels
-``is_present`` (1 / 0); like its ``read_csv(usecols=...)``, the first three fields of a line are read and
-any others ignored (a few official lines hold more than five); no image is dropped.
+"""CUB-200-2011 attributes: 11,788 bird images, the 312 binary attributes as classes (layout:
+docs/datasets.md). As Cole et al.'s ``preproc/format_cub.py`` (single-positive benchmark, CVPR 2021, commit
+30ce86cb): labels ``is_present`` (1 / 0); like its ``read_csv(usecols=...)``, the first three fields of a
+line of ``image_attribute_labels.txt`` are read and any others ignored (a few official lines hold more than
+five); no image is dropped.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from torch.utils.data import Subset
 
 from mlcls.data.datasets.base import LABEL_VALUES, DatasetConfigError
 from mlcls.data.datasets.observed import ALL_LABELS, ObservedLabels
-from mlcls.data.shards.tario import npy_array
+from mlcls.data.shards.tario import check_npz_member, npy_array
 
 NPZ_ARRAYS = ("offsets", "columns", "values", "shape_fill")  # the members of SparseLabels.to_bytes
 NPY_HEADER_ROOM = 4096  # bytes an .npy member may take besides its data (np.save writes ~128)
@@ -230,18 +230,11 @@ def _npz_array(archive: zipfile.ZipFile, name: str, items: int | None, file_size
     """A writable copy of the array ``name`` of ``archive`` (``file_size`` bytes) within the bounds of
     :meth:`SparseLabels.from_bytes` (``items``: the integers the shape allows, None: any)."""
     info = archive.getinfo(f"{name}.npy")
-    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
-        raise ValueError(f"{name}.npy is encrypted or compressed with method {info.compress_type}")
+    check_npz_member(info, file_size)
     if items is not None and info.file_size > NPY_HEADER_ROOM + 8 * items:
         raise ValueError(
             f"{name}.npy declares {info.file_size} bytes, more than {items} integers take (the matrix's "
             "shape allows no more)"
-        )
-    stored = info.compress_type == zipfile.ZIP_STORED
-    if info.compress_size > file_size or (stored and info.file_size != info.compress_size):
-        raise ValueError(
-            f"{name}.npy declares {info.compress_size} bytes stored, {info.file_size} unpacked, in a file of "
-            f"{file_size} bytes"
         )
     if info.file_size > MAX_DEFLATE_RATIO * info.compress_size + NPY_HEADER_ROOM:
         raise ValueError(

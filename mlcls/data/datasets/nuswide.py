@@ -1,17 +1,10 @@
-"""NUS-WIDE: 269,648 Flickr images, 81 concepts (the release's ``TrainTestLabels``; docs/datasets.md)::
-
-    root/ConceptsList/Concepts81.txt        the 81 concept names, one a line (or root/Concepts81.txt)
-    root/ImageList/{Train,Test}Imagelist.txt  one image a line, e.g. ``actor\\0001_2124494179.jpg``
-    root/Groundtruth/TrainTestLabels/Labels_<concept>_{Train,Test}.txt   one 0 or 1 a line per image
-    root/Flickr/<folder>/<file>.jpg
-
-Image paths: ``\\`` becomes ``/`` and a prefix up to a ``Flickr`` folder is dropped. Images without a
-positive are dropped unless ``keep_empty``.
+"""NUS-WIDE: 269,648 Flickr images, 81 concepts (the release's ``TrainTestLabels``; layout:
+docs/datasets.md). Image paths: ``\\`` becomes ``/`` and a prefix up to a ``Flickr`` folder is dropped.
+Images without a positive are dropped unless ``keep_empty``.
 
 ``label_set=zero_shot`` (``dataset=nuswide_zsl``): LESA's split (Huynh & Elhamifar, CVPR 2020), as in
-ML-Decoder's zero-shot table: the 925 tags of ``NUS_WID_Tags/TagList1k.txt`` that are no concept (labels
-from ``NUS_WID_Tags/{Train,Test}_Tags1k.dat``, a line of 1,000 tab-separated 0 / 1 per image), then the 81
-concepts; ``train`` keeps the images with a positive seen tag, ``test`` those with any positive.
+ML-Decoder's zero-shot table: the 925 tags of ``NUS_WID_Tags/TagList1k.txt`` that are no concept, then the
+81 concepts; ``train`` keeps the images with a positive seen tag, ``test`` those with any positive.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """Open Images V6 image-level classification: 9,605 trainable classes, human-verified partial labels
-(docs/datasets.md)::
-
-    root/oidv6-class-descriptions.csv                     LabelName,DisplayName (header row)
-    root/oidv6-classes-trainable.txt                      one LabelName per line, no header
-    root/{oidv6-train,validation,test}-annotations-human-imagelabels.csv   ImageID,Source,LabelName,Confidence
-    root/{train,validation,test}/<ImageID>.jpg            (``train_images``, ... override these)
+(layout: docs/datasets.md).
 
 Classes: the trainable list, named by DisplayName (``"Bass (/m/...)"`` where several share one). Labels:
 the human verifications only, Confidence 1 -> 1, 0 -> 0, a pair absent (or given both verdicts) -> -1.

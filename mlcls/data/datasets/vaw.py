@@ -1,13 +1,7 @@
 """VAW (Visual Attributes in the Wild): 620 attributes per object instance, one sample per instance crop
-(docs/datasets.md)::
-
-    root/data/{train_part1,train_part2,val,test}.json    lists of instances
-    root/data/attribute_index.json                       {attribute name: index}
-    root/VG_100K/<image_id>.jpg, root/VG_100K_2/<image_id>.jpg   (``image_dirs``)
-
-An instance: ``{"image_id", "instance_bbox": [x, y, w, h], "positive_attributes": [names],
-"negative_attributes": [names]}``. Labels: positive -> 1 (also when listed negative too), negative -> 0,
-others -1; empty boxes are dropped. ``train`` = train_part1 + train_part2 + val.
+(layout: docs/datasets.md). An instance: ``{"image_id", "instance_bbox": [x, y, w, h],
+"positive_attributes": [names], "negative_attributes": [names]}``. Labels: positive -> 1 (also when listed
+negative too), negative -> 0, others -1; empty boxes are dropped. ``train`` = train_part1 + train_part2 + val.
 """
 
 from __future__ import annotations

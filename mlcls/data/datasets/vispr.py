@@ -1,10 +1,6 @@
-"""VISPR (Visual Privacy): 68 privacy attributes per image, ``a0_safe`` included (docs/datasets.md)::
-
-    root/attributes.tsv                         idx, attribute_id, group, description (tab-separated)
-    root/{train2017,val2017,test2017}.txt       one annotation path per line, relative to root
-    root/annotations/<split>2017/<id>.json      {"image_path": "images/<split>2017/<id>.jpg", "labels": [...]}
-
-Classes: ``attribute_id`` in ``idx`` order; labels: 1 if listed, else 0. ``train`` = train2017 + val2017.
+"""VISPR (Visual Privacy): 68 privacy attributes per image, ``a0_safe`` included (layout:
+docs/datasets.md). Classes: ``attribute_id`` of ``attributes.tsv`` in ``idx`` order; labels: 1 if listed,
+else 0. ``train`` = train2017 + val2017.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""PASCAL VOC 2007 / 2012 classification: an image is labelled with its objects' classes (docs/datasets.md)::
-
-    root/VOCdevkit/VOC{year}/{Annotations/<id>.xml, JPEGImages/<id>.jpg, ImageSets/Main/<split>.txt}
-
-Labels come from each ``<object>``'s own ``<name>`` (not VOC2012's ``<part><name>``). A class present only
-through difficult objects is -1 with ``difficult="ignore"`` (the official protocol), 1 with ``"positive"``,
-0 with ``"negative"``.
+"""PASCAL VOC 2007 / 2012 classification: an image is labelled with its objects' classes (layout:
+docs/datasets.md). Labels come from each ``<object>``'s own ``<name>`` (not VOC2012's ``<part><name>``). A
+class present only through difficult objects is -1 with ``difficult="ignore"`` (the official protocol), 1
+with ``"positive"``, 0 with ``"negative"``.
 """
 
 from __future__ import annotations

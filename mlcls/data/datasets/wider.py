@@ -1,11 +1,6 @@
-"""WIDER-Attribute: 14 binary attributes per person box, one sample per box crop (docs/datasets.md)::
-
-    root/Annotations/wider_attribute_{trainval,test}.json
-    root/Image/{train,val,test}/<scene>/<name>.jpg       (``file_name`` in the JSON is relative to Image/)
-
-JSON: ``{"images": [{"file_name", "targets": [{"bbox": [x, y, w, h], "attribute": [14 values]}]}],
-"attribute_id_map": {"0": "Male", ...}}``. Labels: 1 -> 1, -1 -> 0, 0 (unspecified) -> -1; empty boxes are
-dropped (the official files hold 28,345 / 29,179 boxes; the paper, Table 6, reports 28,340 / 29,117).
+"""WIDER-Attribute: 14 binary attributes per person box, one sample per box crop (layout:
+docs/datasets.md). Labels: 1 -> 1, -1 -> 0, 0 (unspecified) -> -1; empty boxes are dropped (the official
+files hold 28,345 / 29,179 boxes; the paper, Table 6, reports 28,340 / 29,117).
 """
 
 from __future__ import annotations

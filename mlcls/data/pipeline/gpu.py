@@ -22,7 +22,7 @@ from torch import Tensor
 from torchvision import transforms as T
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from mlcls.data.datasets.base import BadImageError, crop_box, to_rgb
+from mlcls.data.datasets.base import BadImageError, crop_box, rgb_picture, to_rgb
 from mlcls.data.images import check_pixels, open_image, read_image_bytes
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
@@ -58,7 +58,7 @@ MAX_HEADER_MARKERS = 1024
 # pixels; the grid the window is resized to and the offset of the S x S output in it; the flip; S.
 IMAGE_W, IMAGE_H, LEFT, TOP, WIDTH, HEIGHT, GRID_W, GRID_H, OFFSET_X, OFFSET_Y, FLIP, SIZE = range(12)
 GEOMETRY_FIELDS = 12
-Box = tuple[float, float, float, float]  # (left, top, right, bottom) in pixels
+Box = tuple[float, float, float, float]  # a Sample.box: (x, y, w, h) in pixels
 
 
 class EncodedImage(NamedTuple):
@@ -186,13 +186,7 @@ class GpuEvalTransform:
     def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | Image.Image:
         """A :class:`PlannedJpeg`, or the RGB PIL image (cropped to the box) of a file of the CPU path."""
         planned = plan_window(data, box)
-        if planned is not None:
-            return planned
-        with open_image(data) as img:
-            region = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
-            check_aspect_ratio(region[2] - region[0], region[3] - region[1])
-            rgb = to_rgb(img)
-        return rgb if box is None else rgb.crop(region)
+        return rgb_picture(data, box) if planned is None else planned
 
     def grid(self, width: int, height: int) -> tuple[int, int, int, int]:
         """``(grid_w, grid_h, offset_x, offset_y)`` of a ``width`` x ``height`` window: torchvision's

@@ -13,6 +13,7 @@ import re
 import struct
 import tarfile
 import tokenize
+import zipfile
 from collections.abc import Iterator
 from typing import IO
 
@@ -30,6 +31,7 @@ READ_CHUNK = 1 << 20  # a member larger than this is read in pieces: memory foll
 PAX_RECORD = re.compile(rb"([0-9]{1,19}) ")  # "<length> <key>=<value>\n", the length counting it all
 NPY_MAGIC = b"\x93NUMPY"
 NPY_MAX_DIMS = 64  # numpy's NPY_MAXDIMS
+NPY_MAX_HEADER = 12 + 10_000  # prefix and numpy's default max_header_size: a longer header is refused
 NPY_HEADER_READERS = {
     b"\x01": np.lib.format.read_array_header_1_0,
     b"\x02": np.lib.format.read_array_header_2_0,
@@ -161,10 +163,25 @@ def _pax_records(data: bytes) -> dict[str, str]:
     return records
 
 
-def npy_array(data: bytes, member: str = "the .npy file") -> np.ndarray:
-    """The array of ``.npy`` file bytes (format versions 1 and 2, no objects), as ``np.load`` reads it,
-    read-only, a view of ``data``; its header parsed once per distinct header (every sample of a shard
-    has the same). Anything else raises :class:`DatasetFormatError` naming ``member``."""
+def check_npz_member(info: zipfile.ZipInfo, file_size: int) -> None:
+    """ValueError unless the member ``info`` of an ``.npz`` file of ``file_size`` bytes is as ``np.savez``
+    (or ``np.savez_compressed``) writes it: stored or deflated, not encrypted, within the file, a stored one
+    declaring the bytes it occupies."""
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
+        raise ValueError(f"{info.filename} is encrypted or compressed with method {info.compress_type}")
+    stored = info.compress_type == zipfile.ZIP_STORED
+    if info.compress_size > file_size or (stored and info.file_size != info.compress_size):
+        raise ValueError(
+            f"{info.filename} declares {info.compress_size} bytes stored, {info.file_size} unpacked, in a "
+            f"file of {file_size} bytes"
+        )
+
+
+def npy_header(data: bytes, member: str = "the .npy file") -> tuple[np.dtype, tuple[int, ...], str, int]:
+    """``(dtype, shape, order, offset of the data)`` of the ``.npy`` file whose bytes begin with ``data``
+    (its first :data:`NPY_MAX_HEADER` bytes suffice): format versions 1 and 2, no objects, each distinct
+    header parsed once (every sample of a shard has the same). Anything else raises
+    :class:`DatasetFormatError` naming ``member``."""
     version = data[6:7] if data.startswith(NPY_MAGIC) else b""
     if version not in NPY_HEADER_READERS:
         raise DatasetFormatError(f"{member} is not a .npy array (format version 1 or 2)")
@@ -174,11 +191,17 @@ def npy_array(data: bytes, member: str = "the .npy file") -> np.ndarray:
         else 12 + int.from_bytes(data[8:12], "little")
     )
     try:
-        dtype, shape, order = _npy_layout(data[:end])
+        return (*_npy_layout(data[:end]), end)
     except (ValueError, TypeError, SyntaxError, tokenize.TokenError) as exc:  # numpy's header parser's
         raise DatasetFormatError(f"{member} has no valid .npy header ({exc})") from None
     except (MemoryError, RecursionError):  # Python's parser on thousands of nested unary minuses
         raise DatasetFormatError(f"{member} has no valid .npy header (nested too deeply)") from None
+
+
+def npy_array(data: bytes, member: str = "the .npy file") -> np.ndarray:
+    """The array of ``.npy`` file bytes (:func:`npy_header`), as ``np.load`` reads it, read-only, a view of
+    ``data``."""
+    dtype, shape, order, end = npy_header(data, member)
     count = math.prod(shape)
     if len(data) - end < count * dtype.itemsize:
         raise DatasetFormatError(
