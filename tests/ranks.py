@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port of this host that no process listens on now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_ranks(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose_config
+from ranks import free_port
 
 from mlcls.cli.train import run
 from mlcls.engine.checkpoint import load_checkpoint
@@ -36,12 +36,6 @@ ARGS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_nodes_match_one_process(tmp_path):
     bin_dir = Path(sys.executable).parent
@@ -50,7 +44,7 @@ def test_two_nodes_match_one_process(tmp_path):
     # The one-process run, in this process: what ``mlcls-train`` runs after composing the config.
     run(compose_config([*ARGS, f"trainer.output_dir={tmp_path / 'one'}"]))
 
-    port = _free_port()
+    port = free_port()
     node = [
         torchrun,
         "--nnodes=2",
@@ -73,6 +67,7 @@ def test_two_nodes_match_one_process(tmp_path):
     ]
     outputs = [p.communicate(timeout=300)[0] for p in nodes]
     assert all(p.returncode == 0 for p in nodes), outputs[0][-2000:] + outputs[1][-2000:]
+    assert not (tmp_path / "outputs").exists()  # one run directory: no stray per-process ones
 
     one = json.loads((tmp_path / "one" / "results.json").read_text())
     two = json.loads((tmp_path / "two" / "results.json").read_text())

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, compose_config
-from ranks import run_ranks
+from ranks import free_port, run_ranks
 
 import mlcls.engine.checkpointer as checkpointer_module
 import mlcls.engine.logging as logging_module
@@ -44,14 +44,6 @@ def _slurm_environment(rank: int, port: int) -> dict[str, str]:
         "MASTER_PORT": str(port),  # set by many job scripts; submitit reads it as the port
         "CUDA_VISIBLE_DEVICES": "0,1",  # the job's GPUs, as SLURM sets them for every task of the node
     }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _on_rank(rank: int, port: int, out_dir: str) -> None:
@@ -86,7 +78,7 @@ def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     does not import torch again); otherwise they are spawned."""
     out = tmp_path_factory.mktemp("ranks")
     method = "spawn" if torch.cuda.is_available() else "fork"
-    run_ranks(_on_rank, (_free_port(), str(out)), WORLD, 900, "the 2-process job", method)
+    run_ranks(_on_rank, (free_port(), str(out)), WORLD, 900, "the 2-process job", method)
     return out, [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 

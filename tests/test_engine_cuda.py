@@ -5,13 +5,13 @@ single-process NCCL group through the trainer's collectives and evaluation."""
 from __future__ import annotations
 
 import math
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import TINY, compose_config
+from ranks import free_port
 
 from mlcls import distributed as collectives
 from mlcls.engine.trainer import Trainer
@@ -70,17 +70,11 @@ def test_the_cuda_epoch_loop_synchronises_as_often_for_8_steps_as_for_2(tmp_path
     assert len(eight) == len(two), "\n".join(eight)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a NCCL group needs CUDA")
 def test_a_single_process_nccl_group_evaluates_as_without_a_group(tmp_path):
     trainer = _trainer(tmp_path, "trainer.amp=none")
     alone = trainer.measure()
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=address, rank=0, world_size=1)
     try:
         grouped = trainer.measure()

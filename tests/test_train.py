@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, run_cli, run_main
+from conftest import compose_config, run_main
+from ranks import free_port, run_ranks
 from sklearn.metrics import average_precision_score
 
 from mlcls.cli.eval import main as eval_main
@@ -108,16 +108,29 @@ def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny, head):
     assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in straight["history"]]
 
 
+def _train_rank(rank: int, port: int, cwd: str, argv: list[str]) -> None:
+    """``mlcls-train *argv`` in directory ``cwd`` as rank ``rank`` of 2, in the environment that
+    ``torchrun --standalone --nproc_per_node=2`` gives its processes (gloo on the CPU)."""
+    torch.set_num_threads(1)
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    os.chdir(cwd)
+    sys.argv = ["mlcls-train", *argv]
+    train_main()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    # the linear head under torchrun: test_distributed.py and test_data_shards.py's one- and two-process runs
+    # the linear head on two ranks: test_distributed.py (two torchrun nodes) and test_engine_cluster.py
     "head",
     [["model.head=mldecoder", "model.head.num_groups=5"]],
     ids=["mldecoder"],
 )
-def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny, head, monkeypatch, capsys):
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert torchrun, "torchrun must be installed next to the interpreter"
+def test_two_ranks_one_run_dir_and_exact_evaluation(tmp_path, tiny, head, monkeypatch, capsys):
+    """Two ranks forked from this process (torchrun itself: test_distributed.py), one run directory, and
+    an evaluation of the 75 validation images split unevenly over the ranks equal to one process's."""
     run_dir = tmp_path / "ddp"
     # 64 training images of 16 pixels: one step of 32 per process; 75 validation images, split unevenly
     overrides = [o for o in tiny if not o.startswith("trainer.epochs")] + [
@@ -125,21 +138,10 @@ def test_torchrun_two_processes_one_run_dir_and_exact_evaluation(tmp_path, tiny,
         "dataset.train_size=64",
         "dataset.image_size=16",
         *head,
+        f"trainer.output_dir={run_dir}",
+        "trainer.device=cpu",
     ]
-    proc = run_cli(
-        [
-            torchrun,
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "mlcls.train",
-            *overrides,
-            f"trainer.output_dir={run_dir}",
-            "trainer.device=cpu",
-        ],
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks(_train_rank, (free_port(), str(tmp_path), overrides), 2, 300, "the two training ranks")
     assert not (tmp_path / "outputs").exists()  # no stray per-process directories
     results = json.loads((run_dir / "results.json").read_text())
     assert results["world_size"] == 2 and results["epochs_completed"] == 1
