@@ -202,16 +202,27 @@ def _class_detail(row: Mapping[str, Any], predictions: ValPredictions, cards: _C
     )
 
 
-def write_report(run_dir: str | Path, dataset: Any) -> Path:
-    """Write ``run_dir/report.html`` (atomically) for the run in ``run_dir`` whose validation split is
-    ``dataset`` (the thumbnails' source); return its path. :class:`ReportError` for a run directory without
-    results, config or predictions, or a dataset that no longer matches the predictions."""
-    run_dir = Path(run_dir)
+RunFiles = tuple[dict[str, Any], dict[str, Any], ValPredictions]
+
+
+def read_report_files(run_dir: Path) -> RunFiles:
+    """``(results, config, predictions)`` of the run in ``run_dir``, each file read once;
+    :class:`ReportError` for a run directory without results, config (its dataset, model and loss groups)
+    or predictions."""
     results, config = read_run(run_dir)
     if results is None or config is None:
         raise ReportError(f"{run_dir}: no results.json and config.yaml; is it an mlcls run directory?")
     config_groups(config, run_dir, ("dataset", "model", "loss"))
-    predictions = load_val_predictions(run_dir, results.get("dataset"))
+    return results, config, load_val_predictions(run_dir, results.get("dataset"))
+
+
+def write_report(run_dir: str | Path, dataset: Any, files: RunFiles | None = None) -> Path:
+    """Write ``run_dir/report.html`` (atomically) for the run in ``run_dir`` (its ``files``, else
+    :func:`read_report_files`) whose validation split is ``dataset`` (the thumbnails' source); return its
+    path. :class:`ReportError` as :func:`read_report_files`, or for a dataset that no longer matches the
+    predictions."""
+    run_dir = Path(run_dir)
+    results, config, predictions = files or read_report_files(run_dir)
     thumbnails = Thumbnails(dataset, predictions)
     cards = _Cards(predictions, thumbnails)
     num_rows = len(predictions.ids)
