@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mlcls import errors
+from mlcls.config_tree import nested_get
 from mlcls.losses.spec import effective_bucket_size, loss_name
 from mlcls.reporting.paper import ReportError, load_paper
 from mlcls.reporting.run_files import config_groups, error_text, find_run_dirs, is_number, read_run, yaml_text
@@ -74,16 +75,6 @@ def built_name(group: Mapping[str, Any]) -> str | None:
     return None if not target else str(target).rsplit(".", 1)[-1].lower()
 
 
-def config_value(config: Mapping[str, Any], dotted: str) -> Any:
-    """The value at ``dotted`` (``optim.lr_head``), or None when the config has no such key."""
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def same_setting(ours: Any, wanted: Any) -> bool:
     """Equality with a float tolerance (0.01 and 1e-2, 4 and 4.0 are the same setting)."""
     if errors.is_number(wanted):
@@ -132,9 +123,9 @@ def _follows(config: Mapping[str, Any], key: str, wanted: Any) -> tuple[bool, An
     if key in NAMED_GROUPS:
         name = built_name(config.get(key) or {})
         return name is not None and any(part.startswith(wanted) for part in name.split("_")), name
-    ours = config_value(config, key)
+    ours = nested_get(config, *key.split("."))
     if key == "sched.warmup_epochs" and ours is None:  # null: the head's own default
-        epochs = config_value(config, "model.head.warmup_epochs")
+        epochs = nested_get(config, "model", "head", "warmup_epochs")
         return same_setting(epochs or 0, wanted), f"null (model.head.warmup_epochs={epochs})"
     return same_setting(ours, wanted), ours
 
@@ -161,7 +152,7 @@ def protocol_deviations(
 
 def epochs_left(config: Mapping[str, Any], results: Mapping[str, Any]) -> tuple[Any, Any] | None:
     """``(epochs completed, trainer.epochs)`` of a run that stopped before its last epoch, else None."""
-    completed, planned = results.get("epochs_completed"), config_value(config, "trainer.epochs")
+    completed, planned = results.get("epochs_completed"), nested_get(config, "trainer", "epochs")
     return (
         (completed, planned) if is_number(completed) and is_number(planned) and completed < planned else None
     )
@@ -180,7 +171,7 @@ def paper_deviations(
         if name in (config["dataset"]["name"], architecture(config))
     ]
     deviations += protocol_deviations(config, results, protocol_checks())
-    amp = config_value(config, "trainer.amp")
+    amp = nested_get(config, "trainer", "amp")
     device = ((results.get("provenance") or {}).get("device") or {}).get("type")
     if amp == "none" or (amp == "auto" and device not in (None, "cuda")):  # auto: float32 off CUDA
         deviations.append("no mixed precision (paper AMP)")

@@ -16,15 +16,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
+from mlcls.config_tree import nested_get
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.runs import (
-    RunRecord,
-    architecture,
-    collect_runs,
-    config_value,
-    metric_figures,
-    protocol_deviations,
-)
+from mlcls.reporting.runs import RunRecord, collect_runs, metric_figures, protocol_deviations
 from mlcls.reporting.sweeps import (
     SMOKE_OVERRIDES,
     Sweep,
@@ -175,14 +169,14 @@ def check_published(document: Any) -> tuple[dict[str, Any], ...]:
 def _method_of(config: Mapping[str, Any], attributes: Mapping[str, Any]) -> str | None:
     """The benchmark row of a run: ``full`` for BCE on all labels, else the loss (``ll`` by its mode,
     ``em`` with ``loss.apl`` as ``em_apl``); None for a run that is no row of the table."""
-    observed = config_value(config, "dataset.observed") or "all"
+    observed = nested_get(config, "dataset", "observed") or "all"
     loss = attributes["loss"]
     if observed == "all":
         return "full" if loss == "bce" else None
     if observed != "single_positive":
         return None
     method = f"ll_{attributes.get('loss.mode')}" if loss == "ll" else loss
-    if loss == "em" and config_value(config, "loss.apl"):
+    if loss == "em" and nested_get(config, "loss", "apl"):
         method = "em_apl"
     return method if method in SPML_METHODS and method != "full" else None
 
@@ -193,7 +187,7 @@ def benchmark_checks(config: Mapping[str, Any], method: str | None) -> dict[str,
     per dataset (``em_batch_size``, ``em_lr``), LL its own lr with the classifier's at 10x (``ll_lr``,
     ``ll_lr_head``)."""
     preset = benchmark_preset()
-    dataset = config_value(config, "dataset.name")
+    dataset = nested_get(config, "dataset", "name")
     if method in ("em", "em_apl") and dataset in preset.protocol.em_lr:
         preset.protocol.batch_size = preset.protocol.em_batch_size[dataset]
         preset.protocol.lr = preset.protocol.em_lr[dataset]
@@ -235,8 +229,6 @@ def _spml_record(
     deviations = protocol_deviations(config, results, benchmark_checks(config, method), "benchmark")
     if dataset != attributes["dataset"]:
         deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
-    if architecture(config) != "resnet50":
-        deviations.append(f"backbone {architecture(config)} (benchmark resnet50)")
     return RunRecord(run_dir, attributes, metric_figures(reported_metrics(results)), tuple(deviations))
 
 
