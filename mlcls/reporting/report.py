@@ -155,16 +155,11 @@ def _run_summary(results: Mapping[str, Any], config: Mapping[str, Any], epoch: i
 
 def _curves(history: Sequence[Mapping[str, Any]]) -> str:
     """The training loss and validation mAP per epoch (:func:`mlcls.reporting.report_data.history_curves`)."""
-    curves = history_curves(history)
     epochs = [h["epoch"] for h in history if "epoch" in h] or [1]
     charts = []
-    for names, title, y_label, pad in (
-        (("loss",), "Training loss", "mean loss of the epoch", 0.0),
-        (("mAP@class", "mAP@sample"), "Validation mAP", "mAP (%)", 1.0),
-    ):
-        values = [value for name in names for value in curves[name][1]] or [0.0]
-        series = [(name, *curves[name]) for name in names]
-        y_range = (min(values) - pad, max(values) + pad)
+    for title, y_label, margin, series in history_curves(history):
+        values = [value for _, _, ys in series for value in ys] or [0.0]
+        y_range = (min(values) - margin, max(values) + margin)
         charts.append(
             ui.line_chart(series, title, "epoch", y_label, (min(epochs), max(epochs)), y_range, whole_x=True)
         )
