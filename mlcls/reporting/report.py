@@ -55,18 +55,15 @@ THUMB_SIDE = 160
 PREDICTED_SHOWN = 3
 
 
-class Thumbnails:
-    """JPEG thumbnails (at most :data:`THUMB_SIDE` pixels a side) of validation rows as ``data:`` URIs, each
-    made once; an unreadable image has none."""
+class Thumbnails(ui.Thumbnails):
+    """The thumbnails of validation rows of ``predictions``, each row's image checked to be the one the run
+    scored."""
 
     def __init__(self, dataset: Any, predictions: ValPredictions) -> None:
-        self.dataset, self.predictions = dataset, predictions
-        self.uris: dict[str, str] = {}
-        self._keys: dict[int, str | None] = {}
+        super().__init__(dataset, THUMB_SIDE)
+        self.predictions = predictions
 
     def key(self, row: int) -> str | None:
-        if row in self._keys:
-            return self._keys[row]
         index = int(self.predictions.indices[row])
         expected = self.predictions.ids[row]
         found = str(self.dataset.samples[index].path) if index < len(self.dataset) else None
@@ -75,12 +72,7 @@ class Thumbnails:
                 f"the validation set no longer matches the run's predictions: image {index} is "
                 f"{found!r}, the run scored {expected!r}"
             )
-        uri = ui.thumbnail(self.dataset, index, THUMB_SIDE)
-        key = None if uri is None else f"t{len(self.uris)}"
-        if key is not None:
-            self.uris[key] = uri
-        self._keys[row] = key
-        return key
+        return super().key(index)
 
 
 class _Cards:
