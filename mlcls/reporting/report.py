@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mlcls.config_tree import nested_get
 from mlcls.errors import plural
 from mlcls.io import atomic_write_bytes
 from mlcls.losses.spec import loss_name
@@ -136,7 +137,7 @@ def _run_summary(results: Mapping[str, Any], config: Mapping[str, Any], epoch: i
     for key in ("mAP_sample", "CF1", "OF1"):
         if metrics.get(key) is not None:
             figures.append((ui.number(metrics[key]), key.replace("_", "@")))
-    wall = (results.get("provenance") or {}).get("wall_time_s")
+    wall = nested_get(results, "provenance", "wall_time_s")
     if wall is not None:
         figures.append((f"{wall:.0f} s", "training time"))
     cells = "".join(

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from mlcls.config_tree import nested_get
 from mlcls.errors import is_integer
 from mlcls.io import read_json, read_yaml
 from mlcls.reporting.paper import ReportError
@@ -142,8 +143,7 @@ def read_config(run_dir: Path, results: Mapping[str, Any] | None) -> dict[str, A
     """The resolved config of a run: ``provenance.config`` of its results, else its ``config.yaml`` (a regular
     file of at most ``CAPS["config"]`` bytes, no YAML alias); None when it has neither. :class:`ReportError`
     in one line for a config that is not a mapping or nests over :data:`MAX_CONFIG_DEPTH` levels."""
-    provenance = (results or {}).get("provenance")
-    config = provenance.get("config") if isinstance(provenance, dict) else None
+    config = nested_get(results, "provenance", "config")
     config_path = Path(run_dir) / "config.yaml"
     if config is None:
         try:

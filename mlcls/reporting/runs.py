@@ -172,7 +172,7 @@ def paper_deviations(
     ]
     deviations += protocol_deviations(config, results, protocol_checks())
     amp = nested_get(config, "trainer", "amp")
-    device = ((results.get("provenance") or {}).get("device") or {}).get("type")
+    device = nested_get(results, "provenance", "device", "type")
     if amp == "none" or (amp == "auto" and device not in (None, "cuda")):  # auto: float32 off CUDA
         deviations.append("no mixed precision (paper AMP)")
     model, backbone = config["model"], architecture(config)
@@ -223,7 +223,7 @@ def collect_runs(
                 )
             config_groups(config, run_dir, ("dataset", "model", "loss", "trainer"))
             try:  # a config of mapped groups holding a value of another type, or missing one
-                processes = (results.get("provenance") or {}).get("world_size") or results.get("world_size")
+                processes = nested_get(results, "provenance", "world_size") or results.get("world_size")
                 attributes = run_attributes(config, processes or 1)
                 record = (place or _paper_record)(run_dir, results, config, attributes, stand_ins or {})
             except ReportError:
