@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from mlcls import config_dir
 from mlcls.config_tree import nested_get
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.runs import RunRecord, collect_runs, metric_figures, protocol_deviations
+from mlcls.reporting.runs import RunRecord, collect_runs, protocol_deviations
 from mlcls.reporting.sweeps import (
     SMOKE_OVERRIDES,
     Sweep,
@@ -211,25 +211,17 @@ def collect_spml_runs(
 ) -> list[RunRecord]:
     """Every run under ``paths`` that is a row of the benchmark, with ``method`` among its attributes and
     its deviations from ``spml.yaml``. ``stand_ins`` renames datasets (``synthetic`` -> ``coco``)."""
-    return collect_runs(paths, stand_ins, _spml_record)
+    return collect_runs(paths, stand_ins, _spml_place, renamed=("dataset",))
 
 
-def _spml_record(
-    run_dir: Path,
-    results: Mapping[str, Any],
-    config: Mapping[str, Any],
-    attributes: dict[str, Any],
-    stand_ins: Mapping[str, str],
-) -> RunRecord | None:
-    method = _method_of(config, attributes)
+def _spml_place(
+    config: Mapping[str, Any], results: Mapping[str, Any], attributes: dict[str, Any]
+) -> tuple[list[str], Mapping[str, Any]] | None:
+    method = attributes["method"] = _method_of(config, attributes)
     if method is None:
         return None
-    dataset = attributes["dataset"]
-    attributes.update(method=method, dataset=stand_ins.get(dataset, dataset))
     deviations = protocol_deviations(config, results, benchmark_checks(config, method), "benchmark")
-    if dataset != attributes["dataset"]:
-        deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
-    return RunRecord(run_dir, attributes, metric_figures(reported_metrics(results)), tuple(deviations))
+    return deviations, reported_metrics(results)
 
 
 def spml_spec() -> TableSpec:
