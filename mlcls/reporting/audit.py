@@ -14,12 +14,12 @@ Names from the dataset's owner are kept from running as formulas in the CSV
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,7 @@ from mlcls.data.datasets.folds import fold_rows, indexed_training_split
 from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError, plural, printable
-from mlcls.io import CAPS, atomic_write_bytes, open_regular
+from mlcls.io import CAPS, atomic_write, atomic_write_bytes, open_regular
 from mlcls.metrics.ap import map_class
 from mlcls.reporting.render import csv_text, spreadsheet_text
 from mlcls.reporting.report_html import Thumbnails, escape, page, sortable_table
@@ -173,9 +173,7 @@ def out_of_sample_probabilities(
             rows, probs = trainer.data.val_set.rows, torch.sigmoid(scores).numpy()
             if not np.array_equal(rows, fold_rows(num_rows, folds, fold, seed)):
                 raise ConfigError(f"fold {fold}: the training split changed while the audit ran")
-            buffer = io.BytesIO()
-            np.savez(buffer, rows=rows, probabilities=probs, settings=np.array(settings))
-            atomic_write_bytes(path, buffer.getvalue())
+            atomic_write(path, partial(np.savez, rows=rows, probabilities=probs, settings=np.array(settings)))
             say(f"fold {fold + 1}/{folds}: trained and scored in {time.perf_counter() - start:.0f} s, {path}")
         if probabilities is None:
             probabilities = np.full((num_rows, probs.shape[1]), np.nan, dtype=np.float32)
