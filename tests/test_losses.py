@@ -758,6 +758,20 @@ def test_clear_errors():
         TwoWayLoss(gather=True)(x, y)
 
 
+def test_a_loss_repr_names_every_constructor_argument():
+    """Old: role hid init_seed and max_table_entries, ll its max_table_entries, em without APL its beta,
+    warmup_epochs, neg_proportion and epochs."""
+    import mlcls.losses
+
+    for name in mlcls.losses.__all__:
+        cls = getattr(mlcls.losses, name)
+        arguments = inspect.signature(cls).parameters
+        text = repr(cls(expected_positives=2.0) if "expected_positives" in arguments else cls())
+        assert all(f"{argument}=" in text for argument in arguments), (name, text)
+    role = mlcls.losses.RoleLoss(expected_positives=2.0, init_seed=3, max_table_entries=7)
+    assert "init_seed=3, max_table_entries=7" in repr(role)
+
+
 def test_every_loss_is_exported_with_its_name_and_config():
     import mlcls.losses
 

@@ -27,7 +27,7 @@ from mlcls.cli.train import run
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.engine.config_checks import check_config
 from mlcls.errors import ConfigError
-from mlcls.reporting import report
+from mlcls.reporting import report, report_data, run_files
 from mlcls.reporting.report_data import ValPredictions, label_issues, load_val_predictions
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -172,10 +172,22 @@ def test_label_issues_rank_the_flipped_labels_first():
 
 @pytest.mark.slow
 def test_report_cli_writes_the_page_again_and_samples_large_validation_sets(run_dir, monkeypatch, capsys):
+    """The CLI reads results.json and val_predictions.npz once each (old: twice, for the validation set and
+    again for the page)."""
     monkeypatch.setattr(report, "MAX_GALLERY_IMAGES", 30)
+    opened = []
+    for module, name in ((run_files, "read_json"), (report_data, "open_regular")):
+        original = getattr(module, name)
+
+        def counted(path, *args, original=original, **kwargs):
+            opened.append(Path(path).name)
+            return original(path, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
     (run_dir / "report.html").rename(run_dir / "report_full.html")
     try:
         assert report_main([str(run_dir)]) == 0
+        assert sorted(opened) == ["results.json", "val_predictions.npz"]
         assert capsys.readouterr().out.startswith(f"{run_dir / 'report.html'} (")
         text = (run_dir / "report.html").read_text()
     finally:

@@ -31,7 +31,7 @@ from mlcls.engine.rundir import LOCK_NAME, RunDirLocked, acquire_run_lock, relea
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.report import Thumbnails
 from mlcls.reporting.report_data import ValPredictions, load_val_predictions
-from mlcls.reporting.run_files import read_config, read_results
+from mlcls.reporting.run_files import read_run
 
 SECONDS = 15
 
@@ -103,7 +103,7 @@ def test_a_results_json_that_never_ends_is_one_line(tmp_path, kind):
             f.truncate(64 * 2**20 + 1)
     else:
         path.write_text("[" * 100_000)
-    outcome = bounded(read_results, tmp_path, memory_mb=512, seconds=SECONDS)
+    outcome = bounded(read_run, tmp_path, memory_mb=512, seconds=SECONDS)
     one_line(outcome, str(path))
     error = outcome.error
     assert error == "ReportError"
@@ -122,7 +122,7 @@ def test_a_config_yaml_that_never_ends_or_explodes_is_one_line(tmp_path, kind):
         assert path.stat().st_size < 3000
     else:
         path.write_text("[" * 20_000)
-    outcome = bounded(read_config, tmp_path, {}, memory_mb=512, seconds=SECONDS)
+    outcome = bounded(read_run, tmp_path, memory_mb=512, seconds=SECONDS)
     one_line(outcome, str(path))
     error = outcome.error
     assert error == "ReportError"
@@ -161,7 +161,7 @@ def test_odd_typed_results_fields_are_one_line(tmp_path, field):
     value, words = ODD_RESULTS[field]
     (tmp_path / "results.json").write_text(json.dumps({"metrics": {"mAP_class": 1.0}, field: value}))
     with pytest.raises(ReportError) as caught:
-        read_results(tmp_path)
+        read_run(tmp_path)
     assert "\n" not in str(caught.value) and words in str(caught.value)
 
 
@@ -179,7 +179,7 @@ def test_odd_typed_results_fields_are_one_line(tmp_path, field):
 def test_numbers_as_text_and_nulls_are_one_line(tmp_path, entry):
     (tmp_path / "results.json").write_text(json.dumps(entry))
     with pytest.raises(ReportError, match=r"expected (a|an) "):
-        read_results(tmp_path)
+        read_run(tmp_path)
 
 
 # ------------------------------------------------------------------------------ val_predictions.npz

@@ -297,6 +297,16 @@ def test_em_and_ll_cells_are_held_to_their_authors_batch_and_lr(tmp_path, preset
     assert run.attributes["method"] == preset.removeprefix("spml_") and run.deviations == deviations
 
 
+def test_another_backbone_is_one_deviation(tmp_path):
+    """Old: also "backbone resnet101 (benchmark resnet50)", the model.name deviation said twice."""
+    cfg = compose_config(["experiment=spml_an", "dataset=voc2012", "model.name=resnet101"])
+    config = OmegaConf.to_container(cfg, resolve=True)
+    results = {"metrics": {"mAP_class": 30.0}, "epochs_completed": 10, "provenance": {"config": config}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    (run,) = spml.collect_spml_runs([tmp_path])
+    assert run.deviations == ("model.name=resnet101 (benchmark resnet50.tv_in1k)",)
+
+
 def test_tables_without_a_benchmark_run_is_one_line(tmp_path, capsys):
     assert tables.main([str(tmp_path), "--table", "spml"]) == 2
     assert capsys.readouterr().err == (

@@ -15,7 +15,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlcls import losses
-from mlcls.bench.harness import median_seconds, random_labels, torch_threads
+from mlcls.bench.harness import median_seconds, random_labels, timed, torch_threads
 from mlcls.data.datasets.labels import LabelCounts
 from mlcls.losses import TwoWayLoss
 
@@ -199,9 +198,7 @@ def run_scale(repeats: int = 20, warmup: int = 3, threads: int = 1) -> dict[str,
         result["twoway_over_bce"] = result[f"twoway_c{largest}_ms"] / result[f"bce_c{largest}_ms"]
         scores, labels = make_scores(SCALE_METRIC_SAMPLES, largest, seed=0)
         for key, metric in (("map_class_s", map_class), ("map_sample_s", map_sample)):
-            start = time.perf_counter()
-            metric(scores, labels)
-            result[key] = time.perf_counter() - start
+            result[key] = timed(functools.partial(metric, scores, labels))[1]
         if sys.platform == "linux":
             child = [sys.executable, "-m", "mlcls.bench.loss_bench"]
             output = subprocess.run(child, capture_output=True, text=True, check=True).stdout

@@ -19,17 +19,11 @@ from mlcls.cli.eval import check_dataset_target, check_shard_sources, evaluation
 from mlcls.data import build_dataset
 from mlcls.errors import failure
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.report import write_report
-from mlcls.reporting.report_data import load_val_predictions
-from mlcls.reporting.run_files import read_run
+from mlcls.reporting.report import read_report_files, write_report
 
 
-def validation_set(run_dir: Path):
-    """The validation split of the run in ``run_dir``, in the class order of its predictions."""
-    results, config = read_run(run_dir)
-    if config is None or not isinstance(config.get("dataset"), dict):
-        raise ReportError(f"{run_dir}: no config.yaml with a dataset config; is it an mlcls run directory?")
-    classes = load_val_predictions(run_dir, (results or {}).get("dataset")).classes
+def validation_set(config: dict, classes: list[str]):
+    """The validation split of the run whose ``config`` is given, in the class order of its predictions."""
     dataset_cfg = evaluation_dataset_config(config["dataset"], {}, classes)
     check_dataset_target(dataset_cfg)
     check_shard_sources(dataset_cfg, set())
@@ -57,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with user_errors():
         try:
             start = time.perf_counter()
-            path = write_report(args.run_dir, validation_set(args.run_dir))
+            files = read_report_files(args.run_dir)  # (results, config, predictions)
+            path = write_report(args.run_dir, validation_set(files[1], files[2].classes), files)
         except ReportError as exc:
             return failure("mlcls", exc)
     print(f"{path} ({path.stat().st_size:,} bytes, {time.perf_counter() - start:.1f} s)")

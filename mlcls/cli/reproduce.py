@@ -192,8 +192,7 @@ def plan_spml(args: argparse.Namespace, roots: dict[str, str], overrides: Sequen
 
     def finish() -> None:
         stand_ins = SMOKE_STAND_INS if args.smoke else None
-        markdown, _ = write_table(fill_spml(collect_spml_runs([out / SPML_TABLE], stand_ins)), out)
-        print(markdown.read_text(), end="")
+        print(write_table(fill_spml(collect_spml_runs([out / SPML_TABLE], stand_ins)), out), end="")
         print(f"# table written to {out}/{SPML_TABLE}.md and .csv")
 
     return sweeps, finish
@@ -216,11 +215,11 @@ def plan_tables(args: argparse.Namespace, roots: dict[str, str], overrides: Sequ
         sweeps += own
 
     def finish() -> None:
-        texts = []
-        for table in tables:  # each from its own sweeps
-            runs = collect_runs([out / table], SMOKE_STAND_INS if args.smoke else None)
-            markdown, _ = write_table(fill_table(table_spec(table), runs), out)
-            texts.append(markdown.read_text())
+        stand_ins = SMOKE_STAND_INS if args.smoke else None
+        texts = [  # each table from its own sweeps
+            write_table(fill_table(table_spec(table), collect_runs([out / table], stand_ins)), out)
+            for table in tables
+        ]
         print("\n".join(texts), end="")
         print(f"# tables written to {out}/<table>.md and .csv")
 

@@ -40,7 +40,6 @@ class BinaryCrossEntropyLoss(EntrywiseLoss):
     """
 
     name = "bce"
-    shown = ("pos_weight", "reduction")
     class_weight: Tensor
 
     def __init__(self, pos_weight: str = "none", reduction: str = "mean") -> None:

@@ -15,6 +15,7 @@ Conventions of :mod:`mlcls.losses`:
 
 from __future__ import annotations
 
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import ClassVar
 
@@ -145,8 +146,6 @@ class MultiLabelLoss(nn.Module):
     :func:`autocast_disabled`; ``name`` is the loss's short name (``loss=<name>``)."""
 
     name: ClassVar[str]
-    # The attributes extra_repr shows, in this order (the constructor arguments, as the config names them).
-    shown: ClassVar[tuple[str, ...]] = ()
     # True where the loss is a sum over the batch's samples (not a mean): under DDP the trainer multiplies
     # it by the number of processes (mlcls.engine.build.GlobalBatchSum), since DDP averages the gradients.
     sums_over_batch: ClassVar[bool] = False
@@ -160,7 +159,9 @@ class MultiLabelLoss(nn.Module):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{name}={getattr(self, name)!r}" for name in self.shown)
+        """The constructor's arguments (as the config names them) and their values."""
+        arguments = inspect.signature(type(self).__init__).parameters
+        return ", ".join(f"{name}={getattr(self, name)!r}" for name in arguments if hasattr(self, name))
 
 
 class BucketedLoss(MultiLabelLoss):
@@ -172,8 +173,6 @@ class BucketedLoss(MultiLabelLoss):
             ``gather``). ``None``: one bucket of the whole (local, or gathered) batch.
         gather: under DDP, compute the loss on the global batch of all ranks (see :func:`gather_batch`).
     """
-
-    shown = ("bucket_size", "gather")
 
     def __init__(self, bucket_size: int | None = None, gather: bool = False) -> None:
         super().__init__()
@@ -212,7 +211,6 @@ class EntrywiseLoss(MultiLabelLoss):
 
     # True where entry_loss gives unknown labels (-1) a term: every entry of the batch is then counted.
     counts_unknown: ClassVar[bool] = False
-    shown = ("reduction",)
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__()

@@ -39,7 +39,6 @@ class FocalLoss(EntrywiseLoss):
     """
 
     name = "focal"
-    shown = ("gamma", "alpha", "reduction")
 
     def __init__(self, gamma: float = 2.0, alpha: float | None = None, reduction: str = "mean") -> None:
         super().__init__(reduction=reduction)
@@ -78,7 +77,6 @@ class AsymmetricLoss(EntrywiseLoss):
     """
 
     name = "asl"
-    shown = ("gamma_pos", "gamma_neg", "clip", "detach_weight", "reduction")
 
     def __init__(
         self,

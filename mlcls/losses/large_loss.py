@@ -126,7 +126,4 @@ class LargeLossLoss(SampleStateLoss, EpochDependentLoss):
 
     def extra_repr(self) -> str:
         table = f", table={tuple(self.corrected.shape)}" if self.mode == "cp" else ""
-        return (
-            f"mode={self.mode!r}, delta_rel={self.delta_rel}, epoch={self.epoch}{table}, "
-            + super().extra_repr()
-        )
+        return super().extra_repr() + table

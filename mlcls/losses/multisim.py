@@ -25,7 +25,6 @@ class MultiSimilarityLoss(MultiLabelLoss):
     """
 
     name = "multisim"
-    shown = ("tp",)
 
     def __init__(self, tp: float = 4.0) -> None:
         super().__init__()

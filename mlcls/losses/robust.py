@@ -36,7 +36,6 @@ class HillLoss(UnknownLabelLoss):
     """
 
     name = "hill"
-    shown = ("lamb", "margin", "gamma", "reduction")
 
     def __init__(
         self, lamb: float = 1.5, margin: float = 1.0, gamma: float = 2.0, reduction: str = "mean"
@@ -67,7 +66,6 @@ class SPLCLoss(EpochDependentLoss):
     """
 
     name = "splc"
-    shown = ("tau", "change_epoch", "margin", "gamma", "epoch", "reduction")
 
     def __init__(
         self,

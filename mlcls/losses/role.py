@@ -205,7 +205,4 @@ class RoleLoss(SampleStateLoss):
         return 0.5 * (terms[0] + terms[1]).mean() + 0.5 * regulariser
 
     def extra_repr(self) -> str:
-        return (
-            f"expected_positives={self.expected_positives}, table_lr_scale={self.table_lr_scale}, "
-            f"table={tuple(self.label_logits.shape)}"
-        )
+        return f"{super().extra_repr()}, table={tuple(self.label_logits.shape)}"

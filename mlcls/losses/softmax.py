@@ -28,8 +28,6 @@ class _NormalisedCrossEntropy(BucketedLoss):
     ``ways="sample"`` and one bucket: the mean over the samples with at least one positive.
     """
 
-    shown = ("ways", "bucket_size", "gather")
-
     def __init__(self, ways: str = "sample", bucket_size: int | None = None, gather: bool = False) -> None:
         super().__init__(bucket_size=bucket_size, gather=gather)
         self.line_dims = check_ways(ways)
@@ -88,7 +86,6 @@ class SphericalSoftmaxLoss(_NormalisedCrossEntropy):
     """
 
     name = "spherical_softmax"
-    shown = ("eps", "ways", "bucket_size", "gather")
 
     def __init__(
         self, eps: float = 0.01, ways: str = "sample", bucket_size: int | None = None, gather: bool = False

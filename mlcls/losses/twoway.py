@@ -114,7 +114,6 @@ class SoftplusLogSumExpLoss(BucketedLoss):
     per bucket (:class:`_SoftplusLogSumExp` computes it with its gradient)."""
 
     line_dims: tuple[LineDims, ...]
-    shown = ("tp", "tn", "margin", "bucket_size", "gather")
 
     def __init__(
         self,
@@ -154,7 +153,6 @@ class TwoWayLoss(SoftplusLogSumExpLoss):
     """
 
     name = "twoway"
-    shown = ("ways", "tp", "tn", "margin", "bucket_size", "gather")
 
     def __init__(
         self,

@@ -67,6 +67,9 @@ class EpochDependentLoss(UnknownLabelLoss):
     def get_extra_state(self) -> dict[str, int]:
         return {"epoch": self.epoch}
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, epoch={self.epoch}"
+
     def set_extra_state(self, state: dict[str, int]) -> None:
         if not (isinstance(state, dict) and isinstance(state.get("epoch"), int) and state["epoch"] >= 0):
             raise ValueError(
@@ -100,7 +103,6 @@ class LabelSmoothedAssumeNegativeLoss(UnknownLabelLoss):
     """
 
     name = "an_ls"
-    shown = ("ls_coef", "reduction")
 
     def __init__(self, ls_coef: float = 0.1, reduction: str = "mean") -> None:
         super().__init__(reduction=reduction)
@@ -147,7 +149,6 @@ class ExpectedPositiveLoss(UnknownLabelLoss):
     """
 
     name = "epr"
-    shown = ("expected_positives",)
 
     def __init__(self, expected_positives: float | None = None) -> None:
         super().__init__(reduction="mean")
@@ -280,11 +281,5 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
         return chosen.sum()
 
     def extra_repr(self) -> str:
-        apl = ""
-        if self.apl:
-            apl = (
-                f"apl=True, beta={self.beta}, warmup_epochs={self.warmup_epochs}, "
-                f"neg_proportion={self.neg_proportion}, epochs={self.epochs}, "
-                f"table={tuple(self.pseudo_labels.shape)}, "
-            )
-        return f"alpha={self.alpha}, " + apl + super().extra_repr()
+        table = f", table={tuple(self.pseudo_labels.shape)}" if self.apl else ""
+        return super().extra_repr() + table

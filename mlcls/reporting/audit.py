@@ -14,12 +14,12 @@ Names from the dataset's owner are kept from running as formulas in the CSV
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +31,10 @@ from mlcls.data.datasets.folds import fold_rows, indexed_training_split
 from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError, plural, printable
-from mlcls.io import CAPS, atomic_write_bytes, open_regular
+from mlcls.io import CAPS, atomic_write, atomic_write_bytes, open_regular
 from mlcls.metrics.ap import map_class
 from mlcls.reporting.render import csv_text, spreadsheet_text
-from mlcls.reporting.report_html import escape, page, sortable_table, thumbnail
+from mlcls.reporting.report_html import Thumbnails, escape, page, sortable_table
 
 AUDIT_CSV, AUDIT_HTML = "audit.csv", "audit.html"
 CSV_COLUMNS = ("rank", "image", "class", "given_label", "probability", "score")
@@ -85,13 +85,11 @@ def audit_page(
     """``audit.html`` (:func:`mlcls.reporting.report_html.page`), sortable by any column: the ranking
     ``suspects`` of ``dataset``'s training split, each with its image's thumbnail and given positive classes;
     ``labels`` are the split's (N, C); ``quality`` says how good the folds' models are (out-of-fold mAP)."""
-    thumbs: dict[str, str | None] = {}  # each image once, however many of its labels are ranked
+    thumbnails = Thumbnails(dataset, THUMBNAIL)  # each image once, however many of its labels are ranked
     rows = []
     for s in suspects:
-        key = f"t{s.row}"
-        if key not in thumbs:
-            thumbs[key] = thumbnail(dataset, s.row, THUMBNAIL)
-        image = f'<img data-thumb="{key}" alt="{escape(s.image)}">' if thumbs[key] else "unreadable"
+        key = thumbnails.key(s.row)
+        image = f'<img data-thumb="{key}" alt="{escape(s.image)}">' if key else "unreadable"
         positives = ", ".join(dataset.classes[c] for c in np.flatnonzero(labels[s.row] == 1))
         texts = (s.image, dataset.classes[s.column])
         rows.append(
@@ -112,8 +110,8 @@ def audit_page(
         f"folds; {quality}). Click a column to sort."
     )
     table = sortable_table("audit", AUDIT_COLUMNS, rows)
-    uris = {key: uri for key, uri in thumbs.items() if uri}
-    return page(f"Suspected label errors: {name}", intro, [("ranking", "", table)], uris, "mlcls-data audit")
+    sections = [("ranking", "", table)]
+    return page(f"Suspected label errors: {name}", intro, sections, thumbnails.uris, "mlcls-data audit")
 
 
 def fold_config(cfg: DictConfig, folds: int, fold: int, seed: int, out: Path) -> DictConfig:
@@ -175,9 +173,7 @@ def out_of_sample_probabilities(
             rows, probs = trainer.data.val_set.rows, torch.sigmoid(scores).numpy()
             if not np.array_equal(rows, fold_rows(num_rows, folds, fold, seed)):
                 raise ConfigError(f"fold {fold}: the training split changed while the audit ran")
-            buffer = io.BytesIO()
-            np.savez(buffer, rows=rows, probabilities=probs, settings=np.array(settings))
-            atomic_write_bytes(path, buffer.getvalue())
+            atomic_write(path, partial(np.savez, rows=rows, probabilities=probs, settings=np.array(settings)))
             say(f"fold {fold + 1}/{folds}: trained and scored in {time.perf_counter() - start:.0f} s, {path}")
         if probabilities is None:
             probabilities = np.full((num_rows, probs.shape[1]), np.nan, dtype=np.float32)

@@ -126,18 +126,14 @@ def training_curves_figure(history: Sequence[dict[str, Any]]) -> Any:
     from matplotlib.ticker import MaxNLocator
 
     figure = _figure(10.0, 4.0)
-    loss_axes, map_axes = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
-    curves = history_curves(history)
-    loss_axes.plot(*curves["loss"], marker="o", color="tab:red")
-    loss_axes.set_title("Training loss", fontsize=11)
-    loss_axes.set_ylabel("mean loss of the epoch")
-    for label in ("mAP@class", "mAP@sample"):
-        map_axes.plot(*curves[label], marker="o", label=label)
-    map_axes.set_title("Validation mAP", fontsize=11)
-    map_axes.set_ylabel("mAP (%)")
-    map_axes.legend(loc="best", fontsize=9)
-    for axes in (loss_axes, map_axes):
-        axes.set_xlabel("epoch")
+    for index, (title, y_label, _, series) in enumerate(history_curves(history)):
+        axes = figure.add_subplot(1, 2, index + 1)
+        for label, epochs, values in series:
+            axes.plot(epochs, values, marker="o", label=label)
+        axes.set_title(title, fontsize=11)
+        axes.set(xlabel="epoch", ylabel=y_label)
+        if len(series) > 1:
+            axes.legend(loc="best", fontsize=9)
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.grid(alpha=0.3)
     return figure

@@ -76,13 +76,13 @@ def csv_text(rows: Iterable[Sequence[Any]]) -> str:
     return out.getvalue()
 
 
-def write_table(table: FilledTable, out_dir: Path) -> tuple[Path, Path]:
-    """Write ``<out_dir>/<table>.md`` and ``<table>.csv``; return their paths."""
+def write_table(table: FilledTable, out_dir: Path) -> str:
+    """Write ``<out_dir>/<table>.md`` and ``<table>.csv``; return the Markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    markdown, table_csv = out_dir / f"{table.spec.name}.md", out_dir / f"{table.spec.name}.csv"
-    atomic_write_bytes(markdown, render_markdown(table).encode())
-    atomic_write_bytes(table_csv, render_csv(table).encode())
-    return markdown, table_csv
+    markdown = render_markdown(table)
+    atomic_write_bytes(out_dir / f"{table.spec.name}.md", markdown.encode())
+    atomic_write_bytes(out_dir / f"{table.spec.name}.csv", render_csv(table).encode())
+    return markdown
 
 
 def _fmt(value: float | None, missing: str) -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mlcls.config_tree import nested_get
 from mlcls.errors import plural
 from mlcls.io import atomic_write_bytes
 from mlcls.losses.spec import loss_name
@@ -55,18 +56,15 @@ THUMB_SIDE = 160
 PREDICTED_SHOWN = 3
 
 
-class Thumbnails:
-    """JPEG thumbnails (at most :data:`THUMB_SIDE` pixels a side) of validation rows as ``data:`` URIs, each
-    made once; an unreadable image has none."""
+class Thumbnails(ui.Thumbnails):
+    """The thumbnails of validation rows of ``predictions``, each row's image checked to be the one the run
+    scored."""
 
     def __init__(self, dataset: Any, predictions: ValPredictions) -> None:
-        self.dataset, self.predictions = dataset, predictions
-        self.uris: dict[str, str] = {}
-        self._keys: dict[int, str | None] = {}
+        super().__init__(dataset, THUMB_SIDE)
+        self.predictions = predictions
 
     def key(self, row: int) -> str | None:
-        if row in self._keys:
-            return self._keys[row]
         index = int(self.predictions.indices[row])
         expected = self.predictions.ids[row]
         found = str(self.dataset.samples[index].path) if index < len(self.dataset) else None
@@ -75,12 +73,7 @@ class Thumbnails:
                 f"the validation set no longer matches the run's predictions: image {index} is "
                 f"{found!r}, the run scored {expected!r}"
             )
-        uri = ui.thumbnail(self.dataset, index, THUMB_SIDE)
-        key = None if uri is None else f"t{len(self.uris)}"
-        if key is not None:
-            self.uris[key] = uri
-        self._keys[row] = key
-        return key
+        return super().key(index)
 
 
 class _Cards:
@@ -144,7 +137,7 @@ def _run_summary(results: Mapping[str, Any], config: Mapping[str, Any], epoch: i
     for key in ("mAP_sample", "CF1", "OF1"):
         if metrics.get(key) is not None:
             figures.append((ui.number(metrics[key]), key.replace("_", "@")))
-    wall = (results.get("provenance") or {}).get("wall_time_s")
+    wall = nested_get(results, "provenance", "wall_time_s")
     if wall is not None:
         figures.append((f"{wall:.0f} s", "training time"))
     cells = "".join(
@@ -155,16 +148,11 @@ def _run_summary(results: Mapping[str, Any], config: Mapping[str, Any], epoch: i
 
 def _curves(history: Sequence[Mapping[str, Any]]) -> str:
     """The training loss and validation mAP per epoch (:func:`mlcls.reporting.report_data.history_curves`)."""
-    curves = history_curves(history)
     epochs = [h["epoch"] for h in history if "epoch" in h] or [1]
     charts = []
-    for names, title, y_label, pad in (
-        (("loss",), "Training loss", "mean loss of the epoch", 0.0),
-        (("mAP@class", "mAP@sample"), "Validation mAP", "mAP (%)", 1.0),
-    ):
-        values = [value for name in names for value in curves[name][1]] or [0.0]
-        series = [(name, *curves[name]) for name in names]
-        y_range = (min(values) - pad, max(values) + pad)
+    for title, y_label, margin, series in history_curves(history):
+        values = [value for _, _, ys in series for value in ys] or [0.0]
+        y_range = (min(values) - margin, max(values) + margin)
         charts.append(
             ui.line_chart(series, title, "epoch", y_label, (min(epochs), max(epochs)), y_range, whole_x=True)
         )
@@ -202,16 +190,27 @@ def _class_detail(row: Mapping[str, Any], predictions: ValPredictions, cards: _C
     )
 
 
-def write_report(run_dir: str | Path, dataset: Any) -> Path:
-    """Write ``run_dir/report.html`` (atomically) for the run in ``run_dir`` whose validation split is
-    ``dataset`` (the thumbnails' source); return its path. :class:`ReportError` for a run directory without
-    results, config or predictions, or a dataset that no longer matches the predictions."""
-    run_dir = Path(run_dir)
+RunFiles = tuple[dict[str, Any], dict[str, Any], ValPredictions]
+
+
+def read_report_files(run_dir: Path) -> RunFiles:
+    """``(results, config, predictions)`` of the run in ``run_dir``, each file read once;
+    :class:`ReportError` for a run directory without results, config (its dataset, model and loss groups)
+    or predictions."""
     results, config = read_run(run_dir)
     if results is None or config is None:
         raise ReportError(f"{run_dir}: no results.json and config.yaml; is it an mlcls run directory?")
     config_groups(config, run_dir, ("dataset", "model", "loss"))
-    predictions = load_val_predictions(run_dir, results.get("dataset"))
+    return results, config, load_val_predictions(run_dir, results.get("dataset"))
+
+
+def write_report(run_dir: str | Path, dataset: Any, files: RunFiles | None = None) -> Path:
+    """Write ``run_dir/report.html`` (atomically) for the run in ``run_dir`` (its ``files``, else
+    :func:`read_report_files`) whose validation split is ``dataset`` (the thumbnails' source); return its
+    path. :class:`ReportError` as :func:`read_report_files`, or for a dataset that no longer matches the
+    predictions."""
+    run_dir = Path(run_dir)
+    results, config, predictions = files or read_report_files(run_dir)
     thumbnails = Thumbnails(dataset, predictions)
     cards = _Cards(predictions, thumbnails)
     num_rows = len(predictions.ids)

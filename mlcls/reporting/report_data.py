@@ -239,19 +239,28 @@ def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: (math.isnan(row["ap"]), row["ap"], row["cls"]))
 
 
-def history_curves(history: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[Any], list[float]]]:
-    """A run's curves per epoch from its ``history`` (``results.json``'s): ``loss`` (the mean training loss)
-    and ``mAP@class`` / ``mAP@sample`` (%) of the evaluated epochs, as ``(epochs, values)``, finite values
-    only."""
+# The panels of a run's training curves, drawn by the report (SVG) and by mlcls.reporting.plots (PNG): title,
+# y label, the report chart's margin around the values, and each series' label and results.json history key.
+CURVE_PANELS = (
+    ("Training loss", "mean loss of the epoch", 0.0, (("loss", "loss"),)),
+    ("Validation mAP", "mAP (%)", 1.0, (("mAP@class", "mAP_class"), ("mAP@sample", "mAP_sample"))),
+)
 
-    def finite(entry: Mapping[str, Any], key: str) -> bool:
-        return "epoch" in entry and is_number(entry.get(key)) and math.isfinite(entry[key])
 
-    keys = {"loss": "loss", "mAP@class": "mAP_class", "mAP@sample": "mAP_sample"}
-    return {
-        label: ([h["epoch"] for h in history if finite(h, key)], [h[key] for h in history if finite(h, key)])
-        for label, key in keys.items()
-    }
+def history_curves(
+    history: Sequence[Mapping[str, Any]],
+) -> list[tuple[str, str, float, list[tuple[str, list[Any], list[float]]]]]:
+    """The :data:`CURVE_PANELS` of a run's ``history`` (``results.json``'s): each series as ``(label,
+    epochs, values)``, the epochs that have a finite value (the mean training loss; mAP, %, of the
+    evaluated epochs)."""
+    panels = []
+    for title, y_label, margin, keys in CURVE_PANELS:
+        series = []
+        for label, key in keys:
+            shown = [h for h in history if "epoch" in h and is_number(h.get(key)) and math.isfinite(h[key])]
+            series.append((label, [h["epoch"] for h in shown], [h[key] for h in shown]))
+        panels.append((title, y_label, margin, series))
+    return panels
 
 
 def pr_curve(

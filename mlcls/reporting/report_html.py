@@ -126,19 +126,33 @@ def escape(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def thumbnail(dataset: Any, index: int, side: int) -> str | None:
-    """Sample ``index`` of ``dataset`` as a JPEG ``data:`` URI at most ``side`` pixels a side; None, and a
-    log line, when its image cannot be read. The image is the dataset's ``picture`` (read through
+class Thumbnails:
+    """JPEG thumbnails, at most ``side`` pixels a side, of ``dataset``'s samples as ``data:`` URIs
+    (``uris``, by key), each made once. The image is the dataset's ``picture`` (read through
     :func:`mlcls.data.images.read_image`: a regular file within ``CAPS["image"]``, its pixels bounded)."""
-    try:
-        image = dataset.picture(index)
-    except (*BAD_IMAGE_ERRORS, BadImageError) as exc:
-        log.warning("no thumbnail of %s (%s)", dataset.samples[index].path, exc)
-        return None
-    image.thumbnail((side, side))
-    buffer = io.BytesIO()
-    image.convert("RGB").save(buffer, format="JPEG", quality=85)
-    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+    def __init__(self, dataset: Any, side: int) -> None:
+        self.dataset, self.side = dataset, side
+        self.uris: dict[str, str] = {}
+        self._keys: dict[int, str | None] = {}
+
+    def key(self, index: int) -> str | None:
+        """The key of sample ``index``'s thumbnail; None, and a log line, when its image cannot be read."""
+        if index in self._keys:
+            return self._keys[index]
+        key = None
+        try:
+            image = self.dataset.picture(index)
+        except (*BAD_IMAGE_ERRORS, BadImageError) as exc:
+            log.warning("no thumbnail of %s (%s)", self.dataset.samples[index].path, exc)
+        else:
+            image.thumbnail((self.side, self.side))
+            buffer = io.BytesIO()
+            image.convert("RGB").save(buffer, format="JPEG", quality=85)
+            key = f"t{len(self.uris)}"
+            self.uris[key] = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+        self._keys[index] = key
+        return key
 
 
 def number(value: float | None, digits: int = 1) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from mlcls.config_tree import nested_get
 from mlcls.errors import is_integer
 from mlcls.io import read_json, read_yaml
 from mlcls.reporting.paper import ReportError
@@ -116,40 +117,29 @@ def check_results(results: Any, path: Path) -> dict[str, Any]:
     return results
 
 
-def read_results(run_dir: Path) -> dict[str, Any] | None:
-    """``run_dir/results.json`` (a regular file of at most ``CAPS["results"]`` bytes, nesting bounded),
-    checked (:func:`check_results`); None when the run wrote none (yet), else :class:`ReportError` in one
-    line."""
-    results_path = Path(run_dir) / "results.json"
+def read_run(run_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """``(results, config)`` of the run in ``run_dir``, each None when the run has none (yet), else
+    :class:`ReportError` in one line. Its results: ``results.json``, a regular file of at most
+    ``CAPS["results"]`` bytes, nesting bounded, checked (:func:`check_results`). Its resolved config:
+    ``provenance.config`` of the results, else ``config.yaml`` (a regular file of at most ``CAPS["config"]``
+    bytes, no YAML alias), a mapping nesting at most :data:`MAX_CONFIG_DEPTH` levels."""
+    results_path, config_path = Path(run_dir) / "results.json", Path(run_dir) / "config.yaml"
     try:
         results = read_json(results_path, "results")
     except FileNotFoundError:
-        return None
+        results = None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ReportError(f"{results_path}: not valid JSON ({exc})") from None
     except (OSError, ValueError) as exc:  # not a regular file, too large, nested too deep
         raise ReportError(error_text(exc, results_path)) from None
-    return check_results(results, results_path)
-
-
-def read_run(run_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """``(results, config)`` of the run in ``run_dir``; each None when the run has none."""
-    results = read_results(run_dir)
-    return results, read_config(run_dir, results)
-
-
-def read_config(run_dir: Path, results: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The resolved config of a run: ``provenance.config`` of its results, else its ``config.yaml`` (a regular
-    file of at most ``CAPS["config"]`` bytes, no YAML alias); None when it has neither. :class:`ReportError`
-    in one line for a config that is not a mapping or nests over :data:`MAX_CONFIG_DEPTH` levels."""
-    provenance = (results or {}).get("provenance")
-    config = provenance.get("config") if isinstance(provenance, dict) else None
-    config_path = Path(run_dir) / "config.yaml"
+    else:
+        results = check_results(results, results_path)
+    config = nested_get(results, "provenance", "config")
     if config is None:
         try:
             config = read_yaml(config_path, "config")
         except FileNotFoundError:
-            return None
+            return results, None
         except yaml.YAMLError as exc:
             raise ReportError(f"{config_path}: not valid YAML ({' '.join(str(exc).split())})") from None
         except (OSError, ValueError) as exc:  # not a regular file, too large, an alias, nested too deep
@@ -160,7 +150,7 @@ def read_config(run_dir: Path, results: Mapping[str, Any] | None) -> dict[str, A
         raise ReportError(
             f"{run_dir}: the run's config nests over {MAX_CONFIG_DEPTH} levels; not an mlcls config"
         )
-    return config
+    return results, config
 
 
 def _depth(node: Any) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlcls.config_tree import flatten_config
+from mlcls.config_tree import flatten_config, nested_get
 from mlcls.losses.spec import loss_name
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.run_files import find_run_dirs, is_number, natural_order, read_run, yaml_text
@@ -105,7 +105,7 @@ def _figures(run_dir: Path, results: Mapping[str, Any] | None, status: str) -> d
         **figures,
         "best_epoch": best.get("epoch"),
         "epochs_completed": results.get("epochs_completed"),
-        "wall_time_s": (results.get("provenance") or {}).get("wall_time_s"),
+        "wall_time_s": nested_get(results, "provenance", "wall_time_s"),
         "run": str(run_dir),
     }
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mlcls import errors
+from mlcls.config_tree import nested_get
 from mlcls.losses.spec import effective_bucket_size, loss_name
 from mlcls.reporting.paper import ReportError, load_paper
 from mlcls.reporting.run_files import config_groups, error_text, find_run_dirs, is_number, read_run, yaml_text
@@ -74,16 +75,6 @@ def built_name(group: Mapping[str, Any]) -> str | None:
     return None if not target else str(target).rsplit(".", 1)[-1].lower()
 
 
-def config_value(config: Mapping[str, Any], dotted: str) -> Any:
-    """The value at ``dotted`` (``optim.lr_head``), or None when the config has no such key."""
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def same_setting(ours: Any, wanted: Any) -> bool:
     """Equality with a float tolerance (0.01 and 1e-2, 4 and 4.0 are the same setting)."""
     if errors.is_number(wanted):
@@ -132,9 +123,9 @@ def _follows(config: Mapping[str, Any], key: str, wanted: Any) -> tuple[bool, An
     if key in NAMED_GROUPS:
         name = built_name(config.get(key) or {})
         return name is not None and any(part.startswith(wanted) for part in name.split("_")), name
-    ours = config_value(config, key)
+    ours = nested_get(config, *key.split("."))
     if key == "sched.warmup_epochs" and ours is None:  # null: the head's own default
-        epochs = config_value(config, "model.head.warmup_epochs")
+        epochs = nested_get(config, "model", "head", "warmup_epochs")
         return same_setting(epochs or 0, wanted), f"null (model.head.warmup_epochs={epochs})"
     return same_setting(ours, wanted), ours
 
@@ -161,39 +152,34 @@ def protocol_deviations(
 
 def epochs_left(config: Mapping[str, Any], results: Mapping[str, Any]) -> tuple[Any, Any] | None:
     """``(epochs completed, trainer.epochs)`` of a run that stopped before its last epoch, else None."""
-    completed, planned = results.get("epochs_completed"), config_value(config, "trainer.epochs")
+    completed, planned = results.get("epochs_completed"), nested_get(config, "trainer", "epochs")
     return (
         (completed, planned) if is_number(completed) and is_number(planned) and completed < planned else None
     )
 
 
 def paper_deviations(
-    config: Mapping[str, Any], results: Mapping[str, Any], stand_ins: Mapping[str, str] | None = None
+    config: Mapping[str, Any], results: Mapping[str, Any], attributes: Mapping[str, Any] | None = None
 ) -> list[str]:
-    """How a run departs from the paper's protocol, one short phrase each (empty: it follows it): the
-    stand-ins (a dataset or backbone counted as another, as in smoke runs), :func:`protocol_checks`, mixed
-    precision, the backbone's ImageNet weights and the dataset sizes of Table 6."""
-    stand_ins = stand_ins or {}
-    deviations = [
-        f"{name} stands in for {replacement}"
-        for name, replacement in stand_ins.items()
-        if name in (config["dataset"]["name"], architecture(config))
-    ]
-    deviations += protocol_deviations(config, results, protocol_checks())
-    amp = config_value(config, "trainer.amp")
-    device = ((results.get("provenance") or {}).get("device") or {}).get("type")
+    """How a run departs from the paper's protocol, one short phrase each (empty: it follows it):
+    :func:`protocol_checks`, mixed precision, and the ImageNet weights and Table 6 sizes of the backbone
+    and dataset the run counts as: those of ``attributes`` (renamed by stand-ins), else the config's."""
+    dataset = (attributes or {}).get("dataset", config["dataset"]["name"])
+    backbone = (attributes or {}).get("backbone", architecture(config))
+    deviations = protocol_deviations(config, results, protocol_checks())
+    amp = nested_get(config, "trainer", "amp")
+    device = nested_get(results, "provenance", "device", "type")
     if amp == "none" or (amp == "auto" and device not in (None, "cuda")):  # auto: float32 off CUDA
         deviations.append("no mixed precision (paper AMP)")
-    model, backbone = config["model"], architecture(config)
-    weights = PAPER_WEIGHTS.get(stand_ins.get(backbone, backbone))
+    model = config["model"]
+    weights = PAPER_WEIGHTS.get(backbone)
     if model.get("checkpoint_path"):
         deviations.append(f"weights from {model['checkpoint_path']} (unverified)")
     elif not model.get("pretrained"):
         deviations.append(f"not pretrained (paper {weights or 'ImageNet weights'})")
     elif weights is not None and model["name"] != weights:
         deviations.append(f"weights {model['name']} (paper {weights})")
-    name = config["dataset"]["name"]
-    sizes = load_paper()["table6_datasets"].get(stand_ins.get(name, name))
+    sizes = load_paper()["table6_datasets"].get(dataset)
     ours_sizes = results.get("dataset") or {}
     if sizes is not None:
         for ours_key, paper_key in (("train_size", "train"), ("val_size", "test")):
@@ -211,12 +197,15 @@ def metric_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
 def collect_runs(
     paths: Iterable[Path | str],
     stand_ins: Mapping[str, str] | None = None,
-    place: Callable[..., RunRecord | None] | None = None,
+    place: Callable[..., tuple[list[str], Mapping[str, Any]] | None] | None = None,
+    renamed: tuple[str, ...] = ("dataset", "backbone"),
 ) -> list[RunRecord]:
-    """Every run under ``paths`` (a run directory holding results.json, or a sweep directory above runs) as
-    ``place(run_dir, results, config, attributes, stand_ins)`` records it (None: not a row); by default as
-    the paper tables see it. :class:`ReportError` in one line for a run whose config lacks the groups that
-    place it or holds values of other types, and (by default) for a path without runs."""
+    """Every run under ``paths`` (a run directory holding results.json, or a sweep directory above runs),
+    its attributes ``renamed`` by ``stand_ins`` (``X stands in for Y``, its first deviation), as
+    ``place(config, results, attributes)`` places it: its deviations and metrics (None: not a row); by
+    default as the paper tables see it. :class:`ReportError` in one line for a run whose config lacks the
+    groups that place it or holds values of other types, and (by default) for a path without runs."""
+    stand_ins = stand_ins or {}
     runs = []
     for path in map(Path, paths):
         found = find_run_dirs(path)
@@ -232,9 +221,15 @@ def collect_runs(
                 )
             config_groups(config, run_dir, ("dataset", "model", "loss", "trainer"))
             try:  # a config of mapped groups holding a value of another type, or missing one
-                processes = (results.get("provenance") or {}).get("world_size") or results.get("world_size")
+                processes = nested_get(results, "provenance", "world_size") or results.get("world_size")
                 attributes = run_attributes(config, processes or 1)
-                record = (place or _paper_record)(run_dir, results, config, attributes, stand_ins or {})
+                ours = [attributes[key] for key in renamed]
+                stand_in = [
+                    f"{name} stands in for {paper}" for name, paper in stand_ins.items() if name in ours
+                ]
+                for key in renamed:
+                    attributes[key] = stand_ins.get(attributes[key], attributes[key])
+                placed = (place or _paper_place)(config, results, attributes)
             except ReportError:
                 raise
             except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
@@ -242,21 +237,14 @@ def collect_runs(
                     f"{run_dir}: the run's config does not place it "
                     f"({type(exc).__name__}: {error_text(exc, run_dir)})"
                 ) from None
-            if record is not None:
-                runs.append(record)
+            if placed is not None:
+                deviations, metrics = placed
+                runs.append(RunRecord(run_dir, attributes, metric_figures(metrics), (*stand_in, *deviations)))
     return runs
 
 
-def _paper_record(
-    run_dir: Path,
-    results: Mapping[str, Any],
-    config: Mapping[str, Any],
-    attributes: dict[str, Any],
-    stand_ins: Mapping[str, str],
-) -> RunRecord:
-    """The run as the paper tables see it: its attributes (datasets and backbones renamed by ``stand_ins``),
-    last evaluation and deviations from the paper's protocol."""
-    deviations = tuple(paper_deviations(config, results, stand_ins))
-    for key in ("dataset", "backbone"):
-        attributes[key] = stand_ins.get(attributes[key], attributes[key])
-    return RunRecord(run_dir, attributes, metric_figures(results.get("metrics") or {}), deviations)
+def _paper_place(
+    config: Mapping[str, Any], results: Mapping[str, Any], attributes: Mapping[str, Any]
+) -> tuple[list[str], Mapping[str, Any]]:
+    """The run as the paper tables see it: its deviations from the paper's protocol, its last evaluation."""
+    return paper_deviations(config, results, attributes), results.get("metrics") or {}

@@ -16,15 +16,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
+from mlcls.config_tree import nested_get
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.runs import (
-    RunRecord,
-    architecture,
-    collect_runs,
-    config_value,
-    metric_figures,
-    protocol_deviations,
-)
+from mlcls.reporting.runs import RunRecord, collect_runs, protocol_deviations
 from mlcls.reporting.sweeps import (
     SMOKE_OVERRIDES,
     Sweep,
@@ -175,14 +169,14 @@ def check_published(document: Any) -> tuple[dict[str, Any], ...]:
 def _method_of(config: Mapping[str, Any], attributes: Mapping[str, Any]) -> str | None:
     """The benchmark row of a run: ``full`` for BCE on all labels, else the loss (``ll`` by its mode,
     ``em`` with ``loss.apl`` as ``em_apl``); None for a run that is no row of the table."""
-    observed = config_value(config, "dataset.observed") or "all"
+    observed = nested_get(config, "dataset", "observed") or "all"
     loss = attributes["loss"]
     if observed == "all":
         return "full" if loss == "bce" else None
     if observed != "single_positive":
         return None
     method = f"ll_{attributes.get('loss.mode')}" if loss == "ll" else loss
-    if loss == "em" and config_value(config, "loss.apl"):
+    if loss == "em" and nested_get(config, "loss", "apl"):
         method = "em_apl"
     return method if method in SPML_METHODS and method != "full" else None
 
@@ -193,7 +187,7 @@ def benchmark_checks(config: Mapping[str, Any], method: str | None) -> dict[str,
     per dataset (``em_batch_size``, ``em_lr``), LL its own lr with the classifier's at 10x (``ll_lr``,
     ``ll_lr_head``)."""
     preset = benchmark_preset()
-    dataset = config_value(config, "dataset.name")
+    dataset = nested_get(config, "dataset", "name")
     if method in ("em", "em_apl") and dataset in preset.protocol.em_lr:
         preset.protocol.batch_size = preset.protocol.em_batch_size[dataset]
         preset.protocol.lr = preset.protocol.em_lr[dataset]
@@ -217,27 +211,17 @@ def collect_spml_runs(
 ) -> list[RunRecord]:
     """Every run under ``paths`` that is a row of the benchmark, with ``method`` among its attributes and
     its deviations from ``spml.yaml``. ``stand_ins`` renames datasets (``synthetic`` -> ``coco``)."""
-    return collect_runs(paths, stand_ins, _spml_record)
+    return collect_runs(paths, stand_ins, _spml_place, renamed=("dataset",))
 
 
-def _spml_record(
-    run_dir: Path,
-    results: Mapping[str, Any],
-    config: Mapping[str, Any],
-    attributes: dict[str, Any],
-    stand_ins: Mapping[str, str],
-) -> RunRecord | None:
-    method = _method_of(config, attributes)
+def _spml_place(
+    config: Mapping[str, Any], results: Mapping[str, Any], attributes: dict[str, Any]
+) -> tuple[list[str], Mapping[str, Any]] | None:
+    method = attributes["method"] = _method_of(config, attributes)
     if method is None:
         return None
-    dataset = attributes["dataset"]
-    attributes.update(method=method, dataset=stand_ins.get(dataset, dataset))
     deviations = protocol_deviations(config, results, benchmark_checks(config, method), "benchmark")
-    if dataset != attributes["dataset"]:
-        deviations.insert(0, f"{dataset} stands in for {attributes['dataset']}")
-    if architecture(config) != "resnet50":
-        deviations.append(f"backbone {architecture(config)} (benchmark resnet50)")
-    return RunRecord(run_dir, attributes, metric_figures(reported_metrics(results)), tuple(deviations))
+    return deviations, reported_metrics(results)
 
 
 def spml_spec() -> TableSpec:

@@ -263,17 +263,3 @@ def phrase(name: str) -> str:
     """The text a language model reads for class ``name``: its underscores as spaces (``traffic_light`` ->
     ``traffic light``), as zero-shot CLIP writes class names; hyphens stay (``t-shirt``)."""
     return " ".join(name.replace("_", " ").split())
-
-
-__all__ = [
-    "CACHE_SIZE",
-    "MAX_CLASSES",
-    "MAX_DIM",
-    "TextEncoder",
-    "build_encoder",
-    "check_class_names",
-    "class_embeddings",
-    "encoder_from_stored",
-    "parse_classes",
-    "read_class_list",
-]
