@@ -23,6 +23,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from mlcls.data.datasets.base import BadImageError
+from mlcls.data.images import read_image_bytes
 from mlcls.data.pipeline.dali import (
     CropPlans,
     DaliUnavailableError,
@@ -188,7 +189,7 @@ def test_crop_plans_draw_the_fast_pipelines_window_flip_and_colour(jpegs):
             encoded, window, flip, params, target = plans[(index, seed)]
             sample = dataset.samples[index]
             torch.manual_seed(seed)
-            planned = fast.decode(sample.path, sample.box)
+            planned = fast.decode_bytes(read_image_bytes(sample.path), sample.box)
             output = fast(planned)
             left, top, right, bottom = planned.region
             np.testing.assert_array_equal(window, [left, top, right - left, bottom - top])

@@ -293,20 +293,22 @@ class MultiLabelDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def image_bytes(self, index: int) -> bytes:
+        """The encoded image of sample ``index``: its file's bytes (:func:`read_image_bytes`)."""
+        return read_image_bytes(self.samples[index].path)
+
     def picture(self, index: int) -> Image.Image:
-        """Sample ``index`` as a person sees it (:func:`rgb_picture` of its file and box)."""
-        sample = self.samples[index]
-        return rgb_picture(read_image_bytes(sample.path), sample.box)
+        """Sample ``index`` as a person sees it (:func:`rgb_picture` of its bytes and box)."""
+        return rgb_picture(self.image_bytes(index), self.samples[index].box)
 
     def load_image(self, index: int) -> Any:
-        """The transform's input for sample ``index``: its ``decode(path, box)`` of the file when it has one
-        and :attr:`reads_files` (the fast pipeline crops first, then decodes at reduced scale), else
-        :meth:`picture`."""
-        decode = getattr(self.transform, "decode", None)
+        """The transform's input for sample ``index``: its ``decode_bytes(data, box)`` of :meth:`image_bytes`
+        when it has one and :attr:`reads_files` (the fast pipeline crops first, then decodes at reduced
+        scale), else :meth:`picture`."""
+        decode = getattr(self.transform, "decode_bytes", None)
         if decode is None or not self.reads_files:
             return self.picture(index)
-        sample = self.samples[index]
-        return decode(sample.path, sample.box)
+        return decode(self.image_bytes(index), self.samples[index].box)
 
     def transformed_image(self, index: int) -> Any:
         """The transform's output for sample ``index`` (:meth:`load_image`'s image without a transform)."""

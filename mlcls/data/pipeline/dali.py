@@ -18,7 +18,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, crop_box
-from mlcls.data.images import read_image_bytes
 from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, image_header
 
 # DALI decoder device for each graph device: nvJPEG on the GPU ("mixed": CPU input, GPU output), or the CPU.
@@ -79,8 +78,7 @@ class CropPlans(Dataset):
 
     def plan(self, index: int) -> CropPlan:
         """The plan of sample ``index`` itself; ``OSError`` when its file cannot be read."""
-        sample = self.dataset.samples[index]
-        data = read_image_bytes(sample.path)
+        sample, data = self.dataset.samples[index], self.dataset.image_bytes(index)
         width, height = encoded_image_size(data)
         box = (0, 0, width, height) if sample.box is None else crop_box(sample.box, width, height)
         left, top, right, bottom = box

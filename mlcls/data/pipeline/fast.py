@@ -21,7 +21,7 @@ from torch import Tensor
 from torchvision import transforms as T
 
 from mlcls.data.datasets.base import crop_box, to_rgb
-from mlcls.data.images import check_pixels, open_image, read_image_bytes
+from mlcls.data.images import check_pixels, open_image
 from mlcls.data.pipeline.gpu import (
     Box,
     EncodedImage,
@@ -160,9 +160,6 @@ class FastTrainTransform:
         shape_only = torch.empty(1, 1, 1).expand(3, height, width)
         return T.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
 
-    def decode(self, path: str, box: Box | None = None) -> PlannedCrop:
-        return self.decode_bytes(read_image_bytes(path), box)
-
     def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedCrop:
         """Choose the random crop (inside ``box``) from the header, refusing what the datasets refuse, then
         decode at the largest reduction the crop allows (libjpeg-turbo at full size for JPEGs; PIL else)."""
@@ -194,7 +191,7 @@ class FastTrainTransform:
         return flip, torch.tensor([*codes, *factor_values, *alpha.tolist()], dtype=torch.float32)
 
     def __call__(self, image: Image.Image | PlannedCrop) -> AugmentedImage:
-        """Crop-and-resize (the crop planned by :meth:`decode`, or drawn now), flip, colour parameters."""
+        """Crop-and-resize (the crop :meth:`decode_bytes` planned, or one drawn now), flip, colour."""
         if isinstance(image, PlannedCrop):
             source, region = image.image, image.region
         else:
@@ -213,16 +210,13 @@ class FastTrainTransform:
 
 class GpuTrainTransform:
     """The worker's part of the ``paper`` training augmentation with ``data.backend=gpu``: read and plan
-    (the datasets' ``decode`` hooks), then draw the flip and colour parameters with the fast pipeline's
+    (the datasets' ``decode_bytes`` hook), then draw the flip and colour parameters with the fast pipeline's
     calls in its order; output :class:`EncodedImage`."""
 
     torch_random_only = True
 
     def __init__(self, fast: FastTrainTransform) -> None:
         self.fast, self.size = fast, fast.size
-
-    def decode(self, path: str, box: Box | None = None) -> PlannedJpeg | PlannedCrop:
-        return self.decode_bytes(read_image_bytes(path), box)
 
     def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | PlannedCrop:
         """A :class:`PlannedJpeg` with the fast pipeline's crop window, or the fast pipeline's own

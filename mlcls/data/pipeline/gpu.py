@@ -23,7 +23,7 @@ from torchvision import transforms as T
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from mlcls.data.datasets.base import BadImageError, crop_box, rgb_picture, to_rgb
-from mlcls.data.images import check_pixels, open_image, read_image_bytes
+from mlcls.data.images import check_pixels, open_image
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -179,9 +179,6 @@ class GpuEvalTransform:
         self.size, self.kind = size, kind
         self.mean, self.std = normalisation(mean, std)
         self.cpu_path = T.Compose([*eval_steps(kind, size), T.PILToTensor()])
-
-    def decode(self, path: str, box: Box | None = None) -> PlannedJpeg | Image.Image:
-        return self.decode_bytes(read_image_bytes(path), box)
 
     def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | Image.Image:
         """A :class:`PlannedJpeg`, or the RGB PIL image (cropped to the box) of a file of the CPU path."""

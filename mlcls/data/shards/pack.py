@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
 from mlcls.data.datasets.labels import SparseLabels, sparse_labels_of
-from mlcls.data.images import open_image, read_image_bytes
+from mlcls.data.images import open_image
 from mlcls.data.pipeline.fast import draft_reduction, image_header, load_reduced
 from mlcls.formats import FORMAT
 from mlcls.io import atomic_write_bytes, read_json, read_text
@@ -76,8 +76,7 @@ def packed_image(
     and encoded at ``quality`` and chroma ``subsampling`` (:data:`SUBSAMPLINGS`). A dataset that
     makes its pixels (``reads_files`` False) gives its ``picture``. Raises PIL's bad-image errors."""
     if dataset.reads_files:
-        sample = dataset.samples[index]
-        data = read_image_bytes(sample.path)
+        sample, data = dataset.samples[index], dataset.image_bytes(index)
         width, height, jpeg = image_header(data)
         if jpeg and sample.box is None and max(width, height) <= max_side:
             return data
