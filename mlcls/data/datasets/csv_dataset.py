@@ -287,18 +287,15 @@ def _labels(
     labels column, one column per class, 1 / 0 / -1, an empty cell -1."""
     if labels_column is not None:
         class_index = {name: i for i, name in enumerate(classes)}
-        row_ids: list[int] = []
-        col_ids: list[int] = []
-        for i, cell in enumerate(_cells(header, rows, labels_column, path)):
+        cells = _cells(header, rows, labels_column, path)
+        labels = label_table(len(rows), len(classes), list(read.values()), path)
+        for i, cell in enumerate(cells):
             for name in _split_names(cell, label_delimiter):
                 if name not in class_index:
                     raise DatasetFormatError(
                         f"{path}, line {i + 2}: label {name!r} is not one of the given classes"
                     )
-                row_ids.append(i)
-                col_ids.append(class_index[name])
-        labels = label_table(len(rows), len(classes), list(read.values()), path)
-        labels[row_ids, col_ids] = 1.0
+                labels[i, class_index[name]] = 1.0
         return labels
     cells = np.array([_cells(header, rows, name, path) for name in classes], dtype=object).T
     cells[cells == ""] = "-1"
