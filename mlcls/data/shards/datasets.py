@@ -130,12 +130,8 @@ class ShardTrainSet(SparseLabelled):
         self.name, self.split, self.transform = name, "train", transform
         self.train_split, self.val_split = train_split, val_split
         self.urls, self.shuffle_buffer = urls, max(1, int(shuffle_buffer))
-        self.classes = index.classes
+        self.classes, self.num_classes = index.classes, len(index.classes)
         self.shard_sizes, self.sparse_labels = index.shard_labels("train", urls)
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
 
     def __len__(self) -> int:
         return sum(self.shard_sizes)
