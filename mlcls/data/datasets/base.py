@@ -189,21 +189,24 @@ def rgb_picture(data: bytes, box: tuple[float, float, float, float] | None) -> I
     """The RGB image of the encoded ``data``, cropped to ``box`` ``(x, y, w, h)`` (clamped); refused with a
     ``ValueError`` from its header, before decoding, when too thin (:func:`check_aspect_ratio`)."""
     with open_image(data) as img:
-        region = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
-        check_aspect_ratio(region[2] - region[0], region[3] - region[1])
+        region = crop_box(box, *img.size)
         rgb = to_rgb(img)
     return rgb if box is None else rgb.crop(region)
 
 
-def crop_box(box: tuple[float, float, float, float], width: int, height: int) -> tuple[int, int, int, int]:
+def crop_box(
+    box: tuple[float, float, float, float] | None, width: int, height: int
+) -> tuple[int, int, int, int]:
     """Pixel crop ``(left, top, right, bottom)`` of box ``(x, y, w, h)`` clamped to a ``width`` x ``height``
-    image; the whole image when the clamped box is empty."""
-    x, y, w, h = box
+    image; the whole image when ``box`` is None or the clamped box is empty. A region too thin to resize is
+    refused with a ``ValueError``, a bad image (:func:`check_aspect_ratio`): every pipeline crops here."""
+    x, y, w, h = (0, 0, width, height) if box is None else box
     left, top = max(0, int(x)), max(0, int(y))
     right, bottom = min(width, int(round(x + w))), min(height, int(round(y + h)))
-    if right > left and bottom > top:
-        return left, top, right, bottom
-    return 0, 0, width, height
+    if not (right > left and bottom > top):
+        left, top, right, bottom = 0, 0, width, height
+    check_aspect_ratio(right - left, bottom - top)
+    return left, top, right, bottom
 
 
 def nonempty_boxes(boxes: np.ndarray) -> np.ndarray:

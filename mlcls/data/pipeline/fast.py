@@ -27,8 +27,8 @@ from mlcls.data.pipeline.gpu import (
     EncodedImage,
     GpuEvalTransform,
     PlannedJpeg,
+    device_jpeg_size,
     encoded_image,
-    plan_window,
 )
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
@@ -36,7 +36,6 @@ from mlcls.data.pipeline.transforms import (
     IMAGENET_PCA_EIGVEC,
     IMAGENET_STD,
     build_transform,
-    check_aspect_ratio,
     normalisation,
 )
 
@@ -154,21 +153,21 @@ class FastTrainTransform:
         self.scale, self.ratio = [0.08, 1.0], [3.0 / 4.0, 4.0 / 3.0]
         self.jitter, self.lighting_std = T.ColorJitter(0.4, 0.4, 0.4), 0.1
 
-    def crop_params(self, width: int, height: int) -> tuple[int, int, int, int]:
-        """``(top, left, height, width)`` of a RandomResizedCrop of a ``width`` x ``height`` image, by
-        torchvision's sampler (it reads only the shape of the never allocated tensor it is given)."""
-        shape_only = torch.empty(1, 1, 1).expand(3, height, width)
-        return T.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
+    def crop_window(self, box: Box | None, width: int, height: int) -> tuple[int, int, int, int]:
+        """``(left, top, width, height)`` of a RandomResizedCrop of the :func:`crop_box` of ``box`` in a
+        ``width`` x ``height`` image, by torchvision's sampler (it reads only the shape of the never allocated
+        tensor it is given). The one crop draw of the ``paper`` augmentation, whatever the backend."""
+        left, top, right, bottom = crop_box(box, width, height)
+        shape_only = torch.empty(1, 1, 1).expand(3, bottom - top, right - left)
+        i, j, h, w = T.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
+        return left + j, top + i, w, h
 
     def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedCrop:
         """Choose the random crop (inside ``box``) from the header, refusing what the datasets refuse, then
         decode at the largest reduction the crop allows (libjpeg-turbo at full size for JPEGs; PIL else)."""
         width, height, jpeg = image_header(data)
-        left, top, right, bottom = (0, 0, width, height) if box is None else crop_box(box, width, height)
-        check_aspect_ratio(right - left, bottom - top)  # the image the datasets refuse, refused alike
-        i, j, h, w = self.crop_params(right - left, bottom - top)
+        x0, y0, w, h = self.crop_window(box, width, height)
         reduction = draft_reduction(w, h, self.size, self.size) if self.draft else 1
-        x0, y0 = left + j, top + i
         if reduction == 1 and jpeg:
             pixels = decode_jpeg(data)
             if pixels is not None:
@@ -195,8 +194,8 @@ class FastTrainTransform:
         if isinstance(image, PlannedCrop):
             source, region = image.image, image.region
         else:
-            i, j, h, w = self.crop_params(image.width, image.height)
-            source, region = pil_to_pixels(image), (j, i, j + w, i + h)
+            x0, y0, w, h = self.crop_window(None, image.width, image.height)
+            source, region = pil_to_pixels(image), (x0, y0, x0 + w, y0 + h)
         out = resized_crop(source, region, self.size)
         flip, params = self.flip_and_colour()
         return AugmentedImage(out.flip(-1) if flip else out, params)
@@ -221,12 +220,10 @@ class GpuTrainTransform:
     def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | PlannedCrop:
         """A :class:`PlannedJpeg` with the fast pipeline's crop window, or the fast pipeline's own
         ``decode_bytes`` (the CPU path, the same draw)."""
-        planned = plan_window(data, box)
-        if planned is None:
+        size = device_jpeg_size(data)
+        if size is None:
             return self.fast.decode_bytes(data, box)
-        left, top, width, height = planned.window
-        i, j, h, w = self.fast.crop_params(width, height)
-        return planned._replace(window=(left + j, top + i, w, h))
+        return PlannedJpeg(data, *size, self.fast.crop_window(box, *size))
 
     def __call__(self, image: PlannedJpeg | PlannedCrop | Image.Image) -> EncodedImage:
         if not isinstance(image, PlannedJpeg):

@@ -87,7 +87,7 @@ def packed_image(
         if subsampling == "auto":  # a JPEG's own, read from its header; 444 for any other image
             jpeg = isinstance(img, JpegImagePlugin.JpegImageFile)
             subsampling = PIL_SAMPLING.get(JpegImagePlugin.get_sampling(img), "444") if jpeg else "444"
-        left, top, right, bottom = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
+        left, top, right, bottom = crop_box(box, *img.size)
         scale = min(1.0, max_side / max(right - left, bottom - top))  # never enlarged
         target = (max(1, round((right - left) * scale)), max(1, round((bottom - top) * scale)))
         reduced, scale_x, scale_y = load_reduced(img, draft_reduction(right - left, bottom - top, *target))
