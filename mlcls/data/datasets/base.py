@@ -9,9 +9,12 @@ training set is worse) or is replaced by the next readable sample and recorded (
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import json
 import os
-from collections.abc import Callable, Sequence
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,17 +99,27 @@ def resolve_path(root: str | Path, path: str | Path) -> Path:
     return path if path.is_absolute() else Path(root).expanduser() / path
 
 
-def load_json(path: str | Path) -> Any:
-    """The JSON file ``path`` (:func:`read_json`, ``CAPS["label file"]``); one dataset error line if missing
-    or malformed."""
+@contextlib.contextmanager
+def reading(path: str | Path, expected: str = "") -> Iterator[None]:
+    """What reading the file ``path`` in the block raises, as one dataset error line: a missing file a
+    :class:`DatasetLayoutError` (``expected``: what belongs there), one that does not parse, is too large or
+    nested too deep a :class:`DatasetFormatError`."""
     try:
-        return read_json(path, "label file")
+        yield
+    except DatasetError:
+        raise
     except FileNotFoundError as exc:
-        raise DatasetLayoutError(f"missing {path}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DatasetLayoutError(f"missing {path}" + (f"; expected {expected}" if expected else "")) from exc
+    except (json.JSONDecodeError, csv.Error, ET.ParseError, UnicodeDecodeError) as exc:
         raise DatasetFormatError(f"cannot parse {path}: {exc}") from exc
     except ValueError as exc:  # too large, or nested too deep
         raise DatasetFormatError(str(exc)) from exc
+
+
+def load_json(path: str | Path) -> Any:
+    """The JSON file ``path`` (:func:`read_json`, ``CAPS["label file"]``), read through :func:`reading`."""
+    with reading(path):
+        return read_json(path, "label file")
 
 
 def label_table(rows: int, classes: int, read: Sequence[str | Path], source: str | Path) -> np.ndarray:

@@ -31,12 +31,13 @@ from mlcls.data.datasets.base import (
     check_choice,
     check_class_names,
     label_table,
+    reading,
     require_files,
     resolve_path,
 )
 from mlcls.data.datasets.folds import held_out, image_hash, stratified_holdout
 from mlcls.errors import plural, printable
-from mlcls.io import FileTooLargeError, read_text
+from mlcls.io import read_text
 
 SPLITS = ("train", "val")
 VAL_BY = ("stratified", "hashed")  # dataset.val_by: how val_fraction of the training file is held out
@@ -51,16 +52,10 @@ def read_table(path: Path, delimiter: str | None) -> tuple[list[str], list[list[
     bytes."""
     if delimiter is None:
         delimiter = "\t" if path.suffix.lower() in (".tsv", ".tab") else ","
-    try:
+    with reading(path):
         text = read_text(path, "label file").removeprefix("\ufeff")
         lines = io.StringIO(text, newline="")
         rows = [row for row in csv.reader(lines, delimiter=delimiter) if any(cell.strip() for cell in row)]
-    except FileNotFoundError as exc:
-        raise DatasetLayoutError(f"missing {path}") from exc
-    except (csv.Error, UnicodeDecodeError) as exc:
-        raise DatasetFormatError(f"cannot parse {path}: {exc}") from exc
-    except FileTooLargeError as exc:
-        raise DatasetFormatError(str(exc)) from exc
     if not rows:
         raise DatasetFormatError(f"{path} is empty; expected a header line and one line per image")
     header = [cell.strip() for cell in rows[0]]

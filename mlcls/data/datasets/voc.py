@@ -16,10 +16,10 @@ import numpy as np
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
-    DatasetLayoutError,
     MultiLabelDataset,
     Sample,
     check_choice,
+    reading,
     require_files,
 )
 from mlcls.io import read_regular_bytes
@@ -78,12 +78,8 @@ class VOC(MultiLabelDataset):
 
 def _objects(xml_path: Path, layout: str) -> list[tuple[str, bool]]:
     """``(class name, difficult)`` of every top-level ``<object>`` of a VOC annotation file."""
-    try:
+    with reading(xml_path, f"layout: {layout}"):
         tree = ET.parse(xml_path)
-    except FileNotFoundError as exc:
-        raise DatasetLayoutError(f"missing {xml_path}; expected layout: {layout}") from exc
-    except ET.ParseError as exc:
-        raise DatasetFormatError(f"cannot parse {xml_path}: {exc}") from exc
     objects = []
     for obj in tree.getroot().findall("object"):
         name = obj.findtext("name")  # direct child only: <part><name> is not reached

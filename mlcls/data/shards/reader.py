@@ -22,6 +22,7 @@ from mlcls.data.datasets.base import (
     DatasetError,
     DatasetFormatError,
     DatasetLayoutError,
+    reading,
 )
 from mlcls.data.datasets.labels import SparseLabels
 from mlcls.data.shards.pack import CLASSES_FILE, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
@@ -193,10 +194,8 @@ class ShardIndex:
         self.source: str = info.get("dataset") or "shards"
 
     def read_json(self, name: str, data: bytes) -> Any:
-        try:
+        with reading(f"{self.meta}/{name}"):
             return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DatasetFormatError(f"cannot parse {self.meta}/{name}: {exc}") from exc
 
     def read_recorded(self, entry: dict[str, Any]) -> bytes:
         """The bytes of the sidecar file the manifest records as ``entry`` (name, bytes, sha256), checked
