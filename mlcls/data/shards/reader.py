@@ -74,19 +74,19 @@ def expand_urls(urls: str | list[str]) -> list[str]:
     from braceexpand import braceexpand
 
     patterns = [urls] if isinstance(urls, str) else list(urls)
-    expanded: list[str] = []
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise DatasetConfigError(
                 f"a shard URL is {type(pattern).__name__} {pattern!r}; expected a string"
             )
-        for url in braceexpand(pattern):
-            expanded.append(url)
-            if len(expanded) > MAX_SHARD_URLS:
-                raise DatasetConfigError(
-                    f"the shard URLs {patterns[0][:80]!r}… expand to over {MAX_SHARD_URLS:,} shards; "
-                    "expected one pattern (or a list) per split"
-                )
+    expanded = list(
+        itertools.islice(itertools.chain.from_iterable(map(braceexpand, patterns)), MAX_SHARD_URLS + 1)
+    )
+    if len(expanded) > MAX_SHARD_URLS:
+        raise DatasetConfigError(
+            f"the shard URLs {patterns[0][:80]!r}… expand to over {MAX_SHARD_URLS:,} shards; expected one "
+            "pattern (or a list) per split"
+        )
     return expanded
 
 
