@@ -216,10 +216,10 @@ def test_python_defaults_equal_the_dataset_configs_defaults() -> None:
 
 
 class _DecodesItself:
-    """A transform with its own ``decode`` (as the fast pipeline's), which yields no image."""
+    """A transform with its own ``decode_bytes`` (as the fast pipeline's), which yields no image."""
 
-    def decode(self, path: str, box: object) -> str:
-        return f"decoded {Path(path).name}"
+    def decode_bytes(self, data: bytes, box: object) -> str:
+        return f"decoded {len(data)} bytes"
 
     def __call__(self, decoded: str) -> str:
         return decoded
@@ -230,7 +230,7 @@ def test_the_picture_is_the_file_whatever_the_transform_decodes(tmp_path: Path) 
     PIL decodes it, through a training view too (the audit page's dataset)."""
     dataset = one_hot_dataset(tmp_path, 2, "error")
     dataset.transform = _DecodesItself()
-    assert dataset.load_image(1) == "decoded 1.jpg"
+    assert dataset.load_image(1) == f"decoded {(tmp_path / '1.jpg').stat().st_size} bytes"
     with Image.open(tmp_path / "1.jpg") as reference:
         expected = np.asarray(reference.convert("RGB"))
     assert np.array_equal(np.asarray(dataset.picture(1)), expected)

@@ -23,6 +23,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from mlcls.data.datasets.base import BadImageError
+from mlcls.data.images import read_image_bytes
 from mlcls.data.pipeline.dali import (
     CropPlans,
     DaliUnavailableError,
@@ -176,7 +177,7 @@ def test_cpu_graph_ignores_exif_orientation(cpu_graph, jpegs, tmp_path):
 def test_crop_plans_draw_the_fast_pipelines_window_flip_and_colour(jpegs):
     """Under a sample's seed, ``CropPlans`` (as ``SeededSamples`` runs it) picks the crop window, flip and
     colour parameters the fast pipeline picks for that sample: its window is the full-size crop region
-    ``FastTrainTransform.decode`` chooses, its flip whether the fast output is the mirrored crop, its
+    ``FastTrainTransform.decode_bytes`` chooses, its flip whether the fast output is the mirrored crop, its
     parameters the fast output's."""
     dataset = PhotoFiles(jpegs * 2)
     fast = FastTrainTransform(SIZE, draft=False)  # full-size decoding: the region is in the file's pixels
@@ -188,7 +189,7 @@ def test_crop_plans_draw_the_fast_pipelines_window_flip_and_colour(jpegs):
             encoded, window, flip, params, target = plans[(index, seed)]
             sample = dataset.samples[index]
             torch.manual_seed(seed)
-            planned = fast.decode(sample.path, sample.box)
+            planned = fast.decode_bytes(read_image_bytes(sample.path), sample.box)
             output = fast(planned)
             left, top, right, bottom = planned.region
             np.testing.assert_array_equal(window, [left, top, right - left, bottom - top])

@@ -18,6 +18,7 @@ from torchvision import transforms as T
 
 from mlcls.bench.pipeline_bench import make_jpegs
 from mlcls.data.datasets.base import to_rgb
+from mlcls.data.images import read_image_bytes
 from mlcls.data.loader import DeviceStage, build_train_loader, collate_batch
 from mlcls.data.pipeline.fast import (
     AugmentedImage,
@@ -63,7 +64,7 @@ def fast_output(
     """Fast pipeline under ``seed``: CPU stage (reduced-scale decoding), then the device stage on the CPU
     (``stage``, default ImageNet's normalisation)."""
     torch.manual_seed(seed)
-    planned = transform.decode(str(path))
+    planned = transform.decode_bytes(read_image_bytes(path))
     sample = transform(planned)
     stage = DeviceStage("cpu") if stage is None else stage
     return stage(collate_batch([sample]))[0], planned
@@ -126,7 +127,7 @@ def test_crop_scale_aspect_and_flip_distribution_match_torchvision(ramp):
     ours, theirs, reductions = [], [], set()
     for k in range(count):
         torch.manual_seed(k)
-        planned = fast.decode(str(ramp))
+        planned = fast.decode_bytes(read_image_bytes(ramp))
         width = planned.image.width if isinstance(planned.image, Image.Image) else planned.image.shape[-1]
         reductions.add(round(512 / width))
         ours.append(_geometry(fast(planned).pixels.permute(1, 2, 0).numpy(), 512, 384))
@@ -142,10 +143,10 @@ def test_crop_scale_aspect_and_flip_distribution_match_torchvision(ramp):
 
 def test_crop_stays_inside_the_sample_box(ramp):
     fast = FastTrainTransform(16)
-    box = (100.0, 50.0, 200.0, 150.0)  # x, y, w, h
+    box, data = (100.0, 50.0, 200.0, 150.0), read_image_bytes(ramp)  # box: x, y, w, h
     for seed in range(20):
         torch.manual_seed(seed)
-        pixels = fast(fast.decode(str(ramp), box)).pixels.permute(1, 2, 0).numpy().astype(float)
+        pixels = fast(fast.decode_bytes(data, box)).pixels.permute(1, 2, 0).numpy().astype(float)
         x = pixels[..., 0] * 511 / 255
         y = pixels[..., 1] * 383 / 255
         assert x.min() >= 100 - 3 and x.max() <= 300 + 3
@@ -168,7 +169,7 @@ def test_full_size_decoding_gives_pils_pixels(jpegs, tmp_path):
         assert pixels.dtype == torch.uint8 and pixels.shape == (3, 240, 320)
         np.testing.assert_array_equal(pixels.permute(1, 2, 0).numpy(), _pil_pixels(path))
     fast = FastTrainTransform(SIZE, draft=False)
-    planned = fast.decode(str(cmyk))
+    planned = fast.decode_bytes(read_image_bytes(cmyk))
     np.testing.assert_array_equal(planned.image.permute(1, 2, 0).numpy(), _pil_pixels(cmyk))
 
 
@@ -182,12 +183,12 @@ def test_files_libjpeg_turbo_does_not_decode_go_through_pil(jpegs, tmp_path):
     outputs = []
     for path in (jpegs[0], png):
         torch.manual_seed(5)
-        outputs.append(fast(fast.decode(str(path))).pixels)
+        outputs.append(fast(fast.decode_bytes(read_image_bytes(path))).pixels)
     assert torch.equal(outputs[0], outputs[1])
     truncated = tmp_path / "truncated.jpg"
     truncated.write_bytes(jpegs[0].read_bytes()[:3000])
     with pytest.raises(OSError):
-        fast.decode(str(truncated))
+        fast.decode_bytes(read_image_bytes(truncated))
 
 
 @pytest.mark.parametrize("reduction", [2, 4, 8])
@@ -211,7 +212,7 @@ def test_collate_batch_stacks_channels_last_and_equals_default_collate(jpegs):
     samples = []
     for seed, path in enumerate(jpegs):
         torch.manual_seed(seed)
-        samples.append((fast(fast.decode(str(path))), torch.tensor([seed, 1.0])))
+        samples.append((fast(fast.decode_bytes(read_image_bytes(path))), torch.tensor([seed, 1.0])))
     images, labels = collate_batch(samples)
     expected_images, expected_labels = default_collate(samples)
     assert images.pixels.shape == (4, 3, SIZE, SIZE)
@@ -381,7 +382,7 @@ def test_16_bit_greyscale_is_scaled_to_8_bits_by_both_decoders(tmp_path):
         assert img.mode == "I;16"
     plain = PhotoFiles([path, path])  # sample 1: no crop box
     np.testing.assert_array_equal(np.asarray(plain.load_image(1)), expected)
-    planned = FastTrainTransform(SIZE, draft=False).decode(str(path))
+    planned = FastTrainTransform(SIZE, draft=False).decode_bytes(read_image_bytes(path))
     np.testing.assert_array_equal(planned.image.permute(1, 2, 0).numpy(), expected)
 
     wide = Image.fromarray(values.astype(np.int32))  # mode I, 16-bit values

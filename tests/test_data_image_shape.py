@@ -18,9 +18,12 @@ from torch import nn
 
 from mlcls.data.datasets.base import BadImageError, find_unreadable
 from mlcls.data.datasets.csv_dataset import CSVDataset
+from mlcls.data.images import read_image_bytes
+from mlcls.data.pipeline.dali import CropPlans
 from mlcls.data.pipeline.fast import FastTrainTransform
 from mlcls.data.pipeline.preprocess import build_eval_transform, preprocess_spec
 from mlcls.data.pipeline.transforms import build_transform
+from mlcls.data.shards.pack import packed_image
 from mlcls.inference.predictor import InferenceModel, predict_images
 
 # What the tests let a call allocate beyond what the process holds already; the bomb needs 7.9 GB.
@@ -131,13 +134,24 @@ def test_the_fast_pipeline_refuses_the_images_the_datasets_refuse(tmp_path: Path
     """Old code: the fast pipeline read the 1 x 30000 image (the plain pipeline did not)."""
     fast = FastTrainTransform(32)
     with pytest.raises(ValueError, match=re.escape(THIN_MESSAGE)):
-        fast.decode(str(write_thin_png(tmp_path / "thin.png")))
+        fast.decode_bytes(read_image_bytes(write_thin_png(tmp_path / "thin.png")))
     # a 1:100 box of a square image is read; 1:101 is not
     square = tmp_path / "square.png"
     Image.new("RGB", (400, 400), RED).save(square)
-    assert fast(fast.decode(str(square), (0, 0, 300, 3))).pixels.shape == (3, 32, 32)
+    assert fast(fast.decode_bytes(read_image_bytes(square), (0, 0, 300, 3))).pixels.shape == (3, 32, 32)
     with pytest.raises(ValueError, match="an image of 303 x 3 pixels"):
-        fast.decode(str(square), (0, 0, 303, 3))
+        fast.decode_bytes(read_image_bytes(square), (0, 0, 303, 3))
+
+
+def test_dali_plans_and_packing_refuse_the_images_the_datasets_refuse(tmp_path: Path) -> None:
+    """Old code: DALI's crop plans drew a window of the 1 x 30000 image and packing packed it (1 x 16)."""
+    dataset = thin_dataset(tmp_path, "error")  # sample 1: the thin PNG
+    with pytest.raises(ValueError, match=re.escape(THIN_MESSAGE)):
+        CropPlans(dataset, FastTrainTransform(32)).plan(1)
+    with pytest.raises(ValueError, match=re.escape(THIN_MESSAGE)):
+        packed_image(dataset, 1, max_side=16, quality=90)
+    assert CropPlans(dataset, FastTrainTransform(32)).plan(0).window[2:].min() >= 1
+    assert packed_image(dataset, 0, max_side=16, quality=90)[:2] == b"\xff\xd8"  # a JPEG
 
 
 class RedRefused:

@@ -10,7 +10,7 @@ import functools
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,18 +104,6 @@ def loader_options(
     }
 
 
-class TrainBatches(Protocol):
-    """What :func:`build_train_loader` returns: ``(images, targets)`` batches (``(images, targets, indices)``
-    when built ``with_index``), a length and a ``sampler`` with ``set_epoch(epoch)`` and
-    ``set_start(samples)``."""
-
-    sampler: Any
-
-    def __iter__(self) -> Iterator[tuple[Tensor | AugmentedImage, Tensor]]: ...
-
-    def __len__(self) -> int: ...
-
-
 class ShardTrainLoader:
     """The training loader of a :class:`ShardTrainSet` or its view: a DataLoader over its ``ShardStream``;
     ``sampler`` a ``ShardSchedule`` of ``workers`` streams (``trainer.workers``, before the CPU cap)."""
@@ -159,9 +147,10 @@ def build_train_loader(
     device: torch.device,
     backend: str,
     with_index: bool = False,
-) -> TrainBatches:
-    """The training loader of ``data.backend``: ``batch_size`` samples per process drawn by a
-    :class:`ResumableSampler`, the incomplete last batch dropped; with ``dali`` a
+) -> DataLoader | DaliTrainLoader | ShardTrainLoader:
+    """The training loader of ``data.backend``: ``(images, targets)`` batches of ``batch_size`` samples per
+    process drawn by a :class:`ResumableSampler` (its ``sampler``, with ``set_epoch(epoch)`` and
+    ``set_start(samples)``), the incomplete last batch dropped; with ``dali`` a
     :class:`~mlcls.data.pipeline.dali.DaliTrainLoader` over a DataLoader of crop plans; for a
     :class:`ShardTrainSet` (or its view) its :class:`ShardTrainLoader`. ``with_index``: each batch also
     holds the int64 (B,) positions of its samples in ``dataset`` (map-style datasets without DALI only)."""

@@ -9,9 +9,12 @@ training set is worse) or is replaced by the next readable sample and recorded (
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import json
 import os
-from collections.abc import Callable, Sequence
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,17 +99,27 @@ def resolve_path(root: str | Path, path: str | Path) -> Path:
     return path if path.is_absolute() else Path(root).expanduser() / path
 
 
-def load_json(path: str | Path) -> Any:
-    """The JSON file ``path`` (:func:`read_json`, ``CAPS["label file"]``); one dataset error line if missing
-    or malformed."""
+@contextlib.contextmanager
+def reading(path: str | Path, expected: str = "") -> Iterator[None]:
+    """What reading the file ``path`` in the block raises, as one dataset error line: a missing file a
+    :class:`DatasetLayoutError` (``expected``: what belongs there), one that does not parse, is too large or
+    nested too deep a :class:`DatasetFormatError`."""
     try:
-        return read_json(path, "label file")
+        yield
+    except DatasetError:
+        raise
     except FileNotFoundError as exc:
-        raise DatasetLayoutError(f"missing {path}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DatasetLayoutError(f"missing {path}" + (f"; expected {expected}" if expected else "")) from exc
+    except (json.JSONDecodeError, csv.Error, ET.ParseError, UnicodeDecodeError) as exc:
         raise DatasetFormatError(f"cannot parse {path}: {exc}") from exc
     except ValueError as exc:  # too large, or nested too deep
         raise DatasetFormatError(str(exc)) from exc
+
+
+def load_json(path: str | Path) -> Any:
+    """The JSON file ``path`` (:func:`read_json`, ``CAPS["label file"]``), read through :func:`reading`."""
+    with reading(path):
+        return read_json(path, "label file")
 
 
 def label_table(rows: int, classes: int, read: Sequence[str | Path], source: str | Path) -> np.ndarray:
@@ -189,21 +202,24 @@ def rgb_picture(data: bytes, box: tuple[float, float, float, float] | None) -> I
     """The RGB image of the encoded ``data``, cropped to ``box`` ``(x, y, w, h)`` (clamped); refused with a
     ``ValueError`` from its header, before decoding, when too thin (:func:`check_aspect_ratio`)."""
     with open_image(data) as img:
-        region = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
-        check_aspect_ratio(region[2] - region[0], region[3] - region[1])
+        region = crop_box(box, *img.size)
         rgb = to_rgb(img)
     return rgb if box is None else rgb.crop(region)
 
 
-def crop_box(box: tuple[float, float, float, float], width: int, height: int) -> tuple[int, int, int, int]:
+def crop_box(
+    box: tuple[float, float, float, float] | None, width: int, height: int
+) -> tuple[int, int, int, int]:
     """Pixel crop ``(left, top, right, bottom)`` of box ``(x, y, w, h)`` clamped to a ``width`` x ``height``
-    image; the whole image when the clamped box is empty."""
-    x, y, w, h = box
+    image; the whole image when ``box`` is None or the clamped box is empty. A region too thin to resize is
+    refused with a ``ValueError``, a bad image (:func:`check_aspect_ratio`): every pipeline crops here."""
+    x, y, w, h = (0, 0, width, height) if box is None else box
     left, top = max(0, int(x)), max(0, int(y))
     right, bottom = min(width, int(round(x + w))), min(height, int(round(y + h)))
-    if right > left and bottom > top:
-        return left, top, right, bottom
-    return 0, 0, width, height
+    if not (right > left and bottom > top):
+        left, top, right, bottom = 0, 0, width, height
+    check_aspect_ratio(right - left, bottom - top)
+    return left, top, right, bottom
 
 
 def nonempty_boxes(boxes: np.ndarray) -> np.ndarray:
@@ -293,20 +309,22 @@ class MultiLabelDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def image_bytes(self, index: int) -> bytes:
+        """The encoded image of sample ``index``: its file's bytes (:func:`read_image_bytes`)."""
+        return read_image_bytes(self.samples[index].path)
+
     def picture(self, index: int) -> Image.Image:
-        """Sample ``index`` as a person sees it (:func:`rgb_picture` of its file and box)."""
-        sample = self.samples[index]
-        return rgb_picture(read_image_bytes(sample.path), sample.box)
+        """Sample ``index`` as a person sees it (:func:`rgb_picture` of its bytes and box)."""
+        return rgb_picture(self.image_bytes(index), self.samples[index].box)
 
     def load_image(self, index: int) -> Any:
-        """The transform's input for sample ``index``: its ``decode(path, box)`` of the file when it has one
-        and :attr:`reads_files` (the fast pipeline crops first, then decodes at reduced scale), else
-        :meth:`picture`."""
-        decode = getattr(self.transform, "decode", None)
+        """The transform's input for sample ``index``: its ``decode_bytes(data, box)`` of :meth:`image_bytes`
+        when it has one and :attr:`reads_files` (the fast pipeline crops first, then decodes at reduced
+        scale), else :meth:`picture`."""
+        decode = getattr(self.transform, "decode_bytes", None)
         if decode is None or not self.reads_files:
             return self.picture(index)
-        sample = self.samples[index]
-        return decode(sample.path, sample.box)
+        return decode(self.image_bytes(index), self.samples[index].box)
 
     def transformed_image(self, index: int) -> Any:
         """The transform's output for sample ``index`` (:meth:`load_image`'s image without a transform)."""

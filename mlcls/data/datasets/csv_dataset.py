@@ -31,12 +31,13 @@ from mlcls.data.datasets.base import (
     check_choice,
     check_class_names,
     label_table,
+    reading,
     require_files,
     resolve_path,
 )
 from mlcls.data.datasets.folds import held_out, image_hash, stratified_holdout
 from mlcls.errors import plural, printable
-from mlcls.io import FileTooLargeError, read_text
+from mlcls.io import read_text
 
 SPLITS = ("train", "val")
 VAL_BY = ("stratified", "hashed")  # dataset.val_by: how val_fraction of the training file is held out
@@ -51,16 +52,10 @@ def read_table(path: Path, delimiter: str | None) -> tuple[list[str], list[list[
     bytes."""
     if delimiter is None:
         delimiter = "\t" if path.suffix.lower() in (".tsv", ".tab") else ","
-    try:
+    with reading(path):
         text = read_text(path, "label file").removeprefix("\ufeff")
         lines = io.StringIO(text, newline="")
         rows = [row for row in csv.reader(lines, delimiter=delimiter) if any(cell.strip() for cell in row)]
-    except FileNotFoundError as exc:
-        raise DatasetLayoutError(f"missing {path}") from exc
-    except (csv.Error, UnicodeDecodeError) as exc:
-        raise DatasetFormatError(f"cannot parse {path}: {exc}") from exc
-    except FileTooLargeError as exc:
-        raise DatasetFormatError(str(exc)) from exc
     if not rows:
         raise DatasetFormatError(f"{path} is empty; expected a header line and one line per image")
     header = [cell.strip() for cell in rows[0]]
@@ -287,18 +282,15 @@ def _labels(
     labels column, one column per class, 1 / 0 / -1, an empty cell -1."""
     if labels_column is not None:
         class_index = {name: i for i, name in enumerate(classes)}
-        row_ids: list[int] = []
-        col_ids: list[int] = []
-        for i, cell in enumerate(_cells(header, rows, labels_column, path)):
+        cells = _cells(header, rows, labels_column, path)
+        labels = label_table(len(rows), len(classes), list(read.values()), path)
+        for i, cell in enumerate(cells):
             for name in _split_names(cell, label_delimiter):
                 if name not in class_index:
                     raise DatasetFormatError(
                         f"{path}, line {i + 2}: label {name!r} is not one of the given classes"
                     )
-                row_ids.append(i)
-                col_ids.append(class_index[name])
-        labels = label_table(len(rows), len(classes), list(read.values()), path)
-        labels[row_ids, col_ids] = 1.0
+                labels[i, class_index[name]] = 1.0
         return labels
     cells = np.array([_cells(header, rows, name, path) for name in classes], dtype=object).T
     cells[cells == ""] = "-1"

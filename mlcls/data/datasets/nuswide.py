@@ -18,11 +18,11 @@ import numpy as np
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
-    DatasetLayoutError,
     MultiLabelDataset,
     Sample,
     check_choice,
     first_file,
+    reading,
     require_files,
     resolve_path,
 )
@@ -64,10 +64,8 @@ def read_tag_matrix(path: Path, count: int) -> np.ndarray:
     """uint8 (``count``, 1000) of a ``<Split>_Tags1k.dat`` file: ``count`` non-empty lines of 1,000 values 0
     or 1 separated by whitespace; else one dataset error line naming the line. Lines of equal length (all
     2,000 bytes in the release) are checked together, :data:`TAG_LINES_AT_ONCE` at a time."""
-    try:
+    with reading(path, "one tag file per split"):
         data = read_regular_bytes(path, CAPS["label file"], "label file")
-    except FileNotFoundError as exc:
-        raise DatasetLayoutError(f"missing {path}; expected one tag file per split") from exc
     lines = [line for line in data.split(b"\n") if line.strip()]
     if len(lines) != count:
         raise DatasetFormatError(f"{path}: {len(lines)} lines; expected {count}, one per image of the list")
@@ -125,12 +123,8 @@ class NUSWIDE(MultiLabelDataset):
         labels = np.empty((len(paths), len(concepts)), dtype=np.float32)
         for column, concept in enumerate(concepts):  # a file of one 0 or 1 a line per concept
             path = root_path / LABEL_DIR / f"Labels_{concept}_{part}.txt"
-            try:
+            with reading(path, "one label file per concept and split"):
                 tokens = read_regular_bytes(path).split()
-            except FileNotFoundError as exc:
-                raise DatasetLayoutError(
-                    f"missing {path}; expected one label file per concept and split"
-                ) from exc
             values = np.frombuffer(b"".join(tokens), dtype=np.uint8) - ord("0")
             if len(tokens) != len(paths) or len(values) != len(paths) or (values > 1).any():
                 raise DatasetFormatError(
@@ -140,12 +134,8 @@ class NUSWIDE(MultiLabelDataset):
             labels[:, column] = values
         keep = labels.any(axis=1)
         if label_set == "zero_shot":
-            try:
+            with reading(root_path / TAG_LIST, "the release's NUS_WID_Tags folder"):
                 tags = read_names(root_path / TAG_LIST, NUM_TAGS, "tag")
-            except FileNotFoundError as exc:
-                raise DatasetLayoutError(
-                    f"missing {root_path / TAG_LIST}; expected the release's NUS_WID_Tags folder"
-                ) from exc
             seen = [j for j, tag in enumerate(tags) if tag not in set(concepts)]
             seen_labels = read_tag_matrix(root_path / TAG_DIR / f"{part}_Tags1k.dat", len(paths))[:, seen]
             concepts = [tags[j] for j in seen] + concepts

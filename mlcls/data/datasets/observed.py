@@ -86,12 +86,10 @@ class ObservedLabels:
         ``labels`` itself under ``all``."""
         if not self.hides_labels:
             return labels
-        full = labels.numpy()
-        columns = np.flatnonzero(full != -1)
-        values = self.observe(np.full(len(columns), index), columns, full[columns])
-        observed = torch.full_like(labels, -1.0)
-        observed[torch.from_numpy(columns)] = torch.from_numpy(values).float()
-        return observed
+        observed = labels.numpy().copy()
+        columns = np.flatnonzero(observed != -1)
+        observed[columns] = self.observe(np.full(len(columns), index), columns, observed[columns])
+        return torch.from_numpy(observed)
 
 
 ALL_LABELS = ObservedLabels()

@@ -12,12 +12,13 @@ the samples are made on access, and the dense ``labels`` is built only when it f
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
 import os
 from array import array
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +112,7 @@ class OpenImages(SparseLabelled, MultiLabelDataset):
         if repeated:
             raise DatasetFormatError(f"{trainable}: class {repeated[0]!r} is listed twice")
         # The DisplayNames; a name shared by several classes gets its LabelName appended.
-        handle, reader, column = _open_csv(annotation_dir / CLASS_DESCRIPTIONS, ("LabelName", "DisplayName"))
-        with handle:
+        with _csv_rows(annotation_dir / CLASS_DESCRIPTIONS, ("LabelName", "DisplayName")) as (reader, column):
             wanted = set(self.label_names)
             display = {
                 row[column["LabelName"]]: row[column["DisplayName"]]
@@ -141,19 +141,19 @@ class OpenImages(SparseLabelled, MultiLabelDataset):
         self.samples = ImageSamples(str(image_dir), image_ids)
 
 
-def _open_csv(path: Path, columns: Sequence[str]) -> tuple[Any, Any, dict[str, int]]:
-    """``(file, reader, column index)`` of a CSV with a header row holding ``columns``."""
-    handle = open_regular(path, "r", newline="", encoding="utf-8")  # closed by the caller
-    reader = csv.reader(handle)
-    header = next(reader, [])
-    missing = [c for c in columns if c not in header]
-    if missing:
-        handle.close()
-        raise DatasetFormatError(
-            f"{path}: header {','.join(header)!r} lacks the column {missing[0]!r}; "
-            f"expected {','.join(columns)}"
-        )
-    return handle, reader, {c: header.index(c) for c in columns}
+@contextlib.contextmanager
+def _csv_rows(path: Path, columns: Sequence[str]) -> Iterator[tuple[Iterator[list[str]], dict[str, int]]]:
+    """``(rows, column index)`` of an open CSV whose header row holds ``columns``."""
+    with open_regular(path, "r", newline="", encoding="utf-8") as handle:
+        reader = csv.reader(handle)
+        header = next(reader, [])
+        missing = [c for c in columns if c not in header]
+        if missing:
+            raise DatasetFormatError(
+                f"{path}: header {','.join(header)!r} lacks the column {missing[0]!r}; "
+                f"expected {','.join(columns)}"
+            )
+        yield reader, {c: header.index(c) for c in columns}
 
 
 def _read_human_labels(path: Path, label_names: list[str]) -> tuple[np.ndarray, SparseLabels, dict[str, int]]:
@@ -162,9 +162,8 @@ def _read_human_labels(path: Path, label_names: list[str]) -> tuple[np.ndarray, 
     num_classes = len(label_names)
     class_index = {name: i for i, name in enumerate(label_names)}
     image_ids, columns, values = array("Q"), array("i"), array("b")
-    handle, reader, column = _open_csv(path, LABEL_COLUMNS)
-    image_col, label_col, confidence_col = column["ImageID"], column["LabelName"], column["Confidence"]
-    with handle:
+    with _csv_rows(path, LABEL_COLUMNS) as (reader, column):
+        image_col, label_col, confidence_col = column["ImageID"], column["LabelName"], column["Confidence"]
         for line, row in enumerate(reader, start=2):
             try:
                 image_id, confidence = row[image_col], row[confidence_col]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from mlcls.data.datasets.base import MultiLabelDataset, Sample, check_integer
+from mlcls.data.datasets.base import MultiLabelDataset, Sample, check_choice, check_integer
 
 SHAPES = ("circle", "square", "triangle", "cross")
 COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230)}
@@ -48,9 +48,7 @@ class SyntheticMultiLabel(MultiLabelDataset):
         ):
             check_integer(key, value, low, high)
         super().__init__(transform, **config_keys)
-        if split not in _SPLIT_IDS:
-            raise ValueError(f"unknown split {split!r} for the synthetic dataset; expected 'train' or 'val'")
-        self.split = split
+        self.split = check_choice("synthetic split", split, tuple(_SPLIT_IDS))
         self.canvas_size = int(canvas_size)
         self.seed = int(seed)
         self.classes = [f"{colour}_{shape}" for shape in SHAPES for colour in COLOURS]

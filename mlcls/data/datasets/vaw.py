@@ -41,10 +41,7 @@ def read_attribute_index(path: Path) -> list[str]:
     index = load_json(path)
     if not isinstance(index, dict) or set(index.values()) != set(range(len(index))):
         raise DatasetFormatError(f"{path}: expected {{attribute name: index}} with indices 0..N-1")
-    names = [""] * len(index)
-    for name, i in index.items():
-        names[i] = name
-    return names
+    return sorted(index, key=index.__getitem__)
 
 
 class VAW(MultiLabelDataset):

@@ -75,8 +75,7 @@ class VISPR(MultiLabelDataset):
         if annotation_paths:
             require_files(root, annotation_paths[:1], layout)
 
-        rows: list[int] = []
-        cols: list[int] = []
+        labels = np.zeros((len(annotation_paths), len(self.classes)), dtype=np.float32)
         samples = []
         for row, rel in enumerate(annotation_paths):
             annotation = load_json(root_path / rel)
@@ -89,11 +88,7 @@ class VISPR(MultiLabelDataset):
             for name in names:
                 if name not in class_index:
                     raise DatasetFormatError(f"{root_path / rel}: label {name!r} is not in attributes.tsv")
-                rows.append(row)
-                cols.append(class_index[name])
+                labels[row, class_index[name]] = 1.0
             samples.append(Sample(os.path.join(root, image_path)))
-
-        labels = np.zeros((len(samples), len(self.classes)), dtype=np.float32)
-        labels[np.array(rows, int), np.array(cols, int)] = 1.0
         self.labels = labels
         self.samples = samples

@@ -16,10 +16,10 @@ import numpy as np
 
 from mlcls.data.datasets.base import (
     DatasetFormatError,
-    DatasetLayoutError,
     MultiLabelDataset,
     Sample,
     check_choice,
+    reading,
     require_files,
 )
 from mlcls.io import read_regular_bytes
@@ -58,25 +58,15 @@ class VOC(MultiLabelDataset):
 
         image_ids = read_regular_bytes(voc_dir / "ImageSets/Main" / f"{split}.txt").decode().split()
         class_index = {name: i for i, name in enumerate(VOC_CLASSES)}
-        rows: list[int] = []
-        cols: list[int] = []
-        is_difficult: list[bool] = []
+        # Whether each (image, class) has an object that is not difficult, and one that is.
+        has_easy, has_difficult = np.zeros((2, len(image_ids), len(VOC_CLASSES)), dtype=bool)
         for row, image_id in enumerate(image_ids):
             for name, difficult_flag in _objects(voc_dir / "Annotations" / f"{image_id}.xml", layout):
                 if name not in class_index:
                     raise DatasetFormatError(
                         f"{voc_dir / 'Annotations' / image_id}.xml: unknown class {name!r}"
                     )
-                rows.append(row)
-                cols.append(class_index[name])
-                is_difficult.append(difficult_flag)
-
-        rows_a, cols_a, difficult_a = np.array(rows, int), np.array(cols, int), np.array(is_difficult, bool)
-        shape = (len(image_ids), len(VOC_CLASSES))
-        has_easy = np.zeros(shape, dtype=bool)
-        has_difficult = np.zeros(shape, dtype=bool)
-        has_easy[rows_a[~difficult_a], cols_a[~difficult_a]] = True
-        has_difficult[rows_a[difficult_a], cols_a[difficult_a]] = True
+                (has_difficult if difficult_flag else has_easy)[row, class_index[name]] = True
         labels = np.where(has_easy, 1.0, np.where(has_difficult, difficult_value, 0.0)).astype(np.float32)
 
         self.year = year
@@ -88,12 +78,8 @@ class VOC(MultiLabelDataset):
 
 def _objects(xml_path: Path, layout: str) -> list[tuple[str, bool]]:
     """``(class name, difficult)`` of every top-level ``<object>`` of a VOC annotation file."""
-    try:
+    with reading(xml_path, f"layout: {layout}"):
         tree = ET.parse(xml_path)
-    except FileNotFoundError as exc:
-        raise DatasetLayoutError(f"missing {xml_path}; expected layout: {layout}") from exc
-    except ET.ParseError as exc:
-        raise DatasetFormatError(f"cannot parse {xml_path}: {exc}") from exc
     objects = []
     for obj in tree.getroot().findall("object"):
         name = obj.findtext("name")  # direct child only: <part><name> is not reached

@@ -17,8 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, crop_box
-from mlcls.data.images import read_image_bytes
+from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset
 from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, image_header
 
 # DALI decoder device for each graph device: nvJPEG on the GPU ("mixed": CPU input, GPU output), or the CPU.
@@ -79,16 +78,11 @@ class CropPlans(Dataset):
 
     def plan(self, index: int) -> CropPlan:
         """The plan of sample ``index`` itself; ``OSError`` when its file cannot be read."""
-        sample = self.dataset.samples[index]
-        data = read_image_bytes(sample.path)
-        width, height = encoded_image_size(data)
-        box = (0, 0, width, height) if sample.box is None else crop_box(sample.box, width, height)
-        left, top, right, bottom = box
-        i, j, h, w = self.transform.crop_params(right - left, bottom - top)
+        data = self.dataset.image_bytes(index)
+        window = self.transform.crop_window(self.dataset.samples[index].box, *encoded_image_size(data))
         flip, params = self.transform.flip_and_colour()
-        window = np.array([left + j, top + i, w, h], dtype=np.float32)  # x, y, width, height
         encoded = np.frombuffer(data, dtype=np.uint8)
-        return CropPlan(encoded, window, flip, params, self.dataset.target(index))
+        return CropPlan(encoded, np.array(window, dtype=np.float32), flip, params, self.dataset.target(index))
 
     def __getitem__(self, index: int) -> CropPlan:
         plan, _ = self.dataset.read_sample(index, self.plan)

@@ -21,14 +21,14 @@ from torch import Tensor
 from torchvision import transforms as T
 
 from mlcls.data.datasets.base import crop_box, to_rgb
-from mlcls.data.images import check_pixels, open_image, read_image_bytes
+from mlcls.data.images import check_pixels, open_image
 from mlcls.data.pipeline.gpu import (
     Box,
     EncodedImage,
     GpuEvalTransform,
     PlannedJpeg,
+    device_jpeg_size,
     encoded_image,
-    plan_window,
 )
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
@@ -36,7 +36,6 @@ from mlcls.data.pipeline.transforms import (
     IMAGENET_PCA_EIGVEC,
     IMAGENET_STD,
     build_transform,
-    check_aspect_ratio,
     normalisation,
 )
 
@@ -154,24 +153,21 @@ class FastTrainTransform:
         self.scale, self.ratio = [0.08, 1.0], [3.0 / 4.0, 4.0 / 3.0]
         self.jitter, self.lighting_std = T.ColorJitter(0.4, 0.4, 0.4), 0.1
 
-    def crop_params(self, width: int, height: int) -> tuple[int, int, int, int]:
-        """``(top, left, height, width)`` of a RandomResizedCrop of a ``width`` x ``height`` image, by
-        torchvision's sampler (it reads only the shape of the never allocated tensor it is given)."""
-        shape_only = torch.empty(1, 1, 1).expand(3, height, width)
-        return T.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
-
-    def decode(self, path: str, box: Box | None = None) -> PlannedCrop:
-        return self.decode_bytes(read_image_bytes(path), box)
+    def crop_window(self, box: Box | None, width: int, height: int) -> tuple[int, int, int, int]:
+        """``(left, top, width, height)`` of a RandomResizedCrop of the :func:`crop_box` of ``box`` in a
+        ``width`` x ``height`` image, by torchvision's sampler (it reads only the shape of the never allocated
+        tensor it is given). The one crop draw of the ``paper`` augmentation, whatever the backend."""
+        left, top, right, bottom = crop_box(box, width, height)
+        shape_only = torch.empty(1, 1, 1).expand(3, bottom - top, right - left)
+        i, j, h, w = T.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
+        return left + j, top + i, w, h
 
     def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedCrop:
         """Choose the random crop (inside ``box``) from the header, refusing what the datasets refuse, then
         decode at the largest reduction the crop allows (libjpeg-turbo at full size for JPEGs; PIL else)."""
         width, height, jpeg = image_header(data)
-        left, top, right, bottom = (0, 0, width, height) if box is None else crop_box(box, width, height)
-        check_aspect_ratio(right - left, bottom - top)  # the image the datasets refuse, refused alike
-        i, j, h, w = self.crop_params(right - left, bottom - top)
+        x0, y0, w, h = self.crop_window(box, width, height)
         reduction = draft_reduction(w, h, self.size, self.size) if self.draft else 1
-        x0, y0 = left + j, top + i
         if reduction == 1 and jpeg:
             pixels = decode_jpeg(data)
             if pixels is not None:
@@ -194,12 +190,12 @@ class FastTrainTransform:
         return flip, torch.tensor([*codes, *factor_values, *alpha.tolist()], dtype=torch.float32)
 
     def __call__(self, image: Image.Image | PlannedCrop) -> AugmentedImage:
-        """Crop-and-resize (the crop planned by :meth:`decode`, or drawn now), flip, colour parameters."""
+        """Crop-and-resize (the crop :meth:`decode_bytes` planned, or one drawn now), flip, colour."""
         if isinstance(image, PlannedCrop):
             source, region = image.image, image.region
         else:
-            i, j, h, w = self.crop_params(image.width, image.height)
-            source, region = pil_to_pixels(image), (j, i, j + w, i + h)
+            x0, y0, w, h = self.crop_window(None, image.width, image.height)
+            source, region = pil_to_pixels(image), (x0, y0, x0 + w, y0 + h)
         out = resized_crop(source, region, self.size)
         flip, params = self.flip_and_colour()
         return AugmentedImage(out.flip(-1) if flip else out, params)
@@ -213,7 +209,7 @@ class FastTrainTransform:
 
 class GpuTrainTransform:
     """The worker's part of the ``paper`` training augmentation with ``data.backend=gpu``: read and plan
-    (the datasets' ``decode`` hooks), then draw the flip and colour parameters with the fast pipeline's
+    (the datasets' ``decode_bytes`` hook), then draw the flip and colour parameters with the fast pipeline's
     calls in its order; output :class:`EncodedImage`."""
 
     torch_random_only = True
@@ -221,18 +217,13 @@ class GpuTrainTransform:
     def __init__(self, fast: FastTrainTransform) -> None:
         self.fast, self.size = fast, fast.size
 
-    def decode(self, path: str, box: Box | None = None) -> PlannedJpeg | PlannedCrop:
-        return self.decode_bytes(read_image_bytes(path), box)
-
     def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | PlannedCrop:
         """A :class:`PlannedJpeg` with the fast pipeline's crop window, or the fast pipeline's own
         ``decode_bytes`` (the CPU path, the same draw)."""
-        planned = plan_window(data, box)
-        if planned is None:
+        size = device_jpeg_size(data)
+        if size is None:
             return self.fast.decode_bytes(data, box)
-        left, top, width, height = planned.window
-        i, j, h, w = self.fast.crop_params(width, height)
-        return planned._replace(window=(left + j, top + i, w, h))
+        return PlannedJpeg(data, *size, self.fast.crop_window(box, *size))
 
     def __call__(self, image: PlannedJpeg | PlannedCrop | Image.Image) -> EncodedImage:
         if not isinstance(image, PlannedJpeg):

@@ -23,12 +23,11 @@ from torchvision import transforms as T
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from mlcls.data.datasets.base import BadImageError, crop_box, rgb_picture, to_rgb
-from mlcls.data.images import check_pixels, open_image, read_image_bytes
+from mlcls.data.images import check_pixels, open_image
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     SQUASH_EVAL_KINDS,
-    check_aspect_ratio,
     eval_resize,
     eval_steps,
     normalisation,
@@ -135,17 +134,6 @@ def device_jpeg_size(data: bytes) -> tuple[int, int] | None:
     return width, height
 
 
-def plan_window(data: bytes, box: Box | None) -> PlannedJpeg | None:
-    """The :class:`PlannedJpeg` of ``data``, its window the sample's ``box`` clamped to the image (refused as
-    the datasets refuse it), or the image; None when the device does not take the file."""
-    size = device_jpeg_size(data)
-    if size is None:
-        return None
-    left, top, right, bottom = (0, 0, *size) if box is None else crop_box(box, *size)
-    check_aspect_ratio(right - left, bottom - top)
-    return PlannedJpeg(data, *size, (left, top, right - left, bottom - top))
-
-
 def encoded_image(
     image: PlannedJpeg | Tensor,
     params: Tensor,
@@ -180,13 +168,14 @@ class GpuEvalTransform:
         self.mean, self.std = normalisation(mean, std)
         self.cpu_path = T.Compose([*eval_steps(kind, size), T.PILToTensor()])
 
-    def decode(self, path: str, box: Box | None = None) -> PlannedJpeg | Image.Image:
-        return self.decode_bytes(read_image_bytes(path), box)
-
     def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | Image.Image:
-        """A :class:`PlannedJpeg`, or the RGB PIL image (cropped to the box) of a file of the CPU path."""
-        planned = plan_window(data, box)
-        return rgb_picture(data, box) if planned is None else planned
+        """A :class:`PlannedJpeg` whose window is the :func:`crop_box` of ``box``, or the RGB PIL image
+        (cropped to the box) of a file the device does not take."""
+        size = device_jpeg_size(data)
+        if size is None:
+            return rgb_picture(data, box)
+        left, top, right, bottom = crop_box(box, *size)
+        return PlannedJpeg(data, *size, (left, top, right - left, bottom - top))
 
     def grid(self, width: int, height: int) -> tuple[int, int, int, int]:
         """``(grid_w, grid_h, offset_x, offset_y)`` of a ``width`` x ``height`` window: torchvision's

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from PIL import Image
 from torch import Tensor
 
 from mlcls.data.datasets.base import (
@@ -31,9 +30,9 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
+    rgb_picture,
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels, dense_row
-from mlcls.data.images import open_image
 from mlcls.data.sampling import seeded_call
 from mlcls.data.shards.pack import IMAGE_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.shards.reader import (
@@ -44,16 +43,6 @@ from mlcls.data.shards.reader import (
     read_url,
     stored_label_entries,
 )
-
-
-def decode_image(data: bytes, transform: Callable | None) -> Any:
-    """The transform's input for the image bytes ``data``: its ``decode_bytes`` result (the fast pipeline)
-    or the RGB PIL image."""
-    decode = getattr(transform, "decode_bytes", None)
-    if decode is not None:
-        return decode(data)
-    with open_image(data) as img:
-        return img.convert("RGB")
 
 
 def config_meta(root: str | None, urls: str | list[str] | None, meta: str | None) -> str:
@@ -141,12 +130,8 @@ class ShardTrainSet(SparseLabelled):
         self.name, self.split, self.transform = name, "train", transform
         self.train_split, self.val_split = train_split, val_split
         self.urls, self.shuffle_buffer = urls, max(1, int(shuffle_buffer))
-        self.classes = index.classes
+        self.classes, self.num_classes = index.classes, len(index.classes)
         self.shard_sizes, self.sparse_labels = index.shard_labels("train", urls)
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
 
     def __len__(self) -> int:
         return sum(self.shard_sizes)
@@ -177,7 +162,8 @@ class ShardTrainSet(SparseLabelled):
         return image, dense_row(pairs[:, 0], pairs[:, 1], self.num_classes, self.sparse_labels.fill)
 
     def _augment(self, data: bytes) -> Any:
-        image = decode_image(data, self.transform)
+        decode = getattr(self.transform, "decode_bytes", None)
+        image = rgb_picture(data, None) if decode is None else decode(data)
         return image if self.transform is None else self.transform(image)
 
 
@@ -212,11 +198,5 @@ class ShardEvalSet(SparseLabelled, MultiLabelDataset):
             )
         self.samples = samples
 
-    def load_image(self, index: int) -> Any:
-        return decode_image(self._image_bytes(index), self.transform)
-
-    def picture(self, index: int) -> Image.Image:
-        return decode_image(self._image_bytes(index), None)
-
-    def _image_bytes(self, index: int) -> bytes:
+    def image_bytes(self, index: int) -> bytes:
         return self.buffer[self.offsets[index] : self.offsets[index + 1]].tobytes()

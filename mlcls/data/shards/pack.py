@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
 from mlcls.data.datasets.labels import SparseLabels, sparse_labels_of
-from mlcls.data.images import open_image, read_image_bytes
+from mlcls.data.images import open_image
 from mlcls.data.pipeline.fast import draft_reduction, image_header, load_reduced
 from mlcls.formats import FORMAT
 from mlcls.io import atomic_write_bytes, read_json, read_text
@@ -76,8 +76,7 @@ def packed_image(
     and encoded at ``quality`` and chroma ``subsampling`` (:data:`SUBSAMPLINGS`). A dataset that
     makes its pixels (``reads_files`` False) gives its ``picture``. Raises PIL's bad-image errors."""
     if dataset.reads_files:
-        sample = dataset.samples[index]
-        data = read_image_bytes(sample.path)
+        sample, data = dataset.samples[index], dataset.image_bytes(index)
         width, height, jpeg = image_header(data)
         if jpeg and sample.box is None and max(width, height) <= max_side:
             return data
@@ -88,7 +87,7 @@ def packed_image(
         if subsampling == "auto":  # a JPEG's own, read from its header; 444 for any other image
             jpeg = isinstance(img, JpegImagePlugin.JpegImageFile)
             subsampling = PIL_SAMPLING.get(JpegImagePlugin.get_sampling(img), "444") if jpeg else "444"
-        left, top, right, bottom = (0, 0, *img.size) if box is None else crop_box(box, *img.size)
+        left, top, right, bottom = crop_box(box, *img.size)
         scale = min(1.0, max_side / max(right - left, bottom - top))  # never enlarged
         target = (max(1, round((right - left) * scale)), max(1, round((bottom - top) * scale)))
         reduced, scale_x, scale_y = load_reduced(img, draft_reduction(right - left, bottom - top, *target))

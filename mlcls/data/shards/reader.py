@@ -22,6 +22,7 @@ from mlcls.data.datasets.base import (
     DatasetError,
     DatasetFormatError,
     DatasetLayoutError,
+    reading,
 )
 from mlcls.data.datasets.labels import SparseLabels
 from mlcls.data.shards.pack import CLASSES_FILE, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
@@ -73,19 +74,19 @@ def expand_urls(urls: str | list[str]) -> list[str]:
     from braceexpand import braceexpand
 
     patterns = [urls] if isinstance(urls, str) else list(urls)
-    expanded: list[str] = []
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise DatasetConfigError(
                 f"a shard URL is {type(pattern).__name__} {pattern!r}; expected a string"
             )
-        for url in braceexpand(pattern):
-            expanded.append(url)
-            if len(expanded) > MAX_SHARD_URLS:
-                raise DatasetConfigError(
-                    f"the shard URLs {patterns[0][:80]!r}… expand to over {MAX_SHARD_URLS:,} shards; "
-                    "expected one pattern (or a list) per split"
-                )
+    expanded = list(
+        itertools.islice(itertools.chain.from_iterable(map(braceexpand, patterns)), MAX_SHARD_URLS + 1)
+    )
+    if len(expanded) > MAX_SHARD_URLS:
+        raise DatasetConfigError(
+            f"the shard URLs {patterns[0][:80]!r}… expand to over {MAX_SHARD_URLS:,} shards; expected one "
+            "pattern (or a list) per split"
+        )
     return expanded
 
 
@@ -193,10 +194,8 @@ class ShardIndex:
         self.source: str = info.get("dataset") or "shards"
 
     def read_json(self, name: str, data: bytes) -> Any:
-        try:
+        with reading(f"{self.meta}/{name}"):
             return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DatasetFormatError(f"cannot parse {self.meta}/{name}: {exc}") from exc
 
     def read_recorded(self, entry: dict[str, Any]) -> bytes:
         """The bytes of the sidecar file the manifest records as ``entry`` (name, bytes, sha256), checked
