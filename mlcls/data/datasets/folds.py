@@ -45,27 +45,37 @@ def indexed_training_split(cfg: DictConfig) -> TrainingView:
 
 
 class FoldSplit(DatasetView):
-    """Fold ``fold`` of ``folds`` of the training split of the dataset config ``source`` (``heldout``: full
-    labels), or the other folds (``train``: as its regime shows them), read by the source with this
-    dataset's ``transform``; ``seed``: the cut's (:func:`fold_rows`). Made by ``mlcls-data audit``
-    (:func:`mlcls.reporting.audit.fold_config`), which checks ``folds`` against the split's size."""
+    """Fold ``fold`` of ``folds`` (>= 2) of the training split of the dataset config ``source``
+    (``heldout``: full labels), or the other folds (``train``: as its regime shows them), read by the source
+    with this dataset's ``transform``; ``seed``: the cut's (:func:`fold_rows`)."""
 
     def __init__(
         self,
         split: str = "train",
         transform: Callable | None = None,
-        *,
-        source: Mapping[str, Any],
-        folds: int,
-        fold: int,
-        seed: int,
+        source: Mapping[str, Any] | None = None,
+        folds: int = 5,
+        fold: int = 0,
+        seed: int = 0,
         **config_keys: Any,
     ) -> None:
         MultiLabelDataset.__init__(self, transform, **config_keys)
         self.split = check_choice("fold split", split, SPLITS)
+        if source is None:
+            raise DatasetConfigError(
+                "a fold split needs source, the dataset config whose training split it cuts"
+            )
+        if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
+            raise DatasetConfigError(f"folds={folds!r}; expected an integer >= 2")
+        if isinstance(fold, bool) or not isinstance(fold, int) or not 0 <= fold < folds:
+            raise DatasetConfigError(f"fold={fold!r}; expected an integer from 0 to {folds - 1}")
         source_cfg = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(source), resolve=True))
         training = indexed_training_split(source_cfg)
         training.transform = self.transform  # the source reads; this split's transform applies
+        if len(training) < folds:
+            raise DatasetConfigError(
+                f"the training split has {len(training)} samples, fewer than folds={folds}"
+            )
         held = fold_rows(len(training), folds, fold, seed)
         if split == "heldout":
             self.select(TrainingView(training.source, ALL_LABELS, NO_HOLDOUT), held)
