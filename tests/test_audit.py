@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import distinct_colours
+from omegaconf import OmegaConf
 from PIL import Image
 
 from mlcls.cli.data import main
@@ -271,3 +272,36 @@ def test_the_audit_states_the_out_of_fold_map_and_warns_below_the_helpful_level(
         f"mlcls-data: warning: the folds' models reach an out-of-fold mAP@class of {expected:.1f}%, below "
         f"{HELPFUL_MAP:g}%"
     )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"folds": 1, "fold": 0}, "folds=1; expected an integer >= 2"),
+        ({"folds": True, "fold": 0}, "folds=True; expected an integer >= 2"),
+        ({"folds": 3, "fold": 3}, "fold=3; expected an integer from 0 to 2"),
+        ({"folds": 9, "fold": 0}, "the training split has 8 samples, fewer than folds=9"),
+    ],
+)
+def test_a_stored_fold_split_with_wrong_folds_is_one_line(options, message) -> None:
+    """A fold run's config.yaml (someone else's, read back by mlcls-eval) builds its FoldSplit with what
+    it holds: a wrong count or fold is one line, not a slice error or an empty fold."""
+    from conftest import compose_config
+
+    from mlcls.data import build_dataset
+    from mlcls.data.datasets.base import DatasetConfigError
+
+    source = compose_config(["dataset=synthetic", "dataset.train_size=8", "dataset.image_size=16"]).dataset
+    fold_cfg = {
+        "_target_": "mlcls.data.datasets.folds.FoldSplit",
+        "_recursive_": False,
+        "name": "fold",
+        "val_split": "heldout",
+        "image_size": 16,
+        "source": OmegaConf.to_container(source, resolve=True),
+        "seed": 0,
+        **options,
+    }
+    with pytest.raises(DatasetConfigError) as raised:
+        build_dataset(OmegaConf.create(fold_cfg), train=False)
+    assert str(raised.value) == message
