@@ -60,6 +60,7 @@ CAPS = {
     "class list": 64 * MiB,  # a file of class names, one a line
     "manifest": 256 * MiB,  # a pack's manifest.json and classes.json
     "image": 256 * MiB,  # one encoded image
+    "annotation": 16 * MiB,  # one image's annotation file (a VOC XML)
     "label file": 8 * GiB,  # a dataset's annotation JSON, CSV or list
     "predictions": 4 * GiB,  # val_predictions.npz
     "checkpoint": 64 * GiB,  # a checkpoint or a released weights file
@@ -100,18 +101,16 @@ def open_regular(
         raise
 
 
-def read_regular_bytes(path: str | Path, max_bytes: int | None = None, what: str = "file") -> bytes:
+def read_regular_bytes(path: str | Path, max_bytes: int, what: str = "file") -> bytes:
     """The bytes of the regular file ``path``, at most ``max_bytes`` (also while it grows)."""
     with open_regular(path, max_bytes=max_bytes, what=what) as f:
-        if max_bytes is None:
-            data = f.read()
-        else:  # in blocks: ``f.read(max_bytes + 1)`` would allocate the whole cap at once
-            data, left = bytearray(), max_bytes + 1
-            while left and (block := f.read(min(left, 1 << 24))):
-                data += block
-                left -= len(block)
-            data = bytes(data)
-    if max_bytes is not None and len(data) > max_bytes:
+        # in blocks: ``f.read(max_bytes + 1)`` would allocate the whole cap at once
+        data, left = bytearray(), max_bytes + 1
+        while left and (block := f.read(min(left, 1 << 24))):
+            data += block
+            left -= len(block)
+        data = bytes(data)
+    if len(data) > max_bytes:
         raise FileTooLargeError(f"{path} grew past {_describe(max_bytes)} while read; a {what} expected")
     return data
 

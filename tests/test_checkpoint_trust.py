@@ -286,7 +286,7 @@ def test_a_device_or_pipe_named_as_a_data_file_is_one_line_at_once(tmp_path, tra
 def test_open_regular_reads_files_and_links_to_them(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"x\r\ny")
     (tmp_path / "link").symlink_to(tmp_path / "a.txt")
-    assert read_regular_bytes(tmp_path / "link") == b"x\r\ny"
+    assert read_regular_bytes(tmp_path / "link", 16) == b"x\r\ny"
     with open_regular(tmp_path / "a.txt", "r", newline="") as f:
         assert f.read() == "x\r\ny"
     with pytest.raises(FileNotFoundError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,24 @@ def test_voc_errors(tmp_path: Path) -> None:
         VOC("trainval", root=str(root), year=2007)
     with pytest.raises(DatasetConfigError, match="unknown difficult mode 'drop'"):
         VOC("test", root=str(root), year=2007, difficult="drop")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["pipe", "sparse"])
+def test_an_annotation_that_is_a_pipe_or_too_large_is_one_line_at_once(tmp_path: Path, kind: str) -> None:
+    """An annotation XML read through the door: a FIFO without a writer is refused, not waited on (old:
+    ``ET.parse`` blocked for ever), and a 1 GiB sparse file past its cap is not read."""
+    from hostile import bounded
+
+    root = write_voc(tmp_path, 2007)
+    xml = root / "VOCdevkit/VOC2007/Annotations/a2.xml"
+    xml.unlink()
+    if kind == "pipe":
+        os.mkfifo(xml)
+    else:
+        with open(xml, "wb") as f:
+            f.truncate(2**30)
+    outcome = bounded(VOC, "trainval", root=str(root), year=2007, memory_mb=512, seconds=10)
+    assert not outcome.escaped, outcome
+    expected = "a pipe (FIFO)" if kind == "pipe" else "VOC annotation"
+    assert "\n" not in outcome.message and str(xml) in outcome.message and expected in outcome.message

@@ -26,7 +26,7 @@ from mlcls.data.datasets.base import (
     require_files,
     resolve_path,
 )
-from mlcls.io import CAPS, read_regular_bytes
+from mlcls.io import CAPS, read_regular_bytes, read_text
 
 SPLITS = {"train": "Train", "test": "Test"}
 NUM_CONCEPTS = 81
@@ -118,13 +118,13 @@ class NUSWIDE(MultiLabelDataset):
         require_files(root, [list_file], layout)
         root_path = Path(root)
         concepts = read_names(first_file(root_path, CONCEPT_LISTS, layout), NUM_CONCEPTS, "concept")
-        lines = read_regular_bytes(root_path / list_file).decode("utf-8", errors="replace").splitlines()
+        lines = read_text(root_path / list_file, "label file", errors="replace").splitlines()
         paths = [image_path(line) for line in lines if line.strip()]
         labels = np.empty((len(paths), len(concepts)), dtype=np.float32)
         for column, concept in enumerate(concepts):  # a file of one 0 or 1 a line per concept
             path = root_path / LABEL_DIR / f"Labels_{concept}_{part}.txt"
             with reading(path, "one label file per concept and split"):
-                tokens = read_regular_bytes(path).split()
+                tokens = read_regular_bytes(path, CAPS["label file"], "label file").split()
             values = np.frombuffer(b"".join(tokens), dtype=np.uint8) - ord("0")
             if len(tokens) != len(paths) or len(values) != len(paths) or (values > 1).any():
                 raise DatasetFormatError(

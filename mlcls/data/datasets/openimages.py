@@ -34,7 +34,7 @@ from mlcls.data.datasets.base import (
     resolve_path,
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels
-from mlcls.io import open_regular, read_regular_bytes
+from mlcls.io import open_regular, read_text
 
 log = logging.getLogger("mlcls")
 
@@ -102,7 +102,7 @@ class OpenImages(SparseLabelled, MultiLabelDataset):
         self.dense_labels_gb = float(dense_labels_gb)
 
         trainable = annotation_dir / TRAINABLE_CLASSES
-        text = read_regular_bytes(trainable).decode("utf-8")
+        text = read_text(trainable, "class list")
         self.label_names = [line.strip() for line in text.splitlines() if line.strip()]
         if not self.label_names:
             raise DatasetFormatError(

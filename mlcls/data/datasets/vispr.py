@@ -21,7 +21,7 @@ from mlcls.data.datasets.base import (
     load_json,
     require_files,
 )
-from mlcls.io import open_regular, read_regular_bytes
+from mlcls.io import open_regular, read_text
 
 SPLIT_LISTS = {
     "train": ("train2017", "val2017"),
@@ -69,7 +69,7 @@ class VISPR(MultiLabelDataset):
         annotation_paths = [
             line.strip()
             for name in lists
-            for line in read_regular_bytes(root_path / name).decode("utf-8").splitlines()
+            for line in read_text(root_path / name, "label file").splitlines()
             if line.strip()
         ]
         if annotation_paths:

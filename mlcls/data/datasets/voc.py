@@ -22,7 +22,7 @@ from mlcls.data.datasets.base import (
     reading,
     require_files,
 )
-from mlcls.io import read_regular_bytes
+from mlcls.io import CAPS, read_regular_bytes, read_text
 
 VOC_CLASSES = (
     "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "diningtable",
@@ -56,7 +56,7 @@ class VOC(MultiLabelDataset):
         )
         voc_dir = Path(root) / base
 
-        image_ids = read_regular_bytes(voc_dir / "ImageSets/Main" / f"{split}.txt").decode().split()
+        image_ids = read_text(voc_dir / "ImageSets/Main" / f"{split}.txt", "label file").split()
         class_index = {name: i for i, name in enumerate(VOC_CLASSES)}
         # Whether each (image, class) has an object that is not difficult, and one that is.
         has_easy, has_difficult = np.zeros((2, len(image_ids), len(VOC_CLASSES)), dtype=bool)
@@ -79,9 +79,9 @@ class VOC(MultiLabelDataset):
 def _objects(xml_path: Path, layout: str) -> list[tuple[str, bool]]:
     """``(class name, difficult)`` of every top-level ``<object>`` of a VOC annotation file."""
     with reading(xml_path, f"layout: {layout}"):
-        tree = ET.parse(xml_path)
+        root = ET.fromstring(read_regular_bytes(xml_path, CAPS["annotation"], "VOC annotation"))
     objects = []
-    for obj in tree.getroot().findall("object"):
+    for obj in root.findall("object"):
         name = obj.findtext("name")  # direct child only: <part><name> is not reached
         if name is None:
             raise DatasetFormatError(f"{xml_path}: an <object> has no <name>")
