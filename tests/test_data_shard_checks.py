@@ -296,3 +296,39 @@ def test_classes_json_without_a_list_of_names_is_one_line(copy: Path) -> None:
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DatasetFormatError, match="classes.json holds no list of class names"):
         open_shards("train", root=str(copy))
+
+
+def test_shard_url_patterns_expand_as_written() -> None:
+    from mlcls.data.shards.reader import expand_urls
+
+    assert expand_urls("s/train-{000000..000003}.tar") == [f"s/train-{i:06d}.tar" for i in range(4)]
+    assert expand_urls(["a-{0..8..4}.tar", "b-{1,2}.tar"]) == [
+        "a-0.tar",
+        "a-4.tar",
+        "a-8.tar",
+        "b-1.tar",
+        "b-2.tar",
+    ]
+    assert len(expand_urls("x-{0..99}-{0..99}.tar")) == 10_000
+
+
+@pytest.mark.slow  # in a forked child: the old expansion did not end in 100 s
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        ("x-{0..999999999999}.tar", "expand to over 1,000,000 shards"),
+        ("x-{0..2000000}.tar", "expand to over 1,000,000 shards"),
+        ("x-{0..999}-{0..999}-{0..1}.tar", "expand to over 1,000,000 shards"),
+        ("x-{0.." + "9" * 5000 + "}.tar", "expand to over 1,000,000 shards"),
+        ("x-{0..3.tar", "have unbalanced braces; expected a pattern such as 'train-{000000..000123}.tar'"),
+    ],
+)
+def test_a_shard_url_pattern_of_too_many_shards_is_one_line_at_once(pattern: str, message: str) -> None:
+    from hostile import bounded
+
+    from mlcls.data.shards.reader import expand_urls
+
+    outcome = bounded(expand_urls, pattern, memory_mb=512, seconds=5)
+    assert not outcome.escaped, outcome
+    assert outcome.error == "DatasetConfigError" and "\n" not in outcome.message, outcome
+    assert outcome.message.startswith("the shard URLs ") and message in outcome.message

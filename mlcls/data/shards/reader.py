@@ -37,6 +37,7 @@ SHARD_NAME = re.compile(r"[^/\s]+\.tar")
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 # Shard URLs one pattern may expand to (Open Images at 1,000 images a shard takes about 9,000).
 MAX_SHARD_URLS = 1_000_000
+INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?\}")  # braceexpand's numeric range
 SAMPLE_KEY = re.compile(r"[0-9]{1,18}")  # a packed sample's index in its source split: an int64
 FILE_RECORD = {"name": str, "bytes": int, "sha256": str}  # the manifest's record of a file (its types)
 SHARD_RECORD = {**FILE_RECORD, "samples": int}
@@ -71,7 +72,7 @@ def read_url(url: str) -> bytes:
 
 def expand_urls(urls: str | list[str]) -> list[str]:
     """Shard URLs of ``dataset.urls``: a brace pattern (``train-{000000..000123}.tar``) or a list of them."""
-    from braceexpand import braceexpand
+    from braceexpand import UnbalancedBracesError, braceexpand
 
     patterns = [urls] if isinstance(urls, str) else list(urls)
     for pattern in patterns:
@@ -79,15 +80,34 @@ def expand_urls(urls: str | list[str]) -> list[str]:
             raise DatasetConfigError(
                 f"a shard URL is {type(pattern).__name__} {pattern!r}; expected a string"
             )
-    expanded = list(
-        itertools.islice(itertools.chain.from_iterable(map(braceexpand, patterns)), MAX_SHARD_URLS + 1)
+    too_many = DatasetConfigError(
+        f"the shard URLs {patterns[0][:80]!r}… expand to over {MAX_SHARD_URLS:,} shards; expected one "
+        "pattern (or a list) per split"
     )
-    if len(expanded) > MAX_SHARD_URLS:
-        raise DatasetConfigError(
-            f"the shard URLs {patterns[0][:80]!r}… expand to over {MAX_SHARD_URLS:,} shards; expected one "
-            "pattern (or a list) per split"
+    if sum(map(range_values, patterns)) > MAX_SHARD_URLS:  # braceexpand makes each range whole first
+        raise too_many
+    try:
+        expanded = list(
+            itertools.islice(itertools.chain.from_iterable(map(braceexpand, patterns)), MAX_SHARD_URLS + 1)
         )
+    except UnbalancedBracesError as exc:
+        raise DatasetConfigError(
+            f"the shard URLs {patterns[0][:80]!r} have unbalanced braces; expected a pattern such as "
+            "'train-{000000..000123}.tar'"
+        ) from exc
+    if len(expanded) > MAX_SHARD_URLS:
+        raise too_many
     return expanded
+
+
+def range_values(pattern: str) -> int:
+    """How many values the numeric ranges ``{a..b}`` / ``{a..b..step}`` of ``pattern`` hold together."""
+    total = 0
+    for start, end, step in INT_RANGE.findall(pattern):
+        if max(len(start), len(end), len(step)) > 19:  # past int64, and int() refuses 4,300 digits
+            return MAX_SHARD_URLS + 1
+        total += abs(int(end) - int(start)) // max(int(step or 1), 1) + 1
+    return total
 
 
 def shard_name_of(url: str) -> str:
