@@ -172,7 +172,7 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate ``cfg.checkpoint``; every process returns the same figures. The checkpoint's dataset config
     is made plain once, merged with the user's ``dataset.*``, checked, and that same object is built."""
     require_keys(cfg, USAGE)
-    info = dist_utils.init_distributed(cfg.device)
+    info = dist_utils.init_distributed(cfg.device, key="device")
     inference = load_inference_model(cfg.checkpoint, info.device, trust=cfg.trust_checkpoint)
     if "dataset" not in inference.config:
         raise ConfigError(f"{cfg.checkpoint} holds no dataset config; is it an mlcls checkpoint?")

@@ -153,10 +153,7 @@ def load_inference_model(
     except RuntimeError as exc:
         raise InferenceError(f"{path}: weights do not fit the config's model ({first_line(exc)})") from exc
     if not isinstance(device, torch.device):
-        try:
-            device = resolve_device(device)
-        except (ValueError, RuntimeError) as exc:
-            raise InferenceError(str(exc).replace("trainer.device", "device")) from exc
+        device = resolve_device(device, "device")
     return InferenceModel(
         model=model.eval().to(device),
         classes=list(classes),
