@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -138,6 +139,20 @@ def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], nam
         check_int(stored, field, 0, counters[name])
     elif type(stored) is not type(live) or stored != live:
         raise refuse(field, stored, f"{describe(live)}, this run's")
+
+
+def weights_difference(
+    expected: Mapping[str, torch.Tensor], found: Mapping[str, Any], model: str
+) -> str | None:
+    """The first way the weights ``found`` in a file differ from ``model``'s state dict ``expected`` in keys
+    and shapes (``load_state_dict(strict=True)``'s rule), as a clause of an error line; None if they fit."""
+    for key, tensor in expected.items():
+        if key not in found:
+            return f"{key} {tuple(tensor.shape)} of {model} is not in the file"
+        if found[key].shape != tensor.shape:
+            return f"{key} is {tuple(found[key].shape)} in the file, {tuple(tensor.shape)} in {model}"
+    extra = next((key for key in found if key not in expected), None)
+    return None if extra is None else f"the file has {extra}, which {model} lacks"
 
 
 def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -20,6 +20,7 @@ from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, to_rgb
 from mlcls.data.images import read_image
 from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_checkpoint
 from mlcls.data.pipeline.transforms import check_aspect_ratio
+from mlcls.config_tree import nested_get
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
 from mlcls.errors import ConfigError, InferenceError, first_line, plural, printable, shown
@@ -140,9 +141,7 @@ def load_inference_model(
     preprocess = spec_from_checkpoint(state)
     thresholds = stored_thresholds(state, len(classes), path)
     split = stored_thresholds_split(state, path)
-    model_cfg = config.get("model")
-    head = model_cfg.get("head") if isinstance(model_cfg, dict) else None
-    head_name = head.get("name") if isinstance(head, dict) else None
+    head_name = nested_get(config, "model", "head", "name")
     queries = stored_class_embeddings(weights, classes, head_name, path) if head_name in TEXT_HEADS else None
     with torch.device("meta"):  # shapes only: checked against the weights before any memory is taken
         skeleton = build_model(config, len(classes), queries)
