@@ -34,6 +34,7 @@ from mlcls.errors import ConfigError, shown
 from mlcls.inference.predictor import load_inference_model
 from mlcls.io import read_yaml
 from mlcls.models.heads import TEXT_HEADS, text_query_head
+from mlcls.text import encoder_from_stored
 
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"
 
@@ -153,17 +154,21 @@ def check_shard_sources(dataset_cfg: dict[str, Any], given: set[str]) -> None:
 def zero_shot_evaluation(
     inference: Any, unseen: Any, dataset_classes: list[str], trust: bool
 ) -> ZeroShot | None:
-    """The zero-shot evaluation of the checkpoint's model on ``dataset_classes``, embedded with its text
-    config (a plain one naming nothing for Hydra but its ``_target_``, unless ``trust``)."""
-    text_cfg = stored_plain(inference.config.get("text"), "text")
-    if not trust and (not isinstance(text_cfg, dict) or _hydra_keys(text_cfg, "text") != ["text._target_"]):
+    """The zero-shot evaluation of the checkpoint's model on ``dataset_classes``, embedded by its stored text
+    encoder (:func:`mlcls.text.encoder_from_stored`: a class of mlcls.text, plain options), or with
+    ``trust`` by the run's text config as it is."""
+    if trust:
+        text: Any = stored_plain(inference.config.get("text"), "text")
+    elif inference.text is None:
         raise ConfigError(
-            "the checkpoint's text config is not a plain text encoder config (one _target_); pass "
+            f"{inference.checkpoint} holds no text source ('text') to embed the unseen classes; pass "
             "trust_checkpoint=true for a file you wrote"
         )
+    else:
+        text = encoder_from_stored(inference.text)
     try:
         named = unseen_class_names(unseen, dataset_classes)
-        return ZeroShot.of(inference.classes, dataset_classes, text_cfg, named)
+        return ZeroShot.of(inference.classes, dataset_classes, text, named)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
