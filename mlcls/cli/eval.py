@@ -151,6 +151,20 @@ def check_shard_sources(dataset_cfg: dict[str, Any], given: set[str]) -> None:
                 )
 
 
+def evaluation_dataset(
+    run_dataset: DictConfig | dict, given: dict[str, Any], classes: list[str], trust: bool = False
+) -> Any:
+    """The evaluation split of a checkpoint's dataset config with the user's ``given`` keys
+    (:func:`evaluation_dataset_config`); unless ``trust``, built only when it names one of mlcls's datasets
+    and local shard sources (:func:`check_dataset_target`, :func:`check_shard_sources`). The one object
+    checked is the one built."""
+    dataset_cfg = evaluation_dataset_config(run_dataset, given, classes)
+    if not trust:
+        check_dataset_target(dataset_cfg)
+        check_shard_sources(dataset_cfg, set(given))
+    return build_dataset(dataset_cfg, train=False)
+
+
 def zero_shot_evaluation(
     inference: Any, unseen: Any, dataset_classes: list[str], trust: bool
 ) -> ZeroShot | None:
@@ -175,33 +189,27 @@ def zero_shot_evaluation(
 
 def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate ``cfg.checkpoint``; every process returns the same figures. The checkpoint's dataset config
-    is made plain once, merged with the user's ``dataset.*``, checked, and that same object is built."""
+    is merged with the user's ``dataset.*`` (:func:`evaluation_dataset`)."""
     require_keys(cfg, USAGE)
-    info = dist_utils.init_distributed(cfg.device, key="device")
-    inference = load_inference_model(cfg.checkpoint, info.device, trust=cfg.trust_checkpoint)
+    info, trust = dist_utils.init_distributed(cfg.device, key="device"), cfg.trust_checkpoint
+    inference = load_inference_model(cfg.checkpoint, info.device, trust=trust)
     if "dataset" not in inference.config:
         raise ConfigError(f"{cfg.checkpoint} holds no dataset config; is it an mlcls checkpoint?")
     given = {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if v is not None}
     stored_unseen = (inference.config["dataset"] or {}).get("unseen_classes")
     unseen = given.pop("unseen_classes", None) or stored_unseen
     if unseen and text_query_head(inference.model) is None:  # only it scores untrained classes
-        head = nested_get(inference.config, "model", "head", default="linear")
-        head = head.get("name", "?") if isinstance(head, dict) else head
+        head = nested_get(inference.config, "model", "head", "name")  # checked by load_inference_model
         raise ConfigError(
             f"dataset.unseen_classes: {inference.checkpoint} has model.head={shown(head)}, without text "
             f"queries: it scores only the {len(inference.classes)} classes it was trained on; expected a "
             f"checkpoint of model.head={' or '.join(TEXT_HEADS)}"
         )
-    dataset_cfg = evaluation_dataset_config(inference.config["dataset"], given, inference.classes)
-    if not cfg.trust_checkpoint:
-        check_dataset_target(dataset_cfg)
-        check_shard_sources(dataset_cfg, set(given))
-    dataset = build_dataset(dataset_cfg, train=False)
+    dataset = evaluation_dataset(inference.config["dataset"], given, inference.classes, trust)
     if len(dataset) == 0:
         raise ConfigError(
             f"the evaluation set of {cfg.checkpoint} holds no image; give dataset.<key>=… of one"
         )
-    trust = cfg.trust_checkpoint
     zero_shot = zero_shot_evaluation(inference, unseen, list(dataset.classes), trust) if unseen else None
     if zero_shot is None and list(dataset.classes) != inference.classes:
         raise ConfigError(
