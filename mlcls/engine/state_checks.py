@@ -99,31 +99,19 @@ def check_tensor(
     return value
 
 
-def check_state_dict(
-    stored: Any, live: dict[str, Any], field: str, counters: dict[str, int] | None = None
-) -> None:
-    """``stored`` names exactly ``live``'s entries: tensors of the same shape and dtype, any other entry
-    (a loss's ``{"epoch": n}``) as :func:`check_like` checks it."""
-    if not isinstance(stored, dict):
-        raise refuse(field, stored, f"a state dict of {len(live)} tensors")
-    for key, value in live.items():
-        if key not in stored:
-            raise CheckpointError(f"{field} lacks {key}; expected this run's {len(live)} tensors")
-        if isinstance(value, torch.Tensor):
-            check_tensor(stored[key], f"{field}[{key!r}]", tuple(value.shape), value.dtype)
-        else:
-            check_like(stored[key], value, f"{field}[{key!r}]", counters or {}, str(key))
-    extra = next((key for key in stored if key not in live), None)
-    if extra is not None:
-        raise CheckpointError(f"{field} holds {describe(extra)}, which this run lacks")
-
-
 def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], name: str = "") -> None:
-    """``stored`` has ``live``'s structure; an integer under a key of ``counters`` in [0, counters[key]],
-    other integers, bools, strings and None equal to the live ones; floats finite; tensors alike."""
+    """``stored`` has ``live``'s structure (a state dict, a scheduler's state): dicts of the same keys, an
+    integer under a key of ``counters`` in [0, counters[key]], other integers, bools, strings and None equal
+    to the live ones; floats finite; tensors of the live shape and dtype."""
     if isinstance(live, dict):
-        if not isinstance(stored, dict) or stored.keys() != live.keys():
-            raise refuse(field, stored, f"a dict with keys {', '.join(map(str, live)) or 'none'}")
+        if not isinstance(stored, dict):
+            raise refuse(field, stored, f"a dict of this run's {len(live)} entries")
+        missing = next((key for key in live if key not in stored), None)
+        if missing is not None:
+            raise CheckpointError(f"{field} lacks {missing}; expected this run's {len(live)} entries")
+        extra = next((key for key in stored if key not in live), None)
+        if extra is not None:
+            raise CheckpointError(f"{field} holds {describe(extra)}, which this run lacks")
         for key, value in live.items():
             check_like(stored[key], value, f"{field}[{key!r}]", counters, str(key))
     elif isinstance(live, (list, tuple)):
@@ -362,11 +350,10 @@ def check_progress(checkpoint: dict[str, Any], bounds: RunBounds) -> None:
         selection = best.get("selection", best)
         check_number(selection.get("mAP_class") if isinstance(selection, dict) else None, "best mAP_class")
         _check_plain(best, "best")
-    for key in ("last_metrics", "last_figures"):
-        metrics = checkpoint.get(key)
-        if metrics is not None and not isinstance(metrics, dict):
-            raise refuse(key, metrics, "None or a dict of metrics")
-        _check_plain(metrics, key)
+    metrics = checkpoint.get("last_metrics")
+    if metrics is not None and not isinstance(metrics, dict):
+        raise refuse("last_metrics", metrics, "None or a dict of metrics")
+    _check_plain(metrics, "last_metrics")
     thresholds = checkpoint.get("thresholds")
     if thresholds is not None:
         classes = bounds.num_classes
@@ -414,10 +401,10 @@ def check_part(name: str, stored: Any, part: Any, bounds: RunBounds) -> None:
     elif isinstance(part, ModelEma):
         if not isinstance(stored, dict) or stored.keys() != {"module", "updates"}:
             raise refuse("ema", stored, "a dict of module and updates")
-        check_state_dict(stored["module"], part.module.state_dict(), "ema module")
+        check_like(stored["module"], part.module.state_dict(), "ema module", {})
         check_int(stored["updates"], "ema updates", 0, total)
     elif isinstance(part, nn.Module):  # the model, the loss's state (and its epoch)
-        check_state_dict(stored, part.state_dict(), name, {"epoch": bounds.epochs or COUNT_MAX})
+        check_like(stored, part.state_dict(), name, {"epoch": bounds.epochs or COUNT_MAX})
     else:
         raise TypeError(f"resume part {name}: {type(part).__name__} has no state check")
 
