@@ -78,7 +78,7 @@ class Trainer:
             run = build_run(run)
         self.cfg, self.dist, self.device, self.run_dir = run.cfg, run.dist, run.dist.device, run.run_dir
         self.amp, self.eval_amp, self.channels_last = run.amp, run.eval_amp, run.channels_last
-        self.data, self.classes, self.preprocess = run.data, run.data.classes, run.preprocess
+        self.data, self.classes = run.data, run.data.classes
         self.iters_per_epoch = run.data.iters_per_epoch
         self.model, self.ddp_model, self.ema = run.model, run.ddp_model, run.ema
         self.criterion = run.criterion
