@@ -40,7 +40,6 @@ class DistInfo:
     """Where this process runs: rank among ``world_size`` processes, its device."""
 
     rank: int
-    local_rank: int
     world_size: int
     device: torch.device
 
@@ -116,7 +115,7 @@ def init_distributed(
             atexit.register(cleanup)
     elif device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    return DistInfo(rank=rank, world_size=world_size, device=device)
 
 
 def agree(error: BaseException | None) -> None:
@@ -182,7 +181,6 @@ class StopSignals:
         self.distributed = distributed
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
-        self._flag = torch.zeros(1)
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def __enter__(self) -> StopSignals:
