@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from mlcls.config_tree import nested_get
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, to_rgb
 from mlcls.data.images import read_image
 from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_checkpoint
 from mlcls.data.pipeline.transforms import check_aspect_ratio
-from mlcls.config_tree import nested_get
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
 from mlcls.errors import ConfigError, InferenceError, first_line, plural, printable, shown
