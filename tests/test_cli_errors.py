@@ -25,8 +25,8 @@ from mlcls.cli import report as report_cli
 from mlcls.cli import reproduce as reproduce_cli
 from mlcls.cli import tables as tables_cli
 from mlcls.cli import train as train_cli
-from mlcls.cli.errors import error_line, plural, require_keys
-from mlcls.errors import ConfigError
+from mlcls.cli.errors import error_line, require_keys
+from mlcls.errors import ConfigError, plural
 
 LOSSES = ", ".join(sorted(path.stem for path in (config_dir() / "loss").glob("*.yaml")))  # Hydra's listing
 

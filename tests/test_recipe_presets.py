@@ -158,7 +158,7 @@ def test_sync_bn_converts_batchnorm_on_cuda_processes_only(caplog):
     torch.manual_seed(0)
     model = _bn_model()
     state = {key: value.clone() for key, value in model.state_dict().items()}
-    cuda = DistInfo(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
+    cuda = DistInfo(rank=0, world_size=2, device=torch.device("cuda", 0))
     converted = sync_batchnorm(model, cuda)
     norms = [module for module in converted.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
     assert [type(module) for module in norms] == [nn.SyncBatchNorm, nn.SyncBatchNorm]
@@ -166,11 +166,11 @@ def test_sync_bn_converts_batchnorm_on_cuda_processes_only(caplog):
     assert all(torch.equal(converted.state_dict()[key], value) for key, value in state.items())
 
     single = _bn_model()
-    assert sync_batchnorm(single, DistInfo(0, 0, 1, torch.device("cuda", 0))) is single
+    assert sync_batchnorm(single, DistInfo(0, 1, torch.device("cuda", 0))) is single
     cpu = _bn_model()
     with caplog.at_level(logging.INFO, logger="mlcls"):
-        kept = sync_batchnorm(cpu, DistInfo(0, 0, 2, torch.device("cpu")))
-        assert sync_batchnorm(cpu, DistInfo(1, 1, 2, torch.device("cpu"))) is cpu  # rank 1: no second line
+        kept = sync_batchnorm(cpu, DistInfo(0, 2, torch.device("cpu")))
+        assert sync_batchnorm(cpu, DistInfo(1, 2, torch.device("cpu"))) is cpu  # rank 1: no second line
     assert kept is cpu and not any(isinstance(m, nn.SyncBatchNorm) for m in kept.modules())
     lines = [record.getMessage() for record in caplog.records if "sync_bn" in record.getMessage()]
     assert lines == [

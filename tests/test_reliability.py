@@ -15,6 +15,7 @@ from mlcls.cli.train import main as train_main
 from mlcls.cli.train import run
 from mlcls.engine.checkpoint import CheckpointError, load_checkpoint
 from mlcls.engine.config_checks import check_config
+from mlcls.engine.distributed import resolve_device
 from mlcls.engine.trainer import NonFiniteError, Preempted, Trainer
 from mlcls.errors import ConfigError
 
@@ -159,6 +160,21 @@ def _train_cli_error(argv: list[str], monkeypatch, capsys) -> list[str]:
         train_main()
     assert exit_info.value.code == 2
     return capsys.readouterr().err.strip().splitlines()
+
+
+def test_the_device_setting_is_checked_once_in_one_line(tmp_path, monkeypatch, capsys):
+    """``trainer.device`` is checked by resolve_device alone, the first thing a run does (old: a ValueError
+    or RuntimeError traceback from init_distributed, before check_config's copy of the check ran)."""
+    monkeypatch.chdir(tmp_path)
+    assert _train_cli_error(["trainer.device=gpu"], monkeypatch, capsys) == [
+        "mlcls: error: trainer.device='gpu'; expected auto, cpu or cuda"
+    ]
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^trainer.device=cuda but no CUDA device is available"):
+            resolve_device("cuda")
+    with pytest.raises(ConfigError, match=r"^device='tpu'; expected auto, cpu or cuda$"):
+        resolve_device("tpu", "device")  # mlcls-eval's and mlcls-predict's key
+    assert not any(tmp_path.iterdir())  # no run directory, no Hydra output
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from mlcls.engine.build import build_loss, build_model, build_optimization
 from mlcls.engine.checkpoint import CheckpointError, TrainState, load_checkpoint, save_checkpoint
 from mlcls.engine.checkpointer import restore
 from mlcls.engine.ema import ModelEma
-from mlcls.engine.state_checks import RunBounds
+from mlcls.engine.state_checks import RunBounds, check_part
 from mlcls.engine.trainer import Trainer
 
 # One epoch of the tiny run (fused SGD) with a loss that has state (ROLE's label table, trained by the
@@ -342,3 +342,16 @@ def test_fuzzed_resume_states_resume_or_stop_in_one_line(checkpoints, fresh) -> 
                 assert "\n" not in line, (path, line)
                 counts[kind] += 1
     assert counts["CheckpointError"] > MUTATIONS // 2 and sum(counts.values()) == MUTATIONS, counts
+
+
+def test_a_state_dict_of_other_keys_names_the_first_one_in_one_line() -> None:
+    """Model, loss, EMA and scheduler states go through one check (check_like): the first key missing or
+    extra, never a list of every key of the model."""
+    linear = torch.nn.Linear(2, 3)
+    state = linear.state_dict()
+    with pytest.raises(CheckpointError, match=r"^model lacks bias; expected this run's 2 entries$"):
+        check_part("model", {"weight": state["weight"]}, linear, RunBounds())
+    with pytest.raises(CheckpointError, match=r"^ema module holds 'extra', which this run lacks$"):
+        check_part("ema", {"module": {**state, "extra": 1}, "updates": 0}, ModelEma(linear, 0.9), RunBounds())
+    with pytest.raises(CheckpointError, match=r"^model\['bias'\] holds a float32 tensor of shape \(2,\)"):
+        check_part("model", {**state, "bias": torch.zeros(2)}, linear, RunBounds())

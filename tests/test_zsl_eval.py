@@ -38,3 +38,29 @@ def test_zero_shot_of_a_model_trained_on_every_class_reports_the_named_columns()
     assert ZeroShot.of(["a", "b"], ["a", "b"], None) is None
     with pytest.raises(ValueError, match="lacks 1 trained class"):
         ZeroShot.of(["a", "z"], ["a", "b"], {"_target_": "x"})
+
+
+def test_a_stored_text_config_names_an_mlcls_text_encoder_or_nothing_is_called(tmp_path) -> None:
+    """Without trust_checkpoint the unseen classes are embedded by the checkpoint's text record as
+    :func:`mlcls.text.encoder_from_stored` checks it (old: any ``_target_`` of the stored config was called:
+    ``os.makedirs`` made its folder, then the result was refused as no encoder)."""
+    from types import SimpleNamespace
+
+    from mlcls.errors import ConfigError
+
+    made = tmp_path / "made_by_the_checkpoint"
+    crafted = {"_target_": "os.makedirs", "name": str(made)}
+    inference = SimpleNamespace(
+        config={"text": crafted},
+        classes=["a"],
+        checkpoint="crafted.pt",
+        text={"source": "x", "config": crafted},
+    )
+    with pytest.raises(
+        ConfigError, match=r"^the text config's _target_ is 'os.makedirs'; expected a text enc"
+    ):
+        eval_cli.zero_shot_evaluation(inference, ["b"], ["a", "b"], trust=False)
+    inference.text = None
+    with pytest.raises(ConfigError, match=r"^crafted.pt holds no text source \('text'\) to embed the unseen"):
+        eval_cli.zero_shot_evaluation(inference, ["b"], ["a", "b"], trust=False)
+    assert not made.exists()

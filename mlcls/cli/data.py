@@ -29,7 +29,7 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from mlcls.cli.errors import USER_ERRORS, error_line, plural
+from mlcls.cli.errors import USER_ERRORS, error_line
 from mlcls.cli.overrides import compose_config
 from mlcls.data import MultiLabelDataset, TrainingView, build_dataset
 from mlcls.data.datasets.base import find_unreadable
@@ -37,7 +37,7 @@ from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.observed import ALL_LABELS
 from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.data.shards.reader import verify_pack
-from mlcls.errors import ConfigError, failure, printable
+from mlcls.errors import ConfigError, failure, plural, printable
 from mlcls.reporting.audit import audit
 
 TOP_CLASSES = 5

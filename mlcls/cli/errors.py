@@ -13,12 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from mlcls.data.datasets.base import DatasetError
 from mlcls.engine.checkpoint import CheckpointError
 from mlcls.engine.rundir import RunDirLocked
-from mlcls.errors import (
-    ConfigError,
-    InferenceError,
-    failure,
-    plural,  # noqa: F401 - re-exported for the commands
-)
+from mlcls.errors import ConfigError, InferenceError, failure
 from mlcls.io import DiskFullError, FileTooLargeError, NotRegularFileError, UnsafeFileError
 
 USER_ERRORS = (

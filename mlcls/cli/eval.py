@@ -34,6 +34,7 @@ from mlcls.errors import ConfigError, shown
 from mlcls.inference.predictor import load_inference_model
 from mlcls.io import read_yaml
 from mlcls.models.heads import TEXT_HEADS, text_query_head
+from mlcls.text import encoder_from_stored
 
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"
 
@@ -150,53 +151,65 @@ def check_shard_sources(dataset_cfg: dict[str, Any], given: set[str]) -> None:
                 )
 
 
+def evaluation_dataset(
+    run_dataset: DictConfig | dict, given: dict[str, Any], classes: list[str], trust: bool = False
+) -> Any:
+    """The evaluation split of a checkpoint's dataset config with the user's ``given`` keys
+    (:func:`evaluation_dataset_config`); unless ``trust``, built only when it names one of mlcls's datasets
+    and local shard sources (:func:`check_dataset_target`, :func:`check_shard_sources`). The one object
+    checked is the one built."""
+    dataset_cfg = evaluation_dataset_config(run_dataset, given, classes)
+    if not trust:
+        check_dataset_target(dataset_cfg)
+        check_shard_sources(dataset_cfg, set(given))
+    return build_dataset(dataset_cfg, train=False)
+
+
 def zero_shot_evaluation(
     inference: Any, unseen: Any, dataset_classes: list[str], trust: bool
 ) -> ZeroShot | None:
-    """The zero-shot evaluation of the checkpoint's model on ``dataset_classes``, embedded with its text
-    config (a plain one naming nothing for Hydra but its ``_target_``, unless ``trust``)."""
-    text_cfg = stored_plain(inference.config.get("text"), "text")
-    if not trust and (not isinstance(text_cfg, dict) or _hydra_keys(text_cfg, "text") != ["text._target_"]):
+    """The zero-shot evaluation of the checkpoint's model on ``dataset_classes``, embedded by its stored text
+    encoder (:func:`mlcls.text.encoder_from_stored`: a class of mlcls.text, plain options), or with
+    ``trust`` by the run's text config as it is."""
+    if trust:
+        text: Any = stored_plain(inference.config.get("text"), "text")
+    elif inference.text is None:
         raise ConfigError(
-            "the checkpoint's text config is not a plain text encoder config (one _target_); pass "
+            f"{inference.checkpoint} holds no text source ('text') to embed the unseen classes; pass "
             "trust_checkpoint=true for a file you wrote"
         )
+    else:
+        text = encoder_from_stored(inference.text)
     try:
         named = unseen_class_names(unseen, dataset_classes)
-        return ZeroShot.of(inference.classes, dataset_classes, text_cfg, named)
+        return ZeroShot.of(inference.classes, dataset_classes, text, named)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
 def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate ``cfg.checkpoint``; every process returns the same figures. The checkpoint's dataset config
-    is made plain once, merged with the user's ``dataset.*``, checked, and that same object is built."""
+    is merged with the user's ``dataset.*`` (:func:`evaluation_dataset`)."""
     require_keys(cfg, USAGE)
-    info = dist_utils.init_distributed(cfg.device)
-    inference = load_inference_model(cfg.checkpoint, info.device, trust=cfg.trust_checkpoint)
+    info, trust = dist_utils.init_distributed(cfg.device, key="device"), cfg.trust_checkpoint
+    inference = load_inference_model(cfg.checkpoint, info.device, trust=trust)
     if "dataset" not in inference.config:
         raise ConfigError(f"{cfg.checkpoint} holds no dataset config; is it an mlcls checkpoint?")
     given = {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if v is not None}
     stored_unseen = (inference.config["dataset"] or {}).get("unseen_classes")
     unseen = given.pop("unseen_classes", None) or stored_unseen
     if unseen and text_query_head(inference.model) is None:  # only it scores untrained classes
-        head = nested_get(inference.config, "model", "head", default="linear")
-        head = head.get("name", "?") if isinstance(head, dict) else head
+        head = nested_get(inference.config, "model", "head", "name")  # checked by load_inference_model
         raise ConfigError(
             f"dataset.unseen_classes: {inference.checkpoint} has model.head={shown(head)}, without text "
             f"queries: it scores only the {len(inference.classes)} classes it was trained on; expected a "
             f"checkpoint of model.head={' or '.join(TEXT_HEADS)}"
         )
-    dataset_cfg = evaluation_dataset_config(inference.config["dataset"], given, inference.classes)
-    if not cfg.trust_checkpoint:
-        check_dataset_target(dataset_cfg)
-        check_shard_sources(dataset_cfg, set(given))
-    dataset = build_dataset(dataset_cfg, train=False)
+    dataset = evaluation_dataset(inference.config["dataset"], given, inference.classes, trust)
     if len(dataset) == 0:
         raise ConfigError(
             f"the evaluation set of {cfg.checkpoint} holds no image; give dataset.<key>=… of one"
         )
-    trust = cfg.trust_checkpoint
     zero_shot = zero_shot_evaluation(inference, unseen, list(dataset.classes), trust) if unseen else None
     if zero_shot is None and list(dataset.classes) != inference.classes:
         raise ConfigError(

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from mlcls import config_dir
 from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import run_command
+from mlcls.errors import failure
 from mlcls.inference.export import export_checkpoint
 
 USAGE = "mlcls-export checkpoint=<run>/checkpoints/best.pt format=onnx"
@@ -29,12 +30,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         )
     print(json.dumps({"format": cfg.format, "path": str(path), "max_abs_difference": difference}))
     if difference is not None and not difference <= cfg.tolerance:
-        print(
-            f"mlcls: error: {path} differs from the PyTorch model by {difference:.3g} > tolerance "
-            f"{cfg.tolerance}",
-            file=sys.stderr,
-        )
-        sys.exit(1)
+        tolerance = f"{difference:.3g} > tolerance {cfg.tolerance}"
+        sys.exit(failure("mlcls", f"{path} differs from the PyTorch model by {tolerance}", 1))
 
 
 def main() -> None:

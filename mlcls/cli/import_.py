@@ -5,9 +5,10 @@
     mlcls-import csra resnet101_voc07_head1_lam0.1_94.7.pth out=csra_voc.pt
 
 The file is read as data (:mod:`mlcls.inference.released` maps each format); ``out`` serves every mlcls
-command and ``model.init_from``. Options: ``classes=FILE`` (one name a line, in the model's order: needed
-where the file names none and its class count is unknown), ``image_size=N`` (default: the authors') and
-``lam=X`` (CSRA's lambda: default the authors' for their released files; required for any other).
+command and ``model.init_from``. Options: ``classes=FILE`` (one name a line, in the model's order, read by
+:func:`mlcls.text.read_class_list`: needed where the file names none and its class count is unknown),
+``image_size=N`` (default: the authors') and ``lam=X`` (CSRA's lambda: default the authors' for their
+released files; required for any other).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any
 
 from mlcls.cli.errors import user_errors
 from mlcls.engine.checkpoint import save_checkpoint
-from mlcls.errors import ConfigError, shown
+from mlcls.errors import ConfigError, plural, shown
 from mlcls.inference.released import FORMATS, import_released
-from mlcls.io import FileTooLargeError, read_text
+from mlcls.text import read_class_list
 
 USAGE = "mlcls-import {mldecoder,asl,csra} FILE out=OUT.pt [classes=FILE] [image_size=N] [lam=X]"
 OPTIONS = ("out", "classes", "image_size", "lam")
@@ -63,13 +64,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     with user_errors():
         options = parse_options(args.options)
-        classes = None
-        if "classes" in options:  # one name a line, blank lines skipped
-            try:
-                text = read_text(options["classes"], "class list")
-            except (OSError, UnicodeDecodeError, FileTooLargeError) as exc:
-                raise ConfigError(f"classes={options['classes']}: cannot be read ({exc})") from None
-            classes = [line.strip() for line in text.splitlines() if line.strip()]
+        classes = read_class_list(options["classes"]) if "classes" in options else None
         checkpoint = import_released(
             args.format,
             args.file,
@@ -94,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(summary))
     print(
         f"mlcls: {summary['path']}: {summary['model']} with a {summary['head']} head, "
-        f"{summary['classes']} {'class' if summary['classes'] == 1 else 'classes'}, "
+        f"{plural(summary['classes'], 'class')}, "
         f"{summary['image_size']} px input in [0, 1]",
         file=sys.stderr,
     )

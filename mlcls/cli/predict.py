@@ -15,16 +15,15 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from mlcls import config_dir
-from mlcls.cli.errors import plural, require_keys, user_errors
+from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import run_command
-from mlcls.errors import InferenceError, is_integer, is_number
+from mlcls.errors import InferenceError, is_integer, is_number, plural, printable
 from mlcls.inference.predictor import (
     Prediction,
     find_images,
     format_table,
     load_inference_model,
     predict_images,
-    printable,
     use_classes,
 )
 from mlcls.io import atomic_write_bytes

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mlcls.cli.errors import user_errors
-from mlcls.cli.eval import check_dataset_target, check_shard_sources, evaluation_dataset_config
-from mlcls.data import build_dataset
+from mlcls.cli.eval import evaluation_dataset
 from mlcls.errors import failure
 from mlcls.reporting.paper import ReportError
 from mlcls.reporting.report import read_report_files, write_report
@@ -24,10 +23,7 @@ from mlcls.reporting.report import read_report_files, write_report
 
 def validation_set(config: dict, classes: list[str]):
     """The validation split of the run whose ``config`` is given, in the class order of its predictions."""
-    dataset_cfg = evaluation_dataset_config(config["dataset"], {}, classes)
-    check_dataset_target(dataset_cfg)
-    check_shard_sources(dataset_cfg, set())
-    dataset = build_dataset(dataset_cfg, train=False)
+    dataset = evaluation_dataset(config["dataset"], {}, classes)
     if list(dataset.classes) != classes:
         raise ReportError(
             f"the validation set's classes ({len(dataset.classes)}) differ from the run's predictions' "

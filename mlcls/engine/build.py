@@ -241,7 +241,6 @@ class Run:
     eval_amp: str  # the evaluation's
     channels_last: bool  # NHWC images and weights (CUDA only)
     data: RunData
-    preprocess: dict[str, Any]  # the evaluation transform, saved in checkpoints: predict needs no dataset
     model: nn.Module  # the plain model: what checkpoints, EMA and evaluation use
     criterion: nn.Module
     run_dir: Path  # chosen by rank 0, created and locked (rundir.py)
@@ -339,7 +338,6 @@ def build_run(cfg: DictConfig) -> Run:
         eval_amp=eval_amp,
         channels_last=channels_last,
         data=data,
-        preprocess=preprocess,
         model=model,
         criterion=criterion,
         run_dir=run_dir,

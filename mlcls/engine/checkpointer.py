@@ -32,7 +32,7 @@ from mlcls.engine.checkpoint import (
     text_record,
 )
 from mlcls.engine.distributed import DistInfo
-from mlcls.engine.state_checks import RunBounds, check_resume_state
+from mlcls.engine.state_checks import RunBounds, check_resume_state, weights_difference
 from mlcls.errors import ConfigError
 from mlcls.io import atomic_link
 
@@ -233,20 +233,11 @@ def init_from_checkpoint(
     loaded = {k: v for k, v in weights.items() if same_classes or not k.startswith(head)}
     network = nested_get(state, "config", "model", "name", default="a model")
     head_name = nested_get(state, "config", "model", "head", "name", default="linear")
-    held = f"the file holds {network} with a {head_name} head"
-    for key, tensor in expected.items():
-        if key not in loaded or loaded[key].shape != tensor.shape:
-            found = (
-                "is not in the file" if key not in loaded else f"is {tuple(loaded[key].shape)} in the file"
-            )
-            raise ConfigError(
-                f"model.init_from={path}: {key} {tuple(tensor.shape)} of this run's model {found}; {held} "
-                "(set model.name, model.head and the head's options to it)"
-            )
-    extra = next((key for key in loaded if key not in expected), None)
-    if extra is not None:
+    difference = weights_difference(expected, loaded, "this run's model")
+    if difference is not None:
         raise ConfigError(
-            f"model.init_from={path}: the file has {extra}, which this run's model lacks; {held}"
+            f"model.init_from={path}: {difference}; the file holds {network} with a {head_name} head (set "
+            "model.name, model.head and the head's options to it)"
         )
     model.load_state_dict(loaded, strict=same_classes)
     if not same_classes:

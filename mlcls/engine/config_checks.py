@@ -1,6 +1,7 @@
 """Checks of the resolved training config, before any data is read. Each key is checked once: here the
 trainer's, the model's starting point and those that depend on another group; the others where they are
-used (optimizer and schedule: :mod:`mlcls.engine.optim`; heads; datasets)."""
+used (``trainer.device``: :func:`mlcls.engine.distributed.resolve_device`; optimizer and schedule:
+:mod:`mlcls.engine.optim`; heads; datasets)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from mlcls.losses.spec import loss_name
 from mlcls.models.heads import TEXT_HEADS
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda")
 # trainer.loss_sum_scope: what a loss summed over the batch sums over under DDP (engine.build.build_loss).
 LOSS_SUM_SCOPES = ("global", "process")
 
@@ -32,7 +32,6 @@ TRAINER_KEYS = {
     "workers": (lambda v: is_integer(v) and v >= 0, "an integer >= 0"),
     "amp": (lambda v: v in AMP_MODES, f"one of {', '.join(AMP_MODES)}"),
     "eval_amp": (lambda v: v in AMP_MODES, f"one of {', '.join(AMP_MODES)}, or null"),
-    "device": (lambda v: v in DEVICES, f"one of {', '.join(DEVICES)}"),
     "ema_decay": (lambda v: is_number(v) and 0.0 < v < 1.0, "a number in (0, 1), or null for no EMA"),
     "grad_clip": (lambda v: is_number(v) and v > 0, "a positive number, or null"),
     "loss_sum_scope": (lambda v: v in LOSS_SUM_SCOPES, f"one of {', '.join(LOSS_SUM_SCOPES)}"),
@@ -62,8 +61,6 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
         value = t[key]
         if not (value is None and key in NULLABLE) and not check(value):
             raise ConfigError(f"trainer.{key}={value!r}; expected {expected}")
-    if t.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
     if t.resume not in (None, "auto") and not Path(t.resume).is_file():
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint file (or use trainer.resume=auto)")
     if t.resume == "auto" and not t.output_dir and not explicit_hydra_run_dir():

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mlcls.distributed import all_gather_object, all_reduce_max, initialized
+from mlcls.errors import ConfigError
 
 log = logging.getLogger("mlcls")
 
@@ -39,7 +40,6 @@ class DistInfo:
     """Where this process runs: rank among ``world_size`` processes, its device."""
 
     rank: int
-    local_rank: int
     world_size: int
     device: torch.device
 
@@ -52,12 +52,13 @@ class DistInfo:
         return self.world_size > 1
 
 
-def resolve_device(preference: str) -> torch.device:
-    """``auto`` -> CUDA when available, else CPU; ``cuda`` without a GPU is an error."""
+def resolve_device(preference: str, key: str = "trainer.device") -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; another value, or ``cuda`` without a GPU, is a
+    :class:`ConfigError` naming the config ``key``: the one check of the device setting."""
     if preference not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"trainer.device={preference!r}; expected auto, cpu or cuda")
+        raise ConfigError(f"{key}={preference!r}; expected auto, cpu or cuda")
     if preference == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+        raise ConfigError(f"{key}=cuda but no CUDA device is available; use {key}=cpu")
     if preference == "auto":
         preference = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(preference)
@@ -90,10 +91,13 @@ def world_size_from_environment() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device_preference: str = "auto", timeout_s: float | None = None) -> DistInfo:
+def init_distributed(
+    device_preference: str = "auto", timeout_s: float | None = None, key: str = "trainer.device"
+) -> DistInfo:
     """Join the process group torchrun or SLURM through submitit describes (without either: a single
-    process, rank 0); ``timeout_s`` bounds how long a collective waits for a missing rank."""
-    device = resolve_device(device_preference)
+    process, rank 0) on the device of setting ``key`` (:func:`resolve_device`); ``timeout_s`` bounds how
+    long a collective waits for a missing rank."""
+    device = resolve_device(device_preference, key)
     world_size = world_size_from_environment()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -111,7 +115,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: float | None = 
             atexit.register(cleanup)
     elif device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    return DistInfo(rank=rank, world_size=world_size, device=device)
 
 
 def agree(error: BaseException | None) -> None:
@@ -177,7 +181,6 @@ class StopSignals:
         self.distributed = distributed
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
-        self._flag = torch.zeros(1)
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def __enter__(self) -> StopSignals:

@@ -18,7 +18,7 @@ from mlcls.engine import distributed as dist_utils
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores
 from mlcls.models.heads import text_query_head
-from mlcls.text import class_embeddings
+from mlcls.text import TextEncoder, class_embeddings
 
 T = TypeVar("T")
 
@@ -84,12 +84,13 @@ class ZeroShot:
         cls,
         trained: Sequence[str],
         evaluated: Sequence[str],
-        text_cfg: Mapping[str, Any] | None,
+        text_cfg: Mapping[str, Any] | TextEncoder | None,
         named_unseen: Sequence[str] = (),
     ) -> ZeroShot | None:
         """The zero-shot evaluation of ``evaluated``'s classes beyond the ``trained`` ones, embedded by
-        ``text_cfg``; a trained class missing is a ``ValueError``. When ``trained`` is ``evaluated``: the
-        ZSL / GZSL figures of the ``named_unseen`` columns (a model trained on every class), or None."""
+        ``text_cfg`` (a ``text`` config or an encoder); a trained class missing is a ``ValueError``. When
+        ``trained`` is ``evaluated``: the ZSL / GZSL figures of the ``named_unseen`` columns (a model
+        trained on every class), or None."""
         if list(trained) == list(evaluated):
             named = set(named_unseen)
             unseen = torch.tensor([name in named for name in evaluated], dtype=torch.bool)

@@ -114,7 +114,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """The optimizer of ``cfg`` over :func:`parameter_groups`, then the ``loss_groups`` of a loss with
     learnable state (dicts of ``params``, ``name``, ``lr_scale``: at ``lr_scale * lr_head``, no decay).
-    Loading a state dict checks that its groups are this optimizer's (names and sizes)."""
+    A resumed state's groups are checked against these by
+    :func:`mlcls.engine.state_checks.check_optimizer`."""
     settings = _settings(cfg)
     for key in GROUP_KEYS:
         value = settings.pop(key, None)
@@ -131,28 +132,7 @@ def build_optimizer(
     optimizer = _build("optim", settings, parameter_groups(model, cfg) + extra)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optim._target_={settings.get('_target_')} is not a torch optimizer class")
-    optimizer.register_load_state_dict_pre_hook(_match_saved_groups)
     return optimizer
-
-
-def _group_layout(groups: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{g.get('name', '?')} {len(g['params'])}" for g in groups)
-
-
-def _match_saved_groups(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """Load-state pre-hook: one clear error when the saved groups differ."""
-    saved = state["param_groups"]
-    ours = optimizer.param_groups
-    same = len(saved) == len(ours) and all(
-        len(s["params"]) == len(o["params"]) and s.get("name") == o["name"]
-        for s, o in zip(saved, ours, strict=True)
-    )
-    if not same:
-        raise ValueError(
-            f"the saved optimizer state has parameter groups ({_group_layout(saved)}) where this config "
-            f"makes ({_group_layout(ours)}): resume with the run's model and optim.*_weight_decay settings"
-        )
-    return state
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:

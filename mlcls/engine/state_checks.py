@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -24,6 +25,7 @@ COUNT_MAX = 2**62  # a counter no run reaches: epochs, steps, images, seconds wh
 RANKS_MAX = 2**16  # processes a checkpoint may have been written by
 SCHEDULER_COUNTERS = ("last_epoch", "_step_count")  # torch LRScheduler's iteration counters
 SCALER_COUNTERS = ("_growth_tracker",)  # GradScaler's finite steps since the last growth
+GROUP_MEMBERS = frozenset({"params", "name", "param_names"})  # a param group's keys that are no setting
 
 
 @dataclass(frozen=True)
@@ -97,31 +99,19 @@ def check_tensor(
     return value
 
 
-def check_state_dict(
-    stored: Any, live: dict[str, Any], field: str, counters: dict[str, int] | None = None
-) -> None:
-    """``stored`` names exactly ``live``'s entries: tensors of the same shape and dtype, any other entry
-    (a loss's ``{"epoch": n}``) as :func:`check_like` checks it."""
-    if not isinstance(stored, dict):
-        raise refuse(field, stored, f"a state dict of {len(live)} tensors")
-    for key, value in live.items():
-        if key not in stored:
-            raise CheckpointError(f"{field} lacks {key}; expected this run's {len(live)} tensors")
-        if isinstance(value, torch.Tensor):
-            check_tensor(stored[key], f"{field}[{key!r}]", tuple(value.shape), value.dtype)
-        else:
-            check_like(stored[key], value, f"{field}[{key!r}]", counters or {}, str(key))
-    extra = next((key for key in stored if key not in live), None)
-    if extra is not None:
-        raise CheckpointError(f"{field} holds {describe(extra)}, which this run lacks")
-
-
 def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], name: str = "") -> None:
-    """``stored`` has ``live``'s structure; an integer under a key of ``counters`` in [0, counters[key]],
-    other integers, bools, strings and None equal to the live ones; floats finite; tensors alike."""
+    """``stored`` has ``live``'s structure (a state dict, a scheduler's state): dicts of the same keys, an
+    integer under a key of ``counters`` in [0, counters[key]], other integers, bools, strings and None equal
+    to the live ones; floats finite; tensors of the live shape and dtype."""
     if isinstance(live, dict):
-        if not isinstance(stored, dict) or stored.keys() != live.keys():
-            raise refuse(field, stored, f"a dict with keys {', '.join(map(str, live)) or 'none'}")
+        if not isinstance(stored, dict):
+            raise refuse(field, stored, f"a dict of this run's {len(live)} entries")
+        missing = next((key for key in live if key not in stored), None)
+        if missing is not None:
+            raise CheckpointError(f"{field} lacks {missing}; expected this run's {len(live)} entries")
+        extra = next((key for key in stored if key not in live), None)
+        if extra is not None:
+            raise CheckpointError(f"{field} holds {describe(extra)}, which this run lacks")
         for key, value in live.items():
             check_like(stored[key], value, f"{field}[{key!r}]", counters, str(key))
     elif isinstance(live, (list, tuple)):
@@ -139,6 +129,20 @@ def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], nam
         raise refuse(field, stored, f"{describe(live)}, this run's")
 
 
+def weights_difference(
+    expected: Mapping[str, torch.Tensor], found: Mapping[str, Any], model: str
+) -> str | None:
+    """The first way the weights ``found`` in a file differ from ``model``'s state dict ``expected`` in keys
+    and shapes (``load_state_dict(strict=True)``'s rule), as a clause of an error line; None if they fit."""
+    for key, tensor in expected.items():
+        if key not in found:
+            return f"{key} {tuple(tensor.shape)} of {model} is not in the file"
+        if found[key].shape != tensor.shape:
+            return f"{key} is {tuple(found[key].shape)} in the file, {tuple(tensor.shape)} in {model}"
+    extra = next((key for key in found if key not in expected), None)
+    return None if extra is None else f"the file has {extra}, which {model} lacks"
+
+
 def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
     """The live groups (names, sizes, hyperparameters of the live types) and, per parameter, the states a
     probe step makes: a dense floating tensor of the parameter's shape, or a finite ``step`` >= 0."""
@@ -146,8 +150,9 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(stored, dict) or not isinstance(stored.get("param_groups"), list):
         raise refuse("optimizer", stored, "a dict of state and param_groups")
     groups, per_param = stored["param_groups"], stored.get("state")
+    hint = "resume with the run's model and optim.*_weight_decay settings"  # build_optimizer's groups
     if len(groups) != len(live_groups):
-        raise refuse("optimizer param_groups", groups, f"{len(live_groups)} groups, this run's")
+        raise refuse("optimizer param_groups", groups, f"{len(live_groups)} groups, this run's ({hint})")
     if not isinstance(per_param, dict):
         raise refuse("optimizer state", per_param, "a dict of parameter ids to states")
     params: dict[int, tuple[int, torch.Tensor]] = {}  # stored id -> (group, live parameter)
@@ -163,8 +168,7 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
             if param_id in params:
                 raise CheckpointError(f"{field} names parameter {param_id} twice; expected distinct ids")
             params[param_id] = (index, live["params"][position])
-        if group.get("name") != live.get("name"):  # build_optimizer's groups, as optim.*_weight_decay makes
-            hint = "resume with the run's optim.*_weight_decay settings"
+        if group.get("name") != live.get("name"):
             raise refuse(f"{field}['name']", group.get("name"), f"{live.get('name')!r}, this run's ({hint})")
         _check_hyperparameters(group, live, field)
     kinds: dict[int, dict[str, str]] = {}  # per group, probed once
@@ -179,16 +183,15 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
 
 def _check_hyperparameters(group: dict[str, Any], live: dict[str, Any], field: str) -> None:
     """The live group's keys (``param_names`` optional), each of the live value's type; numbers finite."""
-    optional = {"params", "name", "param_names"}
-    missing = next((key for key in live if key not in optional and key not in group), None)
-    extra = next((key for key in group if key not in optional and key not in live), None)
+    missing = next((key for key in live if key not in GROUP_MEMBERS and key not in group), None)
+    extra = next((key for key in group if key not in GROUP_MEMBERS and key not in live), None)
     if missing is not None or extra is not None:
         what = f"lacks {missing}" if missing is not None else f"holds {extra}, which this optimizer lacks"
         raise CheckpointError(
             f"{field} {what}; expected the keys {', '.join(k for k in live if k != 'params')}"
         )
     for key, reference in live.items():
-        if key in optional:
+        if key in GROUP_MEMBERS:
             continue
         value, where = group[key], f"{field}[{key!r}]"
         if reference is None or isinstance(reference, bool):  # a switch: foreach, fused, nesterov, ...
@@ -209,7 +212,7 @@ def _probe_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], field:
     """Per key of the state one step of ``optimizer``'s class with ``group``'s settings makes, on a
     two-element parameter on the live device: "param" (the parameter's shape), "scalar" or "none"."""
     device = optimizer.param_groups[0]["params"][0].device
-    settings = {k: v for k, v in group.items() if k not in ("params", "name", "param_names")}
+    settings = {k: v for k, v in group.items() if k not in GROUP_MEMBERS}
     probe_param = torch.zeros(2, device=device, requires_grad=True)
     probe_param.grad = torch.zeros(2, device=device)
     try:
@@ -347,11 +350,10 @@ def check_progress(checkpoint: dict[str, Any], bounds: RunBounds) -> None:
         selection = best.get("selection", best)
         check_number(selection.get("mAP_class") if isinstance(selection, dict) else None, "best mAP_class")
         _check_plain(best, "best")
-    for key in ("last_metrics", "last_figures"):
-        metrics = checkpoint.get(key)
-        if metrics is not None and not isinstance(metrics, dict):
-            raise refuse(key, metrics, "None or a dict of metrics")
-        _check_plain(metrics, key)
+    metrics = checkpoint.get("last_metrics")
+    if metrics is not None and not isinstance(metrics, dict):
+        raise refuse("last_metrics", metrics, "None or a dict of metrics")
+    _check_plain(metrics, "last_metrics")
     thresholds = checkpoint.get("thresholds")
     if thresholds is not None:
         classes = bounds.num_classes
@@ -387,6 +389,26 @@ def _check_plain(value: Any, field: str, depth: int = 0) -> None:
         raise refuse(field, value, "a number, a string or None")
 
 
+def check_part(name: str, stored: Any, part: Any, bounds: RunBounds) -> None:
+    """Raise :class:`CheckpointError` unless ``stored`` fits the live ``part`` (model, optimizer, scheduler,
+    loss or EMA) and ``bounds``: the one check of a part's state, its ``load_state_dict`` checks nothing."""
+    total = bounds.total_iters
+    if isinstance(part, torch.optim.Optimizer):
+        check_optimizer(stored, part)
+    elif isinstance(part, torch.optim.lr_scheduler.LRScheduler):
+        counters = dict.fromkeys(SCHEDULER_COUNTERS, total if total == COUNT_MAX else total + 1)
+        check_like(stored, part.state_dict(), name, counters)
+    elif isinstance(part, ModelEma):
+        if not isinstance(stored, dict) or stored.keys() != {"module", "updates"}:
+            raise refuse("ema", stored, "a dict of module and updates")
+        check_like(stored["module"], part.module.state_dict(), "ema module", {})
+        check_int(stored["updates"], "ema updates", 0, total)
+    elif isinstance(part, nn.Module):  # the model, the loss's state (and its epoch)
+        check_like(stored, part.state_dict(), name, {"epoch": bounds.epochs or COUNT_MAX})
+    else:
+        raise TypeError(f"resume part {name}: {type(part).__name__} has no state check")
+
+
 def check_resume_state(
     checkpoint: dict[str, Any],
     parts: dict[str, Any],
@@ -395,26 +417,10 @@ def check_resume_state(
     bounds: RunBounds,
 ) -> None:
     """Raise :class:`CheckpointError` at the first field that does not fit the live ``parts`` (name ->
-    model, optimizer, scheduler, loss or EMA), ``scaler`` (when ``load_scaler``) and ``bounds``."""
-    total = bounds.total_iters
+    :func:`check_part`), ``scaler`` (when ``load_scaler``) and ``bounds``."""
     for name, part in parts.items():
-        stored = checkpoint.get(name)
-        if stored is None:
-            continue
-        if isinstance(part, torch.optim.Optimizer):
-            check_optimizer(stored, part)
-        elif isinstance(part, torch.optim.lr_scheduler.LRScheduler):
-            counters = dict.fromkeys(SCHEDULER_COUNTERS, total if total == COUNT_MAX else total + 1)
-            check_like(stored, part.state_dict(), name, counters)
-        elif isinstance(part, ModelEma):
-            if not isinstance(stored, dict) or stored.keys() != {"module", "updates"}:
-                raise refuse("ema", stored, "a dict of module and updates")
-            check_state_dict(stored["module"], part.module.state_dict(), "ema module")
-            check_int(stored["updates"], "ema updates", 0, total)
-        elif isinstance(part, nn.Module):  # the model, the loss's state (and its epoch)
-            check_state_dict(stored, part.state_dict(), name, {"epoch": bounds.epochs or COUNT_MAX})
-        else:
-            raise TypeError(f"resume part {name}: {type(part).__name__} has no state check")
+        if checkpoint.get(name) is not None:
+            check_part(name, checkpoint[name], part, bounds)
     live_scaler = scaler.state_dict()
     if load_scaler and live_scaler:
         counters = dict.fromkeys(SCALER_COUNTERS, COUNT_MAX)

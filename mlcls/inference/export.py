@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from mlcls import __version__
+from mlcls.config_tree import nested_get
 from mlcls.data.pipeline.preprocess import input_size
 from mlcls.errors import InferenceError
 from mlcls.inference.predictor import InferenceModel, load_inference_model
@@ -74,7 +75,7 @@ def export_metadata(inference: InferenceModel) -> dict[str, Any]:
             "description": "per-class logits; probability = sigmoid(logit); class c is predicted when "
             "logit >= thresholds[c] (probability >= 0.5 when thresholds is null)",
         },
-        "model": (inference.config.get("model") or {}).get("name"),
+        "model": nested_get(inference.config, "model", "name"),
         "checkpoint": str(inference.checkpoint),
     }
 

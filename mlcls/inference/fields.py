@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mlcls.engine.state_checks import weights_difference
 from mlcls.errors import InferenceError, is_integer, is_number, plural, shown
 from mlcls.metrics.thresholds import SPLIT_NAMES
 
@@ -81,26 +82,13 @@ def check_weights_fit(
 ) -> None:
     """Raise :class:`InferenceError`, naming the first key that differs, unless ``weights`` has exactly the
     keys and shapes of the state dict of ``skeleton``, the model of ``num_classes`` outputs built on the
-    ``meta`` device (``load_state_dict(strict=True)``'s rule)."""
-    expected = skeleton.state_dict()
-    model = f"the model its config describes for {plural(num_classes, 'class name')}"
-    missing = [key for key in expected if key not in weights]
-    if missing:
+    ``meta`` device."""
+    difference = weights_difference(skeleton.state_dict(), weights, "the model")
+    if difference is not None:
         raise InferenceError(
-            f"{path}: weights do not fit {model}: {missing[0]} is not in the file "
-            f"({plural(len(missing), 'tensor')} missing)"
+            f"{path}: weights do not fit the model its config describes for "
+            f"{plural(num_classes, 'class name')}: {difference}"
         )
-    unexpected = [key for key in weights if key not in expected]
-    if unexpected:
-        raise InferenceError(
-            f"{path}: weights do not fit {model}: the file has {unexpected[0]}, which it lacks"
-        )
-    for key, tensor in expected.items():
-        if weights[key].shape != tensor.shape:
-            raise InferenceError(
-                f"{path}: weights do not fit {model}: {key} is {tuple(weights[key].shape)} in the file, "
-                f"{tuple(tensor.shape)} in the model"
-            )
 
 
 # Where a text-query head keeps its class embeddings in a checkpoint's weights (HeadedModel's ``head``).

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from mlcls.config_tree import nested_get
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, to_rgb
 from mlcls.data.images import read_image
 from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_checkpoint
@@ -140,9 +141,7 @@ def load_inference_model(
     preprocess = spec_from_checkpoint(state)
     thresholds = stored_thresholds(state, len(classes), path)
     split = stored_thresholds_split(state, path)
-    model_cfg = config.get("model")
-    head = model_cfg.get("head") if isinstance(model_cfg, dict) else None
-    head_name = head.get("name") if isinstance(head, dict) else None
+    head_name = nested_get(config, "model", "head", "name")
     queries = stored_class_embeddings(weights, classes, head_name, path) if head_name in TEXT_HEADS else None
     with torch.device("meta"):  # shapes only: checked against the weights before any memory is taken
         skeleton = build_model(config, len(classes), queries)
@@ -153,10 +152,7 @@ def load_inference_model(
     except RuntimeError as exc:
         raise InferenceError(f"{path}: weights do not fit the config's model ({first_line(exc)})") from exc
     if not isinstance(device, torch.device):
-        try:
-            device = resolve_device(device)
-        except (ValueError, RuntimeError) as exc:
-            raise InferenceError(str(exc).replace("trainer.device", "device")) from exc
+        device = resolve_device(device, "device")
     return InferenceModel(
         model=model.eval().to(device),
         classes=list(classes),
