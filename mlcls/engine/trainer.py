@@ -6,7 +6,6 @@ A run's calls, top-down in this file::
         -> relabel_training_set                   (after an epoch, for a loss that asks: EM's APL)
         -> select_best -> measure -> evaluate      (every trainer.eval_every epochs, and after the last)
         -> Checkpointer.save                      (after each epoch; mid-epoch on a stop signal)
-        -> results                                (results.json, after each evaluated epoch)
 
 Where training stands is ``state.epoch`` (complete epochs) and ``state.step`` (steps of the next one); a
 stop signal writes a checkpoint there and raises :class:`Preempted`, and ``trainer.resume=auto`` continues.
@@ -19,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -28,9 +27,8 @@ from omegaconf import DictConfig
 from torch import nn
 from tqdm import tqdm
 
-from mlcls.data.datasets.labels import label_counts
 from mlcls.data.loader import DevicePrefetcher
-from mlcls.distributed import all_gather_object, all_reduce_sum
+from mlcls.distributed import all_reduce_sum
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import Run, build_run
 from mlcls.engine.checkpoint import EpochProgress, write_json
@@ -47,10 +45,10 @@ from mlcls.engine.evaluate import (
 )
 from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm, step_if_finite
 from mlcls.engine.optim import group_lrs
+from mlcls.engine.results import record_skipped_images, run_results
 from mlcls.engine.rundir import close_run_dir
 from mlcls.errors import plural
 from mlcls.models.factory import backbone_in_eval
-from mlcls.provenance import collect_provenance
 
 log = logging.getLogger("mlcls")
 
@@ -62,20 +60,6 @@ __all__ = ["EXIT_PREEMPTED", "Evaluation", "NonFiniteError", "Preempted", "Train
 def selection_score(record: dict[str, Any]) -> float:
     """The mAP@class that selects the best epoch: the held-out split's when there is one, else its own."""
     return record.get("selection", record)["mAP_class"]
-
-
-def record_skipped_images(counts: dict[str, Any], datasets: Iterable[Any]) -> None:
-    """Add the files any rank's ``datasets`` skipped since the last call to ``counts["skipped_images"]``."""
-    mine: list[str] = []
-    for dataset in datasets:
-        dataset = getattr(dataset, "dataset", dataset)  # a Subset (trainer.limit_val_batches)
-        if hasattr(dataset, "pop_bad_images"):
-            mine.extend(dataset.pop_bad_images())
-    skipped = counts["skipped_images"]
-    new = sorted({p for part in all_gather_object(mine) for p in part} - set(skipped))
-    if new:
-        log.warning("skipped %s, e.g. %s", plural(len(new), "unreadable image"), new[0])
-        skipped.extend(new)
 
 
 class Preempted(Exception):
@@ -356,47 +340,10 @@ class Trainer:
         self.checkpointer.save(is_best, progress, self.best_thresholds, self.thresholds_split)
 
     def results(self, epochs_completed: int) -> dict[str, Any]:
-        """The content of results.json after ``epochs_completed`` epochs: the last evaluation's ``metrics`` on
-        the validation split (per-class AP apart), with a held-out split its ``selection`` figures and
-        ``dataset["holdout_size"]``, with unseen classes ``dataset["unseen_classes"]`` (``num_classes``
-        counts the trained)."""
-        state, data, world_size = self.state, self.data, self.dist.world_size
-        metrics, counts, history = state.last_metrics or {}, state.counts, state.history
-        unseen = []  # dataset.unseen_classes: the evaluated classes no training target held
-        if self.zero_shot is not None:
-            unseen = [self.zero_shot.classes[c] for c in self.zero_shot.unseen.nonzero()[:, 0].tolist()]
-        return {
-            "metrics": {k: v for k, v in metrics.items() if k != "per_class_ap"},
-            "best": state.best,
-            "per_class_ap": metrics.get("per_class_ap", {}),
-            "dataset": {
-                "name": self.cfg.dataset.name,
-                "num_classes": len(self.classes),
-                "train_size": len(data.train_set),
-                "val_size": len(data.val_set),
-                **({} if data.holdout_set is None else {"holdout_size": len(data.holdout_set)}),
-                **({"unseen_classes": unseen} if unseen else {}),
-            },
-            "epochs_completed": epochs_completed,
-            "counts": {
-                "skipped_steps": counts["skipped_steps"],
-                "skipped_images": len(counts["skipped_images"]),
-                "skipped_image_files": counts["skipped_images"][:100],
-                "ignored_train_labels": label_counts(data.train_set).unknown,
-            },
-            "history": history,
-            "resumes": state.resumes,
-            "world_size": world_size,
-            "provenance": collect_provenance(
-                self.cfg,
-                world_size,
-                self.device,
-                len(data.train_set),
-                len(data.val_set),
-                state.wall_time_s,
-                history[-1]["images_per_s"] if history else float("nan"),
-            ),
-        }
+        """What results.json holds after ``epochs_completed`` epochs (see :func:`run_results`)."""
+        return run_results(
+            self.cfg, self.state, self.data, self.dist.world_size, self.device, epochs_completed
+        )
 
     def write_results(self, epochs_completed: int) -> None:
         results = self.results(epochs_completed)
