@@ -13,7 +13,7 @@ import torch.distributed as dist
 from conftest import TINY, compose_config
 from ranks import free_port
 
-from mlcls import distributed as collectives
+from mlcls import collectives
 from mlcls.engine.trainer import Trainer
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from sklearn.metrics import average_precision_score, precision_score, recall_score
 
-from mlcls.distributed import communication_device, gather_rank_parts
+from mlcls.collectives import communication_device, gather_rank_parts
 from mlcls.metrics import ap as ap_module
 from mlcls.metrics import (
     average_precision,

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from ranks import run_ranks
 
+from mlcls.collectives import gather_rank_parts
 from mlcls.data.loader import build_eval_loader
-from mlcls.distributed import gather_rank_parts
 from mlcls.engine.evaluate import calibrate_on_main, evaluate
 from mlcls.metrics import compute_metrics
 

@@ -163,7 +163,7 @@ def test_each_concern_is_defined_once() -> None:
     assert {name: defined[name] for name in ONE_HOME} == dict.fromkeys(ONE_HOME, 1)
 
 
-# torch.distributed's collectives: called from mlcls/distributed.py only (plus the process group's set-up).
+# torch.distributed's collectives: called from mlcls/collectives.py only (plus the process group's set-up).
 COLLECTIVES = {"all_gather", "all_gather_object", "all_reduce", "broadcast", "broadcast_object_list"}
 COLLECTIVES |= {"gather", "barrier", "reduce_scatter", "all_to_all", "scatter"}
 
@@ -176,7 +176,7 @@ def test_collectives_have_one_home() -> None:
                 owner = ast.unparse(node.value)
                 if owner in ("dist", "torch.distributed"):
                     callers.add(name)
-    assert callers == {"mlcls.distributed"}
+    assert callers == {"mlcls.collectives"}
 
 
 def test_every_test_the_package_cites_exists() -> None:

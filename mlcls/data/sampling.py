@@ -86,7 +86,7 @@ class SeededSamples(Dataset):
 
 class RankSampler(Sampler[int]):
     """Evaluation sampler: rank ``r`` of ``W`` takes indices ``r, r + W, r + 2W, ...``, never a sample twice
-    (unlike ``DistributedSampler``), so that :func:`mlcls.distributed.gather_rank_parts` restores dataset
+    (unlike ``DistributedSampler``), so that :func:`mlcls.collectives.gather_rank_parts` restores dataset
     order exactly."""
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1) -> None:

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from mlcls import distributed as collectives
+from mlcls import collectives
 from mlcls.config_tree import nested_get
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import (

@@ -1,5 +1,5 @@
 """Process-group set-up under torchrun or SLURM, and what every rank agrees on: a failure, and a stop
-request (the collectives themselves are :mod:`mlcls.distributed`'s).
+request (the collectives themselves are :mod:`mlcls.collectives`'s).
 
 The group has two backends: NCCL for CUDA tensors and gloo for CPU tensors (the stop flag, a rank's
 status, objects), which never wait for the GPU's stream: a status exchange can end every rank when one
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from mlcls.distributed import all_gather_object, all_reduce_max, initialized
+from mlcls.collectives import all_gather_object, all_reduce_max, initialized
 from mlcls.errors import ConfigError
 
 log = logging.getLogger("mlcls")

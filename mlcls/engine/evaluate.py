@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from mlcls import distributed as collectives
+from mlcls import collectives
 from mlcls.engine import distributed as dist_utils
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from mlcls import distributed as collectives
+from mlcls import collectives
 from mlcls.data.datasets.labels import label_counts
 from mlcls.engine.build import RunData
 from mlcls.engine.checkpoint import TrainState

@@ -17,7 +17,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
-from mlcls import distributed as collectives
+from mlcls import collectives
 from mlcls.engine import distributed as dist_utils
 from mlcls.errors import is_integer
 from mlcls.io import (

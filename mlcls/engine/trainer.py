@@ -27,8 +27,8 @@ from omegaconf import DictConfig
 from torch import nn
 from tqdm import tqdm
 
+from mlcls.collectives import all_reduce_sum
 from mlcls.data.loader import DevicePrefetcher
-from mlcls.distributed import all_reduce_sum
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import Run, build_run
 from mlcls.engine.checkpoint import EpochProgress, write_json

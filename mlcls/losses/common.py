@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from mlcls.distributed import gather_batch
+from mlcls.collectives import gather_batch
 
 REDUCTIONS = ("mean", "sum", "sum_per_sample")
 # Inside a bucket tensor (K, M, C): a sample's logits lie along dim 2, a class's logits along dim 1.

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mlcls.distributed import all_gather_rows, gather_batch
+from mlcls.collectives import all_gather_rows, gather_batch
 from mlcls.losses.common import (
     MultiLabelLoss,
     autocast_disabled,

@@ -2,7 +2,7 @@
 
 :func:`compute_metrics` is the single entry point of evaluation: every figure of ``results.json`` from
 the gathered logits and labels of the whole evaluation set (see
-:func:`mlcls.distributed.gather_rank_parts`). Definitions, edge cases and reductions are in
+:func:`mlcls.collectives.gather_rank_parts`). Definitions, edge cases and reductions are in
 :mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1`, :mod:`mlcls.metrics.zero_shot` and docs/metrics.md;
 the input checks they share are in :mod:`mlcls.metrics.checks`.
 """
