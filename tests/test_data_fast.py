@@ -115,6 +115,7 @@ def _geometry(pixels: np.ndarray, width: int, height: int) -> tuple[float, float
     return span_x * span_y / (width * height), math.log(span_x / span_y), x_last < x_first
 
 
+@pytest.mark.slow  # over 2 s of the fast run's time
 def test_crop_scale_aspect_and_flip_distribution_match_torchvision(ramp):
     """Crop area, aspect ratio and flip rate read off the output pixels of a coordinate-ramp image, against
     torchvision's RandomResizedCrop + RandomHorizontalFlip (independent seeds); the reductions 2, 4 and 8

@@ -63,6 +63,7 @@ def memory_cap(headroom: int = MEMORY_HEADROOM) -> Iterator[None]:
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc")
 
 
+@pytest.mark.slow  # over 2 s of the fast run's time
 def test_the_cap_stops_the_resize_of_the_bomb(tmp_path: Path) -> None:
     """The cap the other tests run under is real: PIL cannot make the 256 x 7.68 M resize under it."""
     with Image.open(write_thin_png(tmp_path / "thin.png")) as img:

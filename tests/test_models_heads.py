@@ -178,6 +178,7 @@ def saved_activation_bytes(module: torch.nn.Module, features: torch.Tensor) -> i
     return sum(size for pointer, size in storages.items() if pointer not in inputs_and_params)
 
 
+@pytest.mark.slow  # over 2 s of the fast run's time
 def test_mldecoder_at_open_images_scale_is_leaner_than_the_linear_head():
     """C = 9,605 on ResNet-50's 2048 x 14 x 14 map (448 px), batch 8: 14.5 M parameters (58 MB), fewer than
     the linear head's 19.7 M, and under 100 MB of activations kept for the backward pass, within 1 MB of

@@ -51,6 +51,7 @@ class RecordingWriter:
         self.images.append((tag, image.shape, step, dataformats))
 
 
+@pytest.mark.slow  # over 2 s of the fast run's time
 def test_write_plots_files_and_tensorboard_images(tmp_path):
     scores, labels, names = problem(12)
     writer = RecordingWriter()

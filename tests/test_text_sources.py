@@ -214,6 +214,7 @@ def sentence_folder(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow  # over 2 s of the fast run's time
 def test_sentence_equals_the_library_s_own_encode(sentence_folder, monkeypatch):
     library = pytest.importorskip("sentence_transformers")
     reference = library.SentenceTransformer(str(sentence_folder), device="cpu").encode(
