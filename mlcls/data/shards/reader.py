@@ -80,23 +80,20 @@ def expand_urls(urls: str | list[str]) -> list[str]:
             raise DatasetConfigError(
                 f"a shard URL is {type(pattern).__name__} {pattern!r}; expected a string"
             )
-    too_many = DatasetConfigError(
-        f"the shard URLs {patterns[0][:80]!r}… expand to over {MAX_SHARD_URLS:,} shards; expected one "
-        "pattern (or a list) per split"
-    )
-    if sum(map(range_values, patterns)) > MAX_SHARD_URLS:  # braceexpand makes each range whole first
-        raise too_many
+    within = sum(map(range_values, patterns)) <= MAX_SHARD_URLS  # braceexpand makes each range whole first
     try:
-        expanded = list(
-            itertools.islice(itertools.chain.from_iterable(map(braceexpand, patterns)), MAX_SHARD_URLS + 1)
-        )
+        chained = itertools.chain.from_iterable(map(braceexpand, patterns))
+        expanded = list(itertools.islice(chained, MAX_SHARD_URLS + 1)) if within else []
     except UnbalancedBracesError as exc:
         raise DatasetConfigError(
             f"the shard URLs {patterns[0][:80]!r} have unbalanced braces; expected a pattern such as "
             "'train-{000000..000123}.tar'"
         ) from exc
-    if len(expanded) > MAX_SHARD_URLS:
-        raise too_many
+    if not within or len(expanded) > MAX_SHARD_URLS:
+        raise DatasetConfigError(
+            f"the shard URLs {patterns[0][:80]!r}… expand to over {MAX_SHARD_URLS:,} shards; expected one "
+            "pattern (or a list) per split"
+        )
     return expanded
 
 
