@@ -141,10 +141,8 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, rows: Tensor) -> Tensor:
-        parts = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, rows)
         ctx.span = (dist.get_rank() * rows.shape[0], (dist.get_rank() + 1) * rows.shape[0])
-        return torch.cat(parts)
+        return all_gather_rows(rows)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:

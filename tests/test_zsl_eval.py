@@ -59,8 +59,8 @@ def test_a_stored_text_config_names_an_mlcls_text_encoder_or_nothing_is_called(t
     with pytest.raises(
         ConfigError, match=r"^the text config's _target_ is 'os.makedirs'; expected a text enc"
     ):
-        eval_cli.zero_shot_evaluation(inference, ["b"], ["a", "b"], trust=False)
+        eval_cli.unseen_text_source(inference, trust=False)
     inference.text = None
     with pytest.raises(ConfigError, match=r"^crafted.pt holds no text source \('text'\) to embed the unseen"):
-        eval_cli.zero_shot_evaluation(inference, ["b"], ["a", "b"], trust=False)
+        eval_cli.unseen_text_source(inference, trust=False)
     assert not made.exists()

@@ -165,21 +165,25 @@ def evaluation_dataset(
     return build_dataset(dataset_cfg, train=False)
 
 
-def zero_shot_evaluation(
-    inference: Any, unseen: Any, dataset_classes: list[str], trust: bool
-) -> ZeroShot | None:
-    """The zero-shot evaluation of the checkpoint's model on ``dataset_classes``, embedded by its stored text
-    encoder (:func:`mlcls.text.encoder_from_stored`: a class of mlcls.text, plain options), or with
-    ``trust`` by the run's text config as it is."""
+def unseen_text_source(inference: Any, trust: bool) -> Any:
+    """What embeds the unseen classes: the checkpoint's stored text encoder
+    (:func:`mlcls.text.encoder_from_stored`: a class of mlcls.text, plain options), or with ``trust`` the
+    run's text config as it is."""
     if trust:
-        text: Any = stored_plain(inference.config.get("text"), "text")
-    elif inference.text is None:
+        return stored_plain(inference.config.get("text"), "text")
+    if inference.text is None:
         raise ConfigError(
             f"{inference.checkpoint} holds no text source ('text') to embed the unseen classes; pass "
             "trust_checkpoint=true for a file you wrote"
         )
-    else:
-        text = encoder_from_stored(inference.text)
+    return encoder_from_stored(inference.text)
+
+
+def zero_shot_evaluation(
+    inference: Any, text: Any, unseen: Any, dataset_classes: list[str]
+) -> ZeroShot | None:
+    """The zero-shot evaluation of the checkpoint's model on ``dataset_classes``, embedded by ``text``
+    (:func:`unseen_text_source`)."""
     try:
         named = unseen_class_names(unseen, dataset_classes)
         return ZeroShot.of(inference.classes, dataset_classes, text, named)
@@ -196,8 +200,7 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
     if "dataset" not in inference.config:
         raise ConfigError(f"{cfg.checkpoint} holds no dataset config; is it an mlcls checkpoint?")
     given = {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if v is not None}
-    stored_unseen = (inference.config["dataset"] or {}).get("unseen_classes")
-    unseen = given.pop("unseen_classes", None) or stored_unseen
+    unseen = given.pop("unseen_classes", None) or nested_get(inference.config, "dataset", "unseen_classes")
     if unseen and text_query_head(inference.model) is None:  # only it scores untrained classes
         head = nested_get(inference.config, "model", "head", "name")  # checked by load_inference_model
         raise ConfigError(
@@ -205,12 +208,13 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
             f"queries: it scores only the {len(inference.classes)} classes it was trained on; expected a "
             f"checkpoint of model.head={' or '.join(TEXT_HEADS)}"
         )
+    text = unseen_text_source(inference, trust) if unseen else None  # checked before any data is read
     dataset = evaluation_dataset(inference.config["dataset"], given, inference.classes, trust)
     if len(dataset) == 0:
         raise ConfigError(
             f"the evaluation set of {cfg.checkpoint} holds no image; give dataset.<key>=… of one"
         )
-    zero_shot = zero_shot_evaluation(inference, unseen, list(dataset.classes), trust) if unseen else None
+    zero_shot = zero_shot_evaluation(inference, text, unseen, list(dataset.classes)) if unseen else None
     if zero_shot is None and list(dataset.classes) != inference.classes:
         raise ConfigError(
             f"the evaluation set's classes ({len(dataset.classes)}: {', '.join(dataset.classes[:5])}, …) "

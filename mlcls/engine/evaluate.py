@@ -109,6 +109,11 @@ class ZeroShot:
         embeddings = class_embeddings(text_cfg, list(evaluated))
         return cls(list(evaluated), embeddings, unseen, trained_columns)
 
+    @property
+    def unseen_classes(self) -> list[str]:
+        """The names of the :attr:`unseen` columns, in the evaluated order."""
+        return [name for name, unseen in zip(self.classes, self.unseen.tolist(), strict=True) if unseen]
+
     @contextlib.contextmanager
     def scoring(self, model: nn.Module) -> Iterator[None]:
         """``model``'s text-query head scores :attr:`classes` within the block, its own embeddings restored

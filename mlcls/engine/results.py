@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +13,6 @@ from mlcls import collectives
 from mlcls.data.datasets.labels import label_counts
 from mlcls.engine.build import RunData
 from mlcls.engine.checkpoint import TrainState
-from mlcls.engine.evaluate import evaluated_classes
 from mlcls.errors import plural
 from mlcls.provenance import collect_provenance
 
@@ -27,17 +26,13 @@ def run_results(
     world_size: int,
     device: torch.device,
     epochs_completed: int,
+    unseen: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The content of results.json: the last evaluation's ``metrics`` on the validation split (per-class AP
-    apart), with a held-out split its ``selection`` figures and ``dataset["holdout_size"]``, with unseen
-    classes ``dataset["unseen_classes"]`` (``num_classes`` counts the trained)."""
+    apart), with a held-out split its ``selection`` figures and ``dataset["holdout_size"]``, with ``unseen``
+    classes (the trainer's zero-shot evaluation's) ``dataset["unseen_classes"]`` (``num_classes`` counts the
+    trained)."""
     metrics = state.last_metrics or {}
-    trained = set(data.classes)
-    unseen = (
-        [name for name in evaluated_classes(data.val_set) if name not in trained]
-        if cfg.dataset.get("unseen_classes")
-        else []
-    )
     counts, history = state.counts, state.history
     return {
         "metrics": {k: v for k, v in metrics.items() if k != "per_class_ap"},
@@ -49,7 +44,7 @@ def run_results(
             "train_size": len(data.train_set),
             "val_size": len(data.val_set),
             **({} if data.holdout_set is None else {"holdout_size": len(data.holdout_set)}),
-            **({"unseen_classes": unseen} if unseen else {}),
+            **({"unseen_classes": list(unseen)} if unseen else {}),
         },
         "epochs_completed": epochs_completed,
         "counts": {

@@ -341,8 +341,9 @@ class Trainer:
 
     def results(self, epochs_completed: int) -> dict[str, Any]:
         """What results.json holds after ``epochs_completed`` epochs (see :func:`run_results`)."""
+        unseen = [] if self.zero_shot is None else self.zero_shot.unseen_classes
         return run_results(
-            self.cfg, self.state, self.data, self.dist.world_size, self.device, epochs_completed
+            self.cfg, self.state, self.data, self.dist.world_size, self.device, epochs_completed, unseen
         )
 
     def write_results(self, epochs_completed: int) -> None:
