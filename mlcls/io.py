@@ -104,15 +104,19 @@ def open_regular(
 def read_regular_bytes(path: str | Path, max_bytes: int, what: str = "file") -> bytes:
     """The bytes of the regular file ``path``, at most ``max_bytes`` (also while it grows)."""
     with open_regular(path, max_bytes=max_bytes, what=what) as f:
-        # in blocks: ``f.read(max_bytes + 1)`` would allocate the whole cap at once
-        data, left = bytearray(), max_bytes + 1
-        while left and (block := f.read(min(left, 1 << 24))):
-            data += block
-            left -= len(block)
-        data = bytes(data)
+        return read_capped(f, max_bytes, str(path), what)
+
+
+def read_capped(stream: IO[bytes], max_bytes: int, name: str, what: str = "file") -> bytes:
+    """The bytes of the open ``stream`` (a file that may grow, an HTTP body, a command's output) named
+    ``name``; :class:`FileTooLargeError` once it holds more than ``max_bytes``."""
+    data, left = bytearray(), max_bytes + 1  # in blocks: ``read(max_bytes + 1)`` allocates the whole cap
+    while left and (block := stream.read(min(left, 1 << 20))):  # a read of n bytes allocates n first
+        data += block
+        left -= len(block)
     if len(data) > max_bytes:
-        raise FileTooLargeError(f"{path} grew past {_describe(max_bytes)} while read; a {what} expected")
-    return data
+        raise FileTooLargeError(f"{name} holds over {_describe(max_bytes)}; a {what} expected")
+    return bytes(data)
 
 
 def read_text(path: str | Path, what: str, max_bytes: int | None = None, errors: str = "strict") -> str:

@@ -332,3 +332,18 @@ def test_a_shard_url_pattern_of_too_many_shards_is_one_line_at_once(pattern: str
     assert not outcome.escaped, outcome
     assert outcome.error == "DatasetConfigError" and "\n" not in outcome.message, outcome
     assert outcome.message.startswith("the shard URLs ") and message in outcome.message
+
+
+@pytest.mark.parametrize("sidecar", ["manifest.json", "train-labels.npz"])
+def test_a_sidecar_past_its_cap_is_one_line_before_it_is_read(copy: Path, sidecar: str) -> None:
+    """The manifest is read within ``CAPS["manifest"]``, a labels sidecar within the size the manifest
+    records (old: either was read whole, here 64 MiB or 256 MiB of a sparse file)."""
+    from mlcls.io import CAPS
+
+    path = copy / sidecar
+    grown = CAPS["manifest"] + 1 if sidecar == "manifest.json" else path.stat().st_size + (64 << 20)
+    with open(path, "r+b") as f:
+        f.truncate(grown)
+    error, peak = peak_of(lambda: open_shards("train", root=str(copy)))
+    assert peak < 16 << 20, peak
+    assert str(path) in str(error) and "\n" not in str(error), error

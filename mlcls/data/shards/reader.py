@@ -28,7 +28,7 @@ from mlcls.data.datasets.labels import SparseLabels
 from mlcls.data.shards.pack import CLASSES_FILE, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.shards.tario import npy_array, tar_files
 from mlcls.formats import upgrade
-from mlcls.io import NotRegularFileError, open_regular
+from mlcls.io import CAPS, NotRegularFileError, open_regular, read_capped
 
 ROLES = ("train", "val")
 SHARD_NAME = re.compile(r"[^/\s]+\.tar")
@@ -43,12 +43,12 @@ FILE_RECORD = {"name": str, "bytes": int, "sha256": str}  # the manifest's recor
 SHARD_RECORD = {**FILE_RECORD, "samples": int}
 
 
-def open_url(url: str) -> IO[bytes]:
-    """A binary stream of ``url``: a local path opened as a file, anything else (``http(s)://``, a ``pipe:``
-    command, ...) by ``webdataset``'s ``gopen``."""
+def open_url(url: str, max_bytes: int | None = None) -> IO[bytes]:
+    """A binary stream of ``url``: a local path opened as a file (refused over ``max_bytes``), anything else
+    (``http(s)://``, a ``pipe:`` command, ...) by ``webdataset``'s ``gopen``."""
     if is_local(url):
         try:
-            return open_regular(url)
+            return open_regular(url, max_bytes=max_bytes)
         except NotRegularFileError as exc:
             raise DatasetLayoutError(str(exc)) from exc
         except OSError as exc:
@@ -65,9 +65,10 @@ def open_url(url: str) -> IO[bytes]:
         raise DatasetLayoutError(f"cannot open {url}: {exc}") from exc
 
 
-def read_url(url: str) -> bytes:
-    with open_url(url) as stream:
-        return stream.read()
+def read_url(url: str, max_bytes: int = CAPS["manifest"]) -> bytes:
+    """The bytes of the sidecar ``url`` (a manifest, class list or labels file), at most ``max_bytes``."""
+    with reading(url), open_url(url, max_bytes) as stream:
+        return read_capped(stream, max_bytes, url, "shard sidecar")
 
 
 def expand_urls(urls: str | list[str]) -> list[str]:
@@ -218,7 +219,7 @@ class ShardIndex:
         """The bytes of the sidecar file the manifest records as ``entry`` (name, bytes, sha256), checked
         against its sha256."""
         url = f"{self.meta}/{entry['name']}"
-        data = read_url(url)
+        data = read_url(url, min(entry["bytes"], CAPS["label file"]))  # the size the manifest records
         if hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise DatasetFormatError(
                 f"{url} is not the file {MANIFEST_FILE} records (its sha256 differs: replaced or damaged "
