@@ -69,3 +69,11 @@ def test_vispr_errors(tmp_path: Path) -> None:
     annotation.write_text("{not json")
     with pytest.raises(DatasetFormatError, match=r"cannot parse .*2017_10001018\.json"):
         VISPR("train", root=str(root))
+
+
+def test_an_attribute_file_not_utf8_is_one_line_naming_it(tmp_path: Path) -> None:
+    """Read through the annotation files' error door (old: a bare UnicodeDecodeError naming no file)."""
+    root = write_vispr(tmp_path)
+    (root / "attributes.tsv").write_bytes(b"idx\tattribute_id\n0\ta0_\xffsafe\n")
+    with pytest.raises(DatasetFormatError, match=rf"^cannot parse {root / 'attributes.tsv'}: 'utf-8' codec"):
+        VISPR("test", root=str(root))

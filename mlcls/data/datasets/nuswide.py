@@ -44,7 +44,7 @@ _WHITESPACE = np.frombuffer(b" \t\r\n", dtype=np.uint8)
 
 def read_names(path: Path, count: int, what: str) -> list[str]:
     """The ``count`` distinct names of the class list ``path``, one a line, in file order."""
-    names = read_regular_bytes(path, CAPS["class list"], "class list").decode("utf-8", "replace").split()
+    names = read_text(path, "class list", errors="replace").split()
     if len(names) != count or len(set(names)) != count:
         raise DatasetFormatError(
             f"{path}: {len(names)} names ({len(set(names))} distinct); expected the {count} distinct {what} "

@@ -30,11 +30,12 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
+    reading,
     require_files,
     resolve_path,
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels
-from mlcls.io import open_regular, read_text
+from mlcls.io import CAPS, open_regular, read_text
 
 log = logging.getLogger("mlcls")
 
@@ -144,7 +145,10 @@ class OpenImages(SparseLabelled, MultiLabelDataset):
 @contextlib.contextmanager
 def _csv_rows(path: Path, columns: Sequence[str]) -> Iterator[tuple[Iterator[list[str]], dict[str, int]]]:
     """``(rows, column index)`` of an open CSV whose header row holds ``columns``."""
-    with open_regular(path, "r", newline="", encoding="utf-8") as handle:
+    with (
+        reading(path),
+        open_regular(path, "r", max_bytes=CAPS["label file"], newline="", encoding="utf-8") as handle,
+    ):
         reader = csv.reader(handle)
         header = next(reader, [])
         missing = [c for c in columns if c not in header]

@@ -19,9 +19,10 @@ from mlcls.data.datasets.base import (
     Sample,
     check_choice,
     load_json,
+    reading,
     require_files,
 )
-from mlcls.io import open_regular, read_text
+from mlcls.io import CAPS, open_regular, read_text
 
 SPLIT_LISTS = {
     "train": ("train2017", "val2017"),
@@ -53,7 +54,10 @@ class VISPR(MultiLabelDataset):
         root_path = Path(root)
 
         path = root_path / "attributes.tsv"  # the attribute ids in the order of the idx column, 0..C-1
-        with open_regular(path, "r", newline="", encoding="utf-8") as f:
+        with (
+            reading(path),
+            open_regular(path, "r", max_bytes=CAPS["class list"], newline="", encoding="utf-8") as f,
+        ):
             attributes = list(csv.DictReader(f, delimiter="\t"))
         if not attributes or not {"idx", "attribute_id"} <= attributes[0].keys():
             raise DatasetFormatError(f"{path}: expected tab-separated columns 'idx' and 'attribute_id'")
