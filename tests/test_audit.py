@@ -305,3 +305,35 @@ def test_a_stored_fold_split_with_wrong_folds_is_one_line(options, message) -> N
     with pytest.raises(DatasetConfigError) as raised:
         build_dataset(OmegaConf.create(fold_cfg), train=False)
     assert str(raised.value) == message
+
+
+def test_a_saved_fold_is_checked_before_it_is_loaded(tmp_path: Path) -> None:
+    """An earlier audit's fold file, read back: a genuine one as saved; one without its settings, or whose
+    deflated member would expand to 64 MB, is one line before any array is loaded (old: a KeyError
+    traceback, and the whole member unpacked)."""
+    import tracemalloc
+
+    from mlcls.errors import ConfigError
+    from mlcls.reporting.audit import read_fold
+
+    rows, probs = np.arange(4), np.full((4, 3), 0.5, dtype=np.float32)
+    np.savez(tmp_path / "good.npz", rows=rows, probabilities=probs, settings=np.array("{}"))
+    settings, read_rows, read_probs = read_fold(tmp_path / "good.npz")
+    assert settings == "{}" and read_rows.tolist() == rows.tolist() and read_probs.tolist() == probs.tolist()
+    np.savez(tmp_path / "no_settings.npz", rows=rows, probabilities=probs)
+    bomb = np.zeros((1 << 14, 1 << 10), dtype=np.float32)  # 64 MB of zeros, under 100 kB deflated
+    np.savez_compressed(tmp_path / "bomb.npz", rows=rows, probabilities=bomb, settings=np.array("{}"))
+    for name, reason in (("no_settings", "no array 'settings'"), ("bomb", "its members declare 67,109,")):
+        tracemalloc.start()
+        try:
+            with pytest.raises(ConfigError) as raised:
+                read_fold(tmp_path / f"{name}.npz")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        message = str(raised.value)
+        assert (
+            message.startswith(f"{tmp_path / name}.npz is not a fold of mlcls-data audit (")
+            and reason in message
+        )
+        assert "\n" not in message and peak < 32 << 20, (message, peak)

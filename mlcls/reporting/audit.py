@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -34,6 +35,7 @@ from mlcls.errors import ConfigError, plural, printable
 from mlcls.io import CAPS, atomic_write, atomic_write_bytes, open_regular
 from mlcls.metrics.ap import map_class
 from mlcls.reporting.render import csv_text, spreadsheet_text
+from mlcls.reporting.report_data import check_npz_members
 from mlcls.reporting.report_html import Thumbnails, escape, page, sortable_table
 
 AUDIT_CSV, AUDIT_HTML = "audit.csv", "audit.html"
@@ -45,6 +47,8 @@ HELPFUL_MAP = 70.0
 # The settings a fold's probabilities depend on: a saved fold is reused only when they are unchanged.
 FOLD_SETTINGS = ("dataset", "model", "loss", "optim", "sched", "data")
 FOLD_TRAINER_SETTINGS = ("epochs", "batch_size", "seed", "amp", "ema_decay", "grad_clip")
+# A fold file's arrays (dtype kinds, named dims), as check_npz_members checks them before loading.
+FOLD_KINDS = {"rows": ("iu", ("N",)), "probabilities": ("f", ("N", "C")), "settings": ("U", ())}
 
 
 @dataclass(frozen=True)
@@ -151,18 +155,14 @@ def out_of_sample_probabilities(
     probabilities: np.ndarray | None = None
     for fold in range(folds):
         path = out / "folds" / f"fold_{fold}.npz"
-        if path.exists():  # saved by an earlier audit: with these settings, or refused in one line
-            with (
-                open_regular(path, max_bytes=CAPS["predictions"], what="fold") as file,
-                np.load(file) as saved,
-            ):
-                if str(saved["settings"]) != settings:
-                    raise ConfigError(
-                        f"{path} holds the probabilities of an audit with other settings; pass another "
-                        "out= or delete the folder"
-                    )
-                rows, probs = saved["rows"], saved["probabilities"]
-            say(f"fold {fold + 1}/{folds}: read from {path}")
+        saved = path.exists()  # by an earlier audit: with these settings, or refused in one line
+        if saved:
+            saved_settings, rows, probs = read_fold(path)
+            if saved_settings != settings:
+                raise ConfigError(
+                    f"{path} holds the probabilities of an audit with other settings; pass another "
+                    "out= or delete the folder"
+                )
         else:
             start = time.perf_counter()
             trainer = Trainer(fold_config(cfg, folds, fold, seed, out))
@@ -171,14 +171,37 @@ def out_of_sample_probabilities(
             if scores is None:  # resumed after its last epoch: the weights are trained, not yet scored
                 scores = trainer.measure().scores
             rows, probs = trainer.data.val_set.rows, torch.sigmoid(scores).numpy()
-            if not np.array_equal(rows, fold_rows(num_rows, folds, fold, seed)):
-                raise ConfigError(f"fold {fold}: the training split changed while the audit ran")
-            atomic_write(path, partial(np.savez, rows=rows, probabilities=probs, settings=np.array(settings)))
-            say(f"fold {fold + 1}/{folds}: trained and scored in {time.perf_counter() - start:.0f} s, {path}")
+        if not np.array_equal(rows, fold_rows(num_rows, folds, fold, seed)):
+            raise ConfigError(f"fold {fold}: the training split changed while the audit ran ({path})")
         if probabilities is None:
             probabilities = np.full((num_rows, probs.shape[1]), np.nan, dtype=np.float32)
+        if probs.shape[1] != probabilities.shape[1]:
+            raise ConfigError(
+                f"{path} scores {probs.shape[1]} classes, the other folds {probabilities.shape[1]}"
+            )
+        if saved:
+            say(f"fold {fold + 1}/{folds}: read from {path}")
+        else:
+            atomic_write(path, partial(np.savez, rows=rows, probabilities=probs, settings=np.array(settings)))
+            say(f"fold {fold + 1}/{folds}: trained and scored in {time.perf_counter() - start:.0f} s, {path}")
         probabilities[rows] = probs
     return probabilities
+
+
+def read_fold(path: Path) -> tuple[str, np.ndarray, np.ndarray]:
+    """``(settings, rows, probabilities)`` of a fold file an earlier audit saved, its members checked before
+    any is loaded (:func:`~mlcls.reporting.report_data.check_npz_members`); one :class:`ConfigError` line
+    for a file that is not one."""
+    try:
+        with open_regular(path, max_bytes=CAPS["predictions"], what="fold") as file:
+            check_npz_members(file, FOLD_KINDS)
+            file.seek(0)
+            with np.load(file, allow_pickle=False) as saved:
+                return str(saved["settings"]), saved["rows"], saved["probabilities"]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+        raise ConfigError(
+            f"{path} is not a fold of mlcls-data audit ({exc}); delete it or pass another out="
+        ) from None
 
 
 def rank_labels(labels: np.ndarray, probabilities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

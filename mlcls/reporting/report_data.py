@@ -160,12 +160,15 @@ PREDICTION_KINDS = {
 MAX_EXPANSION = 8
 
 
-def check_npz_members(file: Any) -> dict[str, tuple[int, ...]]:
+def check_npz_members(
+    file: Any, kinds: Mapping[str, tuple[str, tuple[str, ...]]] = PREDICTION_KINDS
+) -> dict[str, tuple[int, ...]]:
     """The shape of each array of the ``.npz`` archive ``file`` (open, seekable), checked before any array
     is read, so that what :func:`numpy.load` allocates is bounded by :data:`MAX_EXPANSION` times the file's
-    size: each of :data:`PREDICTION_KINDS` a member as ``np.savez`` writes it (:func:`check_npz_member`),
-    all together at most :data:`MAX_EXPANSION` times the file (a deflated member may declare 1,000 times its
-    bytes); each ``.npy`` header (:func:`~mlcls.data.shards.tario.npy_header`) naming a
+    size: each of ``kinds`` (name: dtype kinds, named dims; :data:`PREDICTION_KINDS`) a member as
+    ``np.savez`` writes it (:func:`check_npz_member`), all together at most :data:`MAX_EXPANSION` times the
+    file (a deflated member may declare 1,000 times its bytes); each ``.npy`` header
+    (:func:`~mlcls.data.shards.tario.npy_header`) naming a
     dtype of its kind, and a shape whose bytes are exactly the member's data (numpy allocates from the
     header's shape before reading); the shapes agreeing. :class:`ValueError` names the first that fails.
     """
@@ -179,15 +182,16 @@ def check_npz_members(file: Any) -> dict[str, tuple[int, ...]]:
         if total > MAX_EXPANSION * size:
             raise ValueError(f"its members declare {total:,} bytes in a file of {size:,}")
         shapes, sizes = {}, {}
-        for key, (kinds, dims) in PREDICTION_KINDS.items():
+        for key, (dtype_kinds, dims) in kinds.items():
             info = members.get(f"{key}.npy")
             if info is None:
                 raise ValueError(f"no array {key!r}")
             with archive.open(info) as stream:
                 dtype, shape, _, header = npy_header(stream.read(NPY_MAX_HEADER), f"{key}.npy")
-            if dtype.kind not in kinds or len(shape) != len(dims):
+            if dtype.kind not in dtype_kinds or len(shape) != len(dims):
                 raise ValueError(
-                    f"{key} is a {len(shape)}-d {dtype} array; a {len(dims)}-d one of kind {kinds} expected"
+                    f"{key} is a {len(shape)}-d {dtype} array; a {len(dims)}-d one of kind {dtype_kinds} "
+                    "expected"
                 )
             need = math.prod(shape) * dtype.itemsize
             if need != info.file_size - header:
