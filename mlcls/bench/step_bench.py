@@ -113,8 +113,8 @@ def run(
     if loop not in LOOPS:
         raise ValueError(f"--loop {loop!r}; expected one of {', '.join(LOOPS)}")
     with temporary_trainer(cfg) as (trainer, _):
-        cfg, device, size = trainer.cfg, trainer.device, trainer.data.local_batch
-        batch = synthetic_batch(size, int(cfg.dataset.image_size), len(trainer.classes))
+        cfg, device, batch_size = trainer.cfg, trainer.device, trainer.data.local_batch
+        batch = synthetic_batch(batch_size, int(cfg.dataset.image_size), len(trainer.classes))
         if device.type == "cuda":
             batch = tuple(tensor.pin_memory() for tensor in batch)
         torch.manual_seed(cfg.trainer.seed)  # the bare side: a fresh model of the same architecture
@@ -139,8 +139,8 @@ def run(
         step_s = median_step_seconds(contenders, device, repeats, steps, warmup)
         return {
             "loop": loop,
-            "trainer_images_per_s": size / step_s["trainer"],
-            "bare_images_per_s": size / step_s["bare"],
+            "trainer_images_per_s": batch_size / step_s["trainer"],
+            "bare_images_per_s": batch_size / step_s["bare"],
             "trainer_step_s": step_s["trainer"],
             "bare_step_s": step_s["bare"],
             "overhead": step_s["trainer"] / step_s["bare"] - 1.0,

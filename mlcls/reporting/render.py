@@ -20,7 +20,7 @@ from typing import Any
 
 from mlcls.errors import plural
 from mlcls.io import atomic_write_bytes
-from mlcls.reporting.run_files import is_number, yaml_text
+from mlcls.reporting.run_files import is_float_number, yaml_text
 from mlcls.reporting.run_table import HIGHER_IS_BETTER, RunsTable
 from mlcls.reporting.table_specs import FilledCell, FilledTable
 
@@ -153,9 +153,9 @@ def _runs_cell(column: str, value: Any) -> str:
     """A cell of the runs' Markdown table: mAP to 2 decimals, seconds to 1, None empty, text escaped."""
     if value is None:
         return ""
-    if column in HIGHER_IS_BETTER and is_number(value):
+    if column in HIGHER_IS_BETTER and is_float_number(value):
         return f"{value:.2f}"
-    if column == "wall_time_s" and is_number(value):
+    if column == "wall_time_s" and is_float_number(value):
         return f"{value:.1f}"
     return markdown_text(yaml_text(value))
 
@@ -164,7 +164,7 @@ def _runs_csv_cell(value: Any) -> str:
     """A cell of the runs' CSV table: numbers in full, None empty, text kept from running as a formula."""
     if value is None:
         return ""
-    return yaml_text(value) if is_number(value) else spreadsheet_text(yaml_text(value))
+    return yaml_text(value) if is_float_number(value) else spreadsheet_text(yaml_text(value))
 
 
 def render_runs_markdown(table: RunsTable) -> str:

@@ -168,17 +168,9 @@ def _class_detail(row: Mapping[str, Any], predictions: ValPredictions, cards: _C
     if len(recall):
         title, unit = f"{row['name']}: precision-recall", (0.0, 1.0)
         chart = ui.line_chart(
-            [("PR", recall, precision)],
-            title,
-            "recall",
-            "precision",
-            unit,
-            unit,
-            True,
-            marks,
-            width=360,
-            height=250,
-        )
+            [("PR", recall, precision)], title, "recall", "precision", unit, unit, steps=True, marks=marks,
+            width=360, height=250,
+        )  # fmt: skip
     own = cards.errors(
         {kind: errors[kind][c] for kind in ("fp", "fn")},
         ("Most confident false positives", "Most confident false negatives"),

@@ -28,7 +28,7 @@ from mlcls.io import CAPS, atomic_write, open_regular
 from mlcls.metrics import average_precision
 from mlcls.metrics.f1 import prediction_counts
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.run_files import error_text, is_number
+from mlcls.reporting.run_files import error_text, is_float_number
 from mlcls.reporting.run_table import differing_keys, flat_settings
 
 PREDICTIONS_FILE = "val_predictions.npz"
@@ -261,7 +261,9 @@ def history_curves(
     for title, y_label, margin, keys in CURVE_PANELS:
         series = []
         for label, key in keys:
-            shown = [h for h in history if "epoch" in h and is_number(h.get(key)) and math.isfinite(h[key])]
+            shown = [
+                h for h in history if "epoch" in h and is_float_number(h.get(key)) and math.isfinite(h[key])
+            ]
             series.append((label, [h["epoch"] for h in shown], [h[key] for h in shown]))
         panels.append((title, y_label, margin, series))
     return panels

@@ -26,8 +26,9 @@ MAX_CONFIG_DEPTH = 32
 MAX_INT = 2**53
 
 
-def is_number(value: Any) -> bool:
-    """A finite or infinite float, or an int of at most :data:`MAX_INT` in size; not a bool."""
+def is_float_number(value: Any) -> bool:
+    """A float (finite or not), or an int a float holds exactly (at most :data:`MAX_INT` in size); not a
+    bool: :func:`mlcls.errors.is_number` bounded as a run's figures and settings are shown."""
     return isinstance(value, float) or (is_integer(value) and abs(value) <= MAX_INT)
 
 
@@ -47,7 +48,7 @@ def _count(value: Any) -> bool:
 
 def _kind(value: Any) -> str:
     """What a JSON value is, for a message: its type, and short values themselves."""
-    if value is None or isinstance(value, bool) or is_number(value):
+    if value is None or isinstance(value, bool) or is_float_number(value):
         return json.dumps(value)
     if isinstance(value, str):
         return f"the text {json.dumps(value[:40])}" + ("..." if len(value) > 40 else "")
@@ -56,7 +57,7 @@ def _kind(value: Any) -> str:
 
 # What a leaf of results.json may hold, and the words of the refusal.
 LEAVES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "figure": (lambda v: v is None or is_number(v), "a number or null"),
+    "figure": (lambda v: v is None or is_float_number(v), "a number or null"),
     "count": (lambda v: v is None or _count(v), "a whole number >= 0 or null"),
     "epoch": (_count, "a whole number >= 0"),
     "processes": (lambda v: _count(v) and v >= 1, "a whole number >= 1"),

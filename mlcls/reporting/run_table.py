@@ -23,7 +23,7 @@ from typing import Any
 from mlcls.config_tree import flatten_config, nested_get
 from mlcls.losses.spec import loss_name
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.run_files import find_run_dirs, is_number, natural_order, read_run, yaml_text
+from mlcls.reporting.run_files import find_run_dirs, is_float_number, natural_order, read_run, yaml_text
 from mlcls.reporting.runs import built_name, epochs_left
 
 FIGURE_COLUMNS = ("status", "mAP_class", "mAP_sample", "best_epoch", "epochs_completed", "wall_time_s", "run")
@@ -151,6 +151,6 @@ def runs_table(paths: Iterable[Path | str], sort: str | None = None) -> RunsTabl
         value = row[sort]
         if value is None:
             return (2, 0, "")
-        return (0, sign * value, "") if is_number(value) else (1, 0, yaml_text(value))
+        return (0, sign * value, "") if is_float_number(value) else (1, 0, yaml_text(value))
 
     return RunsTable(columns, tuple(rows if sort is None else sorted(rows, key=order)))

@@ -16,7 +16,14 @@ from mlcls import errors
 from mlcls.config_tree import nested_get
 from mlcls.losses.spec import effective_bucket_size, loss_name
 from mlcls.reporting.paper import ReportError, load_paper
-from mlcls.reporting.run_files import config_groups, error_text, find_run_dirs, is_number, read_run, yaml_text
+from mlcls.reporting.run_files import (
+    config_groups,
+    error_text,
+    find_run_dirs,
+    is_float_number,
+    read_run,
+    yaml_text,
+)
 
 METRICS = {"mAP_class": "mAP@class", "mAP_sample": "mAP@sample"}
 # The ImageNet weights of each Table 7 backbone (timm names): the torchvision weights where timm has them;
@@ -154,7 +161,9 @@ def epochs_left(config: Mapping[str, Any], results: Mapping[str, Any]) -> tuple[
     """``(epochs completed, trainer.epochs)`` of a run that stopped before its last epoch, else None."""
     completed, planned = results.get("epochs_completed"), nested_get(config, "trainer", "epochs")
     return (
-        (completed, planned) if is_number(completed) and is_number(planned) and completed < planned else None
+        (completed, planned)
+        if is_float_number(completed) and is_float_number(planned) and completed < planned
+        else None
     )
 
 
