@@ -1,4 +1,8 @@
-"""Shared helpers: compose the real configs with overrides, and the overrides of a tiny CPU run."""
+"""Shared helpers: compose the real configs with overrides, and the overrides of a tiny CPU run.
+
+torch, Hydra and mlcls are imported where they are first used, not at the top: pytest-xdist's controller
+process loads this file too, and it runs no test; importing them there took 10 s of ``make test``'s wall
+time before the workers started."""
 
 from __future__ import annotations
 
@@ -14,21 +18,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
-from mlcls import config_dir
-from mlcls.cli.overrides import group_choices
-from mlcls.engine.trainer import Trainer
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 # One pytest-xdist worker per core: torch's threads in each worker share the cores with the other workers'
 # (and their processes'), so each worker and what it starts takes its share. 2 workers of 2 threads on 2
 # cores ran a training-heavy subset 1.4x slower than with 1 thread each.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
     _SHARE = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ["OMP_NUM_THREADS"] = str(_SHARE)
     torch.set_num_threads(_SHARE)
@@ -67,6 +70,11 @@ _COMPOSED: dict[tuple[str, tuple[str, ...]], DictConfig] = {}
 def compose_config(overrides: list[str], config_name: str = "train") -> DictConfig:
     """The config ``mlcls-train <overrides>`` would run, composed in-process; a copy of the worker's earlier
     composition of the same overrides (a composition takes 0.2-0.4 s; a copy 5 ms)."""
+    from hydra import compose, initialize_config_dir
+
+    from mlcls import config_dir
+    from mlcls.cli.overrides import group_choices
+
     key = (config_name, tuple(overrides))
     if key not in _COMPOSED:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
@@ -138,14 +146,17 @@ def tiny() -> list[str]:
 # Tensor methods that read a value back to the host: on a GPU each one waits for the queued kernels.
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
 # Functions that copy a value from the host into a new tensor: on a GPU, a copy from pageable memory that
-# waits for the queued kernels (what ``torch.cuda.set_sync_debug_mode`` reports).
-HOST_COPIES = {torch: ("tensor", "as_tensor"), torch.Tensor: ("new_tensor",)}
+# waits for the queued kernels (what ``torch.cuda.set_sync_debug_mode`` reports); the Tensor method is
+# counted with the reads.
+HOST_COPIES = ("tensor", "as_tensor")
 
 
 @pytest.fixture
 def host_reads(monkeypatch) -> list[str]:
     """The names of the host-reading Tensor methods and host-copying functions called while the fixture
     is active, in call order."""
+    import torch
+
     calls: list[str] = []
 
     def counted(owner, name: str) -> None:
@@ -157,11 +168,10 @@ def host_reads(monkeypatch) -> list[str]:
 
         monkeypatch.setattr(owner, name, counting)
 
-    for method in HOST_READS:
+    for method in (*HOST_READS, "new_tensor"):
         counted(torch.Tensor, method)
-    for owner, names in HOST_COPIES.items():
-        for name in names:
-            counted(owner, name)
+    for name in HOST_COPIES:
+        counted(torch, name)
     monkeypatch.setattr(torch, "nonzero", lambda *args, **kwargs: calls.append("torch.nonzero"))
     torch.ones(1).item()  # the counter itself works
     torch.ones(1).new_tensor(2.0)
@@ -262,12 +272,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 TRAINING = "Trainer.fit"
 _STARTED = pytest.StashKey[list]()  # how the running test started processes, or that it trained
 _RUNNING: list[pytest.Item] = []  # the test whose setup or call runs now
-_STARTERS = (
-    (os, "fork", "os.fork"),
-    (subprocess.Popen, "__init__", "subprocess"),
-    (multiprocessing.process.BaseProcess, "start", "multiprocessing"),
-    (Trainer, "fit", TRAINING),
-)
+
+
+def _starters() -> tuple[tuple[object, str, str], ...]:
+    from mlcls.engine.trainer import Trainer
+
+    return (
+        (os, "fork", "os.fork"),
+        (subprocess.Popen, "__init__", "subprocess"),
+        (multiprocessing.process.BaseProcess, "start", "multiprocessing"),
+        (Trainer, "fit", TRAINING),
+    )
 
 
 def _program(how: str, args: tuple, kwargs: dict) -> str:
@@ -291,14 +306,22 @@ def _counted(original, how: str):
     return start
 
 
+def _runs_tests(config: pytest.Config) -> bool:
+    """False in pytest-xdist's controller, which hands the tests to its workers and runs none."""
+    distributed = getattr(config.option, "dist", "no") != "no" and not config.option.collectonly
+    return not distributed or "PYTEST_XDIST_WORKER" in os.environ
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    for owner, name, how in _STARTERS:
-        setattr(owner, name, _counted(getattr(owner, name), how))
+    if _runs_tests(config):
+        for owner, name, how in _starters():
+            setattr(owner, name, _counted(getattr(owner, name), how))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for owner, name, _ in _STARTERS:
-        setattr(owner, name, getattr(owner, name).__wrapped_starter__)
+    if _runs_tests(config):
+        for owner, name, _ in _starters():
+            setattr(owner, name, getattr(owner, name).__wrapped_starter__)
 
 
 @pytest.hookimpl(hookwrapper=True)
