@@ -13,6 +13,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from mlcls.data import apply_training_policies, build_dataset
+from mlcls.data.datasets import synthetic
 from mlcls.data.datasets.base import (
     BadImageError,
     DatasetConfigError,
@@ -22,6 +23,7 @@ from mlcls.data.datasets.base import (
     crop_box,
 )
 from mlcls.data.datasets.csv_dataset import CSVDataset
+from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.data.pipeline.transforms import build_transform
 
 
@@ -236,3 +238,26 @@ def test_the_picture_is_the_file_whatever_the_transform_decodes(tmp_path: Path) 
     assert np.array_equal(np.asarray(dataset.picture(1)), expected)
     view = apply_training_policies(dataset, observed="single_positive")
     assert np.array_equal(np.asarray(view.picture(1)), expected)
+
+
+def test_a_synthetic_picture_is_kept_once_drawn_and_drawn_again_for_other_labels(monkeypatch) -> None:
+    """A kept picture is the one a dataset that keeps none draws (pixel for pixel), for the labels the row
+    has now; a split whose pixels exceed ``KEPT_BYTES`` keeps none."""
+    kept = SyntheticMultiLabel("train", train_size=6, canvas_size=24, seed=3)
+
+    def drawn(labels: torch.Tensor) -> list[np.ndarray]:
+        with monkeypatch.context() as patch:
+            patch.setattr(synthetic, "KEPT_BYTES", 0)
+            fresh = SyntheticMultiLabel("train", train_size=6, canvas_size=24, seed=3)
+        assert fresh._drawn is None
+        fresh.labels = labels
+        return [np.asarray(fresh.picture(i)) for i in range(6)]
+
+    first = [np.asarray(kept.picture(i)) for i in range(6)]
+    assert len(kept._drawn) == 6
+    assert all(np.array_equal(a, np.asarray(kept.picture(i))) for i, a in enumerate(first))
+    assert all(np.array_equal(a, b) for a, b in zip(first, drawn(kept.labels), strict=True))
+    kept.labels = 1 - kept.labels  # every row relabelled: each picture drawn again, with the other shapes
+    again = [np.asarray(kept.picture(i)) for i in range(6)]
+    assert all(np.array_equal(a, b) for a, b in zip(again, drawn(kept.labels), strict=True))
+    assert not any(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
