@@ -101,6 +101,8 @@ CACHE_SIZE = 8
 # The widest embedding accepted from an encoder: CLIP's text towers give 512 to 1024, sentence models 384
 # to 1024, word vectors 300; (MAX_CLASSES, MAX_DIM) float32 is 1.6 GB, the most one class list can cost.
 MAX_DIM = 4096
+# The rows normalised at a time: (256, MAX_DIM) float64 is 8 MB, whatever the number of classes.
+NORMALISED_ROWS = 256
 
 _cache: OrderedDict[tuple[str, tuple[str, ...]], torch.Tensor] = OrderedDict()
 
@@ -139,7 +141,10 @@ def class_embeddings(text_cfg: Mapping[str, Any] | TextEncoder, names: Sequence[
     """The embeddings of class ``names`` from the ``text`` config's encoder: float32 (C, D), each row of
     unit L2 norm, row ``c`` for ``names[c]``; cached by (``source``, names), :data:`CACHE_SIZE` lists at
     most, each call getting its own copy. What the encoder returns is checked: one row per name, at most
-    :data:`MAX_DIM` wide, finite, no row of zero norm; a one-line :class:`ConfigError` otherwise."""
+    :data:`MAX_DIM` wide, finite, no row of zero norm; a one-line :class:`ConfigError` otherwise.
+
+    Memory past the encoder's rows: the cached (C, D) float32 and the caller's copy (8 x D bytes a class),
+    and :data:`NORMALISED_ROWS` rows at a time in float64 while they are normalised (:func:`unit_rows`)."""
     names = check_class_names(names)
     encoder = build_encoder(text_cfg)
     key = (encoder.source, tuple(names))
@@ -152,24 +157,33 @@ def class_embeddings(text_cfg: Mapping[str, Any] | TextEncoder, names: Sequence[
             f"text encoder {encoder.source} gave embeddings of shape {tuple(raw.shape)} for "
             f"{len(names)} classes; expected ({len(names)}, D) with 1 <= D <= {MAX_DIM}"
         )
-    raw = raw.double()
-    if not torch.isfinite(raw).all():
-        row = int((~torch.isfinite(raw)).any(1).nonzero()[0])
-        raise ConfigError(
-            f"text encoder {encoder.source}: class {shown(names[row])} has a non-finite embedding"
-        )
-    norms = raw.norm(dim=1, keepdim=True)
-    if (norms == 0).any():
-        row = int((norms[:, 0] == 0).nonzero()[0])
-        raise ConfigError(
-            f"text encoder {encoder.source}: class {shown(names[row])} has an all-zero embedding; expected "
-            "a direction to compare images with"
-        )
-    embeddings = (raw / norms).float()
+    embeddings = torch.empty(raw.shape, dtype=torch.float32)
+    for start in range(0, len(names), NORMALISED_ROWS):
+        block = raw[start : start + NORMALISED_ROWS].double()
+        if not torch.isfinite(block).all():
+            row = start + int((~torch.isfinite(block)).any(1).nonzero()[0])
+            raise ConfigError(
+                f"text encoder {encoder.source}: class {shown(names[row])} has a non-finite embedding"
+            )
+        if not block.any(1).all():
+            row = start + int((~block.any(1)).nonzero()[0])
+            raise ConfigError(
+                f"text encoder {encoder.source}: class {shown(names[row])} has an all-zero embedding; "
+                "expected a direction to compare images with"
+            )
+        embeddings[start : start + NORMALISED_ROWS] = unit_rows(block)
     _cache[key] = embeddings
     while len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)
     return embeddings.clone()
+
+
+def unit_rows(rows: torch.Tensor) -> torch.Tensor:
+    """float64 ``rows`` (finite, none all zero) divided by their L2 norms. Each row is first divided by its
+    largest magnitude (exact to half an ulp), so that its squares neither overflow (a value of 1e300) nor
+    all underflow (1e-310): the norm of a finite non-zero row is always finite and positive."""
+    scaled = rows / rows.abs().amax(dim=1, keepdim=True)
+    return scaled / torch.linalg.vector_norm(scaled, dim=1, keepdim=True)
 
 
 # The longest stored text source, in characters (a kind, a path, a model name).

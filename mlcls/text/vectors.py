@@ -6,8 +6,9 @@ A class name's vector is the sum of its words' (``traffic_light`` = traffic + li
 same vector as the mean that ML-Decoder's and LESA's zero-shot queries use. The file is someone else's
 data (a regular file of at most ``CAPS["word vectors"]``), streamed one line at a time:
 
-* only the vectors of the class names' words are kept, so memory is bounded by the class list (distinct
-  words x D x 8 bytes), never by the file; the reading stops once every word has been found;
+* a word's vector is added to the rows of the names holding it (:func:`~mlcls.text.words.word_rows`) as it
+  is read, then dropped: memory is bounded by the class list (the (C, D) float64 sums and the words'
+  index, :mod:`mlcls.text.words`), never by the file; the reading stops once every word has been found;
 * a line is read :data:`MAX_LINE_BYTES` at most: a longer one is refused without being read whole;
 * every line read has the same number of values (the header's ``dim``, or the first line's), each a finite
   number; a value of a kept word that is not is refused, naming the line;
@@ -28,7 +29,7 @@ import torch
 from mlcls.errors import ConfigError, listed, plural, printable, shown
 from mlcls.io import CAPS, MiB, open_regular
 from mlcls.text import MAX_DIM
-from mlcls.text.words import split_words, sum_of_words
+from mlcls.text.words import word_rows
 
 # The longest line read: a 300-d GloVe or fastText line is about 3 KB, a 4096-d one at full float precision
 # about 60 KB; a longer line is not a word vector, and reading it whole could take all memory.
@@ -48,26 +49,27 @@ class WordVectorsEncoder:
         self.source = f"vectors({os.path.abspath(self.path)})"
 
     def encode(self, names: list[str]) -> torch.Tensor:
-        """float64 (C, D): :func:`~mlcls.text.words.sum_of_words` of the file's vectors; words the file
-        lacks are a one-line :class:`ConfigError`."""
-        needed = list(dict.fromkeys(word for name in names for word in split_words(name)))  # first seen
-        vectors = read_word_vectors(self.path, set(needed))
-        missing = [word for word in needed if word not in vectors]
+        """float64 (C, D): the sum of each name's word vectors read from the file; words the file lacks are
+        a one-line :class:`ConfigError`."""
+        sums, missing = sum_word_vectors(self.path, word_rows(names), len(names))
         if missing:
             raise ConfigError(
                 f"word-vector file {printable(str(self.path))} has no vector for "
                 f"{plural(len(missing), 'word')} of the class names: {listed(missing, MAX_NAMED_MISSING)}; "
                 "expected every word (lower-cased) in the file"
             )
-        return sum_of_words(names, vectors)
+        return torch.from_numpy(sums)
 
 
-def read_word_vectors(path: str | os.PathLike, words: set[str]) -> dict[str, np.ndarray]:
-    """The float64 (D,) vectors of those of ``words`` that the word-vector file ``path`` holds (the first
-    line of a word listed twice), read and checked as the module says."""
+def sum_word_vectors(
+    path: str | os.PathLike, rows: dict[str, list[int]], count: int
+) -> tuple[np.ndarray, list[str]]:
+    """float64 (``count``, D): row ``r`` the sum of the vectors in the word-vector file ``path`` of the words
+    whose ``rows`` list ``r`` (the first line of a word listed twice), read and checked as the module says;
+    and the words the file lacks, in ``rows``' order."""
     shown_path = printable(str(path))
-    wanted = {word.encode("utf-8"): word for word in words}
-    found: dict[str, np.ndarray] = {}
+    wanted = {word.encode("utf-8"): word for word in rows}  # the words not yet found
+    sums = np.zeros((count, 0))
     try:
         file = open_regular(path, "rb", max_bytes=CAPS["word vectors"], what="word-vector file")
     except FileNotFoundError:
@@ -77,9 +79,10 @@ def read_word_vectors(path: str | os.PathLike, words: set[str]) -> dict[str, np.
         for number, line in _lines(file, shown_path):
             if dim is None:
                 dim, is_header = _dimension(line, number, shown_path)
+                sums = np.zeros((count, dim))
                 if is_header:
                     continue
-            if len(found) == len(wanted):
+            if not wanted:
                 break
             spaces = line.count(b" ")
             if spaces != dim:
@@ -90,10 +93,13 @@ def read_word_vectors(path: str | os.PathLike, words: set[str]) -> dict[str, np.
                         f"{spaces} values; expected {dim}, as the lines before it"
                     )
                 continue  # a word holding spaces (GloVe 840B has a few): never a word of a class name
-            word = line[: line.index(b" ")]
-            if word in wanted and wanted[word] not in found:
-                found[wanted[word]] = _vector(line[len(word) + 1 :], number, word, shown_path)
-    return found
+            key = line[: line.index(b" ")]
+            word = wanted.pop(key, None)
+            if word is not None:
+                vector = _vector(line[len(key) + 1 :], number, key, shown_path)
+                for row in rows[word]:  # twice to a row listed twice
+                    sums[row] += vector
+    return sums, list(wanted.values())
 
 
 def _lines(file: IO[bytes], shown_path: str) -> Iterator[tuple[int, bytes]]:

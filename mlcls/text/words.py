@@ -7,13 +7,18 @@ triangle). It knows nothing of meaning ("cat" is no nearer "kitten" than "truck"
 composition: a class never trained on, made of words seen in training (``red_circle`` after ``red_square``
 and ``blue_circle``), is near the classes that share its words. It needs no file and no download, so it
 serves the tests and the demo -- not a claim about language.
+
+The names come from someone else (a class list given to ``mlcls-predict``), so the sum never holds a vector
+per distinct word: :func:`word_rows` indexes each word by the rows of the names holding it, and each word's
+vector, drawn (or read) once, is added to those rows and dropped. Memory is the (C, D) float64 rows (8 x D
+bytes a class) and about 200 bytes a word of the names (the index), :data:`MAX_WORDS` words in all at most;
+a class or a word takes 2 bytes of a class list at least, so at most (4 x D + 100) times the names' bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -23,6 +28,10 @@ from mlcls.text import MAX_DIM
 
 # Where a class name splits into words.
 WORD_SEPARATORS = re.compile(r"[_\-\s]+")
+# The most words all the class names may hold together: 2 a class at the most classes a list may name (a
+# class name is a word or a few). It bounds the words' index (about 200 bytes a word: 40 MB) and the time (a
+# vector drawn, in 11 to 30 us, or read, a word).
+MAX_WORDS = 200_000
 
 
 def split_words(name: str) -> list[str]:
@@ -34,9 +43,21 @@ def split_words(name: str) -> list[str]:
     return words
 
 
-def sum_of_words(names: list[str], vectors: Mapping[str, np.ndarray]) -> torch.Tensor:
-    """float64 (C, D): row ``c`` the sum of ``vectors[word]`` over the words of ``names[c]``."""
-    return torch.from_numpy(np.stack([sum(vectors[word] for word in split_words(name)) for name in names]))
+def word_rows(names: list[str]) -> dict[str, list[int]]:
+    """Each word of ``names`` (:func:`split_words`), first seen first, with the rows of the names holding it
+    (a row once per time it holds it); over :data:`MAX_WORDS` words in all is a one-line
+    :class:`ConfigError`, said before any is indexed."""
+    total = sum(len(split_words(name)) for name in names)
+    if total > MAX_WORDS:
+        raise ConfigError(
+            f"the {len(names):,} class names hold {total:,} words; expected at most {MAX_WORDS:,} in all "
+            "(a few words a class)"
+        )
+    rows: dict[str, list[int]] = {}
+    for row, name in enumerate(names):
+        for word in split_words(name):
+            rows.setdefault(word, []).append(row)
+    return rows
 
 
 class WordsEncoder:
@@ -51,11 +72,12 @@ class WordsEncoder:
         self.source = f"words(dim={dim}, seed={seed})"
 
     def encode(self, names: list[str]) -> torch.Tensor:
-        """float64 (C, dim): :func:`sum_of_words` of each word's vector (module docstring), drawn once per
-        call."""
-        vectors = {}
-        for word in {word for name in names for word in split_words(name)}:
+        """float64 (C, dim): the sum of each name's word vectors (module docstring), each drawn once."""
+        sums = np.zeros((len(names), self.dim))
+        for word, rows in word_rows(names).items():
             digest = hashlib.sha256(f"{self.seed}:{word}".encode()).digest()
             rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
-            vectors[word] = rng.standard_normal(self.dim)
-        return sum_of_words(names, vectors)
+            vector = rng.standard_normal(self.dim)
+            for row in rows:  # twice to a row listed twice
+                sums[row] += vector
+        return torch.from_numpy(sums)
