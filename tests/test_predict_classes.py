@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import TINY, compose_config
 from hostile import bounded
-from test_text_words import reference_embedding
+from test_text_words import many_words, reference_embedding
 
 from mlcls.cli import predict as predict_cli
 from mlcls.data.pipeline.preprocess import preprocess_spec
@@ -21,7 +21,8 @@ from mlcls.engine.checkpoint import plain, save_checkpoint, text_record
 from mlcls.errors import InferenceError
 from mlcls.inference.export import export_checkpoint
 from mlcls.inference.predictor import load_inference_model, use_classes
-from mlcls.text.words import WordsEncoder
+from mlcls.text import parse_classes
+from mlcls.text.words import MAX_WORDS, WordsEncoder
 
 CLASSES = ["red_circle", "green_square", "blue_triangle"]
 MODEL = ["model.name=resnet10t", "model.pretrained=false", "dataset.image_size=32", "text.dim=24"]
@@ -168,6 +169,22 @@ def test_crafted_embeddings_or_text_source_are_refused_in_one_line(
     assert not outcome.escaped and outcome.error == "InferenceError", outcome.trace
     assert re.search(message, outcome.message), outcome.message
     assert "\n" not in outcome.message
+
+
+@pytest.mark.slow
+def test_a_class_list_of_too_many_words_is_one_line(cosine_checkpoint, tmp_path):
+    """``mlcls-predict classes=FILE`` with names of 200,001 words in all (an 800 KB list): one line before
+    any word's vector is drawn (the code before this drew one per distinct word and kept them all: 3.06 GB
+    for 1 M distinct words)."""
+    path = tmp_path / "classes.txt"
+    path.write_text("\n".join(many_words(MAX_WORDS + 1)) + "\n")
+    outcome = bounded(
+        lambda: load_and_use(cosine_checkpoint[0], parse_classes(str(path))), memory_mb=512, seconds=20
+    )
+    assert not outcome.escaped and outcome.error == "InferenceError", outcome
+    assert outcome.message.endswith(
+        f"hold {MAX_WORDS + 1:,} words; expected at most {MAX_WORDS:,} in all (a few words a class)"
+    )
 
 
 def test_a_checkpoint_without_text_queries_refuses_class_names_in_one_line(tmp_path):

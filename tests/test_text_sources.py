@@ -11,10 +11,13 @@ words, ragged dims, a huge line, a pipe, a non-finite value) is read under a mem
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pickle
 import re
+import shutil
+import string
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +25,14 @@ import pytest
 import torch
 from hostile import bounded
 from omegaconf import OmegaConf
+from test_text_words import decimal_unit_rows
 
 from mlcls import config_dir
 from mlcls.errors import ConfigError
 from mlcls.text import class_embeddings
 from mlcls.text.vectors import MAX_LINE_BYTES, WordVectorsEncoder
 
-NAMES = ["Blue_triangle", "traffic light", "t-shirt", "red_blue-cat"]
+NAMES = ["Blue_triangle", "traffic light", "t-shirt", "red_blue-cat", "light_blue_light"]
 WORDS = ["blue", "triangle", "traffic", "light", "t", "shirt", "red", "cat", "dog", "Blue"]
 
 
@@ -180,6 +184,33 @@ def test_memory_is_bounded_by_the_class_list_not_the_file(tmp_path):
     assert outcome.value == [[1.5 * 1] * 24]
 
 
+@pytest.mark.slow
+def test_vectors_of_1e300_keep_their_direction(tmp_path):
+    """A finite word vector whose squares overflow float64: its class's embedding is the vector divided by
+    its norm computed in 50-digit decimals (the code before this gave a row of zeros)."""
+    path = tmp_path / "vectors.txt"
+    path.write_text("blue 1e300 -2e300 3e299\nred 1e-310 0 -3e-310\n")
+    cfg = text_config("vectors", path=str(path))
+    outcome = bounded(lambda: class_embeddings(cfg, ["blue", "red"]).tolist(), memory_mb=64, seconds=10)
+    assert not outcome.escaped and outcome.error is None, outcome
+    expected = decimal_unit_rows([[1e300, -2e300, 3e299], [1e-310, 0.0, -3e-310]])
+    np.testing.assert_allclose(outcome.value, expected.numpy(), rtol=0, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_vectors_of_distinct_words_cost_no_memory_of_their_own(tmp_path):
+    """2,000 distinct words of 8 names, 512 values each (a 2 MB file): 8 MB as a vector per word (the code
+    before this held one), the 8 rows that sum them as they are read; under a 4 MB cap."""
+    words = ["".join(letters) for letters in itertools.product(string.ascii_lowercase, repeat=3)][:2000]
+    names = ["_".join(words[start : start + 250]) for start in range(0, 2000, 250)]
+    path = tmp_path / "vectors.txt"
+    path.write_text("".join(f"{word} {' '.join(['1'] * 511)} {index}\n" for index, word in enumerate(words)))
+    outcome = bounded(lambda: WordVectorsEncoder(path).encode(names).numpy(), memory_mb=4, seconds=20)
+    assert not outcome.escaped and outcome.error is None, outcome
+    expected = np.array([[250.0] * 511 + [sum(range(start, start + 250))] for start in range(0, 2000, 250)])
+    np.testing.assert_array_equal(outcome.value, expected)
+
+
 # --------------------------------------------------------------------------------------------- sentence
 
 VOCABULARY = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "blue", "triangle", "traffic", "light", "t", "-"]
@@ -274,6 +305,28 @@ def test_sentence_refuses_a_hub_name_pickles_foreign_code_and_pipes(tmp_path):
     (folder / "model.safetensors").unlink()
     (folder / "tokenizer.json").unlink()
     assert "holds no .safetensors file" in sentence_message(folder)
+
+
+@pytest.mark.slow
+def test_modules_json_names_only_the_library_s_module_classes(sentence_folder, tmp_path):
+    """A name under sentence_transformers.* that is no module class of the library (the code before this
+    passed it: import_from_string, a function, ended in an AttributeError traceback) is one line; the
+    library's classes by their names of before 6.0 still load."""
+    folder = tmp_path / "model"
+    shutil.copytree(sentence_folder, folder)
+    modules = json.loads((folder / "modules.json").read_text())
+    cases = [
+        ("sentence_transformers.util.misc.import_from_string", "names 'sentence_transformers.util.misc.im"),
+        ("sentence_transformers.SentenceTransformer", "not a module class of sentence-transformers"),
+        ("sentence_transformers.no_such_module.Pooling", "not a module class of sentence-transformers"),
+        ("sentence_transformers.models.Pooling", "ok"),
+    ]
+    for kind, expected in cases:
+        modules[1]["type"] = kind
+        (folder / "modules.json").write_text(json.dumps(modules))
+        outcome = bounded(sentence_message, folder, memory_mb=1024, seconds=30)
+        assert not outcome.escaped and outcome.error is None, (kind, outcome)
+        assert expected in outcome.value and "\n" not in outcome.value, (kind, outcome.value)
 
 
 # ------------------------------------------------------------------------------------------------- clip

@@ -3,10 +3,13 @@ class names a user gives (a class list file, a comma list) refused in one line w
 
 from __future__ import annotations
 
+import decimal
 import hashlib
+import itertools
 import math
 import os
 import re
+import string
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from hostile import bounded
 import mlcls.text as text
 from mlcls.errors import ConfigError
 from mlcls.text import MAX_CLASSES, class_embeddings, parse_classes, read_class_list
+from mlcls.text.words import MAX_WORDS
 
 WORDS = {"_target_": "mlcls.text.words.WordsEncoder", "dim": 16, "seed": 3}
 
@@ -39,10 +43,10 @@ def reference_embedding(name: str, dim: int, seed: int) -> list[float]:
 
 
 def test_words_equal_a_float64_reference_of_summed_seeded_word_vectors():
-    names = ["blue_triangle", "Red-Square", "green circle", "blue"]
+    names = ["blue_triangle", "Red-Square", "green circle", "blue", "red_red square"]  # red counted twice
     got = class_embeddings(WORDS, names)
     expected = torch.tensor([reference_embedding(name, 16, 3) for name in names], dtype=torch.float64)
-    assert got.dtype == torch.float32 and got.shape == (4, 16)
+    assert got.dtype == torch.float32 and got.shape == (5, 16)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-6)
     # the words alone matter: case and separators do not
     torch.testing.assert_close(class_embeddings(WORDS, ["Blue Triangle"]), got[:1], rtol=0, atol=0)
@@ -93,6 +97,66 @@ def test_a_bad_encoder_output_is_one_line(rows, message):
     with pytest.raises(ConfigError, match=message) as info:
         class_embeddings(Bad(), ["x", "y"])
     assert "\n" not in str(info.value)
+
+
+def decimal_unit_rows(rows: list[list[float]]) -> torch.Tensor:
+    """float64 ``rows``, each value divided by its row's L2 norm, computed in 50-digit decimals (whose
+    exponents reach far past float64's: no square overflows or underflows)."""
+    with decimal.localcontext(prec=50):
+        norms = [sum(decimal.Decimal(x) ** 2 for x in row).sqrt() for row in rows]
+        units = [
+            [float(decimal.Decimal(x) / norm) for x in row] for row, norm in zip(rows, norms, strict=True)
+        ]
+    return torch.tensor(units, dtype=torch.float64)
+
+
+def test_finite_rows_of_any_magnitude_keep_their_direction():
+    """Rows of 1e300 (their squares overflow float64) and of 1e-310 (their squares underflow to 0) are unit
+    rows, each value divided by the row's norm computed in 50-digit decimals, not zeros nor refused."""
+    rows = [[1e300, -2e300, 3e299], [1e-310, 0.0, -3e-310], [3.0, 4.0, 0.0], [-1.7e308, 1.7e308, 1.0]]
+
+    class Extreme:
+        source = "extreme rows"
+
+        def encode(self, names):
+            return torch.tensor(rows, dtype=torch.float64)
+
+    got = class_embeddings(Extreme(), ["a", "b", "c", "d"])
+    torch.testing.assert_close(got.double(), decimal_unit_rows(rows), rtol=0, atol=1e-7)
+
+
+def many_words(count: int) -> list[str]:
+    """Class names of ``count`` three-letter words in all (17,576 distinct, then again), 250 words (999
+    characters) a name."""
+    letters = itertools.cycle(itertools.product(string.ascii_lowercase, repeat=3))
+    words = ["".join(next(letters)) for _ in range(count)]
+    return ["_".join(words[start : start + 250]) for start in range(0, count, 250)]
+
+
+def words_rows(names: list[str], dim: int) -> list[list[float]]:
+    return class_embeddings({**WORDS, "dim": dim}, names)[[0, -1]].tolist()
+
+
+@pytest.mark.slow
+def test_distinct_words_cost_no_memory_of_their_own():
+    """4,000 distinct words of 16 names at dim 4096: 128 MB as a vector per word (the code before this
+    held one), a few MB as the 16 rows that sum them; under a 48 MB cap, and equal to the reference."""
+    names = many_words(4000)
+    outcome = bounded(words_rows, names, 4096, memory_mb=48, seconds=20)
+    assert not outcome.escaped and outcome.error is None, outcome
+    expected = [reference_embedding(name, 4096, 3) for name in (names[0], names[-1])]
+    torch.testing.assert_close(torch.tensor(outcome.value), torch.tensor(expected), rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_class_names_over_the_word_limit_are_one_line_before_any_vector():
+    names = many_words(MAX_WORDS + 1)  # 17,576 distinct words, most of them repeated
+    outcome = bounded(words_rows, names, 300, memory_mb=64, seconds=10)
+    assert not outcome.escaped and outcome.error == "ConfigError", outcome
+    assert outcome.message == (
+        f"the {len(names):,} class names hold {MAX_WORDS + 1:,} words; expected at most {MAX_WORDS:,} in "
+        "all (a few words a class)"
+    )
 
 
 def test_a_class_list_file_is_read_one_name_a_line(tmp_path):

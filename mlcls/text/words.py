@@ -10,9 +10,10 @@ serves the tests and the demo -- not a claim about language.
 
 The names come from someone else (a class list given to ``mlcls-predict``), so the sum never holds a vector
 per distinct word: :func:`word_rows` indexes each word by the rows of the names holding it, and each word's
-vector, drawn (or read) once, is added to those rows and dropped. Memory is the (C, D) float64 rows (8 x D
-bytes a class) and about 200 bytes a word of the names (the index), :data:`MAX_WORDS` words in all at most;
-a class or a word takes 2 bytes of a class list at least, so at most (4 x D + 100) times the names' bytes.
+vector, drawn (or read, ``text=vectors``) once, is added to those rows and dropped. Memory is the (C, D)
+float64 rows, 8 x D bytes a class, and the index, about 180 bytes a word (270 with ``text=vectors``'s
+lookup by bytes), :data:`MAX_WORDS` words in all at most. A class or a word takes 2 bytes of a class list at
+least (a character and a separator), so the encoder holds at most 4 x D + 135 times the names' bytes.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from mlcls.text import MAX_DIM
 # Where a class name splits into words.
 WORD_SEPARATORS = re.compile(r"[_\-\s]+")
 # The most words all the class names may hold together: 2 a class at the most classes a list may name (a
-# class name is a word or a few). It bounds the words' index (about 200 bytes a word: 40 MB) and the time (a
-# vector drawn, in 11 to 30 us, or read, a word).
+# class name is a word or a few). It bounds the index (36 MB; 54 MB for text=vectors) and the time (a vector
+# drawn, in 11 to 30 us, or read, a word).
 MAX_WORDS = 200_000
 
 
