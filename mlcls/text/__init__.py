@@ -163,7 +163,8 @@ def class_embeddings(text_cfg: Mapping[str, Any] | TextEncoder, names: Sequence[
         if not torch.isfinite(block).all():
             row = start + int((~torch.isfinite(block)).any(1).nonzero()[0])
             raise ConfigError(
-                f"text encoder {encoder.source}: class {shown(names[row])} has a non-finite embedding"
+                f"text encoder {encoder.source}: class {shown(names[row])} has a non-finite embedding; "
+                "expected finite numbers"
             )
         if not block.any(1).all():
             row = start + int((~block.any(1)).nonzero()[0])

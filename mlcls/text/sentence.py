@@ -34,8 +34,8 @@ PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", 
 # The most files and folders a model folder may hold: a model with its tokenizer and a few modules holds 10
 # to 30, a Hub snapshot with ONNX and OpenVINO exports about 50.
 MAX_FOLDER_ENTRIES = 1000
-# The deepest a file may lie in a model folder: its modules' folders are one level down (``1_Pooling``,
-# ``2_Dense``), exports two (``onnx/``, ``openvino/``).
+# The most folders a model folder may nest, one in another: its modules' folders are one level down
+# (``1_Pooling``, ``2_Dense``), its exports one or two (``onnx/``, ``openvino/``).
 MAX_FOLDER_DEPTH = 16
 
 

@@ -97,8 +97,9 @@ def sum_word_vectors(
             word = wanted.pop(key, None)
             if word is not None:
                 vector = _vector(line[len(key) + 1 :], number, key, shown_path)
-                for row in rows[word]:  # twice to a row listed twice
-                    sums[row] += vector
+                with np.errstate(over="ignore"):  # a sum past float64's range: refused by class_embeddings
+                    for row in rows[word]:  # twice to a row listed twice
+                        sums[row] += vector
     return sums, list(wanted.values())
 
 
