@@ -237,3 +237,15 @@ def test_an_unknown_zsl_images_value_is_one_line() -> None:
         ConfigError, match=r"^metrics.zsl_images='seen'; expected one of all, unseen_positive "
     ):
         zero_shot_metrics(scores, labels, torch.tensor([True, False, False, False]), zsl_images="seen")
+
+
+def test_mlcls_train_checks_metrics_zsl_images_before_any_data_is_read() -> None:
+    from conftest import compose_config
+
+    from mlcls.engine.config_checks import check_config
+
+    assert compose_config([]).metrics.zsl_images == "all"  # the behaviour before the option: every image
+    with pytest.raises(
+        ConfigError, match=r"^metrics.zsl_images='unseen'; expected one of all, unseen_positive"
+    ):
+        check_config(compose_config(["metrics.zsl_images=unseen"]), world_size=1)
