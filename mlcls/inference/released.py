@@ -360,7 +360,8 @@ def import_released(
     dataset = DATASETS.get(len(names), "csv")
     dataset_config = OmegaConf.to_container(OmegaConf.load(config_dir() / "dataset" / f"{dataset}.yaml"))
     dataset_config.update(
-        image_size=image_size or TRESNET_SIZES.get(model_config["name"], 448),
+        # train_zsl_nus.py trains any backbone at its --image-size default, 448
+        image_size=image_size or (448 if text_query else TRESNET_SIZES.get(model_config["name"], 448)),
         transform=FORMATS[fmt].transform,
         mean=[0.0, 0.0, 0.0],
         std=[1.0, 1.0, 1.0],
