@@ -29,8 +29,8 @@ from mlcls.models import create_model
         (["trainer.foo=1"], "trainer has amp, batch_size, "),
         (
             ["foo=1"],
-            "unknown option foo: the config has data, dataset, logger, loss, model, optim, sched, text, "
-            "trainer",
+            "unknown option foo: the config has data, dataset, logger, loss, metrics, model, optim, sched, "
+            "text, trainer",
         ),
         (["foo.bar=1"], "unknown option foo.bar: run with --cfg job to list the options"),
         (["optim=adamw", "optim.betas.2=0.9"], "unknown option optim.betas.2: optim.betas has 0, 1"),

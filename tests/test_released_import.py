@@ -26,7 +26,7 @@ from torch import nn
 from mlcls.cli.import_ import main
 from mlcls.data.datasets.voc import VOC_CLASSES
 from mlcls.errors import InferenceError
-from mlcls.inference.predictor import load_inference_model
+from mlcls.inference.predictor import load_inference_model, use_classes
 from mlcls.inference.released import COCO_CLASSES, convert_weights, released_classes, released_model_config
 from mlcls.models.heads import MLDecoder
 from mlcls.models.released import TRESNETS, tresnet_variant
@@ -363,3 +363,161 @@ def test_a_device_or_a_pipe_is_refused_at_once(tmp_path):
     # classes= is read by mlcls.text.read_class_list, as mlcls-predict's classes= file
     expected = "is a pipe (FIFO); expected a regular file"
     assert_one_line(outcome, f"class list {fifo}: cannot be read", expected)
+
+
+# ---- mldecoder_zsl: the model ML-Decoder's train_zsl_nus.py saves (torch.save(model.state_dict())), a
+# TResNet-L with MLDecoder(zsl=1) (Alibaba-MIIL/ML_Decoder at 8a9e984, src_files/ml_decoder/ml_decoder.py).
+# Its queries are word vectors set at run time as a plain attribute (update_wordvecs): the file holds no
+# class, and the 300-d vectors are the word-vector file given. Names and shapes below are typed from that
+# code: wordvec_proj = Linear(300, E); decoder = nn.TransformerDecoder(TransformerDecoderLayerOptimal, 1)
+# with embed_standart = Linear(D, E), duplicate_pooling (E, 1) and duplicate_pooling_bias (1,).
+ZSL_CLASSES = ["lake", "sky", "window", "rainbow", "toy"]
+WORD_DIM, FEEDFORWARD = 300, 2048
+
+
+def released_mldecoder_zsl_head(in_features: int, embed: int = 768) -> dict[str, torch.Tensor]:
+    """The 20 ``head.*`` entries of MLDecoder(zsl=1)'s state dict, random values (norm scales near 1)."""
+    layer = "head.decoder.layers.0."
+    shapes = {
+        "head.wordvec_proj.weight": (embed, WORD_DIM),
+        "head.wordvec_proj.bias": (embed,),
+        **{f"{layer}norm{i}.{p}": (embed,) for i in (1, 2, 3) for p in ("weight", "bias")},
+        f"{layer}multihead_attn.in_proj_weight": (3 * embed, embed),
+        f"{layer}multihead_attn.in_proj_bias": (3 * embed,),
+        f"{layer}multihead_attn.out_proj.weight": (embed, embed),
+        f"{layer}multihead_attn.out_proj.bias": (embed,),
+        f"{layer}linear1.weight": (FEEDFORWARD, embed),
+        f"{layer}linear1.bias": (FEEDFORWARD,),
+        f"{layer}linear2.weight": (embed, FEEDFORWARD),
+        f"{layer}linear2.bias": (embed,),
+        "head.decoder.embed_standart.weight": (embed, in_features),
+        "head.decoder.embed_standart.bias": (embed,),
+        "head.decoder.duplicate_pooling": (embed, 1),
+        "head.decoder.duplicate_pooling_bias": (1,),
+    }
+    head = {key: torch.randn(shape) * 0.05 for key, shape in shapes.items()}
+    for key in shapes:
+        if ".norm" in key and key.endswith("weight"):
+            head[key] = head[key] + 1.0
+    return head
+
+
+def authors_zsl_logits(head: dict[str, torch.Tensor], features: torch.Tensor, wordvecs: torch.Tensor):
+    """MLDecoder(zsl=1).forward in eval mode (dropout off), float64, from the released names: memory =
+    ReLU(embed_standart(tokens)); queries = ReLU(wordvec_proj(wordvecs)); the layer's t = norm1(q + q),
+    t = norm2(t + MultiheadAttention(t, memory, memory)), t = norm3(t + linear2(ReLU(linear1(t)))); then
+    the group FC of duplicate factor 1: t @ duplicate_pooling + duplicate_pooling_bias. (B, C)."""
+    p = {key: value.double() for key, value in head.items()}
+    layer, embed = "head.decoder.layers.0.", p["head.wordvec_proj.weight"].shape[0]
+    heads, d = 8, embed // 8
+
+    def linear(x, name):
+        return x @ p[f"{name}.weight"].t() + p[f"{name}.bias"]
+
+    def norm(x, name):
+        mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+        return (x - mean) / torch.sqrt(var + 1e-5) * p[f"{name}.weight"] + p[f"{name}.bias"]
+
+    tokens = features.double().flatten(2).transpose(1, 2)  # (B, N, D)
+    memory = torch.relu(linear(tokens, "head.decoder.embed_standart"))  # (B, N, E)
+    queries = torch.relu(linear(wordvecs.double(), "head.wordvec_proj"))  # (C, E)
+    t = norm(queries + queries, layer + "norm1").expand(memory.shape[0], -1, -1)  # (B, C, E)
+    wq, wk, wv = p[layer + "multihead_attn.in_proj_weight"].split(embed)
+    bq, bk, bv = p[layer + "multihead_attn.in_proj_bias"].split(embed)
+    q, k, v = (x @ w.t() + b for x, w, b in ((t, wq, bq), (memory, wk, bk), (memory, wv, bv)))
+    split = lambda x: x.unflatten(-1, (heads, d)).transpose(1, 2)  # noqa: E731  (B, heads, L, d)
+    weights = torch.softmax(split(q) @ split(k).transpose(-1, -2) / d**0.5, dim=-1)
+    attended = (weights @ split(v)).transpose(1, 2).flatten(2)  # (B, C, E)
+    attended = linear(attended, layer + "multihead_attn.out_proj")
+    t = norm(t + attended, layer + "norm2")
+    t = norm(t + linear(torch.relu(linear(t, layer + "linear1")), layer + "linear2"), layer + "norm3")
+    return (t @ p["head.decoder.duplicate_pooling"])[..., 0] + p["head.decoder.duplicate_pooling_bias"][0]
+
+
+def write_word_vectors(path, names: list[str], seed: int = 0) -> torch.Tensor:
+    """A GloVe-format file of one unit 300-d vector per name (printed with every digit), and the vectors."""
+    rows = torch.randn(
+        len(names), WORD_DIM, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
+    rows = rows / rows.norm(dim=1, keepdim=True)
+    path.write_text(
+        "".join(
+            f"{name} {' '.join(repr(v) for v in row.tolist())}\n"
+            for name, row in zip(names, rows, strict=True)
+        )
+    )
+    return rows
+
+
+def test_mldecoder_zsl_maps_every_key_of_the_authors_tresnet_l_and_refuses_any_other():
+    """All 764 released keys (744 of the TResNet-L body, 20 of the head) land on tresnet_v2_l + mldecoder_zsl,
+    whose one other entry is the class embeddings; an extra, a missing, a doubled key or another width is
+    one line (old: "its key 'head.wordvec_proj.weight' is none of those")."""
+    with torch.device("meta"):
+        weights = {**released_tresnet("tresnet_v2_l"), **released_mldecoder_zsl_head(2048)}
+    queries = torch.full((len(ZSL_CLASSES), WORD_DIM), WORD_DIM**-0.5)
+    assert len(weights) == 764
+    config = released_model_config("mldecoder_zsl", weights)
+    assert (config["name"], config["head"]) == (
+        "tresnet_v2_l",
+        {"name": "mldecoder_zsl", "warmup_epochs": 1, "embed_dim": 768},
+    )
+    converted = convert_weights("mldecoder_zsl", weights, config, queries)
+    assert len(converted) == 765 and converted["head.class_embeddings"] is queries
+    head_names = {name for name in converted if name.startswith("head.")}
+    assert len(head_names) == 21 and not any(".decoder." in name for name in head_names)
+    cases = {
+        "head.decoder.query_embed.weight": "has no place in tresnet_v2_l",  # the non-zsl MLDecoder's key
+        "head.decoder.wordvec_proj.weight": "names head.wordvec_proj.weight, which another entry fills",
+    }
+    for extra, message in cases.items():
+        with pytest.raises(InferenceError, match=message):
+            convert_weights(
+                "mldecoder_zsl", {**weights, extra: weights["head.wordvec_proj.weight"]}, config, queries
+            )
+    missing = {key: value for key, value in weights.items() if key != "head.decoder.duplicate_pooling_bias"}
+    with pytest.raises(InferenceError, match="it lacks the weights of head.duplicate_pooling_bias"):
+        convert_weights("mldecoder_zsl", missing, config, queries)
+    with pytest.raises(InferenceError, match=r"head.decoder.duplicate_pooling is \(768, 2\), \(768, 1\)"):
+        convert_weights(
+            "mldecoder_zsl",
+            {**weights, "head.decoder.duplicate_pooling": torch.empty(768, 2, device="meta")},
+            config,
+            queries,
+        )
+
+
+def test_mldecoder_zsl_needs_its_classes_and_word_vectors(tmp_path, capsys):
+    err = one_line_error(capsys, ["mldecoder_zsl", "/dev/null", f"out={tmp_path / 'o.pt'}"])
+    assert "give classes=<file of names, one a line> and vectors=" in err
+    err = one_line_error(capsys, ["mldecoder", "/dev/null", f"out={tmp_path / 'o.pt'}", "vectors=glove.txt"])
+    assert "vectors= is for the zero-shot format mldecoder_zsl" in err
+
+
+@pytest.mark.slow
+def test_mldecoder_zsl_matches_timm_and_the_authors_equations(tmp_path):
+    """The authors' model as train_zsl_nus.py saves it (with --model-name tresnet_m, which its create_model
+    builds too: the TResNet-L's 764 keys are mapped in the test above), imported with a class list and a
+    word-vector file: its logits equal timm's TResNet-M (loaded by timm's converter) under the float64 head
+    written above, for the imported classes and, through the stored text source, for others
+    (mlcls-predict classes=)."""
+    torch.manual_seed(2)
+    weights = {**released_tresnet("tresnet_m"), **released_mldecoder_zsl_head(2048)}
+    # the random body's features reach 4e3: a smaller projection keeps the decoder's attention logits near
+    # a trained model's scale, where float32 holds 1e-5 (0.05 as drawn: 6e-4 in float32, 3e-7 in float64)
+    weights["head.decoder.embed_standart.weight"] *= 0.01
+    names, vectors = tmp_path / "classes.txt", tmp_path / "glove.txt"
+    names.write_text("".join(f"{name}\n" for name in ZSL_CLASSES[:3]))
+    wordvecs = write_word_vectors(vectors, ZSL_CLASSES)
+    inference = import_file(tmp_path, "mldecoder_zsl", weights, f"classes={names}", f"vectors={vectors}")
+    assert inference.classes == ZSL_CLASSES[:3] and inference.text["config"]["path"] == str(vectors)
+    assert (inference.config["model"]["name"], inference.preprocess["resize"]) == ("tresnet_m", [448, 448])
+    backbone = timm_reference("tresnet_m", {k: v for k, v in weights.items() if k.startswith("body.")})
+    images = torch.rand(2, 3, SIZE, SIZE)
+    with torch.no_grad():
+        features = backbone.forward_features(images.double())
+        expected = authors_zsl_logits(weights, features, wordvecs[:3])
+        torch.testing.assert_close(inference.model(images).double(), expected, atol=1e-5, rtol=1e-5)
+        use_classes(inference, ["toy", "lake"])
+        expected = authors_zsl_logits(weights, features, wordvecs[[4, 0]])
+        torch.testing.assert_close(inference.model(images).double(), expected, atol=1e-5, rtol=1e-5)

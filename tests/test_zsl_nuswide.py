@@ -8,12 +8,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import compose_config
 from data_fixtures import NUSWIDE_CONCEPTS, NUSWIDE_LISTS, write_nuswide
+from omegaconf import OmegaConf
 
 from mlcls.data import build_dataset
 from mlcls.data.datasets.base import DatasetFormatError
 from mlcls.data.datasets.nuswide import NUSWIDE
+from mlcls.engine.config_checks import check_config
+from mlcls.metrics import zero_shot_metrics
+from mlcls.metrics.zero_shot import ZERO_SHOT_TOP_K
+from mlcls.models.heads import TEXT_HEADS
 
 # 1,000 tags: 925 plain ones and 75 of the concept names (the release's TagList1k shares 75 with Concepts81),
 # interleaved so that the seen order must follow the file's.
@@ -96,3 +102,78 @@ def test_a_tag_file_of_another_length_is_one_line(root: Path) -> None:
     (root / "NUS_WID_Tags" / "Test_Tags1k.dat").write_bytes(("0\t" * 1000 + "\r\n").encode())
     with pytest.raises(DatasetFormatError, match="1 lines; expected 2"):
         NUSWIDE("test", root=str(root), label_set="zero_shot")
+
+
+# ---- experiment=zsl_nuswide_lesa and experiment=zsl_nuswide_mldecoder: each preset's images, classes and
+# figures against its source, the values typed from the sources' code:
+# LESA (hbdat/cvpr20_LESA at e40a7f2): zeroshot_experiments/NUS_WIDE_zs_rank_Visual_Word_Attention.py
+#   (seen = TagList1k minus Concepts81, unseen = the 81; evaluate / evaluate_k with exclude=False: every
+#   test image; k = 3 and 5 for ZSL and GZSL), extract_data/extract_full_NUS_WIDE_images_VGG_feature_2_
+#   TFRecord.py (every image of the split's list, labelled or not; VGG-19 at its 224 px default).
+# ML-Decoder (Alibaba-MIIL/ML_Decoder at 8a9e984): train_zsl_nus.py (TResNet-L, 448 px, Adam lr 1e-4,
+#   weight decay 1e-2, OneCycle pct_start 0.2, 40 epochs, batch 56, EMA 0.9997, ASL gamma_neg 4, gamma_pos
+#   0, clip 0.05, disable_torch_grad_focal_loss, decoder embedding 768, 925 classes), helper_functions.py
+#   (get_relevant_samples: an image of a split is kept when one of its labels is among the split's classes).
+LESA = {
+    "dataset.name": "nuswide_zsl",
+    "dataset.label_set": "zero_shot",
+    "dataset.keep_empty": True,
+    "dataset.image_size": 224,
+    "metrics.zsl_images": "all",
+    "text._target_": "mlcls.text.vectors.WordVectorsEncoder",  # GloVe 300-d (glove-wiki-gigaword-300)
+}
+MLDECODER = {
+    "dataset.name": "nuswide_zsl",
+    "dataset.label_set": "zero_shot",
+    "dataset.keep_empty": False,
+    "dataset.image_size": 448,
+    "metrics.zsl_images": "unseen_positive",
+    "text._target_": "mlcls.text.vectors.WordVectorsEncoder",
+    "model.name": "tresnet_v2_l.miil_in21k",
+    "model.head.name": "mldecoder_zsl",
+    "model.head.embed_dim": 768,
+    "optim._target_": "torch.optim.Adam",
+    "optim.lr_head": 1e-4,
+    "optim.lr_backbone": 1e-4,
+    "optim.weight_decay": 1e-2,
+    "sched.pct_start": 0.2,
+    "trainer.epochs": 40,
+    "trainer.batch_size": 56,
+    "trainer.ema_decay": 0.9997,
+    "loss.gamma_neg": 4.0,
+    "loss.gamma_pos": 0.0,
+    "loss.clip": 0.05,
+    "loss.detach_weight": True,
+}
+# The training images each source keeps (list order; the animal image has no seen tag) and the test
+# images it scores in ZSL once the sky image's concepts are cleared (it keeps a seen tag only).
+PRESETS = {
+    "zsl_nuswide_lesa": (LESA, [0, 1, 2, 3], [0, 1]),
+    "zsl_nuswide_mldecoder": (MLDECODER, [0, 2, 3], [1]),
+}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_zero_shot_preset_is_its_sources_protocol(root: Path, preset: str) -> None:
+    from test_zsl_metrics import relevant_rows
+
+    expected, train_rows, scored = PRESETS[preset]
+    for concept in ("sky", "clouds"):
+        (root / "Groundtruth" / "TrainTestLabels" / f"Labels_{concept}_Test.txt").write_bytes(b"0\r\n0\r\n")
+    cfg = compose_config([f"experiment={preset}", f"dataset.root={root}", "text.path=glove.txt"])
+    assert {key: OmegaConf.select(cfg, key) for key in expected} == expected
+    assert cfg.model.head.name in TEXT_HEADS and ZERO_SHOT_TOP_K == (3, 5)
+    check_config(cfg, world_size=1)
+    full_train = NUSWIDE("train", root=str(root), label_set="zero_shot", keep_empty=True)
+    train, test = build_dataset(cfg.dataset, train=True), build_dataset(cfg.dataset, train=False)
+    assert len(train.classes) == 925 and len(test.classes) == 1006
+    assert [sample.path for sample in train.samples] == [full_train.samples[i].path for i in train_rows]
+    unseen = torch.tensor([name in set(NUSWIDE_CONCEPTS) for name in test.classes])
+    assert int(unseen.sum()) == 81 and test.classes[-81:] == NUSWIDE_CONCEPTS
+    labels = torch.as_tensor(test.labels)
+    figures = zero_shot_metrics(torch.randn(labels.shape), labels, unseen, cfg.metrics.zsl_images)
+    kept = relevant_rows(labels.numpy()[:, unseen.numpy()], list(range(81)))
+    assert (
+        figures["zsl"]["images"] == len(scored) == (len(test) if preset == "zsl_nuswide_lesa" else kept.sum())
+    )
+    assert figures["gzsl"]["images"] == len(test)

@@ -85,3 +85,17 @@ def test_mlcls_eval_scores_the_unseen_classes_of_the_checkpoint(zero_shot_run, m
     for group in ("zsl", "gzsl"):
         for key in ("mAP_class", "mAP_sample", "F1_top3", "F1_top5"):
             assert figures[group][key] == pytest.approx(metrics[group][key], abs=1e-6)
+    # metrics.zsl_images=unseen_positive: the ZSL figures of the validation images with an unseen positive
+    # (ML-Decoder's get_relevant_samples), GZSL unchanged; a value of neither kind is one line
+    val = SyntheticMultiLabel(split="val", train_size=64, val_size=48)
+    unseen_columns = [val.classes.index(name) for name in UNSEEN]
+    relevant = int((torch.as_tensor(val.labels)[:, unseen_columns] == 1).any(1).sum())
+    assert 0 < relevant < 48 and figures["zsl"]["images"] == 48
+    monkeypatch.setattr(sys, "argv", [*argv, "metrics.zsl_images=unseen_positive"])
+    eval_cli.main()
+    chosen = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert chosen["zsl"]["images"] == relevant and chosen["gzsl"] == figures["gzsl"]
+    monkeypatch.setattr(sys, "argv", [*argv, "metrics.zsl_images=seen"])
+    with pytest.raises(SystemExit):
+        eval_cli.main()
+    assert "metrics.zsl_images='seen'; expected one of all, unseen_positive" in capsys.readouterr().err

@@ -180,13 +180,16 @@ def unseen_text_source(inference: Any, trust: bool) -> Any:
 
 
 def zero_shot_evaluation(
-    inference: Any, text: Any, unseen: Any, dataset_classes: list[str]
+    inference: Any, text: Any, unseen: Any, dataset_classes: list[str], zsl_images: Any = None
 ) -> ZeroShot | None:
     """The zero-shot evaluation of the checkpoint's model on ``dataset_classes``, embedded by ``text``
-    (:func:`unseen_text_source`)."""
+    (:func:`unseen_text_source`), its ZSL figures on ``zsl_images`` (``metrics.zsl_images``; None: the
+    run's, ``all`` where the run has none)."""
+    if zsl_images is None:
+        zsl_images = nested_get(inference.config, "metrics", "zsl_images") or "all"
     try:
         named = unseen_class_names(unseen, dataset_classes)
-        return ZeroShot.of(inference.classes, dataset_classes, text, named)
+        return ZeroShot.of(inference.classes, dataset_classes, text, named, images=zsl_images)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -214,7 +217,11 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(
             f"the evaluation set of {cfg.checkpoint} holds no image; give dataset.<key>=… of one"
         )
-    zero_shot = zero_shot_evaluation(inference, text, unseen, list(dataset.classes)) if unseen else None
+    zero_shot = (
+        zero_shot_evaluation(inference, text, unseen, list(dataset.classes), cfg.metrics.zsl_images)
+        if unseen
+        else None
+    )
     if zero_shot is None and list(dataset.classes) != inference.classes:
         raise ConfigError(
             f"the evaluation set's classes ({len(dataset.classes)}: {', '.join(dataset.classes[:5])}, …) "

@@ -3,12 +3,14 @@
     mlcls-import mldecoder tresnet_l_COCO__448_90_0.pth out=mldecoder_l_coco.pt
     mlcls-import asl Open_ImagesV6_TRresNet_L_448.pth out=asl_oi.pt classes=oi_classes.txt
     mlcls-import csra resnet101_voc07_head1_lam0.1_94.7.pth out=csra_voc.pt
+    mlcls-import mldecoder_zsl model-highest.ckpt out=zsl.pt classes=seen925.txt vectors=glove.6B.300d.txt
 
 The file is read as data (:mod:`mlcls.inference.released` maps each format); ``out`` serves every mlcls
 command and ``model.init_from``. Options: ``classes=FILE`` (one name a line, in the model's order, read by
 :func:`mlcls.text.read_class_list`: needed where the file names none and its class count is unknown),
-``image_size=N`` (default: the authors') and ``lam=X`` (CSRA's lambda: default the authors' for their
-released files; required for any other).
+``image_size=N`` (default: the authors'), ``lam=X`` (CSRA's lambda: default the authors' for their
+released files; required for any other) and ``vectors=FILE`` (``mldecoder_zsl``, the zero-shot model
+ML-Decoder's ``train_zsl_nus.py`` saves: the word-vector file its queries come from, with ``classes=``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from mlcls.errors import ConfigError, plural, shown
 from mlcls.inference.released import FORMATS, import_released
 from mlcls.text import read_class_list
 
-USAGE = "mlcls-import {mldecoder,asl,csra} FILE out=OUT.pt [classes=FILE] [image_size=N] [lam=X]"
-OPTIONS = ("out", "classes", "image_size", "lam")
+USAGE = (
+    "mlcls-import {mldecoder,mldecoder_zsl,asl,csra} FILE out=OUT.pt [classes=FILE] [image_size=N] [lam=X] "
+    "[vectors=FILE]"
+)
+OPTIONS = ("out", "classes", "image_size", "lam", "vectors")
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:
@@ -60,7 +65,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="mlcls-import", usage=USAGE, description=__doc__.splitlines()[0])
     parser.add_argument("format", choices=sorted(FORMATS), help="the authors' code the file comes from")
     parser.add_argument("file", help="the released checkpoint")
-    parser.add_argument("options", nargs="*", help="out=OUT.pt (required), classes=FILE, image_size=N, lam=X")
+    parser.add_argument(
+        "options", nargs="*", help="out=OUT.pt (required), classes=FILE, image_size=N, lam=X, vectors=FILE"
+    )
     args = parser.parse_args(argv)
     with user_errors():
         options = parse_options(args.options)
@@ -71,6 +78,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
             classes=classes,
             image_size=_number(options, "image_size", int),
             lam=_number(options, "lam", float),
+            vectors=options.get("vectors"),
         )
         save_checkpoint(checkpoint, options["out"])
     model = checkpoint["config"]["model"]

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from mlcls.data.pipeline.fast import BACKENDS
 from mlcls.engine.rundir import explicit_hydra_run_dir
 from mlcls.errors import ConfigError, is_integer, is_number
 from mlcls.losses.spec import loss_name
+from mlcls.metrics.zero_shot import check_zsl_images
 from mlcls.models.heads import TEXT_HEADS
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
@@ -106,6 +107,7 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
             f"class it was not trained on; use model.head={' or model.head='.join(TEXT_HEADS)}, or "
             "dataset.unseen_classes=null"
         )
+    check_zsl_images(OmegaConf.select(cfg, "metrics.zsl_images", default="all"))
     if cfg.data.backend not in BACKENDS:
         raise ConfigError(f"data.backend={cfg.data.backend!r}; expected one of {', '.join(BACKENDS)}")
     if cfg.data.backend == "dali" and cfg.dataset.get("transform", "paper") != "paper":

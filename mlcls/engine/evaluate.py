@@ -17,6 +17,7 @@ from mlcls import collectives
 from mlcls.engine import distributed as dist_utils
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores
+from mlcls.metrics.zero_shot import check_zsl_images
 from mlcls.models.heads import text_query_head
 from mlcls.text import TextEncoder, class_embeddings
 
@@ -72,12 +73,14 @@ class ZeroShot:
     """How a model trained on some of the evaluation set's classes scores all of them: ``classes`` the
     evaluated names (the validation split's), ``embeddings`` (C, T) their text embeddings, ``unseen`` bool
     (C,) those no training target held, ``trained`` int64 the columns of the trained classes, in the
-    trained order."""
+    trained order, ``images`` the images the ZSL figures score (``metrics.zsl_images``,
+    :data:`mlcls.metrics.zero_shot.ZSL_IMAGES`)."""
 
     classes: list[str]
     embeddings: torch.Tensor | None  # None: the model's own classes are the evaluated ones
     unseen: torch.Tensor
     trained: torch.Tensor
+    images: str = "all"
 
     @classmethod
     def of(
@@ -86,16 +89,18 @@ class ZeroShot:
         evaluated: Sequence[str],
         text_cfg: Mapping[str, Any] | TextEncoder | None,
         named_unseen: Sequence[str] = (),
+        images: str = "all",
     ) -> ZeroShot | None:
         """The zero-shot evaluation of ``evaluated``'s classes beyond the ``trained`` ones, embedded by
-        ``text_cfg`` (a ``text`` config or an encoder); a trained class missing is a ``ValueError``. When
-        ``trained`` is ``evaluated``: the ZSL / GZSL figures of the ``named_unseen`` columns (a model
-        trained on every class), or None."""
+        ``text_cfg`` (a ``text`` config or an encoder), its ZSL figures on ``images``; a trained class
+        missing or an unknown ``images`` is a ``ValueError``. When ``trained`` is ``evaluated``: the ZSL /
+        GZSL figures of the ``named_unseen`` columns (a model trained on every class), or None."""
+        check_zsl_images(images)
         if list(trained) == list(evaluated):
             named = set(named_unseen)
             unseen = torch.tensor([name in named for name in evaluated], dtype=torch.bool)
             everything = torch.arange(len(evaluated))
-            return cls(list(evaluated), None, unseen, everything) if bool(unseen.any()) else None
+            return cls(list(evaluated), None, unseen, everything, images) if bool(unseen.any()) else None
         column = {name: c for c, name in enumerate(evaluated)}
         missing = [name for name in trained if name not in column]
         if missing or text_cfg is None:
@@ -107,7 +112,7 @@ class ZeroShot:
         trained_columns = torch.tensor([column[name] for name in trained], dtype=torch.long)
         unseen[trained_columns] = False
         embeddings = class_embeddings(text_cfg, list(evaluated))
-        return cls(list(evaluated), embeddings, unseen, trained_columns)
+        return cls(list(evaluated), embeddings, unseen, trained_columns, images)
 
     @property
     def unseen_classes(self) -> list[str]:
@@ -192,7 +197,9 @@ def evaluate(
         scores, labels = predict(model, loader, device, amp)
     if zero_shot is None:
         return measure_rank_parts(scores, labels, len(loader.dataset), classes)
-    evaluation = measure_rank_parts(scores, labels, len(loader.dataset), zero_shot.classes, zero_shot.unseen)
+    evaluation = measure_rank_parts(
+        scores, labels, len(loader.dataset), zero_shot.classes, zero_shot.unseen, zero_shot.images
+    )
     evaluation.trained_columns = zero_shot.trained
     return evaluation
 
@@ -203,13 +210,17 @@ def measure_rank_parts(
     total: int,
     classes: list[str],
     unseen: torch.Tensor | None = None,
+    zsl_images: str = "all",
 ) -> Evaluation:
     """The rest of :func:`evaluate`: this rank's logits (n_r, C) and int8 labels of ``total`` samples
-    gathered on rank 0, whose metrics (with ``unseen``, bool (C,): ZSL and GZSL too) every rank returns."""
+    gathered on rank 0, whose metrics (with ``unseen``, bool (C,): ZSL on ``zsl_images`` and GZSL too)
+    every rank returns."""
     scores = collectives.gather_rank_parts(scores, total, dst=0)
     labels = collectives.gather_rank_parts(labels, total, dst=0)
     metrics = on_main_for_all(
-        lambda: compute_metrics(check_model_scores(scores), labels, classes, unseen=unseen)
+        lambda: compute_metrics(
+            check_model_scores(scores), labels, classes, unseen=unseen, zsl_images=zsl_images
+        )
     )
     return Evaluation(metrics, scores, labels)
 

@@ -23,7 +23,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from tqdm import tqdm
 
@@ -94,7 +94,8 @@ class Trainer:
         self.zero_shot = None
         if self.cfg.dataset.get("unseen_classes"):
             evaluated = evaluated_classes(run.data.val_set)
-            self.zero_shot = ZeroShot.of(self.classes, evaluated, self.cfg.get("text"))
+            images = OmegaConf.select(self.cfg, "metrics.zsl_images", default="all")
+            self.zero_shot = ZeroShot.of(self.classes, evaluated, self.cfg.get("text"), images=images)
         # Called with the trainer on rank 0 once the last epoch is recorded (the CLI adds the plots): the
         # engine knows nothing of what reports a run.
         self.on_finish: list[Callable[[Trainer], None]] = []

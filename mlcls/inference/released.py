@@ -1,4 +1,5 @@
-"""The authors' released checkpoints of ML-Decoder, ASL and CSRA as mlcls checkpoints (``mlcls-import``).
+"""The authors' released checkpoints of ML-Decoder, ASL and CSRA as mlcls checkpoints (``mlcls-import``),
+and the zero-shot model that ML-Decoder's ``train_zsl_nus.py`` saves.
 
 A released file is read as data, once, through :func:`mlcls.io.open_checkpoint`; each :data:`FORMATS`
 entry says which networks it holds and how their names translate to mlcls's (:mod:`mlcls.models.released`
@@ -21,10 +22,13 @@ from mlcls import config_dir
 from mlcls.data.datasets.voc import VOC_CLASSES
 from mlcls.data.pipeline.preprocess import preprocess_spec
 from mlcls.errors import InferenceError, first_line, plural, shown
+from mlcls.inference.fields import CLASS_EMBEDDINGS_KEY
 from mlcls.io import FileTooLargeError, NotRegularFileError, UnsafeFileError, open_checkpoint
 from mlcls.models import create_model
+from mlcls.models.heads import TEXT_HEADS
 from mlcls.models.heads.csra import TEMPERATURES
 from mlcls.models.released import tresnet_key, tresnet_value, tresnet_variant
+from mlcls.text import build_encoder, class_embeddings
 
 # MS-COCO's 80 categories in category-id order (the order of the COCO API and of every released COCO model)
 COCO_CLASSES = (
@@ -62,7 +66,7 @@ class ReleasedFormat:
     description: str
     head: str  # mlcls's model.head
     prefixes: tuple[str, ...]  # every released key starts with one of them
-    classes_key: str  # the entry whose first dimension is the class count
+    classes_key: str  # the entry whose first dimension is the class count (zero-shot: the text width)
     backbones: tuple[str, ...]  # the timm names it may hold
     transform: str  # dataset.transform of the authors' training augmentation (evaluated by a squash-resize)
 
@@ -82,6 +86,16 @@ FORMATS = {
         ("body.", "head.fc."),
         "head.fc.weight",
         ("tresnet_m", "tresnet_l", "tresnet_xl"),
+        "strong",
+    ),
+    # train_zsl_nus.py saves model.state_dict() of MLDecoder(zsl=1): its queries are word vectors set as a
+    # plain attribute (update_wordvecs), so the file holds no class and the names and vectors are given
+    "mldecoder_zsl": ReleasedFormat(
+        "TResNet body.* + ML-Decoder zero-shot head.wordvec_proj.* and head.decoder.*",
+        "mldecoder_zsl",
+        ("body.", "head.wordvec_proj.", "head.decoder."),
+        "head.wordvec_proj.weight",
+        ("tresnet_m", "tresnet_v2_l", "tresnet_v2_xl"),
         "strong",
     ),
     "csra": ReleasedFormat(
@@ -150,7 +164,8 @@ def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: fl
         raise _misfit(fmt, f"its key {foreign!r} is none of those")
     head = weights.get(spec.classes_key)
     if head is None or head.ndim < 1 or head.shape[0] < 1:
-        raise _misfit(fmt, f"it has no {spec.classes_key} giving the class count")
+        what = "the decoder's width" if spec.head in TEXT_HEADS else "the class count"
+        raise _misfit(fmt, f"it has no {spec.classes_key} giving {what}")
     fields: dict[str, Any] = {
         "_target_": "mlcls.models.create_model",
         "name": spec.backbones[0],
@@ -158,7 +173,7 @@ def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: fl
         "checkpoint_path": None,
         "head": {
             "name": spec.head,
-            "warmup_epochs": 1 if spec.head == "mldecoder" else 0,
+            "warmup_epochs": 1 if spec.head.startswith("mldecoder") else 0,
         },  # model/head/*.yaml
     }
     if fmt == "csra":
@@ -184,6 +199,12 @@ def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: fl
             f"one of {', '.join(spec.backbones)}",
         )
     fields["name"] = variant
+    if fmt == "mldecoder_zsl":  # Linear(300, E): its output width is the decoder's
+        if head.ndim != 2:
+            raise _misfit(
+                fmt, f"{spec.classes_key} is {tuple(head.shape)}; expected (width, word-vector width)"
+            )
+        fields["head"]["embed_dim"] = int(head.shape[0])
     if fmt == "mldecoder":
         queries = weights.get("head.decoder.query_embed.weight")
         if queries is None or queries.ndim != 2:
@@ -192,24 +213,46 @@ def released_model_config(fmt: str, weights: Mapping[str, torch.Tensor], lam: fl
     return fields
 
 
-def convert_weights(fmt: str, weights: Mapping[str, torch.Tensor], model_config: Mapping[str, Any]) -> dict:
+def released_name(fmt: str, key: str) -> str:
+    """The name in mlcls's model of the released entry ``key`` of format ``fmt``: CSRA's ResNet under
+    ``backbone.`` and its classifier under ``head.``; a TResNet's body under timm's names
+    (:func:`mlcls.models.released.tresnet_key`), under ``backbone.`` beside an ML-Decoder head; the
+    zero-shot head's ``head.decoder.*`` without ``decoder.`` (``head.wordvec_proj.*`` unchanged)."""
+    if fmt == "csra":
+        classifier = key.startswith("classifier.")
+        return "head." + key.removeprefix("classifier.") if classifier else "backbone." + key
+    if key.startswith("body."):
+        return ("backbone." if fmt != "asl" else "") + tresnet_key(key)
+    if fmt == "mldecoder_zsl" and key.startswith("head.decoder."):
+        return "head." + key.removeprefix("head.decoder.")
+    return key
+
+
+def convert_weights(
+    fmt: str,
+    weights: Mapping[str, torch.Tensor],
+    model_config: Mapping[str, Any],
+    class_embeddings: torch.Tensor | None = None,
+) -> dict:
     """``weights`` (released names) as the state dict of mlcls's model of ``model_config``, every entry
     checked against that model built on the ``meta`` device: :class:`InferenceError` names the first
     released key the model has no place for, or of another shape, and the first entry the file lacks (a
-    BatchNorm's ``num_batches_tracked``, which InPlace-ABN files before its version 2 lack, is 0)."""
+    BatchNorm's ``num_batches_tracked``, which InPlace-ABN files before its version 2 lack, is 0). A
+    text-query head (``mldecoder_zsl``) takes ``class_embeddings`` (C, T), the classes it scores."""
     fields = {key: value for key, value in model_config.items() if key != "_target_"}
-    classes = int(weights[FORMATS[fmt].classes_key].shape[0])
+    text_query = FORMATS[fmt].head in TEXT_HEADS
+    if text_query != (class_embeddings is not None):
+        raise ValueError(
+            f"format {fmt}: class embeddings are {'required' if text_query else 'not its input'}"
+        )
+    classes = len(class_embeddings) if text_query else int(weights[FORMATS[fmt].classes_key].shape[0])
     with torch.device("meta"):
-        expected = create_model(**fields, num_classes=classes).state_dict()
-    converted = {}
+        expected = create_model(**fields, num_classes=classes, class_embeddings=class_embeddings).state_dict()
+    converted = {} if class_embeddings is None else {CLASS_EMBEDDINGS_KEY: class_embeddings}
     for key, value in weights.items():  # the released names as mlcls's model names them
-        if fmt == "csra":
-            classifier = key.startswith("classifier.")
-            name = "head." + key.removeprefix("classifier.") if classifier else "backbone." + key
-        elif key.startswith("body."):
-            name = ("backbone." if fmt == "mldecoder" else "") + tresnet_key(key)
-        else:
-            name = key
+        name = released_name(fmt, key)
+        if name in converted:
+            raise _misfit(fmt, f"its key {key!r} names {name}, which another entry fills")
         if name not in expected:
             raise _misfit(
                 fmt, f"its key {key!r} has no place in {fields['name']} with a {fields['head']} head"
@@ -218,7 +261,7 @@ def convert_weights(fmt: str, weights: Mapping[str, torch.Tensor], model_config:
             raise _misfit(
                 fmt, f"{key} is {tuple(value.shape)}, {tuple(expected[name].shape)} in {fields['name']}"
             )
-        converted[name] = tresnet_value(name, value) if fmt != "csra" else value
+        converted[name] = value if fmt == "csra" else tresnet_value(name, value)
     for name, tensor in expected.items():
         if name not in converted:
             if not name.endswith("num_batches_tracked"):
@@ -275,30 +318,70 @@ def import_released(
     classes: Sequence[str] | None = None,
     image_size: int | None = None,
     lam: float | None = None,
+    vectors: str | Path | None = None,
 ) -> dict[str, Any]:
     """The mlcls checkpoint (``model``, ``classes``, ``preprocess``, ``config`` with its ``model`` and
     ``dataset`` sections, ``released``) of the authors' file ``path`` in format ``fmt`` (:data:`FORMATS`);
     ``classes``, ``image_size`` and CSRA's ``lam`` replace what the format gives. Its dataset config is
     COCO's, VOC 2007's or Open Images' for 80, 20 or 9,605 classes, else the CSV dataset's with these
-    classes, with the authors' squash-resize and [0, 1] pixels (mean 0, std 1)."""
+    classes, with the authors' squash-resize and [0, 1] pixels (mean 0, std 1).
+
+    ``mldecoder_zsl`` needs ``classes`` and ``vectors``, a word-vector file (GloVe's text format,
+    ``text=vectors``): the file holds neither, its queries being word vectors set at run time. Each class's
+    query is its unit vector (:func:`mlcls.text.class_embeddings`); the checkpoint's text source is that
+    file, so that ``mlcls-predict classes=`` and ``mlcls-eval`` embed other names alike."""
+    text_query = FORMATS[fmt].head in TEXT_HEADS if fmt in FORMATS else False
+    if text_query and (classes is None or vectors is None):
+        raise InferenceError(
+            f"format {fmt} holds no class and no word vector (its queries are set at run time); give "
+            "classes=<file of names, one a line> and vectors=<word-vector file, GloVe's text format>"
+        )
+    if not text_query and vectors is not None:
+        raise InferenceError(
+            f"vectors= is for the zero-shot format mldecoder_zsl; format {fmt} has no queries"
+        )
     weights, meta = read_released(path)
     model_config = released_model_config(fmt, weights, lam)
-    state_dict = convert_weights(fmt, weights, model_config)
-    names = released_classes(int(weights[FORMATS[fmt].classes_key].shape[0]), classes, meta, path)
+    text = None
+    if text_query:
+        names = released_classes(len(classes), classes, meta, path)
+        text = vectors_record(vectors)
+        embeddings = class_embeddings(text["config"], names)
+        width = int(weights[FORMATS[fmt].classes_key].shape[1])
+        if embeddings.shape[1] != width:
+            raise InferenceError(
+                f"the word vectors of {vectors} are {embeddings.shape[1]} wide; the file's "
+                f"{FORMATS[fmt].classes_key} takes {width}"
+            )
+        state_dict = convert_weights(fmt, weights, model_config, embeddings)
+    else:
+        state_dict = convert_weights(fmt, weights, model_config)
+        names = released_classes(int(weights[FORMATS[fmt].classes_key].shape[0]), classes, meta, path)
     dataset = DATASETS.get(len(names), "csv")
     dataset_config = OmegaConf.to_container(OmegaConf.load(config_dir() / "dataset" / f"{dataset}.yaml"))
     dataset_config.update(
-        image_size=image_size or TRESNET_SIZES.get(model_config["name"], 448),
+        # train_zsl_nus.py trains any backbone at its --image-size default, 448
+        image_size=image_size or (448 if text_query else TRESNET_SIZES.get(model_config["name"], 448)),
         transform=FORMATS[fmt].transform,
         mean=[0.0, 0.0, 0.0],
         std=[1.0, 1.0, 1.0],
     )
     if dataset == "csv":
         dataset_config["classes"] = list(names)
+    config = {"model": model_config, "dataset": dataset_config}
     return {
         "model": state_dict,
         "classes": names,
         "preprocess": preprocess_spec(dataset_config),
-        "config": {"model": model_config, "dataset": dataset_config},
+        "config": config if text is None else {**config, "text": text["config"]},
         "released": {"format": fmt, "file": Path(path).name},
+        **({} if text is None else {"text": text}),
     }
+
+
+def vectors_record(path: str | Path) -> dict[str, Any]:
+    """The text record (:func:`mlcls.engine.checkpoint.text_record`'s form) of ``text=vectors`` at
+    ``path``, made absolute: the configs/text/vectors.yaml config and its encoder's source."""
+    config = OmegaConf.to_container(OmegaConf.load(config_dir() / "text" / "vectors.yaml"))
+    config["path"] = str(Path(path).expanduser().resolve())
+    return {"source": build_encoder(config).source, "config": config}

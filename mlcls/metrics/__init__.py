@@ -57,6 +57,7 @@ def compute_metrics(
     top_k: int = 3,
     voc11: bool = False,
     unseen: torch.Tensor | None = None,
+    zsl_images: str = "all",
 ) -> dict:
     """Every evaluation figure, in percent, as a JSON-ready dict.
 
@@ -69,6 +70,8 @@ def compute_metrics(
         voc11: also report ``mAP_class_voc11``, the VOC2007 11-point interpolated mAP@class.
         unseen: bool (C,), the classes no target of training held (``dataset.unseen_classes``): also
             report ``zsl`` and ``gzsl`` (:func:`zero_shot_metrics`).
+        zsl_images: with ``unseen``, the images the ZSL figures score (``metrics.zsl_images``: ``all`` or
+            ``unseen_positive``, :data:`mlcls.metrics.zero_shot.ZSL_IMAGES`).
 
     Returns:
         ``mAP_class``, ``mAP_sample`` (eqs. 23-24, means over the classes / samples with a positive),
@@ -104,7 +107,7 @@ def compute_metrics(
     if voc11:
         metrics["mAP_class_voc11"] = mean_counted(per_list_in_blocks(voc11_ap_of_lists, scores, labels, 0))[0]
     if unseen is not None:
-        metrics.update(zero_shot_metrics(scores, labels, unseen))
+        metrics.update(zero_shot_metrics(scores, labels, unseen, zsl_images))
     metrics["per_class_ap"] = {
         name: None if math.isnan(ap) else 100 * ap
         for name, ap in zip(class_names, class_ap.tolist(), strict=True)

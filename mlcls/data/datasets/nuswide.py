@@ -4,7 +4,9 @@ Images without a positive are dropped unless ``keep_empty``.
 
 ``label_set=zero_shot`` (``dataset=nuswide_zsl``): LESA's split (Huynh & Elhamifar, CVPR 2020), as in
 ML-Decoder's zero-shot table: the 925 tags of ``NUS_WID_Tags/TagList1k.txt`` that are no concept, then the
-81 concepts; ``train`` keeps the images with a positive seen tag, ``test`` those with any positive.
+81 concepts; ``train`` keeps the images with a positive seen tag (ML-Decoder's ``get_relevant_samples``),
+``test`` those with any positive; ``keep_empty`` keeps every image of both (LESA's). Which test images the
+ZSL figures score is the evaluation's choice (``metrics.zsl_images``, :mod:`mlcls.metrics.zero_shot`).
 """
 
 from __future__ import annotations
