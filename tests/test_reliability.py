@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import warnings
 
 import pytest
@@ -46,6 +47,8 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny):
     cfg = compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'b'}"])
     with pytest.raises(Preempted, match="at epoch 2, step 1; .*trainer.resume=auto"):
         _SignalAtStep(cfg).fit()
+    # the device stage's thread (fetching from the 2 workers) was joined when the stop left the loop
+    assert not [t for t in threading.enumerate() if t.name == "mlcls-device-stage"]
     state = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
     assert (state["epoch"], state["step"]) == (1, 1)  # stopped after step 4 = epoch 2, step 1
     resumed = run(

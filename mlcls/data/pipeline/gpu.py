@@ -464,7 +464,7 @@ def decode_on_device(batch: EncodedBatch, device: torch.device | str) -> Tensor:
     if len(batch.pixels):
         parts.append(batch.pixels.to(device, non_blocking=True))
         order.append(np.flatnonzero(lengths == 0))
-    for chunk in chunks(geometry[on_device]):
+    for chunk in chunks(geometry[on_device], DECODE_PIXELS):
         images = decode_images([files[k] for k in chunk], device)
         for group in window_groups(geometry[on_device[chunk]]):
             positions = on_device[chunk[group]]
