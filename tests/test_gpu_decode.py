@@ -26,7 +26,7 @@ from mlcls.data.loader import (
     build_train_loader,
     collate_batch,
 )
-from mlcls.data.pipeline import gpu
+from mlcls.data.pipeline import gpu, jpeg
 from mlcls.data.pipeline.fast import FastTrainTransform, GpuTrainTransform, build_backend_transform
 from mlcls.data.pipeline.gpu import (
     FLIP,
@@ -373,7 +373,7 @@ def test_a_jpeg_only_decoding_finds_bad_is_skipped_or_refused_in_one_line(photos
 
 
 def test_the_end_of_image_check_reads_the_tail_as_the_whole_file_would():
-    """:func:`gpu.ends_after_its_last_scan` against its definition over the whole file (the last EOI marker
+    """:func:`jpeg.ends_after_its_last_scan` against its definition over the whole file (the last EOI marker
     after the last SOS marker): whole, cut short, with trailing bytes shorter and longer than the tail
     searched, with a scan after the end marker."""
     data = _encoded(Image.new("RGB", (64, 48), (90, 120, 30)))
@@ -382,11 +382,11 @@ def test_the_end_of_image_check_reads_the_tail_as_the_whole_file_would():
         data[:-2],
         data[: len(data) // 2],
         data + b"\x00" * 100,
-        data + b"\x00" * (2 * gpu.EOI_TAIL),
+        data + b"\x00" * (2 * jpeg.EOI_TAIL),
         data + b"\xff\xda\x00\x08" + b"\x00" * 100,
-        data + b"\xff\xda" + b"\x00" * (2 * gpu.EOI_TAIL),
+        data + b"\xff\xda" + b"\x00" * (2 * jpeg.EOI_TAIL),
     ]
-    got = [gpu.ends_after_its_last_scan(variant) for variant in variants]
+    got = [jpeg.ends_after_its_last_scan(variant) for variant in variants]
     assert got == [v.rfind(b"\xff\xd9") > v.rfind(b"\xff\xda") for v in variants]
     assert got == [True, False, False, True, True, False, False]
 
