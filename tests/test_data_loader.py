@@ -172,8 +172,8 @@ def test_the_device_stage_thread_fetching_from_the_loader_gives_the_loaders_batc
     monkeypatch.setattr(batches, "_reads_in_process", lambda loader: False)
     prefetcher = DevicePrefetcher(loader, stage)
     got = list(prefetcher)
-    assert len(got) == len(expected) == 4 and prefetcher.times.batches == 4
-    assert prefetcher.times.making_s > 0
+    assert len(got) == len(expected) == 4 and stage.times.batches == 4
+    assert stage.times.making_s > 0 and stage.times.waiting_s > 0
     for (images, targets), (want_images, want_targets) in zip(got, expected, strict=True):
         assert torch.equal(images, want_images) and torch.equal(targets, want_targets)
 

@@ -233,7 +233,7 @@ class EvalBatches:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        return beside_the_step(self.loader, self._finish, self.stage.device)
+        return beside_the_step(self.loader, self._finish, self.stage.device, self.stage.times)
 
     def _finish(self, batch: Sequence[Any]) -> tuple[Tensor, Tensor]:
         images, targets = batch
@@ -241,12 +241,24 @@ class EvalBatches:
 
 
 # ------------------------------------------------------------------ device
+@dataclass
+class StageTimes:
+    """Host seconds of a device stage's batches: ``making_s`` in its thread (fetching from the loader and
+    queueing the device work), ``waiting_s`` the consumer's (the main thread's) outside its steps, waiting
+    for a finished batch and fetching it from a loader read in process, over ``batches`` handed over."""
+
+    batches: int = 0
+    making_s: float = 0.0
+    waiting_s: float = 0.0
+
+
 class DeviceStage:
     """Moves a batch to ``device`` and finishes it there: a float tensor is only copied; an ``EncodedBatch``
     is decoded there (:func:`~mlcls.data.pipeline.gpu.decode_on_device`), then, as an
     :class:`AugmentedImage` batch, goes through :func:`colour_lighting_normalise` with the
     :class:`ColourConstants` of ``mean`` and ``std``, made on ``device`` once (``colour=False``: none).
-    Copies are ``non_blocking``; on CUDA nothing is read back to the host."""
+    Copies are ``non_blocking``; on CUDA nothing is read back to the host. ``times``: the host time of the
+    batches it made beside a step (:class:`DevicePrefetcher`, :class:`EvalBatches`), summed over them."""
 
     def __init__(
         self,
@@ -262,6 +274,7 @@ class DeviceStage:
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         mean, std = normalisation(mean, std)
         self.constants = ColourConstants.on(self.device, mean, std) if colour else None
+        self.times = StageTimes()
 
     def __call__(self, images: Tensor | AugmentedImage | EncodedBatch) -> Tensor:
         """float32 (B, 3, H, W) on ``device``, normalised."""
@@ -285,11 +298,11 @@ class DeviceStage:
 class DevicePrefetcher:
     """The batches of ``loader`` finished by ``stage`` (:meth:`DeviceStage.finish`) on ``stage.device``,
     made beside the step (:func:`beside_the_step`): images float32 (B, 3, H, W), normalised, targets
-    float32 (B, C); ``len()`` and ``sampler`` the loader's; ``times`` how long making them took."""
+    float32 (B, C); ``len()`` and ``sampler`` the loader's; how long making them took adds to
+    ``stage.times``."""
 
     def __init__(self, loader: Iterable, stage: DeviceStage) -> None:
         self.loader, self.stage, self.device = loader, stage, stage.device
-        self.times = StageTimes()
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -299,18 +312,7 @@ class DevicePrefetcher:
         return self.loader.sampler
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
-        return beside_the_step(self.loader, self.stage.finish, self.device, self.times)
-
-
-@dataclass
-class StageTimes:
-    """Host seconds of a device stage's batches: ``making_s`` in its thread (fetching from the loader and
-    queueing the device work, per batch made), ``waiting_s`` the consumer's waits for a finished batch
-    (its only time outside the step), over ``batches`` batches handed over."""
-
-    batches: int = 0
-    making_s: float = 0.0
-    waiting_s: float = 0.0
+        return beside_the_step(self.loader, self.stage.finish, self.device, self.stage.times)
 
 
 class _Failed(NamedTuple):
@@ -391,11 +393,11 @@ def beside_the_step(
     requested, exhausted = 0, not in_process
     try:
         while True:
+            start = time.perf_counter()
             while not exhausted and requested < BATCHES_AHEAD:
                 batch = next(batches, _END)
                 fetched.put(batch)
                 exhausted, requested = batch is _END, requested + (batch is not _END)
-            start = time.perf_counter()
             item = finished.get()
             times.waiting_s += time.perf_counter() - start
             if item is _END:
