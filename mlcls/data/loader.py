@@ -332,6 +332,16 @@ def _reads_in_process(loader: Iterable) -> bool:
     return True
 
 
+def _device_tensors(data: Any) -> Iterator[Tensor]:
+    """The CUDA tensors of ``data``: a tensor, or tuples and lists of them (named or nested)."""
+    if isinstance(data, Tensor):
+        if data.is_cuda:
+            yield data
+    elif isinstance(data, (tuple, list)):
+        for item in data:
+            yield from _device_tensors(item)
+
+
 def beside_the_step(
     loader: Iterable,
     finish: Callable[[Any], tuple],
@@ -346,7 +356,8 @@ def beside_the_step(
     ``"stage"`` of ``device``. Each batch is handed over with an event recorded on that stream after its
     work: the consumer's current stream waits for the event, and the batch's device tensors are recorded on
     the consumer's stream (their memory is not given out again before the consumer's work on them has
-    run). On the CPU the same thread runs without streams or events.
+    run). A batch the consumer fetched goes the other way the same way (a DALI loader's copies run on the
+    fetching thread's stream). On the CPU the same thread runs without streams or events.
 
     An exception in the thread reaches the consumer as itself (the same type and message). Closing the
     generator (the consumer's loop ends, breaks or raises: a stop signal, Ctrl-C, an error) or exhausting
@@ -368,7 +379,7 @@ def beside_the_step(
         return False
 
     def produce() -> None:
-        source = iter(fetched.get, _END) if in_process else batches
+        source = iter(fetched.get, _END) if in_process else ((batch, None) for batch in batches)
         try:
             with contextlib.ExitStack() as on_stream:
                 if stream is not None:  # a thread starts on device 0 with its default stream
@@ -376,9 +387,14 @@ def beside_the_step(
                     on_stream.enter_context(torch.cuda.stream(stream))
                 while True:
                     start = time.perf_counter()
-                    batch = next(source, _END)
-                    if batch is _END:
+                    item = next(source, _END)
+                    if item is _END:
                         break
+                    batch, fetched_on = item
+                    if fetched_on is not None:  # made on the consumer's stream
+                        stream.wait_event(fetched_on)
+                        for tensor in _device_tensors(batch):
+                            tensor.record_stream(stream)
                     made = finish(batch)
                     event = None if stream is None else stream.record_event()
                     times.making_s += time.perf_counter() - start
@@ -396,8 +412,9 @@ def beside_the_step(
             start = time.perf_counter()
             while not exhausted and requested < BATCHES_AHEAD:
                 batch = next(batches, _END)
-                fetched.put(batch)
                 exhausted, requested = batch is _END, requested + (batch is not _END)
+                ready = None if consumer is None or exhausted else consumer.record_event()
+                fetched.put(_END if exhausted else (batch, ready))
             item = finished.get()
             times.waiting_s += time.perf_counter() - start
             if item is _END:
@@ -407,9 +424,8 @@ def beside_the_step(
             (made, event), requested = item, requested - 1
             if event is not None:
                 consumer.wait_event(event)
-                for tensor in made:
-                    if isinstance(tensor, Tensor) and tensor.is_cuda:
-                        tensor.record_stream(consumer)
+                for tensor in _device_tensors(made):
+                    tensor.record_stream(consumer)
             times.batches += 1
             yield made
     finally:
