@@ -2,10 +2,11 @@
 
 DataLoader workers plan each file with the fast pipeline's draws (exact resume); the device
 (:func:`decode_on_device`) decodes the batch in chunks of at most :data:`DECODE_PIXELS` pixels, gathers the
-windows into one zero-padded tensor and resizes them by two batched matrix products (:func:`resize_weights`):
-no launch per image. A file the device does not take from its header takes the fast pipeline's CPU path in
-the worker; one whose damage only decoding finds is decoded again one by one, then by PIL
-(docs/performance.md, "JPEGs decoded on the GPU").
+windows of similar size into zero-padded tensors and resizes them by two batched matrix products
+(:func:`resize_weights`): no launch per image. A file the device does not take from its header and first
+segments (:mod:`mlcls.data.pipeline.jpeg`) takes the fast pipeline's CPU path in the worker; one whose
+damage only decoding finds is decoded again one by one, then by PIL (docs/performance.md, "JPEGs decoded
+on the GPU").
 """
 
 from __future__ import annotations
