@@ -194,19 +194,19 @@ class GpuEvalTransform:
         )
 
 
-def input_stage_bytes(batch_size: int, size: int, finished: int = 2) -> int:
+def input_stage_bytes(batch_size: int, size: int) -> int:
     """A bound of the GPU memory torch reserves for the input stage of training batches of ``batch_size``
     images of ``size`` x ``size`` (nvJPEG's own buffers, allocated outside torch, come on top).
 
     The batch being made: 16 bytes per pixel of a decode chunk (:func:`chunks`), the largest sum over the
     phases of :func:`resize_windows` (docs/performance.md, "Memory"), plus 16 bytes per output value (the
-    uint8 copies, the colour stage's float32). Beside it, ``finished`` batches of float32 (4 bytes per
+    uint8 copies, the colour stage's float32). Beside it, two finished batches of float32 (4 bytes per
     value): the one queued by the device stage (:data:`mlcls.data.loader.BATCHES_AHEAD` less the one in
     the making) and the one the step uses. Reserved memory exceeds what is allocated by the caching
     allocator's rounding and by blocks the stage's two streams (:func:`side_stream`) do not share: a
     quarter more is allowed for it."""
     output = batch_size * 3 * size * size
-    allocated = 16 * DECODE_PIXELS + 16 * output + 4 * finished * output
+    allocated = 16 * DECODE_PIXELS + 16 * output + 2 * 4 * output
     return allocated + allocated // 4
 
 
