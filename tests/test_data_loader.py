@@ -215,7 +215,7 @@ def test_the_device_stage_thread_ends_with_the_epoch_and_when_the_consumer_leave
     time.sleep(0.1)  # the thread fills the queue and waits on it
     started = time.perf_counter()
     finished.close()
-    assert threading.active_count() == threads and time.perf_counter() - started < 1.0
+    assert threading.active_count() == threads and time.perf_counter() - started < 2.0
     with pytest.raises(KeyboardInterrupt):
         for made in batches.beside_the_step(range(100), lambda b: (b,), CPU):
             if made == (2,):
@@ -229,6 +229,9 @@ def test_the_device_stage_keeps_at_most_two_batches_ahead(monkeypatch):
     made = []
     finished = batches.beside_the_step(range(10), lambda b: made.append(b) or (b,), CPU)
     assert next(finished) == (0,)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 5.0
+    while len(made) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # time for a fourth, which must not come
     assert made == [0, 1, 2] and batches.BATCHES_AHEAD == 2
     finished.close()
