@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -157,3 +159,79 @@ def test_the_trainer_runs_the_device_stage_once_per_batch(tmp_path, monkeypatch)
     trainer = Trainer(compose_config(overrides))
     trainer.train_one_epoch(0)
     assert len(calls) == 3
+
+
+def test_the_device_stage_thread_fetching_from_the_loader_gives_the_loaders_batches(photos, monkeypatch):
+    """With a loader of worker processes the thread fetches the batches itself (forced here for an
+    in-process loader): the loader's batches finished one by one, in order, none left out; the thread's
+    host time is counted per batch."""
+    stage = DeviceStage(CPU)
+    loader = _fast_loader(photos)
+    loader.sampler.set_epoch(1)
+    expected = [stage.finish(batch) for batch in loader]
+    monkeypatch.setattr(batches, "_reads_in_process", lambda loader: False)
+    prefetcher = DevicePrefetcher(loader, stage)
+    got = list(prefetcher)
+    assert len(got) == len(expected) == 4 and stage.times.batches == 4
+    assert stage.times.making_s > 0 and stage.times.waiting_s > 0
+    for (images, targets), (want_images, want_targets) in zip(got, expected, strict=True):
+        assert torch.equal(images, want_images) and torch.equal(targets, want_targets)
+
+
+class _Refused(ValueError):
+    pass
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_an_error_in_the_device_stage_thread_reaches_the_consumer_as_itself(monkeypatch, in_process):
+    """An exception raised while finishing batch 3 (in the thread) is raised to the consumer with its type
+    and message after batches 1 and 2; the thread is joined."""
+    monkeypatch.setattr(batches, "_reads_in_process", lambda loader: in_process)
+    threads = threading.active_count()
+
+    def finish(batch: int) -> tuple[int]:
+        if batch == 3:
+            raise _Refused("batch 3: one line that says what is wrong")
+        return (batch,)
+
+    got = []
+    with pytest.raises(_Refused, match="^batch 3: one line that says what is wrong$"):
+        for made in batches.beside_the_step(range(1, 6), finish, CPU):
+            got.append(made)
+    assert got == [(1,), (2,)] and threading.active_count() == threads
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_the_device_stage_thread_ends_with_the_epoch_and_when_the_consumer_leaves(monkeypatch, in_process):
+    """The thread is joined at the end of the batches, when the consumer closes the iterator while the
+    thread waits to hand a batch over (the stop flag is seen within STOP_POLL_S), and when the consumer's
+    loop raises (a stop signal's Preempted, an error on this rank)."""
+    monkeypatch.setattr(batches, "_reads_in_process", lambda loader: in_process)
+    threads = threading.active_count()
+    assert list(batches.beside_the_step(range(5), lambda b: (b,), CPU)) == [(b,) for b in range(5)]
+    assert threading.active_count() == threads
+    finished = batches.beside_the_step(range(100), lambda b: (b,), CPU)
+    assert next(finished) == (0,)
+    time.sleep(0.1)  # the thread fills the queue and waits on it
+    started = time.perf_counter()
+    finished.close()
+    assert threading.active_count() == threads and time.perf_counter() - started < 2.0
+    with pytest.raises(KeyboardInterrupt):
+        for made in batches.beside_the_step(range(100), lambda b: (b,), CPU):
+            if made == (2,):
+                raise KeyboardInterrupt
+    assert threading.active_count() == threads
+
+
+def test_the_device_stage_keeps_at_most_two_batches_ahead(monkeypatch):
+    """While the consumer holds batch 0, the thread makes batches 1 and 2 and no more (BATCHES_AHEAD)."""
+    monkeypatch.setattr(batches, "_reads_in_process", lambda loader: False)
+    made = []
+    finished = batches.beside_the_step(range(10), lambda b: made.append(b) or (b,), CPU)
+    assert next(finished) == (0,)
+    deadline = time.monotonic() + 5.0
+    while len(made) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # time for a fourth, which must not come
+    assert made == [0, 1, 2] and batches.BATCHES_AHEAD == 2
+    finished.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import warnings
 
 import pytest
@@ -16,7 +17,8 @@ from mlcls.cli.train import run
 from mlcls.engine.checkpoint import CheckpointError, load_checkpoint
 from mlcls.engine.config_checks import check_config
 from mlcls.engine.distributed import resolve_device
-from mlcls.engine.trainer import NonFiniteError, Preempted, Trainer
+from mlcls.engine.guards import NonFiniteCounter
+from mlcls.engine.trainer import LaggedRead, NonFiniteError, Preempted, Trainer
 from mlcls.errors import ConfigError
 
 # 96 training images in batches of 32: 3 steps per epoch, 2 epochs; 2 DataLoader workers.
@@ -46,6 +48,8 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny):
     cfg = compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'b'}"])
     with pytest.raises(Preempted, match="at epoch 2, step 1; .*trainer.resume=auto"):
         _SignalAtStep(cfg).fit()
+    # the device stage's thread (fetching from the 2 workers) was joined when the stop left the loop
+    assert not [t for t in threading.enumerate() if t.name == "mlcls-device-stage"]
     state = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
     assert (state["epoch"], state["step"]) == (1, 1)  # stopped after step 4 = epoch 2, step 1
     resumed = run(
@@ -115,6 +119,26 @@ def test_non_finite_steps_are_skipped_then_abort(tmp_path, tiny):
     trainer.criterion = _NaNLoss(bad_calls=set(range(1, 100)))
     with pytest.raises(NonFiniteError, match="learning rate"):
         trainer.fit()
+
+
+def test_the_logged_loss_and_guard_are_read_one_log_period_later():
+    """A log step's values are copied when taken and read at the next one (or the flush at the epoch's end
+    or a stop), so the loop never waits for its queued steps; the guard raises from the run it took."""
+    reads, counter = LaggedRead(), NonFiniteCounter(torch.device("cpu"), max_run=3)
+    for applied in (True, False, False, False):
+        counter.record(torch.tensor(applied))
+    values = torch.stack([torch.tensor(0.75), counter.take_longest().float()])
+    assert reads.swap(values, ("epoch 0", "step 3")) is None
+    values.fill_(-1.0)  # the copy was taken at the swap
+    counter.record(torch.tensor(True))
+    previous = reads.swap(torch.stack([torch.tensor(0.5), counter.take_longest().float()]), "step 7")
+    assert previous == ([0.75, 3.0], ("epoch 0", "step 3"))
+    with pytest.raises(NonFiniteError, match="3 consecutive steps"):
+        counter.raise_if(int(previous[0][1]), 0)
+    assert (
+        reads.flush() == ([0.5, 3.0], "step 7") and reads.flush() is None
+    )  # the run went on past the first read
+    counter.raise_if(int(counter.take_longest().item()), 0)  # none since: nothing raised
 
 
 @pytest.mark.slow

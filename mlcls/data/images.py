@@ -53,3 +53,21 @@ def open_image(data: bytes) -> Image.Image:
 def read_image(path: str | Path) -> Image.Image:
     """:func:`open_image` of :func:`read_image_bytes` of ``path``."""
     return open_image(read_image_bytes(path))
+
+
+# The most pixels one byte of a JPEG's scan can stand for: a Huffman-coded 8 x 8 block takes at least
+# 2 bits (a 1-bit DC difference code and a 1-bit end-of-block code), so one greyscale component covers
+# 64 pixels per 2 bits, 256 per byte; colour (three components, or subsampled chroma) covers fewer.
+PIXELS_PER_BYTE = 256
+
+
+def check_encoded_size(width: int, height: int, nbytes: int) -> None:
+    """Raise ``Image.DecompressionBombError`` (one of the bad-image errors) when a ``width`` x ``height``
+    header claims more pixels than ``nbytes`` of Huffman-coded scan can encode (:data:`PIXELS_PER_BYTE`
+    per byte, plus 2**20 pixels of slack for small images): the decode would be bounded by the header, not
+    by the bytes read."""
+    if width * height > PIXELS_PER_BYTE * nbytes + 2**20:
+        raise Image.DecompressionBombError(
+            f"image header claims {width} x {height} pixels in {nbytes} bytes; at most "
+            f"{PIXELS_PER_BYTE} pixels per byte (plus 2**20) expected of a JPEG"
+        )

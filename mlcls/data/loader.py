@@ -1,16 +1,22 @@
 """Where a batch is made, from the sampler to the device: the loader builders, :func:`collate_batch`, and
-:class:`DevicePrefetcher` handing each training batch over on the device, finished by :class:`DeviceStage`.
+:class:`DevicePrefetcher` (training) and :class:`EvalBatches` (evaluation) handing each batch over on the
+device, finished by :class:`DeviceStage` in a thread beside the step (:func:`beside_the_step`).
 What a sample is lives in :mod:`mlcls.data.pipeline`, which shards a rank reads in
 :mod:`mlcls.data.shards.loader`; those import nothing from here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,7 +32,15 @@ from mlcls.data.pipeline.fast import (
     FastTrainTransform,
     colour_lighting_normalise,
 )
-from mlcls.data.pipeline.gpu import SIZE, EncodedBatch, EncodedImage, GpuEvalTransform, decode_on_device
+from mlcls.data.pipeline.gpu import (
+    SIZE,
+    EncodedBatch,
+    EncodedImage,
+    GpuEvalTransform,
+    cuda_device,
+    decode_on_device,
+    side_stream,
+)
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, normalisation
 from mlcls.data.sampling import RankSampler, ResumableSampler, SeededSamples
 from mlcls.data.shards.datasets import ShardTrainSet
@@ -36,6 +50,10 @@ log = logging.getLogger("mlcls")
 
 # Batches each DataLoader worker keeps ready (torch's default is 2): decoding times vary from image to image.
 PREFETCH_FACTOR = 4
+# Batches the device stage makes ahead of the step at most: one handed over (queued), one in the making.
+BATCHES_AHEAD = 2
+# Seconds between two looks at the stop flag of a device stage waiting to hand a batch over.
+STOP_POLL_S = 0.05
 
 
 # ------------------------------------------------------------------ DataLoaders
@@ -215,17 +233,32 @@ class EvalBatches:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        for images, targets in self.loader:
-            yield self.stage(images), targets
+        return beside_the_step(self.loader, self._finish, self.stage.device, self.stage.times)
+
+    def _finish(self, batch: Sequence[Any]) -> tuple[Tensor, Tensor]:
+        images, targets = batch
+        return self.stage(images), targets
 
 
 # ------------------------------------------------------------------ device
+@dataclass
+class StageTimes:
+    """Host seconds of a device stage's batches: ``making_s`` in its thread (fetching from the loader and
+    queueing the device work), ``waiting_s`` the consumer's (the main thread's) outside its steps, waiting
+    for a finished batch and fetching it from a loader read in process, over ``batches`` handed over."""
+
+    batches: int = 0
+    making_s: float = 0.0
+    waiting_s: float = 0.0
+
+
 class DeviceStage:
     """Moves a batch to ``device`` and finishes it there: a float tensor is only copied; an ``EncodedBatch``
     is decoded there (:func:`~mlcls.data.pipeline.gpu.decode_on_device`), then, as an
     :class:`AugmentedImage` batch, goes through :func:`colour_lighting_normalise` with the
     :class:`ColourConstants` of ``mean`` and ``std``, made on ``device`` once (``colour=False``: none).
-    Copies are ``non_blocking``; on CUDA nothing is read back to the host."""
+    Copies are ``non_blocking``; on CUDA nothing is read back to the host. ``times``: the host time of the
+    batches it made beside a step (:class:`DevicePrefetcher`, :class:`EvalBatches`), summed over them."""
 
     def __init__(
         self,
@@ -241,6 +274,7 @@ class DeviceStage:
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         mean, std = normalisation(mean, std)
         self.constants = ColourConstants.on(self.device, mean, std) if colour else None
+        self.times = StageTimes()
 
     def __call__(self, images: Tensor | AugmentedImage | EncodedBatch) -> Tensor:
         """float32 (B, 3, H, W) on ``device``, normalised."""
@@ -262,11 +296,10 @@ class DeviceStage:
 
 
 class DevicePrefetcher:
-    """The batches of ``loader`` finished by ``stage`` (:meth:`DeviceStage.finish`) on ``stage.device``:
-    images float32 (B, 3, H, W), normalised, targets float32 (B, C); ``len()`` and ``sampler`` the loader's.
-    On CUDA batch *i + 1* is fetched, copied and finished on a side stream while the caller's step *i* runs
-    on the current stream (which waits for the side stream; the yielded tensors are recorded on it so that
-    their memory is not reused too early)."""
+    """The batches of ``loader`` finished by ``stage`` (:meth:`DeviceStage.finish`) on ``stage.device``,
+    made beside the step (:func:`beside_the_step`): images float32 (B, 3, H, W), normalised, targets
+    float32 (B, C); ``len()`` and ``sampler`` the loader's; how long making them took adds to
+    ``stage.times``."""
 
     def __init__(self, loader: Iterable, stage: DeviceStage) -> None:
         self.loader, self.stage, self.device = loader, stage, stage.device
@@ -279,27 +312,126 @@ class DevicePrefetcher:
         return self.loader.sampler
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
-        if self.device.type != "cuda":
-            yield from map(self.stage.finish, self.loader)
-            return
-        side = torch.cuda.Stream(self.device)
-        current = torch.cuda.current_stream(self.device)
-        batches = iter(self.loader)
+        return beside_the_step(self.loader, self.stage.finish, self.device, self.stage.times)
 
-        def next_on_side_stream() -> tuple[Tensor, ...] | None:
-            # Fetched under the side stream too: the DALI loader copies its output on the current stream.
-            with torch.cuda.stream(side):
-                batch = next(batches, None)
-                return None if batch is None else self.stage.finish(batch)
 
-        ready = next_on_side_stream()
-        while ready is not None:
-            current.wait_stream(side)
-            for tensor in ready:
-                tensor.record_stream(current)
-            upcoming = next_on_side_stream()  # enqueued before the caller's step: the two overlap
-            yield ready
-            ready = upcoming
+class _Failed(NamedTuple):
+    error: BaseException
+
+
+_END = object()  # no more batches
+
+
+def _reads_in_process(loader: Iterable) -> bool:
+    """Whether iterating ``loader`` runs its dataset in the calling process (a DataLoader without workers,
+    or any other iterable): the dataset's seeded draws fork the process's random generators, so it is read
+    in the consumer's thread, between steps, as without a device stage."""
+    for inner in (loader, getattr(loader, "loader", None), getattr(loader, "plans", None)):
+        if isinstance(inner, DataLoader):
+            return inner.num_workers == 0
+    return True
+
+
+def _device_tensors(data: Any) -> Iterator[Tensor]:
+    """The CUDA tensors of ``data``: a tensor, or tuples and lists of them (named or nested)."""
+    if isinstance(data, Tensor):
+        if data.is_cuda:
+            yield data
+    elif isinstance(data, (tuple, list)):
+        for item in data:
+            yield from _device_tensors(item)
+
+
+def beside_the_step(
+    loader: Iterable,
+    finish: Callable[[Any], tuple],
+    device: torch.device,
+    times: StageTimes | None = None,
+) -> Iterator[tuple]:
+    """``finish(batch)`` for each batch of ``loader``, made by a thread of its own up to
+    :data:`BATCHES_AHEAD` batches ahead of the consumer, while the consumer queues its steps.
+
+    The thread fetches the batches from the loader (the consumer does, when the loader reads in this
+    process: :func:`_reads_in_process`) and finishes them; on CUDA under the one :func:`side_stream`
+    ``"stage"`` of ``device``. Each batch is handed over with an event recorded on that stream after its
+    work: the consumer's current stream waits for the event, and the batch's device tensors are recorded on
+    the consumer's stream (their memory is not given out again before the consumer's work on them has
+    run). A batch the consumer fetched goes the other way the same way (a DALI loader's copies run on the
+    fetching thread's stream). On the CPU the same thread runs without streams or events.
+
+    An exception in the thread reaches the consumer as itself (the same type and message). Closing the
+    generator (the consumer's loop ends, breaks or raises: a stop signal, Ctrl-C, an error) or exhausting
+    it stops the thread and joins it: a thread blocked on handing a batch over sees the stop within
+    :data:`STOP_POLL_S`; one fetching or finishing a batch ends that batch first."""
+    times = StageTimes() if times is None else times
+    batches, in_process = iter(loader), _reads_in_process(loader)
+    stream = side_stream(cuda_device(device), "stage") if device.type == "cuda" else None
+    consumer = None if stream is None else torch.cuda.current_stream(stream.device)
+    finished: queue.Queue = queue.Queue(maxsize=BATCHES_AHEAD - 1)
+    fetched: queue.Queue = queue.Queue()  # batches the consumer fetched (in-process loaders)
+    stop = threading.Event()
+
+    def hand_over(item: Any) -> bool:
+        while not stop.is_set():
+            with contextlib.suppress(queue.Full):
+                finished.put(item, timeout=STOP_POLL_S)
+                return True
+        return False
+
+    def produce() -> None:
+        source = iter(fetched.get, _END) if in_process else ((batch, None) for batch in batches)
+        try:
+            with contextlib.ExitStack() as on_stream:
+                if stream is not None:  # a thread starts on device 0 with its default stream
+                    on_stream.enter_context(torch.cuda.device(stream.device))
+                    on_stream.enter_context(torch.cuda.stream(stream))
+                while True:
+                    start = time.perf_counter()
+                    item = next(source, _END)
+                    if item is _END:
+                        break
+                    batch, fetched_on = item
+                    if fetched_on is not None:  # made on the consumer's stream
+                        stream.wait_event(fetched_on)
+                        for tensor in _device_tensors(batch):
+                            tensor.record_stream(stream)
+                    made = finish(batch)
+                    event = None if stream is None else stream.record_event()
+                    times.making_s += time.perf_counter() - start
+                    if not hand_over((made, event)):
+                        return
+            hand_over(_END)
+        except BaseException as error:  # handed to the consumer, which raises it
+            hand_over(_Failed(error))
+
+    thread = threading.Thread(target=produce, name="mlcls-device-stage", daemon=True)
+    thread.start()
+    requested, exhausted = 0, not in_process
+    try:
+        while True:
+            start = time.perf_counter()
+            while not exhausted and requested < BATCHES_AHEAD:
+                batch = next(batches, _END)
+                exhausted, requested = batch is _END, requested + (batch is not _END)
+                ready = None if consumer is None or exhausted else consumer.record_event()
+                fetched.put(_END if exhausted else (batch, ready))
+            item = finished.get()
+            times.waiting_s += time.perf_counter() - start
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            (made, event), requested = item, requested - 1
+            if event is not None:
+                consumer.wait_event(event)
+                for tensor in _device_tensors(made):
+                    tensor.record_stream(consumer)
+            times.batches += 1
+            yield made
+    finally:
+        stop.set()
+        fetched.put(_END)
+        thread.join()
 
 
 @functools.cache

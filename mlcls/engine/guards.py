@@ -74,9 +74,17 @@ class NonFiniteCounter:
 
     def check(self, epoch: int) -> None:
         """Raise :class:`NonFiniteError` if ``max_run`` consecutive steps were skipped since the last check
-        (a read from the device: call it at log steps)."""
-        longest = int(self.longest.item())
+        (a read from the device: :meth:`take_longest` and :meth:`raise_if` read it later)."""
+        self.raise_if(int(self.take_longest().item()), epoch)
+
+    def take_longest(self) -> torch.Tensor:
+        """The longest run of skipped steps since the last call (a device tensor; nothing is read)."""
+        longest = self.longest.clone()
         self.longest.copy_(self.run)
+        return longest
+
+    def raise_if(self, longest: int, epoch: int) -> None:
+        """Raise :class:`NonFiniteError` if ``longest`` (of :meth:`take_longest`) reached ``max_run``."""
         if longest >= self.max_run:
             raise NonFiniteError(
                 f"{longest} consecutive steps with a non-finite loss or gradient at epoch {epoch + 1}: lower "

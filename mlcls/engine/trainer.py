@@ -9,12 +9,14 @@ A run's calls, top-down in this file::
 
 Where training stands is ``state.epoch`` (complete epochs) and ``state.step`` (steps of the next one); a
 stop signal writes a checkpoint there and raises :class:`Preempted`, and ``trainer.resume=auto`` continues.
-The training step reads nothing back from the device: losses, skipped steps and the non-finite guard are
-read every ``trainer.log_every`` steps; the stop flag travels on the CPU.
+The training step reads nothing back from the device: the loss and the non-finite guard are copied to the
+host every ``trainer.log_every`` steps and read one log period later (:class:`LaggedRead`), so that no
+read waits for the steps queued since; the stop flag travels on the CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -70,6 +72,34 @@ class Preempted(Exception):
         self.signum = signum
 
 
+class LaggedRead:
+    """Device values read one call later: :meth:`swap` starts copying a tensor to the host (into pinned
+    memory, an event after it, on CUDA; nothing waits) and returns the values of the previous call, whose
+    copy has long finished; :meth:`flush` returns the last ones (waiting for their copy)."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None, Any] | None = None
+
+    def swap(self, values: torch.Tensor, context: Any) -> tuple[list[float], Any] | None:
+        """Start copying ``values`` (kept with ``context``); the previous ``(values as floats, context)``."""
+        previous = self.flush()
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.current_stream(values.device).record_event() if values.is_cuda else None
+        self._pending = (host, event, context)
+        return previous
+
+    def flush(self) -> tuple[list[float], Any] | None:
+        """The pending ``(values, context)``, None when there is none."""
+        if self._pending is None:
+            return None
+        host, event, context = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        return host.tolist(), context
+
+
 class Trainer:
     """Trains a :class:`Run` with :meth:`fit`; ``Trainer(cfg)`` builds it first (:func:`build_run`)."""
 
@@ -86,6 +116,7 @@ class Trainer:
         self.device_stage, self.state, self.run_log = run.device_stage, run.state, run.run_log
         self.checkpointer = run.checkpointer
         self._nonfinite = NonFiniteCounter(self.device, self.cfg.trainer.max_nonfinite)
+        self._log_reads = LaggedRead()
         self.signals = dist_utils.StopSignals(self.dist.distributed)
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
@@ -190,27 +221,32 @@ class Trainer:
             disable=not (self.dist.is_main and sys.stdout.isatty()),
         )
         start = time.perf_counter()
-        # Batches arrive on the device, finished; on CUDA the next one is prepared during this step.
+        # Batches arrive on the device, finished by a thread beside this loop (closed with it: no thread
+        # is left behind at the epoch's end, on a stop signal or an error).
         batches = DevicePrefetcher(self.train_loader, self.device_stage)
-        for step, (images, targets, *indices) in enumerate(batches, start=first_step):
-            if step >= self.iters_per_epoch:
-                break
-            loss, applied = self.train_step(images, targets, *indices)
-            loss_sum += torch.where(applied, loss, 0.0)
-            skipped_steps += ~applied
-            seen += targets.shape[0]
-            iteration = epoch * self.iters_per_epoch + step + 1
-            bar.update()
-            if iteration % tcfg.log_every == 0:  # the only reads from the device within an epoch
-                self._nonfinite.check(epoch)
-                self.run_log.step(epoch, step, iteration, loss.item(), group_lrs(self.optimizer), bar)
-            if self.signals.poll(step + 1):
-                self.state.epoch, self.state.step = epoch, step + 1  # step + 1 steps of this epoch done
-                elapsed += time.perf_counter() - start
-                progress = EpochProgress(loss_sum.item(), seen, elapsed, int(skipped_steps.item()))
-                self.state.counts["skipped_steps"] += self._nonfinite.take_skipped()
-                self.save(False, progress)
-                self._stop()
+        with contextlib.closing(iter(batches)) as finished:
+            for step, (images, targets, *indices) in enumerate(finished, start=first_step):
+                if step >= self.iters_per_epoch:
+                    break
+                loss, applied = self.train_step(images, targets, *indices)
+                loss_sum += torch.where(applied, loss, 0.0)
+                skipped_steps += ~applied
+                seen += targets.shape[0]
+                iteration = epoch * self.iters_per_epoch + step + 1
+                bar.update()
+                if iteration % tcfg.log_every == 0:  # copied now, read one log period later
+                    values = torch.stack([loss.float(), self._nonfinite.take_longest().float()])
+                    context = (epoch, step, iteration, group_lrs(self.optimizer))
+                    self._log(self._log_reads.swap(values, context), bar)
+                if self.signals.poll(step + 1):
+                    self.state.epoch, self.state.step = epoch, step + 1  # step + 1 steps of this epoch done
+                    elapsed += time.perf_counter() - start
+                    self._log(self._log_reads.flush(), bar)
+                    progress = EpochProgress(loss_sum.item(), seen, elapsed, int(skipped_steps.item()))
+                    self.state.counts["skipped_steps"] += self._nonfinite.take_skipped()
+                    self.save(False, progress)
+                    self._stop()
+        self._log(self._log_reads.flush(), bar)
         bar.close()
         self._nonfinite.check(epoch)
         elapsed += time.perf_counter() - start
@@ -228,6 +264,15 @@ class Trainer:
         images_per_s = seen * self.dist.world_size / max(elapsed, 1e-9)
         self.run_log.epoch(epoch, mean_loss, images_per_s)
         return {"loss": mean_loss, "images_per_s": images_per_s, "time_s": elapsed}
+
+    def _log(self, read: tuple[list[float], Any] | None, bar: tqdm) -> None:
+        """Log a :class:`LaggedRead`'s ``([loss, longest run of skipped steps], (epoch, step, iteration,
+        learning rates))``; :class:`NonFiniteError` when that run reached ``trainer.max_nonfinite``."""
+        if read is None:
+            return
+        (loss, longest), (epoch, step, iteration, lrs) = read
+        self._nonfinite.raise_if(int(longest), epoch)
+        self.run_log.step(epoch, step, iteration, loss, lrs, bar)
 
     def train_step(
         self, images: torch.Tensor, targets: torch.Tensor, *indices: torch.Tensor

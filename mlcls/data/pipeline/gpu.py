@@ -2,14 +2,16 @@
 
 DataLoader workers plan each file with the fast pipeline's draws (exact resume); the device
 (:func:`decode_on_device`) decodes the batch in chunks of at most :data:`DECODE_PIXELS` pixels, gathers the
-windows into one zero-padded tensor and resizes them by two batched matrix products (:func:`resize_weights`):
-no launch per image. A file the device does not take from its header takes the fast pipeline's CPU path in
-the worker; one whose damage only decoding finds is decoded again one by one, then by PIL
-(docs/performance.md, "JPEGs decoded on the GPU").
+windows of similar size into zero-padded tensors and resizes them by two batched matrix products
+(:func:`resize_weights`): no launch per image. A file the device does not take from its header and first
+segments (:mod:`mlcls.data.pipeline.jpeg`) takes the fast pipeline's CPU path in the worker; one whose
+damage only decoding finds is decoded again one by one, then by PIL (docs/performance.md, "JPEGs decoded
+on the GPU").
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -23,7 +25,8 @@ from torchvision import transforms as T
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from mlcls.data.datasets.base import BadImageError, crop_box, rgb_picture, to_rgb
-from mlcls.data.images import check_pixels, open_image
+from mlcls.data.images import check_encoded_size, check_pixels, open_image
+from mlcls.data.pipeline.jpeg import BASELINE, SEQUENTIAL_SCAN, ends_after_its_last_scan, read_jpeg_header
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -47,12 +50,9 @@ DECODE_PIXELS = 2**26
 MAX_DEVICE_PIXELS = 2**24
 # Chroma subsamplings of the JPEGs the device decodes (simplejpeg's names), all nvJPEG's.
 DEVICE_SUBSAMPLINGS = ("444", "422", "420", "440", "411")
-# JPEG start-of-frame markers (SOF0-SOF15 less DHT, JPG and DAC); only SOF0, baseline, goes to the device.
-FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-BASELINE = 0xC0
-# Markers read before the frame header at most (a photo has a handful; an ICC profile adds one per 64 kB):
-# a crafted file of fill bytes or empty segments goes to the CPU path instead of holding a worker.
-MAX_HEADER_MARKERS = 1024
+# Padding a resize group may carry: its padded windows (count x tallest x widest) at most this many times
+# the windows' own pixels (:func:`window_groups`).
+MAX_PADDING = 2
 # Columns of a sample's geometry (int64): the image's size; the window (left, top, width, height) in its
 # pixels; the grid the window is resized to and the offset of the S x S output in it; the flip; S.
 IMAGE_W, IMAGE_H, LEFT, TOP, WIDTH, HEIGHT, GRID_W, GRID_H, OFFSET_X, OFFSET_Y, FLIP, SIZE = range(12)
@@ -84,6 +84,11 @@ class EncodedBatch(NamedTuple):
     pixels: Tensor
     params: Tensor
 
+    def pin_memory(self) -> EncodedBatch:
+        """The batch with its pixel tensors pinned (what the DataLoader's ``pin_memory`` calls): ``encoded``
+        stays in pageable memory, since nvJPEG reads the files on the host and copies them itself."""
+        return self._replace(pixels=self.pixels.pin_memory(), params=self.params.pin_memory())
+
 
 class PlannedJpeg(NamedTuple):
     """A JPEG the device decodes, read and planned in the worker: its bytes, size, and the window
@@ -95,42 +100,30 @@ class PlannedJpeg(NamedTuple):
     window: tuple[int, int, int, int]
 
 
-def frame_marker(data: bytes) -> int | None:
-    """The start-of-frame marker of a JPEG (0xC0 baseline, 0xC2 progressive, ...), read by walking its
-    segments up to the frame header; None when there is none before the first scan, within
-    :data:`MAX_HEADER_MARKERS` markers, or the file is no JPEG."""
-    if data[:2] != b"\xff\xd8":
-        return None
-    position, end = 2, len(data) - 3
-    for _ in range(MAX_HEADER_MARKERS):
-        if position >= end or data[position] != 0xFF:
-            return None
-        marker = data[position + 1]
-        if marker == 0xFF:  # fill byte
-            position += 1
-        elif marker in FRAME_MARKERS:
-            return marker
-        elif marker == 0xDA or marker == 0xD9:
-            return None
-        elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
-            position += 2
-        else:
-            position += 2 + ((data[position + 2] << 8) | data[position + 3])
-    return None
-
-
 def device_jpeg_size(data: bytes) -> tuple[int, int] | None:
     """``(width, height)`` of a file the device decodes: a baseline YCbCr JPEG of a subsampling of
-    :data:`DEVICE_SUBSAMPLINGS`, not cut short, of at most :data:`MAX_DEVICE_PIXELS` pixels; else None."""
+    :data:`DEVICE_SUBSAMPLINGS`, 8-bit, its quantisation tables defined, its first scan sequential, not cut
+    short, of at most :data:`MAX_DEVICE_PIXELS` pixels; else None (the worker's CPU path decodes it, and
+    ``dataset.on_bad_image`` applies when that fails). A header claiming more pixels than the file's bytes
+    can encode is refused (:func:`~mlcls.data.images.check_encoded_size`)."""
     try:
         height, width, colorspace, subsampling = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         return None
     if colorspace != "YCbCr" or subsampling not in DEVICE_SUBSAMPLINGS or width * height > MAX_DEVICE_PIXELS:
         return None
-    if frame_marker(data) != BASELINE or data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda"):
+    header = read_jpeg_header(data)
+    if (
+        header is None
+        or header.marker != BASELINE
+        or header.precision != 8
+        or not header.tables <= header.defined
+        or header.progression != SEQUENTIAL_SCAN
+        or not ends_after_its_last_scan(data)
+    ):
         return None
     check_pixels(width, height)
+    check_encoded_size(width, height, len(data))
     return width, height
 
 
@@ -202,11 +195,19 @@ class GpuEvalTransform:
 
 
 def input_stage_bytes(batch_size: int, size: int) -> int:
-    """A bound of the GPU memory torch allocates in the input stage for one training batch of ``batch_size``
-    images of ``size`` x ``size`` (nvJPEG's own buffers come on top): 16 bytes per pixel of a decode chunk
-    (:func:`chunks`), the largest sum over the phases of :func:`resize_windows` (docs/performance.md,
-    "Memory"), plus 16 bytes per output value (the batch's uint8 copies, the colour stage's float32)."""
-    return 16 * DECODE_PIXELS + 16 * batch_size * 3 * size * size
+    """A bound of the GPU memory torch reserves for the input stage of training batches of ``batch_size``
+    images of ``size`` x ``size`` (nvJPEG's own buffers, allocated outside torch, come on top).
+
+    The batch being made: 16 bytes per pixel of a decode chunk (:func:`chunks`), the largest sum over the
+    phases of :func:`resize_windows` (docs/performance.md, "Memory"), plus 16 bytes per output value (the
+    uint8 copies, the colour stage's float32). Beside it, two finished batches of float32 (4 bytes per
+    value): the one queued by the device stage (:data:`mlcls.data.loader.BATCHES_AHEAD` less the one in
+    the making) and the one the step uses. Reserved memory exceeds what is allocated by the caching
+    allocator's rounding and by blocks the stage's two streams (:func:`side_stream`) do not share: a
+    quarter more is allowed for it."""
+    output = batch_size * 3 * size * size
+    allocated = 16 * DECODE_PIXELS + 16 * output + 2 * 4 * output
+    return allocated + allocated // 4
 
 
 def resize_weights(
@@ -254,13 +255,49 @@ def _decode_one(data: Tensor, device: torch.device) -> Tensor:
             ) from exc
 
 
-def decode_images(files: list[Tensor], device: torch.device) -> list[Tensor]:
-    """uint8 (3, H, W) images on ``device`` of the JPEG ``files`` (uint8 (N,) host tensors), in one batched
-    ``decode_jpeg`` call; when it fails (a file damaged beyond its header), one by one, then by PIL."""
+@functools.cache
+def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    """The one CUDA stream of ``device`` (with its index) for ``role`` (``"stage"``: the device stage beside
+    the step; ``"decode"``: :func:`decode_images`) for the whole process: the caching allocator keeps a
+    pool per stream, so a new stream per epoch would reserve the stage's memory again."""
+    return torch.cuda.Stream(device)
+
+
+def cuda_device(device: torch.device) -> torch.device:
+    """``device`` with its index (the current device's when it has none): the key of :func:`side_stream`."""
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _decode_batched(files: list[Tensor], device: torch.device) -> list[Tensor]:
     try:
         return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
     except RuntimeError:
         return [_decode_one(data, device) for data in files]
+
+
+def decode_images(files: list[Tensor], device: torch.device) -> list[Tensor]:
+    """uint8 (3, H, W) images on ``device`` of the JPEG ``files`` (uint8 (N,) host tensors), in one batched
+    ``decode_jpeg`` call; when it fails (a file damaged beyond its header), one by one, then by PIL.
+
+    On CUDA the images are ready for the current stream. torchvision's nvJPEG decode allocates its outputs
+    from the current stream's pool but writes them on a stream of its own (one taken from torch's pool when
+    its decoder is made), which waits for no other stream; it returns once that stream has finished (the
+    host waits) and makes the current stream wait for it (an event). So the call runs under the
+    :func:`side_stream` ``"decode"``, whose pool holds nothing but decoded images, each recorded on the
+    calling stream before that stream reads it: the allocator gives such a block out again only once the
+    calling stream's work queued before its release has run, so the decoder never writes over pixels still
+    to be read. The calling stream then waits for the decode stream."""
+    if device.type != "cuda":
+        return _decode_batched(files, device)
+    device = cuda_device(device)
+    current, decoding = torch.cuda.current_stream(device), side_stream(device, "decode")
+    decoding.wait_stream(current)
+    with torch.cuda.stream(decoding):
+        images = _decode_batched(files, device)
+    current.wait_stream(decoding)
+    for image in images:
+        image.record_stream(current)
+    return images
 
 
 def chunks(geometry: np.ndarray, budget: int = DECODE_PIXELS) -> list[np.ndarray]:
@@ -281,6 +318,25 @@ def chunks(geometry: np.ndarray, budget: int = DECODE_PIXELS) -> list[np.ndarray
             out.append(order[start:k])
             start, decoded, widest = k, 0, 0
         decoded, widest = decoded + pixels, max(widest, width)
+    if len(order):
+        out.append(order[start:])
+    return out
+
+
+def window_groups(geometry: np.ndarray) -> list[np.ndarray]:
+    """Positions of the rows of ``geometry`` (a decode chunk) in groups resized together: sorted by window
+    height, cut before a window that would make the group's padded windows (count x tallest x widest) more
+    than :data:`MAX_PADDING` times its windows' own pixels."""
+    order = np.argsort(-geometry[:, HEIGHT], kind="stable")
+    heights, widths = geometry[order, HEIGHT], geometry[order, WIDTH]
+    out, start, area, widest = [], 0, 0, 0
+    for k in range(len(order)):
+        count, wider = k - start + 1, max(widest, int(widths[k]))
+        window = int(heights[k] * widths[k])
+        if k > start and count * int(heights[start]) * wider > MAX_PADDING * (area + window):
+            out.append(order[start:k])
+            start, area, wider = k, 0, int(widths[k])
+        area, widest = area + window, wider
     if len(order):
         out.append(order[start:])
     return out
@@ -325,20 +381,23 @@ def resize_windows(images: list[Tensor], geometry: np.ndarray, device: torch.dev
 
 def decode_on_device(batch: EncodedBatch, device: torch.device | str) -> Tensor:
     """uint8 (B, 3, S, S) on ``device``: the batch's JPEGs decoded, cut and resized there
-    (:func:`decode_images`, :func:`resize_windows`, chunk by chunk, :func:`chunks`), its CPU-path samples
-    copied, all in batch order. Reads no device value on the host."""
+    (:func:`decode_images` chunk by chunk, :func:`chunks`; :func:`resize_windows` group by group,
+    :func:`window_groups`), its CPU-path samples copied, all in batch order. Reads no device value on the
+    host."""
     device = torch.device(device)
     lengths, geometry = batch.lengths, batch.geometry
-    ends = np.cumsum(lengths)
     on_device = np.flatnonzero(lengths)
+    files = batch.encoded.split(lengths[on_device].tolist())  # views, in the order of on_device
     parts, order = [], []
     if len(batch.pixels):
         parts.append(batch.pixels.to(device, non_blocking=True))
         order.append(np.flatnonzero(lengths == 0))
-    for chunk in chunks(geometry[on_device]):
-        positions = on_device[chunk]
-        files = [batch.encoded[ends[k] - lengths[k] : ends[k]] for k in positions]
-        parts.append(resize_windows(decode_images(files, device), geometry[positions], device))
-        order.append(positions)
+    for chunk in chunks(geometry[on_device], DECODE_PIXELS):
+        images = decode_images([files[k] for k in chunk], device)
+        for group in window_groups(geometry[on_device[chunk]]):
+            positions = on_device[chunk[group]]
+            parts.append(resize_windows([images[k] for k in group], geometry[positions], device))
+            order.append(positions)
+        del images
     pixels = torch.cat(parts) if len(parts) > 1 else parts[0]
     return pixels.index_select(0, _to_device(np.argsort(np.concatenate(order)), device))
