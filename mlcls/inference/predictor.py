@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from mlcls.config_tree import nested_get
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, to_rgb
 from mlcls.data.images import read_image
+from mlcls.data.loader import beside_the_step
 from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_checkpoint
 from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
@@ -229,26 +230,34 @@ def predict_logits(
     inference: InferenceModel, paths: Sequence[Path], batch_size: int = 32, workers: int = 0
 ) -> tuple[torch.Tensor, list[Path], list[tuple[Path, str]]]:
     """Logits (M, C) float32 on the CPU of the M readable images among ``paths``, those paths in order,
-    and the unreadable ``(path, reason)`` pairs."""
+    and the unreadable ``(path, reason)`` pairs. The batches are made beside the forward passes
+    (:func:`~mlcls.data.loader.beside_the_step`, as in evaluation); the logits stay on the device until the
+    last batch, then are copied once."""
     if batch_size < 1:
         raise InferenceError(f"batch_size must be at least 1, got {batch_size}")
+    device = inference.device
     loader = DataLoader(
         ImageFiles(paths, build_eval_transform(inference.preprocess)),
         batch_size=batch_size,
         num_workers=workers,
         collate_fn=_collate,
-        pin_memory=inference.device.type == "cuda",
+        pin_memory=device.type == "cuda",
     )
+
+    def to_device(batch: tuple[torch.Tensor | None, list[int], list[tuple[int, str]]]) -> tuple:
+        images, indices, failures = batch
+        return (None if images is None else images.to(device, non_blocking=True)), indices, failures
+
     logits, kept, unreadable = [], [], []
-    for images, indices, failures in loader:
+    for images, indices, failures in beside_the_step(loader, to_device, device):
         unreadable += [(paths[i], reason) for i, reason in failures]
         if images is None:
             continue
-        logits.append(inference.model(images.to(inference.device, non_blocking=True)).float().cpu())
+        logits.append(inference.model(images).float())
         kept += [paths[i] for i in indices]
     if not logits:
         return torch.empty(0, len(inference.classes)), kept, unreadable
-    return torch.cat(logits), kept, unreadable
+    return torch.cat(logits).cpu(), kept, unreadable
 
 
 @dataclass(frozen=True)
