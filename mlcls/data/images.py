@@ -7,7 +7,14 @@ of more than ``Image.MAX_IMAGE_PIXELS`` pixels (89,478,485: ~268 MB as RGB) is r
 ``dataset.on_bad_image``. A JPEG is also refused before PIL parses it when its header holds more fill bytes
 or markers than an encoder writes (:func:`check_jpeg_header`), and from its header when it claims more
 pixels than its bytes can encode (:func:`check_encoded_size`): what a JPEG makes a reader hold is bounded by
-its size.
+its size. That bound, :data:`PIXELS_PER_BYTE`: a sequential Huffman-coded JPEG spends at least 2 bits on every
+8 x 8 block of every component, so greyscale holds at most 256 pixels a byte (met only by a flat image, the
+header's bytes keeping a real file under it), 4:2:0 colour 170.7 (6 blocks per 16 x 16 pixels), 4:4:4 85.3;
+a progressive file can code a greyscale block in 1 bit and arithmetic coding has no per-block floor, so such
+flat files beyond 256 pixels a byte and 2**20 pixels are refused, which no photograph is. Decoded as RGB
+(3 bytes a pixel) a JPEG then holds at most 768 times its bytes plus 3 MiB (PIL's RGB image, 4 bytes a
+pixel: 1,024 times plus 4 MiB). Other formats (PNG, GIF, ...) code a flat image in far fewer bytes, so they
+keep PIL's cap alone.
 """
 
 from __future__ import annotations
@@ -102,28 +109,19 @@ def read_image(path: str | Path) -> Image.Image:
     return open_image(read_image_bytes(path))
 
 
+# The most pixels one byte of a JPEG's scan can stand for: a Huffman-coded 8 x 8 block takes at least
+# 2 bits (a 1-bit DC difference code and a 1-bit end-of-block code), so one greyscale component covers
+# 64 pixels per 2 bits, 256 per byte; colour (three components, or subsampled chroma) covers fewer.
 PIXELS_PER_BYTE = 256
 
 
 def check_encoded_size(width: int, height: int, nbytes: int) -> None:
-    """Raise ``Image.DecompressionBombError`` (as :func:`check_pixels`; this module sits below
-    :mod:`mlcls.data.datasets.base` and its ``BadImageError``) when a JPEG of ``nbytes`` bytes claims a
-    ``width`` x ``height`` size that no JPEG of that many bytes encodes: more than
-    ``PIXELS_PER_BYTE * nbytes + 2**20`` pixels.
-
-    The bound: a Huffman-coded sequential JPEG (baseline or extended) codes every 8 x 8 block of every
-    component with at least a DC code and an end-of-block code, each of at least 1 bit. Greyscale: one block
-    per 64 pixels, 256 pixels per byte at most (the bound, met only by a flat image; the header's own bytes
-    keep a real file under it); 4:2:0 colour, 6 blocks per 16 x 16 pixels: 170.7; 4:4:4, 3 blocks per 64
-    pixels: 85.3. A progressive file can code a greyscale block in 1 bit and arithmetic coding has no
-    per-block floor: those flat beyond 256 pixels per byte and 2**20 pixels are refused, which no photograph
-    is. Decoded as RGB (3 bytes a pixel) a JPEG thus holds at most 768 times its bytes plus 3 MiB (PIL's
-    RGB image, 4 bytes a pixel: 1,024 times plus 4 MiB); a 1.5 kB file that claims 4096 x 4096 (48 MiB as
-    RGB) is refused from its header.
-    """
+    """Raise ``Image.DecompressionBombError`` (one of the bad-image errors) when a ``width`` x ``height``
+    header claims more pixels than ``nbytes`` of Huffman-coded scan can encode (:data:`PIXELS_PER_BYTE`
+    per byte, plus 2**20 pixels of slack for small images): the decode would be bounded by the header, not
+    by the bytes read."""
     if width * height > PIXELS_PER_BYTE * nbytes + 2**20:
         raise Image.DecompressionBombError(
-            f"JPEG of {width} x {height} = {width * height} pixels in {nbytes} bytes; at most "
-            f"{PIXELS_PER_BYTE} pixels per byte + {2**20} expected (its bytes cannot encode the size it "
-            "claims)"
+            f"image header claims {width} x {height} pixels in {nbytes} bytes; at most "
+            f"{PIXELS_PER_BYTE} pixels per byte (plus 2**20) expected of a JPEG"
         )
