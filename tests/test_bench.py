@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import TINY, TINY_RESNET10T
+from hostile import bounded
 from sklearn.metrics import average_precision_score
 
-from mlcls.bench.pipeline_bench import make_jpegs
+from mlcls.bench.pipeline_bench import _datasets, make_jpegs
 from mlcls.cli.bench import add_rates, main
 from mlcls.metrics import compute_metrics
 
@@ -62,6 +64,30 @@ def test_pipeline_without_jpegs_is_a_one_line_error(tmp_path, capsys):
         main(["pipeline", "--images", str(tmp_path)])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"mlcls: error: no JPEG files (*.jpg, *.jpeg) in {tmp_path}"
+
+
+@pytest.mark.slow  # forks a bounded child
+def test_every_pipeline_refuses_a_fifo_named_like_a_jpeg_at_once(tmp_path):
+    """Old: the torchvision and decode_only pipelines opened each file with ``Image.open``, so
+    ``mlcls-bench pipeline --images DIR`` blocked on a FIFO named ``x.jpg`` until killed."""
+    os.mkfifo(tmp_path / "x.jpg")
+
+    def refusals() -> dict[str, str]:
+        found = {}
+        for name, dataset in _datasets([tmp_path / "x.jpg"], 32).items():
+            try:
+                dataset[0]
+            except TimeoutError:  # the bound's alarm (an OSError too): the child reports it
+                raise
+            except OSError as exc:
+                found[name] = f"{type(exc).__name__}: {exc}"
+        return found
+
+    outcome = bounded(refusals, seconds=10)
+    assert not outcome.escaped and outcome.error is None, outcome
+    assert outcome.value.keys() == {"torchvision", "plain", "fast_cpu_stage", "fast", "decode_only"}
+    for why in outcome.value.values():
+        assert "\n" not in why and "x.jpg is a pipe (FIFO); expected a regular file" in why, why
 
 
 @pytest.mark.slow  # trains (5-8 s on 2 cores)

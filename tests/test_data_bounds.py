@@ -1,11 +1,13 @@
 """Data files read in bounded time and memory: an image that is a pipe or a device, a decompression bomb,
-label files whose rows and classes would make a label table far larger than the file, a deflated labels
+JPEGs claiming more pixels than their bytes encode or padding their header with fill bytes, label files
+whose rows and classes would make a label table far larger than the file, a deflated labels
 sidecar, CUB files of many lines; duplicate class names; packing again after the labels changed; control
 characters in ``mlcls-data stats``. Each hostile read runs under :func:`hostile.bounded`."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -25,7 +27,8 @@ from mlcls.data.datasets.csv_dataset import CSVDataset
 from mlcls.data.datasets.cub import CUB, NUM_ATTRIBUTES
 from mlcls.data.datasets.labels import SparseLabels
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
-from mlcls.data.images import read_image
+from mlcls.data.images import PIXELS_PER_BYTE, open_image, read_image
+from mlcls.data.pipeline.fast import build_backend_transform, image_header
 from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.io import NotRegularFileError
 
@@ -135,6 +138,104 @@ def test_a_missing_image_is_a_file_not_found_error(tmp_path: Path) -> None:
         read_image(tmp_path / "none.png")
     with pytest.raises(NotRegularFileError):
         read_image(tmp_path)
+
+
+def jpeg_bytes(image: Image.Image, **options) -> bytes:
+    data = io.BytesIO()
+    image.save(data, "JPEG", **options)
+    return data.getvalue()
+
+
+def claiming(data: bytes, width: int, height: int) -> bytes:
+    """The JPEG ``data`` with its frame header (SOF0) claiming ``width`` x ``height``."""
+    crafted, frame = bytearray(data), data.index(b"\xff\xc0")
+    crafted[frame + 5 : frame + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(crafted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torchvision", "fast"])
+def test_jpegs_claiming_more_pixels_than_their_bytes_encode_are_skipped_from_their_header(
+    tmp_path: Path, backend: str
+) -> None:
+    """Eight 16 x 16 JPEGs of ~630 bytes whose header claims 9000 x 9000 (81 M pixels, within PIL's cap).
+    Old: each decoded at full size (243 MB as RGB), a MemoryError under a 128 MB cap on both paths."""
+    root = csv_root(tmp_path, [f"img/liar{k}.jpg,cat" for k in range(8)] + ["img/a.jpg,dog"])
+    liar = claiming(jpeg_bytes(Image.new("RGB", (16, 16), (90, 120, 30))), 9000, 9000)
+    for k in range(8):
+        (root / f"img/liar{k}.jpg").write_bytes(liar)
+    transform = build_backend_transform(backend, "paper", 32, True)
+    dataset = csv_dataset(root, transform=transform, on_bad_image="skip")
+
+    def first_sample() -> tuple[int, list[str]]:
+        return dataset.read_sample(0, dataset.transformed_image)[1], dataset.pop_bad_images()
+
+    outcome = bounded(first_sample, memory_mb=128, seconds=5)
+    assert not outcome.escaped and outcome.error is None, outcome
+    assert outcome.value == (8, [str(root / f"img/liar{k}.jpg") for k in range(8)])
+    outcome = bounded(open_image, liar, memory_mb=128, seconds=5)
+    one_line(outcome, "DecompressionBombError", f"claims 9000 x 9000 pixels in {len(liar)} bytes")
+
+
+@pytest.mark.parametrize(
+    ("mode", "options", "pixels_per_byte"),
+    [
+        ("L", {}, 85),  # the standard tables: 3 bits a block at best
+        ("L", {"optimize": True}, 255),  # 2 bits a block: 256 pixels a byte less the header's
+        ("RGB", {"optimize": True}, 170),  # 4:2:0, 6 blocks of 2 bits per 16 x 16 pixels: 170.7
+        ("RGB", {"optimize": True, "subsampling": 0}, 85),  # 4:4:4, 3 blocks per 8 x 8: 85.3
+    ],
+)
+def test_the_flattest_jpegs_libjpeg_writes_pass_and_their_bytes_claiming_more_rows_do_not(
+    mode: str, options: dict, pixels_per_byte: int
+) -> None:
+    """A flat 4096 x 4096 JPEG is as few bytes a pixel as libjpeg writes; the bound derived from the
+    format (at least 1 bit per DC and end-of-block code, 8 x 8 blocks) holds it, and the same bytes claiming
+    ``PIXELS_PER_BYTE // pixels_per_byte + 1`` times the rows are refused."""
+    data = jpeg_bytes(Image.new(mode, (4096, 4096), 128), **options)
+    assert int(4096 * 4096 / len(data)) == pixels_per_byte <= PIXELS_PER_BYTE
+    assert image_header(data) == (4096, 4096, True)
+    with open_image(data) as img:
+        assert img.size == (4096, 4096)
+    rows = 4096 * (PIXELS_PER_BYTE // pixels_per_byte + 1)
+    for read in (image_header, open_image):
+        refusal = f"claims 4096 x {rows} pixels in {len(data)} bytes"
+        with pytest.raises(Image.DecompressionBombError, match=refusal):
+            read(claiming(data, 4096, rows))
+
+
+def test_a_photograph_passes_the_size_and_header_checks() -> None:
+    """scikit-learn's sample photograph (640 x 427), as it is and enlarged to 1600 x 1067 (1.7 M pixels)."""
+    sklearn = Path(importlib.util.find_spec("sklearn").origin).parent  # found, not imported (1.5 s)
+    data = (sklearn / "datasets" / "images" / "china.jpg").read_bytes()
+    with open_image(data) as photo:
+        assert photo.size == (640, 427)
+        enlarged = jpeg_bytes(photo.resize((1600, 1067), Image.Resampling.BILINEAR), quality=75)
+    assert image_header(enlarged) == (1600, 1067, True)
+    with open_image(enlarged) as img:
+        assert img.size == (1600, 1067)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("padding", "needle"),
+    [
+        (b"\xff" * (4 << 20), "more than 1024 fill or stray bytes before its first scan"),
+        (b"\xff\xfe\x00\x02" * 2000, "more than 1024 markers before its first scan"),
+    ],
+)
+def test_a_jpeg_header_padded_beyond_what_encoders_write_is_refused_at_once(
+    padding: bytes, needle: str
+) -> None:
+    """4 MB of fill bytes after SOI (old: PIL's parser took them one at a time, 2.6 s, and opened the file),
+    2,000 empty comments; a few fill bytes, as some encoders write, still open."""
+    data = jpeg_bytes(Image.new("RGB", (16, 16), (90, 120, 30)))
+    start = time.perf_counter()
+    outcome = bounded(open_image, data[:2] + padding + data[2:], memory_mb=MEMORY_MB, seconds=1)
+    one_line(outcome, "OSError", needle)
+    assert time.perf_counter() - start < 1
+    with open_image(data[:2] + b"\xff" * 16 + data[2:]) as img:
+        assert img.size == (16, 16)
 
 
 # ------------------------------------------------------------------------------------------ label tables

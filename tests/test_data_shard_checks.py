@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import compose_config
+from hostile import bounded
 from test_data_shards import URLS, pack_synthetic, packed  # noqa: F401 (the module fixture)
 
 from mlcls.cli.data import main as data_main
@@ -351,3 +352,35 @@ def test_a_sidecar_past_its_cap_is_one_line_before_it_is_read(copy: Path, sideca
     error, peak = peak_of(lambda: open_shards("train", root=str(copy)))
     assert peak < 16 << 20, peak
     assert str(path) in str(error) and "\n" not in str(error), error
+
+
+HUGE = 150_000_000
+
+
+@pytest.mark.slow  # forks a bounded child
+@pytest.mark.parametrize("where", ["folder", "pipe"])
+def test_a_manifest_declaring_150_million_samples_is_one_line_before_any_row_index(
+    copy: Path, where: str
+) -> None:
+    """The first train shard's record and the split's count raised by 150,000,000 samples (the sidecar's
+    shape unchanged). From the folder: more samples than the shard's recorded bytes hold. Through ``pipe:``
+    URLs (sizes not checked until streamed), the shard's bytes raised to match: the sidecar's shape. Old:
+    a row index of the declared count was built before the sidecar was read (3.08 GB in mlcls-train): a
+    MemoryError under a 256 MB cap."""
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["train"]["samples"] += HUGE
+    shard = manifest["train"]["shards"][0]
+    shard["samples"] += HUGE
+    if where == "pipe":
+        shard["bytes"] = shard["samples"] * 2048
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    if where == "folder":
+        opened = lambda: open_shards("train", root=str(copy))  # noqa: E731
+        expected = f"train.shards[0] records {shard['samples']} samples in {shard['bytes']} bytes; at most"
+    else:
+        urls = [f"pipe:cat {copy / entry['name']}" for entry in manifest["train"]["shards"]]
+        opened = lambda: open_shards("train", urls, meta=str(copy))  # noqa: E731
+        expected = "train-labels.npz holds 90 x "  # the sidecar's rows, then the manifest's 150,000,090
+    outcome = bounded(opened, memory_mb=256, seconds=20)
+    assert not outcome.escaped and outcome.error == "DatasetFormatError", outcome
+    assert "\n" not in outcome.message and expected in outcome.message, outcome.message

@@ -234,3 +234,53 @@ def test_a_results_json_that_is_not_an_object_is_listed_unreadable(others_runs, 
     code, out, err = table([str(others_runs / "h")], capsys)  # the paper tables need every run
     assert (code, out) == (2, "")
     assert err == f"mlcls-tables: error: {where}: a JSON list; expected an object\n"
+
+
+# metrics.zsl figures of someone's results.json, each once (old: printed as they are; NaN as "nan")
+ZSL_HOSTILE = {
+    "osc": "\x1b]0;title\x07",
+    "csi": "\x1b[31mred\x9b0m",
+    "object": {"a": 1},
+    "digits": 10**400,
+    "infinite": float("inf"),
+    "huge": 1e308,
+    "negative": -5.0,
+}
+
+
+@pytest.fixture
+def zsl_runs(tmp_path):
+    """A run per hostile metrics.zsl.mAP_class, one whose zsl figures are NaN and 12.5, and a run folder
+    named with escape sequences whose setting holds some too."""
+    config = {"trainer": {"epochs": 1}}
+    for name, value in ZSL_HOSTILE.items():
+        results = {"metrics": {"mAP_class": 40.0, "zsl": {"mAP_class": value}}, "epochs_completed": 1}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(
+            json.dumps({**results, "provenance": {"config": config}})
+        )
+    nan = {"metrics": {"mAP_class": 40.0, "zsl": {"mAP_class": float("nan"), "mAP_sample": 12.5}}}
+    (tmp_path / "nan").mkdir()
+    (tmp_path / "nan" / "results.json").write_text(json.dumps({**nan, "provenance": {"config": config}}))
+    escaped = tmp_path / "run\x1b[2J\x1b]0;x\x07"
+    escaped.mkdir()
+    (escaped / "config.yaml").write_text(json.dumps({"trainer": {"epochs": 1}, "note": "a\x1b[5mb\x9bc"}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("form", ["markdown", "csv", "json"])
+def test_hostile_zero_shot_figures_and_escape_sequences_never_reach_the_terminal(zsl_runs, capsys, form):
+    code, out, err = table(
+        ["--runs", str(zsl_runs), *({"markdown": [], "csv": ["--csv"], "json": ["--json"]}[form])], capsys
+    )
+    assert code == 0 and err == "", err
+    assert not any(char in out for char in "\x1b\x07\x9b"), repr(out)
+    code, out, err = table(["--runs", str(zsl_runs), "--json"], capsys)
+    runs = {run["run"].rsplit("/", 1)[1]: run for run in json.loads(out)}
+    for name in ZSL_HOSTILE:
+        assert runs[name]["status"].startswith(
+            f"unreadable: {zsl_runs / name / 'results.json'}: metrics zsl "
+        )
+        assert "expected a number from 0 to 100, NaN (undefined) or null" in runs[name]["status"]
+    assert (runs["nan"]["zsl.mAP_class"], runs["nan"]["zsl.mAP_sample"]) == (None, 12.5)
+    assert runs["run\\x1b[2J\\x1b]0;x\\x07"]["note"] == "a\\x1b[5mb\\x9bc"

@@ -104,14 +104,31 @@ def assert_one_line(outcome, *words: str) -> None:
         assert word in outcome.message, outcome.message
 
 
-def _optimizer_tensors(shape: tuple[int, ...]):
+def _moments(change):
+    """Each optimizer state tensor (not ``step``) replaced by ``change(tensor, key)``."""
+
     def mutate(checkpoint: dict[str, Any]) -> None:
         for state in checkpoint["optimizer"]["state"].values():
             for key in state:
                 if key != "step":
-                    state[key] = torch.zeros(shape)
+                    state[key] = change(state[key], key)
 
     return mutate
+
+
+def _optimizer_tensors(shape: tuple[int, ...]):
+    return _moments(lambda tensor, key: torch.zeros(shape))
+
+
+def _permuted(tensor: torch.Tensor, key: str) -> torch.Tensor:
+    """The same values in another layout: channels_last for a 4-d weight, transposed for a 2-d one."""
+    if tensor.dim() == 4:
+        return tensor.contiguous(memory_format=torch.channels_last)
+    return tensor.t().contiguous().t() if tensor.dim() == 2 else tensor
+
+
+def _poisoned(value: float, only: str | None = None):
+    return _moments(lambda tensor, key: tensor if only not in (None, key) else torch.full_like(tensor, value))
 
 
 def _set(**values: Any):
@@ -169,6 +186,18 @@ CRAFTED = [
         ["partial[0]['seen'] holds -3"],
     ),
     ("sgd", "ROLE's label table 3x3", _loss_state, ["loss['label_logits']", "(3, 3)", "(192, "]),
+    # old: these resumed and trained on, changing every later step
+    ("sgd", "momentum NaN", _poisoned(math.nan), ["momentum_buffer']", "not finite; expected finite"]),
+    ("adamw", "exp_avg +inf", _poisoned(math.inf, "exp_avg"), ["exp_avg']", "not finite"]),
+    ("adamw", "exp_avg_sq negative", _poisoned(-1.0, "exp_avg_sq"), ["exp_avg_sq']", "and at least 0"]),
+    (
+        "sgd",
+        "ROLE's label table +inf",
+        lambda c: c["loss"]["label_logits"].fill_(math.inf),
+        ["loss['label_logits'] holds", "not finite"],
+    ),
+    # old: a NotImplementedError traceback
+    ("adamw", "exp_avg on the meta device", _moments(lambda t, k: t.to("meta")), ["on the meta device"]),
     ("sgd", "scheduler counters negative", _scheduler, ["scheduler['last_epoch'] holds -7"]),
     ("sgd", "EMA updates negative", lambda c: c["ema"].update(updates=-1), ["ema updates holds -1"]),
     ("sgd", "history of strings", _set(history=["x"]), ["history[0] holds 'x'"]),
@@ -199,6 +228,31 @@ def test_a_crafted_state_is_one_line_and_never_reaches_a_kernel(
     stored = copy.deepcopy(checkpoints[optim])
     mutate(stored)
     assert_one_line(bounded(resume_and_train, stored, *fresh[optim]), *words)
+
+
+def resume_and_weights(checkpoint: dict[str, Any], parts: dict[str, Any], cfg: Any) -> dict[str, Any]:
+    resume_and_train(checkpoint, parts, cfg)
+    return parts["model"].state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_moments_laid_out_otherwise_resume_as_in_the_weights_layout(checkpoints, fresh, optim) -> None:
+    """The moments (momentum; exp_avg, exp_avg_sq: one step's are constant, so scaled along their elements)
+    channels_last for 4-d weights, transposed for 2-d ones: the weights after one resumed step equal those of
+    the same values in the weights' layout. Old: the fused kernels read them in the weights' order, rc 0 and
+    weights off."""
+    varied = copy.deepcopy(checkpoints[optim])
+    _moments(lambda tensor, key: tensor * torch.linspace(1, 2, tensor.numel()).view(tensor.shape))(varied)
+    permuted = copy.deepcopy(varied)
+    _moments(_permuted)(permuted)
+    states = permuted["optimizer"]["state"].values()
+    assert any(not value.is_contiguous() for state in states for value in state.values())
+    reference = bounded(resume_and_weights, varied, *fresh[optim])
+    outcome = bounded(resume_and_weights, permuted, *fresh[optim])
+    assert reference.error is None and outcome.error is None, (outcome.error, outcome.message)
+    differing = [key for key, value in reference.value.items() if not torch.equal(outcome.value[key], value)]
+    assert not differing, differing
 
 
 @pytest.mark.slow

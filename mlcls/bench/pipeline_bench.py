@@ -23,6 +23,7 @@ from torchvision import transforms as T
 
 from mlcls.bench.harness import host, median_seconds, random_labels, sync, torch_threads
 from mlcls.data.datasets.base import MultiLabelDataset, Sample
+from mlcls.data.images import read_image
 from mlcls.data.loader import DeviceStage, ShardTrainLoader, available_cpus, collate_batch
 from mlcls.data.pipeline.fast import AugmentedImage, build_backend_transform
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -123,7 +124,9 @@ def pack_shards(
 
 
 class _OpenAndTransform(torch.utils.data.Dataset):
-    """The reference pipeline's dataset: ``Image.open(path).convert("RGB")`` then ``transform``."""
+    """The reference pipeline's dataset: the image (``Image.open`` of the file's bytes, read through the
+    door, :func:`read_image`: a FIFO named ``x.jpg`` is refused, never waited on) ``.convert("RGB")``, then
+    ``transform``."""
 
     def __init__(self, paths: list[Path], transform: Callable) -> None:
         self.paths, self.transform = paths, transform
@@ -132,7 +135,7 @@ class _OpenAndTransform(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        with Image.open(self.paths[index]) as img:
+        with read_image(self.paths[index]) as img:
             return self.transform(img.convert("RGB")), 0
 
 

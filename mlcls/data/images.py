@@ -3,8 +3,18 @@
 A file named by someone else's list may be a FIFO or a device (the reader would block) or declare billions
 of pixels in a few kilobytes. So only a regular file of at most ``CAPS["image"]`` bytes is read, and an image
 of more than ``Image.MAX_IMAGE_PIXELS`` pixels (89,478,485: ~268 MB as RGB) is refused from its header
-(:func:`check_pixels`), both with one of :data:`mlcls.data.datasets.base.BAD_IMAGE_ERRORS` for
-``dataset.on_bad_image``.
+(:func:`check_pixels`), all with one of :data:`mlcls.data.datasets.base.BAD_IMAGE_ERRORS` for
+``dataset.on_bad_image``. A JPEG is also refused before PIL parses it when its header holds more fill bytes
+or markers than an encoder writes (:func:`check_jpeg_header`), and from its header when it claims more
+pixels than its bytes can encode (:func:`check_encoded_size`): what a JPEG makes a reader hold is bounded by
+its size. That bound, :data:`PIXELS_PER_BYTE`: a sequential Huffman-coded JPEG spends at least 2 bits on every
+8 x 8 block of every component, so greyscale holds at most 256 pixels a byte (met only by a flat image, the
+header's bytes keeping a real file under it), 4:2:0 colour 170.7 (6 blocks per 16 x 16 pixels), 4:4:4 85.3;
+a progressive file can code a greyscale block in 1 bit and arithmetic coding has no per-block floor, so such
+flat files beyond 256 pixels a byte and 2**20 pixels are refused, which no photograph is. Decoded as RGB
+(3 bytes a pixel) a JPEG then holds at most 768 times its bytes plus 3 MiB (PIL's RGB image, 4 bytes a
+pixel: 1,024 times plus 4 MiB). Other formats (PNG, GIF, ...) code a flat image in far fewer bytes, so they
+keep PIL's cap alone.
 """
 
 from __future__ import annotations
@@ -13,13 +23,19 @@ import io
 import warnings
 from pathlib import Path
 
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 
 from mlcls.io import CAPS, read_regular_bytes
 
 # PIL warns (and lets the decode go on) for an image of 1 to 2 times MAX_IMAGE_PIXELS; check_pixels refuses
 # every such image itself, so the warning would only repeat the refusal.
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+JPEG_START = b"\xff\xd8\xff"  # SOI and a marker's first byte: what PIL takes for a JPEG
+# Before its first scan a JPEG holds a few dozen markers (up to 255 more for a chunked ICC profile) and few or
+# no bytes outside segments; PIL's parser takes each such byte in a Python loop (~0.6 s per MB).
+MAX_HEADER_MARKERS = 1024
+MAX_SKIPPED_BYTES = 1024
 
 
 def read_image_bytes(path: str | Path) -> bytes:
@@ -39,11 +55,49 @@ def check_pixels(width: int, height: int) -> None:
         )
 
 
+def check_jpeg_header(data: bytes) -> None:
+    """Raise an ``OSError`` when the segments of the JPEG ``data`` before its first scan hold more than
+    :data:`MAX_SKIPPED_BYTES` bytes outside segments (fill bytes 0xFF, stray bytes) or more than
+    :data:`MAX_HEADER_MARKERS` markers. The standard allows any number of fill bytes; PIL's header parser
+    reads them one at a time, so 1 MB of them held a reader for 0.6 s (a 256 MB image for minutes). The walk
+    itself looks at most at that many bytes and markers; a header cut short is left to PIL, which refuses
+    it."""
+    position, skipped, markers = 2, 0, 0
+    while position + 1 < len(data):
+        marker = data[position + 1]
+        if data[position] != 0xFF or marker in (0x00, 0xFF):  # a stray byte, an escaped 0xFF or a fill byte
+            position, skipped = position + 1, skipped + 1
+            if skipped > MAX_SKIPPED_BYTES:
+                raise OSError(
+                    f"JPEG header with more than {MAX_SKIPPED_BYTES} fill or stray bytes before its first "
+                    "scan; encoders write a few at most"
+                )
+            continue
+        markers += 1
+        if markers > MAX_HEADER_MARKERS:
+            raise OSError(f"JPEG header of more than {MAX_HEADER_MARKERS} markers before its first scan")
+        if marker in (0xDA, 0xD9):  # the first scan (where PIL's parser stops) or the end of the image
+            return
+        if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
+            position += 2
+        elif position + 3 < len(data):
+            position += 2 + ((data[position + 2] << 8) | data[position + 3])
+        else:
+            return
+
+
 def open_image(data: bytes) -> Image.Image:
-    """The image of the encoded bytes ``data``, its header read and checked (:func:`check_pixels`)."""
+    """The image of the encoded bytes ``data``, its header read and checked: a JPEG's segments before PIL
+    parses them (:func:`check_jpeg_header`), its size against its bytes (:func:`check_encoded_size`); the
+    pixels of any image (:func:`check_pixels`), PIL's decompression-bomb cap for the formats (PNG, GIF, ...)
+    that code a flat image in far fewer bytes than a JPEG can."""
+    if data[:3] == JPEG_START:
+        check_jpeg_header(data)
     image = Image.open(io.BytesIO(data))
     try:
         check_pixels(*image.size)
+        if isinstance(image, JpegImagePlugin.JpegImageFile):  # MPO, a camera's multi-picture JPEG, too
+            check_encoded_size(*image.size, len(data))
     except BaseException:
         image.close()
         raise

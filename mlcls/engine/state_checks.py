@@ -1,8 +1,10 @@
 """Checks of a resumed checkpoint's state against the live objects, before any ``load_state_dict``.
 
 Plain data can still hold a state no run wrote: an optimizer moment of one element for a 3 x 3 weight (a
-fused kernel then writes out of bounds), a negative epoch, an RNG state of the wrong length. The first
-mismatch is one :class:`CheckpointError` line; only the optimizer's probe (a two-element step) allocates.
+fused kernel then writes out of bounds), infinite values, a negative epoch. The first mismatch is one
+:class:`CheckpointError` line; only the optimizer's probe allocates, and a moment laid out otherwise than its
+weight (a channels_last run resumed without it, or crafted: a fused kernel would read it in the weight's
+order) is copied into the weight's layout.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ RANKS_MAX = 2**16  # processes a checkpoint may have been written by
 SCHEDULER_COUNTERS = ("last_epoch", "_step_count")  # torch LRScheduler's iteration counters
 SCALER_COUNTERS = ("_growth_tracker",)  # GradScaler's finite steps since the last growth
 GROUP_MEMBERS = frozenset({"params", "name", "param_names"})  # a param group's keys that are no setting
+SQUARED_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})  # Adam's second moments: square roots taken
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,8 @@ class RunBounds:
 def describe(value: Any) -> str:
     """A short account of ``value`` for an error line (a tensor's dtype and shape, a number's value)."""
     if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+        where = " on the meta device (no values)" if value.is_meta else ""
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}{where}"
     if is_integer(value) and abs(value) >= 10**15:
         return f"{'-' if value < 0 else ''}an integer of {value.bit_length()} bits"
     if value is None or isinstance(value, (bool, int, float)):
@@ -75,8 +79,9 @@ def check_number(value: Any, field: str, low: float = -math.inf, high: float = m
 
 
 def _dense(tensor: torch.Tensor) -> bool:
-    """Strided, each element of its extent once (contiguous in some dimension order): what kernels assume."""
-    if tensor.layout != torch.strided or tensor.is_quantized:
+    """Strided with values (not meta), each element of its extent once (contiguous in some dimension order):
+    what kernels assume."""
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
         return False
     expected = 1
     for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n > 1):
@@ -84,6 +89,12 @@ def _dense(tensor: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _memory_order(tensor: torch.Tensor) -> list[int]:
+    """Strides of the dimensions of more than one element: equal for two dense tensors of one shape when the
+    k-th element in memory is the same element of both."""
+    return [stride for stride, size in zip(tensor.stride(), tensor.shape, strict=True) if size > 1]
 
 
 def check_tensor(
@@ -97,6 +108,14 @@ def check_tensor(
     if (dtype is None and not value.dtype.is_floating_point) or (dtype is not None and value.dtype != dtype):
         raise refuse(field, value, expected)
     return value
+
+
+def check_finite(value: torch.Tensor, field: str, low: float = -math.inf) -> None:
+    """A floating ``value``'s elements finite and >= ``low``: an infinite moment resumes without a word."""
+    bad = int((~torch.isfinite(value) | (value < low)).sum()) if value.dtype.is_floating_point else 0
+    if bad:
+        floor = "" if low == -math.inf else f" and at least {low:g}"
+        raise CheckpointError(f"{field} holds {bad} values not finite{floor}; expected finite values{floor}")
 
 
 def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], name: str = "") -> None:
@@ -145,7 +164,8 @@ def weights_difference(
 
 def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
     """The live groups (names, sizes, hyperparameters of the live types) and, per parameter, the states a
-    probe step makes: a dense floating tensor of the parameter's shape, or a finite ``step`` >= 0."""
+    probe step makes: a dense floating tensor of the parameter's shape, finite (second moments >= 0), put
+    in the parameter's layout; or a finite ``step`` >= 0."""
     live_groups = optimizer.param_groups
     if not isinstance(stored, dict) or not isinstance(stored.get("param_groups"), list):
         raise refuse("optimizer", stored, "a dict of state and param_groups")
@@ -241,7 +261,11 @@ def _check_param_state(state: Any, kinds: dict[str, str], param: torch.Tensor, f
                 raise refuse(f"{field}[{key!r}]", value, "a 0-d tensor or a number")
             check_number(number, f"{field}[{key!r}]", 0.0)
         elif not (kind == "none" and value is None):
-            check_tensor(value, f"{field}[{key!r}]", tuple(param.shape))
+            where = f"{field}[{key!r}]"
+            check_tensor(value, where, tuple(param.shape))
+            if _memory_order(value) != _memory_order(param):  # a fused kernel reads it in param's layout
+                state[key] = torch.empty_like(param, dtype=value.dtype, device=value.device).copy_(value)
+            check_finite(value, where, 0.0 if key in SQUARED_STATES else -math.inf)
 
 
 def check_rng(states: Any) -> None:
@@ -405,6 +429,10 @@ def check_part(name: str, stored: Any, part: Any, bounds: RunBounds) -> None:
         check_int(stored["updates"], "ema updates", 0, total)
     elif isinstance(part, nn.Module):  # the model, the loss's state (and its epoch)
         check_like(stored, part.state_dict(), name, {"epoch": bounds.epochs or COUNT_MAX})
+        if name == "loss":  # estimates the loss reads as numbers: ROLE's label table, pseudo-labels
+            for key, value in stored.items():
+                if isinstance(value, torch.Tensor):
+                    check_finite(value, f"loss[{key!r}]")
     else:
         raise TypeError(f"resume part {name}: {type(part).__name__} has no state check")
 

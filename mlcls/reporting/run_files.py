@@ -6,6 +6,7 @@ blocking). See docs/report.md, "What mlcls-report and mlcls-tables read, and wha
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -58,23 +59,37 @@ def _kind(value: Any) -> str:
 # What a leaf of results.json may hold, and the words of the refusal.
 LEAVES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "figure": (lambda v: v is None or is_float_number(v), "a number or null"),
+    "percent": (
+        lambda v: v is None or (is_float_number(v) and (math.isnan(v) or 0 <= v <= 100)),
+        "a number from 0 to 100, NaN (undefined) or null",
+    ),
+    "seconds": (
+        lambda v: v is None or (is_float_number(v) and 0 <= v < math.inf),
+        "a finite number >= 0 or null",
+    ),
     "count": (lambda v: v is None or _count(v), "a whole number >= 0 or null"),
     "epoch": (_count, "a whole number >= 0"),
     "processes": (lambda v: _count(v) and v >= 1, "a whole number >= 1"),
     "name": (lambda v: v is None or isinstance(v, str), "a name"),
     "object": (lambda v: v is None or isinstance(v, Mapping), "an object or null"),
 }
+# The figures of results.json's metrics.zsl and metrics.gzsl that mlcls-tables --runs shows.
+ZERO_SHOT_FIGURES = ("mAP_class", "mAP_sample", "F1_top3", "F1_top5")
 # The fields of results.json that mlcls-report and mlcls-tables read, and what each must hold where present: a
 # leaf of LEAVES, an object of such fields ({"*": leaf}: every field), or a list of objects ([fields]).
 RESULTS_FIELDS: dict[str, Any] = {
-    "metrics": dict.fromkeys(("mAP_class", "mAP_sample", "CF1", "OF1"), "figure"),
+    "metrics": {
+        **dict.fromkeys(("CF1", "OF1"), "figure"),
+        **dict.fromkeys(("mAP_class", "mAP_sample"), "percent"),
+        **dict.fromkeys(("zsl", "gzsl"), dict.fromkeys(ZERO_SHOT_FIGURES, "percent")),
+    },
     "best": {"epoch": "epoch", "mAP_class": "figure", "weights": "name"},
     "per_class_ap": {"*": "figure"},
     "history": [{"epoch": "epoch", "loss": "figure", "mAP_class": "figure", "mAP_sample": "figure"}],
     "dataset": {"name": "name", "train_size": "count", "val_size": "count", "num_classes": "count"},
     "provenance": {
         "world_size": "processes",
-        "wall_time_s": "figure",
+        "wall_time_s": "seconds",
         "device": "object",
         "config": "object",
     },

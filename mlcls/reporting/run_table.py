@@ -9,30 +9,38 @@
   ``metrics.zsl`` / ``metrics.gzsl``, ``best_epoch`` (of the best mAP@class), ``epochs_completed``,
   ``wall_time_s``, ``run`` (the directory).
 
-The runs may be anyone's: :mod:`mlcls.reporting.render` shows their text as it is in every form.
+The runs may be anyone's: their figures are checked (:func:`mlcls.reporting.run_files.check_results`: a
+percentage from 0 to 100, NaN shown as no value), their text has every unprintable character but a line break
+or a tab as its Python escape (:func:`shown_text`: no escape sequence reaches a terminal), and
+:mod:`mlcls.reporting.render` shows that text as it is in every form.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mlcls.config_tree import flatten_config, nested_get
+from mlcls.errors import printable
 from mlcls.losses.spec import loss_name
 from mlcls.reporting.paper import ReportError
-from mlcls.reporting.run_files import find_run_dirs, is_float_number, natural_order, read_run, yaml_text
+from mlcls.reporting.run_files import (
+    ZERO_SHOT_FIGURES,
+    find_run_dirs,
+    is_float_number,
+    natural_order,
+    read_run,
+    yaml_text,
+)
 from mlcls.reporting.runs import built_name, epochs_left
 
 FIGURE_COLUMNS = ("status", "mAP_class", "mAP_sample", "best_epoch", "epochs_completed", "wall_time_s", "run")
 # metrics.zsl / metrics.gzsl figures shown, as <set>.<figure>, when a run has them.
-ZERO_SHOT_COLUMNS = tuple(
-    f"{group}.{figure}"
-    for group in ("zsl", "gzsl")
-    for figure in ("mAP_class", "mAP_sample", "F1_top3", "F1_top5")
-)
+ZERO_SHOT_COLUMNS = tuple(f"{group}.{figure}" for group in ("zsl", "gzsl") for figure in ZERO_SHOT_FIGURES)
 # Sorted highest first by --sort; every other column lowest (or alphabetically) first.
 HIGHER_IS_BETTER = ("mAP_class", "mAP_sample", *ZERO_SHOT_COLUMNS)
 # Settings that say where and how a run was launched, not what it was.
@@ -79,6 +87,15 @@ def differing_keys(settings: Sequence[Mapping[str, Any]]) -> list[str]:
     return [key for key in keys if key in differ and key not in LAUNCH_KEYS and not inside_rebuilt(key)]
 
 
+def shown_text(value: Any) -> Any:
+    """``value``, a text with each unprintable character (an escape sequence's ESC, a C1 control, U+202E,
+    ...) but a line break or a tab (which each renderer shows as such) as its Python escape
+    (:func:`mlcls.errors.printable`); a number, a list (written as JSON) or None as it is."""
+    if not isinstance(value, str):
+        return value
+    return "".join(char if char in "\t\n\r" else printable(char) for char in value)
+
+
 def run_status(config: Mapping[str, Any] | None, results: Mapping[str, Any] | None) -> str:
     """``finished``, ``unfinished (k of n epochs)`` (stopped, preempted or still running) or ``failed`` (no
     results: stopped, or running, before its first evaluation); ``, resumed n×`` added."""
@@ -91,7 +108,7 @@ def run_status(config: Mapping[str, Any] | None, results: Mapping[str, Any] | No
 
 
 def _figures(run_dir: Path, results: Mapping[str, Any] | None, status: str) -> dict[str, Any]:
-    results = results or {}  # its objects checked by check_results; metrics.zsl and .gzsl are not
+    results = results or {}  # its objects checked by check_results
     metrics, best = results.get("metrics") or {}, results.get("best") or {}
     figures = {
         "status": status,
@@ -100,7 +117,10 @@ def _figures(run_dir: Path, results: Mapping[str, Any] | None, status: str) -> d
     }
     for column in ZERO_SHOT_COLUMNS:
         group, figure = column.split(".")
-        figures[column] = metrics[group].get(figure) if isinstance(metrics.get(group), Mapping) else None
+        figures[column] = (metrics.get(group) or {}).get(figure)
+    for column in ("mAP_class", "mAP_sample", *ZERO_SHOT_COLUMNS):  # NaN: undefined (no positive), no value
+        if isinstance(figures[column], float) and math.isnan(figures[column]):
+            figures[column] = None
     return {
         **figures,
         "best_epoch": best.get("epoch"),
@@ -137,12 +157,11 @@ def runs_table(paths: Iterable[Path | str], sort: str | None = None) -> RunsTabl
     figure_columns = (
         (*FIGURE_COLUMNS[:3], *ZERO_SHOT_COLUMNS, *FIGURE_COLUMNS[3:]) if zero_shot else FIGURE_COLUMNS
     )
-    columns = (*keys, *figure_columns)
-    pairs = zip(settings, figures, strict=True)
-    rows = [
-        {**{key: run.get(key) for key in keys}, **{c: figure[c] for c in figure_columns}}
-        for run, figure in pairs
-    ]
+    columns = tuple(shown_text(column) for column in (*keys, *figure_columns))
+    rows = []
+    for run, figure in zip(settings, figures, strict=True):
+        values = [*(run.get(key) for key in keys), *(figure[column] for column in figure_columns)]
+        rows.append(dict(zip(columns, map(shown_text, values), strict=True)))
     if sort is not None and sort not in columns:
         raise ReportError(f"--sort {sort}: no such column; the columns are {', '.join(columns)}")
     sign = -1 if sort in HIGHER_IS_BETTER else 1

@@ -21,7 +21,7 @@ from torch import Tensor
 from torchvision import transforms as T
 
 from mlcls.data.datasets.base import crop_box, to_rgb
-from mlcls.data.images import check_pixels, open_image
+from mlcls.data.images import check_encoded_size, check_pixels, open_image
 from mlcls.data.pipeline.gpu import (
     Box,
     EncodedImage,
@@ -99,15 +99,17 @@ def load_reduced(img: Image.Image, reduction: int) -> tuple[Image.Image, float, 
 
 
 def image_header(data: bytes) -> tuple[int, int, bool]:
-    """``(width, height, jpeg)`` of an image file from its header, checked by ``check_pixels``: ``jpeg`` for a
-    JPEG whose pixels :func:`decode_jpeg` decodes as PIL would (YCbCr, RGB or greyscale); PIL reads the
-    header of any other file (a CMYK JPEG, another format), raising its bad-image errors."""
+    """``(width, height, jpeg)`` of an image file from its header, checked by ``check_pixels`` and a JPEG's
+    by ``check_encoded_size``: ``jpeg`` for a JPEG whose pixels :func:`decode_jpeg` decodes as PIL would
+    (YCbCr, RGB or greyscale); PIL reads the header of any other file (a CMYK JPEG, another format) through
+    :func:`open_image`, raising its bad-image errors."""
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         colorspace = None
     if colorspace in JPEG_COLORSPACES:
         check_pixels(width, height)
+        check_encoded_size(width, height, len(data))
         return width, height, True
     with open_image(data) as img:
         return *img.size, False

@@ -41,6 +41,9 @@ INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?\}")  # braceexpand
 SAMPLE_KEY = re.compile(r"[0-9]{1,18}")  # a packed sample's index in its source split: an int64
 FILE_RECORD = {"name": str, "bytes": int, "sha256": str}  # the manifest's record of a file (its types)
 SHARD_RECORD = {**FILE_RECORD, "samples": int}
+# The fewest bytes a packed sample takes in a tar shard: two members (image, labels), each a 512-byte header
+# and at least one 512-byte block of data. A manifest's sample counts are bounded by its shards' bytes.
+MIN_SAMPLE_BYTES = 2048
 
 
 def open_url(url: str, max_bytes: int | None = None) -> IO[bytes]:
@@ -273,12 +276,13 @@ class ShardIndex:
                     f"shard {url} has {os.path.getsize(url)} bytes, {MANIFEST_FILE} records {recorded}; "
                     "replaced or damaged since packing (mlcls-data verify checks every shard)"
                 )
+        labels = self.labels(role)  # the counts checked against the sidecar before any row index is made
         ends = itertools.accumulate(entry["samples"] for entry in shards)
         spans = {
             entry["name"]: (end - entry["samples"], end) for entry, end in zip(shards, ends, strict=True)
         }
         rows = np.concatenate([np.zeros(0, dtype=np.int64), *(np.arange(*spans[name]) for name in names)])
-        return [entries[name]["samples"] for name in names], self.labels(role).rows(rows)
+        return [entries[name]["samples"] for name in names], labels.rows(rows)
 
     def shard_urls(self, role: str, like: str | None = None) -> list[str]:
         """URLs of every ``role`` shard of the manifest, in its own folder (``meta``) or in the folder (or URL
@@ -299,7 +303,8 @@ def check_manifest(manifest: dict[str, Any], where: str) -> None:
     """:class:`DatasetFormatError` naming the field unless each field of ``manifest`` (read from ``where``)
     that reading the pack uses has its type: the ``classes`` file record, and per split its ``samples``,
     ``label_fill`` (1, 0 or -1), ``labels`` file record and ``shards`` records (names unique). A record's
-    ``name`` is a plain file name (:data:`FILE_NAME`; shards ``*.tar``), ``bytes`` and ``samples`` counts."""
+    ``name`` is a plain file name (:data:`FILE_NAME`; shards ``*.tar``), ``bytes`` and ``samples`` counts, a
+    shard's ``samples`` at most its ``bytes`` / :data:`MIN_SAMPLE_BYTES`."""
 
     def check_record(record: Any, field: str, types: dict[str, type]) -> None:
         if not isinstance(record, dict):
@@ -337,6 +342,12 @@ def check_manifest(manifest: dict[str, Any], where: str) -> None:
         names = set()
         for position, entry in enumerate(shards):
             check_record(entry, f"{role}.shards[{position}]", SHARD_RECORD)
+            if entry["samples"] > entry["bytes"] // MIN_SAMPLE_BYTES:
+                raise DatasetFormatError(
+                    f"{where}: {role}.shards[{position}] records {entry['samples']} samples in "
+                    f"{entry['bytes']} bytes; at most {entry['bytes'] // MIN_SAMPLE_BYTES} fit (a sample "
+                    f"takes {MIN_SAMPLE_BYTES} bytes of tar or more); pack the dataset again"
+                )
             if entry["name"] in names:
                 raise DatasetFormatError(
                     f"{where}: {role}.shards[{position}].name {entry['name']!r:.80} is listed twice; pack "
