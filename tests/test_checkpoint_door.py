@@ -22,7 +22,8 @@ import torch
 from hostile import bounded
 
 from mlcls.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from mlcls.io import UnsafeFileError, open_checkpoint
+from mlcls.io import UnsafeFileError
+from mlcls.torchfile import open_checkpoint
 
 STATE = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "classes": ["a", "b", "c"]}
 
