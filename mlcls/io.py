@@ -3,7 +3,9 @@ when regular and within a cap (:func:`open_regular`, the one door). No other mlc
 
 A file is read no further than the size ``fstat`` gave when the door opened it, plus one byte to see it
 grow: a file that grows is refused, and so is one that declares 0 bytes and streams anyway (``/proc`` and
-``/sys`` files). A whole file is read into one buffer of that size: reading a file of N bytes holds N bytes.
+``/sys`` files). A whole file is read into one buffer of that size: reading a file of N bytes holds N bytes
+(its text, decoded by :func:`read_text`, N to 4 N more). A checkpoint of N bytes (:mod:`mlcls.torchfile`)
+holds at most N plus 16 MiB (its ``data.pkl``) plus under 200 MiB (what that pickle's capped opcodes build).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ CAPS = {
     "label file": 8 * GiB,  # a dataset's annotation JSON, CSV or list
     "predictions": 4 * GiB,  # val_predictions.npz
     "checkpoint": 64 * GiB,  # a checkpoint or a released weights file
-    "checkpoint pickle": 32 * MiB,  # its data.pkl (an mlcls run's: 45 kB for 330 tensors)
+    "checkpoint pickle": 16 * MiB,  # its data.pkl (an mlcls run's: 45 kB for 330 tensors)
     "word vectors": 8 * GiB,  # a GloVe / fastText text file, streamed (glove.840B.300d.txt is 5.6 GB)
 }
 

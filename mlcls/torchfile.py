@@ -14,9 +14,9 @@
 * **A bounded nesting.** What ``torch.load`` built nests at most :data:`MAX_NESTING` containers deep
   (:func:`check_nesting`, without recursion), so no later deep copy or config walk recurses out.
 
-What reading a checkpoint of N bytes holds is then at most N (its tensors, each member read once) plus what
-the capped ``data.pkl`` builds: at most about 150 MB (measured on the opcodes that build the most per byte;
-docs/checkpoints.md).
+Loading a checkpoint of N bytes then holds at most N (its tensors, each stored member read once) plus 16 MiB
+(``data.pkl``) plus what the capped opcodes build: measured at most 96 MiB (a 16 MiB string of four-byte
+characters) and 67 MiB (2^19 integer-keyed dictionary entries), under 200 MiB together (docs/inference.md).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import IO, Any
 
 from mlcls.io import CAPS, UnsafeFileError, describe_size, open_regular
 
-PICKLE_OPCODES = 2**21  # a real checkpoint's data.pkl: about 40 opcodes per tensor, 13,000 for 330 tensors
-PICKLE_OBJECTS = 2**19
+PICKLE_OPCODES = 2**20  # a real checkpoint's data.pkl: about 40 opcodes per tensor, 13,000 for 330 tensors
+PICKLE_OBJECTS = 2**18
 MAX_NESTING = 32  # containers within containers (an mlcls checkpoint nests about 6 deep)
 
 _END = struct.Struct("<4s4H2LH")  # end of central directory: disks, entries, directory size and offset
@@ -51,8 +51,10 @@ _BUILDS = frozenset(
         *("PERSID", "BINPERSID", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"),
     }
 )
-_TUPLES = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
-_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+# Opcodes that build a tuple or a frozenset (hashed recursively): how many stack entries it takes, None: to
+# the mark
+_TUPLES = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "TUPLE": None, "FROZENSET": None}
+_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
 _MEMO_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
 
 
@@ -194,6 +196,20 @@ def stored_members(read_at: ReadAt, size: int) -> dict[str, tuple[int, int]]:
     return members
 
 
+def _effect(opcode: pickletools.OpcodeInfo) -> tuple[bool, int, int]:
+    """``(takes a mark, entries it pops above the mark, entries it pushes)`` of a pickle ``opcode``."""
+    before = opcode.stack_before
+    marked = pickletools.markobject in before
+    return (
+        marked,
+        len(before[: before.index(pickletools.markobject)] if marked else before),
+        len(opcode.stack_after),
+    )
+
+
+_EFFECTS = {opcode.name: _effect(opcode) for opcode in pickletools.opcodes}
+
+
 def check_pickle(data: bytes) -> None:
     """:class:`_Refused` unless the pickle ``data`` has at most :data:`PICKLE_OPCODES` opcodes, at most
     :data:`PICKLE_OBJECTS` of them building or memoizing something, and tuples and frozensets nested at most
@@ -205,38 +221,43 @@ def check_pickle(data: bytes) -> None:
     builds = 0
     try:
         for count, (opcode, arg, _) in enumerate(pickletools.genops(io.BytesIO(data)), start=1):
-            name = opcode.name
             if count > PICKLE_OPCODES:
                 raise _Refused(f"its data.pkl runs past {PICKLE_OPCODES} opcodes")
+            name = opcode.name
             if name in _BUILDS:
                 builds += 1
                 if builds > PICKLE_OBJECTS:
                     raise _Refused(f"its data.pkl builds or stores more than {PICKLE_OBJECTS} objects")
-            if name in _MEMO_PUT or name == "MEMOIZE":
-                memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
-                continue
-            if name in _MEMO_GET:
+                if name in _MEMO_PUT:
+                    memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
+                    continue
+                if name in _TUPLES:
+                    taken = _TUPLES[name]
+                    start = marks.pop() if taken is None else len(stack) - taken
+                    depth = 1 + max(stack[start:], default=0)
+                    if depth > MAX_NESTING:
+                        raise _Refused(f"its data.pkl nests tuples more than {MAX_NESTING} deep")
+                    del stack[start:]
+                    stack.append(depth)
+                    continue
+            elif name in _MEMO_GET:
                 stack.append(memo.get(arg, 0))
                 continue
-            if name == "MARK":
+            elif name == "MARK":
                 marks.append(len(stack))
                 continue
-            if name in _TUPLES or name in ("TUPLE", "FROZENSET"):
-                start = len(stack) - _TUPLES[name] if name in _TUPLES else marks.pop()
-                depth = 1 + max(stack[start:], default=0)
-                if depth > MAX_NESTING:
-                    raise _Refused(f"its data.pkl nests tuples more than {MAX_NESTING} deep")
-                del stack[start:]
-                stack.append(depth)
+            elif name == "DUP":
+                stack.append(stack[-1])
                 continue
-            before = opcode.stack_before
-            if pickletools.markobject in before:
+            marked, pops, pushes = _EFFECTS[name]
+            if marked:
                 del stack[marks.pop() :]
-                before = before[: before.index(pickletools.markobject)]
-            if len(before) > len(stack):
-                raise _Refused(f"its data.pkl takes from an empty stack ({name})")
-            del stack[len(stack) - len(before) :]
-            stack.extend(0 for _ in opcode.stack_after)
+            if pops:
+                if pops > len(stack):
+                    raise _Refused(f"its data.pkl takes from an empty stack ({name})")
+                del stack[-pops:]
+            if pushes:  # one entry: DUP, the only opcode pushing two, is followed above
+                stack.append(0)
     except (ValueError, IndexError) as exc:
         if isinstance(exc, _Refused):
             raise
