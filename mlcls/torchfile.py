@@ -288,7 +288,9 @@ def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
         return file
     except _NotArchive as exc:
         file.close()
-        raise UnsafeFileError(f"{path} is not a {what} written by torch.save ({exc})") from None
+        raise UnsafeFileError(
+            f"{path} is not a {what} written by torch.save (not a zip archive as torch reads it: {exc})"
+        ) from None
     except _Refused as exc:
         file.close()
         raise UnsafeFileError(f"{path}: {exc}") from None

@@ -6,9 +6,10 @@ is limited to what it has mapped plus ``memory_mb``, so an allocation a crafted 
 once instead of exhausting the machine, and an alarm ends a read that blocks. The outcome is returned as
 data for the test to assert on: a ``MemoryError`` or a timeout is an escape, never a one-line refusal.
 
-It also builds the hostile files more than one test reads: a checkpoint with two zip directories
-(:func:`two_directories`) and pickles that build more than they hold (:func:`empty_dicts_pickle`,
-:func:`nested_list_pickle`, :func:`nested_tuple_key_pickle`) put in a checkpoint (:func:`with_pickle`).
+It also builds the hostile files more than one test reads: zip archives written again (:func:`rezip`), a
+checkpoint with two zip directories (:func:`two_directories`) and pickles that build more than they hold
+(:func:`empty_dicts_pickle`, :func:`nested_list_pickle`, :func:`nested_tuple_key_pickle`) put in a
+checkpoint (:func:`with_pickle`).
 """
 
 from __future__ import annotations
@@ -157,14 +158,22 @@ def two_directories(archive: bytes) -> bytes:
     return archive[:end] + bytes(copy) + archive[end:]  # the same length: the end record's size fits both
 
 
+def rezip(archive: bytes, compression: int, edit: Callable[[str, bytes], bytes] | None = None) -> bytes:
+    """The zip ``archive`` written again by Python's ``zipfile`` with ``compression``; ``edit(name, bytes)``
+    may change a member's bytes."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(out, "w", compression) as dst:
+        for info in src.infolist():
+            member = src.read(info.filename)
+            dst.writestr(info.filename, edit(info.filename, member) if edit else member)
+    return out.getvalue()
+
+
 def with_pickle(archive: bytes, data_pkl: bytes) -> bytes:
     """The ``torch.save`` archive with ``data_pkl`` as its ``data.pkl``, every member stored."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(out, "w") as dst:
-        for info in src.infolist():
-            member = data_pkl if info.filename.endswith("/data.pkl") else src.read(info)
-            dst.writestr(info.filename, member)
-    return out.getvalue()
+    return rezip(
+        archive, zipfile.ZIP_STORED, lambda name, data: data_pkl if name.endswith("/data.pkl") else data
+    )
 
 
 def _pickle_of(config: bytes) -> bytes:

@@ -25,6 +25,7 @@ from hostile import (
     empty_dicts_pickle,
     nested_list_pickle,
     nested_tuple_key_pickle,
+    rezip,
     two_directories,
     with_pickle,
 )
@@ -38,17 +39,6 @@ from mlcls.text.clip import load_weights
 from mlcls.torchfile import MAX_NESTING, PICKLE_OBJECTS, check_nesting, check_pickle, open_checkpoint
 
 STATE = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "classes": ["a", "b", "c"]}
-
-
-def rezip(data: bytes, compression: int, edit=None) -> bytes:
-    """The zip archive ``data`` written again with ``compression``; ``edit(name, bytes)`` may change a
-    member's bytes."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w", compression) as dst:
-        for info in src.infolist():
-            member = src.read(info.filename)
-            dst.writestr(info.filename, edit(info.filename, member) if edit else member)
-    return out.getvalue()
 
 
 def saved(state: dict) -> bytes:
