@@ -6,7 +6,8 @@
   starts, and calls any gap prepended data. The directory is found here as miniz finds it, and must end
   exactly where the end record (or its zip64 record) starts: both readers then see the same one. Every
   member of that directory is checked: stored (``torch.save`` never compresses), its declared sizes equal,
-  its bytes inside the file before the directory, no two overlapping, no name twice.
+  its bytes inside the file before the directory, no two overlapping, no name twice (ignoring case: miniz
+  looks names up so).
 * **A bounded pickle.** ``data.pkl`` is at most ``CAPS["checkpoint pickle"]`` and is scanned with
   ``pickletools.genops`` (streaming, no object built): at most :data:`PICKLE_OPCODES` opcodes, of which at
   most :data:`PICKLE_OBJECTS` build a container or an object or store one in the memo, and tuples (hashed as
@@ -145,8 +146,10 @@ def _zip64_values(extra: bytes, values: list[int]) -> list[int]:
 
 
 def stored_members(read_at: ReadAt, size: int) -> dict[str, tuple[int, int]]:
-    """Each member of the zip archive of ``size`` bytes, by name, as torch's reader sees it: the offset and
-    size of its stored bytes. :class:`_Refused` for anything ``torch.save`` does not write."""
+    """Each member of the zip archive of ``size`` bytes, by its name in lower case (miniz looks names up
+    ignoring case: two that differ only in case are refused), in directory order, as torch's reader sees
+    it: the offset and size of its stored bytes. :class:`_Refused` for anything ``torch.save`` does not
+    write."""
     entries, offset, length = _directory(read_at, size)
     directory = read_at(offset, length)
     members: dict[str, tuple[int, int]] = {}
@@ -172,8 +175,8 @@ def stored_members(read_at: ReadAt, size: int) -> dict[str, tuple[int, int]]:
             )
         if flags & 1 or disk:
             raise _Refused(f"member {name!r} is encrypted or on another disk")
-        if name in members:
-            raise _Refused(f"it names member {name!r} twice")
+        if name.lower() in members:
+            raise _Refused(f"it names member {name!r} twice (ignoring case, as torch's reader does)")
         header = _LOCAL.unpack(read_at(local, _LOCAL.size))
         if header[0] != b"PK\x03\x04":
             raise _Refused(f"member {name!r} has no local header at byte {local}")
@@ -182,7 +185,7 @@ def stored_members(read_at: ReadAt, size: int) -> dict[str, tuple[int, int]]:
             raise _Refused(
                 f"member {name!r} ({describe_size(declared)}) runs past the start of the directory"
             )
-        members[name] = (start, declared)
+        members[name.lower()] = (start, declared)
     if at != length:
         raise _Refused(f"its directory holds {length - at} bytes after its {entries} entries")
     declared_total = sum(count for _, count in members.values())

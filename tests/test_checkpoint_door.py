@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import struct
 import threading
 import zipfile
 from pathlib import Path
@@ -38,6 +39,7 @@ from mlcls.io import FileTooLargeError, NotRegularFileError, UnsafeFileError, op
 from mlcls.text.clip import load_weights
 from mlcls.torchfile import MAX_NESTING, PICKLE_OBJECTS, check_nesting, check_pickle, open_checkpoint
 
+ENTRY = struct.Struct("<4s6H3L5H2L")  # a zip central-directory entry
 STATE = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "classes": ["a", "b", "c"]}
 
 
@@ -297,3 +299,51 @@ def test_a_file_is_read_no_further_than_the_size_it_had_when_opened(tmp_path):
         path.write_bytes(b"[1, 2]")
     with open_regular(path, what="results file") as file:
         assert file.read(4) == b"[1, " and file.read() == b"2]"  # within the size: read as it is
+
+
+def test_sizes_held_in_zip64_fields_are_read_as_torch_reads_them(tmp_path):
+    """A member over 4 GiB keeps its sizes in its entry's zip64 field (0xFFFFFFFF in the entry): the same
+    checkpoint with every stored member's sizes moved there loads as torch reads it, and a field too short
+    for what the entry defers is refused."""
+    archive = rezip(saved(STATE), zipfile.ZIP_STORED)
+    end = archive.rfind(b"PK\x05\x06")
+    entries, offset = struct.unpack_from("<H4xL", archive, end + 10)
+    directory, at = bytearray(), offset
+    for _ in range(entries):
+        fields = list(ENTRY.unpack_from(archive, at))
+        name_end = at + ENTRY.size + fields[10]
+        sizes = struct.pack("<HHQQ", 1, 16, fields[9], fields[8])  # uncompressed, then compressed
+        fields[8] = fields[9] = 0xFFFFFFFF
+        fields[11] += len(sizes)
+        directory += ENTRY.pack(*fields) + archive[at + ENTRY.size : name_end] + sizes
+        at = name_end + fields[11] - len(sizes) + fields[12]
+    end_record = bytearray(archive[end:])
+    struct.pack_into("<L", end_record, 12, len(directory))
+    path = tmp_path / "zip64.pt"
+    path.write_bytes(archive[:offset] + directory + end_record)
+    assert torch.equal(load_checkpoint(path)["model"]["w"], STATE["model"]["w"])
+    short = directory.replace(struct.pack("<HH", 1, 16), struct.pack("<HH", 1, 8))
+    path.write_bytes(archive[:offset] + short + end_record)
+    assert "a zip64 field is shorter than its entry needs" in load_outcome(path)
+
+
+@pytest.mark.slow
+def test_a_member_named_twice_ignoring_case_is_refused(tmp_path):
+    """torch's reader looks names up ignoring case: a second ``data.pkl`` in capitals may be the one it
+    unpickles, not the one the scan read. Before: the 3 MB of empty dicts it holds were what torch loaded,
+    a MemoryError under 160 MB, in one of the two orders."""
+    genuine = saved(STATE)
+    for first, second in ((None, empty_dicts_pickle(3_000_000)), (empty_dicts_pickle(3_000_000), None)):
+        out = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(genuine)) as src, zipfile.ZipFile(out, "w") as dst:
+            for info in src.infolist():
+                data = src.read(info)
+                is_pickle = info.filename.endswith("/data.pkl")
+                dst.writestr(info.filename, first if is_pickle and first else data)
+                if is_pickle:
+                    dst.writestr(info.filename.removesuffix("data.pkl") + "DATA.PKL", second or data)
+        path = tmp_path / "best.pt"
+        path.write_bytes(out.getvalue())
+        outcome = bounded(load_outcome, path, memory_mb=160, seconds=20)
+        assert not outcome.escaped, outcome
+        assert "twice (ignoring case" in outcome.value, outcome.value
