@@ -228,8 +228,8 @@ def rewrite_file(path: Path, rng: random.Random) -> str:
         path.unlink()
         path.symlink_to("/proc/self/pagemap")
     else:
-        build = {"empty dicts": (empty_dicts_pickle, 3_000_000), "nested list": (nested_list_pickle, 200_000)}
-        pickled, size = build.get(how, (nested_tuple_key_pickle, 100_000))
+        build = {"empty dicts": (empty_dicts_pickle, 3_000_000), "nested list": (nested_list_pickle, 10_000)}
+        pickled, size = build.get(how, (nested_tuple_key_pickle, 10_000))
         path.write_bytes(with_pickle(data, pickled(size)))
     return f"file {how}"
 
