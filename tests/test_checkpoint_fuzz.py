@@ -58,6 +58,8 @@ KINDS = {
     "file": "file ",
 }
 FILE_MUTATIONS = 0.3  # the share of mutated checkpoints whose file is then rewritten (:func:`rewrite_file`)
+# The rewrites, applied in turn (the test checks that each was)
+REWRITES = ("two directories", "empty dicts", "nested list", "nested tuple key", "declares 0 bytes")
 
 # The genuine run the mutations start from: a tiny timm network on the synthetic data, one short epoch.
 RUN = [
@@ -216,11 +218,8 @@ def mutate(state: dict[str, Any], rng: random.Random, marker: Path, server: str)
     return done
 
 
-def rewrite_file(path: Path, rng: random.Random) -> str:
-    """Rewrite the checkpoint file ``path`` as one of the door's hostile files; returns what it did."""
-    how = rng.choice(
-        ["two directories", "empty dicts", "nested list", "nested tuple key", "declares 0 bytes"]
-    )
+def rewrite_file(path: Path, how: str) -> str:
+    """Rewrite the checkpoint file ``path`` as the door's hostile file ``how`` (one of :data:`REWRITES`)."""
     data = path.read_bytes()
     if how == "two directories":
         path.write_bytes(two_directories(rezip(data, zipfile.ZIP_DEFLATED)))
@@ -316,7 +315,13 @@ def fuzz(checkpoint: Path, images: Path, work: Path, seeds: range) -> dict[str, 
                 ),
             ),
         ]
-    report: dict[str, Any] = {"escapes": [], "outcomes": {"ok": 0, "refused": 0}, "slowest": 0.0, "kinds": []}
+    report: dict[str, Any] = {
+        "escapes": [],
+        "outcomes": {"ok": 0, "refused": 0},
+        "slowest": 0.0,
+        "kinds": [],
+        "rewrites": [],
+    }
     for seed in seeds:
         rng = random.Random(seed)
         state = copy.deepcopy(genuine)
@@ -324,7 +329,8 @@ def fuzz(checkpoint: Path, images: Path, work: Path, seeds: range) -> dict[str, 
         path.unlink(missing_ok=True)  # the last one may be a link to /proc/self/pagemap
         torch.save(state, path)
         if rng.random() < FILE_MUTATIONS:
-            done.append(rewrite_file(path, rng))
+            done.append(rewrite_file(path, REWRITES[len(report["rewrites"]) % len(REWRITES)]))
+            report["rewrites"].append(done[-1].removeprefix("file "))
         kinds = {kind for kind, start in KINDS.items() for what in done if what.startswith(start)}
         report["kinds"] = sorted({*report["kinds"], *kinds})
         for read, cfg in commands:
@@ -382,4 +388,5 @@ def test_mutated_checkpoints_load_or_fail_in_one_line(genuine, tmp_path):
     assert not report["marker"] and report["requests"] == 0
     assert report["outcomes"]["ok"] > 0 and report["outcomes"]["refused"] > 0  # both kinds were reached
     assert report["kinds"] == sorted(KINDS)  # every kind of mutation was applied
+    assert set(report["rewrites"]) == set(REWRITES)  # and every rewrite of the file
     assert report["slowest"] < SECONDS_PER_READ and report["peak_growth_mib"] < PEAK_GROWTH_MIB
