@@ -16,8 +16,9 @@
   (:func:`check_nesting`, without recursion), so no later deep copy or config walk recurses out.
 
 Loading a checkpoint of N bytes then holds at most N (its tensors, each stored member read once) plus 16 MiB
-(``data.pkl``) plus what the capped opcodes build: measured at most 96 MiB (a 16 MiB string held at
-four bytes a character) and 67 MiB (2^19 integer-keyed dictionary entries), under 200 MiB together (docs/inference.md).
+(``data.pkl``) plus what the capped opcodes build: measured at most 96 MiB (a 16 MiB string held at four
+bytes a character) and 67 MiB (2^19 integer-keyed dictionary entries), under 200 MiB together
+(docs/inference.md).
 """
 
 from __future__ import annotations
