@@ -1,16 +1,23 @@
 """Files written atomically (a crash mid-write leaves the previous complete file), and files read only
-when regular and within a cap (:func:`open_regular`, the one door). No other mlcls import."""
+when regular and within a cap (:func:`open_regular`, the one door). No other mlcls import.
+
+A file is read no further than the size ``fstat`` gave when the door opened it, plus one byte to see it
+grow: a file that grows is refused, and so is one that declares 0 bytes and streams anyway (``/proc`` and
+``/sys`` files). A whole file is read into one buffer of that size: reading a file of N bytes holds N bytes
+(its text, decoded by :func:`read_text`, N to 4 N more). A checkpoint of N bytes (:mod:`mlcls.torchfile`)
+holds at most N plus 16 MiB (its ``data.pkl``) plus under 200 MiB (what that pickle's capped opcodes build).
+"""
 
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
 import shutil
 import stat
 import tempfile
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -64,23 +71,84 @@ CAPS = {
     "label file": 8 * GiB,  # a dataset's annotation JSON, CSV or list
     "predictions": 4 * GiB,  # val_predictions.npz
     "checkpoint": 64 * GiB,  # a checkpoint or a released weights file
+    "checkpoint pickle": 16 * MiB,  # its data.pkl (an mlcls run's: 45 kB for 330 tensors)
     "word vectors": 8 * GiB,  # a GloVe / fastText text file, streamed (glove.840B.300d.txt is 5.6 GB)
 }
 
 
-def _describe(size: int) -> str:
+def describe_size(size: int) -> str:
+    """``size`` bytes as a message says it: ``"3.0 MiB"``, ``"512 bytes"``."""
     return f"{size / MiB:.1f} MiB" if size >= MiB else f"{size} bytes"
+
+
+class _DeclaredFile(io.FileIO):
+    """The regular file open on ``fd``, read no further than the ``size`` it declared when opened plus one
+    byte: reading that byte is a :class:`FileTooLargeError` (the file grew), whichever method reads."""
+
+    def __init__(self, fd: int, size: int, name: str, what: str) -> None:
+        super().__init__(fd, "rb")
+        self.declared, self.shown, self.what = size, name, what
+
+    def _left(self) -> int:
+        return max(self.declared + 1 - self.tell(), 0)
+
+    def _checked(self, result: Any) -> Any:
+        if self.tell() > self.declared:
+            raise FileTooLargeError(
+                f"{self.shown} grew past the {describe_size(self.declared)} it had when opened; "
+                f"a {self.what} that stays as it is expected"
+            )
+        return result
+
+    def readinto(self, buffer: Any) -> int:
+        with memoryview(buffer) as view, view.cast("B")[: self._left()] as part:
+            return self._checked(super().readinto(part))
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            return self.readall()
+        return self._checked(super().read(min(size, self._left())))
+
+    def readall(self) -> bytes:
+        """The rest of the file, read into one buffer of its declared size (plus the byte that shows growth)
+        and returned without a copy (``BytesIO.getvalue`` hands over its buffer)."""
+        left, filled = self._left(), 0
+        buffer = io.BytesIO()
+        if left:
+            buffer.seek(left - 1)
+            buffer.write(b"\0")
+        with buffer.getbuffer() as view:
+            while filled < left:
+                with view[filled:] as part:
+                    count = super().readinto(part)
+                if not count:
+                    break
+                filled += count
+        self._checked(None)
+        buffer.truncate(filled)
+        return buffer.getvalue()
+
+
+def _streams(fd: int) -> bool:
+    """Whether the file open on ``fd``, which declares 0 bytes, yields some anyway (a ``/proc`` or ``/sys``
+    file): 8 bytes asked at offset 0 (``/proc/*/pagemap`` reads only in 8-byte records; an error is as
+    telling as data)."""
+    try:
+        return bool(os.pread(fd, 8, 0))
+    except OSError:
+        return True
 
 
 def open_regular(
     path: str | Path, mode: str = "rb", *, max_bytes: int | None = None, what: str = "file", **kwargs
 ) -> IO:
     """``open(path, mode, **kwargs)`` for reading: the one way mlcls opens a file it did not write. Refused
-    with :class:`NotRegularFileError` unless a regular file (after links), :class:`FileTooLargeError` over
-    ``max_bytes``.
+    with :class:`NotRegularFileError` unless a regular file (after links) that holds the size it declares,
+    :class:`FileTooLargeError` over ``max_bytes``.
 
     A named file may be a pipe or a device (``/dev/zero``) that would block the reader or never end. It is
     opened once, without blocking, and judged by that descriptor: a link flipped meanwhile slips nothing in.
+    Its size is read once (``fstat``), and nothing reads past it (plus the byte that shows growth).
     """
     if any(flag in mode for flag in "wax+"):
         raise ValueError(f"open_regular reads files; mode {mode!r} writes")
@@ -90,33 +158,44 @@ def open_regular(
         if not stat.S_ISREG(info.st_mode):
             named = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
             raise NotRegularFileError(f"{path} is {named}; expected a regular file")
+        if info.st_size == 0 and _streams(fd):
+            raise NotRegularFileError(
+                f"{path} declares 0 bytes and yet streams (a /proc or /sys file); expected a regular file"
+            )
         if max_bytes is not None and info.st_size > max_bytes:
             raise FileTooLargeError(
-                f"{path} is {_describe(info.st_size)}; a {what} of at most {_describe(max_bytes)} expected"
+                f"{path} is {describe_size(info.st_size)}; a {what} of at most {describe_size(max_bytes)} "
+                "expected"
             )
         os.set_blocking(fd, True)
-        return open(fd, mode, **kwargs)
+        raw = _DeclaredFile(fd, info.st_size, str(path), what)
     except BaseException:
         os.close(fd)
+        raise
+    try:
+        buffered = io.BufferedReader(raw)
+        return buffered if "b" in mode else io.TextIOWrapper(buffered, **kwargs)
+    except BaseException:
+        raw.close()
         raise
 
 
 def read_regular_bytes(path: str | Path, max_bytes: int, what: str = "file") -> bytes:
-    """The bytes of the regular file ``path``, at most ``max_bytes`` (also while it grows)."""
+    """The bytes of the regular file ``path``, at most ``max_bytes``, in one buffer of its size."""
     with open_regular(path, max_bytes=max_bytes, what=what) as f:
-        return read_capped(f, max_bytes, str(path), what)
+        return f.read()
 
 
 def read_capped(stream: IO[bytes], max_bytes: int, name: str, what: str = "file") -> bytes:
-    """The bytes of the open ``stream`` (a file that may grow, an HTTP body, a command's output) named
-    ``name``; :class:`FileTooLargeError` once it holds more than ``max_bytes``."""
-    data, left = bytearray(), max_bytes + 1  # in blocks: ``read(max_bytes + 1)`` allocates the whole cap
-    while left and (block := stream.read(min(left, 1 << 20))):  # a read of n bytes allocates n first
-        data += block
-        left -= len(block)
-    if len(data) > max_bytes:
-        raise FileTooLargeError(f"{name} holds over {_describe(max_bytes)}; a {what} expected")
-    return bytes(data)
+    """The bytes of the open ``stream`` of unknown size (an HTTP body, a command's output) named ``name``;
+    :class:`FileTooLargeError` once it holds more than ``max_bytes``. Read in blocks into one growing
+    buffer, handed over without a copy."""
+    data = io.BytesIO()
+    while data.tell() <= max_bytes and (block := stream.read(min(max_bytes + 1 - data.tell(), MiB))):
+        data.write(block)  # a read of n bytes allocates n first: blocks, never the whole cap
+    if data.tell() > max_bytes:
+        raise FileTooLargeError(f"{name} holds over {describe_size(max_bytes)}; a {what} expected")
+    return data.getvalue()
 
 
 def read_text(path: str | Path, what: str, max_bytes: int | None = None, errors: str = "strict") -> str:
@@ -160,42 +239,6 @@ def load_yaml_text(text: str, source: str = "YAML") -> Any:
 def read_yaml(path: str | Path, what: str = "config", max_bytes: int | None = None) -> Any:
     """The YAML content of the regular file ``path`` as plain data, capped, aliases refused."""
     return load_yaml_text(read_text(path, what, max_bytes), str(path))
-
-
-def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
-    """The regular file ``path`` opened for ``torch.load``, once its zip members have been checked.
-
-    ``torch.save`` stores its members uncompressed; a deflated member, one whose declared size differs from
-    its bytes, members declaring more than the file holds, or no zip archive at all is refused
-    (:class:`UnsafeFileError`). What ``torch.load`` then builds is bounded by the file's size.
-    """
-    file = open_regular(path, "rb", max_bytes=CAPS["checkpoint"], what=what)
-    try:
-        size = os.fstat(file.fileno()).st_size
-        try:
-            with zipfile.ZipFile(file) as archive:  # a file object passed in is left open
-                members = archive.infolist()
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-            raise UnsafeFileError(
-                f"{path} is not a {what} written by torch.save (not a zip archive: {exc})"
-            ) from None
-        declared = 0
-        for member in members:
-            if member.compress_type != zipfile.ZIP_STORED or member.file_size != member.compress_size:
-                raise UnsafeFileError(
-                    f"{path}: member {member.filename!r} is compressed ({_describe(member.compress_size)} "
-                    f"declaring {_describe(member.file_size)}); torch.save stores members uncompressed"
-                )
-            declared += member.file_size
-        if declared > size:
-            raise UnsafeFileError(
-                f"{path}: its members declare {_describe(declared)} in a file of {_describe(size)}"
-            )
-        file.seek(0)
-        return file
-    except BaseException:
-        file.close()
-        raise
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:

@@ -5,17 +5,25 @@ child process) or :func:`bounded_command` (a console script, in a subprocess). T
 is limited to what it has mapped plus ``memory_mb``, so an allocation a crafted file asks for fails there at
 once instead of exhausting the machine, and an alarm ends a read that blocks. The outcome is returned as
 data for the test to assert on: a ``MemoryError`` or a timeout is an escape, never a one-line refusal.
+
+It also builds the hostile files more than one test reads: zip archives written again (:func:`rezip`), a
+checkpoint with two zip directories (:func:`two_directories`) and pickles that build more than they hold
+(:func:`empty_dicts_pickle`, :func:`nested_list_pickle`, :func:`nested_tuple_key_pickle`) put in a
+checkpoint (:func:`with_pickle`).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import resource
 import signal
+import struct
 import subprocess
 import sys
 import traceback
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -126,3 +134,64 @@ def bounded_command(
 def python_command(*args: str) -> list[str]:
     """``python -m`` of this interpreter, for :func:`bounded_command`."""
     return [sys.executable, *args]
+
+
+# ------------------------------------------------------------------------------------------- hostile files
+_ENTRY = struct.Struct("<4s6H3L5H2L")  # a zip central-directory entry
+
+
+def two_directories(archive: bytes) -> bytes:
+    """The zip ``archive`` (written by Python's ``zipfile``, members deflated) with a second directory, a
+    copy of its own with every member declared stored at its compressed size, placed just before the end
+    record. The end record still states the first directory's offset, which torch's reader (miniz) follows;
+    Python's ``zipfile`` reads the copy, which ends where the end record starts, and takes the first
+    directory for prepended data."""
+    end = archive.rfind(b"PK\x05\x06")
+    entries, offset = struct.unpack_from("<H4xL", archive, end + 10)
+    copy, at = bytearray(), offset
+    for _ in range(entries):
+        fields = list(_ENTRY.unpack_from(archive, at))
+        length = _ENTRY.size + sum(fields[10:13])  # with its name, extra field and comment
+        fields[4], fields[9] = zipfile.ZIP_STORED, fields[8]
+        copy += _ENTRY.pack(*fields) + archive[at + _ENTRY.size : at + length]
+        at += length
+    return archive[:end] + bytes(copy) + archive[end:]  # the same length: the end record's size fits both
+
+
+def rezip(archive: bytes, compression: int, edit: Callable[[str, bytes], bytes] | None = None) -> bytes:
+    """The zip ``archive`` written again by Python's ``zipfile`` with ``compression``; ``edit(name, bytes)``
+    may change a member's bytes."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(out, "w", compression) as dst:
+        for info in src.infolist():
+            member = src.read(info.filename)
+            dst.writestr(info.filename, edit(info.filename, member) if edit else member)
+    return out.getvalue()
+
+
+def with_pickle(archive: bytes, data_pkl: bytes) -> bytes:
+    """The ``torch.save`` archive with ``data_pkl`` as its ``data.pkl``, every member stored."""
+    return rezip(
+        archive, zipfile.ZIP_STORED, lambda name, data: data_pkl if name.endswith("/data.pkl") else data
+    )
+
+
+def _pickle_of(config: bytes) -> bytes:
+    """A protocol-2 pickle of ``{"model": {}, "config": <config>}``; ``config`` builds its value."""
+    return b"\x80\x02}(X\x05\x00\x00\x00model}X\x06\x00\x00\x00config" + config + b"u."
+
+
+def empty_dicts_pickle(count: int) -> bytes:
+    """A checkpoint pickle whose ``config`` is a list of ``count`` empty dicts: one byte each."""
+    return _pickle_of(b"](" + b"}" * count + b"e")
+
+
+def nested_list_pickle(depth: int) -> bytes:
+    """A checkpoint pickle whose ``config`` holds a list nested ``depth`` deep (two bytes a level)."""
+    return _pickle_of(b"}X\x01\x00\x00\x00a" + b"]" * depth + b"a" * (depth - 1) + b"s")
+
+
+def nested_tuple_key_pickle(depth: int) -> bytes:
+    """A checkpoint pickle whose ``config`` is a dict keyed by a tuple nested ``depth`` deep: hashing the key
+    recurses in C once per level."""
+    return _pickle_of(b"}" + b")" + b"\x85" * depth + b"K\x01s")

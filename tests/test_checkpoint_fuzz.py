@@ -1,5 +1,6 @@
 """Fuzzing checkpoints: seeded mutations of a genuine checkpoint's plain fields (config values,
-interpolations, shard URLs, model options, weight shapes, class lists, preprocessing, thresholds), each
+interpolations, shard URLs, model options, weight shapes, class lists, preprocessing, thresholds) and of the
+file itself (a second zip directory, a pickle that builds more than it holds, /proc/self/pagemap), each
 read by ``mlcls-eval`` and ``mlcls-predict`` as a user runs them. Each must evaluate and predict, or stop
 with one of the errors the commands print as one line, within bounded time and memory, without running a
 command (a marker file) or reaching the network (a counting server on 127.0.0.1).
@@ -18,13 +19,22 @@ import math
 import random
 import signal
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import compose_config
-from hostile import bounded
+from hostile import (
+    bounded,
+    empty_dicts_pickle,
+    nested_list_pickle,
+    nested_tuple_key_pickle,
+    rezip,
+    two_directories,
+    with_pickle,
+)
 
 SEEDS = 24  # mutated checkpoints per run (each read by eval and by predict); between them they apply every
 # kind of mutation (KINDS), which the test checks
@@ -45,7 +55,11 @@ KINDS = {
     "preprocess": "preprocess",
     "weights": "model[",
     "other": ("config=", "thresholds=", "model="),
+    "file": "file ",
 }
+FILE_MUTATIONS = 0.3  # the share of mutated checkpoints whose file is then rewritten (:func:`rewrite_file`)
+# The rewrites, applied in turn (the test checks that each was)
+REWRITES = ("two directories", "empty dicts", "nested list", "nested tuple key", "declares 0 bytes")
 
 # The genuine run the mutations start from: a tiny timm network on the synthetic data, one short epoch.
 RUN = [
@@ -204,6 +218,21 @@ def mutate(state: dict[str, Any], rng: random.Random, marker: Path, server: str)
     return done
 
 
+def rewrite_file(path: Path, how: str) -> str:
+    """Rewrite the checkpoint file ``path`` as the door's hostile file ``how`` (one of :data:`REWRITES`)."""
+    data = path.read_bytes()
+    if how == "two directories":
+        path.write_bytes(two_directories(rezip(data, zipfile.ZIP_DEFLATED)))
+    elif how == "declares 0 bytes":
+        path.unlink()
+        path.symlink_to("/proc/self/pagemap")
+    else:
+        build = {"empty dicts": (empty_dicts_pickle, 3_000_000), "nested list": (nested_list_pickle, 10_000)}
+        pickled, size = build.get(how, (nested_tuple_key_pickle, 10_000))
+        path.write_bytes(with_pickle(data, pickled(size)))
+    return f"file {how}"
+
+
 class CountingServer:
     """An HTTP server on 127.0.0.1 that counts its requests (none may arrive)."""
 
@@ -286,14 +315,24 @@ def fuzz(checkpoint: Path, images: Path, work: Path, seeds: range) -> dict[str, 
                 ),
             ),
         ]
-    report: dict[str, Any] = {"escapes": [], "outcomes": {"ok": 0, "refused": 0}, "slowest": 0.0, "kinds": []}
+    report: dict[str, Any] = {
+        "escapes": [],
+        "outcomes": {"ok": 0, "refused": 0},
+        "slowest": 0.0,
+        "kinds": [],
+        "rewrites": [],
+    }
     for seed in seeds:
         rng = random.Random(seed)
         state = copy.deepcopy(genuine)
         done = mutate(state, rng, marker, server.url)
+        path.unlink(missing_ok=True)  # the last one may be a link to /proc/self/pagemap
+        torch.save(state, path)
+        if rng.random() < FILE_MUTATIONS:
+            done.append(rewrite_file(path, REWRITES[len(report["rewrites"]) % len(REWRITES)]))
+            report["rewrites"].append(done[-1].removeprefix("file "))
         kinds = {kind for kind, start in KINDS.items() for what in done if what.startswith(start)}
         report["kinds"] = sorted({*report["kinds"], *kinds})
-        torch.save(state, path)
         for read, cfg in commands:
             command = read.__module__.rsplit(".", 1)[-1]
             start = time.perf_counter()
@@ -349,4 +388,5 @@ def test_mutated_checkpoints_load_or_fail_in_one_line(genuine, tmp_path):
     assert not report["marker"] and report["requests"] == 0
     assert report["outcomes"]["ok"] > 0 and report["outcomes"]["refused"] > 0  # both kinds were reached
     assert report["kinds"] == sorted(KINDS)  # every kind of mutation was applied
+    assert set(report["rewrites"]) == set(REWRITES)  # and every rewrite of the file
     assert report["slowest"] < SECONDS_PER_READ and report["peak_growth_mib"] < PEAK_GROWTH_MIB

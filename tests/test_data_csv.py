@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 from data_fixtures import write_csv
+from hostile import bounded
 
 from mlcls.data.datasets.base import DatasetConfigError, DatasetFormatError, DatasetLayoutError
-from mlcls.data.datasets.csv_dataset import CSVDataset, held_out
+from mlcls.data.datasets.csv_dataset import CSVDataset, held_out, read_table
 
 NAMES_CSV = "image,labels\nimg/a.jpg,cat dog\nimg/b.jpg,dog\n\nimg/c.jpg,\nimg/d.jpg,bird  cat\n"
 IMAGES = ["img/a.jpg", "img/b.jpg", "img/c.jpg", "img/d.jpg"]
@@ -340,3 +341,21 @@ def test_the_csv_validation_split_keys_are_val_keys_and_an_old_one_names_its_new
         compose_config("train", ["dataset=csv", "dataset.holdout=hashed"])
     with pytest.raises(ConfigError, match=r"^unknown option dataset.seed: did you mean dataset.val_seed"):
         compose_config("train", ["dataset=csv", "dataset.seed=3"])
+
+
+@pytest.mark.slow
+def test_a_sparse_or_streaming_label_file_is_one_line_in_bounded_memory(tmp_path: Path) -> None:
+    """A sparse 1 GiB CSV (no line break, 0 bytes on disk) is parsed as read and refused at its first
+    2^24 characters; /proc/self/pagemap (st_size 0, streams about 2^38 bytes) is refused unread. Before:
+    each a MemoryError under 128 MB (the sparse file's bytes, a copy, its text and a UCS-4 StringIO: 6 GiB
+    without a cap; the issue: pagemap 4.64 GB)."""
+    sparse = tmp_path / "train.csv"
+    with sparse.open("wb") as file:
+        file.truncate(2**30)
+    outcome = bounded(read_table, sparse, None, memory_mb=128, seconds=20)
+    assert outcome.error == "DatasetFormatError" and not outcome.escaped, outcome
+    assert outcome.message == f"{sparse}, line 1: over {2**24} characters; expected one image's row per line"
+    streaming = tmp_path / "labels.csv"
+    streaming.symlink_to("/proc/self/pagemap")
+    outcome = bounded(read_table, streaming, None, memory_mb=128, seconds=20)
+    assert outcome.error == "NotRegularFileError" and "declares 0 bytes and yet streams" in outcome.message

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import TINY, compose_config
 from data_fixtures import write_csv
-from hostile import bounded
+from hostile import bounded, rezip, two_directories
 
 from mlcls.cli.report import main as report_main
 from mlcls.cli.tables import main as tables_main
@@ -107,6 +107,16 @@ def test_a_results_json_that_never_ends_is_one_line(tmp_path, kind):
     one_line(outcome, str(path))
     error = outcome.error
     assert error == "ReportError"
+
+
+@pytest.mark.slow
+def test_a_results_json_that_declares_0_bytes_and_streams_is_one_line_unread(tmp_path):
+    """/proc/self/pagemap (st_size 0, about 2^38 bytes) as results.json. Before: read to the 64 MiB cap and
+    copied before the refusal, a MemoryError under 48 MB."""
+    path = tmp_path / "results.json"
+    path.symlink_to("/proc/self/pagemap")
+    outcome = bounded(read_run, tmp_path, memory_mb=48, seconds=SECONDS)
+    one_line(outcome, str(path), "declares 0 bytes and yet streams")
 
 
 @pytest.mark.slow
@@ -386,11 +396,13 @@ def _set(node, path, value):
 
 def _never_ending(path: Path, rng: random.Random) -> None:
     path.unlink(missing_ok=True)
-    choice = rng.choice(["fifo", "zero", "folder"])
+    choice = rng.choice(["fifo", "zero", "folder", "declares 0 bytes"])
     if choice == "fifo":
         os.mkfifo(path)
     elif choice == "zero":
         path.symlink_to("/dev/zero")
+    elif choice == "declares 0 bytes":
+        path.symlink_to("/proc/self/pagemap")  # a regular file of st_size 0 that streams 2^38 bytes
     else:
         path.mkdir()
 
@@ -434,8 +446,10 @@ def mutate(run_dir: Path, rng: random.Random) -> str:
             _never_ending(config_path, rng)
         return f"config.yaml {how}"
     npz = run_dir / "val_predictions.npz"
-    how = rng.choice(["header lies", "bomb", "never ends", "truncated", "shape"])
-    if how == "header lies":
+    how = rng.choice(["header lies", "bomb", "never ends", "truncated", "shape", "two directories"])
+    if how == "two directories":  # a stored copy of its (deflated) directory just before the end record
+        npz.write_bytes(two_directories(rezip(npz.read_bytes(), zipfile.ZIP_DEFLATED)))
+    elif how == "header lies":
         predictions_npz(npz, 10**6, rng.randint(10**4, 10**6), data_bytes=False)
     elif how == "bomb":
         predictions_npz(npz, 4_000, 10_000)  # 200 MB in 1 MB

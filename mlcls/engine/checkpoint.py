@@ -22,9 +22,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mlcls.errors import first_line
 from mlcls.formats import FORMAT, upgrade
-from mlcls.io import atomic_write, open_checkpoint
+from mlcls.io import atomic_write
 from mlcls.models.factory import has_text_queries
 from mlcls.text import build_encoder
+from mlcls.torchfile import check_nesting, open_checkpoint
 
 TRUST_HINT = (
     "if you wrote it yourself, re-save it as plain data with `python -m mlcls.cli.resave {path}`, or load it "
@@ -80,7 +81,7 @@ def load_checkpoint(
         file = open_checkpoint(path)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
-    except (OSError, ValueError) as exc:  # not a regular file, too large, compressed members
+    except (OSError, ValueError) as exc:  # not a regular file, too large, not as torch.save writes
         raise CheckpointError(f"checkpoint {exc}" if str(exc).startswith(str(path)) else str(exc)) from None
     try:
         with file:
@@ -98,6 +99,10 @@ def load_checkpoint(
         ) from exc
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not an mlcls checkpoint (no 'model' entry)")
+    try:
+        check_nesting(state, f"checkpoint {path}")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     return upgrade(state, "checkpoint", f"checkpoint {path}", CheckpointError)
 
 

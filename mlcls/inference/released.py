@@ -1,7 +1,7 @@
 """The authors' released checkpoints of ML-Decoder, ASL and CSRA as mlcls checkpoints (``mlcls-import``),
 and the zero-shot model that ML-Decoder's ``train_zsl_nus.py`` saves.
 
-A released file is read as data, once, through :func:`mlcls.io.open_checkpoint`; each :data:`FORMATS`
+A released file is read as data, once, through :func:`mlcls.torchfile.open_checkpoint`; each :data:`FORMATS`
 entry says which networks it holds and how their names translate to mlcls's (:mod:`mlcls.models.released`
 for the TResNets). docs/models.md tables the formats and their authors' evaluation: a squash-resize and
 [0, 1] pixels, none of them subtracting ImageNet's mean.
@@ -23,12 +23,13 @@ from mlcls.data.datasets.voc import VOC_CLASSES
 from mlcls.data.pipeline.preprocess import preprocess_spec
 from mlcls.errors import InferenceError, first_line, plural, shown
 from mlcls.inference.fields import CLASS_EMBEDDINGS_KEY
-from mlcls.io import FileTooLargeError, NotRegularFileError, UnsafeFileError, open_checkpoint
+from mlcls.io import FileTooLargeError, NotRegularFileError, UnsafeFileError
 from mlcls.models import create_model
 from mlcls.models.heads import TEXT_HEADS
 from mlcls.models.heads.csra import TEMPERATURES
 from mlcls.models.released import tresnet_key, tresnet_value, tresnet_variant
 from mlcls.text import build_encoder, class_embeddings
+from mlcls.torchfile import check_nesting, open_checkpoint
 
 # MS-COCO's 80 categories in category-id order (the order of the COCO API and of every released COCO model)
 COCO_CLASSES = (
@@ -123,6 +124,9 @@ def read_released(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     try:
         with file:
             state = torch.load(file, map_location="cpu", weights_only=True)
+        check_nesting(state, str(path))
+    except UnsafeFileError as exc:
+        raise InferenceError(str(exc)) from None
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
         raise InferenceError(
             f"{path} cannot be read as data ({type(exc).__name__}: {first_line(exc)}); a released checkpoint "

@@ -19,15 +19,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from mlcls.errors import ConfigError, first_line, is_integer, listed, printable
-from mlcls.io import (
-    CAPS,
-    FileTooLargeError,
-    NotRegularFileError,
-    UnsafeFileError,
-    open_checkpoint,
-    read_regular_bytes,
-)
+from mlcls.io import CAPS, FileTooLargeError, NotRegularFileError, UnsafeFileError, read_regular_bytes
 from mlcls.text import offline, phrase, require
+from mlcls.torchfile import check_nesting, open_checkpoint
 
 # open_clip model names that fetch a config or weights from elsewhere.
 REMOTE_SCHEMAS = ("hf-hub:", "local-dir:")
@@ -103,7 +97,7 @@ class ClipEncoder:
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """The state dict of the checkpoint file ``path``: a ``.safetensors`` file (read whole through
     :func:`mlcls.io.read_regular_bytes`, at most ``CAPS["checkpoint"]``), or a ``torch.save`` file through
-    :func:`mlcls.io.open_checkpoint` with ``weights_only=True``; a ``{"state_dict": ...}`` wrapper and
+    :func:`mlcls.torchfile.open_checkpoint` with ``weights_only=True``; a ``{"state_dict": ...}`` wrapper and
     DistributedDataParallel's ``module.`` prefix removed. Anything else: a one-line :class:`ConfigError`."""
     where = printable(str(path))
     try:
@@ -112,6 +106,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         else:
             with open_checkpoint(path, "CLIP checkpoint") as file:
                 state = torch.load(file, map_location="cpu", weights_only=True)
+            check_nesting(state, where)
     except FileNotFoundError:
         raise ConfigError(f"text.path: no file {where}; expected an open_clip checkpoint file") from None
     except (NotRegularFileError, FileTooLargeError, UnsafeFileError):

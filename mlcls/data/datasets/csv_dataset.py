@@ -13,12 +13,11 @@ count once, with other labels they are an error; one in both files, a class left
 from __future__ import annotations
 
 import csv
-import io
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -37,25 +36,45 @@ from mlcls.data.datasets.base import (
 )
 from mlcls.data.datasets.folds import held_out, image_hash, stratified_holdout
 from mlcls.errors import plural, printable
-from mlcls.io import read_text
+from mlcls.io import CAPS, open_regular
 
 SPLITS = ("train", "val")
 VAL_BY = ("stratified", "hashed")  # dataset.val_by: how val_fraction of the training file is held out
 # A class with fewer validation positives than this in a held-out split is named in a warning.
 MIN_VAL_POSITIVES = 5
+# The longest line read (an image's path and its labels): a file with no line break is refused at this length.
+MAX_LINE_CHARS = 2**24
 
 log = logging.getLogger("mlcls")
 
 
+def _lines(file: IO[str], path: Path) -> Iterator[str]:
+    """The lines of the open text ``file``, each at most :data:`MAX_LINE_CHARS` characters (else one
+    :class:`DatasetFormatError` line): a file with no line break is never held whole."""
+    for number, line in enumerate(iter(lambda: file.readline(MAX_LINE_CHARS + 1), ""), start=1):
+        if len(line) > MAX_LINE_CHARS:
+            raise DatasetFormatError(
+                f"{path}, line {number}: over {MAX_LINE_CHARS} characters; expected one image's row per line"
+            )
+        yield line
+
+
 def read_table(path: Path, delimiter: str | None) -> tuple[list[str], list[list[str]]]:
-    """Header and rows (blank lines skipped) of a delimited text file of at most ``CAPS["label file"]``
-    bytes."""
+    """Header and rows (blank lines skipped) of a delimited UTF-8 text file of at most
+    ``CAPS["label file"]`` bytes, parsed as it is read: what it holds is its rows."""
     if delimiter is None:
         delimiter = "\t" if path.suffix.lower() in (".tsv", ".tab") else ","
-    with reading(path):
-        text = read_text(path, "label file").removeprefix("\ufeff")
-        lines = io.StringIO(text, newline="")
-        rows = [row for row in csv.reader(lines, delimiter=delimiter) if any(cell.strip() for cell in row)]
+    with (
+        reading(path),
+        open_regular(
+            path, "r", max_bytes=CAPS["label file"], what="label file", encoding="utf-8-sig", newline=""
+        ) as file,
+    ):
+        rows = [
+            row
+            for row in csv.reader(_lines(file, path), delimiter=delimiter)
+            if any(cell.strip() for cell in row)
+        ]
     if not rows:
         raise DatasetFormatError(f"{path} is empty; expected a header line and one line per image")
     header = [cell.strip() for cell in rows[0]]
