@@ -66,6 +66,19 @@ def test_pipeline_without_jpegs_is_a_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"mlcls: error: no JPEG files (*.jpg, *.jpeg) in {tmp_path}"
 
 
+@pytest.mark.slow  # packs shards (about 5 s)
+def test_pipeline_with_fewer_images_than_a_batch_is_one_line(images, capsys):
+    """Old: the packed shards' endless batches looped for ever over epochs of no whole batch."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pipeline", "--images", images, "--n", "4", "--size", "32", "--batch-size", "8",
+              "--repeats", "1"])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "mlcls: error: the packed shards hold 3 readable samples, fewer than one batch of 8: give --images "
+        "more images or a smaller --batch-size"
+    )
+
+
 @pytest.mark.slow  # forks a bounded child
 def test_every_pipeline_refuses_a_fifo_named_like_a_jpeg_at_once(tmp_path):
     """Old: the torchvision and decode_only pipelines opened each file with ``Image.open``, so

@@ -1,7 +1,7 @@
-"""Checkpoints come through one guarded door (``mlcls.torchfile.open_checkpoint``): opened once without blocking,
-regular on that same descriptor, zip members stored (not deflated) and declaring no more bytes than the file
-holds, and ``torch.load`` given the open file. Every hostile read runs under a memory cap and a time limit
-(tests/hostile.py).
+"""Checkpoints come through one guarded door (``mlcls.torchfile.open_checkpoint``): opened once without
+blocking, regular on that same descriptor, zip members stored (not deflated) and declaring no more bytes
+than the file holds, and ``torch.load`` given the open file. Every hostile read runs under a memory cap
+and a time limit (tests/hostile.py).
 
 Old behaviour, measured on the code before the door: a 0.26 MB checkpoint whose members were deflated
 loaded a 256 MB tensor (maxrss 994 MB, rc 0; the issue's probe: +2.8 GB from 3 MB through predict, eval,

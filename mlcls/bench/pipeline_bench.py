@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
 from mlcls.bench.harness import host, median_seconds, random_labels, sync, torch_threads
-from mlcls.data.datasets.base import MultiLabelDataset, Sample
+from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, Sample
 from mlcls.data.images import read_image
 from mlcls.data.loader import DeviceStage, ShardTrainLoader, available_cpus, collate_batch
 from mlcls.data.pipeline.fast import AugmentedImage, build_backend_transform
@@ -199,6 +199,11 @@ def _shard_batches(
     """Endless training batches of the packed shards (epoch after epoch), as ``dataset=shards`` reads them."""
     dataset = open_shards("train", urls, transform=build_backend_transform("fast", "paper", size, train=True))
     loader = ShardTrainLoader(dataset, batch_size, workers, 0, 1, seed=0, device=device)
+    if not len(loader):  # an epoch of no whole batch would loop for ever
+        raise DatasetConfigError(
+            f"the packed shards hold {sum(loader.sampler.shard_sizes)} readable samples, fewer than one "
+            f"batch of {batch_size}: give --images more images or a smaller --batch-size"
+        )
     for epoch in itertools.count():
         loader.sampler.set_epoch(epoch)
         yield from loader
