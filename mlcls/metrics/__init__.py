@@ -5,9 +5,8 @@ the gathered logits and labels of the whole evaluation set (see
 :func:`mlcls.collectives.gather_rank_parts`), per-class AP included (computed once per evaluation; the
 run's plots and report read it), beside which a zero-shot evaluation (:mod:`mlcls.engine.evaluate`) puts
 the ZSL / GZSL figures of :func:`mlcls.metrics.zero_shot.zero_shot_metrics`. Definitions, edge cases and
-reductions are in
-:mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1`, :mod:`mlcls.metrics.zero_shot` and docs/metrics.md;
-the input checks they share are in :mod:`mlcls.metrics.checks`.
+reductions are in :mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1`, :mod:`mlcls.metrics.zero_shot` and
+docs/metrics.md; the input checks they share are in :mod:`mlcls.metrics.checks`.
 """
 
 from __future__ import annotations
