@@ -13,6 +13,7 @@ from sklearn.metrics import average_precision_score
 
 pytest.importorskip("matplotlib")
 
+from mlcls.metrics import compute_metrics  # noqa: E402
 from mlcls.reporting import plots  # noqa: E402
 
 HISTORY = [
@@ -43,6 +44,11 @@ def sklearn_ap(scores: torch.Tensor, labels: torch.Tensor) -> dict[int, float]:
     return result
 
 
+def evaluated(scores: torch.Tensor, labels: torch.Tensor, names: list[str]) -> dict[str, float | None]:
+    """The evaluation's per-class AP of ``scores`` (what a run hands the plots): its metrics'."""
+    return compute_metrics(scores, labels, names)["per_class_ap"]
+
+
 class RecordingWriter:
     def __init__(self) -> None:
         self.images: list[tuple[str, tuple[int, ...], int, str]] = []
@@ -55,7 +61,9 @@ class RecordingWriter:
 def test_write_plots_files_and_tensorboard_images(tmp_path):
     scores, labels, names = problem(12)
     writer = RecordingWriter()
-    written = plots.write_plots(tmp_path, HISTORY, scores, labels, names, writer=writer)
+    written = plots.write_plots(
+        tmp_path, HISTORY, scores, labels, names, evaluated(scores, labels, names), writer=writer
+    )
 
     expected = [tmp_path / "plots" / f"{n}.png" for n in ("per_class_ap", "pr_curves", "training_curves")]
     assert written == expected
@@ -74,7 +82,9 @@ def test_real_summary_writer_receives_the_figures(tmp_path):
 
     scores, labels, names = problem(6)
     with SummaryWriter(str(tmp_path / "tb")) as writer:
-        plots.write_plots(tmp_path, HISTORY, scores, labels, names, writer=writer)
+        plots.write_plots(
+            tmp_path, HISTORY, scores, labels, names, evaluated(scores, labels, names), writer=writer
+        )
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert sorted(events.Tags()["images"]) == [
@@ -97,6 +107,26 @@ def test_bars_are_the_sklearn_ap_best_first_and_skip_classes_without_positive():
     shown = [tick.get_text().split(" ")[0] for tick in axes.get_yticklabels()]
     assert shown == [names[c] for c in order]
     assert f"mAP@class {np.mean(list(reference.values())):.1f}" in axes.get_title()
+
+
+def test_write_plots_draws_the_evaluations_per_class_ap_which_is_sklearns(tmp_path, monkeypatch):
+    """The AP write_plots draws is the evaluation's (its metrics' ``per_class_ap``, read, not computed
+    again: a changed value is drawn as given), and that equals scikit-learn's."""
+    drawn = []
+    monkeypatch.setattr(
+        plots, "per_class_ap_figure", lambda ap, *args: drawn.append(ap) or plots._figure(1, 1)
+    )
+    monkeypatch.setattr(plots, "pr_curves_figure", lambda *args: plots._figure(1, 1))
+    scores, labels, names = problem(8)
+    per_class_ap = evaluated(scores, labels, names)
+    plots.write_plots(tmp_path, [], scores, labels, names, per_class_ap)
+    reference = sklearn_ap(scores, labels)
+    expected = [reference.get(c, float("nan")) / 100 for c in range(8)]
+    np.testing.assert_allclose(drawn[0].numpy(), expected, rtol=1e-12)
+    per_class_ap[names[0]] = 12.5
+    plots.write_plots(tmp_path, [], scores, labels, names, per_class_ap)
+    assert drawn[1][0].item() == 0.125
+    torch.testing.assert_close(drawn[1][1:], drawn[0][1:], rtol=0, atol=0, equal_nan=True)
 
 
 def test_many_classes_show_the_best_and_worst_half_of_max_bars():
@@ -132,7 +162,10 @@ def test_without_matplotlib_one_line_and_nothing_written(tmp_path, monkeypatch, 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     scores, labels, names = problem(4)
     with caplog.at_level(logging.INFO, logger="mlcls"):
-        assert plots.write_plots(tmp_path, HISTORY, scores, labels, names) == []
+        assert (
+            plots.write_plots(tmp_path, HISTORY, scores, labels, names, evaluated(scores, labels, names))
+            == []
+        )
     assert [r.getMessage() for r in caplog.records] == [
         "plots skipped: matplotlib is not installed (pip install mlcls[plots])"
     ]
@@ -142,7 +175,7 @@ def test_without_matplotlib_one_line_and_nothing_written(tmp_path, monkeypatch, 
 def test_class_names_with_dollars_are_drawn_as_they_are_not_as_math(tmp_path):
     scores, labels, names = problem(6)
     names[0], names[2], names[3] = "price_$5_to_$10", "cost_$x^2$", "$"
-    written = plots.write_plots(tmp_path, HISTORY, scores, labels, names)
+    written = plots.write_plots(tmp_path, HISTORY, scores, labels, names, evaluated(scores, labels, names))
     assert [path.name for path in written] == ["per_class_ap.png", "pr_curves.png", "training_curves.png"]
 
     ap = torch.tensor([sklearn_ap(scores, labels).get(c, float("nan")) / 100 for c in range(6)])

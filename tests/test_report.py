@@ -22,11 +22,15 @@ from conftest import compose_config, distinct_colours
 from PIL import Image
 from sklearn.metrics import average_precision_score
 
+import mlcls.engine.evaluate as evaluate_module
+import mlcls.metrics.ap as ap_module
 from mlcls.cli.report import main as report_main
 from mlcls.cli.train import run
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.engine.config_checks import check_config
 from mlcls.errors import ConfigError
+from mlcls.metrics import compute_metrics
+from mlcls.metrics.ap import ranked_positives
 from mlcls.reporting import report, report_data, run_files
 from mlcls.reporting.report_data import ValPredictions, label_issues, load_val_predictions
 
@@ -35,11 +39,31 @@ FOOTER_RGB = (0x1D, 0x2B, 0x3A)
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """A finished tiny run (75 validation images, 12 classes) with its report."""
+def trained(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A finished tiny run (75 validation images, 12 classes) with its report, and what was computed while
+    it trained and reported: ``"evaluation"`` for each evaluation's figures, ``"per-class AP"`` for each
+    ranking of the classes' scores behind an AP (:func:`mlcls.metrics.ap.ranked_positives` along dim 0)."""
     out = tmp_path_factory.mktemp("run")
-    run(compose_config([*TINY, "trainer.report=true", f"trainer.output_dir={out}"]))
-    return out
+    computed: list[str] = []
+
+    def ranked(scores, labels, dim):
+        computed.extend(["per-class AP"] if dim == 0 else [])
+        return ranked_positives(scores, labels, dim)
+
+    def figures(*args, **kwargs):
+        computed.append("evaluation")
+        return compute_metrics(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ap_module, "ranked_positives", ranked)
+        patch.setattr(evaluate_module, "compute_metrics", figures)
+        run(compose_config([*TINY, "trainer.report=true", f"trainer.output_dir={out}"]))
+    return out, computed
+
+
+@pytest.fixture(scope="module")
+def run_dir(trained) -> Path:
+    return trained[0]
 
 
 class Page(HTMLParser):
@@ -148,6 +172,54 @@ def test_train_writes_the_report_whose_galleries_hold_the_wrong_images(run_dir):
         assert nearest == row and distances[row] < distances[second] / 2
     # the table lists every class, worst AP first
     assert [row[0] for row in page.rows[1:]] == sorted(p.classes, key=lambda n: results["per_class_ap"][n])
+
+
+@pytest.mark.slow
+def test_per_class_ap_is_computed_once_per_evaluation_and_read_by_the_plots_and_report(trained):
+    """Each evaluation ranks the classes once for their AP; the plots and the report drawn after the last
+    one read its per-class AP (old: each ranked them again, two more per run)."""
+    _, computed = trained
+    assert computed.count("evaluation") == 2  # two epochs, each evaluated
+    assert computed == ["evaluation", "per-class AP"] * 2
+
+
+def report_problem() -> tuple[ValPredictions, dict[str, float | None]]:
+    """Predictions of 6 classes (one without a positive, some unknown labels) and the per-class AP an
+    evaluation of them holds (its metrics')."""
+    rng = np.random.default_rng(4)
+    labels = (rng.random((60, 6)) < 0.3).astype(np.int8)
+    labels[:, 2] = 0
+    labels[rng.random((60, 6)) < 0.1] = -1
+    scores = (rng.normal(size=(60, 6)) + 1.5 * (labels == 1)).astype(np.float32)
+    p = ValPredictions(
+        scores, labels, np.zeros(6), list("abcdef"), [f"i{k}" for k in range(60)], np.arange(60), 1
+    )
+    return p, compute_metrics(torch.from_numpy(scores), torch.from_numpy(labels), p.classes)["per_class_ap"]
+
+
+def test_the_report_table_shows_the_evaluations_per_class_ap_which_is_sklearns(monkeypatch):
+    p, per_class_ap = report_problem()
+    expected = {}
+    for c, name in enumerate(p.classes):
+        known = p.labels[:, c] >= 0
+        truth = p.labels[known, c] == 1
+        expected[name] = 100 * average_precision_score(truth, p.scores[known, c]) if truth.any() else None
+    assert expected["c"] is None
+    for stored in (per_class_ap, None):  # None: a run directory without it, the saved scores ranked instead
+        shown = {
+            row["name"]: None if np.isnan(row["ap"]) else row["ap"]
+            for row in report_data.class_rows(p, stored)
+        }
+        assert shown.keys() == expected.keys() and shown["c"] is None
+        for name, ap in expected.items():
+            if ap is not None:
+                assert shown[name] == pytest.approx(ap, abs=1e-9)
+    # read, not computed again: a stored value is what the table shows, and the scores are not ranked
+    monkeypatch.setattr(
+        ap_module, "ranked_positives", lambda *args: pytest.fail("per-class AP computed again")
+    )
+    rows = report_data.class_rows(p, per_class_ap | {"a": 12.5})
+    assert next(row["ap"] for row in rows if row["name"] == "a") == 12.5
 
 
 def test_label_issues_rank_the_flipped_labels_first():

@@ -13,7 +13,8 @@ from omegaconf import open_dict
 from mlcls.engine.build import class_queries
 from mlcls.errors import ConfigError
 from mlcls.models import create_model
-from mlcls.models.heads import CosineHead, MLDecoderZSL, text_query_head
+from mlcls.models.heads import CosineHead, MLDecoderZSL
+from mlcls.models.heads.text_query import scoring_classes, text_query_head
 from mlcls.text import class_embeddings
 
 B, D, H, W, T, E, HEADS, FF = 2, 6, 3, 2, 5, 8, 2, 16
@@ -101,6 +102,30 @@ def test_each_head_equals_its_float64_reference_for_the_classes_it_was_built_wit
     logits = head(features)
     assert logits.shape == (B, 7)
     torch.testing.assert_close(logits, reference(head, features, unseen), rtol=1e-9, atol=1e-9)
+
+
+def test_scoring_classes_swaps_the_heads_classes_within_the_block_and_restores_its_own():
+    """A zero-shot evaluation's swap: inside the block the head scores the given classes (the float64
+    reference's logits of them); after it, also when the block raises, its own embeddings are back."""
+    built = unit_rows(4, seed=1)
+    head = randomised(CosineHead(D, built.float(), init_scale=7.0))
+    head.class_embeddings = built
+    features = torch.randn(B, D, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    evaluated = unit_rows(6, seed=4)
+    with pytest.raises(RuntimeError, match="inside"), scoring_classes(head, evaluated) as swapped:
+        assert swapped is head
+        torch.testing.assert_close(
+            head(features), cosine_reference(head, features, evaluated), rtol=1e-9, atol=0
+        )
+        raise RuntimeError("inside")
+    assert torch.equal(head.class_embeddings, built)
+    torch.testing.assert_close(head(features), cosine_reference(head, features, built), rtol=1e-9, atol=1e-9)
+    without = torch.nn.Linear(D, 4)  # classes of weights of its own: it scores only those
+    with (
+        pytest.raises(ValueError, match="zero-shot evaluation needs a text-query head"),
+        scoring_classes(without, evaluated),
+    ):
+        pass
 
 
 @pytest.mark.parametrize("name", CASES)

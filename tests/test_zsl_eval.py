@@ -26,15 +26,25 @@ def test_a_checkpoint_without_text_queries_is_refused_in_one_line(tmp_path_facto
 def test_zero_shot_of_a_model_trained_on_every_class_reports_the_named_columns() -> None:
     """A model trained on all classes (the reference of a zero-shot run): the ZSL figures of the named
     columns, its own class embeddings kept (nothing to switch)."""
+    import torch
     from torch import nn
 
-    from mlcls.engine.evaluate import ZeroShot
+    from mlcls.engine.evaluate import ZeroShot, evaluate
+
+    class Loader(list):
+        """Batches with the ``dataset`` an evaluation counts its samples by."""
+
+        dataset = range(8)
 
     zero_shot = ZeroShot.of(["a", "b", "c"], ["a", "b", "c"], None, ["c", "a"])
     assert zero_shot.unseen.tolist() == [True, False, True] and zero_shot.embeddings is None
     assert zero_shot.trained.tolist() == [0, 1, 2]
-    with zero_shot.scoring(nn.Linear(2, 3)):  # no text head needed: the model's classes are evaluated
-        pass
+    # no text head needed: the model's own classes are evaluated, the ZSL figures of the named columns
+    model = nn.Linear(2, 3)
+    images, labels = torch.randn(8, 2), torch.tensor([[1, 0, 1], [0, 1, 0]] * 4)
+    loader = Loader([(images, labels)])
+    evaluation = evaluate(model, loader, torch.device("cpu"), ["a", "b", "c"], zero_shot=zero_shot)
+    assert evaluation.metrics["zsl"]["classes"] == 2 and evaluation.metrics["gzsl"]["classes"] == 3
     assert ZeroShot.of(["a", "b"], ["a", "b"], None) is None
     with pytest.raises(ValueError, match="lacks 1 trained class"):
         ZeroShot.of(["a", "z"], ["a", "b"], {"_target_": "x"})

@@ -79,13 +79,16 @@ def test_zsl_and_gzsl_equal_scikit_learn_and_the_loop() -> None:
     assert figures["zsl"]["classes"] == 3 and figures["gzsl"]["classes"] == 12
 
 
-def test_compute_metrics_adds_zsl_and_gzsl_only_when_asked() -> None:
+def test_the_evaluation_adds_zsl_and_gzsl_only_for_unseen_classes() -> None:
+    from mlcls.engine.evaluate import measure_rank_parts
+
     scores, labels = draw(50, 6, seed=3)
     names = [f"c{i}" for i in range(6)]
-    assert "zsl" not in compute_metrics(scores, labels, names)
+    assert "zsl" not in measure_rank_parts(scores, labels, 50, names).metrics
     unseen = torch.tensor([False, True, False, False, False, True])
-    metrics = compute_metrics(scores, labels, names, unseen=unseen)
+    metrics = measure_rank_parts(scores, labels, 50, names, unseen).metrics
     assert metrics["zsl"] == zero_shot_metrics(scores, labels, unseen)["zsl"]
+    assert metrics["mAP_class"] == compute_metrics(scores, labels, names)["mAP_class"]
     assert metrics["gzsl"]["mAP_class"] == pytest.approx(metrics["mAP_class"])
     with pytest.raises(ValueError, match="unseen class"):
         zero_shot_metrics(scores, labels, torch.zeros(6, dtype=torch.bool))

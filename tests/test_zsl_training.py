@@ -14,7 +14,7 @@ from mlcls.cli import eval as eval_cli
 from mlcls.cli import tables as tables_cli
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.engine.trainer import Trainer
-from mlcls.models.heads import text_query_head
+from mlcls.models.heads.text_query import text_query_head
 
 UNSEEN = ["red_circle", "green_square", "blue_triangle"]
 RUN = [

@@ -33,7 +33,8 @@ from mlcls.engine.evaluate import ZeroShot, evaluate
 from mlcls.errors import ConfigError, shown
 from mlcls.inference.predictor import load_inference_model
 from mlcls.io import read_yaml
-from mlcls.models.heads import TEXT_HEADS, text_query_head
+from mlcls.models.heads import TEXT_HEADS
+from mlcls.models.heads.text_query import text_query_head
 from mlcls.text import encoder_from_stored
 
 USAGE = "mlcls-eval checkpoint=<run>/checkpoints/best.pt [dataset.val_file=test.csv | dataset.root=<folder>]"

@@ -1,12 +1,17 @@
-"""Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds
-(with ZSL and GZSL under :class:`ZeroShot`); and the training set's predictions for a loss that relabels it
-between epochs (:func:`predict_training_set`)."""
+"""Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds;
+and the training set's predictions for a loss that relabels it between epochs (:func:`predict_training_set`).
+
+Zero-shot evaluation (:class:`ZeroShot`) is read here and in two modules it calls: a text-query head
+scores the evaluated classes from their text embeddings
+(:func:`mlcls.models.heads.text_query.scoring_classes`), and the ZSL / GZSL figures are
+:func:`mlcls.metrics.zero_shot.zero_shot_metrics`, added to the figures of every evaluation
+(:func:`mlcls.metrics.compute_metrics`, per-class AP included)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,8 +22,8 @@ from mlcls import collectives
 from mlcls.engine import distributed as dist_utils
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores
-from mlcls.metrics.zero_shot import check_zsl_images
-from mlcls.models.heads import text_query_head
+from mlcls.metrics.zero_shot import check_zsl_images, zero_shot_metrics
+from mlcls.models.heads.text_query import scoring_classes
 from mlcls.text import TextEncoder, class_embeddings
 
 T = TypeVar("T")
@@ -120,25 +125,6 @@ class ZeroShot:
         """The names of the :attr:`unseen` columns, in the evaluated order."""
         return [name for name, unseen in zip(self.classes, self.unseen.tolist(), strict=True) if unseen]
 
-    @contextlib.contextmanager
-    def scoring(self, model: nn.Module) -> Iterator[None]:
-        """``model``'s text-query head scores :attr:`classes` within the block, its own embeddings restored
-        after it, also when it raises."""
-        if self.embeddings is None:
-            yield
-            return
-        head = text_query_head(model)
-        if head is None:
-            raise ValueError(
-                "zero-shot evaluation needs a text-query head (model.head=mldecoder_zsl | cosine)"
-            )
-        own = head.class_embeddings
-        head.set_class_embeddings(self.embeddings)
-        try:
-            yield
-        finally:
-            head.set_class_embeddings(own)
-
 
 def evaluated_classes(dataset: Any) -> list[str]:
     """The class names of an evaluation set (a dataset, or a ``Subset`` of one)."""
@@ -193,7 +179,8 @@ def evaluate(
     that fails on its part ends every rank instead of leaving them waiting in the gather.
     """
     collectives.broadcast_buffers(model)
-    switched = contextlib.nullcontext() if zero_shot is None else zero_shot.scoring(model)
+    embeddings = None if zero_shot is None else zero_shot.embeddings  # None: the model's own classes
+    switched = contextlib.nullcontext() if embeddings is None else scoring_classes(model, embeddings)
     with dist_utils.all_or_none(), switched:
         scores, labels = predict(model, loader, device, amp)
     if zero_shot is None:
@@ -218,12 +205,15 @@ def measure_rank_parts(
     every rank returns."""
     scores = collectives.gather_rank_parts(scores, total, dst=0)
     labels = collectives.gather_rank_parts(labels, total, dst=0)
-    metrics = on_main_for_all(
-        lambda: compute_metrics(
-            check_model_scores(scores), labels, classes, unseen=unseen, zsl_images=zsl_images
-        )
-    )
-    return Evaluation(metrics, scores, labels)
+
+    def figures() -> dict[str, Any]:
+        checked = check_model_scores(scores)
+        metrics = compute_metrics(checked, labels, classes)
+        if unseen is not None:
+            metrics.update(zero_shot_metrics(checked, labels, unseen, zsl_images))
+        return metrics
+
+    return Evaluation(on_main_for_all(figures), scores, labels)
 
 
 def thresholds_split(dataset_cfg: Any, held_out: bool) -> str:

@@ -38,7 +38,8 @@ from mlcls.inference.fields import (
 from mlcls.metrics.thresholds import select_labels
 from mlcls.models import create_model
 from mlcls.models.factory import TRAINING_KEYS
-from mlcls.models.heads import TEXT_HEADS, text_query_head
+from mlcls.models.heads import TEXT_HEADS
+from mlcls.models.heads.text_query import text_query_head
 from mlcls.text import class_embeddings, encoder_from_stored
 
 # The only function that builds a checkpoint's model (the ``_target_`` of configs/model/*.yaml).

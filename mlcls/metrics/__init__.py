@@ -2,9 +2,11 @@
 
 :func:`compute_metrics` is the single entry point of evaluation: every figure of ``results.json`` from
 the gathered logits and labels of the whole evaluation set (see
-:func:`mlcls.collectives.gather_rank_parts`). Definitions, edge cases and reductions are in
-:mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1`, :mod:`mlcls.metrics.zero_shot` and docs/metrics.md;
-the input checks they share are in :mod:`mlcls.metrics.checks`.
+:func:`mlcls.collectives.gather_rank_parts`), per-class AP included (computed once per evaluation; the
+run's plots and report read it), beside which a zero-shot evaluation (:mod:`mlcls.engine.evaluate`) puts
+the ZSL / GZSL figures of :func:`mlcls.metrics.zero_shot.zero_shot_metrics`. Definitions, edge cases and
+reductions are in :mod:`mlcls.metrics.ap`, :mod:`mlcls.metrics.f1`, :mod:`mlcls.metrics.zero_shot` and
+docs/metrics.md; the input checks they share are in :mod:`mlcls.metrics.checks`.
 """
 
 from __future__ import annotations
@@ -56,8 +58,6 @@ def compute_metrics(
     threshold: float = 0.5,
     top_k: int = 3,
     voc11: bool = False,
-    unseen: torch.Tensor | None = None,
-    zsl_images: str = "all",
 ) -> dict:
     """Every evaluation figure, in percent, as a JSON-ready dict.
 
@@ -68,18 +68,14 @@ def compute_metrics(
         threshold: probability threshold on ``sigmoid(scores)`` for CP ... OF1.
         top_k: number of top-scoring classes predicted per sample for ``CP_top{k}`` ... ``OF1_top{k}``.
         voc11: also report ``mAP_class_voc11``, the VOC2007 11-point interpolated mAP@class.
-        unseen: bool (C,), the classes no target of training held (``dataset.unseen_classes``): also
-            report ``zsl`` and ``gzsl`` (:func:`zero_shot_metrics`).
-        zsl_images: with ``unseen``, the images the ZSL figures score (``metrics.zsl_images``: ``all`` or
-            ``unseen_positive``, :data:`mlcls.metrics.zero_shot.ZSL_IMAGES`).
 
     Returns:
         ``mAP_class``, ``mAP_sample`` (eqs. 23-24, means over the classes / samples with a positive),
         ``classes_counted``, ``samples_counted`` (ints), ``CP``, ``CR``, ``CF1``, ``OP``, ``OR``, ``OF1``
         at the threshold, the same six with suffix ``_top{k}``, optionally ``mAP_class_voc11``: floats
-        (NaN when undefined, e.g. no positive at all). ``per_class_ap`` maps each class name to its AP in
-        percent, ``None`` for a class without positive. With ``unseen``, ``zsl`` and ``gzsl``: dicts of
-        the zero-shot figures (:mod:`mlcls.metrics.zero_shot`).
+        (NaN when undefined, e.g. no positive at all). ``per_class_ap`` maps each class name to its AP
+        (:func:`average_precision`) in percent, ``None`` for a class without positive: results.json's
+        ``per_class_ap``, which the plots and the report read instead of computing it again.
     """
     labels = check_scores_labels(scores, labels)
     if len(class_names) != scores.shape[1]:
@@ -106,8 +102,6 @@ def compute_metrics(
     metrics.update({f"{name}_top{top_k}": value for name, value in figures_of_counts(at_top_k).items()})
     if voc11:
         metrics["mAP_class_voc11"] = mean_counted(per_list_in_blocks(voc11_ap_of_lists, scores, labels, 0))[0]
-    if unseen is not None:
-        metrics.update(zero_shot_metrics(scores, labels, unseen, zsl_images))
     metrics["per_class_ap"] = {
         name: None if math.isnan(ap) else 100 * ap
         for name, ap in zip(class_names, class_ap.tolist(), strict=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,7 @@ import torch
 
 from mlcls.errors import plural
 from mlcls.io import atomic_write_bytes
-from mlcls.metrics import average_precision
-from mlcls.reporting.report_data import history_curves, pr_curve
+from mlcls.reporting.report_data import class_ap, history_curves, pr_curve
 
 log = logging.getLogger("mlcls")
 
@@ -145,11 +144,14 @@ def write_plots(
     scores: torch.Tensor,
     labels: torch.Tensor,
     class_names: Sequence[str],
+    per_class_ap: Mapping[str, float | None] | None,
     writer: Any = None,
 ) -> list[Path]:
     """Draw the run's figures into ``<run_dir>/plots/`` (and the TensorBoard ``writer``, at the last epoch);
     return the files written. ``history``: ``results.json``'s; ``scores`` (N, C) validation logits,
-    ``labels`` (N, C) in {1, 0, -1}, ``class_names`` the C names."""
+    ``labels`` (N, C) in {1, 0, -1}, ``class_names`` the C names, ``per_class_ap`` the same evaluation's
+    per-class AP (percent by name, ``None`` without a positive: its metrics' ``per_class_ap``), read, not
+    computed again (:func:`mlcls.reporting.report_data.class_ap`)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -158,7 +160,7 @@ def write_plots(
     scores, labels = scores.detach().float().cpu(), labels.detach().cpu()
     if len(class_names) != scores.shape[1]:
         raise ValueError(f"{len(class_names)} class names for {scores.shape[1]} score columns")
-    ap = average_precision(scores, labels, dim=0)
+    ap = torch.tensor(class_ap(per_class_ap, class_names, scores, labels), dtype=torch.float64) / 100
     figures: dict[str, Any] = {}
     if not torch.isnan(ap).all():
         figures["per_class_ap"] = per_class_ap_figure(ap, (labels == 1).sum(0), class_names)

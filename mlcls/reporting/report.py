@@ -31,6 +31,7 @@ from mlcls.reporting.report_data import (
     class_rows,
     confident_errors,
     default_settings,
+    evaluated_epoch,
     gallery_rows,
     history_curves,
     label_issues,
@@ -209,7 +210,9 @@ def write_report(run_dir: str | Path, dataset: Any, files: RunFiles | None = Non
     rows = gallery_rows(num_rows, MAX_GALLERY_IMAGES)
     overall, per_class = confident_errors(predictions, rows, PER_CLASS_CARDS, OVERALL_CARDS)
     issues, flagged = label_issues(predictions, rows, ISSUE_CARDS)
-    table = class_rows(predictions)
+    # the per-class AP of the evaluation that scored the predictions (results.json's), not computed again
+    stored = evaluated_epoch(results.get("history") or []) == predictions.epoch
+    table = class_rows(predictions, results.get("per_class_ap") if stored else None)
     detailed = table[:MAX_CLASS_DETAILS]
     sampled = (
         f"The galleries and the label-error search draw from a random sample of {len(rows):,} of the "
@@ -269,10 +272,10 @@ def report_run(trainer: Trainer) -> Path | None:
     if trainer.val_outputs is None or trainer.val_outputs[0] is None:
         return None
     scores, labels = trainer.val_outputs
-    write_plots(
-        trainer.run_dir, trainer.state.history, scores, labels, trainer.classes, writer=trainer.run_log.writer
-    )
-    epoch = max(h["epoch"] for h in trainer.state.history if h.get("mAP_class") is not None)
+    per_class_ap = trainer.state.last_metrics["per_class_ap"]  # the evaluation's of val_outputs
+    history, writer = trainer.state.history, trainer.run_log.writer
+    write_plots(trainer.run_dir, history, scores, labels, trainer.classes, per_class_ap, writer=writer)
+    epoch = evaluated_epoch(history)
     val_set = trainer.data.val_set
     save_val_predictions(
         trainer.run_dir, scores, labels, trainer.state.thresholds, trainer.classes, val_set, epoch

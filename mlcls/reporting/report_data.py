@@ -216,12 +216,37 @@ def probabilities(scores: np.ndarray, thresholds: np.ndarray | float = 0.0) -> n
     return expit(np.asarray(scores, dtype=np.float64) - thresholds)
 
 
-def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
+def evaluated_epoch(history: Sequence[Mapping[str, Any]]) -> int | None:
+    """The last epoch of a run's ``history`` (``results.json``'s) with an evaluation, None before any: the
+    epoch of its last ``per_class_ap`` and of the predictions saved beside it."""
+    return max((h["epoch"] for h in history if h.get("mAP_class") is not None), default=None)
+
+
+def class_ap(
+    per_class_ap: Mapping[str, float | None] | None,
+    classes: Sequence[str],
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+) -> list[float]:
+    """The AP in percent of each of ``classes``, NaN for a class without a positive: read from the run's
+    evaluation, ``per_class_ap`` (its metrics' or results.json's, by class name; computed once, by
+    :func:`mlcls.metrics.compute_metrics`). A run that holds none for one of the classes (None, or a
+    directory written otherwise) gets them from its saved ``scores`` and ``labels`` (N, C) by the same
+    function, :func:`mlcls.metrics.average_precision`."""
+    if per_class_ap is not None and all(name in per_class_ap for name in classes):
+        return [math.nan if per_class_ap[name] is None else float(per_class_ap[name]) for name in classes]
+    return (100 * average_precision(scores, labels, dim=0)).tolist()
+
+
+def class_rows(
+    predictions: ValPredictions, per_class_ap: Mapping[str, float | None] | None = None
+) -> list[dict[str, Any]]:
     """One dict per class, worst AP first (classes without a positive, AP undefined, last): ``cls``,
-    ``name``, ``ap`` (%), ``positives``, ``threshold`` (as a probability), ``precision`` and ``recall`` (%) at
-    the threshold (NaN when nothing is predicted, or no positive), ``fp`` and ``fn`` counts."""
+    ``name``, ``ap`` (%, the run's ``per_class_ap``: :func:`class_ap`), ``positives``, ``threshold`` (as a
+    probability), ``precision`` and ``recall`` (%) at the threshold (NaN when nothing is predicted, or no
+    positive), ``fp`` and ``fn`` counts."""
     scores, labels = torch.from_numpy(predictions.scores), torch.from_numpy(predictions.labels)
-    ap = average_precision(scores, labels, dim=0).tolist()
+    ap = class_ap(per_class_ap, predictions.classes, scores, labels)
     predicted = scores.double() >= torch.from_numpy(predictions.thresholds)[None, :]
     true_positives, predicted_known, positives = prediction_counts(predicted, labels).tolist()
     rows = []
@@ -231,7 +256,7 @@ def class_rows(predictions: ValPredictions) -> list[dict[str, Any]]:
             {
                 "cls": c,
                 "name": name,
-                "ap": 100 * ap[c],
+                "ap": ap[c],
                 "positives": pos,
                 "threshold": float(probabilities(predictions.thresholds[c])),
                 "precision": 100 * tp / npred if npred else math.nan,

@@ -1,6 +1,7 @@
 """Classifier heads on a timm backbone's features: ``linear`` (timm's global pooling + fc, the paper's),
 ``mldecoder`` (:mod:`.mldecoder`) and ``csra`` (:mod:`.csra`); the text-query heads ``mldecoder_zsl`` and
-``cosine`` (:mod:`.text_query`), whose classes are the rows of their class embeddings.
+``cosine`` (:mod:`.text_query`), whose classes are the rows of their class embeddings (swapped there for
+a zero-shot evaluation's).
 
 The non-linear heads take the backbone's unpooled output, a (B, D, H, W) map or (B, N, D) tokens, in a
 :class:`HeadedModel` whose ``get_classifier()`` is the head (the optimizer's ``head`` parameter group); a
@@ -16,7 +17,7 @@ from torch import nn
 
 from mlcls.models.heads.csra import CSRA
 from mlcls.models.heads.mldecoder import MLDecoder
-from mlcls.models.heads.text_query import CosineHead, MLDecoderZSL, TextQueryHead
+from mlcls.models.heads.text_query import CosineHead, MLDecoderZSL
 
 # The heads with weights of their own for each class, and those whose classes are text (built from class
 # embeddings, any class list at prediction time).
@@ -32,13 +33,6 @@ HEAD_MODULES: dict[str, type[nn.Module]] = {
     "mldecoder_zsl": MLDecoderZSL,
     "cosine": CosineHead,
 }
-
-
-def text_query_head(model: nn.Module) -> TextQueryHead | None:
-    """The text-query head of ``model`` (a :class:`HeadedModel`, or the head itself), ``None`` when its
-    classes are weights of their own."""
-    head = model.get_classifier() if hasattr(model, "get_classifier") else model
-    return head if isinstance(head, TextQueryHead) else None
 
 
 class HeadedModel(nn.Module):

@@ -22,11 +22,16 @@ released ``decoder.`` prefix)::
 
   ``W`` a Linear(D, T) without bias; ``log_scale`` learnt, initialised at log(``init_scale``) (10 by
   default: logits in [-10, 10], sigmoid probabilities from 4.5e-5 to 0.99995).
+
+A zero-shot evaluation scores classes the head was never trained on: :func:`scoring_classes` swaps the
+head's class embeddings for theirs during the evaluation and restores its own after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +73,29 @@ class TextQueryHead(nn.Module):
         """Score the classes of ``embeddings`` (C', T) from now on: C' logits, in their order (held in the
         buffer's dtype and device)."""
         self.class_embeddings = self._checked(embeddings, self.text_dim).to(self.class_embeddings)
+
+
+def text_query_head(model: nn.Module) -> TextQueryHead | None:
+    """The text-query head of ``model`` (a :class:`~mlcls.models.heads.HeadedModel`, or the head itself),
+    ``None`` when its classes are weights of their own."""
+    head = model.get_classifier() if hasattr(model, "get_classifier") else model
+    return head if isinstance(head, TextQueryHead) else None
+
+
+@contextlib.contextmanager
+def scoring_classes(model: nn.Module, embeddings: torch.Tensor) -> Iterator[TextQueryHead]:
+    """``model``'s text-query head scores the classes of ``embeddings`` (C', T) within the block (C' logits,
+    in their order), its own class embeddings restored after it, also when the block raises; a
+    ``ValueError`` for a model without a text-query head (its classes are weights: it scores only those)."""
+    head = text_query_head(model)
+    if head is None:
+        raise ValueError("zero-shot evaluation needs a text-query head (model.head=mldecoder_zsl | cosine)")
+    own = head.class_embeddings
+    head.set_class_embeddings(embeddings)
+    try:
+        yield head
+    finally:
+        head.set_class_embeddings(own)
 
 
 class MLDecoderZSL(TextQueryHead):
