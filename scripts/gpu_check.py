@@ -255,10 +255,10 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{compared['bench_gpu_share']:.3f}; difference {compared['difference']:+.3f} "
             "(target: within 0.03).",
         ]
-    table = contender_renderer()
-    for step in report["steps"]:
-        if table is not None and "contenders" in step["figures"]:
-            lines += ["", f"## {step['name']}: contenders", "", table(step["figures"])]
+    benches = [step for step in report["steps"] if "contenders" in step["figures"]]
+    table = contender_renderer() if benches else None
+    for step in benches if table is not None else []:
+        lines += ["", f"## {step['name']}: contenders", "", table(step["figures"])]
     for step in report["steps"]:
         if step.get("stderr_tail"):
             lines += ["", f"## {step['name']}: {step['status']}", "", "`" + step["command"] + "`", ""]

@@ -158,7 +158,7 @@ def test_a_dry_run_lists_issue_49s_checks_as_they_would_run(tmp_path):
         cfg = compose_config(args.overrides)
         settings = {key: OmegaConf.select(cfg, key) for key in resnet50}
         assert settings == resnet50 and (cfg.trainer.workers, cfg.trainer.compile) == (workers, compiled)
-        assert args.images == f"{folder}/train" and args.steps is None and args.warmup is None  # the rule's
+        assert args.images == f"{folder}/train" and (args.steps, args.warmup) == (100, None)  # the rule's
         assert args.backends == ("gpu" if compiled else "gpu,fast,shards")
     train = planned["train_gpu"][1]
     assert train[0].endswith("/bin/mlcls-train")

@@ -377,7 +377,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=512, help="JPEGs to generate (cycled over)")
     parser.add_argument("--jpeg-size", default="640x480", help="WIDTHxHEIGHT of the generated JPEGs")
     parser.add_argument(
-        "--steps", type=int, help=f"timed steps per contender (default {MIN_TIMED_STEPS}; fewer: not steady)"
+        "--steps", type=int, default=MIN_TIMED_STEPS, help="timed steps per contender (fewer: not steady)"
     )
     parser.add_argument(
         "--warmup",
