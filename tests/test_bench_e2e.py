@@ -30,7 +30,7 @@ from mlcls.reporting.sweeps import run_gpu_hours
 # torchvision 0.29 deprecates its codecs; mlcls.data.pipeline.gpu ignores the warning, pytest shows it.
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding:DeprecationWarning")
 BACKENDS = ["fast", "gpu", "torchvision", "shards"]
-DELAY_S = 0.4  # added before every batch of the torchvision loader
+DELAY_S = 0.6  # added before every batch of the torchvision loader
 # Measured on CUDA only: None on the CPU.
 CUDA_FIELDS = (
     "gpu_idle_share",
@@ -157,12 +157,13 @@ def test_e2e_times_each_backend_and_the_device_resident_loop_on_its_own(
         assert row.endswith("| n/a | n/a | n/a | n/a | n/a |")
         if name != "gpu_only":
             assert result[f"{name}_share"] == figures["share"]
-    # the late loader's wait is in its time (2 timed batches) and in the host's time between its steps,
-    # and in no other contender's (their steps vary with the machine's load; their host time is short)
+    # the late loader's wait is in its time (2 timed batches), and in the host's time between its steps as
+    # far as its step does not hide it (a device stage in a thread of its own fetches during the step);
+    # in no other contender's (their steps vary with the machine's load; their host time is short)
     assert seconds["torchvision"] >= 2 * DELAY_S
     host_ms = {name: figures["host_ms_per_batch"] for name, figures in contenders.items()}
-    assert host_ms["torchvision"] >= 1000 * DELAY_S
-    assert max(ms for name, ms in host_ms.items() if name != "torchvision") < 1000 * DELAY_S
+    others = max(ms for name, ms in host_ms.items() if name != "torchvision")
+    assert host_ms["torchvision"] > others and others < 1000 * DELAY_S / 2
 
 
 def test_e2e_refuses_an_unknown_backend_in_one_line(capsys):
