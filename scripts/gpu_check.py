@@ -3,15 +3,20 @@
 ``python scripts/gpu_check.py deps``
     every run-time requirement of the installed mlcls (extras left out) against what is installed; prints
     one JSON line ``{"present": {name: version}, "missing": [requirement, ...]}``; exit 1 if any is missing.
+``python scripts/gpu_check.py jpegs --out DIR [--train 8192] [--val 512] [--size 640x480] [--classes 20]``
+    generated JPEGs (mlcls's benchmark generator) in DIR/train and DIR/val, listed with labels in
+    DIR/train.csv and DIR/val.csv for ``dataset=csv``; prints one JSON line of counts.
 ``python scripts/gpu_check.py report --steps STEPS.tsv --out OUT_DIR [--cpu-only]``
     report.json and report.md in OUT_DIR from the steps the shell script ran (one tab-separated line each:
-    name, status, exit code, seconds, time limit, figures file, command).
+    name, status, exit code, seconds, time limit, figures file, command): each step's figures, the
+    contenders of each ``mlcls-bench e2e`` step, and the training run's steady state beside the bench's.
 ``pytest -p gpu_check`` (with scripts/ on PYTHONPATH)
     keeps the CUDA tests only: those with a ``skipif`` whose reason says "needs CUDA", e.g.
     ``@pytest.mark.skipif(not torch.cuda.is_available(), reason="the DALI loader needs CUDA")``. Prints
     their ids first, as one JSON line ``{"selected_tests": [...]}``.
 
-Only the standard library at module level: the report is written even when the installation failed.
+Only the standard library at module level: the report is written even when the installation failed (then
+without the contenders' tables, which mlcls renders).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import argparse
 import json
 import os
 import platform
+import random
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,8 +37,10 @@ from typing import Any
 
 STEP_FIELDS = ("name", "status", "exit_code", "seconds", "limit_s", "figures_file", "command")
 # Figures shown in report.md (report.json keeps every figure of every step).
-HEADLINE_SUFFIXES = ("_per_s", "_s", "overhead")
-HEADLINE_KEYS = ("passed", "failed", "errors", "skipped", "missing")
+HEADLINE_SUFFIXES = ("_per_s", "_s", "_share", "overhead")
+HEADLINE_KEYS = ("passed", "failed", "errors", "skipped", "missing", "steady_state")
+# The training run the bench must predict, and the bench it is compared with (same workers, same JPEGs).
+TRAIN_STEP, BENCH_STEP = "train_gpu", "bench_e2e"
 
 
 def is_cuda_test(item: Any) -> bool:
@@ -106,14 +116,35 @@ def junit_figures(path: Path) -> dict[str, Any]:
 
 
 def run_figures(path: Path) -> dict[str, Any]:
-    """The headline of a run's results.json: last metrics, best, epochs, wall time and throughput."""
+    """The headline of a run's results.json: last metrics, best, epochs, wall time and throughput, each
+    epoch's images/s and, from two epochs on, the steady state: the mean of the epochs after the first."""
     results = json.loads(path.read_text())
     provenance = results.get("provenance", {})
+    rates = [record["images_per_s"] for record in results.get("history", []) if "images_per_s" in record]
     return {
         "metrics": results.get("metrics", {}),
         "best": results.get("best"),
         "epochs_completed": results.get("epochs_completed"),
         **{key: value for key, value in provenance.items() if key.endswith(("_s", "_per_s", "gpu"))},
+        "epoch_images_per_s": rates,
+        **({"steady_images_per_s": statistics.fmean(rates[1:])} if len(rates) > 1 else {}),
+    }
+
+
+def train_against_bench(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The training run's steady-state rate as a share of the bench's GPU-only rate, beside the bench's
+    ``gpu`` share and their difference (issue 49: within 0.03); None unless both steps gave their figures."""
+    figures = {step["name"]: step["figures"] for step in steps}
+    train, bench = figures.get(TRAIN_STEP, {}), figures.get(BENCH_STEP, {})
+    if "steady_images_per_s" not in train or not {"gpu_only_images_per_s", "gpu_share"} <= bench.keys():
+        return None
+    share = train["steady_images_per_s"] / bench["gpu_only_images_per_s"]
+    return {
+        "train_steady_images_per_s": train["steady_images_per_s"],
+        "bench_gpu_only_images_per_s": bench["gpu_only_images_per_s"],
+        "train_share": share,
+        "bench_gpu_share": bench["gpu_share"],
+        "difference": share - bench["gpu_share"],
     }
 
 
@@ -213,11 +244,59 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {step['name']} | {step['status']} | {step['seconds']} ({step['limit_s']}) "
             f"| {headline(step['figures']).replace('|', '/')} |"
         )
+    compared = report.get("train_against_bench")
+    if compared is not None:
+        lines += [
+            "",
+            f"`{TRAIN_STEP}` in steady state (epochs after the first): "
+            f"{compared['train_steady_images_per_s']:,.1f} images/s, "
+            f"{compared['train_share']:.3f} of `{BENCH_STEP}`'s GPU-only "
+            f"{compared['bench_gpu_only_images_per_s']:,.1f}; the bench's `gpu` share "
+            f"{compared['bench_gpu_share']:.3f}; difference {compared['difference']:+.3f} "
+            "(target: within 0.03).",
+        ]
+    benches = [step for step in report["steps"] if "contenders" in step["figures"]]
+    table = contender_renderer() if benches else None
+    for step in benches if table is not None else []:
+        lines += ["", f"## {step['name']}: contenders", "", table(step["figures"])]
     for step in report["steps"]:
         if step.get("stderr_tail"):
             lines += ["", f"## {step['name']}: {step['status']}", "", "`" + step["command"] + "`", ""]
             lines += ["```", step["stderr_tail"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def contender_renderer() -> Any:
+    """``mlcls.bench.e2e_bench.contender_table``, or None where mlcls cannot be imported."""
+    try:
+        from mlcls.bench.e2e_bench import contender_table
+    except (ImportError, OSError):  # the installation failed
+        return None
+    return contender_table
+
+
+def write_jpegs(out: Path, train: int, val: int, size: tuple[int, int], classes: int) -> dict[str, Any]:
+    """``train`` + ``val`` distinct generated JPEGs of ``size`` (``jpeg_files``, in parallel over the CPUs) in
+    ``out``/train and ``out``/val, and ``out``/train.csv and val.csv listing each (``dataset=csv``'s columns
+    ``image`` and ``labels``) with the class ``k mod classes`` (so that the training split has every class
+    from ``classes`` images on) and up to two more drawn at random."""
+    from mlcls.bench.pipeline_bench import jpeg_files
+
+    parts = out / "parts"
+    made = jpeg_files(None, train + val, size, parts)
+    names = [f"c{k:02d}" for k in range(classes)]
+    draw = random.Random(0)
+    for split, paths in (("train", made[:train]), ("val", made[train:])):
+        (out / split).mkdir(parents=True, exist_ok=True)
+        rows = ["image,labels"]
+        for k, path in enumerate(paths):
+            image = f"{split}/{k:05d}.jpg"
+            path.replace(out / image)
+            labels = {names[k % classes], *draw.sample(names, draw.randint(0, min(2, classes)))}
+            rows.append(f"{image},{' '.join(sorted(labels))}")
+        (out / f"{split}.csv").write_text("\n".join(rows) + "\n")
+    shutil.rmtree(parts)
+    return {"train": train, "val": val, "size": list(size), "classes": classes}
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -236,6 +315,7 @@ def write_report(steps_file: Path, out_dir: Path, cpu_only: bool) -> dict[str, A
         "seconds": sum(step["seconds"] or 0 for step in steps),
         "environment": environment(),
         "steps": steps,
+        "train_against_bench": train_against_bench(steps),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
@@ -247,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("deps", help="the run-time requirements of mlcls against what is installed")
+    jpegs = commands.add_parser("jpegs", help="generated JPEGs and their CSV files for dataset=csv")
+    jpegs.add_argument("--out", type=Path, required=True, help="the folder of train/, val/ and the CSVs")
+    jpegs.add_argument("--train", type=int, default=8192, help="training JPEGs")
+    jpegs.add_argument("--val", type=int, default=512, help="validation JPEGs")
+    jpegs.add_argument("--size", default="640x480", help="WIDTHxHEIGHT")
+    jpegs.add_argument("--classes", type=int, default=20, help="class names c00, c01, ...")
     report = commands.add_parser("report", help="report.json and report.md from the recorded steps")
     report.add_argument("--steps", type=Path, required=True, help="the steps file the shell script wrote")
     report.add_argument("--out", type=Path, required=True, help="the report's folder")
@@ -256,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         found = check_requirements()
         print(json.dumps(found), flush=True)
         return 1 if found["missing"] else 0
+    if args.command == "jpegs":
+        width, height = (int(value) for value in args.size.lower().split("x"))
+        print(json.dumps(write_jpegs(args.out, args.train, args.val, (width, height), args.classes)))
+        return 0
     written = write_report(args.steps, args.out, args.cpu_only)
     print(f"gpu_check: {written['status']}; report in {args.out}/report.md and report.json")
     return 0 if written["status"] == "ok" else 1

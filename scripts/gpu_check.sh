@@ -6,14 +6,18 @@
 #
 # Installs mlcls and .gpu-wheels/ into a virtual environment that sees the system's torch (never
 # reinstalled: --no-index, and no torch wheel in the folder), then runs each step below under its own time
-# limit, all of them within GPU_CHECK_BUDGET_S (540 s). A failing step is reported and the next one runs.
-# Writes OUT_DIR/report.json, OUT_DIR/report.md and OUT_DIR/gpu_check.log (every step's output); exits 1
-# when a step failed. docs/performance.md ("On a GPU") lists the steps and their figures.
+# limit, all of them within GPU_CHECK_BUDGET_S (570 s: with a machine's start, a 15-minute window). A
+# failing step is reported and the next one runs. Writes OUT_DIR/report.json, OUT_DIR/report.md,
+# OUT_DIR/gpu_check.log (every step's output) and each bench's and the training run's figures beside them
+# (at most 8 small files); exits 1 when a step failed. docs/performance.md ("On a GPU") lists the steps.
 #
 # Without CUDA it says so in one line and exits 2. GPU_CHECK_CPU=1 runs the installation and the report
-# anyway, with the CUDA steps marked skipped (tests/test_gpu_check.py, so that the script cannot rot).
+# anyway, with the CUDA steps marked skipped (tests/test_gpu_check.py, so that the script cannot rot);
+# GPU_CHECK_DRY_RUN=1 runs nothing and prints each step as it would run: name, time limit (or "skipped")
+# and command, tab-separated, the command quoted for the shell.
 # Other settings: GPU_CHECK_PYTHON (python3), GPU_CHECK_WHEELS (.gpu-wheels), GPU_CHECK_VENV (.gpu-venv),
-# GPU_CHECK_STEPS (a comma-separated list: only these steps, after the installation; a rerun of the failed).
+# GPU_CHECK_STEPS (a comma-separated list: only these steps, after the installation; a rerun of the failed,
+# or an earlier report's step, which runs only when named).
 set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,31 +25,42 @@ out_dir=$(realpath -m "${1:-gpu-report}")
 python=${GPU_CHECK_PYTHON:-python3}
 wheels=$(realpath -m "${GPU_CHECK_WHEELS:-$repo/.gpu-wheels}")
 venv=$(realpath -m "${GPU_CHECK_VENV:-$repo/.gpu-venv}")
-budget_s=${GPU_CHECK_BUDGET_S:-540}
+budget_s=${GPU_CHECK_BUDGET_S:-570}
 cpu_only=${GPU_CHECK_CPU:-0}
+dry_run=${GPU_CHECK_DRY_RUN:-0}
+# Steps of earlier reports (their figures are in docs/performance.md): run only when GPU_CHECK_STEPS names them.
+earlier_steps=,bench_step,demo,bench_pipeline,bench_eval,bench_step_compile,
 
-cuda=$("$python" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null) || cuda=missing
-if [[ $cuda != 1 && $cpu_only != 1 ]]; then
-    if [[ $cuda == missing ]]; then
-        echo "gpu_check: $python cannot import torch; run it where a CUDA build of torch is installed" >&2
-    else
-        echo "gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to check here" >&2
+if [[ $dry_run == 1 ]]; then
+    cuda=1
+else
+    cuda=$("$python" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null) || cuda=missing
+    if [[ $cuda != 1 && $cpu_only != 1 ]]; then
+        if [[ $cuda == missing ]]; then
+            echo "gpu_check: $python cannot import torch; run it where a CUDA build of torch is installed" >&2
+        else
+            echo "gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to check here" >&2
+        fi
+        exit 2
     fi
-    exit 2
-fi
-if [[ ! -d $wheels ]]; then
-    echo "gpu_check: no wheels folder $wheels; run 'make wheels' where PyPI is reachable" >&2
-    exit 2
+    if [[ ! -d $wheels ]]; then
+        echo "gpu_check: no wheels folder $wheels; run 'make wheels' where PyPI is reachable" >&2
+        exit 2
+    fi
 fi
 
 cd "$repo" || exit 2
 unset PYTHONPATH  # mlcls comes from the virtual environment's installation
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$out_dir"
-log=$out_dir/gpu_check.log
+log=$work/gpu_check.log
+if [[ $dry_run != 1 ]]; then
+    mkdir -p "$out_dir"
+    log=$out_dir/gpu_check.log
+fi
 : >"$log"
 start=$SECONDS
+cuda_part=0  # set once the steps that need CUDA begin
 export python wheels venv
 
 # record NAME STATUS EXIT_CODE SECONDS LIMIT FIGURES_FILE COMMAND: one line for scripts/gpu_check.py report
@@ -55,6 +70,10 @@ record() {
 
 # skip NAME REASON
 skip() {
+    if [[ $dry_run == 1 ]]; then
+        printf '%s\tskipped\t%s\n' "$1" "$2"
+        return
+    fi
     record "$1" skipped - 0 0 - "$2"
     echo "=== $1: skipped ($2)" >>"$log"
 }
@@ -68,10 +87,24 @@ step() {
         skip "$name" "not in GPU_CHECK_STEPS"
         return
     fi
+    if [[ $earlier_steps == *,$name,* && ,${GPU_CHECK_STEPS:-}, != *,$name,* ]]; then
+        skip "$name" "an earlier report's step: name it in GPU_CHECK_STEPS to run it"
+        return
+    fi
+    if [[ $cuda_part == 1 && $cuda != 1 ]]; then
+        skip "$name" "no CUDA"
+        return
+    fi
     local left=$((budget_s - (SECONDS - start)))
     ((limit > left)) && limit=$left
     if ((limit < 10)); then
         skip "$name" "out of time: ${left} s of the ${budget_s} s budget left"
+        return
+    fi
+    if [[ $dry_run == 1 ]]; then
+        printf '%s\t%s\t' "$name" "$limit"
+        printf '%q ' "$@"
+        echo
         return
     fi
     echo "gpu_check: $name (at most $limit s)" >&2
@@ -115,40 +148,50 @@ step install 120 - bash -c install
 bin=$venv/bin
 cuda_tests=$(grep -l "cuda.is_available" tests/test_*.py)
 select_tests=("$bin/python" -m pytest -q -p no:cacheprovider -p gpu_check $cuda_tests)
-resnet50=(model.name=resnet50 dataset.image_size=224 trainer.batch_size=256 trainer.amp=bf16
-    trainer.channels_last=true)
 if [[ $cuda != 1 ]]; then
     PYTHONPATH=scripts step cuda_tests_collected 120 - "${select_tests[@]}" --collect-only
-    for name in cuda_tests bench_e2e bench_step bench_e2e_workers4 demo bench_pipeline bench_eval \
-        bench_e2e_compile bench_step_compile; do
-        skip $name "no CUDA"
-    done
-else
-    # most telling first: when the budget runs out, what is skipped is what an earlier report measured.
-    # The CPU suite's limits on an unmarked test (its time, its processes) do not apply: the first CUDA test
-    # starts CUDA, and CUDA paths may start compile workers or DataLoader workers.
-    export MLCLS_UNMARKED_LIMIT_S=inf
-    PYTHONPATH=scripts step cuda_tests 180 "$work/cuda_tests.xml" "${select_tests[@]}" \
-        --junitxml="$work/cuda_tests.xml"
-    # the training loop fed by each loader against the same loop on device-resident batches (issue 37):
-    # 512 generated 640x480 JPEGs, 32 warm-up + 20 timed steps of 256 per contender; ~60 s on an H100
-    step bench_e2e 150 - "$bin/mlcls-bench" e2e "${resnet50[@]}" trainer.workers=15 \
-        --backends fast,gpu,torchvision --count 512 --steps 20
-    step bench_step 90 - "$bin/mlcls-bench" step "${resnet50[@]}" --repeats 5 --steps 10
-    step bench_e2e_workers4 90 - "$bin/mlcls-bench" e2e "${resnet50[@]}" trainer.workers=4 \
-        --backends fast,gpu --count 256 --steps 10
-    step demo 120 "$work/demo/results.json" "$bin/mlcls-train" trainer.device=cuda \
-        "trainer.output_dir=$work/demo"
-    step bench_pipeline 90 - "$bin/mlcls-bench" pipeline --n 256 --repeats 3
-    step bench_eval 60 - "$bin/mlcls-bench" eval --n 41620 --c 9605
-    step bench_e2e_compile 180 - "$bin/mlcls-bench" e2e "${resnet50[@]}" trainer.workers=15 \
-        trainer.compile=true --backends fast,gpu --count 256 --steps 10
-    step bench_step_compile 240 - "$bin/mlcls-bench" step "${resnet50[@]}" trainer.compile=true \
-        --repeats 3 --steps 10
-    for name in bench_e2e bench_e2e_workers4 bench_e2e_compile; do  # the JSON lines beside the report
-        [[ -s $work/$name.out ]] && tail -n 1 "$work/$name.out" >"$out_dir/$name.json"
-    done
 fi
+
+# Issue 49's checks, most telling first; when the budget runs out, what is skipped comes last. The model of
+# docs/performance.md's GPU figures; >= 8,000 generated JPEGs of 640x480 (train/, val/, with CSV files
+# for dataset=csv), read by every bench and by the training run.
+cuda_part=1
+resnet50=(model.name=resnet50 dataset.image_size=224 trainer.batch_size=256 trainer.amp=bf16
+    trainer.channels_last=true)
+jpegs=$work/jpegs
+e2e=("$bin/mlcls-bench" e2e "${resnet50[@]}")
+contenders=(--backends gpu,fast,shards --images "$jpegs/train")  # beside gpu_only, which every e2e run has
+# The CPU suite's limits on an unmarked test (its time, its processes) do not apply: the first CUDA test
+# starts CUDA, and CUDA paths may start compile workers or DataLoader workers.
+export MLCLS_UNMARKED_LIMIT_S=inf
+PYTHONPATH=scripts step cuda_tests 150 "$work/cuda_tests.xml" "${select_tests[@]}" \
+    --junitxml="$work/cuda_tests.xml"
+step jpegs 90 - "$bin/python" scripts/gpu_check.py jpegs --out "$jpegs" --train 8192 --val 512 --size 640x480
+# each contender in steady state: 15 workers x 4 + 2 warm-up steps (4 workers: 18), then 100 timed steps
+step bench_e2e 170 - "${e2e[@]}" trainer.workers=15 "${contenders[@]}"
+step bench_e2e_workers4 170 - "${e2e[@]}" trainer.workers=4 "${contenders[@]}"
+# the training run the bench must predict: its epochs after the first against bench_e2e's shares
+step train_gpu 120 "$work/train/results.json" "$bin/mlcls-train" "${resnet50[@]}" model.pretrained=false \
+    dataset=csv "dataset.root=$jpegs" dataset.train_file=train.csv dataset.val_file=val.csv \
+    data.backend=gpu trainer.workers=15 trainer.epochs=3 trainer.device=cuda trainer.report=false \
+    "trainer.output_dir=$work/train"
+# last, with what the budget leaves: compiling takes a minute or more
+step bench_e2e_compile 300 - "${e2e[@]}" trainer.workers=15 trainer.compile=true --backends gpu \
+    --images "$jpegs/train"
+
+# Earlier reports' steps (GPU_CHECK_STEPS names them).
+step bench_step 90 - "$bin/mlcls-bench" step "${resnet50[@]}" --repeats 5 --steps 10
+step demo 120 "$work/demo/results.json" "$bin/mlcls-train" trainer.device=cuda "trainer.output_dir=$work/demo"
+step bench_pipeline 90 - "$bin/mlcls-bench" pipeline --n 256 --repeats 3
+step bench_eval 60 - "$bin/mlcls-bench" eval --n 41620 --c 9605
+step bench_step_compile 240 - "$bin/mlcls-bench" step "${resnet50[@]}" trainer.compile=true --repeats 3 \
+    --steps 10
+[[ $dry_run == 1 ]] && exit 0
+
+for name in bench_e2e bench_e2e_workers4 bench_e2e_compile; do  # the JSON lines beside the report
+    [[ -s $work/$name.out ]] && tail -n 1 "$work/$name.out" >"$out_dir/$name.json"
+done
+[[ -s $work/train/results.json ]] && cp "$work/train/results.json" "$out_dir/train_gpu.json"
 
 report_python=$bin/python
 [[ -x $report_python ]] || report_python=$python
