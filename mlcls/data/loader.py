@@ -66,11 +66,12 @@ def loader_workers(requested: int) -> int:
 
 
 def collate_batch(batch: list[Any]) -> list[Any]:
-    """The samples ``batch`` (each a tuple of fields: image, targets, ...) as one list of batched fields:
-    a field whose type has a ``collate`` of its own (:class:`AugmentedImage`, stacked in its channels-last
-    memory; ``data.backend=gpu``'s ``EncodedImage``, whose files become one uint8 tensor) by it, any other
-    by ``default_collate`` (which, too, returns a list for a tuple)."""
-    if not isinstance(batch[0], tuple | list) or hasattr(batch[0], "collate"):
+    """The samples ``batch`` (each a tuple of fields: image, targets, ...) as one list of batched fields, as
+    ``default_collate`` returns them: a field whose type has a ``collate`` of its own
+    (:class:`AugmentedImage`, stacked in its channels-last memory; ``data.backend=gpu``'s ``EncodedImage``,
+    whose files become one uint8 tensor) by it, any other by ``default_collate``. A sample of another type
+    is one field."""
+    if type(batch[0]) not in (tuple, list):
         return collate_field(batch)
     return [collate_field(list(field)) for field in zip(*batch, strict=True)]
 
@@ -113,7 +114,8 @@ def build_train_loader(
     process drawn by a :class:`ResumableSampler` (its ``sampler``, with ``set_epoch(epoch)`` and
     ``set_start(samples)``), the incomplete last batch dropped; with ``dali`` a
     :class:`~mlcls.data.pipeline.dali.DaliTrainLoader` over a DataLoader of crop plans; for a
-    :class:`ShardTrainSet` (or its view) its :class:`ShardTrainLoader`. ``with_index``: each batch also
+    :class:`~mlcls.data.shards.datasets.ShardTrainSet` (or its view) its
+    :class:`~mlcls.data.shards.loader.ShardTrainLoader`. ``with_index``: each batch also
     holds the int64 (B,) positions of its samples in ``dataset`` (map-style datasets without DALI only)."""
     packed = hasattr(dataset, "shard_sizes")  # a ShardTrainSet, or its TrainingView: read in sequence
     if with_index and (packed or backend == "dali"):
