@@ -1,6 +1,7 @@
 """The fast training pipeline (``data.backend=fast``): the ``paper`` augmentation split into a CPU stage
 (:class:`FastTrainTransform`: decode, at reduced scale where the crop allows, crop, resize, flip; uint8, with
-the colour parameters drawn) and a device stage (:func:`colour_lighting_normalise`). Every random number is
+the colour parameters drawn) and a device stage (:func:`colour_lighting_normalise`, on CUDA under a
+:func:`side_stream` of its own, as the GPU pipeline's decoding). Every random number is
 drawn in the CPU stage by the plain pipeline's torchvision calls in its order: under one seed both pipelines
 pick the same augmentation (docs/performance.md, "The fast input pipeline").
 """
