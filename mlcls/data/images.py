@@ -46,6 +46,7 @@ MAX_SKIPPED_BYTES = 1024
 # 224), where a 138-byte 1 x 30,000 PNG would become 256 x 7.68 M (5.9 GB). Photos, panoramas and banners
 # stay far below it.
 MAX_ASPECT_RATIO = 100
+Box = tuple[float, float, float, float]  # a sample's crop box: (x, y, w, h) in pixels
 
 
 def read_image_bytes(path: str | Path) -> bytes:
@@ -148,9 +149,6 @@ def check_aspect_ratio(width: int, height: int) -> None:
             f"an image of {width} x {height} pixels: one side is over {MAX_ASPECT_RATIO} times the other "
             "(too thin to resize)"
         )
-
-
-Box = tuple[float, float, float, float]  # a sample's crop box: (x, y, w, h) in pixels
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
