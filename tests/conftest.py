@@ -74,8 +74,9 @@ def compose_config(overrides: list[str], config_name: str = "train") -> DictConf
     from hydra import compose, initialize_config_dir
 
     from mlcls import config_dir
-    from mlcls.cli.overrides import group_choices
+    from mlcls.cli.overrides import group_choices, register_resolvers
 
+    register_resolvers()
     key = (config_name, tuple(overrides))
     if key not in _COMPOSED:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

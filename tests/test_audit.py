@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from mlcls.cli.data import main
-from mlcls.data.datasets.folds import fold_rows
+from mlcls.reporting.audit import fold_rows
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (40, 60, 230), "yellow": (230, 220, 30)}
 IMAGES, SIDE, PATCH = 240, 32, 14
@@ -293,7 +293,7 @@ def test_a_stored_fold_split_with_wrong_folds_is_one_line(options, message) -> N
 
     source = compose_config(["dataset=synthetic", "dataset.train_size=8", "dataset.image_size=16"]).dataset
     fold_cfg = {
-        "_target_": "mlcls.data.datasets.folds.FoldSplit",
+        "_target_": "mlcls.reporting.audit.FoldSplit",
         "_recursive_": False,
         "name": "fold",
         "val_split": "heldout",

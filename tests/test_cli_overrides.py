@@ -6,6 +6,7 @@ import re
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from mlcls.cli import overrides as overrides_module
 from mlcls.cli.overrides import (
@@ -101,6 +102,19 @@ def test_check_command_line_exits_2_with_one_line(capsys, monkeypatch):
         capsys.readouterr().err
         == "mlcls: error: unknown option trainer.bacth_size: did you mean trainer.batch_size?\n"
     )
+
+
+def test_the_commands_register_the_resolvers_their_configs_use(monkeypatch):
+    """``${shards_source:...}`` of configs/dataset/shards.yaml resolves in a config that ``compose_config``
+    composed, and under ``run_command``, whatever was imported before: they register it themselves (no
+    module registers one as a side effect of its import)."""
+    OmegaConf.clear_resolver("shards_source")
+    cfg = compose_config("train", ["dataset=shards", "dataset.root=/nowhere"])
+    assert cfg.dataset.image_size == 224 and cfg.dataset.transform == "paper"  # no manifest: the fallbacks
+    OmegaConf.clear_resolver("shards_source")
+    monkeypatch.setattr(sys, "argv", ["mlcls-train"])
+    run_command("train", lambda: None)
+    assert OmegaConf.has_resolver("shards_source")
 
 
 def test_compose_config_checks_then_composes():

@@ -12,7 +12,7 @@ from data_fixtures import corrupt, truncate, write_csv
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from mlcls.data import apply_training_policies, build_dataset
+from mlcls.data import build_dataset
 from mlcls.data.datasets import synthetic
 from mlcls.data.datasets.base import (
     BadImageError,
@@ -20,11 +20,12 @@ from mlcls.data.datasets.base import (
     DatasetFormatError,
     DatasetLayoutError,
     MultiLabelDataset,
-    crop_box,
 )
 from mlcls.data.datasets.csv_dataset import CSVDataset
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
+from mlcls.data.images import crop_box
 from mlcls.data.pipeline.transforms import build_transform
+from mlcls.data.views import apply_training_policies
 
 
 def one_hot_dataset(root: Path, count: int, on_bad_image: str) -> CSVDataset:
@@ -134,7 +135,8 @@ def test_dataset_configs_instantiate_as_they_are(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
     root = write_voc(tmp_path, 2007)
-    from mlcls.data import PIPELINE_KEYS, POLICY_KEYS
+    from mlcls.data import PIPELINE_KEYS
+    from mlcls.data.views import POLICY_KEYS
 
     composed = compose_config(["dataset=voc2007", f"dataset.root={root}", "dataset.image_size=48"]).dataset
     # the training policies and the pipeline keys are build_dataset's, not the dataset's: the rest

@@ -21,6 +21,7 @@ from hostile import bounded
 from PIL import Image
 
 from mlcls.cli.data import main as data_main
+from mlcls.data import build_backend_transform
 from mlcls.data.datasets.base import DatasetFormatError, check_class_names
 from mlcls.data.datasets.coco import COCO
 from mlcls.data.datasets.csv_dataset import CSVDataset
@@ -28,7 +29,7 @@ from mlcls.data.datasets.cub import CUB, NUM_ATTRIBUTES
 from mlcls.data.datasets.labels import SparseLabels
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.data.images import PIXELS_PER_BYTE, open_image, read_image
-from mlcls.data.pipeline.fast import build_backend_transform, image_header
+from mlcls.data.pipeline.fast import image_header
 from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.io import NotRegularFileError
 

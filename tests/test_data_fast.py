@@ -17,14 +17,13 @@ from torch.utils.data import default_collate
 from torchvision import transforms as T
 
 from mlcls.bench.pipeline_bench import make_jpegs
-from mlcls.data.datasets.base import to_rgb
-from mlcls.data.images import read_image_bytes
+from mlcls.data import build_backend_transform
+from mlcls.data.images import read_image_bytes, to_rgb
 from mlcls.data.loader import DeviceStage, build_train_loader, collate_batch
 from mlcls.data.pipeline.fast import (
     AugmentedImage,
     FastTrainTransform,
     PlannedCrop,
-    build_backend_transform,
     colour_lighting_normalise,
     decode_jpeg,
     draft_reduction,

@@ -26,15 +26,15 @@ from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
 from mlcls.data import DatasetConfigError, DatasetFormatError, build_dataset
 from mlcls.data.datasets.base import MultiLabelDataset, Sample
-from mlcls.data.datasets.labels import SparseLabels
+from mlcls.data.datasets.labels import SparseLabels, npy_array, npy_header
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
-from mlcls.data.loader import ShardTrainLoader, build_eval_loader
+from mlcls.data.loader import build_eval_loader, build_train_loader
 from mlcls.data.shards import pack as pack_module
 from mlcls.data.shards.datasets import ShardTrainSet, open_shards
 from mlcls.data.shards.loader import ShardSchedule, ShardStream
 from mlcls.data.shards.pack import encode_jpeg, labels_file, pack_split, packed_image
 from mlcls.data.shards.reader import iter_shard
-from mlcls.data.shards.tario import npy_array, npy_header, tar_files
+from mlcls.data.shards.tario import tar_files
 
 wds = pytest.importorskip("webdataset")
 
@@ -273,7 +273,7 @@ def shard_keys(
     the key."""
     dataset = open_shards("train", str(packed / URLS), transform=None)
     dataset.make_sample = lambda key, fields, seed: (int(key), 0)
-    loader = ShardTrainLoader(dataset, 8, workers, rank, world, seed=3, device=torch.device("cpu"))
+    loader = build_train_loader(dataset, 8, workers, rank, world, 3, torch.device("cpu"), "fast")
     loader.sampler.set_epoch(epoch)
     loader.sampler.set_start(start)
     batches = [keys.tolist() for keys, _ in loader]
@@ -633,7 +633,7 @@ def test_a_truncated_shard_is_a_format_error(packed: Path, tmp_path: Path, cut: 
     urls = [f"pipe:cat {tmp_path / f'train-{k:06d}.tar'}" for k in range(4)]
     dataset = open_shards("train", urls, meta=str(tmp_path), transform=None)
     dataset.make_sample = lambda key, fields, seed: (int(key), 0)
-    loader = ShardTrainLoader(dataset, 8, 0, 0, 1, seed=3, device=torch.device("cpu"))
+    loader = build_train_loader(dataset, 8, 0, 0, 1, 3, torch.device("cpu"), "fast")
     with pytest.raises(DatasetFormatError, match="train-000003.tar is truncated"):
         list(loader)
 
@@ -648,7 +648,7 @@ def test_pipe_shards_are_read_to_the_end_of_the_stream(packed: Path) -> None:
     ]
     dataset = open_shards("train", urls, meta=str(packed), transform=None)
     dataset.make_sample = lambda key, fields, seed: (int(key), 0)
-    loader = ShardTrainLoader(dataset, 8, 0, 0, 1, seed=3, device=torch.device("cpu"))
+    loader = build_train_loader(dataset, 8, 0, 0, 1, 3, torch.device("cpu"), "fast")
     loader.sampler.set_epoch(1)
     assert [keys.tolist() for keys, _ in loader] == shard_keys(packed, 0, 1, 0, epoch=1)
 

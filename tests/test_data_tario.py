@@ -18,10 +18,11 @@ import pytest
 
 from mlcls.cli.data import main as data_main
 from mlcls.data import DatasetFormatError
+from mlcls.data.datasets.labels import npy_array
 from mlcls.data.sampling import sample_seed
 from mlcls.data.shards.pack import IMAGE_EXT, LABELS_EXT
 from mlcls.data.shards.reader import iter_shard
-from mlcls.data.shards.tario import TAR_BLOCK, npy_array, tar_files
+from mlcls.data.shards.tario import TAR_BLOCK, tar_files
 
 pytest.importorskip("webdataset")
 

@@ -14,9 +14,8 @@ import torch
 from data_fixtures import PhotoFiles, write_photos
 from PIL import Image, ImageDraw
 
-from mlcls.data import DatasetConfigError, build_dataset
+from mlcls.data import DatasetConfigError, build_backend_transform, build_dataset
 from mlcls.data.loader import DeviceStage, build_train_loader
-from mlcls.data.pipeline.fast import build_backend_transform
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, CutoutPIL, build_transform
 from mlcls.data.sampling import seeded_call
 from mlcls.errors import ConfigError

@@ -17,6 +17,7 @@ from hostile import bounded
 from PIL import Image
 from torchvision import transforms as T
 
+from mlcls.data import build_backend_transform
 from mlcls.data.datasets.base import BadImageError
 from mlcls.data.loader import (
     DevicePrefetcher,
@@ -27,7 +28,7 @@ from mlcls.data.loader import (
     collate_batch,
 )
 from mlcls.data.pipeline import gpu, jpeg
-from mlcls.data.pipeline.fast import FastTrainTransform, GpuTrainTransform, build_backend_transform
+from mlcls.data.pipeline.fast import FastTrainTransform
 from mlcls.data.pipeline.gpu import (
     FLIP,
     HEIGHT,
@@ -36,6 +37,7 @@ from mlcls.data.pipeline.gpu import (
     WIDTH,
     EncodedBatch,
     GpuEvalTransform,
+    GpuTrainTransform,
     chunks,
     decode_on_device,
 )

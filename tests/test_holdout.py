@@ -13,12 +13,12 @@ import torch
 from conftest import TINY, assert_dataset_setting_refused, compose_config
 from torchvision.transforms.functional import pil_to_tensor
 
-from mlcls.data import POLICY_KEYS, DatasetConfigError, DatasetView, apply_training_policies
-from mlcls.data.datasets.folds import split_holdout
+from mlcls.data import DatasetConfigError
 from mlcls.data.datasets.labels import LabelCounts, label_counts
 from mlcls.data.datasets.observed import HoldoutSplit
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.data.shards.datasets import ShardTrainSet
+from mlcls.data.views import POLICY_KEYS, DatasetView, apply_training_policies, split_holdout
 from mlcls.engine import trainer as trainer_module
 from mlcls.engine.trainer import Trainer
 from mlcls.inference.predictor import load_inference_model

@@ -17,12 +17,13 @@ from ranks import run_ranks
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.train import run
-from mlcls.data import DatasetConfigError, apply_training_policies, training_policies
+from mlcls.data import DatasetConfigError
 from mlcls.data.datasets.labels import LabelCounts, SparseLabels, label_counts, observed_counts
 from mlcls.data.datasets.observed import ObservedLabels
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.data.loader import build_train_loader
 from mlcls.data.pipeline.transforms import build_transform
+from mlcls.data.views import apply_training_policies, training_policies
 
 SIZE = 400
 

@@ -192,3 +192,120 @@ def test_every_test_the_package_cites_exists() -> None:
         for name in re.findall(r"``(test_\w+)``", path.read_text())
     }
     assert cited - defined == set()
+
+
+def module_level_imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The mlcls modules that running module ``name`` (file ``path``) imports: the imports of its body outside
+    functions, classes and ``if TYPE_CHECKING:`` blocks, each with the packages above it (importing
+    ``a.b.c`` runs ``a`` and ``a.b`` first), its own packages included."""
+    found: set[str] = set()
+    pending: list[ast.stmt] = list(parsed(path).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            pending += node.orelse
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            pending += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
+            if isinstance(node, ast.Try):
+                pending += [stmt for handler in node.handlers for stmt in handler.body]
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            base = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
+            names = [f"{base}.{alias.name}" if base else alias.name for alias in node.names] + [base]
+            for candidate in names:
+                while candidate and candidate not in modules:
+                    candidate = candidate.rpartition(".")[0]
+                while candidate.startswith("mlcls"):
+                    found.add(candidate)
+                    candidate = candidate.rpartition(".")[0]
+    return found - {name}
+
+
+def imported_on_import(root: str) -> set[str]:
+    """Every mlcls module that ``import root`` runs: the packages above it and, from each module run, its
+    module-level imports (:func:`module_level_imports`), transitively."""
+    files = module_files(PACKAGE_DIR)
+    parts = root.split(".")
+    pending = [".".join(parts[: k + 1]) for k in range(len(parts))]
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen or name not in files:
+            continue
+        seen.add(name)
+        pending += module_level_imports(name, files[name], set(files))
+    return seen
+
+
+def test_imported_on_import_follows_module_level_imports_only() -> None:
+    ran = imported_on_import("mlcls.data.pipeline.dali")
+    assert {"mlcls", "mlcls.data", "mlcls.data.pipeline", "mlcls.data.pipeline.fast"} <= ran  # packages too
+    # mlcls.data imports the GPU pipeline inside build_backend_transform only, when data.backend=gpu
+    assert "mlcls.data.pipeline.gpu" in data_imports()["mlcls.data.views"] | mlcls_graph()["mlcls.data"]
+    assert "mlcls.data.pipeline.gpu" not in ran
+
+
+def test_the_default_loader_imports_no_backend_of_its_own() -> None:
+    """``import mlcls.data.loader`` (every training run) runs no module of the GPU-decoding, DALI or packed
+    shards backends, nor the JPEG header reader only the GPU decoding needs: they are imported where their
+    backend is chosen (issue 51; ``python -X importtime -c "import mlcls.data.loader"`` shows the same)."""
+    backends = ("mlcls.data.pipeline.gpu", "mlcls.data.pipeline.dali", "mlcls.data.pipeline.jpeg")
+    ran = imported_on_import("mlcls.data.loader")
+    assert {
+        name for name in ran if name.startswith(backends) or name.startswith("mlcls.data.shards")
+    } == set()
+
+
+def data_imports() -> dict[str, set[str]]:
+    """mlcls.data's modules -> the mlcls.data modules each imports anywhere (in functions too), its own
+    packages included, which the import graph leaves out."""
+    files = module_files(PACKAGE_DIR)
+    imports = {}
+    for name, path in files.items():
+        if not name.startswith("mlcls.data."):
+            continue
+        found = set()
+        for node in ast.walk(parsed(path)):
+            if isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                candidates = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for candidate in candidates:
+                while candidate and candidate not in files:
+                    candidate = candidate.rpartition(".")[0]
+                if candidate.startswith("mlcls.data") and candidate != name:
+                    found.add(candidate)
+        imports[name] = found
+    return imports
+
+
+# What the datasets lie below: the input pipelines and the packed shards read them, never the reverse.
+ABOVE_DATASETS = ("mlcls.data.pipeline", "mlcls.data.shards")
+
+
+def test_data_imports_run_one_way() -> None:
+    """Inside mlcls/data/ no arrow runs back up (issue 51): the datasets import nothing of the input
+    pipelines or the packed shards, and no module imports the package itself (``mlcls.data``, which builds
+    datasets from all of them)."""
+    imports = data_imports()
+    assert "mlcls.data.datasets.base" in imports["mlcls.data.views"]  # read at all
+    back_up = {
+        (name, other)
+        for name, imported in imports.items()
+        for other in imported
+        if other == "mlcls.data"
+        or (name.startswith("mlcls.data.datasets.") and other.startswith(ABOVE_DATASETS))
+    }
+    assert back_up == set()
+
+
+def test_no_resolver_is_registered_at_import() -> None:
+    """A resolver reading manifests while a config resolves is registered where configs are composed
+    (``mlcls.cli.overrides.register_resolvers``), never as a side effect of importing mlcls/data."""
+    registering = {
+        name
+        for name, path in module_files(PACKAGE_DIR).items()
+        if name.startswith("mlcls.data") and "register_new_resolver" in path.read_text()
+    }
+    assert registering == set()

@@ -11,9 +11,10 @@ import torch
 from conftest import compose_config
 from hostile import bounded
 
-from mlcls.data import DatasetConfigError, build_dataset, unseen_class_names
+from mlcls.data import DatasetConfigError, build_dataset
 from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
+from mlcls.data.views import unseen_class_names
 from mlcls.engine.config_checks import check_config
 from mlcls.errors import ConfigError
 

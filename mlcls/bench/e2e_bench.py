@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from mlcls.bench.harness import check_names, host
 from mlcls.bench.pipeline_bench import JpegFolder, jpeg_files, pack_shards
 from mlcls.bench.step_bench import RepeatedBatches, synthetic_batch, temporary_trainer, trainer_fields
+from mlcls.data import build_backend_transform
 from mlcls.data.loader import (
     PREFETCH_FACTOR,
     DevicePrefetcher,
@@ -38,7 +39,6 @@ from mlcls.data.loader import (
     build_train_loader,
     loader_workers,
 )
-from mlcls.data.pipeline.fast import build_backend_transform
 from mlcls.data.pipeline.gpu import input_stage_bytes
 from mlcls.data.shards.datasets import open_shards
 from mlcls.engine.trainer import Trainer

@@ -22,10 +22,11 @@ from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
 from mlcls.bench.harness import host, median_seconds, random_labels, sync, torch_threads
+from mlcls.data import build_backend_transform
 from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, Sample
 from mlcls.data.images import read_image
-from mlcls.data.loader import DeviceStage, ShardTrainLoader, available_cpus, collate_batch
-from mlcls.data.pipeline.fast import AugmentedImage, build_backend_transform
+from mlcls.data.loader import DeviceStage, available_cpus, build_train_loader, collate_batch
+from mlcls.data.pipeline.fast import AugmentedImage
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD
 from mlcls.data.shards.datasets import open_shards
 from mlcls.data.shards.pack import SUBSAMPLINGS, pack_split, write_sidecars
@@ -198,7 +199,7 @@ def _shard_batches(
 ) -> Iterable:
     """Endless training batches of the packed shards (epoch after epoch), as ``dataset=shards`` reads them."""
     dataset = open_shards("train", urls, transform=build_backend_transform("fast", "paper", size, train=True))
-    loader = ShardTrainLoader(dataset, batch_size, workers, 0, 1, seed=0, device=device)
+    loader = build_train_loader(dataset, batch_size, workers, 0, 1, 0, device, "fast")
     if not len(loader):  # an epoch of no whole batch would loop for ever
         raise DatasetConfigError(
             f"the packed shards hold {sum(loader.sampler.shard_sizes)} readable samples, fewer than one "

@@ -31,12 +31,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlcls.cli.errors import USER_ERRORS, error_line
 from mlcls.cli.overrides import compose_config
-from mlcls.data import MultiLabelDataset, TrainingView, build_dataset
-from mlcls.data.datasets.base import find_unreadable
+from mlcls.data import build_dataset
+from mlcls.data.datasets.base import MultiLabelDataset, find_unreadable
 from mlcls.data.datasets.labels import label_counts
 from mlcls.data.datasets.observed import ALL_LABELS
 from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.data.shards.reader import verify_pack
+from mlcls.data.views import TrainingView
 from mlcls.errors import ConfigError, failure, plural, printable
 from mlcls.reporting.audit import audit
 

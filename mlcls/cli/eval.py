@@ -23,9 +23,10 @@ from mlcls import config_dir
 from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import closest_keys, run_command
 from mlcls.config_tree import nested_get
-from mlcls.data import build_dataset, unseen_class_names
+from mlcls.data import build_dataset
 from mlcls.data.loader import build_eval_loader
 from mlcls.data.shards.reader import expand_urls, is_local
+from mlcls.data.views import unseen_class_names
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.checkpoint import write_json
 from mlcls.engine.config_checks import resolve_amp

@@ -39,10 +39,25 @@ CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", 
 INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
+def register_resolvers() -> None:
+    """Register the resolvers mlcls's configs use, before one is composed (:func:`run_command`,
+    :func:`compose_config`): ``${shards_source:KEY,FALLBACK}`` of ``configs/dataset/shards.yaml``, the
+    packed source's setting (:func:`mlcls.data.shards.datasets.source_setting`, imported when such a config
+    resolves)."""
+    OmegaConf.register_new_resolver("shards_source", _shards_source, replace=True)
+
+
+def _shards_source(key: str, fallback: Any, *, _parent_: DictConfig) -> Any:
+    from mlcls.data.shards.datasets import source_setting
+
+    return source_setting(key, fallback, _parent_)
+
+
 def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
-    """Run ``hydra_main``, the ``@hydra.main`` function of config ``config_name``, on ``sys.argv``; a
-    mistake ends it with one line (:func:`explain_error`) and exit status 2, unless the user set
-    ``HYDRA_FULL_ERROR=1``."""
+    """Run ``hydra_main``, the ``@hydra.main`` function of config ``config_name``, on ``sys.argv`` (the
+    resolvers registered first: :func:`register_resolvers`); a mistake ends it with one line
+    (:func:`explain_error`) and exit status 2, unless the user set ``HYDRA_FULL_ERROR=1``."""
+    register_resolvers()
     overrides = check_command_line(config_name)
     sys.argv[1:] = group_choices(sys.argv[1:])
     user_setting = os.environ.get("HYDRA_FULL_ERROR")
@@ -121,8 +136,10 @@ def _check_renamed(overrides: Sequence[str]) -> None:
 
 
 def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
-    """The config ``config_name`` with ``overrides`` applied; a mistake raises :class:`ConfigError` with the
-    message of :func:`explain_error`."""
+    """The config ``config_name`` with ``overrides`` applied, its resolvers registered
+    (:func:`register_resolvers`); a mistake raises :class:`ConfigError` with the message of
+    :func:`explain_error`."""
+    register_resolvers()
     overrides = group_choices(overrides)
     _check_renamed(overrides)
     _check_added_keys(config_name, overrides)

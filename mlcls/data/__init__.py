@@ -1,26 +1,18 @@
 """Datasets. :func:`build_dataset` takes a dataset config's training policies (:data:`POLICY_KEYS`) and
-pipeline keys (:data:`PIPELINE_KEYS`) out of it, builds the transform of ``data.backend`` from the latter,
-and instantiates the rest with the split and the transform (a misspelt key fails as an unexpected
-argument). The policies wrap the training split in one place (:func:`apply_training_policies`): the
-zero-shot restriction to the seen classes (:func:`seen_view`), then the observed-label regime and the
-held-out selection split (:class:`TrainingView`).
+pipeline keys (:data:`PIPELINE_KEYS`) out of it, builds the transform of ``data.backend`` from the latter
+(:func:`build_backend_transform`), instantiates the rest with the split and the transform (a misspelt key
+fails as an unexpected argument) and, for training, wraps the split in its policies
+(:func:`mlcls.data.views.apply_training_policies`).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from PIL import Image
-from torch import Tensor
-from torch.utils.data import Dataset, Subset
 
 from mlcls.data.datasets.base import (
     BadImageError,
@@ -28,167 +20,38 @@ from mlcls.data.datasets.base import (
     DatasetError,
     DatasetFormatError,
     DatasetLayoutError,
-    LazySamples,
     MultiLabelDataset,
-    Sample,
     check_integer,
     check_setting,
 )
-from mlcls.data.datasets.labels import (
-    LabelCounts,
-    SparseLabelled,
-    label_counts,
-    observed_counts,
-    sparse_labels_of,
+from mlcls.data.pipeline.fast import FastTrainTransform
+from mlcls.data.pipeline.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    TRANSFORM_KINDS,
+    build_transform,
+    normalisation,
 )
-from mlcls.data.datasets.observed import HOLDOUT_LABELS, OBSERVED_REGIMES, HoldoutSplit, ObservedLabels
-from mlcls.data.pipeline.fast import build_backend_transform
-from mlcls.data.pipeline.transforms import TRANSFORM_KINDS
-from mlcls.errors import listed, shown
-from mlcls.io import read_text
+from mlcls.data.views import POLICY_KEYS, apply_training_policies, training_policies
 
-
-def _shards_source(key: str, fallback: Any, *, _parent_: DictConfig) -> Any:
-    from mlcls.data.shards.datasets import source_setting  # imported when a shards config is resolved
-
-    return source_setting(key, fallback, _parent_)
-
-
-# ``${shards_source:image_size,224}`` in configs/dataset/shards.yaml: the packed source's setting.
-OmegaConf.register_new_resolver("shards_source", _shards_source, replace=True)
-
+# What building a dataset raises is importable from here, beside what builds it.
 __all__ = [
+    "BACKENDS",
+    "PIPELINE_KEYS",
     "BadImageError",
     "DatasetConfigError",
     "DatasetError",
     "DatasetFormatError",
     "DatasetLayoutError",
-    "DatasetView",
-    "MultiLabelDataset",
-    "Sample",
-    "TrainingView",
-    "apply_training_policies",
+    "build_backend_transform",
     "build_dataset",
-    "training_policies",
 ]
 # The keys of a dataset config that build the input pipeline's transform (:func:`build_dataset`), not data.
 PIPELINE_KEYS = ("transform", "image_size", "mean", "std")
-MAX_SEED = 2**63 - 1
 # The largest network input side a dataset config may ask for (the field's largest are 448-640 px).
 MAX_IMAGE_SIZE = 4096
-
-
-def training_policies(
-    observed: str = "all",
-    observed_seed: int = 0,
-    observed_fraction: float = 1.0,
-    holdout_fraction: float = 0.0,
-    holdout_labels: str = "clean",
-    holdout_seed: int = 0,
-    unseen_classes: Any = None,
-    unseen_images: str = "keep",
-) -> tuple[ObservedLabels, HoldoutSplit]:
-    """The observed-label regime and the held-out selection split of the keys :data:`POLICY_KEYS`, each
-    checked here, once (``unseen_classes``' names against the classes in :func:`apply_training_policies`)."""
-    check_unseen_setting(unseen_classes)
-    check_setting("unseen_images", unseen_images, UNSEEN_IMAGES)
-    check_setting("observed", observed, OBSERVED_REGIMES)
-    fraction = observed_fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
-        raise DatasetConfigError(
-            f"dataset.observed_fraction={shown(fraction)}; expected a number in (0, 1], the share of the "
-            "training labels kept by dataset.observed=partial"
-        )
-    seed = check_integer("observed_seed", observed_seed, 0, MAX_SEED)
-    regime = ObservedLabels(observed, seed, float(fraction))
-    fraction = holdout_fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction < 1:
-        raise DatasetConfigError(
-            f"dataset.holdout_fraction={shown(fraction)}; expected a number in [0, 1), the share of the "
-            "training split held out to select the best epoch (0: none)"
-        )
-    check_setting("holdout_labels", holdout_labels, HOLDOUT_LABELS)
-    seed = check_integer("holdout_seed", holdout_seed, 0, MAX_SEED)
-    return regime, HoldoutSplit(float(fraction), holdout_labels, seed)
-
-
-# The keys of a dataset config that choose training policies (:func:`apply_training_policies`), not data.
-POLICY_KEYS = tuple(inspect.signature(training_policies).parameters)
-
-
-def apply_training_policies(dataset: Any, **policy_keys: Any) -> TrainingView:
-    """The training split ``dataset`` in a :class:`TrainingView` of the policies ``policy_keys``
-    (:data:`POLICY_KEYS`), over :func:`seen_view` of it for ``unseen_classes`` (so that the regime draws
-    over the seen columns only). One :class:`DatasetConfigError` line for a regime that hides labels of a
-    split that is also ``dataset.val_split``, or a held-out split or unseen classes of packed shards."""
-    regime, selection = training_policies(**policy_keys)
-    unseen = policy_keys.get("unseen_classes")
-    if regime.hides_labels and dataset.train_split == dataset.val_split:
-        raise DatasetConfigError(
-            f"dataset.observed={regime.regime} hides labels of the training split {dataset.train_split!r}, "
-            "which is also dataset.val_split, and evaluation reads the full labels; evaluate on another "
-            "split or set dataset.observed=all"
-        )
-    if selection.fraction and not isinstance(dataset, MultiLabelDataset):
-        raise DatasetConfigError(
-            f"dataset.holdout_fraction={selection.fraction:g}: packed shards are read in sequence, not by "
-            "sample index, so no share of them can be held out; train on the dataset config the shards were "
-            "packed from, or set dataset.holdout_fraction=0"
-        )
-    if unseen and not isinstance(dataset, MultiLabelDataset):
-        raise DatasetConfigError(
-            "dataset.unseen_classes: packed shards are read in sequence, not by sample index, so their label "
-            "columns cannot be restricted; train on the dataset config the shards were packed from"
-        )
-    dataset = seen_view(dataset, unseen, policy_keys.get("unseen_images", "keep") == "drop")
-    return TrainingView(dataset, regime, selection)
-
-
-class TrainingView(Dataset):
-    """The training split ``source`` as training reads it: targets as the regime ``observed`` shows them,
-    their counts, and ``selection_split`` (cut by :func:`mlcls.data.datasets.folds.split_holdout`). Every
-    other attribute, ``transform`` included, is ``source``'s."""
-
-    def __init__(self, source: Any, observed: ObservedLabels, selection_split: HoldoutSplit) -> None:
-        self.source, self.observed, self.selection_split = source, observed, selection_split
-
-    def __getattr__(self, name: str) -> Any:
-        # Called only for names the view lacks; never for its own (nor while unpickling, before it has them).
-        if name.startswith("__") or name == "source":
-            raise AttributeError(name)
-        return getattr(self.source, name)
-
-    @property
-    def transform(self) -> Any:
-        return self.source.transform
-
-    @transform.setter
-    def transform(self, transform: Any) -> None:
-        self.source.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def __getitem__(self, index: int) -> tuple[Any, Tensor]:
-        image, served = self.source.read_sample(index, self.source.transformed_image)
-        return image, self.target(served)
-
-    def target(self, index: int) -> Tensor:
-        """float32 (C,): sample ``index``'s label row as the regime ``observed`` shows it."""
-        return self.observed.row(self.source.target(index), index)
-
-    def make_sample(self, key: str, fields: dict[str, bytes], seed: int) -> tuple[Any, Tensor]:
-        """Packed shards: ``source``'s ``(image, labels row)`` of sample ``key``, the row as the regime shows
-        the sample of that index in the packed split."""
-        image, labels = self.source.make_sample(key, fields, seed)
-        return image, self.observed.row(labels, int(key))
-
-    def label_counts(self) -> LabelCounts:
-        """The counts of the targets: the regime's draws from ``source``'s labels, kept sparse."""
-        if not self.observed.hides_labels:
-            return label_counts(self.source)
-        samples = self.source.sample_indices() if isinstance(self.source, SparseLabelled) else None
-        return observed_counts(sparse_labels_of(self.source), self.observed, samples)
+# data.backend: the input pipelines (docs/performance.md); build_backend_transform makes their transforms.
+BACKENDS = ("torchvision", "fast", "dali", "gpu")
 
 
 def build_dataset(
@@ -220,140 +83,28 @@ def build_dataset(
     return apply_training_policies(dataset, **policies) if train else dataset
 
 
-# ---- Zero-shot (dataset.unseen_classes): the training split without the unseen classes' columns; its images
-# still show them, unlabelled, as in LESA's protocol (Huynh & Elhamifar, CVPR 2020) and ML-Decoder's.
-# Evaluation reads every class (mlcls.engine.evaluate scores the unseen ones from their text embeddings).
+def build_backend_transform(
+    backend: str,
+    kind: str,
+    image_size: int,
+    train: bool,
+    mean: Sequence[float] | None = IMAGENET_MEAN,
+    std: Sequence[float] | None = IMAGENET_STD,
+) -> Callable:
+    """The dataset transform of ``data.backend`` (:data:`BACKENDS`): the fast CPU stage (``fast``, ``dali``)
+    or :class:`~mlcls.data.pipeline.gpu.GpuTrainTransform` for the ``paper`` training augmentation;
+    :class:`~mlcls.data.pipeline.gpu.GpuEvalTransform` for ``gpu``'s evaluation; else
+    :func:`~mlcls.data.pipeline.transforms.build_transform`'s. ``mean`` and ``std`` are checked in every
+    case. The GPU pipeline's module is imported only when ``gpu`` is chosen."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown data.backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    mean, std = normalisation(mean, std)
+    if backend == "gpu" and (not train or kind == "paper"):
+        from mlcls.data.pipeline.gpu import GpuEvalTransform, GpuTrainTransform  # this backend's alone
 
-# Unknown names quoted in a message (the rest counted).
-SHOWN_NAMES = 5
-# dataset.unseen_images: the training images showing an unseen class are kept (their unseen labels alone
-# removed: LESA's NUS-WIDE protocol) or dropped (no training image shows an unseen class).
-UNSEEN_IMAGES = ("keep", "drop")
-
-
-def check_unseen_setting(value: Any) -> None:
-    """One :class:`DatasetConfigError` line unless ``dataset.unseen_classes`` is null, a list of non-empty
-    strings, or a non-empty string (a file of names, not read here)."""
-    if value is None or (isinstance(value, str) and value):
-        return
-    if isinstance(value, Sequence) and all(isinstance(name, str) and name for name in value):
-        return
-    raise DatasetConfigError(
-        f"dataset.unseen_classes={shown(value)}; expected null, a list of class names, or the path of a "
-        "file of class names (one a line)"
-    )
-
-
-def unseen_class_names(value: str | Sequence[str], classes: Sequence[str]) -> list[str]:
-    """The distinct names of ``dataset.unseen_classes`` (a list, or a UTF-8 file of names one a line under
-    ``CAPS["class list"]``) in the order of ``classes``. One :class:`DatasetConfigError` line naming the
-    names ``classes`` lacks (the first :data:`SHOWN_NAMES`, and their count), or when no class is left."""
-    check_unseen_setting(value)
-    if isinstance(value, str):
-        try:
-            text = read_text(Path(value).expanduser(), "class list")
-        except (OSError, ValueError) as exc:  # missing, not a regular file, too large, not UTF-8
-            raise DatasetConfigError(f"dataset.unseen_classes={shown(value)}: {exc}") from None
-        value = [line.strip() for line in text.splitlines() if line.strip()]
-    value = list(value)
-    known = set(classes)
-    unknown = list(dict.fromkeys(name for name in value if name not in known))
-    if unknown:
-        raise DatasetConfigError(
-            f"dataset.unseen_classes names {len(unknown)} unknown class name(s): "
-            f"{listed(unknown, SHOWN_NAMES)}; expected"
-            f" names among its {len(classes)} classes (e.g. {shown(classes[0]) if classes else '-'})"
-        )
-    unseen = set(value)
-    if len(unseen) == len(classes):
-        raise DatasetConfigError(
-            f"dataset.unseen_classes names all {len(classes)} classes of the dataset; expected some seen "
-            "classes left to train on"
-        )
-    return [name for name in classes if name in unseen]
-
-
-class RowSamples(LazySamples):
-    """The :class:`Sample` of rows ``rows`` of ``samples``, made on access (no copy of the list)."""
-
-    def __init__(self, samples: Sequence[Sample], rows: np.ndarray) -> None:
-        self.source_samples, self.rows = samples, rows
-
-    def __getitem__(self, index: int) -> Sample:  # type: ignore[override]
-        return self.source_samples[int(self.rows[index])]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-
-class DatasetView(MultiLabelDataset):
-    """The rows ``rows`` (int64 sample indices; None: all) and the classes ``columns`` (None: all) of the
-    dataset or view ``source``, its targets ``source``'s (as a :class:`TrainingView`'s regime shows them).
-    Unreadable images are skipped within the view (``on_bad_image=skip``)."""
-
-    def __init__(
-        self, source: Any, rows: np.ndarray | None = None, columns: Sequence[int] | None = None
-    ) -> None:
-        # The source's settings, checked when it was built; nothing of the config is read again.
-        self.name, self.split = source.name, getattr(source, "split", source.train_split)
-        self.train_split, self.val_split = source.train_split, source.val_split
-        self.transform, self.on_bad_image = source.transform, source.on_bad_image
-        self.select(source, rows, columns)
-
-    def select(self, source: Any, rows: np.ndarray | None, columns: Sequence[int] | None = None) -> None:
-        """View the ``rows`` and ``columns`` of ``source`` (the settings are set apart)."""
-        self.source, self.rows = source, rows
-        self.columns = None if columns is None else torch.as_tensor(columns, dtype=torch.long)
-        self.classes = [source.classes[c] for c in columns] if columns is not None else list(source.classes)
-        self.samples = source.samples if rows is None else RowSamples(source.samples, rows)
-
-    def _source_index(self, index: int) -> int:
-        return index if self.rows is None else int(self.rows[index])
-
-    @property
-    def labels(self) -> Tensor:  # type: ignore[override]
-        """float32 (n, C): the source's full labels of the rows and columns."""
-        labels = self.source.labels if self.rows is None else self.source.labels[torch.from_numpy(self.rows)]
-        return labels if self.columns is None else labels[:, self.columns]
-
-    def label_counts(self) -> LabelCounts:
-        """The counts of the targets, of the rows (as the source's regime shows them) and columns."""
-        counts = label_counts(self.source if self.rows is None else Subset(self.source, self.rows))
-        if self.columns is None:
-            return counts
-        return LabelCounts(counts.num_samples, counts.positives[self.columns], counts.negatives[self.columns])
-
-    @property
-    def reads_files(self) -> bool:  # type: ignore[override]
-        """The source's: the view reads its files, with its own ``transform``, unless drawn."""
-        return self.source.reads_files
-
-    def picture(self, index: int) -> Image.Image:
-        return self.source.picture(self._source_index(index))
-
-    def target(self, index: int) -> Tensor:
-        """float32 (C_view,): ``source``'s target of sample ``rows[index]``, its ``columns``."""
-        row = self.source.target(self._source_index(index))
-        return row if self.columns is None else row[self.columns]
-
-
-def seen_view(
-    dataset: MultiLabelDataset, value: str | Sequence[str] | None, drop_images: bool = False
-) -> MultiLabelDataset:
-    """``dataset`` as a :class:`DatasetView` without the classes ``value`` names and, with ``drop_images``
-    (``dataset.unseen_images=drop``), the samples where one is positive (one :class:`DatasetConfigError` line
-    when none is left); ``dataset`` itself when ``value`` is null or empty."""
-    if value is None or (not isinstance(value, str) and len(value) == 0):
-        return dataset
-    unseen = set(unseen_class_names(value, dataset.classes))
-    seen = [c for c, name in enumerate(dataset.classes) if name not in unseen]
-    if not drop_images:
-        return DatasetView(dataset, None, seen)
-    columns = [c for c, name in enumerate(dataset.classes) if name in unseen]
-    rows = torch.nonzero(~(dataset.labels[:, columns] == 1).any(1)).flatten().numpy()
-    if len(rows) == 0:
-        raise DatasetConfigError(
-            f"dataset.unseen_images=drop: each of the {len(dataset)} training samples shows an unseen class; "
-            "expected some without (or dataset.unseen_images=keep)"
-        )
-    return DatasetView(dataset, rows, seen)
+        if not train:
+            return GpuEvalTransform(image_size, kind, mean, std)
+        return GpuTrainTransform(FastTrainTransform(image_size))
+    if backend != "torchvision" and kind == "paper" and train:
+        return FastTrainTransform(image_size)
+    return build_transform(kind, image_size, train, mean, std)

@@ -15,6 +15,10 @@ flat files beyond 256 pixels a byte and 2**20 pixels are refused, which no photo
 (3 bytes a pixel) a JPEG then holds at most 768 times its bytes plus 3 MiB (PIL's RGB image, 4 bytes a
 pixel: 1,024 times plus 4 MiB). Other formats (PNG, GIF, ...) code a flat image in far fewer bytes, so they
 keep PIL's cap alone.
+
+Then what is kept of an image: a sample's crop ``box`` ``(x, y, w, h)`` clamped to it (:func:`crop_box`, the
+one crop every pipeline makes, refusing a region too thin to resize: :func:`check_aspect_ratio`), and its
+pixels as 8-bit RGB (:func:`to_rgb`, :func:`rgb_picture`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import io
 import warnings
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, JpegImagePlugin
 
 from mlcls.io import CAPS, read_regular_bytes
@@ -36,6 +41,12 @@ JPEG_START = b"\xff\xd8\xff"  # SOI and a marker's first byte: what PIL takes fo
 # no bytes outside segments; PIL's parser takes each such byte in a Python loop (~0.6 s per MB).
 MAX_HEADER_MARKERS = 1024
 MAX_SKIPPED_BYTES = 1024
+# The longest an image's long side may be, in multiples of its short side. This bounds what the evaluation
+# resize of the shorter side to s pixels makes, s x 100 s pixels (256 x 25,600 RGB, 20 MB, at image_size
+# 224), where a 138-byte 1 x 30,000 PNG would become 256 x 7.68 M (5.9 GB). Photos, panoramas and banners
+# stay far below it.
+MAX_ASPECT_RATIO = 100
+Box = tuple[float, float, float, float]  # a sample's crop box: (x, y, w, h) in pixels
 
 
 def read_image_bytes(path: str | Path) -> bytes:
@@ -125,3 +136,59 @@ def check_encoded_size(width: int, height: int, nbytes: int) -> None:
             f"image header claims {width} x {height} pixels in {nbytes} bytes; at most "
             f"{PIXELS_PER_BYTE} pixels per byte (plus 2**20) expected of a JPEG"
         )
+
+
+# ---- Crop geometry and colour: what every pipeline keeps of a sample's image.
+
+
+def check_aspect_ratio(width: int, height: int) -> None:
+    """Raise ``ValueError`` (one of the bad-image errors the datasets' ``on_bad_image`` handles) when one
+    side of a ``width`` x ``height`` image exceeds :data:`MAX_ASPECT_RATIO` times the other."""
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise ValueError(
+            f"an image of {width} x {height} pixels: one side is over {MAX_ASPECT_RATIO} times the other "
+            "(too thin to resize)"
+        )
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` as 8-bit RGB. Greyscale of more than 8 bits (modes ``I;16*`` and ``I``) is scaled, ``v >> 8``
+    for 16-bit values, where PIL's own conversion clips every value above 255 to white. Mode ``I`` (16-bit
+    values in most files) is taken as 8-bit when no value exceeds 255, as 16-bit up to 65535, else as 31-bit
+    (``v >> 23``); negative values become 0."""
+    if image.mode.startswith("I;16"):
+        values = np.asarray(image).astype(np.uint16) >> 8
+    elif image.mode == "I":
+        values = np.clip(np.asarray(image), 0, None)
+        top = int(values.max(initial=0))
+        values = values >> (0 if top <= 255 else 8 if top <= 65535 else 23)
+    else:
+        return image.convert("RGB")  # a loaded copy, also of an RGB image
+    return Image.fromarray(values.astype(np.uint8)).convert("RGB")
+
+
+def rgb_picture(data: bytes, box: Box | None) -> Image.Image:
+    """The RGB image of the encoded ``data``, cropped to ``box`` ``(x, y, w, h)`` (clamped); refused with a
+    ``ValueError`` from its header, before decoding, when too thin (:func:`check_aspect_ratio`)."""
+    with open_image(data) as img:
+        region = crop_box(box, *img.size)
+        rgb = to_rgb(img)
+    return rgb if box is None else rgb.crop(region)
+
+
+def crop_box(box: Box | None, width: int, height: int) -> tuple[int, int, int, int]:
+    """Pixel crop ``(left, top, right, bottom)`` of box ``(x, y, w, h)`` clamped to a ``width`` x ``height``
+    image; the whole image when ``box`` is None or the clamped box is empty. A region too thin to resize is
+    refused with a ``ValueError``, a bad image (:func:`check_aspect_ratio`): every pipeline crops here."""
+    x, y, w, h = (0, 0, width, height) if box is None else box
+    left, top = max(0, int(x)), max(0, int(y))
+    right, bottom = min(width, int(round(x + w))), min(height, int(round(y + h)))
+    if not (right > left and bottom > top):
+        left, top, right, bottom = 0, 0, width, height
+    check_aspect_ratio(right - left, bottom - top)
+    return left, top, right, bottom
+
+
+def nonempty_boxes(boxes: np.ndarray) -> np.ndarray:
+    """bool (N,): the ``(x, y, w, h)`` boxes (N, 4) with a positive width and height (something to crop)."""
+    return (boxes[:, 2] > 0) & (boxes[:, 3] > 0)

@@ -2,7 +2,9 @@
 :class:`DevicePrefetcher` (training) and :class:`EvalBatches` (evaluation) handing each batch over on the
 device, finished by :class:`DeviceStage` in a thread beside the step (:func:`beside_the_step`).
 What a sample is lives in :mod:`mlcls.data.pipeline`, which shards a rank reads in
-:mod:`mlcls.data.shards.loader`; those import nothing from here.
+:mod:`mlcls.data.shards.loader`; those import nothing from here. The DALI, GPU-decoding and shards modules
+are imported only where their backend is chosen: a sample or batch of theirs is known by what it does
+(``collate``, ``on_device``, ``normalises_on_device``, ``shard_sizes``), not by its class.
 """
 
 from __future__ import annotations
@@ -18,33 +20,21 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Subset, get_worker_info
-from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from mlcls.data.datasets.base import DatasetConfigError
-from mlcls.data.pipeline.dali import CropPlans, DaliTrainLoader, collate_plans
 from mlcls.data.pipeline.fast import (
     AugmentedImage,
     ColourConstants,
     FastTrainTransform,
     colour_lighting_normalise,
-)
-from mlcls.data.pipeline.gpu import (
-    SIZE,
-    EncodedBatch,
-    EncodedImage,
-    GpuEvalTransform,
     cuda_device,
-    decode_on_device,
     side_stream,
 )
 from mlcls.data.pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD, normalisation
 from mlcls.data.sampling import RankSampler, ResumableSampler, SeededSamples
-from mlcls.data.shards.datasets import ShardTrainSet
-from mlcls.data.shards.loader import ShardSchedule, ShardStream
 
 log = logging.getLogger("mlcls")
 
@@ -75,35 +65,22 @@ def loader_workers(requested: int) -> int:
     return cpus
 
 
-def _collate_augmented(batch: list[AugmentedImage], *, collate_fn_map: dict | None = None) -> AugmentedImage:
-    pixels = collate_tensor_fn([image.pixels.permute(1, 2, 0) for image in batch]).permute(0, 3, 1, 2)
-    return AugmentedImage(pixels, collate_tensor_fn([image.params for image in batch]))
+def collate_batch(batch: list[Any]) -> list[Any]:
+    """The samples ``batch`` (each a tuple of fields: image, targets, ...) as one list of batched fields, as
+    ``default_collate`` returns them: a field whose type has a ``collate`` of its own
+    (:class:`AugmentedImage`, stacked in its channels-last memory; ``data.backend=gpu``'s ``EncodedImage``,
+    whose files become one uint8 tensor) by it, any other by ``default_collate``. A sample of another type
+    is one field."""
+    if type(batch[0]) not in (tuple, list):
+        return collate_field(batch)
+    return [collate_field(list(field)) for field in zip(*batch, strict=True)]
 
 
-def _collate_encoded(batch: list[EncodedImage], *, collate_fn_map: dict | None = None) -> EncodedBatch:
-    lengths = np.array([len(sample.data) for sample in batch], dtype=np.int64)
-    encoded = torch.empty(int(lengths.sum()), dtype=torch.uint8)
-    if get_worker_info() is not None and len(encoded):  # in shared memory, as collate_tensor_fn does
-        encoded = encoded.new(encoded._typed_storage()._new_shared(len(encoded), device="cpu"))
-    files, position = encoded.numpy(), 0
-    for sample in batch:
-        files[position : position + len(sample.data)] = np.frombuffer(sample.data, dtype=np.uint8)
-        position += len(sample.data)
-    decoded = [sample.pixels.permute(1, 2, 0) for sample in batch if sample.pixels is not None]
-    size = int(batch[0].geometry[SIZE])
-    stacked = collate_tensor_fn(decoded) if decoded else torch.empty(0, size, size, 3, dtype=torch.uint8)
-    params = collate_tensor_fn([sample.params for sample in batch])
-    geometry = np.stack([sample.geometry for sample in batch])
-    return EncodedBatch(encoded, lengths, geometry, stacked.permute(0, 3, 1, 2), params)
-
-
-_COLLATE_FNS = {**default_collate_fn_map, AugmentedImage: _collate_augmented, EncodedImage: _collate_encoded}
-
-
-def collate_batch(batch: list[Any]) -> Any:
-    """``default_collate`` that stacks :class:`AugmentedImage` pixels in their channels-last memory (not
-    transposed: ~10x faster) and ``data.backend=gpu``'s files in one uint8 tensor (:class:`EncodedBatch`)."""
-    return collate(batch, collate_fn_map=_COLLATE_FNS)
+def collate_field(values: list[Any]) -> Any:
+    """``values``, one field of every sample, batched by their type's own ``collate``, else by
+    ``default_collate``."""
+    own = getattr(type(values[0]), "collate", None)
+    return default_collate(values) if own is None else own(values)
 
 
 def loader_options(
@@ -122,39 +99,6 @@ def loader_options(
     }
 
 
-class ShardTrainLoader:
-    """The training loader of a :class:`ShardTrainSet` or its view: a DataLoader over its ``ShardStream``;
-    ``sampler`` a ``ShardSchedule`` of ``workers`` streams (``trainer.workers``, before the CPU cap)."""
-
-    def __init__(
-        self,
-        dataset: Any,
-        batch_size: int,
-        workers: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        device: torch.device,
-    ) -> None:
-        self.batch_size = batch_size
-        self.sampler = ShardSchedule(dataset.shard_sizes, batch_size, rank, world_size, seed, streams=workers)
-        options = loader_options(workers, device)
-        if options["num_workers"] and self.sampler.streams % options["num_workers"]:
-            _log_once(
-                "dataset=shards: %d DataLoader workers share %d read streams (trainer.workers); each reads "
-                "the shards of several streams (the sample order is the same)",
-                options["num_workers"],
-                self.sampler.streams,
-            )
-        self.loader = DataLoader(ShardStream(dataset, self.sampler), batch_size=batch_size, **options)
-
-    def __len__(self) -> int:
-        return len(self.sampler) // self.batch_size
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-
 def build_train_loader(
     dataset: Dataset,
     batch_size: int,
@@ -165,25 +109,34 @@ def build_train_loader(
     device: torch.device,
     backend: str,
     with_index: bool = False,
-) -> DataLoader | DaliTrainLoader | ShardTrainLoader:
+) -> Iterable:
     """The training loader of ``data.backend``: ``(images, targets)`` batches of ``batch_size`` samples per
     process drawn by a :class:`ResumableSampler` (its ``sampler``, with ``set_epoch(epoch)`` and
     ``set_start(samples)``), the incomplete last batch dropped; with ``dali`` a
     :class:`~mlcls.data.pipeline.dali.DaliTrainLoader` over a DataLoader of crop plans; for a
-    :class:`ShardTrainSet` (or its view) its :class:`ShardTrainLoader`. ``with_index``: each batch also
+    :class:`~mlcls.data.shards.datasets.ShardTrainSet` (or its view) its
+    :class:`~mlcls.data.shards.loader.ShardTrainLoader`. ``with_index``: each batch also
     holds the int64 (B,) positions of its samples in ``dataset`` (map-style datasets without DALI only)."""
-    packed = isinstance(getattr(dataset, "source", dataset), ShardTrainSet)  # the shards, or their view
+    packed = hasattr(dataset, "shard_sizes")  # a ShardTrainSet, or its TrainingView: read in sequence
     if with_index and (packed or backend == "dali"):
         where = "dataset=shards" if packed else "data.backend=dali"
         raise DatasetConfigError(
             f"this loss keeps a row per training sample and needs each sample's index in the batch, which "
             f"{where} does not give; train it with data.backend=fast or torchvision on a map-style dataset"
         )
-    if packed:
-        return ShardTrainLoader(dataset, batch_size, workers, rank, world_size, seed, device)
-    sampler = ResumableSampler(dataset, world_size, rank, seed)
     options = loader_options(workers, device)
+    if packed:
+        from mlcls.data.shards.loader import ShardTrainLoader  # dataset=shards alone
+
+        return ShardTrainLoader(dataset, batch_size, rank, world_size, seed, options, streams=workers)
+    sampler = ResumableSampler(dataset, world_size, rank, seed)
     if backend == "dali":
+        from mlcls.data.pipeline.dali import (  # data.backend=dali alone
+            CropPlans,
+            DaliTrainLoader,
+            collate_plans,
+        )
+
         transform = getattr(dataset, "transform", None)
         if not isinstance(transform, FastTrainTransform):
             raise DatasetConfigError(
@@ -217,7 +170,7 @@ def build_eval_loader(
     while isinstance(dataset, Subset):  # trainer.limit_val_batches
         dataset = dataset.dataset
     transform = getattr(dataset, "transform", None)
-    if isinstance(transform, GpuEvalTransform):
+    if getattr(transform, "normalises_on_device", False):  # data.backend=gpu's GpuEvalTransform
         return EvalBatches(loader, DeviceStage(device, channels_last, mean=transform.mean, std=transform.std))
     return EvalBatches(loader, DeviceStage(device, channels_last, colour=False))
 
@@ -276,10 +229,10 @@ class DeviceStage:
         self.constants = ColourConstants.on(self.device, mean, std) if colour else None
         self.times = StageTimes()
 
-    def __call__(self, images: Tensor | AugmentedImage | EncodedBatch) -> Tensor:
+    def __call__(self, images: Tensor | AugmentedImage | Any) -> Tensor:
         """float32 (B, 3, H, W) on ``device``, normalised."""
-        if isinstance(images, EncodedBatch):  # its pixels made on the device
-            images = AugmentedImage(decode_on_device(images, self.device), images.params)
+        if hasattr(images, "on_device"):  # data.backend=gpu's EncodedBatch: its pixels made on the device
+            images = images.on_device(self.device)
         if isinstance(images, AugmentedImage):
             pixels = images.pixels.to(self.device, non_blocking=True)
             params = images.params.to(self.device, non_blocking=True)

@@ -18,10 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, Subset
 
 from mlcls.data import build_dataset
-from mlcls.data.datasets.folds import split_holdout
 from mlcls.data.datasets.labels import label_counts
 from mlcls.data.loader import DeviceStage, build_eval_loader, build_train_loader
 from mlcls.data.pipeline.preprocess import preprocess_spec
+from mlcls.data.views import split_holdout
 from mlcls.engine.checkpoint import TrainState, seed_everything
 from mlcls.engine.checkpointer import Checkpointer, carry_loss_state, init_from_checkpoint
 from mlcls.engine.config_checks import check_config, resolve_amp

@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from mlcls.data.pipeline.fast import BACKENDS
+from mlcls.data import BACKENDS
 from mlcls.engine.rundir import explicit_hydra_run_dir
 from mlcls.errors import ConfigError, is_integer, is_number
 from mlcls.losses.spec import loss_name

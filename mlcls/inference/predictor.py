@@ -17,11 +17,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mlcls.config_tree import nested_get
-from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, to_rgb
-from mlcls.data.images import read_image
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS
+from mlcls.data.images import check_aspect_ratio, read_image, to_rgb
 from mlcls.data.loader import beside_the_step
 from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_checkpoint
-from mlcls.data.pipeline.transforms import check_aspect_ratio
 from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.distributed import resolve_device
 from mlcls.errors import ConfigError, InferenceError, first_line, plural, printable, shown

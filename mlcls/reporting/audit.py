@@ -1,14 +1,14 @@
 """``mlcls-data audit``: suspected label errors of a training split, ranked by cleanlab from K-fold
 out-of-sample probabilities.
 
-K runs of the training config each train on K-1 folds (:mod:`mlcls.data.datasets.folds`) and score the fold
-held out (the sigmoid of the last epoch's raw weights' logits), so that every training image is scored by a
-model that never saw it. Each fold is saved atomically to ``<out>/folds/fold_<k>.npz``; a rerun skips the
-folds saved with the same settings (a stopped fold resumes from ``<out>/folds/fold_<k>/``). cleanlab's
-self-confidence scores (``get_label_quality_scores_per_class``) rank every known (image, class) label, least
-likely first; the first ``top`` go to ``<out>/audit.csv`` and ``<out>/audit.html`` (:func:`audit_page`).
-The out-of-fold mAP@class says how good the folds' models are, with a warning below :data:`HELPFUL_MAP`.
-Names from the dataset's owner are kept from running as formulas in the CSV
+K runs of the training config each train on K-1 folds (:class:`FoldSplit`, cut by :func:`fold_rows`) and score
+the fold held out (the sigmoid of the last epoch's raw weights' logits), so that every training image is
+scored by a model that never saw it. Each fold is saved atomically to ``<out>/folds/fold_<k>.npz``; a rerun
+skips the folds saved with the same settings (a stopped fold resumes from ``<out>/folds/fold_<k>/``).
+cleanlab's self-confidence scores (``get_label_quality_scores_per_class``) rank every known (image, class)
+label, least likely first; the first ``top`` go to ``<out>/audit.csv`` and ``<out>/audit.html``
+(:func:`audit_page`). The out-of-fold mAP@class says how good the folds' models are, with a warning below
+:data:`HELPFUL_MAP`. Names from the dataset's owner are kept from running as formulas in the CSV
 (:func:`mlcls.reporting.render.spreadsheet_text`) and from driving the terminal (:func:`printable`).
 """
 
@@ -18,17 +18,20 @@ import json
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mlcls.data import MultiLabelDataset
-from mlcls.data.datasets.folds import fold_rows, indexed_training_split
+from mlcls.data import build_dataset
+from mlcls.data.datasets.base import DatasetConfigError, MultiLabelDataset, check_choice
+from mlcls.data.datasets.observed import ALL_LABELS, NO_HOLDOUT
+from mlcls.data.views import DatasetView, TrainingView
 from mlcls.engine.build import pin_dataset_root
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError, plural, printable
@@ -49,6 +52,8 @@ FOLD_SETTINGS = ("dataset", "model", "loss", "optim", "sched", "data")
 FOLD_TRAINER_SETTINGS = ("epochs", "batch_size", "seed", "amp", "ema_decay", "grad_clip")
 # A fold file's arrays (dtype kinds, named dims), as check_npz_members checks them before loading.
 FOLD_KINDS = {"rows": ("iu", ("N",)), "probabilities": ("f", ("N", "C")), "settings": ("U", ())}
+# The two sides of a FoldSplit: the other folds (trained on) and the fold held out (scored).
+FOLD_SPLITS = ("train", "heldout")
 
 
 @dataclass(frozen=True)
@@ -118,14 +123,72 @@ def audit_page(
     return page(f"Suspected label errors: {name}", intro, sections, thumbnails.uris, "mlcls-data audit")
 
 
+def fold_rows(num_rows: int, folds: int, fold: int, seed: int) -> np.ndarray:
+    """The rows (ascending) of fold ``fold`` of ``folds``: positions ``p`` of a permutation of
+    ``range(num_rows)`` drawn from ``seed`` with ``p mod folds == fold`` (sizes differ by one at most)."""
+    order = np.random.default_rng(seed).permutation(num_rows)
+    return np.sort(order[fold::folds])
+
+
+def indexed_training_split(cfg: DictConfig) -> TrainingView:
+    """The training view of the dataset config ``cfg``; :class:`DatasetConfigError` for packed shards (read
+    in sequence, not by index)."""
+    dataset = build_dataset(cfg, train=True)
+    if not isinstance(dataset.source, MultiLabelDataset):
+        raise DatasetConfigError(
+            f"the training split of {cfg.get('name', 'this dataset')} is read in sequence (packed shards), "
+            "not by index; audit the dataset config the shards were packed from"
+        )
+    return dataset
+
+
+class FoldSplit(DatasetView):
+    """Fold ``fold`` of ``folds`` (>= 2) of the training split of the dataset config ``source``
+    (``heldout``: full labels), or the other folds (``train``: as its regime shows them), read by the source
+    with this dataset's ``transform``; ``seed``: the cut's (:func:`fold_rows`)."""
+
+    def __init__(
+        self,
+        split: str = "train",
+        transform: Callable | None = None,
+        source: Mapping[str, Any] | None = None,
+        folds: int = 5,
+        fold: int = 0,
+        seed: int = 0,
+        **config_keys: Any,
+    ) -> None:
+        MultiLabelDataset.__init__(self, transform, **config_keys)
+        self.split = check_choice("fold split", split, FOLD_SPLITS)
+        if source is None:
+            raise DatasetConfigError(
+                "a fold split needs source, the dataset config whose training split it cuts"
+            )
+        if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
+            raise DatasetConfigError(f"folds={folds!r}; expected an integer >= 2")
+        if isinstance(fold, bool) or not isinstance(fold, int) or not 0 <= fold < folds:
+            raise DatasetConfigError(f"fold={fold!r}; expected an integer from 0 to {folds - 1}")
+        source_cfg = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(source), resolve=True))
+        training = indexed_training_split(source_cfg)
+        training.transform = self.transform  # the source reads; this split's transform applies
+        if len(training) < folds:
+            raise DatasetConfigError(
+                f"the training split has {len(training)} samples, fewer than folds={folds}"
+            )
+        held = fold_rows(len(training), folds, fold, seed)
+        if split == "heldout":
+            self.select(TrainingView(training.source, ALL_LABELS, NO_HOLDOUT), held)
+        else:
+            self.select(training, np.setdiff1d(np.arange(len(training)), held))
+
+
 def fold_config(cfg: DictConfig, folds: int, fold: int, seed: int, out: Path) -> DictConfig:
     """The training config of fold ``fold``: ``cfg`` with its dataset replaced by the
-    :class:`~mlcls.data.datasets.folds.FoldSplit` of its training split (fold ``fold`` held out and
+    :class:`FoldSplit` of its training split (fold ``fold`` held out and
     evaluated once, after the last epoch), run in ``out/folds/fold_<fold>`` and resumed from there."""
     source = OmegaConf.to_container(cfg.dataset, resolve=True)
     fold_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     fold_cfg.dataset = {
-        "_target_": "mlcls.data.datasets.folds.FoldSplit",
+        "_target_": f"{FoldSplit.__module__}.{FoldSplit.__qualname__}",
         "_recursive_": False,  # source is a dataset config, instantiated by the fold split itself
         **{key: source[key] for key in ("name", "image_size", "transform", "mean", "std") if key in source},
         "train_split": "train",

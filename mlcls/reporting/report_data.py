@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mlcls.data.shards.tario import NPY_MAX_HEADER, check_npz_member, npy_header
+from mlcls.data.datasets.labels import NPY_MAX_HEADER, check_npz_member, npy_header
 from mlcls.io import CAPS, atomic_write, open_regular
 from mlcls.metrics import average_precision
 from mlcls.metrics.f1 import prediction_counts
@@ -168,7 +168,7 @@ def check_npz_members(
     size: each of ``kinds`` (name: dtype kinds, named dims; :data:`PREDICTION_KINDS`) a member as
     ``np.savez`` writes it (:func:`check_npz_member`), all together at most :data:`MAX_EXPANSION` times the
     file (a deflated member may declare 1,000 times its bytes); each ``.npy`` header
-    (:func:`~mlcls.data.shards.tario.npy_header`) naming a
+    (:func:`~mlcls.data.datasets.labels.npy_header`) naming a
     dtype of its kind, and a shape whose bytes are exactly the member's data (numpy allocates from the
     header's shape before reading); the shapes agreeing. :class:`ValueError` names the first that fails.
     """

@@ -25,8 +25,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from mlcls.data.images import open_image, read_image_bytes
-from mlcls.data.pipeline.transforms import check_aspect_ratio
+from mlcls.data.images import read_image_bytes, rgb_picture
 from mlcls.errors import shown
 from mlcls.io import read_json
 
@@ -180,51 +179,6 @@ def check_integer(key: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise DatasetConfigError(f"dataset.{key}={shown(value)}; expected an integer from {low} to {high}")
     return value
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """``image`` as 8-bit RGB. Greyscale of more than 8 bits (modes ``I;16*`` and ``I``) is scaled, ``v >> 8``
-    for 16-bit values, where PIL's own conversion clips every value above 255 to white. Mode ``I`` (16-bit
-    values in most files) is taken as 8-bit when no value exceeds 255, as 16-bit up to 65535, else as 31-bit
-    (``v >> 23``); negative values become 0."""
-    if image.mode.startswith("I;16"):
-        values = np.asarray(image).astype(np.uint16) >> 8
-    elif image.mode == "I":
-        values = np.clip(np.asarray(image), 0, None)
-        top = int(values.max(initial=0))
-        values = values >> (0 if top <= 255 else 8 if top <= 65535 else 23)
-    else:
-        return image.convert("RGB")  # a loaded copy, also of an RGB image
-    return Image.fromarray(values.astype(np.uint8)).convert("RGB")
-
-
-def rgb_picture(data: bytes, box: tuple[float, float, float, float] | None) -> Image.Image:
-    """The RGB image of the encoded ``data``, cropped to ``box`` ``(x, y, w, h)`` (clamped); refused with a
-    ``ValueError`` from its header, before decoding, when too thin (:func:`check_aspect_ratio`)."""
-    with open_image(data) as img:
-        region = crop_box(box, *img.size)
-        rgb = to_rgb(img)
-    return rgb if box is None else rgb.crop(region)
-
-
-def crop_box(
-    box: tuple[float, float, float, float] | None, width: int, height: int
-) -> tuple[int, int, int, int]:
-    """Pixel crop ``(left, top, right, bottom)`` of box ``(x, y, w, h)`` clamped to a ``width`` x ``height``
-    image; the whole image when ``box`` is None or the clamped box is empty. A region too thin to resize is
-    refused with a ``ValueError``, a bad image (:func:`check_aspect_ratio`): every pipeline crops here."""
-    x, y, w, h = (0, 0, width, height) if box is None else box
-    left, top = max(0, int(x)), max(0, int(y))
-    right, bottom = min(width, int(round(x + w))), min(height, int(round(y + h)))
-    if not (right > left and bottom > top):
-        left, top, right, bottom = 0, 0, width, height
-    check_aspect_ratio(right - left, bottom - top)
-    return left, top, right, bottom
-
-
-def nonempty_boxes(boxes: np.ndarray) -> np.ndarray:
-    """bool (N,): the ``(x, y, w, h)`` boxes (N, 4) with a positive width and height (something to crop)."""
-    return (boxes[:, 2] > 0) & (boxes[:, 3] > 0)
 
 
 def check_labels(labels: torch.Tensor, classes: Sequence[str], dataset: str) -> torch.Tensor:

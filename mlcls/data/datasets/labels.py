@@ -2,12 +2,17 @@
 
 Open Images' training labels (~9 M x 9,605) would take ~350 GB as float32, so the training path never needs
 the (N, C) matrix: the loss set-up, class statistics and results.json read a :class:`LabelCounts`
-(:func:`label_counts`), and each target row is built on its own (:meth:`SparseLabels.row`).
+(:func:`label_counts`), and each target row is built on its own (:meth:`SparseLabels.row`). Such matrices are
+stored as ``.npz`` files of ``.npy`` arrays, read here within bounds whatever their bytes (:func:`npy_array`;
+packed shards' label members too).
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import math
+import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -17,9 +22,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Subset
 
-from mlcls.data.datasets.base import LABEL_VALUES, DatasetConfigError
+from mlcls.data.datasets.base import LABEL_VALUES, DatasetConfigError, DatasetFormatError
 from mlcls.data.datasets.observed import ALL_LABELS, ObservedLabels
-from mlcls.data.shards.tario import check_npz_member, npy_array
 
 NPZ_ARRAYS = ("offsets", "columns", "values", "shape_fill")  # the members of SparseLabels.to_bytes
 NPY_HEADER_ROOM = 4096  # bytes an .npy member may take besides its data (np.save writes ~128)
@@ -27,6 +31,13 @@ NPY_HEADER_ROOM = 4096  # bytes an .npy member may take besides its data (np.sav
 # stores the members; np.savez_compressed of label arrays gains far less).
 MAX_DEFLATE_RATIO = 32
 OBSERVED_CHUNK = 1 << 22  # label entries drawn at once when counting under a regime (observed_counts)
+NPY_MAGIC = b"\x93NUMPY"
+NPY_MAX_DIMS = 64  # numpy's NPY_MAXDIMS
+NPY_MAX_HEADER = 12 + 10_000  # prefix and numpy's default max_header_size: a longer header is refused
+NPY_HEADER_READERS = {
+    b"\x01": np.lib.format.read_array_header_1_0,
+    b"\x02": np.lib.format.read_array_header_2_0,
+}
 
 
 @dataclass(frozen=True)
@@ -337,3 +348,74 @@ def label_counts(dataset: object) -> LabelCounts | None:
         return counts()
     labels = getattr(dataset, "labels", None)
     return None if labels is None else LabelCounts.of(labels)
+
+
+# ---- .npy and .npz files as np.load reads them, bounded: label arrays of packed shards and run files.
+
+
+def check_npz_member(info: zipfile.ZipInfo, file_size: int) -> None:
+    """ValueError unless the member ``info`` of an ``.npz`` file of ``file_size`` bytes is as ``np.savez``
+    (or ``np.savez_compressed``) writes it: stored or deflated, not encrypted, within the file, a stored one
+    declaring the bytes it occupies."""
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
+        raise ValueError(f"{info.filename} is encrypted or compressed with method {info.compress_type}")
+    stored = info.compress_type == zipfile.ZIP_STORED
+    if info.compress_size > file_size or (stored and info.file_size != info.compress_size):
+        raise ValueError(
+            f"{info.filename} declares {info.compress_size} bytes stored, {info.file_size} unpacked, in a "
+            f"file of {file_size} bytes"
+        )
+
+
+def npy_header(data: bytes, member: str = "the .npy file") -> tuple[np.dtype, tuple[int, ...], str, int]:
+    """``(dtype, shape, order, offset of the data)`` of the ``.npy`` file whose bytes begin with ``data``
+    (its first :data:`NPY_MAX_HEADER` bytes suffice): format versions 1 and 2, no objects, each distinct
+    header parsed once (every sample of a shard has the same). Anything else raises
+    :class:`DatasetFormatError` naming ``member``."""
+    version = data[6:7] if data.startswith(NPY_MAGIC) else b""
+    if version not in NPY_HEADER_READERS:
+        raise DatasetFormatError(f"{member} is not a .npy array (format version 1 or 2)")
+    end = (
+        10 + int.from_bytes(data[8:10], "little")
+        if version == b"\x01"
+        else 12 + int.from_bytes(data[8:12], "little")
+    )
+    try:
+        return (*_npy_layout(data[:end]), end)
+    except (ValueError, TypeError, SyntaxError, tokenize.TokenError) as exc:  # numpy's header parser's
+        raise DatasetFormatError(f"{member} has no valid .npy header ({exc})") from None
+    except (MemoryError, RecursionError):  # Python's parser on thousands of nested unary minuses
+        raise DatasetFormatError(f"{member} has no valid .npy header (nested too deeply)") from None
+
+
+def npy_array(data: bytes, member: str = "the .npy file") -> np.ndarray:
+    """The array of ``.npy`` file bytes (:func:`npy_header`), as ``np.load`` reads it, read-only, a view of
+    ``data``."""
+    dtype, shape, order, end = npy_header(data, member)
+    count = math.prod(shape)
+    if len(data) - end < count * dtype.itemsize:
+        raise DatasetFormatError(
+            f"{member} holds {len(data) - end} bytes of data; its header declares {shape} {dtype}"
+        )
+    return np.frombuffer(data, dtype, count=count, offset=end).reshape(shape, order=order)
+
+
+@functools.lru_cache(maxsize=16)
+def _npy_layout(header: bytes) -> tuple[np.dtype, tuple[int, ...], str]:
+    """``(dtype, shape, order)`` of a ``.npy`` header; ValueError for one that np.load would not read
+    without pickles."""
+    stream = io.BytesIO(header)
+    np.lib.format.read_magic(stream)
+    shape, fortran_order, dtype = NPY_HEADER_READERS[header[6:7]](stream)
+    if dtype.hasobject:
+        raise ValueError("an object array")
+    if dtype.itemsize == 0:
+        raise ValueError(f"dtype {dtype} has items of 0 bytes")
+    # numpy's limits on an array's dimensions and size, zero-length dimensions aside: (0, 2**62) is none
+    if (
+        len(shape) > NPY_MAX_DIMS
+        or any(size < 0 for size in shape)
+        or math.prod(max(size, 1) for size in shape) * dtype.itemsize >= 2**63
+    ):
+        raise ValueError(f"shape {shape}, beyond what numpy holds")
+    return dtype, shape, "F" if fortran_order else "C"

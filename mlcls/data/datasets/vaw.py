@@ -21,10 +21,10 @@ from mlcls.data.datasets.base import (
     Sample,
     check_choice,
     load_json,
-    nonempty_boxes,
     require_files,
     resolve_path,
 )
+from mlcls.data.images import nonempty_boxes
 
 SPLIT_FILES = {
     "train": ("train_part1", "train_part2", "val"),

@@ -18,9 +18,9 @@ from mlcls.data.datasets.base import (
     Sample,
     check_choice,
     load_json,
-    nonempty_boxes,
     require_files,
 )
+from mlcls.data.images import nonempty_boxes
 
 SPLITS = ("trainval", "test")
 

@@ -7,11 +7,13 @@ windows of similar size into zero-padded tensors and resizes them by two batched
 segments (:mod:`mlcls.data.pipeline.jpeg`) takes the fast pipeline's CPU path in the worker; one whose
 damage only decoding finds is decoded again one by one, then by PIL (docs/performance.md, "JPEGs decoded
 on the GPU").
+
+One private torch call stays, ``_typed_storage()._new_shared`` (:meth:`EncodedImage.collate`): it allocates a
+batch's files in shared memory at once, as torch's own collation does, and no public call does without a copy.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -21,11 +23,13 @@ import simplejpeg
 import torch
 from PIL import Image
 from torch import Tensor
+from torch.utils.data import default_collate, get_worker_info
 from torchvision import transforms as T
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from mlcls.data.datasets.base import BadImageError, crop_box, rgb_picture, to_rgb
-from mlcls.data.images import check_encoded_size, check_pixels, open_image
+from mlcls.data.datasets.base import BadImageError
+from mlcls.data.images import Box, check_encoded_size, check_pixels, crop_box, open_image, rgb_picture, to_rgb
+from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, PlannedCrop, cuda_device, side_stream
 from mlcls.data.pipeline.jpeg import BASELINE, SEQUENTIAL_SCAN, ends_after_its_last_scan, read_jpeg_header
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
@@ -57,7 +61,6 @@ MAX_PADDING = 2
 # pixels; the grid the window is resized to and the offset of the S x S output in it; the flip; S.
 IMAGE_W, IMAGE_H, LEFT, TOP, WIDTH, HEIGHT, GRID_W, GRID_H, OFFSET_X, OFFSET_Y, FLIP, SIZE = range(12)
 GEOMETRY_FIELDS = 12
-Box = tuple[float, float, float, float]  # a Sample.box: (x, y, w, h) in pixels
 
 
 class EncodedImage(NamedTuple):
@@ -70,6 +73,25 @@ class EncodedImage(NamedTuple):
     pixels: Tensor | None
     geometry: np.ndarray
     params: Tensor
+
+    @staticmethod
+    def collate(batch: list[EncodedImage]) -> EncodedBatch:
+        """The :class:`EncodedBatch` of ``batch``: the files copied once, into shared memory in a DataLoader
+        worker (as ``default_collate`` places its tensors), the CPU-path pixels stacked channels-last."""
+        lengths = np.array([len(sample.data) for sample in batch], dtype=np.int64)
+        encoded = torch.empty(int(lengths.sum()), dtype=torch.uint8)
+        if get_worker_info() is not None and len(encoded):
+            encoded = encoded.new(encoded._typed_storage()._new_shared(len(encoded), device="cpu"))
+        files, position = encoded.numpy(), 0
+        for sample in batch:
+            files[position : position + len(sample.data)] = np.frombuffer(sample.data, dtype=np.uint8)
+            position += len(sample.data)
+        decoded = [sample.pixels.permute(1, 2, 0) for sample in batch if sample.pixels is not None]
+        size = int(batch[0].geometry[SIZE])
+        stacked = default_collate(decoded) if decoded else torch.empty(0, size, size, 3, dtype=torch.uint8)
+        params = default_collate([sample.params for sample in batch])
+        geometry = np.stack([sample.geometry for sample in batch])
+        return EncodedBatch(encoded, lengths, geometry, stacked.permute(0, 3, 1, 2), params)
 
 
 class EncodedBatch(NamedTuple):
@@ -88,6 +110,11 @@ class EncodedBatch(NamedTuple):
         """The batch with its pixel tensors pinned (what the DataLoader's ``pin_memory`` calls): ``encoded``
         stays in pageable memory, since nvJPEG reads the files on the host and copies them itself."""
         return self._replace(pixels=self.pixels.pin_memory(), params=self.params.pin_memory())
+
+    def on_device(self, device: torch.device) -> AugmentedImage:
+        """The batch as the fast pipeline's device stage takes it: its pixels made on ``device``
+        (:func:`decode_on_device`), its colour parameters."""
+        return AugmentedImage(decode_on_device(self, device), self.params)
 
 
 class PlannedJpeg(NamedTuple):
@@ -150,6 +177,8 @@ class GpuEvalTransform:
     for it (the window: the image, or the sample's box); other files are decoded here and resized as the
     plain evaluation transform does, to uint8 (3, S, S). ``mean`` and ``std`` normalise on the device."""
 
+    normalises_on_device = True  # the loader's device stage normalises with ``mean`` and ``std``
+
     def __init__(
         self,
         size: int,
@@ -192,6 +221,34 @@ class GpuEvalTransform:
         return (
             f"{type(self).__name__}(size={self.size}, kind={self.kind!r}, mean={self.mean}, std={self.std})"
         )
+
+
+class GpuTrainTransform:
+    """The worker's part of the ``paper`` training augmentation with ``data.backend=gpu``: read and plan
+    (the datasets' ``decode_bytes`` hook), then draw the flip and colour parameters with the fast pipeline's
+    calls in its order; output :class:`EncodedImage`."""
+
+    torch_random_only = True
+
+    def __init__(self, fast: FastTrainTransform) -> None:
+        self.fast, self.size = fast, fast.size
+
+    def decode_bytes(self, data: bytes, box: Box | None = None) -> PlannedJpeg | PlannedCrop:
+        """A :class:`PlannedJpeg` with the fast pipeline's crop window, or the fast pipeline's own
+        ``decode_bytes`` (the CPU path, the same draw)."""
+        size = device_jpeg_size(data)
+        if size is None:
+            return self.fast.decode_bytes(data, box)
+        return PlannedJpeg(data, *size, self.fast.crop_window(box, *size))
+
+    def __call__(self, image: PlannedJpeg | PlannedCrop | Image.Image) -> EncodedImage:
+        if not isinstance(image, PlannedJpeg):
+            return encoded_image(*self.fast(image), self.size)  # its (pixels, params)
+        flip, params = self.fast.flip_and_colour()
+        return encoded_image(image, params, self.size, (self.size, self.size, 0, 0), flip)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, crop and colour of {self.fast!r})"
 
 
 def input_stage_bytes(batch_size: int, size: int) -> int:
@@ -253,19 +310,6 @@ def _decode_one(data: Tensor, device: torch.device) -> Tensor:
                 f"a JPEG of this batch cannot be decoded ({device_error}; PIL: {exc}); its header is sound, "
                 "so the workers could not skip it: find it with `mlcls-data stats --check`"
             ) from exc
-
-
-@functools.cache
-def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
-    """The one CUDA stream of ``device`` (with its index) for ``role`` (``"stage"``: the device stage beside
-    the step; ``"decode"``: :func:`decode_images`) for the whole process: the caching allocator keeps a
-    pool per stream, so a new stream per epoch would reserve the stage's memory again."""
-    return torch.cuda.Stream(device)
-
-
-def cuda_device(device: torch.device) -> torch.device:
-    """``device`` with its index (the current device's when it has none): the key of :func:`side_stream`."""
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _decode_batched(files: list[Tensor], device: torch.device) -> list[Tensor]:

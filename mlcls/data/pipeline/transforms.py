@@ -29,6 +29,7 @@ from PIL import Image
 from timm.data.auto_augment import rand_augment_transform
 from torchvision import transforms as T
 
+from mlcls.data.images import MAX_ASPECT_RATIO, check_aspect_ratio
 from mlcls.errors import ConfigError, shown
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -52,21 +53,6 @@ SQUASH_EVAL_KINDS = ("light", "strong", "strong_timm")
 TIMM_RANDAUGMENT = "rand-m9-n2-mstd0.5"
 # Side of the ``strong`` recipe's cutout rectangle, as a fraction of the image's side.
 CUTOUT_FACTOR = 0.5
-# The longest an image's long side may be, in multiples of its short side. This bounds what the evaluation
-# resize of the shorter side to s pixels makes, s x 100 s pixels (256 x 25,600 RGB, 20 MB, at image_size
-# 224), where a 138-byte 1 x 30,000 PNG would become 256 x 7.68 M (5.9 GB). Photos, panoramas and banners
-# stay far below it.
-MAX_ASPECT_RATIO = 100
-
-
-def check_aspect_ratio(width: int, height: int) -> None:
-    """Raise ``ValueError`` (one of the bad-image errors the datasets' ``on_bad_image`` handles) when one
-    side of a ``width`` x ``height`` image exceeds :data:`MAX_ASPECT_RATIO` times the other."""
-    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
-        raise ValueError(
-            f"an image of {width} x {height} pixels: one side is over {MAX_ASPECT_RATIO} times the other "
-            "(too thin to resize)"
-        )
 
 
 class AspectRatioCheck:

@@ -30,9 +30,9 @@ from mlcls.data.datasets.base import (
     MultiLabelDataset,
     Sample,
     check_choice,
-    rgb_picture,
 )
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels, dense_row
+from mlcls.data.images import rgb_picture
 from mlcls.data.sampling import seeded_call
 from mlcls.data.shards.pack import IMAGE_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.shards.reader import (

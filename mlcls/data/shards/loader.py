@@ -15,22 +15,25 @@ W``, ... and reads the blocks they come from (one worker a block when ``W`` divi
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mlcls.data.datasets.base import DatasetFormatError
 from mlcls.data.sampling import sample_seed
 from mlcls.data.shards.reader import iter_shard
 
+log = logging.getLogger("mlcls")
+
 Sample = tuple[str, dict[str, bytes]]  # (key, {extension: bytes}) of a shard sample
 
 
 class ShardSchedule:
-    """The ``sampler`` of :class:`mlcls.data.loader.ShardTrainLoader`: ``set_epoch(e)`` and
+    """The ``sampler`` of :class:`ShardTrainLoader`: ``set_epoch(e)`` and
     ``set_start(samples)`` as :class:`mlcls.data.sampling.ResumableSampler`, the state in shared memory so
     that persistent DataLoader workers see it."""
 
@@ -154,3 +157,37 @@ class ShardStream(IterableDataset):
                 )
         if window:
             yield window
+
+
+class ShardTrainLoader:
+    """The training loader of a :class:`~mlcls.data.shards.datasets.ShardTrainSet` or its view (what
+    :func:`mlcls.data.loader.build_train_loader` builds for it): a DataLoader of ``options``
+    (:func:`mlcls.data.loader.loader_options`) over its :class:`ShardStream`; ``sampler`` a
+    :class:`ShardSchedule` of ``streams`` read streams (``trainer.workers``, before the CPU cap)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        options: dict[str, Any],
+        streams: int = 1,
+    ) -> None:
+        self.batch_size = batch_size
+        self.sampler = ShardSchedule(dataset.shard_sizes, batch_size, rank, world_size, seed, streams=streams)
+        if options["num_workers"] and self.sampler.streams % options["num_workers"]:
+            log.info(
+                "dataset=shards: %d DataLoader workers share %d read streams (trainer.workers); each reads "
+                "the shards of several streams (the sample order is the same)",
+                options["num_workers"],
+                self.sampler.streams,
+            )
+        self.loader = DataLoader(ShardStream(dataset, self.sampler), batch_size=batch_size, **options)
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)

@@ -41,9 +41,9 @@ import torch
 from PIL import Image, JpegImagePlugin
 from tqdm import tqdm
 
-from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset, crop_box
+from mlcls.data.datasets.base import BAD_IMAGE_ERRORS, DatasetConfigError, MultiLabelDataset
 from mlcls.data.datasets.labels import SparseLabels, sparse_labels_of
-from mlcls.data.images import open_image
+from mlcls.data.images import crop_box, open_image
 from mlcls.data.pipeline.fast import draft_reduction, image_header, load_reduced
 from mlcls.formats import FORMAT
 from mlcls.io import atomic_write_bytes, read_json, read_text

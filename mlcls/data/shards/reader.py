@@ -24,9 +24,9 @@ from mlcls.data.datasets.base import (
     DatasetLayoutError,
     reading,
 )
-from mlcls.data.datasets.labels import SparseLabels
+from mlcls.data.datasets.labels import SparseLabels, npy_array
 from mlcls.data.shards.pack import CLASSES_FILE, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
-from mlcls.data.shards.tario import npy_array, tar_files
+from mlcls.data.shards.tario import tar_files
 from mlcls.formats import upgrade
 from mlcls.io import CAPS, NotRegularFileError, open_regular, read_capped
 

@@ -1,23 +1,16 @@
-"""Reading the files inside packed shards as ``tarfile`` and ``np.load`` do, at a fraction of their cost per
-member (docs/performance.md, "Packed shards"). Shards come from others: whatever their bytes, reading ends
-in bounded time and memory, in the data or in a :class:`DatasetFormatError` naming the shard and the member
-(no size is trusted before the bytes exist).
+"""Reading the files inside packed shards as ``tarfile`` does, at a fraction of its cost per member
+(docs/performance.md, "Packed shards"; their ``.npy`` members: :func:`mlcls.data.datasets.labels.npy_array`).
+Shards come from others: whatever their bytes, reading ends in bounded time and memory, in the data or in a
+:class:`DatasetFormatError` naming the shard and the member (no size is trusted before the bytes exist).
 """
 
 from __future__ import annotations
 
-import functools
-import io
-import math
 import re
 import struct
 import tarfile
-import tokenize
-import zipfile
 from collections.abc import Iterator
 from typing import IO
-
-import numpy as np
 
 from mlcls.data.datasets.base import DatasetFormatError
 
@@ -29,13 +22,6 @@ TAR_NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, folders, F
 TAR_SPARSE = b"S"
 READ_CHUNK = 1 << 20  # a member larger than this is read in pieces: memory follows the bytes that exist
 PAX_RECORD = re.compile(rb"([0-9]{1,19}) ")  # "<length> <key>=<value>\n", the length counting it all
-NPY_MAGIC = b"\x93NUMPY"
-NPY_MAX_DIMS = 64  # numpy's NPY_MAXDIMS
-NPY_MAX_HEADER = 12 + 10_000  # prefix and numpy's default max_header_size: a longer header is refused
-NPY_HEADER_READERS = {
-    b"\x01": np.lib.format.read_array_header_1_0,
-    b"\x02": np.lib.format.read_array_header_2_0,
-}
 
 
 def tar_files(stream: IO[bytes], url: str) -> Iterator[tuple[str, bytes]]:
@@ -161,71 +147,3 @@ def _pax_records(data: bytes) -> dict[str, str]:
         records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         position = end
     return records
-
-
-def check_npz_member(info: zipfile.ZipInfo, file_size: int) -> None:
-    """ValueError unless the member ``info`` of an ``.npz`` file of ``file_size`` bytes is as ``np.savez``
-    (or ``np.savez_compressed``) writes it: stored or deflated, not encrypted, within the file, a stored one
-    declaring the bytes it occupies."""
-    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
-        raise ValueError(f"{info.filename} is encrypted or compressed with method {info.compress_type}")
-    stored = info.compress_type == zipfile.ZIP_STORED
-    if info.compress_size > file_size or (stored and info.file_size != info.compress_size):
-        raise ValueError(
-            f"{info.filename} declares {info.compress_size} bytes stored, {info.file_size} unpacked, in a "
-            f"file of {file_size} bytes"
-        )
-
-
-def npy_header(data: bytes, member: str = "the .npy file") -> tuple[np.dtype, tuple[int, ...], str, int]:
-    """``(dtype, shape, order, offset of the data)`` of the ``.npy`` file whose bytes begin with ``data``
-    (its first :data:`NPY_MAX_HEADER` bytes suffice): format versions 1 and 2, no objects, each distinct
-    header parsed once (every sample of a shard has the same). Anything else raises
-    :class:`DatasetFormatError` naming ``member``."""
-    version = data[6:7] if data.startswith(NPY_MAGIC) else b""
-    if version not in NPY_HEADER_READERS:
-        raise DatasetFormatError(f"{member} is not a .npy array (format version 1 or 2)")
-    end = (
-        10 + int.from_bytes(data[8:10], "little")
-        if version == b"\x01"
-        else 12 + int.from_bytes(data[8:12], "little")
-    )
-    try:
-        return (*_npy_layout(data[:end]), end)
-    except (ValueError, TypeError, SyntaxError, tokenize.TokenError) as exc:  # numpy's header parser's
-        raise DatasetFormatError(f"{member} has no valid .npy header ({exc})") from None
-    except (MemoryError, RecursionError):  # Python's parser on thousands of nested unary minuses
-        raise DatasetFormatError(f"{member} has no valid .npy header (nested too deeply)") from None
-
-
-def npy_array(data: bytes, member: str = "the .npy file") -> np.ndarray:
-    """The array of ``.npy`` file bytes (:func:`npy_header`), as ``np.load`` reads it, read-only, a view of
-    ``data``."""
-    dtype, shape, order, end = npy_header(data, member)
-    count = math.prod(shape)
-    if len(data) - end < count * dtype.itemsize:
-        raise DatasetFormatError(
-            f"{member} holds {len(data) - end} bytes of data; its header declares {shape} {dtype}"
-        )
-    return np.frombuffer(data, dtype, count=count, offset=end).reshape(shape, order=order)
-
-
-@functools.lru_cache(maxsize=16)
-def _npy_layout(header: bytes) -> tuple[np.dtype, tuple[int, ...], str]:
-    """``(dtype, shape, order)`` of a ``.npy`` header; ValueError for one that np.load would not read
-    without pickles."""
-    stream = io.BytesIO(header)
-    np.lib.format.read_magic(stream)
-    shape, fortran_order, dtype = NPY_HEADER_READERS[header[6:7]](stream)
-    if dtype.hasobject:
-        raise ValueError("an object array")
-    if dtype.itemsize == 0:
-        raise ValueError(f"dtype {dtype} has items of 0 bytes")
-    # numpy's limits on an array's dimensions and size, zero-length dimensions aside: (0, 2**62) is none
-    if (
-        len(shape) > NPY_MAX_DIMS
-        or any(size < 0 for size in shape)
-        or math.prod(max(size, 1) for size in shape) * dtype.itemsize >= 2**63
-    ):
-        raise ValueError(f"shape {shape}, beyond what numpy holds")
-    return dtype, shape, "F" if fortran_order else "C"
