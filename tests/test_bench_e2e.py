@@ -157,10 +157,11 @@ def test_e2e_times_each_backend_and_the_device_resident_loop_on_its_own(
         assert row.endswith("| n/a | n/a | n/a | n/a | n/a |")
         if name != "gpu_only":
             assert result[f"{name}_share"] == figures["share"]
-    # the late loader's wait is in its time (2 timed batches), and in the host's time between its steps as
-    # far as its step does not hide it (a device stage in a thread of its own fetches during the step);
-    # in no other contender's (their steps vary with the machine's load; their host time is short)
-    assert seconds["torchvision"] >= 2 * DELAY_S
+    # the late loader's wait is in its time (of its 2 timed batches, the device stage may have fetched one
+    # ahead during the warm-up, never both), and in the host's time between its steps as far as its step
+    # does not hide it; in no other contender's (their steps vary with the machine's load; their host time
+    # is short)
+    assert seconds["torchvision"] >= DELAY_S
     host_ms = {name: figures["host_ms_per_batch"] for name, figures in contenders.items()}
     others = max(ms for name, ms in host_ms.items() if name != "torchvision")
     assert host_ms["torchvision"] > others and others < 1000 * DELAY_S / 2
