@@ -1,5 +1,5 @@
 """Resuming from a crafted ``last.pt``: every stored state is checked against the live objects before any
-``load_state_dict`` (:mod:`mlcls.engine.state_checks`), so a crafted state is one line and never reaches
+``load_state_dict`` (:mod:`mlcls.engine.state`), so a crafted state is one line and never reaches
 a kernel. Each crafted checkpoint is resumed in a forked child under a memory cap and a time limit
 (tests/hostile.py): a segmentation fault there shows as the error "Killed"."""
 
@@ -20,10 +20,9 @@ from hydra.utils import instantiate
 from mlcls.cli.train import run
 from mlcls.data import build_dataset
 from mlcls.engine.build import build_loss, build_model, build_optimization
-from mlcls.engine.checkpoint import CheckpointError, TrainState, load_checkpoint, save_checkpoint
-from mlcls.engine.checkpointer import restore
+from mlcls.engine.checkpoint import load_checkpoint, restore, save_checkpoint
 from mlcls.engine.ema import ModelEma
-from mlcls.engine.state_checks import RunBounds, check_part
+from mlcls.engine.state import CheckpointError, RunBounds, TrainState, check_part
 from mlcls.engine.trainer import Trainer
 
 # One epoch of the tiny run (fused SGD) with a loss that has state (ROLE's label table, trained by the
@@ -199,7 +198,7 @@ CRAFTED = [
     # old: a NotImplementedError traceback
     ("adamw", "exp_avg on the meta device", _moments(lambda t, k: t.to("meta")), ["on the meta device"]),
     ("sgd", "scheduler counters negative", _scheduler, ["scheduler['last_epoch'] holds -7"]),
-    ("sgd", "EMA updates negative", lambda c: c["ema"].update(updates=-1), ["ema updates holds -1"]),
+    ("sgd", "EMA updates negative", lambda c: c["ema"].update(updates=-1), ["ema['updates'] holds -1"]),
     ("sgd", "history of strings", _set(history=["x"]), ["history[0] holds 'x'"]),
     ("sgd", "resumes a float", _set(resumes=1.5), ["resumes holds 1.5"]),
     ("sgd", "thresholds of 2 classes", _set(thresholds=torch.zeros(2)), ["thresholds", "(2,)"]),
@@ -405,7 +404,7 @@ def test_a_state_dict_of_other_keys_names_the_first_one_in_one_line() -> None:
     state = linear.state_dict()
     with pytest.raises(CheckpointError, match=r"^model lacks bias; expected this run's 2 entries$"):
         check_part("model", {"weight": state["weight"]}, linear, RunBounds())
-    with pytest.raises(CheckpointError, match=r"^ema module holds 'extra', which this run lacks$"):
+    with pytest.raises(CheckpointError, match=r"^ema\['module'\] holds 'extra', which this run lacks$"):
         check_part("ema", {"module": {**state, "extra": 1}, "updates": 0}, ModelEma(linear, 0.9), RunBounds())
     with pytest.raises(CheckpointError, match=r"^model\['bias'\] holds a float32 tensor of shape \(2,\)"):
         check_part("model", {**state, "bias": torch.zeros(2)}, linear, RunBounds())
