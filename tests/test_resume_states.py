@@ -138,6 +138,21 @@ def _rng(**values: Any):
     return lambda checkpoint: checkpoint["rng"][0].update(values)
 
 
+def _numpy_position(checkpoint: dict[str, Any]) -> None:
+    """NumPy's generator state with its position far past the 624-word key: NumPy's set_state takes it, and
+    its next draw reads past the key (a segmentation fault)."""
+    algorithm, keys, _, *gauss = checkpoint["rng"][0]["numpy"]
+    checkpoint["rng"][0]["numpy"] = (algorithm, keys, 10**8, *gauss)
+
+
+def _without(key: str):
+    def mutate(checkpoint: dict[str, Any]) -> None:
+        for state in checkpoint["optimizer"]["state"].values():
+            del state[key]
+
+    return mutate
+
+
 def _loss_state(checkpoint: dict[str, Any]) -> None:
     checkpoint["loss"]["label_logits"] = torch.zeros(3, 3)
 
@@ -170,6 +185,9 @@ CRAFTED = [
         _rng(numpy=("MT19937", torch.zeros(3, dtype=torch.int64), 0, 0, 0.0)),
         ["numpy"],
     ),
+    # old: resumed, and the first draw of NumPy's generator read past its key
+    ("sgd", "numpy position past the key", _numpy_position, ["rng[0]['numpy']", "position 100000000"]),
+    ("adamw", "exp_avg_sq missing", _without("exp_avg_sq"), ["a dict with keys exp_avg, exp_avg_sq, step"]),
     ("sgd", "python rng a string", _rng(python="x"), ["rng[0]['python'] holds 'x'"]),
     ("sgd", "no rng", _set(rng=[]), ["rng holds a list of 0 items"]),
     (
