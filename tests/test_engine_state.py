@@ -60,6 +60,19 @@ def test_another_optimizers_states_of_other_keys_are_one_line() -> None:
         check_optimizer(state, optimizer)
 
 
+def test_an_empty_state_beside_filled_ones_is_one_line() -> None:
+    """Fused SGD given one parameter without a momentum buffer beside others with one fails in its kernel
+    call (a TypeError at the first resumed step): the state must hold the buffer."""
+    optimizer = stepped(torch.optim.SGD, momentum=0.9, fused=True)
+    state = optimizer.state_dict()
+    state["state"][1] = {}
+    with pytest.raises(
+        CheckpointError,
+        match=r"^optimizer state\[1\] holds a dict of 0 items; expected a dict with keys momentum_buffer$",
+    ):
+        check_optimizer(state, optimizer)
+
+
 def test_a_switch_of_another_value_than_this_runs_is_one_line() -> None:
     """fused and differentiable together fail at the first step: a group's switches are this run's."""
     optimizer = stepped(torch.optim.SGD, momentum=0.9, fused=True)

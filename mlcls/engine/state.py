@@ -262,7 +262,8 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> froz
 
 def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
     """The groups' settings (:func:`check_like`: names and switches this run's, numbers finite); per parameter
-    an empty state (begun afresh) or the optimizer's keys: ``step`` >= 0, moments fitting their parameter."""
+    exactly the optimizer's keys (an empty state is refused: fused SGD fails on one beside filled ones),
+    ``step`` >= 0, moments fitting their parameter."""
     live_groups = optimizer.param_groups
     if not isinstance(stored, dict) or not isinstance(stored.get("param_groups"), list):
         raise refuse("optimizer", stored, "a dict of state and param_groups")
@@ -295,8 +296,6 @@ def check_optimizer(stored: Any, optimizer: torch.optim.Optimizer) -> None:
         field = f"optimizer state[{param_id}]"
         if not isinstance(state, dict):
             raise refuse(field, state, "a dict")
-        if not state:
-            continue
         if index not in keys:
             expected = _state_keys(optimizer, groups[index])
             keys[index] = frozenset(state) if expected is None else expected
