@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -263,6 +264,22 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise_if_disk_full(exc, path)
         raise
+
+
+def _finite_or_none(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite_or_none(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite_or_none(v) for v in data]
+    return data
+
+
+def write_json(data: Any, path: str | Path) -> None:
+    """Write ``data`` as indented JSON to ``path`` atomically; NaN and infinities become ``null``."""
+    text = json.dumps(_finite_or_none(data), indent=2, allow_nan=False) + "\n"
+    atomic_write(Path(path), lambda f: f.write(text.encode()))
 
 
 def atomic_link(src: Path, dst: Path) -> None:

@@ -19,8 +19,7 @@ from test_inference_support import trained_run, write_images
 import mlcls.engine.checkpoint as checkpoint_module
 from mlcls.cli import predict as predict_cli
 from mlcls.cli import resave as resave_cli
-from mlcls.engine.checkpoint import load_checkpoint, save_checkpoint
-from mlcls.engine.checkpointer import choose_resume_checkpoint
+from mlcls.engine.checkpoint import choose_resume_checkpoint, load_checkpoint, save_checkpoint
 from mlcls.engine.rundir import acquire_run_lock, release_run_lock
 from mlcls.engine.trainer import Trainer
 from mlcls.io import DiskFullError, atomic_write, atomic_write_bytes

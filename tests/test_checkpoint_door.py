@@ -31,7 +31,8 @@ from hostile import (
     with_pickle,
 )
 
-from mlcls.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from mlcls.engine.checkpoint import load_checkpoint, save_checkpoint
+from mlcls.engine.state import CheckpointError
 from mlcls.errors import ConfigError, InferenceError
 from mlcls.inference.predictor import load_inference_model
 from mlcls.inference.released import read_released

@@ -30,15 +30,9 @@ from mlcls.cli.train import run as train_run
 from mlcls.data import DatasetConfigError, DatasetFormatError, DatasetLayoutError
 from mlcls.data.datasets.base import load_json
 from mlcls.data.shards.datasets import open_shards
-from mlcls.engine.checkpoint import (
-    UntrustedCheckpointError,
-    load_checkpoint,
-    resave_plain,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from mlcls.engine.checkpoint import UntrustedCheckpointError, load_checkpoint, resave_plain, save_checkpoint
 from mlcls.engine.rundir import LOCK_NAME
+from mlcls.engine.state import rng_state, set_rng_state
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError, InferenceError
 from mlcls.inference.export import export_checkpoint

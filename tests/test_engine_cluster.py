@@ -18,7 +18,7 @@ import torch
 from conftest import TINY, compose_config
 from ranks import free_port, run_ranks
 
-import mlcls.engine.checkpointer as checkpointer_module
+import mlcls.engine.checkpoint as checkpoint_module
 import mlcls.engine.logging as logging_module
 from mlcls.engine import distributed as engine_distributed
 from mlcls.engine.build import warn_protocol
@@ -230,7 +230,7 @@ def _resume(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     except Exception as exc:  # noqa: BLE001
         stopped = type(exc).__name__
     if rank == 1:  # had rank 1 chosen for itself, it would start afresh
-        monkeypatch.setattr(checkpointer_module, "choose_resume_checkpoint", lambda *args: (None, None))
+        monkeypatch.setattr(checkpoint_module, "choose_resume_checkpoint", lambda *args: (None, None))
     resumed_trainer = Trainer(
         compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}", "trainer.resume=auto"])
     )

@@ -9,8 +9,8 @@ import torch
 
 import mlcls.engine.evaluate as evaluate_module
 import mlcls.engine.trainer as trainer_module
-from mlcls.engine.checkpoint import TrainState
 from mlcls.engine.evaluate import Evaluation
+from mlcls.engine.state import TrainState
 from mlcls.engine.trainer import Trainer
 from mlcls.metrics import compute_metrics
 from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds

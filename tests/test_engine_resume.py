@@ -1,4 +1,4 @@
-"""Restoring a training checkpoint (:mod:`mlcls.engine.checkpointer`) on another number of processes."""
+"""Restoring a training checkpoint (:mod:`mlcls.engine.checkpoint`) on another number of processes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from mlcls.engine.checkpoint import TrainState, rng_state
-from mlcls.engine.checkpointer import restore
+from mlcls.engine.checkpoint import restore
+from mlcls.engine.state import TrainState, rng_state
 
 
 def test_a_resume_on_another_world_size_says_what_happens(caplog) -> None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mlcls.data.datasets.base import DatasetFormatError
-from mlcls.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from mlcls.engine.checkpoint import load_checkpoint, save_checkpoint
+from mlcls.engine.state import CheckpointError
 from mlcls.formats import FORMAT, upgrade
 
 

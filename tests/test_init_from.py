@@ -9,8 +9,7 @@ import pytest
 import torch
 from conftest import TINY, compose_config
 
-from mlcls.engine.checkpoint import save_checkpoint
-from mlcls.engine.checkpointer import init_from_checkpoint
+from mlcls.engine.checkpoint import init_from_checkpoint, save_checkpoint
 from mlcls.engine.config_checks import check_config
 from mlcls.errors import ConfigError
 from mlcls.inference.predictor import load_inference_model

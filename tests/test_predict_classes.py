@@ -17,7 +17,8 @@ from test_text_words import many_words, reference_embedding
 from mlcls.cli import predict as predict_cli
 from mlcls.data.pipeline.preprocess import preprocess_spec
 from mlcls.engine.build import build_model, class_queries
-from mlcls.engine.checkpoint import plain, save_checkpoint, text_record
+from mlcls.engine.checkpoint import save_checkpoint, text_record
+from mlcls.engine.state import plain
 from mlcls.errors import InferenceError
 from mlcls.inference.export import export_checkpoint
 from mlcls.inference.predictor import load_inference_model, use_classes

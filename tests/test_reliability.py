@@ -14,10 +14,11 @@ from conftest import compose_config
 
 from mlcls.cli.train import main as train_main
 from mlcls.cli.train import run
-from mlcls.engine.checkpoint import CheckpointError, load_checkpoint
+from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.config_checks import check_config
 from mlcls.engine.distributed import resolve_device
 from mlcls.engine.guards import NonFiniteCounter
+from mlcls.engine.state import CheckpointError
 from mlcls.engine.trainer import LaggedRead, NonFiniteError, Preempted, Trainer
 from mlcls.errors import ConfigError
 

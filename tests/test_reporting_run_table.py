@@ -14,8 +14,8 @@ import torch
 from conftest import compose_config
 
 from mlcls.cli import tables as tables_cli
-from mlcls.engine.checkpoint import TrainState
-from mlcls.engine.checkpointer import restore
+from mlcls.engine.checkpoint import restore
+from mlcls.engine.state import TrainState
 from mlcls.reporting.run_table import differing_keys, flat_settings, run_status
 
 RUN = [

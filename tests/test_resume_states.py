@@ -1,5 +1,5 @@
 """Resuming from a crafted ``last.pt``: every stored state is checked against the live objects before any
-``load_state_dict`` (:mod:`mlcls.engine.state_checks`), so a crafted state is one line and never reaches
+``load_state_dict`` (:mod:`mlcls.engine.state`), so a crafted state is one line and never reaches
 a kernel. Each crafted checkpoint is resumed in a forked child under a memory cap and a time limit
 (tests/hostile.py): a segmentation fault there shows as the error "Killed"."""
 
@@ -20,10 +20,9 @@ from hydra.utils import instantiate
 from mlcls.cli.train import run
 from mlcls.data import build_dataset
 from mlcls.engine.build import build_loss, build_model, build_optimization
-from mlcls.engine.checkpoint import CheckpointError, TrainState, load_checkpoint, save_checkpoint
-from mlcls.engine.checkpointer import restore
+from mlcls.engine.checkpoint import load_checkpoint, restore, save_checkpoint
 from mlcls.engine.ema import ModelEma
-from mlcls.engine.state_checks import RunBounds, check_part
+from mlcls.engine.state import CheckpointError, RunBounds, TrainState, check_part
 from mlcls.engine.trainer import Trainer
 
 # One epoch of the tiny run (fused SGD) with a loss that has state (ROLE's label table, trained by the
@@ -139,6 +138,21 @@ def _rng(**values: Any):
     return lambda checkpoint: checkpoint["rng"][0].update(values)
 
 
+def _numpy_position(checkpoint: dict[str, Any]) -> None:
+    """NumPy's generator state with its position far past the 624-word key: NumPy's set_state takes it, and
+    its next draw reads past the key (a segmentation fault)."""
+    algorithm, keys, _, *gauss = checkpoint["rng"][0]["numpy"]
+    checkpoint["rng"][0]["numpy"] = (algorithm, keys, 10**8, *gauss)
+
+
+def _without(key: str):
+    def mutate(checkpoint: dict[str, Any]) -> None:
+        for state in checkpoint["optimizer"]["state"].values():
+            del state[key]
+
+    return mutate
+
+
 def _loss_state(checkpoint: dict[str, Any]) -> None:
     checkpoint["loss"]["label_logits"] = torch.zeros(3, 3)
 
@@ -171,6 +185,9 @@ CRAFTED = [
         _rng(numpy=("MT19937", torch.zeros(3, dtype=torch.int64), 0, 0, 0.0)),
         ["numpy"],
     ),
+    # old: resumed, and the first draw of NumPy's generator read past its key
+    ("sgd", "numpy position past the key", _numpy_position, ["rng[0]['numpy']", "position 100000000"]),
+    ("adamw", "exp_avg_sq missing", _without("exp_avg_sq"), ["a dict with keys exp_avg, exp_avg_sq, step"]),
     ("sgd", "python rng a string", _rng(python="x"), ["rng[0]['python'] holds 'x'"]),
     ("sgd", "no rng", _set(rng=[]), ["rng holds a list of 0 items"]),
     (
@@ -199,7 +216,7 @@ CRAFTED = [
     # old: a NotImplementedError traceback
     ("adamw", "exp_avg on the meta device", _moments(lambda t, k: t.to("meta")), ["on the meta device"]),
     ("sgd", "scheduler counters negative", _scheduler, ["scheduler['last_epoch'] holds -7"]),
-    ("sgd", "EMA updates negative", lambda c: c["ema"].update(updates=-1), ["ema updates holds -1"]),
+    ("sgd", "EMA updates negative", lambda c: c["ema"].update(updates=-1), ["ema['updates'] holds -1"]),
     ("sgd", "history of strings", _set(history=["x"]), ["history[0] holds 'x'"]),
     ("sgd", "resumes a float", _set(resumes=1.5), ["resumes holds 1.5"]),
     ("sgd", "thresholds of 2 classes", _set(thresholds=torch.zeros(2)), ["thresholds", "(2,)"]),
@@ -405,7 +422,7 @@ def test_a_state_dict_of_other_keys_names_the_first_one_in_one_line() -> None:
     state = linear.state_dict()
     with pytest.raises(CheckpointError, match=r"^model lacks bias; expected this run's 2 entries$"):
         check_part("model", {"weight": state["weight"]}, linear, RunBounds())
-    with pytest.raises(CheckpointError, match=r"^ema module holds 'extra', which this run lacks$"):
+    with pytest.raises(CheckpointError, match=r"^ema\['module'\] holds 'extra', which this run lacks$"):
         check_part("ema", {"module": {**state, "extra": 1}, "updates": 0}, ModelEma(linear, 0.9), RunBounds())
     with pytest.raises(CheckpointError, match=r"^model\['bias'\] holds a float32 tensor of shape \(2,\)"):
         check_part("model", {**state, "bias": torch.zeros(2)}, linear, RunBounds())

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from mlcls.bench.harness import host, timed
-from mlcls.engine.checkpoint import write_json
 from mlcls.engine.evaluate import calibrate_on_main, measure_rank_parts
 from mlcls.errors import ConfigError
+from mlcls.io import write_json
 
 POSITIVES_PER_ROW = 5
 NEGATIVES_PER_ROW = 5

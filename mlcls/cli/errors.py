@@ -11,8 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mlcls.data.datasets.base import DatasetError
-from mlcls.engine.checkpoint import CheckpointError
 from mlcls.engine.rundir import RunDirLocked
+from mlcls.engine.state import CheckpointError
 from mlcls.errors import ConfigError, InferenceError, failure
 from mlcls.io import DiskFullError, FileTooLargeError, NotRegularFileError, UnsafeFileError
 

@@ -28,12 +28,11 @@ from mlcls.data.loader import build_eval_loader
 from mlcls.data.shards.reader import expand_urls, is_local
 from mlcls.data.views import unseen_class_names
 from mlcls.engine import distributed as dist_utils
-from mlcls.engine.checkpoint import write_json
 from mlcls.engine.config_checks import resolve_amp
 from mlcls.engine.evaluate import ZeroShot, evaluate
 from mlcls.errors import ConfigError, shown
 from mlcls.inference.predictor import load_inference_model
-from mlcls.io import read_yaml
+from mlcls.io import read_yaml, write_json
 from mlcls.models.heads import TEXT_HEADS
 from mlcls.models.heads.text_query import text_query_head
 from mlcls.text import encoder_from_stored

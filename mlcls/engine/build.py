@@ -22,8 +22,7 @@ from mlcls.data.datasets.labels import label_counts
 from mlcls.data.loader import DeviceStage, build_eval_loader, build_train_loader
 from mlcls.data.pipeline.preprocess import preprocess_spec
 from mlcls.data.views import split_holdout
-from mlcls.engine.checkpoint import TrainState, seed_everything
-from mlcls.engine.checkpointer import Checkpointer, carry_loss_state, init_from_checkpoint
+from mlcls.engine.checkpoint import Checkpointer, carry_loss_state, init_from_checkpoint
 from mlcls.engine.config_checks import check_config, resolve_amp
 from mlcls.engine.distributed import DistInfo, init_distributed
 from mlcls.engine.ema import ModelEma
@@ -31,6 +30,7 @@ from mlcls.engine.evaluate import evaluated_classes
 from mlcls.engine.logging import RunLog, open_run_log
 from mlcls.engine.optim import build_optimizer, build_scheduler
 from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
+from mlcls.engine.state import TrainState, seed_everything
 from mlcls.errors import ConfigError
 from mlcls.models.factory import TRAINING_KEYS, freeze_backbone, has_text_queries
 from mlcls.text import class_embeddings

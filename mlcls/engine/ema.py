@@ -77,6 +77,6 @@ class ModelEma:
         return {"module": self.module.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (checked by :func:`mlcls.engine.state_checks.check_part`)."""
+        """Restore :meth:`state_dict`'s output (checked by :func:`mlcls.engine.state.check_part`)."""
         self.module.load_state_dict(state["module"])
         self._updates.fill_(int(state["updates"]))

@@ -115,7 +115,7 @@ def build_optimizer(
     """The optimizer of ``cfg`` over :func:`parameter_groups`, then the ``loss_groups`` of a loss with
     learnable state (dicts of ``params``, ``name``, ``lr_scale``: at ``lr_scale * lr_head``, no decay).
     A resumed state's groups are checked against these by
-    :func:`mlcls.engine.state_checks.check_optimizer`."""
+    :func:`mlcls.engine.state.check_optimizer`."""
     settings = _settings(cfg)
     for key in GROUP_KEYS:
         value = settings.pop(key, None)

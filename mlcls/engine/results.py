@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from mlcls import collectives
 from mlcls.data.datasets.labels import label_counts
 from mlcls.engine.build import RunData
-from mlcls.engine.checkpoint import TrainState
+from mlcls.engine.state import TrainState
 from mlcls.errors import plural
 from mlcls.provenance import collect_provenance
 

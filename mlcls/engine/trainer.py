@@ -33,7 +33,6 @@ from mlcls.collectives import all_reduce_sum
 from mlcls.data.loader import DevicePrefetcher
 from mlcls.engine import distributed as dist_utils
 from mlcls.engine.build import Run, build_run
-from mlcls.engine.checkpoint import EpochProgress, write_json
 from mlcls.engine.evaluate import (
     Evaluation,
     ZeroShot,
@@ -49,7 +48,9 @@ from mlcls.engine.guards import NonFiniteCounter, NonFiniteError, gradient_norm,
 from mlcls.engine.optim import group_lrs
 from mlcls.engine.results import record_skipped_images, run_results
 from mlcls.engine.rundir import close_run_dir
+from mlcls.engine.state import EpochProgress
 from mlcls.errors import plural
+from mlcls.io import write_json
 from mlcls.models.factory import backbone_in_eval
 
 log = logging.getLogger("mlcls")

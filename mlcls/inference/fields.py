@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mlcls.engine.state_checks import weights_difference
+from mlcls.engine.checkpoint import weights_difference
 from mlcls.errors import InferenceError, is_integer, is_number, plural, shown
 from mlcls.metrics.thresholds import SPLIT_NAMES
 
