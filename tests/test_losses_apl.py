@@ -418,7 +418,11 @@ def test_apl_needs_the_index_that_shards_and_dali_do_not_give(where):
 
     needs = EntropyMaximisationLoss(apl=True, epochs=3, warmup_epochs=1).needs_sample_index
     assert needs and not EntropyMaximisationLoss().needs_sample_index
-    dataset = ShardTrainSet.__new__(ShardTrainSet) if where == "shards" else TensorDataset(torch.zeros(8, 1))
+    if where == "shards":  # a packed set as the loader knows one: by its shards' sizes
+        dataset = ShardTrainSet.__new__(ShardTrainSet)
+        dataset.shard_sizes = [8]
+    else:
+        dataset = TensorDataset(torch.zeros(8, 1))
     backend = "dali" if where == "dali" else "fast"
     with pytest.raises(DatasetConfigError, match="needs each sample's index in the batch, which") as error:
         build_train_loader(dataset, 4, 0, 0, 1, 0, torch.device("cpu"), backend, with_index=needs)

@@ -107,14 +107,9 @@ def seed_everything(seed: int) -> None:
 
 def rng_state() -> dict[str, Any]:
     """This process's Python, NumPy (keys as an int64 tensor), torch and CUDA generator states, plain data."""
-    state = {
-        "python": random.getstate(),
-        "numpy": plain(np.random.get_state()),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    python, numpy, cpu = random.getstate(), plain(np.random.get_state()), torch.get_rng_state()
+    cuda = {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
+    return {"python": python, "numpy": numpy, "torch": cpu, **cuda}
 
 
 def _numpy_state(stored: Any) -> tuple[Any, ...]:
@@ -212,12 +207,14 @@ def check_tensor(
     return value
 
 
-def check_finite(value: torch.Tensor, field: str, low: float = -math.inf) -> None:
-    """A floating ``value``'s elements finite and >= ``low``: an infinite moment resumes without a word."""
-    bad = int((~torch.isfinite(value) | (value < low)).sum()) if value.dtype.is_floating_point else 0
-    if bad:
+def check_finite(value: torch.Tensor, field: str, low: float = -math.inf, unset: bool = False) -> None:
+    """A floating ``value``'s elements finite and >= ``low`` (an infinite moment resumes without a word), or
+    NaN where ``unset`` (an entry not estimated yet)."""
+    wrong = (~torch.isfinite(value) | (value < low)) & ~(value.isnan() & unset)
+    if value.dtype.is_floating_point and (bad := int(wrong.sum())):
         floor = "" if low == -math.inf else f" and at least {low:g}"
-        raise CheckpointError(f"{field} holds {bad} values not finite{floor}; expected finite values{floor}")
+        expected = f"finite values{floor}" + (" (or NaN: not estimated yet)" if unset else "")
+        raise CheckpointError(f"{field} holds {bad} values not finite{floor}; expected {expected}")
 
 
 def check_like(stored: Any, live: Any, field: str, counters: dict[str, int], name: str = "") -> None:
@@ -425,9 +422,10 @@ def check_part(name: str, stored: Any, part: Any, bounds: RunBounds) -> None:
     else:  # the model, the EMA (and its updates), the loss's state (and its epoch)
         check_like(stored, part.state_dict(), name, {"epoch": bounds.epochs or COUNT_MAX, "updates": total})
         if name == "loss":  # estimates the loss reads as numbers: ROLE's label table, pseudo-labels
+            unset = getattr(part, "unset_as_nan", ())
             for key, value in stored.items():
                 if isinstance(value, torch.Tensor):
-                    check_finite(value, f"loss[{key!r}]")
+                    check_finite(value, f"loss[{key!r}]", unset=key in unset)
 
 
 def check_resume_state(

@@ -190,6 +190,8 @@ class EntropyMaximisationLoss(UnknownLabelLoss):
     """
 
     name = "em"
+    # State tables whose NaN means "no estimate yet" (a resumed table's other entries must be finite).
+    unset_as_nan = ("pseudo_labels",)
 
     def __init__(
         self,
