@@ -119,3 +119,22 @@ def test_a_numpy_position_past_the_key_is_one_line() -> None:
             CheckpointError, match=rf"^rng\[0\]\['numpy'\] holds .*position {position} outside"
         ):
             check_rng([state])
+
+
+def test_a_loss_table_whose_nan_means_not_estimated_resumes_its_nans_and_refuses_an_infinity():
+    """em with apl marks a pseudo-label not drawn yet with NaN: a resumed table keeps them; an infinity (no
+    probability) is one line, as in ROLE's label table, which has no NaN to keep."""
+    from mlcls.engine.state import RunBounds, check_part
+    from mlcls.losses.unknown import EntropyMaximisationLoss
+
+    loss = EntropyMaximisationLoss(apl=True, epochs=3, warmup_epochs=1)
+    loss.pseudo_labels = torch.full((4, 3), float("nan"))
+    loss.pseudo_labels[0, 0] = 0.25
+    stored = copy.deepcopy(loss.state_dict())
+    check_part("loss", stored, loss, RunBounds(epochs=3))
+    stored["pseudo_labels"][1, 2] = float("inf")
+    with pytest.raises(CheckpointError) as error:
+        check_part("loss", stored, loss, RunBounds(epochs=3))
+    assert str(error.value) == (
+        "loss['pseudo_labels'] holds 1 values not finite; expected finite values (or NaN: not estimated yet)"
+    )
