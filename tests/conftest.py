@@ -54,7 +54,7 @@ TINY = [
     "trainer.batch_size=32",
     "trainer.workers=0",
     "trainer.log_every=1000",
-    "trainer.report=false",  # no plots nor report.html, most of a tiny run's time (test_report.py: on)
+    "trainer.report=false",  # no plots nor report.html, most of a tiny run (test_reporting_report.py: on)
     "optim.lr_head=0.005",
     "optim.lr_backbone=0.005",
 ]

@@ -274,7 +274,7 @@ def test_resume_auto_accepts_an_explicit_hydra_run_dir(tmp_path):
 @pytest.mark.slow
 def test_resume_auto_in_hydra_run_dir_through_the_cli(tmp_path, monkeypatch, capsys):
     """``mlcls-train``'s entry point in-process (its console script and exit status are proven by a
-    subprocess in test_train.py): Hydra's own run directory is where resume=auto finds the run."""
+    subprocess in test_cli_train.py): Hydra's own run directory is where resume=auto finds the run."""
     from mlcls.cli.train import main
 
     monkeypatch.chdir(tmp_path)

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 from conftest import TINY, compose_config, error_on_a_full_disk
-from test_inference_support import trained_run, write_images
+from inference_fixtures import trained_run, write_images
 
 import mlcls.engine.checkpoint as checkpoint_module
 from mlcls.cli import predict as predict_cli
