@@ -321,13 +321,19 @@ NOT_A_MODULE = frozenset(
 def module_test_names(package_dir: Path) -> set[str]:
     """The names a test file may take after ``test_``: ``<module>`` for a top-level module, ``<package>`` for
     a package (``mlcls/losses/__init__.py``: ``losses``), ``<package>_<module>`` for a module or sub-package
-    anywhere under a package, the folders between left out (``mlcls/data/datasets/coco.py``: ``data_coco``)."""
+    anywhere under a package, the folders between left out (``mlcls/data/datasets/coco.py``:
+    ``data_coco``)."""
     names = set()
     for name in module_files(package_dir):
         parts = name.split(".")[1:]
         if parts:
             names.add(parts[0] if len(parts) == 1 else f"{parts[0]}_{parts[-1]}")
     return names
+
+
+def top_packages(package_dir: Path) -> set[str]:
+    """The names of mlcls's packages (``data``, ``losses``, ...), whose tests' names take no aspect."""
+    return {path.parent.name for path in package_dir.glob("*/__init__.py")}
 
 
 def named_module(stem: str, names: set[str], packages: set[str]) -> str | None:
@@ -343,7 +349,7 @@ def named_module(stem: str, names: set[str], packages: set[str]) -> str | None:
 
 def test_named_module_takes_a_module_and_an_aspect_but_no_bare_package() -> None:
     names = module_test_names(PACKAGE_DIR)
-    packages = {path.parent.name for path in PACKAGE_DIR.glob("*/__init__.py")}
+    packages = top_packages(PACKAGE_DIR)
     assert {"io", "losses", "data_coco", "data_shards", "engine_trainer", "models_text_query"} <= names
     assert named_module("test_data_coco", names, packages) == "data_coco"
     assert named_module("test_engine_checkpoint_fuzz", names, packages) == "engine_checkpoint"
@@ -357,8 +363,8 @@ def test_every_test_file_names_its_module() -> None:
     """Each ``tests/test_*.py`` is named for the module it tests (tests/conftest.py states the convention),
     so that a module's tests are found by its name; the few that test no module are listed above."""
     names = module_test_names(PACKAGE_DIR)
-    packages = {path.parent.name for path in PACKAGE_DIR.glob("*/__init__.py")}
+    packages = top_packages(PACKAGE_DIR)
     stems = {path.stem for path in Path(__file__).parent.glob("test_*.py")}
-    assert NOT_A_MODULE <= stems, "a listed file is gone: take it off NOT_A_MODULE"
+    assert stems >= NOT_A_MODULE, "a listed file is gone: take it off NOT_A_MODULE"
     unnamed = sorted(s for s in stems - NOT_A_MODULE if named_module(s, names, packages) is None)
     assert not unnamed, f"test files named for no module of mlcls: {unnamed}"
