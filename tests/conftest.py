@@ -2,7 +2,17 @@
 
 torch, Hydra and mlcls are imported where they are first used, not at the top: pytest-xdist's controller
 process loads this file too, and it runs no test; importing them there took 10 s of ``make test``'s wall
-time before the workers started."""
+time before the workers started.
+
+The test files are named for the module they test, so that a module's tests are found by its name:
+``mlcls/<module>.py`` -> ``test_<module>.py``, ``mlcls/<package>/__init__.py`` -> ``test_<package>.py``, and
+``mlcls/<package>/[<folder>/]<module>.py`` -> ``test_<package>_<module>.py``, the folders between left out
+(``mlcls/data/datasets/coco.py`` -> ``test_data_coco.py``, ``mlcls/engine/trainer.py`` ->
+``test_engine_trainer.py``). A module whose tests fill several files adds an aspect:
+``test_engine_checkpoint_fuzz.py``. A command's end-to-end tests are named for its module
+(``mlcls/cli/train.py`` -> ``test_cli_train.py``). Helpers shared by several files carry no ``test_`` prefix
+(data_fixtures.py, hostile.py, inference_fixtures.py, ranks.py). tests/test_package_layout.py holds every file
+to this, and lists the few that test no module."""
 
 from __future__ import annotations
 
@@ -54,7 +64,7 @@ TINY = [
     "trainer.batch_size=32",
     "trainer.workers=0",
     "trainer.log_every=1000",
-    "trainer.report=false",  # no plots nor report.html, most of a tiny run's time (test_report.py: on)
+    "trainer.report=false",  # no plots nor report.html, most of a tiny run (test_reporting_report.py: on)
     "optim.lr_head=0.005",
     "optim.lr_backbone=0.005",
 ]

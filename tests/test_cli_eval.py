@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from inference_fixtures import IMAGE_SIZE, reference_logits, trained_run
 from sklearn.metrics import average_precision_score
-from test_inference_support import IMAGE_SIZE, reference_logits, trained_run
 
 from mlcls.cli import eval as eval_cli
 from mlcls.cli.eval import check_dataset_target, evaluation_dataset_config, packaged_dataset_targets

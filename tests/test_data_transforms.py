@@ -101,7 +101,8 @@ def test_cutout_pastes_one_clipped_rectangle_of_one_colour() -> None:
 
 
 def test_strong_train_steps_are_the_recipe() -> None:
-    """The order of the recipe's steps; its RandAugment is the package's (tests/test_recipe_presets.py)."""
+    """The order of the recipe's steps; its RandAugment is the package's
+    (tests/test_engine_build_recipe.py)."""
     steps = build_transform("strong", SIZE, train=True).transforms
     assert [type(step).__name__ for step in steps] == [
         "Resize",

@@ -187,7 +187,7 @@ def test_the_generated_jpegs_are_a_csv_dataset_with_every_class(tmp_path):
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3">
-<testcase classname="tests.test_ema" name="test_update" time="0.2" />
+<testcase classname="tests.test_engine_ema" name="test_update" time="0.2" />
 <testcase classname="tests.test_metrics" name="test_ap" time="0.1">
 <failure message="assert 1 == 2">x</failure></testcase>
 <testcase classname="tests.test_data_dali" name="test_loader" time="0.0">

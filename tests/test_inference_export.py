@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import error_on_a_full_disk, run_main
-from test_inference_support import PAPER_SPEC, reference_model, trained_run
+from inference_fixtures import PAPER_SPEC, reference_model, trained_run
 
 from mlcls.cli import export as export_cli
 from mlcls.inference.export import export_checkpoint, read_metadata

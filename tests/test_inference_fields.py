@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from hostile import bounded
-from test_inference_support import PAPER_SPEC, trained_run, write_images
+from inference_fixtures import PAPER_SPEC, trained_run, write_images
 
 from mlcls.cli import predict as predict_cli
 from mlcls.errors import InferenceError

@@ -2,7 +2,7 @@
 
 The references are written straight from the paper's equations with explicit Python loops over rows,
 columns and buckets, in float64 (a stable log-sum-exp and softplus where logits reach +-1e4). Focal and
-ASL are compared with torchvision and timm. The two-process DDP test is in test_losses_ddp.py.
+ASL are compared with torchvision and timm. The two-process DDP test is in test_losses_common_ddp.py.
 """
 
 from __future__ import annotations

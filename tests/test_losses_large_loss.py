@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import TINY, compose_config
 from ranks import run_ranks
-from test_losses_parity import TOL, to_spml, value_and_grad
+from test_losses_unknown_parity import TOL, to_spml, value_and_grad
 from torch import Tensor
 
 from mlcls.data import DatasetConfigError
@@ -346,7 +346,7 @@ def test_cp_under_ddp_keeps_the_same_table_on_every_rank(tmp_path):
 @pytest.mark.slow  # Hydra's composition and the trainer's setup: seconds
 def test_cp_table_over_its_limit_stops_the_cli_before_training_in_one_line(tmp_path, monkeypatch, capsys):
     """mlcls-train's ``main``, run in this process (the installed entry point's process and exit status are
-    test_engine_cluster.py's and test_rundir_lock.py's)."""
+    test_engine_trainer_cluster.py's and test_engine_rundir.py's)."""
     import sys
 
     from mlcls.cli.train import main

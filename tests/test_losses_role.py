@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from conftest import TINY, compose_config
-from test_losses_parity import RELEASED_EPS, neg_log, random_batch, to_spml
+from test_losses_unknown_parity import RELEASED_EPS, neg_log, random_batch, to_spml
 
 from mlcls.data.datasets.labels import LabelCounts
 from mlcls.losses import RoleLoss

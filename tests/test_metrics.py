@@ -350,7 +350,7 @@ def test_ap_and_f1_take_their_checks_from_one_module_and_not_from_each_other() -
     assert "mlcls.metrics.ap" not in imports["f1"] and "mlcls.metrics.f1" not in imports["ap"]
 
 
-# --- collection in a single process (the 2-process case is in test_metrics_ddp.py) ---------------------
+# --- collection in a single process (the 2-process case is in test_engine_evaluate_ddp.py) ------------------
 
 
 def test_gather_rank_parts_single_process_converts_to_float32() -> None:

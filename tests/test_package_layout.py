@@ -309,3 +309,62 @@ def test_no_resolver_is_registered_at_import() -> None:
         if name.startswith("mlcls.data") and "register_new_resolver" in path.read_text()
     }
     assert registering == set()
+
+
+# The test files that test no one module of mlcls: the project's files around the package (the Dockerfile,
+# the docs' stated defaults, scripts/gpu_check.sh) and the suite's own rules (this file, the time budget).
+NOT_A_MODULE = frozenset(
+    {"test_dockerfile", "test_docs_defaults", "test_gpu_check", "test_package_layout", "test_suite_budget"}
+)
+
+
+def module_test_names(package_dir: Path) -> set[str]:
+    """The names a test file may take after ``test_``: ``<module>`` for a top-level module, ``<package>`` for
+    a package (``mlcls/losses/__init__.py``: ``losses``), ``<package>_<module>`` for a module or sub-package
+    anywhere under a package, the folders between left out (``mlcls/data/datasets/coco.py``:
+    ``data_coco``)."""
+    names = set()
+    for name in module_files(package_dir):
+        parts = name.split(".")[1:]
+        if parts:
+            names.add(parts[0] if len(parts) == 1 else f"{parts[0]}_{parts[-1]}")
+    return names
+
+
+def top_packages(package_dir: Path) -> set[str]:
+    """The names of mlcls's packages (``data``, ``losses``, ...), whose tests' names take no aspect."""
+    return {path.parent.name for path in package_dir.glob("*/__init__.py")}
+
+
+def named_module(stem: str, names: set[str], packages: set[str]) -> str | None:
+    """The name in ``names`` that the test file ``stem`` (``test_...``) is for, or None: the name itself or,
+    where a module's tests fill several files, the name and an aspect (``test_engine_checkpoint_fuzz``).
+    A top-level package takes no aspect: ``test_data_anything`` would name no module and still pass."""
+    name = stem.removeprefix("test_")
+    for candidate in sorted(names, key=len, reverse=True):
+        if name == candidate or (name.startswith(candidate + "_") and candidate not in packages):
+            return candidate
+    return None
+
+
+def test_named_module_takes_a_module_and_an_aspect_but_no_bare_package() -> None:
+    names = module_test_names(PACKAGE_DIR)
+    packages = top_packages(PACKAGE_DIR)
+    assert {"io", "losses", "data_coco", "data_shards", "engine_trainer", "models_text_query"} <= names
+    assert named_module("test_data_coco", names, packages) == "data_coco"
+    assert named_module("test_engine_checkpoint_fuzz", names, packages) == "engine_checkpoint"
+    assert named_module("test_losses", names, packages) == "losses"
+    assert named_module("test_data_shards_checks", names, packages) == "data_shards"
+    assert named_module("test_losses_madeup", names, packages) is None
+    assert named_module("test_trainer", names, packages) is None
+
+
+def test_every_test_file_names_its_module() -> None:
+    """Each ``tests/test_*.py`` is named for the module it tests (tests/conftest.py states the convention),
+    so that a module's tests are found by its name; the few that test no module are listed above."""
+    names = module_test_names(PACKAGE_DIR)
+    packages = top_packages(PACKAGE_DIR)
+    stems = {path.stem for path in Path(__file__).parent.glob("test_*.py")}
+    assert stems >= NOT_A_MODULE, "a listed file is gone: take it off NOT_A_MODULE"
+    unnamed = sorted(s for s in stems - NOT_A_MODULE if named_module(s, names, packages) is None)
+    assert not unnamed, f"test files named for no module of mlcls: {unnamed}"

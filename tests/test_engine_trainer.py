@@ -178,7 +178,7 @@ def test_config_validation_messages(tiny, overrides, world_size, message):
 
 def _train_cli_error(argv: list[str], monkeypatch, capsys) -> list[str]:
     """The stderr lines of ``mlcls-train <argv>`` run in-process, which must exit with status 2 (the console
-    script's entry point and exit status are proven by a subprocess in test_train.py)."""
+    script's entry point and exit status are proven by a subprocess in test_cli_train.py)."""
     monkeypatch.setattr(sys, "argv", ["mlcls-train", *argv])
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
     with pytest.raises(SystemExit) as exit_info:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from test_inference_support import trained_run
+from inference_fixtures import trained_run
 
 from mlcls.cli import eval as eval_cli
 

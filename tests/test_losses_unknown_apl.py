@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from conftest import TINY, compose_config
 from ranks import run_ranks
-from test_losses_parity import RELEASED_EPS, TOL, clamp_terms, neg_log, random_batch, value_and_grad
+from test_losses_unknown_parity import RELEASED_EPS, TOL, clamp_terms, neg_log, random_batch, value_and_grad
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -200,7 +200,8 @@ def zhou_apl(labels, unknown, idx, preds, proportion, num_epochs, warmup_epoch):
 
 
 def single_positive_state(seed, rows=16, classes=20):
-    """single-positive logits/labels (test_losses_parity's) and a table pseudo-labelling half the unknowns."""
+    """single-positive logits/labels (test_losses_unknown_parity's) and a table pseudo-labelling half the
+    unknowns."""
     logits, targets = random_batch("single_positive", seed, rows, classes)
     generator = torch.Generator().manual_seed(seed)
     soft = torch.rand(targets.shape, generator=generator, dtype=F64) * 0.5

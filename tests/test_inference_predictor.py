@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_main
-from test_inference_support import reference_logits, trained_run, write_images
+from inference_fixtures import reference_logits, trained_run, write_images
 
 from mlcls.cli import predict as predict_cli
 from mlcls.inference.predictor import ImageFiles, find_images, load_inference_model, predict_images

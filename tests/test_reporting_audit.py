@@ -174,7 +174,7 @@ def test_packed_shards_are_refused_naming_the_source_to_audit(tmp_path: Path, ca
 def test_the_audit_page_in_chromium_loads_every_image_and_sorts(audited, tmp_path) -> None:
     """audit.html in headless Chromium: no console message, every thumbnail decoded, a click on a header
     (through ``#sort=``) sorts by that column, and a screenshot that is not blank."""
-    from test_report import body_data, open_page
+    from test_reporting_report import body_data, open_page
 
     _, out, *_ = audited
     page = out / "audit.html"

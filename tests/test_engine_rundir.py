@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import TINY_RESNET10T as TINY
 from conftest import compose_config
 from data_fixtures import truncate, write_csv
@@ -25,9 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 
 import mlcls.engine.checkpoint as checkpoint_module
 import mlcls.engine.rundir as rundir_module
-from mlcls.cli.errors import user_errors
 from mlcls.data import BadImageError
-from mlcls.engine.checkpoint import load_checkpoint
 from mlcls.engine.config_checks import check_config
 from mlcls.engine.rundir import (
     LOCK_NAME,
@@ -193,30 +190,6 @@ def test_a_finished_run_releases_its_lock(tmp_path):
     assert not (tmp_path / LOCK_NAME).exists() and (tmp_path / "checkpoints" / "last.pt").is_file()
 
 
-@pytest.mark.slow
-def test_a_full_disk_ends_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
-    trainer = Trainer(compose_config([*TINY, *QUICK, f"trainer.output_dir={tmp_path}"]))
-    real_save = torch.save
-
-    def save_until_epoch_two(state, f, *args, **kwargs):
-        if state.get("epoch") == 2:
-            f.write(b"partial")
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(state, f, *args, **kwargs)
-
-    monkeypatch.setattr(checkpoint_module.torch, "save", save_until_epoch_two)
-    with pytest.raises(SystemExit) as exit_info, user_errors():
-        trainer.fit()
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "no space left on the device" in lines[0] and "MiB free in" in lines[0]
-    assert f"cannot write {tmp_path / 'checkpoints' / 'iter_000000004.pt'}" in lines[0]
-    monkeypatch.undo()
-    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["epoch"] == 1
-    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
-    assert leftovers == [] and not (tmp_path / LOCK_NAME).exists()
-
-
 def test_disk_full_error_names_path_and_free_space(tmp_path):
     def fail(f):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -274,7 +247,7 @@ def test_resume_auto_accepts_an_explicit_hydra_run_dir(tmp_path):
 @pytest.mark.slow
 def test_resume_auto_in_hydra_run_dir_through_the_cli(tmp_path, monkeypatch, capsys):
     """``mlcls-train``'s entry point in-process (its console script and exit status are proven by a
-    subprocess in test_train.py): Hydra's own run directory is where resume=auto finds the run."""
+    subprocess in test_cli_train.py): Hydra's own run directory is where resume=auto finds the run."""
     from mlcls.cli.train import main
 
     monkeypatch.chdir(tmp_path)

@@ -153,8 +153,8 @@ def _bn_model() -> nn.Module:
 def test_sync_bn_converts_batchnorm_on_cuda_processes_only(caplog):
     """Several CUDA processes: every BatchNorm becomes a SyncBatchNorm holding the same parameters and
     buffers under the same keys. One process: nothing changes. Several CPU processes (gloo): nothing
-    changes, since torch's SyncBatchNorm refuses CPU tensors (tests/test_loss_scale_ddp.py), and one line
-    of rank 0 says so."""
+    changes, since torch's SyncBatchNorm refuses CPU tensors (tests/test_engine_build_loss_ddp.py), and one
+    line of rank 0 says so."""
     torch.manual_seed(0)
     model = _bn_model()
     state = {key: value.clone() for key, value in model.state_dict().items()}
@@ -180,8 +180,9 @@ def test_sync_bn_converts_batchnorm_on_cuda_processes_only(caplog):
 
 
 def test_loss_sum_scope_is_global_but_for_the_papers_asl_preset():
-    """A summed loss is scaled to the global batch (tests/test_loss_scale_ddp.py), except in ``paper_asl``,
-    which keeps the per-process sum of the paper's 4 GPUs; an unknown scope is a one-line error."""
+    """A summed loss is scaled to the global batch (tests/test_engine_build_loss_ddp.py), except in
+    ``paper_asl``, which keeps the per-process sum of the paper's 4 GPUs; an unknown scope is a one-line
+    error."""
     assert compose_config([]).trainer.loss_sum_scope == "global"
     paper_asl = compose_config(["experiment=paper_asl"])
     assert (paper_asl.loss.reduction, paper_asl.trainer.loss_sum_scope) == ("sum", "process")

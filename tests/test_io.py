@@ -14,13 +14,13 @@ import textwrap
 import pytest
 import torch
 from conftest import TINY, compose_config, error_on_a_full_disk
-from test_inference_support import trained_run, write_images
+from inference_fixtures import trained_run, write_images
 
 import mlcls.engine.checkpoint as checkpoint_module
 from mlcls.cli import predict as predict_cli
 from mlcls.cli import resave as resave_cli
 from mlcls.engine.checkpoint import choose_resume_checkpoint, load_checkpoint, save_checkpoint
-from mlcls.engine.rundir import acquire_run_lock, release_run_lock
+from mlcls.engine.rundir import LOCK_NAME, acquire_run_lock, release_run_lock
 from mlcls.engine.trainer import Trainer
 from mlcls.io import DiskFullError, atomic_write, atomic_write_bytes
 
@@ -62,6 +62,9 @@ def test_an_error_without_a_full_disk_in_its_chain_is_raised_as_it_is(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_under_torch_save_ends_training_with_one_line(tmp_path, monkeypatch, capsys):
+    """The disk fills during epoch 2's save, the OSError only the context of torch's error: one line naming
+    the file and the space left, the last good checkpoint kept, no temporary file and no run lock left (a
+    bare OSError, the unwrapped case, is test_disk_full_error_names_path_and_free_space's)."""
     from mlcls.cli.errors import user_errors
 
     trainer = Trainer(compose_config([*TINY, *QUICK, f"trainer.output_dir={tmp_path}"]))
@@ -82,9 +85,11 @@ def test_a_full_disk_under_torch_save_ends_training_with_one_line(tmp_path, monk
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"mlcls: error: cannot write {tmp_path / 'checkpoints'}")
-    assert "no space left on the device" in lines[0]
+    assert "no space left on the device" in lines[0] and "MiB free in" in lines[0]
     monkeypatch.undo()
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["epoch"] == 1
+    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == [] and not (tmp_path / LOCK_NAME).exists()
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torchvision
 from hostile import Outcome, bounded
-from test_released_import import import_outcome
+from test_inference_released import import_outcome
 
 SEEDS = 16  # mutated files per run (those that import take a second each: a ResNet-101 built on meta)
 BATCHES = 2  # bounded children the files are split between

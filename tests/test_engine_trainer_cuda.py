@@ -92,7 +92,7 @@ def test_a_single_process_nccl_group_evaluates_as_without_a_group(tmp_path):
 def test_apl_pass_over_the_training_set_on_cuda(tmp_path):
     """EM's APL on CUDA: the pass after each epoch scores every training sample (the prefetched batches,
     their indices on the device) and pseudo-labels as many entries per class as the schedule says."""
-    from test_losses_apl import APL_RUN
+    from test_losses_unknown_apl import APL_RUN
 
     trainer = _trainer(tmp_path, *APL_RUN[len(TINY) :])
     labels = torch.stack([trainer.data.train_set[i][1] for i in range(len(trainer.data.train_set))])

@@ -233,7 +233,7 @@ def text_run(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_a_trained_text_head_predicts_class_names_it_never_trained_on(text_run, tmp_path):
-    from test_inference_support import write_images
+    from inference_fixtures import write_images
 
     folder = tmp_path / "photos"
     write_images(folder, count=3)

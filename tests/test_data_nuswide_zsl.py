@@ -155,7 +155,7 @@ PRESETS = {
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_each_zero_shot_preset_is_its_sources_protocol(root: Path, preset: str) -> None:
-    from test_zsl_metrics import relevant_rows
+    from test_metrics_zero_shot import relevant_rows
 
     expected, train_rows, scored = PRESETS[preset]
     for concept in ("sky", "clouds"):

@@ -20,7 +20,7 @@ from conftest import compose_config
 from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 from PIL import Image
-from test_checkpoint_fuzz import CountingServer, stored_shards_config
+from test_engine_checkpoint_fuzz import CountingServer, stored_shards_config
 
 from mlcls.cli.data import main as data_main
 from mlcls.cli.errors import error_line
@@ -135,9 +135,9 @@ def _checkpoint_with_config(path: Path, trained: Path, section: str, value: dict
 @pytest.mark.slow
 def test_a_model_target_from_a_file_is_never_called(tmp_path, trained):
     marker = tmp_path / "marker"
-    hostile = {"_target_": "test_checkpoint_trust.write_marker", "path": str(marker)}
+    hostile = {"_target_": "test_engine_checkpoint_trust.write_marker", "path": str(marker)}
     path = _checkpoint_with_config(tmp_path / "target.pt", trained, "model", hostile)
-    with pytest.raises(InferenceError, match="model._target_ is 'test_checkpoint_trust.write_marker'"):
+    with pytest.raises(InferenceError, match="model._target_ is 'test_engine_checkpoint_trust.write_marker'"):
         load_inference_model(path, device="cpu")
     assert not marker.exists()
 
@@ -158,14 +158,17 @@ def test_a_model_target_from_a_file_is_never_called(tmp_path, trained):
 def test_a_dataset_target_from_a_file_is_not_called_by_eval(tmp_path, trained):
     marker = tmp_path / "marker"
     stored = torch.load(trained / "checkpoints" / "best.pt", weights_only=True)["config"]["dataset"]
-    hostile = {**stored, "_target_": "test_checkpoint_trust.write_marker", "path": str(marker)}
+    hostile = {**stored, "_target_": "test_engine_checkpoint_trust.write_marker", "path": str(marker)}
     path = _checkpoint_with_config(tmp_path / "target.pt", trained, "dataset", hostile)
     cfg = compose_config([f"checkpoint={path}", "device=cpu"], config_name="eval")
-    with pytest.raises(ConfigError, match="dataset._target_='test_checkpoint_trust.write_marker'"):
+    with pytest.raises(ConfigError, match="dataset._target_='test_engine_checkpoint_trust.write_marker'"):
         checkpoint_metrics(cfg)
     assert not marker.exists()
 
-    nested = {**stored, "transform": {"_target_": "test_checkpoint_trust.write_marker", "path": str(marker)}}
+    nested = {
+        **stored,
+        "transform": {"_target_": "test_engine_checkpoint_trust.write_marker", "path": str(marker)},
+    }
     path = _checkpoint_with_config(tmp_path / "nested.pt", trained, "dataset", nested)
     cfg = compose_config([f"checkpoint={path}", "device=cpu"], config_name="eval")
     with pytest.raises(ConfigError, match=r"dataset.transform._target_ is set"):

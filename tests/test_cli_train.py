@@ -123,14 +123,15 @@ def _train_rank(rank: int, port: int, cwd: str, argv: list[str]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    # the linear head on two ranks: test_distributed.py (two torchrun nodes) and test_engine_cluster.py
+    # the linear head on two ranks: test_engine_distributed.py (two torchrun nodes) and
+    # test_engine_trainer_cluster.py
     "head",
     [["model.head=mldecoder", "model.head.num_groups=5"]],
     ids=["mldecoder"],
 )
 def test_two_ranks_one_run_dir_and_exact_evaluation(tmp_path, tiny, head, monkeypatch, capsys):
-    """Two ranks forked from this process (torchrun itself: test_distributed.py), one run directory, and
-    an evaluation of the 75 validation images split unevenly over the ranks equal to one process's."""
+    """Two ranks forked from this process (torchrun itself: test_engine_distributed.py), one run directory,
+    and an evaluation of the 75 validation images split unevenly over the ranks equal to one process's."""
     run_dir = tmp_path / "ddp"
     # 64 training images of 16 pixels: one step of 32 per process; 75 validation images, split unevenly
     overrides = [o for o in tiny if not o.startswith("trainer.epochs")] + [

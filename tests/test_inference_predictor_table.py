@@ -10,7 +10,7 @@ import unicodedata
 
 import pytest
 import torch
-from test_inference_support import trained_run, write_images
+from inference_fixtures import trained_run, write_images
 
 from mlcls.cli import predict as predict_cli
 from mlcls.inference.predictor import Prediction, format_table, printable

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import compose_config, run_main
 from omegaconf import OmegaConf
-from test_optim import paper_cosine_lr
+from test_engine_optim import paper_cosine_lr
 
 from mlcls.cli.overrides import compose_config as compose_config_checked
 from mlcls.cli.train import main as train_main
@@ -43,7 +43,7 @@ def test_the_composed_config_takes_each_heads_warmup_from_the_heads_config(head,
 
 
 def test_cfg_job_shows_the_heads_warmup(tmp_path, monkeypatch, capsys):
-    """mlcls-train's --cfg job, in this process (test_train.py runs the installed console script)."""
+    """mlcls-train's --cfg job, in this process (test_cli_train.py runs the installed console script)."""
     monkeypatch.chdir(tmp_path)
     argv = ["mlcls-train", "model.head=mldecoder", "--cfg", "job", "--resolve"]
     code, err, out = run_main(train_main, argv, monkeypatch, capsys)
