@@ -74,12 +74,11 @@ def compose_config(overrides: list[str], config_name: str = "train") -> DictConf
     from hydra import compose, initialize_config_dir
 
     from mlcls import config_dir
-    from mlcls.cli.overrides import group_choices
 
     key = (config_name, tuple(overrides))
     if key not in _COMPOSED:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            _COMPOSED[key] = compose(config_name=config_name, overrides=group_choices(overrides))
+            _COMPOSED[key] = compose(config_name=config_name, overrides=list(overrides))
     return copy.deepcopy(_COMPOSED[key])
 
 

@@ -1,9 +1,9 @@
-"""What a checkpoint holds and how it is read (:func:`load_checkpoint`, the one reader, upgrading to
-:data:`mlcls.formats.FORMAT`), and the run's :class:`TrainState`.
+"""What a checkpoint holds and how it is read (:func:`load_checkpoint`, the one reader, of
+:data:`mlcls.formats.FORMAT` only), and the run's :class:`TrainState`.
 
 Checkpoints hold plain data only (tensors, containers, strings, numbers, None), read with
 ``torch.load(weights_only=True)``: a pickle from someone else cannot run code. A file that needs more is
-refused unless trusted (``trust_checkpoint=true``) or re-saved by :func:`resave_plain`.
+refused unless trusted (``trust_checkpoint=true``).
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mlcls.errors import first_line
-from mlcls.formats import FORMAT, upgrade
+from mlcls.formats import FORMAT, check_format
 from mlcls.io import atomic_write
 from mlcls.models.factory import has_text_queries
 from mlcls.text import build_encoder
 from mlcls.torchfile import check_nesting, open_checkpoint
 
 TRUST_HINT = (
-    "if you wrote it yourself, re-save it as plain data with `python -m mlcls.cli.resave {path}`, or load it "
-    "as it is with trust_checkpoint=true (trainer.trust_checkpoint=true to resume)"
+    "if you wrote it yourself, load it as it is with trust_checkpoint=true "
+    "(trainer.trust_checkpoint=true to resume)"
 )
 
 
@@ -103,14 +103,7 @@ def load_checkpoint(
         check_nesting(state, f"checkpoint {path}")
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    return upgrade(state, "checkpoint", f"checkpoint {path}", CheckpointError)
-
-
-def resave_plain(path: str | Path) -> None:
-    """Rewrite the trusted checkpoint ``path`` as plain data, atomically, readable without ``trust``."""
-    state = plain(load_checkpoint(path, trust=True))
-    save_checkpoint(state, path)
-    load_checkpoint(path)  # what the re-saved file must now pass
+    return check_format(state, "checkpoint", f"checkpoint {path}", CheckpointError)
 
 
 def _finite_or_none(data: Any) -> Any:

@@ -130,7 +130,7 @@ class ZeroShot:
         head = text_query_head(model)
         if head is None:
             raise ValueError(
-                "zero-shot evaluation needs a text-query head (model.head=mldecoder_zsl | cosine)"
+                "zero-shot evaluation needs a text-query head (model/head=mldecoder_zsl | cosine)"
             )
         own = head.class_embeddings
         head.set_class_embeddings(self.embeddings)

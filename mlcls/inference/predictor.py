@@ -178,7 +178,7 @@ def use_classes(inference: InferenceModel, names: Sequence[str]) -> None:
         raise InferenceError(
             f"{inference.checkpoint} has a {name} head without text queries: it scores its own "
             f"{plural(len(inference.classes), 'class')} only; classes= needs a checkpoint of a text-query "
-            "head (model.head=mldecoder_zsl or cosine)"
+            "head (model/head=mldecoder_zsl or cosine)"
         )
     if inference.text is None:
         raise InferenceError(

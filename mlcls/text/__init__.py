@@ -1,5 +1,5 @@
-"""Class embeddings from the class names: the queries of the text-query heads (``model.head=mldecoder_zsl``
-and ``model.head=cosine``, :mod:`mlcls.models.heads.text_query`).
+"""Class embeddings from the class names: the queries of the text-query heads (``model/head=mldecoder_zsl``
+and ``model/head=cosine``, :mod:`mlcls.models.heads.text_query`).
 
 The ``text`` config group (configs/text/) names an *encoder* (:class:`TextEncoder`); ``vectors``,
 ``sentence`` and ``clip`` read a local file or model in ``encode``, not when built, so that a cached class
