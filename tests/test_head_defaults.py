@@ -24,7 +24,7 @@ from mlcls.models import create_model
 
 # docs/models.md: ML-Decoder collapses when AdamW 2e-3 starts at the first step; a warm-up epoch fixes it.
 HEAD_WARMUP_EPOCHS = {"linear": 0, "mldecoder": 1, "csra": 0}
-DEMO_LR = 2.0e-3  # configs/dataset/synthetic.yaml
+DEMO_LR = 2.0e-3  # configs/experiment/demo.yaml
 DEMO_ITERS_PER_EPOCH = 31  # 2,000 images in batches of 64, the last partial batch dropped
 DEMO_EPOCHS = 5
 
