@@ -74,8 +74,8 @@ def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", trust: bool = False
 ) -> dict[str, Any]:
     """A checkpoint written by :func:`save_checkpoint`, of :data:`FORMAT` (else one line). More than plain
-    data is an :class:`UntrustedCheckpointError` naming the type it needs unless ``trust`` (unpickled as it is);
-    a missing or unreadable file a :class:`CheckpointError`."""
+    data is an :class:`UntrustedCheckpointError` naming the type it needs unless ``trust`` (unpickled as it
+    is); a missing or unreadable file a :class:`CheckpointError`."""
     path = Path(path)
     try:
         file = open_checkpoint(path)
