@@ -40,6 +40,7 @@ from mlcls.engine.checkpoint import (
 from mlcls.engine.rundir import LOCK_NAME
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError, InferenceError
+from mlcls.formats import FORMAT
 from mlcls.inference.export import export_checkpoint
 from mlcls.inference.predictor import load_inference_model
 from mlcls.io import NotRegularFileError, open_regular, read_regular_bytes
@@ -91,7 +92,7 @@ def test_rng_state_round_trips_through_a_plain_checkpoint(tmp_path):
 
 
 def _evil_checkpoint(path: Path, marker: Path) -> Path:
-    torch.save({"model": {}, "classes": ["a"], "payload": _OpensMarker(marker)}, path)
+    torch.save({"format": FORMAT, "model": {}, "classes": ["a"], "payload": _OpensMarker(marker)}, path)
     return path
 
 
@@ -146,7 +147,9 @@ def test_a_model_target_from_a_file_is_never_called(tmp_path, trained):
         load_inference_model(path, device="cpu")
     assert not marker.exists()
 
-    fields = {"_target_": "mlcls.models.create_model", "name": "resnet10t", "pretrained": True, "path": "x"}
+    head = {"name": "linear", "drop_rate": 0.0, "warmup_epochs": 0}
+    fields = {"_target_": "mlcls.models.create_model", "name": "resnet10t", "pretrained": True, "head": head}
+    fields |= {"path": "x"}
     path = _checkpoint_with_config(tmp_path / "fields.pt", trained, "model", fields)
     with pytest.raises(InferenceError, match=r"has path, which mlcls.models.create_model does not take"):
         load_inference_model(path, device="cpu")
