@@ -9,7 +9,8 @@ dots (``model.head=csra``, which Hydra reads as a value replacing the head's con
 are left alone.
 
 Hydra's override parser (``hydra.core.override_parser``) is not part of Hydra's documented API; it stays
-because Hydra has no public way to parse an override (its key, group and swept values) before composing.
+because Hydra has no public way to parse an override (its key, group and swept values) before composing;
+``GlobalHydra.instance().clear()`` is the reset Hydra's compose API documents after a failed run.
 A config group and its options are read from the files of ``mlcls/configs`` (:func:`_group_options`).
 """
 
