@@ -84,13 +84,13 @@ def compose_config(overrides: list[str], config_name: str = "train") -> DictConf
     from hydra import compose, initialize_config_dir
 
     from mlcls import config_dir
-    from mlcls.cli.overrides import group_choices, register_resolvers
+    from mlcls.cli.overrides import register_resolvers
 
     register_resolvers()
     key = (config_name, tuple(overrides))
     if key not in _COMPOSED:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            _COMPOSED[key] = compose(config_name=config_name, overrides=group_choices(overrides))
+            _COMPOSED[key] = compose(config_name=config_name, overrides=list(overrides))
     return copy.deepcopy(_COMPOSED[key])
 
 

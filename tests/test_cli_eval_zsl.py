@@ -20,7 +20,7 @@ def test_a_checkpoint_without_text_queries_is_refused_in_one_line(tmp_path_facto
         eval_cli.main()
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1
-    assert "model.head='linear', without text queries" in err and "mldecoder_zsl or cosine" in err
+    assert "model/head='linear', without text queries" in err and "mldecoder_zsl or cosine" in err
 
 
 def test_zero_shot_of_a_model_trained_on_every_class_reports_the_named_columns() -> None:

@@ -79,8 +79,8 @@ class _StopAfterFirstEpoch(Trainer):
     [
         [],
         # the other heads (model.head), with EMA weights in the checkpoint too
-        ["model.head=mldecoder", "model.head.num_groups=5", "trainer.ema_decay=0.9"],
-        ["model.head=csra", "model.head.num_heads=2", "trainer.ema_decay=0.9"],
+        ["model/head=mldecoder", "model.head.num_groups=5", "trainer.ema_decay=0.9"],
+        ["model/head=csra", "model.head.num_heads=2", "trainer.ema_decay=0.9"],
     ],
     ids=["linear", "mldecoder", "csra"],
 )
@@ -126,7 +126,7 @@ def _train_rank(rank: int, port: int, cwd: str, argv: list[str]) -> None:
     # the linear head on two ranks: test_engine_distributed.py (two torchrun nodes) and
     # test_engine_trainer_cluster.py
     "head",
-    [["model.head=mldecoder", "model.head.num_groups=5"]],
+    [["model/head=mldecoder", "model.head.num_groups=5"]],
     ids=["mldecoder"],
 )
 def test_two_ranks_one_run_dir_and_exact_evaluation(tmp_path, tiny, head, monkeypatch, capsys):

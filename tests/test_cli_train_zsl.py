@@ -22,7 +22,7 @@ RUN = [
     "dataset.train_size=64",
     "dataset.val_size=48",
     "trainer.epochs=1",
-    "model.head=cosine",
+    "model/head=cosine",
     "text=words",
     f"dataset.unseen_classes=[{','.join(UNSEEN)}]",
 ]

@@ -101,11 +101,11 @@ def test_a_regime_draws_over_the_seen_columns_only() -> None:
 
 @pytest.mark.parametrize("head", ["linear", "mldecoder", "csra"])
 def test_a_head_without_text_queries_is_refused_at_config_check(head: str) -> None:
-    cfg = compose_config([*SMALL, f"model.head={head}", "dataset.unseen_classes=[red_circle]"])
+    cfg = compose_config([*SMALL, f"model/head={head}", "dataset.unseen_classes=[red_circle]"])
     with pytest.raises(ConfigError) as error:
         check_config(cfg, world_size=1)
     message = str(error.value)
-    assert f"model.head={head} has no text queries" in message and "\n" not in message
+    assert f"model/head={head} has no text queries" in message and "\n" not in message
 
 
 @pytest.mark.slow

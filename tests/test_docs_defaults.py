@@ -143,7 +143,7 @@ def test_each_heads_documented_options_are_its_configs():
     heads = {m.group(1): m.group(2) for m in rows if m}
     assert {"linear", "mldecoder", "csra"} <= set(heads)
     for head, options in heads.items():
-        cfg = compose_config([f"model.head={head}"]).model.head
+        cfg = compose_config([f"model/head={head}"]).model.head
         for key, value in re.findall(r"`(\w+)` \(([^)]*)\)", options):
             stated = value.rsplit("default ", 1)[-1]
             assert documented(stated) == cfg[key], (head, key)

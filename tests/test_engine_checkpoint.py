@@ -41,7 +41,7 @@ from mlcls.text.clip import load_weights
 from mlcls.torchfile import MAX_NESTING, PICKLE_OBJECTS, check_nesting, check_pickle, open_checkpoint
 
 ENTRY = struct.Struct("<4s6H3L5H2L")  # a zip central-directory entry
-STATE = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "classes": ["a", "b", "c"]}
+STATE = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "classes": ["a", "b", "c"], "format": 2}
 
 
 def saved(state: dict) -> bytes:

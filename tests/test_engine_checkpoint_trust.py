@@ -30,11 +30,12 @@ from mlcls.cli.train import run as train_run
 from mlcls.data import DatasetConfigError, DatasetFormatError, DatasetLayoutError
 from mlcls.data.datasets.base import load_json
 from mlcls.data.shards.datasets import open_shards
-from mlcls.engine.checkpoint import UntrustedCheckpointError, load_checkpoint, resave_plain, save_checkpoint
+from mlcls.engine.checkpoint import UntrustedCheckpointError, load_checkpoint, save_checkpoint
 from mlcls.engine.rundir import LOCK_NAME
 from mlcls.engine.state import rng_state, set_rng_state
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError, InferenceError
+from mlcls.formats import FORMAT
 from mlcls.inference.export import export_checkpoint
 from mlcls.inference.predictor import load_inference_model
 from mlcls.io import NotRegularFileError, open_regular, read_regular_bytes
@@ -86,7 +87,7 @@ def test_rng_state_round_trips_through_a_plain_checkpoint(tmp_path):
 
 
 def _evil_checkpoint(path: Path, marker: Path) -> Path:
-    torch.save({"model": {}, "classes": ["a"], "payload": _OpensMarker(marker)}, path)
+    torch.save({"format": FORMAT, "model": {}, "classes": ["a"], "payload": _OpensMarker(marker)}, path)
     return path
 
 
@@ -98,7 +99,7 @@ def test_a_pickle_that_runs_code_is_refused_everywhere_with_one_line(tmp_path, t
         load_checkpoint(evil)
     line = error_line(caught.value)
     assert "\n" not in str(caught.value) and line == str(caught.value)
-    assert "open object" in line and "trust_checkpoint=true" in line and "mlcls.cli.resave" in line
+    assert "open object" in line and "trust_checkpoint=true" in line
     Image.new("RGB", (8, 8)).save(tmp_path / "photo.jpg")
     predict_cfg = compose_config([f"checkpoint={evil}", f"images={tmp_path}"], config_name="predict")
     eval_cfg = compose_config([f"checkpoint={evil}", "device=cpu"], config_name="eval")
@@ -141,7 +142,9 @@ def test_a_model_target_from_a_file_is_never_called(tmp_path, trained):
         load_inference_model(path, device="cpu")
     assert not marker.exists()
 
-    fields = {"_target_": "mlcls.models.create_model", "name": "resnet10t", "pretrained": True, "path": "x"}
+    head = {"name": "linear", "drop_rate": 0.0, "warmup_epochs": 0}
+    fields = {"_target_": "mlcls.models.create_model", "name": "resnet10t", "pretrained": True, "head": head}
+    fields |= {"path": "x"}
     path = _checkpoint_with_config(tmp_path / "fields.pt", trained, "model", fields)
     with pytest.raises(InferenceError, match=r"has path, which mlcls.models.create_model does not take"):
         load_inference_model(path, device="cpu")
@@ -177,22 +180,15 @@ def test_a_dataset_target_from_a_file_is_not_called_by_eval(tmp_path, trained):
 
 
 @pytest.mark.slow
-def test_an_old_checkpoint_is_refused_then_resaved_as_plain_data(tmp_path, trained):
-    # what mlcls wrote before: NumPy's random state as it comes, with an ndarray inside
+def test_a_checkpoint_with_an_ndarray_is_refused_unless_trusted(tmp_path, trained):
+    # NumPy's random state as it comes, with an ndarray inside: no plain data
     state = torch.load(trained / "checkpoints" / "last.pt", weights_only=True)
     state["rng"] = [{**state["rng"][0], "numpy": np.random.get_state()}]
     old = tmp_path / "old.pt"
     torch.save(state, old)
-    with pytest.raises(UntrustedCheckpointError, match=r"holds a numpy\.[\w.]+ object.*mlcls.cli.resave"):
+    with pytest.raises(UntrustedCheckpointError, match=r"holds a numpy\S+ object.*trust_checkpoint=true"):
         load_checkpoint(old)
     assert load_checkpoint(old, trust=True)["rng"][0]["numpy"][1].dtype == np.uint32
-
-    resave_plain(old)
-    resaved = torch.load(old, weights_only=True)
-    assert torch.equal(
-        resaved["rng"][0]["numpy"][1], torch.from_numpy(np.random.get_state()[1].astype(np.int64))
-    )
-    assert all(torch.equal(v, state["model"][k]) for k, v in resaved["model"].items())
 
 
 # ----------------------------------------------------------------------------------- shard sources (issue 28)

@@ -53,7 +53,8 @@ def genuine(tmp_path_factory) -> dict:
     classes)."""
     run_dir = trained_run(tmp_path_factory)
     state = torch.load(run_dir / "calibrated.pt", weights_only=False)
-    return {key: state[key] for key in ("model", "classes", "config", "preprocess", "thresholds")}
+    fields = ("format", "model", "classes", "config", "preprocess", "thresholds", "thresholds_split")
+    return {key: state[key] for key in fields}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def save(state: dict, path: Path) -> Path:
 def mldecoder_state(genuine: dict, embedding: int, weights: dict[str, torch.Tensor]) -> dict:
     """``genuine`` turned into an ML-Decoder checkpoint of width ``embedding`` holding ``weights``."""
     state = copy.deepcopy(genuine)
-    state["config"]["model"].update(head="mldecoder", decoder_embedding=embedding, num_groups=4)
+    state["config"]["model"]["head"] = {"name": "mldecoder", "embed_dim": embedding, "num_groups": 4}
     state["model"] = weights
     return state
 
@@ -165,8 +166,10 @@ def test_crafted_sizes_are_one_line_before_any_model_is_built(genuine, image, tm
         ({"model": {"fc.bias": torch.empty(12, device="meta")}}, "'fc.bias' are a meta tensor; expected"),
         ({"thresholds": "high"}, "'thresholds' is a str that is not a list of numbers"),
         ({"thresholds": torch.full((12,), torch.nan)}, "the stored thresholds hold NaN"),
+        # before: a checkpoint without the key was read as calibrated on the validation set
+        ({"thresholds_split": None}, "'thresholds_split' is None; expected one of validation, holdout"),
         (
-            {"config": {"model": {"name": "resnet10t", "head": "mldecoder", "decoder_embedding": 10**12}}},
+            {"config": {"model": {"name": "resnet10t", "head": {"name": "mldecoder", "embed_dim": 10**12}}}},
             "cannot build the checkpoint's model: ",  # torch's own words: its sizes overflow
         ),
         ({"preprocess": "paper"}, "the checkpoint's preprocess is a str; expected a mapping with keys"),

@@ -31,7 +31,7 @@ MODEL = ["model.name=resnet10t", "model.pretrained=false", "dataset.image_size=3
 
 def write_checkpoint(path: Path, head: str) -> tuple[Path, torch.nn.Module]:
     """A checkpoint as the trainer writes it (its fields, not its training) of a fresh ``head`` model."""
-    cfg = compose_config([f"model.head={head}", *MODEL])
+    cfg = compose_config([f"model/head={head}", *MODEL])
     torch.manual_seed(0)
     model = build_model(cfg.model, len(CLASSES), torch.device("cpu"), **class_queries(cfg, CLASSES)).eval()
     state = {
@@ -195,7 +195,7 @@ def test_a_checkpoint_without_text_queries_refuses_class_names_in_one_line(tmp_p
         load_and_use(path, ["red_circle"])
     assert str(info.value) == (
         f"{path} has a linear head without text queries: it scores its own 3 classes only; classes= needs "
-        "a checkpoint of a text-query head (model.head=mldecoder_zsl or cosine)"
+        "a checkpoint of a text-query head (model/head=mldecoder_zsl or cosine)"
     )
 
 
@@ -222,7 +222,7 @@ def text_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("text_run") / "run"
     overrides = [
         *TINY,
-        "model.head=cosine",
+        "model/head=cosine",
         "trainer.epochs=1",
         "dataset.train_size=64",
         "dataset.val_size=32",

@@ -18,8 +18,7 @@ from inference_fixtures import trained_run, write_images
 
 import mlcls.engine.checkpoint as checkpoint_module
 from mlcls.cli import predict as predict_cli
-from mlcls.cli import resave as resave_cli
-from mlcls.engine.checkpoint import choose_resume_checkpoint, load_checkpoint, save_checkpoint
+from mlcls.engine.checkpoint import choose_resume_checkpoint, load_checkpoint
 from mlcls.engine.rundir import LOCK_NAME, acquire_run_lock, release_run_lock
 from mlcls.engine.trainer import Trainer
 from mlcls.io import DiskFullError, atomic_write, atomic_write_bytes
@@ -229,14 +228,6 @@ def test_a_replaced_file_keeps_its_mode(tmp_path, umask_027, mode):
     path.chmod(mode)
     atomic_write_bytes(path, b"new")
     assert path.read_bytes() == b"new" and _mode(path) == mode
-
-
-def test_resave_keeps_a_private_checkpoint_private(tmp_path):
-    path = tmp_path / "model.pt"
-    save_checkpoint({"model": {"w": torch.ones(2)}}, path)
-    path.chmod(0o600)
-    resave_cli.main([str(path)])
-    assert _mode(path) == 0o600 and torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(2))
 
 
 @pytest.mark.parametrize("special", [0o6000, 0o4000, 0o2000, 0o1000])

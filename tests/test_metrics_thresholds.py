@@ -178,9 +178,20 @@ def test_a_bad_thresholds_split_in_a_checkpoint_is_one_line(value):
     with pytest.raises(InferenceError) as caught:
         stored_thresholds_split({"thresholds_split": value}, "x.pt")
     assert str(caught.value) == (
-        f"x.pt: 'thresholds_split' is {value!r}; expected one of validation, holdout"
+        f"x.pt: 'thresholds_split' is {value!r}; expected one of validation, holdout "
+        "(the split the stored thresholds were calibrated on)"
     )
-    assert stored_thresholds_split({}, "x.pt") == "validation"  # written before the key existed
+
+
+def test_thresholds_stored_without_their_split_are_one_line():
+    # before: a checkpoint lacking the key was read as calibrated on the validation set
+    with pytest.raises(InferenceError) as caught:
+        stored_thresholds_split({"thresholds": [0.0, 1.0]}, "x.pt")
+    assert str(caught.value) == (
+        "x.pt: 'thresholds_split' is None; expected one of validation, holdout "
+        "(the split the stored thresholds were calibrated on)"
+    )
+    assert stored_thresholds_split({}, "x.pt") == "validation"  # no thresholds: the split names nothing
 
 
 def test_a_best_cut_keeping_every_sample_is_minus_inf_even_above_infinite_scores():

@@ -28,7 +28,7 @@ def head_names(model: torch.nn.Module) -> set[str]:
 @pytest.mark.slow
 def test_the_backbone_stays_bit_for_bit_and_the_head_learns(tmp_path, head: str) -> None:
     cfg = compose_config(
-        [*TINY, f"model.head={head}", "model.freeze_backbone=true", f"trainer.output_dir={tmp_path}"]
+        [*TINY, f"model/head={head}", "model.freeze_backbone=true", f"trainer.output_dir={tmp_path}"]
     )
     trainer = Trainer(cfg)
     model = trainer.model
@@ -54,7 +54,7 @@ def test_the_backbone_stays_bit_for_bit_and_the_head_learns(tmp_path, head: str)
 
 @pytest.mark.slow
 def test_backbone_in_eval_leaves_the_head_and_the_root_training() -> None:
-    cfg = compose_config([*TINY, "model.head=mldecoder", "model.freeze_backbone=true"])
+    cfg = compose_config([*TINY, "model/head=mldecoder", "model.freeze_backbone=true"])
     model = Trainer(cfg).model.train()
     backbone_in_eval(model)
     head = {id(m) for m in model.get_classifier().modules()}

@@ -289,7 +289,7 @@ def test_linear_head_is_timms_model_unchanged():
 
 
 def test_unknown_head_and_another_heads_option_fail_in_one_line():
-    with pytest.raises(ValueError, match="model.head='mlp'; expected one of linear, mldecoder, csra"):
+    with pytest.raises(ValueError, match="model/head='mlp'; expected one of linear, mldecoder, csra"):
         create_model("resnet10t", 5, pretrained=False, head="mlp")
     with pytest.raises(
         ValueError, match="^model.head.drop_rate is not an option of the csra head; it takes num_heads, lam"
@@ -314,7 +314,7 @@ def test_trained_head_exports_to_onnx_equal_to_predict(head, tmp_path):
         "dataset.train_size=32",
         "dataset.val_size=16",
         "dataset.image_size=16",
-        f"model.head={head}",
+        f"model/head={head}",
     ]
     options = {"num_groups": 4} if head == "mldecoder" else {"num_heads": 2}
     overrides += [f"model.head.{key}={value}" for key, value in options.items()] + ["trainer.ema_decay=0.9"]

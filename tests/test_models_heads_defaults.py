@@ -24,14 +24,14 @@ from mlcls.models import create_model
 
 # docs/models.md: ML-Decoder collapses when AdamW 2e-3 starts at the first step; a warm-up epoch fixes it.
 HEAD_WARMUP_EPOCHS = {"linear": 0, "mldecoder": 1, "csra": 0}
-DEMO_LR = 2.0e-3  # configs/dataset/synthetic.yaml
+DEMO_LR = 2.0e-3  # configs/experiment/demo.yaml
 DEMO_ITERS_PER_EPOCH = 31  # 2,000 images in batches of 64, the last partial batch dropped
 DEMO_EPOCHS = 5
 
 
 @pytest.mark.parametrize(("head", "epochs"), HEAD_WARMUP_EPOCHS.items())
 def test_the_composed_config_takes_each_heads_warmup_from_the_heads_config(head, epochs):
-    cfg = compose_config([f"model.head={head}"])
+    cfg = compose_config([f"model/head={head}"])
     assert OmegaConf.to_container(cfg.sched) == {  # the one warm-up key, null: the head's default
         "_target_": "mlcls.engine.optim.cosine_schedule",
         "_partial_": True,
@@ -45,7 +45,7 @@ def test_the_composed_config_takes_each_heads_warmup_from_the_heads_config(head,
 def test_cfg_job_shows_the_heads_warmup(tmp_path, monkeypatch, capsys):
     """mlcls-train's --cfg job, in this process (test_cli_train.py runs the installed console script)."""
     monkeypatch.chdir(tmp_path)
-    argv = ["mlcls-train", "model.head=mldecoder", "--cfg", "job", "--resolve"]
+    argv = ["mlcls-train", "model/head=mldecoder", "--cfg", "job", "--resolve"]
     code, err, out = run_main(train_main, argv, monkeypatch, capsys)
     assert code == 0, err
     cfg = OmegaConf.create(out)
@@ -77,7 +77,7 @@ def expected_lrs(warmup_iters: int, iterations: int) -> list[float]:
 
 @pytest.mark.parametrize("head", HEAD_WARMUP_EPOCHS)
 def test_the_schedule_warms_up_mldecoder_for_one_epoch_and_the_others_not(head):
-    lrs = head_lrs([f"model.head={head}"], 40)
+    lrs = head_lrs([f"model/head={head}"], 40)
     assert lrs == pytest.approx(expected_lrs(HEAD_WARMUP_EPOCHS[head] * DEMO_ITERS_PER_EPOCH, 40), rel=1e-12)
     if head == "mldecoder":
         assert math.isclose(lrs[0], DEMO_LR / 31) and math.isclose(lrs[30], DEMO_LR)
@@ -88,16 +88,16 @@ def test_the_schedule_warms_up_mldecoder_for_one_epoch_and_the_others_not(head):
 @pytest.mark.parametrize(
     ("overrides", "warmup_iters"),
     [
-        (["model.head=mldecoder", "sched.warmup_epochs=0"], 0),
-        (["model.head=mldecoder", "sched.warmup_epochs=0.17"], 5),  # 5.27 iterations, over the head's epoch
-        (["model.head=linear", "sched.warmup_epochs=2"], 62),
-        (["model.head=csra", "model.head.warmup_epochs=0.5"], 16),  # 15.5 iterations, rounded
+        (["model/head=mldecoder", "sched.warmup_epochs=0"], 0),
+        (["model/head=mldecoder", "sched.warmup_epochs=0.17"], 5),  # 5.27 iterations, over the head's epoch
+        (["model/head=linear", "sched.warmup_epochs=2"], 62),
+        (["model/head=csra", "model.head.warmup_epochs=0.5"], 16),  # 15.5 iterations, rounded
         # the paper preset's explicit warmup_epochs: 0 holds for every head
         (
             [
                 "experiment=paper",
                 "dataset=synthetic",
-                "model.head=mldecoder",
+                "model/head=mldecoder",
                 "optim.lr_head=2e-3",
                 "trainer.epochs=5",
             ],
@@ -110,10 +110,10 @@ def test_what_the_user_sets_wins_over_the_heads_default(overrides, warmup_iters)
 
 
 def test_onecycle_warms_up_every_head_by_its_own_rise():
-    cfg = compose_config(["sched=onecycle", "model.head=mldecoder"])
+    cfg = compose_config(["sched=onecycle", "model/head=mldecoder"])
     assert "warmup_epochs" not in cfg.sched
     check_config(cfg, world_size=1)
-    lrs = head_lrs(["sched=onecycle", "model.head=mldecoder"], 3)
+    lrs = head_lrs(["sched=onecycle", "model/head=mldecoder"], 3)
     assert math.isclose(lrs[0], DEMO_LR / 25) and lrs[0] < lrs[1] < lrs[2]
 
 
@@ -134,7 +134,7 @@ def test_a_bad_warmup_setting_is_refused_in_one_line(overrides, message):
 
 def test_an_unknown_head_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^Could not find 'model/head/mldecodr'\. Available options in "):
-        compose_config_checked("train", ["model.head=mldecodr"])
+        compose_config_checked("train", ["model/head=mldecodr"])
 
 
 # The demo on 640 training and 200 validation images: 4 epochs of 10 steps, a quarter of its cost, the
@@ -157,6 +157,6 @@ def test_each_head_reaches_the_linear_heads_map_on_a_reduced_demo(tmp_path):
     and CSRA's spatial attention has nothing to attend to."""
     maps = {}
     for head in HEAD_WARMUP_EPOCHS:
-        overrides = [f"model.head={head}", *REDUCED_DEMO, f"trainer.output_dir={tmp_path / head}"]
+        overrides = [f"model/head={head}", *REDUCED_DEMO, f"trainer.output_dir={tmp_path / head}"]
         maps[head] = Trainer(compose_config(overrides)).fit()["metrics"]["mAP_class"]
     assert maps["mldecoder"] >= maps["linear"] and maps["csra"] >= maps["linear"], maps

@@ -1,4 +1,4 @@
-"""The text-query heads (``model.head=mldecoder_zsl | cosine``) against float64 references of their
+"""The text-query heads (``model/head=mldecoder_zsl | cosine``) against float64 references of their
 equations written here, with class lists they were not built with, and how a model is built with them."""
 
 from __future__ import annotations
@@ -148,23 +148,23 @@ def test_the_cosine_scale_starts_at_init_scale_and_is_learnt():
 
 @pytest.mark.parametrize("head", ["mldecoder_zsl", "cosine"])
 def test_a_model_with_a_text_head_is_built_from_the_dataset_classes(head):
-    cfg = compose_config([f"model.head={head}", "model.name=resnet10t", "model.pretrained=false"])
+    cfg = compose_config([f"model/head={head}", "model.name=resnet10t", "model.pretrained=false"])
     classes = ["red_circle", "blue_square"]
     queries = class_queries(cfg, classes)
     torch.testing.assert_close(queries["class_embeddings"], class_embeddings(cfg.text, classes))
     model = create_model("resnet10t", 2, pretrained=False, head=cfg.model.head, **queries)
     torch.testing.assert_close(text_query_head(model).class_embeddings, queries["class_embeddings"])
     assert model.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 2)
-    with pytest.raises(ConfigError, match=f"model.head={head} scores classes by their names"):
+    with pytest.raises(ConfigError, match=f"model/head={head} scores classes by their names"):
         create_model("resnet10t", 2, pretrained=False, head=cfg.model.head)
 
 
 def test_a_head_without_text_queries_needs_no_text_config():
-    cfg = compose_config(["model.head=mldecoder"])
+    cfg = compose_config(["model/head=mldecoder"])
     with open_dict(cfg):
         del cfg["text"]
     assert class_queries(cfg, ["a", "b"]) == {}
     model = create_model("resnet10t", 2, pretrained=False, head="linear")
     assert text_query_head(model) is None
-    with pytest.raises(ConfigError, match="model.head=linear has no text queries"):
+    with pytest.raises(ConfigError, match="model/head=linear has no text queries"):
         create_model("resnet10t", 2, pretrained=False, class_embeddings=torch.eye(2))

@@ -53,7 +53,7 @@ def test_words_equal_a_float64_reference_of_summed_seeded_word_vectors():
 
 
 def test_the_words_source_names_its_dim_and_seed_and_the_default_config_composes():
-    cfg = compose_config(["model.head=cosine"])
+    cfg = compose_config(["model/head=cosine"])
     assert cfg.text._target_ == "mlcls.text.words.WordsEncoder"
     assert text.build_encoder(cfg.text).source == f"words(dim={cfg.text.dim}, seed={cfg.text.seed})"
     other = class_embeddings({**WORDS, "seed": 4}, ["blue"])

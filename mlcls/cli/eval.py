@@ -208,9 +208,9 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
     if unseen and text_query_head(inference.model) is None:  # only it scores untrained classes
         head = nested_get(inference.config, "model", "head", "name")  # checked by load_inference_model
         raise ConfigError(
-            f"dataset.unseen_classes: {inference.checkpoint} has model.head={shown(head)}, without text "
+            f"dataset.unseen_classes: {inference.checkpoint} has model/head={shown(head)}, without text "
             f"queries: it scores only the {len(inference.classes)} classes it was trained on; expected a "
-            f"checkpoint of model.head={' or '.join(TEXT_HEADS)}"
+            f"checkpoint of model/head={' or '.join(TEXT_HEADS)}"
         )
     text = unseen_text_source(inference, trust) if unseen else None  # checked before any data is read
     dataset = evaluation_dataset(inference.config["dataset"], given, inference.classes, trust)

@@ -3,9 +3,15 @@
 Hydra's own reports span many lines and exit with 1 (an unknown option lists every choice and the search
 path). :func:`run_command` runs a command with Hydra's errors raised and prints each as one line naming
 the valid options; only a failed command line is composed again, to find the closest keys. Where Hydra
-reports nothing -- a renamed key (:data:`mlcls.formats.RENAMED_KEYS`), ``+key=value`` for a key the config
-lacks (read by nothing) -- :func:`check_command_line` refuses it first; ``++key``, ``~key`` and ``hydra.*``
-are left alone. ``model.head=csra`` is accepted for Hydra's ``model/head=csra`` (:func:`group_choices`).
+reports nothing -- ``+key=value`` for a key the config lacks (read by nothing), a nested group chosen with
+dots (``model.head=csra``, which Hydra reads as a value replacing the head's config, for
+``model/head=csra``) -- :func:`check_command_line` refuses it first; ``++key``, ``~key`` and ``hydra.*``
+are left alone.
+
+Hydra's override parser (``hydra.core.override_parser``) is not part of Hydra's documented API; it stays
+because Hydra has no public way to parse an override (its key, group and swept values) before composing;
+``GlobalHydra.instance().clear()`` is the reset Hydra's compose API documents after a failed run.
+A config group and its options are read from the files of ``mlcls/configs`` (:func:`_group_options`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from omegaconf.errors import OmegaConfBaseException
 from mlcls import config_dir
 from mlcls.cli.errors import one_line, user_errors
 from mlcls.errors import ConfigError
-from mlcls.formats import renamed_key_message
 
 # Configs composed per command at most for swept config groups (e.g. experiment=a,b,c); beyond, no check.
 MAX_COMPOSITIONS = 64
@@ -59,7 +64,6 @@ def run_command(config_name: str, hydra_main: Callable[[], Any]) -> None:
     (:func:`explain_error`) and exit status 2, unless the user set ``HYDRA_FULL_ERROR=1``."""
     register_resolvers()
     overrides = check_command_line(config_name)
-    sys.argv[1:] = group_choices(sys.argv[1:])
     user_setting = os.environ.get("HYDRA_FULL_ERROR")
     if user_setting == "1":
         hydra_main()
@@ -83,8 +87,8 @@ def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> l
     """Check a command line (default ``sys.argv[1:]``) before Hydra runs; return its ``key=value``
     overrides as Hydra writes them (None when a flag selects another config, which is not checked).
 
-    A positional argument, a renamed key or ``+key=…`` for a key the config lacks ends the process with one
-    line and exit status 2; only a ``+key=…`` override costs a composition.
+    A positional argument, a nested group chosen with dots or ``+key=…`` for a key the config lacks ends the
+    process with one line and exit status 2; only a ``+key=…`` override costs a composition.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     arguments, other_config, index = [], False, 0  # without Hydra's flags (``--hydra-help``) and values
@@ -106,33 +110,23 @@ def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> l
                     f"unexpected argument {arg!r}: mlcls-{config_name} takes key=value overrides; "
                     f"mlcls-{config_name} --help lists the keys"
                 )
-        _check_renamed(arguments)
+        _check_group_paths(arguments)
         if other_config:
             return None
-        overrides = group_choices([arg for arg in arguments if "=" in arg])
+        overrides = [arg for arg in arguments if "=" in arg]
         _check_added_keys(config_name, overrides)
     return overrides
 
 
-def group_choices(overrides: Sequence[str]) -> list[str]:
-    """``overrides`` with each nested group choice written with dots (``model.head=csra``) in Hydra's form
-    (``model/head=csra``)."""
-    written = []
-    for arg in overrides:
-        key, equals, value = arg.partition("=")
+def _check_group_paths(overrides: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` for a nested config group chosen with dots (``model.head=csra``): Hydra
+    would set the value, not choose the group's option."""
+    for override in overrides:
+        key, equals, value = override.partition("=")
         name = key.lstrip("+~")
         if equals and "." in name and (config_dir() / name.replace(".", "/")).is_dir():
-            arg = f"{key[: len(key) - len(name)]}{name.replace('.', '/')}={value}"
-        written.append(arg)
-    return written
-
-
-def _check_renamed(overrides: Sequence[str]) -> None:
-    """Raise :class:`ConfigError` naming the new key of a key renamed on purpose, with or without ``+``."""
-    for override in overrides:
-        message = renamed_key_message(override.partition("=")[0].lstrip("+~"))
-        if message is not None:
-            raise ConfigError(message)
+            group = name.replace(".", "/")
+            raise ConfigError(f"{name} is a config group: choose its option with {group}={value}")
 
 
 def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
@@ -140,8 +134,7 @@ def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
     (:func:`register_resolvers`); a mistake raises :class:`ConfigError` with the message of
     :func:`explain_error`."""
     register_resolvers()
-    overrides = group_choices(overrides)
-    _check_renamed(overrides)
+    _check_group_paths(overrides)
     _check_added_keys(config_name, overrides)
     try:
         with _configs():
@@ -237,13 +230,12 @@ def _check_group_options(config_name: str, overrides: Sequence[str]) -> None:
         return  # no composition: an unknown key is the usual mistake
     base = compose(config_name=config_name, return_hydra_config=True)
     used = set(base.hydra.runtime.choices)
-    loader = GlobalHydra.instance().config_loader()
     for override in choices:
         group = override.key_or_group
         if group not in used and override.type != OverrideType.ADD:
             keys = [str(key) for key in base if key != "hydra"]
             raise ConfigError(f"unknown option {group}: {closest_keys(group, keys)}")
-        options = loader.get_group_options(group)
+        options = _group_options(group)
         for value in _values(override):
             if value not in options:
                 raise ConfigError(
@@ -266,8 +258,12 @@ def _configs() -> Any:
 
 
 def _is_group(name: str) -> bool:
-    parent, _, leaf = name.rpartition("/")
-    return leaf in GlobalHydra.instance().config_loader().list_groups(parent)
+    return bool(name) and (config_dir() / name).is_dir()
+
+
+def _group_options(group: str) -> list[str]:
+    """The options of config group ``group``: the names of its ``.yaml`` files in ``mlcls/configs``."""
+    return sorted(path.stem for path in (config_dir() / group).glob("*.yaml"))
 
 
 def _values(override: Override) -> list[str]:

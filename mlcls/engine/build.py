@@ -131,7 +131,7 @@ def class_queries(cfg: DictConfig, classes: list[str]) -> dict[str, Any]:
         return {}
     if cfg.get("text") is None:
         raise ConfigError(
-            f"model.head={cfg.model.head.name} needs a text config (text=words, configs/text/); none is set"
+            f"model/head={cfg.model.head.name} needs a text config (text=words, configs/text/); none is set"
         )
     return {"class_embeddings": class_embeddings(cfg.text, classes)}
 

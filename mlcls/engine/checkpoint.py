@@ -8,10 +8,9 @@ loss state. The state itself and its checks are :mod:`mlcls.engine.state`'s. In 
                 under ``dataset.holdout_fraction``)
 
 Checkpoints hold plain data only (tensors, containers, strings, numbers, None), read with
-``torch.load(weights_only=True)`` (:func:`load_checkpoint`, the one reader, upgrading to
-:data:`mlcls.formats.FORMAT`): a pickle from someone else cannot run code. A file that needs more is refused,
-naming what it needs (``torch.serialization.get_unsafe_globals_in_checkpoint``), unless trusted
-(``trust_checkpoint=true``) or re-saved by :func:`resave_plain`.
+``torch.load(weights_only=True)`` (:func:`load_checkpoint`, the one reader, of :data:`mlcls.formats.FORMAT`
+only): a pickle from someone else cannot run code. A file that needs more is refused, naming what it needs
+(``torch.serialization.get_unsafe_globals_in_checkpoint``), unless trusted (``trust_checkpoint=true``).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from mlcls.engine.state import (
     set_rng_state,
 )
 from mlcls.errors import ConfigError, first_line
-from mlcls.formats import FORMAT, upgrade
+from mlcls.formats import FORMAT, check_format
 from mlcls.io import atomic_link, atomic_write
 from mlcls.models.factory import has_text_queries
 from mlcls.text import build_encoder
@@ -49,8 +48,8 @@ from mlcls.torchfile import check_nesting, open_checkpoint
 log = logging.getLogger("mlcls")
 
 TRUST_HINT = (
-    "if you wrote it yourself, re-save it as plain data with `python -m mlcls.cli.resave {path}`, or load it "
-    "as it is with trust_checkpoint=true (trainer.trust_checkpoint=true to resume)"
+    "if you wrote it yourself, load it as it is with trust_checkpoint=true "
+    "(trainer.trust_checkpoint=true to resume)"
 )
 
 
@@ -187,9 +186,9 @@ def choose_resume_checkpoint(
 def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", trust: bool = False
 ) -> dict[str, Any]:
-    """A checkpoint written by :func:`save_checkpoint`, upgraded to :data:`FORMAT`. More than plain data is
-    an :class:`UntrustedCheckpointError` naming the type it needs unless ``trust`` (unpickled as it is);
-    a missing or unreadable file a :class:`CheckpointError`."""
+    """A checkpoint written by :func:`save_checkpoint`, of :data:`FORMAT` (else one line). More than plain
+    data is an :class:`UntrustedCheckpointError` naming the type it needs unless ``trust`` (unpickled as it
+    is); a missing or unreadable file a :class:`CheckpointError`."""
     path = Path(path)
     try:
         file = open_checkpoint(path)
@@ -217,7 +216,7 @@ def load_checkpoint(
         check_nesting(state, f"checkpoint {path}")
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    return upgrade(state, "checkpoint", f"checkpoint {path}", CheckpointError)
+    return check_format(state, "checkpoint", f"checkpoint {path}", CheckpointError)
 
 
 def _unsafe_globals(file: IO[bytes]) -> list[str]:
@@ -283,13 +282,6 @@ def restore(
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
     """``torch.save(state)`` to ``path`` atomically, with ``format`` :data:`FORMAT`."""
     atomic_write(Path(path), lambda f: torch.save({**state, "format": FORMAT}, f))
-
-
-def resave_plain(path: str | Path) -> None:
-    """Rewrite the trusted checkpoint ``path`` as plain data, atomically, readable without ``trust``."""
-    state = plain(load_checkpoint(path, trust=True))
-    save_checkpoint(state, path)
-    load_checkpoint(path)  # what the re-saved file must now pass
 
 
 def text_record(cfg: DictConfig) -> dict[str, Any] | None:

@@ -103,8 +103,8 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
     head = cfg.model.head.get("name")  # a text-query head's classes are text: unseen ones too
     if cfg.dataset.get("unseen_classes") and head not in TEXT_HEADS:
         raise ConfigError(
-            f"dataset.unseen_classes is set but model.head={head} has no text queries, so it cannot score a "
-            f"class it was not trained on; use model.head={' or model.head='.join(TEXT_HEADS)}, or "
+            f"dataset.unseen_classes is set but model/head={head} has no text queries, so it cannot score a "
+            f"class it was not trained on; use model/head={' or model/head='.join(TEXT_HEADS)}, or "
             "dataset.unseen_classes=null"
         )
     check_zsl_images(OmegaConf.select(cfg, "metrics.zsl_images", default="all"))

@@ -148,12 +148,15 @@ def stored_thresholds(state: Mapping[str, Any], num_classes: int, path: str | Pa
 
 def stored_thresholds_split(state: Mapping[str, Any], path: str | Path) -> str:
     """The split checkpoint ``state``'s thresholds were calibrated on, a key of
-    :data:`~mlcls.metrics.thresholds.SPLIT_NAMES`; ``"validation"`` for a checkpoint written before the key
-    existed."""
-    split = state.get("thresholds_split", "validation")
+    :data:`~mlcls.metrics.thresholds.SPLIT_NAMES`, stored beside them; ``"validation"`` for a checkpoint
+    without thresholds (an imported one), where it names nothing."""
+    if "thresholds_split" not in state and state.get("thresholds") is None:
+        return "validation"
+    split = state.get("thresholds_split")
     if not isinstance(split, str) or split not in SPLIT_NAMES:
         raise InferenceError(
-            f"{path}: 'thresholds_split' is {shown(split)}; expected one of {', '.join(SPLIT_NAMES)}"
+            f"{path}: 'thresholds_split' is {shown(split)}; expected one of {', '.join(SPLIT_NAMES)} "
+            "(the split the stored thresholds were calibrated on)"
         )
     return split
 

@@ -115,7 +115,7 @@ def build_model(
             f"the checkpoint's model config has {', '.join(unknown)}, which {MODEL_FACTORY} does not take "
             f"(it takes {', '.join(accepted)})"
         )
-    head = fields.get("head", "linear")
+    head = fields.get("head")
     if not isinstance(head, dict) or not isinstance(head.get("name"), str):
         raise InferenceError(f"the checkpoint's model.head is {shown(head)}; expected a head's config")
     # the model's fields and the head's options apart: both have a "name"
@@ -178,7 +178,7 @@ def use_classes(inference: InferenceModel, names: Sequence[str]) -> None:
         raise InferenceError(
             f"{inference.checkpoint} has a {name} head without text queries: it scores its own "
             f"{plural(len(inference.classes), 'class')} only; classes= needs a checkpoint of a text-query "
-            "head (model.head=mldecoder_zsl or cosine)"
+            "head (model/head=mldecoder_zsl or cosine)"
         )
     if inference.text is None:
         raise InferenceError(

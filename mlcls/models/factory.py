@@ -62,14 +62,14 @@ def create_model(
     head_name, options = head_config(head, head_options)
     if head_name in TEXT_HEADS and class_embeddings is None:
         raise ConfigError(
-            f"model.head={head_name} scores classes by their names: it needs their class embeddings "
+            f"model/head={head_name} scores classes by their names: it needs their class embeddings "
             "(the text config, configs/text/)"
         )
     if head_name not in TEXT_HEADS and class_embeddings is not None:
-        raise ConfigError(f"model.head={head_name} has no text queries; class embeddings are not its input")
+        raise ConfigError(f"model/head={head_name} has no text queries; class embeddings are not its input")
     if class_embeddings is not None and class_embeddings.shape[0] != num_classes:
         raise ValueError(
-            f"model.head={head_name} needs class embeddings for {num_classes} classes; "
+            f"model/head={head_name} needs class embeddings for {num_classes} classes; "
             f"got {class_embeddings.shape[0]} rows"
         )
     kwargs: dict = {"num_classes": num_classes, "drop_rate": options.pop("drop_rate", 0.0)}
@@ -98,7 +98,7 @@ def head_config(head: str | Mapping[str, Any], options: Mapping[str, Any]) -> tu
     given.update(options)
     head_name = given.pop("name", "linear")
     if head_name not in HEAD_OPTIONS:
-        raise ConfigError(f"model.head={head_name!r}; expected one of {', '.join(HEAD_OPTIONS)}")
+        raise ConfigError(f"model/head={head_name!r}; expected one of {', '.join(HEAD_OPTIONS)}")
     given.pop("warmup_epochs", None)  # the schedule's key (see HEAD_OPTIONS)
     foreign = [key for key in given if key not in HEAD_OPTIONS[head_name]]
     if foreign:

@@ -1,9 +1,13 @@
-"""Class embeddings from the class names: the queries of the text-query heads (``model.head=mldecoder_zsl``
-and ``model.head=cosine``, :mod:`mlcls.models.heads.text_query`).
+"""Class embeddings from the class names: the queries of the text-query heads (``model/head=mldecoder_zsl``
+and ``model/head=cosine``, :mod:`mlcls.models.heads.text_query`).
 
 The ``text`` config group (configs/text/) names an *encoder* (:class:`TextEncoder`); ``vectors``,
 ``sentence`` and ``clip`` read a local file or model in ``encode``, not when built, so that a cached class
 list costs no read.
+
+:func:`offline` sets ``huggingface_hub.constants.HF_HUB_OFFLINE`` for the duration of a load: the library
+reads its ``HF_HUB_OFFLINE`` variable once, at import, and has no public switch (``is_offline_mode`` only
+reads it), and timm needs the Hub outside the block.
 """
 
 from __future__ import annotations

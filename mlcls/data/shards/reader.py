@@ -27,7 +27,7 @@ from mlcls.data.datasets.base import (
 from mlcls.data.datasets.labels import SparseLabels, npy_array
 from mlcls.data.shards.pack import CLASSES_FILE, IMAGE_EXT, LABELS_EXT, MANIFEST_FILE, labels_file
 from mlcls.data.shards.tario import tar_files
-from mlcls.formats import upgrade
+from mlcls.formats import check_format
 from mlcls.io import CAPS, NotRegularFileError, open_regular, read_capped
 
 ROLES = ("train", "val")
@@ -205,7 +205,7 @@ class ShardIndex:
         )
         if not isinstance(self.manifest, dict):
             raise DatasetFormatError(f"{self.meta}/{MANIFEST_FILE} holds no mapping; pack the dataset again")
-        upgrade(self.manifest, "pack", f"{self.meta}/{MANIFEST_FILE}", DatasetFormatError)
+        check_format(self.manifest, "pack", f"{self.meta}/{MANIFEST_FILE}", DatasetFormatError)
         check_manifest(self.manifest, f"{self.meta}/{MANIFEST_FILE}")
         info = self.read_json(CLASSES_FILE, self.read_recorded(self.manifest["classes"]))
         classes = info.get("classes") if isinstance(info, dict) else None

@@ -89,7 +89,7 @@ def scoring_classes(model: nn.Module, embeddings: torch.Tensor) -> Iterator[Text
     ``ValueError`` for a model without a text-query head (its classes are weights: it scores only those)."""
     head = text_query_head(model)
     if head is None:
-        raise ValueError("zero-shot evaluation needs a text-query head (model.head=mldecoder_zsl | cosine)")
+        raise ValueError("zero-shot evaluation needs a text-query head (model/head=mldecoder_zsl | cosine)")
     own = head.class_embeddings
     head.set_class_embeddings(embeddings)
     try:
