@@ -154,6 +154,25 @@ def test_tables_on_an_alias_bomb_and_a_fifo_lists_them_unreadable(tmp_path, caps
     assert not escaped and code == 2, (outcome.error, outcome.message)
 
 
+@pytest.mark.slow  # forks a bounded child
+def test_linked_folders_under_a_runs_folder_are_not_walked(tmp_path):
+    """A runs folder from someone else may link to a folder above it (a loop) or to the whole file system:
+    the search for runs (``mlcls-tables --runs``, ``mlcls-report`` on a folder) follows no folder link, so it
+    ends at once, finding the runs that are in the folder itself."""
+    from mlcls.reporting.run_files import find_run_dirs
+
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "results.json").write_text("{}")
+    (tmp_path / "runs" / "a" / "loop").symlink_to(tmp_path / "runs")
+    (tmp_path / "runs" / "root").symlink_to("/")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "results.json").write_text("{}")
+    (tmp_path / "runs" / "outside").symlink_to(tmp_path / "elsewhere")
+    outcome = bounded(lambda: [str(path) for path in find_run_dirs(tmp_path / "runs")], seconds=5)
+    assert not outcome.escaped and outcome.error is None, (outcome.error, outcome.message)
+    assert outcome.value == [str(tmp_path / "runs" / "a")]
+
+
 ODD_RESULTS = {  # field: a value of the wrong type, and the words of the one-line refusal
     "metrics": ("high", "metrics is the text"),
     "per_class_ap": ({"cat": [1, 2]}, "per_class_ap cat is a list"),
