@@ -99,7 +99,7 @@ def test_verify_reads_every_shard_against_the_manifest(copy: Path, capsys) -> No
     assert data_main(["verify", str(copy), "x=1"]) == 2
 
 
-def test_shards_of_an_older_pack_format_are_one_line(copy: Path) -> None:
+def test_shards_without_a_pack_format_are_one_line(copy: Path) -> None:
     manifest = json.loads((copy / "manifest.json").read_text())
     del manifest["format"]
     (copy / "manifest.json").write_text(json.dumps(manifest))
