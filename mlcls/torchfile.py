@@ -7,11 +7,13 @@
   exactly where the end record (or its zip64 record) starts: both readers then see the same one. Every
   member of that directory is checked: stored (``torch.save`` never compresses), its declared sizes equal,
   its bytes inside the file before the directory, no two overlapping, no name twice (ignoring case: miniz
-  looks names up so).
+  looks names up so) and none with a NUL (miniz's lookup stops there).
 * **A bounded pickle.** ``data.pkl`` is at most ``CAPS["checkpoint pickle"]`` and is scanned with
   ``pickletools.genops`` (streaming, no object built): at most :data:`PICKLE_OPCODES` opcodes, of which at
   most :data:`PICKLE_OBJECTS` build a container or an object or store one in the memo, and tuples (hashed as
-  dictionary keys, in C, recursively) nested at most :data:`MAX_NESTING` deep.
+  dictionary keys, in C, recursively) nested at most :data:`MAX_NESTING` deep. Each storage it refers to is
+  named by a member's exact name: torch reads a storage once per key, so distinct keys that its reader would
+  resolve to one member (differing in case, or after a NUL) would read that member again for each.
 * **A bounded nesting.** What ``torch.load`` built nests at most :data:`MAX_NESTING` containers deep
   (:func:`check_nesting`, without recursion), so no later deep copy or config walk recurses out.
 
@@ -28,7 +30,7 @@ import pickletools
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from mlcls.io import CAPS, UnsafeFileError, describe_size, open_regular
 
@@ -146,14 +148,15 @@ def _zip64_values(extra: bytes, values: list[int]) -> list[int]:
     raise _Refused("an entry declares a zip64 size with no zip64 field")
 
 
-def stored_members(read_at: ReadAt, size: int) -> dict[str, tuple[int, int]]:
+def stored_members(read_at: ReadAt, size: int) -> tuple[dict[str, tuple[int, int]], list[str]]:
     """Each member of the zip archive of ``size`` bytes, by its name in lower case (miniz looks names up
-    ignoring case: two that differ only in case are refused), in directory order, as torch's reader sees
-    it: the offset and size of its stored bytes. :class:`_Refused` for anything ``torch.save`` does not
-    write."""
+    ignoring case: two that differ only in case are refused, and so is a NUL in a name), in directory
+    order, as torch's reader sees it: the offset and size of its stored bytes; and the members' exact
+    names in that order. :class:`_Refused` for anything ``torch.save`` does not write."""
     entries, offset, length = _directory(read_at, size)
     directory = read_at(offset, length)
     members: dict[str, tuple[int, int]] = {}
+    exact_names: list[str] = []
     at = 0
     for number in range(entries):
         if at + _ENTRY.size > length or directory[at : at + 4] != b"PK\x01\x02":
@@ -176,6 +179,8 @@ def stored_members(read_at: ReadAt, size: int) -> dict[str, tuple[int, int]]:
             )
         if flags & 1 or disk:
             raise _Refused(f"member {name!r} is encrypted or on another disk")
+        if "\0" in name:
+            raise _Refused(f"member {name!r} has a NUL in its name (torch's reader stops the name there)")
         if name.lower() in members:
             raise _Refused(f"it names member {name!r} twice (ignoring case, as torch's reader does)")
         header = _LOCAL.unpack(read_at(local, _LOCAL.size))
@@ -187,6 +192,7 @@ def stored_members(read_at: ReadAt, size: int) -> dict[str, tuple[int, int]]:
                 f"member {name!r} ({describe_size(declared)}) runs past the start of the directory"
             )
         members[name.lower()] = (start, declared)
+        exact_names.append(name)
     if at != length:
         raise _Refused(f"its directory holds {length - at} bytes after its {entries} entries")
     declared_total = sum(count for _, count in members.values())
@@ -197,7 +203,7 @@ def stored_members(read_at: ReadAt, size: int) -> dict[str, tuple[int, int]]:
     spans = sorted(members.values())
     if any(start < previous + count for (previous, count), (start, _) in zip(spans, spans[1:], strict=False)):
         raise _Refused("two of its members overlap")
-    return members
+    return members, exact_names
 
 
 def _effect(opcode: pickletools.OpcodeInfo) -> tuple[bool, int, int]:
@@ -214,14 +220,35 @@ def _effect(opcode: pickletools.OpcodeInfo) -> tuple[bool, int, int]:
 _EFFECTS = {opcode.name: _effect(opcode) for opcode in pickletools.opcodes}
 
 
-def check_pickle(data: bytes) -> None:
+class _Entry(NamedTuple):
+    """What the scan follows of a stack entry: the depth of the tuple it would be (0: not a tuple), and the
+    text of a string or the entries of a tuple (None: anything else)."""
+
+    depth: int = 0
+    value: Any = None
+
+
+_OTHER = _Entry()
+_STRINGS = frozenset({"UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"})
+
+
+def _storage_key(pid: _Entry) -> str | None:
+    """The key of a ``torch.save`` persistent id ``("storage", type, key, location, numel)``, else None."""
+    items = pid.value if isinstance(pid.value, tuple) else ()
+    return items[2].value if len(items) == 5 and isinstance(items[2].value, str) else None
+
+
+def check_pickle(data: bytes, storages: frozenset[str] | None = None) -> None:
     """:class:`_Refused` unless the pickle ``data`` has at most :data:`PICKLE_OPCODES` opcodes, at most
     :data:`PICKLE_OBJECTS` of them building or memoizing something, and tuples and frozensets nested at most
-    :data:`MAX_NESTING` deep. Scanned, never loaded: each stack entry is followed as the depth of the tuple
-    it would be (0 for anything else), through the memo too."""
-    stack: list[int] = []
+    :data:`MAX_NESTING` deep; with ``storages`` (the exact names of the archive's members in its ``data/``
+    folder), each storage it refers to (``BINPERSID``) by one of those names exactly. torch reads a storage
+    once per key, and its reader finds a member ignoring case and up to a NUL: keys that differ only so
+    would read one member many times. Scanned, never loaded: each stack entry is followed as an
+    :class:`_Entry`, through the memo too."""
+    stack: list[_Entry] = []
     marks: list[int] = []
-    memo: dict[Any, int] = {}
+    memo: dict[Any, _Entry] = {}
     builds = 0
     try:
         for count, (opcode, arg, _) in enumerate(pickletools.genops(io.BytesIO(data)), start=1):
@@ -238,14 +265,23 @@ def check_pickle(data: bytes) -> None:
                 if name in _TUPLES:
                     taken = _TUPLES[name]
                     start = marks.pop() if taken is None else len(stack) - taken
-                    depth = 1 + max(stack[start:], default=0)
+                    depth = 1 + max((entry.depth for entry in stack[start:]), default=0)
                     if depth > MAX_NESTING:
                         raise _Refused(f"its data.pkl nests tuples more than {MAX_NESTING} deep")
-                    del stack[start:]
-                    stack.append(depth)
+                    stack[start:] = [_Entry(depth, tuple(stack[start:]))]
                     continue
+                if storages is not None and name in ("PERSID", "BINPERSID"):
+                    key = _storage_key(stack[-1]) if name == "BINPERSID" and stack else None
+                    if key not in storages:
+                        raise _Refused(
+                            f"its data.pkl refers to a storage {key!r} that is no member of its data/ "
+                            "folder by that exact name"
+                        )
             elif name in _MEMO_GET:
-                stack.append(memo.get(arg, 0))
+                stack.append(memo.get(arg, _OTHER))
+                continue
+            elif name in _STRINGS:
+                stack.append(_Entry(0, arg))
                 continue
             elif name == "MARK":
                 marks.append(len(stack))
@@ -261,7 +297,7 @@ def check_pickle(data: bytes) -> None:
                     raise _Refused(f"its data.pkl takes from an empty stack ({name})")
                 del stack[-pops:]
             if pushes:  # one entry: DUP, the only opcode pushing two, is followed above
-                stack.append(0)
+                stack.append(_OTHER)
     except (ValueError, IndexError) as exc:
         if isinstance(exc, _Refused):
             raise
@@ -275,11 +311,9 @@ def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
     try:
         size = file.raw.declared
         read_at = _reader(file, size)
-        members = stored_members(read_at, size)
-        first = next(iter(members), "")
-        pickle_name = (
-            f"{first.partition('/')[0]}/data.pkl"  # torch reads <its first member's folder>/data.pkl
-        )
+        members, names = stored_members(read_at, size)
+        folder = names[0].partition("/")[0] if names else ""  # torch reads <its first member's folder>/...
+        pickle_name = f"{folder}/data.pkl".lower()
         if pickle_name in members:
             start, count = members[pickle_name]
             cap = CAPS["checkpoint pickle"]
@@ -287,7 +321,9 @@ def open_checkpoint(path: str | Path, what: str = "checkpoint") -> IO[bytes]:
                 raise _Refused(
                     f"its data.pkl is {describe_size(count)}; at most {describe_size(cap)} expected"
                 )
-            check_pickle(read_at(start, count))
+            data = f"{folder}/data/"
+            storages = frozenset(name[len(data) :] for name in names if name.startswith(data))
+            check_pickle(read_at(start, count), storages)
         file.seek(0)
         return file
     except _NotArchive as exc:

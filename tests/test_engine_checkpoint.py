@@ -234,6 +234,65 @@ def test_a_pickle_that_builds_more_than_it_holds_is_refused_by_every_reader(tmp_
         assert refusal in outcome.value, (reader, outcome.value)
 
 
+def aliased_storages(keys: list[str], member: str, numel: int) -> bytes:
+    """A ``torch.save`` archive whose one stored member ``data/<member>`` (``numel`` float32 zeros) its
+    ``data.pkl`` refers to under each of ``keys``: torch reads a storage once per key, its reader finds the
+    member for each key that equals the name ignoring case or up to a NUL."""
+
+    class Storage:
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+    class Tensor:
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+        def __reduce__(self):
+            return torch._utils._rebuild_tensor_v2, (Storage(self.key), 0, (numel,), (1,), False, {})
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, Storage):
+                return ("storage", torch.FloatStorage, obj.key, "cpu", numel)
+            return None
+
+    data_pkl = io.BytesIO()
+    Pickler(data_pkl, protocol=2).dump({"model": {f"w{i}": Tensor(key) for i, key in enumerate(keys)}})
+    out = io.BytesIO()
+    template = io.BytesIO(saved({"model": {"w": torch.zeros(1)}}))
+    with zipfile.ZipFile(template) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            folder, _, name = info.filename.rpartition("/")
+            if name == "data.pkl":
+                dst.writestr(info.filename, data_pkl.getvalue())
+            elif folder.endswith("/data"):
+                dst.writestr(f"{folder}/{member}", bytes(4 * numel))
+            else:
+                dst.writestr(info.filename, src.read(info.filename))
+    return out.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "keys",
+    [["abcde", "ABCDE", "aBcDe", "AbCdE"] * 4, ["abcde"] + [f"abcde\0{i}" for i in range(15)]],
+    ids=["case", "nul"],
+)
+def test_keys_that_name_one_stored_member_many_times_are_refused_by_every_reader(tmp_path, keys):
+    """torch loads a storage once per key of data.pkl, and its reader (miniz) finds a member ignoring case
+    and up to a NUL: 16 keys for one 16 MiB member read it 16 times. Before: the door passed both files;
+    the NUL keys could not be allocated under 160 MB, and 32 case variants made mlcls-import hold 520 MiB
+    more from a 16 MiB file. The single key passes the door."""
+    path = tmp_path / "best.pt"
+    path.write_bytes(aliased_storages(["abcde"], "abcde", 2**22))
+    open_checkpoint(path).close()
+    path.write_bytes(aliased_storages(keys, "abcde", 2**22))
+    for reader in READERS:
+        outcome = bounded(reader_outcome, reader, path, memory_mb=160, seconds=20)
+        assert not outcome.escaped, (reader, outcome)
+        assert "refers to a storage" in outcome.value and "by that exact name" in outcome.value, outcome.value
+
+
 def test_the_pickle_scan_passes_what_torch_save_writes_and_counts_what_it_builds():
     """A genuine pickle passes; the counts are the opcodes pickletools lists (an independent reading)."""
     check_pickle(pickle.dumps({"model": {"w": [1.0] * 1000, "t": (1, (2, (3,)))}}, protocol=2))
