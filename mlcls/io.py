@@ -153,7 +153,12 @@ def open_regular(
     """
     if any(flag in mode for flag in "wax+"):
         raise ValueError(f"open_regular reads files; mode {mode!r} writes")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO and stat.S_ISSOCK(os.stat(path).st_mode):  # a socket cannot be opened
+            raise NotRegularFileError(f"{path} is a socket; expected a regular file") from None
+        raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -127,6 +127,17 @@ def test_a_fifo_or_a_device_is_refused_at_once(tmp_path):
         assert "expected a regular file" in outcome.value, outcome.value
 
 
+def test_a_socket_is_refused_as_a_socket(tmp_path):
+    """A socket cannot be opened at all (ENXIO): before, the open's own OSError was the line."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(tmp_path / "best.pt"))
+        with pytest.raises(NotRegularFileError) as error:
+            open_regular(tmp_path / "best.pt")
+    assert str(error.value) == f"{tmp_path / 'best.pt'} is a socket; expected a regular file"
+
+
 @pytest.mark.slow
 def test_a_link_flipped_to_a_fifo_never_blocks(tmp_path):
     """The path is opened once: whatever the link names at that moment is what is checked and read."""
