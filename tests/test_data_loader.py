@@ -235,3 +235,20 @@ def test_the_device_stage_keeps_at_most_two_batches_ahead(monkeypatch):
     time.sleep(0.05)  # time for a fourth, which must not come
     assert made == [0, 1, 2] and batches.BATCHES_AHEAD == 2
     finished.close()
+
+
+def test_starting_a_loaders_epoch_draws_nothing_from_torchs_global_generator():
+    """``iter()`` of a DataLoader draws its workers' base seed; from torch's global generator that draw
+    would fall where a resumed run's does not (mid-epoch, or a new process's first epoch), shifting every
+    later CPU draw of the step (dropout). Each loader draws from a generator of its own."""
+    from torch.utils.data import TensorDataset
+
+    data = TensorDataset(torch.zeros(8, 3, 4, 4), torch.zeros(8, 2))
+    train = build_train_loader(data, 4, 0, 0, 1, 0, torch.device("cpu"), "fast")
+    evaluation = build_eval_loader(data, 4, 0, 0, 1, torch.device("cpu"))
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    for loader in (train, evaluation.loader):
+        next(iter(loader))
+    assert torch.equal(torch.rand(3), expected)

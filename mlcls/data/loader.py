@@ -88,7 +88,10 @@ def loader_options(
 ) -> dict[str, Any]:
     """The DataLoader options of ``workers`` capped processes (:func:`loader_workers`) feeding ``device``:
     batches collated by :func:`collate_batch`, pinned memory on CUDA, persistent workers each keeping
-    ``prefetch`` batches ready (None: torch's default)."""
+    ``prefetch`` batches ready (None: torch's default). Each loader draws its workers' base seed from a
+    generator of its own, never from torch's global one: an ``iter()`` after a resume would otherwise draw
+    where the uninterrupted run did not, and shift every later draw of the step (dropout on the CPU). Every
+    sample is seeded by its own (seed, epoch, index), so the base seed's value changes nothing."""
     workers = loader_workers(workers)
     return {
         "num_workers": workers,
@@ -96,6 +99,7 @@ def loader_options(
         "collate_fn": collate_batch,
         "persistent_workers": workers > 0,
         "prefetch_factor": prefetch if workers > 0 else None,
+        "generator": torch.Generator(),
     }
 
 
@@ -357,6 +361,8 @@ def beside_the_step(
         except BaseException as error:  # handed to the consumer, which raises it
             hand_over(_Failed(error))
 
+    if stream is not None:  # what the caller queued before (the stage's constants) comes first
+        stream.wait_stream(consumer)
     thread = threading.Thread(target=produce, name="mlcls-device-stage", daemon=True)
     thread.start()
     requested, exhausted = 0, not in_process

@@ -40,23 +40,19 @@ from mlcls.data.pipeline.transforms import (
     normalisation,
 )
 
-# torchvision 0.29 deprecates its image codecs in favour of TorchCodec, which mlcls does not depend on; the
-# batched nvJPEG decode is what this module needs from it.
+# torchvision 0.29 deprecates its image codecs for TorchCodec (not a dependency): its nvJPEG decode stays.
 warnings.filterwarnings(
     "ignore", "The image decoding and encoding capabilities of TorchVision", DeprecationWarning
 )
 
 # Decoded pixels one decode call holds at most (a chunk of the batch; an image alone may reach
-# MAX_DEVICE_PIXELS): 64 Mi pixels, 192 MiB as RGB. The input stage's GPU memory is bounded by it
-# (:func:`input_stage_bytes`: 16 bytes per chunk pixel, plus the batch's output).
+# MAX_DEVICE_PIXELS): 64 Mi pixels, 192 MiB as RGB, bounding the input stage's memory (input_stage_bytes).
 DECODE_PIXELS = 2**26
 # Larger JPEGs go through the CPU path (reduced-scale decoding there makes them cheap): 16 Mi pixels.
 MAX_DEVICE_PIXELS = 2**24
 # Chroma subsamplings of the JPEGs the device decodes (simplejpeg's names), all nvJPEG's.
 DEVICE_SUBSAMPLINGS = ("444", "422", "420", "440", "411")
-# Padding a resize group may carry: its padded windows (count x tallest x widest) at most this many times
-# the windows' own pixels (:func:`window_groups`).
-MAX_PADDING = 2
+MAX_PADDING = 2  # a resize group's padded windows (count x tallest x widest) over its windows' own pixels
 # Columns of a sample's geometry (int64): the image's size; the window (left, top, width, height) in its
 # pixels; the grid the window is resized to and the offset of the S x S output in it; the flip; S.
 IMAGE_W, IMAGE_H, LEFT, TOP, WIDTH, HEIGHT, GRID_W, GRID_H, OFFSET_X, OFFSET_Y, FLIP, SIZE = range(12)
@@ -297,10 +293,16 @@ def _to_device(array: np.ndarray, device: torch.device) -> Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+def _settle(device: torch.device) -> None:
+    if device.type == "cuda":  # a failed nvJPEG call leaves its own stream writing what it dropped
+        torch.cuda.synchronize(device)
+
+
 def _decode_one(data: Tensor, device: torch.device) -> Tensor:
     try:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
     except RuntimeError as device_error:
+        _settle(device)
         try:
             with open_image(data.numpy().tobytes()) as img:
                 rgb = np.array(img if img.mode == "RGB" else to_rgb(img))
@@ -316,6 +318,7 @@ def _decode_batched(files: list[Tensor], device: torch.device) -> list[Tensor]:
     try:
         return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
     except RuntimeError:
+        _settle(device)
         return [_decode_one(data, device) for data in files]
 
 
@@ -330,12 +333,12 @@ def decode_images(files: list[Tensor], device: torch.device) -> list[Tensor]:
     :func:`side_stream` ``"decode"``, whose pool holds nothing but decoded images, each recorded on the
     calling stream before that stream reads it: the allocator gives such a block out again only once the
     calling stream's work queued before its release has run, so the decoder never writes over pixels still
-    to be read. The calling stream then waits for the decode stream."""
+    to be read. The calling stream then waits for the decode stream. A failed call raises without waiting for
+    the decoder's stream: the device is synchronised before anything else is allocated."""
     if device.type != "cuda":
         return _decode_batched(files, device)
     device = cuda_device(device)
     current, decoding = torch.cuda.current_stream(device), side_stream(device, "decode")
-    decoding.wait_stream(current)
     with torch.cuda.stream(decoding):
         images = _decode_batched(files, device)
     current.wait_stream(decoding)
