@@ -313,8 +313,9 @@ def beside_the_step(
     ``"stage"`` of ``device``. Each batch is handed over with an event recorded on that stream after its
     work: the consumer's current stream waits for the event, and the batch's device tensors are recorded on
     the consumer's stream (their memory is not given out again before the consumer's work on them has
-    run). A batch the consumer fetched goes the other way the same way (a DALI loader's copies run on the
-    fetching thread's stream). On the CPU the same thread runs without streams or events.
+    run). A batch the consumer fetched with device tensors goes the other way the same way (a DALI loader's
+    copies run on the fetching thread's stream); one on the host needs no event, so the stage does not
+    queue behind the steps. On the CPU the same thread runs without streams or events.
 
     An exception in the thread reaches the consumer as itself (the same type and message). Closing the
     generator (the consumer's loop ends, breaks or raises: a stop signal, Ctrl-C, an error) or exhausting
@@ -372,7 +373,10 @@ def beside_the_step(
             while not exhausted and requested < BATCHES_AHEAD:
                 batch = next(batches, _END)
                 exhausted, requested = batch is _END, requested + (batch is not _END)
-                ready = None if consumer is None or exhausted else consumer.record_event()
+                on_device = (
+                    consumer is not None and not exhausted and next(_device_tensors(batch), None) is not None
+                )
+                ready = consumer.record_event() if on_device else None  # host batches need no ordering
                 fetched.put(_END if exhausted else (batch, ready))
             item = finished.get()
             times.waiting_s += time.perf_counter() - start
