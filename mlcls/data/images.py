@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -66,17 +67,19 @@ def check_pixels(width: int, height: int) -> None:
         )
 
 
-def check_jpeg_header(data: bytes) -> None:
-    """Raise an ``OSError`` when the segments of the JPEG ``data`` before its first scan hold more than
-    :data:`MAX_SKIPPED_BYTES` bytes outside segments (fill bytes 0xFF, stray bytes) or more than
-    :data:`MAX_HEADER_MARKERS` markers. The standard allows any number of fill bytes; PIL's header parser
-    reads them one at a time, so 1 MB of them held a reader for 0.6 s (a 256 MB image for minutes). The walk
-    itself looks at most at that many bytes and markers; a header cut short is left to PIL, which refuses
-    it."""
+def jpeg_markers(data: bytes, strict: bool = False) -> Iterator[tuple[int, int, int]]:
+    """``(marker, position, length)`` of each marker of the JPEG ``data`` after its start, to its first scan
+    (0xDA) or its end (0xD9), both yielded, or to a segment cut short: ``length`` the segment's stated length
+    (0 for a marker without one). Bytes outside segments are skipped: fill bytes (0xFF, which the standard
+    allows in any number) and, unless ``strict``, stray bytes. The walk looks at most at
+    :data:`MAX_SKIPPED_BYTES` such bytes and :data:`MAX_HEADER_MARKERS` markers; past either, or at a stray
+    byte when ``strict``, an ``OSError``."""
     position, skipped, markers = 2, 0, 0
     while position + 1 < len(data):
         marker = data[position + 1]
         if data[position] != 0xFF or marker in (0x00, 0xFF):  # a stray byte, an escaped 0xFF or a fill byte
+            if strict and (data[position] != 0xFF or marker == 0x00):
+                raise OSError(f"JPEG header with a stray byte at {position}")
             position, skipped = position + 1, skipped + 1
             if skipped > MAX_SKIPPED_BYTES:
                 raise OSError(
@@ -87,14 +90,27 @@ def check_jpeg_header(data: bytes) -> None:
         markers += 1
         if markers > MAX_HEADER_MARKERS:
             raise OSError(f"JPEG header of more than {MAX_HEADER_MARKERS} markers before its first scan")
+        if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
+            yield marker, position, 0
+            position += 2
+            continue
+        if marker != 0xD9 and position + 3 >= len(data):
+            return
+        length = 0 if marker == 0xD9 else (data[position + 2] << 8) | data[position + 3]
+        yield marker, position, length
         if marker in (0xDA, 0xD9):  # the first scan (where PIL's parser stops) or the end of the image
             return
-        if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
-            position += 2
-        elif position + 3 < len(data):
-            position += 2 + ((data[position + 2] << 8) | data[position + 3])
-        else:
-            return
+        position += 2 + length
+
+
+def check_jpeg_header(data: bytes) -> None:
+    """Raise an ``OSError`` when the segments of the JPEG ``data`` before its first scan hold more than
+    :data:`MAX_SKIPPED_BYTES` bytes outside segments (fill bytes 0xFF, stray bytes) or more than
+    :data:`MAX_HEADER_MARKERS` markers (:func:`jpeg_markers`). PIL's header parser reads fill bytes one at a
+    time, so 1 MB of them held a reader for 0.6 s (a 256 MB image for minutes). A header cut short is left to
+    PIL, which refuses it."""
+    for _ in jpeg_markers(data):
+        pass
 
 
 def open_image(data: bytes) -> Image.Image:

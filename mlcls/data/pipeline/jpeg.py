@@ -1,17 +1,16 @@
 """What the workers read of a JPEG before handing it to the device: the segments before its first scan
-(:func:`read_jpeg_header`) and whether it ends after its last scan (:func:`ends_after_its_last_scan`), both
-without decoding and in bounded time."""
+(:func:`read_jpeg_header`, on the one walk of :func:`mlcls.data.images.jpeg_markers`) and whether it ends
+after its last scan (:func:`ends_after_its_last_scan`), both without decoding and in bounded time."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from mlcls.data.images import jpeg_markers
+
 # JPEG start-of-frame markers (SOF0-SOF15 less DHT, JPG and DAC); only SOF0, baseline, goes to the device.
 FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 BASELINE = 0xC0
-# Markers read before the first scan at most (a photo has a handful; an ICC profile adds one per 64 kB):
-# a crafted file of fill bytes or empty segments goes to the CPU path instead of holding a worker.
-MAX_HEADER_MARKERS = 1024
 # The first scan of a sequential JPEG: spectral selection 0-63, no successive approximation (Ah = Al = 0).
 SEQUENTIAL_SCAN = (0, 63, 0)
 # Bytes at a file's end searched for its end-of-image marker (one past the last scan); a file with more
@@ -32,26 +31,18 @@ class JpegHeader(NamedTuple):
 
 
 def read_jpeg_header(data: bytes) -> JpegHeader | None:
-    """The :class:`JpegHeader` of a JPEG, read by walking its segments to the first scan; None when there is
-    no frame header before it, within :data:`MAX_HEADER_MARKERS` markers, a segment is cut short, or the
-    file is no JPEG."""
+    """The :class:`JpegHeader` of a JPEG, read by walking its segments to the first scan
+    (:func:`~mlcls.data.images.jpeg_markers`, strict: no stray byte); None when there is no frame header
+    before it, the walk stops short of it, a segment is cut short, or the file is no JPEG."""
     if data[:2] != b"\xff\xd8":
         return None
-    position, end, frame, defined = 2, len(data) - 3, None, set()
-    for _ in range(MAX_HEADER_MARKERS):
-        if position >= end or data[position] != 0xFF:
-            return None
-        marker = data[position + 1]
-        if marker == 0xFF:  # fill byte
-            position += 1
-            continue
-        if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
-            position += 2
-            continue
-        if marker == 0xD9:
-            return None
-        length = (data[position + 2] << 8) | data[position + 3]
-        if marker in FRAME_MARKERS or marker in (0xDB, 0xDA):
+    frame, defined = None, set()
+    try:
+        for marker, position, length in jpeg_markers(data, strict=True):
+            if marker == 0xD9:
+                return None
+            if marker not in FRAME_MARKERS and marker not in (0xDB, 0xDA):
+                continue
             segment = data[position + 4 : position + 2 + length]
             if len(segment) != length - 2 or not segment:
                 return None
@@ -69,7 +60,8 @@ def read_jpeg_header(data: bytes) -> JpegHeader | None:
                 frame = (marker, segment[0], frozenset(segment[6 : 6 + 3 * segment[5]][2::3]))
             else:
                 return None
-        position += 2 + length
+    except OSError:  # a stray byte, or past the walk's bounds: the CPU path's
+        return None
     return None
 
 
