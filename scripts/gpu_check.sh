@@ -174,14 +174,14 @@ step bench_e2e_workers4 170 - "${e2e[@]}" trainer.workers=4 "${contenders[@]}"
 step train_gpu 120 "$work/train/results.json" "$bin/mlcls-train" "${resnet50[@]}" model.pretrained=false \
     dataset=csv "dataset.root=$jpegs" dataset.train_file=train.csv dataset.val_file=val.csv \
     data.backend=gpu trainer.workers=15 trainer.epochs=3 trainer.device=cuda trainer.report=false \
-    "trainer.output_dir=$work/train"
+    "hydra.run.dir=$work/train"
 # last, with what the budget leaves: compiling takes a minute or more
 step bench_e2e_compile 300 - "${e2e[@]}" trainer.workers=15 trainer.compile=true --backends gpu \
     --images "$jpegs/train"
 
 # Earlier reports' steps (GPU_CHECK_STEPS names them).
 step bench_step 90 - "$bin/mlcls-bench" step "${resnet50[@]}" --repeats 5 --steps 10
-step demo 120 "$work/demo/results.json" "$bin/mlcls-train" trainer.device=cuda "trainer.output_dir=$work/demo"
+step demo 120 "$work/demo/results.json" "$bin/mlcls-train" trainer.device=cuda "hydra.run.dir=$work/demo"
 step bench_pipeline 90 - "$bin/mlcls-bench" pipeline --n 256 --repeats 3
 step bench_eval 60 - "$bin/mlcls-bench" eval --n 41620 --c 9605
 step bench_step_compile 240 - "$bin/mlcls-bench" step "${resnet50[@]}" trainer.compile=true --repeats 3 \

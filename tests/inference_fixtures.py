@@ -52,7 +52,7 @@ def trained_run(factory: pytest.TempPathFactory) -> Path:
         from mlcls.cli.train import run
 
         run_dir = factory.mktemp("inference") / "run"
-        run(compose_config([*RUN_OVERRIDES, f"trainer.output_dir={run_dir}"]))
+        run(compose_config([*RUN_OVERRIDES]), run_dir=run_dir)
         state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
         plain = {k: v for k, v in state.items() if k != "thresholds"}
         torch.save(plain, run_dir / "plain.pt")

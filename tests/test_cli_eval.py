@@ -185,9 +185,9 @@ def test_a_run_trained_with_a_relative_root_evaluates_from_another_directory(
         "dataset.image_size=32", "dataset.transform=light", "model.name=resnet10t", "model.pretrained=false",
         "trainer.epochs=1",
         "trainer.batch_size=4", "trainer.limit_train_batches=1", "trainer.workers=0", "trainer.device=cpu",
-        "trainer.report=false", f"trainer.output_dir={tmp_path / 'run'}",
+        "trainer.report=false",
     ]  # fmt: skip
-    run(compose_config(overrides))
+    run(compose_config(overrides), run_dir=tmp_path / "run")
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["dataset"]["root"] == str(data)
     (tmp_path / "b").mkdir()

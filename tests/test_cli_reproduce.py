@@ -150,7 +150,7 @@ def test_dry_run_torchrun_starts_one_process_group_per_run(tmp_path, capsys):
         assert "--nproc_per_node=4 -m mlcls.train dataset=coco experiment=paper_twoway" in command
         assert f"loss.margin={eps} " in command and "trainer.seed=3" in command
         assert command.endswith(
-            f"trainer.output_dir={tmp_path / 'table2' / 'coco' / str(number)} trainer.resume=auto"
+            f"hydra.run.dir={tmp_path / 'table2' / 'coco' / str(number)} trainer.resume=auto"
         )
 
 
@@ -187,7 +187,7 @@ def test_table_script_runs_the_command(tmp_path):
     sweep = tmp_path / "table4" / "coco"
     assert done.stdout.splitlines()[2] == (  # after the cost basis and the table's line
         f"mlcls-train -m dataset=coco experiment=paper_multisim,paper_joint loss.tp=1,2,4 "
-        f"'trainer.output_dir={sweep}/${{hydra:job.num}}' trainer.resume=auto hydra.sweep.dir={sweep}"
+        f"trainer.resume=auto hydra.sweep.dir={sweep}"
     )
 
 

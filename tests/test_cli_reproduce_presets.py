@@ -80,7 +80,7 @@ def test_dry_run_prints_both_presets_with_their_gpu_hours(capsys, tmp_path):
         f"about {hours:.0f} v100 GPU-hours (TResNet-L 448 px at 8.3x ResNet-50's cost, the ratio of rates "
         "measured on an H200)"
     )
-    assert f"trainer.output_dir={tmp_path}/twoway_mldecoder_coco/" in lines[3]
+    assert lines[3].endswith(f"trainer.resume=auto hydra.sweep.dir={tmp_path}/twoway_mldecoder_coco")
     assert len(lines) == 4
 
 

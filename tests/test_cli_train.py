@@ -33,8 +33,8 @@ def chance_map_class(labels: np.ndarray, draws: int = 20, seed: int = 0) -> floa
 
 @pytest.mark.slow
 def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
-    cfg = compose_config([*tiny, "trainer.report=true", f"trainer.output_dir={tmp_path}"])  # with its plots
-    results = run(cfg)
+    cfg = compose_config([*tiny, "trainer.report=true"])  # with its plots
+    results = run(cfg, run_dir=tmp_path)
 
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["epochs_completed"] == 2
@@ -90,13 +90,12 @@ def test_resume_after_epoch_matches_uninterrupted_run(tmp_path, tiny, head):
     tiny = [*tiny, *head, "dataset.train_size=48", "trainer.batch_size=16", "dataset.val_size=16"]
     tiny += ["dataset.image_size=16"]
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    straight = run(compose_config([*tiny, f"trainer.output_dir={straight_dir}"]))
+    straight = run(compose_config([*tiny]), run_dir=straight_dir)
 
-    interrupted_cfg = compose_config([*tiny, f"trainer.output_dir={resumed_dir}"])
     with pytest.raises(KeyboardInterrupt):
-        _StopAfterFirstEpoch(interrupted_cfg).fit()
+        _StopAfterFirstEpoch(compose_config(tiny), run_dir=resumed_dir).fit()
     assert (resumed_dir / "checkpoints" / "last.pt").is_file()
-    resumed = run(compose_config([*tiny, f"trainer.output_dir={resumed_dir}", "trainer.resume=auto"]))
+    resumed = run(compose_config([*tiny, "trainer.resume=auto"]), run_dir=resumed_dir)
 
     a = torch.load(straight_dir / "checkpoints" / "last.pt", weights_only=False)["model"]
     b = torch.load(resumed_dir / "checkpoints" / "last.pt", weights_only=False)["model"]
@@ -139,11 +138,14 @@ def test_two_ranks_one_run_dir_and_exact_evaluation(tmp_path, tiny, head, monkey
         "dataset.train_size=64",
         "dataset.image_size=16",
         *head,
-        f"trainer.output_dir={run_dir}",
         "trainer.device=cpu",
     ]
     run_ranks(_train_rank, (free_port(), str(tmp_path), overrides), 2, 300, "the two training ranks")
-    assert not (tmp_path / "outputs").exists()  # no stray per-process directories
+    # Hydra's default directory (outputs/<date>/<time>, each rank reading its own clock): rank 0's holds the
+    # run, and no stray per-process directory is left
+    made = [path for path in (tmp_path / "outputs").glob("*/*") if path.is_dir()]
+    assert len(made) == 1, made
+    made[0].rename(run_dir)
     results = json.loads((run_dir / "results.json").read_text())
     assert results["world_size"] == 2 and results["epochs_completed"] == 1
 

@@ -53,13 +53,12 @@ def test_trains_one_step(name: str, tmp_path: Path) -> None:
         "trainer.limit_val_batches=1",
         "trainer.workers=0",
         "trainer.report=false",
-        f"trainer.output_dir={tmp_path / 'run'}",
     ]
     if name == "csv":
         overrides.append("dataset.val_fraction=0.25")
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
-    results = run(cfg)
+    results = run(cfg, run_dir=tmp_path / "run")
     facts = json.loads((tmp_path / "run" / "results.json").read_text())["dataset"]
     assert facts == results["dataset"]
     assert facts == {

@@ -32,7 +32,7 @@ RUN = [
 def zero_shot_run(tmp_path_factory):
     """The trainer after one epoch of 2 steps, the targets every loss call received, and the run dir."""
     run_dir = tmp_path_factory.mktemp("zsl")
-    trainer = Trainer(compose_config([*RUN, f"trainer.output_dir={run_dir}"]))
+    trainer = Trainer(compose_config([*RUN]), run_dir=run_dir)
     targets: list[torch.Tensor] = []
     trainer.criterion.register_forward_pre_hook(lambda module, args: targets.append(args[1].detach().cpu()))
     trainer.fit()

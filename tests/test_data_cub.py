@@ -188,10 +188,9 @@ def test_trains_one_epoch_single_positive(root: Path, tmp_path: Path, tiny: list
             "loss=an",
             "trainer.epochs=1",
             "trainer.batch_size=2",
-            f"trainer.output_dir={tmp_path / 'run'}",
         ]
     )
-    results = run(cfg)
+    results = run(cfg, run_dir=tmp_path / "run")
     facts = json.loads((tmp_path / "run" / "results.json").read_text())["dataset"]
     assert facts == {"name": "cub", "num_classes": 312, "train_size": 3, "val_size": 2}
     assert results["epochs_completed"] == 1

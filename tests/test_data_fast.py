@@ -345,9 +345,9 @@ def test_trainer_trains_on_jpegs_with_the_fast_pipeline_compiled(tmp_path, monke
     cfg = compose_config(
         ["dataset=csv", f"dataset.root={tmp_path}", "dataset.image_size=32", "data.backend=fast",
          "model.name=resnet10t", "model.pretrained=false", "trainer.epochs=1", "trainer.batch_size=4",
-         "trainer.workers=0", "trainer.compile=true", f"trainer.output_dir={tmp_path / 'run'}"]
+         "trainer.workers=0", "trainer.compile=true"]
     )  # fmt: skip
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
     assert isinstance(trainer.data.train_set.transform, FastTrainTransform)
     assert isinstance(next(iter(trainer.train_loader))[0], AugmentedImage)
     results = trainer.fit()

@@ -154,9 +154,8 @@ def test_the_trainer_runs_the_device_stage_once_per_batch(tmp_path, monkeypatch)
         *TINY,
         "data.backend=fast",
         "dataset.train_size=96",
-        f"trainer.output_dir={tmp_path}",
     ]
-    trainer = Trainer(compose_config(overrides))
+    trainer = Trainer(compose_config(overrides), run_dir=tmp_path)
     trainer.train_one_epoch(0)
     assert len(calls) == 3
 

@@ -299,11 +299,11 @@ def test_shards_draw_the_source_rows_by_key(packed: Path) -> None:
 def test_shards_train_under_single_positive(packed: Path, tmp_path: Path) -> None:
     from test_data_shards import URLS, shard_training
 
-    overrides = shard_training(packed, URLS, tmp_path) + [
+    overrides = shard_training(packed, URLS) + [
         "dataset.observed=single_positive",
         "loss.pos_weight=none",
     ]
-    run(compose_config(overrides))
+    run(compose_config(overrides), run_dir=tmp_path)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["epochs_completed"] == 1
     train_size = results["dataset"]["train_size"]

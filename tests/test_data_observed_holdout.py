@@ -144,10 +144,8 @@ def test_the_held_out_split_selects_the_epoch(tmp_path, monkeypatch) -> None:
     calls: list[tuple[str, int]] = []
     # the validation split would pick epoch 3, the held-out split picks epoch 2
     monkeypatch.setattr(trainer_module, "evaluate", scripted_evaluation([10, 20, 30], [50, 60, 40], calls))
-    cfg = compose_config(
-        [*SMALL, "trainer.epochs=3", "dataset.holdout_fraction=0.25", f"trainer.output_dir={tmp_path}"]
-    )
-    trainer = Trainer(cfg)
+    cfg = compose_config([*SMALL, "trainer.epochs=3", "dataset.holdout_fraction=0.25"])
+    trainer = Trainer(cfg, run_dir=tmp_path)
     results = trainer.fit()
     held = np.array([reference_held_out(0.25, 0, i) for i in range(TRAIN)])
     assert len(trainer.data.train_set) == (~held).sum() and len(trainer.data.holdout_set) == held.sum()
@@ -199,8 +197,8 @@ def test_thresholds_are_calibrated_on_the_held_out_split_when_its_labels_are_the
         return evaluation
 
     monkeypatch.setattr(trainer_module, "evaluate", evaluate)
-    cfg = compose_config([*SMALL, "trainer.epochs=1", *overrides, f"trainer.output_dir={tmp_path}"])
-    Trainer(cfg).fit()
+    cfg = compose_config([*SMALL, "trainer.epochs=1", *overrides])
+    Trainer(cfg, run_dir=tmp_path).fit()
     assert sorted(seen) == (["holdout", "validation"] if overrides else ["validation"])
     expected = {
         name: calibrate_thresholds(e.scores, e.labels, no_positive=NEVER_PREDICTED)
@@ -221,8 +219,8 @@ def test_thresholds_are_calibrated_on_the_held_out_split_when_its_labels_are_the
 
 @pytest.mark.slow
 def test_without_a_held_out_split_results_keep_their_format(tmp_path) -> None:
-    cfg = compose_config([*SMALL, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"])
-    results = Trainer(cfg).fit()
+    cfg = compose_config([*SMALL, "trainer.epochs=1"])
+    results = Trainer(cfg, run_dir=tmp_path).fit()
     assert set(results["best"]) == {"epoch", "mAP_class", "mAP_sample", "weights"}
     assert "selection" not in results["metrics"] and "selection" not in results["history"][0]
     assert set(results["dataset"]) == {"name", "num_classes", "train_size", "val_size"}
@@ -232,9 +230,8 @@ def test_without_a_held_out_split_results_keep_their_format(tmp_path) -> None:
 @pytest.mark.slow
 def test_a_per_sample_loss_trains_on_the_rest(tmp_path) -> None:
     cfg = compose_config([*SMALL, "loss=role", "loss.expected_positives=2", "trainer.epochs=1",
-                          "dataset.observed=single_positive", "dataset.holdout_fraction=0.25",
-                          f"trainer.output_dir={tmp_path}"])  # fmt: skip
-    trainer = Trainer(cfg)
+                          "dataset.observed=single_positive", "dataset.holdout_fraction=0.25"])  # fmt: skip
+    trainer = Trainer(cfg, run_dir=tmp_path)
     trainer.fit()
     rest = int(sum(not reference_held_out(0.25, 0, i) for i in range(TRAIN)))
     assert trainer.criterion.label_logits.shape == (rest, 12)
@@ -259,9 +256,9 @@ def test_a_cut_with_an_empty_side_stops_before_training(tmp_path) -> None:
     size = 40
     assert not any(reference_held_out(0.001, 0, i) for i in range(size))
     cfg = compose_config([*TINY, f"dataset.train_size={size}", "trainer.batch_size=8",
-                          "dataset.holdout_fraction=0.001", f"trainer.output_dir={tmp_path}"])  # fmt: skip
+                          "dataset.holdout_fraction=0.001"])  # fmt: skip
     with pytest.raises(DatasetConfigError, match="holds out 0 of the 40 training samples") as error:
-        Trainer(cfg)
+        Trainer(cfg, run_dir=tmp_path)
     assert "\n" not in str(error.value)
 
 

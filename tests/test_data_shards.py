@@ -372,7 +372,7 @@ def test_shard_urls_not_in_the_manifest_are_one_line(packed: Path) -> None:
         open_shards("train", "pipe:cat /x/train-000000.tar")
 
 
-def shard_training(packed: Path, urls: str, out: Path) -> list[str]:
+def shard_training(packed: Path, urls: str) -> list[str]:
     return [o for o in TINY if not o.startswith("dataset")] + [
         "dataset=shards",
         f'dataset.urls="{packed / urls}"',
@@ -383,7 +383,6 @@ def shard_training(packed: Path, urls: str, out: Path) -> list[str]:
         "loss.pos_weight=freq",  # class-frequency weights: set up from the sidecar's label counts
         "trainer.epochs=1",
         "trainer.batch_size=16",
-        f"trainer.output_dir={out}",
     ]
 
 
@@ -401,7 +400,7 @@ def assert_results_of_the_pack(results: dict, packed: Path, pack: str) -> None:
 def test_pack_train_evaluate_on_the_shards(packed: Path, tmp_path: Path) -> None:
     """On the synthetic pack, in one process (the Open Images pack trains on two:
     test_shards_train_on_two_processes_and_evaluate_alike_on_one)."""
-    results = run(compose_config(shard_training(packed, URLS, tmp_path)))
+    results = run(compose_config(shard_training(packed, URLS)), run_dir=tmp_path)
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert_results_of_the_pack(on_disk, packed, "synthetic")
     assert on_disk["metrics"]["mAP_class"] == pytest.approx(results["metrics"]["mAP_class"])
@@ -415,7 +414,7 @@ def _train_on_rank(rank: int, packed: str, urls: str, port: int, out: str) -> No
     )
     torch.set_num_threads(1)
     # on the CPU: a rank forked from a process that may have used CUDA cannot use it
-    Trainer(compose_config([*shard_training(Path(packed), urls, Path(out)), "trainer.device=cpu"])).fit()
+    Trainer(compose_config([*shard_training(Path(packed), urls), "trainer.device=cpu"]), run_dir=out).fit()
 
 
 @pytest.mark.slow
@@ -466,9 +465,8 @@ def test_openimages_trains_from_the_csvs_without_a_dense_label_matrix(generated_
         "loss.pos_weight=freq",
         "trainer.epochs=1",
         "trainer.batch_size=16",
-        f"trainer.output_dir={tmp_path}",
     ]
-    run(compose_config(overrides))
+    run(compose_config(overrides), run_dir=tmp_path)
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["dataset"] == {"name": "openimages", "num_classes": 12, "train_size": 64, "val_size": 20}
     unknown = sum(value == -1 for row in rows["train"] for value in row)

@@ -37,9 +37,8 @@ def test_classes_without_a_positive_are_named():
 
 @pytest.mark.slow
 def test_the_trainer_trains_the_built_run_and_checkpoints_the_position_the_loop_set(tmp_path):
-    overrides = ["dataset.train_size=96", "dataset.val_size=40", f"trainer.output_dir={tmp_path}"]
-    cfg = compose_config([*TINY, *overrides])
-    run = build_run(cfg)
+    cfg = compose_config([*TINY, "dataset.train_size=96", "dataset.val_size=40"])
+    run = build_run(cfg, tmp_path)
     assert run.data.local_batch == cfg.trainer.batch_size and run.data.iters_per_epoch == 3
     assert (run.state.epoch, run.state.step) == (0, 0)
     trainer = Trainer(run)
@@ -81,14 +80,14 @@ def test_ctrl_c_mid_epoch_checkpoints_then_resumes(tmp_path, caplog):
                 os.kill(os.getpid(), signal.SIGINT)
             return super().train_step(images, targets)
 
-    overrides = [*TINY, "dataset.train_size=96", "dataset.val_size=40", f"trainer.output_dir={tmp_path}"]
+    overrides = [*TINY, "dataset.train_size=96", "dataset.val_size=40"]
     with pytest.raises(Preempted) as stopped:
-        _CtrlCAtStep2(compose_config(overrides)).fit()
+        _CtrlCAtStep2(compose_config(overrides), run_dir=tmp_path).fit()
     assert stopped.value.signum == signal.SIGINT
     state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
     assert (state["epoch"], state["step"]) == (0, 2)
     with caplog.at_level(logging.INFO, logger="mlcls"):
-        resumed = Trainer(compose_config([*overrides, "trainer.resume=auto"]))
+        resumed = Trainer(compose_config([*overrides, "trainer.resume=auto"]), run_dir=tmp_path)
     assert (resumed.state.epoch, resumed.state.step) == (0, 2)
     assert "continuing at epoch 1, step 3" in caplog.text  # what runs next, counted from 1
 

@@ -364,7 +364,7 @@ def genuine(tmp_path_factory) -> tuple[Path, Path]:
     from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 
     root = tmp_path_factory.mktemp("fuzz")
-    train_run(compose_config([*RUN, f"trainer.output_dir={root / 'run'}"]))
+    train_run(compose_config([*RUN]), run_dir=root / "run")
     images = root / "images"
     images.mkdir()
     dataset = SyntheticMultiLabel("val", val_size=2)

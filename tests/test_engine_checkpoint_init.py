@@ -89,7 +89,7 @@ def test_training_starts_from_an_imported_checkpoint_and_its_checkpoint_predicts
     stored = write_checkpoint(start, ["x", "y", "z"])
     overrides = [*TINY, "trainer.epochs=1", "optim.lr_backbone=0.0", "optim.weight_decay=0.0"]
     overrides += ["dataset.train_size=64", "dataset.val_size=32", "model.name=resnet10t"]  # the file's
-    run(compose_config([*overrides, f"model.init_from={start}", f"trainer.output_dir={tmp_path / 'run'}"]))
+    run(compose_config([*overrides, f"model.init_from={start}"]), run_dir=tmp_path / "run")
     checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
     inference = load_inference_model(checkpoint, "cpu")
     assert inference.config["model"]["init_from"] == str(start)

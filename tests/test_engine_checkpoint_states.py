@@ -37,7 +37,7 @@ CPU = torch.device("cpu")
 def genuine(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     """A run directory after one real epoch, and its ``last.pt`` as loaded."""
     run_dir = tmp_path_factory.mktemp("resume") / "run"
-    run(compose_config([*RUN, "optim=sgd", f"trainer.output_dir={run_dir}"]))
+    run(compose_config([*RUN, "optim=sgd"]), run_dir=run_dir)
     checkpoint = load_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert checkpoint["scheduler"]["last_epoch"] == ITERS_PER_EPOCH  # the reference the bounds use
     return run_dir, checkpoint
@@ -285,11 +285,10 @@ def test_trainer_resume_refuses_a_negative_epoch_in_one_line(genuine, tmp_path) 
                 *RUN,
                 "optim=sgd",
                 f"trainer.epochs={EPOCHS}",
-                f"trainer.output_dir={tmp_path}",
                 "trainer.resume=auto",
             ]
         )
-        outcome = bounded(lambda c=cfg: Trainer(c).state.epoch, seconds=60)
+        outcome = bounded(lambda c=cfg: Trainer(c, run_dir=tmp_path).state.epoch, seconds=60)
         assert_one_line(outcome, "epoch holds -5" if crafted["epoch"] == -5 else "step holds 6")
 
 

@@ -63,7 +63,7 @@ class _OpensMarker:
 def trained(tmp_path_factory) -> Path:
     """The run directory of a one-epoch training run (last.pt, best.pt), shared by the tests here."""
     run_dir = tmp_path_factory.mktemp("trained")
-    train_run(compose_config([*TINY, *QUICK, "trainer.ema_decay=0.9", f"trainer.output_dir={run_dir}"]))
+    train_run(compose_config([*TINY, *QUICK, "trainer.ema_decay=0.9"]), run_dir=run_dir)
     return run_dir
 
 
@@ -117,7 +117,7 @@ def test_a_pickle_that_runs_code_is_refused_everywhere_with_one_line(tmp_path, t
     (run_dir / "checkpoints").mkdir(parents=True)
     _evil_checkpoint(run_dir / "checkpoints" / "last.pt", marker)
     with pytest.raises(UntrustedCheckpointError, match="last.pt holds a"):
-        Trainer(compose_config([*TINY, *QUICK, f"trainer.output_dir={run_dir}", "trainer.resume=auto"]))
+        Trainer(compose_config([*TINY, *QUICK, "trainer.resume=auto"]), run_dir=run_dir)
     assert not marker.exists()
     # the failed start releases the run directory and keeps its checkpoint
     assert not (run_dir / LOCK_NAME).exists() and (run_dir / "checkpoints" / "last.pt").is_file()

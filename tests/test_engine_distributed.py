@@ -42,7 +42,7 @@ def test_two_nodes_match_one_process(tmp_path):
     torchrun = shutil.which("torchrun", path=str(bin_dir))
     assert torchrun
     # The one-process run, in this process: what ``mlcls-train`` runs after composing the config.
-    run(compose_config([*ARGS, f"trainer.output_dir={tmp_path / 'one'}"]))
+    run(compose_config([*ARGS]), run_dir=tmp_path / "one")
 
     port = free_port()
     node = [
@@ -56,7 +56,7 @@ def test_two_nodes_match_one_process(tmp_path):
         "mlcls.train",
         *ARGS,
         "loss.gather=true",
-        f"trainer.output_dir={tmp_path / 'two'}",
+        f"hydra.run.dir={tmp_path / 'two'}",
     ]
     env = {"OMP_NUM_THREADS": "1", "PATH": str(bin_dir) + ":/usr/bin:/bin"}
     nodes = [

@@ -56,7 +56,7 @@ def test_a_live_runs_lock_refuses_a_second_run_with_one_line(tmp_path):
     run_dir.mkdir()
     (run_dir / LOCK_NAME).write_text(_lock_of(os.getppid()))  # a live process other than this one
     with pytest.raises(RunDirLocked) as caught:
-        Trainer(compose_config([*TINY, *QUICK, f"trainer.output_dir={run_dir}"]))
+        Trainer(compose_config([*TINY, *QUICK]), run_dir=run_dir)
     message = str(caught.value)
     assert "\n" not in message and f"pid {os.getppid()} on {socket.gethostname()}" in message
     assert not (run_dir / "config.yaml").exists() and not (run_dir / "checkpoints").exists()
@@ -184,7 +184,7 @@ def test_processes_taking_over_one_stale_lock_leave_exactly_one_holder(tmp_path)
 
 @pytest.mark.slow
 def test_a_finished_run_releases_its_lock(tmp_path):
-    trainer = Trainer(compose_config([*TINY, *QUICK, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"]))
+    trainer = Trainer(compose_config([*TINY, *QUICK, "trainer.epochs=1"]), run_dir=tmp_path)
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     trainer.fit()
     assert not (tmp_path / LOCK_NAME).exists() and (tmp_path / "checkpoints" / "last.pt").is_file()
@@ -217,10 +217,9 @@ def test_a_bad_image_in_the_first_epoch_leaves_no_run_directory(tmp_path):
             "dataset.image_size=32",
             "dataset.on_bad_image=error",
             "trainer.batch_size=4",
-            f"trainer.output_dir={run_dir}",
         ]
     )
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, run_dir=run_dir)
     assert (run_dir / "config.yaml").is_file()
     with pytest.raises(BadImageError, match="3.jpg"):
         trainer.fit()
@@ -229,8 +228,9 @@ def test_a_bad_image_in_the_first_epoch_leaves_no_run_directory(tmp_path):
 
 def test_resume_auto_accepts_an_explicit_hydra_run_dir(tmp_path):
     cfg = compose_config([*TINY, "trainer.resume=auto"])
-    with pytest.raises(ConfigError, match="needs trainer.output_dir=<run dir> \\(or hydra.run.dir"):
+    with pytest.raises(ConfigError, match="needs hydra.run.dir=<run dir> \\(hydra.sweep.dir"):
         check_config(cfg, world_size=1)
+    check_config(cfg, world_size=1, run_dir=tmp_path)  # given in Python
     from hydra import compose, initialize_config_dir
 
     from mlcls import config_dir
@@ -242,6 +242,20 @@ def test_resume_auto_accepts_an_explicit_hydra_run_dir(tmp_path):
         check_config(cfg, world_size=1)
     finally:
         HydraConfig.instance().cfg = None
+    # a multirun's job directory is hydra.sweep.dir/<job number>: the sweep directory must be named
+    for sweep, accepted in (("hydra.sweep.dir", True), ("hydra.run.dir", False)):
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            overrides = [*TINY, "trainer.resume=auto", "hydra.mode=MULTIRUN", f"{sweep}={tmp_path}"]
+            with_hydra = compose("train", overrides, True)
+        HydraConfig.instance().set_config(with_hydra)
+        try:
+            if accepted:
+                check_config(cfg, world_size=1)
+            else:
+                with pytest.raises(ConfigError, match="needs hydra.run.dir"):
+                    check_config(cfg, world_size=1)
+        finally:
+            HydraConfig.instance().cfg = None
 
 
 @pytest.mark.slow

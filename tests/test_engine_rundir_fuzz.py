@@ -374,9 +374,9 @@ def genuine_run(tmp_path_factory) -> Path:
                 "dataset.val_size=20",
                 "trainer.epochs=1",
                 "trainer.report=true",
-                f"trainer.output_dir={out}",
             ]
-        )
+        ),
+        run_dir=out,
     )
     return out
 

@@ -44,18 +44,15 @@ class _SignalAtStep(Trainer):
 
 @pytest.mark.slow
 def test_sigterm_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny):
-    straight = run(compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'a'}"]))
+    straight = run(compose_config([*tiny, *SMALL]), run_dir=tmp_path / "a")
 
-    cfg = compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'b'}"])
     with pytest.raises(Preempted, match="at epoch 2, step 1; .*trainer.resume=auto"):
-        _SignalAtStep(cfg).fit()
+        _SignalAtStep(compose_config([*tiny, *SMALL]), run_dir=tmp_path / "b").fit()
     # the device stage's thread (fetching from the 2 workers) was joined when the stop left the loop
     assert not [t for t in threading.enumerate() if t.name == "mlcls-device-stage"]
     state = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
     assert (state["epoch"], state["step"]) == (1, 1)  # stopped after step 4 = epoch 2, step 1
-    resumed = run(
-        compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'b'}", "trainer.resume=auto"])
-    )
+    resumed = run(compose_config([*tiny, *SMALL, "trainer.resume=auto"]), run_dir=tmp_path / "b")
 
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -66,7 +63,7 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny):
 @pytest.mark.slow
 def test_truncated_last_checkpoint_falls_back_to_previous(tmp_path, tiny):
     run_dir = tmp_path / "run"
-    run(compose_config([*tiny, *SMALL, f"trainer.output_dir={run_dir}"]))
+    run(compose_config([*tiny, *SMALL]), run_dir=run_dir)
     ckpts = run_dir / "checkpoints"
     numbered = sorted(ckpts.glob("iter_*.pt"))
     assert [p.name for p in numbered] == ["iter_000000003.pt", "iter_000000006.pt"]  # keep_checkpoints=2
@@ -78,7 +75,7 @@ def test_truncated_last_checkpoint_falls_back_to_previous(tmp_path, tiny):
     with pytest.raises(CheckpointError, match="last.pt"):
         load_checkpoint(last)
 
-    trainer = Trainer(compose_config([*tiny, *SMALL, f"trainer.output_dir={run_dir}", "trainer.resume=auto"]))
+    trainer = Trainer(compose_config([*tiny, *SMALL, "trainer.resume=auto"]), run_dir=run_dir)
     assert (trainer.state.epoch, trainer.state.step) == (1, 0)  # epoch 1's checkpoint, the previous one
 
 
@@ -94,9 +91,7 @@ def test_non_finite_steps_are_skipped_then_abort(tmp_path, tiny):
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets.clamp(min=0))
             return loss * float("nan") if self.calls in self.bad_calls else loss
 
-    trainer = Trainer(
-        compose_config([*tiny, *SMALL, "trainer.epochs=1", f"trainer.output_dir={tmp_path / 'a'}"])
-    )
+    trainer = Trainer(compose_config([*tiny, *SMALL, "trainer.epochs=1"]), run_dir=tmp_path / "a")
     trainer.criterion = _NaNLoss(bad_calls={2})
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     trainer.train_step(*next(iter(_plain_batches(trainer))))
@@ -112,10 +107,10 @@ def test_non_finite_steps_are_skipped_then_abort(tmp_path, tiny):
                 *tiny,
                 *SMALL,
                 "trainer.max_nonfinite=2",
-                f"trainer.output_dir={tmp_path / 'b'}",
                 "trainer.epochs=1",
             ]
-        )
+        ),
+        run_dir=tmp_path / "b",
     )
     trainer.criterion = _NaNLoss(bad_calls=set(range(1, 100)))
     with pytest.raises(NonFiniteError, match="learning rate"):
@@ -144,7 +139,7 @@ def test_the_logged_loss_and_guard_are_read_one_log_period_later():
 
 @pytest.mark.slow
 def test_skipped_first_step_advances_the_schedule_without_warning(tmp_path, tiny):
-    trainer = Trainer(compose_config([*tiny, *SMALL, "trainer.epochs=1", f"trainer.output_dir={tmp_path}"]))
+    trainer = Trainer(compose_config([*tiny, *SMALL, "trainer.epochs=1"]), run_dir=tmp_path)
     trainer.criterion = lambda logits, targets: logits.sum() * float("nan")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -166,7 +161,7 @@ def _plain_batches(trainer: Trainer):
         (["trainer.amp=fp32"], 1, "trainer.amp='fp32'; expected one of auto, none, bf16, fp16"),
         (["trainer.batch_size=32"], 3, "does not divide over 3 processes"),
         (["trainer.epochs=0"], 1, "trainer.epochs=0; expected a positive integer"),
-        (["trainer.resume=auto"], 1, "needs trainer.output_dir"),
+        (["trainer.resume=auto"], 1, "needs hydra.run.dir=<run dir>"),
         (["trainer.ema_decay=1.5"], 1, "trainer.ema_decay=1.5"),
     ],
 )
@@ -212,7 +207,7 @@ def test_unknown_key_and_bad_value_fail_before_any_data_is_read(tmp_path, monkey
     ]
 
     # A misspelt key: one line naming the option meant, and no run directory.
-    argv = ["+trainer.epochz=3", f"trainer.output_dir={tmp_path / 'run'}"]
+    argv = ["+trainer.epochz=3", f"hydra.run.dir={tmp_path / 'run'}"]
     assert _train_cli_error(argv, monkeypatch, capsys) == [
         "mlcls: error: unknown option +trainer.epochz: did you mean trainer.epochs? "
         "(nothing reads an added key; ++ adds one all the same)"
@@ -240,7 +235,7 @@ def test_usr1_checkpoints_then_hands_over_to_previous_handler(tmp_path, tiny):
     previous = signal.signal(signal.SIGUSR1, submitit_like)
     try:
         with pytest.raises(Preempted):
-            _Usr1(compose_config([*tiny, *SMALL, f"trainer.output_dir={tmp_path / 'run'}"])).fit()
+            _Usr1(compose_config([*tiny, *SMALL]), run_dir=tmp_path / "run").fit()
         assert calls == [(signal.SIGUSR1, True)]
         assert signal.getsignal(signal.SIGUSR1) is submitit_like  # restored
     finally:

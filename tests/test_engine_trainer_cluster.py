@@ -95,10 +95,8 @@ def _observed(ranks: tuple[Path, list[dict]], scenario: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- SLURM
 def _slurm(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     # The global batch of 32 in buckets of 32: only valid when the loss gathers both processes' 16 rows.
-    cfg = compose_config(
-        [*TINY, *SMALL, "loss.gather=true", "loss.bucket_size=32", f"trainer.output_dir={out / 'run'}"]
-    )
-    results = Trainer(cfg).fit()
+    cfg = compose_config([*TINY, *SMALL, "loss.gather=true", "loss.bucket_size=32"])
+    results = Trainer(cfg, run_dir=out / "run").fit()
     return {
         "world_size": results["world_size"],
         "mAP": results["metrics"]["mAP_class"],
@@ -127,7 +125,7 @@ def test_cuda_device_of_a_local_rank():
 
 # ---------------------------------------------------------------------------------------------- failing ranks
 def _failures(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
-    trainer = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'run'}"]))
+    trainer = Trainer(compose_config([*TINY, *SMALL]), run_dir=out / "run")
     observed = {}
 
     if rank == 1:  # an unreadable image in rank 1's shard of the validation set
@@ -188,7 +186,7 @@ def _startup(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     level = logging.getLogger("mlcls").level
     start = time.perf_counter()
     try:
-        Trainer(compose_config([*TINY, *SMALL, "logger=mlflow", f"trainer.output_dir={out / 'run'}"]))
+        Trainer(compose_config([*TINY, *SMALL, "logger=mlflow"]), run_dir=out / "run")
         outcome = "started"
     except Exception as exc:  # noqa: BLE001
         outcome = f"{type(exc).__name__}: {exc}"
@@ -213,7 +211,7 @@ def _resume(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     while rank 1 sees no checkpoint of its own (as on a node whose file system lags)."""
     monkeypatch.setattr(engine_distributed, "POLL_EVERY", 1)
     level_before = logging.getLogger("mlcls").level
-    straight = Trainer(compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'straight'}"])).fit()
+    straight = Trainer(compose_config([*TINY, *SMALL]), run_dir=out / "straight").fit()
     level_after = logging.getLogger("mlcls").level
 
     class SignalAfterStep2(Trainer):
@@ -223,17 +221,15 @@ def _resume(rank: int, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
                 self.signals.received = signal.SIGTERM
             return super().train_step(images, targets)
 
-    cfg = compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}"])
+    cfg = compose_config([*TINY, *SMALL])
     try:
-        SignalAfterStep2(cfg).fit()
+        SignalAfterStep2(cfg, run_dir=out / "stopped").fit()
         stopped = "finished"
     except Exception as exc:  # noqa: BLE001
         stopped = type(exc).__name__
     if rank == 1:  # had rank 1 chosen for itself, it would start afresh
         monkeypatch.setattr(checkpoint_module, "choose_resume_checkpoint", lambda *args: (None, None))
-    resumed_trainer = Trainer(
-        compose_config([*TINY, *SMALL, f"trainer.output_dir={out / 'stopped'}", "trainer.resume=auto"])
-    )
+    resumed_trainer = Trainer(compose_config([*TINY, *SMALL, "trainer.resume=auto"]), run_dir=out / "stopped")
     start = (resumed_trainer.state.epoch, resumed_trainer.state.step)
     resumed = resumed_trainer.fit()
     straight_weights, resumed_weights = (
@@ -330,10 +326,9 @@ def test_the_training_loop_reads_the_device_only_at_log_steps(tmp_path, monkeypa
 
     def reads(steps: int) -> list[str]:
         cfg = compose_config(
-            [*TINY, *extra, *SMALL_BATCH, "trainer.log_every=1000", f"trainer.limit_train_batches={steps}",
-             f"trainer.output_dir={tmp_path / str(steps)}"]
+            [*TINY, *extra, *SMALL_BATCH, "trainer.log_every=1000", f"trainer.limit_train_batches={steps}"]
         )  # fmt: skip
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, run_dir=tmp_path / str(steps))
         counter = _CountReads(monkeypatch)
         trainer.train_one_epoch(0)
         monkeypatch.undo()
@@ -361,9 +356,9 @@ SYNC_FREE_LOSSES = {
 def test_no_synchronising_call_in_cuda_training_steps(tmp_path, loss):
     cfg = compose_config(
         [*TINY, "trainer.device=cuda", "trainer.log_every=1000", "trainer.limit_train_batches=6",
-         f"trainer.output_dir={tmp_path}", *SYNC_FREE_LOSSES[loss]]
+         *SYNC_FREE_LOSSES[loss]]
     )  # fmt: skip
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, run_dir=tmp_path)
     trainer.train_one_epoch(0)  # warm-up: cuDNN autotuning, allocator, first optimizer state
     for module in trainer.loss_modules():  # terms of a later epoch: LL-Cp corrects from epoch 1 on
         if hasattr(module, "set_epoch"):
@@ -401,9 +396,9 @@ def test_fp16_on_the_cpu_skips_counts_and_aborts(tmp_path):
     usual message after trainer.max_nonfinite steps."""
     cfg = compose_config(
         [*TINY, "trainer.device=cpu", "trainer.amp=fp16", "trainer.ema_decay=0.9", "trainer.max_nonfinite=3",
-         "trainer.log_every=1", *SMALL_BATCH, f"trainer.output_dir={tmp_path}"]
+         "trainer.log_every=1", *SMALL_BATCH]
     )  # fmt: skip
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, run_dir=tmp_path)
     assert trainer.amp == "fp16" and trainer.scaler.is_enabled() and trainer.scaler.get_scale() == 2.0**16
     trainer.criterion = _NanLoss(bad_calls=range(2, 10**6))
     batch = trainer.device_stage.finish(next(iter(trainer.train_loader)))
@@ -425,10 +420,9 @@ def test_fp16_on_the_cpu_skips_counts_and_aborts(tmp_path):
 def test_the_epoch_loss_is_the_mean_of_the_applied_steps(tmp_path, amp):
     """A skipped step counts in skipped_steps, not in the epoch's mean loss."""
     cfg = compose_config(
-        [*TINY, "trainer.device=cpu", f"trainer.amp={amp}", "trainer.limit_train_batches=4", *SMALL_BATCH,
-         f"trainer.output_dir={tmp_path}"]
+        [*TINY, "trainer.device=cpu", f"trainer.amp={amp}", "trainer.limit_train_batches=4", *SMALL_BATCH]
     )  # fmt: skip
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, run_dir=tmp_path)
     trainer.criterion = _NanLoss(bad_calls={2})
     record = trainer.train_one_epoch(0)
     assert len(trainer.criterion.finite) == 3
@@ -443,9 +437,9 @@ def test_mixed_precision_trains_on_the_cpu(tmp_path, amp, dtype):
     eval_amp=null) and a short run trains to finite losses and metrics."""
     cfg = compose_config(
         [*TINY, *SMALL_BATCH, "trainer.device=cpu", f"trainer.amp={amp}", "trainer.epochs=1",
-         "trainer.limit_train_batches=1", "trainer.limit_val_batches=1", f"trainer.output_dir={tmp_path}"]
+         "trainer.limit_train_batches=1", "trainer.limit_val_batches=1"]
     )  # fmt: skip
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, run_dir=tmp_path)
     assert trainer.eval_amp == amp and trainer.scaler.is_enabled() == (amp == "fp16")
     dtypes = []
     trainer.model.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
@@ -459,7 +453,7 @@ def test_mixed_precision_trains_on_the_cpu(tmp_path, amp, dtype):
 @pytest.mark.slow
 def test_amp_auto_is_float32_on_the_cpu(tmp_path):
     """The default trainer.amp=auto keeps CPU runs in float32 (bf16 on CUDA) and needs no GradScaler."""
-    trainer = Trainer(compose_config([*TINY, "trainer.device=cpu", f"trainer.output_dir={tmp_path}"]))
+    trainer = Trainer(compose_config([*TINY, "trainer.device=cpu"]), run_dir=tmp_path)
     assert (trainer.amp, trainer.eval_amp, trainer.scaler.is_enabled()) == ("none", "none", False)
 
 
@@ -475,9 +469,9 @@ def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
                 "trainer.amp=none",  # the stored config says fp16 below: no bf16 step needed
                 "trainer.limit_train_batches=1",
                 "trainer.limit_val_batches=1",
-                f"trainer.output_dir={run_dir}",
             ]
-        )  # fmt: skip
+        ),
+        run_dir=run_dir,  # fmt: skip
     ).fit()
     state = load_checkpoint(run_dir / "checkpoints" / "last.pt")
     state["config"]["trainer"]["amp"] = "fp16"  # as written by a fp16 run on a GPU
@@ -491,10 +485,10 @@ def test_resume_with_another_amp_mode_warns_and_continues(tmp_path, caplog):
                     *TINY,
                     *SMALL_BATCH,
                     "trainer.amp=bf16",
-                    f"trainer.output_dir={run_dir}",
                     "trainer.resume=auto",
                 ]
-            )
+            ),
+            run_dir=run_dir,
         )
     assert "trained with trainer.amp=fp16; continuing with trainer.amp=bf16 (fresh loss scale)" in caplog.text
     assert trainer.state.epoch == 1 and trainer.scaler.get_scale() == 1.0

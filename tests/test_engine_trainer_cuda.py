@@ -18,9 +18,7 @@ from mlcls.engine.trainer import Trainer
 
 
 def _trainer(tmp_path, *overrides: str) -> Trainer:
-    return Trainer(
-        compose_config([*TINY, "trainer.device=cuda", f"trainer.output_dir={tmp_path}", *overrides])
-    )
+    return Trainer(compose_config([*TINY, "trainer.device=cuda", *overrides]), run_dir=tmp_path)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="AMP with a GradScaler needs CUDA")

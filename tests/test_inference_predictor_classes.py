@@ -227,7 +227,7 @@ def text_run(tmp_path_factory) -> Path:
         "dataset.train_size=64",
         "dataset.val_size=32",
     ]
-    run(compose_config([*overrides, f"trainer.output_dir={run_dir}"]))
+    run(compose_config([*overrides]), run_dir=run_dir)
     return run_dir / "checkpoints" / "last.pt"
 
 

@@ -66,7 +66,7 @@ def test_a_full_disk_under_torch_save_ends_training_with_one_line(tmp_path, monk
     bare OSError, the unwrapped case, is test_disk_full_error_names_path_and_free_space's)."""
     from mlcls.cli.errors import user_errors
 
-    trainer = Trainer(compose_config([*TINY, *QUICK, f"trainer.output_dir={tmp_path}"]))
+    trainer = Trainer(compose_config([*TINY, *QUICK]), run_dir=tmp_path)
     real_save = torch.save
 
     def save_until_epoch_two(state, f, *args, **kwargs):
@@ -178,7 +178,7 @@ def test_a_kill_at_any_checkpoint_write_leaves_best_pt_of_the_best_the_run_recor
 ):
     """The newest training checkpoint (what resume=auto loads) names a best epoch: best.pt exists and holds
     that epoch, whichever write of the run a kill interrupts."""
-    trainer = Trainer(compose_config([*TINY, *QUICK, f"trainer.output_dir={tmp_path}"]))
+    trainer = Trainer(compose_config([*TINY, *QUICK]), run_dir=tmp_path)
     real_save, calls = torch.save, []  # the epoch of each state written
 
     def killed_save(state, f, *args, **kwargs):

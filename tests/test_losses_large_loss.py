@@ -244,12 +244,11 @@ def _stopped_then_resumed(overrides: list[str], out: Path) -> tuple[dict, dict]:
                 self.signals.received = signal.SIGTERM  # as a scheduler's signal, polled after the step
             return super().train_step(images, targets, *indices)
 
-    run(compose_config([*RESUME, *overrides, f"trainer.output_dir={out / 'straight'}"]))
-    stopped = [*RESUME, *overrides, f"trainer.output_dir={out / 'stopped'}"]
+    run(compose_config([*RESUME, *overrides]), run_dir=out / "straight")
     with pytest.raises(Preempted, match="at epoch 2, step 1"):
-        StopAtStep(compose_config(stopped)).fit()
+        StopAtStep(compose_config([*RESUME, *overrides]), run_dir=out / "stopped").fit()
     assert load_checkpoint(out / "stopped" / "checkpoints" / "last.pt")["step"] == 1
-    run(compose_config([*stopped, "trainer.resume=auto"]))
+    run(compose_config([*RESUME, *overrides, "trainer.resume=auto"]), run_dir=out / "stopped")
     return tuple(load_checkpoint(out / name / "checkpoints" / "last.pt") for name in ("straight", "stopped"))
 
 
@@ -351,7 +350,7 @@ def test_cp_table_over_its_limit_stops_the_cli_before_training_in_one_line(tmp_p
 
     from mlcls.cli.train import main
 
-    args = [*TINY, "trainer.device=cpu", "trainer.amp=none", f"trainer.output_dir={tmp_path / 'run'}"]
+    args = [*TINY, "trainer.device=cpu", "trainer.amp=none", f"hydra.run.dir={tmp_path / 'run'}"]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
     monkeypatch.setattr(
@@ -394,9 +393,9 @@ def test_cp_without_sample_indices_is_refused_in_one_line(loader, tmp_path):
         data = ["dataset=shards", f'dataset.urls="{packed}/train-000000.tar"', "dataset.image_size=32"]
         where = "dataset=shards"
     base = [o for o in TINY if not o.startswith("dataset")] if loader == "shards" else list(TINY)
-    cfg = compose_config([*base, *data, "loss=ll", "loss.mode=cp", f"trainer.output_dir={tmp_path / 'run'}"])
+    cfg = compose_config([*base, *data, "loss=ll", "loss.mode=cp"])
     with pytest.raises((DatasetConfigError, ConfigError)) as error:
-        run(cfg)
+        run(cfg, run_dir=tmp_path / "run")
     message = str(error.value)
     assert f"needs each sample's index in the batch, which {where} does not give" in message
     assert "\n" not in message

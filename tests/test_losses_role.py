@@ -217,9 +217,9 @@ def test_a_run_over_the_limit_stops_before_training_in_one_line(tmp_path):
 
     run_dir = tmp_path / "run"
     cfg = compose_config([*TINY, "loss=role", "loss.expected_positives=2", "loss.max_table_entries=100",
-                          "dataset.observed=single_positive", f"trainer.output_dir={run_dir}"])  # fmt: skip
+                          "dataset.observed=single_positive"])  # fmt: skip
     with pytest.raises(ConfigError) as error:
-        Trainer(cfg)
+        Trainer(cfg, run_dir=run_dir)
     assert str(error.value).startswith("loss=role: role keeps a table of 192 training samples x 12 classes")
     assert "\n" not in str(error.value) and not (run_dir / "checkpoints").exists()
 
@@ -231,9 +231,8 @@ def test_a_run_trains_the_table_and_checkpoints_it(tmp_path):
     from mlcls.engine.trainer import Trainer
 
     cfg = compose_config([*TINY, "loss=role", "loss.expected_positives=2", "trainer.epochs=1", "optim=adamw",
-                          "dataset.train_size=64", "dataset.observed=single_positive",
-                          f"trainer.output_dir={tmp_path}"])  # fmt: skip
-    trainer = Trainer(cfg)
+                          "dataset.train_size=64", "dataset.observed=single_positive"])  # fmt: skip
+    trainer = Trainer(cfg, run_dir=tmp_path)
     before = trainer.criterion.label_logits.detach().clone()
     trainer.fit()
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)

@@ -373,7 +373,7 @@ def test_trainer_tells_the_loss_the_epoch_and_a_resumed_run_matches(tmp_path, mo
         "loss.delta_rel=0.5",
     ]
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    straight = run(compose_config([*tiny, f"trainer.output_dir={straight_dir}"]))
+    straight = run(compose_config([*tiny]), run_dir=straight_dir)
     assert seen == [0, 1]
 
     class StopAfterFirstEpoch(Trainer):
@@ -384,8 +384,8 @@ def test_trainer_tells_the_loss_the_epoch_and_a_resumed_run_matches(tmp_path, mo
 
     seen.clear()
     with pytest.raises(KeyboardInterrupt):
-        StopAfterFirstEpoch(compose_config([*tiny, f"trainer.output_dir={resumed_dir}"])).fit()
-    resumed = run(compose_config([*tiny, f"trainer.output_dir={resumed_dir}", "trainer.resume=auto"]))
+        StopAfterFirstEpoch(compose_config([*tiny]), run_dir=resumed_dir).fit()
+    resumed = run(compose_config([*tiny, "trainer.resume=auto"]), run_dir=resumed_dir)
     assert seen == [0, 1]
     a = torch.load(straight_dir / "checkpoints" / "last.pt", weights_only=False)["model"]
     b = torch.load(resumed_dir / "checkpoints" / "last.pt", weights_only=False)["model"]
@@ -399,8 +399,8 @@ def test_every_new_loss_config_trains_a_step_through_the_trainer(name, tmp_path)
     from mlcls.engine.trainer import Trainer
 
     extra = [f"loss.{key}={value}" for key, value in REQUIRED.get(name, {}).items()]
-    cfg = compose_config([*TINY, f"loss={name}", *extra, f"trainer.output_dir={tmp_path}"])
-    trainer = Trainer(cfg)
+    cfg = compose_config([*TINY, f"loss={name}", *extra])
+    trainer = Trainer(cfg, run_dir=tmp_path)
     if hasattr(trainer.criterion, "set_epoch"):
         trainer.criterion.set_epoch(2)
     assert type(trainer.criterion) is UNKNOWN_CLASSES[name]

@@ -275,7 +275,7 @@ def test_training_pseudo_labels_and_resumes_bit_exactly_mid_run(tmp_path):
     from mlcls.engine.checkpoint import load_checkpoint
     from mlcls.engine.trainer import Preempted, Trainer
 
-    straight = Trainer(compose_config([*APL_RUN, f"trainer.output_dir={tmp_path / 'straight'}"]))
+    straight = Trainer(compose_config([*APL_RUN]), run_dir=tmp_path / "straight")
     assert straight.criterion.needs_sample_index
     labels = torch.stack([straight.data.train_set[i][1] for i in range(64)])
     straight.fit()
@@ -297,12 +297,12 @@ def test_training_pseudo_labels_and_resumes_bit_exactly_mid_run(tmp_path):
 
     resumed_dir = tmp_path / "resumed"
     with pytest.raises(Preempted):
-        StopInEpoch2(compose_config([*APL_RUN, f"trainer.output_dir={resumed_dir}"])).fit()
+        StopInEpoch2(compose_config([*APL_RUN]), run_dir=resumed_dir).fit()
     stopped = load_checkpoint(resumed_dir / "checkpoints" / "last.pt")
     assert (stopped["epoch"], stopped["step"]) == (1, 1)
     after_first = stopped["loss"]["pseudo_labels"]
     assert int((~after_first.isnan()).sum()) == int(expected.sum()) // 2
-    resumed = Trainer(compose_config([*APL_RUN, f"trainer.output_dir={resumed_dir}", "trainer.resume=auto"]))
+    resumed = Trainer(compose_config([*APL_RUN, "trainer.resume=auto"]), run_dir=resumed_dir)
     resumed.fit()
     a = load_checkpoint(tmp_path / "straight" / "checkpoints" / "last.pt")
     b = load_checkpoint(resumed_dir / "checkpoints" / "last.pt")
@@ -403,7 +403,7 @@ def test_a_table_over_its_limit_stops_before_training_in_one_line(tmp_path):
     from mlcls.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:
-        Trainer(compose_config([*APL_RUN, "loss.max_table_entries=100", f"trainer.output_dir={tmp_path}"]))
+        Trainer(compose_config([*APL_RUN, "loss.max_table_entries=100"]), run_dir=tmp_path)
     assert str(error.value).startswith(
         "loss=em: em with apl=true keeps a table of 64 training samples x 12 classes = 768 entries "
         "(0.0 GB per process), over loss.max_table_entries=100"

@@ -27,10 +27,8 @@ def head_names(model: torch.nn.Module) -> set[str]:
 @pytest.mark.parametrize("head", ["linear", "csra"])
 @pytest.mark.slow
 def test_the_backbone_stays_bit_for_bit_and_the_head_learns(tmp_path, head: str) -> None:
-    cfg = compose_config(
-        [*TINY, f"model/head={head}", "model.freeze_backbone=true", f"trainer.output_dir={tmp_path}"]
-    )
-    trainer = Trainer(cfg)
+    cfg = compose_config([*TINY, f"model/head={head}", "model.freeze_backbone=true"])
+    trainer = Trainer(cfg, run_dir=tmp_path)
     model = trainer.model
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
@@ -64,7 +62,7 @@ def test_backbone_in_eval_leaves_the_head_and_the_root_training() -> None:
 
 @pytest.mark.slow
 def test_without_it_every_parameter_trains(tmp_path) -> None:
-    trainer = Trainer(compose_config([*TINY, f"trainer.output_dir={tmp_path}"]))
+    trainer = Trainer(compose_config([*TINY]), run_dir=tmp_path)
     optimized = sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"])
     assert optimized == sum(p.numel() for p in trainer.model.parameters())
 
@@ -90,14 +88,12 @@ ROLE = [
 def test_linear_init_carries_the_classifier_and_the_label_estimates(tmp_path, caplog) -> None:
     """Cole et al.'s LinearInit in two runs: the head alone on a frozen backbone, then end to end from its
     best.pt, ROLE's label estimates (and which samples were seen) continuing from that epoch's."""
-    Trainer(
-        compose_config([*ROLE, "model.freeze_backbone=true", f"trainer.output_dir={tmp_path / 'linear'}"])
-    ).fit()
+    Trainer(compose_config([*ROLE, "model.freeze_backbone=true"]), run_dir=tmp_path / "linear").fit()
     best = torch.load(tmp_path / "linear" / "checkpoints" / "best.pt", weights_only=True)
     assert set(best["loss"]) == {"label_logits", "seen"} and best["loss"]["seen"].all()
     start = [*ROLE, f"model.init_from={tmp_path / 'linear' / 'checkpoints' / 'best.pt'}"]
     with caplog.at_level(logging.INFO, logger="mlcls"):
-        trainer = Trainer(compose_config([*start, f"trainer.output_dir={tmp_path / 'end_to_end'}"]))
+        trainer = Trainer(compose_config([*start]), run_dir=tmp_path / "end_to_end")
     state = trainer.criterion.state_dict()
     assert all(torch.equal(state[key], best["loss"][key]) for key in best["loss"])
     assert torch.equal(trainer.model.state_dict()["fc.weight"], best["model"]["fc.weight"])
@@ -107,8 +103,6 @@ def test_linear_init_carries_the_classifier_and_the_label_estimates(tmp_path, ca
     # another training set (its rows are other samples): the estimates start afresh, said in one line
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mlcls"):
-        other = Trainer(
-            compose_config([*start, "dataset.train_size=160", f"trainer.output_dir={tmp_path / 'o'}"])
-        )
+        other = Trainer(compose_config([*start, "dataset.train_size=160"]), run_dir=tmp_path / "o")
     assert not other.criterion.state_dict()["seen"].any()
     assert "the loss's state starts afresh" in caplog.text

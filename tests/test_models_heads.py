@@ -318,7 +318,7 @@ def test_trained_head_exports_to_onnx_equal_to_predict(head, tmp_path):
     ]
     options = {"num_groups": 4} if head == "mldecoder" else {"num_heads": 2}
     overrides += [f"model.head.{key}={value}" for key, value in options.items()] + ["trainer.ema_decay=0.9"]
-    run(compose_config([*overrides, f"trainer.output_dir={tmp_path}"]))
+    run(compose_config([*overrides]), run_dir=tmp_path)
     checkpoint = tmp_path / "checkpoints" / "last.pt"
     state = torch.load(checkpoint, weights_only=False)
     assert any(key.startswith("head.") for key in state["model"])

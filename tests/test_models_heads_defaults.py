@@ -157,6 +157,6 @@ def test_each_head_reaches_the_linear_heads_map_on_a_reduced_demo(tmp_path):
     and CSRA's spatial attention has nothing to attend to."""
     maps = {}
     for head in HEAD_WARMUP_EPOCHS:
-        overrides = [f"model/head={head}", *REDUCED_DEMO, f"trainer.output_dir={tmp_path / head}"]
-        maps[head] = Trainer(compose_config(overrides)).fit()["metrics"]["mAP_class"]
+        overrides = [f"model/head={head}", *REDUCED_DEMO]
+        maps[head] = Trainer(compose_config(overrides), run_dir=tmp_path / head).fit()["metrics"]["mAP_class"]
     assert maps["mldecoder"] >= maps["linear"] and maps["csra"] >= maps["linear"], maps

@@ -41,7 +41,7 @@ def sweep(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sweep")
     for job, loss in enumerate(("twoway", "bce")):
-        run(compose_config([*RUN, f"loss={loss}", f"trainer.output_dir={root / str(job)}"]))
+        run(compose_config([*RUN, f"loss={loss}"]), run_dir=root / str(job))
     (root / "2").mkdir()
     shutil.copy(root / "1" / "config.yaml", root / "2" / "config.yaml")
     return root
@@ -63,7 +63,7 @@ def test_a_sweep_is_one_table_with_the_swept_key_as_a_column(sweep, capsys):
     assert code == 0, err
     rows = list(csv.DictReader(io.StringIO(out)))
     assert [row["loss"] for row in rows] == ["twoway", "bce", "bce"]
-    assert next(iter(rows[0])) == "loss"  # the only setting that differs: no loss.tp, no output_dir
+    assert next(iter(rows[0])) == "loss"  # the only setting that differs: no loss.tp, no trainer.resume
     assert list(rows[0])[1:] == [
         "status", "mAP_class", "mAP_sample", "best_epoch", "epochs_completed", "wall_time_s", "run",
     ]  # fmt: skip
@@ -137,10 +137,10 @@ def test_resuming_counts_in_the_state_and_results(sweep):
 def test_differing_keys_name_a_rebuilt_group_once_and_skip_launch_keys():
     twoway = {"_target_": "mlcls.losses.TwoWayLoss", "tp": 4.0, "tn": 1.0}
     runs = [
-        {"loss": twoway, "model": {"name": "a", "drop": 0.1}, "trainer": {"output_dir": "x", "epochs": 2}},
-        {"loss": {**twoway, "tp": 1.0}, "model": {"name": "a"}, "trainer": {"output_dir": "y", "epochs": 2}},
+        {"loss": twoway, "model": {"name": "a", "drop": 0.1}, "trainer": {"resume": None, "epochs": 2}},
+        {"loss": {**twoway, "tp": 1.0}, "model": {"name": "a"}, "trainer": {"resume": "auto", "epochs": 2}},
         {"loss": {"_target_": "mlcls.losses.BinaryCrossEntropyLoss"}, "model": {"name": "a", "drop": 0.1},
-         "trainer": {"output_dir": "z", "epochs": 2}},
+         "trainer": {"resume": "x.pt", "epochs": 2}},
     ]  # fmt: skip
     settings = [flat_settings(run) for run in runs]
     assert [s["loss"] for s in settings] == ["twoway", "twoway", "bce"]

@@ -99,9 +99,9 @@ def test_trains(tmp_path):
     tiny = [
         "dataset=synthetic", "dataset.train_size=8", "dataset.val_size=4", "dataset.image_size=16",
         "model.name=test_resnet", "model.pretrained=false", "trainer.epochs=1", "trainer.batch_size=8",
-        "trainer.workers=0", "trainer.report=false", f"trainer.output_dir={tmp_path}",
+        "trainer.workers=0", "trainer.report=false",
     ]
-    run(compose_config("train", tiny))
+    run(compose_config("train", tiny), run_dir=tmp_path)
 """
     )
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")

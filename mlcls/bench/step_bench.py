@@ -42,9 +42,7 @@ LOOPS = ("epoch", "step")
 def temporary_trainer(cfg: DictConfig) -> Iterator[tuple[Trainer, Path]]:
     """A :class:`Trainer` of ``cfg`` writing into a temporary directory (also given), removed afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = cfg.copy()
-        cfg.trainer.output_dir = str(Path(tmp) / "run")
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, Path(tmp) / "run")
         try:
             yield trainer, Path(tmp)
         finally:

@@ -80,14 +80,10 @@ def sweep_commands(sweep: Sweep, launcher: str, nproc_per_node: int) -> list[lis
         runner = [found] if found else [sys.executable, "-m", "torch.distributed.run"]
         torchrun = [*runner, f"--nproc_per_node={nproc_per_node}", "-m", "mlcls.train"]
         return [
-            [*torchrun, *job, f"trainer.output_dir={sweep.directory / str(number)}", "trainer.resume=auto"]
+            [*torchrun, *job, f"hydra.run.dir={sweep.directory / str(number)}", "trainer.resume=auto"]
             for number, job in enumerate(sweep.runs())
         ]
-    where = [
-        f"trainer.output_dir={sweep.directory}/${{hydra:job.num}}",
-        "trainer.resume=auto",
-        f"hydra.sweep.dir={sweep.directory}",
-    ]
+    where = ["trainer.resume=auto", f"hydra.sweep.dir={sweep.directory}"]  # job n in <dir>/<n> (train.yaml)
     return [["mlcls-train", "-m", *sweep.overrides, *where]]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -26,10 +27,11 @@ from mlcls.reporting.report import report_run
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train the run of ``cfg``; return results.json's content. With ``trainer.report=true`` rank 0 then
+def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """Train the run of ``cfg`` (in ``run_dir`` when given, else Hydra's job directory); return
+    results.json's content. With ``trainer.report=true`` rank 0 then
     draws the plots and writes ``report.html``. The process group stays up for a sweep's next run."""
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, run_dir)
     if cfg.trainer.report:
         trainer.on_finish.append(report_run)
     return trainer.fit()

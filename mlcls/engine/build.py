@@ -255,7 +255,7 @@ class Run:
     run_log: RunLog
 
 
-def build_run(cfg: DictConfig) -> Run:
+def build_run(cfg: DictConfig, run_dir: str | Path | None = None) -> Run:
     """The training run of ``cfg``, built in the order its parts depend on: process group -> config check
     -> seed -> data -> model and loss -> run directory -> EMA, optimizer, schedule, loss scale -> resume
     (or a seed per rank) -> DDP -> compile -> run log. Every rank returns or raises together; a failure
@@ -265,7 +265,7 @@ def build_run(cfg: DictConfig) -> Run:
     try:
         # The process group first: under SLURM the world size exists only once it is set up.
         dist = init_distributed(tcfg.device)
-        check_config(cfg, world_size=dist.world_size)
+        check_config(cfg, world_size=dist.world_size, run_dir=run_dir)
         device, cuda = dist.device, dist.device.type == "cuda"
         amp = resolve_amp(tcfg.amp, device)
         eval_amp = amp if tcfg.get("eval_amp") is None else resolve_amp(tcfg.eval_amp, device)
@@ -303,7 +303,7 @@ def build_run(cfg: DictConfig) -> Run:
     except BaseException:
         discard_if_empty(hydra_dir)  # Hydra made it at start-up; a failed check leaves nothing behind
         raise
-    run_dir = resolve_run_dir(tcfg.output_dir, hydra_dir, dist.is_main, cfg)
+    run_dir = resolve_run_dir(run_dir, hydra_dir, dist.is_main, cfg)
     try:
         ema = ModelEma(model, tcfg.ema_decay, warmup=tcfg.ema_warmup) if tcfg.ema_decay else None
         optimizer, scheduler = build_optimization(cfg, model, data.iters_per_epoch, criterion)

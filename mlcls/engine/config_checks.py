@@ -51,8 +51,9 @@ def resolve_amp(amp: str, device: torch.device) -> str:
     return amp
 
 
-def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
-    """Raise :class:`ConfigError` for the first invalid setting; ``world_size`` defaults to the launcher's."""
+def check_config(cfg: DictConfig, world_size: int | None = None, run_dir: str | Path | None = None) -> None:
+    """Raise :class:`ConfigError` for the first invalid setting; ``world_size`` defaults to the launcher's,
+    ``run_dir`` is the run directory given in Python (``Trainer(cfg, run_dir=...)``), if any."""
     if world_size is None:
         from mlcls.engine.distributed import world_size_from_environment
 
@@ -64,9 +65,9 @@ def check_config(cfg: DictConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"trainer.{key}={value!r}; expected {expected}")
     if t.resume not in (None, "auto") and not Path(t.resume).is_file():
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint file (or use trainer.resume=auto)")
-    if t.resume == "auto" and not t.output_dir and not explicit_hydra_run_dir():
+    if t.resume == "auto" and run_dir is None and not explicit_hydra_run_dir():
         raise ConfigError(
-            "trainer.resume=auto needs trainer.output_dir=<run dir> (or hydra.run.dir=<run dir>) to know "
+            "trainer.resume=auto needs hydra.run.dir=<run dir> (hydra.sweep.dir=<dir> in a multirun) to know "
             "which run to resume"
         )
     if t.batch_size % world_size:

@@ -58,10 +58,11 @@ def hydra_run_dir() -> Path | None:
     return Path(output_dir) if output_dir else None
 
 
-def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: bool, cfg: DictConfig) -> Path:
-    """``trainer.output_dir``, else Hydra's job directory, else ``outputs/<date>/<time>``, as rank 0 chose it
-    (each rank's Hydra reads its own clock); locked, with ``checkpoints/`` and ``config.yaml`` in it."""
-    chosen = output_dir or hydra_dir or f"outputs/{datetime.now():%Y-%m-%d/%H-%M-%S}"
+def resolve_run_dir(given: str | Path | None, hydra_dir: Path | None, is_main: bool, cfg: DictConfig) -> Path:
+    """The directory ``given`` in Python (``Trainer(cfg, run_dir=...)``), else Hydra's job directory, else
+    ``outputs/<date>/<time>``, as rank 0 chose it (each rank's Hydra reads its own clock); locked, with
+    ``checkpoints/`` and ``config.yaml`` in it."""
+    chosen = given or hydra_dir or f"outputs/{datetime.now():%Y-%m-%d/%H-%M-%S}"
     run_dir = Path(collectives.broadcast_object(str(chosen))).absolute()
     if hydra_dir is not None and hydra_dir.absolute() != run_dir:
         discard_if_empty(hydra_dir)
@@ -77,19 +78,17 @@ def resolve_run_dir(output_dir: str | None, hydra_dir: Path | None, is_main: boo
 
 
 def explicit_hydra_run_dir() -> bool:
-    """True when a single run's command line sets ``hydra.run.dir``, the same on every relaunch (so
-    ``trainer.resume=auto`` knows where to look)."""
+    """True when the command line names the job's directory, the same on every relaunch (so
+    ``trainer.resume=auto`` knows where to look): ``hydra.run.dir`` for a single run, ``hydra.sweep.dir``
+    for a multirun (each job's subdirectory, ``hydra.sweep.subdir``, is a function of the job)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized():
         return False
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        return False
-    return any(
-        override.lstrip("+~").split("=")[0] == "hydra.run.dir" for override in hydra_cfg.overrides.hydra
-    )
+    key = "hydra.sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "hydra.run.dir"
+    return any(override.lstrip("+~").split("=")[0] == key for override in hydra_cfg.overrides.hydra)
 
 
 def _parse_holder(content: bytes) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,11 +103,12 @@ class LaggedRead:
 
 
 class Trainer:
-    """Trains a :class:`Run` with :meth:`fit`; ``Trainer(cfg)`` builds it first (:func:`build_run`)."""
+    """Trains a :class:`Run` with :meth:`fit`; ``Trainer(cfg)`` builds it first (:func:`build_run`), in
+    ``run_dir`` when given, else in Hydra's job directory (``hydra.run.dir``)."""
 
-    def __init__(self, run: Run | DictConfig) -> None:
+    def __init__(self, run: Run | DictConfig, run_dir: str | Path | None = None) -> None:
         if isinstance(run, DictConfig):
-            run = build_run(run)
+            run = build_run(run, run_dir)
         self.cfg, self.dist, self.device, self.run_dir = run.cfg, run.dist, run.dist.device, run.run_dir
         self.amp, self.eval_amp, self.channels_last = run.amp, run.eval_amp, run.channels_last
         self.data, self.classes = run.data, run.data.classes

@@ -181,10 +181,15 @@ class FoldSplit(DatasetView):
             self.select(training, np.setdiff1d(np.arange(len(training)), held))
 
 
-def fold_config(cfg: DictConfig, folds: int, fold: int, seed: int, out: Path) -> DictConfig:
+def fold_dir(out: Path, fold: int) -> Path:
+    """The run directory of fold ``fold``'s training."""
+    return out / "folds" / f"fold_{fold}"
+
+
+def fold_config(cfg: DictConfig, folds: int, fold: int, seed: int) -> DictConfig:
     """The training config of fold ``fold``: ``cfg`` with its dataset replaced by the
     :class:`FoldSplit` of its training split (fold ``fold`` held out and
-    evaluated once, after the last epoch), run in ``out/folds/fold_<fold>`` and resumed from there."""
+    evaluated once, after the last epoch), resumed from its run directory (:func:`fold_dir`)."""
     source = OmegaConf.to_container(cfg.dataset, resolve=True)
     fold_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     fold_cfg.dataset = {
@@ -198,7 +203,6 @@ def fold_config(cfg: DictConfig, folds: int, fold: int, seed: int, out: Path) ->
         "fold": fold,
         "seed": seed,
     }
-    fold_cfg.trainer.output_dir = str(out / "folds" / f"fold_{fold}")
     fold_cfg.trainer.resume = "auto"
     fold_cfg.trainer.eval_every = fold_cfg.trainer.epochs
     fold_cfg.trainer.limit_val_batches = None
@@ -228,7 +232,7 @@ def out_of_sample_probabilities(
                 )
         else:
             start = time.perf_counter()
-            trainer = Trainer(fold_config(cfg, folds, fold, seed, out))
+            trainer = Trainer(fold_config(cfg, folds, fold, seed), fold_dir(out, fold))
             trainer.fit()
             scores = trainer.val_outputs[0] if trainer.val_outputs else None
             if scores is None:  # resumed after its last epoch: the weights are trained, not yet scored

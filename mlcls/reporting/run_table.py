@@ -44,7 +44,7 @@ ZERO_SHOT_COLUMNS = tuple(f"{group}.{figure}" for group in ("zsl", "gzsl") for f
 # Sorted highest first by --sort; every other column lowest (or alphabetically) first.
 HIGHER_IS_BETTER = ("mAP_class", "mAP_sample", *ZERO_SHOT_COLUMNS)
 # Settings that say where and how a run was launched, not what it was.
-LAUNCH_KEYS = ("trainer.output_dir", "trainer.resume")
+LAUNCH_KEYS = ("trainer.resume",)
 BUILT = "_target_"
 
 
