@@ -1,4 +1,4 @@
-"""The held-out selection split (dataset.holdout_fraction): the cut, its labels, the epoch it selects, and
+"""The held-out selection split (dataset.val_fraction): the cut, its labels, the epoch it selects, and
 its one-line errors."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_the_cut_is_a_pure_function_of_seed_and_index() -> None:
 
 @pytest.mark.parametrize("observed", ["all", "single_positive"])
 def test_the_views_are_disjoint_and_do_not_depend_on_the_regime(observed: str) -> None:
-    source = synthetic(observed=observed, holdout_fraction=0.25, holdout_seed=2)
+    source = synthetic(observed=observed, val_fraction=0.25, val_seed=2)
     train, held = split_holdout(source, None)
     expected = np.array([reference_held_out(0.25, 2, i) for i in range(len(source))])
     assert np.array_equal(held.rows, np.flatnonzero(expected))
@@ -92,9 +92,9 @@ def test_the_views_are_disjoint_and_do_not_depend_on_the_regime(observed: str) -
 
 
 def test_clean_and_observed_held_out_labels() -> None:
-    keys = {"observed": "single_positive", "observed_seed": 4, "holdout_fraction": 0.3}
-    clean_source = synthetic(**keys, holdout_labels="clean")
-    observed_source = synthetic(**keys, holdout_labels="observed")
+    keys = {"observed": "single_positive", "observed_seed": 4, "val_fraction": 0.3}
+    clean_source = synthetic(**keys, val_labels="clean")
+    observed_source = synthetic(**keys, val_labels="observed")
     train, clean = split_holdout(clean_source, None)
     _, observed = split_holdout(observed_source, None)
     assert np.array_equal(clean.rows, observed.rows)
@@ -115,7 +115,7 @@ def test_clean_and_observed_held_out_labels() -> None:
 
 
 def test_the_held_out_view_reads_with_the_evaluation_transform() -> None:
-    source = synthetic(transform=lambda image: ("train", pil_to_tensor(image)), holdout_fraction=0.25)
+    source = synthetic(transform=lambda image: ("train", pil_to_tensor(image)), val_fraction=0.25)
     train, held = split_holdout(source, pil_to_tensor)
     image, target = held[3]
     assert torch.equal(image, pil_to_tensor(source.load_image(int(held.rows[3]))))
@@ -144,7 +144,7 @@ def test_the_held_out_split_selects_the_epoch(tmp_path, monkeypatch) -> None:
     calls: list[tuple[str, int]] = []
     # the validation split would pick epoch 3, the held-out split picks epoch 2
     monkeypatch.setattr(trainer_module, "evaluate", scripted_evaluation([10, 20, 30], [50, 60, 40], calls))
-    cfg = compose_config([*SMALL, "trainer.epochs=3", "dataset.holdout_fraction=0.25"])
+    cfg = compose_config([*SMALL, "trainer.epochs=3", "dataset.val_fraction=0.25"])
     trainer = Trainer(cfg, run_dir=tmp_path)
     results = trainer.fit()
     held = np.array([reference_held_out(0.25, 0, i) for i in range(TRAIN)])
@@ -169,14 +169,14 @@ def test_the_held_out_split_selects_the_epoch(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("overrides", "split"),
     [
-        (["dataset.holdout_fraction=0.25"], "holdout"),
-        (["dataset.holdout_fraction=0.25", "dataset.observed=single_positive"], "holdout"),  # clean labels
+        (["dataset.val_fraction=0.25"], "holdout"),
+        (["dataset.val_fraction=0.25", "dataset.observed=single_positive"], "holdout"),  # clean labels
         (
             [
-                "dataset.holdout_fraction=0.25",
+                "dataset.val_fraction=0.25",
                 "dataset.observed=partial",
                 "dataset.observed_fraction=0.5",
-                "dataset.holdout_labels=observed",
+                "dataset.val_labels=observed",
             ],
             "validation",
         ),  # fmt: skip
@@ -230,7 +230,7 @@ def test_without_a_held_out_split_results_keep_their_format(tmp_path) -> None:
 @pytest.mark.slow
 def test_a_per_sample_loss_trains_on_the_rest(tmp_path) -> None:
     cfg = compose_config([*SMALL, "loss=role", "loss.expected_positives=2", "trainer.epochs=1",
-                          "dataset.observed=single_positive", "dataset.holdout_fraction=0.25"])  # fmt: skip
+                          "dataset.observed=single_positive", "dataset.val_fraction=0.25"])  # fmt: skip
     trainer = Trainer(cfg, run_dir=tmp_path)
     trainer.fit()
     rest = int(sum(not reference_held_out(0.25, 0, i) for i in range(TRAIN)))
@@ -241,10 +241,10 @@ def test_a_per_sample_loss_trains_on_the_rest(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("dataset.holdout_fraction=1", "dataset.holdout_fraction=1; expected a number in [0, 1)"),
-        ("dataset.holdout_fraction=-0.1", "dataset.holdout_fraction=-0.1; expected a number in [0, 1)"),
-        ("dataset.holdout_labels=full", "dataset.holdout_labels='full'; expected one of clean, observed"),
-        ("dataset.holdout_seed=-1", "dataset.holdout_seed=-1; expected an integer from 0"),
+        ("dataset.val_fraction=1", "dataset.val_fraction=1; expected a number in [0, 1)"),
+        ("dataset.val_fraction=-0.1", "dataset.val_fraction=-0.1; expected a number in [0, 1)"),
+        ("dataset.val_labels=full", "dataset.val_labels='full'; expected one of clean, observed"),
+        ("dataset.val_seed=-1", "dataset.val_seed=-1; expected an integer from 0"),
     ],
 )
 def test_bad_settings_are_one_line(override: str, message: str, capsys) -> None:
@@ -256,7 +256,7 @@ def test_a_cut_with_an_empty_side_stops_before_training(tmp_path) -> None:
     size = 40
     assert not any(reference_held_out(0.001, 0, i) for i in range(size))
     cfg = compose_config([*TINY, f"dataset.train_size={size}", "trainer.batch_size=8",
-                          "dataset.holdout_fraction=0.001"])  # fmt: skip
+                          "dataset.val_fraction=0.001"])  # fmt: skip
     with pytest.raises(DatasetConfigError, match="holds out 0 of the 40 training samples") as error:
         Trainer(cfg, run_dir=tmp_path)
     assert "\n" not in str(error.value)
@@ -266,7 +266,46 @@ def test_shards_refuse_a_held_out_split() -> None:
     shards = ShardTrainSet.__new__(ShardTrainSet)  # what open_shards gives, no file read
     shards.train_split, shards.val_split = "train", "val"
     with pytest.raises(DatasetConfigError, match="packed shards are read in sequence") as error:
-        apply_training_policies(shards, holdout_fraction=0.2)
+        apply_training_policies(shards, val_fraction=0.2)
     assert "\n" not in str(error.value)
-    with pytest.raises(DatasetConfigError, match="holdout_labels"):
-        apply_training_policies(shards, holdout_labels="full")
+    with pytest.raises(DatasetConfigError, match="val_labels"):
+        apply_training_policies(shards, val_labels="full")
+
+
+def test_one_set_of_keys_holds_out_validation_or_selects_by_the_dataset(tmp_path) -> None:
+    """``dataset.val_fraction``: the csv dataset without ``val_file`` cuts its validation split from its
+    training file with it (no selection split); with ``val_file``, as every dataset with a validation split
+    of its own, it is a share of the training split that selects the epoch."""
+    from test_data_csv_dataset import write_csv
+
+    from mlcls.data import build_dataset
+
+    images = [f"{i:02d}.jpg" for i in range(20)]
+    text = "image,labels\n" + "".join(f"{name},{'ab'[i % 2]}\n" for i, name in enumerate(images))
+    root = write_csv(tmp_path, text, images=images)
+    (root / "val.csv").write_text("image,labels\n00.jpg,a\n01.jpg,b\n")
+    csv = compose_config(["dataset=csv", f"dataset.root={root}", "dataset.val_fraction=0.25"]).dataset
+    train, val = build_dataset(csv, train=True), build_dataset(csv, train=False)
+    assert train.selection_split.fraction == 0 and (len(train), len(val)) == (15, 5)  # ceil(0.25 * 20)
+    csv.val_file = "val.csv"
+    train, val = build_dataset(csv, train=True), build_dataset(csv, train=False)
+    assert train.selection_split.fraction == 0.25 and (len(train), len(val)) == (20, 2)
+    csv.val_fraction = None  # null: none selects beside a validation file
+    assert build_dataset(csv, train=True).selection_split.fraction == 0
+
+
+def test_a_stratified_selection_split_holds_out_a_positive_of_every_class_that_has_two() -> None:
+    """``val_by=stratified`` on a dataset with a validation split of its own: ceil(fraction x N) samples held
+    out (then one more per class left without), and each class with 2+ positives in the training split has
+    one among them, where the hashed cut leaves some class without."""
+    size, fraction = 60, 0.1
+    covered = {}
+    for by in ("stratified", "hashed"):
+        train_set = synthetic(size, val_fraction=fraction, val_by=by)
+        _, held = split_holdout(train_set, None)
+        positives = np.asarray(train_set.source.labels) == 1
+        has_two = positives.sum(0) >= 2
+        covered[by] = bool(positives[held.rows][:, has_two].any(0).all())
+        if by == "stratified":
+            assert int(np.ceil(fraction * size)) <= len(held.rows) <= np.ceil(fraction * size) + has_two.sum()
+    assert covered == {"stratified": True, "hashed": False}

@@ -19,7 +19,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 # its heading names.
 TABLES = {
     "Observed labels": ("train", [], ""),
-    "Held-out selection split": ("train", [], ""),
+    "Held-out share": ("train", [], ""),
     "Your own data (CSV)": ("train", ["dataset=csv"], "dataset."),
     "Predict: `mlcls-predict`": ("predict", [], ""),
     "Evaluate: `mlcls-eval`": ("eval", [], ""),

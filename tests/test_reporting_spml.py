@@ -24,7 +24,7 @@ from mlcls.reporting.runs import RunRecord
 # The released protocol, typed from Cole et al.'s train.py / datasets.py (not read from spml.yaml).
 # The epoch is selected on a held-out 20 % of the training split, scored on full labels (its default, the
 # "clean" validation variant).
-RELEASED = {"epochs": 10, "batch": 16, "lr": 1e-4, "size": 448, "holdout": 0.2, "holdout_labels": "clean"}
+RELEASED = {"epochs": 10, "batch": 16, "lr": 1e-4, "size": 448, "holdout": 0.2, "val_labels": "clean"}
 EXPECTED_POSITIVES = {"voc2012": 1.5, "coco": 2.9, "nuswide": 1.9, "cub": 31.4}
 EM_ALPHA = {"voc2012": 0.2, "coco": 0.1, "nuswide": 0.1, "cub": 0.01}
 # APL's beta and warm-up epochs, typed from Zhou et al.'s train.py (not read from spml.yaml).
@@ -109,8 +109,8 @@ def test_preset_composes_to_the_released_protocol(method, dataset):
     if method.startswith("ll_"):
         batch, lrs = LL_BATCH_LR
     assert (cfg.trainer.epochs, cfg.trainer.batch_size) == (RELEASED["epochs"], batch)
-    holdout = (cfg.dataset.holdout_fraction, cfg.dataset.holdout_labels)
-    assert holdout == (RELEASED["holdout"], RELEASED["holdout_labels"])
+    holdout = (cfg.dataset.val_fraction, cfg.dataset.val_labels)
+    assert holdout == (RELEASED["holdout"], RELEASED["val_labels"])
     optim = cfg.optim
     assert optim._target_ == "torch.optim.Adam" and optim.weight_decay == 0.0
     assert (optim.lr_backbone, optim.lr_head) == lrs

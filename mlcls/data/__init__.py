@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from mlcls.data.datasets.base import (
@@ -32,7 +32,7 @@ from mlcls.data.pipeline.transforms import (
     build_transform,
     normalisation,
 )
-from mlcls.data.views import POLICY_KEYS, apply_training_policies, training_policies
+from mlcls.data.views import CUT_KEYS, POLICY_KEYS, apply_training_policies, training_policies
 
 # What building a dataset raises is importable from here, beside what builds it.
 __all__ = [
@@ -67,6 +67,13 @@ def build_dataset(
         )
     policies = {key: cfg.pop(key) for key in POLICY_KEYS if key in cfg}
     training_policies(**policies)  # checked for either split, before any file is read
+    try:
+        target = get_object(cfg._target_) if isinstance(cfg._target_, str) else None
+    except ImportError:  # instantiate says so below
+        target = None
+    if isinstance(target, type) and issubclass(target, MultiLabelDataset) and target.cuts_validation(cfg):
+        # the held-out share is the validation split, which the dataset cuts itself: it selects nothing
+        cfg.update({key: policies.pop(key) for key in CUT_KEYS if key in policies})
     pipeline = {key: cfg.pop(key) for key in PIPELINE_KEYS if key in cfg}
     split = cfg.get("train_split", "train") if train else cfg.get("val_split", "val")
     kind, size = pipeline.get("transform", "paper"), pipeline.get("image_size")

@@ -28,6 +28,7 @@ from mlcls.data.datasets.base import (
     check_integer,
     check_setting,
 )
+from mlcls.data.datasets.folds import VAL_BY, stratified_holdout
 from mlcls.data.datasets.labels import (
     LabelCounts,
     SparseLabelled,
@@ -53,14 +54,17 @@ def training_policies(
     observed: str = "all",
     observed_seed: int = 0,
     observed_fraction: float = 1.0,
-    holdout_fraction: float = 0.0,
-    holdout_labels: str = "clean",
-    holdout_seed: int = 0,
+    val_fraction: float | None = None,
+    val_by: str = "hashed",
+    val_seed: int = 0,
+    val_labels: str = "clean",
     unseen_classes: Any = None,
     unseen_images: str = "keep",
 ) -> tuple[ObservedLabels, HoldoutSplit]:
     """The observed-label regime and the held-out selection split of the keys :data:`POLICY_KEYS`, each
-    checked here, once (``unseen_classes``' names against the classes in :func:`apply_training_policies`)."""
+    checked here, once (``unseen_classes``' names against the classes in :func:`apply_training_policies`).
+    ``val_fraction`` None is none held out; a dataset that cuts its validation split from its training file
+    takes the ``val_*`` keys itself (:func:`mlcls.data.build_dataset`), and they select nothing here."""
     check_unseen_setting(unseen_classes)
     check_setting("unseen_images", unseen_images, UNSEEN_IMAGES)
     check_setting("observed", observed, OBSERVED_REGIMES)
@@ -72,19 +76,22 @@ def training_policies(
         )
     seed = check_integer("observed_seed", observed_seed, 0, MAX_SEED)
     regime = ObservedLabels(observed, seed, float(fraction))
-    fraction = holdout_fraction
+    fraction = 0.0 if val_fraction is None else val_fraction
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction < 1:
         raise DatasetConfigError(
-            f"dataset.holdout_fraction={shown(fraction)}; expected a number in [0, 1), the share of the "
-            "training split held out to select the best epoch (0: none)"
+            f"dataset.val_fraction={shown(fraction)}; expected a number in [0, 1), the share of the "
+            "training split held out (0 or null: none)"
         )
-    check_setting("holdout_labels", holdout_labels, HOLDOUT_LABELS)
-    seed = check_integer("holdout_seed", holdout_seed, 0, MAX_SEED)
-    return regime, HoldoutSplit(float(fraction), holdout_labels, seed)
+    check_setting("val_by", val_by, VAL_BY)
+    check_setting("val_labels", val_labels, HOLDOUT_LABELS)
+    seed = check_integer("val_seed", val_seed, 0, MAX_SEED)
+    return regime, HoldoutSplit(float(fraction), val_labels, seed, val_by)
 
 
 # The keys of a dataset config that choose training policies (:func:`apply_training_policies`), not data.
 POLICY_KEYS = tuple(inspect.signature(training_policies).parameters)
+# The keys of the held-out share that a dataset cutting its validation split from its training file takes.
+CUT_KEYS = ("val_fraction", "val_by", "val_seed")
 
 
 def apply_training_policies(dataset: Any, **policy_keys: Any) -> TrainingView:
@@ -102,9 +109,9 @@ def apply_training_policies(dataset: Any, **policy_keys: Any) -> TrainingView:
         )
     if selection.fraction and not isinstance(dataset, MultiLabelDataset):
         raise DatasetConfigError(
-            f"dataset.holdout_fraction={selection.fraction:g}: packed shards are read in sequence, not by "
+            f"dataset.val_fraction={selection.fraction:g}: packed shards are read in sequence, not by "
             "sample index, so no share of them can be held out; train on the dataset config the shards were "
-            "packed from, or set dataset.holdout_fraction=0"
+            "packed from, or set dataset.val_fraction=0"
         )
     if unseen and not isinstance(dataset, MultiLabelDataset):
         raise DatasetConfigError(
@@ -167,13 +174,19 @@ def split_holdout(
 ) -> tuple[DatasetView, DatasetView]:
     """``(training, held out)`` views of ``train_set`` cut by its ``selection_split`` (the same on every
     rank). The held-out view reads a shallow copy of the source (annotations shared) with
-    ``eval_transform`` and, for ``holdout_labels=clean``, every label. An empty side raises
+    ``eval_transform`` and, for ``val_labels=clean``, every label. An empty side raises
     :class:`DatasetConfigError`."""
     selection = train_set.selection_split
-    held = selection.held_out(np.arange(len(train_set)))
+    if selection.by == "stratified":
+        sparse = sparse_labels_of(train_set.source)  # the source's own labels: only the positives count
+        positives = np.zeros(sparse.shape, dtype=np.int8)
+        positives[np.repeat(np.arange(len(sparse)), np.diff(sparse.offsets)), sparse.columns] = sparse.values
+        held = stratified_holdout(positives, selection.fraction, selection.seed)
+    else:
+        held = selection.held_out(np.arange(len(train_set)))
     if not 0 < held.sum() < len(held):
         raise DatasetConfigError(
-            f"dataset.holdout_fraction={selection.fraction:g} holds out {int(held.sum())} of the "
+            f"dataset.val_fraction={selection.fraction:g} holds out {int(held.sum())} of the "
             f"{len(held)} training samples; expected some on each side (set a fraction that leaves both "
             "non-empty, or 0 for no held-out split)"
         )

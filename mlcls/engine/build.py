@@ -49,7 +49,7 @@ class RunData:
     classes: list[str]
     iters_per_epoch: int
     local_batch: int  # samples per step of this process: trainer.batch_size over the world size
-    # dataset.holdout_fraction > 0: the held-out share of the training split that selects the best epoch
+    # dataset.val_fraction > 0: the held-out share of the training split that selects the best epoch
     # (under trainer.limit_val_batches its first samples), and its evaluation loader; else None
     holdout_set: Dataset | None = None
     holdout_loader: Any = None

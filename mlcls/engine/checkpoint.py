@@ -5,7 +5,7 @@ loss state. The state itself and its checks are :mod:`mlcls.engine.state`'s. In 
     last.pt     the newest full training state (what ``trainer.resume=auto`` loads first)
     iter_*.pt   the newest ``trainer.keep_checkpoints`` full states (fallbacks)
     best.pt     the weights of the best mAP@class evaluation (on the held-out share of the training split
-                under ``dataset.holdout_fraction``)
+                under ``dataset.val_fraction``)
 
 Checkpoints hold plain data only (tensors, containers, strings, numbers, None), read with
 ``torch.load(weights_only=True)`` (:func:`load_checkpoint`, the one reader, of :data:`mlcls.formats.FORMAT`

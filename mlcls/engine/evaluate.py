@@ -223,7 +223,7 @@ def thresholds_split(dataset_cfg: Any, held_out: bool) -> str:
     if not held_out:
         return "validation"
     shows_own = (
-        dataset_cfg.get("holdout_labels", "clean") == "clean" or dataset_cfg.get("observed", "all") == "all"
+        dataset_cfg.get("val_labels", "clean") == "clean" or dataset_cfg.get("observed", "all") == "all"
     )
     return "holdout" if shows_own else "validation"
 

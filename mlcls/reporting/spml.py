@@ -48,7 +48,7 @@ SPML_METHODS = {
     "twoway": "Two-way",
 }
 # Dataset -> column label, and the training / evaluation images mlcls uses (the whole official train split,
-# of which spml.yaml holds out dataset.holdout_fraction to select the epoch; NUS-WIDE: the images listed,
+# of which spml.yaml holds out dataset.val_fraction to select the epoch; NUS-WIDE: the images listed,
 # docs/datasets.md).
 SPML_DATASETS = {
     "voc2012": ("VOC12", 5717, 5823),
@@ -74,7 +74,7 @@ PROTOCOL_KEYS = (
     "sched.min_lr_ratio",
     "dataset.image_size",
     "dataset.transform",
-    "dataset.holdout_fraction",
+    "dataset.val_fraction",
     "model.name",
     "model.pretrained",
 )
@@ -113,13 +113,13 @@ def benchmark_preset() -> DictConfig:
 def job_gpu_hours(job: Mapping[str, str], gpu: str = "v100") -> float:
     """Estimated GPU-hours of one job of the benchmark's sweep (:func:`mlcls.reporting.sweeps.job_values`),
     :func:`mlcls.reporting.sweeps.gpu_hours` at ResNet-50's cost times :data:`PIXELS_448`: each of
-    ``spml.yaml``'s ``trainer.epochs`` trains the training split less its ``dataset.holdout_fraction`` and
+    ``spml.yaml``'s ``trainer.epochs`` trains the training split less its ``dataset.val_fraction`` and
     evaluates the test split and the held-out share; ``em_apl`` adds a forward pass over the trained images
     after each epoch from its warm-up (``protocol.em_apl_warmup``) to the last but one."""
     preset = benchmark_preset()
     dataset, method = job["dataset"], job["experiment"].removeprefix("spml_")
     _, train, test = SPML_DATASETS[dataset]
-    held_out = float(preset.dataset.holdout_fraction) * train
+    held_out = float(preset.dataset.val_fraction) * train
     trained = train - held_out
     epochs = int(preset.trainer.epochs)
     apl_passes = epochs - int(preset.protocol.em_apl_warmup[dataset]) if method == "em_apl" else 0

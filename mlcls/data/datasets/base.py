@@ -207,6 +207,13 @@ class MultiLabelDataset(Dataset):
     # The samples are image files, which a transform's own ``decode`` may read (False: drawn pixels).
     reads_files = True
 
+    @classmethod
+    def cuts_validation(cls, keys: Any) -> bool:
+        """Whether the dataset config ``keys`` cuts its validation split from its training file: then the
+        dataset takes ``val_fraction``, ``val_by`` and ``val_seed`` itself (:func:`mlcls.data.build_dataset`).
+        Most datasets have a validation split of their own."""
+        return False
+
     def __init__(
         self,
         transform: Callable | None = None,

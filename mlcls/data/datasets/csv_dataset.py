@@ -34,12 +34,13 @@ from mlcls.data.datasets.base import (
     require_files,
     resolve_path,
 )
-from mlcls.data.datasets.folds import held_out, image_hash, stratified_holdout
+from mlcls.data.datasets.folds import VAL_BY, held_out, image_hash, stratified_holdout
 from mlcls.errors import plural, printable
 from mlcls.io import CAPS, open_regular
 
 SPLITS = ("train", "val")
-VAL_BY = ("stratified", "hashed")  # dataset.val_by: how val_fraction of the training file is held out
+# The share of the training file held out as the validation split when dataset.val_fraction is null.
+DEFAULT_VAL_FRACTION = 0.1
 # A class with fewer validation positives than this in a held-out split is named in a warning.
 MIN_VAL_POSITIVES = 5
 # The longest line read (an image's path and its labels): a file with no line break is refused at this length.
@@ -100,6 +101,11 @@ class CSVDataset(MultiLabelDataset):
     (docs/datasets.md). ``classes`` None: the sorted names of the files' labels column, or the class
     columns in header order; ``delimiter`` None: tab for ``.tsv``/``.tab``, else comma."""
 
+    @classmethod
+    def cuts_validation(cls, keys: Any) -> bool:
+        """Without ``val_file`` the validation split is ``val_fraction`` of the training file."""
+        return not keys.get("val_file")
+
     def __init__(
         self,
         split: str = "train",
@@ -107,7 +113,7 @@ class CSVDataset(MultiLabelDataset):
         root: str = ".",
         train_file: str = "train.csv",
         val_file: str | None = None,
-        val_fraction: float = 0.1,
+        val_fraction: float | None = None,
         val_by: str = "stratified",
         val_seed: int = 0,
         image_column: str = "image",
@@ -129,6 +135,7 @@ class CSVDataset(MultiLabelDataset):
         needed = {"train", "val"} if val_file and (classes is None or split == "train") else {source}
         files = {"train": train_file, "val": val_file}
         require_files(root, [files[key] for key in sorted(needed)], layout)
+        val_fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
         if not val_file and not 0.0 <= val_fraction < 1.0:
             raise DatasetConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
         check_choice("dataset.val_by", val_by, VAL_BY)

@@ -1,7 +1,8 @@
-"""The CSV dataset's validation share of its training file (``dataset.val_fraction``): the rows held out
-together by iterative stratification (:func:`stratified_holdout`), or each row on its own by a hash of its
-image path (:func:`held_out`). The other cuts of a training split are views of it: the held-out selection
-split (:func:`mlcls.data.views.split_holdout`) and the audit's folds
+"""The held-out share of a training split (``dataset.val_fraction``, ``val_by``, ``val_seed``): the rows held
+out together by iterative stratification (:func:`stratified_holdout`), or each row on its own by a hash of
+its image path (:func:`held_out`, the CSV dataset's validation split cut from its training file). The other
+cuts of a training split are views of it: the held-out selection split
+(:func:`mlcls.data.views.split_holdout`) and the audit's folds
 (:class:`mlcls.reporting.audit.FoldSplit`).
 """
 
@@ -12,6 +13,9 @@ import hashlib
 import numpy as np
 
 from mlcls.data.datasets.base import DatasetConfigError
+
+# dataset.val_by: how dataset.val_fraction of a training split is held out
+VAL_BY = ("stratified", "hashed")
 
 
 def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 OBSERVED_REGIMES = ("all", "single_positive", "partial")
-# dataset.holdout_labels: the held-out samples' full labels, or their labels as the regime shows them
+# dataset.val_labels: a selecting held-out share's full labels, or its labels as the regime shows them
 HOLDOUT_LABELS = ("clean", "observed")
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
@@ -97,14 +97,17 @@ ALL_LABELS = ObservedLabels()
 
 @dataclass(frozen=True)
 class HoldoutSplit:
-    """The share of the training split held out to select the best epoch (``dataset.holdout_fraction`` in
-    [0, 1), ``holdout_labels``: ``clean`` or as the regime shows them, ``holdout_seed``), checked by
-    :func:`mlcls.data.training_policies`. Sample ``i`` is held out when the top 53 bits of a hash of
-    ``(seed, i)`` fall below ``fraction``: independently, the same on every rank and resume."""
+    """The share of the training split held out to select the best epoch (``dataset.val_fraction`` in
+    [0, 1) of a dataset with a validation split of its own, ``val_by``, ``val_labels``: ``clean`` or as the
+    regime shows them, ``val_seed``), checked by :func:`mlcls.data.views.training_policies`. ``hashed``:
+    sample ``i`` is held out when the top 53 bits of a hash of ``(seed, i)`` fall below ``fraction``:
+    independently, the same on every rank and resume; ``stratified``: by the labels
+    (:func:`mlcls.data.views.split_holdout`)."""
 
     fraction: float = 0.0
     labels: str = "clean"
     seed: int = 0
+    by: str = "hashed"
 
     def held_out(self, samples: np.ndarray) -> np.ndarray:
         """bool (K,): whether each sample index of ``samples`` is held out."""
