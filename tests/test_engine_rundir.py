@@ -1,5 +1,5 @@
-"""The run directory: one live run at a time, a full disk that keeps the last good checkpoint, a run that
-fails before its first checkpoint leaving nothing, resume=auto in an explicit hydra.run.dir."""
+"""The run directory: one live run at a time, a run that fails before its first checkpoint leaving nothing,
+resume=auto in an explicit hydra.run.dir (a full disk that keeps the last good checkpoint: test_io.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from data_fixtures import truncate, write_csv
 from hostile import bounded
 from hydra.core.hydra_config import HydraConfig
 
-import mlcls.engine.checkpoint as checkpoint_module
 import mlcls.engine.rundir as rundir_module
 from mlcls.data import BadImageError
 from mlcls.engine.config_checks import check_config
@@ -35,7 +34,6 @@ from mlcls.engine.rundir import (
 )
 from mlcls.engine.trainer import Trainer
 from mlcls.errors import ConfigError
-from mlcls.io import DiskFullError
 
 QUICK = ["dataset.train_size=64", "dataset.val_size=20"]
 
@@ -188,16 +186,6 @@ def test_a_finished_run_releases_its_lock(tmp_path):
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     trainer.fit()
     assert not (tmp_path / LOCK_NAME).exists() and (tmp_path / "checkpoints" / "last.pt").is_file()
-
-
-def test_disk_full_error_names_path_and_free_space(tmp_path):
-    def fail(f):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    (tmp_path / "results.json").write_text("previous")
-    with pytest.raises(DiskFullError, match=r"cannot write .*results.json: no space left .* MiB free"):
-        checkpoint_module.atomic_write(tmp_path / "results.json", fail)
-    assert (tmp_path / "results.json").read_text() == "previous"
 
 
 @pytest.mark.slow

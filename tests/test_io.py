@@ -28,13 +28,16 @@ QUICK = ["dataset.train_size=64", "dataset.val_size=20"]
 
 # ---------------------------------------------------------------------------------------------- disk full
 @pytest.mark.parametrize("error_number", [errno.ENOSPC, errno.EDQUOT])
-@pytest.mark.parametrize("link", ["__context__", "__cause__"])
+@pytest.mark.parametrize("link", ["bare", "__context__", "__cause__"])
 def test_a_full_disk_is_found_through_the_exception_chain(tmp_path, error_number, link):
+    """The OSError raised as it is, or two links away in the chain that torch's save raises."""
     full = OSError(error_number, os.strerror(error_number))
-    wrapper = RuntimeError("unexpected pos 1472 vs 1362")
-    setattr(wrapper, link, full)
-    outer = ValueError("while saving")  # two links away
-    outer.__context__ = wrapper
+    outer: BaseException = full
+    if link != "bare":
+        wrapper = RuntimeError("unexpected pos 1472 vs 1362")
+        setattr(wrapper, link, full)
+        outer = ValueError("while saving")  # two links away
+        outer.__context__ = wrapper
 
     def fail(f):
         f.write(b"partial")
@@ -63,7 +66,7 @@ def test_an_error_without_a_full_disk_in_its_chain_is_raised_as_it_is(tmp_path):
 def test_a_full_disk_under_torch_save_ends_training_with_one_line(tmp_path, monkeypatch, capsys):
     """The disk fills during epoch 2's save, the OSError only the context of torch's error: one line naming
     the file and the space left, the last good checkpoint kept, no temporary file and no run lock left (a
-    bare OSError, the unwrapped case, is test_disk_full_error_names_path_and_free_space's)."""
+    bare OSError, the unwrapped case, is test_a_full_disk_is_found_through_the_exception_chain's)."""
     from mlcls.cli.errors import user_errors
 
     trainer = Trainer(compose_config([*TINY, *QUICK]), run_dir=tmp_path)
