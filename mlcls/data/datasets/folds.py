@@ -1,5 +1,6 @@
-"""The CSV dataset's validation share of its training file (``dataset.val_fraction``): the rows held out
-together by iterative stratification (:func:`stratified_holdout`), or each row on its own by a hash of its
+"""The validation share of a training file or folder (``dataset.val_fraction``): the rows held out
+together by iterative stratification (:func:`stratified_holdout`; a caption folder's, too many classes for
+it, by each row's rarest class: :func:`rarest_label_holdout`), or each row on its own by a hash of its
 image path (:func:`held_out`). The other cuts of a training split are views of it: the held-out selection
 split (:func:`mlcls.data.views.split_holdout`) and the audit's folds
 (:class:`mlcls.reporting.audit.FoldSplit`).
@@ -12,6 +13,7 @@ import hashlib
 import numpy as np
 
 from mlcls.data.datasets.base import DatasetConfigError
+from mlcls.data.datasets.labels import SparseLabels
 
 
 def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
@@ -55,3 +57,34 @@ def held_out(image: str, val_fraction: float, seed: int) -> bool:
     """Whether ``image`` (its path as written) is held out: ``image_hash(image, seed) < val_fraction *
     2**64``, with probability ``val_fraction``, independently of every other row."""
     return image_hash(image, seed) < val_fraction * 2**64
+
+
+def rarest_label_holdout(labels: SparseLabels, val_fraction: float, seed: int) -> np.ndarray:
+    """bool (N,): about ``val_fraction * N`` rows of the sparse ``labels`` (N, C) held out, stratified by
+    each row's rarest positive class, for label sets too large for :func:`stratified_holdout` (its time and
+    memory grow with N x C).
+
+    A row's group is its positive class of fewest positives (ties: the lower index); rows without a positive
+    form the last group. The groups, rarest first, each in an order drawn from ``seed`` (>= 0), are laid end
+    to end, and the row at position p is held out when ``floor(val_fraction * (p + 1) + 1/2) >
+    floor(val_fraction * p + 1/2)``: every group holds out its share to within one row, and a class seen once
+    stays in training more often than not. At least one row is held out (of two or more). Time and memory:
+    O(N + stored entries)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise DatasetConfigError(f"dataset.val_seed={seed!r}; expected an integer >= 0")
+    rows, classes = labels.shape
+    if rows < 2:
+        return np.ones(rows, dtype=bool)
+    positive = labels.values == 1
+    entry_rows = np.repeat(np.arange(rows), np.diff(labels.offsets))[positive]
+    columns = labels.columns[positive].astype(np.int64)
+    counts = np.bincount(columns, minlength=classes)
+    group = np.full(rows, (int(counts.max(initial=0)) + 1) * classes, dtype=np.int64)  # after every class
+    np.minimum.at(group, entry_rows, counts[columns] * classes + columns)
+    drawn = np.random.default_rng(seed).permutation(rows)
+    position = np.empty(rows, dtype=np.int64)
+    position[np.lexsort((drawn, group))] = np.arange(rows)
+    in_val = np.floor(val_fraction * (position + 1) + 0.5) > np.floor(val_fraction * position + 0.5)
+    if not in_val.any():
+        in_val[position == rows - 1] = True
+    return in_val
