@@ -129,9 +129,9 @@ def index_folder(
     root: Path, caption_ext: str, separator: str, underscores: str, uncaptioned: str
 ) -> CaptionIndex:
     """Every image under ``root`` (:data:`IMAGE_EXTENSIONS`, recursively: a folder's files by name, then its
-    subfolders by name; symbolic links to folders not followed) with a caption file ``<stem><caption_ext>`` beside it, and its tags. An image
-    without one is skipped (one log line) or, with ``uncaptioned=error``, one :class:`DatasetFormatError`
-    line."""
+    subfolders by name; symbolic links to folders not followed) with a caption file ``<stem><caption_ext>``
+    beside it, and its tags. An image without one is skipped (one log line) or, with
+    ``uncaptioned=error``, one :class:`DatasetFormatError` line."""
     if not root.is_dir():
         raise DatasetLayoutError(f"missing {root}; expected a folder of images, each with its caption file")
     paths: list[str] = []
@@ -195,8 +195,8 @@ def read_vocabulary(path: Path, underscores: str) -> list[str]:
     for number, tag in enumerate(tags, start=1):
         if tag and tag in first:
             raise DatasetFormatError(
-                f"{path}, line {number}: tag {printable(tag)!r} is listed twice (first on line {first[tag]}); "
-                "expected each tag once"
+                f"{path}, line {number}: tag {printable(tag)!r} is listed twice (first on line "
+                f"{first[tag]}); expected each tag once"
             )
         first.setdefault(tag, number)
     first.pop("", None)
@@ -266,7 +266,8 @@ class CaptionFolder(SparseLabelled, MultiLabelDataset):
             )
         if val_root is None and val_fraction == 0 and split == "val":
             raise DatasetConfigError(
-                "the captions dataset has no validation data: set dataset.val_root or dataset.val_fraction > 0"
+                "the captions dataset has no validation data: set dataset.val_root or "
+                "dataset.val_fraction > 0"
             )
         self.dense_labels_gb = float(dense_labels_gb)
         read = (caption_ext, tag_separator, underscores, uncaptioned)
