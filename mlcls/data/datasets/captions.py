@@ -140,12 +140,12 @@ def index_folder(
     columns, offsets = array("i"), array("q", [0])
     for folder, subfolders, files in os.walk(root, onerror=_raise):
         subfolders.sort()
-        present = set(files)
+        present, prefix = set(files), os.path.relpath(folder, root)
         for name in sorted(files):
             stem, ext = os.path.splitext(name)
             if ext.lower() not in IMAGE_EXTENSIONS:
                 continue
-            relative = os.path.relpath(os.path.join(folder, name), root)
+            relative = name if prefix == "." else os.path.join(prefix, name)
             caption = stem + caption_ext
             if caption not in present:
                 if uncaptioned == "error":
@@ -320,15 +320,15 @@ def _in_vocabulary(
     """The ``rows`` of ``index.labels`` over ``classes`` (int32 columns ascending within a row), and the
     count of the tags dropped; those logged in one line."""
     column_of = {tag: c for c, tag in enumerate(classes)}
-    mapping = np.array([column_of.get(tag, -1) for tag in index.tags], dtype=np.int64)
+    mapping = np.array([column_of.get(tag, -1) for tag in index.tags], dtype=np.int32)
     labels = index.labels.rows(rows) if len(rows) < len(index.labels) else index.labels
-    columns = mapping[labels.columns] if len(labels.columns) else labels.columns.astype(np.int64)
+    columns = mapping[labels.columns] if len(labels.columns) else labels.columns
     kept = columns >= 0
-    entry_rows = np.repeat(np.arange(len(labels)), np.diff(labels.offsets))[kept]
+    entry_rows = np.repeat(np.arange(len(labels), dtype=np.int32), np.diff(labels.offsets))[kept]
     order = np.lexsort((columns[kept], entry_rows))
     offsets = np.zeros(len(labels) + 1, dtype=np.int64)
     np.cumsum(np.bincount(entry_rows, minlength=len(labels)), out=offsets[1:])
-    columns = columns[kept][order].astype(np.int32)
+    columns = columns[kept][order]
     outside = np.unique(labels.columns[~kept])
     dropped = {"tags": len(outside), "uses": int((~kept).sum())}
     if dropped["uses"]:

@@ -76,8 +76,8 @@ def rarest_label_holdout(labels: SparseLabels, val_fraction: float, seed: int) -
     if rows < 2:
         return np.ones(rows, dtype=bool)
     positive = labels.values == 1
-    entry_rows = np.repeat(np.arange(rows), np.diff(labels.offsets))[positive]
-    columns = labels.columns[positive].astype(np.int64)
+    entry_rows = np.repeat(np.arange(rows, dtype=np.int32), np.diff(labels.offsets))[positive]
+    columns = labels.columns[positive]
     counts = np.bincount(columns, minlength=classes)
     group = np.full(rows, (int(counts.max(initial=0)) + 1) * classes, dtype=np.int64)  # after every class
     np.minimum.at(group, entry_rows, counts[columns] * classes + columns)
