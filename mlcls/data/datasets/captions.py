@@ -48,7 +48,7 @@ from mlcls.data.datasets.csv_dataset import VAL_BY
 from mlcls.data.datasets.folds import held_out, rarest_label_holdout
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels
 from mlcls.data.images import IMAGE_EXTENSIONS
-from mlcls.errors import is_integer, plural, printable, shown
+from mlcls.errors import is_integer, is_number, plural, printable, shown
 from mlcls.io import CAPS, read_regular_bytes, read_text
 
 log = logging.getLogger("mlcls")
@@ -260,7 +260,7 @@ class CaptionFolder(SparseLabelled, MultiLabelDataset):
                 "dataset.vocabulary gives the tags: dataset.min_tag_count and dataset.max_tags choose them "
                 "from the captions; set one or the other"
             )
-        if val_root is None and not 0.0 <= val_fraction < 1.0:
+        if val_root is None and (not is_number(val_fraction) or not 0.0 <= val_fraction < 1.0):
             raise DatasetConfigError(
                 f"dataset.val_fraction={shown(val_fraction)}; expected a number in [0, 1)"
             )
