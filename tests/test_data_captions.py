@@ -221,3 +221,20 @@ def test_mlcls_data_stats_reads_a_caption_folder(tmp_path, capsys):
     assert "train split (train): 8 samples" in out and "positive labels per sample: 1.50" in out
     assert "most frequent: cat 8, dog 4" in out
     assert "val split (val): 2 samples" in out
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"underscores": "dashes"}, r"dataset.underscores='dashes'; expected one of keep, spaces"),
+        ({"uncaptioned": "ignore"}, r"dataset.uncaptioned='ignore'; expected one of skip, error"),
+        ({"tag_separator": " "}, r"dataset.tag_separator=' '; expected a character that is not a space"),
+        ({"caption_ext": "txt"}, r"dataset.caption_ext='txt'; expected a suffix like .txt"),
+        ({"min_tag_count": 0}, r"dataset.min_tag_count=0; expected an integer >= 1"),
+        ({"max_tags": True}, r"dataset.max_tags=True; expected an integer >= 1 or null"),
+        ({"val_fraction": "0.1"}, r"dataset.val_fraction='0.1'; expected a number in \[0, 1\)"),
+    ],
+)
+def test_bad_settings_are_one_line_before_any_file_is_read(option, message):
+    with pytest.raises(DatasetConfigError, match=message):
+        CaptionFolder("train", root="/nowhere", **option)
