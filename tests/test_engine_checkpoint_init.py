@@ -39,40 +39,45 @@ CLASS_ROWS = {
         "head.decoder.duplicate_pooling_bias",
     ],
     "csra": ["head.multi_head.0.head.weight"],
+    "cosine": ["head.class_embeddings"],  # its projection and scale are shared by all classes: the file's
 }
 
 
-def small_model(head: str, count: int, num_groups: int = 4, seed: int = 0) -> torch.nn.Module:
-    """timm's test network with a ``head`` head over ``count`` classes (a small ML-Decoder)."""
+def embeddings(classes: list[str]) -> torch.Tensor:
+    """Unit rows, one a class, each drawn from a seed of its name: a text encoder's stand-in."""
+    rows = [torch.randn(8, generator=torch.Generator().manual_seed(sum(map(ord, name)))) for name in classes]
+    return torch.nn.functional.normalize(torch.stack(rows), dim=1)
+
+
+def small_model(head: str, classes: list[str], num_groups: int = 4, seed: int = 0) -> torch.nn.Module:
+    """timm's test network with a ``head`` head over ``classes`` (a small ML-Decoder)."""
     torch.manual_seed(seed)
-    options = {"num_groups": num_groups, "embed_dim": 16}
-    return create_model(
-        "test_resnet", count, pretrained=False, head=head, **(options if head == "mldecoder" else {})
-    )
+    options = {"mldecoder": {"num_groups": num_groups, "embed_dim": 16}}.get(head, {})
+    if head == "cosine":
+        options = {"class_embeddings": embeddings(classes)}
+    return create_model("test_resnet", len(classes), pretrained=False, head=head, **options)
 
 
 def write_small(path, head: str, classes: list[str], num_groups: int = 4) -> dict:
     """A checkpoint of :func:`small_model` (seed 123) over ``classes``; its weights."""
-    stored = {
-        k: v.clone() for k, v in small_model(head, len(classes), num_groups, seed=123).state_dict().items()
-    }
+    stored = {k: v.clone() for k, v in small_model(head, classes, num_groups, seed=123).state_dict().items()}
     save_checkpoint({"model": stored, "classes": classes, "config": {}}, path)
     return stored
 
 
-@pytest.mark.parametrize("head", ["linear", "mldecoder", "csra"])
+@pytest.mark.parametrize("head", list(CLASS_ROWS))
 def test_same_classes_load_every_weight_a_new_tag_list_keeps_the_shared_rows(tmp_path, caplog, head):
     path = tmp_path / "start.pt"
     stored_classes = ["cat", "dog", "bird"]
     stored = write_small(path, head, stored_classes)
-    model = small_model(head, 3)
+    model = small_model(head, stored_classes)
     init_from_checkpoint(model, str(path), stored_classes)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, stored[key], atol=0, rtol=0, msg=key)
 
     # disjoint; the same tags in another order; two kept, two new, one dropped
     for classes in (["a", "b"], ["dog", "cat", "bird"], ["fish", "bird", "cat", "owl"]):
-        model = small_model(head, len(classes))
+        model = small_model(head, classes)
         fresh = {key: value.clone() for key, value in model.state_dict().items()}
         with caplog.at_level(logging.INFO, logger="mlcls"):
             init_from_checkpoint(model, str(path), classes)
@@ -98,8 +103,8 @@ def test_grouped_mldecoder_rows_are_refused_when_tags_are_shared(tmp_path, caplo
     path = tmp_path / "start.pt"
     stored = write_small(path, "mldecoder", ["cat", "dog", "bird"], num_groups=2)
     with pytest.raises(ConfigError, match=r"shares 1 classes with this run but its weights are not one row"):
-        init_from_checkpoint(small_model("mldecoder", 3, num_groups=2), str(path), ["cat", "x", "y"])
-    model = small_model("mldecoder", 3, num_groups=2)
+        init_from_checkpoint(small_model("mldecoder", ["cat", "x", "y"], 2), str(path), ["cat", "x", "y"])
+    model = small_model("mldecoder", ["x", "y", "z"], num_groups=2)
     fresh = {key: value.clone() for key, value in model.state_dict().items()}
     init_from_checkpoint(model, str(path), ["x", "y", "z"])
     for key, value in model.state_dict().items():
