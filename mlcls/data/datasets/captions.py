@@ -135,7 +135,7 @@ def index_folder(
     if not root.is_dir():
         raise DatasetLayoutError(f"missing {root}; expected a folder of images, each with its caption file")
     paths: list[str] = []
-    missing: list[str] = []
+    missing, first_missing = 0, ""
     tag_ids: dict[str, int] = {}
     columns, offsets = array("i"), array("q", [0])
     for folder, subfolders, files in os.walk(root, onerror=_raise):
@@ -153,7 +153,7 @@ def index_folder(
                         f"{os.path.join(folder, name)} has no caption file {caption}; expected one beside "
                         "each image (or dataset.uncaptioned=skip)"
                     )
-                missing.append(relative)
+                missing, first_missing = missing + 1, first_missing or relative
                 continue
             tags = caption_tags(os.path.join(folder, caption), separator, underscores)
             row = sorted({tag_ids.setdefault(tag, len(tag_ids)) for tag in tags})
@@ -164,12 +164,12 @@ def index_folder(
         log.info(
             "%s: %s without a caption file skipped (e.g. %s)",
             root,
-            plural(len(missing), "image"),
-            printable(missing[0]),
+            plural(missing, "image"),
+            printable(first_missing),
         )
     if not paths:
         raise DatasetFormatError(
-            f"{root} holds no image with a caption file ({plural(len(missing), 'image')} without); expected "
+            f"{root} holds no image with a caption file ({plural(missing, 'image')} without); expected "
             f"images ({', '.join(sorted(IMAGE_EXTENSIONS))}) each with <stem>{caption_ext} beside it"
         )
     offsets_array = np.frombuffer(offsets, dtype=np.int64).copy()
