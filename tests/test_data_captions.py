@@ -38,6 +38,7 @@ def write_folder(root: Path, captions: dict[str, str], uncaptioned: tuple[str, .
         path.write_bytes(b"not decoded")
         path.with_suffix(".txt").write_text(text, encoding="utf-8")
     for image in uncaptioned:
+        (root / image).parent.mkdir(parents=True, exist_ok=True)
         (root / image).write_bytes(b"not decoded")
     return root
 
@@ -169,9 +170,12 @@ def test_bad_tag_lists_are_one_line(tmp_path, tags, message):
 
 
 def test_an_empty_vocabulary_and_control_characters_are_one_line(tmp_path):
-    root = write_folder(tmp_path, {"a.jpg": "cat", "b.jpg": "dog"})
+    root = write_folder(tmp_path / "data", {"a.jpg": "cat", "b.jpg": "dog"})
     with pytest.raises(DatasetFormatError, match="the vocabulary has 0 tags"):
         CaptionFolder("train", root=str(root), val_fraction=0.0, min_tag_count=3)
+    empty = write_folder(tmp_path / "empty", {}, uncaptioned=("x.jpg",))
+    with pytest.raises(DatasetFormatError, match=r"holds no image with a caption file \(1 image without\)"):
+        CaptionFolder("train", root=str(empty), val_fraction=0.0)
     (root / "b.txt").write_text("dog,\n c\x00at")
     with pytest.raises(DatasetFormatError, match=r"b\.txt, line 2: control character '\\x00' \(U\+0000\)"):
         CaptionFolder("train", root=str(root), val_fraction=0.0)
