@@ -102,7 +102,7 @@ def test_grouped_mldecoder_rows_are_refused_when_tags_are_shared(tmp_path, caplo
     no row of its own; sharing a tag is refused in one line, sharing none starts the head afresh."""
     path = tmp_path / "start.pt"
     stored = write_small(path, "mldecoder", ["cat", "dog", "bird"], num_groups=2)
-    with pytest.raises(ConfigError, match=r"shares 1 classes with this run but its weights are not one row"):
+    with pytest.raises(ConfigError, match=r"shares 1 class with this run but its weights are not one row"):
         init_from_checkpoint(small_model("mldecoder", ["cat", "x", "y"], 2), str(path), ["cat", "x", "y"])
     model = small_model("mldecoder", ["x", "y", "z"], num_groups=2)
     fresh = {key: value.clone() for key, value in model.state_dict().items()}

@@ -38,7 +38,7 @@ from mlcls.engine.state import (
     rng_state,
     set_rng_state,
 )
-from mlcls.errors import ConfigError, first_line
+from mlcls.errors import ConfigError, first_line, plural
 from mlcls.formats import FORMAT, check_format
 from mlcls.io import atomic_link, atomic_write
 from mlcls.models.factory import has_text_queries
@@ -319,14 +319,17 @@ def init_from_checkpoint(
     shared = [name for name in classes if name in set(stored)]
     if rows is None and shared and not same_classes:
         raise ConfigError(
-            f"model.init_from={path}: the file's {head_name} head shares {len(shared)} classes with this run "
-            "but its weights are not one row per class (ML-Decoder groups several classes per query): its "
-            "rows cannot be matched by name; fine-tune a linear or csra head, or ML-Decoder with "
+            f"model.init_from={path}: the file's {head_name} head shares {plural(len(shared), 'class')} with "
+            "this run but its weights are not one row per class (ML-Decoder groups several classes per "
+            "query): its rows cannot be matched by name; fine-tune a linear or csra head, or ML-Decoder with "
             "model.head.num_groups >= the number of classes"
         )
-    kept = (lambda key: True) if same_classes else (lambda key: not key.startswith(head) or rows is not None)
-    expected = {k: v for k, v in fresh.items() if kept(k) and k not in (rows or ())}
-    loaded = {k: v for k, v in weights.items() if kept(k) and k not in (rows or ())}
+    if same_classes or rows is not None:  # the class rows are set below
+        apart = set(rows or ())
+    else:  # no class row to keep: the whole head starts afresh
+        apart = {key for key in [*fresh, *weights] if key.startswith(head)}
+    expected = {k: v for k, v in fresh.items() if k not in apart}
+    loaded = {k: v for k, v in weights.items() if k not in apart}
     difference = weights_difference(expected, loaded, "this run's model")
     if difference is not None:
         raise ConfigError(
