@@ -69,6 +69,7 @@ CAPS = {
     "manifest": 256 * MiB,  # a pack's manifest.json and classes.json
     "image": 256 * MiB,  # one encoded image
     "annotation": 16 * MiB,  # one image's annotation file (a VOC XML)
+    "caption": 1 * MiB,  # one image's caption file (its tags: a few hundred bytes)
     "label file": 8 * GiB,  # a dataset's annotation JSON, CSV or list
     "predictions": 4 * GiB,  # val_predictions.npz
     "checkpoint": 64 * GiB,  # a checkpoint or a released weights file

@@ -21,6 +21,7 @@ TABLES = {
     "Observed labels": ("train", [], ""),
     "Held-out share": ("train", [], ""),
     "Your own data (CSV)": ("train", ["dataset=csv"], "dataset."),
+    "Caption folders (taggers)": ("train", ["dataset=captions"], "dataset."),
     "Predict: `mlcls-predict`": ("predict", [], ""),
     "Evaluate: `mlcls-eval`": ("eval", [], ""),
     "Export: `mlcls-export`": ("export", [], ""),

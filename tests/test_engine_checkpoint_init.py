@@ -1,5 +1,6 @@
-"""model.init_from: fine-tuning starts from an mlcls checkpoint; where its classes differ, the head starts
-afresh and the rest of the network is the file's."""
+"""model.init_from: fine-tuning starts from an mlcls checkpoint; where its classes differ (a new tag list),
+the head rows of the tags both lists name are the file's, matched by name, the others a fresh head's, and
+the rest of the network is the file's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from mlcls.models import create_model
 
 
 def write_checkpoint(path, classes: list[str], name: str = "resnet10t", head: str = "linear") -> dict:
-    """An mlcls checkpoint of ``name`` with a ``head`` head over ``classes``, random weights."""
+    """An mlcls checkpoint of ``name`` with a ``head`` head over ``classes``, random weights (an ML-Decoder
+    of 4 queries)."""
     torch.manual_seed(123)
     model = create_model(
         name, len(classes), pretrained=False, head=head, **({"num_groups": 4} if head == "mldecoder" else {})
@@ -28,37 +30,86 @@ def write_checkpoint(path, classes: list[str], name: str = "resnet10t", head: st
     return weights
 
 
-@pytest.mark.parametrize("head", ["linear", "mldecoder"])
-def test_same_classes_load_every_weight_other_classes_reinitialise_the_head(tmp_path, caplog, head):
+# Each head's entries with one row per class, spelt out (an ML-Decoder of num_groups >= C: one query each).
+CLASS_ROWS = {
+    "linear": ["fc.weight", "fc.bias"],
+    "mldecoder": [
+        "head.decoder.query_embed.weight",
+        "head.decoder.duplicate_pooling",
+        "head.decoder.duplicate_pooling_bias",
+    ],
+    "csra": ["head.multi_head.0.head.weight"],
+    "cosine": ["head.class_embeddings"],  # its projection and scale are shared by all classes: the file's
+}
+
+
+def embeddings(classes: list[str]) -> torch.Tensor:
+    """Unit rows, one a class, each drawn from a seed of its name: a text encoder's stand-in."""
+    rows = [torch.randn(8, generator=torch.Generator().manual_seed(sum(map(ord, name)))) for name in classes]
+    return torch.nn.functional.normalize(torch.stack(rows), dim=1)
+
+
+def small_model(head: str, classes: list[str], num_groups: int = 4, seed: int = 0) -> torch.nn.Module:
+    """timm's test network with a ``head`` head over ``classes`` (a small ML-Decoder)."""
+    torch.manual_seed(seed)
+    options = {"mldecoder": {"num_groups": num_groups, "embed_dim": 16}}.get(head, {})
+    if head == "cosine":
+        options = {"class_embeddings": embeddings(classes)}
+    return create_model("test_resnet", len(classes), pretrained=False, head=head, **options)
+
+
+def write_small(path, head: str, classes: list[str], num_groups: int = 4) -> dict:
+    """A checkpoint of :func:`small_model` (seed 123) over ``classes``; its weights."""
+    stored = {k: v.clone() for k, v in small_model(head, classes, num_groups, seed=123).state_dict().items()}
+    save_checkpoint({"model": stored, "classes": classes, "config": {}}, path)
+    return stored
+
+
+@pytest.mark.parametrize("head", list(CLASS_ROWS))
+def test_same_classes_load_every_weight_a_new_tag_list_keeps_the_shared_rows(tmp_path, caplog, head):
     path = tmp_path / "start.pt"
-    stored = write_checkpoint(path, ["cat", "dog", "bird"], head=head)
-    torch.manual_seed(0)
-    model = create_model(
-        "resnet10t", 3, pretrained=False, head=head, **({"num_groups": 4} if head == "mldecoder" else {})
-    )
-    init_from_checkpoint(model, str(path), ["cat", "dog", "bird"])
+    stored_classes = ["cat", "dog", "bird"]
+    stored = write_small(path, head, stored_classes)
+    model = small_model(head, stored_classes)
+    init_from_checkpoint(model, str(path), stored_classes)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, stored[key], atol=0, rtol=0, msg=key)
 
-    head_prefix = "fc." if head == "linear" else "head."
-    for classes in (["a", "b"], ["dog", "cat", "bird"]):  # another count; the same count in another order
-        torch.manual_seed(0)
-        model = create_model(
-            "resnet10t",
-            len(classes),
-            pretrained=False,
-            head=head,
-            **({"num_groups": 4} if head == "mldecoder" else {}),
-        )
+    # disjoint; the same tags in another order; two kept, two new, one dropped
+    for classes in (["a", "b"], ["dog", "cat", "bird"], ["fish", "bird", "cat", "owl"]):
+        model = small_model(head, classes)
         fresh = {key: value.clone() for key, value in model.state_dict().items()}
         with caplog.at_level(logging.INFO, logger="mlcls"):
             init_from_checkpoint(model, str(path), classes)
-        assert "the head is re-initialised" in caplog.text
-        assert len([r for r in caplog.records if "re-initialised" in r.message]) == 1
+        kept = [name for name in classes if name in stored_classes]
+        lines = [r.message for r in caplog.records if "model.init_from" in r.message]
+        assert len(lines) == 1 and lines[0].endswith(
+            f"{len(kept)} kept (their head rows, by name), {len(classes) - len(kept)} new (initialised as a "
+            f"fresh head), {len(set(stored_classes) - set(classes))} dropped"
+        )
         caplog.clear()
         for key, value in model.state_dict().items():
-            expected = fresh[key] if key.startswith(head_prefix) else stored[key]
-            torch.testing.assert_close(value, expected, atol=0, rtol=0, msg=key)
+            if key not in CLASS_ROWS[head]:
+                torch.testing.assert_close(value, stored[key], atol=0, rtol=0, msg=key)
+                continue
+            for c, name in enumerate(classes):
+                source = stored[key][stored_classes.index(name)] if name in kept else fresh[key][c]
+                torch.testing.assert_close(value[c], source, atol=0, rtol=0, msg=f"{key} {name}")
+
+
+def test_grouped_mldecoder_rows_are_refused_when_tags_are_shared(tmp_path, caplog):
+    """ML-Decoder with 2 queries for 3 tags: a tag's logit is its group's query output, so its weights are
+    no row of its own; sharing a tag is refused in one line, sharing none starts the head afresh."""
+    path = tmp_path / "start.pt"
+    stored = write_small(path, "mldecoder", ["cat", "dog", "bird"], num_groups=2)
+    with pytest.raises(ConfigError, match=r"shares 1 class with this run but its weights are not one row"):
+        init_from_checkpoint(small_model("mldecoder", ["cat", "x", "y"], 2), str(path), ["cat", "x", "y"])
+    model = small_model("mldecoder", ["x", "y", "z"], num_groups=2)
+    fresh = {key: value.clone() for key, value in model.state_dict().items()}
+    init_from_checkpoint(model, str(path), ["x", "y", "z"])
+    for key, value in model.state_dict().items():
+        expected = fresh[key] if key.startswith("head.") else stored[key]
+        torch.testing.assert_close(value, expected, atol=0, rtol=0, msg=key)
 
 
 def test_a_checkpoint_of_another_network_is_refused_naming_the_weight(tmp_path):

@@ -3,6 +3,7 @@
 mlcls-predict checkpoint=outputs/run/checkpoints/best.pt images=photos/
 mlcls-predict checkpoint=best.pt images='photos/**/*.jpg' top_k=3 out=predictions.jsonl
 mlcls-predict checkpoint=best.pt images=photos/ classes=red_circle,blue_star    (a text-query head's)
+mlcls-predict checkpoint=tagger.pt images=photos/ format=captions    (photos/0001.txt beside 0001.jpg)
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from mlcls import config_dir
 from mlcls.cli.errors import require_keys, user_errors
 from mlcls.cli.overrides import run_command
-from mlcls.errors import InferenceError, is_integer, is_number, plural, printable
+from mlcls.errors import InferenceError, is_integer, is_number, plural, printable, shown
+from mlcls.inference.captions import check_caption_options, check_tags, write_captions
 from mlcls.inference.predictor import (
     Prediction,
     find_images,
@@ -31,6 +33,7 @@ from mlcls.metrics.thresholds import describe_rule
 from mlcls.text import parse_classes
 
 USAGE = "mlcls-predict checkpoint=<run>/checkpoints/best.pt images=<file | folder | 'glob/*.jpg'>"
+FORMATS = ("table", "captions")  # format=: print a table, or write caption files beside the images
 
 
 def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]:
@@ -41,6 +44,10 @@ def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]
         raise InferenceError(f"threshold={threshold!r}; expected a probability in [0, 1]")
     if top_k is not None and (not is_integer(top_k) or top_k < 1):
         raise InferenceError(f"top_k={top_k!r}; expected a positive integer")
+    if cfg.format not in FORMATS:
+        raise InferenceError(f"format={shown(cfg.format)}; expected one of {', '.join(FORMATS)}")
+    if cfg.format == "captions":
+        check_caption_options(cfg.caption_ext, cfg.overwrite, cfg.append)
     names = None
     if cfg.get("classes") is not None:  # read before any image or checkpoint: a bad list fails at once
         given = cfg.classes
@@ -52,6 +59,8 @@ def run(cfg: DictConfig) -> tuple[list[Prediction], list[tuple[Path, str]], str]
     inference = load_inference_model(cfg.checkpoint, cfg.device, trust=cfg.trust_checkpoint)
     if names is not None:
         use_classes(inference, names)
+    if cfg.format == "captions":  # before any image is read: a tag a caption file cannot hold
+        check_tags(inference.classes, cfg.tag_separator)
     predictions, unreadable = predict_images(
         inference, paths, cfg.batch_size, cfg.workers, threshold=cfg.threshold, top_k=cfg.top_k
     )
@@ -75,9 +84,17 @@ def _hydra_main(cfg: DictConfig) -> None:
         text = "".join(json.dumps(p.to_json()) + "\n" for p in predictions)
         with user_errors():  # a full disk
             atomic_write_bytes(Path(cfg.out), text.encode())
-    if not cfg.quiet:
+    written = None
+    if cfg.format == "captions":
+        with user_errors():
+            written = write_captions(
+                predictions, cfg.caption_ext, cfg.tag_separator, cfg.overwrite, cfg.append
+            )
+    elif not cfg.quiet:
         print(format_table(predictions))
     summary = f"mlcls: {plural(len(predictions), 'image')} labelled by {printable(rule)}"
+    if written is not None:
+        summary += f"; {written.describe()}"
     if unreadable:
         summary += f"; {len(unreadable)} unreadable skipped"
     if cfg.out:

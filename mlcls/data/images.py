@@ -37,6 +37,10 @@ from mlcls.io import CAPS, read_regular_bytes
 # every such image itself, so the warning would only repeat the refusal.
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
+# Files a folder search picks up (case-insensitive): mlcls-predict's folders, a caption folder's images.
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
+)
 JPEG_START = b"\xff\xd8\xff"  # SOI and a marker's first byte: what PIL takes for a JPEG
 # Before its first scan a JPEG holds a few dozen markers (up to 255 more for a chunked ICC profile) and few or
 # no bytes outside segments; PIL's parser takes each such byte in a Python loop (~0.6 s per MB).

@@ -28,7 +28,7 @@ from mlcls.data.datasets.base import (
     check_integer,
     check_setting,
 )
-from mlcls.data.datasets.folds import VAL_BY, stratified_holdout
+from mlcls.data.datasets.folds import VAL_BY, rarest_label_holdout, stratified_holdout
 from mlcls.data.datasets.labels import (
     LabelCounts,
     SparseLabelled,
@@ -179,9 +179,13 @@ def split_holdout(
     selection = train_set.selection_split
     if selection.by == "stratified":
         sparse = sparse_labels_of(train_set.source)  # the source's own labels: only the positives count
-        positives = np.zeros(sparse.shape, dtype=np.int8)
-        positives[np.repeat(np.arange(len(sparse)), np.diff(sparse.offsets)), sparse.columns] = sparse.values
-        held = stratified_holdout(positives, selection.fraction, selection.seed)
+        if isinstance(train_set.source, SparseLabelled):  # too many classes to stratify (caption folders)
+            held = rarest_label_holdout(sparse, selection.fraction, selection.seed)
+        else:
+            positives = np.zeros(sparse.shape, dtype=np.int8)
+            rows = np.repeat(np.arange(len(sparse)), np.diff(sparse.offsets))
+            positives[rows, sparse.columns] = sparse.values
+            held = stratified_holdout(positives, selection.fraction, selection.seed)
     else:
         held = selection.held_out(np.arange(len(train_set)))
     if not 0 < held.sum() < len(held):

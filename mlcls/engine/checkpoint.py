@@ -38,10 +38,11 @@ from mlcls.engine.state import (
     rng_state,
     set_rng_state,
 )
-from mlcls.errors import ConfigError, first_line
+from mlcls.errors import ConfigError, first_line, plural
 from mlcls.formats import FORMAT, check_format
 from mlcls.io import atomic_link, atomic_write
 from mlcls.models.factory import has_text_queries
+from mlcls.models.heads import class_rows
 from mlcls.text import build_encoder
 from mlcls.torchfile import check_nesting, open_checkpoint
 
@@ -296,36 +297,88 @@ def init_from_checkpoint(
     model: nn.Module, path: str, classes: list[str], trust: bool = False
 ) -> dict[str, Any]:
     """``model.init_from``: load the weights of the checkpoint ``path`` into ``model``; return the file's
-    contents. With other classes the classifier keeps its fresh initialisation (one log line); a weight
-    missing on either side or of another shape is a :class:`ConfigError` naming it and the file's network.
-    """
+    contents. With other classes (a new tag list) the head's class rows (:func:`class_rows`) of the classes
+    both lists name are the file's, matched by name, the others keep their fresh initialisation, and the
+    rest of the head is the file's (one log line: kept / new / dropped). A weight missing on either side or
+    of another shape is a :class:`ConfigError` naming it and the file's network; so is a head whose weights
+    are not one row per class (ML-Decoder with groups) when the lists share a class. Sharing none, such a
+    head starts afresh whole."""
     state = load_checkpoint(path, trust=trust)
     weights = state["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise CheckpointError(f"model.init_from={path}: 'model' is not a state dict (names to tensors)")
-    same_classes = state.get("classes") == list(classes)
+    stored = state.get("classes")
+    stored = list(stored) if isinstance(stored, list) and all(isinstance(c, str) for c in stored) else []
+    same_classes = stored == list(classes)
     classifier = model.get_classifier()
     head = next(name for name, module in model.named_modules() if module is classifier) + "."
-    expected = {k: v for k, v in model.state_dict().items() if same_classes or not k.startswith(head)}
-    loaded = {k: v for k, v in weights.items() if same_classes or not k.startswith(head)}
     network = nested_get(state, "config", "model", "name", default="a model")
     head_name = nested_get(state, "config", "model", "head", "name", default="linear")
+    fresh = model.state_dict()
+    rows = None if same_classes else _class_rows(classifier, head, weights, fresh, stored, classes)
+    shared = [name for name in classes if name in set(stored)]
+    if rows is None and shared and not same_classes:
+        raise ConfigError(
+            f"model.init_from={path}: the file's {head_name} head shares {plural(len(shared), 'class')} with "
+            "this run but its weights are not one row per class (ML-Decoder groups several classes per "
+            "query): its rows cannot be matched by name; fine-tune a linear or csra head, or ML-Decoder with "
+            "model.head.num_groups >= the number of classes"
+        )
+    if same_classes or rows is not None:  # the class rows are set below
+        apart = set(rows or ())
+    else:  # no class row to keep: the whole head starts afresh
+        apart = {key for key in [*fresh, *weights] if key.startswith(head)}
+    expected = {k: v for k, v in fresh.items() if k not in apart}
+    loaded = {k: v for k, v in weights.items() if k not in apart}
     difference = weights_difference(expected, loaded, "this run's model")
     if difference is not None:
         raise ConfigError(
             f"model.init_from={path}: {difference}; the file holds {network} with a {head_name} head (set "
             "model.name, model.head and the head's options to it)"
         )
-    model.load_state_dict(loaded, strict=same_classes)
+    if rows:
+        position = {name: c for c, name in enumerate(stored)}
+        new = torch.tensor([c for c, name in enumerate(classes) if name in position], dtype=torch.long)
+        old = torch.tensor([position[classes[c]] for c in new.tolist()], dtype=torch.long)
+        for key in rows:
+            loaded[key] = fresh[key].clone()
+            loaded[key][new] = weights[key][old].to(fresh[key].dtype)
+    model.load_state_dict(loaded, strict=same_classes or rows is not None)
     if not same_classes:
         log.info(
-            "model.init_from=%s: its classes (%d) are not this dataset's (%d): the head is re-initialised, "
-            "the rest of the network loaded",
+            "model.init_from=%s: the file's classes (%d) are not this run's (%d): %d kept (their head rows, "
+            "by name), %d new (initialised as a fresh head), %d dropped",
             path,
-            len(state.get("classes") or []),
+            len(stored),
             len(classes),
+            len(shared),
+            len(classes) - len(shared),
+            len(set(stored) - set(classes)),
         )
     return state
+
+
+def _class_rows(
+    classifier: nn.Module,
+    head: str,
+    weights: Mapping[str, torch.Tensor],
+    fresh: Mapping[str, torch.Tensor],
+    stored: list[str],
+    classes: list[str],
+) -> list[str] | None:
+    """The state-dict keys (under ``head``) of the classifier's class rows (:func:`class_rows`), when each
+    is one row per class both in the file's ``weights`` (``stored`` classes) and in the model's ``fresh``
+    state (``classes``), else None."""
+    names = class_rows(classifier)
+    if names is None or not stored:
+        return None
+    keys = [head + name for name in names]
+    for key in keys:
+        if key not in weights or key not in fresh:
+            return None
+        if weights[key].shape != (len(stored), *fresh[key].shape[1:]) or fresh[key].shape[0] != len(classes):
+            return None
+    return keys
 
 
 def carry_loss_state(criterion: Any, state: dict[str, Any], path: str, loss_target: str) -> None:

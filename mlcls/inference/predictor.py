@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mlcls.config_tree import nested_get
 from mlcls.data.datasets.base import BAD_IMAGE_ERRORS
-from mlcls.data.images import check_aspect_ratio, read_image, to_rgb
+from mlcls.data.images import IMAGE_EXTENSIONS, check_aspect_ratio, read_image, to_rgb
 from mlcls.data.loader import beside_the_step
 from mlcls.data.pipeline.preprocess import build_eval_transform, spec_from_checkpoint
 from mlcls.engine.checkpoint import load_checkpoint
@@ -43,11 +43,6 @@ from mlcls.text import class_embeddings, encoder_from_stored
 
 # The only function that builds a checkpoint's model (the ``_target_`` of configs/model/*.yaml).
 MODEL_FACTORY = "mlcls.models.create_model"
-
-# Files a directory search picks up (case-insensitive); a file or glob given explicitly is always tried.
-IMAGE_EXTENSIONS = frozenset(
-    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
-)
 
 
 def find_images(sources: str | Path | Sequence[str | Path]) -> list[Path]:

@@ -34,13 +34,11 @@ from mlcls.data.datasets.base import (
     require_files,
     resolve_path,
 )
-from mlcls.data.datasets.folds import VAL_BY, held_out, image_hash, stratified_holdout
+from mlcls.data.datasets.folds import DEFAULT_VAL_FRACTION, VAL_BY, held_out, image_hash, stratified_holdout
 from mlcls.errors import plural, printable
 from mlcls.io import CAPS, open_regular
 
 SPLITS = ("train", "val")
-# The share of the training file held out as the validation split when dataset.val_fraction is null.
-DEFAULT_VAL_FRACTION = 0.1
 # A class with fewer validation positives than this in a held-out split is named in a warning.
 MIN_VAL_POSITIVES = 5
 # The longest line read (an image's path and its labels): a file with no line break is refused at this length.

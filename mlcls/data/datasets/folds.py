@@ -1,8 +1,9 @@
 """The held-out share of a training split (``dataset.val_fraction``, ``val_by``, ``val_seed``): the rows held
-out together by iterative stratification (:func:`stratified_holdout`), or each row on its own by a hash of
-its image path (:func:`held_out`, the CSV dataset's validation split cut from its training file). The other
-cuts of a training split are views of it: the held-out selection split
-(:func:`mlcls.data.views.split_holdout`) and the audit's folds
+out together by iterative stratification (:func:`stratified_holdout`; a caption folder's, too many classes for
+it, by each row's rarest class: :func:`rarest_label_holdout`), or each row on its own by a hash of its image
+path (:func:`held_out`, the validation split cut from a training file or folder). The other cuts of a
+training split are views of it: the held-out selection split (:func:`mlcls.data.views.split_holdout`) and
+the audit's folds
 (:class:`mlcls.reporting.audit.FoldSplit`).
 """
 
@@ -13,9 +14,12 @@ import hashlib
 import numpy as np
 
 from mlcls.data.datasets.base import DatasetConfigError
+from mlcls.data.datasets.labels import SparseLabels
 
 # dataset.val_by: how dataset.val_fraction of a training split is held out
 VAL_BY = ("stratified", "hashed")
+# The share of a training file or folder held out as the validation split when dataset.val_fraction is null.
+DEFAULT_VAL_FRACTION = 0.1
 
 
 def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
@@ -59,3 +63,34 @@ def held_out(image: str, val_fraction: float, seed: int) -> bool:
     """Whether ``image`` (its path as written) is held out: ``image_hash(image, seed) < val_fraction *
     2**64``, with probability ``val_fraction``, independently of every other row."""
     return image_hash(image, seed) < val_fraction * 2**64
+
+
+def rarest_label_holdout(labels: SparseLabels, val_fraction: float, seed: int) -> np.ndarray:
+    """bool (N,): about ``val_fraction * N`` rows of the sparse ``labels`` (N, C) held out, stratified by
+    each row's rarest positive class, for label sets too large for :func:`stratified_holdout` (its time and
+    memory grow with N x C).
+
+    A row's group is its positive class of fewest positives (ties: the lower index); rows without a positive
+    form the last group. The groups, rarest first, each in an order drawn from ``seed`` (>= 0), are laid end
+    to end, and the row at position p is held out when ``floor(val_fraction * (p + 1) + 1/2) >
+    floor(val_fraction * p + 1/2)``: every group holds out its share to within one row, and a class seen once
+    stays in training more often than not. At least one row is held out (of two or more). Time and memory:
+    O(N + stored entries)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise DatasetConfigError(f"dataset.val_seed={seed!r}; expected an integer >= 0")
+    rows, classes = labels.shape
+    if rows < 2:
+        return np.ones(rows, dtype=bool)
+    positive = labels.values == 1
+    entry_rows = np.repeat(np.arange(rows, dtype=np.int32), np.diff(labels.offsets))[positive]
+    columns = labels.columns[positive]
+    counts = np.bincount(columns, minlength=classes)
+    group = np.full(rows, (int(counts.max(initial=0)) + 1) * classes, dtype=np.int64)  # after every class
+    np.minimum.at(group, entry_rows, counts[columns] * classes + columns)
+    drawn = np.random.default_rng(seed).permutation(rows)
+    position = np.empty(rows, dtype=np.int64)
+    position[np.lexsort((drawn, group))] = np.arange(rows)
+    in_val = np.floor(val_fraction * (position + 1) + 0.5) > np.floor(val_fraction * position + 0.5)
+    if not in_val.any():
+        in_val[position == rows - 1] = True
+    return in_val

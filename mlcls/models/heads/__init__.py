@@ -35,6 +35,23 @@ HEAD_MODULES: dict[str, type[nn.Module]] = {
 }
 
 
+def class_rows(classifier: nn.Module) -> list[str] | None:
+    """The entries of ``classifier.state_dict()`` that hold one row per class along their first axis (what
+    ``model.init_from`` matches by class name), the rest of the head shared by all classes; None for a head
+    it does not know. A linear layer's weight and bias; CSRA's 1x1 convolutions; ML-Decoder's queries, group
+    maps and biases (one row per class only with one query per class, ``num_groups`` >= C); a text-query
+    head's class embeddings."""
+    if isinstance(classifier, nn.Linear):
+        return [name for name, _ in classifier.named_parameters()]
+    if isinstance(classifier, CSRA):
+        return [f"multi_head.{i}.head.weight" for i in range(len(classifier.multi_head))]
+    if isinstance(classifier, MLDecoder):
+        return ["decoder.query_embed.weight", "decoder.duplicate_pooling", "decoder.duplicate_pooling_bias"]
+    if isinstance(classifier, (MLDecoderZSL, CosineHead)):
+        return ["class_embeddings"]
+    return None
+
+
 class HeadedModel(nn.Module):
     """A timm backbone without classifier and a head: ``forward(images (B, 3, H, W)) -> logits (B, C)``."""
 
