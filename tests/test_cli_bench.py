@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import timm
 import torch
 from conftest import TINY, TINY_RESNET10T
 from hostile import bounded
@@ -178,6 +179,10 @@ def test_step_heads_times_each_head_relative_to_the_first(capsys, tmp_path, monk
     for head in ("mldecoder", "csra"):
         assert result[f"{head}_relative"] == pytest.approx(result[f"{head}_step_s"] / result["linear_step_s"])
         assert result[f"{head}_images_per_s"] == pytest.approx(4 / result[f"{head}_step_s"])
+    # the linear head's parameters: an fc layer of the backbone's width to 30 classes, float32
+    width = timm.create_model("test_resnet", num_classes=0).num_features
+    assert result["linear_head_parameters_mib"] * 2**20 == (width + 1) * 30 * 4
+    assert all(result[f"{head}_step_peak_mib"] > 0 for head in ("linear", "mldecoder", "csra"))
 
 
 def test_step_heads_rejects_an_unknown_head_in_one_line(capsys):

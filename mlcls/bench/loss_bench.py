@@ -10,10 +10,8 @@ the larger two-way / masked-logsumexp ratio. ``--scale`` (:func:`run_scale`) tim
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import json
-import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -24,7 +22,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlcls import losses
-from mlcls.bench.harness import median_seconds, random_labels, timed, torch_threads
+from mlcls.bench.harness import (
+    median_seconds,
+    mmap_allocations,
+    peak_bytes,
+    random_labels,
+    timed,
+    torch_threads,
+)
 from mlcls.data.datasets.labels import LabelCounts
 from mlcls.losses import TwoWayLoss
 
@@ -118,12 +123,6 @@ SCALE_POSITIVES = 3.0
 SCALE_METRIC_SAMPLES = 20_000
 
 
-def _rss_bytes(key: str) -> int:
-    """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux ``/proc/self/status``)."""
-    with open("/proc/self/status") as status:
-        return 1024 * int(re.search(rf"^{key}:\s+(\d+) kB", status.read(), re.M).group(1))
-
-
 def _scale_batches(classes: Sequence[int]) -> dict[int, tuple[Tensor, Tensor]]:
     return {c: _random_batch(c, SCALE_POSITIVES, "cpu", seed=c, batch_size=SCALE_BATCH) for c in classes}
 
@@ -164,21 +163,15 @@ def _criteria(classes: int = SCALE_CLASSES[0]) -> dict[str, Callable[[Tensor, Te
 
 def peak_memory(classes: Sequence[int] = SCALE_CLASSES) -> dict[str, float]:
     """``<name>_c<C>_peak_mib``: the peak memory one forward + backward adds, every loss at every size of
-    ``classes`` (Linux), in a fresh process whose allocations above 4 KiB glibc serves by ``mmap``, so that a
-    freed tensor leaves the resident set at once: the figure is the bytes live at the worst moment (the
-    high-water mark, reset through ``/proc/self/clear_refs`` before the step, above the resident size before
-    it)."""
-    ctypes.CDLL("libc.so.6").mallopt(-3, 4096)  # M_MMAP_THRESHOLD = 4 KiB, before any tensor exists
+    ``classes`` (Linux), in a fresh process whose allocations glibc serves by ``mmap``
+    (:func:`~mlcls.bench.harness.peak_bytes`)."""
+    mmap_allocations()  # before any tensor exists
     result = {}
     for size, (logits, targets) in _scale_batches(classes).items():
         for name, criterion in _criteria(size).items():
             step = _step(criterion, logits, targets)
             step()  # first call: lazy initialisations
-            with open("/proc/self/clear_refs", "w") as clear:
-                clear.write("5")  # reset VmHWM to the current resident size
-            before = _rss_bytes("VmRSS")
-            step()
-            result[f"{name}_c{size}_peak_mib"] = (_rss_bytes("VmHWM") - before) / 2**20
+            result[f"{name}_c{size}_peak_mib"] = peak_bytes(step) / 2**20
     return result
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -28,7 +29,15 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from mlcls.bench.harness import check_names, host, median_seconds, random_labels, run_with_options
+from mlcls.bench.harness import (
+    check_names,
+    host,
+    median_seconds,
+    mmap_allocations,
+    peak_bytes,
+    random_labels,
+    run_with_options,
+)
 from mlcls.engine.build import build_loss, build_model, build_optimization
 from mlcls.engine.distributed import resolve_device
 from mlcls.engine.evaluate import autocast_context
@@ -198,27 +207,39 @@ def run_heads(
     """Median seconds per bare training step of each of ``heads`` on the backbone of the training config
     (``model.name``, ``dataset.image_size``, ``trainer.batch_size``, ``trainer.amp``, ``optim``), with
     ``num_classes`` outputs (``<head>_step_s``), as images/s, and relative to the first head's
-    (``<head>_relative``)."""
+    (``<head>_relative``); the memory of each head's parameters (``<head>_head_parameters_mib``; its
+    gradients, AdamW moments and an EMA copy take as much again each) and the peak one more step adds
+    (``<head>_step_peak_mib``: activations, gradients, temporaries; :func:`peak_bytes`, on the CPU on Linux
+    or on CUDA)."""
     check_names("--heads", list(heads), HEADS)
     device = resolve_device(cfg.trainer.device)
     amp = cfg.trainer.amp if device.type == "cuda" else "none"
     channels_last = bool(cfg.trainer.channels_last) and device.type == "cuda"
     batch = synthetic_batch(int(cfg.trainer.batch_size), int(cfg.dataset.image_size), num_classes)
-    contenders = {}
+    bare_steps, head_bytes = {}, {}
     for head in heads:
         torch.manual_seed(cfg.trainer.seed)
         model = build_model(cfg.model, num_classes, device, channels_last, head=head, pretrained=False)
+        head_bytes[head] = sum(p.numel() * p.element_size() for p in model.get_classifier().parameters())
         optimizer, _ = build_optimization(cfg, model, iters_per_epoch=1)
         scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
-        step = plain_step_fn(model, model, optimizer, nn.BCEWithLogitsLoss(), scaler, amp, channels_last)
-        contenders[head] = partial(_repeat_step, step, batch, steps)
+        criterion = nn.BCEWithLogitsLoss()
+        bare_steps[head] = plain_step_fn(model, model, optimizer, criterion, scaler, amp, channels_last)
+    contenders = {head: partial(_repeat_step, step, batch, steps) for head, step in bare_steps.items()}
     step_s = median_step_seconds(contenders, device, repeats, steps, warmup)
     first = step_s[heads[0]]
+    measure_memory = device.type == "cuda" or sys.platform == "linux"
+    if device.type == "cpu" and measure_memory:
+        mmap_allocations()  # after the timings, which it would slow down
     timings = {}
     for head, seconds in step_s.items():
         timings[f"{head}_step_s"] = seconds
         timings[f"{head}_images_per_s"] = len(batch[0]) / seconds
         timings[f"{head}_relative"] = seconds / first
+        timings[f"{head}_head_parameters_mib"] = head_bytes[head] / 2**20
+        if measure_memory:
+            one_step = partial(bare_steps[head], *batch)
+            timings[f"{head}_step_peak_mib"] = peak_bytes(one_step, device) / 2**20
     return {
         **timings,
         "model": cfg.model.name,

@@ -6,7 +6,9 @@ The thumbnails travel in one JSON block (each image once), which the script sets
 ``<img data-thumb>``; once all have loaded or failed, it records on ``<body>`` ``data-images-total``,
 ``data-images-loaded``, ``data-page-height`` and ``data-end-bottom`` (of ``#report-end``) for a browser test.
 A click on a header of a :func:`sortable_table` sorts by that column (again: the other way), undefined values
-last; ``#sort=<key>[,<key>...]`` in the URL clicks those headers in turn.
+last; ``#sort=<key>[,<key>...]`` in the URL clicks those headers in turn. The search box of
+:func:`class_search` lists the classes whose name holds what is typed (``#search=<text>`` in the URL types
+it), and records their number as ``data-search-matches``.
 """
 
 from __future__ import annotations
