@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from mlcls import losses
 from mlcls.bench.harness import (
@@ -142,12 +142,17 @@ SCALE_VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
 }
 
 
+def loss_classes() -> dict[str, type[nn.Module]]:
+    """Every loss class of :mod:`mlcls.losses` by its name (``loss=<name>``)."""
+    return {cls.name: cls for cls in (getattr(losses, name) for name in losses.__all__)}
+
+
 def _criteria(classes: int = SCALE_CLASSES[0]) -> dict[str, Callable[[Tensor, Tensor], Tensor]]:
     """Every loss of :mod:`mlcls.losses` with its default arguments (and ``SCALE_ARGUMENTS``), and the
     ``SCALE_VARIANTS``, by name, as a function of (logits, targets) for batches of ``classes`` classes. A
     loss with a row per training sample is set up for a training set of one batch and called with its
     indices."""
-    classes_by_name = {cls.name: cls for cls in (getattr(losses, name) for name in losses.__all__)}
+    classes_by_name = loss_classes()
     settings = {name: (name, {}, 0) for name in classes_by_name} | SCALE_VARIANTS
     result: dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
     for name, (loss_name, arguments, epoch) in settings.items():

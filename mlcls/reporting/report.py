@@ -276,7 +276,8 @@ def write_report(run_dir: str | Path, dataset: Any, files: RunFiles | None = Non
     details = "".join(_class_detail(row, predictions, cards, per_class) for row in detailed)
     if hidden:
         details += (
-            f'<p class="note">The other {plural(hidden, "class")} (better AP) are in the table only.</p>'
+            f'<p class="note">The other {plural(hidden, "class")} (better AP) have their figures in the '
+            "per-class results only.</p>"
         )
     settings = changed_settings(config, default_settings())
     sections = [
