@@ -204,14 +204,22 @@ def _class_tables(table: Sequence[Mapping[str, Any]], linked: set[int], epoch: i
     scored = [row for row in table if not math.isnan(row["ap"])]  # worst first; AP undefined: none
     frequent = sorted(table, key=lambda row: (-row["positives"], row["cls"]))
     parts = [
-        ("classes-worst", f"The {TABLE_ROWS} worst by AP", table[:TABLE_ROWS]),
-        ("classes-best", f"The {TABLE_ROWS} best by AP", scored[::-1][:TABLE_ROWS]),
-        ("classes-frequent", f"The {TABLE_ROWS} most frequent in the validation set", frequent[:TABLE_ROWS]),
+        ("classes-worst", f"The {TABLE_ROWS} worst by AP", table[:TABLE_ROWS], "ap"),
+        ("classes-best", f"The {TABLE_ROWS} best by AP", scored[::-1][:TABLE_ROWS], None),
+        (
+            "classes-frequent",
+            f"The {TABLE_ROWS} most frequent in the validation set",
+            frequent[:TABLE_ROWS],
+            None,
+        ),
     ]
+    tables = "".join(
+        f"<h3>{heading}</h3>" + ui.class_table(rows, linked, table_id, by)
+        for table_id, heading, rows, by in parts
+    )
     return (
         f'<p class="note">{len(table):,} classes: the search box finds any of them; the tables show '
-        f"{TABLE_ROWS} each. {note}</p>{search}"
-        + "".join(f"<h3>{heading}</h3>" + ui.class_table(rows, linked, tid) for tid, heading, rows in parts)
+        f"{TABLE_ROWS} each. {note}</p>{search}{tables}"
     )
 
 

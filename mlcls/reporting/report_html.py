@@ -339,9 +339,15 @@ def sortable_table(
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def class_table(rows: Sequence[Mapping[str, object]], detailed: set[int], table_id: str = "classes") -> str:
-    """A per-class table (``id=table_id``), in the order of ``rows`` (:func:`class_rows`' dicts); each class
-    of ``detailed`` links to its details."""
+def class_table(
+    rows: Sequence[Mapping[str, object]],
+    detailed: set[int],
+    table_id: str = "classes",
+    sorted_by: str | None = "ap",
+) -> str:
+    """A per-class table (``id=table_id``), in the order of ``rows`` (:func:`class_rows`' dicts), which is
+    ascending by the column ``sorted_by`` (None: no column's order); each class of ``detailed`` links to its
+    details."""
     cells = []
     for row in rows:
         name = escape(row["name"])
@@ -353,7 +359,7 @@ def class_table(rows: Sequence[Mapping[str, object]], detailed: set[int], table_
             text = str(int(value)) if key in ("positives", "fp", "fn") else number(value, digits)
             shown.append((text, repr(value), "n"))
         cells.append(shown)
-    return sortable_table(table_id, CLASS_COLUMNS, cells, sorted_by="ap" if table_id == "classes" else None)
+    return sortable_table(table_id, CLASS_COLUMNS, cells, sorted_by)
 
 
 def class_search(rows: Sequence[Mapping[str, object]], shown: int) -> str:
