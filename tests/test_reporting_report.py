@@ -469,6 +469,7 @@ def test_a_report_of_thousands_of_tags_has_three_tables_a_search_over_all_and_a_
     not depend on the class count)."""
     details = 10  # of report.MAX_CLASS_DETAILS: the rest is projected from their size
     monkeypatch.setattr(report, "MAX_CLASS_DETAILS", details)
+    monkeypatch.setattr(report, "MAX_GALLERY_CELLS", 30_000)  # 10 images at 3,000 classes, all 20 at 300
     sizes = {}
     for classes in (300, 3000):
         run_dir = tmp_path / str(classes)
@@ -492,6 +493,7 @@ def test_a_report_of_thousands_of_tags_has_three_tables_a_search_over_all_and_a_
     frequent = sorted(p.classes, key=lambda n: (-positives[order[n]], order[n]))[:50]
     assert table_rows(page, "classes-frequent") == frequent
     assert '<table id="classes"' not in page and page.count("<tr>") < 200
+    assert "random sample of 10 of the 20 validation images" in page
     per_class = (sizes[3000] - sizes[300]) / 2700
     assert per_class < 40  # bytes a class: the index's entry
     all_details = detail_bytes * (100 - details)

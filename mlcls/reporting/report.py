@@ -2,8 +2,8 @@
 
 One self-contained page (:mod:`mlcls.reporting.report_html`) from the run directory
 (:mod:`mlcls.reporting.report_data`) and the validation set, whose images become the thumbnails. Over
-:data:`MAX_GALLERY_IMAGES` validation images, the galleries and the label-error search draw a seeded sample
-(the page says so); the table and curves use every image.
+:data:`MAX_GALLERY_IMAGES` validation images (or :data:`MAX_GALLERY_CELLS` image-class cells), the galleries
+and the label-error search draw a seeded sample (the page says so); the table and curves use every image.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ OVERALL_CARDS = 16
 PER_CLASS_CARDS = 4
 ISSUE_CARDS = 20
 MAX_GALLERY_IMAGES = 10_000
+# ... and at most this many image-class cells (cleanlab's probabilities are float64): 10,000 images up to
+# 10,000 classes, 1,333 at 75,000.
+MAX_GALLERY_CELLS = 100_000_000
 MAX_CLASS_DETAILS = 100
 TABLE_ROWS = 50  # rows of each per-class table over 3 x TABLE_ROWS classes, and search results shown
 THUMB_SIDE = 160
@@ -247,7 +250,8 @@ def write_report(run_dir: str | Path, dataset: Any, files: RunFiles | None = Non
     thumbnails = Thumbnails(dataset, predictions)
     cards = _Cards(predictions, thumbnails)
     num_rows = len(predictions.ids)
-    rows = gallery_rows(num_rows, MAX_GALLERY_IMAGES)
+    classes = max(1, len(predictions.classes))
+    rows = gallery_rows(num_rows, max(1, min(MAX_GALLERY_IMAGES, MAX_GALLERY_CELLS // classes)))
     # the per-class AP of the evaluation that scored the predictions (results.json's), not computed again
     stored = evaluated_epoch(results.get("history") or []) == predictions.epoch
     table = class_rows(predictions, results.get("per_class_ap") if stored else None)
