@@ -336,7 +336,7 @@ def generated_run(run_dir: Path, num_classes: int, rows: int = 40, seed: int = 0
     (most without a validation positive) on ``rows`` generated images; return the images."""
     rng = np.random.default_rng(seed)
     classes = [f"{TAG_WORDS[c % len(TAG_WORDS)]}_{c}" for c in range(num_classes)]
-    frequency = np.minimum(0.5, 1.3 / np.arange(1, num_classes + 1) ** 0.9)  # ~28 a row at 75,000
+    frequency = np.minimum(0.5, 1.3 / np.arange(1, num_classes + 1) ** 0.9)  # ~27 a row at 75,000
     labels = torch.from_numpy((rng.random((rows, num_classes), dtype=np.float32) < frequency).astype(np.int8))
     scores = torch.from_numpy(rng.normal(size=(rows, num_classes)).astype(np.float32)) + 1.5 * labels
     metrics = compute_metrics(scores, labels, classes)
@@ -467,7 +467,7 @@ def test_a_report_of_thousands_of_tags_has_three_tables_a_search_over_all_and_a_
     index of every class for its search box; what grows with the classes is that index alone, projected
     under 5 MB at 75,000 classes (with the 100 classes' details and the thumbnails' budget, whose sizes do
     not depend on the class count)."""
-    details = 10  # of report.MAX_CLASS_DETAILS: the rest is projected from their size
+    details, all_details = 10, report.MAX_CLASS_DETAILS  # the rest are projected from the 10's size
     monkeypatch.setattr(report, "MAX_CLASS_DETAILS", details)
     monkeypatch.setattr(report, "MAX_GALLERY_CELLS", 30_000)  # 10 images at 3,000 classes, all 20 at 300
     sizes = {}
@@ -496,8 +496,8 @@ def test_a_report_of_thousands_of_tags_has_three_tables_a_search_over_all_and_a_
     assert "random sample of 10 of the 20 validation images" in page
     per_class = (sizes[3000] - sizes[300]) / 2700
     assert per_class < 40  # bytes a class: the index's entry
-    all_details = detail_bytes * (100 - details)
-    assert sizes[3000] + per_class * (75_000 - 3000) + all_details + report.MAX_THUMBNAIL_BYTES < 5_000_000
+    more_details = detail_bytes * (all_details - details)
+    assert sizes[3000] + per_class * (75_000 - 3000) + more_details + report.MAX_THUMBNAIL_BYTES < 5_000_000
 
 
 @pytest.mark.slow
