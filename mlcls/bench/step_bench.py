@@ -3,7 +3,8 @@
 ``--loop epoch`` times ``Trainer.train_one_epoch``, ``--loop step`` ``Trainer.train_step``, against the bare
 step below with the same model architecture, optimizer, loss, AMP mode, memory format and
 ``trainer.compile``, on the same synthetic batches; timed blocks alternate. ``--heads`` times instead the
-bare step of each classifier head on one backbone. docs/performance.md says what the trainer adds::
+bare step of each classifier head on one backbone, with each of ``--losses``. docs/performance.md says what
+the trainer adds::
 
     logits = model(images)          # under autocast for trainer.amp=bf16/fp16 on CUDA
     loss = criterion(logits.float(), targets)
