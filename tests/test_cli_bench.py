@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import timm
 import torch
 from conftest import TINY, TINY_RESNET10T
 from hostile import bounded
@@ -178,6 +179,9 @@ def test_step_heads_times_each_head_relative_to_the_first(capsys, tmp_path, monk
     for head in ("mldecoder", "csra"):
         assert result[f"{head}_relative"] == pytest.approx(result[f"{head}_step_s"] / result["linear_step_s"])
         assert result[f"{head}_images_per_s"] == pytest.approx(4 / result[f"{head}_step_s"])
+    # the linear head's parameters: an fc layer of the backbone's width to 30 classes, float32
+    width = timm.create_model("test_resnet", num_classes=0).num_features
+    assert result["linear_head_parameters_mib"] * 2**20 == (width + 1) * 30 * 4
 
 
 def test_step_heads_rejects_an_unknown_head_in_one_line(capsys):
@@ -214,3 +218,18 @@ def test_the_documented_defaults_are_the_parsers():
             assert str(default) == value, f"mlcls-bench {command} {flag}: docs {value}, default {default}"
             checked += 1
     assert checked >= 12
+
+
+def test_step_heads_trains_each_head_with_each_of_the_losses(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["step", *TINY, "trainer.batch_size=4", "--heads", "linear", "--losses", "twoway,bce", "--classes",
+          "30", "--repeats", "1", "--steps", "1", "--warmup", "0", "--memory"])  # fmt: skip
+    result = json_line(capsys)
+    assert result["linear_twoway_relative"] == 1.0
+    assert result["linear_twoway_step_peak_mib"] > 0 and result["linear_bce_step_peak_mib"] > 0
+    assert result["linear_bce_relative"] == pytest.approx(
+        result["linear_bce_step_s"] / result["linear_twoway_step_s"]
+    )
+    with pytest.raises(SystemExit):
+        main(["step", *TINY, "--heads", "linear", "--losses", "twoway,hinge"])
+    assert "--losses twoway,hinge; expected a comma-separated list of" in capsys.readouterr().err

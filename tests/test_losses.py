@@ -106,11 +106,12 @@ def ref_lines(
         index_lines = [[(i, c) for c in classes] for i in rows]
     else:
         index_lines = [[(i, c) for i in rows] for c in classes]
+    labels, entries = y.tolist(), [row.unbind() for row in x.unbind()]  # scalars, read once
     lines = []
     for line in index_lines:
-        pos = [x[i, c] for i, c in line if y[i, c] == 1]
-        neg = [x[i, c] for i, c in line if y[i, c] == 0]
-        known = [x[i, c] for i, c in line if y[i, c] != -1]
+        pos = [entries[i][c] for i, c in line if labels[i][c] == 1]
+        neg = [entries[i][c] for i, c in line if labels[i][c] == 0]
+        known = [entries[i][c] for i, c in line if labels[i][c] != -1]
         lines.append((pos, neg, known))
     return lines
 
@@ -326,6 +327,23 @@ def test_twoway_equals_eqs_14_to_17(ways, bucket_size, tp, tn, margin):
     for seed in range(2):
         x, y = random_batch(seed=seed)
         assert_matches(loss, lambda a, b: ref_twoway(a, b, tp, tn, ways, bucket_size, margin), x, y)
+
+
+def test_twoway_with_most_columns_empty_in_each_bucket_equals_eq_16():
+    """A tagger's bucket: of 2,000 classes 95 % have no positive in a bucket (some hold unknowns), a few
+    have one in one bucket only. Eq. 16's class-wise mean runs over the columns holding a positive; the
+    empty ones add nothing to the value and get a zero gradient."""
+    generator = torch.Generator().manual_seed(7)
+    x, y = random_batch(rows=8, classes=2000, seed=7, p_pos=0.3, p_unknown=0.05)
+    empty = torch.rand(2000, generator=generator) < 0.95
+    y[:, empty] = torch.where(y[:, empty] == 1, 0.0, y[:, empty])  # all-negative (or unknown) columns
+    y[:4, ~empty & (torch.arange(2000) % 7 == 0)] = 0.0  # tagged in the second bucket only
+    columns_with_positives = [(y[k : k + 4] == 1).any(0).sum().item() for k in (0, 4)]
+    assert all(0 < count < 0.06 * 2000 for count in columns_with_positives)
+    loss = TwoWayLoss(ways="class", bucket_size=4)
+    assert_matches(loss, lambda a, b: ref_twoway(a, b, ways="class", bucket_size=4), x, y)
+    _, grad = value_and_grad(lambda leaf: loss(leaf, y), x)
+    assert (grad[:, empty] == 0).all() and (grad[:, ~empty] != 0).any()
 
 
 @pytest.mark.parametrize(("tp", "tn", "bucket_size"), [(4.0, 1.0, None), (1.0, 0.5, 4), (2.0, 1.0, 2)])

@@ -50,15 +50,27 @@ def _global_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, targets
 
 
+def _tagger_batch(seed: int, classes: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 batch of WORLD * ROWS rows shaped like a tagger's: 95 % of the columns without a positive
+    in the batch (negatives and a few unknowns), the rest positive at 30 %."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(WORLD * ROWS, classes, generator=generator, dtype=torch.float64)
+    u = torch.rand(WORLD * ROWS, classes, generator=generator, dtype=torch.float64)
+    tagged = torch.rand(classes, generator=generator) < 0.05
+    targets = torch.where(u < 0.05, -1.0, torch.where(tagged & (u < 0.35), 1.0, 0.0))
+    return logits, targets
+
+
 def _check_gathered_loss(rank: int) -> None:
     rows = slice(rank * ROWS, (rank + 1) * ROWS)
-    logits, targets = _global_batch(seed=0)
+    batch, tagger = _global_batch(seed=0), _tagger_batch(seed=3)
     configs = [
-        (TwoWayLoss, {}),
-        (TwoWayLoss, {"ways": "class", "bucket_size": 4, "margin": 0.5}),  # buckets of 4 rows straddle ranks
-        (SoftmaxLoss, {"ways": "both"}),
+        (TwoWayLoss, {}, batch),
+        (TwoWayLoss, {"ways": "class", "bucket_size": 4, "margin": 0.5}, batch),  # buckets straddle ranks
+        (SoftmaxLoss, {"ways": "both"}, batch),
+        (TwoWayLoss, {"bucket_size": 4}, tagger),  # most columns of each bucket without a positive
     ]
-    for cls, kwargs in configs:
+    for cls, kwargs, (logits, targets) in configs:
         local = logits[rows].clone().requires_grad_(True)
         value = cls(gather=True, **kwargs)(local, targets[rows])
         value.backward()

@@ -13,12 +13,15 @@ import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
+from urllib.parse import quote
 
 import numpy as np
 import pytest
 import torch
 from conftest import TINY_RESNET10T as TINY
 from conftest import compose_config, distinct_colours
+from omegaconf import OmegaConf
 from PIL import Image
 from sklearn.metrics import average_precision_score
 
@@ -298,6 +301,70 @@ def test_report_cli_errors_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 0 and err.startswith("mlcls: error: ") and "mlcls run directory" in err
 
 
+# ---------------------------------------------------------------------- a generated run of many classes
+TAG_WORDS = (
+    "long_hair",
+    "smile",
+    "outdoors",
+    "blue_eyes",
+    "holding_umbrella",
+    "sky",
+    "1girl",
+    "täg",
+    "</script>&",
+)
+
+
+class GeneratedImages:
+    """A validation split of ``count`` generated images (``samples[i].path``, ``picture(i)``): the report's
+    thumbnails' source for a run that was not trained."""
+
+    def __init__(self, count: int) -> None:
+        self.samples = [SimpleNamespace(path=f"val/{i:05d}.jpg") for i in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def picture(self, index: int) -> Image.Image:
+        pixels = np.random.default_rng(index).integers(0, 256, (12, 16, 3), dtype=np.uint8)
+        return Image.fromarray(pixels).resize((320, 240), Image.Resampling.BILINEAR)
+
+
+def generated_run(run_dir: Path, num_classes: int, rows: int = 40, seed: int = 0) -> GeneratedImages:
+    """Write the files a finished run leaves for its report (``results.json`` with the evaluation's
+    per-class AP, ``config.yaml``, ``val_predictions.npz``) for ``num_classes`` tags of Zipf-like frequency
+    (most without a validation positive) on ``rows`` generated images; return the images."""
+    rng = np.random.default_rng(seed)
+    classes = [f"{TAG_WORDS[c % len(TAG_WORDS)]}_{c}" for c in range(num_classes)]
+    frequency = np.minimum(0.5, 1.3 / np.arange(1, num_classes + 1) ** 0.9)  # ~27 a row at 75,000
+    labels = torch.from_numpy((rng.random((rows, num_classes), dtype=np.float32) < frequency).astype(np.int8))
+    scores = torch.from_numpy(rng.normal(size=(rows, num_classes)).astype(np.float32)) + 1.5 * labels
+    metrics = compute_metrics(scores, labels, classes)
+    per_class_ap = metrics.pop("per_class_ap")
+    history = [
+        {"epoch": 1, "loss": 0.5, "mAP_class": metrics["mAP_class"], "mAP_sample": metrics["mAP_sample"]}
+    ]
+    results = {
+        "metrics": metrics,
+        "per_class_ap": per_class_ap,
+        "dataset": {
+            "name": "generated",
+            "num_classes": num_classes,
+            "train_size": 10 * rows,
+            "val_size": rows,
+        },
+        "epochs_completed": 1,
+        "history": history,
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "results.json").write_text(json.dumps(results))
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(compose_config([])))
+    images = GeneratedImages(rows)
+    thresholds = torch.zeros(num_classes, dtype=torch.float64)
+    report_data.save_val_predictions(run_dir, scores, labels, thresholds, classes, images, epoch=1)
+    return images
+
+
 # ---------------------------------------------------------------------- the page in a real browser
 def browser() -> str:
     for name in BROWSERS:
@@ -372,3 +439,77 @@ def test_report_in_chromium_loads_every_image_sorts_and_screenshots(run_dir, tmp
     if target:
         Image.fromarray(pixels[: min(height, 1400)]).save(target, optimize=True)
         assert Path(target).stat().st_size < 300_000
+
+
+def table_rows(page: str, table_id: str) -> list[str]:
+    """The class names of the rows of table ``table_id`` of ``page``, in order."""
+    table = re.search(rf'<table id="{table_id}"[^>]*>.*?<tbody>(.*?)</tbody>', page, re.S).group(1)
+    return [html.unescape(name) for name in re.findall(r'<tr><td data-v="([^"]*)"', table)]
+
+
+def json_script(page: str, element_id: str) -> object:
+    return json.loads(
+        re.search(rf'<script type="application/json" id="{element_id}">(.*?)</script>', page).group(1)
+    )
+
+
+@pytest.fixture
+def composed_defaults(monkeypatch):
+    """The report's default settings from the suite's cached composition (a fresh one takes 0.3-2 s)."""
+    defaults = OmegaConf.to_container(compose_config([]), resolve=True)
+    monkeypatch.setattr(report, "default_settings", lambda: defaults)
+
+
+def test_a_report_of_thousands_of_tags_has_three_tables_a_search_over_all_and_a_bounded_size(
+    tmp_path, composed_defaults, monkeypatch
+):
+    """Over 150 classes the page holds the 50 worst and best by AP and the 50 most frequent, and one JSON
+    index of every class for its search box; what grows with the classes is that index alone, projected
+    under 5 MB at 75,000 classes (with the 100 classes' details and the thumbnails' budget, whose sizes do
+    not depend on the class count)."""
+    details, all_details = 10, report.MAX_CLASS_DETAILS  # the rest are projected from the 10's size
+    monkeypatch.setattr(report, "MAX_CLASS_DETAILS", details)
+    monkeypatch.setattr(report, "MAX_GALLERY_CELLS", 30_000)  # 10 images at 3,000 classes, all 20 at 300
+    sizes = {}
+    for classes in (300, 3000):
+        run_dir = tmp_path / str(classes)
+        page = report.write_report(run_dir, generated_run(run_dir, classes, rows=20)).read_text()
+        thumbs = len(re.search(r'id="thumbs">(.*?)</script>', page).group(1))
+        sizes[classes] = len(page.encode()) - thumbs
+    detail_bytes = len(re.search(r'<section id="classes-detail">(.*?)</section>', page).group(1)) / details
+    results = json.loads((run_dir / "results.json").read_text())
+    p = load_val_predictions(run_dir)
+    ap, order = results["per_class_ap"], {name: c for c, name in enumerate(p.classes)}
+    positives = (p.labels == 1).sum(0)
+    assert sum(value is None for value in ap.values()) > 1000  # most tags have no validation positive
+
+    index = json_script(page, "class-index")
+    assert index["name"] == p.classes and index["positives"] == positives.tolist()
+    assert index["ap"] == [None if ap[name] is None else round(ap[name], 1) for name in p.classes]
+    scored = [name for name in p.classes if ap[name] is not None]
+    assert table_rows(page, "classes-worst") == sorted(scored, key=lambda n: (ap[n], order[n]))[:50]
+    best = sorted(scored, key=lambda n: (ap[n], order[n]), reverse=True)[:50]
+    assert table_rows(page, "classes-best") == best
+    frequent = sorted(p.classes, key=lambda n: (-positives[order[n]], order[n]))[:50]
+    assert table_rows(page, "classes-frequent") == frequent
+    assert '<table id="classes"' not in page and page.count("<tr>") < 200
+    assert "random sample of 10 of the 20 validation images" in page
+    per_class = (sizes[3000] - sizes[300]) / 2700
+    assert per_class < 40  # bytes a class: the index's entry
+    more_details = detail_bytes * (all_details - details)
+    assert sizes[3000] + per_class * (75_000 - 3000) + more_details + report.MAX_THUMBNAIL_BYTES < 5_000_000
+
+
+@pytest.mark.slow
+def test_the_search_box_finds_any_of_thousands_of_tags_in_chromium(tmp_path, composed_defaults):
+    """``#search=`` types a query: the first 50 classes holding it, whatever its case, in class order, and
+    their number; names with markup and accents are text, found like any other."""
+    page = report.write_report(tmp_path, generated_run(tmp_path, 3000, rows=20))
+    classes = load_val_predictions(tmp_path).classes
+    for query in ("UMBRELLA_1", "</SCRIPT>&_2", "t\u00e4g_2"):
+        dom, console = open_page(page, "--dump-dom", fragment=f"#search={quote(query)}")
+        matches = [name for name in classes if query.lower() in name.lower()]
+        assert console == [] and int(body_data(dom)["search-matches"]) == len(matches) > 0
+        found = re.search(r'<table id="class-search-results"[^>]*>.*?<tbody>(.*?)</tbody>', dom, re.S)
+        cells = re.findall(r"<tr><td>(.*?)</td>", found.group(1))
+        assert [html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in cells] == matches[: report.TABLE_ROWS]

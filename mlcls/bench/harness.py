@@ -1,13 +1,15 @@
-"""What the benchmarks share: blocks timed in turns on a synchronised clock, torch's thread count for the
-length of a run, and the description of the machine a figure was measured on."""
+"""What the benchmarks share: blocks timed in turns on a synchronised clock, the peak memory of a block,
+torch's thread count for the length of a run, and the description of the machine a figure was measured on."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import inspect
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +67,41 @@ def median_seconds(
             if round_ >= warmup:
                 seconds[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def mmap_allocations() -> None:
+    """Let glibc serve every new allocation above 4 KiB by ``mmap`` (Linux), so that a freed tensor leaves
+    the resident set at once, and hand the heap's free pages back (``malloc_trim``), so that memory reused
+    from it counts again once touched: :func:`peak_bytes` then sees the bytes live at the worst moment. Each
+    allocation costs a system call afterwards: call it after the timings."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 4096)  # M_MMAP_THRESHOLD = 4 KiB
+    libc.malloc_trim(0)
+
+
+def _rss_bytes(key: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux ``/proc/self/status``)."""
+    with open("/proc/self/status") as status:
+        return 1024 * int(re.search(rf"^{key}:\s+(\d+) kB", status.read(), re.M).group(1))
+
+
+def peak_bytes(block: Callable[[], Any], device: torch.device | str = "cpu") -> int:
+    """The memory one call of ``block`` adds at its worst moment: on CUDA the allocator's peak above what was
+    allocated before; on the CPU (Linux, after :func:`mmap_allocations`) the resident set's high-water mark,
+    reset through ``/proc/self/clear_refs`` before the call, above the resident size before it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        block()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # reset VmHWM to the current resident size
+    before = _rss_bytes("VmRSS")
+    block()
+    return _rss_bytes("VmHWM") - before
 
 
 @contextlib.contextmanager

@@ -2,28 +2,34 @@
 
 Forward + backward of :class:`mlcls.losses.TwoWayLoss` (tp = 4, tn = 1, buckets of 128 rows) and of
 :func:`masked_logsumexp_twoway` (the authors' approach) on (512, 80) and (512, 620) logits; ``ratio`` is
-the larger two-way / masked-logsumexp ratio. ``--scale`` (:func:`run_scale`) times every loss at C = 80
-and 9,605 (Open Images), batch 128, and mAP@class / mAP@sample on 20,000 x 9,605 scores.
+the larger two-way / masked-logsumexp ratio. ``--scale`` (:func:`run_scale`) times every loss at C = 80,
+9,605 (Open Images) and 75,000 (a large tagger's vocabulary), batch 128, and mAP@class / mAP@sample on
+20,000 x 9,605 scores.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import json
-import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from mlcls import losses
-from mlcls.bench.harness import median_seconds, random_labels, timed, torch_threads
+from mlcls.bench.harness import (
+    median_seconds,
+    mmap_allocations,
+    peak_bytes,
+    random_labels,
+    timed,
+    torch_threads,
+)
 from mlcls.data.datasets.labels import LabelCounts
 from mlcls.losses import TwoWayLoss
 
@@ -108,23 +114,17 @@ def run(device: str = "cpu", repeats: int = 100, warmup: int = 10) -> dict[str, 
     return result
 
 
-# Large label spaces: classes (MS-COCO, Open Images V6 trainable), batch per process, metric set size.
-SCALE_CLASSES = (80, 9605)
+# Large label spaces: classes (MS-COCO, Open Images V6 trainable, a tagger's vocabulary), batch per process,
+# metric set size (the metrics are timed at Open Images' 9,605 classes).
+SCALE_CLASSES = (80, 9605, 75_000)
+METRIC_CLASSES = 9605
 SCALE_BATCH = 128
 SCALE_POSITIVES = 3.0
 SCALE_METRIC_SAMPLES = 20_000
 
 
-def _rss_bytes(key: str) -> int:
-    """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux ``/proc/self/status``)."""
-    with open("/proc/self/status") as status:
-        return 1024 * int(re.search(rf"^{key}:\s+(\d+) kB", status.read(), re.M).group(1))
-
-
-def _scale_batches() -> dict[int, tuple[Tensor, Tensor]]:
-    return {
-        c: _random_batch(c, SCALE_POSITIVES, "cpu", seed=c, batch_size=SCALE_BATCH) for c in SCALE_CLASSES
-    }
+def _scale_batches(classes: Sequence[int]) -> dict[int, tuple[Tensor, Tensor]]:
+    return {c: _random_batch(c, SCALE_POSITIVES, "cpu", seed=c, batch_size=SCALE_BATCH) for c in classes}
 
 
 # The arguments a loss has no default for.
@@ -142,12 +142,17 @@ SCALE_VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
 }
 
 
+def loss_classes() -> dict[str, type[nn.Module]]:
+    """Every loss class of :mod:`mlcls.losses` by its name (``loss=<name>``)."""
+    return {cls.name: cls for cls in (getattr(losses, name) for name in losses.__all__)}
+
+
 def _criteria(classes: int = SCALE_CLASSES[0]) -> dict[str, Callable[[Tensor, Tensor], Tensor]]:
     """Every loss of :mod:`mlcls.losses` with its default arguments (and ``SCALE_ARGUMENTS``), and the
     ``SCALE_VARIANTS``, by name, as a function of (logits, targets) for batches of ``classes`` classes. A
     loss with a row per training sample is set up for a training set of one batch and called with its
     indices."""
-    classes_by_name = {cls.name: cls for cls in (getattr(losses, name) for name in losses.__all__)}
+    classes_by_name = loss_classes()
     settings = {name: (name, {}, 0) for name in classes_by_name} | SCALE_VARIANTS
     result: dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
     for name, (loss_name, arguments, epoch) in settings.items():
@@ -161,52 +166,61 @@ def _criteria(classes: int = SCALE_CLASSES[0]) -> dict[str, Callable[[Tensor, Te
     return result
 
 
-def peak_memory() -> dict[str, float]:
-    """``<name>_c<C>_peak_mib``: the peak memory one forward + backward adds, every loss and size (Linux),
-    in a fresh process whose allocations above 4 KiB glibc serves by ``mmap``, so that a freed tensor leaves
-    the resident set at once: the figure is the bytes live at the worst moment (the high-water mark, reset
-    through ``/proc/self/clear_refs`` before the step, above the resident size before it)."""
-    ctypes.CDLL("libc.so.6").mallopt(-3, 4096)  # M_MMAP_THRESHOLD = 4 KiB, before any tensor exists
+def peak_memory(classes: Sequence[int] = SCALE_CLASSES) -> dict[str, float]:
+    """``<name>_c<C>_peak_mib``: the peak memory one forward + backward adds, every loss at every size of
+    ``classes`` (Linux), in a fresh process whose allocations glibc serves by ``mmap``
+    (:func:`~mlcls.bench.harness.peak_bytes`)."""
+    mmap_allocations()  # before any tensor exists
     result = {}
-    for classes, (logits, targets) in _scale_batches().items():
-        for name, criterion in _criteria(classes).items():
+    for size, (logits, targets) in _scale_batches(classes).items():
+        for name, criterion in _criteria(size).items():
             step = _step(criterion, logits, targets)
             step()  # first call: lazy initialisations
-            with open("/proc/self/clear_refs", "w") as clear:
-                clear.write("5")  # reset VmHWM to the current resident size
-            before = _rss_bytes("VmRSS")
-            step()
-            result[f"{name}_c{classes}_peak_mib"] = (_rss_bytes("VmHWM") - before) / 2**20
+            result[f"{name}_c{size}_peak_mib"] = peak_bytes(step) / 2**20
     return result
 
 
-def run_scale(repeats: int = 20, warmup: int = 3, threads: int = 1) -> dict[str, float]:
-    """Every loss at every ``SCALE_CLASSES`` size (batch 128): ``<name>_c<C>_ms`` (median forward + backward,
-    the losses interleaved within each repeat), ``twoway_over_bce`` at C = 9,605, ``map_class_s`` /
-    ``map_sample_s`` (one call each, N = 20,000, C = 9,605) and, on Linux, the :func:`peak_memory` figures
-    measured in a child process. Torch runs ``threads`` intra-op threads (default 1: the ratio then does
-    not depend on what else the machine runs)."""
+def run_scale(
+    repeats: int = 20, warmup: int = 3, threads: int = 1, classes: Sequence[int] = SCALE_CLASSES
+) -> dict[str, float]:
+    """Every loss at every size of ``classes`` (batch 128): ``<name>_c<C>_ms`` (median forward + backward,
+    the losses interleaved within each repeat), ``twoway_over_bce_c<C>`` at each size and
+    ``twoway_over_bce`` at the largest, ``map_class_s`` / ``map_sample_s`` (one call each, N = 20,000,
+    C = 9,605) and, on Linux, the :func:`peak_memory` figures measured in a child process. Torch runs
+    ``threads`` intra-op threads (default 1: the ratio then does not depend on what else the machine
+    runs)."""
     from mlcls.bench.metrics_bench import make_scores
     from mlcls.metrics import map_class, map_sample
 
     result: dict[str, float] = {}
     with torch_threads(threads):
-        for classes, (logits, targets) in _scale_batches().items():
-            for name, ms in _median_ms(_criteria(classes), logits, targets, repeats, warmup).items():
-                result[f"{name}_c{classes}_ms"] = ms
-        largest = SCALE_CLASSES[-1]
-        result["twoway_over_bce"] = result[f"twoway_c{largest}_ms"] / result[f"bce_c{largest}_ms"]
-        scores, labels = make_scores(SCALE_METRIC_SAMPLES, largest, seed=0)
+        for size, (logits, targets) in _scale_batches(classes).items():
+            for name, ms in _median_ms(_criteria(size), logits, targets, repeats, warmup).items():
+                result[f"{name}_c{size}_ms"] = ms
+            result[f"twoway_over_bce_c{size}"] = result[f"twoway_c{size}_ms"] / result[f"bce_c{size}_ms"]
+        result["twoway_over_bce"] = result[f"twoway_over_bce_c{max(classes)}"]
+        scores, labels = make_scores(SCALE_METRIC_SAMPLES, METRIC_CLASSES, seed=0)
         for key, metric in (("map_class_s", map_class), ("map_sample_s", map_sample)):
             result[key] = timed(functools.partial(metric, scores, labels))[1]
         if sys.platform == "linux":
-            child = [sys.executable, "-m", "mlcls.bench.loss_bench"]
+            child = [sys.executable, "-m", "mlcls.bench.loss_bench", *map(str, classes)]
             output = subprocess.run(child, capture_output=True, text=True, check=True).stdout
             result.update(json.loads(output.strip().splitlines()[-1]))
     return {**result, "torch_threads": threads}
 
 
-# Timed calls per loss: at C = 80 (two losses), and under --scale (every loss, up to C = 9,605), where each
+def class_counts(text: str) -> tuple[int, ...]:
+    """``--classes``: comma-separated class counts, each at least 2 (a two-way loss needs two classes)."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}; expected comma-separated class counts, each >= 2")
+    return counts
+
+
+# Timed calls per loss: at C = 80 (two losses), and under --scale (every loss, up to C = 75,000), where each
 # call costs far more.
 LOSS_REPEATS, SCALE_REPEATS = 100, 20
 
@@ -217,16 +231,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats", type=int, help=f"timed calls per loss ({LOSS_REPEATS}; --scale: {SCALE_REPEATS})"
     )
-    scale = "every loss at C = 80 and 9,605, batch 128 (CPU)"
+    scale = "every loss at the --classes sizes, batch 128 (CPU)"
     parser.add_argument("--scale", action="store_true", help=scale)
+    parser.add_argument(
+        "--classes",
+        type=class_counts,
+        default=",".join(map(str, SCALE_CLASSES)),
+        help="class counts of --scale, comma-separated",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for --scale")
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, float]:
     if args.scale:
-        return run_scale(SCALE_REPEATS if args.repeats is None else args.repeats, threads=args.threads)
+        repeats = SCALE_REPEATS if args.repeats is None else args.repeats
+        return run_scale(repeats, threads=args.threads, classes=args.classes)
     return run(args.device, LOSS_REPEATS if args.repeats is None else args.repeats)
 
 
-if __name__ == "__main__":  # the child process of run_scale
-    print(json.dumps(peak_memory()))
+if __name__ == "__main__":  # the child process of run_scale, with its class counts as arguments
+    print(json.dumps(peak_memory(tuple(int(arg) for arg in sys.argv[1:]))))

@@ -3,7 +3,8 @@
 ``--loop epoch`` times ``Trainer.train_one_epoch``, ``--loop step`` ``Trainer.train_step``, against the bare
 step below with the same model architecture, optimizer, loss, AMP mode, memory format and
 ``trainer.compile``, on the same synthetic batches; timed blocks alternate. ``--heads`` times instead the
-bare step of each classifier head on one backbone. docs/performance.md says what the trainer adds::
+bare step of each classifier head on one backbone, with each of ``--losses``. docs/performance.md says what
+the trainer adds::
 
     logits = model(images)          # under autocast for trainer.amp=bf16/fp16 on CUDA
     loss = criterion(logits.float(), targets)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -28,7 +30,16 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from mlcls.bench.harness import check_names, host, median_seconds, random_labels, run_with_options
+from mlcls.bench.harness import (
+    check_names,
+    host,
+    median_seconds,
+    mmap_allocations,
+    peak_bytes,
+    random_labels,
+    run_with_options,
+)
+from mlcls.bench.loss_bench import loss_classes
 from mlcls.engine.build import build_loss, build_model, build_optimization
 from mlcls.engine.distributed import resolve_device
 from mlcls.engine.evaluate import autocast_context
@@ -192,31 +203,49 @@ def run_heads(
     repeats: int = 5,
     steps: int = 3,
     warmup: int = 2,
+    losses: Sequence[str] = ("bce",),
+    memory: bool = False,
 ) -> dict[str, Any]:
     """Median seconds per bare training step of each of ``heads`` on the backbone of the training config
     (``model.name``, ``dataset.image_size``, ``trainer.batch_size``, ``trainer.amp``, ``optim``), with
     ``num_classes`` outputs (``<head>_step_s``), as images/s, and relative to the first head's
-    (``<head>_relative``)."""
+    (``<head>_relative``). Each head trains with each of ``losses`` (their defaults), under the name
+    ``<head>_<loss>`` where there are several. The memory of each head's parameters
+    (``<head>_head_parameters_mib``; its gradients, AdamW moments and an EMA copy take as much again each);
+    with ``memory``, the peak one more step adds (``<head>_step_peak_mib``: activations, gradients,
+    temporaries; :func:`peak_bytes`, on the CPU on Linux or on CUDA)."""
     check_names("--heads", list(heads), HEADS)
+    check_names("--losses", list(losses), tuple(loss_classes()))
     device = resolve_device(cfg.trainer.device)
     amp = cfg.trainer.amp if device.type == "cuda" else "none"
     channels_last = bool(cfg.trainer.channels_last) and device.type == "cuda"
     batch = synthetic_batch(int(cfg.trainer.batch_size), int(cfg.dataset.image_size), num_classes)
-    contenders = {}
+    bare_steps, head_bytes = {}, {}
     for head in heads:
-        torch.manual_seed(cfg.trainer.seed)
-        model = build_model(cfg.model, num_classes, device, channels_last, head=head, pretrained=False)
-        optimizer, _ = build_optimization(cfg, model, iters_per_epoch=1)
-        scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
-        step = plain_step_fn(model, model, optimizer, nn.BCEWithLogitsLoss(), scaler, amp, channels_last)
-        contenders[head] = partial(_repeat_step, step, batch, steps)
+        for loss in losses:
+            name = head if len(losses) == 1 else f"{head}_{loss}"
+            torch.manual_seed(cfg.trainer.seed)
+            model = build_model(cfg.model, num_classes, device, channels_last, head=head, pretrained=False)
+            head_bytes[name] = sum(p.numel() * p.element_size() for p in model.get_classifier().parameters())
+            optimizer, _ = build_optimization(cfg, model, iters_per_epoch=1)
+            scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+            criterion = loss_classes()[loss]().to(device)
+            bare_steps[name] = plain_step_fn(model, model, optimizer, criterion, scaler, amp, channels_last)
+    contenders = {name: partial(_repeat_step, step, batch, steps) for name, step in bare_steps.items()}
     step_s = median_step_seconds(contenders, device, repeats, steps, warmup)
-    first = step_s[heads[0]]
+    first = step_s[next(iter(bare_steps))]
+    measure_memory = memory and (device.type == "cuda" or sys.platform == "linux")
+    if device.type == "cpu" and measure_memory:
+        mmap_allocations()  # after the timings, which it would slow down
     timings = {}
-    for head, seconds in step_s.items():
-        timings[f"{head}_step_s"] = seconds
-        timings[f"{head}_images_per_s"] = len(batch[0]) / seconds
-        timings[f"{head}_relative"] = seconds / first
+    for name, seconds in step_s.items():
+        timings[f"{name}_step_s"] = seconds
+        timings[f"{name}_images_per_s"] = len(batch[0]) / seconds
+        timings[f"{name}_relative"] = seconds / first
+        timings[f"{name}_head_parameters_mib"] = head_bytes[name] / 2**20
+        if measure_memory:
+            one_step = partial(bare_steps[name], *batch)
+            timings[f"{name}_step_peak_mib"] = peak_bytes(one_step, device) / 2**20
     return {
         **timings,
         "model": cfg.model.name,
@@ -250,10 +279,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--heads", help="compare the bare step of these model.head values instead, e.g. linear,mldecoder,csra"
     )
     parser.add_argument("--classes", type=int, default=80, help="outputs of the heads compared by --heads")
+    parser.add_argument(
+        "--losses", default="bce", help="the losses each head of --heads trains with, e.g. twoway,bce"
+    )
+    parser.add_argument("--memory", action="store_true", help="--heads: the peak memory of a step too")
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The benchmark ``args`` ask for, on the training config ``args.cfg`` (of ``args.overrides``)."""
     if args.heads:
-        return run_heads(args.cfg, args.heads.split(","), args.classes, args.repeats, args.steps, args.warmup)
+        heads, losses = args.heads.split(","), args.losses.split(",")
+        options = (args.classes, args.repeats, args.steps, args.warmup, losses, args.memory)
+        return run_heads(args.cfg, heads, *options)
     return run_with_options(run, args)

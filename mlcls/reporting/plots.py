@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,13 +43,19 @@ def _figure(width: float, height: float) -> Any:
     return figure
 
 
+def ranked_classes(ap: torch.Tensor) -> list[int]:
+    """The classes with an AP (``ap`` (C,), NaN = no positive), best first, ties by class: one sort, not a
+    Python step per class (75,000 classes)."""
+    counted = torch.nonzero(~torch.isnan(ap)).flatten()
+    return counted[torch.argsort(ap[counted], descending=True, stable=True)].tolist()
+
+
 def per_class_ap_figure(ap: torch.Tensor, positives: torch.Tensor, class_names: Sequence[str]) -> Any:
     """Horizontal bars of the per-class AP (fractions ``ap`` (C,), NaN = no positive: left out), best class on
     top, with the mAP@class line; over :data:`MAX_BARS` classes, the best and worst ``MAX_BARS / 2``."""
     import matplotlib
 
-    counted = [c for c in range(len(class_names)) if not math.isnan(ap[c].item())]
-    order = sorted(counted, key=lambda c: -ap[c].item())
+    order = counted = ranked_classes(ap)
     title = f"Average precision per class (mAP@class {100 * ap[counted].mean().item():.1f})"
     hidden = max(0, len(order) - MAX_BARS)
     if hidden:
@@ -89,8 +94,7 @@ def pr_curves_figure(
 ) -> Any:
     """Precision-recall curves (:func:`mlcls.reporting.report_data.pr_curve`) of the :data:`PR_CLASSES` best
     and worst classes (by ``ap``), side by side."""
-    counted = [c for c in range(len(class_names)) if not math.isnan(ap[c].item())]
-    counted.sort(key=lambda c: -ap[c].item())
+    counted = ranked_classes(ap)
     k = max(1, min(PR_CLASSES, len(counted) // 2))
     panels = [("best", counted[:k])] + ([("worst", counted[-k:][::-1])] if len(counted) > 1 else [])
     figure = _figure(5.2 * len(panels), 4.6)

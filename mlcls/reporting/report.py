@@ -2,13 +2,14 @@
 
 One self-contained page (:mod:`mlcls.reporting.report_html`) from the run directory
 (:mod:`mlcls.reporting.report_data`) and the validation set, whose images become the thumbnails. Over
-:data:`MAX_GALLERY_IMAGES` validation images, the galleries and the label-error search draw a seeded sample
-(the page says so); the table and curves use every image.
+:data:`MAX_GALLERY_IMAGES` validation images (or :data:`MAX_GALLERY_CELLS` image-class cells), the galleries
+and the label-error search draw a seeded sample (the page says so); the table and curves use every image.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
@@ -52,17 +53,25 @@ OVERALL_CARDS = 16
 PER_CLASS_CARDS = 4
 ISSUE_CARDS = 20
 MAX_GALLERY_IMAGES = 10_000
+# ... and at most this many image-class cells (cleanlab's probabilities are float64): 10,000 images up to
+# 10,000 classes, 1,333 at 75,000.
+MAX_GALLERY_CELLS = 100_000_000
 MAX_CLASS_DETAILS = 100
+TABLE_ROWS = 50  # rows of each per-class table over 3 x TABLE_ROWS classes, and search results shown
 THUMB_SIDE = 160
+# The thumbnails' share of the page (base64 JPEGs): about 250 photos; the cards after them show none, so that
+# the page stays under 5 MB with 75,000 classes (whose search index takes about 1.7 MB).
+MAX_THUMBNAIL_BYTES = 1_500_000
 PREDICTED_SHOWN = 3
+GIVEN_SHOWN = 10  # given labels named on a card (a tagger's image may hold dozens)
 
 
 class Thumbnails(ui.Thumbnails):
-    """The thumbnails of validation rows of ``predictions``, each row's image checked to be the one the run
-    scored."""
+    """The thumbnails of validation rows of ``predictions`` (at most :data:`MAX_THUMBNAIL_BYTES` of them),
+    each row's image checked to be the one the run scored."""
 
     def __init__(self, dataset: Any, predictions: ValPredictions) -> None:
-        super().__init__(dataset, THUMB_SIDE)
+        super().__init__(dataset, THUMB_SIDE, MAX_THUMBNAIL_BYTES)
         self.predictions = predictions
 
     def key(self, row: int) -> str | None:
@@ -82,23 +91,25 @@ class _Cards:
 
     def __init__(self, predictions: ValPredictions, thumbnails: Thumbnails) -> None:
         self.p, self.thumbnails = predictions, thumbnails
-        self.probs = probabilities(predictions.scores)
         self.thresholds = probabilities(predictions.thresholds)
 
     def _card(self, row: int, cls: int, what: str, first: str) -> ui.Card:
         """The card of image ``row`` wrong on class ``cls``: its score, given labels and predicted classes."""
-        names = self.p.classes
-        given = [names[c] for c in np.flatnonzero(self.p.labels[row] == 1)]
+        names, probs = self.p.classes, probabilities(self.p.scores[row])  # a row at a time: (C,), not (N, C)
+        given = np.flatnonzero(self.p.labels[row] == 1)
+        given_more = f" +{len(given) - GIVEN_SHOWN}" if len(given) > GIVEN_SHOWN else ""
         predicted = np.flatnonzero(self.p.scores[row].astype(np.float64) >= self.p.thresholds)
-        predicted = sorted(predicted, key=lambda c: -self.probs[row, c])
-        shown = ", ".join(f"{names[c]} {self.probs[row, c]:.2f}" for c in predicted[:PREDICTED_SHOWN])
+        predicted = predicted[np.argsort(-probs[predicted], kind="stable")]  # ties by class
+        shown = ", ".join(f"{names[c]} {probs[c]:.2f}" for c in predicted[:PREDICTED_SHOWN])
         more = f" +{len(predicted) - PREDICTED_SHOWN}" if len(predicted) > PREDICTED_SHOWN else ""
         lines = (
-            f"{first}; score {self.probs[row, cls]:.2f}, threshold {self.thresholds[cls]:.2f}",
-            f"given: {', '.join(given) or 'none'}",
+            f"{first}; score {probs[cls]:.2f}, threshold {self.thresholds[cls]:.2f}",
+            f"given: {', '.join(names[c] for c in given[:GIVEN_SHOWN]) or 'none'}{given_more}",
             f"predicted: {shown or 'none'}{more}",
         )
-        return ui.Card(self.thumbnails.key(row), self.p.ids[row], f"{names[cls]} {what}", lines)
+        key, index = self.thumbnails.key(row), int(self.p.indices[row])
+        missing = "page's image budget spent" if index in self.thumbnails.omitted else "unreadable image"
+        return ui.Card(key, self.p.ids[row], f"{names[cls]} {what}", lines, missing)
 
     def errors(self, cases: Mapping[str, Sequence[ErrorCase]], headings: Sequence[str]) -> str:
         """The galleries of the false positives ``cases["fp"]`` and negatives ``cases["fn"]``."""
@@ -183,6 +194,38 @@ def _class_detail(row: Mapping[str, Any], predictions: ValPredictions, cards: _C
     )
 
 
+def _class_tables(table: Sequence[Mapping[str, Any]], linked: set[int], epoch: int) -> str:
+    """The per-class results: every class in one table (worst AP first) up to 3 x :data:`TABLE_ROWS`
+    classes, else the ``TABLE_ROWS`` worst, best and most frequent in three; a search box over them all."""
+    note = (
+        "Click a header to sort. Threshold: the calibrated one (best F1 per class) as a probability; "
+        f"precision and recall at it; scores of epoch {epoch}."
+    )
+    search = ui.class_search(table, TABLE_ROWS)
+    if len(table) <= 3 * TABLE_ROWS:
+        return f'<p class="note">Worst AP first. {note}</p>{search}' + ui.class_table(table, linked)
+    scored = [row for row in table if not math.isnan(row["ap"])]  # worst first; AP undefined: none
+    frequent = sorted(table, key=lambda row: (-row["positives"], row["cls"]))
+    parts = [
+        ("classes-worst", f"The {TABLE_ROWS} worst by AP", table[:TABLE_ROWS], "ap"),
+        ("classes-best", f"The {TABLE_ROWS} best by AP", scored[::-1][:TABLE_ROWS], None),
+        (
+            "classes-frequent",
+            f"The {TABLE_ROWS} most frequent in the validation set",
+            frequent[:TABLE_ROWS],
+            None,
+        ),
+    ]
+    tables = "".join(
+        f"<h3>{heading}</h3>" + ui.class_table(rows, linked, table_id, by)
+        for table_id, heading, rows, by in parts
+    )
+    return (
+        f'<p class="note">{len(table):,} classes: the search box finds any of them; the tables show '
+        f"{TABLE_ROWS} each. {note}</p>{search}{tables}"
+    )
+
+
 RunFiles = tuple[dict[str, Any], dict[str, Any], ValPredictions]
 
 
@@ -207,13 +250,15 @@ def write_report(run_dir: str | Path, dataset: Any, files: RunFiles | None = Non
     thumbnails = Thumbnails(dataset, predictions)
     cards = _Cards(predictions, thumbnails)
     num_rows = len(predictions.ids)
-    rows = gallery_rows(num_rows, MAX_GALLERY_IMAGES)
-    overall, per_class = confident_errors(predictions, rows, PER_CLASS_CARDS, OVERALL_CARDS)
-    issues, flagged = label_issues(predictions, rows, ISSUE_CARDS)
+    classes = max(1, len(predictions.classes))
+    rows = gallery_rows(num_rows, max(1, min(MAX_GALLERY_IMAGES, MAX_GALLERY_CELLS // classes)))
     # the per-class AP of the evaluation that scored the predictions (results.json's), not computed again
     stored = evaluated_epoch(results.get("history") or []) == predictions.epoch
     table = class_rows(predictions, results.get("per_class_ap") if stored else None)
     detailed = table[:MAX_CLASS_DETAILS]
+    linked = {row["cls"] for row in detailed}
+    overall, per_class = confident_errors(predictions, rows, PER_CLASS_CARDS, OVERALL_CARDS, linked)
+    issues, flagged = label_issues(predictions, rows, ISSUE_CARDS)
     sampled = (
         f"The galleries and the label-error search draw from a random sample of {len(rows):,} of the "
         f"{num_rows:,} validation images (seed 0); the table and the curves use them all."
@@ -230,7 +275,9 @@ def write_report(run_dir: str | Path, dataset: Any, files: RunFiles | None = Non
     elif flagged >= 0:
         flag_note = f"cleanlab's filter flags {plural(flagged, 'image')}, shown first"
     else:
-        flag_note = "cleanlab's filter was skipped (too many image-class cells); ranked by label quality"
+        flag_note = (
+            "cleanlab's filter was skipped (too many image-class cells or classes); ranked by label quality"
+        )
     issue_html = (
         '<p class="note">Ranked by cleanlab (multi-label, label quality lowest first) from the '
         f"out-of-sample validation predictions of epoch {predictions.epoch}; {ui.escape(flag_note)}. "
@@ -241,19 +288,14 @@ def write_report(run_dir: str | Path, dataset: Any, files: RunFiles | None = Non
     details = "".join(_class_detail(row, predictions, cards, per_class) for row in detailed)
     if hidden:
         details += (
-            f'<p class="note">The other {plural(hidden, "class")} (better AP) are in the table only.</p>'
+            f'<p class="note">The other {plural(hidden, "class")} (better AP) have their figures in the '
+            "per-class results only.</p>"
         )
     settings = changed_settings(config, default_settings())
     sections = [
         ("overview", "", figures + _curves(results.get("history") or [])),
         ("settings", "Settings that differ from the defaults", ui.settings_table(settings)),
-        (
-            "per-class",
-            "Per-class results",
-            '<p class="note">Worst AP first; click a header to sort. Threshold: the calibrated one (best F1 '
-            "per class) as a probability; precision and recall at it; scores of epoch "
-            f"{predictions.epoch}.</p>" + ui.class_table(table, {row["cls"] for row in detailed}),
-        ),
+        ("per-class", "Per-class results", _class_tables(table, linked, predictions.epoch)),
         ("errors", "Most confident errors", error_html),
         ("label-issues", "Suspected label errors", issue_html),
         ("classes-detail", "Each class", details),

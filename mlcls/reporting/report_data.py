@@ -15,7 +15,7 @@ import math
 import os
 import warnings
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,9 +34,11 @@ from mlcls.reporting.run_table import differing_keys, flat_settings
 PREDICTIONS_FILE = "val_predictions.npz"
 # Columns of the score matrix handled at once when the errors are ranked (bounded memory at 9,605 classes).
 COLUMN_BLOCK = 256
-# Above this many (image, class) cells cleanlab's filter (about 3 microseconds a cell) is skipped; the
-# ranking by label quality, which is vectorised, still covers every image.
+# Above this many (image, class) cells, or this many classes, cleanlab's filter (about 3 microseconds a cell,
+# and 15 ms a class: it runs one binary filter per class) is skipped; the ranking by label quality, which is
+# vectorised, still covers every image.
 MAX_FILTER_CELLS = 20_000_000
+MAX_FILTER_CLASSES = 1_000
 # PR curves are drawn with at most this many points.
 MAX_CURVE_POINTS = 200
 
@@ -314,35 +316,45 @@ def pr_curve(
 
 
 def confident_errors(
-    predictions: ValPredictions, rows: np.ndarray, per_class: int, overall: int
+    predictions: ValPredictions, rows: np.ndarray, per_class: int, overall: int, classes: Collection[int]
 ) -> tuple[dict[str, list[ErrorCase]], dict[str, dict[int, list[ErrorCase]]]]:
     """The most confident false positives (``"fp"``) and false negatives (``"fn"``) among the validation
-    rows ``rows``: the ``overall`` largest margins of all classes, and the ``per_class`` largest of each
-    class (``{kind: {cls: cases}}``). Ties are broken by row, then class."""
+    rows ``rows`` (ascending): the ``overall`` largest margins of all classes, and the ``per_class`` largest
+    of each of ``classes`` (``{kind: {cls: cases}}``). Ties are broken by row, then class. The candidates
+    stay arrays until they are chosen, so a column costs numpy's work only (75,000 classes)."""
     scores, labels, thresholds = predictions.scores, predictions.labels, predictions.thresholds
-    tops: dict[str, dict[int, list[ErrorCase]]] = {"fp": {}, "fn": {}}
+    wanted = np.asarray(sorted(classes), dtype=np.int64)
     keep = max(per_class, overall)
+    empty = (np.empty(0), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+    best = {"fp": empty, "fn": empty}  # the overall candidates so far: (margin, row, class)
+    per_class_cases: dict[str, dict[int, list[ErrorCase]]] = {"fp": {}, "fn": {}}
     for start in range(0, scores.shape[1], COLUMN_BLOCK):
         block = slice(start, start + COLUMN_BLOCK)
         margin = scores[rows, block].astype(np.float64) - thresholds[None, block]
         block_labels = labels[rows, block]
+        columns = np.arange(start, start + margin.shape[1])
         for kind, wrong, key in (
             ("fp", (block_labels == 0) & (margin >= 0), margin),
             ("fn", (block_labels == 1) & (margin < 0), -margin),
         ):
             key = np.where(wrong, key, -1.0)  # every error's key is >= 0
-            order = np.argsort(-key, axis=0, kind="stable")[:keep]
-            for j in range(key.shape[1]):
-                cases = [ErrorCase(int(rows[r]), start + j, float(key[r, j])) for r in order[:, j]]
-                tops[kind][start + j] = [case for case in cases if case.margin >= 0]
+            order = np.argsort(-key, axis=0, kind="stable")[:keep]  # (keep, width), ties by row
+            top = np.take_along_axis(key, order, axis=0)
+            error = top >= 0
+            found = (top[error], rows[order[error]], np.broadcast_to(columns, top.shape)[error])
+            merged = [np.concatenate(pair) for pair in zip(best[kind], found, strict=True)]
+            chosen = np.lexsort((merged[2], merged[1], -merged[0]))[:overall]
+            best[kind] = tuple(values[chosen] for values in merged)
+            for c in wanted[(wanted >= start) & (wanted < columns[-1] + 1)].tolist():
+                j = c - start
+                per_class_cases[kind][c] = [
+                    ErrorCase(int(rows[r]), c, float(k))
+                    for r, k in zip(order[:per_class, j], top[:per_class, j], strict=True)
+                    if k >= 0
+                ]
     overall_cases = {
-        kind: sorted(
-            (case for cases in by_class.values() for case in cases), key=lambda e: (-e.margin, e.row, e.cls)
-        )[:overall]
-        for kind, by_class in tops.items()
-    }
-    per_class_cases = {
-        kind: {c: cases[:per_class] for c, cases in by_class.items()} for kind, by_class in tops.items()
+        kind: [ErrorCase(int(r), int(c), float(k)) for k, r, c in zip(*best[kind], strict=True)]
+        for kind in best
     }
     return overall_cases, per_class_cases
 
@@ -353,8 +365,9 @@ def label_issues(
     """The ``count`` validation rows (of ``rows``) whose given labels cleanlab finds least likely, lowest
     label quality first (``get_label_quality_scores``), the rows its filter flags (``find_label_issues``)
     before the others; and how many it flags (-1 when the filter was skipped: over
-    :data:`MAX_FILTER_CELLS` cells). Where cleanlab cannot rank these labels at all (it needs at least two
-    classes among the given labels: a tiny validation set), no issue and cleanlab's reason."""
+    :data:`MAX_FILTER_CELLS` cells or :data:`MAX_FILTER_CLASSES` classes). Where cleanlab cannot rank these
+    labels at all (it needs at least two classes among the given labels: a tiny validation set), no issue
+    and cleanlab's reason."""
     from cleanlab.multilabel_classification import filter as cleanlab_filter
     from cleanlab.multilabel_classification import rank
 
@@ -362,7 +375,7 @@ def label_issues(
     given = predictions.labels[rows] == 1
     labels = [np.flatnonzero(row).tolist() for row in given]
     flagged = np.zeros(len(rows), dtype=bool)
-    filtered = probs.size <= MAX_FILTER_CELLS
+    filtered = probs.size <= MAX_FILTER_CELLS and probs.shape[1] <= MAX_FILTER_CLASSES
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "too few examples in class ..." for each rare class
         try:

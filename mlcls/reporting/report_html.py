@@ -6,7 +6,9 @@ The thumbnails travel in one JSON block (each image once), which the script sets
 ``<img data-thumb>``; once all have loaded or failed, it records on ``<body>`` ``data-images-total``,
 ``data-images-loaded``, ``data-page-height`` and ``data-end-bottom`` (of ``#report-end``) for a browser test.
 A click on a header of a :func:`sortable_table` sorts by that column (again: the other way), undefined values
-last; ``#sort=<key>[,<key>...]`` in the URL clicks those headers in turn.
+last; ``#sort=<key>[,<key>...]`` in the URL clicks those headers in turn. The search box of
+:func:`class_search` lists the classes whose name holds what is typed (``#search=<text>`` in the URL types
+it), and records their number as ``data-search-matches``.
 """
 
 from __future__ import annotations
@@ -100,6 +102,38 @@ SCRIPT = """
     if (target && target.tagName === 'DETAILS') target.open = true;
   }
   window.addEventListener('hashchange', openTarget); openTarget();
+  const index = document.getElementById('class-index');
+  if (index) {
+    const classes = JSON.parse(index.textContent), box = document.getElementById('class-search');
+    const found = document.getElementById('class-search-results');
+    const note = document.getElementById('class-search-note'), shown = parseInt(found.dataset.shown, 10);
+    const names = classes.name.map(name => name.toLowerCase());
+    function search() {
+      const query = box.value.trim().toLowerCase(), rows = found.tBodies[0];
+      rows.replaceChildren();
+      let matches = 0;
+      for (let c = 0; query && c < names.length; c++) {
+        if (!names[c].includes(query) || matches++ >= shown) continue;
+        const row = rows.insertRow(), name = row.insertCell();
+        if (document.getElementById('class-' + c)) {
+          const link = name.appendChild(document.createElement('a'));
+          link.href = '#class-' + c; link.textContent = classes.name[c];
+        } else name.textContent = classes.name[c];
+        const ap = classes.ap[c] === null ? '\u2013' : classes.ap[c].toFixed(1);
+        [ap, String(classes.positives[c])].forEach(text => {
+          const cell = row.insertCell(); cell.className = 'n'; cell.textContent = text;
+        });
+      }
+      found.hidden = matches === 0;
+      note.textContent = !query ? '' : matches > shown ? matches + ' classes match; the first ' + shown +
+        ' shown' : matches + (matches === 1 ? ' class matches' : ' classes match');
+      body.dataset.searchMatches = matches;
+    }
+    box.addEventListener('input', search);
+    const asked = /^#search=(.*)$/.exec(location.hash);
+    if (asked) box.value = decodeURIComponent(asked[1]);
+    search();
+  }
   Promise.all(loaded).then(() => {
     body.dataset.imagesTotal = images.length;
     body.dataset.imagesLoaded = images.filter(img => img.complete && img.naturalWidth > 0).length;
@@ -113,13 +147,15 @@ SCRIPT = """
 
 @dataclass(frozen=True)
 class Card:
-    """A gallery card: the thumbnail ``thumb`` (a key of the page's thumbnails, or None: unreadable image),
-    ``image`` (the file, shown short, in full on hover), the error line ``headline`` and text ``lines``."""
+    """A gallery card: the thumbnail ``thumb`` (a key of the page's thumbnails, or None: no image, for the
+    reason ``missing``), ``image`` (the file, shown short, in full on hover), the error line ``headline`` and
+    text ``lines``."""
 
     thumb: str | None
     image: str
     headline: str
     lines: tuple[str, ...]
+    missing: str = "unreadable image"
 
 
 def escape(text: object) -> str:
@@ -129,18 +165,27 @@ def escape(text: object) -> str:
 class Thumbnails:
     """JPEG thumbnails, at most ``side`` pixels a side, of ``dataset``'s samples as ``data:`` URIs
     (``uris``, by key), each made once. The image is the dataset's ``picture`` (read through
-    :func:`mlcls.data.images.read_image`: a regular file within ``CAPS["image"]``, its pixels bounded)."""
+    :func:`mlcls.data.images.read_image`: a regular file within ``CAPS["image"]``, its pixels bounded).
+    Once the URIs hold ``max_bytes`` (None: no limit), further samples get none and are ``omitted``: the
+    page's size stays bounded however many cards it shows, the first cards keeping their images."""
 
-    def __init__(self, dataset: Any, side: int) -> None:
-        self.dataset, self.side = dataset, side
+    def __init__(self, dataset: Any, side: int, max_bytes: int | None = None) -> None:
+        self.dataset, self.side, self.max_bytes = dataset, side, max_bytes
         self.uris: dict[str, str] = {}
+        self.omitted: set[int] = set()
         self._keys: dict[int, str | None] = {}
+        self._bytes = 0
 
     def key(self, index: int) -> str | None:
-        """The key of sample ``index``'s thumbnail; None, and a log line, when its image cannot be read."""
+        """The key of sample ``index``'s thumbnail; None when its image cannot be read (and a log line) or
+        the thumbnails are full (``omitted``)."""
         if index in self._keys:
             return self._keys[index]
         key = None
+        if self.max_bytes is not None and self._bytes >= self.max_bytes:
+            self.omitted.add(index)
+            self._keys[index] = None
+            return None
         try:
             image = self.dataset.picture(index)
         except (*BAD_IMAGE_ERRORS, BadImageError) as exc:
@@ -151,6 +196,7 @@ class Thumbnails:
             image.convert("RGB").save(buffer, format="JPEG", quality=85)
             key = f"t{len(self.uris)}"
             self.uris[key] = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+            self._bytes += len(self.uris[key])
         self._keys[index] = key
         return key
 
@@ -293,9 +339,15 @@ def sortable_table(
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def class_table(rows: Sequence[Mapping[str, object]], detailed: set[int]) -> str:
-    """The per-class table (``id="classes"``), in the order of ``rows``; each class of ``detailed`` links
-    to its details."""
+def class_table(
+    rows: Sequence[Mapping[str, object]],
+    detailed: set[int],
+    table_id: str = "classes",
+    sorted_by: str | None = "ap",
+) -> str:
+    """A per-class table (``id=table_id``), in the order of ``rows`` (:func:`class_rows`' dicts), which is
+    ascending by the column ``sorted_by`` (None: no column's order); each class of ``detailed`` links to its
+    details."""
     cells = []
     for row in rows:
         name = escape(row["name"])
@@ -307,7 +359,34 @@ def class_table(rows: Sequence[Mapping[str, object]], detailed: set[int]) -> str
             text = str(int(value)) if key in ("positives", "fp", "fn") else number(value, digits)
             shown.append((text, repr(value), "n"))
         cells.append(shown)
-    return sortable_table("classes", CLASS_COLUMNS, cells, sorted_by="ap")
+    return sortable_table(table_id, CLASS_COLUMNS, cells, sorted_by)
+
+
+def class_search(rows: Sequence[Mapping[str, object]], shown: int) -> str:
+    """A search box over every class of ``rows`` (a case-insensitive substring of the name): the page's
+    script lists the first ``shown`` matches, in class order, with their AP and validation positives, from
+    one compact JSON block (``id="class-index"``: the names, AP % to one decimal or null, and positives, in
+    class order; about 22 bytes a class), so that the page need not hold a row per class."""
+    ordered = sorted(rows, key=lambda row: row["cls"])
+    index = {
+        "name": [str(row["name"]) for row in ordered],
+        "ap": [None if math.isnan(row["ap"]) else round(float(row["ap"]), 1) for row in ordered],
+        "positives": [int(row["positives"]) for row in ordered],
+    }
+    head = "<tr><th>class</th><th>AP %</th><th>val. positives</th></tr>"
+    return (
+        '<p><input id="class-search" type="search" placeholder="Search all classes" '
+        f'aria-label="search all classes"> <span class="note" id="class-search-note"></span></p>'
+        f'<table id="class-search-results" data-shown="{shown}" hidden><thead>{head}</thead><tbody></tbody>'
+        f"</table>{json_block('class-index', index)}"
+    )
+
+
+def json_block(element_id: str, value: object) -> str:
+    """``value`` as compact JSON in a ``<script type="application/json">`` the page's script reads; every
+    ``<`` escaped, so that no text in it (a class named ``</script>``) can end the block."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
+    return f'<script type="application/json" id="{element_id}">{text}</script>'
 
 
 def gallery(cards: Sequence[Card], empty: str) -> str:
@@ -320,7 +399,7 @@ def gallery(cards: Sequence[Card], empty: str) -> str:
         image = (
             f'<img data-thumb="{escape(card.thumb)}" alt="{escape(short)}" title="{escape(card.image)}">'
             if card.thumb is not None
-            else '<div class="missing">unreadable image</div>'
+            else f'<div class="missing">{escape(card.missing)}</div>'
         )
         lines = "".join(f"<br>{escape(line)}" for line in card.lines)
         shown.append(
@@ -344,7 +423,6 @@ def page(
         f'<section id="{escape(sid)}">{f"<h2>{escape(heading)}</h2>" if heading else ""}{inner}</section>'
         for sid, heading, inner in sections
     )
-    thumbs_json = json.dumps(dict(thumbs)).replace("</", "<\\/")
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
@@ -352,6 +430,6 @@ def page(
         f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"
         f"<header><h1>{escape(title)}</h1><p>{escape(subtitle)}</p></header><main>{body}</main>"
         f'<footer id="report-end">{escape(footer)}</footer>'
-        f'<script type="application/json" id="thumbs">{thumbs_json}</script>'
+        f"{json_block('thumbs', dict(thumbs))}"
         f"<script>{SCRIPT}</script></body></html>\n"
     )
