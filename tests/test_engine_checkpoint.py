@@ -37,6 +37,7 @@ from mlcls.errors import ConfigError, InferenceError
 from mlcls.inference.predictor import load_inference_model
 from mlcls.inference.released import read_released
 from mlcls.io import FileTooLargeError, NotRegularFileError, UnsafeFileError, open_regular, read_regular_bytes
+from mlcls.models.factory import create_model
 from mlcls.text.clip import load_weights
 from mlcls.torchfile import MAX_NESTING, PICKLE_OBJECTS, check_nesting, check_pickle, open_checkpoint
 
@@ -192,6 +193,9 @@ def reader_outcome(reader: str, path: Path) -> str:
         "predict": load_inference_model,
         "released": read_released,
         "clip": load_weights,
+        "weights": lambda path: create_model(
+            "test_resnet", 2, checkpoint_path=str(path)
+        ),  # model.checkpoint_path
     }
     try:
         readers[reader](Path(path))
@@ -201,7 +205,7 @@ def reader_outcome(reader: str, path: Path) -> str:
     return "loaded"
 
 
-READERS = ["checkpoint", "predict", "released", "clip"]
+READERS = ["checkpoint", "predict", "released", "clip", "weights"]
 
 
 @pytest.mark.slow
