@@ -337,3 +337,42 @@ def test_a_saved_fold_is_checked_before_it_is_loaded(tmp_path: Path) -> None:
             and reason in message
         )
         assert "\n" not in message and peak < 32 << 20, (message, peak)
+
+
+@pytest.mark.parametrize(
+    ("extra", "recipe"),
+    [
+        (["model.pretrained=true"], True),
+        (["model.pretrained=true", "recipe=none"], False),
+        (["model.pretrained=true", "experiment=demo"], False),
+        (["model.pretrained=false"], False),
+    ],
+    ids=["from-weights", "told-otherwise", "another-experiment", "from-scratch"],
+)
+def test_folds_that_start_from_weights_take_the_fine_tune_recipe(
+    monkeypatch, tmp_path: Path, capsys, extra, recipe
+):
+    """Started from weights, the folds train with experiment=finetune's schedule and augmentation unless told
+    otherwise; what the command line sets still wins (its rates, its epochs). The folds' probabilities are
+    given, not trained: the test reads the config the folds would train with."""
+    from conftest import compose_config
+
+    import mlcls.reporting.audit as audit_module
+
+    write_hostile_csv(tmp_path / "data")
+    seen = []
+    monkeypatch.setattr(
+        audit_module,
+        "out_of_sample_probabilities",
+        lambda cfg, num_rows, *args: seen.append(cfg) or np.full((num_rows, 4), 0.5, np.float32),
+    )
+    argv = [arg for arg in audit_argv(tmp_path / "data", tmp_path / "out") if arg != "model.pretrained=false"]
+    assert main([*argv, *extra]) == 0
+    (cfg,) = seen
+    finetune = compose_config(["experiment=finetune"])
+    assert (cfg.sched.decay_start == finetune.sched.decay_start) is recipe
+    assert (cfg.model.classifier_init == "torch") is recipe
+    assert (cfg.optim.lr_head, cfg.trainer.epochs) == (5e-3, EPOCHS)  # the command line's
+    printed = capsys.readouterr()
+    assert ("the folds start from weights: experiment=finetune" in printed.out) is recipe
+    assert "what helps: experiment=finetune" in printed.err  # 0.5 everywhere: an mAP below the level
