@@ -39,7 +39,9 @@ DISTRACTORS = ("camera", "coins", "moon", "brick", "grass", "gravel", "clock", "
 CELL = 64  # px of a mosaic cell; an image is 2 x 2 cells
 CLASS_SHARE = 0.6  # probability that a cell shows a class photograph
 CROP_SIDES = (0.15, 0.35)  # a crop's side as a share of the photograph's shorter side
-TRAIN_COLUMNS = 0.6  # training crops lie in this share of each photograph's columns, validation crops right of it
+TRAIN_COLUMNS = (
+    0.6  # training crops lie in this share of each photograph's columns, validation crops right of it
+)
 
 
 def photograph(source: str, name: str) -> np.ndarray:

@@ -375,3 +375,40 @@ def test_the_published_presets_are_not_told(caplog, resnet10t, preset):
         OmegaConf.set_struct(cfg, False)
         del cfg["protocol"]
         assert len(note_lines(caplog, cfg, resnet10t, PUBLISHED[preset])) == 1
+
+
+# ------------------------------------------------------------------------------------- experiment=finetune
+def config_names(group: str) -> list[str]:
+    return sorted(path.stem for path in (config_dir() / group).glob("*.yaml") if path.stem != "base")
+
+
+def test_finetune_composes_with_every_dataset_head_and_loss():
+    """experiment=finetune beside each dataset (13 compositions), the heads and losses taken in turn, each
+    passing the config check with the recipe's schedule, rates and augmentation; a zero-shot dataset with a
+    text-query head, EPR and ROLE with the expected positives they need whatever the recipe. The losses left
+    out are configs of their own group alone (no ``@package _global_``), which the recipe cannot meet."""
+    datasets, heads, losses = config_names("dataset"), config_names("model/head"), config_names("loss")
+    for loss in losses:
+        assert "_global_" not in (config_dir() / "loss" / f"{loss}.yaml").read_text(), loss
+    text_heads = [head for head in heads if head in ("cosine", "mldecoder_zsl")]
+    for index, dataset in enumerate(datasets):
+        loss = losses[(index * 3) % len(losses)]
+        head = text_heads[index % 2] if dataset.endswith("_zsl") else heads[index % len(heads)]
+        extra = ["loss.expected_positives=2"] if loss in ("epr", "role") else []
+        overrides = [
+            "experiment=finetune",
+            f"dataset={dataset}",
+            f"model/head={head}",
+            f"loss={loss}",
+            *extra,
+        ]
+        cfg = compose_config(overrides)
+        check_config(cfg, world_size=1)
+        assert (cfg.sched.decay_start, cfg.optim.lr_head, cfg.optim.lr_backbone) == (0.75, 1e-3, 1e-4), (
+            overrides
+        )
+        assert (cfg.dataset.transform, cfg.model.classifier_init, cfg.model.head.name) == (
+            "crop",
+            "torch",
+            head,
+        )

@@ -50,9 +50,9 @@ HELPFUL_MAP = 70.0
 # What helps folds that start from weights reach it (docs/report.md, "The label audit"): the fine-tune recipe,
 # which mlcls-data audit takes for them unless told otherwise (:func:`fold_overrides`), and more epochs.
 HELPFUL_SETTINGS = (
-    "experiment=finetune (the rate held until a late decay, the head's 10x the backbone's, "
-    "dataset.transform=light), more epochs (trainer.epochs), and ImageNet weights (model.pretrained=true, "
-    "model.checkpoint_path) or a trained model (model.init_from)"
+    "experiment=finetune (the rate held until a late decay, the head's 10x the backbone's, a small new "
+    "classifier, dataset.transform=crop), more epochs (trainer.epochs), and ImageNet weights "
+    "(model.pretrained=true, model.checkpoint_path) or a trained model (model.init_from)"
 )
 FINETUNE = "experiment=finetune"
 RECIPES = ("auto", "none")  # recipe=: auto: FINETUNE for folds that start from weights; none: as composed
