@@ -355,12 +355,10 @@ def test_folds_that_start_from_weights_take_the_fine_tune_recipe(monkeypatch, tm
     argv = [arg for arg in audit_argv(tmp_path / "data", tmp_path / "out") if arg != "model.pretrained=false"]
     assert main([*argv, "model.pretrained=true"]) == 0
     (cfg,) = seen
-    assert (cfg.sched.decay_start, cfg.model.classifier_init, cfg.dataset.transform) == (
-        0.75,
-        "torch",
-        "crop",
-    )
-    assert (cfg.optim.lr_head, cfg.trainer.epochs) == (5e-3, EPOCHS)  # the command line's
+    recipe = (cfg.sched.decay_start, cfg.sched.warmup_epochs, cfg.model.classifier_init)
+    assert recipe == (0.75, 1, "torch")
+    given = (cfg.optim.lr_head, cfg.trainer.epochs, cfg.dataset.transform)
+    assert given == (5e-3, EPOCHS, "light")  # the command line's
     printed = capsys.readouterr()
     assert "the folds start from weights: experiment=finetune (recipe=none keeps" in printed.out
     assert "what helps: experiment=finetune" in printed.err  # 0.5 everywhere: an mAP below the level
