@@ -20,7 +20,7 @@ from PIL import Image
 from sklearn.metrics import average_precision_score
 from torchvision import transforms as T
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # minutes of training: make test-long
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "photo_mosaics.py"
 EPOCHS, BATCH, SIZE = 12, 16, 128
