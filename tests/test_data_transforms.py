@@ -127,6 +127,20 @@ def test_strong_evaluates_on_a_squash_resize_without_crop() -> None:
     torch.testing.assert_close(out, reference)
 
 
+def test_crop_trains_on_torchvisions_random_resized_crop_and_flip_alone() -> None:
+    """``crop`` (experiment=finetune): the draw of torchvision's own RandomResizedCrop (its default scales)
+    and flip from the same seed, no colour change; evaluated on the whole image (EVAL_GEOMETRY)."""
+    from torchvision import transforms as T
+
+    image = Image.fromarray(np.random.default_rng(2).integers(0, 256, (90, 150, 3), dtype=np.uint8))
+    reference = T.Compose([T.RandomResizedCrop(SIZE), T.RandomHorizontalFlip(), T.ToTensor()])
+    for seed in range(4):
+        torch.manual_seed(seed)
+        out = build_transform("crop", SIZE, train=True, mean=[0, 0, 0], std=[1, 1, 1])(image)
+        torch.manual_seed(seed)
+        assert torch.equal(out, reference(image))
+
+
 @pytest.mark.parametrize("backend", ["torchvision", "fast"])
 def test_strong_is_a_function_of_the_sample_seed(backend: str, jpegs: list[Path]) -> None:
     """Same seed, same tensor (whatever the generators held before); another seed, another tensor; the
@@ -165,10 +179,11 @@ EVAL_GEOMETRY = {
     "paper": ((91, 55), (22, 4, 70, 52)),
     "light": ((SIZE, SIZE), None),
     "strong": ((SIZE, SIZE), None),
+    "crop": ((SIZE, SIZE), None),
 }
 
 
-@pytest.mark.parametrize("kind", ["paper", "light", "strong"])
+@pytest.mark.parametrize("kind", ["paper", "light", "strong", "crop"])
 def test_eval_transform_with_mean_0_and_std_1_gives_the_pixels_over_255(kind: str) -> None:
     """``dataset.mean=[0,0,0] dataset.std=[1,1,1]`` (the ML-Decoder presets): the network sees the resized
     pixels scaled to [0, 1], exactly, against PIL's resize and NumPy's division."""

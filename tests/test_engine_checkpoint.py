@@ -37,6 +37,7 @@ from mlcls.errors import ConfigError, InferenceError
 from mlcls.inference.predictor import load_inference_model
 from mlcls.inference.released import read_released
 from mlcls.io import FileTooLargeError, NotRegularFileError, UnsafeFileError, open_regular, read_regular_bytes
+from mlcls.models.factory import create_model
 from mlcls.text.clip import load_weights
 from mlcls.torchfile import MAX_NESTING, PICKLE_OBJECTS, check_nesting, check_pickle, open_checkpoint
 
@@ -192,6 +193,9 @@ def reader_outcome(reader: str, path: Path) -> str:
         "predict": load_inference_model,
         "released": read_released,
         "clip": load_weights,
+        "weights": lambda path: create_model(
+            "test_resnet", 2, checkpoint_path=str(path)
+        ),  # model.checkpoint_path
     }
     try:
         readers[reader](Path(path))
@@ -201,7 +205,7 @@ def reader_outcome(reader: str, path: Path) -> str:
     return "loaded"
 
 
-READERS = ["checkpoint", "predict", "released", "clip"]
+READERS = ["checkpoint", "predict", "released", "clip", "weights"]
 
 
 @pytest.mark.slow
@@ -209,7 +213,8 @@ def test_a_second_directory_that_zipfile_reads_is_refused_by_every_reader(tmp_pa
     """torch's reader follows the end record to the deflated directory (64 MiB of zeros in 65 kB) while
     Python's zipfile reads a stored copy just before the end record: refused by each reader, within 48 MB.
     Before: zipfile's view passed the member checks and torch unpacked the 64 MiB tensor, "can't allocate
-    memory" under the cap in every reader (the issue's mlcls-predict: 2.68 GB RSS from a 2 MB file)."""
+    memory" under the cap in every reader (the issue's mlcls-predict: 2.68 GB RSS from a 2 MB file); the
+    weights of model.checkpoint_path, read by timm's torch.load, the same "can't allocate" of 64 MiB."""
     path = tmp_path / "best.pt"
     path.write_bytes(
         two_directories(rezip(saved({"model": {"w": torch.zeros(2**24)}}), zipfile.ZIP_DEFLATED))
@@ -236,7 +241,8 @@ def test_a_pickle_that_builds_more_than_it_holds_is_refused_by_every_reader(tmp_
     """Before: 3 MB of empty dicts built 3 million (a MemoryError under 160 MB; the issue's 30 MB of them
     3.14 GB); a list nested 10,000 deep in the config (the issue's: 300,000) loaded, then a RecursionError
     traceback in its deep copy; a tuple key nested 10,000 deep a RecursionError too (300,000 deep: a
-    segmentation fault hashing it)."""
+    segmentation fault hashing it). As model.checkpoint_path (timm's torch.load, before): a MemoryError for
+    the dicts, the nested list and tuple loaded."""
     path = tmp_path / "best.pt"
     path.write_bytes(with_pickle(saved(STATE), data_pkl))
     for reader in READERS:
@@ -293,7 +299,8 @@ def test_keys_that_name_one_stored_member_many_times_are_refused_by_every_reader
     """torch loads a storage once per key of data.pkl, and its reader (miniz) finds a member ignoring case
     and up to a NUL: 16 keys for one 16 MiB member read it 16 times. Before: the door passed both files;
     the NUL keys could not be allocated under 160 MB, and 32 case variants made mlcls-import hold 520 MiB
-    more from a 16 MiB file. The single key passes the door."""
+    more from a 16 MiB file; model.checkpoint_path's (timm's torch.load, before) could not allocate 16 MiB
+    under 160 MB. The single key passes the door."""
     path = tmp_path / "best.pt"
     path.write_bytes(aliased_storages(["abcde"], "abcde", 2**22))
     open_checkpoint(path).close()

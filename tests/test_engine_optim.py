@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
@@ -158,27 +159,36 @@ def test_any_torch_optimizer_with_its_own_keywords(resnet10t):
     assert not {"lr_head", "lr_backbone", "norm_weight_decay"} & set(optimizer.defaults)
 
 
-def paper_cosine_lr(base_lr: float, iteration: int, total: int, warmup: int, floor: float) -> float:
-    """The per-iteration cosine decay in float64, after a linear warm-up from base_lr / warmup."""
+def paper_cosine_lr(
+    base_lr: float, iteration: int, total: int, warmup: int, floor: float, held: int = 0
+) -> float:
+    """The per-iteration cosine decay in float64, after a linear warm-up from base_lr / warmup and ``held``
+    iterations at base_lr."""
     if iteration < warmup:
         return base_lr * (iteration + 1) / warmup
-    t = np.float64(min(iteration - warmup, total - warmup)) / np.float64(total - warmup)
+    start = warmup + held
+    if iteration < start:
+        return base_lr
+    t = np.float64(min(iteration - start, total - start)) / np.float64(total - start)
     return float(base_lr * (floor + (1 - floor) * (1 + np.cos(np.pi * t)) / 2))
 
 
-@pytest.mark.parametrize(("warmup", "floor"), [(0, 0.0), (5, 0.1)])
-def test_cosine_schedule_follows_the_per_iteration_formula(resnet10t, warmup, floor):
+@pytest.mark.parametrize(
+    ("warmup", "floor", "decay_start", "held"), [(0, 0.0, 0.0, 0), (5, 0.1, 0.0, 0), (5, 0.1, 0.75, 26)]
+)
+def test_cosine_schedule_follows_the_per_iteration_formula(resnet10t, warmup, floor, decay_start, held):
+    """``held``: the iterations at the full rate, three quarters of the 35 after the warm-up."""
     optimizer = build_optimizer(optim_config("sgd", norm_weight_decay=0.0), resnet10t)
     total = 40
     cfg = sched_config(
-        warmup_epochs=warmup, min_lr_ratio=floor
+        warmup_epochs=warmup, min_lr_ratio=floor, decay_start=decay_start
     )  # one iteration per epoch: epochs = iterations
     scheduler = build_scheduler(cfg, optimizer, total)
     for iteration in range(total + 3):  # past the end the lr stays at the floor
         lrs = group_lrs(optimizer)
         for part, base in (("head", 0.01), ("backbone", 0.001)):
             assert math.isclose(
-                lrs[part], paper_cosine_lr(base, iteration, total, warmup, floor), rel_tol=1e-12
+                lrs[part], paper_cosine_lr(base, iteration, total, warmup, floor, held), rel_tol=1e-12
             )
         assert len({g["lr"] for g in optimizer.param_groups if g["name"].startswith("backbone")}) == 1
         optimizer.step()
@@ -250,6 +260,7 @@ def test_demo_adamw_exempts_norm_and_bias_and_the_paper_keeps_one_decay():
         (["optim._target_=torch.nn.Identity", "~optim.betas"], "is not a torch optimizer class"),
         (["sched.warmup_epochs=-3"], "sched.warmup_epochs=-3; expected a number >= 0"),
         (["sched.min_lr_ratio=2"], "min_lr_ratio=2; expected a number in [0, 1]"),
+        (["sched.decay_start=-0.5"], "decay_start=-0.5; expected a number in [0, 1]"),
         (["sched=onecycle", "sched.pct_start=1.5"], "pct_start=1.5; expected a number in (0, 1)"),
     ],
 )
@@ -317,3 +328,87 @@ def test_mldecoder_recipe_decays_exactly_the_parameters_its_release_decays():
         if param.requires_grad:
             assert decay[id(param)] == (0.0 if param.ndim == 1 else 1e-4), name
     assert [g["name"] for g in groups] == ["head", "head_norm_bias", "backbone", "backbone_norm_bias"]
+
+
+# ------------------------------------------------------------------------------------ a short run says so
+def note_lines(caplog, cfg, model: nn.Module, iters_per_epoch: int) -> list[str]:
+    """The lines of the short-run note that building ``cfg``'s optimization logs."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        build_optimization(cfg, model, iters_per_epoch)
+    return [record.getMessage() for record in caplog.records if "experiment=finetune" in record.getMessage()]
+
+
+def test_a_short_default_run_says_what_its_decay_costs_and_the_fine_tune_recipe_does_not(caplog, resnet10t):
+    """The tiny default run (2 epochs of 6 iterations) is told in one line the share of a constant rate's
+    learning its cosine gives (the reference: the mean of the float64 formula); experiment=finetune's
+    schedule over the same iterations holds its rate and is not told."""
+    default = compose_config(TINY)
+    lines = note_lines(caplog, default, resnet10t, 6)
+    share = np.mean([paper_cosine_lr(1.0, iteration, 12, 0, 0.0) for iteration in range(12)])
+    assert len(lines) == 1 and f"gives {share:.0%} of the learning of a constant rate" in lines[0], lines
+    assert "over this run's 12 iterations" in lines[0]
+    assert note_lines(caplog, compose_config([*TINY, "experiment=finetune"]), resnet10t, 6) == []
+    long_run = compose_config([*TINY, "trainer.epochs=200"])  # 1,200 iterations: no longer short
+    assert note_lines(caplog, long_run, resnet10t, 6) == []
+
+
+# The presets that reproduce a published protocol, each with the iterations per epoch of the smallest dataset
+# it is run on: VOC 2007's 5,011 training images in batches of 512 (the paper's tables), 16 (the
+# single-positive benchmark); MS-COCO's 82,081 in batches of 56 (ML-Decoder's recipe).
+PUBLISHED = {
+    **{f"paper_{loss}": 10 for loss in ("asl", "bce", "focal", "joint", "multisim", "softmax", "twoway")},
+    "paper": 10,
+    "spml_an": 314,
+    "mldecoder_coco": 1466,
+    "twoway_mldecoder_coco": 1466,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_the_published_presets_are_not_told(caplog, resnet10t, preset):
+    """The paper's presets decay to zero over 400 iterations on VOC 2007 and run as published (their protocol
+    block); without it the line would come. ML-Decoder's recipe on MS-COCO is long."""
+    cfg = compose_config([f"experiment={preset}"])
+    assert note_lines(caplog, cfg, resnet10t, PUBLISHED[preset]) == []
+    if preset == "paper":
+        OmegaConf.set_struct(cfg, False)
+        del cfg["protocol"]
+        assert len(note_lines(caplog, cfg, resnet10t, PUBLISHED[preset])) == 1
+
+
+# ------------------------------------------------------------------------------------- experiment=finetune
+def config_names(group: str) -> list[str]:
+    return sorted(path.stem for path in (config_dir() / group).glob("*.yaml") if path.stem != "base")
+
+
+def test_finetune_composes_with_every_dataset_head_and_loss():
+    """experiment=finetune beside each dataset (13 compositions), the heads and losses taken in turn, each
+    passing the config check with the recipe's schedule, rates and augmentation; a zero-shot dataset with a
+    text-query head, EPR and ROLE with the expected positives they need whatever the recipe. The losses left
+    out are configs of their own group alone (no ``@package _global_``), which the recipe cannot meet."""
+    datasets, heads, losses = config_names("dataset"), config_names("model/head"), config_names("loss")
+    for loss in losses:
+        assert "_global_" not in (config_dir() / "loss" / f"{loss}.yaml").read_text(), loss
+    text_heads = [head for head in heads if head in ("cosine", "mldecoder_zsl")]
+    for index, dataset in enumerate(datasets):
+        loss = losses[(index * 3) % len(losses)]
+        head = text_heads[index % 2] if dataset.endswith("_zsl") else heads[index % len(heads)]
+        extra = ["loss.expected_positives=2"] if loss in ("epr", "role") else []
+        overrides = [
+            "experiment=finetune",
+            f"dataset={dataset}",
+            f"model/head={head}",
+            f"loss={loss}",
+            *extra,
+        ]
+        cfg = compose_config(overrides)
+        check_config(cfg, world_size=1)
+        assert (cfg.sched.decay_start, cfg.optim.lr_head, cfg.optim.lr_backbone) == (0.75, 1e-3, 1e-4), (
+            overrides
+        )
+        assert (cfg.dataset.transform, cfg.model.classifier_init, cfg.model.head.name) == (
+            "crop",
+            "torch",
+            head,
+        )

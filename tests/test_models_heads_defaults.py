@@ -37,6 +37,7 @@ def test_the_composed_config_takes_each_heads_warmup_from_the_heads_config(head,
         "_partial_": True,
         "warmup_epochs": None,
         "min_lr_ratio": 0.0,
+        "decay_start": 0.0,
     }
     assert (cfg.model.head.name, cfg.model.head.warmup_epochs) == (head, epochs)
     check_config(cfg, world_size=1)

@@ -337,3 +337,47 @@ def test_a_saved_fold_is_checked_before_it_is_loaded(tmp_path: Path) -> None:
             and reason in message
         )
         assert "\n" not in message and peak < 32 << 20, (message, peak)
+
+
+def test_folds_that_start_from_weights_take_the_fine_tune_recipe(monkeypatch, tmp_path: Path, capsys) -> None:
+    """Started from weights, the folds train with experiment=finetune's schedule, classifier and augmentation;
+    what the command line sets still wins (its rates, its epochs). The folds' probabilities are given, not
+    trained: the test reads the config the folds would train with."""
+    import mlcls.reporting.audit as audit_module
+
+    write_hostile_csv(tmp_path / "data")
+    seen = []
+    monkeypatch.setattr(
+        audit_module,
+        "out_of_sample_probabilities",
+        lambda cfg, num_rows, *args: seen.append(cfg) or np.full((num_rows, 4), 0.5, np.float32),
+    )
+    argv = [arg for arg in audit_argv(tmp_path / "data", tmp_path / "out") if arg != "model.pretrained=false"]
+    assert main([*argv, "model.pretrained=true"]) == 0
+    (cfg,) = seen
+    recipe = (cfg.sched.decay_start, cfg.sched.warmup_epochs, cfg.model.classifier_init)
+    assert recipe == (0.75, 1, "torch")
+    given = (cfg.optim.lr_head, cfg.trainer.epochs, cfg.dataset.transform)
+    assert given == (5e-3, EPOCHS, "light")  # the command line's
+    printed = capsys.readouterr()
+    assert "the folds start from weights: experiment=finetune (recipe=none keeps" in printed.out
+    assert "what helps: experiment=finetune" in printed.err  # 0.5 everywhere: an mAP below the level
+
+
+def test_the_folds_keep_their_config_from_scratch_with_another_experiment_or_when_told() -> None:
+    from conftest import compose_config
+
+    from mlcls.reporting.audit import fold_overrides
+
+    overrides = ["dataset=csv", "model.pretrained=true"]
+    cfg = compose_config(overrides)
+    assert fold_overrides(cfg, overrides, "auto") == ["experiment=finetune", *overrides]
+    assert fold_overrides(cfg, overrides, "none") is None
+    assert fold_overrides(cfg, [*overrides, "experiment=paper"], "auto") is None
+    for weights in ("checkpoint_path", "init_from"):
+        cfg.model.pretrained, cfg.model[weights] = False, "weights.pt"
+        assert fold_overrides(cfg, overrides, "auto") is not None, weights
+        cfg.model[weights] = None
+    assert fold_overrides(cfg, overrides, "auto") is None  # from scratch
+    with pytest.raises(ValueError, match="recipe 'paper'; expected one of 'auto', 'none'"):
+        fold_overrides(cfg, overrides, "paper")

@@ -12,7 +12,9 @@ Overrides are those of ``mlcls-train``. ``pack`` also takes :data:`PACK_OPTIONS`
 ``subsampling=`` (auto keeps a JPEG's own, else 444; or 444, 422, 420), ``seed=`` (the training split's
 order), ``workers=`` (processes) and ``overwrite=true`` (replace a split packed with other settings).
 ``audit`` (:mod:`mlcls.reporting.audit`) trains ``folds=`` times, each on all folds of the training split
-but one, and ranks the given labels (``top=`` of them) into ``out=``/audit.csv and .html. Exit status: 1
+but one, and ranks the given labels (``top=`` of them) into ``out=``/audit.csv and .html; folds that start
+from weights (``model.pretrained``, ``model.checkpoint_path``, ``model.init_from``) train with
+``experiment=finetune`` unless an ``experiment=`` is given or ``recipe=none``. Exit status: 1
 when images are unreadable, skipped or a packed file has a problem; 2 for a configuration mistake.
 """
 
@@ -39,7 +41,7 @@ from mlcls.data.shards.pack import pack_split, write_sidecars
 from mlcls.data.shards.reader import verify_pack
 from mlcls.data.views import TrainingView
 from mlcls.errors import ConfigError, failure, plural, printable
-from mlcls.reporting.audit import audit
+from mlcls.reporting.audit import FINETUNE, audit, fold_overrides
 
 TOP_CLASSES = 5
 PACK_OPTIONS = {  # pack_split's keywords, with their defaults
@@ -53,7 +55,7 @@ PACK_OPTIONS = {  # pack_split's keywords, with their defaults
     "overwrite": False,
 }
 TEXT_PACK_OPTIONS = ("out", "subsampling")  # the others are positive integers or booleans
-AUDIT_OPTIONS = {"folds": 5, "out": "audit", "seed": 0, "top": 1000}
+AUDIT_OPTIONS = {"folds": 5, "out": "audit", "seed": 0, "top": 1000, "recipe": "auto"}
 BOOLEANS = {"true": True, "false": False}
 # The source's settings that training from its shards takes as defaults (dataset=shards reads them from the
 # manifest), and those the pack's "train with:" line repeats where the source's config set them otherwise.
@@ -214,8 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError("pack needs out=DIR, the folder of the shards")
             return pack(compose_config("train", overrides), splits, options, sys.stderr.isatty())
         if args.command == "audit":
-            options, overrides = split_options(args.overrides, AUDIT_OPTIONS, ("out",))
+            options, overrides = split_options(args.overrides, AUDIT_OPTIONS, ("out", "recipe"))
             cfg = compose_config("train", overrides)
+            recipe = fold_overrides(cfg, overrides, options["recipe"])
+            if recipe is not None:
+                print(f"the folds start from weights: {FINETUNE} (recipe=none keeps the config as given)")
+                cfg = compose_config("train", recipe)
             audit(cfg, options["folds"], options["seed"], options["out"], options["top"])
             return 0
         cfg = compose_config("train", args.overrides)

@@ -28,7 +28,7 @@ from mlcls.engine.distributed import DistInfo, init_distributed
 from mlcls.engine.ema import ModelEma
 from mlcls.engine.evaluate import evaluated_classes
 from mlcls.engine.logging import RunLog, open_run_log
-from mlcls.engine.optim import build_optimizer, build_scheduler
+from mlcls.engine.optim import build_optimizer, build_scheduler, short_run_note
 from mlcls.engine.rundir import close_run_dir, discard_if_empty, hydra_run_dir, resolve_run_dir
 from mlcls.engine.state import TrainState, seed_everything
 from mlcls.errors import ConfigError
@@ -196,6 +196,9 @@ def build_optimization(
     optimizer = build_optimizer(cfg.optim, model, loss_groups)
     total_iters, head_warmup = cfg.trainer.epochs * iters_per_epoch, cfg.model.head.warmup_epochs
     scheduler = build_scheduler(cfg.sched, optimizer, total_iters, iters_per_epoch, head_warmup)
+    note = None if "protocol" in cfg else short_run_note(cfg.sched, total_iters, iters_per_epoch, head_warmup)
+    if note:  # a preset with a protocol block runs a published schedule as published
+        log.info(note)
     return optimizer, scheduler
 
 

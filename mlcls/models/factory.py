@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import timm
@@ -20,12 +19,17 @@ from torch import nn
 
 from mlcls.errors import ConfigError
 from mlcls.models.heads import HEAD_MODULES, TEXT_HEADS, HeadedModel
+from mlcls.models.weights import pretrained_state
 
 # Seconds the Hugging Face hub has to answer the one request that tells whether it can be reached.
 HUB_TIMEOUT = 10.0
 # The weight files timm looks for in a hub repository, in its order of preference.
 HUB_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
+
+# How the linear head's classifier is drawn (model.classifier_init): as the architecture draws it, or as
+# torch's nn.Linear does.
+CLASSIFIER_INITS = ("timm", "torch")
 
 # Each head's options, as its config (configs/model/head/<head>.yaml) names them; ``warmup_epochs`` there is
 # the schedule's default (mlcls.engine.optim.build_scheduler), not the network's.
@@ -43,6 +47,8 @@ def create_model(
     num_classes: int,
     pretrained: bool = True,
     checkpoint_path: str | None = None,
+    checkpoint_names: str = "timm",
+    classifier_init: str = "timm",
     head: str | Mapping[str, Any] = "linear",
     class_embeddings: torch.Tensor | None = None,
     **head_options: Any,
@@ -54,9 +60,18 @@ def create_model(
     none is silently unused); the text-query heads need ``class_embeddings`` ((num_classes, T) unit rows).
 
     With ``pretrained=True`` the ImageNet weights come from the local Hugging Face cache, else from the hub
-    (:func:`pretrained_weights_file`); ``checkpoint_path`` loads a local weights file instead. In both cases
-    the pretrained classifier is dropped, since its classes are not ours.
+    (:func:`pretrained_weights_file`); ``checkpoint_path`` loads a local weights file instead, read as data,
+    its names timm's or mapped onto them as ``checkpoint_names`` says (:mod:`mlcls.models.weights`). In both
+    cases the pretrained classifier is dropped, since its classes are not ours. The linear head's classifier
+    is drawn as the architecture draws it (``classifier_init="timm"``) or as torch's ``nn.Linear`` does
+    (``"torch"``: uniform within 1/sqrt(features)); timm's EfficientNets and MobileNets draw within
+    1/sqrt(classes), 0.38 for 7 classes, which a short fine-tune spends its first epochs undoing
+    (docs/report.md, "Fine-tuning"). The other heads draw their own.
     """
+    if classifier_init not in CLASSIFIER_INITS:
+        raise ConfigError(
+            f"model.classifier_init={classifier_init!r}; expected one of {', '.join(CLASSIFIER_INITS)}"
+        )
     if not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r}; see timm.list_models() for valid names")
     head_name, options = head_config(head, head_options)
@@ -74,21 +89,31 @@ def create_model(
         )
     kwargs: dict = {"num_classes": num_classes, "drop_rate": options.pop("drop_rate", 0.0)}
     if checkpoint_path:
-        path = Path(checkpoint_path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"model.checkpoint_path {path} does not exist")
-        kwargs["pretrained_cfg_overlay"] = {"file": str(path)}
+        state = pretrained_state(name, checkpoint_path, checkpoint_names)
+        kwargs["pretrained_cfg_overlay"] = {"state_dict": state}
         pretrained = True
     elif pretrained:
         weights = pretrained_weights_file(name)
         if weights is not None:
             kwargs["pretrained_cfg_overlay"] = {"file": weights}
     if head_name == "linear":
-        return timm.create_model(name, pretrained=pretrained, **kwargs)
+        model = _loaded(timm.create_model(name, pretrained=pretrained, **kwargs))
+        if classifier_init == "torch":
+            for module in model.get_classifier().modules():
+                if isinstance(module, nn.Linear):
+                    module.reset_parameters()
+        return model
     kwargs.update(num_classes=0, global_pool="")
-    backbone = timm.create_model(name, pretrained=pretrained, **kwargs)
+    backbone = _loaded(timm.create_model(name, pretrained=pretrained, **kwargs))
     classes = class_embeddings if head_name in TEXT_HEADS else num_classes
     return HeadedModel(backbone, HEAD_MODULES[head_name](backbone.num_features, classes, **options))
+
+
+def _loaded(model: nn.Module) -> nn.Module:
+    """``model`` without the state dict its pretrained config held while timm loaded it (the file's tensors,
+    else kept alive as long as the model)."""
+    model.pretrained_cfg.pop("state_dict", None)
+    return model
 
 
 def head_config(head: str | Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:

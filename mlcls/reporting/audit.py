@@ -47,6 +47,15 @@ SHOWN = 20  # suspects printed
 # The out-of-fold mAP@class (percent) below which fewer than half of the audit's first suspects are wrong
 # labels: measured in docs/report.md ("The label audit: how good the folds' models must be").
 HELPFUL_MAP = 70.0
+# What helps folds that start from weights reach it (docs/report.md, "The label audit"): the fine-tune recipe,
+# which mlcls-data audit takes for them unless told otherwise (:func:`fold_overrides`), and more epochs.
+HELPFUL_SETTINGS = (
+    "experiment=finetune (the rate held until a late decay, the head's 10x the backbone's, a small new "
+    "classifier, dataset.transform=crop), more epochs (trainer.epochs), and ImageNet weights "
+    "(model.pretrained=true, model.checkpoint_path) or a trained model (model.init_from)"
+)
+FINETUNE = "experiment=finetune"
+RECIPES = ("auto", "none")  # recipe=: auto: FINETUNE for folds that start from weights; none: as composed
 # The settings a fold's probabilities depend on: a saved fold is reused only when they are unchanged.
 FOLD_SETTINGS = ("dataset", "model", "loss", "optim", "sched", "data")
 FOLD_TRAINER_SETTINGS = ("epochs", "batch_size", "seed", "amp", "ema_decay", "grad_clip")
@@ -121,6 +130,24 @@ def audit_page(
     table = sortable_table("audit", AUDIT_COLUMNS, rows)
     sections = [("ranking", "", table)]
     return page(f"Suspected label errors: {name}", intro, sections, thumbnails.uris, "mlcls-data audit")
+
+
+def starts_from_weights(model: Mapping[str, Any]) -> bool:
+    """Whether the model config ``model`` starts from trained weights: ImageNet's (``pretrained``), a local
+    file's (``checkpoint_path``) or an mlcls checkpoint's (``init_from``)."""
+    return any(bool(model.get(key)) for key in ("pretrained", "checkpoint_path", "init_from"))
+
+
+def fold_overrides(cfg: DictConfig, overrides: Sequence[str], recipe: str) -> list[str] | None:
+    """The overrides of the folds' config when it is to change: ``overrides`` with :data:`FINETUNE` first
+    (what the user gave still wins) when ``recipe`` is ``auto``, the folds start from weights
+    (:func:`starts_from_weights` of ``cfg``, composed from ``overrides``) and no ``experiment=`` is given;
+    else None (``cfg`` as it is)."""
+    check_choice("recipe", recipe, RECIPES)
+    chosen = any(override.lstrip("+~").startswith("experiment=") for override in overrides)
+    if recipe == "none" or chosen or not starts_from_weights(cfg.model):
+        return None
+    return [FINETUNE, *overrides]
 
 
 def fold_rows(num_rows: int, folds: int, fold: int, seed: int) -> np.ndarray:
@@ -343,8 +370,7 @@ def audit(cfg: DictConfig, folds: int, seed: int, out: str | Path, top: int) -> 
         print(
             f"mlcls-data: warning: the folds' models reach an out-of-fold mAP@class of {mean_ap:.1f}%, below "
             f"{HELPFUL_MAP:g}%: fewer than half of the first suspects are likely wrong labels "
-            "(docs/report.md); train them longer or start from trained weights (model.pretrained, "
-            "model.init_from)",
+            f"(docs/report.md); what helps: {HELPFUL_SETTINGS}",
             file=sys.stderr,
         )
     # The class and image names through printable: the dataset's names cannot drive the terminal.

@@ -11,17 +11,13 @@ from an OpenAI TorchScript archive, which is code. The text tower's weights must
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
 
 from mlcls.errors import ConfigError, first_line, is_integer, listed, printable
-from mlcls.io import CAPS, FileTooLargeError, NotRegularFileError, UnsafeFileError, read_regular_bytes
+from mlcls.models.weights import read_weights
 from mlcls.text import offline, phrase, require
-from mlcls.torchfile import check_nesting, open_checkpoint
 
 # open_clip model names that fetch a config or weights from elsewhere.
 REMOTE_SCHEMAS = ("hf-hub:", "local-dir:")
@@ -95,31 +91,8 @@ class ClipEncoder:
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The state dict of the checkpoint file ``path``: a ``.safetensors`` file (read whole through
-    :func:`mlcls.io.read_regular_bytes`, at most ``CAPS["checkpoint"]``), or a ``torch.save`` file through
-    :func:`mlcls.torchfile.open_checkpoint` with ``weights_only=True``; a ``{"state_dict": ...}`` wrapper and
-    DistributedDataParallel's ``module.`` prefix removed. Anything else: a one-line :class:`ConfigError`."""
-    where = printable(str(path))
-    try:
-        if path.suffix == ".safetensors":
-            state = load_safetensors(read_regular_bytes(path, CAPS["checkpoint"], "CLIP checkpoint"))
-        else:
-            with open_checkpoint(path, "CLIP checkpoint") as file:
-                state = torch.load(file, map_location="cpu", weights_only=True)
-            check_nesting(state, where)
-    except FileNotFoundError:
-        raise ConfigError(f"text.path: no file {where}; expected an open_clip checkpoint file") from None
-    except (NotRegularFileError, FileTooLargeError, UnsafeFileError):
-        raise
-    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError, SafetensorError) as exc:
-        raise ConfigError(
-            f"text.path {where} cannot be read as weights ({first_line(exc)}); expected a .safetensors file "
-            "or a state dict saved by torch.save (not a TorchScript archive)"
-        ) from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(
-        isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items()
-    ):
-        raise ConfigError(f"text.path {where} holds no state dict; expected tensors by parameter name")
-    return {key.removeprefix("module."): value for key, value in state.items()}
+    """The state dict of the checkpoint file ``path``, read as data by
+    :func:`mlcls.models.weights.read_weights` (a ``.safetensors`` file, or a ``torch.save`` file with
+    ``weights_only=True``; a ``{"state_dict": ...}`` wrapper and DDP's ``module.`` prefix removed); anything
+    else is one line."""
+    return read_weights(path, "text.path", "an open_clip checkpoint file", "CLIP checkpoint", ("state_dict",))

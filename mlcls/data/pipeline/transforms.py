@@ -4,12 +4,14 @@
 ColorJitter(0.4, 0.4, 0.4) -> tensor -> PCA lighting noise (AlexNet, std 0.1) -> normalisation;
 eval Resize(size / 0.875) -> CenterCrop(size) (224 -> Resize 256 + CenterCrop 224).
 ``light``: train squash-resize to ``size`` x ``size`` and a horizontal flip (small synthetic images whose
-objects a random crop would cut away).
+objects a random crop would cut away). ``crop``: train RandomResizedCrop(size) and a horizontal flip, no
+colour change (experiment=finetune: a pretrained backbone on a few hundred images).
 ``strong`` (the ASL / ML-Decoder recipe): train squash-resize -> :class:`CutoutPIL` -> the ``randaugment``
 package's RandAugment (1.0.2, ML-Decoder's); the ML-Decoder presets set mean 0 and std 1 (the
 released recipe feeds TResNet [0, 1] pixels). ``strong_timm``: ``strong`` with timm's RandAugment
 (:data:`TIMM_RANDAUGMENT`), another policy, not the recipe's.
-``light``, ``strong`` and ``strong_timm`` evaluate on a squash-resize (:data:`SQUASH_EVAL_KINDS`).
+``light``, ``crop``, ``strong`` and ``strong_timm`` evaluate on a squash-resize (:data:`SQUASH_EVAL_KINDS`):
+the whole image, none of each side cropped away.
 
 Normalisation: ``(x - mean) / std`` per RGB channel on [0, 1] pixels (:func:`normalisation`). Random draws
 come from torch's, Python's and NumPy's generators, all three seeded per sample by ``seeded_call``.
@@ -45,9 +47,9 @@ IMAGENET_PCA_EIGVEC = torch.tensor(
     ]
 )
 
-TRANSFORM_KINDS = ("paper", "light", "strong", "strong_timm")
+TRANSFORM_KINDS = ("paper", "light", "crop", "strong", "strong_timm")
 # Transforms whose evaluation is a squash-resize to image_size x image_size, without crop.
-SQUASH_EVAL_KINDS = ("light", "strong", "strong_timm")
+SQUASH_EVAL_KINDS = ("light", "crop", "strong", "strong_timm")
 # timm's RandAugment config of ``strong_timm``: magnitude 9 (of 10), 2 operations per image, each applied
 # with probability 0.5 (timm's default), its magnitude drawn from N(9, 0.5) clipped to [0, 10].
 TIMM_RANDAUGMENT = "rand-m9-n2-mstd0.5"
@@ -180,6 +182,8 @@ def build_transform(
         return T.Compose([*steps, T.ToTensor(), Lighting(), normalize])
     elif kind == "light":
         steps = [T.Resize((image_size, image_size)), T.RandomHorizontalFlip()]
+    elif kind == "crop":
+        steps = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()]
     elif kind == "strong":
         # ML-Decoder's train.py: per image 2 of 15 operations, each with probability 0.5 and a magnitude
         # drawn from 1..9 (the package's 18,225 policies); from Python's and NumPy's generators.
