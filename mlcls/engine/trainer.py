@@ -41,6 +41,7 @@ from mlcls.engine.evaluate import (
     evaluate,
     evaluated_classes,
     headline,
+    held_out_on_main,
     predict_training_set,
     thresholds_split,
 )
@@ -51,6 +52,8 @@ from mlcls.engine.rundir import close_run_dir
 from mlcls.engine.state import EpochProgress
 from mlcls.errors import plural
 from mlcls.io import write_json
+from mlcls.metrics.store import IN_MEMORY_GB, Storage
+from mlcls.metrics.thresholds import ThresholdRule
 from mlcls.models.factory import backbone_in_eval
 
 log = logging.getLogger("mlcls")
@@ -122,6 +125,11 @@ class Trainer:
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
         self.thresholds_split = thresholds_split(self.cfg.dataset, self.data.holdout_loader is not None)
+        self.threshold_rule = ThresholdRule.of(OmegaConf.select(self.cfg, "metrics.thresholds"))
+        self.storage = Storage(
+            OmegaConf.select(self.cfg, "metrics.in_memory_gb", default=IN_MEMORY_GB),
+            OmegaConf.select(self.cfg, "metrics.scratch_dir"),
+        )
         # dataset.unseen_classes: the validation split's classes beyond the trained ones, scored by text
         self.zero_shot = None
         if self.cfg.dataset.get("unseen_classes"):
@@ -337,7 +345,7 @@ class Trainer:
         model = self.model if model is None else model
         zero_shot = self.zero_shot if loader is None else None  # the held-out split has the seen classes
         loader = self.data.val_loader if loader is None else loader
-        args = (self.device, self.classes, self.eval_amp, zero_shot)
+        args = (self.device, self.classes, self.eval_amp, zero_shot, self.storage)
         return evaluate(model, loader, *args)
 
     def select_best(self, epoch: int) -> bool:
@@ -363,12 +371,14 @@ class Trainer:
         raw, top = evaluations["raw"], evaluations[top_weights]
         self.val_outputs = raw.trained_part()  # for on_finish: on rank 0, (None, None) elsewhere
         # last.pt's raw weights, then best.pt's
-        self.state.thresholds = calibrate_on_main(calibration["raw"], self.classes, split)
+        rule = self.threshold_rule
+        self.state.thresholds = calibrate_on_main(calibration["raw"], self.classes, split, rule)
+        metrics["thresholds"] = held_out_on_main(calibration["raw"], rule)
         if is_best:
             self.best_thresholds = (
                 self.state.thresholds
                 if top_weights == "raw"
-                else calibrate_on_main(calibration[top_weights], self.classes, split)
+                else calibrate_on_main(calibration[top_weights], self.classes, split, rule)
             )
             self.state.best = {
                 "epoch": epoch,
