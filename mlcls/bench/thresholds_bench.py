@@ -4,11 +4,12 @@ other) of per-tag thresholds with each ``min_positives``, beside one global thre
 long-tailed tagging set.
 
 The set imitates a tagger's validation split: ``c`` tags whose frequencies follow Zipf's law (tag ``r``, by
-rank, on ``top / r**zipf`` of the images), every label known (a caption lists an image's tags). Each tag's
-scores come from its own logistic model: ``logit = bias_c + gain_c (z + margin_c y)``, ``z ~ N(0, 1)``,
-with a tag's offset ``bias_c ~ N(-2, 1)``, scale ``gain_c ~ U(0.5, 2)`` and separation
-``margin_c ~ U(1, 3)`` -- tags a model ranks well or badly, each calibrated differently, so that one
-threshold cannot suit them all and a tag's own threshold must be estimated from its positives.
+rank, on ``f_r = top / r**zipf`` of the images), every label known (a caption lists an image's tags). Each
+tag's logits come from its own model, ``logit = log f_c + bias_c + z + margin_c y`` with ``z ~ N(0, 1)``: a
+model whose scores follow each tag's frequency (as a BCE-trained one's do) up to a miscalibration
+``bias_c ~ N(0, spread)``, and ranks each tag well or badly (``margin_c ~ U(2.5, 5)``). Tags of similar
+frequency then want similar thresholds, up to their own ``bias_c``: what a tag with a few positives cannot
+estimate alone.
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ from mlcls.metrics.store import MemoryStore
 from mlcls.metrics.thresholds import ThresholdRule, held_out_f1
 
 
-def make_tagging_set(n: int, c: int, zipf: float = 1.0, top: float = 0.3, seed: int = 0):
+def make_tagging_set(
+    n: int, c: int, zipf: float = 1.0, spread: float = 0.5, top: float = 0.3, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 logits (n, c) and int8 {0, 1} labels (n, c) of the module docstring's model."""
     g = torch.Generator().manual_seed(seed)
     frequency = top / torch.arange(1, c + 1, dtype=torch.float64) ** zipf
     labels = (torch.rand(n, c, generator=g, dtype=torch.float64) < frequency).to(torch.int8)
-    bias = torch.randn(c, generator=g) - 2
-    gain = 0.5 + 1.5 * torch.rand(c, generator=g)
-    margin = 1 + 2 * torch.rand(c, generator=g)
-    scores = bias + gain * (torch.randn(n, c, generator=g) + margin * labels)
+    bias = frequency.log().float() + spread * torch.randn(c, generator=g)
+    margin = 2.5 + 2.5 * torch.rand(c, generator=g)
+    scores = bias + torch.randn(n, c, generator=g) + margin * labels
     return scores, labels
 
 
@@ -40,6 +42,7 @@ def run(
     n: int = 20000,
     c: int = 2000,
     zipf: float = 1.0,
+    spread: float = 0.5,
     seed: int = 0,
     halves: int = 3,
     min_positives: str = "0,3,10,30",
@@ -47,7 +50,7 @@ def run(
     """The held-out F1 of each rule over ``halves`` seeded halvings (mean and range), and the set's shape."""
     if n < 2 or c < 1 or halves < 1:
         raise ConfigError(f"--n must be at least 2, --c and --halves at least 1; got {n}, {c}, {halves}")
-    (scores, labels), generate_s = timed(lambda: make_tagging_set(n, c, zipf, seed=seed))
+    (scores, labels), generate_s = timed(lambda: make_tagging_set(n, c, zipf, spread, seed=seed))
     store = MemoryStore.of(scores, labels)
     positives = (labels == 1).sum(0)
     rules = [ThresholdRule(min_positives=int(m)) for m in min_positives.split(",")]
@@ -71,6 +74,7 @@ def run(
         "n": n,
         "c": c,
         "zipf": zipf,
+        "spread": spread,
         "halves": halves,
         "generate_s": round(generate_s, 3),
         "tags_with_under_10_positives": int(((positives > 0) & (positives < 10)).sum()),
@@ -86,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=20000, help="validation images (rows)")
     parser.add_argument("--c", type=int, default=2000, help="tags (columns)")
     parser.add_argument("--zipf", type=float, default=1.0, help="exponent of the tags' frequencies")
+    parser.add_argument("--spread", type=float, default=0.5, help="std of the tags' miscalibration (logits)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--halves", type=int, default=3, help="seeded halvings averaged")
     parser.add_argument("--min-positives", default="0,3,10,30", help="comma-separated values compared")

@@ -289,24 +289,26 @@ def calibrate_on_main(
     )
 
 
-def held_out_on_main(evaluation: Evaluation, rule: ThresholdRule = DEFAULT_RULE) -> dict[str, Any]:
+def held_out_on_main(evaluation: Evaluation, rule: ThresholdRule = DEFAULT_RULE) -> dict[str, Any] | None:
     """:func:`held_out_f1` of ``evaluation``'s trained part on rank 0, equal on every rank, and logged:
-    the held-out F1 of ``rule``'s per-class thresholds beside one global threshold's."""
+    the held-out F1 of ``rule``'s per-class thresholds beside one global threshold's; None for a set of
+    fewer than 2 samples, which cannot be halved."""
 
-    def figures() -> dict[str, Any]:
+    def figures() -> dict[str, Any] | None:
         store = evaluation.trained_store()
         assert store is not None  # rank 0 holds the outputs
-        return held_out_f1(store, rule)
+        return held_out_f1(store, rule) if store.n_rows >= 2 else None
 
     result = on_main_for_all(figures)
-    log.info(
-        "thresholds (%s, min_positives %d): F1 on the half of the split they were not calibrated on, "
-        "mean over classes %.2f per class vs %.2f one global threshold (OF1 %.2f vs %.2f)",
-        "max F1" if rule.rule == "f1" else f"precision >= {rule.precision}",
-        rule.min_positives,
-        result["per_class"]["F1_mean"],
-        result["global"]["F1_mean"],
-        result["per_class"]["OF1"],
-        result["global"]["OF1"],
-    )
+    if result is not None:
+        log.info(
+            "thresholds (%s, min_positives %d): F1 on the half of the split they were not calibrated on, "
+            "mean over classes %.2f per class vs %.2f one global threshold (OF1 %.2f vs %.2f)",
+            "max F1" if rule.rule == "f1" else f"precision >= {rule.precision}",
+            rule.min_positives,
+            result["per_class"]["F1_mean"],
+            result["global"]["F1_mean"],
+            result["per_class"]["OF1"],
+            result["global"]["OF1"],
+        )
     return result

@@ -373,7 +373,9 @@ class Trainer:
         # last.pt's raw weights, then best.pt's
         rule = self.threshold_rule
         self.state.thresholds = calibrate_on_main(calibration["raw"], self.classes, split, rule)
-        metrics["thresholds"] = held_out_on_main(calibration["raw"], rule)
+        threshold_figures = held_out_on_main(calibration["raw"], rule)
+        if threshold_figures is not None:
+            metrics["thresholds"] = threshold_figures
         if is_best:
             self.best_thresholds = (
                 self.state.thresholds

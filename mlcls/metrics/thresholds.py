@@ -21,6 +21,13 @@ so only the cuts ending a positive's tie group are evaluated). Rules:
   calibrated rule; ``threshold=`` or ``top_k=`` still score it); the default 0.0 is the uncalibrated
   sigmoid-probability 0.5 rule. A log line names such classes, once per process for the same classes.
 
+Other rules (:class:`ThresholdRule`, ``metrics.thresholds``): ``rule="precision"`` takes the lowest cut
+reaching a precision, and ``min_positives`` gives a class with few positives the threshold the rule takes
+on the counts pooled over similar classes. Every rule reads the outputs a block of classes at a time
+(:class:`~mlcls.metrics.store.OutputStore`: in memory or on disk), and a pooled threshold needs only one
+more pass that counts known scores between the pool's positive scores, so it is exact at any size.
+:func:`held_out_f1` measures a rule on data it was not calibrated on, beside one global threshold.
+
 :func:`select_labels` applies ``mlcls-predict``'s precedence of these rules.
 """
 
