@@ -36,7 +36,7 @@ def streamed(
     scores: torch.Tensor, labels: torch.Tensor, batch: int, tmp_path
 ) -> tuple[DiskStore, RowFigures]:
     """The outputs appended to a disk store ``batch`` rows at a time, as an evaluation appends them."""
-    rows = RowFigures(top_k=2)
+    rows = RowFigures(len(scores), top_k=2)
     store = Storage(in_memory_gb=0, folder=str(tmp_path)).open(*scores.shape, rows)
     assert isinstance(store, DiskStore)
     for start in range(0, len(scores), batch):
@@ -115,7 +115,7 @@ def peak_growth_mb(n: int, c: int, in_memory_gb: float, folder: str, warm: bool 
     with open("/proc/self/clear_refs", "w") as reset:
         reset.write("5")
     before = status("VmRSS:")
-    rows = RowFigures()
+    rows = RowFigures(n)
     store = Storage(in_memory_gb, folder).open(n, c, rows)
     for scores, labels in batches:
         store.append(scores, labels)
@@ -124,6 +124,7 @@ def peak_growth_mb(n: int, c: int, in_memory_gb: float, folder: str, warm: bool 
     return (status("VmHWM:") - before) / 1024
 
 
+@pytest.mark.slow
 def test_memory_stays_bounded_by_a_block_not_the_outputs(tmp_path, monkeypatch):
     """Outputs of 7.6 MB (float32 scores, int8 labels): on disk the peak grows by an eighth of them at
     most (a block's temporaries, the row buffer), held in memory by half of them at least."""

@@ -119,7 +119,7 @@ def run(
     columns: list[tuple[torch.Tensor, torch.Tensor]] = []
     rows_kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    rows = RowFigures()
+    rows = RowFigures(n)
     store = Storage(in_memory_gb, scratch_dir).open(n, c, rows, check_model_scores)
     generate_s = store_s = 0.0
     batches = output_batches(n, c, seed)

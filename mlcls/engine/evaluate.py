@@ -210,7 +210,7 @@ def evaluate(
     embeddings = None if zero_shot is None else zero_shot.embeddings  # None: the model's own classes
     switched = contextlib.nullcontext() if embeddings is None else scoring_classes(model, embeddings)
     if zero_shot is None and not collectives.initialized():
-        rows = RowFigures()
+        rows = RowFigures(len(loader.dataset))
         store = storage.open(len(loader.dataset), len(classes), rows, check_model_scores)
         with dist_utils.all_or_none():
             for scores, labels in scored_batches(model, loader, device, amp):

@@ -110,14 +110,20 @@ class OutputStore:
 class MemoryStore(OutputStore):
     """The outputs as (N, C) tensors (:attr:`scores` keeps its dtype and device when given whole)."""
 
-    def __init__(self, n_rows: int, n_classes: int, on_rows: RowsHook | None = None, check=None) -> None:
+    def __init__(
+        self, n_rows: int, n_classes: int, on_rows: RowsHook | None = None, check: ScoresCheck | None = None
+    ) -> None:
         super().__init__(n_rows, n_classes, on_rows, check)
         self.scores = torch.empty(n_rows, n_classes)
         self.labels = torch.empty(n_rows, n_classes, dtype=torch.int8)
 
     @classmethod
     def of(
-        cls, scores: torch.Tensor, labels: torch.Tensor, on_rows: RowsHook | None = None, check=None
+        cls,
+        scores: torch.Tensor,
+        labels: torch.Tensor,
+        on_rows: RowsHook | None = None,
+        check: ScoresCheck | None = None,
     ) -> MemoryStore:
         """The store of whole tensors ``scores`` (N, C) and ``labels`` (N, C), used as they are (no copy
         but int8 labels), their rows shown to ``on_rows`` at once."""

@@ -167,14 +167,18 @@ def _calibrate(
 
     Pass 1 ranks each block of classes (:func:`ranked_positives`) and keeps the positives' scores; a pooled
     threshold can only be one of them, so pass 2 only counts, per pool, the known scores between them."""
-    per_class, n_positive, positive_scores, positive_class = [], [], [], []
+    # filled in place, block by block (see mlcls.metrics.RowFigures); the positives only for a pool
+    threshold = torch.empty(store.n_classes, dtype=torch.float64)
+    positives = torch.empty(store.n_classes, dtype=torch.int64)
+    pooling = with_global or rule.min_positives > 1
+    positive_scores, positive_class = [], []
     for classes, scores, labels in store.column_blocks(rows):
         ranked = ranked_positives(scores, labels, 0)
-        per_class.append(_thresholds_of_ranked(ranked, rule))
-        n_positive.append(ranked.n_positive)
-        positive_scores.append(ranked.score.double())
-        positive_class.append(ranked.list_of + classes.start)
-    threshold, positives = torch.cat(per_class), torch.cat(n_positive)
+        threshold[classes] = _thresholds_of_ranked(ranked, rule)
+        positives[classes] = ranked.n_positive.cpu()
+        if pooling:
+            positive_scores.append(ranked.score.double().cpu())
+            positive_class.append(ranked.list_of.cpu() + classes.start)
     rare = (positives > 0) & (positives < rule.min_positives)
     bin_of = torch.where(positives > 0, torch.log2(positives.clamp_min(1).double()).floor().long(), -1)
     pools = {}  # -1: every class with a positive; b >= 0: the classes of bin b
@@ -182,6 +186,8 @@ def _calibrate(
         pools[-1] = positives > 0
     if rule.pool == "bins":
         pools.update({b: bin_of == b for b in bin_of[rare].unique().tolist()})
+    if not pools:
+        return threshold, math.nan
     pooled = _pooled_thresholds(
         store, rows, pools, torch.cat(positive_scores), torch.cat(positive_class), rule
     )
@@ -302,17 +308,17 @@ def held_out_f1(store: OutputStore, rule: ThresholdRule = DEFAULT_RULE) -> dict[
     per_class, global_threshold = _calibrate(store, calibration, rule, with_global=True)
     per_class = torch.where(per_class.isnan(), NEVER_PREDICTED, per_class)
     one = torch.full_like(per_class, NEVER_PREDICTED if math.isnan(global_threshold) else global_threshold)
-    counts = {"per_class": [], "global": []}
+    counts = {name: torch.empty(3, store.n_classes, dtype=torch.int64) for name in ("per_class", "global")}
     for classes, scores, labels in store.column_blocks(measured):
+        values = scores.double()
         for name, thresholds in (("per_class", per_class), ("global", one)):
-            predicted = scores.double() >= thresholds[classes]
-            counts[name].append(prediction_counts(predicted, labels))
+            counts[name][:, classes] = prediction_counts(values >= thresholds[classes], labels).cpu()
     figures = {}
-    for name, parts in counts.items():
-        true_positives, predicted_known, positives = torch.cat(parts, dim=1)
+    for name, of_classes in counts.items():
+        true_positives, predicted_known, positives = of_classes
         counted = positives > 0
         f1 = 2 * true_positives[counted].double() / (predicted_known + positives)[counted].double()
-        all_figures = figures_of_counts(torch.stack([true_positives, predicted_known, positives]))
+        all_figures = figures_of_counts(of_classes)
         f1_mean = 100 * f1.mean().item() if counted.any() else math.nan
         figures[name] = {"F1_mean": f1_mean, "CF1": all_figures["CF1"], "OF1": all_figures["OF1"]}
     figures["global"]["threshold"] = global_threshold
