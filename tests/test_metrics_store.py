@@ -12,6 +12,7 @@ import torch
 from hostile import bounded
 from sklearn.metrics import average_precision_score
 
+from mlcls.errors import ConfigError
 from mlcls.metrics import RowFigures, compute_metrics, store_metrics
 from mlcls.metrics import ap as ap_module
 from mlcls.metrics import store as store_module
@@ -139,3 +140,9 @@ def test_memory_stays_bounded_by_a_block_not_the_outputs(tmp_path, monkeypatch):
         on_disk.value,
         in_memory.value,
     )
+
+
+@pytest.mark.parametrize("value", [-1, "2GB", None])
+def test_a_bad_in_memory_size_is_one_line(value):
+    with pytest.raises(ConfigError, match=r"^metrics.in_memory_gb=.*; expected a number of GB >= 0$"):
+        Storage(value)

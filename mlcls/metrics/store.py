@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mlcls.errors import ConfigError, shown
 from mlcls.metrics.ap import block_slices
 from mlcls.metrics.checks import check_scores_labels
 
@@ -213,6 +214,16 @@ class Storage:
 
     in_memory_gb: float = IN_MEMORY_GB
     folder: str | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.in_memory_gb, bool)
+            or not isinstance(self.in_memory_gb, (int, float))
+            or not (self.in_memory_gb >= 0)
+        ):
+            raise ConfigError(
+                f"metrics.in_memory_gb={shown(self.in_memory_gb)}; expected a number of GB >= 0"
+            )
 
     def open(
         self, n_rows: int, n_classes: int, on_rows: RowsHook | None = None, check: ScoresCheck | None = None
