@@ -1,5 +1,7 @@
-"""Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds;
-and the training set's predictions for a loss that relabels it between epochs (:func:`predict_training_set`).
+"""Evaluation: scores of every validation sample -- streamed into an output store by a single process
+(:mod:`mlcls.metrics.store`, on disk above ``metrics.in_memory_gb``), gathered once on rank 0 under DDP --
+then the metrics, the thresholds and their held-out F1; and the training set's predictions for a loss that
+relabels it between epochs (:func:`predict_training_set`).
 
 Zero-shot evaluation (:class:`ZeroShot`) is read here and in two modules it calls: a text-query head
 scores the evaluated classes from their text embeddings
