@@ -138,12 +138,13 @@ def test_add_rates_inverts_every_timing():
 
 
 def test_eval(capsys):
-    """The trainer's evaluation on generated outputs: its figures are those of the outputs, its memory
-    and times are reported."""
+    """The evaluation of outputs streamed to disk: its figures are those of the outputs, checked against
+    the float64 references; its memory and times are reported."""
     from mlcls.bench.eval_bench import make_outputs
 
-    main(["eval", "--n", "300", "--c", "40", "--seed", "3"])
+    main(["eval", "--n", "300", "--c", "40", "--seed", "3", "--in-memory-gb", "0", "--check", "6"])
     result = json_line(capsys)
+    assert result["store"] == "DiskStore"
     scores, labels = make_outputs(300, 40, seed=3)
     assert labels.dtype == torch.int8 and set(labels.unique().tolist()) == {-1, 0, 1}
     assert result["mAP_class"] == pytest.approx(
@@ -157,9 +158,21 @@ def test_eval(capsys):
     ]
     assert result["mAP_class"] == pytest.approx(100 * np.mean(per_class))
     assert (result["n"], result["c"], result["classes_counted"]) == (300, 40, len(per_class))
-    assert 0 < result["inputs_peak_rss_gb"] <= result["peak_rss_gb"]
-    phases = result["gather_and_metrics_s"] + result["thresholds_s"] + result["results_s"]
-    assert result["time_s"] == pytest.approx(phases, abs=0.002)
+    assert result["exact"] and (result["checked_classes"], result["checked_samples"]) == (6, 6)
+    assert result["peak_rss_gb"] > 0
+    phases = ("store_s", "metrics_s", "thresholds_s", "held_out_s", "results_s")
+    assert result["time_s"] == pytest.approx(sum(result[phase] for phase in phases), abs=0.003)
+
+
+def test_thresholds(capsys):
+    """Held-out F1 of per-tag thresholds beside one global threshold's on a long-tailed set."""
+    main(["thresholds", "--n", "200", "--c", "30", "--halves", "1", "--min-positives", "0,5"])
+    result = json_line(capsys)
+    rules = [(r["rule"], r["min_positives"], r["pool"]) for r in result["rules"]]
+    assert rules == [("f1", 0, "bins"), ("f1", 5, "bins"), ("f1", 5, "global"),
+                     ("precision>=0.9", 0, "bins"), ("precision>=0.9", 10, "bins")]  # fmt: skip
+    assert all(0 <= r["per_class_F1_mean"] <= 100 and 0 <= r["global_OF1"] <= 100 for r in result["rules"])
+    assert 0 < result["tags_with_under_10_positives"] <= 30
 
 
 def test_eval_without_samples_is_a_one_line_error(capsys):

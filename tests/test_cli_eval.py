@@ -94,6 +94,13 @@ def test_eval_on_a_test_csv_is_one_override(csv_run, monkeypatch, capsys, tmp_pa
         [average_precision_score(labels[:, c], logits[:, c]) for c in np.flatnonzero(with_positive)]
     )
     assert figures["mAP_class"] == pytest.approx(100 * expected, abs=1e-4)
+    # the logits kept on disk, read a block of classes at a time: the same figures, bit for bit
+    code, out, err = run_eval(
+        [*argv, "metrics.in_memory_gb=0", f"metrics.scratch_dir={tmp_path}"], monkeypatch, capsys
+    )
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == figures
+    assert not list(tmp_path.glob("mlcls-eval-*"))  # its files removed
 
 
 @pytest.mark.slow

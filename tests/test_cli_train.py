@@ -39,6 +39,9 @@ def test_default_run_writes_results_and_beats_chance(tmp_path, tiny):
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["epochs_completed"] == 2
     assert set(on_disk["metrics"]) >= {"mAP_class", "mAP_sample"}
+    held_out = on_disk["metrics"]["thresholds"]  # calibrated on 37 of the 75 validation images
+    assert (held_out["rule"], held_out["calibrated_rows"], held_out["measured_rows"]) == ("f1", 37, 38)
+    assert 0 <= held_out["per_class"]["F1_mean"] <= 100 and 0 <= held_out["global"]["F1_mean"] <= 100
     assert (
         set(on_disk["best"]) >= {"epoch", "mAP_class", "mAP_sample"} and on_disk["best"]["weights"] == "raw"
     )

@@ -13,7 +13,7 @@ from mlcls.engine.evaluate import Evaluation
 from mlcls.engine.state import TrainState
 from mlcls.engine.trainer import Trainer
 from mlcls.metrics import compute_metrics
-from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds
+from mlcls.metrics.thresholds import NEVER_PREDICTED, ThresholdRule, calibrate_thresholds
 
 CLASSES = ["a", "b", "c"]
 
@@ -41,6 +41,7 @@ def fake_trainer(raw: Evaluation, ema: Evaluation | None, best: dict | None) -> 
         run_log=SimpleNamespace(evaluation=lambda *args: None),
         best_thresholds=None,
         thresholds_split="validation",
+        threshold_rule=ThresholdRule(),
     )
 
 

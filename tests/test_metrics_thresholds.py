@@ -10,9 +10,18 @@ import pytest
 import torch
 from sklearn.metrics import f1_score
 
+from mlcls.errors import ConfigError
 from mlcls.inference.fields import InferenceError, stored_thresholds_split
 from mlcls.metrics import ap as ap_module
-from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, describe_rule, select_labels
+from mlcls.metrics.store import MemoryStore
+from mlcls.metrics.thresholds import (
+    NEVER_PREDICTED,
+    ThresholdRule,
+    calibrate_thresholds,
+    describe_rule,
+    held_out_f1,
+    select_labels,
+)
 
 
 def brute_force_best_cut(scores: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
@@ -200,3 +209,127 @@ def test_a_best_cut_keeping_every_sample_is_minus_inf_even_above_infinite_scores
     labels = torch.tensor([[1, 1], [-1, 0]], dtype=torch.int8)
     thresholds = calibrate_thresholds(scores, labels, no_positive=NEVER_PREDICTED)
     assert thresholds.tolist() == [-math.inf, -0.5]
+
+
+# --- rules, pooled thresholds of rare classes, held-out F1 ------------------------------------------------
+
+
+def cut_counts(scores: np.ndarray, labels: np.ndarray, cut: float) -> tuple[int, int, int]:
+    """TP, known items kept (TP + FP) and positives of the rule ``score >= cut``, -1 labels left out."""
+    known = labels >= 0
+    s, positive = scores[known].astype(np.float64), labels[known] == 1
+    return int((positive & (s >= cut)).sum()), int((s >= cut).sum()), int(positive.sum())
+
+
+def brute_force_rule(
+    columns: list[tuple[np.ndarray, np.ndarray]], rule: str, precision: float = 0.9
+) -> float:
+    """The cut ``v`` (a distinct known score of the columns; ``score >= v`` kept in all of them) of ``rule``
+    on the counts summed over the columns, in float64: ``f1`` -- the highest v of maximal
+    ``2 TP / (K + P)``; ``precision`` -- among the v with ``TP >= precision K`` the one of most TP, the
+    highest of those; none reaching it: the ``f1`` cut."""
+    values = sorted({x for s, y in columns for x in s[y >= 0].astype(np.float64).tolist()}, reverse=True)
+    counts = [np.sum([cut_counts(s, y, v) for s, y in columns], axis=0) for v in values]
+    f1 = [2 * tp / (k + p) for tp, k, p in counts]
+    best_f1 = values[int(np.argmax(f1))]
+    if rule == "f1":
+        return best_f1
+    reaching = [(tp, -i) for i, (tp, k, _) in enumerate(counts) if k and tp >= precision * k]
+    return values[-max(reaching)[1]] if reaching else best_f1
+
+
+def same_decisions(scores: np.ndarray, labels: np.ndarray, threshold: float, cut: float) -> bool:
+    known = labels >= 0
+    s = scores[known].astype(np.float64)
+    return bool(np.array_equal(s >= threshold, s >= cut))
+
+
+def tail_problem(seed: int, n: int = 80, c: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    """Long-tailed positives (1 to ~30 per class), scores with ties, about 10% of labels -1."""
+    g = torch.Generator().manual_seed(seed)
+    rate = 0.45 / torch.arange(1, c + 1, dtype=torch.float64) ** 1.1
+    labels = (torch.rand(n, c, generator=g, dtype=torch.float64) < rate).to(torch.int8)
+    labels[torch.randint(n, (c,), generator=g), torch.arange(c)] = 1  # a positive at least
+    scores = ((torch.randn(n, c, generator=g) + 1.3 * labels) * 4).round() / 4
+    labels[torch.rand(n, c, generator=g) < 0.1] = -1
+    return scores, labels
+
+
+@pytest.mark.parametrize("precision", [0.6, 0.9, 1.0])
+def test_precision_rule_keeps_most_positives_at_that_precision_else_best_f1(precision):
+    scores, labels = tail_problem(1)
+    rule = ThresholdRule(rule="precision", precision=precision)
+    thresholds = calibrate_thresholds(scores, labels, rule=rule)
+    fallbacks = 0
+    for c in range(scores.shape[1]):
+        s, y = scores[:, c].numpy(), labels[:, c].numpy()
+        cut = brute_force_rule([(s, y)], "precision", precision)
+        assert same_decisions(s, y, thresholds[c].item(), cut), c
+        tp, kept, _ = cut_counts(s, y, cut)
+        fallbacks += tp < precision * kept
+    if precision == 1.0:  # some classes reach it, others fall back on their best F1
+        assert 0 < fallbacks < scores.shape[1]
+
+
+@pytest.mark.parametrize(("pool", "rule"), [("bins", "f1"), ("global", "f1"), ("bins", "precision")])
+def test_rare_classes_take_the_threshold_pooled_over_their_frequency_bin_or_every_class(pool, rule):
+    scores, labels = tail_problem(2)
+    s, y = scores.numpy(), labels.numpy()
+    own = calibrate_thresholds(scores, labels, rule=ThresholdRule(rule=rule))
+    thresholds = calibrate_thresholds(
+        scores, labels, rule=ThresholdRule(rule=rule, min_positives=6, pool=pool)
+    )
+    positives = (y == 1).sum(0)
+    bins = np.floor(np.log2(np.maximum(positives, 1)))  # 1 | 2-3 | 4-7 | ...
+    rare = (positives > 0) & (positives < 6)
+    assert 0 < rare.sum() < len(rare) and (positives == 0).any()
+    for c in range(scores.shape[1]):
+        if not rare[c]:  # calibrated alone, or without a positive
+            assert thresholds[c] == own[c]
+            continue
+        members = [j for j in range(len(rare)) if positives[j] and (pool == "global" or bins[j] == bins[c])]
+        cut = brute_force_rule([(s[:, j], y[:, j]) for j in members], rule)
+        for j in members:  # one threshold deciding every member's scores as the pooled cut does
+            assert same_decisions(s[:, j], y[:, j], thresholds[c].item(), cut), (c, j)
+
+
+def test_held_out_f1_calibrates_on_one_seeded_half_and_measures_on_the_other():
+    scores, labels = tail_problem(3, n=120)
+    rule = ThresholdRule(min_positives=3, seed=7)
+    result = held_out_f1(MemoryStore.of(scores, labels), rule)
+    order = torch.randperm(120, generator=torch.Generator().manual_seed(7))
+    half, other = order[:60].numpy(), order[60:].numpy()
+    s, y = scores.numpy(), labels.numpy()
+    per_class = calibrate_thresholds(scores[half], labels[half], NEVER_PREDICTED, rule=rule).numpy()
+    columns = [(s[half, j], y[half, j]) for j in range(s.shape[1]) if (y[half, j] == 1).any()]
+    one_cut = brute_force_rule(columns, "f1")
+    f1 = {"per_class": [], "global": []}
+    for c in range(s.shape[1]):
+        known = y[other, c] >= 0
+        truth, values = y[other, c][known] == 1, s[other, c][known].astype(np.float64)
+        if truth.any():
+            f1["per_class"].append(f1_score(truth, values >= per_class[c], zero_division=0.0))
+            f1["global"].append(f1_score(truth, values >= one_cut, zero_division=0.0))
+    assert (result["calibrated_rows"], result["measured_rows"], result["seed"]) == (60, 60, 7)
+    assert result["per_class"]["F1_mean"] == pytest.approx(100 * np.mean(f1["per_class"]), abs=1e-10)
+    assert result["global"]["F1_mean"] == pytest.approx(100 * np.mean(f1["global"]), abs=1e-10)
+    assert result["global"]["F1_mean"] != result["per_class"]["F1_mean"]
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"rule": "recall"}, "metrics.thresholds: rule='recall'; expected one of f1, precision"),
+        ({"precision": 1.5}, "metrics.thresholds: precision=1.5; expected a number in (0, 1]"),
+        ({"min_positives": -1}, "metrics.thresholds: min_positives=-1; expected an integer >= 0"),
+        ({"pool": "tags"}, "metrics.thresholds: pool='tags'; expected one of bins, global"),
+        (
+            {"minimum": 3},
+            "metrics.thresholds: unknown key(s) minimum; expected rule, precision, min_positives",
+        ),
+    ],
+)
+def test_a_bad_threshold_rule_is_one_line(keys, message):
+    with pytest.raises(ConfigError) as raised:
+        ThresholdRule.of(keys)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)

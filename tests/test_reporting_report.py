@@ -32,7 +32,7 @@ from mlcls.cli.train import run
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.engine.config_checks import check_config
 from mlcls.errors import ConfigError
-from mlcls.metrics import compute_metrics
+from mlcls.metrics import compute_metrics, store_metrics
 from mlcls.metrics.ap import ranked_positives
 from mlcls.reporting import report, report_data, run_files
 from mlcls.reporting.report_data import ValPredictions, label_issues, load_val_predictions
@@ -55,11 +55,11 @@ def trained(tmp_path_factory) -> tuple[Path, list[str]]:
 
     def figures(*args, **kwargs):
         computed.append("evaluation")
-        return compute_metrics(*args, **kwargs)
+        return store_metrics(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ap_module, "ranked_positives", ranked)
-        patch.setattr(evaluate_module, "compute_metrics", figures)
+        patch.setattr(evaluate_module, "store_metrics", figures)
         run(compose_config([*TINY, "trainer.report=true"]), run_dir=out)
     return out, computed
 

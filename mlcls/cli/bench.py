@@ -24,7 +24,8 @@ COMMANDS = {
     "e2e": ("the training loop fed by each input pipeline vs on batches already on the device", False),
     "loss": ("two-way loss vs masked logsumexp, forward + backward", True),
     "metrics": ("mAP@class + mAP@sample vs scikit-learn", True),
-    "eval": ("gather, metrics, thresholds and results of one evaluation: seconds, peak memory", True),
+    "eval": ("outputs streamed to a store, metrics, thresholds and results of one evaluation", True),
+    "thresholds": ("held-out F1 of per-tag thresholds (min_positives) vs one global threshold", True),
 }
 
 

@@ -33,6 +33,7 @@ from mlcls.engine.evaluate import ZeroShot, evaluate
 from mlcls.errors import ConfigError, shown
 from mlcls.inference.predictor import load_inference_model
 from mlcls.io import read_yaml, write_json
+from mlcls.metrics.store import Storage
 from mlcls.models.heads import TEXT_HEADS
 from mlcls.models.heads.text_query import text_query_head
 from mlcls.text import encoder_from_stored
@@ -230,7 +231,8 @@ def checkpoint_metrics(cfg: DictConfig) -> dict[str, Any]:
         )
     loader = build_eval_loader(dataset, cfg.batch_size, cfg.workers, info.rank, info.world_size, info.device)
     amp = resolve_amp(cfg.amp, info.device)
-    evaluation = evaluate(inference.model, loader, info.device, inference.classes, amp, zero_shot=zero_shot)
+    storage = Storage.of(cfg.metrics)
+    evaluation = evaluate(inference.model, loader, info.device, inference.classes, amp, zero_shot, storage)
     return {**evaluation.metrics, "checkpoint": str(cfg.checkpoint), "num_samples": len(dataset)}
 
 

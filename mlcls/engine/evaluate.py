@@ -1,5 +1,7 @@
-"""Evaluation: scores of every validation sample, gathered once on rank 0, then the metrics and thresholds;
-and the training set's predictions for a loss that relabels it between epochs (:func:`predict_training_set`).
+"""Evaluation: scores of every validation sample -- streamed into an output store by a single process
+(:mod:`mlcls.metrics.store`, on disk above ``metrics.in_memory_gb``), gathered once on rank 0 under DDP --
+then the metrics, the thresholds and their held-out F1; and the training set's predictions for a loss that
+relabels it between epochs (:func:`predict_training_set`).
 
 Zero-shot evaluation (:class:`ZeroShot`) is read here and in two modules it calls: a text-query head
 scores the evaluated classes from their text embeddings
@@ -11,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,13 +23,23 @@ from torch import nn
 
 from mlcls import collectives
 from mlcls.engine import distributed as dist_utils
-from mlcls.metrics import compute_metrics
-from mlcls.metrics.thresholds import NEVER_PREDICTED, calibrate_thresholds, check_model_scores
+from mlcls.metrics import RowFigures, compute_metrics, store_metrics
+from mlcls.metrics.store import DEFAULT_STORAGE, MemoryStore, OutputStore, Storage
+from mlcls.metrics.thresholds import (
+    DEFAULT_RULE,
+    NEVER_PREDICTED,
+    ThresholdRule,
+    calibrate_store,
+    calibrate_thresholds,
+    check_model_scores,
+    held_out_f1,
+)
 from mlcls.metrics.zero_shot import check_zsl_images, zero_shot_metrics
 from mlcls.models.heads.text_query import scoring_classes
 from mlcls.text import TextEncoder, class_embeddings
 
 T = TypeVar("T")
+log = logging.getLogger("mlcls")
 
 
 def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
@@ -39,21 +52,26 @@ def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractConte
 
 
 @torch.no_grad()
+def scored_batches(
+    model: nn.Module, loader: Iterable, device: torch.device, amp: str = "none"
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The float32 logits and int8 targets (1, 0, -1) of each batch of ``loader``, on the model's device."""
+    model.eval()
+    for images, target in loader:
+        with autocast_context(device, amp):
+            logits = model(images)
+        yield logits.float(), target.to(torch.int8)
+
+
 def predict(
     model: nn.Module, loader: Iterable, device: torch.device, amp: str = "none"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (float32) and targets (int8: 1, 0, -1) of this process's rank part, on the CPU in its order.
     The logits stay on the device until the split ends (one copy to the host, not a wait per batch)."""
-    model.eval()
-    scores, targets = [], []
-    for images, target in loader:
-        with autocast_context(device, amp):
-            logits = model(images)
-        scores.append(logits.float())
-        targets.append(target.to(torch.int8))
-    if not scores:  # a rank without rows: the dtypes the other ranks gather
+    batches = list(scored_batches(model, loader, device, amp))
+    if not batches:  # a rank without rows: the dtypes the other ranks gather
         return torch.empty(0), torch.empty(0, dtype=torch.int8)
-    return torch.cat(scores).cpu(), torch.cat(targets).cpu()
+    return torch.cat([s for s, _ in batches]).cpu(), torch.cat([t for _, t in batches]).cpu()
 
 
 @dataclass
@@ -62,16 +80,24 @@ class Evaluation:
     behind them (on rank 0 only, the one rank that computes from them; None elsewhere)."""
 
     metrics: dict[str, Any]
-    scores: torch.Tensor | None  # (N, C) float32 logits, dataset order
+    scores: torch.Tensor | None  # (N, C) float32 logits, dataset order; None: in ``store`` on disk
     labels: torch.Tensor | None  # (N, C) int8 in {1, 0, -1}
     # zero-shot: the columns of the trained (seen) classes among the C evaluated; None: all are trained
     trained_columns: torch.Tensor | None = None
+    store: OutputStore | None = None  # a single process's outputs (what a DiskStore keeps on disk)
 
     def trained_part(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(scores, labels)`` of the trained classes' columns, what thresholds are calibrated on."""
         if self.trained_columns is None or self.scores is None or self.labels is None:
             return self.scores, self.labels
         return self.scores[:, self.trained_columns], self.labels[:, self.trained_columns]
+
+    def trained_store(self) -> OutputStore | None:
+        """The outputs of :meth:`trained_part` as a store (None on a rank without them)."""
+        scores, labels = self.trained_part()
+        if scores is None or labels is None:
+            return self.store
+        return MemoryStore.of(scores, labels)
 
 
 @dataclass(frozen=True)
@@ -119,6 +145,16 @@ class ZeroShot:
         unseen[trained_columns] = False
         embeddings = class_embeddings(text_cfg, list(evaluated))
         return cls(list(evaluated), embeddings, unseen, trained_columns, images)
+
+    @classmethod
+    def of_run(cls, cfg: Any, trained: Sequence[str], val_set: Any) -> ZeroShot | None:
+        """A training run's zero-shot evaluation: with ``dataset.unseen_classes``, the validation split's
+        classes beyond the ``trained`` ones, scored by their text (``text``, ``metrics.zsl_images``); else
+        None."""
+        if not cfg.dataset.get("unseen_classes"):
+            return None
+        images = (cfg.get("metrics") or {}).get("zsl_images", "all")
+        return cls.of(trained, evaluated_classes(val_set), cfg.get("text"), images=images)
 
     @property
     def unseen_classes(self) -> list[str]:
@@ -169,18 +205,29 @@ def evaluate(
     classes: list[str],
     amp: str = "none",
     zero_shot: ZeroShot | None = None,
+    storage: Storage = DEFAULT_STORAGE,
 ) -> Evaluation:
     """``model`` on the whole dataset behind ``loader``, each sample scored once; with ``zero_shot`` every
     class of :attr:`ZeroShot.classes`, the metrics with ZSL and GZSL.
 
-    Only rank 0 holds the whole set and computes the metrics (labels in int8: 0.4 GB instead of 1.6 GB at
-    Open Images' 41,620 x 9,605). Rank 0's BatchNorm buffers, the checkpointed ones, are broadcast first
-    (under DDP each rank's drift during an epoch): every part is scored by exactly the saved model. A rank
-    that fails on its part ends every rank instead of leaving them waiting in the gather.
+    A single process streams the outputs batch by batch into a store (``storage``: in memory, or on disk
+    above its size) and computes every figure from it, in memory bounded by a block, not N x C
+    (:mod:`mlcls.metrics.store`). Under DDP (and for zero-shot figures) only rank 0 holds the whole set and
+    computes the metrics (labels in int8: 0.4 GB instead of 1.6 GB at Open Images' 41,620 x 9,605). Rank
+    0's BatchNorm buffers, the checkpointed ones, are broadcast first (under DDP each rank's drift during an
+    epoch): every part is scored by exactly the saved model. A rank that fails on its part ends every rank
+    instead of leaving them waiting in the gather.
     """
     collectives.broadcast_buffers(model)
     embeddings = None if zero_shot is None else zero_shot.embeddings  # None: the model's own classes
     switched = contextlib.nullcontext() if embeddings is None else scoring_classes(model, embeddings)
+    if zero_shot is None and not collectives.initialized():
+        rows = RowFigures(len(loader.dataset))
+        store = storage.open(len(loader.dataset), len(classes), rows, check_model_scores)
+        with dist_utils.all_or_none():
+            for scores, labels in scored_batches(model, loader, device, amp):
+                store.append(scores, labels)
+        return measure_store(store.finish(), rows, classes)
     with dist_utils.all_or_none(), switched:
         scores, labels = predict(model, loader, device, amp)
     if zero_shot is None:
@@ -190,6 +237,14 @@ def evaluate(
     )
     evaluation.trained_columns = zero_shot.trained
     return evaluation
+
+
+def measure_store(store: OutputStore, rows: RowFigures, classes: list[str]) -> Evaluation:
+    """The evaluation of a single process's finished ``store``, whose rows ``rows`` has seen."""
+    metrics = store_metrics(store, rows, classes)
+    if isinstance(store, MemoryStore):
+        return Evaluation(metrics, store.scores, store.labels, store=store)
+    return Evaluation(metrics, None, None, store=store)
 
 
 def measure_rank_parts(
@@ -228,12 +283,44 @@ def thresholds_split(dataset_cfg: Any, held_out: bool) -> str:
     return "holdout" if shows_own else "validation"
 
 
-def calibrate_on_main(evaluation: Evaluation, classes: list[str], split: str = "validation") -> torch.Tensor:
-    """The per-class logit thresholds (float64 (C,), :data:`NEVER_PREDICTED` without a positive) of
-    ``evaluation``'s trained part, computed on rank 0 and equal on every rank."""
+def calibrate_on_main(
+    evaluation: Evaluation,
+    classes: list[str],
+    split: str = "validation",
+    rule: ThresholdRule = DEFAULT_RULE,
+) -> torch.Tensor:
+    """The per-class logit thresholds of ``rule`` (float64 (C,), :data:`NEVER_PREDICTED` without a
+    positive) of ``evaluation``'s trained part, computed on rank 0 and equal on every rank."""
     scores, labels = evaluation.trained_part()
+    if scores is None and evaluation.store is not None:  # a single process's outputs on disk
+        return calibrate_store(evaluation.store, NEVER_PREDICTED, classes, split, rule)
     return on_main_for_all(
         lambda: calibrate_thresholds(
-            scores, labels, no_positive=NEVER_PREDICTED, classes=classes, split=split
+            scores, labels, no_positive=NEVER_PREDICTED, classes=classes, split=split, rule=rule
         )
     )
+
+
+def held_out_on_main(evaluation: Evaluation, rule: ThresholdRule = DEFAULT_RULE) -> dict[str, Any] | None:
+    """:func:`held_out_f1` of ``evaluation``'s trained part on rank 0, equal on every rank, and logged:
+    the held-out F1 of ``rule``'s per-class thresholds beside one global threshold's; None for a set of
+    fewer than 2 samples, which cannot be halved."""
+
+    def figures() -> dict[str, Any] | None:
+        store = evaluation.trained_store()
+        assert store is not None  # rank 0 holds the outputs
+        return held_out_f1(store, rule) if store.n_rows >= 2 else None
+
+    result = on_main_for_all(figures)
+    if result is not None:
+        log.info(
+            "thresholds (%s, min_positives %d): F1 on the half of the split they were not calibrated on, "
+            "mean over classes %.2f per class vs %.2f one global threshold (OF1 %.2f vs %.2f)",
+            "max F1" if rule.rule == "f1" else f"precision >= {rule.precision}",
+            rule.min_positives,
+            result["per_class"]["F1_mean"],
+            result["global"]["F1_mean"],
+            result["per_class"]["OF1"],
+            result["global"]["OF1"],
+        )
+    return result

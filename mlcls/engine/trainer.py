@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from tqdm import tqdm
 
@@ -40,8 +40,8 @@ from mlcls.engine.evaluate import (
     autocast_context,
     calibrate_on_main,
     evaluate,
-    evaluated_classes,
     headline,
+    held_out_on_main,
     predict_training_set,
     thresholds_split,
 )
@@ -52,9 +52,12 @@ from mlcls.engine.rundir import close_run_dir
 from mlcls.engine.state import EpochProgress
 from mlcls.errors import plural
 from mlcls.io import write_json
+from mlcls.metrics.store import Storage
+from mlcls.metrics.thresholds import ThresholdRule
 from mlcls.models.factory import backbone_in_eval
 
 log = logging.getLogger("mlcls")
+RUN_LINE = "run dir %s | %d train / %d val samples, %d classes | %s on %s x%d | batch %d (%d per process)"
 
 EXIT_PREEMPTED = 75
 
@@ -111,10 +114,13 @@ class Trainer:
             run = build_run(run, run_dir)
         self.cfg, self.dist, self.device, self.run_dir = run.cfg, run.dist, run.dist.device, run.run_dir
         self.amp, self.eval_amp, self.channels_last = run.amp, run.eval_amp, run.channels_last
-        self.data, self.classes = run.data, run.data.classes
-        self.iters_per_epoch = run.data.iters_per_epoch
-        self.model, self.ddp_model, self.ema = run.model, run.ddp_model, run.ema
-        self.criterion = run.criterion
+        self.data, self.classes, self.iters_per_epoch = run.data, run.data.classes, run.data.iters_per_epoch
+        self.model, self.ddp_model, self.ema, self.criterion = (
+            run.model,
+            run.ddp_model,
+            run.ema,
+            run.criterion,
+        )
         self.optimizer, self.scheduler, self.scaler = run.optimizer, run.scheduler, run.scaler
         self.device_stage, self.state, self.run_log = run.device_stage, run.state, run.run_log
         self.checkpointer = run.checkpointer
@@ -124,12 +130,9 @@ class Trainer:
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
         self.thresholds_split = thresholds_split(self.cfg.dataset, self.data.holdout_loader is not None)
-        # dataset.unseen_classes: the validation split's classes beyond the trained ones, scored by text
-        self.zero_shot = None
-        if self.cfg.dataset.get("unseen_classes"):
-            evaluated = evaluated_classes(run.data.val_set)
-            images = OmegaConf.select(self.cfg, "metrics.zsl_images", default="all")
-            self.zero_shot = ZeroShot.of(self.classes, evaluated, self.cfg.get("text"), images=images)
+        metrics = self.cfg.get("metrics") or {}  # the evaluation's storage and its thresholds' rule
+        self.storage, self.threshold_rule = Storage.of(metrics), ThresholdRule.of(metrics.get("thresholds"))
+        self.zero_shot = ZeroShot.of_run(self.cfg, self.classes, run.data.val_set)  # dataset.unseen_classes
         # Called with the trainer on rank 0 once the last epoch is recorded (the CLI adds the plots): the
         # engine knows nothing of what reports a run.
         self.on_finish: list[Callable[[Trainer], None]] = []
@@ -142,18 +145,9 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train from ``state.epoch`` (and ``state.step``) to ``trainer.epochs``; return results.json's."""
         tcfg = self.cfg.trainer
-        log.info(
-            "run dir %s | %d train / %d val samples, %d classes | %s on %s x%d | batch %d (%d per process)",
-            self.run_dir,
-            len(self.data.train_set),
-            len(self.data.val_set),
-            len(self.classes),
-            self.cfg.model.name,
-            self.device.type,
-            self.dist.world_size,
-            tcfg.batch_size,
-            self.data.local_batch,
-        )
+        sizes = (len(self.data.train_set), len(self.data.val_set), len(self.classes))
+        model = (self.cfg.model.name, self.device.type, self.dist.world_size)
+        log.info(RUN_LINE, self.run_dir, *sizes, *model, tcfg.batch_size, self.data.local_batch)
         try:
             with self.signals:
                 for epoch in range(self.state.epoch, tcfg.epochs):
@@ -339,7 +333,7 @@ class Trainer:
         model = self.model if model is None else model
         zero_shot = self.zero_shot if loader is None else None  # the held-out split has the seen classes
         loader = self.data.val_loader if loader is None else loader
-        args = (self.device, self.classes, self.eval_amp, zero_shot)
+        args = (self.device, self.classes, self.eval_amp, zero_shot, self.storage)
         return evaluate(model, loader, *args)
 
     def select_best(self, epoch: int) -> bool:
@@ -364,13 +358,16 @@ class Trainer:
         is_best = best is None or selection_score(evaluations[top_weights].metrics) > selection_score(best)
         raw, top = evaluations["raw"], evaluations[top_weights]
         self.val_outputs = raw.trained_part()  # for on_finish: on rank 0, (None, None) elsewhere
-        # last.pt's raw weights, then best.pt's
-        self.state.thresholds = calibrate_on_main(calibration["raw"], self.classes, split)
+        # last.pt's raw weights, then best.pt's; the rule's F1 on data it was not calibrated on
+        rule = self.threshold_rule
+        self.state.thresholds = calibrate_on_main(calibration["raw"], self.classes, split, rule)
+        if (threshold_figures := held_out_on_main(calibration["raw"], rule)) is not None:
+            metrics["thresholds"] = threshold_figures
         if is_best:
             self.best_thresholds = (
                 self.state.thresholds
                 if top_weights == "raw"
-                else calibrate_on_main(calibration[top_weights], self.classes, split)
+                else calibrate_on_main(calibration[top_weights], self.classes, split, rule)
             )
             self.state.best = {
                 "epoch": epoch,

@@ -19,15 +19,12 @@ import torch
 from mlcls.metrics.ap import (
     ap_of_lists,
     average_precision,
-    block_slices,
     map_class,
     map_sample,
     mean_counted,
-    per_list_in_blocks,
     voc11_ap_of_lists,
     voc11_average_precision,
 )
-from mlcls.metrics.checks import check_scores_labels
 from mlcls.metrics.f1 import (
     figures_of_counts,
     precision_recall_f1,
@@ -35,6 +32,7 @@ from mlcls.metrics.f1 import (
     threshold_predictions,
     top_k_predictions,
 )
+from mlcls.metrics.store import MemoryStore, OutputStore
 from mlcls.metrics.zero_shot import top_k_f1, zero_shot_metrics
 
 __all__ = [
@@ -43,12 +41,42 @@ __all__ = [
     "map_class",
     "map_sample",
     "precision_recall_f1",
+    "RowFigures",
+    "store_metrics",
     "threshold_predictions",
     "top_k_f1",
     "top_k_predictions",
     "voc11_average_precision",
     "zero_shot_metrics",
 ]
+
+
+class RowFigures:
+    """The figures of whole rows, accumulated as an :class:`~mlcls.metrics.store.OutputStore` receives them
+    (its ``on_rows``): the AP of each of the ``n_rows`` samples (float64, NaN without a positive) and the
+    ``TP``/``NP``/``NG`` counts of the ``top_k`` predictions of each row (:func:`prediction_counts`).
+
+    Both are filled in place: a long evaluation then leaves no small tensor per block between the large
+    temporaries, which would keep the allocator from reusing their memory (at 50,000 x 75,000 such
+    leftovers held over 2 GB by the end of a pass)."""
+
+    def __init__(self, n_rows: int, top_k: int = 3) -> None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}")
+        self.top_k = top_k
+        self.sample_ap = torch.full((n_rows,), math.nan, dtype=torch.float64)
+        self.top_k_counts: torch.Tensor | None = None
+        self.rows_seen = 0
+
+    def __call__(self, scores: torch.Tensor, labels: torch.Tensor) -> None:
+        rows = slice(self.rows_seen, self.rows_seen + len(scores))
+        self.sample_ap[rows] = ap_of_lists(scores, labels, 1).cpu()
+        self.rows_seen = rows.stop
+        counts = prediction_counts(top_k_predictions(scores, self.top_k), labels)
+        if self.top_k_counts is None:
+            self.top_k_counts = counts
+        else:
+            self.top_k_counts += counts
 
 
 def compute_metrics(
@@ -77,31 +105,48 @@ def compute_metrics(
         (:func:`average_precision`) in percent, ``None`` for a class without positive: results.json's
         ``per_class_ap``, which the plots and the report read instead of computing it again.
     """
-    labels = check_scores_labels(scores, labels)
-    if len(class_names) != scores.shape[1]:
-        raise ValueError(f"{len(class_names)} class names for {scores.shape[1]} score columns")
+    rows = RowFigures(len(scores), top_k)
+    return store_metrics(MemoryStore.of(scores, labels, rows), rows, class_names, threshold, voc11)
+
+
+def store_metrics(
+    store: OutputStore,
+    rows: RowFigures,
+    class_names: Sequence[str],
+    threshold: float = 0.5,
+    voc11: bool = False,
+) -> dict:
+    """:func:`compute_metrics` of the outputs in ``store``, whose rows ``rows`` has seen (its ``on_rows``):
+    the figures of classes from one pass over its blocks of classes, those of samples from ``rows``."""
+    if len(class_names) != store.n_classes:
+        raise ValueError(f"{len(class_names)} class names for {store.n_classes} score columns")
     if len(set(class_names)) != len(class_names):
         raise ValueError("class names must be distinct")
-    class_ap = per_list_in_blocks(ap_of_lists, scores, labels, dim=0)
+    # filled in place, block by block (see RowFigures)
+    class_ap = torch.empty(store.n_classes, dtype=torch.float64)
+    voc11_ap = torch.empty(store.n_classes if voc11 else 0, dtype=torch.float64)
+    at_threshold = torch.empty(3, store.n_classes, dtype=torch.int64)
+    for classes, scores, labels in store.column_blocks():
+        class_ap[classes] = ap_of_lists(scores, labels, 0).cpu()
+        if voc11:
+            voc11_ap[classes] = voc11_ap_of_lists(scores, labels, 0).cpu()
+        at_threshold[:, classes] = prediction_counts(threshold_predictions(scores, threshold), labels).cpu()
     map_class_percent, classes_counted = mean_counted(class_ap)
-    map_sample_percent, samples_counted = mean_counted(per_list_in_blocks(ap_of_lists, scores, labels, 1))
+    map_sample_percent, samples_counted = mean_counted(rows.sample_ap)
     metrics: dict = {
         "mAP_class": map_class_percent,
         "mAP_sample": map_sample_percent,
         "classes_counted": classes_counted,
         "samples_counted": samples_counted,
     }
-    # predictions and their counts by blocks of rows: no (N, C) temporary of the whole set
-    at_threshold = at_top_k = torch.zeros(3, scores.shape[1], dtype=torch.int64, device=labels.device)
-    for rows in block_slices(*scores.shape):
-        at_threshold = at_threshold + prediction_counts(
-            threshold_predictions(scores[rows], threshold), labels[rows]
-        )
-        at_top_k = at_top_k + prediction_counts(top_k_predictions(scores[rows], top_k), labels[rows])
     metrics.update(figures_of_counts(at_threshold))
-    metrics.update({f"{name}_top{top_k}": value for name, value in figures_of_counts(at_top_k).items()})
+    top_k_counts = rows.top_k_counts
+    if top_k_counts is None:  # no row at all
+        top_k_counts = torch.zeros(3, store.n_classes, dtype=torch.int64)
+    top_k_figures = figures_of_counts(top_k_counts)
+    metrics.update({f"{name}_top{rows.top_k}": value for name, value in top_k_figures.items()})
     if voc11:
-        metrics["mAP_class_voc11"] = mean_counted(per_list_in_blocks(voc11_ap_of_lists, scores, labels, 0))[0]
+        metrics["mAP_class_voc11"] = mean_counted(voc11_ap)[0]
     metrics["per_class_ap"] = {
         name: None if math.isnan(ap) else 100 * ap
         for name, ap in zip(class_names, class_ap.tolist(), strict=True)
