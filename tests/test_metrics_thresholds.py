@@ -316,6 +316,18 @@ def test_held_out_f1_calibrates_on_one_seeded_half_and_measures_on_the_other():
     assert result["global"]["F1_mean"] != result["per_class"]["F1_mean"]
 
 
+def test_a_calibration_half_without_a_positive_predicts_nothing_on_either_rule():
+    """Every positive in the measured half (a tiny validation split): no threshold can be placed, every
+    class is never predicted by either rule, and the measured F1 is 0 for both."""
+    labels = torch.zeros(4, 3, dtype=torch.int8)
+    rule = ThresholdRule(seed=0)
+    measured = torch.randperm(4, generator=torch.Generator().manual_seed(0))[2:]
+    labels[measured, 1] = 1
+    result = held_out_f1(MemoryStore.of(torch.randn(4, 3), labels), rule)
+    assert math.isnan(result["global"]["threshold"])
+    assert result["per_class"]["OF1"] == result["global"]["OF1"] == 0.0
+
+
 @pytest.mark.parametrize(
     ("keys", "message"),
     [

@@ -186,6 +186,7 @@ def _calibrate(
         pools[-1] = positives > 0
     if rule.pool == "bins":
         pools.update({b: bin_of == b for b in bin_of[rare].unique().tolist()})
+    pools = {p: members for p, members in pools.items() if bool(members.any())}  # no positive: no threshold
     if not pools:
         return threshold, math.nan
     pooled = _pooled_thresholds(
