@@ -3,6 +3,7 @@ path and the references (scikit-learn, float64 loops from the definitions), in m
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 
@@ -110,9 +111,12 @@ def peak_growth_mb(n: int, c: int, in_memory_gb: float, folder: str, warm: bool 
 
     g = torch.Generator().manual_seed(0)
     batches = []
-    for _ in range(0, n, 100):
-        labels = (torch.rand(100, c, generator=g) < 0.02).to(torch.int8)
-        batches.append((torch.randn(100, c, generator=g) + labels, labels))
+    for _ in range(0, n, 25):  # batches of 25 rows: what the store copies of one is small beside the outputs
+        labels = (torch.rand(25, c, generator=g) < 0.02).to(torch.int8)
+        batches.append((torch.randn(25, c, generator=g) + labels, labels))
+    # The forked child shares the worker's heap: memory an earlier test freed there would take the store's
+    # allocations unseen by the resident size. Given back to the system first, every new page counts.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as reset:
         reset.write("5")
     before = status("VmRSS:")
@@ -127,16 +131,17 @@ def peak_growth_mb(n: int, c: int, in_memory_gb: float, folder: str, warm: bool 
 
 @pytest.mark.slow
 def test_memory_stays_bounded_by_a_block_not_the_outputs(tmp_path, monkeypatch):
-    """Outputs of 47.7 MB (float32 scores, int8 labels): on disk the peak grows by an eighth of them at
-    most (a block's temporaries, the row buffer), held in memory by half of them at least."""
+    """Outputs of 95 MB (float32 scores, int8 labels): on disk the peak grows by a quarter of them at most
+    (a block's temporaries, the row buffer: about 10 MB whatever the outputs), held in memory by half of
+    them at least."""
     monkeypatch.setattr(ap_module, "BLOCK_ELEMENTS", 1 << 16)
     monkeypatch.setattr(store_module, "FLUSH_ELEMENTS", 1 << 16)
-    n, c = 1000, 10000
-    on_disk = bounded(peak_growth_mb, n, c, 0.0, str(tmp_path), memory_mb=300, seconds=60)
-    in_memory = bounded(peak_growth_mb, n, c, 1.0, str(tmp_path), memory_mb=300, seconds=60)
+    n, c = 1000, 20000
+    on_disk = bounded(peak_growth_mb, n, c, 0.0, str(tmp_path), memory_mb=500, seconds=60)
+    in_memory = bounded(peak_growth_mb, n, c, 1.0, str(tmp_path), memory_mb=500, seconds=60)
     assert on_disk.error is None and in_memory.error is None, on_disk.trace + in_memory.trace
     outputs_mb = n * c * 5 / 2**20
-    assert on_disk.value < outputs_mb / 8 and in_memory.value > outputs_mb / 2, (
+    assert on_disk.value < outputs_mb / 4 and in_memory.value > outputs_mb / 2, (
         on_disk.value,
         in_memory.value,
     )
