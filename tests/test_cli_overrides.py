@@ -30,7 +30,7 @@ from mlcls.models import create_model
         (
             ["foo=1"],
             "unknown option foo: the config has data, dataset, logger, loss, metrics, model, optim, sched, "
-            "text, trainer",
+            "text, thresholds, trainer",
         ),
         (["foo.bar=1"], "unknown option foo.bar: run with --cfg job to list the options"),
         (["optim=adamw", "optim.betas.2=0.9"], "unknown option optim.betas.2: optim.betas has 0, 1"),

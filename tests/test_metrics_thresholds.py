@@ -331,13 +331,13 @@ def test_a_calibration_half_without_a_positive_predicts_nothing_on_either_rule()
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
-        ({"rule": "recall"}, "metrics.thresholds: rule='recall'; expected one of f1, precision"),
-        ({"precision": 1.5}, "metrics.thresholds: precision=1.5; expected a number in (0, 1]"),
-        ({"min_positives": -1}, "metrics.thresholds: min_positives=-1; expected an integer >= 0"),
-        ({"pool": "tags"}, "metrics.thresholds: pool='tags'; expected one of bins, global"),
+        ({"rule": "recall"}, "thresholds: rule='recall'; expected one of f1, precision"),
+        ({"precision": 1.5}, "thresholds: precision=1.5; expected a number in (0, 1]"),
+        ({"min_positives": -1}, "thresholds: min_positives=-1; expected an integer >= 0"),
+        ({"pool": "tags"}, "thresholds: pool='tags'; expected one of bins, global"),
         (
             {"minimum": 3},
-            "metrics.thresholds: unknown key(s) minimum; expected rule, precision, min_positives",
+            "thresholds: unknown key(s) minimum; expected rule, precision, min_positives",
         ),
     ],
 )

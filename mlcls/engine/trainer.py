@@ -130,8 +130,8 @@ class Trainer:
         self.val_outputs: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self.best_thresholds: torch.Tensor | None = None
         self.thresholds_split = thresholds_split(self.cfg.dataset, self.data.holdout_loader is not None)
-        metrics = self.cfg.get("metrics") or {}  # the evaluation's storage and its thresholds' rule
-        self.storage, self.threshold_rule = Storage.of(metrics), ThresholdRule.of(metrics.get("thresholds"))
+        self.storage = Storage.of(self.cfg.get("metrics"))  # metrics.in_memory_gb, metrics.scratch_dir
+        self.threshold_rule = ThresholdRule.of(self.cfg.get("thresholds"))  # the config group thresholds
         self.zero_shot = ZeroShot.of_run(self.cfg, self.classes, run.data.val_set)  # dataset.unseen_classes
         # Called with the trainer on rank 0 once the last epoch is recorded (the CLI adds the plots): the
         # engine knows nothing of what reports a run.

@@ -21,8 +21,8 @@ so only the cuts ending a positive's tie group are evaluated). Rules:
   calibrated rule; ``threshold=`` or ``top_k=`` still score it); the default 0.0 is the uncalibrated
   sigmoid-probability 0.5 rule. A log line names such classes, once per process for the same classes.
 
-Other rules (:class:`ThresholdRule`, ``metrics.thresholds``): ``rule="precision"`` takes the lowest cut
-reaching a precision, and ``min_positives`` gives a class with few positives the threshold the rule takes
+Other rules (:class:`ThresholdRule`, the config group ``thresholds``): ``rule="precision"`` takes the lowest
+cut reaching a precision, and ``min_positives`` gives a class with few positives the threshold the rule takes
 on the counts pooled over similar classes. Every rule reads the outputs a block of classes at a time
 (:class:`~mlcls.metrics.store.OutputStore`: in memory or on disk), and a pooled threshold needs only one
 more pass that counts known scores between the pool's positive scores, so it is exact at any size.
@@ -64,7 +64,7 @@ SPLIT_NAMES = {
 
 @dataclass(frozen=True)
 class ThresholdRule:
-    """How :func:`calibrate_thresholds` places each class's threshold (``metrics.thresholds``):
+    """How :func:`calibrate_thresholds` places each class's threshold (the config group ``thresholds``):
 
     * ``rule="f1"`` -- the class's best F1 (module docstring);
     * ``rule="precision"`` -- the lowest threshold whose precision ``TP / (TP + FP)`` reaches ``precision``,
@@ -97,22 +97,22 @@ class ThresholdRule:
         if self.pool not in POOLS:
             problems.append(f"pool={shown(self.pool)}; expected one of {', '.join(POOLS)}")
         if problems:
-            raise ConfigError("metrics.thresholds: " + "; ".join(problems))
+            raise ConfigError("thresholds: " + "; ".join(problems))
 
     @classmethod
     def of(cls, cfg: Mapping[str, Any] | None) -> ThresholdRule:
-        """The rule of a ``metrics.thresholds`` config (None: the defaults); unknown keys are refused."""
+        """The rule of a ``thresholds`` config (None: the defaults); unknown keys are refused."""
         values = dict(cfg or {})
         unknown = sorted(set(values) - {f.name for f in fields(cls)})
         if unknown:
             known = ", ".join(f.name for f in fields(cls))
-            raise ConfigError(f"metrics.thresholds: unknown key(s) {', '.join(unknown)}; expected {known}")
+            raise ConfigError(f"thresholds: unknown key(s) {', '.join(unknown)}; expected {known}")
         return cls(**values)
 
 
 RULES = ("f1", "precision")
 POOLS = ("bins", "global")
-DEFAULT_RULE = ThresholdRule()  # each class's own best F1, the calibration before metrics.thresholds
+DEFAULT_RULE = ThresholdRule()  # each class's own best F1, the calibration before thresholds.rule
 
 
 def calibrate_thresholds(
