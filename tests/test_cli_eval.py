@@ -17,7 +17,7 @@ from sklearn.metrics import average_precision_score
 from mlcls.cli import eval as eval_cli
 from mlcls.cli.eval import check_dataset_target, evaluation_dataset_config, packaged_dataset_targets
 from mlcls.data import build_dataset
-from mlcls.data.datasets.csv_dataset import held_out
+from mlcls.data.datasets.folds import held_out
 from mlcls.data.datasets.synthetic import SyntheticMultiLabel
 from mlcls.errors import ConfigError
 

@@ -11,7 +11,8 @@ from data_fixtures import write_csv
 from hostile import bounded
 
 from mlcls.data.datasets.base import DatasetConfigError, DatasetFormatError, DatasetLayoutError
-from mlcls.data.datasets.csv_dataset import CSVDataset, held_out, read_table
+from mlcls.data.datasets.csv_dataset import CSVDataset, read_table
+from mlcls.data.datasets.folds import held_out
 
 NAMES_CSV = "image,labels\nimg/a.jpg,cat dog\nimg/b.jpg,dog\n\nimg/c.jpg,\nimg/d.jpg,bird  cat\n"
 IMAGES = ["img/a.jpg", "img/b.jpg", "img/c.jpg", "img/d.jpg"]

@@ -44,7 +44,7 @@ from mlcls.data.datasets.base import (
     reading,
     resolve_path,
 )
-from mlcls.data.datasets.folds import DEFAULT_VAL_FRACTION, VAL_BY, held_out, rarest_label_holdout
+from mlcls.data.datasets.folds import DEFAULT_VAL_FRACTION, VAL_BY, hashed_holdout, rarest_label_holdout
 from mlcls.data.datasets.labels import SparseLabelled, SparseLabels
 from mlcls.data.images import IMAGE_EXTENSIONS
 from mlcls.errors import is_integer, is_number, plural, printable, shown
@@ -313,10 +313,7 @@ def _held_out(index: CaptionIndex, val_fraction: float, val_by: str, val_seed: i
     if val_by == "stratified":
         return rarest_label_holdout(index.labels, val_fraction, val_seed)
     samples = index.samples
-    in_val = np.array([held_out(samples.relative(i), val_fraction, val_seed) for i in range(len(samples))])
-    if not in_val.any():  # a few images: hold out one rather than none
-        in_val[0] = True
-    return in_val
+    return hashed_holdout([samples.relative(i) for i in range(len(samples))], val_fraction, val_seed)
 
 
 def _in_vocabulary(

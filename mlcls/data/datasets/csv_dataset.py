@@ -34,7 +34,7 @@ from mlcls.data.datasets.base import (
     require_files,
     resolve_path,
 )
-from mlcls.data.datasets.folds import DEFAULT_VAL_FRACTION, VAL_BY, held_out, image_hash, stratified_holdout
+from mlcls.data.datasets.folds import DEFAULT_VAL_FRACTION, VAL_BY, hashed_holdout, stratified_holdout
 from mlcls.errors import plural, printable
 from mlcls.io import CAPS, open_regular
 
@@ -179,11 +179,8 @@ class CSVDataset(MultiLabelDataset):
         if not val_file and val_fraction > 0:
             if val_by == "stratified":
                 in_val = stratified_holdout(labels, val_fraction, val_seed)
-            else:  # when the hash holds out no image (a few rows), the one of smallest hash is
-                in_val = np.array([held_out(image, val_fraction, val_seed) for image in written], dtype=bool)
-                if not in_val.any():
-                    hashes = [image_hash(image, val_seed) for image in written]
-                    in_val = np.array(hashes) == min(hashes)
+            else:
+                in_val = hashed_holdout(written, val_fraction, val_seed)
             chosen = np.flatnonzero(in_val if split == "val" else ~in_val)
             labels, images = labels[chosen], [images[i] for i in chosen]
             if split == "val":

@@ -10,6 +10,7 @@ the audit's folds
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -57,6 +58,15 @@ def stratified_holdout(labels: np.ndarray, val_fraction: float, seed: int) -> np
 def image_hash(image: str, seed: int) -> int:
     """The first 8 bytes of SHA-1(``"<seed>:<image>"``): a uniform 64-bit integer per (seed, image path)."""
     return int.from_bytes(hashlib.sha1(f"{seed}:{image}".encode()).digest()[:8], "big")
+
+
+def hashed_holdout(images: Sequence[str], val_fraction: float, seed: int) -> np.ndarray:
+    """bool (N,): the ``images`` (paths as written) held out by :func:`held_out`, each on its own; when the
+    hash holds out none (a few images), the one of smallest hash, so that a split is never empty."""
+    in_val = np.array([held_out(image, val_fraction, seed) for image in images], dtype=bool)
+    if len(images) and not in_val.any():
+        in_val[int(np.argmin([image_hash(image, seed) for image in images]))] = True
+    return in_val
 
 
 def held_out(image: str, val_fraction: float, seed: int) -> bool:
