@@ -27,7 +27,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from mlcls.errors import ConfigError, first_line, printable, shown
-from mlcls.io import CAPS, FileTooLargeError, NotRegularFileError, UnsafeFileError, read_regular_bytes
+from mlcls.io import (
+    CAPS,
+    FileTooLargeError,
+    NotRegularFileError,
+    UnsafeFileError,
+    open_regular,
+    read_regular_bytes,
+)
 from mlcls.torchfile import check_nesting, open_checkpoint
 
 CHECKPOINT_NAMES = ("timm", "by_order")
@@ -88,11 +95,13 @@ def read_weights(
 
 
 def _is_legacy(path: Path) -> bool:
-    """Whether ``path`` starts as torch's format from before 1.6 (:data:`LEGACY_MAGIC`)."""
+    """Whether ``path``, refused as a checkpoint, starts as torch's format from before 1.6
+    (:data:`LEGACY_MAGIC`): looked at through the guarded door again, its first bytes only (the file may
+    have been replaced by a pipe since)."""
     try:
-        with open(path, "rb") as file:
+        with open_regular(path, max_bytes=CAPS["checkpoint"], what="weights file") as file:
             return file.read(len(LEGACY_MAGIC)) == LEGACY_MAGIC
-    except OSError:
+    except (OSError, NotRegularFileError, FileTooLargeError):
         return False
 
 
