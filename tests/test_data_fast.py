@@ -21,6 +21,7 @@ from mlcls.data import build_backend_transform
 from mlcls.data.images import read_image_bytes, to_rgb
 from mlcls.data.loader import DeviceStage, build_train_loader, collate_batch
 from mlcls.data.pipeline.fast import (
+    HALF_PRECISION_LEVELS,
     AugmentedImage,
     FastTrainTransform,
     PlannedCrop,
@@ -248,29 +249,65 @@ def _reference_device_stage(
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("normalisation", list(NORMALISATIONS))
-@pytest.mark.parametrize("batched", [True, False])
-def test_device_stage_equals_torchvision_functional_ops(batched, normalisation):
-    """:func:`colour_lighting_normalise` with the constants of a ``DeviceStage`` of the dataset's mean and
-    std, against torchvision's functional ops and ``TF.normalize`` of the same mean and std."""
-    mean, std = NORMALISATIONS[normalisation]
+def _jitter_batch(batch_size: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 (B, 3, 12, 10) pixels (the first image saturated: the clamps after each step matter) and their
+    colour parameters, every jitter order twice."""
     generator = torch.Generator().manual_seed(0)
     orders = list(itertools.permutations(range(3)))
-    batch = 2 * len(orders)
-    pixels = torch.randint(0, 256, (batch, 3, 12, 10), dtype=torch.uint8, generator=generator)
-    pixels[0] = 255  # saturated: the clamps after each step matter
+    pixels = torch.randint(0, 256, (batch_size, 3, 12, 10), dtype=torch.uint8, generator=generator)
+    pixels[0] = 255
     params = torch.cat(
         [
-            torch.tensor([orders[k % len(orders)] for k in range(batch)], dtype=torch.float32),
-            0.6 + 0.8 * torch.rand(batch, 3, generator=generator),
-            0.3 * torch.randn(batch, 3, generator=generator),
+            torch.tensor([orders[k % len(orders)] for k in range(batch_size)], dtype=torch.float32),
+            0.6 + 0.8 * torch.rand(batch_size, 3, generator=generator),
+            0.3 * torch.randn(batch_size, 3, generator=generator),
         ],
         dim=1,
     )
+    return pixels, params
+
+
+# The colour stage's paths: image by image and batched in float32 (the CPU's), batched in float16 (CUDA's
+# default), and the tolerance against torchvision's float32 ops in grey levels (0: float32's rounding).
+COLOUR_PATHS = {"per image": (False, None, 0.0), "batched": (True, torch.float32, 0.0)}
+COLOUR_PATHS["batched float16"] = (True, torch.float16, HALF_PRECISION_LEVELS)
+
+
+@pytest.mark.parametrize("normalisation", list(NORMALISATIONS))
+@pytest.mark.parametrize("path", list(COLOUR_PATHS))
+def test_device_stage_equals_torchvision_functional_ops(path, normalisation):
+    """:func:`colour_lighting_normalise` with the constants of a ``DeviceStage`` of the dataset's mean and
+    std, against torchvision's functional ops and ``TF.normalize`` of the same mean and std: within float32's
+    rounding, and within HALF_PRECISION_LEVELS grey levels with the jitter in float16."""
+    mean, std = NORMALISATIONS[normalisation]
+    batched, dtype, levels = COLOUR_PATHS[path]
+    pixels, params = _jitter_batch()
     constants = DeviceStage("cpu", mean=mean, std=std).constants
-    got = colour_lighting_normalise(pixels, params, constants, batched=batched)
-    assert got.dtype == torch.float32 and got.shape == (batch, 3, 12, 10)
-    torch.testing.assert_close(got, _reference_device_stage(pixels, params, mean, std), atol=2e-5, rtol=0)
+    got = colour_lighting_normalise(pixels, params, constants, batched=batched, dtype=dtype)
+    assert got.dtype == torch.float32 and got.shape == (12, 3, 12, 10)
+    atol = 2e-5 + levels / 255 / min(std)
+    torch.testing.assert_close(got, _reference_device_stage(pixels, params, mean, std), atol=atol, rtol=0)
+
+
+def test_the_colour_stage_keeps_the_memory_format_of_its_pixels():
+    pixels, params = _jitter_batch()
+    for images, memory_format in ((pixels, torch.contiguous_format), (pixels, torch.channels_last)):
+        images = images.contiguous(memory_format=memory_format)
+        for p in (params, params[:, :0]):  # training, evaluation
+            out = colour_lighting_normalise(images, p, batched=True)
+            assert out.is_contiguous(memory_format=memory_format)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_colour_stage_on_cuda_is_float16_within_its_tolerance_of_torchvision():
+    pixels, params = _jitter_batch(48)
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    got = colour_lighting_normalise(pixels.to(cuda), params.to(cuda), DeviceStage(cuda).constants)
+    expected = _reference_device_stage(pixels, params)
+    atol = HALF_PRECISION_LEVELS / 255 / min(IMAGENET_STD)
+    torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=0)
+    with_float32 = colour_lighting_normalise(pixels, params, batched=True)
+    assert (got.cpu() - with_float32).abs().max() > 0  # float16 ran: float32 on the CPU gives other values
 
 
 def test_device_stage_copies_plain_tensors_and_sets_the_memory_format():

@@ -238,7 +238,9 @@ class DeviceStage:
         if hasattr(images, "on_device"):  # data.backend=gpu's EncodedBatch: its pixels made on the device
             images = images.on_device(self.device)
         if isinstance(images, AugmentedImage):
+            # uint8 in the step's memory format: the colour stage's passes keep it, at a byte a value
             pixels = images.pixels.to(self.device, non_blocking=True)
+            pixels = pixels.contiguous(memory_format=self.memory_format)
             params = images.params.to(self.device, non_blocking=True)
             images = colour_lighting_normalise(pixels, params, self.constants, self.batched)
         else:

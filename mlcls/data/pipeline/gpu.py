@@ -253,7 +253,7 @@ def input_stage_bytes(batch_size: int, size: int) -> int:
 
     The batch being made: 16 bytes per pixel of a decode chunk (:func:`chunks`), the largest sum over the
     phases of :func:`resize_windows` (docs/performance.md, "Memory"), plus 16 bytes per output value (the
-    uint8 copies, the colour stage's float32). Beside it, two finished batches of float32 (4 bytes per
+    uint8 copies, the colour stage's float16 and float32 output: 12 on CUDA, 16 in float32). Beside it, two finished batches of float32 (4 bytes per
     value): the one queued by the device stage (:data:`mlcls.data.loader.BATCHES_AHEAD` less the one in
     the making) and the one the step uses. Reserved memory exceeds what is allocated by the caching
     allocator's rounding and by blocks the stage's two streams (:func:`side_stream`) do not share: a
