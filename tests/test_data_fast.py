@@ -20,6 +20,7 @@ from mlcls.bench.pipeline_bench import make_jpegs
 from mlcls.data import build_backend_transform
 from mlcls.data.images import read_image_bytes, to_rgb
 from mlcls.data.loader import DeviceStage, build_train_loader, collate_batch
+from mlcls.data.pipeline import fast
 from mlcls.data.pipeline.fast import (
     HALF_PRECISION_LEVELS,
     AugmentedImage,
@@ -29,6 +30,7 @@ from mlcls.data.pipeline.fast import (
     decode_jpeg,
     draft_reduction,
     load_reduced,
+    side_stream,
 )
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
@@ -427,3 +429,20 @@ def test_16_bit_greyscale_is_scaled_to_8_bits_by_both_decoders(tmp_path):
     assert wide.mode == narrow.mode == "I"
     np.testing.assert_array_equal(np.asarray(to_rgb(wide)), expected)
     np.testing.assert_array_equal(np.asarray(to_rgb(narrow)), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_side_streams_differ_when_torchs_pool_comes_around_to_the_stage_stream(monkeypatch):
+    """torch hands out its pool's streams in turn: a decode stream drawn when the turn comes back to the stage
+    stream's is drawn again (one stream for both would let nvJPEG write into blocks the stage still reads)."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setattr(fast, "_SIDE_STREAMS", {})
+    first, turn = torch.cuda.Stream(cuda), 1
+    while torch.cuda.Stream(cuda).cuda_stream != first.cuda_stream and turn < 1024:
+        turn += 1
+    stage = side_stream(cuda, "stage")
+    for _ in range(turn - 1):  # the next stream drawn would be the stage's
+        torch.cuda.Stream(cuda)
+    decode = side_stream(cuda, "decode")
+    assert turn < 1024 and decode.cuda_stream != stage.cuda_stream
+    assert side_stream(cuda, "stage") is stage and side_stream(cuda, "decode") is decode

@@ -6,6 +6,7 @@ CUDA exists, on the GPU (nvJPEG)."""
 from __future__ import annotations
 
 import io
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ from mlcls.data.loader import (
     build_train_loader,
     collate_batch,
 )
-from mlcls.data.pipeline import gpu, jpeg
+from mlcls.data.pipeline import device_decode, gpu, jpeg
 from mlcls.data.pipeline.fast import FastTrainTransform
 from mlcls.data.pipeline.gpu import (
     FLIP,
@@ -199,7 +200,7 @@ def test_a_jpeg_only_the_decoder_finds_damaged_is_decoded_by_pil(photos, monkeyp
     batch, _ = _batch(PhotoFiles(photos[:4], GpuTrainTransform(FastTrainTransform(SIZE))), range(4))
     expected = decode_on_device(batch, CPU)
     refused = photos[2].read_bytes()
-    real = gpu.decode_jpeg
+    real = device_decode.decode_jpeg
 
     def refusing(data, **options):
         files = data if isinstance(data, list) else [data]
@@ -207,7 +208,7 @@ def test_a_jpeg_only_the_decoder_finds_damaged_is_decoded_by_pil(photos, monkeyp
             raise RuntimeError("nvjpeg: bitstream error")
         return real(data, **options)
 
-    monkeypatch.setattr(gpu, "decode_jpeg", refusing)
+    monkeypatch.setattr(device_decode, "decode_jpeg", refusing)
     assert torch.equal(decode_on_device(batch, CPU), expected)
 
 
@@ -246,6 +247,35 @@ def test_chunks_bound_the_decoded_and_padded_pixels_and_keep_the_batch_order(pho
     monkeypatch.setattr(gpu, "DECODE_PIXELS", 2 * 320 * 240)
     difference = (decode_on_device(batch, CPU).int() - whole.int()).abs()
     assert decoded == [2, 2, 2, 2] and difference.max() <= 1 and (difference > 0).float().mean() < 1e-3
+
+
+def test_each_resize_groups_decoded_images_are_released_once_it_is_resized(photos, monkeypatch):
+    """A chunk's decoded images are held only until their resize group has read them: when a group is
+    resized, the images alive beside its own are those of the groups still to come, and ``resize_windows``
+    empties the list it was given (before: the whole chunk stayed alive through every group's resize)."""
+    batch, _ = _batch(PhotoFiles(photos, GpuTrainTransform(FastTrainTransform(SIZE))), range(30, 38))
+    monkeypatch.setattr(gpu, "MAX_PADDING", 1)  # a group per window size: several groups a chunk
+    decoded, groups, emptied = [], [], []
+    real_decode, real_resize = gpu.decode_images, gpu.resize_windows
+
+    def decoding(files, device):
+        images = real_decode(files, device)
+        decoded.extend(weakref.ref(image) for image in images)
+        return images
+
+    def resizing(images, geometry, device):
+        alive = sum(ref() is not None for ref in decoded)
+        to_come = len(decoded) - sum(groups) - len(images)
+        groups.append(len(images))
+        assert alive - len(images) == to_come, (alive, len(images), to_come)
+        out = real_resize(images, geometry, device)
+        emptied.append(images == [])
+        return out
+
+    monkeypatch.setattr(gpu, "decode_images", decoding)
+    monkeypatch.setattr(gpu, "resize_windows", resizing)
+    assert decode_on_device(batch, CPU).shape == (8, 3, SIZE, SIZE)
+    assert len(groups) > 2 and sum(groups) == len(decoded) == 8 and all(emptied)
 
 
 def test_the_device_stage_reads_nothing_back(photos, host_reads):
@@ -476,3 +506,19 @@ def test_cuda_decoding_under_a_delayed_stage_stream_gives_every_pixel_of_an_idle
     assert len(got) == len(expected) == 3 and decodes == [4, 4] * 3
     for images, want in zip(got, expected, strict=True):
         assert torch.equal(images, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_decode_call_returns_once_the_calling_stream_has_run_what_it_queued_before_the_last(photos):
+    """The decode stream's pool holds two calls' images at most: before it decodes, a call waits until the
+    calling stream has run what it had queued at the previous call (held back here by a sleep)."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    files = [torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8) for path in photos[:2]]
+    device_decode.decode_images(files, cuda)  # the decoder made
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s on the calling stream
+    slept = torch.cuda.current_stream(cuda).record_event()
+    device_decode.decode_images(files, cuda)  # waits for what was queued at the call before: done
+    after_one_call = slept.query()
+    device_decode.decode_images(files, cuda)  # waits for the sleep, queued at the call before
+    assert not after_one_call and slept.query()

@@ -236,6 +236,29 @@ def test_the_device_stage_keeps_at_most_two_batches_ahead(monkeypatch):
     finished.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("in_process", [True, False])
+def test_on_cuda_a_batch_is_made_once_the_step_three_batches_back_has_run(monkeypatch, in_process):
+    """However far the consumer's host runs ahead of its GPU (each step a kernel of about 10 ms, queued
+    without waiting), the stage makes batch j only once the consumer's work on batch j - 3 has run: it
+    holds three batches on the device at most."""
+    monkeypatch.setattr(batches, "_reads_in_process", lambda loader: in_process)
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    steps, early = [], []
+
+    def finish(j: int) -> tuple[torch.Tensor]:
+        if j > batches.BATCHES_AHEAD:
+            early.append(not steps[j - batches.BATCHES_AHEAD - 1].query())
+        return (torch.full((4,), float(j), device=cuda),)
+
+    for (made,) in batches.beside_the_step(range(8), finish, cuda):
+        torch.cuda._sleep(20_000_000)
+        made.add_(1.0)
+        steps.append(torch.cuda.current_stream(cuda).record_event())
+    torch.cuda.synchronize()
+    assert len(steps) == 8 and len(early) == 5 and not any(early)
+
+
 def test_starting_a_loaders_epoch_draws_nothing_from_torchs_global_generator():
     """``iter()`` of a DataLoader draws its workers' base seed; from torch's global generator that draw
     would fall where a resumed run's does not (mid-epoch, or a new process's first epoch), shifting every

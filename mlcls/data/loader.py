@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import queue
@@ -317,7 +318,11 @@ def beside_the_step(
     the consumer's stream (their memory is not given out again before the consumer's work on them has
     run). A batch the consumer fetched with device tensors goes the other way the same way (a DALI loader's
     copies run on the fetching thread's stream); one on the host needs no event, so the stage does not
-    queue behind the steps. On the CPU the same thread runs without streams or events.
+    queue behind the steps. The thread starts batch j once the consumer's work on batch j - 3 has run (an
+    event the consumer records when it asks for batch j - 2; the host waits for it, which the GPU has
+    mostly done by then): the stage's batches held on the device are the one in the making, the one queued
+    and the step's, however far the consumer's host runs ahead of its GPU. On the CPU the same thread runs
+    without streams or events.
 
     An exception in the thread reaches the consumer as itself (the same type and message). Closing the
     generator (the consumer's loop ends, breaks or raises: a stop signal, Ctrl-C, an error) or exhausting
@@ -329,12 +334,22 @@ def beside_the_step(
     consumer = None if stream is None else torch.cuda.current_stream(stream.device)
     finished: queue.Queue = queue.Queue(maxsize=BATCHES_AHEAD - 1)
     fetched: queue.Queue = queue.Queue()  # batches the consumer fetched (in-process loaders)
+    released: queue.Queue = queue.Queue()  # the consumer's events after its work on each batch, in order
     stop = threading.Event()
 
     def hand_over(item: Any) -> bool:
         while not stop.is_set():
             with contextlib.suppress(queue.Full):
                 finished.put(item, timeout=STOP_POLL_S)
+                return True
+        return False
+
+    def wait_for_release() -> bool:  # already queued: the consumer took the batch before last
+        while not stop.is_set():
+            with contextlib.suppress(queue.Empty):
+                event = released.get(timeout=STOP_POLL_S)
+                if event is not None:
+                    event.synchronize()
                 return True
         return False
 
@@ -345,7 +360,9 @@ def beside_the_step(
                 if stream is not None:  # a thread starts on device 0 with its default stream
                     on_stream.enter_context(torch.cuda.device(stream.device))
                     on_stream.enter_context(torch.cuda.stream(stream))
-                while True:
+                for number in itertools.count():
+                    if number > BATCHES_AHEAD and not wait_for_release():
+                        return
                     start = time.perf_counter()
                     item = next(source, _END)
                     if item is _END:
@@ -368,9 +385,11 @@ def beside_the_step(
         stream.wait_stream(consumer)
     thread = threading.Thread(target=produce, name="mlcls-device-stage", daemon=True)
     thread.start()
-    requested, exhausted = 0, not in_process
+    requested, exhausted, handed = 0, not in_process, 0
     try:
         while True:
+            if handed:  # the work queued on the batches handed over so far
+                released.put(None if consumer is None else consumer.record_event())
             start = time.perf_counter()
             while not exhausted and requested < BATCHES_AHEAD:
                 batch = next(batches, _END)
@@ -391,7 +410,7 @@ def beside_the_step(
                 consumer.wait_event(event)
                 for tensor in _device_tensors(made):
                     tensor.record_stream(consumer)
-            times.batches += 1
+            times.batches, handed = times.batches + 1, handed + 1
             yield made
     finally:
         stop.set()

@@ -8,8 +8,8 @@ pick the same augmentation (docs/performance.md, "The fast input pipeline").
 
 from __future__ import annotations
 
-import functools
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -239,13 +239,25 @@ class ColourConstants:
         )
 
 
-@functools.cache
+_SIDE_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_SIDE_STREAMS_LOCK = threading.Lock()
+
+
 def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
     """The one CUDA stream of ``device`` (with its index) for ``role`` (``"stage"``: the device stage beside
     the step; ``"decode"``: :func:`~mlcls.data.pipeline.gpu.decode_images`) for the whole process: the
     caching allocator keeps a pool per stream, so a new stream per epoch would reserve the stage's memory
-    again."""
-    return torch.cuda.Stream(device)
+    again. The roles' streams differ: torch hands out the 32 streams of its pool in turn, and a decode
+    stream that came back as the stage stream would share its pool, which the decoder writes into
+    without waiting for the stage stream."""
+    with _SIDE_STREAMS_LOCK:
+        if (device, role) not in _SIDE_STREAMS:
+            taken = {stream.cuda_stream for (on, _), stream in _SIDE_STREAMS.items() if on == device}
+            stream = torch.cuda.Stream(device)
+            while stream.cuda_stream in taken:
+                stream = torch.cuda.Stream(device)
+            _SIDE_STREAMS[device, role] = stream
+        return _SIDE_STREAMS[device, role]
 
 
 def cuda_device(device: torch.device) -> torch.device:

@@ -5,8 +5,8 @@ DataLoader workers plan each file with the fast pipeline's draws (exact resume);
 windows of similar size into zero-padded tensors and resizes them by two batched matrix products
 (:func:`resize_weights`): no launch per image. A file the device does not take from its header and first
 segments (:mod:`mlcls.data.pipeline.jpeg`) takes the fast pipeline's CPU path in the worker; one whose
-damage only decoding finds is decoded again one by one, then by PIL (docs/performance.md, "JPEGs decoded
-on the GPU").
+damage only decoding finds is decoded again one by one, then by PIL
+(:mod:`~mlcls.data.pipeline.device_decode`; docs/performance.md, "JPEGs decoded on the GPU").
 
 One private torch call stays, ``_typed_storage()._new_shared`` (:meth:`EncodedImage.collate`): it allocates a
 batch's files in shared memory at once, as torch's own collation does, and no public call does without a copy.
@@ -14,7 +14,6 @@ batch's files in shared memory at once, as torch's own collation does, and no pu
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -25,11 +24,10 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import default_collate, get_worker_info
 from torchvision import transforms as T
-from torchvision.io import ImageReadMode, decode_jpeg
 
-from mlcls.data.datasets.base import BadImageError
-from mlcls.data.images import Box, check_encoded_size, check_pixels, crop_box, open_image, rgb_picture, to_rgb
-from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, PlannedCrop, cuda_device, side_stream
+from mlcls.data.images import Box, check_encoded_size, check_pixels, crop_box, rgb_picture
+from mlcls.data.pipeline.device_decode import decode_images
+from mlcls.data.pipeline.fast import AugmentedImage, FastTrainTransform, PlannedCrop
 from mlcls.data.pipeline.jpeg import BASELINE, SEQUENTIAL_SCAN, ends_after_its_last_scan, read_jpeg_header
 from mlcls.data.pipeline.transforms import (
     IMAGENET_MEAN,
@@ -38,11 +36,6 @@ from mlcls.data.pipeline.transforms import (
     eval_resize,
     eval_steps,
     normalisation,
-)
-
-# torchvision 0.29 deprecates its image codecs for TorchCodec (not a dependency): its nvJPEG decode stays.
-warnings.filterwarnings(
-    "ignore", "The image decoding and encoding capabilities of TorchVision", DeprecationWarning
 )
 
 # Decoded pixels one decode call holds at most (a chunk of the batch; an image alone may reach
@@ -249,18 +242,19 @@ class GpuTrainTransform:
 
 def input_stage_bytes(batch_size: int, size: int) -> int:
     """A bound of the GPU memory torch reserves for the input stage of training batches of ``batch_size``
-    images of ``size`` x ``size`` (nvJPEG's own buffers, allocated outside torch, come on top).
+    images of ``size`` x ``size`` (nvJPEG's own buffers, allocated outside torch, come on top); the parts
+    are docs/performance.md's ("Memory"), each held at most by construction.
 
-    The batch being made: 16 bytes per pixel of a decode chunk (:func:`chunks`), the largest sum over the
-    phases of :func:`resize_windows` (docs/performance.md, "Memory"), plus 16 bytes per output value (the
-    uint8 copies, the colour stage's float16 and float32 output: 12 on CUDA, 16 in float32). Beside it, two finished batches of float32 (4 bytes per
-    value): the one queued by the device stage (:data:`mlcls.data.loader.BATCHES_AHEAD` less the one in
-    the making) and the one the step uses. Reserved memory exceeds what is allocated by the caching
-    allocator's rounding and by blocks the stage's two streams (:func:`side_stream`) do not share: a
-    quarter more is allowed for it."""
+    Per pixel of a decode chunk (:data:`DECODE_PIXELS`): 6 bytes in the decode stream's pool (the decoded
+    RGB of two chunks, :func:`~mlcls.data.pipeline.device_decode.decode_images`), 16.5 at the largest phase
+    of :func:`resize_windows`. Per
+    output value: 16 bytes for the batch in the making (the uint8 copies, the colour stage's float16 and
+    float32 output) and 8 for two finished float32 batches (the one queued, the one the step uses: the stage
+    waits for the step two batches back, :func:`~mlcls.data.loader.beside_the_step`). A quarter more for
+    what the caching allocator reserves beyond what is allocated (rounding)."""
     output = batch_size * 3 * size * size
-    allocated = 16 * DECODE_PIXELS + 16 * output + 2 * 4 * output
-    return allocated + allocated // 4
+    allocated = (6 + 16.5) * DECODE_PIXELS + 16 * output + 2 * 4 * output
+    return int(allocated * 1.25)
 
 
 def resize_weights(
@@ -291,60 +285,6 @@ def _to_device(array: np.ndarray, device: torch.device) -> Tensor:
     if device.type == "cuda":
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
-
-
-def _settle(device: torch.device) -> None:
-    if device.type == "cuda":  # a failed nvJPEG call leaves its own stream writing what it dropped
-        torch.cuda.synchronize(device)
-
-
-def _decode_one(data: Tensor, device: torch.device) -> Tensor:
-    try:
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError as device_error:
-        _settle(device)
-        try:
-            with open_image(data.numpy().tobytes()) as img:
-                rgb = np.array(img if img.mode == "RGB" else to_rgb(img))
-            return torch.from_numpy(rgb).permute(2, 0, 1).contiguous().to(device)
-        except (OSError, ValueError, SyntaxError) as exc:
-            raise BadImageError(
-                f"a JPEG of this batch cannot be decoded ({device_error}; PIL: {exc}); its header is sound, "
-                "so the workers could not skip it: find it with `mlcls-data stats --check`"
-            ) from exc
-
-
-def _decode_batched(files: list[Tensor], device: torch.device) -> list[Tensor]:
-    try:
-        return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError:
-        _settle(device)
-        return [_decode_one(data, device) for data in files]
-
-
-def decode_images(files: list[Tensor], device: torch.device) -> list[Tensor]:
-    """uint8 (3, H, W) images on ``device`` of the JPEG ``files`` (uint8 (N,) host tensors), in one batched
-    ``decode_jpeg`` call; when it fails (a file damaged beyond its header), one by one, then by PIL.
-
-    On CUDA the images are ready for the current stream. torchvision's nvJPEG decode allocates its outputs
-    from the current stream's pool but writes them on a stream of its own (one taken from torch's pool when
-    its decoder is made), which waits for no other stream; it returns once that stream has finished (the
-    host waits) and makes the current stream wait for it (an event). So the call runs under the
-    :func:`side_stream` ``"decode"``, whose pool holds nothing but decoded images, each recorded on the
-    calling stream before that stream reads it: the allocator gives such a block out again only once the
-    calling stream's work queued before its release has run, so the decoder never writes over pixels still
-    to be read. The calling stream then waits for the decode stream. A failed call raises without waiting for
-    the decoder's stream: the device is synchronised before anything else is allocated."""
-    if device.type != "cuda":
-        return _decode_batched(files, device)
-    device = cuda_device(device)
-    current, decoding = torch.cuda.current_stream(device), side_stream(device, "decode")
-    with torch.cuda.stream(decoding):
-        images = _decode_batched(files, device)
-    current.wait_stream(decoding)
-    for image in images:
-        image.record_stream(current)
-    return images
 
 
 def chunks(geometry: np.ndarray, budget: int = DECODE_PIXELS) -> list[np.ndarray]:
@@ -391,13 +331,14 @@ def window_groups(geometry: np.ndarray) -> list[np.ndarray]:
 
 def resize_windows(images: list[Tensor], geometry: np.ndarray, device: torch.device) -> Tensor:
     """uint8 (n, 3, S, S): each image's window resized to its grid, the output's S x S cut, flipped where
-    the geometry says. Batched: one gather of the windows into a zero-padded (3, n, h, w) tensor, two
-    matrix products (float16 on CUDA, float32 on the CPU), rounding, flip."""
+    the geometry says; ``images`` is emptied once read. Batched: one gather of the windows into a
+    zero-padded (3, n, h, w) tensor, two matrix products (float16 on CUDA, float32 on the CPU), rounding,
+    flip."""
     n, size = len(images), int(geometry[0, SIZE])
     taps_h, taps_w = int(geometry[:, HEIGHT].max()), int(geometry[:, WIDTH].max())
     starts = np.concatenate([[0], np.cumsum(geometry[:, IMAGE_W] * geometry[:, IMAGE_H])[:-1]])
     flat = torch.cat([image.reshape(3, -1) for image in images], dim=1)  # (3, pixels of the chunk)
-    del images
+    images.clear()  # the decoded images are released once their copy is queued
     meta = _to_device(np.column_stack([starts, geometry]).astype(np.int32), device)
     start, columns = meta[:, 0], meta[:, 1:]
     rows = columns[:, TOP, None] + torch.minimum(
@@ -430,7 +371,7 @@ def decode_on_device(batch: EncodedBatch, device: torch.device | str) -> Tensor:
     """uint8 (B, 3, S, S) on ``device``: the batch's JPEGs decoded, cut and resized there
     (:func:`decode_images` chunk by chunk, :func:`chunks`; :func:`resize_windows` group by group,
     :func:`window_groups`), its CPU-path samples copied, all in batch order. Reads no device value on the
-    host."""
+    host. Each group's decoded images are released once :func:`resize_windows` has queued its copy."""
     device = torch.device(device)
     lengths, geometry = batch.lengths, batch.geometry
     on_device = np.flatnonzero(lengths)
@@ -443,8 +384,10 @@ def decode_on_device(batch: EncodedBatch, device: torch.device | str) -> Tensor:
         images = decode_images([files[k] for k in chunk], device)
         for group in window_groups(geometry[on_device[chunk]]):
             positions = on_device[chunk[group]]
-            parts.append(resize_windows([images[k] for k in group], geometry[positions], device))
+            taken = [images[k] for k in group]
+            for k in group:
+                images[k] = None
+            parts.append(resize_windows(taken, geometry[positions], device))
             order.append(positions)
-        del images
     pixels = torch.cat(parts) if len(parts) > 1 else parts[0]
     return pixels.index_select(0, _to_device(np.argsort(np.concatenate(order)), device))
