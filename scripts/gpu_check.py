@@ -259,11 +259,28 @@ def render_markdown(report: dict[str, Any]) -> str:
     table = contender_renderer() if benches else None
     for step in benches if table is not None else []:
         lines += ["", f"## {step['name']}: contenders", "", table(step["figures"])]
+        lines += memory_against_bound(step["figures"])
     for step in report["steps"]:
         if step.get("stderr_tail"):
             lines += ["", f"## {step['name']}: {step['status']}", "", "`" + step["command"] + "`", ""]
             lines += ["```", step["stderr_tail"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def memory_against_bound(figures: dict[str, Any]) -> list[str]:
+    """The ``gpu`` contender's input-stage memory (reserved alone, and added to the step's) beside the bound
+    the bench states (``gpu_input_bound_mib``, ``input_stage_bytes``), as lines of report.md; none where the
+    bench measured neither."""
+    bound, gpu = figures.get("gpu_input_bound_mib"), figures["contenders"].get("gpu", {})
+    alone, added = gpu.get("input_alone_reserved_mib"), gpu.get("input_reserved_mib")
+    if not all(isinstance(value, (int, float)) for value in (bound, alone, added)):
+        return []
+    verdict = "within it" if max(alone, added) <= bound else "**over it**"
+    return [
+        "",
+        f"`gpu`'s input stage: {alone:,.0f} MiB reserved alone, {added:,.0f} MiB added to the step's; its "
+        f"bound (`input_stage_bytes`) {bound:,.0f} MiB: {verdict}.",
+    ]
 
 
 def contender_renderer() -> Any:

@@ -266,6 +266,7 @@ def test_report_sets_the_training_runs_steady_state_beside_the_bench_and_tables_
         "input_alone_allocated_mib": 700.0,
     }
     bench = {"gpu_only_images_per_s": 1250.0, "gpu_images_per_s": 962.5, "gpu_share": 0.77}
+    bench |= {"gpu_input_bound_mib": 1450.0}
     bench |= {
         "contenders": {"gpu_only": reference, "gpu": gpu},
         "steady_state": True,
@@ -305,6 +306,10 @@ def test_report_sets_the_training_runs_steady_state_beside_the_bench_and_tables_
         "| gpu_only | 1,250.0 | 1.000 | 100 | 0 | 0.50 | 20.00 | 0.010 | 9,000 | n/a | n/a | n/a |",
         "| gpu | 962.5 | 0.770 | 100 | 60 | 3.25 | 20.00 | 0.200 | 9,000 | 1,500 | 1,400 | 700 |",
     ]
+    assert (
+        "`gpu`'s input stage: 1,400 MiB reserved alone, 1,500 MiB added to the step's; its bound "
+        "(`input_stage_bytes`) 1,450 MiB: **over it**."
+    ) in markdown
 
 
 def test_report_rejects_a_malformed_steps_file(tmp_path):
