@@ -511,14 +511,17 @@ def test_cuda_decoding_under_a_delayed_stage_stream_gives_every_pixel_of_an_idle
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_decode_call_returns_once_the_calling_stream_has_run_what_it_queued_before_the_last(photos):
     """The decode stream's pool holds two calls' images at most: before it decodes, a call waits until the
-    calling stream has run what it had queued at the previous call (held back here by a sleep)."""
+    calling stream has run what it had queued at the previous call (held back here by a sleep). The calling
+    stream is a high-priority one of its own: nothing else (nvJPEG's stream, the legacy default stream's
+    implicit syncs) waits for its sleep."""
     cuda = torch.device("cuda", torch.cuda.current_device())
     files = [torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8) for path in photos[:2]]
-    device_decode.decode_images(files, cuda)  # the decoder made
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # about 0.1 s on the calling stream
-    slept = torch.cuda.current_stream(cuda).record_event()
-    device_decode.decode_images(files, cuda)  # waits for what was queued at the call before: done
-    after_one_call = slept.query()
-    device_decode.decode_images(files, cuda)  # waits for the sleep, queued at the call before
-    assert not after_one_call and slept.query()
+    with torch.cuda.stream(torch.cuda.Stream(cuda, priority=-1)):
+        device_decode.decode_images(files, cuda)  # the decoder made
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # about 0.1 s on the calling stream
+        slept = torch.cuda.current_stream(cuda).record_event()
+        device_decode.decode_images(files, cuda)  # waits for what was queued at the call before: done
+        after_one_call = slept.query()
+        device_decode.decode_images(files, cuda)  # waits for the sleep, queued at the call before
+        assert not after_one_call and slept.query()

@@ -9,6 +9,7 @@ no other, so the ordering with the stream that reads them is ours to make.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 
 import numpy as np
@@ -47,10 +48,12 @@ def decode_images(files: list[Tensor], device: torch.device) -> list[Tensor]:
         return _decode_batched(files, device)
     device = cuda_device(device)
     current, decoding = torch.cuda.current_stream(device), side_stream(device, "decode")
-    queued, calls = current.record_event(), _previous_call(device)
-    if calls:
-        calls.pop().synchronize()
-    calls.append(queued)
+    queued, (lock, calls) = current.record_event(), _previous_call(device)
+    with lock:  # one thread decodes at a time in mlcls; the lock keeps the pair whole if two did
+        previous = calls.pop() if calls else None
+        calls.append(queued)
+    if previous is not None:
+        previous.synchronize()
     with torch.cuda.stream(decoding):
         images = _decode_batched(files, device)
     current.wait_stream(decoding)
@@ -60,9 +63,10 @@ def decode_images(files: list[Tensor], device: torch.device) -> list[Tensor]:
 
 
 @functools.cache
-def _previous_call(device: torch.device) -> list[torch.cuda.Event]:
-    """The event :func:`decode_images` recorded on its calling stream at its previous call on ``device``."""
-    return []
+def _previous_call(device: torch.device) -> tuple[threading.Lock, list[torch.cuda.Event]]:
+    """The event :func:`decode_images` recorded on its calling stream at its previous call on ``device``,
+    and the lock that guards it."""
+    return threading.Lock(), []
 
 
 def _decode_batched(files: list[Tensor], device: torch.device) -> list[Tensor]:
