@@ -54,6 +54,24 @@ def alias_bomb() -> str:
     return "\n".join(lines) + "\ndataset: *a8\nmodel: *a8\nloss: *a8\ntrainer: *a8\n"
 
 
+def hostile_file(path: Path, kind: str, depth: int) -> None:
+    """``path`` made as ``kind``: a fifo, a link to /dev/zero, a folder, a sparse file one byte past the 64
+    MiB cap ("too large"), a YAML alias bomb, or else ``depth`` nested brackets ("deep")."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "/dev/zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "too large":
+        with path.open("wb") as f:  # sparse: no disk used
+            f.truncate(64 * 2**20 + 1)
+    elif kind == "alias bomb":
+        path.write_text(alias_bomb())
+    else:
+        path.write_text("[" * depth)
+
+
 def npy_header(shape: tuple[int, ...], dtype: str) -> bytes:
     buffer = io.BytesIO()
     np.lib.format.write_array_header_1_0(
@@ -92,17 +110,7 @@ def predictions_npz(path: Path, rows: int, cols: int, data_bytes: bool = True, l
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "folder", "too large", "deep"])
 def test_a_results_json_that_never_ends_is_one_line(tmp_path, kind):
     path = tmp_path / "results.json"
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "/dev/zero":
-        path.symlink_to("/dev/zero")
-    elif kind == "folder":
-        path.mkdir()
-    elif kind == "too large":
-        with path.open("wb") as f:  # sparse: no disk used
-            f.truncate(64 * 2**20 + 1)
-    else:
-        path.write_text("[" * 100_000)
+    hostile_file(path, kind, depth=100_000)
     outcome = bounded(read_run, tmp_path, memory_mb=512, seconds=SECONDS)
     one_line(outcome, str(path))
     error = outcome.error
@@ -123,15 +131,9 @@ def test_a_results_json_that_declares_0_bytes_and_streams_is_one_line_unread(tmp
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "alias bomb", "deep"])
 def test_a_config_yaml_that_never_ends_or_explodes_is_one_line(tmp_path, kind):
     path = tmp_path / "config.yaml"
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "/dev/zero":
-        path.symlink_to("/dev/zero")
-    elif kind == "alias bomb":
-        path.write_text(alias_bomb())
+    hostile_file(path, kind, depth=20_000)
+    if kind == "alias bomb":
         assert path.stat().st_size < 3000
-    else:
-        path.write_text("[" * 20_000)
     outcome = bounded(read_run, tmp_path, memory_mb=512, seconds=SECONDS)
     one_line(outcome, str(path))
     error = outcome.error
